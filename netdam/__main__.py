@@ -1,0 +1,3 @@
+from netdam.cli import main
+
+raise SystemExit(main())

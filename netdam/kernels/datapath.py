@@ -1,0 +1,670 @@
+"""The node's fast path: one numba call validates and executes a whole batch of datagrams.
+
+Rules of this file:
+1. The checks in ``_check_packet`` mirror ``netdam.protocol.packet.decode_packet`` step for step
+   and in the same order, so both give the same status for the same bytes (tests/test_datapath.py
+   holds them to it on random and mutated packets).
+2. Nothing here validates its *arguments*: ``netdam.node.NodeCore`` owns the arrays, sizes them
+   and checks them once. Packet contents are untrusted and every address is checked against the
+   rkey's region (which registration checked against memory) before any access.
+3. Control opcodes, replies addressed to this node and sparse payloads are *punted*: their batch
+   index goes to ``punt`` and the control plane handles them in Python. They are rare by design.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from netdam import counters as C
+from netdam.kernels.combine import _combine_bytes
+from netdam.protocol.constants import (
+    DUP_REPLY_BYTES,
+    DUP_WINDOW,
+    FLAGS_V1_MASK,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    MAX_SEGMENTS,
+    SEGMENT_SIZE,
+    DType,
+    Flags,
+    Opcode,
+    Rights,
+    Status,
+)
+
+# numba freezes module-level ints and arrays at compile time: plain copies of the wire constants.
+_HDR = HEADER_SIZE
+_SEG = SEGMENT_SIZE
+_MAXSEG = MAX_SEGMENTS
+_MAXPAY = MAX_PAYLOAD_BYTES
+_FLAGS_MASK = FLAGS_V1_MASK
+_F_ACK_REQ = int(Flags.ACK_REQ)
+_F_SPARSE = int(Flags.SPARSE)
+_F_KEEP_IN_REPLY = int(Flags.RELAYED | Flags.MCAST)
+_R_READ = int(Rights.READ)
+_R_WRITE = int(Rights.WRITE)
+_R_ATOMIC = int(Rights.ATOMIC)
+_U64 = int(DType.U64)
+_MAX_STATUS = max(int(s) for s in Status)
+_W = DUP_WINDOW
+_REPLY_MAX = DUP_REPLY_BYTES
+
+#: Verdict of _check_packet for a datagram too short to answer: count and drop.
+DROP_SILENTLY = 255
+#: Verdict for a well-formed packet the control plane must handle.
+PUNT = 254
+
+# Opcode kinds, indexed by opcode value (0..63); 0 = unknown.
+_K_READ, _K_DATA, _K_OPAQUE, _K_EMPTY, _K_FIXED = 1, 2, 3, 4, 5
+_KIND = np.zeros(64, dtype=np.int64)
+_FIXED_LENGTH = np.zeros(64, dtype=np.int64)
+_FIXED_SIZE = np.zeros(64, dtype=np.int64)
+_IS_REPLY = np.zeros(64, dtype=np.int64)
+_IS_CONTROL = np.zeros(64, dtype=np.int64)
+_TAKES_SR = np.zeros(64, dtype=np.int64)
+_COMBINES = np.zeros(64, dtype=np.int64)
+_ATOMIC = np.zeros(64, dtype=np.int64)
+_PUNTED_OPS = np.zeros(64, dtype=np.int64)
+for _op in (Opcode.READ,):
+    _KIND[_op] = _K_READ
+for _op in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP):
+    _KIND[_op] = _K_DATA
+for _op in (Opcode.INFO, Opcode.ACK, Opcode.NACK, Opcode.START_COLL):
+    _KIND[_op] = _K_OPAQUE
+for _op in (Opcode.PING, Opcode.JOIN, Opcode.LEAVE, Opcode.COUNTERS):
+    _KIND[_op] = _K_EMPTY
+for _op, (_len, _size) in {
+    Opcode.FETCH_ADD: (8, 8),
+    Opcode.CAS: (8, 16),
+    Opcode.REGISTER: (8, 8),
+    Opcode.DEREGISTER: (8, 8),
+}.items():
+    _KIND[_op], _FIXED_LENGTH[_op], _FIXED_SIZE[_op] = _K_FIXED, _len, _size
+for _op in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+    _IS_REPLY[_op] = 1
+    _PUNTED_OPS[_op] = 1
+for _op in (
+    Opcode.REGISTER,
+    Opcode.DEREGISTER,
+    Opcode.JOIN,
+    Opcode.LEAVE,
+    Opcode.START_COLL,
+    Opcode.COUNTERS,
+):
+    _IS_CONTROL[_op] = 1
+    _PUNTED_OPS[_op] = 1
+_PUNTED_OPS[Opcode.PING] = 1
+_TAKES_SR[Opcode.CHAIN_ADD] = _TAKES_SR[Opcode.START_COLL] = 1
+_COMBINES[Opcode.ADD] = _COMBINES[Opcode.CHAIN_ADD] = 1
+_ATOMIC[Opcode.FETCH_ADD] = _ATOMIC[Opcode.CAS] = 1
+_ESIZE = np.array([1, 4, 2, 4, 8, 8, 8], dtype=np.int64)  # by DType value
+
+_OP_READ = int(Opcode.READ)
+_OP_READ_RESP = int(Opcode.READ_RESP)
+_OP_WRITE = int(Opcode.WRITE)
+_OP_ADD = int(Opcode.ADD)
+_OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
+_OP_ALL_WRITE = int(Opcode.ALL_WRITE)
+_OP_FETCH_ADD = int(Opcode.FETCH_ADD)
+_OP_CAS = int(Opcode.CAS)
+_OP_ACK = int(Opcode.ACK)
+_OP_NACK = int(Opcode.NACK)
+
+_S_BAD_VERSION = int(Status.BAD_VERSION)
+_S_BAD_OPCODE = int(Status.BAD_OPCODE)
+_S_TRUNCATED = int(Status.TRUNCATED)
+_S_BAD_LENGTH = int(Status.BAD_LENGTH)
+_S_BAD_DTYPE = int(Status.BAD_DTYPE)
+_S_BAD_OP = int(Status.BAD_OP)
+_S_BAD_SEGMENT = int(Status.BAD_SEGMENT)
+_S_BAD_RKEY = int(Status.BAD_RKEY)
+_S_NO_RIGHTS = int(Status.NO_RIGHTS)
+_S_OUT_OF_BOUNDS = int(Status.OUT_OF_BOUNDS)
+_S_MISALIGNED = int(Status.MISALIGNED)
+_S_TOO_LARGE = int(Status.TOO_LARGE)
+_S_STALE = int(Status.STALE)
+_S_NOT_MEMBER = int(Status.NOT_MEMBER)
+_S_BAD_FIELD = int(Status.BAD_FIELD)
+
+# Duplicate-window verdicts.
+_WIN_NEW, _WIN_DUP, _WIN_STALE, _WIN_OFF = 0, 1, 2, 3
+
+
+# ---------------------------------------------------------------- byte access (network order)
+
+
+@njit(cache=True, nogil=True)
+def _rd16(b, o):  # type: ignore[no-untyped-def]
+    return (np.int64(b[o]) << 8) | np.int64(b[o + 1])
+
+
+@njit(cache=True, nogil=True)
+def _rd32(b, o):  # type: ignore[no-untyped-def]
+    return (_rd16(b, o) << 16) | _rd16(b, o + 2)
+
+
+@njit(cache=True, nogil=True)
+def _rd64(b, o):  # type: ignore[no-untyped-def]
+    return (np.uint64(_rd32(b, o)) << np.uint64(32)) | np.uint64(_rd32(b, o + 4))
+
+
+@njit(cache=True, nogil=True)
+def _wr8(b, o, v):  # type: ignore[no-untyped-def]
+    b[o] = np.uint8(v & 0xFF)
+
+
+@njit(cache=True, nogil=True)
+def _wr16(b, o, v):  # type: ignore[no-untyped-def]
+    b[o] = np.uint8((v >> 8) & 0xFF)
+    b[o + 1] = np.uint8(v & 0xFF)
+
+
+@njit(cache=True, nogil=True)
+def _wr32(b, o, v):  # type: ignore[no-untyped-def]
+    _wr16(b, o, (v >> 16) & 0xFFFF)
+    _wr16(b, o + 2, v & 0xFFFF)
+
+
+@njit(cache=True, nogil=True)
+def _le64(b, o):  # type: ignore[no-untyped-def]
+    value = np.uint64(0)
+    for k in range(8):
+        value |= np.uint64(b[o + k]) << np.uint64(8 * k)
+    return value
+
+
+@njit(cache=True, nogil=True)
+def _put_le64(b, o, v):  # type: ignore[no-untyped-def]
+    for k in range(8):
+        b[o + k] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
+
+
+# ---------------------------------------------------------------- validation (mirrors the codec)
+
+
+@njit(cache=True, nogil=True)
+def _check_packet(b, n):  # type: ignore[no-untyped-def]
+    """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status."""
+    if n < _HDR:
+        return DROP_SILENTLY
+    if b[0] != 1:
+        return _S_BAD_VERSION
+    op = np.int64(b[1])
+    if op >= 64 or _KIND[op] == 0:
+        return _S_BAD_OPCODE
+    if b[55] != 0 or b[62] != 0 or b[63] != 0:
+        return _S_BAD_FIELD
+    flags = _rd16(b, 2)
+    if flags & ~_FLAGS_MASK:
+        return _S_BAD_FIELD
+    dtype = np.int64(b[48])
+    if dtype > 6:
+        return _S_BAD_DTYPE
+    if b[49] > 2:
+        return _S_BAD_OP
+    if b[50] > _MAX_STATUS:
+        return _S_BAD_FIELD
+    status = _check_segments(b, n)
+    if status != 0:
+        return status
+    return _check_fields(b, n, op, flags, dtype)
+
+
+@njit(cache=True, nogil=True)
+def _check_segments(b, n):  # type: ignore[no-untyped-def]
+    seg_type = np.int64(b[52])
+    left = np.int64(b[53])
+    count = np.int64(b[54])
+    if seg_type > 1 or count > _MAXSEG:
+        return _S_BAD_SEGMENT
+    if (seg_type == 0) != (count == 0):
+        return _S_BAD_SEGMENT
+    if left >= max(count, 1):
+        return _S_BAD_SEGMENT
+    if (n - _HDR) // _SEG < count:
+        return _S_TRUNCATED
+    for i in range(count):
+        if b[_HDR + _SEG * i + 6] != 0 or b[_HDR + _SEG * i + 7] != 0:
+            return _S_BAD_SEGMENT
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
+    count = np.int64(b[54])
+    length = _rd32(b, 28)
+    size = n - _HDR - _SEG * count
+    esize = _ESIZE[dtype]
+    if count > 0 and _TAKES_SR[op] == 0:
+        return _S_BAD_SEGMENT
+    if length > _MAXPAY and _IS_CONTROL[op] == 0:
+        return _S_TOO_LARGE
+    if _COMBINES[op] == 1 and dtype == 0:
+        return _S_BAD_DTYPE
+    if _ATOMIC[op] == 1 and dtype != _U64:
+        return _S_BAD_DTYPE
+    kind = _KIND[op]
+    if kind == _K_READ:
+        if size != 0 or length == 0 or length % esize != 0:
+            return _S_BAD_LENGTH
+    elif kind == _K_DATA:
+        if flags & _F_SPARSE:
+            return PUNT  # the control plane validates and executes sparse payloads
+        if length == 0 or length != size or length % esize != 0:
+            return _S_BAD_LENGTH
+    elif kind == _K_OPAQUE:
+        if length != size:
+            return _S_BAD_LENGTH
+    elif kind == _K_EMPTY:
+        if length != 0 or size != 0:
+            return _S_BAD_LENGTH
+    elif length != _FIXED_LENGTH[op] or size != _FIXED_SIZE[op]:
+        return _S_BAD_LENGTH
+    return 0
+
+
+# ---------------------------------------------------------------- rights, members, window
+
+
+@njit(cache=True, nogil=True)
+def _find_rkey(rk_key, rkey):  # type: ignore[no-untyped-def]
+    """Slot of *rkey* in the open-addressed table, or -1. Key 0 never matches (empty slot)."""
+    if rkey == 0:
+        return -1
+    mask = rk_key.shape[0] - 1
+    slot = (rkey * 2654435761) & mask  # Knuth multiplicative hash spreads sequential keys
+    for _ in range(rk_key.shape[0]):
+        key = rk_key[slot]
+        if key == rkey:
+            return slot
+        if key == 0:
+            return -1
+        slot = (slot + 1) & mask
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align):  # type: ignore[no-untyped-def]
+    """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status."""
+    slot = _find_rkey(rk_key, rkey)
+    if slot < 0:
+        return _S_BAD_RKEY
+    if (rk_rights[slot] & need) != need:
+        return _S_NO_RIGHTS
+    base = rk_base[slot]
+    # addr is u64 on the wire: compare without overflow (addr - base could wrap).
+    if addr < np.uint64(base) or addr - np.uint64(base) > np.uint64(rk_len[slot]):
+        return _S_OUT_OF_BOUNDS
+    if np.int64(addr - np.uint64(base)) + nbytes > rk_len[slot]:
+        return _S_OUT_OF_BOUNDS
+    if np.int64(addr % np.uint64(align)) != 0:
+        return _S_MISALIGNED
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _is_member(members, endpoint):  # type: ignore[no-untyped-def]
+    i = np.searchsorted(members, endpoint)
+    return i < members.shape[0] and members[i] == endpoint
+
+
+@njit(cache=True, nogil=True)
+def _reply_dst(b, src, members):  # type: ignore[no-untyped-def]
+    """Where replies go: the return segment when a cluster member (switch, chain hop) wrote it,
+    else the UDP source. A client cannot aim replies at a third party (SPEC.md "Rights")."""
+    ret = np.uint64((_rd32(b, 56) << 16) | _rd16(b, 60))
+    if ret != 0 and _is_member(members, src):
+        return ret
+    return src
+
+
+@njit(cache=True, nogil=True)
+def window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn):  # type: ignore[no-untyped-def]
+    """At-most-once window (SPEC.md "Memory semantics"): NEW, DUP or STALE for (client, txn).
+
+    Client slots are direct-mapped by client id; a client that lands on a slot held by another
+    evicts it. Client id 0 opts out (every request executes).
+    """
+    if client == 0:
+        return _WIN_OFF, 0, 0
+    c = client % cl_id.shape[0]
+    w = txn % _W
+    if cl_used[c] == 0 or cl_id[c] != client:
+        cl_used[c] = 1
+        cl_id[c] = client
+        cl_hi[c] = txn
+        w_state[c, :] = 0
+        return _WIN_NEW, c, w
+    hi = np.int64(cl_hi[c])
+    # Serial-number arithmetic (RFC 1982) on u32 transaction ids: behind by `back`.
+    back = (hi - txn) & 0xFFFFFFFF
+    if back < 0x80000000:
+        if back >= _W:
+            return _WIN_STALE, c, w
+        if w_state[c, w] != 0 and w_txn[c, w] == txn:
+            return _WIN_DUP, c, w
+        return _WIN_NEW, c, w
+    ahead = (txn - hi) & 0xFFFFFFFF
+    if ahead >= _W:
+        w_state[c, :] = 0
+    else:
+        for j in range(1, ahead + 1):
+            w_state[c, (hi + j) % _W] = 0
+    cl_hi[c] = txn
+    return _WIN_NEW, c, w
+
+
+@njit(cache=True, nogil=True)
+def window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):  # type: ignore[no-untyped-def]
+    """Remember that (client slot c, txn) executed and what it answered (reply_len 0: nothing)."""
+    w_txn[c, w] = txn
+    w_state[c, w] = 1
+    w_len[c, w] = reply_len
+    for k in range(reply_len):
+        w_reply[c, w, k] = reply[k]
+
+
+# ---------------------------------------------------------------- output helpers
+
+
+@njit(cache=True, nogil=True)
+def _reply_header(t, b, opcode, status, length, credit):  # type: ignore[no-untyped-def]
+    """Write a reply header into t from request header b: ids echoed, SR list dropped."""
+    for k in range(_HDR):
+        t[k] = b[k]
+    # A reply is always a valid v1 header, even when it NACKs an invalid one: fields that
+    # failed validation are not echoed (SPEC.md section 3).
+    t[0] = 1
+    t[1] = opcode
+    if t[48] > 6:
+        t[48] = 0
+    if t[49] > 2:
+        t[49] = 0
+    t[55] = 0
+    t[62] = 0
+    t[63] = 0
+    _wr16(t, 2, _rd16(b, 2) & _F_KEEP_IN_REPLY)
+    _wr32(t, 28, length)
+    t[50] = status
+    t[51] = credit
+    t[52] = 0
+    t[53] = 0
+    t[54] = 0
+
+
+@njit(cache=True, nogil=True)
+def _credit(tx_n, cap):  # type: ignore[no-untyped-def]
+    """Congestion byte of replies: send-queue occupancy scaled to 0..255 (SPEC.md "credit")."""
+    return min(255, (tx_n * 255) // cap)
+
+
+@njit(cache=True, nogil=True)
+def _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters):  # type: ignore[no-untyped-def]
+    t = tx_buf[tx_n]
+    _reply_header(t, b, _OP_NACK, status, 0, _credit(tx_n, tx_buf.shape[0]))
+    tx_len[tx_n] = _HDR
+    tx_dst[tx_n] = _reply_dst(b, src, members)
+    counters[C.NACK_BASE + status] += 1
+    return tx_n + 1
+
+
+# ---------------------------------------------------------------- the batch kernel
+
+
+@njit(cache=True, nogil=True)
+def process_batch(  # type: ignore[no-untyped-def]
+    rx_buf, rx_len, rx_src, n,
+    mem, rk_key, rk_base, rk_len, rk_rights, members,
+    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
+    cc_id, cc_epoch, cc_done,
+    counters, tx_buf, tx_len, tx_dst, tx_n, punt,
+):  # fmt: skip
+    """Execute rx[0:n]; append replies and forwards to tx from tx_n. Returns (tx_n, n_punt)."""
+    n_punt = 0
+    cap = tx_buf.shape[0]
+    for i in range(n):
+        ln = np.int64(rx_len[i])
+        b = rx_buf[i]
+        src = rx_src[i]
+        counters[C.RX_PACKETS] += 1
+        counters[C.RX_BYTES] += ln
+        if ln > b.shape[0]:
+            counters[C.DROP_OVERSIZE] += 1
+            continue
+        if tx_n >= cap:
+            counters[C.DROP_TX_FULL] += 1
+            continue
+        status = _check_packet(b, ln)
+        op = np.int64(b[1]) if ln > 1 else 0
+        if status == DROP_SILENTLY:
+            counters[C.DROP_TRUNCATED] += 1
+            continue
+        if status == PUNT or (status == 0 and _PUNTED_OPS[op] == 1):
+            if status == 0:
+                counters[C.OPCODE_BASE + op] += 1
+            punt[n_punt] = i
+            n_punt += 1
+            counters[C.PUNTED] += 1
+            continue
+        if status != 0:
+            if op < 64 and _IS_REPLY[op] == 1:
+                counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
+                continue
+            tx_n = _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+            continue
+        counters[C.OPCODE_BASE + op] += 1
+        if op == _OP_CHAIN_ADD:
+            tx_n = _chain_add(
+                b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
+                cc_id, cc_epoch, cc_done, counters, tx_buf, tx_len, tx_dst, tx_n,
+            )  # fmt: skip
+        elif op == _OP_READ:
+            tx_n = _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters,
+                         tx_buf, tx_len, tx_dst, tx_n)  # fmt: skip
+        elif op == _OP_ALL_WRITE:
+            tx_n = _all_write(b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
+                              counters, tx_buf, tx_len, tx_dst, tx_n)  # fmt: skip
+        else:
+            tx_n = _mutate(
+                b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
+                cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
+                counters, tx_buf, tx_len, tx_dst, tx_n,
+            )  # fmt: skip
+    return tx_n, n_punt
+
+
+@njit(cache=True, nogil=True)
+def _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    length = _rd32(b, 28)
+    addr = _rd64(b, 32)
+    esize = _ESIZE[np.int64(b[48])]
+    status = _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_READ, esize)
+    if status != 0:
+        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+    t = tx_buf[tx_n]
+    _reply_header(t, b, _OP_READ_RESP, 0, length, _credit(tx_n, tx_buf.shape[0]))
+    a = np.int64(addr)
+    t[_HDR : _HDR + length] = mem[a : a + length]
+    tx_len[tx_n] = _HDR + length
+    tx_dst[tx_n] = _reply_dst(b, src, members)
+    return tx_n + 1
+
+
+@njit(cache=True, nogil=True)
+def _all_write(b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """Multicast write: idempotent, so no duplicate window; ACK only when asked."""
+    length = _rd32(b, 28)
+    addr = _rd64(b, 32)
+    esize = _ESIZE[np.int64(b[48])]
+    status = _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize)
+    if status != 0:
+        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+    a = np.int64(addr)
+    mem[a : a + length] = b[_HDR : _HDR + length]
+    if _rd16(b, 2) & _F_ACK_REQ:
+        t = tx_buf[tx_n]
+        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_buf.shape[0]))
+        tx_len[tx_n] = _HDR
+        tx_dst[tx_n] = _reply_dst(b, src, members)
+        return tx_n + 1
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _mutate(  # type: ignore[no-untyped-def]
+    b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
+    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
+    counters, tx_buf, tx_len, tx_dst, tx_n,
+):  # fmt: skip
+    """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, txn id)."""
+    length = _rd32(b, 28)
+    addr = _rd64(b, 32)
+    dtype = np.int64(b[48])
+    if op == _OP_WRITE:
+        need, align = _R_WRITE, _ESIZE[dtype]
+    elif op == _OP_ADD:
+        need, align = _R_WRITE, _ESIZE[dtype]
+    else:
+        need, align = _R_ATOMIC, 8
+    status = _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, need, align)
+    if status != 0:
+        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+    client = _rd32(b, 8)
+    txn = _rd32(b, 12)
+    verdict, c, w = window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn)
+    dst = _reply_dst(b, src, members)
+    if verdict == _WIN_STALE:
+        return _emit_nack(b, src, members, _S_STALE, tx_buf, tx_len, tx_dst, tx_n, counters)
+    if verdict == _WIN_DUP:
+        reply_len = np.int64(w_len[c, w])
+        if reply_len == 0:
+            counters[C.DUP_SILENT] += 1
+            return tx_n
+        counters[C.DUP_REPLAYS] += 1
+        t = tx_buf[tx_n]
+        t[:reply_len] = w_reply[c, w, :reply_len]
+        tx_len[tx_n] = reply_len
+        tx_dst[tx_n] = dst
+        return tx_n + 1
+    a = np.int64(addr)
+    t = tx_buf[tx_n]
+    reply_len = 0
+    if op == _OP_WRITE or op == _OP_ADD:
+        if op == _OP_WRITE:
+            mem[a : a + length] = b[_HDR : _HDR + length]
+        else:
+            _combine_bytes(mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[49]))
+            counters[C.BYTES_COMBINED] += length
+        if _rd16(b, 2) & _F_ACK_REQ:
+            _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_buf.shape[0]))
+            reply_len = _HDR
+    else:
+        old = _le64(mem, a)
+        if op == _OP_FETCH_ADD:
+            _put_le64(mem, a, old + _le64(b, _HDR))  # u64 wraps, as the hardware adder would
+        elif old == _le64(b, _HDR):
+            _put_le64(mem, a, _le64(b, _HDR + 8))
+        _reply_header(t, b, _OP_ACK, 0, 8, _credit(tx_n, tx_buf.shape[0]))
+        _put_le64(t, _HDR, old)
+        reply_len = _HDR + 8
+    if verdict == _WIN_NEW:
+        window_record(w_txn, w_state, w_len, w_reply, c, w, txn, t, reply_len)
+    if reply_len == 0:
+        return tx_n
+    tx_len[tx_n] = reply_len
+    tx_dst[tx_n] = dst
+    return tx_n + 1
+
+
+@njit(cache=True, nogil=True)
+def _chain_add(  # type: ignore[no-untyped-def]
+    b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
+    cc_id, cc_epoch, cc_done, counters, tx_buf, tx_len, tx_dst, tx_n,
+):  # fmt: skip
+    """Combine local memory into the payload; forward to the next segment or, at the last hop,
+    store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
+    length = _rd32(b, 28)
+    addr = _rd64(b, 32)
+    store_addr = _rd64(b, 40)
+    dtype = np.int64(b[48])
+    op = np.int64(b[49])
+    esize = _ESIZE[dtype]
+    rkey = _rd32(b, 24)
+    left = np.int64(b[53])
+    count = np.int64(b[54])
+    # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
+    status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize)
+    if status == 0 and left == 0:
+        status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize)
+    nxt = np.uint64(0)
+    if status == 0 and left > 0:
+        o = _HDR + _SEG * (count - left)
+        nxt = np.uint64((_rd32(b, o) << 16) | _rd16(b, o + 4))
+        if not _is_member(members, nxt):
+            status = _S_NOT_MEMBER  # nodes relay only inside their cluster
+    coll = _rd32(b, 16)
+    epoch = _rd32(b, 20)
+    seq = _rd32(b, 4)
+    slot = -1
+    if status == 0 and coll != 0:
+        slot = coll % cc_id.shape[0]
+        if cc_id[slot] != coll or epoch > cc_epoch[slot]:
+            cc_id[slot] = coll
+            cc_epoch[slot] = epoch
+            cc_done[slot, :] = 0
+        elif epoch < cc_epoch[slot]:
+            counters[C.DROP_STALE_EPOCH] += 1
+            return tx_n
+        if seq >= cc_done.shape[1]:
+            status = _S_TOO_LARGE
+    if status != 0:
+        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+    payload_off = _HDR + _SEG * count
+    a = np.int64(addr)
+    if left > 0:
+        t = tx_buf[tx_n]
+        for k in range(payload_off):
+            t[k] = b[k]
+        t[53] = left - 1
+        if (_rd32(b, 56) == 0 and _rd16(b, 60) == 0) or not _is_member(members, src):
+            # First relay of a chain: record the originator so the last hop can ACK it. A
+            # return segment written by a non-member is replaced: replies never go to a third party.
+            _wr32(t, 56, np.int64(src >> np.uint64(16)))
+            _wr16(t, 60, np.int64(src & np.uint64(0xFFFF)))
+        _combine_bytes(t, np.int64(payload_off), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op)
+        counters[C.BYTES_COMBINED] += length
+        counters[C.FORWARDED] += 1
+        tx_len[tx_n] = payload_off + length
+        tx_dst[tx_n] = nxt
+        return tx_n + 1
+    if slot >= 0 and cc_done[slot, seq] != 0:
+        counters[C.CHAIN_REACKS] += 1  # already stored: re-ACK, never add twice
+    else:
+        # Combine into the free send slot, then store: the store range may overlap the operand
+        # (in-place all-reduce), and the combine kernel may not alias its output with `b`.
+        s = np.int64(store_addr)
+        scratch = tx_buf[tx_n]
+        _combine_bytes(scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op)
+        mem[s : s + length] = scratch[_HDR : _HDR + length]
+        counters[C.BYTES_COMBINED] += length
+        counters[C.STORED] += 1
+        if slot >= 0:
+            cc_done[slot, seq] = 1
+    if _rd16(b, 2) & _F_ACK_REQ:
+        t = tx_buf[tx_n]
+        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_buf.shape[0]))
+        tx_len[tx_n] = _HDR
+        tx_dst[tx_n] = _reply_dst(b, src, members)
+        return tx_n + 1
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def drain(tx_buf, tx_len, tx_dst, start, count, out_buf, out_len, out_dst):  # type: ignore[no-untyped-def]
+    """Copy tx[start:start+count] into the caller's send batch (only the used bytes)."""
+    for k in range(count):
+        ln = tx_len[start + k]
+        out_buf[k, :ln] = tx_buf[start + k, :ln]
+        out_len[k] = ln
+        out_dst[k] = tx_dst[start + k]

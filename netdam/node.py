@@ -1,0 +1,467 @@
+"""NodeCore: one emulated NetDAM NIC, sans-I/O and batch-shaped.
+
+The core never touches a socket or a clock. Its owner (an I/O shell, or the in-memory fabric in
+tests) hands it a batch of received datagrams with ``receive_batch(buf, lens, srcs, n, now)`` and
+collects what to send with ``fill_send_batch(out, out_lens, out_dsts, now) -> n``. Addresses are
+``ip << 16 | port`` as uint64 (``netdam.protocol.packet.endpoint_to_u64``).
+
+The data opcodes run in one numba call per batch (``netdam.kernels.datapath.process_batch``);
+the rare control opcodes, PINGs, sparse payloads and replies addressed to the node are *punted*
+to ``_handle_punted`` here, in Python.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from netdam import counters as C
+from netdam.events import (
+    CollectiveStartRequested,
+    Event,
+    GroupJoined,
+    GroupLeft,
+    RegionDeregistered,
+    RegionRegistered,
+    ReplyReceived,
+)
+from netdam.kernels import datapath
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    DUP_REPLY_BYTES,
+    DUP_WINDOW,
+    DUP_WINDOW_CLIENTS,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    MAX_SEGMENTS,
+    MIN_MTU,
+    PROTOCOL_VERSION,
+    SEGMENT_SIZE,
+    Opcode,
+    Rights,
+    Status,
+)
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import (
+    Endpoint,
+    Packet,
+    decode_packet,
+    encode_packet,
+    endpoint_to_u64,
+    reply_to,
+    u64_to_endpoint,
+)
+
+#: Bytes of one receive or send slot: the largest valid datagram (header, full SR list, payload).
+SLOT_BYTES = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
+#: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
+RKEY_SLOTS = 1024
+MAX_REGIONS = RKEY_SLOTS // 2
+#: Collectives tracked at once for the completed-chunk guard (direct-mapped by coll_id).
+COLLECTIVE_SLOTS = 16
+#: Chunks per collective the guard can remember: 131072 x 8 KiB = 1 GiB of f32 per collective.
+MAX_CHUNKS = 1 << 17
+#: Send-queue bound: beyond it the datapath drops and counts (DROP_TX_FULL).
+MAX_TX_QUEUE = 1 << 15
+#: Events waiting for the owner; beyond it replies are dropped and counted.
+MAX_EVENTS = 1 << 16
+
+INFO_STRUCT = struct.Struct("<IIQIIII")
+REGISTER_STRUCT = struct.Struct("<II")
+
+
+@dataclass
+class NodeConfig:
+    """Settings of one node."""
+
+    #: This node's own address (replies and forwards name it as source).
+    endpoint: Endpoint
+    #: Bytes of node memory.
+    memory_bytes: int = 64 << 20
+    #: Key that authorises control opcodes (SPEC.md "Rights"). Random when not given.
+    admin_key: int = field(default_factory=lambda: secrets.randbits(32) | 1)
+    #: Addresses this node may forward to and whose return segments it trusts (itself included).
+    members: tuple[Endpoint, ...] = ()
+    #: IP MTU; packets that would not fit are refused at the source.
+    mtu: int = DEFAULT_MTU
+    rank: int = 0
+    world_size: int = 1
+    #: Initial send-queue slots (grows up to MAX_TX_QUEUE).
+    tx_slots: int = 256
+
+
+class NodeCore:
+    """The sans-I/O core of one node: memory, rkeys, duplicate window, counters, datapath."""
+
+    def __init__(self, config: NodeConfig, memory: np.ndarray | None = None) -> None:
+        if config.mtu < MIN_MTU:
+            raise ValueError(f"MTU {config.mtu} is too small: NetDAM needs at least {MIN_MTU} (--mtu)")
+        if memory is None:
+            memory = np.zeros(config.memory_bytes, dtype=np.uint8)
+        if memory.dtype != np.uint8 or memory.ndim != 1 or not memory.flags.c_contiguous:
+            raise ValueError("node memory must be a 1-D C-contiguous uint8 array")
+        self.config = config
+        self.memory = memory
+        self.counters = C.new_counters()
+        self.endpoint_u64 = endpoint_to_u64(config.endpoint)
+        self.set_members(config.members)
+        self._rk_key = np.zeros(RKEY_SLOTS, np.uint32)
+        self._rk_base = np.zeros(RKEY_SLOTS, np.int64)
+        self._rk_len = np.zeros(RKEY_SLOTS, np.int64)
+        self._rk_rights = np.zeros(RKEY_SLOTS, np.uint8)
+        self._regions: dict[int, tuple[int, int, int]] = {}
+        self._cl_id = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
+        self._cl_hi = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
+        self._cl_used = np.zeros(DUP_WINDOW_CLIENTS, np.uint8)
+        self._w_txn = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint32)
+        self._w_state = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint8)
+        self._w_len = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.int32)
+        self._w_reply = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW, DUP_REPLY_BYTES), np.uint8)
+        self._cc_id = np.zeros(COLLECTIVE_SLOTS, np.uint32)
+        self._cc_epoch = np.zeros(COLLECTIVE_SLOTS, np.uint32)
+        self._cc_done = np.zeros((COLLECTIVE_SLOTS, MAX_CHUNKS), np.uint8)
+        self._tx_buf = np.zeros((config.tx_slots, SLOT_BYTES), np.uint8)
+        self._tx_len = np.zeros(config.tx_slots, np.int32)
+        self._tx_dst = np.zeros(config.tx_slots, np.uint64)
+        self._tx_head = 0
+        self._tx_n = 0
+        self._punt = np.zeros(0, np.int32)
+        self._events: deque[Event] = deque()
+        self.groups: set[Endpoint] = set()
+        self._handlers: dict[Opcode, Callable[[Packet, int], None]] = {
+            Opcode.PING: self._on_ping,
+            Opcode.REGISTER: self._on_register,
+            Opcode.DEREGISTER: self._on_deregister,
+            Opcode.JOIN: self._on_join,
+            Opcode.LEAVE: self._on_leave,
+            Opcode.START_COLL: self._on_start_collective,
+            Opcode.COUNTERS: self._on_counters,
+        }
+
+    # ------------------------------------------------------------------ the batch verbs
+
+    def receive_batch(
+        self, buf: np.ndarray, lens: np.ndarray, srcs: np.ndarray, n: int, now: float
+    ) -> None:
+        """Execute datagrams ``buf[i, :lens[i]]`` from ``srcs[i]`` for i < n."""
+        _check_batch(buf, lens, srcs, n)
+        if n == 0:
+            return
+        self._reserve_tx(n)
+        if self._punt.shape[0] < n:
+            self._punt = np.zeros(max(n, 64), np.int32)
+        tx_n, n_punt = datapath.process_batch(
+            buf, lens, srcs, n,
+            self.memory, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._members,
+            self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
+            self._w_reply, self._cc_id, self._cc_epoch, self._cc_done,
+            self.counters, self._tx_buf, self._tx_len, self._tx_dst, self._tx_n, self._punt,
+        )  # fmt: skip
+        self._tx_n = int(tx_n)
+        for k in range(int(n_punt)):
+            i = int(self._punt[k])
+            self._handle_punted(bytes(buf[i, : lens[i]]), int(srcs[i]))
+
+    def fill_send_batch(
+        self, out: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray, now: float
+    ) -> int:
+        """Move up to ``len(out)`` queued datagrams into the caller's arrays; return how many."""
+        _check_batch(out, out_lens, out_dsts, out.shape[0])
+        if out.shape[1] < SLOT_BYTES:
+            raise ValueError(f"send slots must hold {SLOT_BYTES} bytes, got {out.shape[1]}")
+        count = min(self._tx_n - self._tx_head, out.shape[0])
+        if count:
+            datapath.drain(
+                self._tx_buf, self._tx_len, self._tx_dst, self._tx_head, count, out, out_lens, out_dsts
+            )
+            self.counters[C.TX_PACKETS] += count
+            self.counters[C.TX_BYTES] += int(out_lens[:count].sum())
+        self._tx_head += count
+        if self._tx_head == self._tx_n:
+            self._tx_head = self._tx_n = 0
+        return count
+
+    def pending(self) -> int:
+        """Datagrams waiting in the send queue."""
+        return self._tx_n - self._tx_head
+
+    def next_event(self) -> Event | None:
+        """The oldest undelivered event, or None."""
+        return self._events.popleft() if self._events else None
+
+    def get_timer(self) -> float | None:
+        """The node core has no timers of its own (collectives and clients do)."""
+        return None
+
+    def handle_timer(self, now: float) -> None:
+        """Nothing to expire (see get_timer)."""
+
+    # ------------------------------------------------------------------ one-datagram helpers
+
+    def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None:
+        """Convenience for tests and tools: a batch of one."""
+        buf = np.zeros((1, max(SLOT_BYTES, len(data))), np.uint8)
+        buf[0, : len(data)] = np.frombuffer(data, np.uint8)
+        self.receive_batch(
+            buf, np.array([len(data)], np.int32), np.array([endpoint_to_u64(src)], np.uint64), 1, now
+        )
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
+        """Drain the whole send queue as (bytes, destination) pairs."""
+        count = self.pending()
+        out = np.zeros((count, SLOT_BYTES), np.uint8)
+        lens = np.zeros(count, np.int32)
+        dsts = np.zeros(count, np.uint64)
+        self.fill_send_batch(out, lens, dsts, now)
+        return [(bytes(out[k, : lens[k]]), u64_to_endpoint(int(dsts[k]))) for k in range(count)]
+
+    # ------------------------------------------------------------------ host-side control
+
+    def set_members(self, members: tuple[Endpoint, ...] | list[Endpoint]) -> None:
+        """Replace the cluster member list (this node is always a member)."""
+        values = {endpoint_to_u64(m) for m in members} | {self.endpoint_u64}
+        self._members = np.array(sorted(values), dtype=np.uint64)
+        self._member_set = values
+
+    def register_region(self, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
+        """Make [base, base+size) reachable under an rkey (random when 0); return the rkey."""
+        status = self._register(base, size, int(rights), rkey, announce=False)
+        if isinstance(status, Status):
+            raise ValueError(f"cannot register region: {status.name}")
+        return status
+
+    def deregister_region(self, rkey: int) -> None:
+        """Remove *rkey*; raises KeyError when unknown."""
+        if self._deregister(rkey, announce=False) != Status.OK:
+            raise KeyError(f"unknown rkey 0x{rkey:08x}")
+
+    def regions(self) -> dict[int, tuple[int, int, int]]:
+        """rkey -> (base, size, rights) of every registered region."""
+        return dict(self._regions)
+
+    # ------------------------------------------------------------------ internals
+
+    def _reserve_tx(self, n: int) -> None:
+        """Make room for n more datagrams: compact, then grow up to MAX_TX_QUEUE."""
+        if self._tx_head:
+            live = self._tx_n - self._tx_head
+            self._tx_buf[:live] = self._tx_buf[self._tx_head : self._tx_n]
+            self._tx_len[:live] = self._tx_len[self._tx_head : self._tx_n]
+            self._tx_dst[:live] = self._tx_dst[self._tx_head : self._tx_n]
+            self._tx_head, self._tx_n = 0, live
+        need = self._tx_n + n + 1  # +1: a punted packet's reply
+        cap = self._tx_buf.shape[0]
+        if need <= cap or cap >= MAX_TX_QUEUE:
+            return
+        new_cap = min(MAX_TX_QUEUE, max(need, 2 * cap))
+        for name, shape in (("_tx_buf", (new_cap, SLOT_BYTES)), ("_tx_len", (new_cap,)), ("_tx_dst", (new_cap,))):
+            old = getattr(self, name)
+            grown = np.zeros(shape, old.dtype)
+            grown[: old.shape[0]] = old
+            setattr(self, name, grown)
+
+    def _push(self, data: bytes, dst: int) -> None:
+        """Queue one datagram built by the control plane."""
+        if self._tx_n >= self._tx_buf.shape[0]:
+            self._reserve_tx(1)
+            if self._tx_n >= self._tx_buf.shape[0]:
+                self.counters[C.DROP_TX_FULL] += 1
+                return
+        self._tx_buf[self._tx_n, : len(data)] = np.frombuffer(data, np.uint8)
+        self._tx_len[self._tx_n] = len(data)
+        self._tx_dst[self._tx_n] = dst
+        self._tx_n += 1
+
+    def _reply_dst(self, packet: Packet, src: int) -> int:
+        ret = endpoint_to_u64(packet.ret)
+        if ret and src in self._member_set:
+            return ret
+        return src
+
+    def _reply(self, request: Packet, src: int, opcode: Opcode, status: Status = Status.OK,
+               payload: bytes = b"", **fields: int) -> bytes:  # fmt: skip
+        reply = reply_to(request, opcode, status, payload)
+        if fields:
+            reply = replace(reply, **fields)  # type: ignore[arg-type]
+        data = encode_packet(reply)
+        self._push(data, self._reply_dst(request, src))
+        if status != Status.OK:
+            self.counters[C.NACK_BASE + status] += 1
+        return data
+
+    def _nack(self, request: Packet, src: int, status: Status) -> None:
+        self._reply(request, src, Opcode.NACK, status)
+
+    def _handle_punted(self, data: bytes, src: int) -> None:
+        try:
+            packet = decode_packet(data)
+        except RemoteProtocolError as exc:
+            # Only sparse payloads reach here unvalidated: answer as the datapath would.
+            if data[1] in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+                self.counters[C.DROP_BAD_REPLY] += 1
+                return
+            self._nack_raw(data, src, exc.status)
+            return
+        if packet.opcode in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+            if len(self._events) >= MAX_EVENTS:
+                self.counters[C.DROP_UNEXPECTED_REPLY] += 1
+                return
+            self._events.append(ReplyReceived(packet, u64_to_endpoint(src)))
+            return
+        handler = self._handlers.get(packet.opcode)
+        if handler is None:
+            # Sparse data payloads: executed by the collective engine (issue 4), not yet here.
+            self._nack(packet, src, Status.BAD_FIELD)
+            return
+        if packet.opcode != Opcode.PING and packet.rkey != self.config.admin_key:
+            self._nack(packet, src, Status.UNAUTHORIZED)
+            return
+        handler(packet, src)
+
+    def _nack_raw(self, data: bytes, src: int, status: Status) -> None:
+        """NACK a packet the codec refused: echo its fixed header as the datapath does."""
+        header = bytearray(data[:HEADER_SIZE])
+        header[0] = 1
+        header[1] = Opcode.NACK
+        header[48] = header[48] if header[48] <= 6 else 0
+        header[49] = header[49] if header[49] <= 2 else 0
+        header[55] = header[62] = header[63] = 0
+        header[2:4] = (int.from_bytes(header[2:4], "big") & 0x000C).to_bytes(2, "big")
+        header[28:32] = b"\x00\x00\x00\x00"
+        header[50] = status
+        header[52:55] = b"\x00\x00\x00"
+        ret = int.from_bytes(header[56:60], "big") << 16 | int.from_bytes(header[60:62], "big")
+        self._push(bytes(header), ret if ret and src in self._member_set else src)
+        self.counters[C.NACK_BASE + status] += 1
+
+    def _on_ping(self, packet: Packet, src: int) -> None:
+        info = INFO_STRUCT.pack(
+            PROTOCOL_VERSION,
+            self.config.mtu,
+            self.memory.shape[0],
+            MAX_PAYLOAD_BYTES,
+            MAX_SEGMENTS,
+            self.config.rank,
+            self.config.world_size,
+        )
+        self._reply(packet, src, Opcode.INFO, payload=info)
+
+    def _windowed(self, packet: Packet, src: int, execute: Callable[[], tuple[Status, dict[str, int]]]) -> None:
+        """Run a mutating control opcode at most once per (client, txn), like the datapath."""
+        verdict, c, w = datapath.window_check(
+            self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state,
+            packet.client_id, packet.txn_id,
+        )  # fmt: skip
+        if verdict == 2:
+            self._nack(packet, src, Status.STALE)
+            return
+        if verdict == 1:
+            length = int(self._w_len[c, w])
+            self.counters[C.DUP_REPLAYS] += 1
+            self._push(bytes(self._w_reply[c, w, :length]), self._reply_dst(packet, src))
+            return
+        status, fields = execute()
+        if status != Status.OK:
+            self._nack(packet, src, status)
+            return
+        reply = self._reply(packet, src, Opcode.ACK, **fields)
+        if verdict == 0:
+            datapath.window_record(
+                self._w_txn, self._w_state, self._w_len, self._w_reply, c, w, packet.txn_id,
+                np.frombuffer(reply, np.uint8), len(reply),
+            )  # fmt: skip
+
+    def _on_register(self, packet: Packet, src: int) -> None:
+        requested, rights = REGISTER_STRUCT.unpack(packet.payload)
+
+        def execute() -> tuple[Status, dict[str, int]]:
+            result = self._register(packet.addr, packet.aux_addr, rights, requested)
+            if isinstance(result, Status):
+                return result, {}
+            return Status.OK, {"rkey": result}
+
+        self._windowed(packet, src, execute)
+
+    def _on_deregister(self, packet: Packet, src: int) -> None:
+        rkey, _ = REGISTER_STRUCT.unpack(packet.payload)
+        self._windowed(packet, src, lambda: (self._deregister(rkey), {}))
+
+    def _register(self, base: int, size: int, rights: int, rkey: int, announce: bool = True) -> int | Status:
+        if size <= 0 or base + size > self.memory.shape[0]:
+            return Status.OUT_OF_BOUNDS
+        if rights == 0 or rights & ~int(Rights.READ | Rights.WRITE | Rights.ATOMIC):
+            return Status.BAD_FIELD
+        if rkey and rkey in self._regions:
+            return Status.EXISTS
+        if len(self._regions) >= MAX_REGIONS:
+            return Status.NO_SPACE
+        while rkey == 0 or rkey in self._regions:
+            rkey = secrets.randbits(32)
+        slot = _probe_free(self._rk_key, rkey)
+        self._rk_key[slot] = rkey
+        self._rk_base[slot] = base
+        self._rk_len[slot] = size
+        self._rk_rights[slot] = rights
+        self._regions[rkey] = (base, size, rights)
+        if announce:  # the host that called register_region knows already
+            self._events.append(RegionRegistered(rkey, base, size, rights))
+        return rkey
+
+    def _deregister(self, rkey: int, announce: bool = True) -> Status:
+        if rkey not in self._regions:
+            return Status.BAD_RKEY
+        del self._regions[rkey]
+        # Rebuild the table: open addressing has no cheap delete, and deregistration is rare.
+        self._rk_key[:] = 0
+        for key, (base, size, rights) in self._regions.items():
+            slot = _probe_free(self._rk_key, key)
+            self._rk_key[slot], self._rk_base[slot] = key, base
+            self._rk_len[slot], self._rk_rights[slot] = size, rights
+        if announce:
+            self._events.append(RegionDeregistered(rkey))
+        return Status.OK
+
+    def _on_join(self, packet: Packet, src: int) -> None:
+        group = u64_to_endpoint(packet.addr)
+        self.groups.add(group)
+        self._events.append(GroupJoined(group))
+        self._reply(packet, src, Opcode.ACK)
+
+    def _on_leave(self, packet: Packet, src: int) -> None:
+        group = u64_to_endpoint(packet.addr)
+        self.groups.discard(group)
+        self._events.append(GroupLeft(group))
+        self._reply(packet, src, Opcode.ACK)
+
+    def _on_start_collective(self, packet: Packet, src: int) -> None:
+        self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
+        self._reply(packet, src, Opcode.ACK)
+
+    def _on_counters(self, packet: Packet, src: int) -> None:
+        self._reply(packet, src, Opcode.ACK, payload=self.counters.astype("<u8").tobytes())
+
+
+def _probe_free(table: np.ndarray, rkey: int) -> int:
+    """The slot the datapath's probe sequence reaches first for *rkey* (same hash)."""
+    mask = table.shape[0] - 1
+    slot = (rkey * 2654435761) & mask
+    while table[slot] != 0:
+        slot = (slot + 1) & mask
+    return slot
+
+
+def _check_batch(buf: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
+    """The kernels trust their arrays: check shapes, dtypes and contiguity once, here."""
+    if buf.dtype != np.uint8 or buf.ndim != 2 or not buf.flags.c_contiguous:
+        raise ValueError("batch buffer must be a 2-D C-contiguous uint8 array (slots x bytes)")
+    if lens.dtype != np.int32 or lens.ndim != 1 or not lens.flags.c_contiguous:
+        raise ValueError("batch lengths must be a 1-D contiguous int32 array")
+    if addrs.dtype != np.uint64 or addrs.ndim != 1 or not addrs.flags.c_contiguous:
+        raise ValueError("batch addresses must be a 1-D contiguous uint64 array (ip << 16 | port)")
+    if not 0 <= n <= min(buf.shape[0], lens.shape[0], addrs.shape[0]):
+        raise ValueError(f"batch count {n} exceeds the arrays ({buf.shape[0]} slots)")

@@ -1,0 +1,203 @@
+"""Wire constants of NetDAM protocol v1. protocol/SPEC.md is the contract; this file mirrors it.
+
+Rule of this file: every value that appears on the wire is an enum or a named constant here, named
+as SPEC.md names it, with the unit in the name and a comment that says where the number comes from.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, IntFlag
+
+#: The only protocol version this code speaks (SPEC.md "Version evolution").
+PROTOCOL_VERSION = 1
+
+#: Default UDP port of nodes and of the switch's virtual IP. Deliberately not RoCEv2's 4791, so a
+#: capture never confuses the two.
+NETDAM_UDP_PORT = 7744
+
+#: Fixed part of the header, bytes. Multiple of 8 so the SR list and the payload stay 8-aligned.
+HEADER_SIZE = 64
+#: One SR segment: IPv4 address (4), UDP port (2), reserved (2); 8 keeps the payload aligned.
+SEGMENT_SIZE = 8
+#: Most segments one packet may carry. 64 hops cover a 65-node chain; 64*8 = 512 B of SR list
+#: still leaves room for 8192 payload bytes at MTU 9000 (64 + 512 + 8192 = 8768 <= 8972).
+MAX_SEGMENTS = 64
+
+#: Largest payload, bytes: the NetDAM reduction packet carries 2048 fp32 in a 9000 B frame
+#: (authors' blog, BRIEF section 4), i.e. 1024 f64/i64 or 4096 f16.
+MAX_PAYLOAD_BYTES = 8192
+
+#: IPv4 (20) + UDP (8) header bytes: "MTU 9000" means a UDP payload of at most 8972 (BRIEF s7).
+IP_UDP_OVERHEAD = 28
+DEFAULT_MTU = 9000
+#: Smallest MTU a node accepts: the fixed header must fit, plus one 8-byte element.
+MIN_MTU = IP_UDP_OVERHEAD + HEADER_SIZE + 8
+
+#: Administratively scoped IPv4 multicast range used for all-gather groups (RFC 2365 239/8).
+MULTICAST_PREFIX = "239.77.0.0/16"
+
+#: Replies carry no SR list: their size is the fixed header plus the payload.
+REPLY_HEADER_SIZE = HEADER_SIZE
+
+#: Duplicate window per client id, transactions (SPEC.md "Memory semantics").
+DUP_WINDOW = 256
+#: Clients tracked at once by one node's duplicate window (least recently used is evicted).
+DUP_WINDOW_CLIENTS = 256
+#: Largest reply cached for duplicate replay (header + an 8-byte atomic result fits).
+DUP_REPLY_BYTES = 128
+
+
+class Opcode(IntEnum):
+    """Instruction codes, SPEC.md section "Opcodes"."""
+
+    READ = 0x01
+    READ_RESP = 0x02
+    WRITE = 0x03
+    ADD = 0x04
+    CHAIN_ADD = 0x05
+    ALL_WRITE = 0x06
+    FETCH_ADD = 0x07
+    CAS = 0x08
+    PING = 0x09
+    INFO = 0x0A
+    ACK = 0x0B
+    NACK = 0x0C
+    # Control plane: require the node's admin key in the rkey field.
+    REGISTER = 0x20
+    DEREGISTER = 0x21
+    JOIN = 0x22
+    LEAVE = 0x23
+    START_COLL = 0x24
+    COUNTERS = 0x25
+
+
+#: Replies: never answered, never NACKed (a malformed reply is counted and dropped).
+REPLY_OPCODES = frozenset({Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK})
+#: Control opcodes: authorised by the admin key, executed by the control plane.
+CONTROL_OPCODES = frozenset(
+    {
+        Opcode.REGISTER,
+        Opcode.DEREGISTER,
+        Opcode.JOIN,
+        Opcode.LEAVE,
+        Opcode.START_COLL,
+        Opcode.COUNTERS,
+    }
+)
+
+
+class Flags(IntFlag):
+    """Header flags (16 bits). Bits not named here must be zero in v1."""
+
+    NONE = 0
+    ACK_REQ = 0x0001  # the receiver (the storing hop, for CHAIN_ADD) replies with an ACK
+    SPARSE = 0x0002  # payload is a sparse (index, value) encoding, SPEC.md "Sparse payload"
+    MCAST = 0x0004  # sent to a multicast group
+    RELAYED = 0x0008  # set by a switch that wrote the return segment
+    RETRY = 0x0010  # a retransmission (informational; counted)
+
+
+#: All flag bits v1 defines.
+FLAGS_V1_MASK = 0x001F
+
+
+class Status(IntEnum):
+    """Status codes carried by replies (0 in every non-NACK packet)."""
+
+    OK = 0
+    BAD_VERSION = 1
+    BAD_OPCODE = 2
+    TRUNCATED = 3
+    BAD_LENGTH = 4
+    BAD_DTYPE = 5
+    BAD_OP = 6
+    BAD_SEGMENT = 7
+    BAD_RKEY = 8
+    NO_RIGHTS = 9
+    OUT_OF_BOUNDS = 10
+    MISALIGNED = 11
+    TOO_LARGE = 12
+    STALE = 13
+    NOT_MEMBER = 14
+    EXISTS = 15
+    NO_SPACE = 16
+    UNAUTHORIZED = 17
+    BAD_FIELD = 18
+    SPANS_NODES = 19
+    NO_ROUTE = 20
+    STALE_EPOCH = 21
+    BUSY = 22
+
+
+class DType(IntEnum):
+    """Element types of payloads and memory operands (payload elements are little-endian)."""
+
+    RAW = 0
+    F32 = 1
+    F16 = 2
+    I32 = 3
+    I64 = 4
+    U64 = 5
+    F64 = 6
+
+
+#: Bytes per element of each DType.
+ELEMENT_SIZE = {
+    DType.RAW: 1,
+    DType.F32: 4,
+    DType.F16: 2,
+    DType.I32: 4,
+    DType.I64: 8,
+    DType.U64: 8,
+    DType.F64: 8,
+}
+
+#: numpy dtype strings (little-endian) of each DType; f16 travels as IEEE binary16.
+NUMPY_DTYPE = {
+    DType.RAW: "u1",
+    DType.F32: "<f4",
+    DType.F16: "<f2",
+    DType.I32: "<i4",
+    DType.I64: "<i8",
+    DType.U64: "<u8",
+    DType.F64: "<f8",
+}
+
+
+class ReduceOp(IntEnum):
+    """Combine operations of ADD and CHAIN_ADD (torch.distributed / MPI names)."""
+
+    SUM = 0
+    MIN = 1
+    MAX = 2
+
+
+class SegmentType(IntEnum):
+    """What the SR list holds. v1 defines NONE and IPv4; IPv6 is reserved for a later version."""
+
+    NONE = 0
+    IPV4 = 1
+    IPV6 = 2  # reserved: a v1 receiver answers NACK(BAD_SEGMENT)
+
+
+class Rights(IntFlag):
+    """Rights an rkey grants on its region (SPEC.md "Rights")."""
+
+    NONE = 0
+    READ = 0x1
+    WRITE = 0x2
+    ATOMIC = 0x4
+
+
+RIGHTS_ALL = Rights.READ | Rights.WRITE | Rights.ATOMIC
+
+
+def max_elements(mtu: int, dtype: DType, segments: int = 0) -> int:
+    """Elements of *dtype* one packet carries at *mtu* with an SR list of *segments* entries.
+
+    floor((MTU - 28 - header - SR list) / element size), capped at MAX_PAYLOAD_BYTES (BRIEF s7).
+    """
+    room = mtu - IP_UDP_OVERHEAD - HEADER_SIZE - SEGMENT_SIZE * segments
+    room = min(room, MAX_PAYLOAD_BYTES)
+    size = ELEMENT_SIZE[dtype]
+    return max(room // size, 0)

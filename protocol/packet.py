@@ -1,0 +1,398 @@
+"""Codec of NetDAM v1 datagrams: ``encode_packet(Packet) -> bytes``, ``decode_packet(bytes)``.
+
+Rules of this file:
+1. The byte layout is protocol/SPEC.md section "Header"; the struct formats below are the
+   only place the layout is written in Python (the numba datapath mirrors it in
+   netdam/kernels/datapath.py, and tests hold the two to the same verdicts).
+2. Every malformed input raises RemoteProtocolError with the status a node NACKs with and an
+   exact message that the tests assert. Structural checks live here; checks that need node state
+   (rkeys, bounds, alignment) live in the node.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from netdam.protocol.constants import (
+    CONTROL_OPCODES,
+    ELEMENT_SIZE,
+    FLAGS_V1_MASK,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    MAX_SEGMENTS,
+    PROTOCOL_VERSION,
+    SEGMENT_SIZE,
+    DType,
+    Flags,
+    Opcode,
+    ReduceOp,
+    SegmentType,
+    Status,
+)
+from netdam.protocol.errors import LocalProtocolError, RemoteProtocolError
+
+#: The fixed header, network byte order. Offsets are in SPEC.md.
+HEADER_STRUCT = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
+#: One SR segment: IPv4, port, reserved.
+SEGMENT_STRUCT = struct.Struct("!IHH")
+assert HEADER_STRUCT.size == HEADER_SIZE and SEGMENT_STRUCT.size == SEGMENT_SIZE
+
+Endpoint = tuple[str, int]
+NO_ENDPOINT: Endpoint = ("0.0.0.0", 0)
+
+# Opcodes whose payload is `length` bytes of data elements (dense) or a sparse encoding.
+_DATA_OPCODES = frozenset(
+    {Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP}
+)
+# Opcodes that combine elements: RAW is meaningless for them.
+_COMBINE_OPCODES = frozenset({Opcode.ADD, Opcode.CHAIN_ADD})
+# Opcodes whose payload is exactly `length` bytes of opaque content.
+_OPAQUE_OPCODES = frozenset({Opcode.INFO, Opcode.ACK, Opcode.NACK, Opcode.START_COLL})
+# Opcodes that carry no payload and length 0.
+_EMPTY_OPCODES = frozenset({Opcode.PING, Opcode.JOIN, Opcode.LEAVE, Opcode.COUNTERS})
+# Fixed payload sizes (length field, payload bytes).
+_FIXED_PAYLOAD = {
+    Opcode.FETCH_ADD: (8, 8),  # addend, u64 LE
+    Opcode.CAS: (8, 16),  # compare, swap: u64 LE each
+    Opcode.REGISTER: (8, 8),  # requested rkey u32 LE, rights u32 LE
+    Opcode.DEREGISTER: (8, 8),  # rkey u32 LE, reserved u32
+}
+# Only SR-routed opcodes may carry an SR list.
+_SR_OPCODES = frozenset({Opcode.CHAIN_ADD, Opcode.START_COLL})
+
+
+@dataclass(frozen=True)
+class Packet:
+    """One NetDAM datagram, fields named as in SPEC.md."""
+
+    opcode: Opcode
+    flags: Flags = Flags.NONE
+    seq: int = 0
+    client_id: int = 0
+    txn_id: int = 0
+    coll_id: int = 0
+    epoch: int = 0
+    rkey: int = 0
+    length: int = 0
+    addr: int = 0
+    aux_addr: int = 0
+    dtype: DType = DType.RAW
+    reduce_op: ReduceOp = ReduceOp.SUM
+    status: Status = Status.OK
+    credit: int = 0
+    segments_left: int = 0
+    segments: tuple[Endpoint, ...] = ()
+    ret: Endpoint = NO_ENDPOINT
+    payload: bytes = field(default=b"", repr=False)
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def seg_type(self) -> SegmentType:
+        """IPV4 when the packet carries an SR list, else NONE."""
+        return SegmentType.IPV4 if self.segments else SegmentType.NONE
+
+    def with_payload(self, payload: bytes) -> Packet:
+        """Copy with *payload* and a matching length field."""
+        return replace(self, payload=payload, length=len(payload))
+
+
+def ip_to_int(ip: str) -> int:
+    """Dotted IPv4 -> u32."""
+    return int(ipaddress.IPv4Address(ip))
+
+
+def int_to_ip(value: int) -> str:
+    """u32 -> dotted IPv4."""
+    return str(ipaddress.IPv4Address(value))
+
+
+def endpoint_to_u64(endpoint: Endpoint) -> int:
+    """Pack an (IPv4, port) pair as ``ip << 16 | port``: the form the datapath uses (SPEC.md)."""
+    return (ip_to_int(endpoint[0]) << 16) | endpoint[1]
+
+
+def u64_to_endpoint(value: int) -> Endpoint:
+    """Inverse of endpoint_to_u64."""
+    return int_to_ip((value >> 16) & 0xFFFFFFFF), value & 0xFFFF
+
+
+def encode_packet(packet: Packet) -> bytes:
+    """Serialize *packet*; raises LocalProtocolError when SPEC.md forbids it."""
+    _check_encodable(packet)
+    ret_ip, ret_port = packet.ret
+    header = HEADER_STRUCT.pack(
+        packet.version,
+        packet.opcode,
+        packet.flags,
+        packet.seq,
+        packet.client_id,
+        packet.txn_id,
+        packet.coll_id,
+        packet.epoch,
+        packet.rkey,
+        packet.length,
+        packet.addr,
+        packet.aux_addr,
+        packet.dtype,
+        packet.reduce_op,
+        packet.status,
+        packet.credit,
+        packet.seg_type,
+        packet.segments_left,
+        len(packet.segments),
+        0,
+        ip_to_int(ret_ip),
+        ret_port,
+        0,
+    )
+    segments = b"".join(SEGMENT_STRUCT.pack(ip_to_int(ip), port, 0) for ip, port in packet.segments)
+    return header + segments + packet.payload
+
+
+def _check_encodable(packet: Packet) -> None:
+    """Round-trip guarantee: whatever encode_packet writes, decode_packet accepts."""
+    if len(packet.segments) > MAX_SEGMENTS:
+        raise LocalProtocolError(
+            Status.BAD_SEGMENT,
+            f"SR list has {len(packet.segments)} segments, the maximum is {MAX_SEGMENTS}",
+        )
+    try:
+        check_fields(packet)
+    except RemoteProtocolError as exc:
+        raise LocalProtocolError(exc.status, str(exc)) from None
+
+
+def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
+    """Parse one datagram; raises RemoteProtocolError (with its NACK status) when malformed."""
+    view = memoryview(data)
+    if len(view) < HEADER_SIZE:
+        raise RemoteProtocolError(
+            Status.TRUNCATED,
+            f"packet truncated: {len(view)} bytes, the fixed header needs {HEADER_SIZE}",
+        )
+    fields = HEADER_STRUCT.unpack_from(view, 0)
+    (version, opcode, flags, seq, client_id, txn_id, coll_id, epoch, rkey, length, addr, aux_addr,
+     dtype, reduce_op, status, credit, seg_type, segments_left, seg_count, reserved1, ret_ip,
+     ret_port, reserved2) = fields  # fmt: skip
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            Status.BAD_VERSION,
+            f"unsupported version {version} (this node speaks {PROTOCOL_VERSION})",
+        )
+    if opcode not in Opcode._value2member_map_:
+        raise RemoteProtocolError(Status.BAD_OPCODE, f"unknown opcode 0x{opcode:02x}")
+    if reserved1 or reserved2:
+        raise RemoteProtocolError(
+            Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"
+        )
+    if flags & ~FLAGS_V1_MASK:
+        raise RemoteProtocolError(
+            Status.BAD_FIELD, f"undefined flag bits 0x{flags & ~FLAGS_V1_MASK:04x} set"
+        )
+    dtype_enum = _enum(DType, dtype, Status.BAD_DTYPE, "dtype")
+    op_enum = _enum(ReduceOp, reduce_op, Status.BAD_OP, "reduce op")
+    status_enum = _enum(Status, status, Status.BAD_FIELD, "status")
+    segments = _pull_segments(view, seg_type, segments_left, seg_count)
+    offset = HEADER_SIZE + SEGMENT_SIZE * seg_count
+    packet = Packet(
+        opcode=Opcode(opcode),
+        flags=Flags(flags),
+        seq=seq,
+        client_id=client_id,
+        txn_id=txn_id,
+        coll_id=coll_id,
+        epoch=epoch,
+        rkey=rkey,
+        length=length,
+        addr=addr,
+        aux_addr=aux_addr,
+        dtype=dtype_enum,
+        reduce_op=op_enum,
+        status=status_enum,
+        credit=credit,
+        segments_left=segments_left,
+        segments=segments,
+        ret=(int_to_ip(ret_ip), ret_port),
+        payload=bytes(view[offset:]),
+    )
+    check_fields(packet)
+    return packet
+
+
+_E = TypeVar("_E", DType, ReduceOp, Status)
+
+
+def _enum(kind: type[_E], value: int, status: Status, what: str) -> _E:
+    if value not in kind._value2member_map_:
+        raise RemoteProtocolError(status, f"unknown {what} {value}")
+    return kind(value)
+
+
+def _pull_segments(
+    view: memoryview, seg_type: int, segments_left: int, seg_count: int
+) -> tuple[Endpoint, ...]:
+    """Parse the SR list that follows the fixed header."""
+    if seg_type == SegmentType.IPV6:
+        raise RemoteProtocolError(Status.BAD_SEGMENT, "segment type 2 (IPv6) is reserved in v1")
+    if seg_type not in (SegmentType.NONE, SegmentType.IPV4):
+        raise RemoteProtocolError(Status.BAD_SEGMENT, f"unknown segment type {seg_type}")
+    if seg_count > MAX_SEGMENTS:
+        raise RemoteProtocolError(
+            Status.BAD_SEGMENT, f"SR list has {seg_count} segments, the maximum is {MAX_SEGMENTS}"
+        )
+    if (seg_type == SegmentType.NONE) != (seg_count == 0):
+        raise RemoteProtocolError(
+            Status.BAD_SEGMENT,
+            f"segment type {seg_type} does not match a list of {seg_count} segments",
+        )
+    if segments_left >= max(seg_count, 1):
+        raise RemoteProtocolError(
+            Status.BAD_SEGMENT,
+            f"segments_left {segments_left} out of range for {seg_count} segments",
+        )
+    available = (len(view) - HEADER_SIZE) // SEGMENT_SIZE
+    if available < seg_count:
+        raise RemoteProtocolError(
+            Status.TRUNCATED, f"SR list truncated ({available} of {seg_count} segments)"
+        )
+    segments = []
+    for index in range(seg_count):
+        ip, port, reserved = SEGMENT_STRUCT.unpack_from(view, HEADER_SIZE + SEGMENT_SIZE * index)
+        if reserved:
+            raise RemoteProtocolError(
+                Status.BAD_SEGMENT, f"segment {index} has non-zero reserved bytes"
+            )
+        segments.append((int_to_ip(ip), port))
+    return tuple(segments)
+
+
+def check_fields(packet: Packet) -> None:
+    """Structural rules per opcode (SPEC.md "Opcodes"): lengths, dtypes, SR use."""
+    opcode, length, size = packet.opcode, packet.length, len(packet.payload)
+    if packet.segments and opcode not in _SR_OPCODES:
+        raise RemoteProtocolError(Status.BAD_SEGMENT, f"{opcode.name} does not take an SR list")
+    if length > MAX_PAYLOAD_BYTES and opcode not in CONTROL_OPCODES:
+        raise RemoteProtocolError(
+            Status.TOO_LARGE,
+            f"length {length} exceeds the maximum payload of {MAX_PAYLOAD_BYTES} bytes",
+        )
+    if opcode in _COMBINE_OPCODES and packet.dtype == DType.RAW:
+        raise RemoteProtocolError(
+            Status.BAD_DTYPE, f"{opcode.name} cannot combine raw bytes; give an element dtype"
+        )
+    if opcode in (Opcode.FETCH_ADD, Opcode.CAS) and packet.dtype != DType.U64:
+        raise RemoteProtocolError(Status.BAD_DTYPE, f"{opcode.name} operates on u64 only")
+    if opcode == Opcode.READ:
+        _check_read(length, size, packet.dtype)
+    elif opcode in _DATA_OPCODES:
+        _check_data(packet)
+    elif opcode in _OPAQUE_OPCODES:
+        _expect_payload(opcode, length, size)
+    elif opcode in _EMPTY_OPCODES:
+        if length or size:
+            raise RemoteProtocolError(
+                Status.BAD_LENGTH,
+                f"{opcode.name} carries no payload (length {length}, {size} bytes follow)",
+            )
+    else:
+        want_length, want_size = _FIXED_PAYLOAD[opcode]
+        if length != want_length or size != want_size:
+            raise RemoteProtocolError(
+                Status.BAD_LENGTH,
+                f"{opcode.name} needs length {want_length} and a {want_size}-byte payload "
+                f"(got length {length}, {size} bytes)",
+            )
+
+
+def _check_read(length: int, size: int, dtype: DType) -> None:
+    if size:
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH, f"READ carries no payload but {size} bytes follow the header"
+        )
+    if length == 0:
+        raise RemoteProtocolError(Status.BAD_LENGTH, "READ of length 0")
+    _check_multiple(length, dtype)
+
+
+def _check_data(packet: Packet) -> None:
+    if packet.flags & Flags.SPARSE:
+        if packet.opcode not in (Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.WRITE):
+            raise RemoteProtocolError(Status.BAD_FIELD, f"{packet.opcode.name} has no sparse form")
+        _check_multiple(packet.length, packet.dtype)
+        check_sparse_payload(packet.payload, packet.length, packet.dtype)
+        return
+    if packet.length == 0:
+        raise RemoteProtocolError(Status.BAD_LENGTH, f"{packet.opcode.name} of length 0")
+    _expect_payload(packet.opcode, packet.length, len(packet.payload))
+    _check_multiple(packet.length, packet.dtype)
+
+
+def _expect_payload(opcode: Opcode, length: int, size: int) -> None:
+    if length != size:
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH,
+            f"{opcode.name} length field says {length} bytes but the payload has {size}",
+        )
+
+
+def _check_multiple(length: int, dtype: DType) -> None:
+    element = ELEMENT_SIZE[dtype]
+    if length % element:
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH,
+            f"length {length} is not a multiple of the {dtype.name.lower()} element size {element}",
+        )
+
+
+SPARSE_PREFIX = struct.Struct("<II")
+
+
+def sparse_payload_size(nnz: int, dtype: DType) -> int:
+    """Bytes of a sparse payload with *nnz* entries: prefix, u16 indices padded to 8, values."""
+    indices = (2 * nnz + 7) // 8 * 8
+    return int(SPARSE_PREFIX.size + indices + nnz * ELEMENT_SIZE[dtype])
+
+
+def check_sparse_payload(payload: bytes, length: int, dtype: DType) -> None:
+    """SPEC.md "Sparse payload": u32 nnz, u32 reserved, nnz u16 indices (strictly increasing,
+    below length/element size), zero padding to 8, nnz values."""
+    if len(payload) < SPARSE_PREFIX.size:
+        raise RemoteProtocolError(Status.TRUNCATED, "sparse payload shorter than its 8-byte prefix")
+    nnz, reserved = SPARSE_PREFIX.unpack_from(payload, 0)
+    if reserved:
+        raise RemoteProtocolError(Status.BAD_FIELD, "sparse prefix reserved word must be zero")
+    elements = length // ELEMENT_SIZE[dtype]
+    if nnz > elements:
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH,
+            f"sparse nnz {nnz} exceeds the {elements} elements of length {length}",
+        )
+    if len(payload) != sparse_payload_size(nnz, dtype):
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH,
+            f"sparse payload of {nnz} entries must be {sparse_payload_size(nnz, dtype)} bytes, got {len(payload)}",
+        )
+    indices = struct.unpack_from(f"<{nnz}H", payload, SPARSE_PREFIX.size)
+    if any(b <= a for a, b in zip(indices, indices[1:])) or (indices and indices[-1] >= elements):
+        raise RemoteProtocolError(
+            Status.BAD_FIELD, f"sparse indices must increase strictly and stay below {elements}"
+        )
+
+
+def reply_to(
+    request: Packet, opcode: Opcode, status: Status = Status.OK, payload: bytes = b""
+) -> Packet:
+    """A reply: echoes ids, addresses and the return segment, drops the SR list (SPEC.md)."""
+    return replace(
+        request,
+        opcode=opcode,
+        flags=request.flags & (Flags.RELAYED | Flags.MCAST),
+        status=status,
+        segments=(),
+        segments_left=0,
+        length=len(payload),
+        payload=payload,
+    )

@@ -1,0 +1,377 @@
+"""Codec: round trips, exact layout, and every error path with its exact message and status."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from netdam.protocol.constants import (
+    HEADER_SIZE,
+    MAX_SEGMENTS,
+    DType,
+    Flags,
+    Opcode,
+    ReduceOp,
+    Status,
+    max_elements,
+)
+from netdam.protocol.errors import LocalProtocolError, RemoteProtocolError
+from netdam.protocol.packet import (
+    Packet,
+    decode_packet,
+    encode_packet,
+    endpoint_to_u64,
+    reply_to,
+    sparse_payload_size,
+    u64_to_endpoint,
+)
+
+F32X4 = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+
+
+def chain(**kw: object) -> Packet:
+    base = dict(
+        opcode=Opcode.CHAIN_ADD,
+        flags=Flags.ACK_REQ,
+        seq=7,
+        client_id=3,
+        txn_id=9,
+        coll_id=11,
+        epoch=2,
+        rkey=0xABCD,
+        addr=4096,
+        aux_addr=8192,
+        dtype=DType.F32,
+        segments=(("127.0.0.1", 7745), ("127.0.0.1", 7746)),
+        segments_left=1,
+        length=16,
+        payload=F32X4,
+    )
+    base.update(kw)
+    return Packet(**base)  # type: ignore[arg-type]
+
+
+def test_header_layout_offsets() -> None:
+    data = encode_packet(chain(ret=("10.1.2.3", 0x1234)))
+    assert data[0] == 1 and data[1] == Opcode.CHAIN_ADD
+    assert data[2:4] == b"\x00\x01"
+    assert struct.unpack("!IIIIII", data[4:28]) == (7, 3, 9, 11, 2, 0xABCD)
+    assert struct.unpack("!I", data[28:32]) == (16,)
+    assert struct.unpack("!QQ", data[32:48]) == (4096, 8192)
+    assert list(data[48:56]) == [DType.F32, 0, 0, 0, 1, 1, 2, 0]
+    assert data[56:62] == bytes([10, 1, 2, 3, 0x12, 0x34])
+    assert data[64:72] == bytes([127, 0, 0, 1, 0x1E, 0x41, 0, 0])
+    assert data[HEADER_SIZE + 16 :] == F32X4
+    assert len(data) == HEADER_SIZE + 16 + 16
+
+
+def test_round_trip_chain() -> None:
+    packet = chain()
+    assert decode_packet(encode_packet(packet)) == packet
+
+
+def test_payload_capacity_at_mtu_9000() -> None:
+    assert max_elements(9000, DType.F32) == 2048
+    assert max_elements(9000, DType.F16) == 4096
+    assert max_elements(9000, DType.F64) == 1024
+    assert max_elements(9000, DType.F32, segments=MAX_SEGMENTS) == 2048
+    assert max_elements(1500, DType.F32, segments=3) == (1500 - 28 - 64 - 24) // 4
+    big = chain(
+        segments=tuple(("127.0.0.1", 8000 + i) for i in range(MAX_SEGMENTS)),
+        segments_left=MAX_SEGMENTS - 1,
+        length=8192,
+        payload=bytes(8192),
+    )
+    assert len(encode_packet(big)) == 64 + 8 * 64 + 8192 <= 8972
+
+
+def test_endpoint_packing() -> None:
+    assert endpoint_to_u64(("127.0.0.1", 7744)) == (0x7F000001 << 16) | 7744
+    assert u64_to_endpoint(endpoint_to_u64(("10.0.0.9", 1))) == ("10.0.0.9", 1)
+
+
+def test_reply_drops_sr_list_and_keeps_ids() -> None:
+    reply = reply_to(chain(), Opcode.NACK, Status.NO_RIGHTS)
+    assert reply.segments == () and reply.segments_left == 0 and reply.length == 0
+    assert (reply.client_id, reply.txn_id, reply.seq, reply.coll_id) == (3, 9, 7, 11)
+    assert decode_packet(encode_packet(reply)).status == Status.NO_RIGHTS
+
+
+def _raw(packet: Packet, patch: dict[int, int] | None = None, cut: int | None = None) -> bytes:
+    data = bytearray(encode_packet(packet))
+    for offset, value in (patch or {}).items():
+        data[offset] = value
+    return bytes(data[:cut] if cut is not None else data)
+
+
+MALFORMED = [
+    (
+        _raw(chain(), cut=37),
+        Status.TRUNCATED,
+        "packet truncated: 37 bytes, the fixed header needs 64",
+    ),
+    (_raw(chain(), {0: 2}), Status.BAD_VERSION, "unsupported version 2 (this node speaks 1)"),
+    (_raw(chain(), {1: 0x7F}), Status.BAD_OPCODE, "unknown opcode 0x7f"),
+    (_raw(chain(), {1: 0x0D}), Status.BAD_OPCODE, "unknown opcode 0x0d"),
+    (_raw(chain(), {55: 1}), Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"),
+    (_raw(chain(), {63: 1}), Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"),
+    (_raw(chain(), {2: 0x01}), Status.BAD_FIELD, "undefined flag bits 0x0100 set"),
+    (_raw(chain(), {48: 7}), Status.BAD_DTYPE, "unknown dtype 7"),
+    (_raw(chain(), {49: 3}), Status.BAD_OP, "unknown reduce op 3"),
+    (_raw(chain(), {50: 99}), Status.BAD_FIELD, "unknown status 99"),
+    (_raw(chain(), {52: 2}), Status.BAD_SEGMENT, "segment type 2 (IPv6) is reserved in v1"),
+    (_raw(chain(), {52: 9}), Status.BAD_SEGMENT, "unknown segment type 9"),
+    (_raw(chain(), {54: 65}), Status.BAD_SEGMENT, "SR list has 65 segments, the maximum is 64"),
+    (
+        _raw(chain(), {52: 0}),
+        Status.BAD_SEGMENT,
+        "segment type 0 does not match a list of 2 segments",
+    ),
+    (_raw(chain(), {53: 2}), Status.BAD_SEGMENT, "segments_left 2 out of range for 2 segments"),
+    (_raw(chain(), {54: 9}), Status.TRUNCATED, "SR list truncated (4 of 9 segments)"),
+    (_raw(chain(), cut=70), Status.TRUNCATED, "SR list truncated (0 of 2 segments)"),
+    (_raw(chain(), {71: 1}), Status.BAD_SEGMENT, "segment 0 has non-zero reserved bytes"),
+    (
+        _raw(chain(), cut=90),
+        Status.BAD_LENGTH,
+        "CHAIN_ADD length field says 16 bytes but the payload has 10",
+    ),
+    (
+        _raw(chain(), {48: 0}),
+        Status.BAD_DTYPE,
+        "CHAIN_ADD cannot combine raw bytes; give an element dtype",
+    ),
+    (
+        encode_packet(Packet(Opcode.READ, length=16)) + b"xx",
+        Status.BAD_LENGTH,
+        "READ carries no payload but 2 bytes follow the header",
+    ),
+]
+
+
+@pytest.mark.parametrize("data,status,message", MALFORMED)
+def test_malformed_exact_errors(data: bytes, status: Status, message: str) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_packet(data)
+    assert str(info.value) == message
+    assert info.value.status == status
+
+
+def _decode_error(packet_bytes: bytes) -> tuple[Status, str]:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_packet(packet_bytes)
+    return info.value.status, str(info.value)
+
+
+def _header_only(opcode: Opcode, **kw: object) -> bytes:
+    """Encode a header with arbitrary fields, bypassing the encoder's checks."""
+    packet = Packet(opcode=opcode, **kw)  # type: ignore[arg-type]
+    from netdam.protocol import packet as codec
+
+    original = codec._check_encodable
+    codec._check_encodable = lambda p: None  # type: ignore[assignment]
+    try:
+        return encode_packet(packet)
+    finally:
+        codec._check_encodable = original  # type: ignore[assignment]
+
+
+def test_opcode_field_rules() -> None:
+    cases = [
+        (
+            _header_only(Opcode.WRITE, segments=(("1.2.3.4", 5),)),
+            Status.BAD_SEGMENT,
+            "WRITE does not take an SR list",
+        ),
+        (
+            _header_only(Opcode.READ, length=9000),
+            Status.TOO_LARGE,
+            "length 9000 exceeds the maximum payload of 8192 bytes",
+        ),
+        (
+            _header_only(Opcode.FETCH_ADD, length=8, payload=bytes(8)),
+            Status.BAD_DTYPE,
+            "FETCH_ADD operates on u64 only",
+        ),
+        (_header_only(Opcode.READ), Status.BAD_LENGTH, "READ of length 0"),
+        (
+            _header_only(Opcode.READ, length=6, dtype=DType.F32),
+            Status.BAD_LENGTH,
+            "length 6 is not a multiple of the f32 element size 4",
+        ),
+        (_header_only(Opcode.WRITE), Status.BAD_LENGTH, "WRITE of length 0"),
+        (
+            _header_only(Opcode.ACK, length=8),
+            Status.BAD_LENGTH,
+            "ACK length field says 8 bytes but the payload has 0",
+        ),
+        (
+            _header_only(Opcode.PING, length=1, payload=b"x"),
+            Status.BAD_LENGTH,
+            "PING carries no payload (length 1, 1 bytes follow)",
+        ),
+        (
+            _header_only(Opcode.CAS, dtype=DType.U64, length=8, payload=bytes(8)),
+            Status.BAD_LENGTH,
+            "CAS needs length 8 and a 16-byte payload (got length 8, 8 bytes)",
+        ),
+        (
+            _header_only(
+                Opcode.ADD, flags=Flags.SPARSE, dtype=DType.F32, length=8, payload=bytes(8)
+            ),
+            Status.BAD_FIELD,
+            "ADD has no sparse form",
+        ),
+    ]
+    for data, status, message in cases:
+        assert _decode_error(data) == (status, message)
+
+
+def test_sparse_payload_rules() -> None:
+    def sparse(nnz: int, indices: list[int], values: int, length: int = 64) -> bytes:
+        body = struct.pack("<II", nnz, 0) + struct.pack(f"<{len(indices)}H", *indices)
+        body += bytes((-len(body)) % 8) + bytes(4 * values)
+        return _header_only(
+            Opcode.WRITE, flags=Flags.SPARSE, dtype=DType.F32, length=length, payload=body
+        )
+
+    good = decode_packet(sparse(2, [1, 5], 2))
+    assert len(good.payload) == sparse_payload_size(2, DType.F32) == 8 + 8 + 8
+    assert _decode_error(sparse(2, [5, 1], 2)) == (
+        Status.BAD_FIELD,
+        "sparse indices must increase strictly and stay below 16",
+    )
+    assert _decode_error(sparse(2, [1, 16], 2)) == (
+        Status.BAD_FIELD,
+        "sparse indices must increase strictly and stay below 16",
+    )
+    assert _decode_error(sparse(17, [], 0)) == (
+        Status.BAD_LENGTH,
+        "sparse nnz 17 exceeds the 16 elements of length 64",
+    )
+    assert _decode_error(sparse(3, [1, 2], 2)) == (
+        Status.BAD_LENGTH,
+        "sparse payload of 3 entries must be 28 bytes, got 24",
+    )
+    truncated = _header_only(
+        Opcode.WRITE, flags=Flags.SPARSE, dtype=DType.F32, length=64, payload=b"\x01"
+    )
+    assert _decode_error(truncated) == (
+        Status.TRUNCATED,
+        "sparse payload shorter than its 8-byte prefix",
+    )
+
+
+def test_encoder_refuses_what_decoder_would() -> None:
+    with pytest.raises(LocalProtocolError, match="exceeds the maximum payload"):
+        encode_packet(Packet(Opcode.WRITE, length=9000, payload=bytes(9000)))
+    with pytest.raises(LocalProtocolError, match="SR list has 65 segments"):
+        encode_packet(chain(segments=tuple(("1.1.1.1", i) for i in range(65))))
+
+
+def test_truncation_at_every_offset_raises_protocol_error_only() -> None:
+    data = encode_packet(chain())
+    for cut in range(len(data)):
+        with pytest.raises(RemoteProtocolError):
+            decode_packet(data[:cut])
+
+
+_u32 = st.integers(0, 2**32 - 1)
+_endpoint = st.tuples(st.ip_addresses(v=4).map(str), st.integers(0, 65535))
+
+
+@st.composite
+def valid_packets(draw: st.DrawFn) -> Packet:
+    opcode = draw(
+        st.sampled_from(
+            [
+                Opcode.READ,
+                Opcode.WRITE,
+                Opcode.ADD,
+                Opcode.CHAIN_ADD,
+                Opcode.ALL_WRITE,
+                Opcode.FETCH_ADD,
+                Opcode.CAS,
+                Opcode.PING,
+                Opcode.ACK,
+                Opcode.NACK,
+                Opcode.READ_RESP,
+            ]
+        )
+    )
+    dtype = draw(
+        st.sampled_from(
+            list(DType)[1:] if opcode in (Opcode.ADD, Opcode.CHAIN_ADD) else list(DType)
+        )
+    )
+    if opcode in (Opcode.FETCH_ADD, Opcode.CAS):
+        dtype = DType.U64
+    size = {DType.RAW: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}.get(dtype, 8)
+    n = draw(st.integers(1, 8192 // size))
+    payload = b""
+    length = 0
+    if opcode == Opcode.READ:
+        length = n * size
+    elif opcode in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP):
+        payload = draw(st.binary(min_size=n * size, max_size=n * size))
+        length = len(payload)
+    elif opcode in (Opcode.FETCH_ADD, Opcode.CAS):
+        length = 8
+        payload = draw(
+            st.binary(
+                min_size=8 if opcode == Opcode.FETCH_ADD else 16,
+                max_size=8 if opcode == Opcode.FETCH_ADD else 16,
+            )
+        )
+    elif opcode in (Opcode.ACK, Opcode.NACK):
+        payload = draw(st.binary(max_size=16))
+        length = len(payload)
+    segments: tuple[tuple[str, int], ...] = ()
+    left = 0
+    if opcode == Opcode.CHAIN_ADD:
+        segments = tuple(draw(st.lists(_endpoint, min_size=1, max_size=MAX_SEGMENTS)))
+        left = draw(st.integers(0, len(segments) - 1))
+    return Packet(
+        opcode=opcode,
+        flags=Flags(draw(st.integers(0, 0x1F)) & ~Flags.SPARSE),
+        seq=draw(_u32),
+        client_id=draw(_u32),
+        txn_id=draw(_u32),
+        coll_id=draw(_u32),
+        epoch=draw(_u32),
+        rkey=draw(_u32),
+        length=length,
+        addr=draw(st.integers(0, 2**64 - 1)),
+        aux_addr=draw(st.integers(0, 2**64 - 1)),
+        dtype=dtype,
+        reduce_op=draw(st.sampled_from(list(ReduceOp))),
+        status=draw(st.sampled_from(list(Status))),
+        credit=draw(st.integers(0, 255)),
+        segments_left=left,
+        segments=segments,
+        ret=draw(_endpoint),
+        payload=payload,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_packets())
+def test_hypothesis_round_trip(packet: Packet) -> None:
+    data = encode_packet(packet)
+    assert decode_packet(data) == packet
+    assert encode_packet(decode_packet(data)) == data
+
+
+@settings(max_examples=300, deadline=None)
+@given(valid_packets(), st.integers(0, 700), st.integers(0, 255))
+def test_hypothesis_mutations_never_escape(packet: Packet, offset: int, value: int) -> None:
+    """Any single-byte mutation decodes or raises RemoteProtocolError: nothing else."""
+    data = bytearray(encode_packet(packet))
+    data[offset % len(data)] = value
+    try:
+        decode_packet(bytes(data))
+    except RemoteProtocolError as exc:
+        assert isinstance(exc.status, Status) and exc.status != Status.OK
