@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from netdam import cliutil
 from netdam.cliutil import CommandError, ExitCode, NetdamArgumentParser, emit
 
 # Subcommand modules, in the order `netdam --help` lists them.
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Emulator of a NetDAM-style SmartNIC: memory behind the network port that "
         "executes instructions carried in UDP packets.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=NetdamArgumentParser)
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=NetdamArgumentParser
+    )
     subparsers.required = True
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
@@ -38,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``netdam`` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    cliutil.JSON_REQUESTED[0] = "--json" in arguments
+    args = parser.parse_args(arguments)
     try:
         code: int = args.func(args)
     except CommandError as exc:

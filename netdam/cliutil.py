@@ -56,7 +56,9 @@ def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
     for key, value in _clean(obj).items():
-        sys.stdout.write(f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}\n")
+        sys.stdout.write(
+            f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}\n"
+        )
 
 
 def size_arg(text: str) -> int:
@@ -75,11 +77,15 @@ def size_range_arg(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: Whether the command line being parsed asked for --json (set by netdam.cli.main).
+JSON_REQUESTED = [False]
+
+
 class NetdamArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser that honours ``--json`` for usage errors too (exit 2, one JSON object)."""
 
     def error(self, message: str) -> NoReturn:
-        if "--json" in sys.argv[1:]:
+        if JSON_REQUESTED[0]:
             sys.stdout.write(dumps_json({"ok": False, "error": f"{self.prog}: {message}"}) + "\n")
             self.exit(ExitCode.USAGE)
         self.print_usage(sys.stderr)

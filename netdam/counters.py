@@ -73,7 +73,9 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
     result["ops"] = {
         op.name: int(values[OPCODE_BASE + op]) for op in Opcode if values[OPCODE_BASE + op]
     }
-    result["nacks"] = {st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]}
+    result["nacks"] = {
+        st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
+    }
     result["drops"] = sum(int(values[i]) for i in range(DROP_TRUNCATED, KERNEL_DROPS + 1))
     return result
 

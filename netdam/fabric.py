@@ -123,8 +123,7 @@ class Fabric:
 
     def _schedule(self, src: int, dst: int, data: bytes) -> None:
         if self.faults.active:
-            arr = np.frombuffer(data, np.uint8)
-            pid = int(packet_id(arr, len(data)))
+            pid = packet_id(data)
             key = (src, dst, pid)
             fate = decide(self.faults, src, dst, pid, self._attempts[key])
             self._attempts[key] += 1

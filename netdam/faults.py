@@ -12,48 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
-from netdam.protocol.constants import HEADER_SIZE
-
-# Salts separating the decision streams of one packet.
-_SALT_DROP = 0x9E3779B97F4A7C15
-_SALT_DUP = 0xBF58476D1CE4E5B9
-_SALT_REORDER = 0x94D049BB133111EB
-_SALT_DELAY = 0x2545F4914F6CDD1D
-
-
-@njit(cache=True, nogil=True)
-def _mix(x):  # type: ignore[no-untyped-def]
-    """splitmix64 finaliser (Steele, Lea & Flood 2014): a cheap, well-mixed 64-bit hash."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-@njit(cache=True, nogil=True)
-def fault_hash(seed, src, dst, packet_id, attempt, salt):  # type: ignore[no-untyped-def]
-    """Uniform draw in [0, 1) for one decision about one packet."""
-    h = _mix(np.uint64(seed) ^ np.uint64(salt))
-    h = _mix(h ^ np.uint64(src))
-    h = _mix(h ^ np.uint64(dst))
-    h = _mix(h ^ np.uint64(packet_id))
-    h = _mix(h ^ np.uint64(attempt))
-    return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-
-
-@njit(cache=True, nogil=True)
-def packet_id(b, n):  # type: ignore[no-untyped-def]
-    """Hash of the identifying header bytes (status, credit, flags and return segment excluded)."""
-    if n < HEADER_SIZE:
-        h = np.uint64(n)
-        for k in range(n):
-            h = _mix(h ^ np.uint64(b[k]))
-        return h
-    h = np.uint64(b[1])
-    for k in range(4, 48):
-        h = _mix(h ^ (np.uint64(b[k]) << np.uint64(8 * (k % 8))))
-    return _mix(h ^ np.uint64(b[53]))
+from netdam.kernels.fault_hash import (
+    _SALT_DELAY,
+    _SALT_DROP,
+    _SALT_DUP,
+    _SALT_REORDER,
+    _fault_hash,
+    _packet_id,
+)
 
 
 @dataclass(frozen=True)
@@ -93,9 +60,18 @@ class FaultDecision:
 
 def decide(spec: FaultSpec, src: int, dst: int, pid: int, attempt: int) -> FaultDecision:
     """The fate of one datagram (pure: same arguments, same answer)."""
-    if fault_hash(spec.seed, src, dst, pid, attempt, _SALT_DROP) < spec.loss:
+    key = [np.uint64(v & 0xFFFFFFFFFFFFFFFF) for v in (spec.seed, src, dst, pid, attempt)]
+    if _fault_hash(*key, np.uint64(_SALT_DROP)) < spec.loss:
         return FaultDecision(True, 0, False, 0.0)
-    copies = 2 if fault_hash(spec.seed, src, dst, pid, attempt, _SALT_DUP) < spec.dup else 1
-    reorder = fault_hash(spec.seed, src, dst, pid, attempt, _SALT_REORDER) < spec.reorder
-    delayed = fault_hash(spec.seed, src, dst, pid, attempt, _SALT_DELAY) < spec.delay
+    copies = 2 if _fault_hash(*key, np.uint64(_SALT_DUP)) < spec.dup else 1
+    reorder = _fault_hash(*key, np.uint64(_SALT_REORDER)) < spec.reorder
+    delayed = _fault_hash(*key, np.uint64(_SALT_DELAY)) < spec.delay
     return FaultDecision(False, copies, reorder, spec.delay_s if delayed else 0.0)
+
+
+def packet_id(datagram: bytes | np.ndarray) -> int:
+    """The id fault decisions use for *datagram* (see module docstring)."""
+    arr = np.frombuffer(datagram, np.uint8) if isinstance(datagram, bytes) else datagram
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise ValueError("packet_id needs bytes or a 1-D uint8 array")
+    return int(_packet_id(arr, arr.shape[0]))

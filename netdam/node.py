@@ -100,7 +100,9 @@ class NodeCore:
 
     def __init__(self, config: NodeConfig, memory: np.ndarray | None = None) -> None:
         if config.mtu < MIN_MTU:
-            raise ValueError(f"MTU {config.mtu} is too small: NetDAM needs at least {MIN_MTU} (--mtu)")
+            raise ValueError(
+                f"MTU {config.mtu} is too small: NetDAM needs at least {MIN_MTU} (--mtu)"
+            )
         if memory is None:
             memory = np.zeros(config.memory_bytes, dtype=np.uint8)
         if memory.dtype != np.uint8 or memory.ndim != 1 or not memory.flags.c_contiguous:
@@ -155,7 +157,7 @@ class NodeCore:
         self._reserve_tx(n)
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
-        tx_n, n_punt = datapath.process_batch(
+        tx_n, n_punt = datapath._process_batch(
             buf, lens, srcs, n,
             self.memory, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._members,
             self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
@@ -176,15 +178,22 @@ class NodeCore:
             raise ValueError(f"send slots must hold {SLOT_BYTES} bytes, got {out.shape[1]}")
         count = min(self._tx_n - self._tx_head, out.shape[0])
         if count:
-            datapath.drain(
-                self._tx_buf, self._tx_len, self._tx_dst, self._tx_head, count, out, out_lens, out_dsts
+            datapath._drain(
+                self._tx_buf,
+                self._tx_len,
+                self._tx_dst,
+                self._tx_head,
+                count,
+                out,
+                out_lens,
+                out_dsts,
             )
             self.counters[C.TX_PACKETS] += count
             self.counters[C.TX_BYTES] += int(out_lens[:count].sum())
         self._tx_head += count
         if self._tx_head == self._tx_n:
             self._tx_head = self._tx_n = 0
-        return count
+        return int(count)
 
     def pending(self) -> int:
         """Datagrams waiting in the send queue."""
@@ -208,7 +217,11 @@ class NodeCore:
         buf = np.zeros((1, max(SLOT_BYTES, len(data))), np.uint8)
         buf[0, : len(data)] = np.frombuffer(data, np.uint8)
         self.receive_batch(
-            buf, np.array([len(data)], np.int32), np.array([endpoint_to_u64(src)], np.uint64), 1, now
+            buf,
+            np.array([len(data)], np.int32),
+            np.array([endpoint_to_u64(src)], np.uint64),
+            1,
+            now,
         )
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
@@ -259,7 +272,11 @@ class NodeCore:
         if need <= cap or cap >= MAX_TX_QUEUE:
             return
         new_cap = min(MAX_TX_QUEUE, max(need, 2 * cap))
-        for name, shape in (("_tx_buf", (new_cap, SLOT_BYTES)), ("_tx_len", (new_cap,)), ("_tx_dst", (new_cap,))):
+        for name, shape in (
+            ("_tx_buf", (new_cap, SLOT_BYTES)),
+            ("_tx_len", (new_cap,)),
+            ("_tx_dst", (new_cap,)),
+        ):
             old = getattr(self, name)
             grown = np.zeros(shape, old.dtype)
             grown[: old.shape[0]] = old
@@ -280,19 +297,26 @@ class NodeCore:
     def _reply_dst(self, packet: Packet, src: int) -> int:
         ret = endpoint_to_u64(packet.ret)
         if ret and src in self._member_set:
-            return ret
+            return int(ret)
         return src
 
-    def _reply(self, request: Packet, src: int, opcode: Opcode, status: Status = Status.OK,
-               payload: bytes = b"", **fields: int) -> bytes:  # fmt: skip
+    def _reply(
+        self,
+        request: Packet,
+        src: int,
+        opcode: Opcode,
+        status: Status = Status.OK,
+        payload: bytes = b"",
+        rkey: int | None = None,
+    ) -> bytes:
         reply = reply_to(request, opcode, status, payload)
-        if fields:
-            reply = replace(reply, **fields)  # type: ignore[arg-type]
+        if rkey is not None:
+            reply = replace(reply, rkey=rkey)
         data = encode_packet(reply)
         self._push(data, self._reply_dst(request, src))
         if status != Status.OK:
             self.counters[C.NACK_BASE + status] += 1
-        return data
+        return bytes(data)
 
     def _nack(self, request: Packet, src: int, status: Status) -> None:
         self._reply(request, src, Opcode.NACK, status)
@@ -351,9 +375,11 @@ class NodeCore:
         )
         self._reply(packet, src, Opcode.INFO, payload=info)
 
-    def _windowed(self, packet: Packet, src: int, execute: Callable[[], tuple[Status, dict[str, int]]]) -> None:
+    def _windowed(
+        self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int | None]]
+    ) -> None:
         """Run a mutating control opcode at most once per (client, txn), like the datapath."""
-        verdict, c, w = datapath.window_check(
+        verdict, c, w = datapath._window_check(
             self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state,
             packet.client_id, packet.txn_id,
         )  # fmt: skip
@@ -365,13 +391,13 @@ class NodeCore:
             self.counters[C.DUP_REPLAYS] += 1
             self._push(bytes(self._w_reply[c, w, :length]), self._reply_dst(packet, src))
             return
-        status, fields = execute()
+        status, rkey = execute()
         if status != Status.OK:
             self._nack(packet, src, status)
             return
-        reply = self._reply(packet, src, Opcode.ACK, **fields)
+        reply = self._reply(packet, src, Opcode.ACK, rkey=rkey)
         if verdict == 0:
-            datapath.window_record(
+            datapath._window_record(
                 self._w_txn, self._w_state, self._w_len, self._w_reply, c, w, packet.txn_id,
                 np.frombuffer(reply, np.uint8), len(reply),
             )  # fmt: skip
@@ -379,19 +405,21 @@ class NodeCore:
     def _on_register(self, packet: Packet, src: int) -> None:
         requested, rights = REGISTER_STRUCT.unpack(packet.payload)
 
-        def execute() -> tuple[Status, dict[str, int]]:
+        def execute() -> tuple[Status, int | None]:
             result = self._register(packet.addr, packet.aux_addr, rights, requested)
             if isinstance(result, Status):
-                return result, {}
-            return Status.OK, {"rkey": result}
+                return result, None
+            return Status.OK, result
 
         self._windowed(packet, src, execute)
 
     def _on_deregister(self, packet: Packet, src: int) -> None:
         rkey, _ = REGISTER_STRUCT.unpack(packet.payload)
-        self._windowed(packet, src, lambda: (self._deregister(rkey), {}))
+        self._windowed(packet, src, lambda: (self._deregister(rkey), None))
 
-    def _register(self, base: int, size: int, rights: int, rkey: int, announce: bool = True) -> int | Status:
+    def _register(
+        self, base: int, size: int, rights: int, rkey: int, announce: bool = True
+    ) -> int | Status:
         if size <= 0 or base + size > self.memory.shape[0]:
             return Status.OUT_OF_BOUNDS
         if rights == 0 or rights & ~int(Rights.READ | Rights.WRITE | Rights.ATOMIC):
@@ -452,7 +480,7 @@ def _probe_free(table: np.ndarray, rkey: int) -> int:
     slot = (rkey * 2654435761) & mask
     while table[slot] != 0:
         slot = (slot + 1) & mask
-    return slot
+    return int(slot)
 
 
 def _check_batch(buf: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:

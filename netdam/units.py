@@ -46,7 +46,9 @@ def parse_size_range(text: str) -> list[int]:
     low_text, high_text = text.split("..", 1)
     low, high = parse_size(low_text), parse_size(high_text)
     if low <= 0 or high < low:
-        raise ValueError(f"invalid size range {text!r}: need 0 < A <= B in A..B (e.g. 1KiB..256MiB)")
+        raise ValueError(
+            f"invalid size range {text!r}: need 0 < A <= B in A..B (e.g. 1KiB..256MiB)"
+        )
     if low & (low - 1) or high & (high - 1):
         raise ValueError(
             f"invalid size range {text!r}: both ends of A..B must be powers of two (e.g. 1KiB..64MiB)"

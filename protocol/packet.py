@@ -122,6 +122,13 @@ def u64_to_endpoint(value: int) -> Endpoint:
 def encode_packet(packet: Packet) -> bytes:
     """Serialize *packet*; raises LocalProtocolError when SPEC.md forbids it."""
     _check_encodable(packet)
+    try:
+        return _pack(packet)
+    except (struct.error, ValueError) as exc:  # a field out of its width, a bad IPv4 string
+        raise LocalProtocolError(Status.BAD_FIELD, f"cannot encode packet: {exc}") from None
+
+
+def _pack(packet: Packet) -> bytes:
     ret_ip, ret_port = packet.ret
     header = HEADER_STRUCT.pack(
         packet.version,
@@ -154,10 +161,20 @@ def encode_packet(packet: Packet) -> bytes:
 
 def _check_encodable(packet: Packet) -> None:
     """Round-trip guarantee: whatever encode_packet writes, decode_packet accepts."""
+    if packet.version != PROTOCOL_VERSION:
+        raise LocalProtocolError(
+            Status.BAD_VERSION,
+            f"cannot encode version {packet.version}; this codec speaks {PROTOCOL_VERSION}",
+        )
     if len(packet.segments) > MAX_SEGMENTS:
         raise LocalProtocolError(
             Status.BAD_SEGMENT,
             f"SR list has {len(packet.segments)} segments, the maximum is {MAX_SEGMENTS}",
+        )
+    if packet.segments_left >= max(len(packet.segments), 1):
+        raise LocalProtocolError(
+            Status.BAD_SEGMENT,
+            f"segments_left {packet.segments_left} out of range for {len(packet.segments)} segments",
         )
     try:
         check_fields(packet)
@@ -302,7 +319,7 @@ def check_fields(packet: Packet) -> None:
         if length != want_length or size != want_size:
             raise RemoteProtocolError(
                 Status.BAD_LENGTH,
-                f"{opcode.name} needs length {want_length} and a {want_size}-byte payload "
+                f"{opcode.name} needs length {want_length} and a payload of {want_size} bytes "
                 f"(got length {length}, {size} bytes)",
             )
 
@@ -376,6 +393,9 @@ def check_sparse_payload(payload: bytes, length: int, dtype: DType) -> None:
             f"sparse payload of {nnz} entries must be {sparse_payload_size(nnz, dtype)} bytes, got {len(payload)}",
         )
     indices = struct.unpack_from(f"<{nnz}H", payload, SPARSE_PREFIX.size)
+    pad_start = SPARSE_PREFIX.size + 2 * nnz
+    if any(payload[pad_start : sparse_payload_size(nnz, dtype) - nnz * ELEMENT_SIZE[dtype]]):
+        raise RemoteProtocolError(Status.BAD_FIELD, "sparse index padding must be zero")
     if any(b <= a for a, b in zip(indices, indices[1:])) or (indices and indices[-1] >= elements):
         raise RemoteProtocolError(
             Status.BAD_FIELD, f"sparse indices must increase strictly and stay below {elements}"

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from netdam.protocol.constants import RIGHTS_ALL, Opcode
-from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from hypothesis import strategies as st
 
 from netdam.fabric import Fabric
 from netdam.faults import FaultSpec
 from netdam.node import NodeConfig, NodeCore
+from netdam.protocol.constants import (
+    MAX_SEGMENTS,
+    RIGHTS_ALL,
+    DType,
+    Flags,
+    Opcode,
+    ReduceOp,
+    Status,
+)
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 
 CLIENT: Endpoint = ("127.0.0.1", 9001)
 ADMIN_KEY = 0x5EC12E7
@@ -66,3 +75,81 @@ def only(replies: list[Packet], opcode: Opcode) -> Packet:
     assert len(replies) == 1, replies
     assert replies[0].opcode == opcode, replies[0]
     return replies[0]
+
+
+_u32 = st.integers(0, 2**32 - 1)
+_endpoint = st.tuples(st.ip_addresses(v=4).map(str), st.integers(0, 65535))
+
+
+@st.composite
+def valid_packets(draw: st.DrawFn) -> Packet:
+    opcode = draw(
+        st.sampled_from(
+            [
+                Opcode.READ,
+                Opcode.WRITE,
+                Opcode.ADD,
+                Opcode.CHAIN_ADD,
+                Opcode.ALL_WRITE,
+                Opcode.FETCH_ADD,
+                Opcode.CAS,
+                Opcode.PING,
+                Opcode.ACK,
+                Opcode.NACK,
+                Opcode.READ_RESP,
+            ]
+        )
+    )
+    dtype = draw(
+        st.sampled_from(
+            list(DType)[1:] if opcode in (Opcode.ADD, Opcode.CHAIN_ADD) else list(DType)
+        )
+    )
+    if opcode in (Opcode.FETCH_ADD, Opcode.CAS):
+        dtype = DType.U64
+    size = {DType.RAW: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}.get(dtype, 8)
+    n = draw(st.integers(1, 8192 // size))
+    payload = b""
+    length = 0
+    if opcode == Opcode.READ:
+        length = n * size
+    elif opcode in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP):
+        payload = draw(st.binary(min_size=n * size, max_size=n * size))
+        length = len(payload)
+    elif opcode in (Opcode.FETCH_ADD, Opcode.CAS):
+        length = 8
+        payload = draw(
+            st.binary(
+                min_size=8 if opcode == Opcode.FETCH_ADD else 16,
+                max_size=8 if opcode == Opcode.FETCH_ADD else 16,
+            )
+        )
+    elif opcode in (Opcode.ACK, Opcode.NACK):
+        payload = draw(st.binary(max_size=16))
+        length = len(payload)
+    segments: tuple[tuple[str, int], ...] = ()
+    left = 0
+    if opcode == Opcode.CHAIN_ADD:
+        segments = tuple(draw(st.lists(_endpoint, min_size=1, max_size=MAX_SEGMENTS)))
+        left = draw(st.integers(0, len(segments) - 1))
+    return Packet(
+        opcode=opcode,
+        flags=Flags(draw(st.integers(0, 0x1F)) & ~Flags.SPARSE),
+        seq=draw(_u32),
+        client_id=draw(_u32),
+        txn_id=draw(_u32),
+        coll_id=draw(_u32),
+        epoch=draw(_u32),
+        rkey=draw(_u32),
+        length=length,
+        addr=draw(st.integers(0, 2**64 - 1)),
+        aux_addr=draw(st.integers(0, 2**64 - 1)),
+        dtype=dtype,
+        reduce_op=draw(st.sampled_from(list(ReduceOp))),
+        status=draw(st.sampled_from(list(Status))),
+        credit=draw(st.integers(0, 255)),
+        segments_left=left,
+        segments=segments,
+        ret=draw(_endpoint),
+        payload=payload,
+    )

@@ -7,6 +7,10 @@ import struct
 import numpy as np
 import pytest
 from helpers import ADMIN_KEY, CLIENT, MEMORY, RKEY, Cluster, make_cluster, only
+
+from netdam import counters as C
+from netdam.events import GroupJoined, GroupLeft, RegionRegistered, ReplyReceived
+from netdam.node import INFO_STRUCT, NodeConfig, NodeCore
 from netdam.protocol.constants import (
     DUP_WINDOW,
     DType,
@@ -18,22 +22,47 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
 
-from netdam import counters as C
-from netdam.events import GroupJoined, GroupLeft, RegionRegistered, ReplyReceived
-from netdam.node import INFO_STRUCT, NodeConfig, NodeCore
 
-
-def write(addr: int, data: bytes, txn: int = 0, client: int = 1, rkey: int = RKEY, flags: Flags = Flags.ACK_REQ, dtype: DType = DType.RAW) -> Packet:
-    return Packet(Opcode.WRITE, flags=flags, client_id=client, txn_id=txn, rkey=rkey, addr=addr, dtype=dtype, length=len(data), payload=data)
+def write(
+    addr: int,
+    data: bytes,
+    txn: int = 0,
+    client: int = 1,
+    rkey: int = RKEY,
+    flags: Flags = Flags.ACK_REQ,
+    dtype: DType = DType.RAW,
+) -> Packet:
+    return Packet(
+        Opcode.WRITE,
+        flags=flags,
+        client_id=client,
+        txn_id=txn,
+        rkey=rkey,
+        addr=addr,
+        dtype=dtype,
+        length=len(data),
+        payload=data,
+    )
 
 
 def read(addr: int, length: int, rkey: int = RKEY, dtype: DType = DType.RAW) -> Packet:
     return Packet(Opcode.READ, rkey=rkey, addr=addr, length=length, dtype=dtype)
 
 
-def atomic(opcode: Opcode, addr: int, *values: int, txn: int = 0, client: int = 1, rkey: int = RKEY) -> Packet:
+def atomic(
+    opcode: Opcode, addr: int, *values: int, txn: int = 0, client: int = 1, rkey: int = RKEY
+) -> Packet:
     payload = struct.pack(f"<{len(values)}Q", *values)
-    return Packet(opcode, client_id=client, txn_id=txn, rkey=rkey, addr=addr, dtype=DType.U64, length=8, payload=payload)
+    return Packet(
+        opcode,
+        client_id=client,
+        txn_id=txn,
+        rkey=rkey,
+        addr=addr,
+        dtype=DType.U64,
+        length=8,
+        payload=payload,
+    )
 
 
 def control(opcode: Opcode, key: int = ADMIN_KEY, **kw: object) -> Packet:
@@ -62,12 +91,36 @@ def test_add_combines_into_memory(cluster: Cluster) -> None:
     node = cluster.nodes[0]
     node.memory[64:80].view(np.float32)[:] = [1.0, 2.0, 3.0, 4.0]
     payload = np.array([0.5, 0.25, -3.0, 1e30], np.float32).tobytes()
-    packet = Packet(Opcode.ADD, flags=Flags.ACK_REQ, client_id=1, txn_id=3, rkey=RKEY, addr=64, dtype=DType.F32, length=16, payload=payload)
+    packet = Packet(
+        Opcode.ADD,
+        flags=Flags.ACK_REQ,
+        client_id=1,
+        txn_id=3,
+        rkey=RKEY,
+        addr=64,
+        dtype=DType.F32,
+        length=16,
+        payload=payload,
+    )
     only(cluster.request(0, packet), Opcode.ACK)
-    np.testing.assert_array_equal(node.memory[64:80].view(np.float32), np.array([1.5, 2.25, 0.0, 1e30], np.float32))
-    maxed = Packet(Opcode.ADD, client_id=1, txn_id=4, rkey=RKEY, addr=64, dtype=DType.F32, reduce_op=ReduceOp.MAX, length=16, payload=np.full(4, 2.0, np.float32).tobytes())
+    np.testing.assert_array_equal(
+        node.memory[64:80].view(np.float32), np.array([1.5, 2.25, 0.0, 1e30], np.float32)
+    )
+    maxed = Packet(
+        Opcode.ADD,
+        client_id=1,
+        txn_id=4,
+        rkey=RKEY,
+        addr=64,
+        dtype=DType.F32,
+        reduce_op=ReduceOp.MAX,
+        length=16,
+        payload=np.full(4, 2.0, np.float32).tobytes(),
+    )
     cluster.request(0, maxed)
-    np.testing.assert_array_equal(node.memory[64:80].view(np.float32), np.array([2.0, 2.25, 2.0, 1e30], np.float32))
+    np.testing.assert_array_equal(
+        node.memory[64:80].view(np.float32), np.array([2.0, 2.25, 2.0, 1e30], np.float32)
+    )
 
 
 def test_fetch_add_and_cas(cluster: Cluster) -> None:
@@ -107,16 +160,29 @@ def test_window_stale_and_out_of_order(cluster: Cluster) -> None:
     only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=1000)), Opcode.ACK)
     # Older but inside the window, never seen: executes.
     only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=1000 - DUP_WINDOW + 1)), Opcode.ACK)
-    stale = only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=1000 - DUP_WINDOW)), Opcode.NACK)
+    stale = only(
+        cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=1000 - DUP_WINDOW)), Opcode.NACK
+    )
     assert stale.status == Status.STALE
     assert int(node.memory[0:8].view(np.uint64)[0]) == 2
     # Moving far ahead forgets everything behind the window.
     only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=1000 + 5 * DUP_WINDOW)), Opcode.ACK)
-    assert only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=1000)), Opcode.NACK).status == Status.STALE
+    assert (
+        only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=1000)), Opcode.NACK).status
+        == Status.STALE
+    )
     # txn ids wrap: 2^32-1 -> 0 is forward.
     only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=2**32 - 1, client=9)), Opcode.ACK)
     only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=0, client=9)), Opcode.ACK)
-    assert old_value(only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=2**32 - 1, client=9)), Opcode.ACK)) == 3
+    assert (
+        old_value(
+            only(
+                cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=2**32 - 1, client=9)),
+                Opcode.ACK,
+            )
+        )
+        == 3
+    )
 
 
 def test_client_zero_is_not_tracked(cluster: Cluster) -> None:
@@ -147,20 +213,37 @@ NACK_CASES = [
     ("zero rkey", lambda ro, wo: read(4096, 4, rkey=0), Status.BAD_RKEY),
     ("write with read key", lambda ro, wo: write(4096, b"z", rkey=ro), Status.NO_RIGHTS),
     ("read with write key", lambda ro, wo: read(8192, 4, rkey=wo), Status.NO_RIGHTS),
-    ("atomic without right", lambda ro, wo: atomic(Opcode.FETCH_ADD, 8192, 1, rkey=wo), Status.NO_RIGHTS),
+    (
+        "atomic without right",
+        lambda ro, wo: atomic(Opcode.FETCH_ADD, 8192, 1, rkey=wo),
+        Status.NO_RIGHTS,
+    ),
     ("read past region", lambda ro, wo: read(4096 + 4090, 8, rkey=ro), Status.OUT_OF_BOUNDS),
     ("read before region", lambda ro, wo: read(4000, 8, rkey=ro), Status.OUT_OF_BOUNDS),
     ("huge address", lambda ro, wo: read(2**64 - 4, 8, rkey=ro), Status.OUT_OF_BOUNDS),
     ("write past region", lambda ro, wo: write(8192 + 4095, b"zz", rkey=wo), Status.OUT_OF_BOUNDS),
     ("misaligned f32", lambda ro, wo: read(4098, 8, rkey=ro, dtype=DType.F32), Status.MISALIGNED),
     ("misaligned atomic", lambda ro, wo: atomic(Opcode.FETCH_ADD, 12, 1), Status.MISALIGNED),
-    ("register without admin", lambda ro, wo: control(Opcode.REGISTER, key=RKEY, addr=0, aux_addr=64, length=8, payload=struct.pack("<II", 0, 1)), Status.UNAUTHORIZED),
+    (
+        "register without admin",
+        lambda ro, wo: control(
+            Opcode.REGISTER,
+            key=RKEY,
+            addr=0,
+            aux_addr=64,
+            length=8,
+            payload=struct.pack("<II", 0, 1),
+        ),
+        Status.UNAUTHORIZED,
+    ),
     ("counters without admin", lambda ro, wo: control(Opcode.COUNTERS, key=0), Status.UNAUTHORIZED),
 ]
 
 
 @pytest.mark.parametrize("name,make,status", NACK_CASES, ids=[c[0] for c in NACK_CASES])
-def test_refused_requests_touch_nothing(restricted: tuple[Cluster, int, int], name: str, make, status: Status) -> None:  # type: ignore[no-untyped-def]
+def test_refused_requests_touch_nothing(
+    restricted: tuple[Cluster, int, int], name: str, make, status: Status
+) -> None:  # type: ignore[no-untyped-def]
     cluster, ro, wo = restricted
     node = cluster.nodes[0]
     before = node.memory.copy()
@@ -203,31 +286,112 @@ def test_oversize_datagram_is_dropped(cluster: Cluster) -> None:
 def test_ping_info(cluster: Cluster) -> None:
     info = only(cluster.request(1, Packet(Opcode.PING, txn_id=4)), Opcode.INFO)
     version, mtu, memory, max_payload, max_segments, rank, world = INFO_STRUCT.unpack(info.payload)
-    assert (version, mtu, memory, max_payload, max_segments, rank, world) == (1, 9000, MEMORY, 8192, 64, 1, 3)
+    assert (version, mtu, memory, max_payload, max_segments, rank, world) == (
+        1,
+        9000,
+        MEMORY,
+        8192,
+        64,
+        1,
+        3,
+    )
 
 
 def test_register_deregister_over_the_wire(cluster: Cluster) -> None:
     node = cluster.nodes[0]
     payload = struct.pack("<II", 0, int(Rights.READ | Rights.WRITE))
-    ack = only(cluster.request(0, control(Opcode.REGISTER, addr=65536, aux_addr=1024, length=8, payload=payload, client_id=4, txn_id=1)), Opcode.ACK)
+    ack = only(
+        cluster.request(
+            0,
+            control(
+                Opcode.REGISTER,
+                addr=65536,
+                aux_addr=1024,
+                length=8,
+                payload=payload,
+                client_id=4,
+                txn_id=1,
+            ),
+        ),
+        Opcode.ACK,
+    )
     rkey = ack.rkey
     assert rkey in node.regions() and node.regions()[rkey] == (65536, 1024, 3)
     assert any(isinstance(e, RegionRegistered) for e in iter(node.next_event, None))
     # A retried REGISTER is answered from the window: same rkey, no second region.
-    again = only(cluster.request(0, control(Opcode.REGISTER, addr=65536, aux_addr=1024, length=8, payload=payload, client_id=4, txn_id=1)), Opcode.ACK)
+    again = only(
+        cluster.request(
+            0,
+            control(
+                Opcode.REGISTER,
+                addr=65536,
+                aux_addr=1024,
+                length=8,
+                payload=payload,
+                client_id=4,
+                txn_id=1,
+            ),
+        ),
+        Opcode.ACK,
+    )
     assert again.rkey == rkey and len(node.regions()) == 2
     only(cluster.request(0, write(65536 + 1020, b"1234", rkey=rkey, txn=9)), Opcode.ACK)
-    assert only(cluster.request(0, write(65536 + 1021, b"1234", rkey=rkey, txn=10)), Opcode.NACK).status == Status.OUT_OF_BOUNDS
-    exists = control(Opcode.REGISTER, addr=0, aux_addr=8, length=8, payload=struct.pack("<II", rkey, 1), client_id=4, txn_id=2)
+    assert (
+        only(
+            cluster.request(0, write(65536 + 1021, b"1234", rkey=rkey, txn=10)), Opcode.NACK
+        ).status
+        == Status.OUT_OF_BOUNDS
+    )
+    exists = control(
+        Opcode.REGISTER,
+        addr=0,
+        aux_addr=8,
+        length=8,
+        payload=struct.pack("<II", rkey, 1),
+        client_id=4,
+        txn_id=2,
+    )
     assert only(cluster.request(0, exists), Opcode.NACK).status == Status.EXISTS
-    too_big = control(Opcode.REGISTER, addr=MEMORY - 8, aux_addr=16, length=8, payload=struct.pack("<II", 0, 1), client_id=4, txn_id=3)
+    too_big = control(
+        Opcode.REGISTER,
+        addr=MEMORY - 8,
+        aux_addr=16,
+        length=8,
+        payload=struct.pack("<II", 0, 1),
+        client_id=4,
+        txn_id=3,
+    )
     assert only(cluster.request(0, too_big), Opcode.NACK).status == Status.OUT_OF_BOUNDS
-    bad_rights = control(Opcode.REGISTER, addr=0, aux_addr=16, length=8, payload=struct.pack("<II", 0, 8), client_id=4, txn_id=4)
+    bad_rights = control(
+        Opcode.REGISTER,
+        addr=0,
+        aux_addr=16,
+        length=8,
+        payload=struct.pack("<II", 0, 8),
+        client_id=4,
+        txn_id=4,
+    )
     assert only(cluster.request(0, bad_rights), Opcode.NACK).status == Status.BAD_FIELD
-    only(cluster.request(0, control(Opcode.DEREGISTER, length=8, payload=struct.pack("<II", rkey, 0), client_id=4, txn_id=5)), Opcode.ACK)
-    assert only(cluster.request(0, read(65536, 4, rkey=rkey)), Opcode.NACK).status == Status.BAD_RKEY
+    only(
+        cluster.request(
+            0,
+            control(
+                Opcode.DEREGISTER,
+                length=8,
+                payload=struct.pack("<II", rkey, 0),
+                client_id=4,
+                txn_id=5,
+            ),
+        ),
+        Opcode.ACK,
+    )
+    assert (
+        only(cluster.request(0, read(65536, 4, rkey=rkey)), Opcode.NACK).status == Status.BAD_RKEY
+    )
     only(cluster.request(0, read(0, 4)), Opcode.READ_RESP)  # the other region still works
-    gone = control(Opcode.DEREGISTER, length=8, payload=struct.pack("<II", rkey, 0), client_id=4, txn_id=6)
+    gone = control(
+        Opcode.DEREGISTER, length=8, payload=struct.pack("<II", rkey, 0), client_id=4, txn_id=6
+    )
     assert only(cluster.request(0, gone), Opcode.NACK).status == Status.BAD_RKEY
 
 
@@ -253,7 +417,14 @@ def test_join_leave_and_counters(cluster: Cluster) -> None:
     assert values[C.RX_PACKETS] == 3
 
 
-def chain_packet(cluster: Cluster, order: list[int], payload: np.ndarray, addr: int = 0, store: int = 0, **kw: object) -> Packet:
+def chain_packet(
+    cluster: Cluster,
+    order: list[int],
+    payload: np.ndarray,
+    addr: int = 0,
+    store: int = 0,
+    **kw: object,
+) -> Packet:
     segments = tuple(cluster.endpoints[i] for i in order)
     fields = dict(
         flags=Flags.ACK_REQ, rkey=RKEY, addr=addr, aux_addr=store, dtype=DType.F32,
@@ -269,7 +440,9 @@ def test_chain_add_three_hops_exact(cluster: Cluster, rng: np.random.Generator) 
     for node, block in zip(cluster.nodes, blocks[1:]):
         node.memory[:8192].view(np.float32)[:] = block
     before = [n.memory.copy() for n in cluster.nodes]
-    ack = only(cluster.request(0, chain_packet(cluster, [0, 1, 2], blocks[0], store=65536)), Opcode.ACK)
+    ack = only(
+        cluster.request(0, chain_packet(cluster, [0, 1, 2], blocks[0], store=65536)), Opcode.ACK
+    )
     assert ack.coll_id == 1 and ack.seq == 0
     expected = ((blocks[0] + blocks[1]) + blocks[2]) + blocks[3]  # chain order
     stored = cluster.nodes[2].memory[65536 : 65536 + 8192].view(np.float32)
@@ -292,10 +465,18 @@ def test_chain_add_in_place_retry_is_harmless(cluster: Cluster) -> None:
     np.testing.assert_array_equal(cluster.nodes[2].memory[:16].view(np.float32), stored)
     assert cluster.nodes[2].counters[C.CHAIN_REACKS] == 1
     # A newer epoch is a new collective round: it stores again.
-    only(cluster.request(0, chain_packet(cluster, [0, 1, 2], np.full(4, 1.0, np.float32), epoch=2)), Opcode.ACK)
-    np.testing.assert_array_equal(cluster.nodes[2].memory[:16].view(np.float32), np.full(4, 7.0, np.float32))
+    only(
+        cluster.request(0, chain_packet(cluster, [0, 1, 2], np.full(4, 1.0, np.float32), epoch=2)),
+        Opcode.ACK,
+    )
+    np.testing.assert_array_equal(
+        cluster.nodes[2].memory[:16].view(np.float32), np.full(4, 7.0, np.float32)
+    )
     # An older epoch is dropped and counted everywhere it arrives.
-    assert cluster.request(0, chain_packet(cluster, [0, 1, 2], np.full(4, 1.0, np.float32), epoch=1)) == []
+    assert (
+        cluster.request(0, chain_packet(cluster, [0, 1, 2], np.full(4, 1.0, np.float32), epoch=1))
+        == []
+    )
     assert cluster.nodes[0].counters[C.DROP_STALE_EPOCH] == 1
 
 
@@ -314,7 +495,10 @@ def test_chain_needs_read_rights_at_every_hop(cluster: Cluster) -> None:
     victim.deregister_region(RKEY)
     victim.register_region(0, MEMORY, Rights.WRITE, rkey=RKEY)  # same key, no READ
     victim.memory[:16] = 0x42
-    nack = only(cluster.request(0, chain_packet(cluster, [0, 1, 2], np.zeros(4, np.float32), store=4096)), Opcode.NACK)
+    nack = only(
+        cluster.request(0, chain_packet(cluster, [0, 1, 2], np.zeros(4, np.float32), store=4096)),
+        Opcode.NACK,
+    )
     assert nack.status == Status.NO_RIGHTS
     assert not cluster.nodes[2].memory[4096:4112].any()  # nothing of the victim's reached anyone
 
@@ -323,7 +507,10 @@ def test_chain_last_hop_needs_write_rights(cluster: Cluster) -> None:
     last = cluster.nodes[2]
     last.deregister_region(RKEY)
     last.register_region(0, MEMORY, Rights.READ, rkey=RKEY)
-    nack = only(cluster.request(0, chain_packet(cluster, [0, 1, 2], np.zeros(4, np.float32), store=4096)), Opcode.NACK)
+    nack = only(
+        cluster.request(0, chain_packet(cluster, [0, 1, 2], np.zeros(4, np.float32), store=4096)),
+        Opcode.NACK,
+    )
     assert nack.status == Status.NO_RIGHTS and last.counters[C.STORED] == 0
 
 
@@ -339,7 +526,9 @@ def test_all_write_to_multicast_group(cluster: Cluster) -> None:
     for endpoint in cluster.endpoints:
         cluster.fabric.join(group, endpoint)
     data = bytes(range(64))
-    packet = Packet(Opcode.ALL_WRITE, flags=Flags.MCAST, rkey=RKEY, addr=512, length=64, payload=data)
+    packet = Packet(
+        Opcode.ALL_WRITE, flags=Flags.MCAST, rkey=RKEY, addr=512, length=64, payload=data
+    )
     cluster.fabric.send(CLIENT, group, encode_packet(packet))
     cluster.fabric.run_until_idle()
     assert cluster.fabric.receive(CLIENT) == []
@@ -350,11 +539,17 @@ def test_all_write_to_multicast_group(cluster: Cluster) -> None:
 def test_batch_argument_checks(cluster: Cluster) -> None:
     node = cluster.nodes[0]
     with pytest.raises(ValueError, match="2-D C-contiguous uint8"):
-        node.receive_batch(np.zeros((2, 10), np.int8), np.zeros(2, np.int32), np.zeros(2, np.uint64), 2, 0.0)
+        node.receive_batch(
+            np.zeros((2, 10), np.int8), np.zeros(2, np.int32), np.zeros(2, np.uint64), 2, 0.0
+        )
     with pytest.raises(ValueError, match="int32"):
-        node.receive_batch(np.zeros((2, 10), np.uint8), np.zeros(2, np.int64), np.zeros(2, np.uint64), 2, 0.0)
+        node.receive_batch(
+            np.zeros((2, 10), np.uint8), np.zeros(2, np.int64), np.zeros(2, np.uint64), 2, 0.0
+        )
     with pytest.raises(ValueError, match="exceeds the arrays"):
-        node.receive_batch(np.zeros((2, 10), np.uint8), np.zeros(2, np.int32), np.zeros(2, np.uint64), 3, 0.0)
+        node.receive_batch(
+            np.zeros((2, 10), np.uint8), np.zeros(2, np.int32), np.zeros(2, np.uint64), 3, 0.0
+        )
     with pytest.raises(ValueError, match="MTU 99 is too small"):
         NodeCore(NodeConfig(endpoint=("127.0.0.1", 1), mtu=99))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
+from helpers import valid_packets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +15,6 @@ from netdam.protocol.constants import (
     DType,
     Flags,
     Opcode,
-    ReduceOp,
     Status,
     max_elements,
 )
@@ -216,7 +216,7 @@ def test_opcode_field_rules() -> None:
         (
             _header_only(Opcode.CAS, dtype=DType.U64, length=8, payload=bytes(8)),
             Status.BAD_LENGTH,
-            "CAS needs length 8 and a 16-byte payload (got length 8, 8 bytes)",
+            "CAS needs length 8 and a payload of 16 bytes (got length 8, 8 bytes)",
         ),
         (
             _header_only(
@@ -277,84 +277,6 @@ def test_truncation_at_every_offset_raises_protocol_error_only() -> None:
     for cut in range(len(data)):
         with pytest.raises(RemoteProtocolError):
             decode_packet(data[:cut])
-
-
-_u32 = st.integers(0, 2**32 - 1)
-_endpoint = st.tuples(st.ip_addresses(v=4).map(str), st.integers(0, 65535))
-
-
-@st.composite
-def valid_packets(draw: st.DrawFn) -> Packet:
-    opcode = draw(
-        st.sampled_from(
-            [
-                Opcode.READ,
-                Opcode.WRITE,
-                Opcode.ADD,
-                Opcode.CHAIN_ADD,
-                Opcode.ALL_WRITE,
-                Opcode.FETCH_ADD,
-                Opcode.CAS,
-                Opcode.PING,
-                Opcode.ACK,
-                Opcode.NACK,
-                Opcode.READ_RESP,
-            ]
-        )
-    )
-    dtype = draw(
-        st.sampled_from(
-            list(DType)[1:] if opcode in (Opcode.ADD, Opcode.CHAIN_ADD) else list(DType)
-        )
-    )
-    if opcode in (Opcode.FETCH_ADD, Opcode.CAS):
-        dtype = DType.U64
-    size = {DType.RAW: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}.get(dtype, 8)
-    n = draw(st.integers(1, 8192 // size))
-    payload = b""
-    length = 0
-    if opcode == Opcode.READ:
-        length = n * size
-    elif opcode in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP):
-        payload = draw(st.binary(min_size=n * size, max_size=n * size))
-        length = len(payload)
-    elif opcode in (Opcode.FETCH_ADD, Opcode.CAS):
-        length = 8
-        payload = draw(
-            st.binary(
-                min_size=8 if opcode == Opcode.FETCH_ADD else 16,
-                max_size=8 if opcode == Opcode.FETCH_ADD else 16,
-            )
-        )
-    elif opcode in (Opcode.ACK, Opcode.NACK):
-        payload = draw(st.binary(max_size=16))
-        length = len(payload)
-    segments: tuple[tuple[str, int], ...] = ()
-    left = 0
-    if opcode == Opcode.CHAIN_ADD:
-        segments = tuple(draw(st.lists(_endpoint, min_size=1, max_size=MAX_SEGMENTS)))
-        left = draw(st.integers(0, len(segments) - 1))
-    return Packet(
-        opcode=opcode,
-        flags=Flags(draw(st.integers(0, 0x1F)) & ~Flags.SPARSE),
-        seq=draw(_u32),
-        client_id=draw(_u32),
-        txn_id=draw(_u32),
-        coll_id=draw(_u32),
-        epoch=draw(_u32),
-        rkey=draw(_u32),
-        length=length,
-        addr=draw(st.integers(0, 2**64 - 1)),
-        aux_addr=draw(st.integers(0, 2**64 - 1)),
-        dtype=dtype,
-        reduce_op=draw(st.sampled_from(list(ReduceOp))),
-        status=draw(st.sampled_from(list(Status))),
-        credit=draw(st.integers(0, 255)),
-        segments_left=left,
-        segments=segments,
-        ret=draw(_endpoint),
-        payload=payload,
-    )
 
 
 @settings(max_examples=300, deadline=None)

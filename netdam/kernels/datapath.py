@@ -320,7 +320,7 @@ def _reply_dst(b, src, members):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn):  # type: ignore[no-untyped-def]
+def _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn):  # type: ignore[no-untyped-def]
     """At-most-once window (SPEC.md "Memory semantics"): NEW, DUP or STALE for (client, txn).
 
     Client slots are direct-mapped by client id; a client that lands on a slot held by another
@@ -356,7 +356,7 @@ def window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn):  # type: i
 
 
 @njit(cache=True, nogil=True)
-def window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):  # type: ignore[no-untyped-def]
+def _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):  # type: ignore[no-untyped-def]
     """Remember that (client slot c, txn) executed and what it answered (reply_len 0: nothing)."""
     w_txn[c, w] = txn
     w_state[c, w] = 1
@@ -413,7 +413,7 @@ def _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters):
 
 
 @njit(cache=True, nogil=True)
-def process_batch(  # type: ignore[no-untyped-def]
+def _process_batch(  # type: ignore[no-untyped-def]
     rx_buf, rx_len, rx_src, n,
     mem, rk_key, rk_base, rk_len, rk_rights, members,
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
@@ -475,11 +475,15 @@ def process_batch(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _read(
+    b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_len, tx_dst, tx_n
+):  # type: ignore[no-untyped-def]
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
-    status = _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_READ, esize)
+    status = _check_access(
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_READ, esize
+    )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
     t = tx_buf[tx_n]
@@ -492,12 +496,29 @@ def _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx
 
 
 @njit(cache=True, nogil=True)
-def _all_write(b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _all_write(
+    b,
+    ln,
+    src,
+    mem,
+    rk_key,
+    rk_base,
+    rk_len,
+    rk_rights,
+    members,
+    counters,
+    tx_buf,
+    tx_len,
+    tx_dst,
+    tx_n,
+):  # type: ignore[no-untyped-def]
     """Multicast write: idempotent, so no duplicate window; ACK only when asked."""
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
-    status = _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize)
+    status = _check_access(
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize
+    )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
     a = np.int64(addr)
@@ -527,12 +548,14 @@ def _mutate(  # type: ignore[no-untyped-def]
         need, align = _R_WRITE, _ESIZE[dtype]
     else:
         need, align = _R_ATOMIC, 8
-    status = _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, need, align)
+    status = _check_access(
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, need, align
+    )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
     client = _rd32(b, 8)
     txn = _rd32(b, 12)
-    verdict, c, w = window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn)
+    verdict, c, w = _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn)
     dst = _reply_dst(b, src, members)
     if verdict == _WIN_STALE:
         return _emit_nack(b, src, members, _S_STALE, tx_buf, tx_len, tx_dst, tx_n, counters)
@@ -554,7 +577,9 @@ def _mutate(  # type: ignore[no-untyped-def]
         if op == _OP_WRITE:
             mem[a : a + length] = b[_HDR : _HDR + length]
         else:
-            _combine_bytes(mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[49]))
+            _combine_bytes(
+                mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[49])
+            )
             counters[C.BYTES_COMBINED] += length
         if _rd16(b, 2) & _F_ACK_REQ:
             _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_buf.shape[0]))
@@ -569,7 +594,7 @@ def _mutate(  # type: ignore[no-untyped-def]
         _put_le64(t, _HDR, old)
         reply_len = _HDR + 8
     if verdict == _WIN_NEW:
-        window_record(w_txn, w_state, w_len, w_reply, c, w, txn, t, reply_len)
+        _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, t, reply_len)
     if reply_len == 0:
         return tx_n
     tx_len[tx_n] = reply_len
@@ -596,7 +621,9 @@ def _chain_add(  # type: ignore[no-untyped-def]
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
     status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize)
     if status == 0 and left == 0:
-        status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize)
+        status = _check_access(
+            rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize
+        )
     nxt = np.uint64(0)
     if status == 0 and left > 0:
         o = _HDR + _SEG * (count - left)
@@ -632,7 +659,9 @@ def _chain_add(  # type: ignore[no-untyped-def]
             # return segment written by a non-member is replaced: replies never go to a third party.
             _wr32(t, 56, np.int64(src >> np.uint64(16)))
             _wr16(t, 60, np.int64(src & np.uint64(0xFFFF)))
-        _combine_bytes(t, np.int64(payload_off), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op)
+        _combine_bytes(
+            t, np.int64(payload_off), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
+        )
         counters[C.BYTES_COMBINED] += length
         counters[C.FORWARDED] += 1
         tx_len[tx_n] = payload_off + length
@@ -645,7 +674,9 @@ def _chain_add(  # type: ignore[no-untyped-def]
         # (in-place all-reduce), and the combine kernel may not alias its output with `b`.
         s = np.int64(store_addr)
         scratch = tx_buf[tx_n]
-        _combine_bytes(scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op)
+        _combine_bytes(
+            scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
+        )
         mem[s : s + length] = scratch[_HDR : _HDR + length]
         counters[C.BYTES_COMBINED] += length
         counters[C.STORED] += 1
@@ -661,7 +692,7 @@ def _chain_add(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def drain(tx_buf, tx_len, tx_dst, start, count, out_buf, out_len, out_dst):  # type: ignore[no-untyped-def]
+def _drain(tx_buf, tx_len, tx_dst, start, count, out_buf, out_len, out_dst):  # type: ignore[no-untyped-def]
     """Copy tx[start:start+count] into the caller's send batch (only the used bytes)."""
     for k in range(count):
         ln = tx_len[start + k]

@@ -1,0 +1,257 @@
+"""All-reduce time on real hardware: NetDAM chain + multicast against RoCE host algorithms.
+
+Algorithms (p nodes, n bytes per node):
+
+- ``netdam-chain``: reduce-scatter by SR chains (each chunk visits p-1 NICs, every hop adds
+  in flight, the last stores), then all-gather by multicast writes (design notes 4.1-4.3).
+  Every node receives (p-1)/p n in each phase at the rate of its NIC pipeline for ADD and
+  WRITE packets (analytic.py), plus the fill latency of one chain and one multicast hop.
+- ``roce-ring``: host ring, Thakur, Rabenseifner & Gropp 2005:
+  2(p-1) a + 2(p-1)/p n b + (p-1)/p n g, where a is the RDMA one-way latency (PCIe
+  doorbell + NIC + wire + NIC + DMA write), b the per-byte cost of the slowest of link,
+  PCIe and host DRAM (with DDIO misses, design notes 8.2), g one core's reduction cost.
+- ``halving-doubling``: Rabenseifner (same paper): 2 log2(p) a + 2(p-1)/p n b + (p-1)/p n g
+  for powers of two; otherwise the p - p' extra ranks first fold into a partner and get the
+  result back at the end (a + n b + n g, then a + n b).
+- ``ideal``: the bandwidth lower bound 2(p-1)/p n / link rate, no latency.
+
+algbw = n / t, busbw = algbw x 2(p-1)/p (nccl-tests PERFORMANCE.md); both in 10^9 bit/s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from . import wire
+from .analytic import (
+    pipeline_latency_s,
+    pipeline_rate,
+    roce_one_way_s,
+)
+from .params import (
+    NetdamParams,
+    NicParams,
+    RoceParams,
+    default_presets,
+    load_preset,
+    with_link,
+)
+from .pipeline import netdam_shape, netdam_stages
+
+ALGOS = ("netdam-chain", "roce-ring", "halving-doubling", "ideal")
+_LINK_STAGES = {"wire_in": "link", "wire_out": "link"}
+
+
+@dataclass(frozen=True)
+class AllreduceEstimate:
+    """Modelled time of one all-reduce and what limits it."""
+
+    algo: str
+    nodes: int
+    nbytes: int
+    link_gbps: float
+    seconds: float
+    bottleneck: str
+    terms: dict[str, float]
+    params: str
+
+    @property
+    def algbw_gbps(self) -> float:
+        return self.nbytes * 8.0 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def busbw_gbps(self) -> float:
+        return self.algbw_gbps * bus_factor(self.nodes)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "algo": self.algo,
+            "nodes": self.nodes,
+            "bytes": self.nbytes,
+            "link_gbps": self.link_gbps,
+            "seconds": self.seconds,
+            "algbw_gbps": self.algbw_gbps,
+            "busbw_gbps": self.busbw_gbps,
+            "bottleneck": self.bottleneck,
+            "terms_seconds": self.terms,
+            "params": self.params,
+        }
+
+
+def bus_factor(nodes: int) -> float:
+    """nccl-tests all-reduce bus bandwidth factor 2(p-1)/p."""
+    return 2.0 * (nodes - 1) / nodes
+
+
+def _check(nodes: int, nbytes: int, dtype_bytes: int) -> None:
+    if nodes < 2:
+        raise ValueError(f"an all-reduce needs at least 2 nodes, got {nodes}")
+    if nbytes <= 0:
+        raise ValueError(f"size must be positive, got {nbytes} bytes")
+    if dtype_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"dtype_bytes must be 1, 2, 4 or 8, got {dtype_bytes}")
+
+
+def _packet_time(p: NetdamParams, op: str, data: int, segments: int, dtype_bytes: int) -> float:
+    """Seconds one packet of *data* bytes occupies the node's bottleneck stage."""
+    rate, _ = pipeline_rate(netdam_stages(p, netdam_shape(op, data, segments), dtype_bytes))
+    return 1.0 / rate
+
+
+def netdam_chain(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+    """Chained reduce-scatter + multicast all-gather on NetDAM cards behind one switch."""
+    _check(nodes, nbytes, dtype_bytes)
+    segments = nodes - 1
+    block = math.ceil(math.ceil(nbytes / nodes) / dtype_bytes) * dtype_bytes
+    chunk = min(wire.max_data_bytes(p.mtu, segments, dtype_bytes), block)
+    full, rest = divmod(block, chunk)
+    add = netdam_stages(p, netdam_shape("add", chunk, segments), dtype_bytes)
+    write = netdam_stages(p, netdam_shape("write", chunk, 0), dtype_bytes)
+    add_pps, add_limit = pipeline_rate(add)
+    write_pps, write_limit = pipeline_rate(write)
+    # Per block: `full` packets of `chunk` bytes and one shorter packet for the rest.
+    add_block = full / add_pps + (_packet_time(p, "add", rest, segments, dtype_bytes) if rest else 0.0)
+    write_block = full / write_pps + (_packet_time(p, "write", rest, 0, dtype_bytes) if rest else 0.0)
+    rs_bw = (nodes - 1) * add_block  # every node receives p-1 blocks in each phase
+    ag_bw = (nodes - 1) * write_block
+    hop = p.propagation_s + p.switch_latency_s
+    # Pipeline fill: the first chunk crosses p-1 links (each hop: everything but the
+    # serialization already counted on the link), then one multicast hop into memory.
+    first = add[0].latency_s
+    chain_fill = first + segments * (hop + pipeline_latency_s(add) - add[0].latency_s)
+    mcast_fill = hop + pipeline_latency_s(write) - write[0].latency_s
+    fill = chain_fill + mcast_fill
+    total = rs_bw + ag_bw + fill
+    limit = add_limit if rs_bw >= ag_bw else write_limit
+    bottleneck = "latency" if fill > rs_bw + ag_bw else _LINK_STAGES.get(limit, limit)
+    return AllreduceEstimate(
+        "netdam-chain", nodes, nbytes, p.link_gbps, total, bottleneck,
+        {"reduce_scatter": rs_bw, "all_gather": ag_bw, "latency": fill}, p.name)
+
+
+@dataclass(frozen=True)
+class _HostCosts:
+    alpha: float
+    beta_rs: float
+    beta_ag: float
+    gamma: float
+    limiter_rs: str
+    limiter_ag: str
+
+
+def _host_costs(p: RoceParams) -> _HostCosts:
+    """Per-step latency and per-byte costs of a RoCE host (design notes section 8)."""
+    frame = wire.roce_frame_bytes(p.roce_mtu_bytes)
+    link = p.link_gbps * 1e9 / 8.0 * p.roce_mtu_bytes / wire.wire_bytes(frame)
+    nic = p.nic_max_mpps * 1e6 * p.roce_mtu_bytes
+    miss = 1.0 - p.ddio_hit_rate
+    # DRAM bytes per received byte: a DDIO miss writes it and reads it back (B8, 2x NIC
+    # bandwidth); reduce-scatter adds the core's read of the local block and write of the sum.
+    mem_rs = p.host_dram_bytes_per_s / (2.0 * miss + 2.0)
+    mem_ag = p.host_dram_bytes_per_s / (2.0 * miss) if miss > 0 else float("inf")
+    caps_rs = {"link": link, "nic": nic, "pcie": p.pcie_bytes_per_s, "host_memory": mem_rs}
+    caps_ag = {"link": link, "nic": nic, "pcie": p.pcie_bytes_per_s, "host_memory": mem_ag}
+    lim_rs = min(caps_rs, key=lambda k: caps_rs[k])
+    lim_ag = min(caps_ag, key=lambda k: caps_ag[k])
+    return _HostCosts(
+        alpha=roce_one_way_s(p, 32, switched=True),
+        beta_rs=1.0 / caps_rs[lim_rs], beta_ag=1.0 / caps_ag[lim_ag],
+        gamma=1.0 / p.cpu_reduce_bytes_per_s, limiter_rs=lim_rs, limiter_ag=lim_ag)
+
+
+def _host_estimate(algo: str, p: RoceParams, nodes: int, nbytes: int, steps: float,
+                   frac: float, extra: dict[str, float]) -> AllreduceEstimate:
+    c = _host_costs(p)
+    terms = {
+        "latency": steps * c.alpha + extra.get("latency", 0.0),
+        "transfer": frac * nbytes * (c.beta_rs + c.beta_ag) + extra.get("transfer", 0.0),
+        "cpu_reduce": frac * nbytes * c.gamma + extra.get("cpu_reduce", 0.0),
+    }
+    worst = max(terms, key=lambda k: terms[k])
+    bottleneck = c.limiter_rs if worst == "transfer" else worst
+    return AllreduceEstimate(algo, nodes, nbytes, p.link_gbps, sum(terms.values()),
+                             bottleneck, terms, p.name)
+
+
+def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+    """Host ring all-reduce over RoCE: 2(p-1) steps of n/p bytes, one core reducing."""
+    _check(nodes, nbytes, dtype_bytes)
+    return _host_estimate("roce-ring", p, nodes, nbytes, 2.0 * (nodes - 1),
+                          (nodes - 1) / nodes, {})
+
+
+def halving_doubling(p: RoceParams, nodes: int, nbytes: int,
+                     dtype_bytes: int = 4) -> AllreduceEstimate:
+    """Rabenseifner's recursive halving reduce-scatter + doubling all-gather over RoCE."""
+    _check(nodes, nbytes, dtype_bytes)
+    pow2 = 1 << (nodes.bit_length() - 1)
+    extra: dict[str, float] = {}
+    if pow2 != nodes:
+        c = _host_costs(p)
+        extra = {"latency": 2.0 * c.alpha, "transfer": nbytes * (c.beta_rs + c.beta_ag),
+                 "cpu_reduce": nbytes * c.gamma}
+    return _host_estimate("halving-doubling", p, nodes, nbytes, 2.0 * math.log2(pow2),
+                          (pow2 - 1) / pow2, extra)
+
+
+def ideal(link_gbps: float, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+    """Bandwidth lower bound: every node receives 2(p-1)/p n bytes at the raw link rate."""
+    _check(nodes, nbytes, dtype_bytes)
+    t = bus_factor(nodes) * nbytes * 8.0 / (link_gbps * 1e9)
+    return AllreduceEstimate("ideal", nodes, nbytes, link_gbps, t, "link",
+                             {"transfer": t}, f"{link_gbps:g} Gb/s link")
+
+
+def allreduce(algo: str, nodes: int, nbytes: int, netdam: NetdamParams, roce: RoceParams,
+              dtype_bytes: int = 4) -> AllreduceEstimate:
+    """Dispatch to one algorithm; the link speed comes from the parameters it uses."""
+    if algo == "netdam-chain":
+        return netdam_chain(netdam, nodes, nbytes, dtype_bytes)
+    if algo == "roce-ring":
+        return roce_ring(roce, nodes, nbytes, dtype_bytes)
+    if algo == "halving-doubling":
+        return halving_doubling(roce, nodes, nbytes, dtype_bytes)
+    if algo == "ideal":
+        return ideal(netdam.link_gbps, nodes, nbytes, dtype_bytes)
+    raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(ALGOS)}")
+
+
+@lru_cache(maxsize=32)
+def default_params(link_gbps: float) -> tuple[NetdamParams, RoceParams]:
+    """Shipped presets for a port speed (100G class or 200G class), set to exactly that speed."""
+    nd_name, ro_name = default_presets(link_gbps)
+    nd: NicParams = with_link(load_preset(nd_name), link_gbps)
+    ro: NicParams = with_link(load_preset(ro_name), link_gbps)
+    assert isinstance(nd, NetdamParams) and isinstance(ro, RoceParams)
+    return nd, ro
+
+
+def estimate_allreduce_seconds(nodes: int, nbytes: int, link_gbps: float = 100.0,
+                               algo: str = "netdam-chain", dtype_bytes: int = 4) -> float:
+    """Modelled seconds of one all-reduce of *nbytes* per node over *nodes* nodes.
+
+    Stable entry point for the emulator's collectives, which print it beside the measured
+    time. Uses the shipped presets: netdam-100g / roce-gen3 up to 100 Gb/s, netdam-200g /
+    roce-gen4 above, with the port speed set to *link_gbps*. *algo* is one of ALGOS.
+    Raises ValueError for fewer than 2 nodes, a non-positive size or an unknown algorithm.
+    """
+    if link_gbps <= 0:
+        raise ValueError(f"link_gbps must be positive, got {link_gbps}")
+    nd, ro = default_params(float(link_gbps))
+    return allreduce(algo, nodes, nbytes, nd, ro, dtype_bytes).seconds
+
+
+__all__ = [
+    "ALGOS",
+    "AllreduceEstimate",
+    "allreduce",
+    "bus_factor",
+    "default_params",
+    "estimate_allreduce_seconds",
+    "halving_doubling",
+    "ideal",
+    "netdam_chain",
+    "roce_ring",
+]

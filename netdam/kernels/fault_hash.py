@@ -1,0 +1,47 @@
+"""Hash kernels of fault injection: pure functions of their arguments, so decisions replay."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from netdam.protocol.constants import HEADER_SIZE
+
+# Salts separating the decision streams of one packet.
+_SALT_DROP = 0x9E3779B97F4A7C15
+_SALT_DUP = 0xBF58476D1CE4E5B9
+_SALT_REORDER = 0x94D049BB133111EB
+_SALT_DELAY = 0x2545F4914F6CDD1D
+
+
+@njit("uint64(uint64)", cache=True, nogil=True)
+def _mix(x):  # type: ignore[no-untyped-def]
+    """splitmix64 finaliser (Steele, Lea & Flood 2014): a cheap, well-mixed 64-bit hash."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@njit("float64(uint64, uint64, uint64, uint64, uint64, uint64)", cache=True, nogil=True)
+def _fault_hash(seed, src, dst, packet_id, attempt, salt):  # type: ignore[no-untyped-def]
+    """Uniform draw in [0, 1) for one decision about one packet."""
+    h = _mix(np.uint64(seed) ^ np.uint64(salt))
+    h = _mix(h ^ np.uint64(src))
+    h = _mix(h ^ np.uint64(dst))
+    h = _mix(h ^ np.uint64(packet_id))
+    h = _mix(h ^ np.uint64(attempt))
+    return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+
+
+@njit(cache=True, nogil=True)
+def _packet_id(b, n):  # type: ignore[no-untyped-def]
+    """Hash of the identifying header bytes (status, credit, flags and return segment excluded)."""
+    if n < HEADER_SIZE:
+        h = np.uint64(n)
+        for k in range(n):
+            h = _mix(h ^ np.uint64(b[k]))
+        return h
+    h = np.uint64(b[1])
+    for k in range(4, 48):
+        h = _mix(h ^ (np.uint64(b[k]) << np.uint64(8 * (k % 8))))
+    return _mix(h ^ np.uint64(b[53]))

@@ -1,0 +1,72 @@
+"""CLI conventions: every subcommand has --help, --json prints one object, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from netdam.cli import build_parser, main
+
+
+def _all_command_paths() -> list[list[str]]:
+    paths: list[list[str]] = []
+
+    def walk(parser: argparse.ArgumentParser, prefix: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    paths.append(prefix + [name])
+                    walk(sub, prefix + [name])
+
+    walk(build_parser(), [])
+    return paths
+
+
+def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _all_command_paths()
+    assert ["demo"] in paths and ["decode"] in paths and ["model"] in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as info:
+            main(path + ["--help"])
+        assert info.value.code == 0
+        assert "usage: netdam " + " ".join(path) in capsys.readouterr().out
+
+
+def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--nodes", "3", "--count", "5003", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] is True and result["nodes"] == 3 and result["bytes"] == 5003 * 4
+    assert result["allreduce"]["ranks_identical"] is True
+    assert result["allreduce"]["equals_reference"] is True
+    assert result["pool"]["fetch_add_counter"] == result["pool"]["fetch_add_expected"]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "i32", "f64"])
+def test_demo_dtypes(dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--nodes", "2", "--count", "4099", "--dtype", dtype, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["allreduce"]["equals_reference"] is True
+
+
+def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--nodes", "2", "--size", "64KiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("netdam demo: OK") and "in-memory fabric" in out
+
+
+def test_usage_errors_exit_2_with_json(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--size", "64MB", "--json"])
+    assert info.value.code == 2
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] is False and "write 64MiB" in result["error"]
+    assert main(["demo", "--nodes", "1", "--json"]) == 2
+    assert "--nodes must be between 2 and 64" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_usage_error_without_json_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--size", "1.5MiB"])
+    assert info.value.code == 2
+    assert "invalid size '1.5MiB'" in capsys.readouterr().err
