@@ -560,3 +560,24 @@ def test_large_batch_grows_send_queue(cluster: Cluster) -> None:
     cluster.fabric.run_until_idle()
     replies = cluster.fabric.receive(CLIENT)
     assert len(replies) == 600
+
+
+def test_remaining_node_statuses_over_the_wire(cluster: Cluster) -> None:
+    # TOO_LARGE: a collective chunk index beyond the completed-chunk guard.
+    far = chain_packet(cluster, [0, 1, 2], np.ones(4, np.float32), seq=1 << 17)
+    assert only(cluster.request(0, far), Opcode.NACK).status == Status.TOO_LARGE
+    # BAD_FIELD: sparse execution is not supported by v1 nodes yet (the payload is valid).
+    body = struct.pack("<II", 1, 0) + struct.pack("<H", 2) + bytes(6) + struct.pack("<f", 1.0)
+    sparse = Packet(Opcode.WRITE, flags=Flags.SPARSE, rkey=RKEY, addr=0, dtype=DType.F32, length=64, payload=body)
+    assert only(cluster.request(0, sparse), Opcode.NACK).status == Status.BAD_FIELD
+    # A malformed sparse payload gets the codec's status through the slow path.
+    cluster.fabric.send(CLIENT, cluster.endpoints[0], encode_packet(sparse)[:65])
+    cluster.fabric.run_until_idle()
+    (reply,) = cluster.fabric.receive(CLIENT)
+    assert decode_packet(reply[0]).status == Status.TRUNCATED
+    # NO_SPACE over the wire: fill the region table.
+    node = cluster.nodes[1]
+    for i in range(511):
+        node.register_region(i * 8, 8, Rights.READ)
+    full = control(Opcode.REGISTER, addr=0, aux_addr=8, length=8, payload=struct.pack("<II", 0, 1), client_id=4, txn_id=1)
+    assert only(cluster.request(1, full), Opcode.NACK).status == Status.NO_SPACE
