@@ -26,11 +26,22 @@ class BatchCore(Protocol):
     """What the fabric needs from a core."""
 
     def receive_batch(
-        self, buf: np.ndarray, lens: np.ndarray, srcs: np.ndarray, n: int, now: float
+        self,
+        buf: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        srcs: np.ndarray,
+        n: int,
+        now: float,
     ) -> None: ...
 
     def fill_send_batch(
-        self, out: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray, now: float
+        self,
+        out: np.ndarray,
+        out_offs: np.ndarray,
+        out_lens: np.ndarray,
+        out_dsts: np.ndarray,
+        now: float,
     ) -> int: ...
 
 
@@ -49,7 +60,8 @@ class Fabric:
         self._round = 0
         self._attempts: dict[tuple[int, int, int], int] = defaultdict(int)
         self.stats = {"sent": 0, "delivered": 0, "dropped": 0, "duplicated": 0, "reordered": 0}
-        self._out = np.zeros((BATCH, SLOT_BYTES), np.uint8)
+        self._out = np.zeros(BATCH * SLOT_BYTES, np.uint8)
+        self._out_offs = np.zeros(BATCH, np.int64)
         self._out_lens = np.zeros(BATCH, np.int32)
         self._out_dsts = np.zeros(BATCH, np.uint64)
 
@@ -106,9 +118,12 @@ class Fabric:
         moved = 0
         for src, core in list(self._cores.items()):
             while True:
-                count = core.fill_send_batch(self._out, self._out_lens, self._out_dsts, self.now)
+                count = core.fill_send_batch(
+                    self._out, self._out_offs, self._out_lens, self._out_dsts, self.now
+                )
                 for k in range(count):
-                    data = bytes(self._out[k, : self._out_lens[k]])
+                    start = int(self._out_offs[k])
+                    data = bytes(self._out[start : start + self._out_lens[k]])
                     self._route(src, int(self._out_dsts[k]), data)
                 moved += count
                 if count < BATCH:
@@ -165,12 +180,9 @@ class Fabric:
     def _deliver_to_core(self, core: BatchCore, items: list[tuple[int, bytes]]) -> None:
         for start in range(0, len(items), BATCH):
             chunk = items[start : start + BATCH]
-            buf = np.zeros((len(chunk), SLOT_BYTES), np.uint8)
-            lens = np.zeros(len(chunk), np.int32)
-            srcs = np.zeros(len(chunk), np.uint64)
-            for k, (src, data) in enumerate(chunk):
-                size = min(len(data), SLOT_BYTES)
-                buf[k, :size] = np.frombuffer(data, np.uint8, count=size)
-                lens[k] = len(data)
-                srcs[k] = src
-            core.receive_batch(buf, lens, srcs, len(chunk), self.now)
+            lens = np.array([len(data) for _, data in chunk], np.int32)
+            offs = np.zeros(len(chunk), np.int64)
+            offs[1:] = np.cumsum(lens[:-1])
+            buf = np.frombuffer(b"".join(data for _, data in chunk) or b"\0", np.uint8).copy()
+            srcs = np.array([src for src, _ in chunk], np.uint64)
+            core.receive_batch(buf, offs, lens, srcs, len(chunk), self.now)

@@ -127,11 +127,14 @@ class NodeCore:
         self._cc_id = np.zeros(COLLECTIVE_SLOTS, np.uint32)
         self._cc_epoch = np.zeros(COLLECTIVE_SLOTS, np.uint32)
         self._cc_done = np.zeros((COLLECTIVE_SLOTS, MAX_CHUNKS), np.uint8)
-        self._tx_buf = np.zeros((config.tx_slots, SLOT_BYTES), np.uint8)
+        # Send queue: datagrams packed back to back in one byte buffer (so runs to one
+        # destination leave as one GSO send); datagram k at _tx_buf[_tx_off[k]:][:_tx_len[k]],
+        # _tx_off[tail] is the next free byte; pending = head..tail-1 (_txq = [head, tail]).
+        self._tx_buf = np.zeros(config.tx_slots * SLOT_BYTES, np.uint8)
+        self._tx_off = np.zeros(config.tx_slots + 1, np.int64)
         self._tx_len = np.zeros(config.tx_slots, np.int32)
         self._tx_dst = np.zeros(config.tx_slots, np.uint64)
-        self._tx_head = 0
-        self._tx_n = 0
+        self._txq = np.zeros(2, np.int64)
         self._punt = np.zeros(0, np.int32)
         self._events: deque[Event] = deque()
         self.groups: set[Endpoint] = set()
@@ -148,56 +151,68 @@ class NodeCore:
     # ------------------------------------------------------------------ the batch verbs
 
     def receive_batch(
-        self, buf: np.ndarray, lens: np.ndarray, srcs: np.ndarray, n: int, now: float
+        self,
+        buf: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        srcs: np.ndarray,
+        n: int,
+        now: float,
     ) -> None:
-        """Execute datagrams ``buf[i, :lens[i]]`` from ``srcs[i]`` for i < n."""
-        _check_batch(buf, lens, srcs, n)
+        """Execute datagrams ``buf[offs[i] : offs[i] + lens[i]]`` from ``srcs[i]`` for i < n."""
+        _check_batch(buf, offs, lens, srcs, n)
         if n == 0:
             return
         self._reserve_tx(n)
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath._process_batch(
-            buf, lens, srcs, n,
+            buf, offs, lens, srcs, n,
             self.memory, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._members,
             self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
-            self._w_reply, self._cc_id, self._cc_epoch, self._cc_done,
-            self.counters, self._tx_buf, self._tx_len, self._tx_dst, self._tx_n, self._punt,
+            self._w_reply, self._cc_id, self._cc_epoch, self._cc_done, self.counters,
+            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, int(self._txq[1]), self._punt,
         )  # fmt: skip
-        self._tx_n = int(tx_n)
+        self._txq[1] = tx_n
         for k in range(int(n_punt)):
             i = int(self._punt[k])
-            self._handle_punted(bytes(buf[i, : lens[i]]), int(srcs[i]))
+            self._handle_punted(bytes(buf[offs[i] : offs[i] + lens[i]]), int(srcs[i]))
 
     def fill_send_batch(
-        self, out: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray, now: float
+        self,
+        out: np.ndarray,
+        out_offs: np.ndarray,
+        out_lens: np.ndarray,
+        out_dsts: np.ndarray,
+        now: float,
     ) -> int:
-        """Move up to ``len(out)`` queued datagrams into the caller's arrays; return how many."""
-        _check_batch(out, out_lens, out_dsts, out.shape[0])
-        if out.shape[1] < SLOT_BYTES:
-            raise ValueError(f"send slots must hold {SLOT_BYTES} bytes, got {out.shape[1]}")
-        count = min(self._tx_n - self._tx_head, out.shape[0])
-        if count:
+        """Copy queued datagrams into the caller's batch (back to back in ``out``, as many as fit
+        in its bytes and its ``out_lens`` slots); return how many."""
+        _check_batch(out, out_offs, out_lens, out_dsts, out_lens.shape[0])
+        head, tail = int(self._txq[0]), int(self._txq[1])
+        count = int(
             datapath._drain(
-                self._tx_buf,
-                self._tx_len,
-                self._tx_dst,
-                self._tx_head,
-                count,
-                out,
-                out_lens,
-                out_dsts,
-            )
+                self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, head, tail - head,
+                out, out_offs, out_lens, out_dsts,
+            )  # fmt: skip
+        )
+        self.sent(count)
+        return count
+
+    def sent(self, count: int) -> None:
+        """The owner sent the *count* oldest queued datagrams: count them and free their room."""
+        if count:
+            head = int(self._txq[0])
             self.counters[C.TX_PACKETS] += count
-            self.counters[C.TX_BYTES] += int(out_lens[:count].sum())
-        self._tx_head += count
-        if self._tx_head == self._tx_n:
-            self._tx_head = self._tx_n = 0
-        return int(count)
+            self.counters[C.TX_BYTES] += int(self._tx_len[head : head + count].sum())
+            self._txq[0] = head + count
+        if self._txq[0] == self._txq[1]:
+            self._txq[:] = 0
+            self._tx_off[0] = 0
 
     def pending(self) -> int:
         """Datagrams waiting in the send queue."""
-        return self._tx_n - self._tx_head
+        return int(self._txq[1] - self._txq[0])
 
     def next_event(self) -> Event | None:
         """The oldest undelivered event, or None."""
@@ -214,10 +229,10 @@ class NodeCore:
 
     def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None:
         """Convenience for tests and tools: a batch of one."""
-        buf = np.zeros((1, max(SLOT_BYTES, len(data))), np.uint8)
-        buf[0, : len(data)] = np.frombuffer(data, np.uint8)
+        buf = np.frombuffer(data, np.uint8).copy() if data else np.zeros(1, np.uint8)
         self.receive_batch(
             buf,
+            np.zeros(1, np.int64),
             np.array([len(data)], np.int32),
             np.array([endpoint_to_u64(src)], np.uint64),
             1,
@@ -227,11 +242,15 @@ class NodeCore:
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
         """Drain the whole send queue as (bytes, destination) pairs."""
         count = self.pending()
-        out = np.zeros((count, SLOT_BYTES), np.uint8)
+        out = np.zeros(max(count, 1) * SLOT_BYTES, np.uint8)
+        offs = np.zeros(count, np.int64)
         lens = np.zeros(count, np.int32)
         dsts = np.zeros(count, np.uint64)
-        self.fill_send_batch(out, lens, dsts, now)
-        return [(bytes(out[k, : lens[k]]), u64_to_endpoint(int(dsts[k]))) for k in range(count)]
+        self.fill_send_batch(out, offs, lens, dsts, now)
+        return [
+            (bytes(out[offs[k] : offs[k] + lens[k]]), u64_to_endpoint(int(dsts[k])))
+            for k in range(count)
+        ]
 
     # ------------------------------------------------------------------ host-side control
 
@@ -260,39 +279,41 @@ class NodeCore:
     # ------------------------------------------------------------------ internals
 
     def _reserve_tx(self, n: int) -> None:
-        """Make room for n more datagrams: compact, then grow up to MAX_TX_QUEUE."""
-        if self._tx_head:
-            live = self._tx_n - self._tx_head
-            self._tx_buf[:live] = self._tx_buf[self._tx_head : self._tx_n]
-            self._tx_len[:live] = self._tx_len[self._tx_head : self._tx_n]
-            self._tx_dst[:live] = self._tx_dst[self._tx_head : self._tx_n]
-            self._tx_head, self._tx_n = 0, live
-        need = self._tx_n + n + 1  # +1: a punted packet's reply
-        cap = self._tx_buf.shape[0]
-        if need <= cap or cap >= MAX_TX_QUEUE:
-            return
-        new_cap = min(MAX_TX_QUEUE, max(need, 2 * cap))
-        for name, shape in (
-            ("_tx_buf", (new_cap, SLOT_BYTES)),
-            ("_tx_len", (new_cap,)),
-            ("_tx_dst", (new_cap,)),
-        ):
-            old = getattr(self, name)
-            grown = np.zeros(shape, old.dtype)
-            grown[: old.shape[0]] = old
-            setattr(self, name, grown)
+        """Make room for n more datagrams: compact the queue, then grow up to MAX_TX_QUEUE."""
+        head, tail = int(self._txq[0]), int(self._txq[1])
+        if head:
+            live, base = tail - head, int(self._tx_off[head])
+            end = int(self._tx_off[tail])
+            self._tx_buf[: end - base] = self._tx_buf[base:end]
+            self._tx_off[: live + 1] = self._tx_off[head : tail + 1] - base
+            self._tx_len[:live] = self._tx_len[head:tail]
+            self._tx_dst[:live] = self._tx_dst[head:tail]
+            self._txq[:] = (0, live)
+            tail = live
+        need = tail + n + 1  # +1: a punted packet's reply
+        cap = self._tx_len.shape[0]
+        if need > cap and cap < MAX_TX_QUEUE:
+            new_cap = min(MAX_TX_QUEUE, max(need, 2 * cap))
+            self._tx_off = _grown(self._tx_off, new_cap + 1)
+            self._tx_len = _grown(self._tx_len, new_cap)
+            self._tx_dst = _grown(self._tx_dst, new_cap)
+        room = int(self._tx_off[tail]) + (min(need, self._tx_len.shape[0]) - tail) * SLOT_BYTES
+        if room > self._tx_buf.shape[0]:
+            self._tx_buf = _grown(self._tx_buf, max(room, 2 * self._tx_buf.shape[0]))
 
     def _push(self, data: bytes, dst: int) -> None:
         """Queue one datagram built by the control plane."""
-        if self._tx_n >= self._tx_buf.shape[0]:
-            self._reserve_tx(1)
-            if self._tx_n >= self._tx_buf.shape[0]:
-                self.counters[C.DROP_TX_FULL] += 1
-                return
-        self._tx_buf[self._tx_n, : len(data)] = np.frombuffer(data, np.uint8)
-        self._tx_len[self._tx_n] = len(data)
-        self._tx_dst[self._tx_n] = dst
-        self._tx_n += 1
+        self._reserve_tx(1)
+        tail = int(self._txq[1])
+        start = int(self._tx_off[tail])
+        if tail >= self._tx_len.shape[0] or start + len(data) > self._tx_buf.shape[0]:
+            self.counters[C.DROP_TX_FULL] += 1
+            return
+        self._tx_buf[start : start + len(data)] = np.frombuffer(data, np.uint8)
+        self._tx_len[tail] = len(data)
+        self._tx_dst[tail] = dst
+        self._tx_off[tail + 1] = start + len(data)
+        self._txq[1] = tail + 1
 
     def _reply_dst(self, packet: Packet, src: int) -> int:
         ret = endpoint_to_u64(packet.ret)
@@ -483,13 +504,22 @@ def _probe_free(table: np.ndarray, rkey: int) -> int:
     return int(slot)
 
 
-def _check_batch(buf: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
-    """The kernels trust their arrays: check shapes, dtypes and contiguity once, here."""
-    if buf.dtype != np.uint8 or buf.ndim != 2 or not buf.flags.c_contiguous:
-        raise ValueError("batch buffer must be a 2-D C-contiguous uint8 array (slots x bytes)")
+def _grown(array: np.ndarray, size: int) -> np.ndarray:
+    """A copy of 1-D *array* extended with zeros to *size* elements."""
+    grown = np.zeros(size, array.dtype)
+    grown[: array.shape[0]] = array
+    return grown
+
+
+def _check_batch(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
+    """The kernels trust their arrays: check dtypes, shapes and contiguity once, here."""
+    if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError("batch buffer must be a 1-D C-contiguous uint8 array")
+    if offs.dtype != np.int64 or offs.ndim != 1 or not offs.flags.c_contiguous:
+        raise ValueError("batch offsets must be a 1-D contiguous int64 array")
     if lens.dtype != np.int32 or lens.ndim != 1 or not lens.flags.c_contiguous:
         raise ValueError("batch lengths must be a 1-D contiguous int32 array")
     if addrs.dtype != np.uint64 or addrs.ndim != 1 or not addrs.flags.c_contiguous:
         raise ValueError("batch addresses must be a 1-D contiguous uint64 array (ip << 16 | port)")
-    if not 0 <= n <= min(buf.shape[0], lens.shape[0], addrs.shape[0]):
-        raise ValueError(f"batch count {n} exceeds the arrays ({buf.shape[0]} slots)")
+    if not 0 <= n <= min(offs.shape[0], lens.shape[0], addrs.shape[0]):
+        raise ValueError(f"batch count {n} exceeds the arrays ({lens.shape[0]} entries)")

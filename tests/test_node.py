@@ -276,11 +276,11 @@ def test_structural_nack_and_silent_drops(cluster: Cluster) -> None:
     assert [e.packet.txn_id for e in replies] == [3]
 
 
-def test_oversize_datagram_is_dropped(cluster: Cluster) -> None:
+def test_oversize_datagram_is_refused(cluster: Cluster) -> None:
     cluster.fabric.send(CLIENT, cluster.endpoints[0], encode_packet(read(0, 4)) + bytes(9000))
     cluster.fabric.run_until_idle()
-    assert cluster.fabric.receive(CLIENT) == []
-    assert cluster.nodes[0].counters[C.DROP_OVERSIZE] == 1
+    (reply,) = cluster.fabric.receive(CLIENT)
+    assert decode_packet(reply[0]).status == Status.BAD_LENGTH
 
 
 def test_ping_info(cluster: Cluster) -> None:
@@ -538,20 +538,26 @@ def test_all_write_to_multicast_group(cluster: Cluster) -> None:
 
 def test_batch_argument_checks(cluster: Cluster) -> None:
     node = cluster.nodes[0]
-    with pytest.raises(ValueError, match="2-D C-contiguous uint8"):
-        node.receive_batch(
-            np.zeros((2, 10), np.int8), np.zeros(2, np.int32), np.zeros(2, np.uint64), 2, 0.0
-        )
+    offs, lens, srcs = np.zeros(2, np.int64), np.zeros(2, np.int32), np.zeros(2, np.uint64)
+    with pytest.raises(ValueError, match="1-D C-contiguous uint8"):
+        node.receive_batch(np.zeros(20, np.int8), offs, lens, srcs, 2, 0.0)
+    with pytest.raises(ValueError, match="int64"):
+        node.receive_batch(np.zeros(20, np.uint8), lens, lens, srcs, 2, 0.0)
     with pytest.raises(ValueError, match="int32"):
-        node.receive_batch(
-            np.zeros((2, 10), np.uint8), np.zeros(2, np.int64), np.zeros(2, np.uint64), 2, 0.0
-        )
+        node.receive_batch(np.zeros(20, np.uint8), offs, offs, srcs, 2, 0.0)
     with pytest.raises(ValueError, match="exceeds the arrays"):
-        node.receive_batch(
-            np.zeros((2, 10), np.uint8), np.zeros(2, np.int32), np.zeros(2, np.uint64), 3, 0.0
-        )
+        node.receive_batch(np.zeros(20, np.uint8), offs, lens, srcs, 3, 0.0)
     with pytest.raises(ValueError, match="MTU 99 is too small"):
         NodeCore(NodeConfig(endpoint=("127.0.0.1", 1), mtu=99))
+
+
+def test_datagram_beyond_the_receive_buffer_is_dropped(cluster: Cluster) -> None:
+    node = cluster.nodes[0]
+    data = encode_packet(read(0, 4))
+    buf = np.frombuffer(data, np.uint8).copy()
+    node.receive_batch(buf, np.array([8], np.int64), np.array([len(data)], np.int32),
+                       np.array([1], np.uint64), 1, 0.0)  # fmt: skip
+    assert node.pending() == 0 and node.counters[C.DROP_OVERSIZE] == 1
 
 
 def test_large_batch_grows_send_queue(cluster: Cluster) -> None:

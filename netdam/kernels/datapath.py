@@ -49,6 +49,8 @@ _U64 = int(DType.U64)
 _MAX_STATUS = max(int(s) for s in Status)
 _W = DUP_WINDOW
 _REPLY_MAX = DUP_REPLY_BYTES
+#: Room one outgoing datagram may need: header, full SR list, largest payload.
+_SLOT = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
 
 #: Verdict of _check_packet for a datagram too short to answer: count and drop.
 DROP_SILENTLY = 255
@@ -400,10 +402,11 @@ def _credit(tx_n, cap):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters):  # type: ignore[no-untyped-def]
-    t = tx_buf[tx_n]
-    _reply_header(t, b, _OP_NACK, status, 0, _credit(tx_n, tx_buf.shape[0]))
+def _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):  # type: ignore[no-untyped-def]
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _reply_header(t, b, _OP_NACK, status, 0, _credit(tx_n, tx_len.shape[0]))
     tx_len[tx_n] = _HDR
+    tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
     tx_dst[tx_n] = _reply_dst(b, src, members)
     counters[C.NACK_BASE + status] += 1
     return tx_n + 1
@@ -414,25 +417,29 @@ def _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters):
 
 @njit(cache=True, nogil=True)
 def _process_batch(  # type: ignore[no-untyped-def]
-    rx_buf, rx_len, rx_src, n,
+    rx_buf, rx_off, rx_len, rx_src, n,
     mem, rk_key, rk_base, rk_len, rk_rights, members,
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
     cc_id, cc_epoch, cc_done,
-    counters, tx_buf, tx_len, tx_dst, tx_n, punt,
+    counters, tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
 ):  # fmt: skip
-    """Execute rx[0:n]; append replies and forwards to tx from tx_n. Returns (tx_n, n_punt)."""
+    """Execute datagrams rx_buf[rx_off[i] : rx_off[i] + rx_len[i]] for i < n; append replies and
+    forwards to the send queue from tx_n (packet k at tx_buf[tx_off[k] : tx_off[k] + tx_len[k]],
+    packed back to back so runs to one destination can leave as one GSO send; tx_off[tx_n] is
+    the next free byte). Returns (tx_n, n_punt)."""
     n_punt = 0
-    cap = tx_buf.shape[0]
+    cap = tx_len.shape[0]
     for i in range(n):
         ln = np.int64(rx_len[i])
-        b = rx_buf[i]
+        off = rx_off[i]
         src = rx_src[i]
         counters[C.RX_PACKETS] += 1
         counters[C.RX_BYTES] += ln
-        if ln > b.shape[0]:
-            counters[C.DROP_OVERSIZE] += 1
+        if off < 0 or off + ln > rx_buf.shape[0]:
+            counters[C.DROP_OVERSIZE] += 1  # truncated by the receive buffer
             continue
-        if tx_n >= cap:
+        b = rx_buf[off : off + ln]
+        if tx_n >= cap or tx_off[tx_n] + _SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
         status = _check_packet(b, ln)
@@ -451,32 +458,32 @@ def _process_batch(  # type: ignore[no-untyped-def]
             if op < 64 and _IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
                 continue
-            tx_n = _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+            tx_n = _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
         counters[C.OPCODE_BASE + op] += 1
         if op == _OP_CHAIN_ADD:
             tx_n = _chain_add(
                 b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                cc_id, cc_epoch, cc_done, counters, tx_buf, tx_len, tx_dst, tx_n,
+                cc_id, cc_epoch, cc_done, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
             )  # fmt: skip
         elif op == _OP_READ:
             tx_n = _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters,
-                         tx_buf, tx_len, tx_dst, tx_n)  # fmt: skip
+                         tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
         elif op == _OP_ALL_WRITE:
             tx_n = _all_write(b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                              counters, tx_buf, tx_len, tx_dst, tx_n)  # fmt: skip
+                              counters, tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
         else:
             tx_n = _mutate(
                 b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
                 cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-                counters, tx_buf, tx_len, tx_dst, tx_n,
+                counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
             )  # fmt: skip
     return tx_n, n_punt
 
 
 @njit(cache=True, nogil=True)
 def _read(
-    b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_len, tx_dst, tx_n
+    b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n
 ):  # type: ignore[no-untyped-def]
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
@@ -485,12 +492,13 @@ def _read(
         rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_READ, esize
     )
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
-    t = tx_buf[tx_n]
-    _reply_header(t, b, _OP_READ_RESP, 0, length, _credit(tx_n, tx_buf.shape[0]))
+        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _reply_header(t, b, _OP_READ_RESP, 0, length, _credit(tx_n, tx_len.shape[0]))
     a = np.int64(addr)
     t[_HDR : _HDR + length] = mem[a : a + length]
     tx_len[tx_n] = _HDR + length
+    tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
     tx_dst[tx_n] = _reply_dst(b, src, members)
     return tx_n + 1
 
@@ -508,6 +516,7 @@ def _all_write(
     members,
     counters,
     tx_buf,
+    tx_off,
     tx_len,
     tx_dst,
     tx_n,
@@ -520,13 +529,14 @@ def _all_write(
         rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize
     )
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     a = np.int64(addr)
     mem[a : a + length] = b[_HDR : _HDR + length]
     if _rd16(b, 2) & _F_ACK_REQ:
-        t = tx_buf[tx_n]
-        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_buf.shape[0]))
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
         tx_len[tx_n] = _HDR
+        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = _reply_dst(b, src, members)
         return tx_n + 1
     return tx_n
@@ -536,7 +546,7 @@ def _all_write(
 def _mutate(  # type: ignore[no-untyped-def]
     b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-    counters, tx_buf, tx_len, tx_dst, tx_n,
+    counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
 ):  # fmt: skip
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, txn id)."""
     length = _rd32(b, 28)
@@ -552,26 +562,27 @@ def _mutate(  # type: ignore[no-untyped-def]
         rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, need, align
     )
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     client = _rd32(b, 8)
     txn = _rd32(b, 12)
     verdict, c, w = _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn)
     dst = _reply_dst(b, src, members)
     if verdict == _WIN_STALE:
-        return _emit_nack(b, src, members, _S_STALE, tx_buf, tx_len, tx_dst, tx_n, counters)
+        return _emit_nack(b, src, members, _S_STALE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     if verdict == _WIN_DUP:
         reply_len = np.int64(w_len[c, w])
         if reply_len == 0:
             counters[C.DUP_SILENT] += 1
             return tx_n
         counters[C.DUP_REPLAYS] += 1
-        t = tx_buf[tx_n]
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         t[:reply_len] = w_reply[c, w, :reply_len]
         tx_len[tx_n] = reply_len
+        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = dst
         return tx_n + 1
     a = np.int64(addr)
-    t = tx_buf[tx_n]
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     reply_len = 0
     if op == _OP_WRITE or op == _OP_ADD:
         if op == _OP_WRITE:
@@ -582,7 +593,7 @@ def _mutate(  # type: ignore[no-untyped-def]
             )
             counters[C.BYTES_COMBINED] += length
         if _rd16(b, 2) & _F_ACK_REQ:
-            _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_buf.shape[0]))
+            _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
             reply_len = _HDR
     else:
         old = _le64(mem, a)
@@ -590,7 +601,7 @@ def _mutate(  # type: ignore[no-untyped-def]
             _put_le64(mem, a, old + _le64(b, _HDR))  # u64 wraps, as the hardware adder would
         elif old == _le64(b, _HDR):
             _put_le64(mem, a, _le64(b, _HDR + 8))
-        _reply_header(t, b, _OP_ACK, 0, 8, _credit(tx_n, tx_buf.shape[0]))
+        _reply_header(t, b, _OP_ACK, 0, 8, _credit(tx_n, tx_len.shape[0]))
         _put_le64(t, _HDR, old)
         reply_len = _HDR + 8
     if verdict == _WIN_NEW:
@@ -598,6 +609,7 @@ def _mutate(  # type: ignore[no-untyped-def]
     if reply_len == 0:
         return tx_n
     tx_len[tx_n] = reply_len
+    tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
     tx_dst[tx_n] = dst
     return tx_n + 1
 
@@ -605,7 +617,7 @@ def _mutate(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def _chain_add(  # type: ignore[no-untyped-def]
     b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-    cc_id, cc_epoch, cc_done, counters, tx_buf, tx_len, tx_dst, tx_n,
+    cc_id, cc_epoch, cc_done, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
 ):  # fmt: skip
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
@@ -646,11 +658,11 @@ def _chain_add(  # type: ignore[no-untyped-def]
         if seq >= cc_done.shape[1]:
             status = _S_TOO_LARGE
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_len, tx_dst, tx_n, counters)
+        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     payload_off = _HDR + _SEG * count
     a = np.int64(addr)
     if left > 0:
-        t = tx_buf[tx_n]
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         for k in range(payload_off):
             t[k] = b[k]
         t[53] = left - 1
@@ -665,6 +677,7 @@ def _chain_add(  # type: ignore[no-untyped-def]
         counters[C.BYTES_COMBINED] += length
         counters[C.FORWARDED] += 1
         tx_len[tx_n] = payload_off + length
+        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = nxt
         return tx_n + 1
     if slot >= 0 and cc_done[slot, seq] != 0:
@@ -673,7 +686,7 @@ def _chain_add(  # type: ignore[no-untyped-def]
         # Combine into the free send slot, then store: the store range may overlap the operand
         # (in-place all-reduce), and the combine kernel may not alias its output with `b`.
         s = np.int64(store_addr)
-        scratch = tx_buf[tx_n]
+        scratch = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         _combine_bytes(
             scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
         )
@@ -683,19 +696,29 @@ def _chain_add(  # type: ignore[no-untyped-def]
         if slot >= 0:
             cc_done[slot, seq] = 1
     if _rd16(b, 2) & _F_ACK_REQ:
-        t = tx_buf[tx_n]
-        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_buf.shape[0]))
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
         tx_len[tx_n] = _HDR
+        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = _reply_dst(b, src, members)
         return tx_n + 1
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _drain(tx_buf, tx_len, tx_dst, start, count, out_buf, out_len, out_dst):  # type: ignore[no-untyped-def]
-    """Copy tx[start:start+count] into the caller's send batch (only the used bytes)."""
-    for k in range(count):
+def _drain(tx_buf, tx_off, tx_len, tx_dst, start, count, out_buf, out_off, out_len, out_dst):  # type: ignore[no-untyped-def]
+    """Copy queued datagrams start.. into the caller's batch, back to back, while they fit.
+    Returns how many were copied."""
+    pos = 0
+    limit = min(count, out_len.shape[0])
+    for k in range(limit):
         ln = tx_len[start + k]
-        out_buf[k, :ln] = tx_buf[start + k, :ln]
+        if pos + ln > out_buf.shape[0]:
+            return k
+        src = tx_off[start + k]
+        out_buf[pos : pos + ln] = tx_buf[src : src + ln]
+        out_off[k] = pos
         out_len[k] = ln
         out_dst[k] = tx_dst[start + k]
+        pos += ln
+    return limit
