@@ -17,6 +17,7 @@ from netdam.cliutil import CommandError, ExitCode, NetdamArgumentParser, emit
 # Subcommand modules, in the order `netdam --help` lists them.
 _COMMAND_MODULES = (
     "netdam.cli_demo",
+    "netdam.cli_cluster",
     "netdam.cli_decode",
     "netdam.cli_model",
 )

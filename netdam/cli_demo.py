@@ -14,8 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="run the main job: a small cluster doing an all-reduce and pool traffic",
         description="Start N emulated NICs, drive them with wire packets (REGISTER, WRITE, READ, "
         "FETCH_ADD, CHAIN_ADD, ALL_WRITE), run a chained all-reduce with multicast all-gather, "
-        "and check every rank against a numpy reference. Today the NICs are sans-I/O cores on "
-        "the in-memory fabric; real processes and UDP sockets come with the datapath.",
+        "and check every rank against a numpy reference. The NICs are node processes on "
+        "loopback UDP; today the host injects the chain heads and the all-gather writes.",
     )
     parser.add_argument("--nodes", type=int, default=4, help="emulated NICs (default 4)")
     size = parser.add_mutually_exclusive_group()
@@ -52,7 +52,9 @@ def _text(s: dict[str, object]) -> str:
         [
             f"netdam demo: {verdict}  ({s['transport']})",
             f"  nodes {s['nodes']}, {s['bytes']} bytes of {s['dtype']} per rank",
-            f"  pool: {pool['ops']} ops, {pool['mismatches']} mismatches, "
+            f"  node processes up in {s['startup_seconds']:.2f} s",
+            f"  pool: {pool['ops']} ops ({pool['ops_per_second']:.0f}/s, blocking clients), "
+            f"{pool['mismatches']} mismatches, "
             f"FETCH_ADD counter {pool['fetch_add_counter']} (expected {pool['fetch_add_expected']})",
             f"  all-reduce: {ar['packets']} packets ({ar['elements_per_packet']} elements each), "
             f"ranks identical: {ar['ranks_identical']}, equals numpy chain-order reference: "

@@ -30,6 +30,8 @@ DROP_UNEXPECTED_REPLY = 16  # reply nobody waited for
 DROP_FAULT = 17  # dropped by receive-side fault injection
 KERNEL_DROPS = 18  # datagrams the kernel dropped (SO_RXQ_OVFL), filled by the I/O shell
 RETRANSMITS = 19  # packets re-sent by this node's recovery
+RCVBUF_BYTES = 20  # gauge: receive buffer the kernel granted (SO_RCVBUF as getsockopt reports)
+SNDBUF_BYTES = 21  # gauge: send buffer the kernel granted
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64
@@ -59,6 +61,8 @@ _SCALAR_NAMES = {
     DROP_FAULT: "drop_fault",
     KERNEL_DROPS: "kernel_drops",
     RETRANSMITS: "retransmits",
+    RCVBUF_BYTES: "rcvbuf_bytes",
+    SNDBUF_BYTES: "sndbuf_bytes",
 }
 
 

@@ -167,15 +167,39 @@ class NodeCore:
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath._process_batch(
-            buf, offs, lens, srcs, n,
+            buf, offs, lens, srcs, n, *self.state_arrays(), int(self._txq[1]), self._punt
+        )
+        self._txq[1] = tx_n
+        self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
+
+    def state_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays ``datapath._process_batch`` takes after the receive batch, in its order.
+
+        For I/O shells that run the datapath inside their own compiled loop; the core stays the
+        only owner (shells must call ``reserve`` before and ``handle_punted`` after)."""
+        return (
             self.memory, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._members,
             self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
             self._w_reply, self._cc_id, self._cc_epoch, self._cc_done, self.counters,
-            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, int(self._txq[1]), self._punt,
+            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst,
         )  # fmt: skip
-        self._txq[1] = tx_n
-        for k in range(int(n_punt)):
-            i = int(self._punt[k])
+
+    @property
+    def tx_queue(self) -> np.ndarray:
+        """``[head, tail]`` of the send queue (shared with compiled I/O loops)."""
+        return self._txq
+
+    def reserve(self, n: int) -> None:
+        """Guarantee room in the send queue for the answers to *n* received datagrams."""
+        self._reserve_tx(n)
+
+    def handle_punted(
+        self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
+        punt: np.ndarray, n_punt: int,
+    ) -> None:  # fmt: skip
+        """Run the slow path for the datagrams the datapath punted (batch indices in *punt*)."""
+        for k in range(n_punt):
+            i = int(punt[k])
             self._handle_punted(bytes(buf[offs[i] : offs[i] + lens[i]]), int(srcs[i]))
 
     def fill_send_batch(

@@ -1,0 +1,126 @@
+"""Receive-side fault injection for node processes, applied to each batch before the datapath.
+
+Every decision is ``_fault_hash(seed, src, self, packet id, attempt)`` (netdam.faults), the
+same function the in-memory fabric uses, so seeded runs replay across processes. ``attempt``
+counts how often this receiver saw that (src, packet id): a small open-addressed table; when
+its probe limit is hit the oldest-probed slot is reused, which can reset a count (documented in
+README "Limits"). Reordered and delayed datagrams are copied aside and released later, after
+the datagrams of a later batch.
+
+``cfg`` (float64): [active, loss, dup, reorder, delay, delay_s, now_s, generation]
+``keys`` (uint64): [seed, this node's endpoint]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from netdam import counters as C
+from netdam.kernels.fault_hash import (
+    _SALT_DELAY,
+    _SALT_DROP,
+    _SALT_DUP,
+    _SALT_REORDER,
+    _fault_hash,
+    _mix,
+    _packet_id,
+)
+
+_PROBES = 8
+
+
+@njit(cache=True, nogil=True)
+def _attempt(table_key, table_count, key):  # type: ignore[no-untyped-def]
+    """Times *key* was seen before; records one more sighting."""
+    mask = table_key.shape[0] - 1
+    slot = np.int64(key & np.uint64(mask))
+    for _ in range(_PROBES):
+        if table_key[slot] == key:
+            count = table_count[slot]
+            table_count[slot] = count + 1
+            return count
+        if table_key[slot] == 0:
+            table_key[slot] = key
+            table_count[slot] = 1
+            return 0
+        slot = (slot + 1) & mask
+    table_key[slot] = key  # probe limit: reuse (the count restarts)
+    table_count[slot] = 1
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _hold(rx_buf, off, ln, src, release, cfg, hold_buf, hold_len, hold_src, hold_time, hold_gen, counters):  # type: ignore[no-untyped-def]
+    """Copy a datagram aside until *release* (and at least the next batch). False when full."""
+    slot_bytes = hold_buf.shape[1]
+    if ln > slot_bytes:
+        return False
+    for h in range(hold_len.shape[0]):
+        if hold_len[h] == 0:
+            hold_buf[h, :ln] = rx_buf[off : off + ln]
+            hold_len[h] = ln
+            hold_src[h] = src
+            hold_time[h] = release
+            hold_gen[h] = np.int64(cfg[7])
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _apply_faults(  # type: ignore[no-untyped-def]
+    rx_buf, rx_off, rx_len, rx_src, n, cfg, keys, table_key, table_count,
+    hold_buf, hold_len, hold_src, hold_time, hold_gen, counters,
+):  # fmt: skip
+    """Rewrite rx[0:n] in place as the faults decide; returns the new count (rx arrays must
+    have room for 2n + held entries, rx_buf room after the data for released copies)."""
+    seed = keys[0]
+    me = keys[1]
+    out_off = np.empty(2 * n + hold_len.shape[0], np.int64)
+    out_len = np.empty(2 * n + hold_len.shape[0], np.int32)
+    out_src = np.empty(2 * n + hold_len.shape[0], np.uint64)
+    m = 0
+    end = 0
+    for i in range(n):
+        off = rx_off[i]
+        ln = np.int64(rx_len[i])
+        src = rx_src[i]
+        end = max(end, off + ln)
+        pid = _packet_id(rx_buf[off : off + ln], ln)
+        attempt = _attempt(table_key, table_count, _mix(src ^ _mix(pid)) | np.uint64(1))
+        if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_DROP)) < cfg[1]:
+            counters[C.DROP_FAULT] += 1
+            continue
+        copies = 2 if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_DUP)) < cfg[2] else 1
+        release = -1.0
+        if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_REORDER)) < cfg[3]:
+            release = cfg[6]
+        if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_DELAY)) < cfg[4]:
+            release = cfg[6] + cfg[5]
+        if release >= 0.0 and _hold(rx_buf, off, ln, src, release, cfg, hold_buf, hold_len,
+                                    hold_src, hold_time, hold_gen, counters):  # fmt: skip
+            copies -= 1  # one copy waits aside; a duplicate still goes now
+        for _ in range(copies):
+            out_off[m] = off
+            out_len[m] = ln
+            out_src[m] = src
+            m += 1
+    # Release held datagrams whose time has come and that were held in an earlier batch.
+    for h in range(hold_len.shape[0]):
+        ln = np.int64(hold_len[h])
+        if ln == 0 or hold_gen[h] >= np.int64(cfg[7]) or hold_time[h] > cfg[6]:
+            continue
+        if end + ln > rx_buf.shape[0]:
+            break
+        rx_buf[end : end + ln] = hold_buf[h, :ln]
+        out_off[m] = end
+        out_len[m] = ln
+        out_src[m] = hold_src[h]
+        m += 1
+        end += ln
+        hold_len[h] = 0
+    m = min(m, rx_off.shape[0])
+    rx_off[:m] = out_off[:m]
+    rx_len[:m] = out_len[:m]
+    rx_src[:m] = out_src[:m]
+    return m

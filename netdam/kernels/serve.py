@@ -1,0 +1,92 @@
+"""The node process's hot loop: receive a batch (GRO), execute it, send the queue (GSO), repeat.
+
+One compiled call runs up to ``max_rounds`` rounds without touching Python, then returns so
+the control plane can handle punted packets, signals and stats. It never blocks longer than
+``timeout_ms`` waiting for traffic, so the control plane runs at least that often (and every
+few milliseconds under full load: a round is at most ``max_n`` datagrams).
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from netdam import counters as C
+from netdam.kernels.datapath import _SLOT, _process_batch
+from netdam.kernels.rx_faults import _apply_faults
+from netdam.kernels.udp_io import ST_KERNEL_DROPS, _recv_batch, _send_batch
+
+#: Why _serve returned.
+RETURN_IDLE = 0  # nothing arrived within timeout_ms
+RETURN_PUNT = 1  # punted datagrams wait in the receive buffer for the control plane
+RETURN_ROUNDS = 2  # ran max_rounds rounds: give the control plane its turn
+RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
+
+
+@njit(cache=True, nogil=True)
+def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):  # type: ignore[no-untyped-def]
+    """Send the pending queue; account for what left. Returns True when everything went."""
+    head = txq[0]
+    tail = txq[1]
+    if tail <= head:
+        return True
+    sent = _send_batch(
+        fd, tx_buf, tx_off[head:tail], tx_len[head:tail], tx_dst[head:tail], tail - head, scratch, io_state
+    )
+    for k in range(head, head + sent):
+        counters[C.TX_PACKETS] += 1
+        counters[C.TX_BYTES] += tx_len[k]
+    txq[0] = head + sent
+    if txq[0] == tail:
+        txq[0] = 0
+        txq[1] = 0
+        tx_off[0] = 0
+        return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _serve(  # type: ignore[no-untyped-def]
+    fd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, timeout_ms, io_state, max_rounds,
+    fault_cfg, fault_keys, table_key, table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen,
+    mem, rk_key, rk_base, rk_len, rk_rights, members,
+    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
+    cc_id, cc_epoch, cc_done, counters,
+    tx_buf, tx_off, tx_len, tx_dst, txq, punt, scratch,
+):  # fmt: skip
+    """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
+
+    Waits for traffic only in the first round; when fault injection holds datagrams aside, a
+    quiet round still releases those that are due."""
+    cap = tx_len.shape[0]
+    for _round in range(max_rounds):
+        if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
+            if txq[0] > 0:
+                return RETURN_QUEUE, 0  # partial send: compact before receiving more
+        tail = txq[1]
+        room = 2 * max_n + hold_len.shape[0] + 1  # duplicates and released datagrams too
+        if tail + room > cap or tx_off[tail] + room * _SLOT > tx_buf.shape[0]:
+            return RETURN_QUEUE, 0
+        # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
+        n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n,
+                        timeout_ms if _round == 0 else 0, io_state)  # fmt: skip
+        counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
+        if fault_cfg[0] != 0.0:
+            n = _apply_faults(rx_buf, rx_off, rx_len, rx_src, n, fault_cfg, fault_keys, table_key,
+                              table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen, counters)  # fmt: skip
+            fault_cfg[7] += 1.0  # batch generation: held datagrams wait at least one batch
+        if n == 0:
+            _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            return RETURN_IDLE, 0
+        tx_n, n_punt = _process_batch(
+            rx_buf, rx_off, rx_len, rx_src, n,
+            mem, rk_key, rk_base, rk_len, rk_rights, members,
+            cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
+            cc_id, cc_epoch, cc_done, counters,
+            tx_buf, tx_off, tx_len, tx_dst, txq[1], punt,
+        )  # fmt: skip
+        txq[1] = tx_n
+        if n_punt > 0:
+            _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            return RETURN_PUNT, n_punt
+    _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+    return RETURN_ROUNDS, 0

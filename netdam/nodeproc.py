@@ -1,0 +1,201 @@
+"""One node process: memory file, UDP socket, the NodeCore and its compiled serve loop.
+
+The thin I/O shell of the node core (aioquic's asyncio/protocol.py, batch-shaped). Python runs
+between compiled rounds only: punted datagrams (control opcodes, PING, replies), group
+membership, signals and the stop flag. Nothing per data packet happens here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from netdam import counters as C
+from netdam.events import GroupJoined, GroupLeft
+from netdam.faults import FaultSpec
+from netdam.kernels import serve
+from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
+from netdam.node import SLOT_BYTES, NodeConfig, NodeCore
+from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
+from netdam.protocol.packet import Endpoint, endpoint_to_u64
+from netdam.shm import DEFAULT_SHM_DIR, create_memory
+from netdam.udp import granted_buffers, join_multicast, leave_multicast, open_udp_socket
+
+#: Datagrams received per round (at most): four full GRO runs of 64.
+ROUND_DATAGRAMS = 256
+#: GRO runs (64 KiB receive slots) per round.
+RECV_RUNS = 32
+#: Rounds per compiled call before the control plane gets a turn (bounds stats latency).
+ROUNDS_PER_CALL = 32
+#: How long a call waits for traffic when idle, ms (the stop flag is checked this often).
+IDLE_WAIT_MS = 20
+#: Datagrams held aside by fault injection (reorder, delay) at once.
+HOLD_SLOTS = 256
+#: Attempt-count table of fault injection (power of two).
+FAULT_TABLE = 1 << 16
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class NodeProcessConfig:
+    bind: Endpoint = ("127.0.0.1", NETDAM_UDP_PORT)
+    memory_bytes: int = 64 << 20
+    shm_dir: Path = DEFAULT_SHM_DIR
+    name: str = "netdam-node"
+    admin_key: int = 0
+    members: tuple[Endpoint, ...] = ()
+    mtu: int = DEFAULT_MTU
+    rank: int = 0
+    world_size: int = 1
+    rcvbuf: int = 64 << 20
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    #: Die with the parent (netdam up in the foreground): no orphans.
+    die_with_parent: bool = False
+
+
+class NodeProcess:
+    """Owns the socket, the memory file and the core; ``run`` serves until stopped."""
+
+    def __init__(self, config: NodeProcessConfig) -> None:
+        self.config = config
+        self.stop = False
+        self.memory = create_memory(config.shm_dir, f"{config.name}.mem", config.memory_bytes)
+        try:
+            self.sock = open_udp_socket(config.bind, rcvbuf=config.rcvbuf)
+        except OSError as exc:
+            self.memory.close()
+            raise ValueError(f"cannot bind {config.bind[0]}:{config.bind[1]}: {exc.strerror}; "
+                             "pick another --bind port") from None  # fmt: skip
+        bound = self.sock.getsockname()
+        self.endpoint: Endpoint = (bound[0], bound[1])
+        # A management port beside the data port: under a flood the data socket's receive queue
+        # holds ~100 ms of packets, and stats must not wait behind them (issue 3: < 100 ms).
+        self.ctrl_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.ctrl_sock.bind((bound[0], 0))
+        self.ctrl_sock.setblocking(False)
+        self.control_port = int(self.ctrl_sock.getsockname()[1])
+        members = tuple(config.members) + (self.endpoint,)
+        self.core = NodeCore(
+            NodeConfig(endpoint=self.endpoint, memory_bytes=config.memory_bytes,
+                       admin_key=config.admin_key or NodeConfig(endpoint=self.endpoint).admin_key,
+                       members=members, mtu=config.mtu, rank=config.rank,
+                       world_size=config.world_size, tx_slots=4 * ROUND_DATAGRAMS),
+            memory=self.memory.array,
+        )  # fmt: skip
+        rcv, snd = granted_buffers(self.sock)
+        self.core.counters[C.RCVBUF_BYTES] = rcv
+        self.core.counters[C.SNDBUF_BYTES] = snd
+        extra = 2 * ROUND_DATAGRAMS + HOLD_SLOTS
+        # GRO runs land in RECV_RUNS slots of 64 KiB; datagrams released by fault injection are
+        # copied after them.
+        self.rx_buf = np.zeros(RECV_RUNS * RUN_BYTES + HOLD_SLOTS * SLOT_BYTES, np.uint8)
+        self.rx_off = np.zeros(extra, np.int64)
+        self.rx_len = np.zeros(extra, np.int32)
+        self.rx_src = np.zeros(extra, np.uint64)
+        self.punt = np.zeros(extra, np.int32)
+        self.io_state = np.zeros(STATE_LEN, np.int64)
+        self.scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
+        spec = config.faults
+        self.fault_cfg = np.array([float(spec.active), spec.loss, spec.dup, spec.reorder,
+                                   spec.delay, spec.delay_s, 0.0, 0.0], np.float64)  # fmt: skip
+        self.fault_keys = np.array([spec.seed & (2**64 - 1), endpoint_to_u64(self.endpoint)], np.uint64)
+        self.fault_table_key = np.zeros(FAULT_TABLE, np.uint64)
+        self.fault_table_count = np.zeros(FAULT_TABLE, np.uint32)
+        self.hold_buf = np.zeros((HOLD_SLOTS, SLOT_BYTES), np.uint8)
+        self.hold_len = np.zeros(HOLD_SLOTS, np.int32)
+        self.hold_src = np.zeros(HOLD_SLOTS, np.uint64)
+        self.hold_time = np.zeros(HOLD_SLOTS, np.float64)
+        self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
+
+    def serve_once(self, timeout_ms: int) -> int:
+        """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""
+        self.core.reserve(2 * ROUND_DATAGRAMS + HOLD_SLOTS + 1)
+        self.fault_cfg[6] = time.monotonic()
+        reason, n_punt = serve._serve(
+            self.sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
+            ROUND_DATAGRAMS, timeout_ms, self.io_state, ROUNDS_PER_CALL,
+            self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
+            self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen,
+            *self.core.state_arrays(), self.core.tx_queue, self.punt, self.scratch,
+        )  # fmt: skip
+        if n_punt:
+            self.core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
+        self._serve_control()
+        self._handle_events()
+        return int(reason)
+
+    def _serve_control(self) -> None:
+        """Requests on the management port (stats, ping, control): same core, same checks.
+        Replies leave through the data socket with the next flush."""
+        for _ in range(64):
+            try:
+                data, src = self.ctrl_sock.recvfrom(65536)
+            except BlockingIOError:
+                return
+            self.core.receive_datagram(data, (src[0], src[1]), time.monotonic())
+
+    def _handle_events(self) -> None:
+        while (event := self.core.next_event()) is not None:
+            if isinstance(event, GroupJoined):
+                join_multicast(self.sock, event.group[0])
+            elif isinstance(event, GroupLeft):
+                leave_multicast(self.sock, event.group[0])
+
+    def warm_up(self) -> None:
+        """Compile (or load from cache) every kernel before announcing readiness."""
+        self.serve_once(0)
+
+    def run(self, handle_signals: bool = True) -> None:
+        """Serve until SIGTERM/SIGINT (or the parent's death, when asked) or ``stop``."""
+        if handle_signals:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            while not self.stop:
+                self.serve_once(IDLE_WAIT_MS)
+        finally:
+            self.close()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop = True
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctrl_sock.close()
+        self.core.memory = np.zeros(0, np.uint8)
+        self.memory.close(unlink=True)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent dies (prctl PR_SET_PDEATHSIG): no orphans."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(config: NodeProcessConfig) -> int:
+    if config.die_with_parent:
+        die_with_parent()
+    try:
+        proc = NodeProcess(config)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        proc.warm_up()
+    except BaseException:
+        proc.close()
+        raise
+    print(f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} "
+          f"control_port={proc.control_port} admin_key={proc.core.config.admin_key}", flush=True)  # fmt: skip
+    proc.run()
+    return 0

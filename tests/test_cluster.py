@@ -1,0 +1,221 @@
+"""Real node processes on loopback: up/down/stats/ping, no orphans, shared memory, examples."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netdam import counters as C
+from netdam.cli import main
+from netdam.cluster import load_cluster
+from netdam.control import ControlClient, ControlError
+from netdam.faults import FaultSpec
+from netdam.launch import LocalCluster, start_cluster
+from netdam.protocol.constants import RIGHTS_ALL, Opcode, Status
+from netdam.protocol.packet import Packet
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
+    path = tmp_path_factory.mktemp("cluster") / "cluster.toml"
+    with start_cluster(2, memory=1 << 20, cluster_path=path) as running:
+        yield running  # type: ignore[misc]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_cluster_file_and_ping(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    info = load_cluster(cluster.path)
+    assert [n.rank for n in info.nodes] == [0, 1] and all(alive(n.pid) for n in info.nodes)
+    assert all(Path(n.memory_file).stat().st_size == 1 << 20 for n in info.nodes)
+    assert main(["ping", "--cluster", str(cluster.path), "--count", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [n["answered"] for n in result["nodes"]] == [2, 2]
+    assert [n["info"]["rank"] for n in result["nodes"]] == [0, 1]
+
+
+def test_stats_json(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--cluster", str(cluster.path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] is True and len(result["nodes"]) == 2
+    node = result["nodes"][0]
+    assert node["rcvbuf_bytes"] >= 1 << 20 and node["kernel_drops"] == 0
+    assert node["ops"]["COUNTERS"] >= 1
+
+
+def test_wire_operations_on_a_real_node(cluster: LocalCluster) -> None:
+    ep = cluster.endpoints[0]
+    with ControlClient(admin_key=cluster.info.admin_key) as client:
+        rkey = client.register(ep, 4096, 4096, RIGHTS_ALL)
+        client.write(ep, rkey, 4096, b"abcdefgh")
+        assert client.read(ep, rkey, 4096, 8) == b"abcdefgh"
+        with pytest.raises(ControlError, match="OUT_OF_BOUNDS") as info:
+            client.read(ep, rkey, 8190, 8)
+        assert info.value.status == Status.OUT_OF_BOUNDS
+        with pytest.raises(ControlError, match="UNAUTHORIZED"):
+            client.request(ep, Packet(Opcode.COUNTERS, rkey=123))
+
+
+def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster) -> None:
+    """The CXL/PCIe stand-in: two host processes map the node's memory one after the other."""
+    node = cluster.info.nodes[1]
+    path = node.memory_file
+    writer = f"import numpy as np; from netdam.shm import attach; m = attach({path!r}); m[100:108] = np.arange(1, 9, dtype=np.uint8); m.flush(); print('wrote')"
+    reader = f"from netdam.shm import attach; m = attach({path!r}); print(m[100:108].tolist())"
+    assert subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, check=True).stdout.strip() == "wrote"
+    out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[1, 2, 3, 4, 5, 6, 7, 8]"
+    # The node itself sees the host's stores (same pages).
+    with ControlClient(admin_key=cluster.info.admin_key) as client:
+        rkey = client.register(node.endpoint, 0, 4096, RIGHTS_ALL)
+        assert client.read(node.endpoint, rkey, 100, 8) == bytes(range(1, 9))
+        client.write(node.endpoint, rkey, 200, b"\xaa\xbb")
+    from netdam.shm import attach
+
+    assert bytes(attach(node.memory_file)[200:202]) == b"\xaa\xbb"
+
+
+def test_plain_socket_client_example(cluster: LocalCluster) -> None:
+    ep = cluster.endpoints[0]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plain_socket_client.py"), "--node", f"{ep[0]}:{ep[1]}",
+         "--admin-key", hex(cluster.info.admin_key)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "wrote and read back" in result.stdout and result.stdout.strip().endswith("ok")
+
+
+FLOOD = r"""
+import sys, time, numpy as np
+from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
+from netdam.protocol.constants import Opcode
+from netdam.kernels.udp_io import _send_batch, MAX_MSGS, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
+from netdam.udp import open_udp_socket
+host, port, rkey, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+pkt = encode_packet(Packet(Opcode.WRITE, rkey=rkey, addr=0, length=8192, payload=bytes(8192)))
+n = 64
+buf = np.frombuffer(pkt * n, np.uint8).copy()
+offs = np.arange(n, dtype=np.int64) * len(pkt)
+lens = np.full(n, len(pkt), np.int32)
+dsts = np.full(n, endpoint_to_u64((host, port)), np.uint64)
+scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
+state = np.zeros(STATE_LEN, np.int64)
+sock = open_udp_socket(("127.0.0.1", 0))
+_send_batch(sock.fileno(), buf, offs, lens, dsts, n, scratch, state)
+print("flooding", flush=True)
+end = time.monotonic() + seconds
+sent = 0
+while time.monotonic() < end:
+    sent += _send_batch(sock.fileno(), buf, offs, lens, dsts, n, scratch, state)
+print(sent, flush=True)
+"""
+
+
+def test_stats_answers_within_100ms_under_full_load(cluster: LocalCluster) -> None:
+    ep = cluster.endpoints[1]
+    with ControlClient(admin_key=cluster.info.admin_key) as client:
+        rkey = client.register(ep, 0, 1 << 20, RIGHTS_ALL)
+        before = client.counters(ep)
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, ep[0], str(ep[1]), str(rkey), "4"],
+                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
+            time.sleep(0.5)
+            latencies = []
+            for _ in range(20):
+                start = time.perf_counter()
+                values = client.counters(cluster.info.nodes[1].control_endpoint, timeout=1.0)
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.05)
+        finally:
+            flood.wait(timeout=30)
+    handled = int(values[C.OPCODE_BASE + Opcode.WRITE] - before[C.OPCODE_BASE + Opcode.WRITE])
+    assert handled > 10_000, "the node was not under load"
+    assert max(latencies) < 0.1, latencies
+
+
+def test_faults_injected_on_receive() -> None:
+    with start_cluster(1, memory=1 << 16, faults=FaultSpec(loss=0.5, dup=0.2, seed=3)) as running:
+        ep = running.endpoints[0]
+        with ControlClient(admin_key=running.info.admin_key) as client:
+            answered = 0
+            for _ in range(60):
+                try:
+                    client.request(ep, Packet(Opcode.PING), timeout=0.2, retries=0)
+                    answered += 1
+                except ControlError:
+                    pass
+            values = client.request(ep, Packet(Opcode.COUNTERS, rkey=running.info.admin_key), timeout=0.2, retries=20)
+        counts = np.frombuffer(values.payload, "<u8")
+        assert 10 < answered < 55 and counts[C.DROP_FAULT] > 10
+
+
+def test_detach_down_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.toml"
+    assert main(["up", "--nodes", "2", "--memory", "64KiB", "--detach", "--cluster", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == str(path)
+    info = load_cluster(path)
+    assert main(["down", "--cluster", str(path)]) == 0
+    assert not path.exists()
+    assert not any(alive(n.pid) for n in info.nodes)
+    assert not any(Path(n.memory_file).exists() for n in info.nodes)
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_foreground_up_leaves_no_orphans(tmp_path: Path, how: signal.Signals) -> None:
+    path = tmp_path / "c.toml"
+    up = subprocess.Popen([sys.executable, "-m", "netdam", "up", "--nodes", "2", "--memory", "64KiB",
+                           "--cluster", str(path)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert up.stdout is not None and up.stdout.readline().strip() == str(path)
+    info = load_cluster(path)
+    up.send_signal(how)
+    up.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(n.pid) for n in info.nodes):
+        time.sleep(0.05)
+    assert not any(alive(n.pid) for n in info.nodes)
+    assert not any(Path(n.memory_file).exists() for n in info.nodes)
+
+
+def test_node_refuses_memory_it_cannot_get(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["node", "--bind", "127.0.0.1:0", "--memory", "1024GiB", "--shm-dir", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "lower --memory or pass --shm-dir" in err and str(tmp_path) in err
+
+
+def test_unknown_cluster_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "--cluster", str(tmp_path / "nope.toml"), "--json"]) == 2
+    assert "start a cluster with `netdam up`" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_fetch_add_counter_shared_by_processes(cluster: LocalCluster) -> None:
+    ep = cluster.endpoints[0]
+    with ControlClient(admin_key=cluster.info.admin_key) as a, ControlClient() as b:
+        rkey = a.register(ep, 8192, 64, RIGHTS_ALL)
+        for client in (a, b, a, b):
+            client.request(ep, Packet(Opcode.FETCH_ADD, rkey=rkey, addr=8192, dtype=5, length=8,  # type: ignore[arg-type]
+                                      payload=struct.pack("<Q", 1)))  # fmt: skip
+        reply = a.request(ep, Packet(Opcode.READ, rkey=rkey, addr=8192, length=8))
+        assert struct.unpack("<Q", reply.payload)[0] == 4
