@@ -32,6 +32,7 @@ KERNEL_DROPS = 18  # datagrams the kernel dropped (SO_RXQ_OVFL), filled by the I
 RETRANSMITS = 19  # packets re-sent by this node's recovery
 RCVBUF_BYTES = 20  # gauge: receive buffer the kernel granted (SO_RCVBUF as getsockopt reports)
 SNDBUF_BYTES = 21  # gauge: send buffer the kernel granted
+DROP_COLL_EARLY = 22  # all-gather data for a collective not started here yet (READ repairs it)
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64
@@ -63,6 +64,7 @@ _SCALAR_NAMES = {
     RETRANSMITS: "retransmits",
     RCVBUF_BYTES: "rcvbuf_bytes",
     SNDBUF_BYTES: "sndbuf_bytes",
+    DROP_COLL_EARLY: "drop_coll_early",
 }
 
 
@@ -80,7 +82,7 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
     result["nacks"] = {
         st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
     }
-    result["drops"] = sum(int(values[i]) for i in range(DROP_TRUNCATED, KERNEL_DROPS + 1))
+    result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY))
     return result
 
 

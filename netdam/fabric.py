@@ -20,6 +20,8 @@ from netdam.protocol.packet import Endpoint, endpoint_to_u64, u64_to_endpoint
 
 #: Datagrams one core takes or gives per step: the batch a real I/O shell would move.
 BATCH = 64
+#: Smallest clock jump when only timers are pending, seconds.
+TIMER_STEP_S = 0.001
 
 
 class BatchCore(Protocol):
@@ -44,6 +46,10 @@ class BatchCore(Protocol):
         now: float,
     ) -> int: ...
 
+    def get_timer(self) -> float | None: ...
+
+    def handle_timer(self, now: float) -> None: ...
+
 
 class Fabric:
     """Moves datagrams between cores and mailboxes in rounds."""
@@ -60,6 +66,10 @@ class Fabric:
         self._round = 0
         self._attempts: dict[tuple[int, int, int], int] = defaultdict(int)
         self.stats = {"sent": 0, "delivered": 0, "dropped": 0, "duplicated": 0, "reordered": 0}
+        #: Drop exactly the datagram with this delivery index (0-based), for "drop each packet in
+        #: turn" tests; None: off.
+        self.drop_nth: int | None = None
+        self._scheduled = 0
         self._out = np.zeros(BATCH * SLOT_BYTES, np.uint8)
         self._out_offs = np.zeros(BATCH, np.int64)
         self._out_lens = np.zeros(BATCH, np.int32)
@@ -94,19 +104,27 @@ class Fabric:
         return items
 
     def step(self) -> int:
-        """One round: collect every core's output, then deliver what is due. Returns datagrams moved."""
+        """One round: run the cores' clocks, collect their output, deliver what is due.
+        Returns datagrams moved."""
+        for core in self._cores.values():
+            if core.get_timer() is not None:
+                core.handle_timer(self.now)
         moved = self._collect()
         self._round += 1
         return moved + self._deliver_due()
 
     def run_until_idle(self, max_rounds: int = 10_000) -> int:
-        """Step until nothing is in flight or queued; jump the clock to delayed packets."""
+        """Step until nothing is in flight or queued and no core has a timer; when only timers
+        or delayed packets remain, jump the clock to the earliest (at least TIMER_STEP_S on)."""
         for rounds in range(max_rounds):
             moved = self.step()
-            if moved == 0:
-                if not self._flight:
-                    return rounds
-                self.now = max(self.now, self._flight[0][0])
+            if moved:
+                continue
+            timers = [t for core in self._cores.values() if (t := core.get_timer()) is not None]
+            if not self._flight and not timers:
+                return rounds
+            due = min(timers + ([self._flight[0][0]] if self._flight else []))
+            self.now = max(due, self.now + TIMER_STEP_S) if timers else max(self.now, due)
         raise RuntimeError(f"fabric still busy after {max_rounds} rounds")
 
     def advance(self, seconds: float) -> None:
@@ -137,6 +155,11 @@ class Fabric:
             self._schedule(src, target, data)
 
     def _schedule(self, src: int, dst: int, data: bytes) -> None:
+        index = self._scheduled
+        self._scheduled += 1
+        if index == self.drop_nth:
+            self.stats["dropped"] += 1
+            return
         if self.faults.active:
             pid = packet_id(data)
             key = (src, dst, pid)

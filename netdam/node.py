@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from netdam import counters as C
+from netdam.collective import CollectiveEngine
 from netdam.events import (
     CollectiveStartRequested,
     Event,
@@ -30,6 +31,8 @@ from netdam.events import (
     RegionRegistered,
     ReplyReceived,
 )
+from netdam.kernels import coll_layout as L
+from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.protocol.constants import (
     DEFAULT_MTU,
@@ -37,6 +40,7 @@ from netdam.protocol.constants import (
     DUP_WINDOW,
     DUP_WINDOW_CLIENTS,
     HEADER_SIZE,
+    IP_UDP_OVERHEAD,
     MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
     MIN_MTU,
@@ -62,10 +66,6 @@ SLOT_BYTES = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
 RKEY_SLOTS = 1024
 MAX_REGIONS = RKEY_SLOTS // 2
-#: Collectives tracked at once for the completed-chunk guard (direct-mapped by coll_id).
-COLLECTIVE_SLOTS = 16
-#: Chunks per collective the guard can remember: 131072 x 8 KiB = 1 GiB of f32 per collective.
-MAX_CHUNKS = 1 << 17
 #: Send-queue bound: beyond it the datapath drops and counts (DROP_TX_FULL).
 MAX_TX_QUEUE = 1 << 15
 #: Events waiting for the owner; beyond it replies are dropped and counted.
@@ -111,6 +111,9 @@ class NodeCore:
         self.memory = memory
         self.counters = C.new_counters()
         self.endpoint_u64 = endpoint_to_u64(config.endpoint)
+        #: Largest datagram accepted: the UDP payload of one MTU-sized IP packet; longer ones are
+        #: dropped and counted, as a NIC drops frames over its MTU.
+        self.max_datagram = config.mtu - IP_UDP_OVERHEAD
         self.set_members(config.members)
         self._rk_key = np.zeros(RKEY_SLOTS, np.uint32)
         self._rk_base = np.zeros(RKEY_SLOTS, np.int64)
@@ -124,9 +127,7 @@ class NodeCore:
         self._w_state = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint8)
         self._w_len = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.int32)
         self._w_reply = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW, DUP_REPLY_BYTES), np.uint8)
-        self._cc_id = np.zeros(COLLECTIVE_SLOTS, np.uint32)
-        self._cc_epoch = np.zeros(COLLECTIVE_SLOTS, np.uint32)
-        self._cc_done = np.zeros((COLLECTIVE_SLOTS, MAX_CHUNKS), np.uint8)
+        self.collective = CollectiveEngine()
         # Send queue: datagrams packed back to back in one byte buffer (so runs to one
         # destination leave as one GSO send); datagram k at _tx_buf[_tx_off[k]:][:_tx_len[k]],
         # _tx_off[tail] is the next free byte; pending = head..tail-1 (_txq = [head, tail]).
@@ -167,7 +168,7 @@ class NodeCore:
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath._process_batch(
-            buf, offs, lens, srcs, n, *self.state_arrays(), int(self._txq[1]), self._punt
+            buf, offs, lens, srcs, n, self.max_datagram, *self.state_arrays(), int(self._txq[1]), self._punt
         )
         self._txq[1] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
@@ -180,7 +181,8 @@ class NodeCore:
         return (
             self.memory, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._members,
             self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
-            self._w_reply, self._cc_id, self._cc_epoch, self._cc_done, self.counters,
+            self._w_reply, self.collective.cfg, self.collective.done, self.collective.acked,
+            self.counters,
             self._tx_buf, self._tx_off, self._tx_len, self._tx_dst,
         )  # fmt: skip
 
@@ -243,11 +245,28 @@ class NodeCore:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
-        """The node core has no timers of its own (collectives and clients do)."""
-        return None
+        """When the collective engine wants its next tick (None: no collective running)."""
+        if not self.collective.running:
+            return None
+        fcfg = self.collective.fcfg
+        return float(fcfg[L.F_NOW] + min(fcfg[L.F_RTO] / 4.0, 0.001))
 
     def handle_timer(self, now: float) -> None:
-        """Nothing to expire (see get_timer)."""
+        """Run the collective engine's clock: chain heads, retransmits, all-gather, repair."""
+        if not self.collective.running:
+            return
+        self._reserve_tx(2 * self.collective.cfg[L.CFG_WINDOW] * max(1, int(self.collective.cfg[L.CFG_WORLD])))
+        tx_n = coll_kernels._coll_tick(
+            now, *self.collective.tick_arrays(), self.memory, self.collective.done, self.counters,
+            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, int(self._txq[1]),
+        )  # fmt: skip
+        self._txq[1] = tx_n
+
+    def engine_arrays(self) -> tuple[np.ndarray, ...]:
+        """The engine's clock arrays that ``state_arrays`` does not already carry, in the order
+        ``serve._serve`` takes them: fcfg, ring, bounds, cb, sent, tries, agsent."""
+        e = self.collective
+        return (e.fcfg, e.ring, e.bounds, e.cb, e.sent, e.tries, e.agsent)
 
     # ------------------------------------------------------------------ one-datagram helpers
 
@@ -353,10 +372,13 @@ class NodeCore:
         status: Status = Status.OK,
         payload: bytes = b"",
         rkey: int | None = None,
+        aux_addr: int | None = None,
     ) -> bytes:
         reply = reply_to(request, opcode, status, payload)
         if rkey is not None:
             reply = replace(reply, rkey=rkey)
+        if aux_addr is not None:
+            reply = replace(reply, aux_addr=aux_addr)
         data = encode_packet(reply)
         self._push(data, self._reply_dst(request, src))
         if status != Status.OK:
@@ -512,8 +534,21 @@ class NodeCore:
         self._reply(packet, src, Opcode.ACK)
 
     def _on_start_collective(self, packet: Packet, src: int) -> None:
-        self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
-        self._reply(packet, src, Opcode.ACK)
+        final = self.collective.final_reply(packet)
+        if final is not None:
+            # A retried START_COLL of a finished collective: the host may have lost the
+            # completion, so it gets it again (SPEC.md "START_COLL").
+            self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1)
+            return
+        status = self.collective.start(
+            packet, src, self.memory, self.config.mtu, self.endpoint_u64, self._regions,
+            int(self.counters[C.RCVBUF_BYTES]),
+        )  # fmt: skip
+        if status == Status.OK:
+            self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
+            self._reply(packet, src, Opcode.ACK)
+        else:
+            self._nack(packet, src, status)
 
     def _on_counters(self, packet: Packet, src: int) -> None:
         self._reply(packet, src, Opcode.ACK, payload=self.counters.astype("<u8").tobytes())

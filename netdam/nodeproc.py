@@ -121,10 +121,11 @@ class NodeProcess:
         self.fault_cfg[6] = time.monotonic()
         reason, n_punt = serve._serve(
             self.sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
-            ROUND_DATAGRAMS, timeout_ms, self.io_state, ROUNDS_PER_CALL,
+            ROUND_DATAGRAMS, self.core.max_datagram, timeout_ms, self.io_state, ROUNDS_PER_CALL,
             self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
             self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen,
             *self.core.state_arrays(), self.core.tx_queue, self.punt, self.scratch,
+            *self.core.engine_arrays(),
         )  # fmt: skip
         if n_punt:
             self.core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))

@@ -17,6 +17,16 @@ import numpy as np
 from numba import njit
 
 from netdam import counters as C
+from netdam.kernels.coll_layout import (
+    CFG_ACKED,
+    CFG_CHUNKS,
+    CFG_COLL,
+    CFG_DONE_COUNT,
+    CFG_EPOCH,
+    CFG_FATAL,
+    CFG_INFLIGHT,
+    CFG_STATE,
+)
 from netdam.kernels.combine import _combine_bytes
 from netdam.protocol.constants import (
     DUP_REPLY_BYTES,
@@ -128,6 +138,10 @@ _S_TOO_LARGE = int(Status.TOO_LARGE)
 _S_STALE = int(Status.STALE)
 _S_NOT_MEMBER = int(Status.NOT_MEMBER)
 _S_BAD_FIELD = int(Status.BAD_FIELD)
+_S_BUSY = int(Status.BUSY)
+
+# Where a collective packet stands on this node (see _coll_phase).
+_PHASE_RUNNING, _PHASE_STALE, _PHASE_NOT_STARTED = 0, 1, 2
 
 # Duplicate-window verdicts.
 _WIN_NEW, _WIN_DUP, _WIN_STALE, _WIN_OFF = 0, 1, 2, 3
@@ -367,6 +381,20 @@ def _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):
         w_reply[c, w, k] = reply[k]
 
 
+@njit(cache=True, nogil=True)
+def _coll_phase(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
+    """RUNNING when (coll, epoch) is this node's current collective (running or finished),
+    STALE for an earlier epoch of it, NOT_STARTED otherwise (the host has not started it here
+    yet: its input may not be staged, so nothing of it may be read or written)."""
+    if co_cfg[CFG_STATE] != 0 and coll == co_cfg[CFG_COLL]:
+        behind = (co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF
+        if behind == 0:
+            return _PHASE_RUNNING
+        if behind < 0x80000000:
+            return _PHASE_STALE
+    return _PHASE_NOT_STARTED
+
+
 # ---------------------------------------------------------------- output helpers
 
 
@@ -417,10 +445,10 @@ def _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, co
 
 @njit(cache=True, nogil=True)
 def _process_batch(  # type: ignore[no-untyped-def]
-    rx_buf, rx_off, rx_len, rx_src, n,
+    rx_buf, rx_off, rx_len, rx_src, n, max_len,
     mem, rk_key, rk_base, rk_len, rk_rights, members,
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-    cc_id, cc_epoch, cc_done,
+    co_cfg, co_done, co_acked,
     counters, tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
 ):  # fmt: skip
     """Execute datagrams rx_buf[rx_off[i] : rx_off[i] + rx_len[i]] for i < n; append replies and
@@ -435,8 +463,8 @@ def _process_batch(  # type: ignore[no-untyped-def]
         src = rx_src[i]
         counters[C.RX_PACKETS] += 1
         counters[C.RX_BYTES] += ln
-        if off < 0 or off + ln > rx_buf.shape[0]:
-            counters[C.DROP_OVERSIZE] += 1  # truncated by the receive buffer
+        if off < 0 or off + ln > rx_buf.shape[0] or ln > max_len:
+            counters[C.DROP_OVERSIZE] += 1  # over the MTU, or truncated by the receive buffer
             continue
         b = rx_buf[off : off + ln]
         if tx_n >= cap or tx_off[tx_n] + _SLOT > tx_buf.shape[0]:
@@ -446,6 +474,15 @@ def _process_batch(  # type: ignore[no-untyped-def]
         op = np.int64(b[1]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
+            continue
+        if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, 16) != 0:
+            counters[C.OPCODE_BASE + op] += 1
+            if _coll_reply(b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
+                           co_cfg, co_done, co_acked, counters):  # fmt: skip
+                continue  # consumed by the collective engine, in the datapath
+            punt[n_punt] = i
+            n_punt += 1
+            counters[C.PUNTED] += 1
             continue
         if status == PUNT or (status == 0 and _PUNTED_OPS[op] == 1):
             if status == 0:
@@ -464,14 +501,14 @@ def _process_batch(  # type: ignore[no-untyped-def]
         if op == _OP_CHAIN_ADD:
             tx_n = _chain_add(
                 b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                cc_id, cc_epoch, cc_done, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
+                co_cfg, co_done, co_acked, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
             )  # fmt: skip
         elif op == _OP_READ:
             tx_n = _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters,
-                         tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
+                         tx_buf, tx_off, tx_len, tx_dst, tx_n, co_cfg, co_done)  # fmt: skip
         elif op == _OP_ALL_WRITE:
             tx_n = _all_write(b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                              counters, tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
+                              counters, tx_buf, tx_off, tx_len, tx_dst, tx_n, co_cfg, co_done)  # fmt: skip
         else:
             tx_n = _mutate(
                 b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
@@ -483,14 +520,25 @@ def _process_batch(  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def _read(
-    b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n
+    b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
+    co_cfg, co_done,
 ):  # type: ignore[no-untyped-def]
+    """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final."""
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
     status = _check_access(
         rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_READ, esize
     )
+    coll = _rd32(b, 16)
+    if status == 0 and coll != 0:
+        seq = _rd32(b, 4)
+        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        if phase == _PHASE_STALE:
+            counters[C.DROP_STALE_EPOCH] += 1
+            return tx_n
+        if phase == _PHASE_NOT_STARTED or seq >= co_cfg[CFG_CHUNKS] or co_done[seq] == 0:
+            status = _S_BUSY  # not reduced here yet: the reader asks again later
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
@@ -520,8 +568,12 @@ def _all_write(
     tx_len,
     tx_dst,
     tx_n,
+    co_cfg,
+    co_done,
 ):  # type: ignore[no-untyped-def]
-    """Multicast write: idempotent, so no duplicate window; ACK only when asked."""
+    """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
+    collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
+    host started the collective here (before that the output may still be staged over)."""
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
@@ -530,6 +582,18 @@ def _all_write(
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    coll = _rd32(b, 16)
+    if coll != 0:
+        seq = _rd32(b, 4)
+        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        if phase != _PHASE_RUNNING or seq >= co_cfg[CFG_CHUNKS]:
+            counters[C.DROP_STALE_EPOCH if phase == _PHASE_STALE else C.DROP_COLL_EARLY] += 1
+            return tx_n  # an early one is fetched again by READ repair once started
+        if co_done[seq] != 0:
+            counters[C.DUP_SILENT] += 1
+            return tx_n
+        co_done[seq] = 1
+        co_cfg[CFG_DONE_COUNT] += 1
     a = np.int64(addr)
     mem[a : a + length] = b[_HDR : _HDR + length]
     if _rd16(b, 2) & _F_ACK_REQ:
@@ -617,7 +681,7 @@ def _mutate(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def _chain_add(  # type: ignore[no-untyped-def]
     b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-    cc_id, cc_epoch, cc_done, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
+    co_cfg, co_done, co_acked, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
 ):  # fmt: skip
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
@@ -643,20 +707,19 @@ def _chain_add(  # type: ignore[no-untyped-def]
         if not _is_member(members, nxt):
             status = _S_NOT_MEMBER  # nodes relay only inside their cluster
     coll = _rd32(b, 16)
-    epoch = _rd32(b, 20)
     seq = _rd32(b, 4)
-    slot = -1
+    guarded = False
     if status == 0 and coll != 0:
-        slot = coll % cc_id.shape[0]
-        if cc_id[slot] != coll or epoch > cc_epoch[slot]:
-            cc_id[slot] = coll
-            cc_epoch[slot] = epoch
-            cc_done[slot, :] = 0
-        elif epoch < cc_epoch[slot]:
+        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        if phase == _PHASE_STALE:
             counters[C.DROP_STALE_EPOCH] += 1
             return tx_n
-        if seq >= cc_done.shape[1]:
+        if phase == _PHASE_NOT_STARTED:
+            status = _S_BUSY  # this node has not started that collective: retry later
+        elif seq >= co_cfg[CFG_CHUNKS]:
             status = _S_TOO_LARGE
+        else:
+            guarded = True
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     payload_off = _HDR + _SEG * count
@@ -680,7 +743,7 @@ def _chain_add(  # type: ignore[no-untyped-def]
         tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = nxt
         return tx_n + 1
-    if slot >= 0 and cc_done[slot, seq] != 0:
+    if guarded and co_done[seq] != 0:
         counters[C.CHAIN_REACKS] += 1  # already stored: re-ACK, never add twice
     else:
         # Combine into the free send slot, then store: the store range may overlap the operand
@@ -693,8 +756,9 @@ def _chain_add(  # type: ignore[no-untyped-def]
         mem[s : s + length] = scratch[_HDR : _HDR + length]
         counters[C.BYTES_COMBINED] += length
         counters[C.STORED] += 1
-        if slot >= 0:
-            cc_done[slot, seq] = 1
+        if guarded:
+            co_done[seq] = 1
+            co_cfg[CFG_DONE_COUNT] += 1
     if _rd16(b, 2) & _F_ACK_REQ:
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
@@ -703,6 +767,45 @@ def _chain_add(  # type: ignore[no-untyped-def]
         tx_dst[tx_n] = _reply_dst(b, src, members)
         return tx_n + 1
     return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _coll_reply(b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members, co_cfg, co_done, co_acked, counters):  # type: ignore[no-untyped-def]
+    """Replies of the running collective, handled here so no reply costs Python: chain ACKs
+    free the originator's window, NACKs BUSY are retried by the timer (others fail the
+    collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
+    if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, 16), _rd32(b, 20)) != _PHASE_RUNNING:
+        return False
+    if not _is_member(members, src):
+        return False
+    seq = _rd32(b, 4)
+    if seq >= co_cfg[CFG_CHUNKS]:
+        return False
+    if op == _OP_ACK:
+        if co_acked[seq] == 0:
+            co_acked[seq] = 1
+            co_cfg[CFG_ACKED] += 1
+            co_cfg[CFG_INFLIGHT] -= 1
+        return True
+    if op == _OP_NACK:
+        status = np.int64(b[50])
+        if status != _S_BUSY and co_cfg[CFG_FATAL] == 0:
+            co_cfg[CFG_FATAL] = status
+        return True
+    if op == _OP_READ_RESP:
+        length = _rd32(b, 28)
+        addr = _rd64(b, 32)
+        esize = _ESIZE[np.int64(b[48])]
+        # The answer lands in this node's memory: this node's rights on that range apply.
+        if _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize) != 0:
+            return True
+        if co_done[seq] == 0:
+            a = np.int64(addr)
+            mem[a : a + length] = b[_HDR : _HDR + length]
+            co_done[seq] = 1
+            co_cfg[CFG_DONE_COUNT] += 1
+        return True
+    return False
 
 
 @njit(cache=True, nogil=True)

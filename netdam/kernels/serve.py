@@ -11,9 +11,11 @@ from __future__ import annotations
 from numba import njit
 
 from netdam import counters as C
+from netdam.kernels.coll_layout import CFG_STATE
+from netdam.kernels.collective import _coll_tick
 from netdam.kernels.datapath import _SLOT, _process_batch
 from netdam.kernels.rx_faults import _apply_faults
-from netdam.kernels.udp_io import ST_KERNEL_DROPS, _recv_batch, _send_batch
+from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch, _send_batch
 
 #: Why _serve returned.
 RETURN_IDLE = 0  # nothing arrived within timeout_ms
@@ -46,12 +48,13 @@ def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
 
 @njit(cache=True, nogil=True)
 def _serve(  # type: ignore[no-untyped-def]
-    fd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, timeout_ms, io_state, max_rounds,
+    fd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, max_len, timeout_ms, io_state, max_rounds,
     fault_cfg, fault_keys, table_key, table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen,
     mem, rk_key, rk_base, rk_len, rk_rights, members,
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-    cc_id, cc_epoch, cc_done, counters,
+    co_cfg, co_done, co_acked, counters,
     tx_buf, tx_off, tx_len, tx_dst, txq, punt, scratch,
+    co_f, co_ring, co_bounds, co_cb, co_sent, co_tries, co_agsent,
 ):  # fmt: skip
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
 
@@ -59,6 +62,11 @@ def _serve(  # type: ignore[no-untyped-def]
     quiet round still releases those that are due."""
     cap = tx_len.shape[0]
     for _round in range(max_rounds):
+        if co_cfg[CFG_STATE] == 1:  # the collective engine's clock runs every round
+            tx_n = _coll_tick(_now_ns() * 1e-9, co_cfg, co_f, co_ring, co_bounds, co_cb, co_acked,
+                              co_sent, co_tries, co_agsent, mem, co_done, counters,
+                              tx_buf, tx_off, tx_len, tx_dst, txq[1])  # fmt: skip
+            txq[1] = tx_n
         if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
             if txq[0] > 0:
                 return RETURN_QUEUE, 0  # partial send: compact before receiving more
@@ -67,8 +75,9 @@ def _serve(  # type: ignore[no-untyped-def]
         if tail + room > cap or tx_off[tail] + room * _SLOT > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
         # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
-        n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n,
-                        timeout_ms if _round == 0 else 0, io_state)  # fmt: skip
+        # Wait for traffic only in the first round, and briefly while a collective runs.
+        wait = 0 if _round > 0 else (min(timeout_ms, 1) if co_cfg[CFG_STATE] == 1 else timeout_ms)
+        n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state)
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if fault_cfg[0] != 0.0:
             n = _apply_faults(rx_buf, rx_off, rx_len, rx_src, n, fault_cfg, fault_keys, table_key,
@@ -78,10 +87,10 @@ def _serve(  # type: ignore[no-untyped-def]
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
         tx_n, n_punt = _process_batch(
-            rx_buf, rx_off, rx_len, rx_src, n,
+            rx_buf, rx_off, rx_len, rx_src, n, max_len,
             mem, rk_key, rk_base, rk_len, rk_rights, members,
             cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-            cc_id, cc_epoch, cc_done, counters,
+            co_cfg, co_done, co_acked, counters,
             tx_buf, tx_off, tx_len, tx_dst, txq[1], punt,
         )  # fmt: skip
         txq[1] = tx_n

@@ -1,0 +1,276 @@
+"""The collective engine of one node: START_COLL descriptors, chunking, and the engine's state.
+
+Rules of this file:
+1. Collectives run in the NIC: after START_COLL the node originates chain heads, stores and
+   spreads its block, and repairs what was lost, with no host on the data path. The per-packet
+   side is in ``netdam.kernels.datapath`` (chain stores, all-gather writes, ACK capture, repair
+   replies); the clock side in ``netdam.kernels.collective._coll_tick``. This class owns the
+   arrays both share, validates descriptors and sets a collective up.
+2. Layout, for N ranks and ``count`` elements: block j = elements [j*count//N, (j+1)*count//N);
+   it is owned by rank j; its chains start at rank j+1 and travel j+2, ..., j (SR list), so the
+   sum is folded in that order (tests/reference.py reproduces it). Blocks are cut into chunks
+   of at most ``max_elements(mtu, dtype, N-1)`` elements; chunk ids (the ``seq`` field) number
+   all chunks of all blocks in block order.
+3. One collective runs per node at a time (``coll_id`` names the group, ``epoch`` the call).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from netdam.kernels import coll_layout as L
+from netdam.protocol.constants import (
+    ELEMENT_SIZE,
+    HEADER_SIZE,
+    MAX_SEGMENTS,
+    SEGMENT_SIZE,
+    DType,
+    Opcode,
+    Rights,
+    Status,
+    max_elements,
+)
+from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
+
+#: Chunks one collective may have (chunk ids index per-chunk state arrays).
+MAX_CHUNKS = 1 << 17
+DESCRIPTOR = struct.Struct("<BBHIQQQIIQQII")
+assert DESCRIPTOR.size == 64
+DEFAULT_TIMEOUT_MS = 60_000
+#: Credit window bounds, chunks in flight per originator.
+MIN_WINDOW, MAX_WINDOW, DEFAULT_WINDOW = 4, 128, 32
+INITIAL_RTO_S = 0.2
+
+
+class Algo(IntEnum):
+    """START_COLL descriptor byte 0 (torch.distributed names)."""
+
+    ALL_REDUCE = L.ALGO_ALL_REDUCE
+    REDUCE_SCATTER = L.ALGO_REDUCE_SCATTER
+    ALL_GATHER = L.ALGO_ALL_GATHER
+    BROADCAST = L.ALGO_BROADCAST
+
+
+@dataclass(frozen=True)
+class CollectiveDescriptor:
+    """The START_COLL payload (SPEC.md "START_COLL descriptor"), 64 bytes little-endian."""
+
+    algo: Algo
+    rank: int
+    count: int
+    in_addr: int
+    out_addr: int
+    rkey: int
+    window: int = 0  # 0: the node derives it from its receive buffer
+    root: int = 0
+    group: Endpoint | None = None  # multicast group of the all-gather; None: unicast fan-out
+    host: Endpoint | None = None  # where the completion goes; None: the START_COLL sender
+    timeout_ms: int = 0
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        return DESCRIPTOR.pack(
+            self.algo, self.flags, self.window, self.rank, self.count, self.in_addr, self.out_addr,
+            self.rkey, self.root, endpoint_to_u64(self.group) if self.group else 0,
+            endpoint_to_u64(self.host) if self.host else 0, self.timeout_ms, 0,
+        )  # fmt: skip
+
+
+def decode_descriptor(payload: bytes) -> tuple[int, ...]:
+    """Raw descriptor fields; ValueError when the size is wrong."""
+    if len(payload) != DESCRIPTOR.size:
+        raise ValueError(f"START_COLL descriptor must be {DESCRIPTOR.size} bytes, got {len(payload)}")
+    return DESCRIPTOR.unpack(payload)
+
+
+def block_bounds(algo: int, count: int, world: int, root: int) -> np.ndarray:
+    """Element bounds of the N blocks (N+1 entries)."""
+    if algo == Algo.BROADCAST:
+        return np.array([0 if j <= root else count for j in range(world + 1)], np.int64)
+    return np.array([j * count // world for j in range(world + 1)], np.int64)
+
+
+class CollectiveEngine:
+    """Per-node collective state (arrays shared with the kernels) and START_COLL handling."""
+
+    def __init__(self) -> None:
+        self.cfg = np.zeros(L.CFG_LEN, np.int64)
+        self.fcfg = np.zeros(L.F_LEN, np.float64)
+        self.ring = np.zeros(MAX_SEGMENTS, np.uint64)
+        self.bounds = np.zeros(MAX_SEGMENTS + 1, np.int64)
+        self.cb = np.zeros(MAX_SEGMENTS + 1, np.int64)
+        self.acked = np.zeros(MAX_CHUNKS, np.uint8)
+        self.sent = np.zeros(MAX_CHUNKS, np.float64)
+        self.tries = np.zeros(MAX_CHUNKS, np.uint8)
+        self.agsent = np.zeros(MAX_CHUNKS, np.uint8)
+        self.done = np.zeros(MAX_CHUNKS, np.uint8)
+
+    @property
+    def running(self) -> bool:
+        return bool(self.cfg[L.CFG_STATE] == 1)
+
+    def tick_arrays(self) -> tuple[np.ndarray, ...]:
+        """Arguments of ``_coll_tick`` after ``now``, in its order, before memory."""
+        return (self.cfg, self.fcfg, self.ring, self.bounds, self.cb, self.acked, self.sent,
+                self.tries, self.agsent)  # fmt: skip
+
+    def start(
+        self, packet: Packet, src: int, memory: np.ndarray, mtu: int, self_endpoint: int,
+        regions: dict[int, tuple[int, int, int]], rcvbuf: int,
+    ) -> Status:  # fmt: skip
+        """Set up the collective *packet* describes; returns the status to answer with."""
+        try:
+            (algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host,
+             timeout_ms, _) = decode_descriptor(packet.payload)  # fmt: skip
+        except ValueError:
+            return Status.BAD_LENGTH
+        same = self.cfg[L.CFG_COLL] == packet.coll_id and self.cfg[L.CFG_EPOCH] == packet.epoch
+        if self.cfg[L.CFG_STATE] != 0 and same:
+            return Status.OK  # a retried START_COLL: already running or finished
+        if self.running:
+            return Status.BUSY
+        world = len(packet.segments)
+        ring = [endpoint_to_u64(ep) for ep in packet.segments]
+        dtype = packet.dtype
+        esize = ELEMENT_SIZE[dtype]
+        status = _validate(algo, world, rank, ring, self_endpoint, count, dtype, packet.coll_id, root)
+        if status != Status.OK:
+            return status
+        bounds = block_bounds(algo, count, world, root)
+        own_len = int(bounds[rank + 1] - bounds[rank])
+        in_len = own_len if algo == Algo.ALL_GATHER else (count if algo != Algo.BROADCAST or rank == root else 0)
+        status = _check_ranges(regions, rkey, in_addr, in_len * esize, out_addr, count * esize, esize)
+        if status != Status.OK:
+            return status
+        per_packet = max_elements(mtu, dtype, segments=max(world - 1, 0))
+        chunks = [(int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)]
+        cb = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+        n_chunks = int(cb[-1])
+        if n_chunks > MAX_CHUNKS:
+            return Status.TOO_LARGE
+        self._setup(packet, src, algo, world, rank, count, in_addr, out_addr, rkey, window, root,
+                    group, host, timeout_ms, ring, bounds, cb, per_packet, rcvbuf)  # fmt: skip
+        self._local_part(memory, algo, world, rank, root, esize)
+        return Status.OK
+
+    def _setup(self, packet: Packet, src: int, algo: int, world: int, rank: int, count: int,
+               in_addr: int, out_addr: int, rkey: int, window: int, root: int, group: int,
+               host: int, timeout_ms: int, ring: list[int], bounds: np.ndarray, cb: np.ndarray,
+               per_packet: int, rcvbuf: int) -> None:  # fmt: skip
+        n_chunks = int(cb[-1])
+        for array in (self.acked, self.tries, self.agsent, self.done):
+            array[:n_chunks] = 0
+        self.sent[:n_chunks] = 0.0
+        self.ring[:world] = ring
+        self.bounds[: world + 1] = bounds
+        self.cb[: world + 1] = cb
+        cfg = self.cfg
+        cfg[:] = 0
+        packet_bytes = HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
+        if not window:
+            # Credit window: every node may hold N originators' windows in its receive queue;
+            # keep that under half the granted buffer (SPEC.md "Flow control").
+            window = DEFAULT_WINDOW if rcvbuf <= 0 else rcvbuf // (2 * max(world, 1) * packet_bytes)
+        cfg[L.CFG_WINDOW] = min(max(window, MIN_WINDOW), MAX_WINDOW)
+        values = {
+            L.CFG_COLL: packet.coll_id, L.CFG_EPOCH: packet.epoch, L.CFG_RANK: rank,
+            L.CFG_WORLD: world, L.CFG_ALGO: algo, L.CFG_DTYPE: int(packet.dtype),
+            L.CFG_OP: int(packet.reduce_op), L.CFG_COUNT: count, L.CFG_IN: in_addr,
+            L.CFG_OUT: out_addr, L.CFG_RKEY: rkey, L.CFG_PER_PACKET: per_packet,
+            L.CFG_CHUNKS: n_chunks, L.CFG_GROUP: group, L.CFG_HOST: host or src,
+            L.CFG_CLIENT: packet.client_id, L.CFG_TXN: packet.txn_id,
+        }  # fmt: skip
+        for index, value in values.items():
+            cfg[index] = value
+        reduces = algo in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
+        cfg[L.CFG_ORIG_BLOCK] = (rank - 1) % world if reduces and world > 1 else -1
+        cfg[L.CFG_OWN_BLOCK] = rank if algo != Algo.BROADCAST or rank == root else -1
+        cfg[L.CFG_NEXT_SEND] = cfg[L.CFG_LOW_UNACKED] = cb[cfg[L.CFG_ORIG_BLOCK]] if cfg[L.CFG_ORIG_BLOCK] >= 0 else 0
+        cfg[L.CFG_AG_NEXT] = cb[rank] if cfg[L.CFG_OWN_BLOCK] >= 0 else 0
+        cfg[L.CFG_NEEDED] = int(cb[rank + 1] - cb[rank]) if algo == Algo.REDUCE_SCATTER else n_chunks
+        fcfg = self.fcfg
+        fcfg[:] = 0.0
+        fcfg[L.F_RTO] = INITIAL_RTO_S
+        fcfg[L.F_START] = -1.0  # the first tick stamps the start and the deadline
+        fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0
+        fcfg[L.F_LAST_COUNT] = -1.0
+        cfg[L.CFG_STATE] = 1
+
+    def _local_part(self, memory: np.ndarray, algo: int, world: int, rank: int, root: int, esize: int) -> None:
+        """What needs no network: this node's own data for gathers, everything for one rank."""
+        cfg, bounds, cb = self.cfg, self.bounds, self.cb
+        in_addr, out_addr = int(cfg[L.CFG_IN]), int(cfg[L.CFG_OUT])
+        if algo == Algo.ALL_GATHER or algo == Algo.BROADCAST or world == 1:
+            if algo == Algo.ALL_GATHER:
+                lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+                src, dst, nbytes = in_addr, out_addr + lo * esize, (hi - lo) * esize
+                first, last = int(cb[rank]), int(cb[rank + 1])
+            elif algo == Algo.BROADCAST and rank != root:
+                return
+            else:
+                src, dst, nbytes = in_addr, out_addr, int(cfg[L.CFG_COUNT]) * esize
+                first, last = 0, int(cfg[L.CFG_CHUNKS])
+            if src != dst:
+                memory[dst : dst + nbytes] = memory[src : src + nbytes]
+            self.done[first:last] = 1
+            cfg[L.CFG_DONE_COUNT] = last - first
+
+    def final_reply(self, packet: Packet) -> tuple[Opcode, Status, bytes] | None:
+        """The completion to repeat for a START_COLL of the collective that already ended here."""
+        cfg = self.cfg
+        if cfg[L.CFG_STATE] < 2 or cfg[L.CFG_COLL] != packet.coll_id or cfg[L.CFG_EPOCH] != packet.epoch:
+            return None
+        if cfg[L.CFG_STATE] == 2:
+            stats = struct.pack("<QQ", int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
+            return Opcode.ACK, Status.OK, stats
+        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.BUSY), b""
+
+    def status(self) -> dict[str, object]:
+        """Progress of the current (or last) collective, for watchdogs and stats."""
+        cfg = self.cfg
+        n = int(cfg[L.CFG_CHUNKS])
+        missing = np.flatnonzero(self.done[:n] == 0)
+        return {
+            "state": ("idle", "running", "done", "failed")[int(cfg[L.CFG_STATE])],
+            "coll_id": int(cfg[L.CFG_COLL]), "epoch": int(cfg[L.CFG_EPOCH]),
+            "chunks": n, "done": int(cfg[L.CFG_DONE_COUNT]), "needed": int(cfg[L.CFG_NEEDED]),
+            "missing_first": int(missing[0]) if missing.size else None,
+            "missing_last": int(missing[-1]) if missing.size else None,
+            "acked": int(cfg[L.CFG_ACKED]), "retransmits": int(cfg[L.CFG_RETRANSMITS]),
+            "reads": int(cfg[L.CFG_READS]), "fatal_status": int(cfg[L.CFG_FATAL]),
+        }  # fmt: skip
+
+
+def _validate(algo: int, world: int, rank: int, ring: list[int], me: int, count: int,
+              dtype: DType, coll_id: int, root: int) -> Status:  # fmt: skip
+    if algo not in Algo._value2member_map_ or coll_id == 0:
+        return Status.BAD_FIELD
+    if not 1 <= world <= MAX_SEGMENTS or not 0 <= rank < world or ring[rank] != me:
+        return Status.BAD_SEGMENT
+    if len(set(ring)) != world or not 0 <= root < world:
+        return Status.BAD_SEGMENT
+    if count <= 0:
+        return Status.BAD_LENGTH
+    if algo in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER) and dtype == DType.RAW:
+        return Status.BAD_DTYPE
+    return Status.OK
+
+
+def _check_ranges(regions: dict[int, tuple[int, int, int]], rkey: int, in_addr: int, in_bytes: int,
+                  out_addr: int, out_bytes: int, esize: int) -> Status:  # fmt: skip
+    """The collective's rkey must grant READ on the input and WRITE on the output here."""
+    if rkey not in regions:
+        return Status.BAD_RKEY
+    base, size, rights = regions[rkey]
+    if (rights & (Rights.READ | Rights.WRITE)) != (Rights.READ | Rights.WRITE):
+        return Status.NO_RIGHTS
+    for addr, nbytes in ((in_addr, in_bytes), (out_addr, out_bytes)):
+        if addr < base or addr + nbytes > base + size:
+            return Status.OUT_OF_BOUNDS
+        if addr % esize:
+            return Status.MISALIGNED
+    return Status.OK

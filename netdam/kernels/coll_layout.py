@@ -1,0 +1,53 @@
+"""Layout of the collective engine's state arrays, shared by the datapath and the engine tick."""
+
+# cfg indices
+CFG_STATE = 0  # 0 idle, 1 running, 2 done, 3 failed
+CFG_COLL = 1
+CFG_EPOCH = 2
+CFG_RANK = 3
+CFG_WORLD = 4
+CFG_ALGO = 5
+CFG_DTYPE = 6
+CFG_OP = 7
+CFG_COUNT = 8
+CFG_IN = 9
+CFG_OUT = 10
+CFG_RKEY = 11
+CFG_WINDOW = 12
+CFG_PER_PACKET = 13
+CFG_CHUNKS = 14
+CFG_GROUP = 15  # multicast group endpoint, 0: fan out by unicast
+CFG_HOST = 16  # where the completion goes
+CFG_SLOT = 17  # completed-chunk guard slot
+CFG_ORIG_BLOCK = 18  # block whose chains this node starts, -1: none
+CFG_OWN_BLOCK = 19  # block this node stores and spreads, -1: none
+CFG_NEXT_SEND = 20
+CFG_INFLIGHT = 21
+CFG_ACKED = 22
+CFG_LOW_UNACKED = 23
+CFG_AG_NEXT = 24
+CFG_RETRANSMITS = 25
+CFG_READS = 26
+CFG_FATAL = 27  # status of a fatal NACK (0: none)
+CFG_CLIENT = 28
+CFG_TXN = 29
+CFG_NEEDED = 30  # chunks this node must hold (done bits) to finish
+CFG_DONE_COUNT = 31  # chunks whose done bit is set on this node
+CFG_LEN = 32
+
+# fcfg indices
+F_START = 0
+F_RTO = 1
+F_SRTT = 2
+F_RTTVAR = 3
+F_LAST_PROGRESS = 4
+F_LAST_COUNT = 5
+F_NOW = 6
+F_DEADLINE = 7
+F_LEN = 8
+
+# algorithms (START_COLL descriptor byte 0)
+ALGO_ALL_REDUCE = 0
+ALGO_REDUCE_SCATTER = 1
+ALGO_ALL_GATHER = 2
+ALGO_BROADCAST = 3

@@ -1,0 +1,308 @@
+"""The collective engine's clock: what a NIC does between packets during a collective.
+
+``_coll_tick`` runs every serve round (and on every fabric step in tests). It originates chain
+heads within the credit window, re-sends chains whose ACK is late, multicasts (or fans out)
+the chunks of this node's block as soon as the chain stores them, READs missing all-gather
+chunks from their owner when progress stalls, and reports completion to the host. The per
+packet side (ACK capture, stores, all-gather writes, READ repair replies) is in
+``datapath._process_batch``; both share the arrays below. ``netdam.collective`` owns them.
+
+``cfg`` (int64) indices are the ``CFG_*`` constants; ``fcfg`` (float64) the ``F_*`` ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from netdam import counters as C
+from netdam.kernels.coll_layout import (
+    CFG_ACKED,
+    CFG_AG_NEXT,
+    CFG_ALGO,
+    CFG_CHUNKS,
+    CFG_CLIENT,
+    CFG_COLL,
+    CFG_DONE_COUNT,
+    CFG_DTYPE,
+    CFG_EPOCH,
+    CFG_FATAL,
+    CFG_GROUP,
+    CFG_HOST,
+    CFG_IN,
+    CFG_INFLIGHT,
+    CFG_LOW_UNACKED,
+    CFG_NEEDED,
+    CFG_NEXT_SEND,
+    CFG_OP,
+    CFG_ORIG_BLOCK,
+    CFG_OUT,
+    CFG_OWN_BLOCK,
+    CFG_PER_PACKET,
+    CFG_RANK,
+    CFG_READS,
+    CFG_RETRANSMITS,
+    CFG_RKEY,
+    CFG_STATE,
+    CFG_TXN,
+    CFG_WINDOW,
+    CFG_WORLD,
+    F_DEADLINE,
+    F_LAST_COUNT,
+    F_LAST_PROGRESS,
+    F_NOW,
+    F_RTO,
+    F_RTTVAR,
+    F_SRTT,
+    F_START,
+)  # fmt: skip
+from netdam.kernels.datapath import _SLOT, _wr16, _wr32
+
+RTO_MIN_S = 0.005
+RTO_MAX_S = 1.0
+
+_OP_READ = 0x01
+_OP_CHAIN_ADD = 0x05
+_OP_ALL_WRITE = 0x06
+_OP_ACK = 0x0B
+_OP_NACK = 0x0C
+_F_ACK_REQ = 0x0001
+_F_MCAST = 0x0004
+_F_RETRY = 0x0010
+_ESIZE = np.array([1, 4, 2, 4, 8, 8, 8], dtype=np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):  # type: ignore[no-untyped-def]
+    """Write a v1 header for this collective into t (segs: SR entries that follow)."""
+    t[:64] = 0
+    t[0] = 1
+    t[1] = opcode
+    _wr16(t, 2, flags)
+    _wr32(t, 4, seq)
+    _wr32(t, 16, cfg[CFG_COLL])
+    _wr32(t, 20, cfg[CFG_EPOCH])
+    _wr32(t, 24, cfg[CFG_RKEY])
+    _wr32(t, 28, length)
+    _wr32(t, 32, np.int64(addr >> 32))
+    _wr32(t, 36, addr & 0xFFFFFFFF)
+    _wr32(t, 40, np.int64(aux >> 32))
+    _wr32(t, 44, aux & 0xFFFFFFFF)
+    t[48] = cfg[CFG_DTYPE]
+    t[49] = cfg[CFG_OP]
+    if segs > 0:
+        t[52] = 1
+        t[53] = segs - 1
+        t[54] = segs
+
+
+@njit(cache=True, nogil=True)
+def _room(tx_buf, tx_off, tx_len, tx_n):  # type: ignore[no-untyped-def]
+    return tx_n + 1 < tx_len.shape[0] and tx_off[tx_n] + _SLOT <= tx_buf.shape[0]
+
+
+@njit(cache=True, nogil=True)
+def _commit(tx_off, tx_len, tx_dst, tx_n, length, dst):  # type: ignore[no-untyped-def]
+    tx_len[tx_n] = length
+    tx_dst[tx_n] = dst
+    tx_off[tx_n + 1] = tx_off[tx_n] + length
+    return tx_n + 1
+
+
+@njit(cache=True, nogil=True)
+def _block_of(cfg, cb, c):  # type: ignore[no-untyped-def]
+    """Block of chunk c (empty blocks own no chunk: the last block starting at or before c)."""
+    return np.searchsorted(cb[: cfg[CFG_WORLD] + 1], c, side="right") - 1
+
+
+@njit(cache=True, nogil=True)
+def _chunk(cfg, bounds, cb, c):  # type: ignore[no-untyped-def]
+    """(block, first element, elements) of chunk c."""
+    j = _block_of(cfg, cb, c)
+    first = bounds[j] + (c - cb[j]) * cfg[CFG_PER_PACKET]
+    return j, first, min(cfg[CFG_PER_PACKET], bounds[j + 1] - first)
+
+
+@njit(cache=True, nogil=True)
+def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """CHAIN_ADD for chunk c: this node's elements, SR list over the ring up to the owner."""
+    j, first, count = _chunk(cfg, bounds, cb, c)
+    esize = _ESIZE[cfg[CFG_DTYPE]]
+    world = cfg[CFG_WORLD]
+    rank = cfg[CFG_RANK]
+    hops = world - 1
+    nbytes = count * esize
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    flags = _F_ACK_REQ | (_F_RETRY if retry else 0)
+    src_addr = cfg[CFG_IN] + first * esize
+    _header(t, _OP_CHAIN_ADD, flags, c, cfg, nbytes, src_addr, cfg[CFG_OUT] + first * esize, hops)
+    for h in range(hops):
+        ep = ring[(rank + 1 + h) % world]
+        o = 64 + 8 * h
+        _wr32(t, o, np.int64(ep >> np.uint64(16)))
+        _wr16(t, o + 4, np.int64(ep & np.uint64(0xFFFF)))
+        t[o + 6] = 0
+        t[o + 7] = 0
+    p = 64 + 8 * hops
+    t[p : p + nbytes] = mem[src_addr : src_addr + nbytes]
+    return _commit(tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
+
+
+@njit(cache=True, nogil=True)
+def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """ALL_WRITE of chunk c of this node's output to dst (a group or one member)."""
+    j, first, count = _chunk(cfg, bounds, cb, c)
+    esize = _ESIZE[cfg[CFG_DTYPE]]
+    nbytes = count * esize
+    addr = cfg[CFG_OUT] + first * esize
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _header(t, _OP_ALL_WRITE, _F_MCAST if cfg[CFG_GROUP] != 0 else 0, c, cfg, nbytes, addr, 0, 0)
+    t[64 : 64 + nbytes] = mem[addr : addr + nbytes]
+    return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + nbytes, dst)
+
+
+@njit(cache=True, nogil=True)
+def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """READ of chunk c's reduced data from its owner (all-gather repair)."""
+    j, first, count = _chunk(cfg, bounds, cb, c)
+    esize = _ESIZE[cfg[CFG_DTYPE]]
+    addr = cfg[CFG_OUT] + first * esize
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _header(t, _OP_READ, 0, c, cfg, count * esize, addr, 0, 0)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, 64, ring[j])
+
+
+@njit(cache=True, nogil=True)
+def _notify(cfg, status, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """Tell the host the collective ended: ACK (or NACK with *status*) echoing its START_COLL ids,
+    aux_addr = 1, payload = retransmits and repair READs (u64 LE each)."""
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _header(t, _OP_ACK if status == 0 else _OP_NACK, 0, 0, cfg, 0 if status else 16, 0, 1, 0)
+    t[24:28] = 0  # no key in a reply to the host
+    _wr32(t, 8, cfg[CFG_CLIENT])
+    _wr32(t, 12, cfg[CFG_TXN])
+    t[48] = cfg[CFG_DTYPE]
+    t[50] = status
+    if status == 0:
+        for k in range(8):
+            t[64 + k] = np.uint8((cfg[CFG_RETRANSMITS] >> (8 * k)) & 0xFF)
+            t[72 + k] = np.uint8((cfg[CFG_READS] >> (8 * k)) & 0xFF)
+        return _commit(tx_off, tx_len, tx_dst, tx_n, 80, np.uint64(cfg[CFG_HOST]))
+    return _commit(tx_off, tx_len, tx_dst, tx_n, 64, np.uint64(cfg[CFG_HOST]))
+
+
+@njit(cache=True, nogil=True)
+def _coll_tick(  # type: ignore[no-untyped-def]
+    now, cfg, fcfg, ring, bounds, cb, acked, sent, tries, agsent,
+    mem, done, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
+):  # fmt: skip
+    """Advance the running collective at time *now* (seconds); returns the new tx_n."""
+    if cfg[CFG_STATE] != 1:
+        return tx_n
+    fcfg[F_NOW] = now
+    if fcfg[F_START] < 0.0:  # first tick after START_COLL: the clock starts now
+        fcfg[F_START] = now
+        fcfg[F_DEADLINE] += now
+        fcfg[F_LAST_PROGRESS] = now
+    window = cfg[CFG_WINDOW]
+    if cfg[CFG_FATAL] != 0 or now > fcfg[F_DEADLINE]:
+        cfg[CFG_STATE] = 3
+        if _room(tx_buf, tx_off, tx_len, tx_n):
+            status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 22  # BUSY: gave up waiting
+            tx_n = _notify(cfg, status, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        return tx_n
+    # Progress clock: any new completed chunk restarts the repair timer.
+    if cfg[CFG_DONE_COUNT] != fcfg[F_LAST_COUNT]:
+        fcfg[F_LAST_COUNT] = cfg[CFG_DONE_COUNT]
+        fcfg[F_LAST_PROGRESS] = now
+    # 1. Chains this node starts: ACKed ones leave the window, late ones go again.
+    ob = cfg[CFG_ORIG_BLOCK]
+    if ob >= 0:
+        c = cfg[CFG_LOW_UNACKED]
+        while c < cfg[CFG_NEXT_SEND] and acked[c] != 0:
+            if tries[c] == 1:  # Karn: only first transmissions give RTT samples
+                _rtt_sample(fcfg, now - sent[c])
+            c += 1
+        cfg[CFG_LOW_UNACKED] = c
+        backoff = False
+        for c in range(cfg[CFG_LOW_UNACKED], cfg[CFG_NEXT_SEND]):
+            if acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
+                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                    return tx_n
+                tx_n = _send_chain(cfg, ring, bounds, cb, c, True, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                sent[c] = now
+                tries[c] = min(tries[c] + 1, 255)
+                cfg[CFG_RETRANSMITS] += 1
+                counters[C.RETRANSMITS] += 1
+                backoff = True
+        if backoff:
+            fcfg[F_RTO] = min(fcfg[F_RTO] * 2.0, RTO_MAX_S)
+        while cfg[CFG_INFLIGHT] < window and cfg[CFG_NEXT_SEND] < cb[ob + 1]:
+            if not _room(tx_buf, tx_off, tx_len, tx_n):
+                return tx_n
+            c = cfg[CFG_NEXT_SEND]
+            tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            sent[c] = now
+            tries[c] = 1
+            cfg[CFG_NEXT_SEND] = c + 1
+            cfg[CFG_INFLIGHT] += 1
+    # 2. Spread this node's completed chunks (all-reduce, all-gather, broadcast).
+    own = cfg[CFG_OWN_BLOCK]
+    if own >= 0 and cfg[CFG_ALGO] != 1:
+        budget = window
+        c = cfg[CFG_AG_NEXT]
+        while c < cb[own + 1] and budget > 0:
+            if done[c] == 0:
+                break  # in order: the next chunk is not stored yet
+            if agsent[c] == 0:
+                if cfg[CFG_GROUP] != 0:
+                    if not _room(tx_buf, tx_off, tx_len, tx_n):
+                        return tx_n
+                    tx_n = _send_gather(cfg, ring, bounds, cb, c, np.uint64(cfg[CFG_GROUP]), mem,
+                                        tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
+                else:
+                    for k in range(1, cfg[CFG_WORLD]):
+                        if not _room(tx_buf, tx_off, tx_len, tx_n):
+                            return tx_n
+                        member = ring[(cfg[CFG_RANK] + k) % cfg[CFG_WORLD]]
+                        tx_n = _send_gather(cfg, ring, bounds, cb, c, member, mem,
+                                            tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
+                agsent[c] = 1
+                budget -= 1
+            c += 1
+        cfg[CFG_AG_NEXT] = c
+    # 3. Repair: no progress for an RTO while chunks are missing -> READ them from their owners.
+    if cfg[CFG_ALGO] != 1 and now - fcfg[F_LAST_PROGRESS] > max(fcfg[F_RTO], 4 * RTO_MIN_S):
+        budget = window
+        for c in range(cfg[CFG_CHUNKS]):
+            if budget == 0:
+                break
+            j = _block_of(cfg, cb, c)
+            if j == own or done[c] != 0 or now - sent[c] < fcfg[F_RTO]:
+                continue
+            if not _room(tx_buf, tx_off, tx_len, tx_n):
+                return tx_n
+            tx_n = _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            sent[c] = now
+            cfg[CFG_READS] += 1
+            counters[C.RETRANSMITS] += 1
+            budget -= 1
+        fcfg[F_LAST_PROGRESS] = now  # one repair round per RTO
+    # 4. Done when every needed chunk is here and every chain this node started was ACKed.
+    chains_done = ob < 0 or cfg[CFG_ACKED] >= cb[ob + 1] - cb[ob]
+    if chains_done and cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED] and _room(tx_buf, tx_off, tx_len, tx_n):
+        cfg[CFG_STATE] = 2
+        tx_n = _notify(cfg, 0, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _rtt_sample(fcfg, sample):  # type: ignore[no-untyped-def]
+    """RFC 6298 smoothing; RTO clamped to [RTO_MIN_S, RTO_MAX_S]."""
+    if fcfg[F_SRTT] == 0.0:
+        fcfg[F_SRTT] = sample
+        fcfg[F_RTTVAR] = sample / 2.0
+    else:
+        fcfg[F_RTTVAR] = 0.75 * fcfg[F_RTTVAR] + 0.25 * abs(fcfg[F_SRTT] - sample)
+        fcfg[F_SRTT] = 0.875 * fcfg[F_SRTT] + 0.125 * sample
+    fcfg[F_RTO] = min(max(fcfg[F_SRTT] + 4.0 * fcfg[F_RTTVAR], RTO_MIN_S), RTO_MAX_S)

@@ -1,0 +1,260 @@
+"""Collectives run by the node cores' engines on the in-memory fabric, against numpy references:
+all ranks bitwise identical and equal to the chain-order reference, under loss, duplication
+and reordering, with every single packet dropped in turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from helpers import ADMIN_KEY, RKEY, Cluster, make_cluster
+from reference import reference_chain
+
+from netdam import counters as C
+from netdam.collective import Algo, CollectiveDescriptor
+from netdam.faults import FaultSpec
+from netdam.kernels import coll_layout as L
+from netdam.protocol.constants import NUMPY_DTYPE, DType, Opcode, ReduceOp, Status
+from netdam.protocol.packet import Packet, decode_packet, encode_packet
+
+IN, OUT = 0, 1 << 19
+MEMORY = 1 << 20
+GROUP = ("239.77.0.2", 7744)
+
+
+@dataclass
+class Outcome:
+    outputs: list[np.ndarray]
+    replies: list[Packet]
+    cluster: Cluster
+
+
+def hosts(n: int) -> list[tuple[str, int]]:
+    return [("127.0.0.1", 9100 + r) for r in range(n)]
+
+
+def run(
+    n: int, inputs: list[np.ndarray], algo: Algo = Algo.ALL_REDUCE, op: ReduceOp = ReduceOp.SUM,
+    faults: FaultSpec | None = None, multicast: bool = False, in_place: bool = False,
+    root: int = 0, out_count: int | None = None, epoch: int = 1, cluster: Cluster | None = None,
+    max_rounds: int = 20_000,
+) -> Outcome:  # fmt: skip
+    """Stage inputs by host store, START_COLL from every rank's host, run until every host heard."""
+    cluster = cluster or make_cluster(n, faults, memory=MEMORY)
+    dtype = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items()}[inputs[0].dtype]
+    count = out_count if out_count is not None else inputs[0].size
+    out_addr = IN if in_place else OUT
+    for node, data in zip(cluster.nodes, inputs, strict=True):
+        node.memory[IN : IN + data.nbytes] = data.view(np.uint8)
+    if multicast:
+        for endpoint in cluster.endpoints:
+            cluster.fabric.join(GROUP, endpoint)
+    starts = []
+    for rank, host in enumerate(hosts(n)):
+        cluster.fabric.add_endpoint(host)
+        desc = CollectiveDescriptor(algo, rank, count, IN, out_addr, RKEY, root=root,
+                                    group=GROUP if multicast else None, timeout_ms=30_000)  # fmt: skip
+        start = Packet(Opcode.START_COLL, rkey=ADMIN_KEY, client_id=50 + rank, txn_id=epoch,
+                       coll_id=3, epoch=epoch, dtype=dtype, reduce_op=op,
+                       segments=tuple(cluster.endpoints), payload=desc.encode(), length=64)  # fmt: skip
+        starts.append(encode_packet(start))
+    finals: dict[int, Packet] = {}
+    for round_ in range(max_rounds):
+        if round_ % 200 == 0:  # hosts re-send START_COLL until they hear the completion
+            for rank, host in enumerate(hosts(n)):
+                if rank not in finals:
+                    cluster.fabric.send(host, cluster.endpoints[rank], starts[rank])
+        if cluster.fabric.step() == 0:
+            cluster.fabric.advance(0.001)
+        for rank, host in enumerate(hosts(n)):
+            for data, _ in cluster.fabric.receive(host):
+                reply = decode_packet(data)
+                if reply.aux_addr == 1:
+                    finals.setdefault(rank, reply)
+        if len(finals) == n:
+            break
+    assert len(finals) == n, f"hosts without completion: {sorted(set(range(n)) - set(finals))}"
+    cluster.fabric.run_until_idle(max_rounds=max_rounds)  # let stragglers settle
+    replies = [finals[rank] for rank in range(n)]
+    nbytes = count * inputs[0].itemsize
+    outputs = [node.memory[out_addr : out_addr + nbytes].view(inputs[0].dtype).copy() for node in cluster.nodes]
+    return Outcome(outputs, replies, cluster)
+
+
+def chain_reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """Block j folds ranks j+1, j+2, ..., j (its owner last), as the chains do."""
+    n, count = len(inputs), inputs[0].size
+    expected = np.empty_like(inputs[0])
+    for j in range(n):
+        lo, hi = j * count // n, (j + 1) * count // n
+        order = [(j + 1 + k) % n for k in range(n)]
+        if hi > lo:
+            expected[lo:hi] = reference_chain([inputs[r][lo:hi] for r in order], int(op))
+    return expected
+
+
+def random_inputs(rng: np.random.Generator, n: int, count: int, dtype: type) -> list[np.ndarray]:
+    if np.dtype(dtype).kind == "f":
+        return [rng.standard_normal(count).astype(dtype) for _ in range(n)]
+    return [rng.integers(-10**6, 10**6, count).astype(dtype) for _ in range(n)]
+
+
+def assert_all_equal(outputs: list[np.ndarray], expected: np.ndarray) -> None:
+    for out in outputs:
+        assert out.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64, np.float64])
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_all_reduce_every_dtype_and_op(dtype: type, op: ReduceOp, rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 4, 5003, dtype)
+    outcome = run(4, inputs, op=op)
+    assert all(r.opcode == Opcode.ACK and r.status == Status.OK for r in outcome.replies)
+    assert_all_equal(outcome.outputs, chain_reference(inputs, op))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 2049, 6151])
+def test_all_reduce_any_count(count: int, rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 3, count, np.float32)
+    assert_all_equal(run(3, inputs).outputs, chain_reference(inputs, ReduceOp.SUM))
+
+
+def test_all_reduce_special_values(rng: np.random.Generator) -> None:
+    special = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-45, -1e-45, 3.4e38], np.float32)
+    inputs = [np.resize(np.roll(special, r), 4099) for r in range(4)]
+    for op in ReduceOp:
+        assert_all_equal(run(4, inputs, op=op).outputs, chain_reference(inputs, op))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_all_reduce_node_counts(n: int, rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, n, 3 * 2048 + 17, np.float32)
+    assert_all_equal(run(n, inputs).outputs, chain_reference(inputs, ReduceOp.SUM))
+
+
+def test_all_reduce_in_place_with_multicast(rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 4, 20_000, np.float32)
+    outcome = run(4, inputs, multicast=True, in_place=True)
+    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+    totals = np.sum([node.counters for node in outcome.cluster.nodes], axis=0)
+    assert totals[C.RETRANSMITS] == 0  # a clean run needs no recovery
+
+
+def test_reduce_scatter(rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 4, 10_001, np.float32)
+    outcome = run(4, inputs, algo=Algo.REDUCE_SCATTER)
+    expected = chain_reference(inputs, ReduceOp.SUM)
+    for rank, out in enumerate(outcome.outputs):
+        lo, hi = rank * 10_001 // 4, (rank + 1) * 10_001 // 4
+        assert out[lo:hi].tobytes() == expected[lo:hi].tobytes()
+
+
+def test_all_gather(rng: np.random.Generator) -> None:
+    count = 9_001
+    n = 3
+    full = rng.standard_normal(count).astype(np.float32)
+    inputs = []
+    for rank in range(n):
+        lo, hi = rank * count // n, (rank + 1) * count // n
+        contribution = np.zeros(count, np.float32)
+        contribution[: hi - lo] = full[lo:hi]  # each rank's block at IN
+        inputs.append(contribution)
+    outcome = run(n, inputs, algo=Algo.ALL_GATHER, multicast=True)
+    assert_all_equal(outcome.outputs, full)
+
+
+def test_broadcast(rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 4, 7_777, np.float64)
+    outcome = run(4, inputs, algo=Algo.BROADCAST, root=2)
+    assert_all_equal(outcome.outputs, inputs[2])
+
+
+def test_barrier_is_a_one_element_all_reduce() -> None:
+    inputs = [np.array([1], np.int32) for _ in range(5)]
+    assert_all_equal(run(5, inputs).outputs, np.array([5], np.int32))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_all_reduce_under_loss_dup_reorder(seed: int, rate: float, rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 4, 30_000, np.float32)
+    faults = FaultSpec(loss=rate, dup=rate, reorder=rate, seed=seed)
+    outcome = run(4, inputs, faults=faults, multicast=seed % 2 == 1)
+    assert all(r.status == Status.OK for r in outcome.replies)
+    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+    totals = np.sum([node.counters for node in outcome.cluster.nodes], axis=0)
+    assert totals[C.RETRANSMITS] > 0
+
+
+def test_every_single_packet_dropped_in_turn(rng: np.random.Generator) -> None:
+    """Drop the k-th datagram the fabric delivers, for every k of a clean run: always exact."""
+    inputs = random_inputs(rng, 3, 3 * 2048, np.float32)
+    expected = chain_reference(inputs, ReduceOp.SUM)
+    clean = run(3, inputs)
+    total = clean.cluster.fabric.stats["delivered"]
+    for k in range(total):
+        cluster = make_cluster(3, memory=MEMORY)
+        cluster.fabric.drop_nth = k
+        outcome = run(3, inputs, cluster=cluster)
+        assert_all_equal(outcome.outputs, expected)
+
+
+def test_duplicate_chains_after_ack_and_resend_after_gather(rng: np.random.Generator) -> None:
+    """Every chain packet duplicated after its ACK, and every chain re-sent once the all-gather
+    started: the guard re-ACKs, nothing is added twice."""
+    inputs = random_inputs(rng, 4, 12_000, np.float32)
+    outcome = run(4, inputs, faults=FaultSpec(dup=1.0, seed=9), multicast=True)
+    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+    cluster = outcome.cluster
+    # Re-send every chain of the finished epoch by hand: re-ACKed, memory unchanged.
+    before = [n.memory.copy() for n in cluster.nodes]
+    reacks_before = sum(int(n.counters[C.CHAIN_REACKS]) for n in cluster.nodes)
+    for node in cluster.nodes:  # every originator forgets its ACKs, as if all were lost
+        engine = node.collective
+        origin = int(engine.cfg[L.CFG_ORIG_BLOCK])
+        first, last = int(engine.cb[origin]), int(engine.cb[origin + 1])
+        engine.acked[first:last] = 0
+        engine.sent[first:last] = 0.0
+        engine.cfg[L.CFG_ACKED] -= last - first
+        engine.cfg[L.CFG_LOW_UNACKED] = first
+        engine.cfg[L.CFG_STATE] = 1
+    cluster.fabric.run_until_idle()
+    for node, snapshot in zip(cluster.nodes, before, strict=True):
+        np.testing.assert_array_equal(node.memory, snapshot)
+    resent = sum(int(n.counters[C.CHAIN_REACKS]) for n in cluster.nodes) - reacks_before
+    assert resent >= sum(int(n.collective.cfg[L.CFG_CHUNKS]) for n in cluster.nodes[:1])
+
+
+def test_stale_epoch_dropped(rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 3, 4096, np.float32)
+    outcome = run(3, inputs, epoch=5)
+    cluster = outcome.cluster
+    old = Packet(Opcode.CHAIN_ADD, rkey=RKEY, addr=IN, aux_addr=OUT, dtype=DType.F32, coll_id=3,
+                 epoch=4, segments=(cluster.endpoints[1],), length=8, payload=bytes(8))  # fmt: skip
+    assert cluster.request(1, old) == []
+    assert cluster.nodes[1].counters[C.DROP_STALE_EPOCH] == 1
+
+
+def test_bad_descriptors_are_refused() -> None:
+    cluster = make_cluster(2, memory=MEMORY)
+    host = hosts(1)[0]
+    cluster.fabric.add_endpoint(host)
+
+    def start(desc: CollectiveDescriptor, **kw: object) -> Packet:
+        fields = dict(rkey=ADMIN_KEY, coll_id=3, epoch=1, dtype=DType.F32,
+                      segments=tuple(cluster.endpoints), payload=desc.encode(), length=64)  # fmt: skip
+        fields.update(kw)
+        cluster.fabric.send(host, cluster.endpoints[0], encode_packet(Packet(Opcode.START_COLL, **fields)))  # type: ignore[arg-type]
+        cluster.fabric.run_until_idle()
+        (reply,) = [decode_packet(d) for d, _ in cluster.fabric.receive(host)]
+        return reply
+
+    good = CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT, RKEY)
+    assert start(good, rkey=1).status == Status.UNAUTHORIZED
+    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 1, 100, IN, OUT, RKEY)).status == Status.BAD_SEGMENT
+    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT, 0xBAD)).status == Status.BAD_RKEY
+    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, MEMORY - 8, RKEY)).status == Status.OUT_OF_BOUNDS
+    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT + 2, RKEY)).status == Status.MISALIGNED
+    assert start(good, dtype=DType.RAW).status == Status.BAD_DTYPE
+    assert start(good, coll_id=0).status == Status.BAD_FIELD
