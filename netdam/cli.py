@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "netdam.cli_cluster",
     "netdam.cli_decode",
     "netdam.cli_model",
+    "netdam.cli_bench",
 )
 
 

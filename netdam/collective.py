@@ -195,6 +195,7 @@ class CollectiveEngine:
         fcfg = self.fcfg
         fcfg[:] = 0.0
         fcfg[L.F_RTO] = INITIAL_RTO_S
+        fcfg[L.F_BASE_RTO] = INITIAL_RTO_S
         fcfg[L.F_START] = -1.0  # the first tick stamps the start and the deadline
         fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0
         fcfg[L.F_LAST_COUNT] = -1.0
@@ -227,7 +228,9 @@ class CollectiveEngine:
         if cfg[L.CFG_STATE] == 2:
             stats = struct.pack("<QQ", int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
             return Opcode.ACK, Status.OK, stats
-        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.BUSY), b""
+        missing = np.flatnonzero(self.done[: int(cfg[L.CFG_CHUNKS])] == 0)
+        first, last = (int(missing[0]), int(missing[-1])) if missing.size else (2**64 - 1, 2**64 - 1)
+        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.BUSY), struct.pack("<QQ", first, last)
 
     def status(self) -> dict[str, object]:
         """Progress of the current (or last) collective, for watchdogs and stats."""

@@ -27,7 +27,7 @@ from netdam.node import SLOT_BYTES, NodeConfig, NodeCore
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
 from netdam.shm import DEFAULT_SHM_DIR, create_memory
-from netdam.udp import granted_buffers, join_multicast, leave_multicast, open_udp_socket
+from netdam.udp import granted_buffers, join_multicast, open_udp_socket, pin_multicast_sender
 
 #: Datagrams received per round (at most): four full GRO runs of 64.
 ROUND_DATAGRAMS = 256
@@ -101,6 +101,8 @@ class NodeProcess:
         self.rx_len = np.zeros(extra, np.int32)
         self.rx_src = np.zeros(extra, np.uint64)
         self.punt = np.zeros(extra, np.int32)
+        self.group_sock: socket.socket | None = None
+        self.group: Endpoint | None = None
         self.io_state = np.zeros(STATE_LEN, np.int64)
         self.scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
         spec = config.faults
@@ -119,8 +121,9 @@ class NodeProcess:
         """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""
         self.core.reserve(2 * ROUND_DATAGRAMS + HOLD_SLOTS + 1)
         self.fault_cfg[6] = time.monotonic()
+        mfd = self.group_sock.fileno() if self.group_sock is not None else -1
         reason, n_punt = serve._serve(
-            self.sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
+            self.sock.fileno(), mfd, self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
             ROUND_DATAGRAMS, self.core.max_datagram, timeout_ms, self.io_state, ROUNDS_PER_CALL,
             self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
             self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen,
@@ -146,9 +149,24 @@ class NodeProcess:
     def _handle_events(self) -> None:
         while (event := self.core.next_event()) is not None:
             if isinstance(event, GroupJoined):
-                join_multicast(self.sock, event.group[0])
-            elif isinstance(event, GroupLeft):
-                leave_multicast(self.sock, event.group[0])
+                self._join(event.group)
+            elif isinstance(event, GroupLeft) and self.group_sock is not None:
+                self.group_sock.close()
+                self.group_sock = None
+                self.group = None
+
+    def _join(self, group: Endpoint) -> None:
+        """Receive the group's datagrams on a socket bound to the group address and port
+        (shared by every node of this machine: SO_REUSEADDR), membership pinned to loopback
+        (BRIEF section 3); the data socket sends to groups through loopback too."""
+        if self.group == group:
+            return
+        if self.group_sock is not None:
+            self.group_sock.close()
+        sock = open_udp_socket(group, rcvbuf=self.config.rcvbuf, reuse_addr=True)
+        join_multicast(sock, group[0])
+        pin_multicast_sender(self.sock)
+        self.group_sock, self.group = sock, group
 
     def warm_up(self) -> None:
         """Compile (or load from cache) every kernel before announcing readiness."""
@@ -171,6 +189,8 @@ class NodeProcess:
     def close(self) -> None:
         self.sock.close()
         self.ctrl_sock.close()
+        if self.group_sock is not None:
+            self.group_sock.close()
         self.core.memory = np.zeros(0, np.uint8)
         self.memory.close(unlink=True)
 

@@ -66,7 +66,7 @@ def run(
                 if rank not in finals:
                     cluster.fabric.send(host, cluster.endpoints[rank], starts[rank])
         if cluster.fabric.step() == 0:
-            cluster.fabric.advance(0.001)
+            cluster.fabric.advance(0.005)
         for rank, host in enumerate(hosts(n)):
             for data, _ in cluster.fabric.receive(host):
                 reply = decode_packet(data)

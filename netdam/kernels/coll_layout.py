@@ -44,7 +44,8 @@ F_LAST_PROGRESS = 4
 F_LAST_COUNT = 5
 F_NOW = 6
 F_DEADLINE = 7
-F_LEN = 8
+F_BASE_RTO = 8  # RTO without backoff: paces all-gather repair
+F_LEN = 10
 
 # algorithms (START_COLL descriptor byte 0)
 ALGO_ALL_REDUCE = 0

@@ -47,6 +47,7 @@ from netdam.kernels.coll_layout import (
     CFG_TXN,
     CFG_WINDOW,
     CFG_WORLD,
+    F_BASE_RTO,
     F_DEADLINE,
     F_LAST_COUNT,
     F_LAST_PROGRESS,
@@ -58,8 +59,12 @@ from netdam.kernels.coll_layout import (
 )  # fmt: skip
 from netdam.kernels.datapath import _SLOT, _wr16, _wr32
 
-RTO_MIN_S = 0.005
+RTO_MIN_S = 0.05  # loopback emulation: 2 cores, many processes: ms-scale scheduling jitter
 RTO_MAX_S = 1.0
+#: Re-ask a hop that answered BUSY after this long (seconds).
+BUSY_RETRY_S = 0.0005
+#: All-gather repair starts after this long without progress (or 4 RTOs, whichever is longer).
+REPAIR_MIN_S = 0.1
 
 _OP_READ = 0x01
 _OP_CHAIN_ADD = 0x05
@@ -173,22 +178,31 @@ def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
 
 
 @njit(cache=True, nogil=True)
-def _notify(cfg, status, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
     """Tell the host the collective ended: ACK (or NACK with *status*) echoing its START_COLL ids,
-    aux_addr = 1, payload = retransmits and repair READs (u64 LE each)."""
+    aux_addr = 1. Payload, u64 LE each: retransmits and repair READs (ACK), or the first and last
+    chunk still missing here (NACK), so the host can name what it waited for."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _header(t, _OP_ACK if status == 0 else _OP_NACK, 0, 0, cfg, 0 if status else 16, 0, 1, 0)
+    _header(t, _OP_ACK if status == 0 else _OP_NACK, 0, 0, cfg, 16, 0, 1, 0)
     t[24:28] = 0  # no key in a reply to the host
     _wr32(t, 8, cfg[CFG_CLIENT])
     _wr32(t, 12, cfg[CFG_TXN])
-    t[48] = cfg[CFG_DTYPE]
     t[50] = status
+    first = np.int64(-1)
+    last = np.int64(-1)
     if status == 0:
-        for k in range(8):
-            t[64 + k] = np.uint8((cfg[CFG_RETRANSMITS] >> (8 * k)) & 0xFF)
-            t[72 + k] = np.uint8((cfg[CFG_READS] >> (8 * k)) & 0xFF)
-        return _commit(tx_off, tx_len, tx_dst, tx_n, 80, np.uint64(cfg[CFG_HOST]))
-    return _commit(tx_off, tx_len, tx_dst, tx_n, 64, np.uint64(cfg[CFG_HOST]))
+        first = cfg[CFG_RETRANSMITS]
+        last = cfg[CFG_READS]
+    else:
+        for c in range(cfg[CFG_CHUNKS]):
+            if done[c] == 0:
+                if first < 0:
+                    first = c
+                last = c
+    for k in range(8):
+        t[64 + k] = np.uint8((first >> (8 * k)) & 0xFF)
+        t[72 + k] = np.uint8((last >> (8 * k)) & 0xFF)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, 80, np.uint64(cfg[CFG_HOST]))
 
 
 @njit(cache=True, nogil=True)
@@ -209,7 +223,7 @@ def _coll_tick(  # type: ignore[no-untyped-def]
         cfg[CFG_STATE] = 3
         if _room(tx_buf, tx_off, tx_len, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 22  # BUSY: gave up waiting
-            tx_n = _notify(cfg, status, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
         return tx_n
     # Progress clock: any new completed chunk restarts the repair timer.
     if cfg[CFG_DONE_COUNT] != fcfg[F_LAST_COUNT]:
@@ -219,14 +233,23 @@ def _coll_tick(  # type: ignore[no-untyped-def]
     ob = cfg[CFG_ORIG_BLOCK]
     if ob >= 0:
         c = cfg[CFG_LOW_UNACKED]
-        while c < cfg[CFG_NEXT_SEND] and acked[c] != 0:
+        while c < cfg[CFG_NEXT_SEND] and acked[c] == 1:
             if tries[c] == 1:  # Karn: only first transmissions give RTT samples
                 _rtt_sample(fcfg, now - sent[c])
             c += 1
         cfg[CFG_LOW_UNACKED] = c
         backoff = False
         for c in range(cfg[CFG_LOW_UNACKED], cfg[CFG_NEXT_SEND]):
-            if acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
+            if acked[c] == 2 and now - sent[c] > BUSY_RETRY_S:
+                # A hop answered BUSY (its host has not started the collective yet): ask
+                # again shortly. Flow control, so neither a retransmit nor an RTT sample.
+                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                    return tx_n
+                tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                acked[c] = 0
+                sent[c] = now
+                tries[c] = 0
+            elif acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
                 tx_n = _send_chain(cfg, ring, bounds, cb, c, True, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
@@ -248,7 +271,10 @@ def _coll_tick(  # type: ignore[no-untyped-def]
             cfg[CFG_INFLIGHT] += 1
     # 2. Spread this node's completed chunks (all-reduce, all-gather, broadcast).
     own = cfg[CFG_OWN_BLOCK]
-    if own >= 0 and cfg[CFG_ALGO] != 1:
+    # A chain ACK proves every other node started (each one on the path would have answered
+    # BUSY): only then is the all-gather sent, so no member drops it as early.
+    started_everywhere = ob < 0 or cfg[CFG_ACKED] > 0
+    if own >= 0 and cfg[CFG_ALGO] != 1 and started_everywhere:
         budget = window
         c = cfg[CFG_AG_NEXT]
         while c < cb[own + 1] and budget > 0:
@@ -272,13 +298,15 @@ def _coll_tick(  # type: ignore[no-untyped-def]
             c += 1
         cfg[CFG_AG_NEXT] = c
     # 3. Repair: no progress for an RTO while chunks are missing -> READ them from their owners.
-    if cfg[CFG_ALGO] != 1 and now - fcfg[F_LAST_PROGRESS] > max(fcfg[F_RTO], 4 * RTO_MIN_S):
+    # Repair is paced by the RTO without backoff: chain backoff says nothing about READs.
+    base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
+    if cfg[CFG_ALGO] != 1 and now - fcfg[F_LAST_PROGRESS] > max(2.0 * base_rto, REPAIR_MIN_S):
         budget = window
         for c in range(cfg[CFG_CHUNKS]):
             if budget == 0:
                 break
             j = _block_of(cfg, cb, c)
-            if j == own or done[c] != 0 or now - sent[c] < fcfg[F_RTO]:
+            if j == own or done[c] != 0 or now - sent[c] < base_rto:
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
@@ -292,7 +320,7 @@ def _coll_tick(  # type: ignore[no-untyped-def]
     chains_done = ob < 0 or cfg[CFG_ACKED] >= cb[ob + 1] - cb[ob]
     if chains_done and cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED] and _room(tx_buf, tx_off, tx_len, tx_n):
         cfg[CFG_STATE] = 2
-        tx_n = _notify(cfg, 0, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        tx_n = _notify(cfg, 0, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
 
 
@@ -306,3 +334,4 @@ def _rtt_sample(fcfg, sample):  # type: ignore[no-untyped-def]
         fcfg[F_RTTVAR] = 0.75 * fcfg[F_RTTVAR] + 0.25 * abs(fcfg[F_SRTT] - sample)
         fcfg[F_SRTT] = 0.875 * fcfg[F_SRTT] + 0.125 * sample
     fcfg[F_RTO] = min(max(fcfg[F_SRTT] + 4.0 * fcfg[F_RTTVAR], RTO_MIN_S), RTO_MAX_S)
+    fcfg[F_BASE_RTO] = fcfg[F_RTO]

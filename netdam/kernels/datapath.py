@@ -782,14 +782,17 @@ def _coll_reply(b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members
     if seq >= co_cfg[CFG_CHUNKS]:
         return False
     if op == _OP_ACK:
-        if co_acked[seq] == 0:
+        if co_acked[seq] != 1:
             co_acked[seq] = 1
             co_cfg[CFG_ACKED] += 1
             co_cfg[CFG_INFLIGHT] -= 1
         return True
     if op == _OP_NACK:
         status = np.int64(b[50])
-        if status != _S_BUSY and co_cfg[CFG_FATAL] == 0:
+        if status == _S_BUSY:
+            if co_acked[seq] == 0:
+                co_acked[seq] = 2  # a hop has not started yet: flow control, not loss
+        elif co_cfg[CFG_FATAL] == 0:
             co_cfg[CFG_FATAL] = status
         return True
     if op == _OP_READ_RESP:

@@ -48,7 +48,7 @@ def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
 
 @njit(cache=True, nogil=True)
 def _serve(  # type: ignore[no-untyped-def]
-    fd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, max_len, timeout_ms, io_state, max_rounds,
+    fd, mfd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, max_len, timeout_ms, io_state, max_rounds,
     fault_cfg, fault_keys, table_key, table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen,
     mem, rk_key, rk_base, rk_len, rk_rights, members,
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
@@ -57,6 +57,7 @@ def _serve(  # type: ignore[no-untyped-def]
     co_f, co_ring, co_bounds, co_cb, co_sent, co_tries, co_agsent,
 ):  # fmt: skip
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
+    *mfd* is the socket of the joined multicast group (-1: none).
 
     Waits for traffic only in the first round; when fault injection holds datagrams aside, a
     quiet round still releases those that are due."""
@@ -77,7 +78,17 @@ def _serve(  # type: ignore[no-untyped-def]
         # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
         # Wait for traffic only in the first round, and briefly while a collective runs.
         wait = 0 if _round > 0 else (min(timeout_ms, 1) if co_cfg[CFG_STATE] == 1 else timeout_ms)
-        n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state)
+        if mfd < 0:
+            n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state)
+        else:
+            # Half the receive runs for the data socket, half for the multicast group's socket.
+            half = recv_bytes // 2
+            n = _recv_batch(fd, rx_buf[:half], rx_off, rx_len, rx_src, max_n // 2, wait, io_state)
+            m = _recv_batch(mfd, rx_buf[half:recv_bytes], rx_off[n:], rx_len[n:], rx_src[n:],
+                            max_n - n, 0, io_state)  # fmt: skip
+            for k in range(n, n + m):
+                rx_off[k] += half
+            n += m
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if fault_cfg[0] != 0.0:
             n = _apply_faults(rx_buf, rx_off, rx_len, rx_src, n, fault_cfg, fault_keys, table_key,

@@ -1,0 +1,395 @@
+"""Host API with torch.distributed names: ``init``, ``all_reduce``, ``reduce_scatter``,
+``all_gather``, ``broadcast``, ``barrier``, and ``empty`` arrays that live in NIC memory.
+
+The host only stages data and starts collectives: it stores its input into its node's memory
+through the shared mapping (the CXL/PCIe stand-in), sends START_COLL to its node, and waits for
+the completion the node sends back. The NICs run the collective among themselves.
+
+Every rank must call the same collectives in the same order (each call is one epoch of the
+group), as with torch.distributed and MPI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from netdam.cluster import ClusterFile, load_cluster
+from netdam.collective import Algo, CollectiveDescriptor, block_bounds
+from netdam.control import ControlClient, ControlError
+from netdam.protocol.constants import (
+    ELEMENT_SIZE,
+    NUMPY_DTYPE,
+    RIGHTS_ALL,
+    DType,
+    Opcode,
+    ReduceOp,
+    Status,
+    max_elements,
+)
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.shm import attach
+
+__all__ = [
+    "CollectiveError",
+    "ProcessGroup",
+    "ReduceOp",
+    "Work",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "destroy_process_group",
+    "empty",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "reduce_scatter",
+]
+
+#: coll_id of the group of all ranks.
+WORLD_COLL_ID = 1
+#: Node-side watchdog when the caller gives none (seconds); the host waits a little longer.
+DEFAULT_TIMEOUT_S = 30.0
+_ALIGN = 64
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed; ``waiting_for`` names what never arrived (node, block, seq range)."""
+
+    def __init__(self, message: str, waiting_for: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.waiting_for = waiting_for
+
+
+_DTYPES = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items() if k != DType.RAW}
+
+
+def _wire_dtype(array: np.ndarray) -> DType:
+    try:
+        return _DTYPES[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
+    except KeyError:
+        raise TypeError(f"dtype {array.dtype} is not supported: use float32, float16, int32, int64 or float64") from None
+
+
+@dataclass
+class ProcessGroup:
+    """One rank's view of the cluster: its node, its node's memory, the group's keys."""
+
+    cluster: ClusterFile
+    rank: int
+    multicast: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    epoch: int = 0
+    memory: np.ndarray = field(init=False, repr=False)
+    client: ControlClient = field(init=False, repr=False)
+    _next_free: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < len(self.cluster.nodes):
+            raise ValueError(f"rank {self.rank} out of range: the cluster has {len(self.cluster.nodes)} nodes")
+        node = self.cluster.nodes[self.rank]
+        self.memory = attach(node.memory_file)
+        self.client = ControlClient(admin_key=self.cluster.admin_key)
+        digest = hashlib.sha256(f"{self.cluster.name}:{self.cluster.admin_key}".encode()).digest()
+        # One key for the group's collectives on every node, derived from the cluster file.
+        self.rkey = int.from_bytes(digest[:4], "big") | 1
+        self.group: Endpoint = (f"239.77.{digest[4]}.{digest[5] or 1}", 40000 + int.from_bytes(digest[6:8], "big") % 20000)
+        try:
+            self.client.register(self.node, 0, self.memory.shape[0], RIGHTS_ALL, rkey=self.rkey)
+        except ControlError as exc:
+            if exc.status != Status.EXISTS:
+                raise
+        if self.multicast:
+            self.client.request(self.node, Packet(Opcode.JOIN, rkey=self.cluster.admin_key,
+                                                  addr=_endpoint_u64(self.group)))  # fmt: skip
+
+    @property
+    def world_size(self) -> int:
+        return len(self.cluster.nodes)
+
+    @property
+    def node(self) -> Endpoint:
+        """Where control requests go: the node's management port."""
+        return self.cluster.nodes[self.rank].control_endpoint
+
+    def empty(self, shape: int | tuple[int, ...], dtype: type | np.dtype = np.float32) -> np.ndarray:
+        """An array in this rank's NIC memory: collectives on it need no staging copy."""
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape))
+        start = (self._next_free + _ALIGN - 1) // _ALIGN * _ALIGN
+        end = start + count * dt.itemsize
+        if end > self.memory.shape[0] // 2:
+            raise MemoryError(f"node memory exhausted: {end} > {self.memory.shape[0] // 2} bytes for "
+                              "netdam.empty arrays (half is kept for staging); start nodes with more --memory")  # fmt: skip
+        self._next_free = end
+        return self.memory[start:end].view(dt).reshape(shape)
+
+    def _offset_of(self, array: np.ndarray) -> int | None:
+        """Offset in node memory when *array* lives there, else None."""
+        base = self.memory.ctypes.data
+        addr = array.ctypes.data
+        if base <= addr < base + self.memory.shape[0] and array.flags.c_contiguous:
+            return int(addr - base)
+        return None
+
+    def _stage(self, array: np.ndarray, nbytes_needed: int) -> int:
+        """Copy *array* into the staging half of node memory (the copy is part of the call)."""
+        offset = self._offset_of(array)
+        if offset is not None:
+            return offset
+        start = self.memory.shape[0] // 2
+        if start + nbytes_needed > self.memory.shape[0]:
+            raise MemoryError(f"{nbytes_needed} bytes do not fit the staging area of node memory "
+                              f"({self.memory.shape[0] // 2} bytes): start nodes with more --memory")  # fmt: skip
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.memory[start : start + flat.shape[0]] = flat
+        return int(start)
+
+    def start(self, algo: Algo, array: np.ndarray, op: ReduceOp, in_addr: int, out_addr: int,
+              count: int, root: int = 0) -> Work:  # fmt: skip
+        """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on."""
+        self.epoch += 1
+        dtype = _wire_dtype(array)
+        desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr, self.rkey, root=root,
+                                    group=self.group if self.multicast else None,
+                                    timeout_ms=int(self.timeout_s * 1000))  # fmt: skip
+        packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=WORLD_COLL_ID,
+                        epoch=self.epoch, dtype=dtype, reduce_op=op,
+                        segments=tuple(self.cluster.endpoints), length=64, payload=desc.encode())  # fmt: skip
+        work = Work(self, packet, algo, count, dtype)
+        work.send_start()
+        return work
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Work:
+    """A started collective (torch.distributed's Work): ``wait()`` blocks until it ends."""
+
+    def __init__(self, group: ProcessGroup, packet: Packet, algo: Algo, count: int, dtype: DType) -> None:
+        self.group = group
+        self.packet = packet
+        self.algo = algo
+        self.count = count
+        self.dtype = dtype
+        self.done = False
+        self.stats: dict[str, int] = {}
+        self._txn = 0
+        self._finish: list[object] = []
+
+    def send_start(self) -> None:
+        client = self.group.client
+        self._txn = (self.group.epoch * 7919 + self.group.rank) & 0xFFFFFFFF
+        data = encode_packet(_with(self.packet, client.client_id, self._txn))
+        client.sock.sendto(data, self.group.node)
+        self._sent_at = time.monotonic()
+
+    def is_completed(self) -> bool:
+        return self.done or self._poll(0.0)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the node reports the end of the collective; raise CollectiveError when it
+        failed or nothing came back in time (re-sending START_COLL, which is idempotent)."""
+        limit = timeout if timeout is not None else self.group.timeout_s + 5.0
+        deadline = time.monotonic() + limit
+        while not self.done:
+            if time.monotonic() > deadline:
+                node = self.group.cluster.nodes[self.group.rank]
+                raise CollectiveError(
+                    f"rank {self.group.rank}: no completion from its node {node.address}:{node.port} "
+                    f"within {limit:.1f} s (is it alive? `netdam ping`)",
+                    {"node": f"{node.address}:{node.port}", "rank": self.group.rank},
+                )
+            if not self._poll(0.2) and time.monotonic() - self._sent_at > 0.5:
+                self.send_start()  # lost START_COLL or lost completion: the node answers again
+        for action in self._finish:
+            action()  # type: ignore[operator]
+
+    def _poll(self, timeout: float) -> bool:
+        sock = self.group.client.sock
+        sock.settimeout(timeout if timeout > 0 else 1e-6)
+        while True:
+            try:
+                data, _ = sock.recvfrom(65536)
+            except (TimeoutError, BlockingIOError):
+                return self.done
+            try:
+                reply = decode_packet(data)
+            except RemoteProtocolError:
+                continue
+            if reply.txn_id != self._txn or reply.client_id != self.group.client.client_id:
+                continue
+            if reply.opcode == Opcode.NACK:
+                self._fail(reply)
+            if reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
+                retransmits, reads = struct.unpack("<QQ", reply.payload)
+                self.stats = {"retransmits": retransmits, "repair_reads": reads}
+                self.done = True
+                return True
+
+    def _fail(self, reply: Packet) -> None:
+        waiting = None
+        if reply.aux_addr == 1 and len(reply.payload) >= 16:
+            first, last = struct.unpack_from("<QQ", reply.payload)
+            waiting = self._waiting_for(first, last)
+        where = f"; waiting for {waiting}" if waiting else ""
+        raise CollectiveError(f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
+                              f"{self.group.rank}: {reply.status.name}{where}", waiting)  # fmt: skip
+
+    def _waiting_for(self, first: int, last: int) -> dict[str, object]:
+        group = self.group
+        world = group.world_size
+        per_packet = max_elements(group.cluster.mtu, self.dtype, segments=max(world - 1, 0))
+        bounds = block_bounds(self.algo, self.count, world, 0)
+        chunks = [(int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)]
+        cb = np.concatenate([[0], np.cumsum(chunks)])
+        block = int(np.searchsorted(cb, first, side="right") - 1)
+        node = group.cluster.nodes[block]
+        return {"node": f"{node.address}:{node.port}", "rank": block, "block": block,
+                "seq_range": [first, last]}  # fmt: skip
+
+
+def _with(packet: Packet, client_id: int, txn: int) -> Packet:
+    from dataclasses import replace
+
+    return replace(packet, client_id=client_id, txn_id=txn)
+
+
+def _endpoint_u64(endpoint: Endpoint) -> int:
+    from netdam.protocol.packet import endpoint_to_u64
+
+    return int(endpoint_to_u64(endpoint))
+
+
+# ---------------------------------------------------------------- the module-level default group
+
+_default: ProcessGroup | None = None
+
+
+def init(cluster: str | Path, rank: int, *, multicast: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
+    """Join the cluster described by the cluster file as *rank* (torch's init_process_group)."""
+    global _default
+    _default = ProcessGroup(load_cluster(cluster), rank, multicast=multicast, timeout_s=timeout)
+    return _default
+
+
+def _group(group: ProcessGroup | None) -> ProcessGroup:
+    if group is not None:
+        return group
+    if _default is None:
+        raise RuntimeError("call netdam.init(cluster=FILE, rank=R) first")
+    return _default
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    return _group(group).rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    return _group(group).world_size
+
+
+def empty(shape: int | tuple[int, ...], dtype: type | np.dtype = np.float32, group: ProcessGroup | None = None) -> np.ndarray:
+    """An array in NIC memory (see ProcessGroup.empty)."""
+    return _group(group).empty(shape, dtype)
+
+
+def _run(work: Work, async_op: bool) -> Work | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_reduce(buf: np.ndarray, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:  # fmt: skip
+    """Reduce *buf* over all ranks in place; afterwards it is bitwise identical on every rank."""
+    g = _group(group)
+    addr = g._stage(buf, buf.nbytes)
+    work = g.start(Algo.ALL_REDUCE, buf, op, addr, addr, buf.size)
+    if g._offset_of(buf) is None:
+        work._finish.append(lambda: _copy_out(g, addr, buf))
+    return _run(work, async_op)
+
+
+def reduce_scatter(output: np.ndarray, input: np.ndarray, op: ReduceOp = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:  # fmt: skip
+    """Reduce *input* (world_size blocks) and leave this rank's block in *output*."""
+    g = _group(group)
+    count = input.size
+    lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
+    if output.size != hi - lo:
+        raise ValueError(f"output has {output.size} elements; rank {g.rank}'s block has {hi - lo}")
+    addr = g._stage(input, input.nbytes)
+    work = g.start(Algo.REDUCE_SCATTER, input, op, addr, addr, count)
+    esize = input.itemsize
+    work._finish.append(lambda: output.reshape(-1).__setitem__(
+        slice(None), g.memory[addr + lo * esize : addr + hi * esize].view(output.dtype)))  # fmt: skip
+    return _run(work, async_op)
+
+
+def all_gather(output: np.ndarray, input: np.ndarray, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:  # fmt: skip
+    """Concatenate every rank's *input* (its block) into *output* on every rank."""
+    g = _group(group)
+    count = output.size
+    lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
+    if input.size != hi - lo:
+        raise ValueError(f"input has {input.size} elements; rank {g.rank}'s block has {hi - lo}")
+    start = g.memory.shape[0] // 2
+    out_addr = start
+    in_addr = start + (output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    if in_addr + input.nbytes > g.memory.shape[0]:
+        raise MemoryError("all_gather does not fit the staging area: start nodes with more --memory")
+    g.memory[in_addr : in_addr + input.nbytes] = np.ascontiguousarray(input).reshape(-1).view(np.uint8)
+    work = g.start(Algo.ALL_GATHER, output, ReduceOp.SUM, in_addr, out_addr, count)
+    work._finish.append(lambda: _copy_out(g, out_addr, output))
+    return _run(work, async_op)
+
+
+def broadcast(buf: np.ndarray, src: int = 0, group: ProcessGroup | None = None,
+              async_op: bool = False) -> Work | None:  # fmt: skip
+    """Copy rank *src*'s *buf* into every rank's *buf*."""
+    g = _group(group)
+    addr = g._stage(buf, buf.nbytes)
+    work = g.start(Algo.BROADCAST, buf, ReduceOp.SUM, addr, addr, buf.size, root=src)
+    if g._offset_of(buf) is None:
+        work._finish.append(lambda: _copy_out(g, addr, buf))
+    return _run(work, async_op)
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Return once every rank reached the barrier (an all-reduce of one element)."""
+    token = np.ones(1, np.int32)
+    all_reduce(token, group=group)
+    if int(token[0]) != _group(group).world_size:
+        raise CollectiveError(f"barrier counted {int(token[0])} ranks, expected {_group(group).world_size}")
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    global _default
+    g = _group(group)
+    g.close()
+    if g is _default:
+        _default = None
+
+
+def _copy_out(g: ProcessGroup, addr: int, buf: np.ndarray) -> None:
+    flat = buf.reshape(-1).view(np.uint8) if buf.flags.c_contiguous else None
+    data = g.memory[addr : addr + buf.nbytes]
+    if flat is not None:
+        flat[:] = data
+    else:
+        buf[...] = data.view(buf.dtype).reshape(buf.shape)
+
+
+# Sizes in bytes of the element types the API accepts.
+ELEMENT_BYTES = {dt: ELEMENT_SIZE[code] for dt, code in _DTYPES.items()}
