@@ -55,8 +55,6 @@ __all__ = [
 
 #: coll_id of the group of all ranks.
 WORLD_COLL_ID = 1
-#: Node-side watchdog when the caller gives none (seconds); the host waits a little longer.
-DEFAULT_TIMEOUT_S = 30.0
 _ALIGN = 64
 
 
@@ -85,7 +83,8 @@ class ProcessGroup:
     cluster: ClusterFile
     rank: int
     multicast: bool = True
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    #: Watchdog override, seconds without progress; None: max(2 s, 20 x RTT x rounds).
+    timeout_s: float | None = None
     epoch: int = 0
     memory: np.ndarray = field(init=False, repr=False)
     client: ControlClient = field(init=False, repr=False)
@@ -109,6 +108,29 @@ class ProcessGroup:
         if self.multicast:
             self.client.request(self.node, Packet(Opcode.JOIN, rkey=self.cluster.admin_key,
                                                   addr=_endpoint_u64(self.group)))  # fmt: skip
+        # Round-trip time to the slowest node, for the watchdog.
+        self.rtt_s = max(min(self.client.ping(n.control_endpoint)[1] for _ in range(3)) for n in self.cluster.nodes)
+
+    def watchdog_s(self, count: int, dtype: DType) -> float:
+        """How long a collective may go without progress: --timeout, else max(2 s, 20 x RTT x
+        rounds), rounds = the serial steps of the chain pipeline (window of 32 chunks)."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        world = self.world_size
+        per_packet = max_elements(self.cluster.mtu, dtype, segments=max(world - 1, 0))
+        chunks = -(-count // world // per_packet) if count >= world else 1
+        rounds = (-(-chunks // 32)) * max(world - 1, 1) + world
+        return max(2.0, 20.0 * self.rtt_s * rounds)
+
+    def dead_nodes(self) -> list[str]:
+        """Nodes that do not answer PING now (to name them when a collective fails)."""
+        dead = []
+        for node in self.cluster.nodes:
+            try:
+                self.client.request(node.control_endpoint, Packet(Opcode.PING), timeout=0.25, retries=1)
+            except ControlError:
+                dead.append(f"rank {node.rank} ({node.address}:{node.port})")
+        return dead
 
     @property
     def world_size(self) -> int:
@@ -157,13 +179,14 @@ class ProcessGroup:
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on."""
         self.epoch += 1
         dtype = _wire_dtype(array)
+        watchdog = self.watchdog_s(count, dtype)
         desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr, self.rkey, root=root,
                                     group=self.group if self.multicast else None,
-                                    timeout_ms=int(self.timeout_s * 1000))  # fmt: skip
+                                    timeout_ms=int(watchdog * 1000))  # fmt: skip
         packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=WORLD_COLL_ID,
                         epoch=self.epoch, dtype=dtype, reduce_op=op,
                         segments=tuple(self.cluster.endpoints), length=64, payload=desc.encode())  # fmt: skip
-        work = Work(self, packet, algo, count, dtype)
+        work = Work(self, packet, algo, count, dtype, watchdog)
         work.send_start()
         return work
 
@@ -174,8 +197,10 @@ class ProcessGroup:
 class Work:
     """A started collective (torch.distributed's Work): ``wait()`` blocks until it ends."""
 
-    def __init__(self, group: ProcessGroup, packet: Packet, algo: Algo, count: int, dtype: DType) -> None:
+    def __init__(self, group: ProcessGroup, packet: Packet, algo: Algo, count: int, dtype: DType,
+                 watchdog_s: float) -> None:  # fmt: skip
         self.group = group
+        self.watchdog_s = watchdog_s
         self.packet = packet
         self.algo = algo
         self.count = count
@@ -183,6 +208,7 @@ class Work:
         self.done = False
         self.stats: dict[str, int] = {}
         self._txn = 0
+        self._heard = time.monotonic()
         self._finish: list[object] = []
 
     def send_start(self) -> None:
@@ -197,16 +223,18 @@ class Work:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the node reports the end of the collective; raise CollectiveError when it
-        failed or nothing came back in time (re-sending START_COLL, which is idempotent)."""
-        limit = timeout if timeout is not None else self.group.timeout_s + 5.0
-        deadline = time.monotonic() + limit
+        failed. The node answers every re-sent START_COLL (idempotent): "running" keeps the wait
+        alive, silence for a whole watchdog period means the node is gone."""
+        bound = timeout if timeout is not None else self.watchdog_s + 1.0
+        self._heard = time.monotonic()
         while not self.done:
-            if time.monotonic() > deadline:
+            if time.monotonic() - self._heard > bound:
                 node = self.group.cluster.nodes[self.group.rank]
+                dead = self.group.dead_nodes()
                 raise CollectiveError(
-                    f"rank {self.group.rank}: no completion from its node {node.address}:{node.port} "
-                    f"within {limit:.1f} s (is it alive? `netdam ping`)",
-                    {"node": f"{node.address}:{node.port}", "rank": self.group.rank},
+                    f"rank {self.group.rank}: no word from its node {node.address}:{node.port} for "
+                    f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
+                    {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.group.rank},
                 )
             if not self._poll(0.2) and time.monotonic() - self._sent_at > 0.5:
                 self.send_start()  # lost START_COLL or lost completion: the node answers again
@@ -227,6 +255,7 @@ class Work:
                 continue
             if reply.txn_id != self._txn or reply.client_id != self.group.client.client_id:
                 continue
+            self._heard = time.monotonic()
             if reply.opcode == Opcode.NACK:
                 self._fail(reply)
             if reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
@@ -240,7 +269,11 @@ class Work:
         if reply.aux_addr == 1 and len(reply.payload) >= 16:
             first, last = struct.unpack_from("<QQ", reply.payload)
             waiting = self._waiting_for(first, last)
+        dead = self.group.dead_nodes()
+        if dead and waiting is not None:
+            waiting["node"] = dead[0]
         where = f"; waiting for {waiting}" if waiting else ""
+        where += f"; not answering: {', '.join(dead)}" if dead else ""
         raise CollectiveError(f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
                               f"{self.group.rank}: {reply.status.name}{where}", waiting)  # fmt: skip
 
@@ -274,7 +307,7 @@ def _endpoint_u64(endpoint: Endpoint) -> int:
 _default: ProcessGroup | None = None
 
 
-def init(cluster: str | Path, rank: int, *, multicast: bool = True, timeout: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
+def init(cluster: str | Path, rank: int, *, multicast: bool = True, timeout: float | None = None) -> ProcessGroup:
     """Join the cluster described by the cluster file as *rank* (torch's init_process_group)."""
     global _default
     _default = ProcessGroup(load_cluster(cluster), rank, multicast=multicast, timeout_s=timeout)

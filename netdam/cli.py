@@ -18,6 +18,7 @@ from netdam.cliutil import CommandError, ExitCode, NetdamArgumentParser, emit
 _COMMAND_MODULES = (
     "netdam.cli_demo",
     "netdam.cli_cluster",
+    "netdam.cli_allreduce",
     "netdam.cli_decode",
     "netdam.cli_model",
     "netdam.cli_bench",

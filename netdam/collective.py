@@ -40,7 +40,8 @@ from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 MAX_CHUNKS = 1 << 17
 DESCRIPTOR = struct.Struct("<BBHIQQQIIQQII")
 assert DESCRIPTOR.size == 64
-DEFAULT_TIMEOUT_MS = 60_000
+#: Watchdog: a collective fails after this long without progress (START_COLL may say less).
+DEFAULT_TIMEOUT_MS = 10_000
 #: Credit window bounds, chunks in flight per originator.
 MIN_WINDOW, MAX_WINDOW, DEFAULT_WINDOW = 4, 128, 32
 INITIAL_RTO_S = 0.2
@@ -113,6 +114,11 @@ class CollectiveEngine:
     def running(self) -> bool:
         return bool(self.cfg[L.CFG_STATE] == 1)
 
+    @property
+    def needs_tick(self) -> bool:
+        """Running, or owing a member a repeated DONE."""
+        return bool(self.running or self.cfg[L.CFG_PREV_ASK] or self.cfg[L.CFG_CUR_ASK])
+
     def tick_arrays(self) -> tuple[np.ndarray, ...]:
         """Arguments of ``_coll_tick`` after ``now``, in its order, before memory."""
         return (self.cfg, self.fcfg, self.ring, self.bounds, self.cb, self.acked, self.sent,
@@ -169,7 +175,11 @@ class CollectiveEngine:
         self.bounds[: world + 1] = bounds
         self.cb[: world + 1] = cb
         cfg = self.cfg
+        # A member may still ask for this node's DONE of the epoch that just ended.
+        cfg[L.CFG_PREV_ASK] |= cfg[L.CFG_CUR_ASK]
+        prev_ask = cfg[L.CFG_PREV_ASK]
         cfg[:] = 0
+        cfg[L.CFG_PREV_ASK] = prev_ask
         packet_bytes = HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
         if not window:
             # Credit window: every node may hold N originators' windows in its receive queue;
@@ -196,8 +206,8 @@ class CollectiveEngine:
         fcfg[:] = 0.0
         fcfg[L.F_RTO] = INITIAL_RTO_S
         fcfg[L.F_BASE_RTO] = INITIAL_RTO_S
-        fcfg[L.F_START] = -1.0  # the first tick stamps the start and the deadline
-        fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0
+        fcfg[L.F_START] = -1.0  # the first tick stamps the start
+        fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall
         fcfg[L.F_LAST_COUNT] = -1.0
         cfg[L.CFG_STATE] = 1
 
@@ -230,7 +240,7 @@ class CollectiveEngine:
             return Opcode.ACK, Status.OK, stats
         missing = np.flatnonzero(self.done[: int(cfg[L.CFG_CHUNKS])] == 0)
         first, last = (int(missing[0]), int(missing[-1])) if missing.size else (2**64 - 1, 2**64 - 1)
-        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.BUSY), struct.pack("<QQ", first, last)
+        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.TIMEOUT), struct.pack("<QQ", first, last)
 
     def status(self) -> dict[str, object]:
         """Progress of the current (or last) collective, for watchdogs and stats."""

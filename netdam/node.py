@@ -246,14 +246,14 @@ class NodeCore:
 
     def get_timer(self) -> float | None:
         """When the collective engine wants its next tick (None: no collective running)."""
-        if not self.collective.running:
+        if not self.collective.needs_tick:
             return None
         fcfg = self.collective.fcfg
         return float(fcfg[L.F_NOW] + min(fcfg[L.F_RTO] / 4.0, 0.001))
 
     def handle_timer(self, now: float) -> None:
         """Run the collective engine's clock: chain heads, retransmits, all-gather, repair."""
-        if not self.collective.running:
+        if not self.collective.needs_tick:
             return
         self._reserve_tx(2 * self.collective.cfg[L.CFG_WINDOW] * max(1, int(self.collective.cfg[L.CFG_WORLD])))
         tx_n = coll_kernels._coll_tick(

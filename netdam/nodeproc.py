@@ -123,7 +123,7 @@ class NodeProcess:
         self.fault_cfg[6] = time.monotonic()
         mfd = self.group_sock.fileno() if self.group_sock is not None else -1
         reason, n_punt = serve._serve(
-            self.sock.fileno(), mfd, self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
+            self.sock.fileno(), mfd, self.ctrl_sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
             ROUND_DATAGRAMS, self.core.max_datagram, timeout_ms, self.io_state, ROUNDS_PER_CALL,
             self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
             self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen,

@@ -127,6 +127,7 @@ class Status(IntEnum):
     NO_ROUTE = 20
     STALE_EPOCH = 21
     BUSY = 22
+    TIMEOUT = 23
 
 
 class DType(IntEnum):

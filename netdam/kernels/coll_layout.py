@@ -33,7 +33,13 @@ CFG_CLIENT = 28
 CFG_TXN = 29
 CFG_NEEDED = 30  # chunks this node must hold (done bits) to finish
 CFG_DONE_COUNT = 31  # chunks whose done bit is set on this node
-CFG_LEN = 32
+CFG_PEERS_DONE = 32  # bit r: rank r said DONE for this epoch (this node's own bit included)
+CFG_PREV_ASK = 33  # bit r: rank r asked for this node's DONE of the previous epoch
+CFG_CUR_ASK = 34  # bit r: rank r still asks for this node's DONE of the finished epoch
+CFG_LEN = 40
+
+#: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
+AUX_DONE = 2
 
 # fcfg indices
 F_START = 0
@@ -43,9 +49,11 @@ F_RTTVAR = 3
 F_LAST_PROGRESS = 4
 F_LAST_COUNT = 5
 F_NOW = 6
-F_DEADLINE = 7
+F_DEADLINE = 7  # watchdog: the collective fails after this long without any progress
 F_BASE_RTO = 8  # RTO without backoff: paces all-gather repair
-F_LEN = 10
+F_LAST_ADVANCE = 9  # last time a chunk completed or a chain was ACKed
+F_LAST_DONE_SENT = 10  # last time this node sent its DONE
+F_LEN = 12
 
 # algorithms (START_COLL descriptor byte 0)
 ALGO_ALL_REDUCE = 0

@@ -17,12 +17,14 @@ from numba import njit
 
 from netdam import counters as C
 from netdam.kernels.coll_layout import (
+    AUX_DONE,
     CFG_ACKED,
     CFG_AG_NEXT,
     CFG_ALGO,
     CFG_CHUNKS,
     CFG_CLIENT,
     CFG_COLL,
+    CFG_CUR_ASK,
     CFG_DONE_COUNT,
     CFG_DTYPE,
     CFG_EPOCH,
@@ -38,7 +40,9 @@ from netdam.kernels.coll_layout import (
     CFG_ORIG_BLOCK,
     CFG_OUT,
     CFG_OWN_BLOCK,
+    CFG_PEERS_DONE,
     CFG_PER_PACKET,
+    CFG_PREV_ASK,
     CFG_RANK,
     CFG_READS,
     CFG_RETRANSMITS,
@@ -49,7 +53,9 @@ from netdam.kernels.coll_layout import (
     CFG_WORLD,
     F_BASE_RTO,
     F_DEADLINE,
+    F_LAST_ADVANCE,
     F_LAST_COUNT,
+    F_LAST_DONE_SENT,
     F_LAST_PROGRESS,
     F_NOW,
     F_RTO,
@@ -211,24 +217,27 @@ def _coll_tick(  # type: ignore[no-untyped-def]
     mem, done, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
 ):  # fmt: skip
     """Advance the running collective at time *now* (seconds); returns the new tx_n."""
+    if cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0:
+        tx_n = _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     if cfg[CFG_STATE] != 1:
         return tx_n
     fcfg[F_NOW] = now
     if fcfg[F_START] < 0.0:  # first tick after START_COLL: the clock starts now
         fcfg[F_START] = now
-        fcfg[F_DEADLINE] += now
         fcfg[F_LAST_PROGRESS] = now
+        fcfg[F_LAST_ADVANCE] = now
     window = cfg[CFG_WINDOW]
-    if cfg[CFG_FATAL] != 0 or now > fcfg[F_DEADLINE]:
+    advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED]
+    if advance != fcfg[F_LAST_COUNT]:
+        fcfg[F_LAST_COUNT] = advance
+        fcfg[F_LAST_PROGRESS] = now
+        fcfg[F_LAST_ADVANCE] = now
+    if cfg[CFG_FATAL] != 0 or now - fcfg[F_LAST_ADVANCE] > fcfg[F_DEADLINE]:
         cfg[CFG_STATE] = 3
         if _room(tx_buf, tx_off, tx_len, tx_n):
-            status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 22  # BUSY: gave up waiting
+            status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
             tx_n = _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
         return tx_n
-    # Progress clock: any new completed chunk restarts the repair timer.
-    if cfg[CFG_DONE_COUNT] != fcfg[F_LAST_COUNT]:
-        fcfg[F_LAST_COUNT] = cfg[CFG_DONE_COUNT]
-        fcfg[F_LAST_PROGRESS] = now
     # 1. Chains this node starts: ACKed ones leave the window, late ones go again.
     ob = cfg[CFG_ORIG_BLOCK]
     if ob >= 0:
@@ -316,12 +325,53 @@ def _coll_tick(  # type: ignore[no-untyped-def]
             counters[C.RETRANSMITS] += 1
             budget -= 1
         fcfg[F_LAST_PROGRESS] = now  # one repair round per RTO
-    # 4. Done when every needed chunk is here and every chain this node started was ACKed.
+    # 4. Ready when every needed chunk is here and every chain this node started was ACKed.
+    #    Then DONE goes to every member (again every base RTO until all answered); the host
+    #    hears of completion only when every member is ready, so no node moves to the next
+    #    epoch while another may still READ from it.
+    world = cfg[CFG_WORLD]
+    me = np.int64(1) << cfg[CFG_RANK]
     chains_done = ob < 0 or cfg[CFG_ACKED] >= cb[ob + 1] - cb[ob]
-    if chains_done and cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED] and _room(tx_buf, tx_off, tx_len, tx_n):
-        cfg[CFG_STATE] = 2
-        tx_n = _notify(cfg, 0, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+    if chains_done and cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED]:
+        if cfg[CFG_PEERS_DONE] & me == 0 or now - fcfg[F_LAST_DONE_SENT] > base_rto:
+            cfg[CFG_PEERS_DONE] |= me
+            fcfg[F_LAST_DONE_SENT] = now
+            for k in range(1, world):
+                peer = (cfg[CFG_RANK] + k) % world
+                if (cfg[CFG_PEERS_DONE] >> peer) & 1:
+                    continue
+                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                    return tx_n
+                tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        all_ranks = (np.int64(1) << world) - 1
+        if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
+            cfg[CFG_STATE] = 2
+            tx_n = _notify(cfg, 0, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """Repeat this node's DONE to members that ask for it: of the previous epoch, or of the
+    current one once finished (they lost it while this node finished)."""
+    for peer in range(cfg[CFG_WORLD]):
+        bit = np.int64(1) << peer
+        if cfg[CFG_PREV_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
+            tx_n = _send_done(cfg, (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF, ring[peer], tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            cfg[CFG_PREV_ASK] &= ~bit
+        if cfg[CFG_CUR_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
+            tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            cfg[CFG_CUR_ASK] &= ~bit
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _send_done(cfg, epoch, dst, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """DONE: an ACK with aux_addr = AUX_DONE, seq = this node's rank."""
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
+    _wr32(t, 20, epoch)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, 64, dst)
 
 
 @njit(cache=True, nogil=True)

@@ -18,14 +18,19 @@ from numba import njit
 
 from netdam import counters as C
 from netdam.kernels.coll_layout import (
+    AUX_DONE,
     CFG_ACKED,
     CFG_CHUNKS,
     CFG_COLL,
+    CFG_CUR_ASK,
     CFG_DONE_COUNT,
     CFG_EPOCH,
     CFG_FATAL,
     CFG_INFLIGHT,
+    CFG_PEERS_DONE,
+    CFG_PREV_ASK,
     CFG_STATE,
+    CFG_WORLD,
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.protocol.constants import (
@@ -770,13 +775,33 @@ def _chain_add(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _coll_done_msg(b, src, co_cfg):  # type: ignore[no-untyped-def]
+    """A member's DONE: for this epoch, note it; for the previous epoch (that member may have
+    lost this node's DONE while this node moved on), ask the engine to repeat it."""
+    world = co_cfg[CFG_WORLD]
+    rank = _rd32(b, 4)  # DONE carries the sender's rank in seq
+    if co_cfg[CFG_STATE] == 0 or rank >= world:
+        return True
+    epoch = _rd32(b, 20)
+    if epoch == co_cfg[CFG_EPOCH]:
+        co_cfg[CFG_PEERS_DONE] |= np.int64(1) << rank
+        if co_cfg[CFG_STATE] != 1:
+            co_cfg[CFG_CUR_ASK] |= np.int64(1) << rank  # it missed ours: repeat it
+    elif ((co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF) == 1:
+        co_cfg[CFG_PREV_ASK] |= np.int64(1) << rank
+    return True
+
+
+@njit(cache=True, nogil=True)
 def _coll_reply(b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members, co_cfg, co_done, co_acked, counters):  # type: ignore[no-untyped-def]
     """Replies of the running collective, handled here so no reply costs Python: chain ACKs
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
-    if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, 16), _rd32(b, 20)) != _PHASE_RUNNING:
-        return False
     if not _is_member(members, src):
+        return False
+    if op == _OP_ACK and _rd64(b, 40) == AUX_DONE and _rd32(b, 16) == co_cfg[CFG_COLL]:
+        return _coll_done_msg(b, src, co_cfg)
+    if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, 16), _rd32(b, 20)) != _PHASE_RUNNING:
         return False
     seq = _rd32(b, 4)
     if seq >= co_cfg[CFG_CHUNKS]:

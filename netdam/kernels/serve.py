@@ -8,14 +8,22 @@ few milliseconds under full load: a round is at most ``max_n`` datagrams).
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from netdam import counters as C
-from netdam.kernels.coll_layout import CFG_STATE
+from netdam.kernels.coll_layout import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE
 from netdam.kernels.collective import _coll_tick
 from netdam.kernels.datapath import _SLOT, _process_batch
 from netdam.kernels.rx_faults import _apply_faults
-from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch, _send_batch
+from netdam.kernels.udp_io import (
+    _POLLIN,
+    ST_KERNEL_DROPS,
+    _now_ns,
+    _recv_batch,
+    _send_batch,
+    _sys_poll,
+)
 
 #: Why _serve returned.
 RETURN_IDLE = 0  # nothing arrived within timeout_ms
@@ -47,8 +55,24 @@ def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
 
 
 @njit(cache=True, nogil=True)
+def _wait_any(fd, mfd, cfd, timeout_ms):  # type: ignore[no-untyped-def]
+    """poll(2) the data, group and management sockets; bit 1/2/4 set for each one readable."""
+    pfd = np.zeros(3, np.int64)
+    fds = (fd, mfd, cfd)
+    for k in range(3):
+        pfd[k] = (fds[k] & 0xFFFFFFFF) | (np.int64(_POLLIN) << 32)  # fd < 0 is ignored by poll
+    if _sys_poll(pfd.ctypes.data, 3, timeout_ms) <= 0:
+        return 0
+    ready = 0
+    for k in range(3):
+        if (pfd[k] >> 48) & 0xFFFF:
+            ready |= 1 << k
+    return ready
+
+
+@njit(cache=True, nogil=True)
 def _serve(  # type: ignore[no-untyped-def]
-    fd, mfd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, max_len, timeout_ms, io_state, max_rounds,
+    fd, mfd, cfd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, max_len, timeout_ms, io_state, max_rounds,
     fault_cfg, fault_keys, table_key, table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen,
     mem, rk_key, rk_base, rk_len, rk_rights, members,
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
@@ -57,13 +81,15 @@ def _serve(  # type: ignore[no-untyped-def]
     co_f, co_ring, co_bounds, co_cb, co_sent, co_tries, co_agsent,
 ):  # fmt: skip
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
-    *mfd* is the socket of the joined multicast group (-1: none).
+    *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
+    while waiting, control traffic there ends the call at once, so stats never wait for it.
 
     Waits for traffic only in the first round; when fault injection holds datagrams aside, a
     quiet round still releases those that are due."""
     cap = tx_len.shape[0]
     for _round in range(max_rounds):
-        if co_cfg[CFG_STATE] == 1:  # the collective engine's clock runs every round
+        if co_cfg[CFG_STATE] == 1 or co_cfg[CFG_PREV_ASK] != 0 or co_cfg[CFG_CUR_ASK] != 0:
+            # The collective engine's clock runs every round (and answers late DONE requests).
             tx_n = _coll_tick(_now_ns() * 1e-9, co_cfg, co_f, co_ring, co_bounds, co_cb, co_acked,
                               co_sent, co_tries, co_agsent, mem, co_done, counters,
                               tx_buf, tx_off, tx_len, tx_dst, txq[1])  # fmt: skip
@@ -78,6 +104,12 @@ def _serve(  # type: ignore[no-untyped-def]
         # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
         # Wait for traffic only in the first round, and briefly while a collective runs.
         wait = 0 if _round > 0 else (min(timeout_ms, 1) if co_cfg[CFG_STATE] == 1 else timeout_ms)
+        if wait > 0:
+            ready = _wait_any(fd, mfd, cfd, wait)
+            if ready & 4:
+                _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+                return RETURN_IDLE, 0  # management traffic: the control plane's turn
+            wait = 0
         if mfd < 0:
             n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state)
         else:

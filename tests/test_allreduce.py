@@ -1,0 +1,117 @@
+"""Collectives on real node processes: the allreduce command, the host API from separate host
+processes, and a node killed mid-collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netdam.api import CollectiveError, ProcessGroup
+from netdam.api import all_reduce as api_all_reduce
+from netdam.cli import main
+from netdam.launch import start_cluster
+
+
+def test_allreduce_command_clean_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["allreduce", "--nodes", "3", "--count", "100003", "--repeat", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] is True and r["ranks_identical"] is True and r["equals_reference"] is True
+    assert r["bytes"] == 400012 and r["nodes"] == 3
+    assert r["retransmits"] == 0 and r["kernel_drops"] == 0  # flow control, not recovery
+    assert r["packets"] > 0 and r["wire_bytes"] > 2 * r["bytes"] and r["model_seconds_100g"] > 0
+    assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 4 / 3)
+
+
+@pytest.mark.parametrize("dtype,op", [("f16", "max"), ("i64", "min"), ("f64", "sum")])
+def test_allreduce_command_dtypes(dtype: str, op: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["allreduce", "--nodes", "2", "--count", "9001", "--dtype", dtype, "--op", op, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["equals_reference"] is True
+
+
+def test_allreduce_command_under_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["allreduce", "--nodes", "3", "--count", "50000", "--loss", "0.05", "--dup", "0.05",
+            "--reorder", "0.05", "--seed", "4", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] is True and r["retransmits"] > 0
+
+
+HOST = r"""
+import sys, json, numpy as np, netdam
+cluster, rank = sys.argv[1], int(sys.argv[2])
+group = netdam.init(cluster, rank)
+world = netdam.get_world_size()
+out = {}
+x = np.arange(10, dtype=np.float32) + rank
+netdam.all_reduce(x)
+out["all_reduce"] = x.tolist()
+y = netdam.empty(7, np.float64)          # lives in NIC memory: no staging copy
+y[:] = rank + 1
+netdam.all_reduce(y, op=netdam.ReduceOp.MAX)
+out["empty_max"] = y.tolist()
+b = np.full(5, rank, np.int32)
+netdam.broadcast(b, src=1)
+out["broadcast"] = b.tolist()
+full = np.zeros(6, np.float32)
+netdam.all_gather(full, np.full(6 // world, rank, np.float32))
+out["all_gather"] = full.tolist()
+part = np.zeros(6 // world, np.float32)
+netdam.reduce_scatter(part, np.ones(6, np.float32) * (rank + 1))
+out["reduce_scatter"] = part.tolist()
+netdam.barrier()
+print(json.dumps(out))
+"""
+
+
+def test_host_api_from_separate_host_processes(tmp_path: Path) -> None:
+    with start_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        hosts = [subprocess.Popen([sys.executable, "-c", HOST, str(cluster.path), str(rank)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(2)]  # fmt: skip
+        outs = []
+        for host in hosts:
+            stdout, stderr = host.communicate(timeout=120)
+            assert host.returncode == 0, stderr
+            outs.append(json.loads(stdout))
+    assert outs[0] == outs[1]
+    r = outs[0]
+    assert r["all_reduce"] == (2 * np.arange(10) + 1).tolist()
+    assert r["empty_max"] == [2.0] * 7
+    assert r["broadcast"] == [1] * 5
+    assert r["all_gather"] == [0, 0, 0, 1, 1, 1]
+    assert r["reduce_scatter"] == [3.0] * 3
+
+
+def test_dead_node_is_named_within_5_seconds(tmp_path: Path) -> None:
+    with start_cluster(3, memory=1 << 22, cluster_path=tmp_path / "c.toml") as cluster:
+        groups = [ProcessGroup(cluster.info, rank) for rank in range(3)]
+        warm = [np.ones(4, np.float32) for _ in range(3)]
+        for work in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(warm, groups)]:
+            work.wait()  # type: ignore[union-attr]
+        os.kill(cluster.info.nodes[2].pid, signal.SIGKILL)
+        cluster.processes[2].wait(timeout=10)
+        start = time.monotonic()
+        works = [api_all_reduce(np.ones(200_000, np.float32), group=g, async_op=True) for g in groups[:2]]
+        with pytest.raises(CollectiveError) as info:
+            for work in works:
+                work.wait()  # type: ignore[union-attr]
+        elapsed = time.monotonic() - start
+        assert elapsed < 5.0
+        assert "rank 2" in str(info.value) and str(cluster.info.nodes[2].port) in str(info.value)
+        assert info.value.waiting_for is not None and "rank 2" in str(info.value.waiting_for["node"])
+        # The survivors stay usable.
+        from netdam.control import ControlClient
+
+        with ControlClient() as client:
+            for node in cluster.info.nodes[:2]:
+                client.ping(node.control_endpoint)
+        for group in groups:
+            group.close()
