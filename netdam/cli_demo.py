@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="Start N emulated NICs, drive them with wire packets (REGISTER, WRITE, READ, "
         "FETCH_ADD, CHAIN_ADD, ALL_WRITE), run a chained all-reduce with multicast all-gather, "
         "and check every rank against a numpy reference. The NICs are node processes on "
-        "loopback UDP; today the host injects the chain heads and the all-gather writes.",
+        "loopback UDP; the all-reduce runs in them (START_COLL) with multicast all-gather.",
     )
     parser.add_argument("--nodes", type=int, default=4, help="emulated NICs (default 4)")
     size = parser.add_mutually_exclusive_group()
@@ -56,8 +56,9 @@ def _text(s: dict[str, object]) -> str:
             f"  pool: {pool['ops']} ops ({pool['ops_per_second']:.0f}/s, blocking clients), "
             f"{pool['mismatches']} mismatches, "
             f"FETCH_ADD counter {pool['fetch_add_counter']} (expected {pool['fetch_add_expected']})",
-            f"  all-reduce: {ar['packets']} packets ({ar['elements_per_packet']} elements each), "
-            f"ranks identical: {ar['ranks_identical']}, equals numpy chain-order reference: "
+            f"  all-reduce in the NICs ({ar['elements_per_packet']} elements per packet, "
+            f"{ar['retransmits']} retransmits): ranks identical: {ar['ranks_identical']}, "
+            f"equals numpy chain-order reference: "
             f"{ar['equals_reference']}, {ar['seconds']:.3f} s emulated "
             f"(model of 100G NetDAM cards: {ar['model_seconds_100g'] * 1e6:.1f} us)",
             f"  counters: {s['counters']}",

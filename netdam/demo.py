@@ -6,14 +6,11 @@ packets, from one host process:
 1. a controller REGISTERs the same rkey on every node (admin key from the cluster file);
 2. pool traffic: several clients WRITE random blocks, READ them back and FETCH_ADD a shared
    counter, each over its own UDP socket;
-3. an all-reduce the NetDAM way: the host puts each rank's input into its node's memory through
-   the shared-memory mapping (host load/store), then a chained reduce-scatter runs in the NICs:
-   each block's packets travel the ring on the SR list, every hop adds its block in flight and
-   only the owner stores; then the all-gather writes each owner's reduced block into every
-   member with ALL_WRITE. Today the host injects the chain heads and the ALL_WRITEs (the
-   collective engine inside the nodes, multicast groups and loss recovery come next);
-4. every rank's result, read back through shared memory, is compared with a numpy reference
-   summed in chain order, bitwise.
+3. an all-reduce the NetDAM way (netdam.api): each rank's host stores its input into its
+   node's memory through the shared mapping and sends START_COLL; then the NICs alone run a
+   chained reduce-scatter (each block's packets travel the ring on the SR list, every hop adds
+   its block in flight, only the owner stores) and a multicast all-gather, with loss recovery;
+4. every rank's result is compared with a numpy reference summed in chain order, bitwise.
 """
 
 from __future__ import annotations
@@ -25,32 +22,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from netdam import counters as C
+from netdam.allreduce_run import reference_chain_allreduce
+from netdam.api import ProcessGroup
+from netdam.api import all_reduce as api_all_reduce
 from netdam.control import ControlClient
 from netdam.fpga_model import estimate_allreduce_seconds
-from netdam.kernels.udp_io import (
-    MAX_MSGS,
-    SEND_SCRATCH_WORDS_PER_MSG,
-    STATE_LEN,
-    _recv_batch,
-    _send_batch,
-)
 from netdam.launch import LocalCluster, start_cluster
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     NUMPY_DTYPE,
     RIGHTS_ALL,
     DType,
-    Flags,
     Opcode,
+    ReduceOp,
     max_elements,
 )
-from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_u64
-from netdam.shm import attach
-from netdam.udp import open_udp_socket
-
-COLL_ID = 1
-#: Chain heads in flight at once: a window, so no receive buffer overflows (BRIEF s1).
-WINDOW = 64
+from netdam.protocol.packet import Packet
 
 
 @dataclass(frozen=True)
@@ -70,9 +57,11 @@ def run_demo(config: DemoConfig) -> dict[str, object]:
     if config.nodes < 2:
         raise ValueError("--nodes must be at least 2 for an all-reduce")
     nbytes = config.count * ELEMENT_SIZE[config.dtype]
-    pool_base = _round_up(2 * nbytes, 64)
-    region = _round_up(pool_base + 64 + 64 * config.pool_ops, 4096)  # input, output, pool area
-    with start_cluster(config.nodes, memory=region, mtu=config.mtu) as cluster:
+    # Node memory: the pool area below, the host API's staging area in the upper half.
+    pool_base = 0
+    region = _round_up(64 + 64 * config.pool_ops, 4096)
+    memory = max(16 << 20, _round_up(4 * nbytes, 1 << 20))
+    with start_cluster(config.nodes, memory=memory, mtu=config.mtu) as cluster:
         rkey = _register_everywhere(cluster, region)
         pool = _pool_traffic(cluster, rkey, config, pool_base)
         allreduce = _allreduce(cluster, rkey, config)
@@ -143,114 +132,39 @@ def _pool_traffic(cluster: LocalCluster, rkey: int, config: DemoConfig, base: in
 
 
 def _allreduce(cluster: LocalCluster, rkey: int, config: DemoConfig) -> dict[str, object]:
+    """All-reduce in the NICs: each rank's host stages its input and starts the collective on
+    its node (START_COLL); the nodes chain, store, multicast and repair among themselves."""
     n = config.nodes
     esize = ELEMENT_SIZE[config.dtype]
-    dtype = np.dtype(NUMPY_DTYPE[config.dtype])
-    nbytes = config.count * esize
-    in_addr, out_addr = 0, nbytes
     rng = np.random.default_rng(config.seed + 1)
     inputs = [_random_input(rng, config.count, config.dtype) for _ in range(n)]
-    memories = [attach(node.memory_file) for node in cluster.info.nodes]
-    for memory, data in zip(memories, inputs, strict=True):  # host stores into NIC memory
-        memory[in_addr : in_addr + nbytes] = data.view(np.uint8)
-    bounds = np.linspace(0, config.count, n + 1).astype(np.int64)  # block j = [bounds[j], bounds[j+1])
-    per_packet = max_elements(config.mtu, config.dtype, segments=n - 1)
-    endpoints = cluster.endpoints
-    chains: list[tuple[Endpoint, bytes]] = []
-    for j in range(n):
-        origin = (j + 1) % n
-        segments = tuple(endpoints[(origin + k) % n] for k in range(1, n))  # ends at the owner j
-        for first in range(int(bounds[j]), int(bounds[j + 1]), per_packet):
-            last = min(first + per_packet, int(bounds[j + 1]))
-            payload = inputs[origin][first:last].tobytes()
-            chains.append((segments[0], encode_packet(Packet(
-                Opcode.CHAIN_ADD, flags=Flags.ACK_REQ, seq=len(chains), coll_id=COLL_ID, epoch=1,
-                rkey=rkey, addr=in_addr + first * esize, aux_addr=out_addr + first * esize,
-                dtype=config.dtype, segments=segments, segments_left=len(segments) - 1,
-                length=len(payload), payload=payload,
-            ))))  # fmt: skip
-    io = _HostIO()
-    start = time.perf_counter()
-    acked = io.run_window(chains, config.timeout_s)
-    reduce_scatter_s = time.perf_counter() - start
-    gathers: list[tuple[Endpoint, bytes]] = []
-    for j in range(n):  # all-gather: each owner's reduced block to every other member
-        for first in range(int(bounds[j]), int(bounds[j + 1]), per_packet):
-            last = min(first + per_packet, int(bounds[j + 1]))
-            a = out_addr + first * esize
-            payload = memories[j][a : a + (last - first) * esize].tobytes()
-            for member in range(n):
-                if member != j:
-                    gathers.append((endpoints[member], encode_packet(Packet(
-                        Opcode.ALL_WRITE, flags=Flags.ACK_REQ, seq=len(gathers), rkey=rkey, addr=a,
-                        dtype=config.dtype, length=len(payload), payload=payload))))  # fmt: skip
-    acked += io.run_window(gathers, config.timeout_s)
-    seconds = time.perf_counter() - start
-    io.close()
-    expected = np.empty(config.count, dtype)
-    for j in range(n):
-        order = [(j + 1 + k) % n for k in range(n)]  # originator first, owner last
-        lo, hi = int(bounds[j]), int(bounds[j + 1])
-        expected[lo:hi] = _chain_reference([inputs[r][lo:hi] for r in order])
-    results = [bytes(m[out_addr : out_addr + nbytes]) for m in memories]
-    identical = all(r == results[0] for r in results)
-    exact = results[0] == expected.tobytes()
-    # What the same all-reduce would cost on 100G NetDAM cards (fpga_model), beside our time.
-    model_s = estimate_allreduce_seconds(n, nbytes, link_gbps=100.0, dtype_bytes=esize)
+    groups = [ProcessGroup(cluster.info, rank) for rank in range(n)]
+    try:
+        buffers = [x.copy() for x in inputs]
+        start = time.perf_counter()
+        works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups, strict=True)]
+        for work in works:
+            assert work is not None
+            work.wait()
+        seconds = time.perf_counter() - start
+        stats = [work.stats for work in works if work is not None]
+    finally:
+        for group in groups:
+            group.close()
+    expected = reference_chain_allreduce(inputs, ReduceOp.SUM)
+    identical = all(b.tobytes() == buffers[0].tobytes() for b in buffers)
+    exact = buffers[0].tobytes() == expected.tobytes()
+    nbytes = config.count * esize
     return {
-        "ok": identical and exact and acked == len(chains) + len(gathers),
+        "ok": identical and exact,
         "ranks_identical": identical,
         "equals_reference": exact,
-        "packets": len(chains) + len(gathers),
-        "acked": acked,
-        "elements_per_packet": per_packet,
+        "elements_per_packet": max_elements(config.mtu, config.dtype, segments=n - 1),
         "seconds": seconds,
-        "reduce_scatter_seconds": reduce_scatter_s,
-        "model_seconds_100g": model_s,
+        "retransmits": sum(s.get("retransmits", 0) for s in stats),
+        # What the same all-reduce would cost on 100G NetDAM cards (fpga_model), beside our time.
+        "model_seconds_100g": estimate_allreduce_seconds(n, nbytes, link_gbps=100.0, dtype_bytes=esize),
     }
-
-
-class _HostIO:
-    """The host side of the demo: batched sends (GSO where possible) and ACK collection."""
-
-    def __init__(self) -> None:
-        self.sock = open_udp_socket(("127.0.0.1", 0))
-        self.scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
-        self.state = np.zeros(STATE_LEN, np.int64)
-        self.rx = np.zeros(8 << 20, np.uint8)
-        self.rx_off = np.zeros(1024, np.int64)
-        self.rx_len = np.zeros(1024, np.int32)
-        self.rx_src = np.zeros(1024, np.uint64)
-
-    def run_window(self, packets: list[tuple[Endpoint, bytes]], timeout_s: float) -> int:
-        """Send every packet keeping at most WINDOW unacknowledged; return the ACKs counted."""
-        acked = sent = 0
-        deadline = time.monotonic() + timeout_s
-        while acked < len(packets) and time.monotonic() < deadline:
-            burst = packets[sent : sent + max(0, WINDOW - (sent - acked))]
-            if burst:
-                self._send(burst)
-                sent += len(burst)
-            got = int(_recv_batch(self.sock.fileno(), self.rx, self.rx_off, self.rx_len, self.rx_src,
-                                  1024, 50, self.state))  # fmt: skip
-            for k in range(got):
-                if self.rx[self.rx_off[k] + 1] == Opcode.ACK:
-                    acked += 1
-        return acked
-
-    def _send(self, packets: list[tuple[Endpoint, bytes]]) -> None:
-        lens = np.array([len(d) for _, d in packets], np.int32)
-        offs = np.zeros(len(packets), np.int64)
-        offs[1:] = np.cumsum(lens[:-1])
-        buf = np.frombuffer(b"".join(d for _, d in packets), np.uint8).copy()
-        dsts = np.array([endpoint_to_u64(ep) for ep, _ in packets], np.uint64)
-        done = 0
-        while done < len(packets):
-            done += int(_send_batch(self.sock.fileno(), buf, offs[done:], lens[done:], dsts[done:],
-                                    len(packets) - done, self.scratch, self.state))  # fmt: skip
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _random_input(rng: np.random.Generator, count: int, dtype: DType) -> np.ndarray:
@@ -258,11 +172,3 @@ def _random_input(rng: np.random.Generator, count: int, dtype: DType) -> np.ndar
     if np_dtype.kind == "f":
         return rng.standard_normal(count).astype(np_dtype)
     return rng.integers(-1000, 1000, count).astype(np_dtype)
-
-
-def _chain_reference(blocks: list[np.ndarray]) -> np.ndarray:
-    """Sum in chain order with rounding after every hop, as the NICs do."""
-    acc = blocks[0].copy()
-    for block in blocks[1:]:
-        acc = np.asarray(acc + block, dtype=acc.dtype)
-    return np.asarray(acc)
