@@ -64,8 +64,10 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "join": dict(opcode=Opcode.JOIN, rkey=ADMIN, txn_id=112, addr=GROUP_ADDR, length=0),
     "leave": dict(opcode=Opcode.LEAVE, rkey=ADMIN, txn_id=113, addr=GROUP_ADDR, length=0),
     "start_coll": dict(opcode=Opcode.START_COLL, rkey=ADMIN, txn_id=114, coll_id=10, epoch=1,
-                       addr=0x1_0000, aux_addr=0x2_0000, dtype=DType.F32, segments=RING,
-                       segments_left=0, length=0, payload=b""),
+                       addr=0, aux_addr=0, dtype=DType.F32, segments=RING, segments_left=0,
+                       length=64, payload=struct.pack("<BBHIQQQIIQQII", 0, 0, 0, 0, 1 << 20, 0x10000,
+                                                      0x10000, 0x5EED0001, 0, (0xEF4D0001 << 16) | 7744,
+                                                      0, 10_000, 0)),
     "counters": dict(opcode=Opcode.COUNTERS, rkey=ADMIN, txn_id=115, length=0, payload=b""),
 }  # fmt: skip
 
