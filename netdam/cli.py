@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "netdam.cli_decode",
     "netdam.cli_model",
     "netdam.cli_bench",
+    "netdam.cli_pool",
 )
 
 

@@ -134,6 +134,13 @@ def run_datapath(args: argparse.Namespace) -> int:
 
 
 #: Benchmarks under `netdam bench`, in the order --help lists them.
+def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from netdam.bench_pool import register_pool_bench
+
+    register_pool_bench(benches)
+
+
 _BENCHMARKS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]
     register_datapath,
+    register_pool,
 )

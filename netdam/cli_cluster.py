@@ -86,6 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU)
     up.add_argument("--cluster", type=Path, default=None, help="where to write the cluster file")
     up.add_argument("--detach", action="store_true", help="start, print, return")
+    up.add_argument("--switch", action="store_true",
+                    help="also start the pool switch (its VIP goes into the cluster file)")  # fmt: skip
     up.add_argument("--json", action="store_true")
     add_fault_args(up)
     up.set_defaults(func=run_up)
@@ -128,12 +130,16 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         cluster = start_cluster(args.nodes, memory=args.memory, base_port=args.base_port,
                                 shm_dir=args.shm_dir, mtu=args.mtu, cluster_path=args.cluster,
-                                faults=faults_from(args), detach=args.detach)  # fmt: skip
+                                faults=faults_from(args), detach=args.detach,
+                                switch=args.switch)  # fmt: skip
     except (ValueError, ClusterStartError) as exc:
         code = ExitCode.USAGE if isinstance(exc, ValueError) else ExitCode.RUN_FAILED
         raise CommandError(str(exc), code) from None
-    summary = {"ok": True, "cluster": str(cluster.path), "nodes": len(cluster.processes),
-               "startup_seconds": cluster.startup_seconds, "detached": args.detach}  # fmt: skip
+    summary: dict[str, object] = {"ok": True, "cluster": str(cluster.path), "nodes": len(cluster.processes),
+                                  "startup_seconds": cluster.startup_seconds, "detached": args.detach}  # fmt: skip
+    if cluster.switch is not None:
+        vip = cluster.switch.vip
+        summary["vip"] = f"{vip[0]}:{vip[1]}"
     emit(summary, args.json, text=str(cluster.path))
     sys.stdout.flush()
     if args.detach:
@@ -150,7 +156,8 @@ def run_up(args: argparse.Namespace) -> int:
     dead = None
     try:
         while not stopping and dead is None:
-            dead = next((p for p in cluster.processes if p.poll() is not None), None)
+            procs = cluster.processes + ([cluster.switch.process] if cluster.switch is not None else [])
+            dead = next((p for p in procs if p.poll() is not None), None)
             time.sleep(0.1)
     finally:
         cluster.stop()

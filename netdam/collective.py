@@ -44,6 +44,7 @@ assert DESCRIPTOR.size == 64
 DEFAULT_TIMEOUT_MS = 10_000
 #: Credit window bounds, chunks in flight per originator.
 MIN_WINDOW, MAX_WINDOW, DEFAULT_WINDOW = 4, 128, 32
+TOTAL_IN_FLIGHT = 512
 INITIAL_RTO_S = 0.2
 
 
@@ -185,6 +186,9 @@ class CollectiveEngine:
             # Credit window: every node may hold N originators' windows in its receive queue;
             # keep that under half the granted buffer (SPEC.md "Flow control").
             window = DEFAULT_WINDOW if rcvbuf <= 0 else rcvbuf // (2 * max(world, 1) * packet_bytes)
+            # ...and all originators together keep at most TOTAL_IN_FLIGHT chains out: more only
+            # lengthens the queues (and RTTs) without adding throughput.
+            window = min(window, TOTAL_IN_FLIGHT // max(world, 1))
         cfg[L.CFG_WINDOW] = min(max(window, MIN_WINDOW), MAX_WINDOW)
         values = {
             L.CFG_COLL: packet.coll_id, L.CFG_EPOCH: packet.epoch, L.CFG_RANK: rank,

@@ -19,6 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from netdam.cluster import ClusterFile, NodeEntry, load_cluster, write_cluster
 from netdam.faults import FaultSpec
@@ -42,6 +43,8 @@ class LocalCluster:
     path: Path
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     startup_seconds: float = 0.0
+    #: The pool switch (netdam.switch.launch.SwitchHandle) when started with switch=True.
+    switch: Any = None
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -49,6 +52,8 @@ class LocalCluster:
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM every node, wait, SIGKILL stragglers, remove memory files and the cluster file."""
+        if self.switch is not None:
+            self.switch.stop()
         stop_pids([p.pid for p in self.processes], timeout, processes=self.processes)
         for node in self.info.nodes:
             if node.memory_file:
@@ -87,7 +92,21 @@ def node_command(
     return cmd
 
 
-def start_cluster(
+def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:  # type: ignore[misc]
+    """Start *nodes* node processes, wait until all are ready, write the cluster file.
+
+    Free ports are probed then released, so another program may take one first: then the whole
+    start is retried on fresh ports (unless the caller fixed --base-port)."""
+    for attempt in range(3):
+        try:
+            return _start_cluster(nodes, **kwargs)  # type: ignore[arg-type]
+        except ClusterStartError as exc:
+            if "Address already in use" not in str(exc) or kwargs.get("base_port") or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_cluster(
     nodes: int,
     *,
     memory: int = 64 << 20,
@@ -99,8 +118,10 @@ def start_cluster(
     faults: FaultSpec | None = None,
     detach: bool = False,
     extra_members: tuple[Endpoint, ...] = (),
+    switch: bool = False,
+    switch_faults: str = "",
+    switch_seed: int = 0,
 ) -> LocalCluster:
-    """Start *nodes* node processes, wait until all are ready, write the cluster file."""
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
     name = f"netdam-{os.getpid()}-{secrets.token_hex(3)}"
@@ -108,6 +129,12 @@ def start_cluster(
     endpoints = [(address, base + rank) for rank in range(nodes)]
     admin_key = secrets.randbits(32) | 1
     faults = faults or FaultSpec()
+    vip = None
+    if switch:
+        from netdam.switch.launch import pick_vip
+
+        vip = pick_vip(address)  # nodes must trust the switch's return segments (SPEC 3.1)
+        extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
     start = time.monotonic()
     procs: list[subprocess.Popen[bytes]] = []
@@ -140,7 +167,16 @@ def start_cluster(
     )  # fmt: skip
     path = cluster_path or Path.cwd() / f"{name}.toml"
     write_cluster(info, path)
-    return LocalCluster(info, path, procs, time.monotonic() - start)
+    cluster = LocalCluster(info, path, procs, time.monotonic() - start)
+    if vip is not None:
+        from netdam.switch.launch import start_switch
+
+        try:
+            cluster.switch = start_switch(cluster, vip, faults=switch_faults, seed=switch_seed, detach=detach)
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
 
 
 def _free_port_block(address: str, count: int) -> int:
@@ -249,6 +285,9 @@ def _alive(pid: int, proc: subprocess.Popen[bytes] | None) -> bool:
 def stop_cluster_file(path: Path, timeout: float = 5.0) -> ClusterFile:
     """``netdam down``: stop the nodes a cluster file lists and remove their files."""
     info = load_cluster(path)
+    from netdam.switch.launch import stop_switch_from_file
+
+    stop_switch_from_file(path, timeout)
     stop_pids([n.pid for n in info.nodes if n.pid], timeout)
     for node in info.nodes:
         if node.memory_file:

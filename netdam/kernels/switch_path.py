@@ -1,0 +1,564 @@
+"""The switch's fast path: one numba call translates, rewrites and replicates a batch.
+
+Per datagram (switch/SPEC_SWITCH.md is the contract):
+
+1. ``datapath._check_packet`` (the node's structural checks, same order, same statuses);
+2. replies, control opcodes and PING are *punted* to ``SwitchCore`` (Python);
+3. ALL_WRITE with flag MCAST is replicated to the members of the group named by ``aux_addr``
+   (``ip << 16 | port``, as JOIN names groups); ``addr`` and ``rkey`` stay node-local;
+4. every other data opcode is a pool request: the global ``addr`` is looked up in the sorted
+   region table (``np.searchsorted``), the rkey, rights, bounds, alignment and the stride
+   boundary are checked (NO_ROUTE, BAD_RKEY, NO_RIGHTS, OUT_OF_BOUNDS, MISALIGNED, SPANS_NODES),
+   and the packet is copied to the send queue with ``addr`` rewritten to the node-local address;
+5. every forwarded copy gets the client's IP:port in the return segment (unless a cluster node
+   sent it with a return segment already set), flag RELAYED, and a client id derived from the
+   client's endpoint when the client left it 0. The switch keeps no per-request state.
+
+Fault injection per link (port) and direction: seeded drop, duplicate, reorder, delay and "drop
+the k-th packet of opcode X", decided by ``fault_hash._fault_hash`` (BRIEF section 7).
+
+Like ``datapath``, nothing here checks its *arguments*: ``netdam.switch.core.SwitchCore`` owns
+and sizes every array. Packet contents are untrusted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from netdam import counters as C
+from netdam.kernels.datapath import (
+    _ESIZE,
+    _IS_REPLY,
+    _PUNTED_OPS,
+    _SLOT,
+    DROP_SILENTLY,
+    PUNT,
+    _check_packet,
+    _emit_nack,
+    _rd16,
+    _rd32,
+    _rd64,
+    _wr16,
+    _wr32,
+)
+from netdam.kernels.fault_hash import (
+    _SALT_DELAY,
+    _SALT_DROP,
+    _SALT_DUP,
+    _SALT_REORDER,
+    _fault_hash,
+    _mix,
+    _packet_id,
+)
+from netdam.kernels.rx_faults import _attempt
+from netdam.protocol.constants import Flags, Opcode, Rights, Status
+
+_HDR = 64
+_F_MCAST = int(Flags.MCAST)
+_F_RELAYED = int(Flags.RELAYED)
+_R_READ = int(Rights.READ)
+_R_WRITE = int(Rights.WRITE)
+_R_ATOMIC = int(Rights.ATOMIC)
+_OP_READ = int(Opcode.READ)
+_OP_WRITE = int(Opcode.WRITE)
+_OP_ADD = int(Opcode.ADD)
+_OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
+_OP_ALL_WRITE = int(Opcode.ALL_WRITE)
+_OP_FETCH_ADD = int(Opcode.FETCH_ADD)
+_OP_CAS = int(Opcode.CAS)
+_S_BAD_FIELD = int(Status.BAD_FIELD)
+_S_BAD_RKEY = int(Status.BAD_RKEY)
+_S_NO_RIGHTS = int(Status.NO_RIGHTS)
+_S_OUT_OF_BOUNDS = int(Status.OUT_OF_BOUNDS)
+_S_MISALIGNED = int(Status.MISALIGNED)
+_S_SPANS_NODES = int(Status.SPANS_NODES)
+_S_NO_ROUTE = int(Status.NO_ROUTE)
+#: Salt of the client-id hash (a client that left client_id 0 gets a stable id per endpoint).
+_SALT_CLIENT = 0x5EC0DE5A17C11E47
+#: Salt separating the transmit direction's attempt counts from the receive direction's.
+_SALT_TX = 0x7A3B9C1D5E2F4A61
+
+# ---- switch counters (``sw``): switch/SPEC_SWITCH.md "COUNTERS at the switch"
+SW_FORWARDED = 0  # pool requests translated and forwarded to a node
+SW_REPLICATED = 1  # multicast copies sent to group members
+SW_IDS_FILLED = 2  # requests whose client id 0 the switch filled
+SW_MAP_GENERATION = 3  # gauge: generation of the address map in use
+SW_REGIONS = 4  # gauge
+SW_GROUPS = 5  # gauge
+SW_NODES = 6  # gauge
+SW_KTH_DROPS = 7  # packets dropped by a "k-th packet of opcode X" rule
+SW_LEN = 16
+
+# ---- per-port counters (``port_ctr[port, k]``); port 0 = client side, port 1 + rank = node
+P_RX_PACKETS = 0
+P_RX_BYTES = 1
+P_TX_PACKETS = 2  # queued for this port
+P_TX_BYTES = 3
+P_FAULT_DROPS_RX = 4
+P_FAULT_DROPS_TX = 5
+P_FAULT_DUPS = 6
+P_FAULT_HELD = 7  # reordered or delayed
+PORT_FIELDS = 8
+
+# ---- per-region counters (``reg_ctr[region, k]``)
+R_FORWARDED = 0
+R_BYTES = 1  # operand bytes of forwarded requests
+R_READS = 2
+R_WRITES = 3  # WRITE, ADD, ALL_WRITE
+R_ATOMICS = 4  # FETCH_ADD, CAS
+R_NACKS = 5  # requests refused by the switch that named this region
+R_SPANS = 6  # ... of which SPANS_NODES
+REGION_FIELDS = 8
+
+# ---- fault configuration ``fcfg[port, direction, k]`` (float64); direction 0 rx, 1 tx
+F_ACTIVE, F_LOSS, F_DUP, F_REORDER, F_DELAY, F_DELAY_S, F_KTH_OP, F_KTH_K = range(8)
+FAULT_FIELDS = 8
+DIR_RX = 0
+DIR_TX = 1
+# ``fstate`` (int64): [rx faults configured, tx faults configured, held rx, held tx]
+FS_RX_ACTIVE, FS_TX_ACTIVE, FS_HELD_RX, FS_HELD_TX = 0, 1, 2, 3
+FSTATE_LEN = 4
+# ``fclock`` (float64): [now seconds, batch generation]
+
+# ``cfg`` (uint64): [vip endpoint, fan-out bound (largest group, at least 1)]
+CFG_VIP, CFG_FANOUT = 0, 1
+CFG_LEN = 4
+
+
+@njit(cache=True, nogil=True)
+def _port_of(node_sorted, node_port, ep):  # type: ignore[no-untyped-def]
+    """Port of endpoint *ep*: 1 + rank for a cluster node, 0 for everything else (clients)."""
+    i = np.searchsorted(node_sorted, ep)
+    if i < node_sorted.shape[0] and node_sorted[i] == ep:
+        return node_port[i]
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _client_id_of(src):  # type: ignore[no-untyped-def]
+    """A stable non-zero client id for endpoint *src* (same socket, same id: retries dedup)."""
+    h = _mix(np.uint64(src) ^ np.uint64(_SALT_CLIENT)) & np.uint64(0xFFFFFFFF)
+    if h == 0:
+        h = np.uint64(1)
+    return np.int64(h)
+
+
+@njit(cache=True, nogil=True)
+def _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):  # type: ignore[no-untyped-def]
+    tx_n = _emit_nack(b, src, node_sorted, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    port = _port_of(node_sorted, node_port, tx_dst[tx_n - 1])
+    port_ctr[port, P_TX_PACKETS] += 1
+    port_ctr[port, P_TX_BYTES] += tx_len[tx_n - 1]
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """Queue a copy of b[:ln] to *dst* with the return segment, RELAYED and client id written."""
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    t[:ln] = b[:ln]
+    ret_set = _rd32(b, 56) != 0 or _rd16(b, 60) != 0
+    if not (from_node and ret_set):
+        # A client's return segment is always replaced: replies never go to a third party.
+        _wr32(t, 56, np.int64(src >> np.uint64(16)))
+        _wr16(t, 60, np.int64(src & np.uint64(0xFFFF)))
+    _wr16(t, 2, _rd16(b, 2) | _F_RELAYED)
+    if _rd32(b, 8) == 0:
+        _wr32(t, 8, _client_id_of(src))
+        sw[SW_IDS_FILLED] += 1
+    tx_len[tx_n] = ln
+    tx_off[tx_n + 1] = tx_off[tx_n] + ln
+    tx_dst[tx_n] = dst
+    port_ctr[dst_port, P_TX_PACKETS] += 1
+    port_ctr[dst_port, P_TX_BYTES] += ln
+    return tx_n + 1
+
+
+@njit(cache=True, nogil=True)
+def _switch_batch(  # type: ignore[no-untyped-def]
+    rx_buf, rx_off, rx_len, rx_src, n, max_len,
+    cfg, nodes_ep, node_sorted, node_port,
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
+    grp_key, grp_first, grp_count, grp_member,
+    counters, sw, port_ctr, reg_ctr,
+    tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
+):  # fmt: skip
+    """Translate/replicate datagrams rx[0:n] into the send queue from tx_n; (tx_n, n_punt)."""
+    n_punt = 0
+    cap = tx_len.shape[0]
+    fanout = np.int64(cfg[CFG_FANOUT])
+    for i in range(n):
+        ln = np.int64(rx_len[i])
+        off = rx_off[i]
+        src = rx_src[i]
+        port = _port_of(node_sorted, node_port, src)
+        from_node = port != 0
+        counters[C.RX_PACKETS] += 1
+        counters[C.RX_BYTES] += ln
+        port_ctr[port, P_RX_PACKETS] += 1
+        port_ctr[port, P_RX_BYTES] += ln
+        if off < 0 or off + ln > rx_buf.shape[0] or ln > max_len:
+            counters[C.DROP_OVERSIZE] += 1
+            continue
+        b = rx_buf[off : off + ln]
+        if tx_n + fanout > cap or tx_off[tx_n] + fanout * _SLOT > tx_buf.shape[0]:
+            counters[C.DROP_TX_FULL] += 1
+            continue
+        status = _check_packet(b, ln)
+        op = np.int64(b[1]) if ln > 1 else 0
+        if status == DROP_SILENTLY:
+            counters[C.DROP_TRUNCATED] += 1
+            continue
+        if status == PUNT:
+            status = _S_BAD_FIELD  # v1 switches do not relay sparse payloads
+        if status != 0:
+            if op < 64 and _IS_REPLY[op] == 1:
+                counters[C.DROP_BAD_REPLY] += 1
+                continue
+            tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
+        counters[C.OPCODE_BASE + op] += 1
+        if _PUNTED_OPS[op] == 1:
+            punt[n_punt] = i
+            n_punt += 1
+            counters[C.PUNTED] += 1
+            continue
+        if op == _OP_CHAIN_ADD:
+            # SR chains name their nodes themselves: send them to the first hop, not the VIP.
+            tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
+        flags = _rd16(b, 2)
+        if flags & _F_MCAST:
+            if op != _OP_ALL_WRITE:
+                tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+                continue
+            group = _rd64(b, 40)
+            g = np.searchsorted(grp_key, group)
+            if g >= grp_key.shape[0] or grp_key[g] != group:
+                tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+                continue
+            first = grp_first[g]
+            for k in range(grp_count[g]):
+                member = grp_member[first + k]
+                if member == src:
+                    continue  # a sender never gets its own copy (IP multicast loopback off)
+                mport = _port_of(node_sorted, node_port, member)
+                tx_n = _emit_copy(b, ln, src, from_node, member, mport, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                sw[SW_REPLICATED] += 1
+            continue
+        # A pool request: global address -> (node, local address).
+        addr = _rd64(b, 32)
+        length = _rd32(b, 28)
+        dtype = np.int64(b[48])
+        if op == _OP_READ:
+            need, align = _R_READ, _ESIZE[dtype]
+        elif op == _OP_FETCH_ADD or op == _OP_CAS:
+            need, align = _R_ATOMIC, 8
+        else:
+            need, align = _R_WRITE, _ESIZE[dtype]
+        status, r, node, local = _lookup(
+            addr, length, _rd32(b, 24), need, align, reg_base, reg_end, reg_rkey, reg_rights,
+            reg_stride, reg_ways, reg_way0, way_node, way_local,
+        )  # fmt: skip
+        if status != 0:
+            if r >= 0:
+                reg_ctr[r, R_NACKS] += 1
+                if status == _S_SPANS_NODES:
+                    reg_ctr[r, R_SPANS] += 1
+            tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
+        t0 = tx_n
+        tx_n = _emit_copy(b, ln, src, from_node, nodes_ep[node], node + 1, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        t = tx_buf[tx_off[t0] : tx_off[t0] + _HDR]
+        _wr32(t, 32, (local >> 32) & 0xFFFFFFFF)
+        _wr32(t, 36, local & 0xFFFFFFFF)
+        sw[SW_FORWARDED] += 1
+        reg_ctr[r, R_FORWARDED] += 1
+        reg_ctr[r, R_BYTES] += length
+        if op == _OP_READ:
+            reg_ctr[r, R_READS] += 1
+        elif need == _R_ATOMIC:
+            reg_ctr[r, R_ATOMICS] += 1
+        else:
+            reg_ctr[r, R_WRITES] += 1
+    return tx_n, n_punt
+
+
+# ---------------------------------------------------------------- fault injection
+
+
+@njit(cache=True, nogil=True)
+def _decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):  # type: ignore[no-untyped-def]
+    """(drop, kth_drop, copies, held, release_delay) for one packet on one link direction."""
+    kth_k = np.int64(fcfg[port, direction, F_KTH_K])
+    if op < 64:
+        kctr[port, direction, op] += 1
+        if kth_k > 0 and op == np.int64(fcfg[port, direction, F_KTH_OP]) and kctr[port, direction, op] == kth_k:
+            return True, True, 0, False, 0.0
+    if fcfg[port, direction, F_ACTIVE] == 0.0:
+        return False, False, 1, False, 0.0
+    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_DROP)) < fcfg[port, direction, F_LOSS]:
+        return True, False, 0, False, 0.0
+    copies = 1
+    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_DUP)) < fcfg[port, direction, F_DUP]:
+        copies = 2
+    held = False
+    delay = 0.0
+    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_REORDER)) < fcfg[port, direction, F_REORDER]:
+        held = True
+    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_DELAY)) < fcfg[port, direction, F_DELAY]:
+        held = True
+        delay = fcfg[port, direction, F_DELAY_S]
+    return False, False, copies, held, delay
+
+
+@njit(cache=True, nogil=True)
+def _hold(data, ln, ep, direction, release, gen, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen):  # type: ignore[no-untyped-def]
+    if ln > hold_buf.shape[1]:
+        return False
+    for h in range(hold_len.shape[0]):
+        if hold_len[h] == 0:
+            hold_buf[h, :ln] = data[:ln]
+            hold_len[h] = ln
+            hold_ep[h] = ep
+            hold_dir[h] = direction
+            hold_time[h] = release
+            hold_gen[h] = gen
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _rx_faults(  # type: ignore[no-untyped-def]
+    rx_buf, rx_off, rx_len, rx_src, n, node_sorted, node_port, cfg,
+    counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
+    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
+):  # fmt: skip
+    """Receive direction: rewrite rx[0:n] in place; released held datagrams are copied after
+    the batch's data. rx arrays need room for 2n + held entries."""
+    seed = fkeys[0]
+    vip = cfg[CFG_VIP]
+    now = fclock[0]
+    gen = np.int64(fclock[1])
+    m_cap = 2 * n + hold_len.shape[0]
+    out_off = np.empty(m_cap, np.int64)
+    out_len = np.empty(m_cap, np.int32)
+    out_src = np.empty(m_cap, np.uint64)
+    m = 0
+    end = 0
+    for i in range(n):
+        off = rx_off[i]
+        ln = np.int64(rx_len[i])
+        src = rx_src[i]
+        end = max(end, off + ln)
+        port = _port_of(node_sorted, node_port, src)
+        b = rx_buf[off : off + ln]
+        pid = _packet_id(b, ln)
+        attempt = _attempt(ftab_key, ftab_count, _mix(src ^ _mix(pid)) | np.uint64(1))
+        op = np.int64(b[1]) if ln > 1 else 64
+        drop, kth, copies, held, delay = _decide(fcfg, port, DIR_RX, seed, src, vip, pid, attempt, op, kctr)
+        if drop:
+            counters[C.DROP_FAULT] += 1
+            port_ctr[port, P_FAULT_DROPS_RX] += 1
+            if kth:
+                sw[SW_KTH_DROPS] += 1
+            continue
+        if copies > 1:
+            port_ctr[port, P_FAULT_DUPS] += 1
+        if held and _hold(b, ln, src, DIR_RX, now + delay, gen, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen):
+            copies -= 1
+            fstate[FS_HELD_RX] += 1
+            port_ctr[port, P_FAULT_HELD] += 1
+        for _ in range(copies):
+            out_off[m] = off
+            out_len[m] = ln
+            out_src[m] = src
+            m += 1
+    if fstate[FS_HELD_RX] > 0:
+        for h in range(hold_len.shape[0]):
+            ln = np.int64(hold_len[h])
+            if ln == 0 or hold_dir[h] != DIR_RX or hold_gen[h] >= gen or hold_time[h] > now:
+                continue
+            if end + ln > rx_buf.shape[0] or m >= m_cap:
+                break
+            rx_buf[end : end + ln] = hold_buf[h, :ln]
+            out_off[m] = end
+            out_len[m] = ln
+            out_src[m] = hold_ep[h]
+            m += 1
+            end += ln
+            hold_len[h] = 0
+            fstate[FS_HELD_RX] -= 1
+    m = min(m, rx_off.shape[0])
+    rx_off[:m] = out_off[:m]
+    rx_len[:m] = out_len[:m]
+    rx_src[:m] = out_src[:m]
+    return m
+
+
+@njit(cache=True, nogil=True)
+def _tx_faults(  # type: ignore[no-untyped-def]
+    start, tx_n, node_sorted, node_port, cfg,
+    counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
+    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
+    tx_buf, tx_off, tx_len, tx_dst,
+):  # fmt: skip
+    """Transmit direction: re-queue datagrams [start, tx_n) as the faults decide, then append
+    held datagrams that are due. Returns the new tx_n."""
+    seed = fkeys[0]
+    vip = cfg[CFG_VIP]
+    now = fclock[0]
+    gen = np.int64(fclock[1])
+    count = tx_n - start
+    base = tx_off[start]
+    total = tx_off[tx_n] - base
+    stage = np.empty(max(total, 1), np.uint8)
+    stage[:total] = tx_buf[base : base + total]
+    s_off = np.empty(max(count, 1), np.int64)
+    s_len = np.empty(max(count, 1), np.int64)
+    s_dst = np.empty(max(count, 1), np.uint64)
+    for k in range(count):
+        s_off[k] = tx_off[start + k] - base
+        s_len[k] = tx_len[start + k]
+        s_dst[k] = tx_dst[start + k]
+    cap = tx_len.shape[0]
+    q = start
+    for k in range(count):
+        ln = s_len[k]
+        dst = s_dst[k]
+        d = stage[s_off[k] : s_off[k] + ln]
+        port = _port_of(node_sorted, node_port, dst)
+        pid = _packet_id(d, ln)
+        attempt = _attempt(ftab_key, ftab_count, _mix(dst ^ _mix(pid ^ np.uint64(_SALT_TX))) | np.uint64(1))
+        op = np.int64(d[1]) if ln > 1 else 64
+        drop, kth, copies, held, delay = _decide(fcfg, port, DIR_TX, seed, vip, dst, pid, attempt, op, kctr)
+        if drop:
+            counters[C.DROP_FAULT] += 1
+            port_ctr[port, P_FAULT_DROPS_TX] += 1
+            if kth:
+                sw[SW_KTH_DROPS] += 1
+            continue
+        if copies > 1:
+            port_ctr[port, P_FAULT_DUPS] += 1
+        if held and _hold(d, ln, dst, DIR_TX, now + delay, gen, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen):
+            copies -= 1
+            fstate[FS_HELD_TX] += 1
+            port_ctr[port, P_FAULT_HELD] += 1
+        for _ in range(copies):
+            if q >= cap or tx_off[q] + ln > tx_buf.shape[0]:
+                counters[C.DROP_TX_FULL] += 1
+                break
+            tx_buf[tx_off[q] : tx_off[q] + ln] = d
+            tx_len[q] = ln
+            tx_dst[q] = dst
+            tx_off[q + 1] = tx_off[q] + ln
+            q += 1
+    if fstate[FS_HELD_TX] > 0:
+        for h in range(hold_len.shape[0]):
+            ln = np.int64(hold_len[h])
+            if ln == 0 or hold_dir[h] != DIR_TX or hold_gen[h] >= gen or hold_time[h] > now:
+                continue
+            if q >= cap or tx_off[q] + ln > tx_buf.shape[0]:
+                break
+            tx_buf[tx_off[q] : tx_off[q] + ln] = hold_buf[h, :ln]
+            tx_len[q] = ln
+            tx_dst[q] = hold_ep[h]
+            tx_off[q + 1] = tx_off[q] + ln
+            q += 1
+            hold_len[h] = 0
+            fstate[FS_HELD_TX] -= 1
+    return q
+
+
+@njit(cache=True, nogil=True)
+def _switch_round(  # type: ignore[no-untyped-def]
+    rx_buf, rx_off, rx_len, rx_src, n, max_len,
+    cfg, nodes_ep, node_sorted, node_port,
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
+    grp_key, grp_first, grp_count, grp_member,
+    counters, sw, port_ctr, reg_ctr,
+    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
+    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
+    tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
+):  # fmt: skip
+    """Receive faults, translation/replication, transmit faults: one batch. (tx_n, n_punt).
+
+    With receive faults configured (or datagrams held), the rx arrays need room for 2n + held
+    entries and rx_buf room after the data for released copies."""
+    if fstate[FS_RX_ACTIVE] != 0 or fstate[FS_HELD_RX] > 0:
+        n = _rx_faults(rx_buf, rx_off, rx_len, rx_src, n, node_sorted, node_port, cfg,
+                       counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count,
+                       kctr, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen)  # fmt: skip
+    start = tx_n
+    tx_n, n_punt = _switch_batch(
+        rx_buf, rx_off, rx_len, rx_src, n, max_len,
+        cfg, nodes_ep, node_sorted, node_port,
+        reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
+        grp_key, grp_first, grp_count, grp_member,
+        counters, sw, port_ctr, reg_ctr,
+        tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
+    )  # fmt: skip
+    if fstate[FS_TX_ACTIVE] != 0 or fstate[FS_HELD_TX] > 0:
+        tx_n = _tx_faults(start, tx_n, node_sorted, node_port, cfg,
+                          counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count,
+                          kctr, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
+                          tx_buf, tx_off, tx_len, tx_dst)  # fmt: skip
+    fclock[1] += 1.0
+    return tx_n, n_punt
+
+
+@njit(cache=True, nogil=True)
+def _lookup(  # type: ignore[no-untyped-def]
+    addr, length, rkey, need, align,
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
+):  # fmt: skip
+    """(status, region, node, local) of a pool operand [addr, addr+length) under *rkey*.
+
+    Checks in order: mapped (NO_ROUTE), rkey of that region (BAD_RKEY), rights (NO_RIGHTS),
+    region end (OUT_OF_BOUNDS), alignment of the offset (MISALIGNED), stride boundary
+    (SPANS_NODES). region is -1 when unmapped; node and local are -1 on any failure."""
+    r = np.int64(np.searchsorted(reg_base, addr, side="right")) - 1
+    if r < 0 or r >= reg_base.shape[0] or addr >= reg_end[r]:
+        return _S_NO_ROUTE, np.int64(-1), np.int64(-1), np.int64(-1)
+    status = 0
+    offset = np.int64(addr - reg_base[r])
+    stride = reg_stride[r]
+    if np.int64(reg_rkey[r]) != rkey:
+        status = _S_BAD_RKEY
+    elif (np.int64(reg_rights[r]) & need) != need:
+        status = _S_NO_RIGHTS
+    elif np.int64(reg_end[r] - addr) < length:
+        status = _S_OUT_OF_BOUNDS
+    elif offset % align != 0:
+        status = _S_MISALIGNED
+    elif stride > 0 and offset // stride != (offset + length - 1) // stride:
+        status = _S_SPANS_NODES
+    if status != 0:
+        return status, r, np.int64(-1), np.int64(-1)
+    w0 = reg_way0[r]
+    if stride == 0:
+        way = w0
+        local = way_local[way] + offset
+    else:
+        stripe = offset // stride
+        way = w0 + stripe % reg_ways[r]
+        local = way_local[way] + (stripe // reg_ways[r]) * stride + offset % stride
+    return 0, r, np.int64(way_node[way]), np.int64(local)
+
+
+@njit(cache=True, nogil=True)
+def _translate_many(  # type: ignore[no-untyped-def]
+    addrs, lengths, rkeys, needs, aligns,
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
+    out_status, out_node, out_local,
+):  # fmt: skip
+    """_lookup over arrays (tests hold it to the Python reference in netdam.switch.addrmap)."""
+    for i in range(addrs.shape[0]):
+        status, r, node, local = _lookup(
+            addrs[i], lengths[i], rkeys[i], needs[i], aligns[i], reg_base, reg_end, reg_rkey,
+            reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
+        )  # fmt: skip
+        out_status[i] = status
+        out_node[i] = node
+        out_local[i] = local

@@ -1,0 +1,53 @@
+"""Command line of one switch process: ``netdam switch`` and ``python -m netdam.switch``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from netdam.cliutil import NetdamArgumentParser
+from netdam.protocol.constants import DEFAULT_MTU
+
+
+def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
+    from netdam.cli_cluster import endpoint_arg, mtu_arg
+
+    parser.add_argument("--cluster", type=Path, required=True, help="cluster file of the nodes (netdam up)")
+    parser.add_argument("--vip", type=endpoint_arg, required=True,
+                        help="virtual IP:PORT clients send to; the nodes must list it in --members")  # fmt: skip
+    parser.add_argument("--state", type=Path, default=None,
+                        help="pool state file (default: CLUSTER with suffix .pool.json)")  # fmt: skip
+    parser.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU, help="IP MTU (default 9000)")
+    parser.add_argument("--faults", default="",
+                        help="per-link faults, LINK:rx|tx:SPEC;... e.g. "
+                        "'node0:tx:loss=0.1,dup=0.05;client:rx:kth=FETCH_ADD@3'")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of every fault decision")
+    parser.add_argument("--die-with-parent", action="store_true", help="exit when the launcher dies")
+
+
+def run_switch(args: argparse.Namespace) -> int:
+    import sys
+
+    from netdam.cluster import load_cluster
+    from netdam.switch.faults import parse_faults
+    from netdam.switch.process import SwitchProcessConfig, main
+    from netdam.switch.state import state_path_for
+
+    try:
+        nodes = len(load_cluster(args.cluster).nodes)
+        faults = parse_faults(args.faults, nodes)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    config = SwitchProcessConfig(
+        vip=args.vip, cluster_file=args.cluster, state_file=args.state or state_path_for(args.cluster),
+        mtu=args.mtu, faults=faults, seed=args.seed, die_with_parent=args.die_with_parent,
+    )  # fmt: skip
+    return int(main(config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = NetdamArgumentParser(prog="python -m netdam.switch", description="Run one pool switch.")
+    add_switch_arguments(parser)
+    return run_switch(parser.parse_args(argv))

@@ -1,0 +1,220 @@
+"""The switch process: the VIP socket, the SwitchCore and its compiled serve loop.
+
+Mirrors netdam/nodeproc.py: Python runs only between compiled calls (punted control opcodes,
+reloading the address map when the state file changes, persisting JOIN/LEAVE, signals). A
+management port beside the VIP answers COUNTERS/PING/JOIN even while the VIP is flooded.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from netdam import counters as C
+from netdam.cluster import ClusterFile, load_cluster
+from netdam.kernels import switch_serve
+from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
+from netdam.node import SLOT_BYTES
+from netdam.nodeproc import die_with_parent
+from netdam.protocol.constants import DEFAULT_MTU
+from netdam.protocol.packet import Endpoint
+from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
+from netdam.switch.faults import LinkFaultSpec
+from netdam.switch.state import (
+    NodeHeap,
+    PoolState,
+    file_stamp,
+    load_state,
+    locked,
+    save_state,
+)
+from netdam.udp import granted_buffers, open_udp_socket
+
+ROUND_DATAGRAMS = 256
+RECV_RUNS = 32
+ROUNDS_PER_CALL = 256
+IDLE_WAIT_MS = 20
+#: How often the state file is checked for a new address map, seconds.
+RELOAD_CHECK_S = 0.02
+
+
+@dataclass
+class SwitchProcessConfig:
+    vip: Endpoint
+    cluster_file: Path
+    state_file: Path
+    mtu: int = DEFAULT_MTU
+    faults: list[tuple[int, int, LinkFaultSpec]] = field(default_factory=list)
+    seed: int = 0
+    rcvbuf: int = 64 << 20
+    die_with_parent: bool = False
+
+
+def initial_state(cluster: ClusterFile) -> PoolState:
+    """A fresh pool over every node's whole memory."""
+    return PoolState(nodes=[NodeHeap(n.address, n.port, n.memory_bytes, 0, n.memory_bytes) for n in cluster.nodes])
+
+
+def open_state(cluster: ClusterFile, path: Path) -> PoolState:
+    """Load the state file (creating it for a new pool); it must describe this cluster's nodes."""
+    with locked(path):
+        if file_stamp(path) is None:
+            state = initial_state(cluster)
+            save_state(path, state)
+            return state
+        state = load_state(path)
+    have = [n.endpoint for n in state.nodes]
+    want = [n.endpoint for n in cluster.nodes]
+    if have != want:
+        raise ValueError(f"pool state file {path} describes nodes {have}, but the cluster file names "
+                         f"{want}: pass the state file of this cluster (--state) or remove it")  # fmt: skip
+    return state
+
+
+class SwitchProcess:
+    def __init__(self, config: SwitchProcessConfig) -> None:
+        self.config = config
+        self.stop = False
+        cluster = load_cluster(config.cluster_file)
+        state = open_state(cluster, config.state_file)
+        try:
+            self.sock = open_udp_socket(config.vip, rcvbuf=config.rcvbuf)
+        except OSError as exc:
+            raise ValueError(f"cannot bind the VIP {config.vip[0]}:{config.vip[1]}: {exc.strerror}; "
+                             "pick another --vip port") from None  # fmt: skip
+        bound = self.sock.getsockname()
+        self.vip: Endpoint = (bound[0], bound[1])
+        self.ctrl_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.ctrl_sock.bind((bound[0], 0))
+        self.ctrl_sock.setblocking(False)
+        self.control_port = int(self.ctrl_sock.getsockname()[1])
+        self.core = SwitchCore(
+            SwitchConfig(vip=self.vip, nodes=tuple(cluster.endpoints), admin_key=cluster.admin_key,
+                         mtu=config.mtu, seed=config.seed, tx_slots=4 * ROUND_DATAGRAMS),
+            state.regions, state.generation,
+        )  # fmt: skip
+        self.core.set_groups(state.groups)
+        for port, direction, spec in config.faults:
+            self.core.set_link_faults(port, direction, spec)
+        self._stamp = file_stamp(config.state_file)
+        self._next_check = 0.0
+        rcv, snd = granted_buffers(self.sock)
+        self.core.counters[C.RCVBUF_BYTES] = rcv
+        self.core.counters[C.SNDBUF_BYTES] = snd
+        extra = 2 * ROUND_DATAGRAMS + HOLD_SLOTS
+        self.rx_buf = np.zeros(RECV_RUNS * RUN_BYTES + HOLD_SLOTS * SLOT_BYTES, np.uint8)
+        self.rx_off = np.zeros(extra, np.int64)
+        self.rx_len = np.zeros(extra, np.int32)
+        self.rx_src = np.zeros(extra, np.uint64)
+        self.punt = np.zeros(extra, np.int32)
+        self.io_state = np.zeros(STATE_LEN, np.int64)
+        self.scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
+
+    def serve_once(self, timeout_ms: int) -> int:
+        core = self.core
+        max_n = core.round_datagrams(ROUND_DATAGRAMS)
+        core.reserve(max_n)
+        reason, n_punt = switch_serve._switch_serve(
+            self.sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len,
+            self.rx_src, max_n, core.max_datagram, timeout_ms, self.io_state,
+            ROUNDS_PER_CALL, core.room_per_datagram(), *core.state_arrays(), core.tx_queue,
+            self.punt, self.scratch,
+        )  # fmt: skip
+        if n_punt:
+            core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
+        self._serve_control()
+        self._handle_events()
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + RELOAD_CHECK_S
+            self.reload_if_changed()
+        return int(reason)
+
+    def reload_if_changed(self) -> bool:
+        """Load the state file when it changed; a bad file is reported and the old map kept."""
+        stamp = file_stamp(self.config.state_file)
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            state = load_state(self.config.state_file)
+            self.core.set_regions(state.regions, state.generation)
+            self.core.set_groups(state.groups)
+        except ValueError as exc:
+            print(f"switch: keeping the old address map: {exc}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def _serve_control(self) -> None:
+        for _ in range(64):
+            try:
+                data, src = self.ctrl_sock.recvfrom(65536)
+            except BlockingIOError:
+                return
+            self.core.receive_datagram(data, (src[0], src[1]), time.monotonic())
+
+    def _handle_events(self) -> None:
+        changes: list[GroupChanged] = []
+        while (event := self.core.next_event()) is not None:
+            changes.append(event)
+        if not changes:
+            return
+        path = self.config.state_file
+        with locked(path):
+            state = load_state(path)
+            for change in changes:
+                members = [m for m in state.groups.get(change.group, []) if m != change.member]
+                if change.joined:
+                    members.append(change.member)
+                if members:
+                    state.groups[change.group] = members
+                else:
+                    state.groups.pop(change.group, None)
+            state.generation += 1
+            save_state(path, state)
+            self._stamp = file_stamp(path)
+        self.core.set_generation(state.generation)
+
+    def warm_up(self) -> None:
+        self.serve_once(0)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            while not self.stop:
+                self.serve_once(IDLE_WAIT_MS)
+        finally:
+            self.close()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop = True
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctrl_sock.close()
+
+
+def main(config: SwitchProcessConfig) -> int:
+    if config.die_with_parent:
+        die_with_parent()
+    try:
+        proc = SwitchProcess(config)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        proc.warm_up()
+    except BaseException:
+        proc.close()
+        raise
+    print(f"ready {proc.vip[0]}:{proc.vip[1]} {config.state_file} control_port={proc.control_port}",
+          flush=True)  # fmt: skip
+    proc.run()
+    return 0

@@ -1,0 +1,242 @@
+"""The memory pool on real processes: switch + 3 nodes, controller, blocking and asyncio
+clients, rkeys, multicast, retries under injected loss, restart with persisted state."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from netdam import counters as C
+from netdam.aio_pool import AsyncPoolClient
+from netdam.control import ControlClient, ControlError
+from netdam.launch import LocalCluster
+from netdam.pool import PoolClient, PoolError
+from netdam.protocol.constants import DType, Flags, Opcode, Rights, Status
+from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.switch.controller import PoolController
+from netdam.switch.core import counters_from_payload
+from netdam.switch.launch import SwitchHandle, load_switch_entry, start_pool_cluster, start_switch
+
+ROOT = Path(__file__).resolve().parent.parent
+KiB = 1024
+
+
+class Pool:
+    def __init__(self, cluster: LocalCluster, switch: SwitchHandle) -> None:
+        self.cluster, self.switch = cluster, switch
+        self.controller = PoolController(cluster.path)
+
+    def restart_switch(self, faults: str = "", seed: int = 0) -> None:
+        self.switch.stop()
+        self.switch = start_switch(self.cluster, self.switch.vip, faults=faults, seed=seed)
+
+    def switch_counters(self) -> dict[str, object]:
+        with ControlClient(admin_key=self.cluster.info.admin_key) as client:
+            reply = client.request(self.switch.entry.control_endpoint,
+                                   Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key))  # fmt: skip
+        return counters_from_payload(reply.payload)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    path = tmp_path_factory.mktemp("pool") / "c.toml"
+    cluster, switch = start_pool_cluster(3, memory=1 << 20, cluster_path=path)
+    p = Pool(cluster, switch)
+    try:
+        yield p
+    finally:
+        p.switch.stop()
+        cluster.stop()
+
+
+def test_cluster_file_names_the_switch(pool: Pool) -> None:
+    entry = load_switch_entry(pool.cluster.path)
+    assert entry is not None and entry.vip == pool.switch.vip and entry.pid == pool.switch.process.pid
+    assert Path(entry.state_file).exists()
+
+
+def test_alloc_write_read_free_blocking(pool: Pool) -> None:
+    ctl = pool.controller
+    inter = ctl.alloc(100 * KiB + 40, interleave=8 * KiB)
+    ranged = ctl.alloc(20 * KiB, rights=int(Rights.READ | Rights.WRITE), tenant="b")
+    assert len(inter.ways) == 3 and inter.rkey != ranged.rkey
+    assert inter.end <= ranged.gaddr  # tenants never overlap, globally ...
+    local = [(w.node, w.local, w.local + w.size) for r in ctl.regions() for w in r.ways]
+    for i, (n1, s1, e1) in enumerate(local):  # ... nor in node memory
+        assert all(n1 != n2 or e1 <= s2 or e2 <= s1 for n2, s2, e2 in local[i + 1 :])
+    data = bytes((k * 7) % 251 for k in range(inter.size))
+    with PoolClient(pool.switch.vip, window=16) as client:
+        client.write(inter.gaddr, data, inter.rkey, stride=inter.stride)
+        assert client.read(inter.gaddr, inter.size, inter.rkey, stride=inter.stride) == data
+        client.write(ranged.gaddr, b"x" * 9000, ranged.rkey)
+        assert client.read(ranged.gaddr + 8990, 10, ranged.rkey) == b"x" * 10
+        with pytest.raises(PoolError, match="BAD_RKEY"):
+            client.read(inter.gaddr, 8, ranged.rkey)
+        with pytest.raises(PoolError, match="OUT_OF_BOUNDS"):
+            client.read(ranged.gaddr + 20 * KiB - 4, 8, ranged.rkey)
+        with pytest.raises(PoolError, match="NO_RIGHTS"):
+            client.fetch_add(ranged.gaddr, 1, ranged.rkey)
+        with pytest.raises(PoolError, match="SPANS_NODES"):
+            client.read(inter.gaddr + 8 * KiB - 4, 8, inter.rkey)  # no stride given: not split
+        # The backing on a node is registered under the same rkey, for exactly its range.
+        way = ranged.ways[0]
+        node = pool.cluster.endpoints[way.node]
+        with ControlClient() as direct:
+            assert direct.read(node, ranged.rkey, way.local, 4) == b"xxxx"
+            with pytest.raises(ControlError, match="OUT_OF_BOUNDS"):
+                direct.read(node, ranged.rkey, way.local + way.size - 4, 8)
+        ctl.free(ranged.gaddr)
+        with pytest.raises(PoolError, match="NO_ROUTE"):
+            client.read(ranged.gaddr, 8, ranged.rkey)
+        with ControlClient() as direct, pytest.raises(ControlError, match="BAD_RKEY"):
+            direct.read(node, ranged.rkey, way.local, 4)
+    ctl.free(inter.gaddr)
+
+
+def test_asyncio_client_concurrent_atomics(pool: Pool) -> None:
+    region = pool.controller.alloc(16 * KiB, interleave=8 * KiB)
+
+    async def run() -> tuple[int, list[int], int, bytes]:
+        async with await AsyncPoolClient.open(pool.switch.vip, window=16) as client:
+            olds = await asyncio.gather(*(client.fetch_add(region.gaddr + 8 * KiB, 3, region.rkey) for _ in range(50)))
+            await client.write(region.gaddr, b"a" * 10000, region.rkey, stride=region.stride)
+            first = await client.cas(region.gaddr + 16, 0, 42, region.rkey)
+            second = await client.cas(region.gaddr + 16, 0, 43, region.rkey)
+            back = await client.read(region.gaddr, 16, region.rkey)
+            return first, sorted(olds), second, back
+
+    first, olds, second, back = asyncio.run(run())
+    assert [v - olds[0] for v in olds] == [3 * k for k in range(50)]  # each add applied once
+    assert first == int.from_bytes(b"a" * 8, "little") and second == first  # both compares failed
+    assert back == b"a" * 16
+    pool.controller.free(region.gaddr)
+
+
+def test_multicast_through_the_switch(pool: Pool) -> None:
+    group = ("239.77.0.5", 7744)
+    rkey = 0x6C0FFEE
+    nodes = pool.cluster.endpoints
+    with ControlClient(admin_key=pool.cluster.info.admin_key) as admin:
+        for ep in nodes:
+            admin.register(ep, 1000 * KiB, 4 * KiB, Rights.READ | Rights.WRITE, rkey=rkey)
+    for ep in nodes[:2]:
+        pool.controller.join(group, ep)
+    payload = bytes(range(64))
+    packet = Packet(Opcode.ALL_WRITE, flags=Flags.MCAST | Flags.ACK_REQ, client_id=5, txn_id=1, rkey=rkey,
+                    addr=1000 * KiB + 64, aux_addr=endpoint_to_u64(group), dtype=DType.RAW, length=64,
+                    payload=payload)  # fmt: skip
+    acks = set()
+    with ControlClient() as client:
+        client.sock.settimeout(2.0)
+        client.sock.sendto(encode_packet(packet), pool.switch.vip)
+        while len(acks) < 2:
+            data, src = client.sock.recvfrom(65536)
+            reply = decode_packet(data)
+            assert reply.opcode == Opcode.ACK and reply.flags & Flags.MCAST
+            acks.add(src)
+        for k, ep in enumerate(nodes):
+            assert (client.read(ep, rkey, 1000 * KiB + 64, 64) == payload) == (k < 2)
+    assert acks == {nodes[0], nodes[1]}
+    assert pool.switch_counters()["switch"]["replicated"] >= 2  # type: ignore[index]
+
+
+def test_restart_keeps_map_rkeys_and_groups(pool: Pool) -> None:
+    region = pool.controller.alloc(24 * KiB, interleave=8 * KiB)
+    pool.controller.join(("239.77.0.9", 7744), pool.cluster.endpoints[2])
+    with PoolClient(pool.switch.vip) as client:
+        client.write(region.gaddr, b"persist!" * 3000, region.rkey, stride=region.stride)
+    old_pid = pool.switch.process.pid
+    pool.restart_switch()
+    assert pool.switch.process.pid != old_pid
+    with PoolClient(pool.switch.vip) as client:
+        assert client.read(region.gaddr, 24000, region.rkey, stride=region.stride) == b"persist!" * 3000
+    counters = pool.switch_counters()
+    assert counters["switch"]["groups"] >= 1 and counters["switch"]["regions"] >= 1  # type: ignore[index]
+    assert any(r["gaddr"] == region.gaddr for r in counters["regions"])  # type: ignore[union-attr]
+    pool.controller.free(region.gaddr)
+
+
+def test_retries_under_injected_loss_never_apply_twice(pool: Pool) -> None:
+    region = pool.controller.alloc(16 * KiB, interleave=8 * KiB)
+    # Requests are lost, duplicated and delayed past the client's timeout on every link.
+    pool.restart_switch(faults="client:rx:loss=0.2;node0:tx:dup=0.3,delay=0.3,delay_ms=30;"
+                               "node1:tx:dup=0.3,delay=0.3,delay_ms=30;node2:tx:loss=0.2", seed=7)  # fmt: skip
+    try:
+        with PoolClient(pool.switch.vip, timeout=0.01, retries=50, window=8) as client:
+            for offset in (0, 8 * KiB):
+                olds = [client.fetch_add(region.gaddr + offset, 1, region.rkey) for _ in range(30)]
+                assert [v - olds[0] for v in olds] == list(range(30))
+                from netdam.pool import fetch_add_packet
+
+                replies = client.execute([fetch_add_packet(region.gaddr + offset + 8, 2, region.rkey)] * 40)
+                values = sorted(struct.unpack("<Q", r.payload)[0] for r in replies)
+                assert [v - values[0] for v in values] == [2 * k for k in range(40)]
+            assert client.retransmits > 0
+        counters = pool.switch_counters()
+        ports = {p["port"]: p for p in counters["ports"]}  # type: ignore[union-attr]
+        assert ports["client"]["fault_drops_rx"] > 0 and ports["node0"]["fault_dups"] > 0  # type: ignore[index]
+        with ControlClient(admin_key=pool.cluster.info.admin_key) as admin:
+            replays = sum(int(admin.counters(ep)[C.DUP_REPLAYS]) for ep in pool.cluster.endpoints)
+        assert replays > 0  # duplicates reached nodes and were answered from the window
+    finally:
+        pool.restart_switch()
+        pool.controller.free(region.gaddr)
+
+
+def test_plain_socket_example(pool: Pool) -> None:
+    region = pool.controller.alloc(4 * KiB)
+    vip = pool.switch.vip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pool_plain_socket.py"), "--vip", f"{vip[0]}:{vip[1]}",
+         "--gaddr", hex(region.gaddr), "--rkey", hex(region.rkey)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "relayed: True" in result.stdout and result.stdout.strip().endswith("ok")
+    pool.controller.free(region.gaddr)
+
+
+def test_switch_nacks_control_it_does_not_serve(pool: Pool) -> None:
+    with ControlClient(admin_key=pool.cluster.info.admin_key) as admin:
+        with pytest.raises(ControlError, match="BAD_FIELD") as info:
+            admin.register(pool.switch.vip, 0, 64, Rights.READ)
+        assert info.value.status == Status.BAD_FIELD
+
+
+def pool_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """`netdam ARGV`, with netdam.cli_pool registered even before cli.py lists it."""
+    import netdam.cli as cli
+
+    if "netdam.cli_pool" not in cli._COMMAND_MODULES:
+        monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "netdam.cli_pool"))
+    return cli.main(argv)
+
+
+def test_pool_cli(pool: Pool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    c = str(pool.cluster.path)
+    assert pool_cli(["pool", "alloc", "--cluster", c, "--size", "20KiB", "--interleave", "8KiB", "--json"], monkeypatch) == 0
+    region = json.loads(capsys.readouterr().out)
+    assert region["stride"] == 8192 and len(region["ways"]) == 3
+    gaddr = region["gaddr_hex"]
+    assert pool_cli(["pool", "write", "--cluster", c, "--gaddr", gaddr, "--data", "x" * 10000], monkeypatch) == 0
+    capsys.readouterr()
+    assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", hex(region["gaddr"] + 8190), "--length", "4B", "--json"],
+                    monkeypatch) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["hex"] == "78787878"  # split at the stride by the CLI
+    assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", gaddr, "--length", "8B", "--rkey", "1", "--json"],
+                    monkeypatch) == 1  # fmt: skip
+    assert "BAD_RKEY" in json.loads(capsys.readouterr().out)["error"]
+    assert pool_cli(["pool", "stats", "--cluster", c, "--json"], monkeypatch) == 0
+    assert json.loads(capsys.readouterr().out)["switch"]["regions"] >= 1
+    assert pool_cli(["pool", "free", "--cluster", c, "--gaddr", gaddr], monkeypatch) == 0
+    capsys.readouterr()
+    assert pool_cli(["pool", "free", "--cluster", c, "--gaddr", gaddr, "--json"], monkeypatch) == 3
+    assert "no region at" in json.loads(capsys.readouterr().out)["error"]
