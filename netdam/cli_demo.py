@@ -53,7 +53,7 @@ def _text(s: dict[str, object]) -> str:
             f"netdam demo: {verdict}  ({s['transport']})",
             f"  nodes {s['nodes']}, {s['bytes']} bytes of {s['dtype']} per rank",
             f"  node processes up in {s['startup_seconds']:.2f} s",
-            f"  pool: {pool['ops']} ops ({pool['ops_per_second']:.0f}/s, blocking clients), "
+            f"  pool via VIP {pool['vip']}: {pool['ops']} ops ({pool['ops_per_second']:.0f}/s), "
             f"{pool['mismatches']} mismatches, "
             f"FETCH_ADD counter {pool['fetch_add_counter']} (expected {pool['fetch_add_expected']})",
             f"  all-reduce in the NICs ({ar['elements_per_packet']} elements per packet, "

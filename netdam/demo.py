@@ -3,9 +3,10 @@
 It starts a local cluster of real node processes on loopback UDP and drives them only with wire
 packets, from one host process:
 
-1. a controller REGISTERs the same rkey on every node (admin key from the cluster file);
-2. pool traffic: several clients WRITE random blocks, READ them back and FETCH_ADD a shared
-   counter, each over its own UDP socket;
+1. the pool controller allocates a region interleaved over every node (8 KiB stride) behind the
+   switch's virtual IP, registering each backing range on its node;
+2. pool traffic through the VIP: several clients WRITE random blocks, READ them back
+   (pipelined) and FETCH_ADD a shared counter;
 3. an all-reduce the NetDAM way (netdam.api): each rank's host stores its input into its
    node's memory through the shared mapping and sends START_COLL; then the NICs alone run a
    chained reduce-scatter (each block's packets travel the ring on the SR list, every hop adds
@@ -28,16 +29,18 @@ from netdam.api import all_reduce as api_all_reduce
 from netdam.control import ControlClient
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.launch import LocalCluster, start_cluster
+from netdam.pool import PoolClient
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     NUMPY_DTYPE,
-    RIGHTS_ALL,
     DType,
-    Opcode,
     ReduceOp,
     max_elements,
 )
-from netdam.protocol.packet import Packet
+from netdam.switch.controller import PoolController
+
+#: Interleave stride of the demo's pool region.
+STRIDE = 8192
 
 
 @dataclass(frozen=True)
@@ -57,14 +60,11 @@ def run_demo(config: DemoConfig) -> dict[str, object]:
     if config.nodes < 2:
         raise ValueError("--nodes must be at least 2 for an all-reduce")
     nbytes = config.count * ELEMENT_SIZE[config.dtype]
-    # Node memory: the pool area below, the host API's staging area in the upper half.
-    pool_base = 0
-    region = _round_up(64 + 64 * config.pool_ops, 4096)
+    # Node memory: the pool's regions low, the host API's staging area in the upper half.
     memory = max(16 << 20, _round_up(4 * nbytes, 1 << 20))
-    with start_cluster(config.nodes, memory=memory, mtu=config.mtu) as cluster:
-        rkey = _register_everywhere(cluster, region)
-        pool = _pool_traffic(cluster, rkey, config, pool_base)
-        allreduce = _allreduce(cluster, rkey, config)
+    with start_cluster(config.nodes, memory=memory, mtu=config.mtu, switch=True) as cluster:
+        pool = _pool_traffic(cluster, config)
+        allreduce = _allreduce(cluster, config)
         totals = np.zeros(C.NUM_COUNTERS, np.uint64)
         with ControlClient(admin_key=cluster.info.admin_key) as client:
             for ep in cluster.endpoints:
@@ -72,7 +72,7 @@ def run_demo(config: DemoConfig) -> dict[str, object]:
         startup = cluster.startup_seconds
     return {
         "ok": bool(pool["ok"] and allreduce["ok"]),
-        "transport": "node processes on loopback UDP",
+        "transport": "node processes and a switch on loopback UDP",
         "nodes": config.nodes,
         "dtype": config.dtype.name.lower(),
         "bytes": nbytes,
@@ -94,44 +94,41 @@ def _round_up(value: int, step: int) -> int:
     return (value + step - 1) // step * step
 
 
-def _register_everywhere(cluster: LocalCluster, region: int) -> int:
-    """REGISTER the same rkey on every node (the first node picks it)."""
-    rkey = 0
-    with ControlClient(admin_key=cluster.info.admin_key) as controller:
-        for ep in cluster.endpoints:
-            rkey = controller.register(ep, 0, region, RIGHTS_ALL, rkey=rkey)
-    return rkey
-
-
-def _pool_traffic(cluster: LocalCluster, rkey: int, config: DemoConfig, base: int) -> dict[str, object]:
-    """Clients WRITE random blocks, READ them back, and FETCH_ADD one shared counter on node 0."""
+def _pool_traffic(cluster: LocalCluster, config: DemoConfig) -> dict[str, object]:
+    """Through the switch's VIP: allocate an interleaved region, then clients WRITE random
+    blocks, READ them back (pipelined), and FETCH_ADD one shared counter."""
+    assert cluster.switch is not None
+    controller = PoolController(cluster.path)
+    size = _round_up(64 * (config.pool_ops + 1), STRIDE)
+    region = controller.alloc(size, interleave=STRIDE)
     rng = np.random.default_rng(config.seed)
-    clients = [ControlClient() for _ in range(config.clients)]
-    endpoints = cluster.endpoints
-    mismatches = 0
+    clients = [PoolClient(cluster.switch.vip) for _ in range(config.clients)]
+    counter_addr = region.gaddr
+    blocks = [rng.integers(0, 256, 64, dtype=np.uint8).tobytes() for _ in range(config.pool_ops)]
+    addrs = [region.gaddr + 64 * (k + 1) for k in range(config.pool_ops)]
     start = time.perf_counter()
     try:
+        for c, client in enumerate(clients):
+            mine = range(c, config.pool_ops, len(clients))
+            client.write_many([(addrs[k], blocks[k], region.rkey) for k in mine])
+            back = client.read_many([(addrs[k], 64, region.rkey) for k in mine])
+            mismatches = sum(got != blocks[k] for got, k in zip(back, mine, strict=True))
         for k in range(config.pool_ops):
-            client = clients[k % len(clients)]
-            node = endpoints[k % len(endpoints)]
-            addr = base + 64 + 64 * (k // len(endpoints))
-            data = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
-            client.write(node, rkey, addr, data)
-            if client.read(node, rkey, addr, 64) != data:
-                mismatches += 1
-            client.request(endpoints[0], Packet(Opcode.FETCH_ADD, rkey=rkey, addr=base, dtype=DType.U64,
-                                                length=8, payload=struct.pack("<Q", 1)))  # fmt: skip
-        counter = struct.unpack("<Q", clients[0].read(endpoints[0], rkey, base, 8))[0]
+            clients[k % len(clients)].fetch_add(counter_addr, 1, region.rkey)
+        counter = struct.unpack("<Q", clients[0].read(counter_addr, 8, region.rkey))[0]
     finally:
         for client in clients:
             client.close()
     seconds = time.perf_counter() - start
-    return {"ok": mismatches == 0 and counter == config.pool_ops, "ops": 3 * config.pool_ops,
-            "ops_per_second": 3 * config.pool_ops / seconds, "mismatches": mismatches,
-            "fetch_add_counter": counter, "fetch_add_expected": config.pool_ops}  # fmt: skip
+    ops = 3 * config.pool_ops + 1
+    return {"ok": mismatches == 0 and counter == config.pool_ops, "ops": ops,
+            "ops_per_second": ops / seconds, "mismatches": mismatches,
+            "fetch_add_counter": counter, "fetch_add_expected": config.pool_ops,
+            "vip": f"{cluster.switch.vip[0]}:{cluster.switch.vip[1]}",
+            "region": {"gaddr": region.gaddr, "size": size, "stride": STRIDE}}  # fmt: skip
 
 
-def _allreduce(cluster: LocalCluster, rkey: int, config: DemoConfig) -> dict[str, object]:
+def _allreduce(cluster: LocalCluster, config: DemoConfig) -> dict[str, object]:
     """All-reduce in the NICs: each rank's host stages its input and starts the collective on
     its node (START_COLL); the nodes chain, store, multicast and repair among themselves."""
     n = config.nodes
