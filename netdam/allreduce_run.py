@@ -23,6 +23,7 @@ from netdam.faults import FaultSpec
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.launch import ClusterStartError, LocalCluster, start_cluster
 from netdam.protocol.constants import ELEMENT_SIZE, IP_UDP_OVERHEAD, NUMPY_DTYPE, DType, ReduceOp
+from netdam.ring_host import ring_all_reduce
 
 #: Node memory for a private cluster: the API stages inputs in the upper half.
 MIN_NODE_MEMORY = 16 << 20
@@ -39,6 +40,7 @@ class AllReduceConfig:
     cluster: Path | None = None
     seed: int = 0
     repeat: int = 1
+    algo: str = "chain"
 
 
 def reference_chain_allreduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
@@ -76,7 +78,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
     nbytes = config.count * esize
     result: dict[str, object] = {
         "ok": False, "nodes": config.nodes, "bytes": nbytes, "dtype": config.dtype.name.lower(),
-        "op": config.op.name.lower(), "algo": "chain", "seconds": None, "startup_seconds": None,
+        "op": config.op.name.lower(), "algo": config.algo, "seconds": None, "startup_seconds": None,
         "algbw_gbps": None, "busbw_gbps": None, "packets": None, "retransmits": None,
         "kernel_drops": None, "wire_bytes": None, "model_seconds_100g": None,
     }  # fmt: skip
@@ -100,24 +102,35 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             inputs = _inputs(config, world)
             expected = reference_chain_allreduce(inputs, config.op)
             times = []
+            host_copy = host_packets = host_bytes = 0
             ok = True
             for _ in range(config.repeat):
                 buffers = [x.copy() for x in inputs]
-                times.append(_run_once(groups, buffers, config.op))
+                if config.algo == "ring-host":
+                    ring = ring_all_reduce(groups, buffers, config.op)
+                    times.append(ring.seconds)
+                    host_copy += ring.host_copy_bytes
+                    host_packets += ring.packets
+                    host_bytes += ring.payload_bytes
+                else:
+                    times.append(_run_once(groups, buffers, config.op))
                 identical = all(b.tobytes() == buffers[0].tobytes() for b in buffers)
                 exact = buffers[0].tobytes() == expected.tobytes()
                 ok = ok and identical and exact
             after = _totals(info, client)
         seconds = float(np.median(times))
         delta = after.astype(np.int64) - before.astype(np.int64)
-        packets = int(delta[C.TX_PACKETS])
+        # Datagrams the nodes sent, plus (ring-host) the WRITEs the hosts sent through their NICs.
+        packets = int(delta[C.TX_PACKETS]) + host_packets
         algbw = nbytes * 8 / seconds / 1e9
         result.update(
             ok=ok, ranks_identical=identical, equals_reference=exact, seconds=seconds,
             seconds_all=times, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (world - 1) / world,
             packets=packets, retransmits=int(delta[C.RETRANSMITS]),
-            kernel_drops=int(after[C.KERNEL_DROPS]), wire_bytes=int(delta[C.TX_BYTES]) + IP_UDP_OVERHEAD * packets,
-            model_seconds_100g=estimate_allreduce_seconds(world, nbytes, 100.0, "netdam-chain", esize),
+            kernel_drops=int(after[C.KERNEL_DROPS]), wire_bytes=int(delta[C.TX_BYTES]) + host_bytes + IP_UDP_OVERHEAD * packets,
+            model_seconds_100g=estimate_allreduce_seconds(
+                world, nbytes, 100.0, "netdam-chain" if config.algo == "chain" else "roce-ring", esize),
+            host_copy_bytes=host_copy // config.repeat,
         )  # fmt: skip
         if not ok:
             result["error"] = "result differs from the numpy chain-order reference" if identical else "ranks differ"

@@ -284,6 +284,9 @@ class Work:
         bounds = block_bounds(self.algo, self.count, world, 0)
         chunks = [(int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)]
         cb = np.concatenate([[0], np.cumsum(chunks)])
+        if first >= int(cb[-1]):
+            return {"node": None, "rank": None, "block": None, "seq_range": None,
+                    "detail": "every chunk is here: waiting for other members' DONE"}  # fmt: skip
         block = int(np.searchsorted(cb, first, side="right") - 1)
         node = group.cluster.nodes[block]
         return {"node": f"{node.address}:{node.port}", "rank": block, "block": block,

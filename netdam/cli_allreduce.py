@@ -23,8 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     size.add_argument("--count", type=int, help="elements per rank instead of bytes")
     parser.add_argument("--dtype", choices=["f32", "f16", "i32", "i64", "f64"], default="f32")
     parser.add_argument("--op", choices=["sum", "min", "max"], default="sum")
-    parser.add_argument("--algo", choices=["chain"], default="chain",
-                        help="chain (NetDAM); the host-ring baseline is not implemented yet")  # fmt: skip
+    parser.add_argument("--algo", choices=["chain", "ring-host"], default="chain",
+                        help="chain: in the NICs (NetDAM); ring-host: the RoCE way, NICs move "
+                        "data and hosts reduce (reports host_copy_bytes)")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=1, help="timed repeats (median reported)")
     parser.add_argument("--timeout", type=float, default=None, help="watchdog, seconds (default 60)")
     parser.add_argument("--cluster", default=None, help="use a running cluster (netdam up)")
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes, count=count, dtype=dtype, op=ReduceOp[args.op.upper()],
         faults=faults_from(args), timeout_s=args.timeout,
         cluster=Path(args.cluster) if args.cluster else None, seed=args.seed, repeat=args.repeat,
+        algo=args.algo,
     )  # fmt: skip
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]
@@ -60,7 +62,7 @@ def _text(r: dict[str, object]) -> str:
         return f"allreduce FAILED: {r.get('error')}" + (f"\n  waiting for {r['waiting_for']}" if r.get("waiting_for") else "")
     verdict = "OK" if r["ok"] else f"FAILED ({r.get('error')})"
     return (
-        f"allreduce {verdict}: {r['nodes']} nodes x {r['bytes']} B {r['dtype']} {r['op']} in "
+        f"allreduce {r['algo']} {verdict}: {r['nodes']} nodes x {r['bytes']} B {r['dtype']} {r['op']} in "
         f"{r['seconds']:.4f} s (algbw {r['algbw_gbps']:.2f} Gb/s, busbw {r['busbw_gbps']:.2f} Gb/s); "
         f"{r['packets']} packets, {r['retransmits']} retransmits, {r['kernel_drops']} kernel drops; "
         f"model of 100G NetDAM cards: {float(r['model_seconds_100g']) * 1e3:.3f} ms"  # type: ignore[arg-type]

@@ -66,7 +66,7 @@ from netdam.kernels.coll_layout import (
 from netdam.kernels.datapath import _SLOT, _wr16, _wr32
 
 RTO_MIN_S = 0.05  # loopback emulation: 2 cores, many processes: ms-scale scheduling jitter
-RTO_MAX_S = 1.0
+RTO_MAX_S = 0.25  # several retries fit in the 2 s default watchdog
 #: Re-ask a hop that answered BUSY after this long (seconds).
 BUSY_RETRY_S = 0.0005
 #: All-gather repair starts after this long without progress (or 4 RTOs, whichever is longer).
@@ -227,7 +227,7 @@ def _coll_tick(  # type: ignore[no-untyped-def]
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
     window = cfg[CFG_WINDOW]
-    advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED]
+    advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE]  # DONEs are progress too
     if advance != fcfg[F_LAST_COUNT]:
         fcfg[F_LAST_COUNT] = advance
         fcfg[F_LAST_PROGRESS] = now
@@ -248,16 +248,20 @@ def _coll_tick(  # type: ignore[no-untyped-def]
             c += 1
         cfg[CFG_LOW_UNACKED] = c
         backoff = False
+        busy = False
         for c in range(cfg[CFG_LOW_UNACKED], cfg[CFG_NEXT_SEND]):
-            if acked[c] == 2 and now - sent[c] > BUSY_RETRY_S:
+            if acked[c] == 2:
+                busy = True
+            if acked[c] == 2 and now - sent[c] > BUSY_RETRY_S * (1 << min(tries[c], 6)):
                 # A hop answered BUSY (its host has not started the collective yet): ask
-                # again shortly. Flow control, so neither a retransmit nor an RTT sample.
+                # again, backing off (0.5 ms doubling to 32 ms). Flow control: neither a
+                # retransmit nor an RTT sample (tries > 1 keeps Karn's rule off it).
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
                 tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
                 acked[c] = 0
                 sent[c] = now
-                tries[c] = 0
+                tries[c] = min(tries[c] + 1, 250)
             elif acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
@@ -269,7 +273,8 @@ def _coll_tick(  # type: ignore[no-untyped-def]
                 backoff = True
         if backoff:
             fcfg[F_RTO] = min(fcfg[F_RTO] * 2.0, RTO_MAX_S)
-        while cfg[CFG_INFLIGHT] < window and cfg[CFG_NEXT_SEND] < cb[ob + 1]:
+        # While a hop says BUSY, no new chain starts: only the waiting ones probe.
+        while not busy and cfg[CFG_INFLIGHT] < window and cfg[CFG_NEXT_SEND] < cb[ob + 1]:
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
             c = cfg[CFG_NEXT_SEND]
