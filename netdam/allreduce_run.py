@@ -41,6 +41,8 @@ class AllReduceConfig:
     seed: int = 0
     repeat: int = 1
     algo: str = "chain"
+    sparse: bool = False  # sparse mode; the same inputs also run dense, both wire byte counts
+    density: float = 1.0  # fraction of input elements kept non-zero (the rest exactly +0)
 
 
 def reference_chain_allreduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
@@ -61,8 +63,19 @@ def _inputs(config: AllReduceConfig, world: int) -> list[np.ndarray]:
     rng = np.random.default_rng(config.seed)
     dtype = np.dtype(NUMPY_DTYPE[config.dtype])
     if dtype.kind == "f":
-        return [rng.standard_normal(config.count).astype(dtype) for _ in range(world)]
-    return [rng.integers(-1000, 1000, config.count).astype(dtype) for _ in range(world)]
+        inputs = [rng.standard_normal(config.count).astype(dtype) for _ in range(world)]
+    else:
+        inputs = [rng.integers(-1000, 1000, config.count).astype(dtype) for _ in range(world)]
+    if config.density < 1.0:
+        for x in inputs:
+            x[rng.random(config.count) >= config.density] = 0
+    return inputs
+
+
+def _wire_bytes(delta: np.ndarray, host_packets: int = 0, host_bytes: int = 0) -> int:
+    """Bytes on the wire: datagrams the nodes sent (plus hosts' WRITEs), with IP/UDP headers."""
+    packets = int(delta[C.TX_PACKETS]) + host_packets
+    return int(delta[C.TX_BYTES]) + host_bytes + int(IP_UDP_OVERHEAD) * packets
 
 
 def _totals(cluster_info, client: ControlClient) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -82,6 +95,9 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         "algbw_gbps": None, "busbw_gbps": None, "packets": None, "retransmits": None,
         "kernel_drops": None, "wire_bytes": None, "model_seconds_100g": None,
     }  # fmt: skip
+    if config.sparse:
+        result.update(sparse=True, density=config.density, wire_bytes_dense=None,
+                      wire_bytes_sparse=None, seconds_dense=None)  # fmt: skip
     cluster: LocalCluster | None = None
     start = time.monotonic()
     try:
@@ -98,9 +114,19 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         result["startup_seconds"] = time.monotonic() - start
         _run_once(groups, [np.ones(1, np.float32) for _ in range(world)], ReduceOp.SUM)  # warm-up
         with ControlClient(admin_key=info.admin_key) as client:
-            before = _totals(info, client)
             inputs = _inputs(config, world)
             expected = reference_chain_allreduce(inputs, config.op)
+            if config.sparse:
+                # The same inputs dense first: its wire bytes and time, held to the reference too.
+                before = _totals(info, client)
+                buffers = [x.copy() for x in inputs]
+                seconds_dense = _run_once(groups, buffers, config.op)
+                dense_ok = all(b.tobytes() == expected.tobytes() for b in buffers)
+                dense_delta = _totals(info, client).astype(np.int64) - before.astype(np.int64)
+                result.update(wire_bytes_dense=_wire_bytes(dense_delta), seconds_dense=seconds_dense,
+                              retransmits_dense=int(dense_delta[C.RETRANSMITS]),
+                              dense_equals_reference=dense_ok)  # fmt: skip
+            before = _totals(info, client)
             times = []
             host_copy = host_packets = host_bytes = 0
             ok = True
@@ -113,7 +139,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                     host_packets += ring.packets
                     host_bytes += ring.payload_bytes
                 else:
-                    times.append(_run_once(groups, buffers, config.op))
+                    times.append(_run_once(groups, buffers, config.op, config.sparse))
                 identical = all(b.tobytes() == buffers[0].tobytes() for b in buffers)
                 exact = buffers[0].tobytes() == expected.tobytes()
                 ok = ok and identical and exact
@@ -127,11 +153,15 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             ok=ok, ranks_identical=identical, equals_reference=exact, seconds=seconds,
             seconds_all=times, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (world - 1) / world,
             packets=packets, retransmits=int(delta[C.RETRANSMITS]),
-            kernel_drops=int(after[C.KERNEL_DROPS]), wire_bytes=int(delta[C.TX_BYTES]) + host_bytes + IP_UDP_OVERHEAD * packets,
+            kernel_drops=int(after[C.KERNEL_DROPS]), wire_bytes=_wire_bytes(delta, host_packets, host_bytes),
             model_seconds_100g=estimate_allreduce_seconds(
                 world, nbytes, 100.0, "netdam-chain" if config.algo == "chain" else "roce-ring", esize),
             host_copy_bytes=host_copy // config.repeat,
         )  # fmt: skip
+        if config.sparse:
+            result["wire_bytes_sparse"] = _wire_bytes(delta) // config.repeat  # per run, as the dense
+            ok = ok and bool(result["dense_equals_reference"])
+            result["ok"] = ok
         if not ok:
             result["error"] = "result differs from the numpy chain-order reference" if identical else "ranks differ"
         for group in groups:
@@ -146,12 +176,12 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
     return result
 
 
-def _run_once(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp) -> float:
+def _run_once(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool = False) -> float:
     """Start the all-reduce on every rank (staging included), wait for all; seconds."""
     start = time.perf_counter()
     works: list[Work] = []
     for group, buf in zip(groups, buffers, strict=True):
-        work = api_all_reduce(buf, op=op, group=group, async_op=True)
+        work = api_all_reduce(buf, op=op, group=group, async_op=True, sparse=sparse)
         assert work is not None
         works.append(work)
     for work in works:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from netdam.cluster import ClusterFile, load_cluster
-from netdam.collective import Algo, CollectiveDescriptor, block_bounds
+from netdam.collective import FLAG_SPARSE, Algo, CollectiveDescriptor, block_bounds
 from netdam.control import ControlClient, ControlError
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
@@ -175,14 +175,15 @@ class ProcessGroup:
         return int(start)
 
     def start(self, algo: Algo, array: np.ndarray, op: ReduceOp, in_addr: int, out_addr: int,
-              count: int, root: int = 0) -> Work:  # fmt: skip
-        """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on."""
+              count: int, root: int = 0, flags: int = 0) -> Work:  # fmt: skip
+        """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
+        *flags* is the descriptor's flags byte (bit 0: sparse mode, SPEC.md 4.1)."""
         self.epoch += 1
         dtype = _wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
         desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr, self.rkey, root=root,
                                     group=self.group if self.multicast else None,
-                                    timeout_ms=int(watchdog * 1000))  # fmt: skip
+                                    timeout_ms=int(watchdog * 1000), flags=flags)  # fmt: skip
         packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=WORLD_COLL_ID,
                         epoch=self.epoch, dtype=dtype, reduce_op=op,
                         segments=tuple(self.cluster.endpoints), length=64, payload=desc.encode())  # fmt: skip
@@ -346,11 +347,15 @@ def _run(work: Work, async_op: bool) -> Work | None:
 
 
 def all_reduce(buf: np.ndarray, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
-               async_op: bool = False) -> Work | None:  # fmt: skip
-    """Reduce *buf* over all ranks in place; afterwards it is bitwise identical on every rank."""
+               async_op: bool = False, *, sparse: bool = False) -> Work | None:  # fmt: skip
+    """Reduce *buf* over all ranks in place; afterwards it is bitwise identical on every rank.
+
+    ``sparse=True`` (every rank must pass the same): chunks travel as (index, value) pairs when
+    under half their elements are non-zero, and chunks zero on every rank are not sent at all;
+    the result is bitwise the dense one."""
     g = _group(group)
     addr = g._stage(buf, buf.nbytes)
-    work = g.start(Algo.ALL_REDUCE, buf, op, addr, addr, buf.size)
+    work = g.start(Algo.ALL_REDUCE, buf, op, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0)
     if g._offset_of(buf) is None:
         work._finish.append(lambda: _copy_out(g, addr, buf))
     return _run(work, async_op)

@@ -140,7 +140,14 @@ def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[
     register_pool_bench(benches)
 
 
+def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from netdam.bench_allreduce import register_allreduce_bench
+
+    register_allreduce_bench(benches)
+
+
 _BENCHMARKS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]
     register_datapath,
     register_pool,
+    register_allreduce,
 )

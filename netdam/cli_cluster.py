@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -129,7 +130,8 @@ def run_up(args: argparse.Namespace) -> int:
 
     try:
         cluster = start_cluster(args.nodes, memory=args.memory, base_port=args.base_port,
-                                shm_dir=args.shm_dir, mtu=args.mtu, cluster_path=args.cluster,
+                                shm_dir=args.shm_dir, mtu=args.mtu,
+                                cluster_path=args.cluster or Path.cwd() / f"netdam-cluster-{os.getpid()}.toml",
                                 faults=faults_from(args), detach=args.detach,
                                 switch=args.switch)  # fmt: skip
     except (ValueError, ClusterStartError) as exc:

@@ -37,7 +37,9 @@ from netdam.protocol.constants import (
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 
 #: Chunks one collective may have (chunk ids index per-chunk state arrays).
-MAX_CHUNKS = 1 << 17
+MAX_CHUNKS = L.MAX_CHUNKS
+#: Descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC.md 4.1).
+FLAG_SPARSE = 0x01
 DESCRIPTOR = struct.Struct("<BBHIQQQIIQQII")
 assert DESCRIPTOR.size == 64
 #: Watchdog: a collective fails after this long without progress (START_COLL may say less).
@@ -89,6 +91,9 @@ def decode_descriptor(payload: bytes) -> tuple[int, ...]:
     return DESCRIPTOR.unpack(payload)
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def block_bounds(algo: int, count: int, world: int, root: int) -> np.ndarray:
     """Element bounds of the N blocks (N+1 entries)."""
     if algo == Algo.BROADCAST:
@@ -109,7 +114,7 @@ class CollectiveEngine:
         self.sent = np.zeros(MAX_CHUNKS, np.float64)
         self.tries = np.zeros(MAX_CHUNKS, np.uint8)
         self.agsent = np.zeros(MAX_CHUNKS, np.uint8)
-        self.done = np.zeros(MAX_CHUNKS, np.uint8)
+        self.done = np.zeros(L.DONE_LEN, np.uint8)  # + sparse tables, coll_layout
 
     @property
     def running(self) -> bool:
@@ -147,6 +152,9 @@ class CollectiveEngine:
         status = _validate(algo, world, rank, ring, self_endpoint, count, dtype, packet.coll_id, root)
         if status != Status.OK:
             return status
+        sparse = bool(flags & FLAG_SPARSE)
+        if flags & ~FLAG_SPARSE or (sparse and algo not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)):
+            return Status.BAD_FIELD
         bounds = block_bounds(algo, count, world, root)
         own_len = int(bounds[rank + 1] - bounds[rank])
         in_len = own_len if algo == Algo.ALL_GATHER else (count if algo != Algo.BROADCAST or rank == root else 0)
@@ -159,9 +167,13 @@ class CollectiveEngine:
         n_chunks = int(cb[-1])
         if n_chunks > MAX_CHUNKS:
             return Status.TOO_LARGE
+        if sparse and (n_chunks + 7) // 8 > max_elements(mtu, DType.RAW):
+            return Status.TOO_LARGE  # the bitmap must fit one datagram
         self._setup(packet, src, algo, world, rank, count, in_addr, out_addr, rkey, window, root,
                     group, host, timeout_ms, ring, bounds, cb, per_packet, rcvbuf)  # fmt: skip
         self._local_part(memory, algo, world, rank, root, esize)
+        if sparse and world > 1:
+            self._local_bitmap(memory, in_addr, count, esize)
         return Status.OK
 
     def _setup(self, packet: Packet, src: int, algo: int, world: int, rank: int, count: int,
@@ -171,6 +183,7 @@ class CollectiveEngine:
         n_chunks = int(cb[-1])
         for array in (self.acked, self.tries, self.agsent, self.done):
             array[:n_chunks] = 0
+        self.done[L.NZ_BASE : L.NZ_BASE + n_chunks] = 0
         self.sent[:n_chunks] = 0.0
         self.ring[:world] = ring
         self.bounds[: world + 1] = bounds
@@ -214,6 +227,22 @@ class CollectiveEngine:
         fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall
         fcfg[L.F_LAST_COUNT] = -1.0
         cfg[L.CFG_STATE] = 1
+
+    def _local_bitmap(self, memory: np.ndarray, in_addr: int, count: int, esize: int) -> None:
+        """Sparse mode: which chunks of this node's input hold a non-zero element (any bit set:
+        -0.0 and denormals count), for the bitmap round the engine's clock runs first."""
+        cfg, bounds, cb = self.cfg, self.bounds, self.cb
+        world, per_packet, n_chunks = int(cfg[L.CFG_WORLD]), int(cfg[L.CFG_PER_PACKET]), int(cfg[L.CFG_CHUNKS])
+        words = memory[in_addr : in_addr + count * esize].view(_UINT[esize])
+        nonzero = (words != 0).view(np.uint8)
+        starts = np.concatenate([np.arange(bounds[j], bounds[j + 1], per_packet) for j in range(world)
+                                 if cb[j + 1] > cb[j]]).astype(np.int64)  # fmt: skip
+        local = np.maximum.reduceat(nonzero, starts)
+        self.done[L.NZ_BASE : L.NZ_BASE + n_chunks] = local
+        packed = np.packbits(local, bitorder="little")
+        self.done[L.BM_BASE : L.BM_BASE + packed.size] = packed
+        cfg[L.CFG_SPARSE] = 1
+        cfg[L.CFG_BM_GOT] = cfg[L.CFG_BM_HAS] = 1 << int(cfg[L.CFG_RANK])
 
     def _local_part(self, memory: np.ndarray, algo: int, world: int, rank: int, root: int, esize: int) -> None:
         """What needs no network: this node's own data for gathers, everything for one rank."""

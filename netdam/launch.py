@@ -59,6 +59,7 @@ class LocalCluster:
             if node.memory_file:
                 Path(node.memory_file).unlink(missing_ok=True)
             node_log(self.info.name, node.rank).unlink(missing_ok=True)
+        _remove_pool_state(self.path)
         self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalCluster:
@@ -106,6 +107,21 @@ def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:  # type: ignore
     raise AssertionError("unreachable")
 
 
+def warm_node_kernels() -> None:
+    """Compile (or load from numba's cache) the node's kernels once, in this process, before
+    starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
+    long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
+    from netdam.nodeproc import NodeProcess, NodeProcessConfig
+
+    proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
+                                         name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
+    try:
+        proc.warm_up()
+        proc.core.handle_timer(0.0)
+    finally:
+        proc.close()
+
+
 def _start_cluster(
     nodes: int,
     *,
@@ -137,6 +153,7 @@ def _start_cluster(
         extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
     start = time.monotonic()
+    warm_node_kernels()
     procs: list[subprocess.Popen[bytes]] = []
     logs = [node_log(name, rank) for rank in range(nodes)]
     for rank, bind in enumerate(endpoints):
@@ -165,7 +182,8 @@ def _start_cluster(
             for r, (ep, p) in enumerate(zip(endpoints, procs, strict=True))
         ),
     )  # fmt: skip
-    path = cluster_path or Path.cwd() / f"{name}.toml"
+    # Private clusters (demo, benchmarks) keep their files out of the user's directory.
+    path = cluster_path or Path(tempfile.gettempdir()) / f"{name}.toml"
     write_cluster(info, path)
     cluster = LocalCluster(info, path, procs, time.monotonic() - start)
     if vip is not None:
@@ -293,7 +311,18 @@ def stop_cluster_file(path: Path, timeout: float = 5.0) -> ClusterFile:
         if node.memory_file:
             Path(node.memory_file).unlink(missing_ok=True)
         node_log(info.name, node.rank).unlink(missing_ok=True)
+    _remove_pool_state(path)
     if info.supervisor_pid and _alive(info.supervisor_pid, None):
         _signal(info.supervisor_pid, signal.SIGTERM)
     path.unlink(missing_ok=True)
     return info
+
+
+def _remove_pool_state(cluster_path: Path) -> None:
+    """The pool's persisted state belongs to the cluster: it goes when the cluster goes (it
+    survives switch restarts, not `netdam down`)."""
+    from netdam.switch.state import state_path_for
+
+    state = state_path_for(cluster_path)
+    for leftover in (state, state.with_name(state.name + ".lock")):
+        leftover.unlink(missing_ok=True)

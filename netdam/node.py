@@ -6,7 +6,7 @@ collects what to send with ``fill_send_batch(out, out_lens, out_dsts, now) -> n`
 ``ip << 16 | port`` as uint64 (``netdam.protocol.packet.endpoint_to_u64``).
 
 The data opcodes run in one numba call per batch (``netdam.kernels.datapath.process_batch``);
-the rare control opcodes, PINGs, sparse payloads and replies addressed to the node are *punted*
+the rare control opcodes, PINGs and replies addressed to the node are *punted*
 to ``_handle_punted`` here, in Python.
 """
 
@@ -392,7 +392,8 @@ class NodeCore:
         try:
             packet = decode_packet(data)
         except RemoteProtocolError as exc:
-            # Only sparse payloads reach here unvalidated: answer as the datapath would.
+            # The datapath validates what it punts; should anything reach here unvalidated,
+            # answer as the datapath would.
             if data[1] in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
                 self.counters[C.DROP_BAD_REPLY] += 1
                 return
@@ -406,7 +407,7 @@ class NodeCore:
             return
         handler = self._handlers.get(packet.opcode)
         if handler is None:
-            # Sparse data payloads: executed by the collective engine (issue 4), not yet here.
+            # Data opcodes (the datapath executes them, sparse ones included) never get here.
             self._nack(packet, src, Status.BAD_FIELD)
             return
         if packet.opcode != Opcode.PING and packet.rkey != self.config.admin_key:

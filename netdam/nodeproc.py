@@ -178,13 +178,14 @@ class NodeProcess:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
         try:
-            while not self.stop:
+            while not self.stop and not _STOP_REQUESTED[0]:
                 self.serve_once(IDLE_WAIT_MS)
         finally:
             self.close()
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop = True
+        _STOP_REQUESTED[0] = True
 
     def close(self) -> None:
         self.sock.close()
@@ -203,7 +204,18 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+#: Set by SIGTERM/SIGINT from the very start of main, so a signal that arrives while the node
+#: is still warming up also ends in a clean close (memory file removed), not a default kill.
+_STOP_REQUESTED = [False]
+
+
+def _request_stop(signum: int, frame: object) -> None:
+    _STOP_REQUESTED[0] = True
+
+
 def main(config: NodeProcessConfig) -> int:
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
     if config.die_with_parent:
         die_with_parent()
     try:
@@ -216,6 +228,9 @@ def main(config: NodeProcessConfig) -> int:
     except BaseException:
         proc.close()
         raise
+    if _STOP_REQUESTED[0]:
+        proc.close()
+        return 0
     print(f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} "
           f"control_port={proc.control_port} admin_key={proc.core.config.admin_key}", flush=True)  # fmt: skip
     proc.run()

@@ -44,6 +44,15 @@ def test_allreduce_command_under_loss(capsys: pytest.CaptureFixture[str]) -> Non
     assert r["ok"] is True and r["retransmits"] > 0
 
 
+def test_allreduce_command_sparse(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["allreduce", "--nodes", "3", "--count", "60000", "--sparse", "--density", "0.05", "--json"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ok"] is True and r["equals_reference"] is True and r["dense_equals_reference"] is True
+    assert r["wire_bytes"] == r["wire_bytes_sparse"] > 0
+    assert r["wire_bytes_sparse"] < 0.5 * r["wire_bytes_dense"]
+
+
 HOST = r"""
 import sys, json, numpy as np, netdam
 cluster, rank = sys.argv[1], int(sys.argv[2])

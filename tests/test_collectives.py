@@ -38,7 +38,7 @@ def run(
     n: int, inputs: list[np.ndarray], algo: Algo = Algo.ALL_REDUCE, op: ReduceOp = ReduceOp.SUM,
     faults: FaultSpec | None = None, multicast: bool = False, in_place: bool = False,
     root: int = 0, out_count: int | None = None, epoch: int = 1, cluster: Cluster | None = None,
-    max_rounds: int = 20_000,
+    max_rounds: int = 20_000, flags: int = 0,
 ) -> Outcome:  # fmt: skip
     """Stage inputs by host store, START_COLL from every rank's host, run until every host heard."""
     cluster = cluster or make_cluster(n, faults, memory=MEMORY)
@@ -54,7 +54,8 @@ def run(
     for rank, host in enumerate(hosts(n)):
         cluster.fabric.add_endpoint(host)
         desc = CollectiveDescriptor(algo, rank, count, IN, out_addr, RKEY, root=root,
-                                    group=GROUP if multicast else None, timeout_ms=30_000)  # fmt: skip
+                                    group=GROUP if multicast else None, timeout_ms=30_000,
+                                    flags=flags)  # fmt: skip
         start = Packet(Opcode.START_COLL, rkey=ADMIN_KEY, client_id=50 + rank, txn_id=epoch,
                        coll_id=3, epoch=epoch, dtype=dtype, reduce_op=op,
                        segments=tuple(cluster.endpoints), payload=desc.encode(), length=64)  # fmt: skip
@@ -258,3 +259,97 @@ def test_bad_descriptors_are_refused() -> None:
     assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT + 2, RKEY)).status == Status.MISALIGNED
     assert start(good, dtype=DType.RAW).status == Status.BAD_DTYPE
     assert start(good, coll_id=0).status == Status.BAD_FIELD
+
+
+# ---------------------------------------------------------------- sparse mode (SPEC.md 2.5, 4.1)
+
+
+def sparse_inputs(rng: np.random.Generator, n: int, count: int, dtype: type, density: float) -> list[np.ndarray]:
+    dense = random_inputs(rng, n, count, dtype)
+    return [np.where(rng.random(count) < density, x, np.zeros(1, dtype)).astype(dtype) for x in dense]
+
+
+def run_both(n: int, inputs: list[np.ndarray], **kwargs: object) -> tuple[Outcome, Outcome]:
+    """The same inputs dense and sparse; both bitwise equal the chain-order reference."""
+    op = kwargs.get("op", ReduceOp.SUM)
+    assert isinstance(op, ReduceOp)
+    expected = chain_reference(inputs, op)
+    dense = run(n, inputs, **kwargs)  # type: ignore[arg-type]
+    sparse = run(n, inputs, flags=1, **kwargs)  # type: ignore[arg-type]
+    for outcome in (dense, sparse):
+        assert all(r.opcode == Opcode.ACK and r.status == Status.OK for r in outcome.replies)
+        assert_all_equal(outcome.outputs, expected)
+    return dense, sparse
+
+
+def _tx_bytes(outcome: Outcome) -> int:
+    return sum(int(node.counters[C.TX_BYTES]) for node in outcome.cluster.nodes)
+
+
+def _chains(outcome: Outcome) -> int:
+    return sum(int(node.counters[C.OPCODE_BASE + Opcode.CHAIN_ADD]) for node in outcome.cluster.nodes)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
+def test_sparse_all_reduce_equals_dense(dtype: type, rng: np.random.Generator) -> None:
+    inputs = sparse_inputs(rng, 4, 20_000, dtype, 0.1)
+    dense, sparse = run_both(4, inputs, multicast=True)
+    assert _tx_bytes(sparse) < _tx_bytes(dense) * 0.6
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_sparse_negative_zero_denormals_and_zero_chunks(op: ReduceOp, rng: np.random.Generator) -> None:
+    count = 12_000
+    inputs = sparse_inputs(rng, 3, count, np.float32, 0.05)
+    tiny = np.float32(1e-45)  # a denormal
+    inputs[0][10:20] = -0.0
+    inputs[1][15:25] = tiny
+    inputs[2][30] = -tiny
+    for x in inputs:
+        x[2048 * 2 : 2048 * 3] = 0.0  # a whole chunk zero everywhere: skipped
+        x[count // 3 : count // 3 + 100] = 0.0  # an all-zero run inside a chunk
+    inputs[1][9000:11000] = rng.standard_normal(2000).astype(np.float32)  # dense chunks
+    dense, sparse = run_both(3, inputs, op=op, in_place=True)
+    assert _chains(sparse) < _chains(dense)
+
+
+def test_sparse_all_zero_input_skips_every_chain() -> None:
+    inputs = [np.zeros(9000, np.float32) for _ in range(4)]
+    dense, sparse = run_both(4, inputs)
+    assert _chains(sparse) == 0 < _chains(dense)
+
+
+def test_sparse_reduce_scatter(rng: np.random.Generator) -> None:
+    inputs = sparse_inputs(rng, 4, 9000, np.int32, 0.1)
+    for x in inputs:
+        x[:2500] = 0
+    expected = chain_reference(inputs, ReduceOp.SUM)
+    outcome = run(4, inputs, algo=Algo.REDUCE_SCATTER, flags=1)
+    for rank, out in enumerate(outcome.outputs):
+        lo, hi = rank * 9000 // 4, (rank + 1) * 9000 // 4
+        assert out[lo:hi].tobytes() == expected[lo:hi].tobytes()
+
+
+@pytest.mark.parametrize("multicast", [False, True])
+def test_sparse_under_loss_duplication_and_reordering(multicast: bool, rng: np.random.Generator) -> None:
+    inputs = sparse_inputs(rng, 4, 30_000, np.float32, 0.1)
+    for x in inputs:
+        x[:5000] = 0.0
+    faults = FaultSpec(seed=7, loss=0.2, dup=0.2, reorder=0.2)
+    outcome = run(4, inputs, faults=faults, multicast=multicast, flags=1)
+    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+
+
+def test_sparse_flag_rejected_for_gathers() -> None:
+    inputs = [np.ones(10, np.float32) for _ in range(2)]
+    cluster = make_cluster(2, None, memory=MEMORY)
+    desc = CollectiveDescriptor(Algo.ALL_GATHER, 0, 20, IN, OUT, RKEY, flags=1)
+    start = Packet(Opcode.START_COLL, rkey=ADMIN_KEY, coll_id=3, epoch=1, dtype=DType.F32,
+                   segments=tuple(cluster.endpoints), payload=desc.encode(), length=64)  # fmt: skip
+    host = ("127.0.0.1", 9100)
+    cluster.fabric.add_endpoint(host)
+    cluster.fabric.send(host, cluster.endpoints[0], encode_packet(start))
+    cluster.fabric.run_until_idle()
+    replies = [decode_packet(d) for d, _ in cluster.fabric.receive(host)]
+    assert [(r.opcode, r.status) for r in replies] == [(Opcode.NACK, Status.BAD_FIELD)]
+    del inputs

@@ -558,11 +558,23 @@ def test_large_batch_grows_send_queue(cluster: Cluster) -> None:
 
 
 def test_remaining_node_statuses_over_the_wire(cluster: Cluster) -> None:
-    # BAD_FIELD: sparse execution is not supported by v1 nodes yet (the payload is valid).
+    # A sparse WRITE executes as the dense one: the listed value, zeros elsewhere.
+    cluster.nodes[0].memory[:64] = 0xFF
     body = struct.pack("<II", 1, 0) + struct.pack("<H", 2) + bytes(6) + struct.pack("<f", 1.0)
-    sparse = Packet(Opcode.WRITE, flags=Flags.SPARSE, rkey=RKEY, addr=0, dtype=DType.F32, length=64, payload=body)
-    assert only(cluster.request(0, sparse), Opcode.NACK).status == Status.BAD_FIELD
-    # A malformed sparse payload gets the codec's status through the slow path.
+    sparse = Packet(Opcode.WRITE, flags=Flags.SPARSE | Flags.ACK_REQ, rkey=RKEY, addr=0, dtype=DType.F32,
+                    length=64, payload=body)  # fmt: skip
+    only(cluster.request(0, sparse), Opcode.ACK)
+    expected = np.zeros(16, np.float32)
+    expected[2] = 1.0
+    assert cluster.nodes[0].memory[:64].tobytes() == expected.tobytes()
+    # BAD_FIELD: ADD has no sparse form.
+    add = bytearray(encode_packet(Packet(Opcode.ADD, rkey=RKEY, addr=0, dtype=DType.F32, length=4, payload=bytes(4))))
+    add[3] |= Flags.SPARSE
+    cluster.fabric.send(CLIENT, cluster.endpoints[0], bytes(add))
+    cluster.fabric.run_until_idle()
+    (reply,) = cluster.fabric.receive(CLIENT)
+    assert decode_packet(reply[0]).status == Status.BAD_FIELD
+    # A malformed sparse payload gets the codec's status from the datapath.
     cluster.fabric.send(CLIENT, cluster.endpoints[0], encode_packet(sparse)[:65])
     cluster.fabric.run_until_idle()
     (reply,) = cluster.fabric.receive(CLIENT)

@@ -36,10 +36,25 @@ CFG_DONE_COUNT = 31  # chunks whose done bit is set on this node
 CFG_PEERS_DONE = 32  # bit r: rank r said DONE for this epoch (this node's own bit included)
 CFG_PREV_ASK = 33  # bit r: rank r asked for this node's DONE of the previous epoch
 CFG_CUR_ASK = 34  # bit r: rank r still asks for this node's DONE of the finished epoch
+CFG_SPARSE = 35  # descriptor flags bit 0: sparse payloads and the non-zero bitmap round
+CFG_BM_GOT = 36  # bit r: rank r's non-zero bitmap arrived (own bit included)
+CFG_BM_HAS = 37  # bit r: rank r answered: it holds this node's bitmap (own bit included)
+CFG_BM_ASK = 38  # bit r: rank r sent its bitmap as a request: answer with ours
+CFG_BM_APPLIED = 39  # 1 once chunks zero everywhere were skipped
 CFG_LEN = 40
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
+#: aux_addr of an ACK carrying a member's per-chunk non-zero bitmap (sparse mode, SPEC 4.1).
+AUX_BITMAP = 3
+
+# Sparse mode keeps two more per-chunk tables at the end of the ``done`` array (no new kernel
+# arguments): the OR of all members' bitmaps, one byte per chunk, at NZ_BASE + c, and this
+# node's own bitmap, packed LSB first, at BM_BASE.
+MAX_CHUNKS = 1 << 17
+NZ_BASE = MAX_CHUNKS
+BM_BASE = 2 * MAX_CHUNKS
+DONE_LEN = 2 * MAX_CHUNKS + MAX_CHUNKS // 8
 
 # fcfg indices
 F_START = 0
@@ -53,6 +68,7 @@ F_DEADLINE = 7  # watchdog: the collective fails after this long without any pro
 F_BASE_RTO = 8  # RTO without backoff: paces all-gather repair
 F_LAST_ADVANCE = 9  # last time a chunk completed or a chain was ACKed
 F_LAST_DONE_SENT = 10  # last time this node sent its DONE
+F_BM_SENT = 11  # last time this node sent its bitmap requests (sparse mode)
 F_LEN = 12
 
 # algorithms (START_COLL descriptor byte 0)

@@ -17,10 +17,16 @@ from numba import njit
 
 from netdam import counters as C
 from netdam.kernels.coll_layout import (
+    AUX_BITMAP,
     AUX_DONE,
+    BM_BASE,
     CFG_ACKED,
     CFG_AG_NEXT,
     CFG_ALGO,
+    CFG_BM_APPLIED,
+    CFG_BM_ASK,
+    CFG_BM_GOT,
+    CFG_BM_HAS,
     CFG_CHUNKS,
     CFG_CLIENT,
     CFG_COLL,
@@ -47,11 +53,13 @@ from netdam.kernels.coll_layout import (
     CFG_READS,
     CFG_RETRANSMITS,
     CFG_RKEY,
+    CFG_SPARSE,
     CFG_STATE,
     CFG_TXN,
     CFG_WINDOW,
     CFG_WORLD,
     F_BASE_RTO,
+    F_BM_SENT,
     F_DEADLINE,
     F_LAST_ADVANCE,
     F_LAST_COUNT,
@@ -62,10 +70,11 @@ from netdam.kernels.coll_layout import (
     F_RTTVAR,
     F_SRTT,
     F_START,
+    NZ_BASE,
 )  # fmt: skip
-from netdam.kernels.datapath import _SLOT, _wr16, _wr32
+from netdam.kernels.datapath import _F_SPARSE, _SLOT, _encode_payload, _wr16, _wr32
 
-RTO_MIN_S = 0.05  # loopback emulation: 2 cores, many processes: ms-scale scheduling jitter
+RTO_MIN_S = 0.02  # loopback emulation: 2 cores, many processes: ms-scale scheduling jitter
 RTO_MAX_S = 0.25  # several retries fit in the 2 s default watchdog
 #: Re-ask a hop that answered BUSY after this long (seconds).
 BUSY_RETRY_S = 0.0005
@@ -155,6 +164,11 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
         t[o + 6] = 0
         t[o + 7] = 0
     p = 64 + 8 * hops
+    if cfg[CFG_SPARSE] != 0:
+        size, sparse = _encode_payload(t, np.int64(p), mem, np.int64(src_addr), np.int64(nbytes), esize)
+        if sparse:
+            _wr16(t, 2, flags | _F_SPARSE)
+        return _commit(tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world])
     t[p : p + nbytes] = mem[src_addr : src_addr + nbytes]
     return _commit(tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
 
@@ -167,7 +181,13 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_
     nbytes = count * esize
     addr = cfg[CFG_OUT] + first * esize
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _header(t, _OP_ALL_WRITE, _F_MCAST if cfg[CFG_GROUP] != 0 else 0, c, cfg, nbytes, addr, 0, 0)
+    flags = _F_MCAST if cfg[CFG_GROUP] != 0 else 0
+    _header(t, _OP_ALL_WRITE, flags, c, cfg, nbytes, addr, 0, 0)
+    if cfg[CFG_SPARSE] != 0:
+        size, sparse = _encode_payload(t, np.int64(64), mem, np.int64(addr), np.int64(nbytes), esize)
+        if sparse:
+            _wr16(t, 2, flags | _F_SPARSE)
+        return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + size, dst)
     t[64 : 64 + nbytes] = mem[addr : addr + nbytes]
     return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + nbytes, dst)
 
@@ -227,7 +247,8 @@ def _coll_tick(  # type: ignore[no-untyped-def]
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
     window = cfg[CFG_WINDOW]
-    advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE]  # DONEs are progress too
+    # DONEs and (sparse mode) arriving bitmaps are progress too
+    advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE] + cfg[CFG_BM_GOT]
     if advance != fcfg[F_LAST_COUNT]:
         fcfg[F_LAST_COUNT] = advance
         fcfg[F_LAST_PROGRESS] = now
@@ -238,8 +259,17 @@ def _coll_tick(  # type: ignore[no-untyped-def]
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
             tx_n = _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
         return tx_n
-    # 1. Chains this node starts: ACKed ones leave the window, late ones go again.
     ob = cfg[CFG_ORIG_BLOCK]
+    # 0. Sparse mode: first the round of per-chunk non-zero bitmaps; nothing else moves before
+    #    every member's bitmap is here, then chunks zero everywhere are skipped.
+    if cfg[CFG_SPARSE] != 0 and cfg[CFG_BM_APPLIED] == 0:
+        tx_n = _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        if cfg[CFG_BM_GOT] != (np.int64(1) << cfg[CFG_WORLD]) - 1:
+            return tx_n
+        _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done)
+    elif cfg[CFG_SPARSE] != 0 and cfg[CFG_BM_ASK] != 0:
+        tx_n = _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+    # 1. Chains this node starts: ACKed ones leave the window, late ones go again.
     if ob >= 0:
         c = cfg[CFG_LOW_UNACKED]
         while c < cfg[CFG_NEXT_SEND] and acked[c] == 1:
@@ -275,9 +305,12 @@ def _coll_tick(  # type: ignore[no-untyped-def]
             fcfg[F_RTO] = min(fcfg[F_RTO] * 2.0, RTO_MAX_S)
         # While a hop says BUSY, no new chain starts: only the waiting ones probe.
         while not busy and cfg[CFG_INFLIGHT] < window and cfg[CFG_NEXT_SEND] < cb[ob + 1]:
+            c = cfg[CFG_NEXT_SEND]
+            if acked[c] == 1:  # skipped (zero everywhere): no chain
+                cfg[CFG_NEXT_SEND] = c + 1
+                continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
-            c = cfg[CFG_NEXT_SEND]
             tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
             sent[c] = now
             tries[c] = 1
@@ -287,7 +320,8 @@ def _coll_tick(  # type: ignore[no-untyped-def]
     own = cfg[CFG_OWN_BLOCK]
     # A chain ACK proves every other node started (each one on the path would have answered
     # BUSY): only then is the all-gather sent, so no member drops it as early.
-    started_everywhere = ob < 0 or cfg[CFG_ACKED] > 0
+    # (Sparse mode: every member's bitmap arrived, so every member has started.)
+    started_everywhere = ob < 0 or cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
     if own >= 0 and cfg[CFG_ALGO] != 1 and started_everywhere:
         budget = window
         c = cfg[CFG_AG_NEXT]
@@ -347,7 +381,7 @@ def _coll_tick(  # type: ignore[no-untyped-def]
                     continue
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
-                tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], False, tx_buf, tx_off, tx_len, tx_dst, tx_n)
         all_ranks = (np.int64(1) << world) - 1
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
             cfg[CFG_STATE] = 2
@@ -362,19 +396,22 @@ def _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: 
     for peer in range(cfg[CFG_WORLD]):
         bit = np.int64(1) << peer
         if cfg[CFG_PREV_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_done(cfg, (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF, ring[peer], tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_done(cfg, (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF, ring[peer], True, tx_buf, tx_off, tx_len, tx_dst, tx_n)
             cfg[CFG_PREV_ASK] &= ~bit
         if cfg[CFG_CUR_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], True, tx_buf, tx_off, tx_len, tx_dst, tx_n)
             cfg[CFG_CUR_ASK] &= ~bit
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _send_done(cfg, epoch, dst, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
-    """DONE: an ACK with aux_addr = AUX_DONE, seq = this node's rank."""
+def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """DONE: an ACK with aux_addr = AUX_DONE, seq = this node's rank, txn_id 0 for a DONE that
+    asks the member to answer with its own once ready, 1 for such an answer (never answered:
+    no ping-pong between finished nodes)."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
+    _wr32(t, 12, 1 if answer else 0)
     _wr32(t, 20, epoch)
     return _commit(tx_off, tx_len, tx_dst, tx_n, 64, dst)
 
@@ -390,3 +427,63 @@ def _rtt_sample(fcfg, sample):  # type: ignore[no-untyped-def]
         fcfg[F_SRTT] = 0.875 * fcfg[F_SRTT] + 0.125 * sample
     fcfg[F_RTO] = min(max(fcfg[F_SRTT] + 4.0 * fcfg[F_RTTVAR], RTO_MIN_S), RTO_MAX_S)
     fcfg[F_BASE_RTO] = fcfg[F_RTO]
+
+
+@njit(cache=True, nogil=True)
+def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """Sparse mode's first round (SPEC.md 4.1): answer members that sent their bitmap as a
+    request; send ours as a request to members not known to hold it, at once and again every
+    base RTO (a member not started yet drops it; its own request, once it starts, is answered)."""
+    world = cfg[CFG_WORLD]
+    for peer in range(world):
+        bit = np.int64(1) << peer
+        if cfg[CFG_BM_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
+            tx_n = _send_bitmap(cfg, 1, ring[peer], done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            cfg[CFG_BM_ASK] &= ~bit
+    all_ranks = (np.int64(1) << world) - 1
+    base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
+    if cfg[CFG_BM_HAS] != all_ranks and (fcfg[F_BM_SENT] == 0.0 or now - fcfg[F_BM_SENT] > base_rto):
+        fcfg[F_BM_SENT] = now
+        for peer in range(world):
+            if (cfg[CFG_BM_HAS] >> peer) & 1:
+                continue
+            if not _room(tx_buf, tx_off, tx_len, tx_n):
+                return tx_n
+            tx_n = _send_bitmap(cfg, 0, ring[peer], done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """This node's non-zero bitmap: an ACK with aux_addr = AUX_BITMAP, seq = rank, txn_id 0
+    (request: answer me) or 1 (answer), payload ceil(chunks / 8) bytes, bit c = chunk c."""
+    nbytes = (cfg[CFG_CHUNKS] + 7) // 8
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
+    _wr32(t, 12, answer)
+    t[64 : 64 + nbytes] = done[BM_BASE : BM_BASE + nbytes]
+    return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + nbytes, dst)
+
+
+@njit(cache=True, nogil=True)
+def _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done):  # type: ignore[no-untyped-def]
+    """Every bitmap is in: a chunk zero in every member's input is zero in the result (SUM, MIN
+    and MAX of +0 are +0). Write it here, count it done and ACKed, never chain or gather it."""
+    cfg[CFG_BM_APPLIED] = 1
+    esize = _ESIZE[cfg[CFG_DTYPE]]
+    ob = cfg[CFG_ORIG_BLOCK]
+    own = cfg[CFG_OWN_BLOCK]
+    needs_all = cfg[CFG_ALGO] != 1  # reduce-scatter: only this node's block
+    for c in range(cfg[CFG_CHUNKS]):
+        if done[NZ_BASE + c] != 0:
+            continue
+        j, first, count = _chunk(cfg, bounds, cb, c)
+        if ob >= 0 and j == ob and acked[c] == 0:
+            acked[c] = 1
+            cfg[CFG_ACKED] += 1
+        agsent[c] = 1
+        if (needs_all or j == own) and done[c] == 0:
+            o = cfg[CFG_OUT] + first * esize
+            mem[o : o + count * esize] = 0
+            done[c] = 1
+            cfg[CFG_DONE_COUNT] += 1

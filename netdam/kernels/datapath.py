@@ -7,8 +7,11 @@ Rules of this file:
 2. Nothing here validates its *arguments*: ``netdam.node.NodeCore`` owns the arrays, sizes them
    and checks them once. Packet contents are untrusted and every address is checked against the
    rkey's region (which registration checked against memory) before any access.
-3. Control opcodes, replies addressed to this node and sparse payloads are *punted*: their batch
-   index goes to ``punt`` and the control plane handles them in Python. They are rare by design.
+3. Control opcodes and replies addressed to this node are *punted*: their batch index goes to
+   ``punt`` and the control plane handles them in Python. They are rare by design.
+4. Sparse payloads (SPEC.md 2.5) of CHAIN_ADD, ALL_WRITE and WRITE are validated (as
+   ``check_sparse_payload``) and executed here: decoded to dense (missing elements all-zero
+   bits), so every result is bitwise the dense one. A chain hop re-encodes after its combine.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ from numba import njit
 
 from netdam import counters as C
 from netdam.kernels.coll_layout import (
+    AUX_BITMAP,
     AUX_DONE,
     CFG_ACKED,
+    CFG_BM_ASK,
+    CFG_BM_GOT,
+    CFG_BM_HAS,
     CFG_CHUNKS,
     CFG_COLL,
     CFG_CUR_ASK,
@@ -29,8 +36,11 @@ from netdam.kernels.coll_layout import (
     CFG_INFLIGHT,
     CFG_PEERS_DONE,
     CFG_PREV_ASK,
+    CFG_RANK,
+    CFG_SPARSE,
     CFG_STATE,
     CFG_WORLD,
+    NZ_BASE,
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.protocol.constants import (
@@ -271,7 +281,11 @@ def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
             return _S_BAD_LENGTH
     elif kind == _K_DATA:
         if flags & _F_SPARSE:
-            return PUNT  # the control plane validates and executes sparse payloads
+            if op != _OP_CHAIN_ADD and op != _OP_ALL_WRITE and op != _OP_WRITE:
+                return _S_BAD_FIELD
+            if length % esize != 0:
+                return _S_BAD_LENGTH
+            return _check_sparse(b, n - size, size, length, esize)
         if length == 0 or length != size or length % esize != 0:
             return _S_BAD_LENGTH
     elif kind == _K_OPAQUE:
@@ -283,6 +297,146 @@ def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
     elif length != _FIXED_LENGTH[op] or size != _FIXED_SIZE[op]:
         return _S_BAD_LENGTH
     return 0
+
+
+@njit(cache=True, nogil=True)
+def _le32(b, o):  # type: ignore[no-untyped-def]
+    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16) | (np.int64(b[o + 3]) << 24)
+
+
+@njit(cache=True, nogil=True)
+def _sparse_size(nnz, esize):  # type: ignore[no-untyped-def]
+    return 8 + (2 * nnz + 7) // 8 * 8 + nnz * esize
+
+
+@njit(cache=True, nogil=True)
+def _check_sparse(b, p, size, length, esize):  # type: ignore[no-untyped-def]
+    """Mirrors protocol.packet.check_sparse_payload on the payload b[p : p + size]."""
+    if size < 8:
+        return _S_TRUNCATED
+    if _le32(b, p + 4) != 0:
+        return _S_BAD_FIELD
+    nnz = _le32(b, p)
+    elements = length // esize
+    if nnz > elements:
+        return _S_BAD_LENGTH
+    if size != _sparse_size(nnz, esize):
+        return _S_BAD_LENGTH
+    for k in range(p + 8 + 2 * nnz, p + 8 + (2 * nnz + 7) // 8 * 8):
+        if b[k] != 0:
+            return _S_BAD_FIELD
+    prev = np.int64(-1)
+    for k in range(nnz):
+        index = np.int64(b[p + 8 + 2 * k]) | (np.int64(b[p + 9 + 2 * k]) << 8)
+        if index <= prev:
+            return _S_BAD_FIELD
+        prev = index
+    if nnz > 0 and prev >= elements:
+        return _S_BAD_FIELD
+    return 0
+
+
+# ---------------------------------------------------------------- sparse payloads (SPEC.md 2.5)
+
+
+@njit(cache=True, nogil=True)
+def _nnz_typed(w):  # type: ignore[no-untyped-def]
+    n = 0
+    for i in range(w.shape[0]):
+        if w[i] != 0:
+            n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _encode_typed(w, idx, vals):  # type: ignore[no-untyped-def]
+    k = 0
+    for i in range(w.shape[0]):
+        if w[i] != 0:
+            idx[k] = i
+            vals[k] = w[i]
+            k += 1
+
+
+@njit(cache=True, nogil=True)
+def _expand_typed(w, idx, vals):  # type: ignore[no-untyped-def]
+    w[:] = 0
+    for k in range(idx.shape[0]):
+        w[idx[k]] = vals[k]
+
+
+@njit(cache=True, nogil=True)
+def _count_nonzero(src, off, nbytes, esize):  # type: ignore[no-untyped-def]
+    """Elements of src[off : off + nbytes] whose bits are not all zero (-0.0 counts)."""
+    s = src[off : off + nbytes]
+    if esize == 2:
+        return _nnz_typed(s.view(np.uint16))
+    if esize == 4:
+        return _nnz_typed(s.view(np.uint32))
+    if esize == 8:
+        return _nnz_typed(s.view(np.uint64))
+    return _nnz_typed(s)
+
+
+@njit(cache=True, nogil=True)
+def _sparse_pays(nnz, nbytes, esize):  # type: ignore[no-untyped-def]
+    """The re-encode rule: sparse when under half the elements are non-zero and it is shorter."""
+    return nnz * 2 < nbytes // esize and _sparse_size(nnz, esize) < nbytes
+
+
+@njit(cache=True, nogil=True)
+def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):  # type: ignore[no-untyped-def]
+    """Write the sparse form of dense src[s_off : s_off + nbytes] (nnz non-zero elements) at
+    dst[d_off:] (must not overlap src); returns its size in bytes. Little-endian host."""
+    pad = (2 * nnz + 7) // 8 * 8
+    for k in range(4):
+        dst[d_off + k] = np.uint8((nnz >> (8 * k)) & 0xFF)
+        dst[d_off + 4 + k] = 0
+    for k in range(2 * nnz, pad):
+        dst[d_off + 8 + k] = 0
+    idx = dst[d_off + 8 : d_off + 8 + 2 * nnz].view(np.uint16)
+    v = d_off + 8 + pad
+    s = src[s_off : s_off + nbytes]
+    vals = dst[v : v + nnz * esize]
+    if esize == 2:
+        _encode_typed(s.view(np.uint16), idx, vals.view(np.uint16))
+    elif esize == 4:
+        _encode_typed(s.view(np.uint32), idx, vals.view(np.uint32))
+    elif esize == 8:
+        _encode_typed(s.view(np.uint64), idx, vals.view(np.uint64))
+    else:
+        _encode_typed(s, idx, vals)
+    return 8 + pad + nnz * esize
+
+
+@njit(cache=True, nogil=True)
+def _sparse_expand(dst, d_off, b, p, nbytes, esize):  # type: ignore[no-untyped-def]
+    """Dense form of the (validated) sparse payload at b[p:] into dst[d_off : d_off + nbytes]:
+    listed elements get their value, all others all-zero bits."""
+    nnz = _le32(b, p)
+    idx = b[p + 8 : p + 8 + 2 * nnz].view(np.uint16)
+    v = p + 8 + (2 * nnz + 7) // 8 * 8
+    vals = b[v : v + nnz * esize]
+    w = dst[d_off : d_off + nbytes]
+    if esize == 2:
+        _expand_typed(w.view(np.uint16), idx, vals.view(np.uint16))
+    elif esize == 4:
+        _expand_typed(w.view(np.uint32), idx, vals.view(np.uint32))
+    elif esize == 8:
+        _expand_typed(w.view(np.uint64), idx, vals.view(np.uint64))
+    else:
+        _expand_typed(w, idx, vals)
+
+
+@njit(cache=True, nogil=True)
+def _encode_payload(dst, d_off, src, s_off, nbytes, esize):  # type: ignore[no-untyped-def]
+    """Dense src range into dst[d_off:] as sparse (when it pays) or dense; (bytes, sparse?)."""
+    nnz = _count_nonzero(src, s_off, nbytes, esize)
+    if _sparse_pays(nnz, nbytes, esize):
+        return _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz), True
+    for k in range(nbytes):
+        dst[d_off + k] = src[s_off + k]
+    return nbytes, False
 
 
 # ---------------------------------------------------------------- rights, members, window
@@ -600,7 +754,10 @@ def _all_write(
         co_done[seq] = 1
         co_cfg[CFG_DONE_COUNT] += 1
     a = np.int64(addr)
-    mem[a : a + length] = b[_HDR : _HDR + length]
+    if _rd16(b, 2) & _F_SPARSE:
+        _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), esize)  # the rest zeroed
+    else:
+        mem[a : a + length] = b[_HDR : _HDR + length]
     if _rd16(b, 2) & _F_ACK_REQ:
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
@@ -655,7 +812,10 @@ def _mutate(  # type: ignore[no-untyped-def]
     reply_len = 0
     if op == _OP_WRITE or op == _OP_ADD:
         if op == _OP_WRITE:
-            mem[a : a + length] = b[_HDR : _HDR + length]
+            if _rd16(b, 2) & _F_SPARSE:
+                _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), _ESIZE[dtype])
+            else:
+                mem[a : a + length] = b[_HDR : _HDR + length]
         else:
             _combine_bytes(
                 mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[49])
@@ -681,6 +841,16 @@ def _mutate(  # type: ignore[no-untyped-def]
     tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
     tx_dst[tx_n] = dst
     return tx_n + 1
+
+
+@njit(cache=True, nogil=True)
+def _scratch(tx_buf, tx_off, tx_n):  # type: ignore[no-untyped-def]
+    """A dense payload's worth of scratch: the send slot after the current one when the queue
+    has it, else a fresh array (rare: a nearly full queue)."""
+    start = tx_off[tx_n] + _SLOT
+    if start + _MAXPAY <= tx_buf.shape[0]:
+        return tx_buf[start : start + _MAXPAY]
+    return np.zeros(_MAXPAY, np.uint8)
 
 
 @njit(cache=True, nogil=True)
@@ -729,6 +899,8 @@ def _chain_add(  # type: ignore[no-untyped-def]
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     payload_off = _HDR + _SEG * count
     a = np.int64(addr)
+    sparse_in = (_rd16(b, 2) & _F_SPARSE) != 0
+    sparse_mode = guarded and co_cfg[CFG_SPARSE] != 0
     if left > 0:
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         for k in range(payload_off):
@@ -739,12 +911,26 @@ def _chain_add(  # type: ignore[no-untyped-def]
             # return segment written by a non-member is replaced: replies never go to a third party.
             _wr32(t, 56, np.int64(src >> np.uint64(16)))
             _wr16(t, 60, np.int64(src & np.uint64(0xFFFF)))
-        _combine_bytes(
-            t, np.int64(payload_off), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
-        )
+        nbytes = np.int64(length)
+        if sparse_in or sparse_mode:
+            # Dense running value in a scratch (the next send slot when free), combined there,
+            # then re-encoded into the forwarded packet: sparse when it pays, else dense.
+            x = _scratch(tx_buf, tx_off, tx_n)
+            if sparse_in:
+                _sparse_expand(x, np.int64(0), b, np.int64(payload_off), nbytes, esize)
+            else:
+                x[:length] = b[payload_off : payload_off + length]
+            _combine_bytes(x, np.int64(0), x, np.int64(0), mem, a, nbytes, dtype, op)
+            nbytes, sparse_out = _encode_payload(t, np.int64(payload_off), x, np.int64(0), nbytes, esize)
+            flags = _rd16(b, 2) & ~_F_SPARSE
+            _wr16(t, 2, flags | (_F_SPARSE if sparse_out else 0))
+        else:
+            _combine_bytes(
+                t, np.int64(payload_off), b, np.int64(payload_off), mem, a, nbytes, dtype, op
+            )
         counters[C.BYTES_COMBINED] += length
         counters[C.FORWARDED] += 1
-        tx_len[tx_n] = payload_off + length
+        tx_len[tx_n] = payload_off + nbytes
         tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = nxt
         return tx_n + 1
@@ -755,9 +941,15 @@ def _chain_add(  # type: ignore[no-untyped-def]
         # (in-place all-reduce), and the combine kernel may not alias its output with `b`.
         s = np.int64(store_addr)
         scratch = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-        _combine_bytes(
-            scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
-        )
+        if sparse_in:
+            _sparse_expand(scratch, np.int64(_HDR), b, np.int64(payload_off), np.int64(length), esize)
+            _combine_bytes(
+                scratch, np.int64(_HDR), scratch, np.int64(_HDR), mem, a, np.int64(length), dtype, op
+            )
+        else:
+            _combine_bytes(
+                scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
+            )
         mem[s : s + length] = scratch[_HDR : _HDR + length]
         counters[C.BYTES_COMBINED] += length
         counters[C.STORED] += 1
@@ -783,13 +975,47 @@ def _coll_done_msg(b, src, co_cfg):  # type: ignore[no-untyped-def]
     if co_cfg[CFG_STATE] == 0 or rank >= world:
         return True
     epoch = _rd32(b, 20)
+    asks = _rd32(b, 12) == 0  # txn_id 1 marks an answer, which is never answered
     if epoch == co_cfg[CFG_EPOCH]:
         co_cfg[CFG_PEERS_DONE] |= np.int64(1) << rank
-        if co_cfg[CFG_STATE] != 1:
-            co_cfg[CFG_CUR_ASK] |= np.int64(1) << rank  # it missed ours: repeat it
-    elif ((co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF) == 1:
+        ready = (co_cfg[CFG_PEERS_DONE] >> co_cfg[CFG_RANK]) & 1
+        if asks and (co_cfg[CFG_STATE] != 1 or ready):
+            # This node is ready (or finished): answer at once, so a member that started late
+            # need not wait a retransmission timeout for the DONE it missed.
+            co_cfg[CFG_CUR_ASK] |= np.int64(1) << rank
+    elif asks and ((co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF) == 1:
         co_cfg[CFG_PREV_ASK] |= np.int64(1) << rank
     return True
+
+
+@njit(cache=True, nogil=True)
+def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyped-def]
+    """A member's per-chunk non-zero bitmap (sparse mode, SPEC.md 4.1): OR it in once; a request
+    (txn_id 0) is answered with ours by the next tick, an answer (txn_id 1) proves the member
+    holds ours. Dropped unless this node runs that very collective and epoch."""
+    rank = _rd32(b, 4)
+    nbytes = _rd32(b, 28)
+    chunks = co_cfg[CFG_CHUNKS]
+    if (
+        co_cfg[CFG_STATE] != 1
+        or co_cfg[CFG_SPARSE] == 0
+        or _rd32(b, 16) != co_cfg[CFG_COLL]
+        or _rd32(b, 20) != co_cfg[CFG_EPOCH]
+        or rank >= co_cfg[CFG_WORLD]
+        or nbytes != (chunks + 7) // 8
+    ):
+        counters[C.DROP_COLL_EARLY] += 1
+        return
+    bit = np.int64(1) << rank
+    if co_cfg[CFG_BM_GOT] & bit == 0:
+        for c in range(chunks):
+            if (b[_HDR + (c >> 3)] >> (c & 7)) & 1:
+                co_done[NZ_BASE + c] = 1
+        co_cfg[CFG_BM_GOT] |= bit
+    if _rd32(b, 12) == 1:
+        co_cfg[CFG_BM_HAS] |= bit
+    else:
+        co_cfg[CFG_BM_ASK] |= bit
 
 
 @njit(cache=True, nogil=True)
@@ -801,6 +1027,9 @@ def _coll_reply(b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members
         return False
     if op == _OP_ACK and _rd64(b, 40) == AUX_DONE and _rd32(b, 16) == co_cfg[CFG_COLL]:
         return _coll_done_msg(b, src, co_cfg)
+    if op == _OP_ACK and _rd64(b, 40) == AUX_BITMAP:
+        _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
+        return True
     if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, 16), _rd32(b, 20)) != _PHASE_RUNNING:
         return False
     seq = _rd32(b, 4)

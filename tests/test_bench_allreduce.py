@@ -1,0 +1,212 @@
+"""`netdam bench allreduce`: a tiny real run (chain and ring-host on node processes) has every
+key; missing peers are reported in `skipped` with the command that installs them; --plot writes
+a PNG; usage errors exit 2. Targets are reported by the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from netdam import bench_allreduce as B
+from netdam import cli_bench, cliutil
+from netdam.cliutil import NetdamArgumentParser
+
+ROW_KEYS = {
+    "algo",
+    "nodes",
+    "bytes",
+    "dtype",
+    "repeat",
+    "seconds_median",
+    "seconds_min",
+    "seconds_max",
+    "algbw_gbps",
+    "busbw_gbps",
+    "ratio_vs_chain",
+    "model_seconds_100g",
+}
+MACHINE_KEYS = {"cores", "kernel", "python", "numpy", "numba", "torch", "mpi4py", "mpi"}
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
+    """Run `netdam bench ...` in-process (the parser of netdam/cli_bench.py alone)."""
+    parser = NetdamArgumentParser(prog="netdam")
+    cli_bench.register(parser.add_subparsers(dest="command", parser_class=NetdamArgumentParser))
+    cliutil.JSON_REQUESTED[0] = "--json" in argv
+    try:
+        args = parser.parse_args(argv)
+        code = args.func(args)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    except cliutil.CommandError as exc:
+        cliutil.emit({"ok": False, "error": str(exc)}, True)
+        code = int(exc.code)
+    finally:
+        cliutil.JSON_REQUESTED[0] = False
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def fake_runner(
+    algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
+) -> B._Outcome:
+    """Seconds proportional to size, chain fastest: exercises rows, ratios and the plot quickly."""
+    scale = {"chain": 1.0, "ring-host": 3.0, "gloo": 0.5, "mpi": 2.0}[algo]
+    base = scale * (1e-4 + count * 4 / 1e9) * nodes
+    return B._Outcome(times=[base * (1 + 0.01 * i) for i in range(repeat)], ok=True)
+
+
+def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None:
+    code, res = run_cli(
+        ["bench", "allreduce", "--nodes", "2", "--size", "64KiB", "--repeat", "1",
+         "--vs", "ring-host", "--json"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, res.get("error")
+    assert res["ok"] is True
+    assert {"results", "skipped", "machine"} <= res.keys()
+    assert MACHINE_KEYS <= res["machine"].keys()
+    assert res["skipped"] == []
+    algos = {r["algo"]: r for r in res["results"]}
+    assert set(algos) == {"chain", "ring-host"}
+    for row in res["results"]:
+        assert ROW_KEYS <= row.keys()
+        assert (row["nodes"], row["bytes"], row["dtype"], row["repeat"]) == (2, 65536, "f32", 1)
+        assert row["ok"] is True
+        assert row["seconds_min"] <= row["seconds_median"] <= row["seconds_max"]
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(p-1)/p = 1 at p = 2
+        assert row["model_seconds_100g"] > 0
+    assert algos["chain"]["ratio_vs_chain"] == 1.0
+    ring = algos["ring-host"]
+    assert ring["ratio_vs_chain"] == pytest.approx(
+        ring["seconds_median"] / algos["chain"]["seconds_median"]
+    )
+
+
+def test_missing_peers_are_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("netdam.bench_allreduce.util.find_spec", lambda name: None)
+    monkeypatch.setattr("netdam.bench_allreduce.shutil.which", lambda name: None)
+    cfg = B.AllReduceBenchConfig(nodes=(2,), sizes=(4096,), peers=("gloo", "mpi"), repeat=2,
+                                 progress=False)  # fmt: skip
+    res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
+    assert code == 0
+    reasons = {s["algo"]: s["reason"] for s in res["skipped"]}
+    assert set(reasons) == {"gloo", "mpi"}
+    assert "pip install 'netdam[bench]'" in reasons["gloo"]
+    assert "apt-get install openmpi-bin libopenmpi-dev" in reasons["mpi"]
+    assert [r["algo"] for r in res["results"]] == ["chain"]
+
+
+def test_installed_peers_are_not_skipped() -> None:
+    """Here the real checks decide: a peer is either measured or skipped, never both."""
+    for peer, check in (("gloo", B.gloo_unavailable), ("mpi", B.mpi_unavailable)):
+        reason = check()
+        assert reason is None or "install" in reason, (peer, reason)
+
+
+def test_rows_ratios_and_exit_codes_with_a_fake_runner() -> None:
+    cfg = B.AllReduceBenchConfig(nodes=(2, 4), sizes=(1024, 4096), peers=("ring-host",), repeat=3,
+                                 progress=False)  # fmt: skip
+    res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
+    assert code == 0 and len(res["results"]) == 8
+    for row in res["results"]:
+        expected = 1.0 if row["algo"] == "chain" else 3.0
+        assert row["ratio_vs_chain"] == pytest.approx(expected)
+        p = row["nodes"]
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (p - 1) / p)
+    json.dumps(res, allow_nan=False)
+
+    def wrong(*args: object) -> B._Outcome:
+        return B._Outcome(times=[1.0], ok=False, error="result differs from the reference")
+
+    def dead(*args: object) -> B._Outcome:
+        return B._Outcome(error="node rank 1 exited")
+
+    one = B.AllReduceBenchConfig(nodes=(2,), sizes=(1024,), peers=(), repeat=1, progress=False)
+    res, code = B.run_allreduce_bench(one, runner=wrong)
+    assert code == 1 and res["ok"] is False and "error" in res
+    res, code = B.run_allreduce_bench(one, runner=dead)
+    assert code == 3 and res["results"][0]["seconds_median"] is None
+    assert res["results"][0]["error"] == "node rank 1 exited"
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "allreduce.png"
+    cfg = B.AllReduceBenchConfig(nodes=(2, 4, 8), sizes=(1024, 1 << 20), peers=("ring-host",),
+                                 repeat=1, plot=png, progress=False)  # fmt: skip
+    res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
+    assert code == 0 and res["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(
+        B, "plot_unavailable", lambda: "--plot needs matplotlib: pip install 'netdam[bench]'"
+    )
+    code, res = run_cli(
+        ["bench", "allreduce", "--nodes", "2", "--size", "4KiB", "--plot", str(tmp_path / "x.png"),
+         "--json"],
+        capsys,
+    )  # fmt: skip
+    assert code == 2 and "pip install 'netdam[bench]'" in res["error"]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--nodes", "1"], "2..64"),
+        (["--nodes", "two"], "comma-separated"),
+        (["--vs", "nccl"], "choose from"),
+        (["--size", "64MB"], "decimal units"),
+        (["--size", "6B"], "multiple of 4"),
+        (["--sizes", "1KiB..3KiB"], "powers of two"),
+        (["--size", "1KiB", "--sizes", "1KiB..2KiB"], "not allowed with"),
+        (["--repeat", "0"], "out of range"),
+        (["--plot", "fig.svg"], ".png"),
+    ],
+)
+def test_usage_errors_exit_2(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, res = run_cli(["bench", "allreduce", *argv, "--json"], capsys)
+    assert code == 2
+    assert res["ok"] is False and fragment in res["error"]
+
+
+def test_parsers() -> None:
+    assert B.parse_nodes("8,2,4,4") == (2, 4, 8)
+    assert B.parse_peers("mpi, GLOO") == ("gloo", "mpi")
+    assert B.parse_peers("none") == () and B.parse_peers("chain") == ()
+    assert B.mpirun_command(4)[:4][1:] == ["--oversubscribe", "-np", "4"]
+
+
+def test_a_peer_that_times_out_is_killed_with_its_process_group() -> None:
+    """A Gloo run that cannot finish in time reports the timeout and leaves no rank behind."""
+    pytest.importorskip("torch")
+    before = _children()
+    # 2 ranks of a 3-rank group: init_process_group waits for the third until the timeout.
+    outcome = B.run_gloo(3, 1024, 0, 1, timeout_s=1.0, ranks=2)
+    assert outcome.error is not None and "timed out after 1 s" in outcome.error
+    assert _children() == before
+
+
+def _children() -> set[int]:
+    import os
+
+    me = str(os.getpid())
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me:
+                found.add(int(entry.name))
+    return found
