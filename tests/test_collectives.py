@@ -353,3 +353,29 @@ def test_sparse_flag_rejected_for_gathers() -> None:
     replies = [decode_packet(d) for d, _ in cluster.fabric.receive(host)]
     assert [(r.opcode, r.status) for r in replies] == [(Opcode.NACK, Status.BAD_FIELD)]
     del inputs
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64, np.float64])
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_reduce_scatter_every_dtype_and_op(dtype: type, op: ReduceOp, rng: np.random.Generator) -> None:
+    inputs = random_inputs(rng, 3, 4099, dtype)
+    outcome = run(3, inputs, algo=Algo.REDUCE_SCATTER, op=op)
+    expected = chain_reference(inputs, op)
+    for rank, out in enumerate(outcome.outputs):
+        lo, hi = rank * 4099 // 3, (rank + 1) * 4099 // 3
+        assert out[lo:hi].tobytes() == expected[lo:hi].tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64, np.float64])
+def test_all_gather_and_broadcast_every_dtype(dtype: type, rng: np.random.Generator) -> None:
+    count, n = 5_003, 3
+    full = random_inputs(rng, 1, count, dtype)[0]
+    blocks = []
+    for rank in range(n):
+        lo, hi = rank * count // n, (rank + 1) * count // n
+        contribution = np.zeros(count, dtype)
+        contribution[: hi - lo] = full[lo:hi]
+        blocks.append(contribution)
+    assert_all_equal(run(n, blocks, algo=Algo.ALL_GATHER).outputs, full)
+    inputs = random_inputs(rng, n, count, dtype)
+    assert_all_equal(run(n, inputs, algo=Algo.BROADCAST, root=1).outputs, inputs[1])
