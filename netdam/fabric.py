@@ -15,8 +15,8 @@ from typing import Protocol
 import numpy as np
 
 from netdam.faults import FaultSpec, decide, packet_id
-from netdam.node import SLOT_BYTES
 from netdam.protocol.packet import Endpoint, endpoint_to_u64, u64_to_endpoint
+from netdam.sendqueue import SLOT_BYTES
 
 #: Datagrams one core takes or gives per step: the batch a real I/O shell would move.
 BATCH = 64

@@ -60,14 +60,12 @@ from netdam.protocol.packet import (
     reply_to,
     u64_to_endpoint,
 )
+from netdam.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
 
-#: Bytes of one receive or send slot: the largest valid datagram (header, full SR list, payload).
-SLOT_BYTES = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
+assert SLOT_BYTES == HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
 RKEY_SLOTS = 1024
 MAX_REGIONS = RKEY_SLOTS // 2
-#: Send-queue bound: beyond it the datapath drops and counts (DROP_TX_FULL).
-MAX_TX_QUEUE = 1 << 15
 #: Events waiting for the owner; beyond it replies are dropped and counted.
 MAX_EVENTS = 1 << 16
 
@@ -95,7 +93,7 @@ class NodeConfig:
     tx_slots: int = 256
 
 
-class NodeCore:
+class NodeCore(QueueOwner):
     """The sans-I/O core of one node: memory, rkeys, duplicate window, counters, datapath."""
 
     def __init__(self, config: NodeConfig, memory: np.ndarray | None = None) -> None:
@@ -128,14 +126,7 @@ class NodeCore:
         self._w_len = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.int32)
         self._w_reply = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW, DUP_REPLY_BYTES), np.uint8)
         self.collective = CollectiveEngine()
-        # Send queue: datagrams packed back to back in one byte buffer (so runs to one
-        # destination leave as one GSO send); datagram k at _tx_buf[_tx_off[k]:][:_tx_len[k]],
-        # _tx_off[tail] is the next free byte; pending = head..tail-1 (_txq = [head, tail]).
-        self._tx_buf = np.zeros(config.tx_slots * SLOT_BYTES, np.uint8)
-        self._tx_off = np.zeros(config.tx_slots + 1, np.int64)
-        self._tx_len = np.zeros(config.tx_slots, np.int32)
-        self._tx_dst = np.zeros(config.tx_slots, np.uint64)
-        self._txq = np.zeros(2, np.int64)
+        self.sendq = SendQueue(config.tx_slots, self.counters)
         self._punt = np.zeros(0, np.int32)
         self._events: deque[Event] = deque()
         self.groups: set[Endpoint] = set()
@@ -215,30 +206,7 @@ class NodeCore:
         """Copy queued datagrams into the caller's batch (back to back in ``out``, as many as fit
         in its bytes and its ``out_lens`` slots); return how many."""
         _check_batch(out, out_offs, out_lens, out_dsts, out_lens.shape[0])
-        head, tail = int(self._txq[0]), int(self._txq[1])
-        count = int(
-            datapath._drain(
-                self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, head, tail - head,
-                out, out_offs, out_lens, out_dsts,
-            )  # fmt: skip
-        )
-        self.sent(count)
-        return count
-
-    def sent(self, count: int) -> None:
-        """The owner sent the *count* oldest queued datagrams: count them and free their room."""
-        if count:
-            head = int(self._txq[0])
-            self.counters[C.TX_PACKETS] += count
-            self.counters[C.TX_BYTES] += int(self._tx_len[head : head + count].sum())
-            self._txq[0] = head + count
-        if self._txq[0] == self._txq[1]:
-            self._txq[:] = 0
-            self._tx_off[0] = 0
-
-    def pending(self) -> int:
-        """Datagrams waiting in the send queue."""
-        return int(self._txq[1] - self._txq[0])
+        return self.sendq.fill(out, out_offs, out_lens, out_dsts)
 
     def next_event(self) -> Event | None:
         """The oldest undelivered event, or None."""
@@ -322,41 +290,11 @@ class NodeCore:
     # ------------------------------------------------------------------ internals
 
     def _reserve_tx(self, n: int) -> None:
-        """Make room for n more datagrams: compact the queue, then grow up to MAX_TX_QUEUE."""
-        head, tail = int(self._txq[0]), int(self._txq[1])
-        if head:
-            live, base = tail - head, int(self._tx_off[head])
-            end = int(self._tx_off[tail])
-            self._tx_buf[: end - base] = self._tx_buf[base:end]
-            self._tx_off[: live + 1] = self._tx_off[head : tail + 1] - base
-            self._tx_len[:live] = self._tx_len[head:tail]
-            self._tx_dst[:live] = self._tx_dst[head:tail]
-            self._txq[:] = (0, live)
-            tail = live
-        need = tail + n + 1  # +1: a punted packet's reply
-        cap = self._tx_len.shape[0]
-        if need > cap and cap < MAX_TX_QUEUE:
-            new_cap = min(MAX_TX_QUEUE, max(need, 2 * cap))
-            self._tx_off = _grown(self._tx_off, new_cap + 1)
-            self._tx_len = _grown(self._tx_len, new_cap)
-            self._tx_dst = _grown(self._tx_dst, new_cap)
-        room = int(self._tx_off[tail]) + (min(need, self._tx_len.shape[0]) - tail) * SLOT_BYTES
-        if room > self._tx_buf.shape[0]:
-            self._tx_buf = _grown(self._tx_buf, max(room, 2 * self._tx_buf.shape[0]))
+        self.sendq.reserve(n)
 
     def _push(self, data: bytes, dst: int) -> None:
         """Queue one datagram built by the control plane."""
-        self._reserve_tx(1)
-        tail = int(self._txq[1])
-        start = int(self._tx_off[tail])
-        if tail >= self._tx_len.shape[0] or start + len(data) > self._tx_buf.shape[0]:
-            self.counters[C.DROP_TX_FULL] += 1
-            return
-        self._tx_buf[start : start + len(data)] = np.frombuffer(data, np.uint8)
-        self._tx_len[tail] = len(data)
-        self._tx_dst[tail] = dst
-        self._tx_off[tail + 1] = start + len(data)
-        self._txq[1] = tail + 1
+        self.sendq.push(data, dst)
 
     def _reply_dst(self, packet: Packet, src: int) -> int:
         ret = endpoint_to_u64(packet.ret)
@@ -562,13 +500,6 @@ def _probe_free(table: np.ndarray, rkey: int) -> int:
     while table[slot] != 0:
         slot = (slot + 1) & mask
     return int(slot)
-
-
-def _grown(array: np.ndarray, size: int) -> np.ndarray:
-    """A copy of 1-D *array* extended with zeros to *size* elements."""
-    grown = np.zeros(size, array.dtype)
-    grown[: array.shape[0]] = array
-    return grown
 
 
 def _check_batch(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:

@@ -23,9 +23,10 @@ from netdam.events import GroupJoined, GroupLeft
 from netdam.faults import FaultSpec
 from netdam.kernels import serve
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
-from netdam.node import SLOT_BYTES, NodeConfig, NodeCore
+from netdam.node import NodeConfig, NodeCore
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
+from netdam.sendqueue import SLOT_BYTES
 from netdam.shm import DEFAULT_SHM_DIR, create_memory
 from netdam.udp import granted_buffers, join_multicast, open_udp_socket, pin_multicast_sender
 

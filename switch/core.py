@@ -20,8 +20,7 @@ import numpy as np
 
 from netdam import counters as C
 from netdam.kernels import switch_path as K
-from netdam.kernels.datapath import _drain
-from netdam.node import SLOT_BYTES, _check_batch, _grown
+from netdam.node import _check_batch
 from netdam.protocol.constants import (
     DEFAULT_MTU,
     IP_UDP_OVERHEAD,
@@ -42,6 +41,7 @@ from netdam.protocol.packet import (
     reply_to,
     u64_to_endpoint,
 )
+from netdam.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
 from netdam.switch.addrmap import Region, build_tables
 from netdam.switch.faults import LinkFaultSpec
 
@@ -110,7 +110,7 @@ class _Tables:
     groups: dict[int, list[int]] = field(default_factory=dict)
 
 
-class SwitchCore:
+class SwitchCore(QueueOwner):
     """Address map, groups, counters, faults and the batch datapath of one switch."""
 
     def __init__(self, config: SwitchConfig, regions: Sequence[Region] = (), generation: int = 0) -> None:
@@ -156,11 +156,7 @@ class SwitchCore:
         self.hold_time = np.zeros(HOLD_SLOTS, np.float64)
         self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
         # Send queue (as NodeCore's: back to back, [head, tail]).
-        self._tx_buf = np.zeros(config.tx_slots * SLOT_BYTES, np.uint8)
-        self._tx_off = np.zeros(config.tx_slots + 1, np.int64)
-        self._tx_len = np.zeros(config.tx_slots, np.int32)
-        self._tx_dst = np.zeros(config.tx_slots, np.uint64)
-        self._txq = np.zeros(2, np.int64)
+        self.sendq = SendQueue(config.tx_slots, self.counters)
         self._punt = np.zeros(64, np.int32)
         self._events: deque[GroupChanged] = deque()
         self.set_regions(regions, generation)
@@ -353,25 +349,7 @@ class SwitchCore:
     ) -> int:
         """Copy queued datagrams into the caller's batch; return how many."""
         _check_batch(out, out_offs, out_lens, out_dsts, out_lens.shape[0])
-        head, tail = int(self._txq[0]), int(self._txq[1])
-        count = int(_drain(self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, head, tail - head,
-                           out, out_offs, out_lens, out_dsts))  # fmt: skip
-        self.sent(count)
-        return count
-
-    def sent(self, count: int) -> None:
-        """The owner sent the *count* oldest queued datagrams."""
-        if count:
-            head = int(self._txq[0])
-            self.counters[C.TX_PACKETS] += count
-            self.counters[C.TX_BYTES] += int(self._tx_len[head : head + count].sum())
-            self._txq[0] = head + count
-        if self._txq[0] == self._txq[1]:
-            self._txq[:] = 0
-            self._tx_off[0] = 0
-
-    def pending(self) -> int:
-        return int(self._txq[1] - self._txq[0])
+        return self.sendq.fill(out, out_offs, out_lens, out_dsts)
 
     def get_timer(self) -> float | None:
         """When the earliest datagram held by a reorder/delay fault is due (None: none held)."""
@@ -433,39 +411,11 @@ class SwitchCore:
     # ------------------------------------------------------------------ internals
 
     def _reserve_tx(self, n: int) -> None:
-        head, tail = int(self._txq[0]), int(self._txq[1])
-        if head:
-            live, base = tail - head, int(self._tx_off[head])
-            end = int(self._tx_off[tail])
-            self._tx_buf[: end - base] = self._tx_buf[base:end]
-            self._tx_off[: live + 1] = self._tx_off[head : tail + 1] - base
-            self._tx_len[:live] = self._tx_len[head:tail]
-            self._tx_dst[:live] = self._tx_dst[head:tail]
-            self._txq[:] = (0, live)
-            tail = live
-        need = tail + n + 1
-        cap = self._tx_len.shape[0]
-        if need > cap and cap < MAX_TX_QUEUE:
-            new_cap = min(MAX_TX_QUEUE, max(need, 2 * cap))
-            self._tx_off = _grown(self._tx_off, new_cap + 1)
-            self._tx_len = _grown(self._tx_len, new_cap)
-            self._tx_dst = _grown(self._tx_dst, new_cap)
-        room = int(self._tx_off[tail]) + (min(need, self._tx_len.shape[0]) - tail) * SLOT_BYTES
-        if room > self._tx_buf.shape[0]:
-            self._tx_buf = _grown(self._tx_buf, max(room, 2 * self._tx_buf.shape[0]))
+        self.sendq.reserve(n)
 
     def _push(self, data: bytes, dst: int) -> None:
-        self._reserve_tx(1)
-        tail = int(self._txq[1])
-        start = int(self._tx_off[tail])
-        if tail >= self._tx_len.shape[0] or start + len(data) > self._tx_buf.shape[0]:
-            self.counters[C.DROP_TX_FULL] += 1
+        if not self.sendq.push(data, dst):
             return
-        self._tx_buf[start : start + len(data)] = np.frombuffer(data, np.uint8)
-        self._tx_len[tail] = len(data)
-        self._tx_dst[tail] = dst
-        self._tx_off[tail + 1] = start + len(data)
-        self._txq[1] = tail + 1
         port = self._port(dst)
         self.port_ctr[port, K.P_TX_PACKETS] += 1
         self.port_ctr[port, K.P_TX_BYTES] += len(data)

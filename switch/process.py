@@ -20,10 +20,10 @@ from netdam import counters as C
 from netdam.cluster import ClusterFile, load_cluster
 from netdam.kernels import switch_serve
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
-from netdam.node import SLOT_BYTES
 from netdam.nodeproc import die_with_parent
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
+from netdam.sendqueue import SLOT_BYTES
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
 from netdam.switch.faults import LinkFaultSpec
 from netdam.switch.state import (
