@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from netdam import counters as C
+from netdam import nodeproc
 from netdam.cluster import ClusterFile, load_cluster
 from netdam.kernels import switch_serve
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
@@ -188,7 +189,7 @@ class SwitchProcess:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            while not self.stop:
+            while not self.stop and not nodeproc._STOP_REQUESTED[0]:
                 self.serve_once(IDLE_WAIT_MS)
         finally:
             self.close()
@@ -202,6 +203,9 @@ class SwitchProcess:
 
 
 def main(config: SwitchProcessConfig) -> int:
+    # As a node: a stop signal that arrives during warm-up still ends in a clean close.
+    signal.signal(signal.SIGTERM, nodeproc._request_stop)
+    signal.signal(signal.SIGINT, nodeproc._request_stop)
     if config.die_with_parent:
         die_with_parent()
     try:
@@ -214,6 +218,9 @@ def main(config: SwitchProcessConfig) -> int:
     except BaseException:
         proc.close()
         raise
+    if nodeproc._STOP_REQUESTED[0]:
+        proc.close()
+        return 0
     print(f"ready {proc.vip[0]}:{proc.vip[1]} {config.state_file} control_port={proc.control_port}",
           flush=True)  # fmt: skip
     proc.run()

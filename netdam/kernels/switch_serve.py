@@ -12,8 +12,9 @@ from numba import njit
 
 from netdam import counters as C
 from netdam.kernels.datapath import _SLOT
+from netdam.kernels.serve import _flush  # one flush for node and switch
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
-from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch, _send_batch
+from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch
 
 RETURN_IDLE = 0
 RETURN_PUNT = 1
@@ -21,28 +22,6 @@ RETURN_ROUNDS = 2
 RETURN_QUEUE = 3
 #: A call returns to Python after this long (punts, the management port, map reloads).
 CALL_BUDGET_NS = 5_000_000
-
-
-@njit(cache=True, nogil=True)
-def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):  # type: ignore[no-untyped-def]
-    """Send the pending queue; True when everything went (as serve._flush)."""
-    head = txq[0]
-    tail = txq[1]
-    if tail <= head:
-        return True
-    sent = _send_batch(
-        fd, tx_buf, tx_off[head:tail], tx_len[head:tail], tx_dst[head:tail], tail - head, scratch, io_state
-    )
-    for k in range(head, head + sent):
-        counters[C.TX_PACKETS] += 1
-        counters[C.TX_BYTES] += tx_len[k]
-    txq[0] = head + sent
-    if txq[0] == tail:
-        txq[0] = 0
-        txq[1] = 0
-        tx_off[0] = 0
-        return True
-    return False
 
 
 @njit(cache=True, nogil=True)
