@@ -19,7 +19,6 @@ A peer that is not installed lands in ``skipped`` with the command that installs
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as _dt
 import json
@@ -724,39 +723,17 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
 # ---------------------------------------------------------------- CLI
 
 
-def _repeat_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: give an integer") from None
-    if not 1 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give 1..1000")
-    return value
-
-
-def _warmup_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: give an integer") from None
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"{text} is out of range: give 0..100")
-    return value
-
-
-def _timeout_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: give a number") from None
-    if not math.isfinite(value) or not 0 < value <= 86400:
-        raise argparse.ArgumentTypeError(f"{text} s is out of range: give 0 < seconds <= 86400")
-    return value
-
-
 def register_allreduce_bench(benches: Any) -> None:
     """Add ``allreduce`` under ``netdam bench`` (netdam/cli_bench.py's _BENCHMARKS)."""
-    from netdam.cliutil import CommandError, ExitCode, emit, size_arg, size_range_arg
+    from netdam.cliutil import (
+        CommandError,
+        ExitCode,
+        bounded_int,
+        bounded_seconds,
+        emit,
+        size_arg,
+        size_range_arg,
+    )
 
     parser = benches.add_parser(
         "allreduce",
@@ -776,9 +753,9 @@ def register_allreduce_bench(benches: Any) -> None:
     )
     parser.add_argument("--vs", default=",".join(("gloo", "mpi", "ring-host")),
                         help="peers, comma-separated: gloo, mpi, ring-host, or none (default all)")  # fmt: skip
-    parser.add_argument("--repeat", type=_repeat_arg, default=5, help="timed calls per run (5)")
-    parser.add_argument("--warmup", type=_warmup_arg, default=1, help="untimed calls first (1)")
-    parser.add_argument("--timeout", type=_timeout_arg, default=600.0,
+    parser.add_argument("--repeat", type=bounded_int(1, 1000), default=5, help="timed calls per run (5)")
+    parser.add_argument("--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)")
+    parser.add_argument("--timeout", type=bounded_seconds(0, 86400, low_inclusive=False), default=600.0,
                         help="wall-clock limit of one gloo/mpi run in seconds (600)")  # fmt: skip
     parser.add_argument(
         "--plot", type=Path, default=None, help="write a PNG figure (needs matplotlib)"

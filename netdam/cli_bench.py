@@ -10,7 +10,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from netdam.cliutil import CommandError, ExitCode, NetdamArgumentParser, emit, size_arg
+from netdam.cliutil import (
+    CommandError,
+    ExitCode,
+    NetdamArgumentParser,
+    bounded_seconds,
+    emit,
+    size_arg,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -27,26 +34,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     benches.required = True
     for add in _BENCHMARKS:
         add(benches)
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: give a number") from None
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"{text} s is out of range: give 0 < seconds <= 3600")
-    return value
-
-
-def _warmup_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: give a number") from None
-    if not 0 <= value <= 600:
-        raise argparse.ArgumentTypeError(f"{text} s is out of range: give 0 <= seconds <= 600")
-    return value
 
 
 # ---------------------------------------------------------------- bench datapath
@@ -66,10 +53,10 @@ def register_datapath(benches: argparse._SubParsersAction) -> None:  # type: ign
         "3 a process failed or timed out.",
     )
     parser.add_argument(
-        "--seconds", type=_positive_seconds, default=3.0, help="measured seconds per phase (3)"
+        "--seconds", type=bounded_seconds(0, 3600, low_inclusive=False), default=3.0, help="measured seconds per phase (3)"
     )
     parser.add_argument(
-        "--warmup", type=_warmup_seconds, default=1.0, help="seconds before timing starts (1)"
+        "--warmup", type=bounded_seconds(0, 600, low_inclusive=True), default=1.0, help="seconds before timing starts (1)"
     )
     parser.add_argument("--mtu", type=int, default=9000, help="IP MTU (default 9000)")
     parser.add_argument(

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NoReturn
 
@@ -79,6 +80,38 @@ def size_range_arg(text: str) -> list[int]:
 
 #: Whether the command line being parsed asked for --json (set by netdam.cli.main).
 JSON_REQUESTED = [False]
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """argparse type for an integer in [low, high] (counts: repeats, warm-ups)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid count {text!r}: give an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {low}..{high}")
+        return value
+
+    return parse
+
+
+def bounded_seconds(low: float, high: float, *, low_inclusive: bool) -> Callable[[str], float]:
+    """argparse type for a finite number of seconds in (low, high] or [low, high]."""
+    low_text = f"{low:g} <= seconds" if low_inclusive else f"{low:g} < seconds"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: give a number") from None
+        above_low = value >= low if low_inclusive else value > low
+        if not math.isfinite(value) or not above_low or value > high:
+            raise argparse.ArgumentTypeError(f"{text} s is out of range: give {low_text} <= {high:g}")
+        return value
+
+    return parse
 
 
 class NetdamArgumentParser(argparse.ArgumentParser):

@@ -13,8 +13,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -214,13 +216,28 @@ def _request_stop(signum: int, frame: object) -> None:
     _STOP_REQUESTED[0] = True
 
 
-def main(config: NodeProcessConfig) -> int:
+class ServedProcess(Protocol):
+    """What serve_main needs of a node or switch process."""
+
+    def warm_up(self) -> None: ...
+
+    def run(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+P = TypeVar("P", bound=ServedProcess)
+
+
+def serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_parent: bool) -> int:
+    """The life of a node or switch process: stop handlers first, optionally die with the
+    parent, create (exit 2 with the message on ValueError), warm up, announce, serve."""
     signal.signal(signal.SIGTERM, _request_stop)
     signal.signal(signal.SIGINT, _request_stop)
-    if config.die_with_parent:
+    if with_parent:
         die_with_parent()
     try:
-        proc = NodeProcess(config)
+        proc = create()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -232,7 +249,15 @@ def main(config: NodeProcessConfig) -> int:
     if _STOP_REQUESTED[0]:
         proc.close()
         return 0
-    print(f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} "
-          f"control_port={proc.control_port} admin_key={proc.core.config.admin_key}", flush=True)  # fmt: skip
+    print(ready_line(proc), flush=True)
     proc.run()
     return 0
+
+
+def main(config: NodeProcessConfig) -> int:
+    return serve_main(
+        lambda: NodeProcess(config),
+        lambda proc: f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} "
+        f"control_port={proc.control_port} admin_key={proc.core.config.admin_key}",
+        config.die_with_parent,
+    )

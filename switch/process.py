@@ -21,7 +21,6 @@ from netdam import nodeproc
 from netdam.cluster import ClusterFile, load_cluster
 from netdam.kernels import switch_serve
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
-from netdam.nodeproc import die_with_parent
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
 from netdam.sendqueue import SLOT_BYTES
@@ -203,25 +202,8 @@ class SwitchProcess:
 
 
 def main(config: SwitchProcessConfig) -> int:
-    # As a node: a stop signal that arrives during warm-up still ends in a clean close.
-    signal.signal(signal.SIGTERM, nodeproc._request_stop)
-    signal.signal(signal.SIGINT, nodeproc._request_stop)
-    if config.die_with_parent:
-        die_with_parent()
-    try:
-        proc = SwitchProcess(config)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        proc.warm_up()
-    except BaseException:
-        proc.close()
-        raise
-    if nodeproc._STOP_REQUESTED[0]:
-        proc.close()
-        return 0
-    print(f"ready {proc.vip[0]}:{proc.vip[1]} {config.state_file} control_port={proc.control_port}",
-          flush=True)  # fmt: skip
-    proc.run()
-    return 0
+    return nodeproc.serve_main(
+        lambda: SwitchProcess(config),
+        lambda proc: f"ready {proc.vip[0]}:{proc.vip[1]} {config.state_file} control_port={proc.control_port}",
+        config.die_with_parent,
+    )

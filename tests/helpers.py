@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
+import pytest
 from hypothesis import strategies as st
 
+from netdam import cli_bench, cliutil
+from netdam.cliutil import NetdamArgumentParser
 from netdam.fabric import Fabric
 from netdam.faults import FaultSpec
 from netdam.node import NodeConfig, NodeCore
@@ -153,3 +158,23 @@ def valid_packets(draw: st.DrawFn) -> Packet:
         ret=draw(_endpoint),
         payload=payload,
     )
+
+
+def run_bench_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
+    """Run `netdam bench ...` in-process (the parser of netdam/cli_bench.py alone); returns the
+    exit code and the JSON object printed."""
+    parser = NetdamArgumentParser(prog="netdam")
+    cli_bench.register(parser.add_subparsers(dest="command", parser_class=NetdamArgumentParser))
+    cliutil.JSON_REQUESTED[0] = "--json" in argv
+    try:
+        args = parser.parse_args(argv)
+        code = args.func(args)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    except cliutil.CommandError as exc:
+        cliutil.emit({"ok": False, "error": str(exc)}, True)
+        code = int(exc.code)
+    finally:
+        cliutil.JSON_REQUESTED[0] = False
+    out = capsys.readouterr().out
+    return code, json.loads(out)

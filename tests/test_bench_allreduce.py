@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers import run_bench_cli as run_cli
 
 from netdam import bench_allreduce as B
-from netdam import cli_bench, cliutil
-from netdam.cliutil import NetdamArgumentParser
 
 ROW_KEYS = {
     "algo",
@@ -31,23 +29,6 @@ ROW_KEYS = {
 MACHINE_KEYS = {"cores", "kernel", "python", "numpy", "numba", "torch", "mpi4py", "mpi"}
 
 
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
-    """Run `netdam bench ...` in-process (the parser of netdam/cli_bench.py alone)."""
-    parser = NetdamArgumentParser(prog="netdam")
-    cli_bench.register(parser.add_subparsers(dest="command", parser_class=NetdamArgumentParser))
-    cliutil.JSON_REQUESTED[0] = "--json" in argv
-    try:
-        args = parser.parse_args(argv)
-        code = args.func(args)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    except cliutil.CommandError as exc:
-        cliutil.emit({"ok": False, "error": str(exc)}, True)
-        code = int(exc.code)
-    finally:
-        cliutil.JSON_REQUESTED[0] = False
-    out = capsys.readouterr().out
-    return code, json.loads(out)
 
 
 def fake_runner(

@@ -4,15 +4,14 @@ loopback UDP) reports every key with verified sums; failures are reported, never
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 
 import pytest
+from helpers import run_bench_cli as run_cli
 
-from netdam import cli_bench, cliutil
+from netdam import cli_bench
 from netdam.bench_datapath import node_command_available
-from netdam.cliutil import NetdamArgumentParser
 
 KEYS = {
     "raw_pps",
@@ -31,23 +30,6 @@ KEYS = {
 }
 
 
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
-    """Run `netdam bench ...` in-process (the parser of netdam/cli_bench.py alone)."""
-    parser = NetdamArgumentParser(prog="netdam")
-    cli_bench.register(parser.add_subparsers(dest="command", parser_class=NetdamArgumentParser))
-    cliutil.JSON_REQUESTED[0] = "--json" in argv
-    try:
-        args = parser.parse_args(argv)
-        code = args.func(args)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    except cliutil.CommandError as exc:
-        cliutil.emit({"ok": False, "error": str(exc)}, True)
-        code = int(exc.code)
-    finally:
-        cliutil.JSON_REQUESTED[0] = False
-    out = capsys.readouterr().out
-    return code, json.loads(out)
 
 
 @pytest.mark.skipif(not node_command_available(), reason="`netdam node` is not registered yet")
