@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 _API = {
     "init", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "empty",
-    "get_rank", "get_world_size", "destroy_process_group", "ReduceOp", "Work", "ProcessGroup",
+    "get_rank", "get_world_size", "get_default_group", "destroy_process_group", "ReduceOp", "Work",
+    "ProcessGroup",
     "CollectiveError",
 }  # fmt: skip
 __all__ = sorted(_API)

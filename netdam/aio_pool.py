@@ -29,7 +29,14 @@ from netdam.pool import (
     random_client_id,
     split,
 )
-from netdam.protocol.constants import HEADER_SIZE, Flags, Opcode
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    Flags,
+    Opcode,
+    max_payload,
+)
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 
@@ -43,6 +50,7 @@ class AsyncPoolClient:
                  timeout: float, retries: int, window: int) -> None:  # fmt: skip
         self.vip = vip
         self.client_id = client_id
+        self.max_payload = MAX_PAYLOAD_BYTES
         self.timeout = timeout
         self.retries = retries
         self._stream = stream
@@ -56,9 +64,13 @@ class AsyncPoolClient:
 
     @classmethod
     async def open(cls, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
-                   retries: int = 20, window: int = 32, bind: str = "127.0.0.1") -> AsyncPoolClient:  # fmt: skip
+                   retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
+                   mtu: int = DEFAULT_MTU) -> AsyncPoolClient:  # fmt: skip
+        """*mtu*: the cluster's (its file's `mtu`); reads and writes are split to fit it."""
         stream = await asyncio_dgram.bind((bind, 0))
-        return cls(stream, vip, client_id or random_client_id(), timeout, retries, window)
+        client = cls(stream, vip, client_id or random_client_id(), timeout, retries, window)
+        client.max_payload = max_payload(mtu)
+        return client
 
     async def close(self) -> None:
         self._reader.cancel()
@@ -78,13 +90,13 @@ class AsyncPoolClient:
 
     async def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
         replies = await asyncio.gather(*(self.request(Packet(Opcode.READ, rkey=rkey, addr=a, length=n))
-                                         for a, n in split(addr, length, stride)))  # fmt: skip
+                                         for a, n in split(addr, length, stride, self.max_payload)))  # fmt: skip
         return b"".join(r.payload for r in replies)
 
     async def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
         await asyncio.gather(*(self.request(Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a,
                                                    length=n, payload=data[a - addr : a - addr + n]))
-                               for a, n in split(addr, len(data), stride)))  # fmt: skip
+                               for a, n in split(addr, len(data), stride, self.max_payload)))  # fmt: skip
 
     async def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
         reply = await self.request(fetch_add_packet(addr, addend, rkey))

@@ -47,6 +47,7 @@ __all__ = [
     "broadcast",
     "destroy_process_group",
     "empty",
+    "get_default_group",
     "get_rank",
     "get_world_size",
     "init",
@@ -56,6 +57,13 @@ __all__ = [
 #: coll_id of the group of all ranks.
 WORLD_COLL_ID = 1
 _ALIGN = 64
+
+
+#: Seconds without progress before a collective fails (--timeout overrides). Issue 8 asks for an
+#: error naming a dead node within 5 s: 2.5 s of stall, plus up to 1 s to PING the members and
+#: name the dead ones, leaves room on a loaded machine; a live chain never stalls for 2.5 s (the
+#: longest retransmission timeout is 250 ms, SPEC section 4.1).
+DEFAULT_WATCHDOG_S = 2.5
 
 
 class CollectiveError(RuntimeError):
@@ -83,9 +91,11 @@ class ProcessGroup:
     cluster: ClusterFile
     rank: int
     multicast: bool = True
-    #: Watchdog override, seconds without progress; None: max(2 s, 20 x RTT x rounds).
+    #: Watchdog override, seconds without progress; None: DEFAULT_WATCHDOG_S.
     timeout_s: float | None = None
     epoch: int = 0
+    #: True once a START_COLL of this group was ACKed: its epochs follow the nodes'.
+    _epoch_settled: bool = field(init=False, default=False)
     memory: np.ndarray = field(init=False, repr=False)
     client: ControlClient = field(init=False, repr=False)
     _next_free: int = field(init=False, default=0)
@@ -108,19 +118,13 @@ class ProcessGroup:
         if self.multicast:
             self.client.request(self.node, Packet(Opcode.JOIN, rkey=self.cluster.admin_key,
                                                   addr=_endpoint_u64(self.group)))  # fmt: skip
-        # Round-trip time to the slowest node, for the watchdog.
-        self.rtt_s = max(min(self.client.ping(n.control_endpoint)[1] for _ in range(3)) for n in self.cluster.nodes)
 
     def watchdog_s(self, count: int, dtype: DType) -> float:
-        """How long a collective may go without progress: --timeout, else max(2 s, 20 x RTT x
-        rounds), rounds = the serial steps of the chain pipeline (window of 32 chunks)."""
-        if self.timeout_s is not None:
-            return self.timeout_s
-        world = self.world_size
-        per_packet = max_elements(self.cluster.mtu, dtype, segments=max(world - 1, 0))
-        chunks = -(-count // world // per_packet) if count >= world else 1
-        rounds = (-(-chunks // 32)) * max(world - 1, 1) + world
-        return max(2.0, 20.0 * self.rtt_s * rounds)
+        """How long a collective may go without progress: --timeout, else DEFAULT_WATCHDOG_S.
+        The node's timer restarts on every chunk acknowledged or DONE received (a stall timer,
+        not a deadline), so it need not grow with the size of the buffer."""
+        del count, dtype  # the same for every size: see above
+        return self.timeout_s if self.timeout_s is not None else DEFAULT_WATCHDOG_S
 
     def dead_nodes(self) -> list[str]:
         """Nodes that do not answer PING now (to name them when a collective fails)."""
@@ -189,6 +193,12 @@ class ProcessGroup:
                         segments=tuple(self.cluster.endpoints), length=64, payload=desc.encode())  # fmt: skip
         work = Work(self, packet, algo, count, dtype, watchdog)
         work.send_start()
+        if not self._epoch_settled:
+            # A new group counts from epoch 1; the node may answer STALE_EPOCH with the epoch it
+            # is at. Settle that now, not in wait(): one process may start every rank's
+            # collective (async) before waiting on any, and the others' nodes need theirs.
+            work.await_started(1.0)
+            self._epoch_settled = work.started
         return work
 
     def close(self) -> None:
@@ -207,6 +217,8 @@ class Work:
         self.count = count
         self.dtype = dtype
         self.done = False
+        #: The node ACKed START_COLL (running), as opposed to hearing nothing yet.
+        self.started = False
         self.stats: dict[str, int] = {}
         self._txn = 0
         self._heard = time.monotonic()
@@ -214,7 +226,7 @@ class Work:
 
     def send_start(self) -> None:
         client = self.group.client
-        self._txn = (self.group.epoch * 7919 + self.group.rank) & 0xFFFFFFFF
+        self._txn = (self.packet.epoch * 7919 + self.group.rank) & 0xFFFFFFFF
         data = encode_packet(_with(self.packet, client.client_id, self._txn))
         client.sock.sendto(data, self.group.node)
         self._sent_at = time.monotonic()
@@ -257,13 +269,35 @@ class Work:
             if reply.txn_id != self._txn or reply.client_id != self.group.client.client_id:
                 continue
             self._heard = time.monotonic()
+            if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
+                self._rebase(reply.aux_addr)
+                continue
             if reply.opcode == Opcode.NACK:
                 self._fail(reply)
+            if reply.aux_addr == 0:
+                self.started = True
             if reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
                 retransmits, reads = struct.unpack("<QQ", reply.payload)
                 self.stats = {"retransmits": retransmits, "repair_reads": reads}
                 self.done = True
                 return True
+
+    def await_started(self, timeout: float) -> None:
+        """Poll until the node ACKs START_COLL (after moving past a STALE_EPOCH), or *timeout*."""
+        deadline = time.monotonic() + timeout
+        while not (self.started or self.done) and time.monotonic() < deadline:
+            self._poll(0.02)
+
+    def _rebase(self, node_epoch: int) -> None:
+        """The node already ran epoch *node_epoch* of this cluster's collectives (this group is
+        new: it counts from 1): move past it. Every rank's node ran the same collectives, so
+        every rank moves to the same epoch without talking to the others."""
+        from dataclasses import replace
+
+        epoch = max(self.group.epoch, node_epoch + 1)
+        self.group.epoch = epoch
+        self.packet = replace(self.packet, epoch=epoch)
+        self.send_start()
 
     def _fail(self, reply: Packet) -> None:
         waiting = None
@@ -324,6 +358,11 @@ def _group(group: ProcessGroup | None) -> ProcessGroup:
     if _default is None:
         raise RuntimeError("call netdam.init(cluster=FILE, rank=R) first")
     return _default
+
+
+def get_default_group() -> ProcessGroup:
+    """The group of the last ``netdam.init`` (torch.distributed's default process group)."""
+    return _group(None)
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:

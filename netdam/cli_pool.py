@@ -154,7 +154,7 @@ def run_write(args: argparse.Namespace) -> int:
     else:
         data = args.file.read_bytes()
     try:
-        with PoolClient(ctl.switch.vip) as client:
+        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu) as client:
             client.write(args.gaddr, data, rkey, stride=stride)
     except PoolError as exc:
         code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED
@@ -169,7 +169,7 @@ def run_read(args: argparse.Namespace) -> int:
 
     ctl, rkey, stride = _target(args)
     try:
-        with PoolClient(ctl.switch.vip) as client:
+        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu) as client:
             data = client.read(args.gaddr, args.length, rkey, stride=stride)
     except PoolError as exc:
         code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED

@@ -47,7 +47,10 @@ DEFAULT_TIMEOUT_MS = 10_000
 #: Credit window bounds, chunks in flight per originator.
 MIN_WINDOW, MAX_WINDOW, DEFAULT_WINDOW = 4, 128, 32
 TOTAL_IN_FLIGHT = 512
-INITIAL_RTO_S = 0.2
+#: RTO before the first ACK sample (RFC 6298 says 1 s for the Internet). 50 ms: every timer of a
+#: collective runs on it until then, and ranks that start a few ms apart otherwise waited 200 ms
+#: (measured: 2 nodes, 20 KiB, 2-50 ms skew: ~205 ms extra at 0.2 s, ~55 ms at 0.05 s).
+INITIAL_RTO_S = 0.05
 
 
 class Algo(IntEnum):
@@ -115,6 +118,9 @@ class CollectiveEngine:
         self.tries = np.zeros(MAX_CHUNKS, np.uint8)
         self.agsent = np.zeros(MAX_CHUNKS, np.uint8)
         self.done = np.zeros(L.DONE_LEN, np.uint8)  # + sparse tables, coll_layout
+        #: (UDP source, client id) of the START_COLL that began the current collective: only the
+        #: same requester's START_COLL of the same (coll_id, epoch) is a retry.
+        self.started_by: tuple[int, int] = (0, 0)
 
     @property
     def running(self) -> bool:
@@ -140,9 +146,14 @@ class CollectiveEngine:
              timeout_ms, _) = decode_descriptor(packet.payload)  # fmt: skip
         except ValueError:
             return Status.BAD_LENGTH
-        same = self.cfg[L.CFG_COLL] == packet.coll_id and self.cfg[L.CFG_EPOCH] == packet.epoch
-        if self.cfg[L.CFG_STATE] != 0 and same:
-            return Status.OK  # a retried START_COLL: already running or finished
+        if self.cfg[L.CFG_STATE] != 0 and self.cfg[L.CFG_COLL] == packet.coll_id:
+            if self.cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id):
+                return Status.OK  # a retried START_COLL: already running or finished
+            if (int(self.cfg[L.CFG_EPOCH]) - packet.epoch) & 0xFFFFFFFF < 0x80000000:
+                # Not newer than this node's collective, from another requester (a new process
+                # group counts from epoch 1 again): never run it under a reused (coll_id, epoch),
+                # which peers would take for the old one. The NACK tells the current epoch.
+                return Status.STALE_EPOCH
         if self.running:
             return Status.BUSY
         world = len(packet.segments)
@@ -181,6 +192,7 @@ class CollectiveEngine:
                host: int, timeout_ms: int, ring: list[int], bounds: np.ndarray, cb: np.ndarray,
                per_packet: int, rcvbuf: int) -> None:  # fmt: skip
         n_chunks = int(cb[-1])
+        self.started_by = (src, packet.client_id)
         for array in (self.acked, self.tries, self.agsent, self.done):
             array[:n_chunks] = 0
         self.done[L.NZ_BASE : L.NZ_BASE + n_chunks] = 0
@@ -263,11 +275,13 @@ class CollectiveEngine:
             self.done[first:last] = 1
             cfg[L.CFG_DONE_COUNT] = last - first
 
-    def final_reply(self, packet: Packet) -> tuple[Opcode, Status, bytes] | None:
+    def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
         """The completion to repeat for a START_COLL of the collective that already ended here."""
         cfg = self.cfg
         if cfg[L.CFG_STATE] < 2 or cfg[L.CFG_COLL] != packet.coll_id or cfg[L.CFG_EPOCH] != packet.epoch:
             return None
+        if self.started_by != (src, packet.client_id):
+            return None  # someone else's collective: start() answers STALE_EPOCH
         if cfg[L.CFG_STATE] == 2:
             stats = struct.pack("<QQ", int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
             return Opcode.ACK, Status.OK, stats

@@ -33,7 +33,7 @@ class ControlError(Exception):
 class ControlClient:
     """Requests to nodes over UDP, matched to replies by transaction id."""
 
-    def __init__(self, admin_key: int = 0, client_id: int | None = None, bind: str = "127.0.0.1") -> None:
+    def __init__(self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0") -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((bind, 0))
         self.admin_key = admin_key

@@ -33,6 +33,7 @@ RETRANSMITS = 19  # packets re-sent by this node's recovery
 RCVBUF_BYTES = 20  # gauge: receive buffer the kernel granted (SO_RCVBUF as getsockopt reports)
 SNDBUF_BYTES = 21  # gauge: send buffer the kernel granted
 DROP_COLL_EARLY = 22  # all-gather data for a collective not started here yet (READ repairs it)
+SEND_DROPS = 23  # datagrams the kernel refused to send (EMSGSIZE over the MTU, ...), I/O shell
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64
@@ -65,6 +66,7 @@ _SCALAR_NAMES = {
     RCVBUF_BYTES: "rcvbuf_bytes",
     SNDBUF_BYTES: "sndbuf_bytes",
     DROP_COLL_EARLY: "drop_coll_early",
+    SEND_DROPS: "send_drops",
 }
 
 
@@ -82,7 +84,7 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
     result["nacks"] = {
         st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
     }
-    result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY))
+    result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY, SEND_DROPS))
     return result
 
 

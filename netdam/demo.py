@@ -102,7 +102,7 @@ def _pool_traffic(cluster: LocalCluster, config: DemoConfig) -> dict[str, object
     size = _round_up(64 * (config.pool_ops + 1), STRIDE)
     region = controller.alloc(size, interleave=STRIDE)
     rng = np.random.default_rng(config.seed)
-    clients = [PoolClient(cluster.switch.vip) for _ in range(config.clients)]
+    clients = [PoolClient(cluster.switch.vip, mtu=cluster.info.mtu) for _ in range(config.clients)]
     counter_addr = region.gaddr
     blocks = [rng.integers(0, 256, 64, dtype=np.uint8).tobytes() for _ in range(config.pool_ops)]
     addrs = [region.gaddr + 64 * (k + 1) for k in range(config.pool_ops)]

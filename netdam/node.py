@@ -49,6 +49,7 @@ from netdam.protocol.constants import (
     Opcode,
     Rights,
     Status,
+    max_payload,
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import (
@@ -118,9 +119,10 @@ class NodeCore(QueueOwner):
         self._rk_len = np.zeros(RKEY_SLOTS, np.int64)
         self._rk_rights = np.zeros(RKEY_SLOTS, np.uint8)
         self._regions: dict[int, tuple[int, int, int]] = {}
-        self._cl_id = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
+        # The at-most-once window's client table (SPEC section 7): key, highest txn, last use.
+        self._cl_id = np.zeros(DUP_WINDOW_CLIENTS, np.uint64)
         self._cl_hi = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
-        self._cl_used = np.zeros(DUP_WINDOW_CLIENTS, np.uint8)
+        self._cl_used = np.zeros(DUP_WINDOW_CLIENTS, np.int64)
         self._w_txn = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint32)
         self._w_state = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint8)
         self._w_len = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.int32)
@@ -374,7 +376,7 @@ class NodeCore(QueueOwner):
             PROTOCOL_VERSION,
             self.config.mtu,
             self.memory.shape[0],
-            MAX_PAYLOAD_BYTES,
+            max_payload(self.config.mtu),
             MAX_SEGMENTS,
             self.config.rank,
             self.config.world_size,
@@ -387,7 +389,8 @@ class NodeCore(QueueOwner):
         """Run a mutating control opcode at most once per (client, txn), like the datapath."""
         verdict, c, w = datapath._window_check(
             self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state,
-            packet.client_id, packet.txn_id,
+            packet.client_id, self._reply_dst(packet, src), packet.txn_id,
+            int(self.counters[C.RX_PACKETS]) + 1,
         )  # fmt: skip
         if verdict == 2:
             self._nack(packet, src, Status.STALE)
@@ -473,7 +476,7 @@ class NodeCore(QueueOwner):
         self._reply(packet, src, Opcode.ACK)
 
     def _on_start_collective(self, packet: Packet, src: int) -> None:
-        final = self.collective.final_reply(packet)
+        final = self.collective.final_reply(packet, src)
         if final is not None:
             # A retried START_COLL of a finished collective: the host may have lost the
             # completion, so it gets it again (SPEC.md "START_COLL").
@@ -486,6 +489,8 @@ class NodeCore(QueueOwner):
         if status == Status.OK:
             self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
             self._reply(packet, src, Opcode.ACK)
+        elif status == Status.STALE_EPOCH:  # aux_addr: this node's epoch, the host's next is above
+            self._reply(packet, src, Opcode.NACK, status, aux_addr=int(self.collective.cfg[L.CFG_EPOCH]))
         else:
             self._nack(packet, src, status)
 

@@ -29,8 +29,14 @@ from netdam.node import NodeConfig, NodeCore
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
 from netdam.sendqueue import SLOT_BYTES
-from netdam.shm import DEFAULT_SHM_DIR, create_memory
-from netdam.udp import granted_buffers, join_multicast, open_udp_socket, pin_multicast_sender
+from netdam.shm import DEFAULT_SHM_DIR, create_memory, prefault
+from netdam.udp import (
+    granted_buffers,
+    join_multicast,
+    open_control_socket,
+    open_udp_socket,
+    pin_multicast_sender,
+)
 
 #: Datagrams received per round (at most): four full GRO runs of 64.
 ROUND_DATAGRAMS = 256
@@ -81,9 +87,7 @@ class NodeProcess:
         self.endpoint: Endpoint = (bound[0], bound[1])
         # A management port beside the data port: under a flood the data socket's receive queue
         # holds ~100 ms of packets, and stats must not wait behind them (issue 3: < 100 ms).
-        self.ctrl_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.ctrl_sock.bind((bound[0], 0))
-        self.ctrl_sock.setblocking(False)
+        self.ctrl_sock = open_control_socket(bound[0])
         self.control_port = int(self.ctrl_sock.getsockname()[1])
         members = tuple(config.members) + (self.endpoint,)
         self.core = NodeCore(
@@ -160,20 +164,25 @@ class NodeProcess:
 
     def _join(self, group: Endpoint) -> None:
         """Receive the group's datagrams on a socket bound to the group address and port
-        (shared by every node of this machine: SO_REUSEADDR), membership pinned to loopback
-        (BRIEF section 3); the data socket sends to groups through loopback too."""
+        (shared by every node of this machine: SO_REUSEADDR), membership and sends pinned to
+        the interface of the node's own address (loopback for local clusters, BRIEF section 3;
+        the host's interface when nodes run on several hosts or network namespaces)."""
         if self.group == group:
             return
         if self.group_sock is not None:
             self.group_sock.close()
+        interface = self.endpoint[0] if self.endpoint[0] != "0.0.0.0" else "127.0.0.1"
         sock = open_udp_socket(group, rcvbuf=self.config.rcvbuf, reuse_addr=True)
-        join_multicast(sock, group[0])
-        pin_multicast_sender(self.sock)
+        join_multicast(sock, group[0], interface)
+        pin_multicast_sender(self.sock, interface)
         self.group_sock, self.group = sock, group
 
     def warm_up(self) -> None:
-        """Compile (or load from cache) every kernel before announcing readiness."""
+        """Compile (or load from cache) every kernel and make every queue and table resident
+        before announcing readiness."""
         self.serve_once(0)
+        core = self.core
+        prefault(self, core, core.sendq, core.collective, skip=(core.memory,))
 
     def run(self, handle_signals: bool = True) -> None:
         """Serve until SIGTERM/SIGINT (or the parent's death, when asked) or ``stop``."""

@@ -13,6 +13,7 @@ Transaction ids stay within 192 of the oldest unanswered one, well inside the no
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -20,9 +21,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from netdam.protocol.constants import HEADER_SIZE, MAX_PAYLOAD_BYTES, DType, Flags, Opcode, Status
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    DType,
+    Flags,
+    Opcode,
+    Status,
+    max_payload,
+)
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.udp import IP_MTU_DISCOVER, IP_PMTUDISC_DO
 
 #: Largest distance between the newest and the oldest unanswered transaction id.
 TXN_SPAN = 192
@@ -73,9 +84,13 @@ class PoolClient:
     """Blocking, pipelined client of the pool at *vip*."""
 
     def __init__(self, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
-                 retries: int = 20, window: int = 32, bind: str = "127.0.0.1") -> None:  # fmt: skip
+                 retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
+                 mtu: int = DEFAULT_MTU) -> None:  # fmt: skip
         if not 1 <= window <= 128:
             raise ValueError(f"window {window} must be 1..128")
+        #: Largest READ/WRITE piece: what one datagram carries at the cluster's MTU (the cluster
+        #: file's `mtu`); requests are split to fit, as a NIC splits a transfer into frames.
+        self.max_payload = max_payload(mtu)
         self.vip = vip
         self.client_id = client_id or random_client_id()
         self.timeout = timeout
@@ -83,6 +98,8 @@ class PoolClient:
         self.window = window
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        # Never fragment (as the nodes): a request over the path MTU fails at once, naming it.
+        self.sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
         self.sock.bind((bind, 0))
         self._next_txn = int.from_bytes(os.urandom(3), "big") + 1
         #: Requests re-sent after a timeout (all operations so far).
@@ -90,6 +107,15 @@ class PoolClient:
 
     def close(self) -> None:
         self.sock.close()
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.sendto(data, self.vip)
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                raise PoolError(f"a {len(data)}-byte datagram does not fit the path MTU to "
+                                f"{self.vip[0]}: give PoolClient(mtu=...) the cluster's MTU") from None  # fmt: skip
+            raise
 
     def __enter__(self) -> PoolClient:
         return self
@@ -101,13 +127,13 @@ class PoolClient:
 
     def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
         """*length* bytes from global address *addr* (split into requests as needed)."""
-        pieces = split(addr, length, stride)
+        pieces = split(addr, length, stride, self.max_payload)
         replies = self.execute([Packet(Opcode.READ, rkey=rkey, addr=a, length=n) for a, n in pieces])
         return b"".join(r.payload for r in replies)
 
     def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
         """Write *data* at *addr*; returns when every piece is ACKed."""
-        pieces = split(addr, len(data), stride)
+        pieces = split(addr, len(data), stride, self.max_payload)
         self.execute([Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a, length=n,
                              payload=data[a - addr : a - addr + n]) for a, n in pieces])  # fmt: skip
 
@@ -148,7 +174,7 @@ class PoolClient:
                 self._next_txn += 1
                 txn = seq & 0xFFFFFFFF
                 data = encode_packet(replace(packets[nxt], client_id=self.client_id, txn_id=txn))
-                self.sock.sendto(data, self.vip)
+                self._send(data)
                 flight[txn] = _Flight(nxt, seq, data, now + self.timeout, 0)
                 nxt += 1
             if not flight:
@@ -201,7 +227,7 @@ class PoolClient:
             entry.tries += 1
             entry.deadline = now + self.timeout
             self.retransmits += 1
-            self.sock.sendto(entry.data, self.vip)
+            self._send(entry.data)
 
 
 def fetch_add_packet(addr: int, addend: int, rkey: int) -> Packet:

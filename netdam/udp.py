@@ -24,6 +24,7 @@ UDP_GRO = 104
 #: ip(7): path-MTU discovery mode; IP_PMTUDISC_DO = set DF, never fragment (EMSGSIZE instead).
 IP_MTU_DISCOVER = 10
 IP_PMTUDISC_DO = 2
+IP_PMTUDISC_DONT = 0  # never set DF: fragment locally when needed
 #: ip(7): the current path MTU of a connected socket.
 IP_MTU = 14
 #: ip(7): 0 = deliver only the groups this socket joined (default 1 = any joined on the host).
@@ -106,6 +107,18 @@ def granted_buffers(sock: socket.socket) -> tuple[int, int]:
     rcv = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
     snd = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     return int(rcv), int(snd)
+
+
+def open_control_socket(address: str) -> socket.socket:
+    """The management port beside a data port: plain, non-blocking, and allowed to fragment
+    (IP_PMTUDISC_DONT): stats and COUNTERS replies (over 1 KiB; a switch's grows with its ports
+    and regions) are management traffic, not the emulated wire, and must reach an operator on
+    a 1500-byte network too."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DONT)
+    sock.bind((address, 0))
+    sock.setblocking(False)
+    return sock
 
 
 def pin_multicast_sender(sock: socket.socket, interface_ip: str = "127.0.0.1") -> None:

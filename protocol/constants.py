@@ -193,6 +193,12 @@ class Rights(IntFlag):
 RIGHTS_ALL = Rights.READ | Rights.WRITE | Rights.ATOMIC
 
 
+def max_payload(mtu: int) -> int:
+    """Largest data payload (READ length, WRITE payload) one datagram carries at *mtu*, no SR list:
+    min(MTU - 28 - header, MAX_PAYLOAD_BYTES). What INFO advertises and pool clients split at."""
+    return max(0, min(mtu - IP_UDP_OVERHEAD - HEADER_SIZE, MAX_PAYLOAD_BYTES))
+
+
 def max_elements(mtu: int, dtype: DType, segments: int = 0) -> int:
     """Elements of *dtype* one packet carries at *mtu* with an SR list of *segments* entries.
 

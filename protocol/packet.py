@@ -286,6 +286,10 @@ def _pull_segments(
     return tuple(segments)
 
 
+#: Opcodes with a sparse form (SPEC.md 2.5); SPARSE on any other is BAD_FIELD.
+_SPARSE_OPCODES = frozenset({Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.WRITE})
+
+
 def check_fields(packet: Packet) -> None:
     """Structural rules per opcode (SPEC.md "Opcodes"): lengths, dtypes, SR use."""
     opcode, length, size = packet.opcode, packet.length, len(packet.payload)
@@ -302,6 +306,8 @@ def check_fields(packet: Packet) -> None:
         )
     if opcode in (Opcode.FETCH_ADD, Opcode.CAS) and packet.dtype != DType.U64:
         raise RemoteProtocolError(Status.BAD_DTYPE, f"{opcode.name} operates on u64 only")
+    if packet.flags & Flags.SPARSE and opcode not in _SPARSE_OPCODES:
+        raise RemoteProtocolError(Status.BAD_FIELD, f"{opcode.name} has no sparse form")
     if opcode == Opcode.READ:
         _check_read(length, size, packet.dtype)
     elif opcode in _DATA_OPCODES:
@@ -335,9 +341,9 @@ def _check_read(length: int, size: int, dtype: DType) -> None:
 
 
 def _check_data(packet: Packet) -> None:
-    if packet.flags & Flags.SPARSE:
-        if packet.opcode not in (Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.WRITE):
-            raise RemoteProtocolError(Status.BAD_FIELD, f"{packet.opcode.name} has no sparse form")
+    if packet.flags & Flags.SPARSE:  # only _SPARSE_OPCODES get here (check_fields)
+        if packet.length == 0:
+            raise RemoteProtocolError(Status.BAD_LENGTH, f"{packet.opcode.name} of length 0")
         _check_multiple(packet.length, packet.dtype)
         check_sparse_payload(packet.payload, packet.length, packet.dtype)
         return

@@ -7,8 +7,8 @@ management port beside the VIP answers COUNTERS/PING/JOIN even while the VIP is 
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +24,7 @@ from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MS
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
 from netdam.sendqueue import SLOT_BYTES
+from netdam.shm import prefault
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
 from netdam.switch.faults import LinkFaultSpec
 from netdam.switch.state import (
@@ -34,7 +35,7 @@ from netdam.switch.state import (
     locked,
     save_state,
 )
-from netdam.udp import granted_buffers, open_udp_socket
+from netdam.udp import granted_buffers, open_control_socket, open_udp_socket
 
 ROUND_DATAGRAMS = 256
 RECV_RUNS = 32
@@ -90,9 +91,7 @@ class SwitchProcess:
                              "pick another --vip port") from None  # fmt: skip
         bound = self.sock.getsockname()
         self.vip: Endpoint = (bound[0], bound[1])
-        self.ctrl_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.ctrl_sock.bind((bound[0], 0))
-        self.ctrl_sock.setblocking(False)
+        self.ctrl_sock = open_control_socket(bound[0])
         self.control_port = int(self.ctrl_sock.getsockname()[1])
         self.core = SwitchCore(
             SwitchConfig(vip=self.vip, nodes=tuple(cluster.endpoints), admin_key=cluster.admin_key,
@@ -157,7 +156,9 @@ class SwitchProcess:
                 data, src = self.ctrl_sock.recvfrom(65536)
             except BlockingIOError:
                 return
-            self.core.receive_datagram(data, (src[0], src[1]), time.monotonic())
+            for reply, dst in self.core.receive_management(data, (src[0], src[1]), time.monotonic()):
+                with contextlib.suppress(OSError):  # an unreachable operator loses its reply only
+                    self.ctrl_sock.sendto(reply, dst)
 
     def _handle_events(self) -> None:
         changes: list[GroupChanged] = []
@@ -182,7 +183,9 @@ class SwitchProcess:
         self.core.set_generation(state.generation)
 
     def warm_up(self) -> None:
+        """Compile (or load) the kernels, make every queue and table resident (flat memory)."""
         self.serve_once(0)
+        prefault(self, self.core, self.core.sendq)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)

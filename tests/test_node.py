@@ -10,9 +10,12 @@ from helpers import ADMIN_KEY, CLIENT, MEMORY, RKEY, Cluster, make_cluster, only
 
 from netdam import counters as C
 from netdam.events import GroupJoined, GroupLeft, RegionRegistered, ReplyReceived
+from netdam.fabric import Fabric
+from netdam.kernels import datapath
 from netdam.node import INFO_STRUCT, NodeConfig, NodeCore
 from netdam.protocol.constants import (
     DUP_WINDOW,
+    DUP_WINDOW_CLIENTS,
     DType,
     Flags,
     Opcode,
@@ -20,7 +23,7 @@ from netdam.protocol.constants import (
     Rights,
     Status,
 )
-from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 
 
 def write(
@@ -191,11 +194,51 @@ def test_client_zero_is_not_tracked(cluster: Cluster) -> None:
     assert int(cluster.nodes[0].memory[0:8].view(np.uint64)[0]) == 2
 
 
-def test_client_slot_eviction_loses_history(cluster: Cluster) -> None:
-    only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=5, client=1)), Opcode.ACK)
-    only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=5, client=1 + 256)), Opcode.ACK)
-    only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=5, client=1)), Opcode.ACK)
-    assert int(cluster.nodes[0].memory[0:8].view(np.uint64)[0]) == 3  # documented limit
+def _clients_sharing_a_set(requester: Endpoint, count: int) -> list[int]:
+    """Client ids whose window keys, for *requester*, fall in one set of the client table."""
+    ways = datapath._WAYS
+    sets = DUP_WINDOW_CLIENTS // ways
+    target = int(datapath._requester_key(1, endpoint_to_u64(requester))) % sets
+    found = [
+        c for c in range(1, 100_000)
+        if int(datapath._requester_key(c, endpoint_to_u64(requester))) % sets == target
+    ]  # fmt: skip
+    assert len(found) >= count
+    return found[:count]
+
+
+def test_clients_sharing_a_set_keep_their_history(cluster: Cluster) -> None:
+    node = cluster.nodes[0]
+    clients = _clients_sharing_a_set(CLIENT, datapath._WAYS + 1)
+    for client in clients[:-1]:
+        only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=5, client=client)), Opcode.ACK)
+    for client in clients[:-1]:  # every retry is answered from the window: no new increment
+        only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=5, client=client)), Opcode.ACK)
+    assert int(node.memory[0:8].view(np.uint64)[0]) == datapath._WAYS
+    # A fifth requester of the set evicts the least recently used one, which loses its history.
+    only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=5, client=clients[-1])), Opcode.ACK)
+    only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=5, client=clients[0])), Opcode.ACK)
+    assert int(node.memory[0:8].view(np.uint64)[0]) == datapath._WAYS + 2  # documented limit
+
+
+def test_borrowed_client_id_neither_replays_nor_poisons(cluster: Cluster) -> None:
+    """Another requester using the victim's client id and its next txn ids gets no cached reply
+    of the victim's and does not turn the victim's requests into duplicates or STALE."""
+    node = cluster.nodes[0]
+    attacker: Endpoint = ("127.0.0.1", 9666)
+    cluster.fabric.add_endpoint(attacker)
+    only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=50, client=77)), Opcode.ACK)
+    for txn in (50, 51, 50 + 5 * DUP_WINDOW):
+        cluster.fabric.send(attacker, cluster.endpoints[0],
+                            encode_packet(atomic(Opcode.FETCH_ADD, 0, 100, txn=txn, client=77)))  # fmt: skip
+    cluster.fabric.run_until_idle()
+    attacker_replies = [decode_packet(d) for d, _ in cluster.fabric.receive(attacker)]
+    assert [old_value(r) for r in attacker_replies] == [1, 101, 201]  # all executed, as its own
+    assert cluster.fabric.receive(CLIENT) == []
+    # The victim's next txn executes (not a DUP of the attacker's 51, not STALE).
+    reply = only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=51, client=77)), Opcode.ACK)
+    assert old_value(reply) == 301
+    assert int(node.memory[0:8].view(np.uint64)[0]) == 302
 
 
 @pytest.fixture
@@ -585,3 +628,19 @@ def test_remaining_node_statuses_over_the_wire(cluster: Cluster) -> None:
         node.register_region(i * 8, 8, Rights.READ)
     full = control(Opcode.REGISTER, addr=0, aux_addr=8, length=8, payload=struct.pack("<II", 0, 1), client_id=4, txn_id=1)
     assert only(cluster.request(1, full), Opcode.NACK).status == Status.NO_SPACE
+
+
+def test_small_mtu_shrinks_what_the_node_offers_and_answers() -> None:
+    """At MTU 1500 a node advertises 1408-byte payloads in INFO and answers a READ whose reply
+    would not fit with NACK TOO_LARGE (the kernel would refuse to send it: a silent timeout)."""
+    fabric = Fabric()
+    endpoint = ("127.0.0.1", 7001)
+    core = NodeCore(NodeConfig(endpoint=endpoint, memory_bytes=MEMORY, admin_key=ADMIN_KEY, mtu=1500))
+    core.register_region(0, MEMORY, Rights.READ, rkey=RKEY)
+    fabric.add_core(endpoint, core)
+    fabric.add_endpoint(CLIENT)
+    cluster = Cluster(fabric, [core], [endpoint])
+    info = only(cluster.request(0, Packet(Opcode.PING)), Opcode.INFO)
+    assert INFO_STRUCT.unpack(info.payload)[3] == 1500 - 28 - 64
+    assert len(only(cluster.request(0, read(0, 1408)), Opcode.READ_RESP).payload) == 1408
+    assert only(cluster.request(0, read(0, 1416)), Opcode.NACK).status == Status.TOO_LARGE

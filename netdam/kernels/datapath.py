@@ -43,6 +43,7 @@ from netdam.kernels.coll_layout import (
     NZ_BASE,
 )
 from netdam.kernels.combine import _combine_bytes
+from netdam.kernels.fault_hash import _mix
 from netdam.protocol.constants import (
     DUP_REPLY_BYTES,
     DUP_WINDOW,
@@ -275,15 +276,15 @@ def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
         return _S_BAD_DTYPE
     if _ATOMIC[op] == 1 and dtype != _U64:
         return _S_BAD_DTYPE
+    if flags & _F_SPARSE and op != _OP_CHAIN_ADD and op != _OP_ALL_WRITE and op != _OP_WRITE:
+        return _S_BAD_FIELD  # no sparse form (SPEC.md 2.5)
     kind = _KIND[op]
     if kind == _K_READ:
         if size != 0 or length == 0 or length % esize != 0:
             return _S_BAD_LENGTH
     elif kind == _K_DATA:
         if flags & _F_SPARSE:
-            if op != _OP_CHAIN_ADD and op != _OP_ALL_WRITE and op != _OP_WRITE:
-                return _S_BAD_FIELD
-            if length % esize != 0:
+            if length == 0 or length % esize != 0:
                 return _S_BAD_LENGTH
             return _check_sparse(b, n - size, size, length, esize)
         if length == 0 or length != size or length % esize != 0:
@@ -494,23 +495,52 @@ def _reply_dst(b, src, members):  # type: ignore[no-untyped-def]
     return src
 
 
+#: Ways of the set-associative client table: clients whose keys share a set evict each other
+#: only when more than this many retry at once (a direct-mapped table evicted on any collision,
+#: and a hashed client id collides mod 256 for 8 clients about one time in ten).
+_WAYS = 4
+
+
 @njit(cache=True, nogil=True)
-def _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn):  # type: ignore[no-untyped-def]
+def _requester_key(client, requester):  # type: ignore[no-untyped-def]
+    """Window key of a request: the client id bound to where its reply goes (the return segment
+    from a member, else the UDP source), so nobody can replay into or poison another requester's
+    history by borrowing its client id: the cached reply would go to the victim, not to them."""
+    k = _mix(np.uint64(client) ^ _mix(np.uint64(requester) ^ np.uint64(0x5851F42D4C957F2D)))
+    if k == 0:
+        k = np.uint64(1)
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, requester, txn, stamp):  # type: ignore[no-untyped-def]
     """At-most-once window (SPEC.md "Memory semantics"): NEW, DUP or STALE for (client, txn).
 
-    Client slots are direct-mapped by client id; a client that lands on a slot held by another
-    evicts it. Client id 0 opts out (every request executes).
+    Slots are keyed by (client id, requester) and set-associative (_WAYS per set); a new
+    requester takes a free way of its set, else evicts the least recently used one (*stamp*,
+    > 0, grows with every received packet). Client id 0 opts out (every request executes).
     """
     if client == 0:
         return _WIN_OFF, 0, 0
-    c = client % cl_id.shape[0]
+    key = _requester_key(client, requester)
+    first = np.int64(key % np.uint64(cl_id.shape[0] // _WAYS)) * _WAYS
+    c = -1
+    for j in range(first, first + _WAYS):
+        if cl_used[j] != 0 and cl_id[j] == key:
+            c = j
+            break
     w = txn % _W
-    if cl_used[c] == 0 or cl_id[c] != client:
-        cl_used[c] = 1
-        cl_id[c] = client
+    if c < 0:
+        c = first
+        for j in range(first, first + _WAYS):
+            if cl_used[j] < cl_used[c]:
+                c = j  # a free way (0) or the least recently used
+        cl_used[c] = stamp
+        cl_id[c] = key
         cl_hi[c] = txn
         w_state[c, :] = 0
         return _WIN_NEW, c, w
+    cl_used[c] = stamp
     hi = np.int64(cl_hi[c])
     # Serial-number arithmetic (RFC 1982) on u32 transaction ids: behind by `back`.
     back = (hi - txn) & 0xFFFFFFFF
@@ -664,7 +694,7 @@ def _process_batch(  # type: ignore[no-untyped-def]
             )  # fmt: skip
         elif op == _OP_READ:
             tx_n = _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters,
-                         tx_buf, tx_off, tx_len, tx_dst, tx_n, co_cfg, co_done)  # fmt: skip
+                         tx_buf, tx_off, tx_len, tx_dst, tx_n, co_cfg, co_done, max_len)  # fmt: skip
         elif op == _OP_ALL_WRITE:
             tx_n = _all_write(b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
                               counters, tx_buf, tx_off, tx_len, tx_dst, tx_n, co_cfg, co_done)  # fmt: skip
@@ -680,16 +710,23 @@ def _process_batch(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def _read(
     b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
-    co_cfg, co_done,
+    co_cfg, co_done, max_len,
 ):  # type: ignore[no-untyped-def]
-    """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final."""
+    """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final.
+    A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
+    refuse to send it (EMSGSIZE) and the client would only see a timeout."""
     length = _rd32(b, 28)
+    if _HDR + length > max_len:
+        return _emit_nack(b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
+    coll = _rd32(b, 16)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+        # Before the rkey check: the host may not have registered the group's key here yet.
+        return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     status = _check_access(
         rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_READ, esize
     )
-    coll = _rd32(b, 16)
     if status == 0 and coll != 0:
         seq = _rd32(b, 4)
         phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
@@ -736,12 +773,15 @@ def _all_write(
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
+    coll = _rd32(b, 16)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+        counters[C.DROP_COLL_EARLY] += 1  # before the rkey check: it may not be registered yet
+        return tx_n  # fetched again by READ repair once started
     status = _check_access(
         rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    coll = _rd32(b, 16)
     if coll != 0:
         seq = _rd32(b, 4)
         phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
@@ -791,8 +831,9 @@ def _mutate(  # type: ignore[no-untyped-def]
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     client = _rd32(b, 8)
     txn = _rd32(b, 12)
-    verdict, c, w = _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, txn)
     dst = _reply_dst(b, src, members)
+    stamp = np.int64(counters[C.RX_PACKETS]) + 1
+    verdict, c, w = _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, dst, txn, stamp)
     if verdict == _WIN_STALE:
         return _emit_nack(b, src, members, _S_STALE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     if verdict == _WIN_DUP:
@@ -869,6 +910,11 @@ def _chain_add(  # type: ignore[no-untyped-def]
     rkey = _rd32(b, 24)
     left = np.int64(b[53])
     count = np.int64(b[54])
+    coll = _rd32(b, 16)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+        # This node's host has not started the collective (nor, maybe, registered its key):
+        # BUSY, before the rkey check, so the sender backs off instead of failing.
+        return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
     status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize)
     if status == 0 and left == 0:
@@ -881,7 +927,6 @@ def _chain_add(  # type: ignore[no-untyped-def]
         nxt = np.uint64((_rd32(b, o) << 16) | _rd16(b, o + 4))
         if not _is_member(members, nxt):
             status = _S_NOT_MEMBER  # nodes relay only inside their cluster
-    coll = _rd32(b, 16)
     seq = _rd32(b, 4)
     guarded = False
     if status == 0 and coll != 0:

@@ -34,7 +34,8 @@ _PROBES = 8
 def _attempt(table_key, table_count, key):  # type: ignore[no-untyped-def]
     """Times *key* was seen before; records one more sighting."""
     mask = table_key.shape[0] - 1
-    slot = np.int64(key & np.uint64(mask))
+    start = np.int64(key & np.uint64(mask))
+    slot = start
     for _ in range(_PROBES):
         if table_key[slot] == key:
             count = table_count[slot]
@@ -45,9 +46,17 @@ def _attempt(table_key, table_count, key):  # type: ignore[no-untyped-def]
             table_count[slot] = 1
             return 0
         slot = (slot + 1) & mask
-    table_key[slot] = key  # probe limit: reuse (the count restarts)
-    table_count[slot] = 1
-    return 0
+    # Probe limit: evict a slot of the window chosen by the key's own hash bits (Fibonacci
+    # hashing), where the next lookup finds it, and carry its count on. Writing past the window
+    # made every retry of a key "attempt 0" again (dropped for ever); restarting the count made
+    # two retried keys that evict each other see attempt 0 on every sighting. With the count
+    # carried on, every sighting of a slot gets a new attempt number, so a retry always draws a
+    # fresh decision (attempt numbers then depend on the table's history: still seeded).
+    victim = (start + np.int64((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(61))) & mask
+    count = table_count[victim]
+    table_key[victim] = key
+    table_count[victim] = count + 1
+    return count
 
 
 @njit(cache=True, nogil=True)

@@ -19,6 +19,7 @@ from netdam.kernels.rx_faults import _apply_faults
 from netdam.kernels.udp_io import (
     _POLLIN,
     ST_KERNEL_DROPS,
+    ST_SEND_DROPPED,
     _now_ns,
     _recv_batch,
     _send_batch,
@@ -122,6 +123,7 @@ def _serve(  # type: ignore[no-untyped-def]
                 rx_off[k] += half
             n += m
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
+        counters[C.SEND_DROPS] = io_state[ST_SEND_DROPPED]
         if fault_cfg[0] != 0.0:
             n = _apply_faults(rx_buf, rx_off, rx_len, rx_src, n, fault_cfg, fault_keys, table_key,
                               table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen, counters)  # fmt: skip

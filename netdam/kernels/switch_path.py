@@ -56,6 +56,7 @@ from netdam.protocol.constants import Flags, Opcode, Rights, Status
 
 _HDR = 64
 _F_MCAST = int(Flags.MCAST)
+_F_SPARSE = int(Flags.SPARSE)
 _F_RELAYED = int(Flags.RELAYED)
 _R_READ = int(Rights.READ)
 _R_WRITE = int(Rights.WRITE)
@@ -217,6 +218,9 @@ def _switch_batch(  # type: ignore[no-untyped-def]
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
             tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
+        if _rd16(b, 2) & _F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
+            tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
         counters[C.OPCODE_BASE + op] += 1
         if _PUNTED_OPS[op] == 1:
