@@ -23,6 +23,9 @@ _COMMAND_MODULES = (
     "netdam.cli_model",
     "netdam.cli_bench",
     "netdam.cli_pool",
+    "netdam.cli_fuzz",
+    "netdam.cli_soak",
+    "netdam.cli_flood",
 )
 
 

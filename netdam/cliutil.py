@@ -99,16 +99,26 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
 
 def bounded_seconds(low: float, high: float, *, low_inclusive: bool) -> Callable[[str], float]:
     """argparse type for a finite number of seconds in (low, high] or [low, high]."""
-    low_text = f"{low:g} <= seconds" if low_inclusive else f"{low:g} < seconds"
+    return _bounded_quantity(low, high, low_inclusive, unit="s", noun="seconds", symbol="seconds")
+
+
+def bounded_milliseconds(low: float, high: float, *, low_inclusive: bool) -> Callable[[str], float]:
+    """argparse type for a finite number of milliseconds in (low, high] or [low, high]."""
+    return _bounded_quantity(low, high, low_inclusive, unit="ms", noun="milliseconds", symbol="ms")
+
+
+def _bounded_quantity(low: float, high: float, low_inclusive: bool, *, unit: str, noun: str,
+                      symbol: str) -> Callable[[str], float]:  # fmt: skip
+    low_text = f"{low:g} <= {symbol}" if low_inclusive else f"{low:g} < {symbol}"
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: give a number") from None
+            raise argparse.ArgumentTypeError(f"invalid {noun} {text!r}: give a number") from None
         above_low = value >= low if low_inclusive else value > low
         if not math.isfinite(value) or not above_low or value > high:
-            raise argparse.ArgumentTypeError(f"{text} s is out of range: give {low_text} <= {high:g}")
+            raise argparse.ArgumentTypeError(f"{text} {unit} is out of range: give {low_text} <= {high:g}")
         return value
 
     return parse

@@ -4,6 +4,11 @@ Every node is ``python -m netdam node ...`` in its own process. A node prints ``
 once its socket is bound and its kernels are loaded; start-up waits for every node's line (or
 its death, reported with its stderr). Foreground clusters die with their launcher (Linux
 PR_SET_PDEATHSIG), so no node outlives a killed ``netdam up``.
+
+``start_from_file`` is ``netdam up --cluster FILE`` for a FILE that already lists nodes (written
+by hand, maybe for several hosts): it starts exactly the nodes whose address belongs to this
+host (``is_local_address``) and fills in their entries; ``stop_cluster_file`` (``netdam down``)
+likewise only stops this host's nodes.
 """
 
 from __future__ import annotations
@@ -17,11 +22,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from netdam.cluster import ClusterFile, NodeEntry, load_cluster, write_cluster
+from netdam.cluster import (
+    ClusterFile,
+    NodeEntry,
+    load_cluster,
+    update_cluster_file,
+    with_nodes,
+    write_cluster,
+)
 from netdam.faults import FaultSpec
 from netdam.protocol.packet import Endpoint
 from netdam.shm import DEFAULT_SHM_DIR
@@ -45,6 +57,13 @@ class LocalCluster:
     startup_seconds: float = 0.0
     #: The pool switch (netdam.switch.launch.SwitchHandle) when started with switch=True.
     switch: Any = None
+    #: Ranks this process started; None: every node of the file (a single-host cluster).
+    owned: tuple[int, ...] | None = None
+
+    @property
+    def owns_file(self) -> bool:
+        """Whether stopping removes the cluster file (else it clears our nodes' entries)."""
+        return self.owned is None and not self.info.keep_file
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -55,12 +74,13 @@ class LocalCluster:
         if self.switch is not None:
             self.switch.stop()
         stop_pids([p.pid for p in self.processes], timeout, processes=self.processes)
-        for node in self.info.nodes:
-            if node.memory_file:
-                Path(node.memory_file).unlink(missing_ok=True)
-            node_log(self.info.name, node.rank).unlink(missing_ok=True)
-        _remove_pool_state(self.path)
-        self.path.unlink(missing_ok=True)
+        mine = [n for n in self.info.nodes if self.owned is None or n.rank in self.owned]
+        _remove_node_files(self.info.name, mine)
+        if self.owns_file:
+            _remove_pool_state(self.path)
+            self.path.unlink(missing_ok=True)
+        else:
+            _clear_entries(self.path, [n.rank for n in mine])
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -153,23 +173,8 @@ def _start_cluster(
         extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
     start = time.monotonic()
-    warm_node_kernels()
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = [node_log(name, rank) for rank in range(nodes)]
-    for rank, bind in enumerate(endpoints):
-        cmd = node_command(bind, f"{name}-{rank}", memory, admin_key, members, rank, nodes,
-                           shm_dir, mtu, faults, die_with_parent=not detach)  # fmt: skip
-        # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
-        with open(logs[rank], "wb") as log:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
-                                          start_new_session=detach))  # fmt: skip
-    try:
-        control_ports = _wait_ready(procs, endpoints, logs)
-    except BaseException:
-        stop_pids([p.pid for p in procs], 3.0, processes=procs)
-        for rank in range(nodes):
-            (shm_dir / f"{name}-{rank}.mem").unlink(missing_ok=True)
-        raise
+    spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach)
+    procs, control_ports = _spawn_nodes(spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)])
     info = ClusterFile(
         name=name,
         admin_key=admin_key,
@@ -195,6 +200,171 @@ def _start_cluster(
             cluster.stop()
             raise
     return cluster
+
+
+@dataclass(frozen=True)
+class _NodeSpec:
+    """What every node of one cluster is started with."""
+
+    name: str
+    admin_key: int
+    members: list[Endpoint]
+    world: int
+    shm_dir: Path
+    mtu: int
+    faults: FaultSpec
+    detach: bool
+
+    def memory_file(self, rank: int) -> Path:
+        return self.shm_dir / f"{self.name}-{rank}.mem"
+
+
+def _spawn_nodes(
+    spec: _NodeSpec, nodes: list[tuple[int, Endpoint, int]]
+) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+    """Start one node process per (rank, bind, memory bytes), wait until all are ready; their
+    processes and control ports. On failure every started node is stopped and cleaned up."""
+    warm_node_kernels()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [node_log(spec.name, rank) for rank, _, _ in nodes]
+    for (rank, bind, memory), log_path in zip(nodes, logs, strict=True):
+        cmd = node_command(bind, f"{spec.name}-{rank}", memory, spec.admin_key, spec.members, rank,
+                           spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+        # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
+        with open(log_path, "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
+                                          start_new_session=spec.detach))  # fmt: skip
+    try:
+        control_ports = _wait_ready(procs, [bind for _, bind, _ in nodes], logs, [rank for rank, _, _ in nodes])
+    except BaseException:
+        stop_pids([p.pid for p in procs], 3.0, processes=procs)
+        for rank, _, _ in nodes:
+            spec.memory_file(rank).unlink(missing_ok=True)
+        raise
+    return procs, control_ports
+
+
+def is_local_address(address: str) -> bool:
+    """Whether *address* belongs to this host (in this network namespace): binding a UDP socket
+    to it succeeds. With net.ipv4.ip_nonlocal_bind set every address binds, so the interface
+    addresses (SIOCGIFADDR) decide then."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.bind((address, 0))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    if _nonlocal_bind() and not address.startswith("127."):
+        return address in _interface_addresses()
+    return True
+
+
+def _nonlocal_bind() -> bool:
+    try:
+        return Path("/proc/sys/net/ipv4/ip_nonlocal_bind").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def _interface_addresses() -> set[str]:
+    """The primary IPv4 address of every interface (ioctl SIOCGIFADDR)."""
+    import fcntl
+    import socket
+    import struct
+
+    found = set()
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, ifname in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+            except OSError:
+                continue
+            found.add(socket.inet_ntoa(raw[20:24]))
+    finally:
+        probe.close()
+    return found
+
+
+def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAULT_SHM_DIR,
+                    faults: FaultSpec | None = None, detach: bool = False,
+                    mtu: int | None = None) -> LocalCluster:  # fmt: skip
+    """``netdam up --cluster FILE`` with a FILE that lists nodes (hand-written, maybe for several
+    hosts): start exactly the nodes whose address is an address of this host, with the file's
+    ranks, ports, admin key and MTU (memory: the entry's ``memory_bytes``, else *memory*), every
+    node of the file as members; then fill in their pid, memory_file and control_port, keep the
+    other entries as written, and mark the file ``keep_file``."""
+    info = load_cluster(path)
+    if mtu is not None and mtu != info.mtu:
+        raise ValueError(f"--mtu {mtu} differs from mtu = {info.mtu} in {path}: edit the file or drop --mtu")
+    local = [n for n in info.nodes if is_local_address(n.address)]
+    if not local:
+        addresses = ", ".join(sorted({n.address for n in info.nodes}))
+        raise ValueError(f"no node of {path} has an address of this host (the file lists {addresses}): run "
+                         "`netdam up --cluster FILE` on the hosts that own them, or fix `address`")  # fmt: skip
+    for node in local:
+        if node.pid and _is_node_process(node.pid):
+            raise ValueError(f"rank {node.rank} ({node.address}:{node.port}) of {path} already runs as pid "
+                             f"{node.pid}: stop it first with `netdam down --cluster {path}`")  # fmt: skip
+    start = time.monotonic()
+    spec = _NodeSpec(info.name, info.admin_key, info.endpoints, len(info.nodes), shm_dir, info.mtu,
+                     faults or FaultSpec(), detach)  # fmt: skip
+    sizes = {n.rank: n.memory_bytes or memory for n in local}
+    procs, control_ports = _spawn_nodes(spec, [(n.rank, n.endpoint, sizes[n.rank]) for n in local])
+    entries = {
+        n.rank: replace(n, pid=p.pid, control_port=port, memory_file=str(spec.memory_file(n.rank)),
+                        memory_bytes=sizes[n.rank])
+        for n, p, port in zip(local, procs, control_ports, strict=True)
+    }  # fmt: skip
+    all_local = len(local) == len(info.nodes)
+
+    def fill(current: ClusterFile) -> ClusterFile:
+        head = {"supervisor_pid": 0 if detach else os.getpid()} if all_local else {}
+        return replace(with_nodes(current, entries), keep_file=True, **head)  # type: ignore[arg-type]
+
+    try:
+        updated = update_cluster_file(path, fill)
+    except BaseException:
+        stop_pids([p.pid for p in procs], 3.0, processes=procs)
+        _remove_node_files(info.name, list(entries.values()))
+        raise
+    return LocalCluster(updated, path, procs, time.monotonic() - start, owned=tuple(entries))
+
+
+def _is_node_process(pid: int) -> bool:
+    """Whether *pid* is alive and runs netdam (a stale file's pid may have been reused)."""
+    if not _alive(pid, None):
+        return False
+    try:
+        return b"netdam" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc: trust the file
+
+
+def _remove_node_files(cluster_name: str, nodes: list[NodeEntry]) -> None:
+    for node in nodes:
+        if node.memory_file:
+            Path(node.memory_file).unlink(missing_ok=True)
+        node_log(cluster_name, node.rank).unlink(missing_ok=True)
+
+
+def _clear_entries(path: Path, ranks: list[int]) -> None:
+    """Forget the running state (pid, memory file, control port) of *ranks* in the file."""
+    if not path.exists():
+        return
+
+    def clear(current: ClusterFile) -> ClusterFile:
+        cleared = {n.rank: n.cleared() for n in current.nodes if n.rank in ranks}
+        everyone_local = len(cleared) == len(current.nodes)
+        return replace(with_nodes(current, cleared), supervisor_pid=0 if everyone_local else current.supervisor_pid)
+
+    try:
+        update_cluster_file(path, clear)
+    except ValueError as exc:  # edited meanwhile into something unreadable: leave it alone
+        print(f"warning: could not clear ranks {ranks} in {path}: {exc}", file=sys.stderr)
 
 
 def _free_port_block(address: str, count: int) -> int:
@@ -224,9 +394,12 @@ def _free_port_block(address: str, count: int) -> int:
 
 
 def _wait_ready(
-    procs: list[subprocess.Popen[bytes]], endpoints: list[Endpoint], logs: list[Path]
-) -> list[int]:
-    """Wait for every node's ``ready`` line; return their control ports."""
+    procs: list[subprocess.Popen[bytes]], endpoints: list[Endpoint], logs: list[Path],
+    ranks: list[int] | None = None,
+) -> list[int]:  # fmt: skip
+    """Wait for every node's ``ready`` line; return their control ports. *ranks* names the
+    processes in messages (default: their positions)."""
+    names = ranks if ranks is not None else list(range(len(procs)))
     control_ports = [0] * len(procs)
     selector = selectors.DefaultSelector()
     waiting = {}
@@ -238,8 +411,8 @@ def _wait_ready(
     while waiting:
         left = deadline - time.monotonic()
         if left <= 0:
-            ranks = ", ".join(f"{endpoints[r][0]}:{endpoints[r][1]} (rank {r})" for r in waiting)
-            raise ClusterStartError(f"nodes not ready after {START_TIMEOUT_S:.0f} s: {ranks}")
+            pending = ", ".join(f"{endpoints[r][0]}:{endpoints[r][1]} (rank {names[r]})" for r in waiting)
+            raise ClusterStartError(f"nodes not ready after {START_TIMEOUT_S:.0f} s: {pending}")
         for key, _ in selector.select(timeout=min(left, 0.5)):
             rank = key.data
             line = key.fileobj.readline()  # type: ignore[union-attr]
@@ -255,7 +428,7 @@ def _wait_ready(
                 waiting.pop(rank)
                 err = logs[rank].read_text(errors="replace").strip() if logs[rank].exists() else ""
                 raise ClusterStartError(
-                    f"node rank {rank} ({endpoints[rank][0]}:{endpoints[rank][1]}) exited "
+                    f"node rank {names[rank]} ({endpoints[rank][0]}:{endpoints[rank][1]}) exited "
                     f"during start-up: {err.splitlines()[-1] if err else 'no message'}"
                 )
     selector.close()
@@ -287,6 +460,11 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 def _alive(pid: int, proc: subprocess.Popen[bytes] | None) -> bool:
     if proc is not None:
         return proc.poll() is None
+    return process_alive(pid)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether *pid* runs (a zombie does not: it answers kill(0), /proc tells)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -301,21 +479,26 @@ def _alive(pid: int, proc: subprocess.Popen[bytes] | None) -> bool:
 
 
 def stop_cluster_file(path: Path, timeout: float = 5.0) -> ClusterFile:
-    """``netdam down``: stop the nodes a cluster file lists and remove their files."""
+    """``netdam down``: stop the nodes of a cluster file that run on this host (address of this
+    host, pid running netdam) and remove their memory files. When every node of the file is
+    local and the file is not ``keep_file``, the file goes too (and the foreground ``netdam up``
+    that supervises it is told to stop); otherwise the stopped nodes' pid, memory_file and
+    control_port are cleared and the other entries kept. Returns the file with the local nodes."""
     info = load_cluster(path)
     from netdam.switch.launch import stop_switch_from_file
 
+    local = [n for n in info.nodes if is_local_address(n.address)]
     stop_switch_from_file(path, timeout)
-    stop_pids([n.pid for n in info.nodes if n.pid], timeout)
-    for node in info.nodes:
-        if node.memory_file:
-            Path(node.memory_file).unlink(missing_ok=True)
-        node_log(info.name, node.rank).unlink(missing_ok=True)
-    _remove_pool_state(path)
-    if info.supervisor_pid and _alive(info.supervisor_pid, None):
+    stop_pids([n.pid for n in local if n.pid and _is_node_process(n.pid)], timeout)
+    _remove_node_files(info.name, local)
+    if len(local) == len(info.nodes) and info.supervisor_pid and _alive(info.supervisor_pid, None):
         _signal(info.supervisor_pid, signal.SIGTERM)
-    path.unlink(missing_ok=True)
-    return info
+    if len(local) == len(info.nodes) and not info.keep_file:
+        _remove_pool_state(path)
+        path.unlink(missing_ok=True)
+    else:
+        _clear_entries(path, [n.rank for n in local])
+    return replace(info, nodes=tuple(local))
 
 
 def _remove_pool_state(cluster_path: Path) -> None:

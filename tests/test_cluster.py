@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import struct
 import subprocess
@@ -20,6 +19,7 @@ from netdam.cluster import load_cluster
 from netdam.control import ControlClient, ControlError
 from netdam.faults import FaultSpec
 from netdam.launch import LocalCluster, start_cluster
+from netdam.launch import process_alive as alive
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Status
 from netdam.protocol.packet import Packet
 
@@ -31,17 +31,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
     path = tmp_path_factory.mktemp("cluster") / "cluster.toml"
     with start_cluster(2, memory=1 << 20, cluster_path=path) as running:
         yield running  # type: ignore[misc]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_cluster_file_and_ping(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,207 @@
+"""Failure drills on real processes: a node killed in the middle of an all-reduce, the switch
+killed and restarted under pool traffic, and `netdam up --switch` stopped by Ctrl-C, SIGTERM or
+the death of its parent, leaving no process and no /dev/shm file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netdam.api import CollectiveError, ProcessGroup
+from netdam.api import all_reduce as api_all_reduce
+from netdam.cluster import load_cluster
+from netdam.control import ControlClient
+from netdam.launch import process_alive as alive
+from netdam.launch import start_cluster
+from netdam.pool import PoolClient, PoolError
+from netdam.protocol.constants import RIGHTS_ALL
+from netdam.switch.controller import PoolController
+from netdam.switch.launch import load_switch_entry, start_pool_cluster, start_switch
+
+KiB = 1024
+
+
+def wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) -> None:
+    count = 4 << 20  # 16 MiB of f32: long enough to kill a node while chunks are in flight
+    with start_cluster(3, memory=1 << 26, cluster_path=tmp_path / "c.toml") as cluster:
+        groups = [ProcessGroup(cluster.info, rank) for rank in range(3)]
+        buffers = [np.full(count, rank + 1, np.float32) for rank in range(3)]
+        # A group's first collective returns once its node ACKed START_COLL: every node runs.
+        works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups)]
+        assert not any(w.is_completed() for w in works), "finished before the kill: raise count"  # type: ignore[union-attr]
+        os.kill(cluster.info.nodes[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        errors = []
+        for work in (works[0], works[2]):
+            with pytest.raises(CollectiveError) as info:
+                work.wait()  # type: ignore[union-attr]
+            errors.append(info.value)
+        # Default watchdog: the caller hears within 5 s and the message names the dead node.
+        assert time.monotonic() - killed_at < 5.0
+        dead = f"rank 1 ({cluster.info.nodes[1].address}:{cluster.info.nodes[1].port})"
+        assert all(dead in str(e) for e in errors), [str(e) for e in errors]
+        # The survivors answer and serve plain memory traffic.
+        with ControlClient(admin_key=cluster.info.admin_key) as client:
+            for node in (cluster.info.nodes[0], cluster.info.nodes[2]):
+                client.ping(node.control_endpoint)
+                rkey = client.register(node.endpoint, 1 << 20, 4096, RIGHTS_ALL)
+                client.write(node.endpoint, rkey, 1 << 20, b"survivor")
+                assert client.read(node.endpoint, rkey, 1 << 20, 8) == b"survivor"
+        for group in groups:
+            group.close()
+        pids = [n.pid for n in cluster.info.nodes]
+        files = [n.memory_file for n in cluster.info.nodes]
+    assert wait_gone(pids) == []
+    assert not any(Path(f).exists() for f in files)
+
+
+def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
+    cluster, switch = start_pool_cluster(3, memory=1 << 20, cluster_path=tmp_path / "c.toml")
+    try:
+        controller = PoolController(cluster.path)
+        region = controller.alloc(24 * KiB, interleave=8 * KiB)
+        counter = controller.alloc(8)
+        pattern = bytes(range(256)) * 96
+        with PoolClient(switch.vip, timeout=0.02, retries=3) as client:
+            client.write(region.gaddr, pattern, region.rkey, stride=region.stride)
+        log: list[tuple[float, str]] = []
+        acked = [0]
+        stop = threading.Event()
+
+        def traffic() -> None:
+            with PoolClient(switch.vip, timeout=0.02, retries=3) as c:
+                while not stop.is_set():
+                    try:
+                        c.fetch_add(counter.gaddr, 1, counter.rkey)
+                        acked[0] += 1
+                        assert c.read(region.gaddr, len(pattern), region.rkey, stride=region.stride) == pattern
+                        log.append((time.monotonic(), "ok"))
+                    except PoolError as exc:
+                        log.append((time.monotonic(), type(exc).__name__))
+                        time.sleep(0.01)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        time.sleep(0.3)
+        switch.process.kill()  # no clean shutdown: the state file is all that survives
+        switch.process.wait(timeout=5)
+        killed_at = time.monotonic()
+        time.sleep(0.6)
+        switch = start_switch(cluster, switch.vip)
+        restarted_at = time.monotonic()
+        time.sleep(0.5)
+        stop.set()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        during = [k for t, k in log if killed_at + 0.1 < t < killed_at + 0.6]
+        after = [k for t, k in log if t > restarted_at + 0.2]
+        assert during and set(during) == {"PoolTimeout"}, during[:5]  # timeouts, not hangs
+        assert after and set(after) == {"ok"}, after[:5]  # recovered: same VIP, regions, rkeys
+        assert [k for t, k in log if t < killed_at][-1] == "ok"
+        # The restarted switch reloaded the map: the old rkeys still work and nothing was lost.
+        with PoolClient(switch.vip) as client:
+            assert client.read(region.gaddr, len(pattern), region.rkey, stride=region.stride) == pattern
+            final = client.fetch_add(counter.gaddr, 0, counter.rkey)
+        # Every acknowledged increment landed; an unacknowledged one may or may not have.
+        timeouts_on_increment = sum(1 for _, k in log if k == "PoolTimeout")
+        assert acked[0] <= final <= acked[0] + timeouts_on_increment
+        assert load_switch_entry(cluster.path).pid == switch.process.pid  # type: ignore[union-attr]
+    finally:
+        switch.stop()
+        cluster.stop()
+
+
+def _start_up(path: Path) -> subprocess.Popen[str]:
+    up = [sys.executable, "-m", "netdam", "up", "--nodes", "2", "--memory", "64KiB", "--switch",
+          "--cluster", str(path)]  # fmt: skip
+    proc = subprocess.Popen(up, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (path.exists() and load_switch_entry(path) is not None):
+        assert proc.poll() is None and time.monotonic() < deadline, "netdam up did not start"
+        time.sleep(0.05)
+    return proc
+
+
+# SIGKILL of `netdam up` is the death of the nodes' and the switch's parent: they must notice.
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])  # SIGINT: test_cluster.py
+def test_up_with_switch_leaves_nothing_behind(tmp_path: Path, how: signal.Signals) -> None:
+    path = tmp_path / "c.toml"
+    proc = _start_up(path)
+    info = load_cluster(path)
+    switch = load_switch_entry(path)
+    assert switch is not None
+    pids = [n.pid for n in info.nodes] + [switch.pid]
+    files = [n.memory_file for n in info.nodes]
+    proc.send_signal(how)
+    proc.wait(timeout=30)
+    assert wait_gone(pids) == [], f"left running after {how.name}"
+    assert not any(Path(f).exists() for f in files), f"memory files left after {how.name}"
+
+
+def test_flood_keeps_node_alive_answering_and_flat(capsys: pytest.CaptureFixture[str]) -> None:
+    """A short `netdam flood` (the 60 s runs are in the README): the node under a seeded mix of
+    valid and malformed datagrams stays alive, answers every stats request, keeps its anonymous
+    memory flat after the warm-up, and counts what it NACKed and what the kernel dropped."""
+    import json
+
+    from netdam.cli import main
+
+    code = main(["flood", "--target", "node", "--seconds", "4", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0, result
+    assert result["alive"] and result["memory_flat"] and result["stats_failed"] == 0
+    counters = result["counters"]
+    assert counters["rx_packets"] > 10_000
+    assert {"BAD_RKEY", "OUT_OF_BOUNDS", "UNAUTHORIZED", "BAD_VERSION"} <= set(counters["nacks"])
+    assert counters["drops"] >= counters["kernel_drops"] + counters["drop_truncated"]
+
+
+def test_late_rank_slows_the_others_instead_of_failing_them(tmp_path: Path) -> None:
+    """A host that joins half a second late (its group rkey not yet registered on its node):
+    the others' chunks get BUSY, not BAD_RKEY, and every rank ends with the right sum."""
+    with start_cluster(3, memory=4 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        early = [ProcessGroup(cluster.info, rank) for rank in (1, 2)]
+        buffers = {rank: np.full(100_000, rank + 1, np.float32) for rank in range(3)}
+        works = {g.rank: api_all_reduce(buffers[g.rank], group=g, async_op=True) for g in early}
+        time.sleep(0.5)
+        late = ProcessGroup(cluster.info, 0)
+        works[0] = api_all_reduce(buffers[0], group=late, async_op=True)
+        for work in works.values():
+            work.wait()  # type: ignore[union-attr]
+        for rank in range(3):
+            assert np.array_equal(buffers[rank], np.full(100_000, 6, np.float32)), rank
+        for group in (*early, late):
+            group.close()
+
+
+def test_a_new_group_never_reruns_an_old_epoch(tmp_path: Path) -> None:
+    """Two process groups one after the other on one cluster: the second counts from epoch 1
+    again, the nodes answer STALE_EPOCH with their epoch, and it moves past it instead of being
+    handed the first group's completion (its own input back as the "result")."""
+    with start_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        for attempt in range(2):
+            groups = [ProcessGroup(cluster.info, rank) for rank in range(2)]
+            buffers = [np.full(1000, rank + 1 + 10 * attempt, np.float32) for rank in range(2)]
+            works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups)]
+            for work in works:
+                work.wait()  # type: ignore[union-attr]
+            expected = np.full(1000, 3 + 20 * attempt, np.float32)
+            assert all(np.array_equal(b, expected) for b in buffers), (attempt, buffers[0][:3])
+            assert groups[0].epoch == attempt + 1
+            for group in groups:
+                group.close()

@@ -1,0 +1,348 @@
+"""Isolation campaign (SPEC sections 3.1, 4, 7, 8 and 11): two tenants of one pool, the
+attacker trying 10,000 cross-accesses of every kind, through the switch and straight at the
+nodes, with the same compiled cores the node and switch processes run.
+
+Checked for every kind: no cross-access succeeds (no READ_RESP, ACK or INFO of the victim's
+comes back), nothing outside the attacker's own regions changes by a single byte, no byte of
+the victim's reaches the attacker, no datagram goes to a third party, and the victim's own
+traffic is unaffected afterwards.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netdam import counters as C
+from netdam.control import ControlClient
+from netdam.fabric import Fabric
+from netdam.launch import start_cluster
+from netdam.node import NodeConfig, NodeCore
+from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights, Status
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, backing_per_way
+from netdam.switch.core import SwitchConfig, SwitchCore
+
+VIP: Endpoint = ("127.0.0.1", 7744)
+VICTIM: Endpoint = ("127.0.0.1", 9001)
+ATTACKER: Endpoint = ("127.0.0.1", 9666)
+BYSTANDER: Endpoint = ("127.0.0.1", 9777)
+GROUP: Endpoint = ("239.77.0.9", 7744)
+ADMIN = 0x5EC12E7
+NODES = 3
+STRIDE = 8192
+ALL = int(Rights.READ | Rights.WRITE | Rights.ATOMIC)
+VICTIM_RKEY = 0xA11CE
+ATTACKER_RKEY = 0xB0B
+ATTEMPTS = 10_000
+#: Datagrams sent before the fabric runs to idle: keeps every NACK (no send queue overflow).
+BURST = 256
+
+
+@dataclass
+class Tenancy:
+    fabric: Fabric
+    nodes: list[NodeCore]
+    endpoints: list[Endpoint]
+    victim: Region
+    attacker: Region
+
+    def own_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """Node -> [lo, hi) ranges the attacker may legitimately write."""
+        ranges: dict[int, list[tuple[int, int]]] = {i: [] for i in range(NODES)}
+        for way in self.attacker.ways:
+            ranges[way.node].append((way.local, way.local + way.size))
+        return ranges
+
+
+def make_tenancy() -> Tenancy:
+    fabric = Fabric()
+    endpoints = [("127.0.0.1", 7001 + i) for i in range(NODES)]
+    nodes = []
+    for rank, ep in enumerate(endpoints):
+        core = NodeCore(NodeConfig(endpoint=ep, memory_bytes=1 << 20, admin_key=ADMIN,
+                                   members=tuple(endpoints) + (VIP,), rank=rank, world_size=NODES))  # fmt: skip
+        fabric.add_core(ep, core)
+        nodes.append(core)
+    size = 6 * STRIDE
+    victim = Region(GLOBAL_BASE, size, VICTIM_RKEY, ALL, STRIDE,
+                    tuple(Way(r, 0x10000, backing_per_way(size, STRIDE, NODES)) for r in range(NODES)))  # fmt: skip
+    # The attacker's region sits right behind the victim's backing on node 1 and in the pool.
+    attacker = Region(GLOBAL_BASE + (1 << 20), 4096, ATTACKER_RKEY, ALL, 0,
+                      (Way(1, 0x10000 + backing_per_way(size, STRIDE, NODES), 4096),))  # fmt: skip
+    for region in (victim, attacker):
+        for way in region.ways:
+            nodes[way.node].register_region(way.local, way.size, Rights(region.rights), rkey=region.rkey)
+    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=0),
+                        [victim, attacker], generation=1)  # fmt: skip
+    fabric.add_core(VIP, switch)
+    for ep in (VICTIM, ATTACKER, BYSTANDER):
+        fabric.add_endpoint(ep)
+    rng = np.random.default_rng(7)
+    for node in nodes:  # the victim's data: a secret pattern, everything else random
+        node.memory[:] = rng.integers(0, 256, node.memory.shape[0], dtype=np.uint8)
+    for ep in endpoints:  # a multicast group of all nodes, set up by the admin
+        join = Packet(Opcode.JOIN, rkey=ADMIN, addr=endpoint_to_u64(GROUP), aux_addr=endpoint_to_u64(ep))
+        fabric.send(VICTIM, VIP, encode_packet(join))
+    fabric.run_until_idle()
+    assert all(decode_packet(d).opcode == Opcode.ACK for d, _ in fabric.receive(VICTIM))
+    return Tenancy(fabric, nodes, endpoints, victim, attacker)
+
+
+# ------------------------------------------------------------------------ attack generators
+
+Attack = Callable[[np.random.Generator, Tenancy], tuple[Endpoint, Packet]]
+_U64 = struct.Struct("<Q")
+
+
+def _victim_gaddr(rng: np.random.Generator, t: Tenancy, length: int) -> int:
+    return t.victim.gaddr + int(rng.integers(0, t.victim.size - length + 1)) // 8 * 8
+
+
+def _victim_local(rng: np.random.Generator, t: Tenancy, length: int) -> tuple[int, int]:
+    way = t.victim.ways[int(rng.integers(0, len(t.victim.ways)))]
+    return way.node, way.local + int(rng.integers(0, way.size - length + 1)) // 8 * 8
+
+
+def _key(rng: np.random.Generator) -> int:
+    """The attacker's own rkey (the right key for the wrong memory) or a guess."""
+    return ATTACKER_RKEY if rng.random() < 0.5 else int(rng.integers(1, 2**32))
+
+
+def _ids(rng: np.random.Generator) -> dict[str, int]:
+    return {"client_id": int(rng.integers(0, 2**32)), "txn_id": int(rng.integers(0, 2**32))}
+
+
+def _data_op(opcode: Opcode, via_switch: bool) -> Attack:
+    def attack(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+        length = int(rng.choice([8, 64, 1024, 8192])) if opcode in (Opcode.READ, Opcode.WRITE, Opcode.ADD) else 8
+        if via_switch:
+            dst, addr = VIP, _victim_gaddr(rng, t, length)
+        else:
+            node, addr = _victim_local(rng, t, length)
+            dst = t.endpoints[node]
+        payload = {
+            Opcode.READ: b"",
+            Opcode.FETCH_ADD: _U64.pack(1),
+            Opcode.CAS: _U64.pack(0) + _U64.pack(1),
+        }.get(opcode, bytes(rng.integers(0, 256, length, dtype=np.uint8)))
+        dtype = DType.U64 if opcode in (Opcode.FETCH_ADD, Opcode.CAS) else DType.F32
+        return dst, Packet(opcode, flags=Flags.ACK_REQ, rkey=_key(rng), addr=addr, length=length,
+                           dtype=dtype, reduce_op=ReduceOp.SUM if opcode == Opcode.ADD else ReduceOp(0),
+                           payload=payload, **_ids(rng))  # fmt: skip
+
+    return attack
+
+
+def _straddle(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """The attacker's own key and region, the range running off its start into the victim's."""
+    way = t.attacker.ways[0]
+    over = int(rng.integers(1, 512)) * 8
+    if rng.random() < 0.5:  # straight at the node, local addresses
+        return t.endpoints[way.node], Packet(Opcode.READ, rkey=ATTACKER_RKEY, addr=way.local - over,
+                                             length=2 * over, dtype=DType.RAW)  # fmt: skip
+    return VIP, Packet(Opcode.READ, rkey=ATTACKER_RKEY, addr=t.attacker.gaddr - over, length=2 * over,
+                       dtype=DType.RAW)  # fmt: skip
+
+
+def _chain_through_victim(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """CHAIN_ADD whose operand is the victim's memory, routed through victim nodes, with the last
+    segment the attacker itself (a non-member) or a victim node storing into attacker memory."""
+    node, addr = _victim_local(rng, t, 1024)
+    attacker_way = t.attacker.ways[0]
+    if rng.random() < 0.5:
+        segments = (t.endpoints[node], ATTACKER)
+        aux = addr
+    else:
+        segments = (t.endpoints[node], t.endpoints[attacker_way.node])
+        aux = attacker_way.local
+    return t.endpoints[node], Packet(
+        Opcode.CHAIN_ADD, flags=Flags.ACK_REQ, rkey=_key(rng), addr=addr, aux_addr=aux, length=1024,
+        dtype=DType.F32, reduce_op=ReduceOp.SUM, segments=segments, segments_left=1, ret=ATTACKER,
+        payload=bytes(1024), **_ids(rng),
+    )  # fmt: skip
+
+
+def _multicast_write(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    _, addr = _victim_local(rng, t, 64)
+    return VIP, Packet(Opcode.ALL_WRITE, flags=Flags.MCAST | Flags.ACK_REQ, rkey=_key(rng), addr=addr,
+                       aux_addr=endpoint_to_u64(GROUP), length=64, dtype=DType.RAW, payload=bytes(64),
+                       **_ids(rng))  # fmt: skip
+
+
+def _control(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """Control opcodes with a guessed admin key: REGISTER the victim's memory, DEREGISTER its
+    rkey, JOIN a group, read COUNTERS, START_COLL."""
+    node = int(rng.integers(0, NODES))
+    dst = t.endpoints[node] if rng.random() < 0.7 else VIP
+    opcode = [Opcode.REGISTER, Opcode.DEREGISTER, Opcode.JOIN, Opcode.COUNTERS, Opcode.START_COLL][
+        int(rng.integers(0, 5))
+    ]
+    key = int(rng.integers(1, 2**32))
+    if key == ADMIN:
+        key += 1
+    payload = {
+        Opcode.REGISTER: struct.pack("<II", 0, ALL),
+        Opcode.DEREGISTER: struct.pack("<II", VICTIM_RKEY, 0),
+        Opcode.START_COLL: bytes(64),
+    }.get(opcode, b"")
+    return dst, Packet(opcode, rkey=key, addr=0x10000 if opcode == Opcode.REGISTER else endpoint_to_u64(GROUP),
+                       aux_addr=1 << 16, length=len(payload), payload=payload,
+                       coll_id=1 if opcode == Opcode.START_COLL else 0, **_ids(rng))  # fmt: skip
+
+
+def _reply_to_third_party(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """A legitimate READ of the attacker's own memory asking for the reply to go elsewhere."""
+    way = t.attacker.ways[0]
+    dst, addr = (VIP, t.attacker.gaddr) if rng.random() < 0.5 else (t.endpoints[way.node], way.local)
+    return dst, Packet(Opcode.READ, rkey=ATTACKER_RKEY, addr=addr, length=64, dtype=DType.RAW,
+                       ret=BYSTANDER if rng.random() < 0.5 else t.endpoints[0])  # fmt: skip
+
+
+KINDS: dict[str, Attack] = {
+    "read via switch": _data_op(Opcode.READ, True),
+    "write via switch": _data_op(Opcode.WRITE, True),
+    "add via switch": _data_op(Opcode.ADD, True),
+    "fetch_add via switch": _data_op(Opcode.FETCH_ADD, True),
+    "cas via switch": _data_op(Opcode.CAS, True),
+    "read at node": _data_op(Opcode.READ, False),
+    "write at node": _data_op(Opcode.WRITE, False),
+    "add at node": _data_op(Opcode.ADD, False),
+    "fetch_add at node": _data_op(Opcode.FETCH_ADD, False),
+    "cas at node": _data_op(Opcode.CAS, False),
+    "straddle own region": _straddle,
+    "chain through victim": _chain_through_victim,
+    "multicast write": _multicast_write,
+    "control with guessed key": _control,
+    "reply to third party": _reply_to_third_party,
+}
+
+
+# ------------------------------------------------------------------------ the campaign
+
+
+def _snapshot(t: Tenancy) -> list[np.ndarray]:
+    return [node.memory.copy() for node in t.nodes]
+
+
+def _run_kind(t: Tenancy, attack: Attack, seed: int) -> list[Packet]:
+    rng = np.random.default_rng(seed)
+    replies: list[Packet] = []
+    for start in range(0, ATTEMPTS, BURST):
+        for _ in range(min(BURST, ATTEMPTS - start)):
+            dst, packet = attack(rng, t)
+            t.fabric.send(ATTACKER, dst, encode_packet(packet))
+        t.fabric.run_until_idle()
+        replies += [decode_packet(d) for d, _ in t.fabric.receive(ATTACKER)]
+    return replies
+
+
+@pytest.fixture(scope="module")
+def tenancy() -> Tenancy:
+    return make_tenancy()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cross_tenant_attempts_all_fail(tenancy: Tenancy, kind: str) -> None:
+    t = tenancy
+    before = _snapshot(t)
+    secret = [bytes(before[w.node][w.local : w.local + w.size]) for w in t.victim.ways]
+    node0_rx = int(t.nodes[0].counters[C.RX_PACKETS])
+    replies = _run_kind(t, KINDS[kind], seed=sum(map(ord, kind)))
+
+    succeeded = [r for r in replies if r.opcode != Opcode.NACK]
+    if kind == "reply to third party":
+        # Legit reads of its own memory: every one answered, to the attacker itself, none to the
+        # bystander or to node 0 (checked below), although the return segment named them.
+        assert len(succeeded) == ATTEMPTS
+        assert int(t.nodes[0].counters[C.RX_PACKETS]) == node0_rx
+    else:
+        assert succeeded == [], f"{kind}: {len(succeeded)} of {ATTEMPTS} succeeded, e.g. {succeeded[0]}"
+    statuses = Counter(Status(r.status).name for r in replies if r.opcode == Opcode.NACK)
+    assert sum(statuses.values()) > 0 or kind == "reply to third party", kind
+    assert t.fabric.receive(BYSTANDER) == [] and t.fabric.receive(VICTIM) == []
+
+    # Nothing outside the attacker's own regions changed, not one byte.
+    own = t.own_ranges()
+    for i, node in enumerate(t.nodes):
+        mask = np.ones(node.memory.shape[0], bool)
+        for lo, hi in own[i]:
+            mask[lo:hi] = False
+        changed = np.flatnonzero((node.memory != before[i]) & mask)
+        assert changed.size == 0, f"{kind}: node {i} bytes changed at {changed[:8]}"
+    # No 16-byte run of the victim's memory reached the attacker.
+    received = b"".join(r.payload for r in replies)
+    for blob in secret:
+        for at in range(0, len(blob) - 16, 997):
+            assert blob[at : at + 16] not in received, f"{kind}: victim bytes at +{at} leaked"
+
+
+def test_victim_unaffected_after_campaign(tenancy: Tenancy) -> None:
+    """After every attack (and a borrowed client id), the victim writes, reads and counts as usual."""
+    t = tenancy
+    g = t.victim.gaddr
+    data = bytes(range(256)) * 4
+    t.fabric.send(VICTIM, VIP, encode_packet(Packet(Opcode.WRITE, flags=Flags.ACK_REQ, client_id=5,
+                                                    txn_id=1, rkey=VICTIM_RKEY, addr=g, length=1024,
+                                                    dtype=DType.RAW, payload=data)))  # fmt: skip
+    # The attacker borrows the victim's client id and next txn ids through the switch, on node 1,
+    # where its region and the victim's stripe 1 live side by side.
+    for txn in range(2, 10):
+        t.fabric.send(ATTACKER, VIP, encode_packet(Packet(
+            Opcode.FETCH_ADD, client_id=5, txn_id=txn, rkey=ATTACKER_RKEY, addr=t.attacker.gaddr,
+            length=8, dtype=DType.U64, payload=_U64.pack(1))))  # fmt: skip
+    t.fabric.run_until_idle()
+    t.fabric.receive(ATTACKER)
+    [ack] = [decode_packet(d) for d, _ in t.fabric.receive(VICTIM)]
+    assert ack.opcode == Opcode.ACK
+    for txn in range(2, 10):  # the victim's own txns 2.. execute: not duplicates, not STALE
+        t.fabric.send(VICTIM, VIP, encode_packet(Packet(
+            Opcode.FETCH_ADD, client_id=5, txn_id=txn, rkey=VICTIM_RKEY, addr=g + STRIDE + 1024, length=8,
+            dtype=DType.U64, payload=_U64.pack(1))))  # fmt: skip
+    node, local = t.victim.locate(STRIDE + 1024)
+    assert node == t.attacker.ways[0].node
+    initial = int(t.nodes[node].memory[local : local + 8].view(np.uint64)[0])
+    t.fabric.run_until_idle()
+    olds = sorted(struct.unpack("<Q", decode_packet(d).payload)[0] for d, _ in t.fabric.receive(VICTIM))
+    assert olds == [(initial + k) % 2**64 for k in range(8)]
+    assert int(t.nodes[node].memory[local : local + 8].view(np.uint64)[0]) == (initial + 8) % 2**64
+    t.fabric.send(VICTIM, VIP, encode_packet(Packet(Opcode.READ, client_id=5, txn_id=20, rkey=VICTIM_RKEY,
+                                                    addr=g, length=1024, dtype=DType.RAW)))  # fmt: skip
+    t.fabric.run_until_idle()
+    [resp] = [decode_packet(d) for d, _ in t.fabric.receive(VICTIM)]
+    assert resp.opcode == Opcode.READ_RESP and resp.payload == data
+
+
+def test_real_node_relays_to_members_only(tmp_path: Path) -> None:
+    """On a node process: a chain whose next segment is not a member is NACKed NOT_MEMBER and
+    nothing reaches that endpoint; a return segment naming a third party is ignored."""
+    with start_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as bystander:  # fmt: skip
+        node = cluster.info.nodes[0].endpoint
+        with ControlClient(admin_key=cluster.info.admin_key) as admin:
+            rkey = admin.register(node, 0, 4096, Rights.READ | Rights.WRITE)
+            admin.write(node, rkey, 0, b"secret!!" * 8)
+        for s in (attacker, bystander):
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(0.5)
+        third = bystander.getsockname()
+        chain = Packet(Opcode.CHAIN_ADD, flags=Flags.ACK_REQ, client_id=3, txn_id=1, rkey=rkey, addr=0,
+                       aux_addr=0, length=64, dtype=DType.F32, segments=(node, third), segments_left=1,
+                       payload=bytes(64))  # fmt: skip
+        read = Packet(Opcode.READ, client_id=3, txn_id=2, rkey=rkey, addr=0, length=64, ret=third)
+        attacker.sendto(encode_packet(chain), node)
+        nack = decode_packet(attacker.recv(65536))
+        assert nack.opcode == Opcode.NACK and nack.status == Status.NOT_MEMBER
+        attacker.sendto(encode_packet(read), node)
+        resp = decode_packet(attacker.recv(65536))
+        assert resp.opcode == Opcode.READ_RESP and resp.payload == b"secret!!" * 8
+        with pytest.raises(TimeoutError):
+            bystander.recv(65536)
