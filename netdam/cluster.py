@@ -17,14 +17,27 @@ memory_file = "/dev/shm/netdam-c1a2b3-0.mem"
 memory_bytes = 67108864
 ```
 
-The file can also be written by hand for several hosts: ``pid`` and ``memory_file`` are then
-only meaningful on the host that runs the node.
+The file can also be written by hand for several hosts (only ``[cluster] admin_key`` and each
+node's ``rank``, ``address`` and ``port`` are required): ``netdam up --cluster FILE`` on each host
+starts the nodes whose address belongs to that host and fills in their ``pid``,
+``memory_file`` and ``control_port``; those are only meaningful on the host that runs the node.
+Such a file gets ``keep_file = true``: ``netdam down`` then clears the fields it filled in
+instead of deleting the file.
+
+Errors name the line, the field and the fix (hand-written files are the common case).
 """
 
 from __future__ import annotations
 
+import difflib
+import fcntl
+import ipaddress
+import os
+import re
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -32,6 +45,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
 from netdam.protocol.packet import Endpoint
 
 
@@ -54,6 +68,10 @@ class NodeEntry:
     def control_endpoint(self) -> Endpoint:
         return (self.address, self.control_port or self.port)
 
+    def cleared(self) -> NodeEntry:
+        """This entry without what a running node fills in (pid, memory file, control port)."""
+        return replace(self, pid=0, memory_file="", control_port=0)
+
 
 @dataclass(frozen=True)
 class ClusterFile:
@@ -64,10 +82,17 @@ class ClusterFile:
     created: str = ""
     supervisor_pid: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+    #: Written by hand (or for several hosts): `netdam down` clears the running nodes' fields
+    #: instead of deleting the file.
+    keep_file: bool = False
 
     @property
     def endpoints(self) -> list[Endpoint]:
         return [n.endpoint for n in self.nodes]
+
+
+_CLUSTER_KEYS = ("name", "admin_key", "mtu", "created", "supervisor_pid", "keep_file")
+_NODE_KEYS = ("rank", "address", "port", "control_port", "pid", "memory_file", "memory_bytes")
 
 
 def _toml_value(value: object) -> str:
@@ -82,11 +107,12 @@ def _toml_value(value: object) -> str:
 def dump_cluster(cluster: ClusterFile) -> str:
     """TOML text of *cluster* (stdlib has no TOML writer; the format is flat)."""
     lines = ["[cluster]"]
-    for key in ("name", "admin_key", "mtu", "created", "supervisor_pid"):
-        lines.append(f"{key} = {_toml_value(getattr(cluster, key))}")
+    for key in _CLUSTER_KEYS:
+        if key != "keep_file" or cluster.keep_file:
+            lines.append(f"{key} = {_toml_value(getattr(cluster, key))}")
     for node in cluster.nodes:
         lines += ["", "[[nodes]]"]
-        for key in ("rank", "address", "port", "control_port", "pid", "memory_file", "memory_bytes"):
+        for key in _NODE_KEYS:
             lines.append(f"{key} = {_toml_value(getattr(node, key))}")
     return "\n".join(lines) + "\n"
 
@@ -97,41 +123,242 @@ def write_cluster(cluster: ClusterFile, path: Path) -> None:
     tmp.replace(path)  # atomic: readers never see half a file
 
 
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on *path*'s directory while reading, merging and rewriting it:
+    several `netdam up --cluster FILE` (one per network namespace of a machine) may fill in the
+    same file. (The file itself is replaced on every write, so it cannot carry the lock; the
+    directory leaves no lock file behind.)"""
+    fd = os.open(path.parent if str(path.parent) else ".", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def update_cluster_file(path: Path, change: Callable[[ClusterFile], ClusterFile]) -> ClusterFile:
+    """Re-read *path* under its lock, apply *change*, write it back atomically; returns it."""
+    with locked(path):
+        updated = change(load_cluster(path))
+        write_cluster(updated, path)
+    return updated
+
+
+def with_nodes(cluster: ClusterFile, entries: Mapping[int, NodeEntry]) -> ClusterFile:
+    """*cluster* with the nodes of the given ranks replaced (the others kept as they are)."""
+    return replace(cluster, nodes=tuple(entries.get(n.rank, n) for n in cluster.nodes))
+
+
+def lists_nodes(path: Path) -> bool:
+    """Whether *path* exists and has a ``[[nodes]]`` table (a cluster to start, not a file to
+    write). A file that is not valid TOML counts: loading it names the error."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return False
+    except IsADirectoryError:
+        raise ValueError(f"cluster file {path} is a directory: give a file path, e.g. {path}/cluster.toml") from None
+    return re.search(r"^\s*\[\[\s*nodes\s*\]\]", text, re.M) is not None
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+class _Where:
+    """Line numbers of the ``[cluster]`` table and of each ``[[nodes]]`` table and its keys."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path = path
+        self.lines = text.splitlines()
+        self.node_starts = [i + 1 for i, line in enumerate(self.lines) if re.match(r"\s*\[\[\s*nodes\s*\]\]", line)]
+        self.cluster_start = next((i + 1 for i, line in enumerate(self.lines) if re.match(r"\s*\[\s*cluster\s*\]", line)), 0)
+
+    def _block_end(self, start: int) -> int:
+        for i in range(start, len(self.lines)):
+            if re.match(r"\s*\[", self.lines[i]):
+                return i
+        return len(self.lines)
+
+    def line_of(self, table_start: int, key: str | None) -> int:
+        if key is None or not table_start:
+            return table_start
+        for i in range(table_start, self._block_end(table_start)):
+            if re.match(rf"\s*{re.escape(key)}\s*=", self.lines[i]):
+                return i + 1
+        return table_start
+
+    def error(self, table: str, table_start: int, key: str | None, message: str) -> ValueError:
+        line = self.line_of(table_start, key)
+        where = f", line {line}" if line else ""
+        return ValueError(f"cluster file {self.path}{where} ({table}): {message}")
+
+
+def _suggest(key: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    return f"unknown field `{key}`: {hint}known fields are {', '.join(known)}"
+
+
+def _show(value: object) -> str:
+    """A value as TOML would spell it (strings in double quotes), for error messages."""
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def _int_field(table: Mapping[str, object], key: str, low: int, high: int, example: str,
+               default: int | None = None) -> int:  # fmt: skip
+    """An integer field in [low, high]; ValueError names the problem and the fix (raised bare,
+    the caller adds the line)."""
+    if key not in table:
+        if default is None:
+            raise KeyError(key)
+        return default
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"`{key} = {_show(value)}` must be an integer: write e.g. `{key} = {example}` (no quotes)")
+    if not low <= value <= high:
+        raise ValueError(f"`{key} = {value}` is out of range: give {low}..{high}")
+    return value
+
+
+def _str_field(table: Mapping[str, object], key: str, example: str, default: str | None = None) -> str:
+    if key not in table:
+        if default is None:
+            raise KeyError(key)
+        return default
+    value = table[key]
+    if not isinstance(value, str):
+        raise ValueError(f"`{key} = {_show(value)}` must be a string: write e.g. `{key} = \"{example}\"`")
+    return value
+
+
+def _address(value: str) -> str:
+    try:
+        ip = ipaddress.IPv4Address(value)
+    except ValueError:
+        raise ValueError(f'`address = "{value}"` is not an IPv4 address: write the node\'s IP, e.g. '
+                         '`address = "10.0.0.2"` (host names are not resolved)') from None  # fmt: skip
+    if ip.is_unspecified or ip.is_multicast or value == "255.255.255.255":
+        raise ValueError(f'`address = "{value}"` cannot be a node\'s address: give the unicast IP the '
+                         "other nodes reach it at")  # fmt: skip
+    return value
+
+
+def _parse_node(table: Mapping[str, object]) -> NodeEntry:
+    for key in table:
+        if key not in _NODE_KEYS:
+            raise ValueError(_suggest(key, _NODE_KEYS))
+    return NodeEntry(
+        rank=_int_field(table, "rank", 0, 1 << 20, "0"),
+        address=_address(_str_field(table, "address", "10.0.0.2")),
+        port=_int_field(table, "port", 1, 65535, "7744"),
+        control_port=_int_field(table, "control_port", 0, 65535, "7745", default=0),
+        pid=_int_field(table, "pid", 0, 1 << 31, "12345", default=0),
+        memory_file=_str_field(table, "memory_file", "/dev/shm/netdam-0.mem", default=""),
+        memory_bytes=_int_field(table, "memory_bytes", 0, 1 << 50, "67108864", default=0),
+    )
+
+
+def _missing(key: str, table: str) -> str:
+    examples = {"rank": "rank = 0", "address": 'address = "10.0.0.2"', "port": "port = 7744",
+                "admin_key": "admin_key = 3735928559  # any nonzero 32-bit number, the same on every host"}  # fmt: skip
+    return f"missing field `{key}`: add `{examples.get(key, key + ' = ...')}` to the {table} table"
+
+
+def _parse_head(data: Mapping[str, object], where: _Where, default_name: str) -> dict[str, object]:
+    head = data.get("cluster")
+    if not isinstance(head, dict):
+        raise where.error("[cluster]", 0, None, "no [cluster] table: start the file with `[cluster]` and "
+                          "`admin_key = 3735928559` (any nonzero 32-bit number, the same on every host)")  # fmt: skip
+    start = where.cluster_start
+    for key in head:
+        if key not in _CLUSTER_KEYS:
+            raise where.error("[cluster]", start, key, _suggest(key, _CLUSTER_KEYS))
+    key = ""
+    try:
+        key = "admin_key"
+        admin_key = _int_field(head, key, 1, 2**32 - 1, "3735928559")
+        key = "mtu"
+        mtu = _int_field(head, key, MIN_MTU, 65535, "9000", default=DEFAULT_MTU)
+        key = "supervisor_pid"
+        supervisor = _int_field(head, key, 0, 1 << 31, "0", default=0)
+        key = "name"
+        name = _str_field(head, key, "c1", default=default_name)
+        key = "created"
+        created = _str_field(head, key, "2026-11-22T05:00:00Z", default="")
+    except KeyError:
+        raise where.error("[cluster]", start, None, _missing(key, "[cluster]")) from None
+    except ValueError as exc:
+        raise where.error("[cluster]", start, key, str(exc)) from None
+    keep = head.get("keep_file", False)
+    if not isinstance(keep, bool):
+        raise where.error("[cluster]", start, "keep_file", f"`keep_file = {keep!r}` must be true or false")
+    return {"name": name, "admin_key": admin_key, "mtu": mtu, "supervisor_pid": supervisor,
+            "created": created, "keep_file": keep}  # fmt: skip
+
+
+def _parse_nodes(data: Mapping[str, object], where: _Where) -> tuple[NodeEntry, ...]:
+    tables = data.get("nodes", [])
+    if not isinstance(tables, list) or not tables:
+        raise ValueError(f"cluster file {where.path} lists no [[nodes]]: add one `[[nodes]]` table per node "
+                         "with `rank`, `address` and `port`")  # fmt: skip
+    nodes = []
+    for k, table in enumerate(tables):
+        start = where.node_starts[k] if k < len(where.node_starts) else 0
+        label = f"[[nodes]] #{k + 1}"
+        try:
+            nodes.append(_parse_node(table))
+        except KeyError as exc:
+            raise where.error(label, start, None, _missing(str(exc.args[0]), "[[nodes]]")) from None
+        except ValueError as exc:
+            bad = re.search(r"`(\w+)", str(exc))
+            raise where.error(label, start, bad.group(1) if bad else None, str(exc)) from None
+    _check_ranks(nodes, where)
+    return tuple(sorted(nodes, key=lambda n: n.rank))
+
+
+def _check_ranks(nodes: list[NodeEntry], where: _Where) -> None:
+    """Ranks 0..N-1, each once; no two nodes on one address and port."""
+    seen_rank: dict[int, int] = {}
+    seen_ep: dict[Endpoint, int] = {}
+    for k, node in enumerate(nodes):
+        start = where.node_starts[k] if k < len(where.node_starts) else 0
+        label = f"[[nodes]] #{k + 1}"
+        if node.rank in seen_rank:
+            other = seen_rank[node.rank]
+            raise where.error(label, start, "rank", f"rank {node.rank} is also [[nodes]] #{other + 1}'s "
+                              f"(line {where.line_of(where.node_starts[other], 'rank')}): give every node its own rank 0..{len(nodes) - 1}")  # fmt: skip
+        if node.endpoint in seen_ep:
+            other = seen_ep[node.endpoint]
+            raise where.error(label, start, "port", f"{node.address}:{node.port} is also [[nodes]] "
+                              f"#{other + 1}'s address and port: give each node on one address its own port")  # fmt: skip
+        seen_rank[node.rank] = k
+        seen_ep[node.endpoint] = k
+    missing = sorted(set(range(len(nodes))) - set(seen_rank))
+    if missing:
+        raise ValueError(f"cluster file {where.path}: ranks must be 0..{len(nodes) - 1}, each once; got "
+                         f"{', '.join(map(str, sorted(seen_rank)))} ({len(nodes)} nodes, rank "
+                         f"{missing[0]} missing): renumber the nodes 0..{len(nodes) - 1}")  # fmt: skip
+
+
+def parse_cluster(text: str, path: Path) -> ClusterFile:
+    """A cluster file's text; ValueError names the line, the field and the fix."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"cluster file {path} is not valid TOML: {exc}: fix that line (strings in double "
+                         'quotes, e.g. `address = "10.0.0.2"`; one `key = value` per line)') from None  # fmt: skip
+    where = _Where(path, text)
+    head = _parse_head(data, where, path.stem)
+    nodes = _parse_nodes(data, where)
+    return ClusterFile(nodes=nodes, **head)  # type: ignore[arg-type]
+
+
 def load_cluster(path: str | Path) -> ClusterFile:
     """Read a cluster file; ValueError names what is wrong and how to fix it."""
     target = Path(path)
     try:
-        data = tomllib.loads(target.read_text())
+        text = target.read_text()
     except FileNotFoundError:
         raise ValueError(f"cluster file {target} not found: start a cluster with `netdam up`") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"cluster file {target} is not valid TOML: {exc}") from None
-    try:
-        head = data["cluster"]
-        nodes = tuple(
-            NodeEntry(
-                rank=int(n["rank"]),
-                address=str(n["address"]),
-                port=int(n["port"]),
-                pid=int(n.get("pid", 0)),
-                memory_file=str(n.get("memory_file", "")),
-                memory_bytes=int(n.get("memory_bytes", 0)),
-                control_port=int(n.get("control_port", 0)),
-            )
-            for n in data.get("nodes", [])
-        )
-        cluster = ClusterFile(
-            name=str(head.get("name", target.stem)),
-            admin_key=int(head["admin_key"]),
-            mtu=int(head.get("mtu", 9000)),
-            created=str(head.get("created", "")),
-            supervisor_pid=int(head.get("supervisor_pid", 0)),
-            nodes=nodes,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"cluster file {target} is missing or has a bad field: {exc}") from None
-    if not cluster.nodes:
-        raise ValueError(f"cluster file {target} lists no [[nodes]]")
-    if sorted(n.rank for n in cluster.nodes) != list(range(len(cluster.nodes))):
-        raise ValueError(f"cluster file {target}: ranks must be 0..{len(cluster.nodes) - 1}")
-    return cluster
+    return parse_cluster(text, target)
