@@ -43,7 +43,9 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["pool"]["fetch_add_counter"] == result["pool"]["fetch_add_expected"]
 
 
-@pytest.mark.parametrize("dtype", ["f16", "i32", "f64"])
+# One non-f32 dtype through the whole demo; every dtype goes through `netdam allreduce` in
+# tests/test_allreduce.py (the suite keeps under 5 minutes on 2 cores).
+@pytest.mark.parametrize("dtype", ["f16"])
 def test_demo_dtypes(dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--nodes", "2", "--count", "4099", "--dtype", dtype, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["allreduce"]["equals_reference"] is True
