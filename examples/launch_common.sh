@@ -1,7 +1,18 @@
-# Shared by examples/launch_{torchrun,mpirun,slurm}.sh (sourced, not run): once the launcher
-# (pid $LAUNCHER, named $1) has started the nodes, wait for rank 0 to write $CLUSTER, all-reduce
-# over the nodes through it (checked against numpy), stop them, and exit with the result.
-# Needs NETDAM, CLUSTER and LAUNCHER set by the caller.
+# Shared by examples/launch_{torchrun,mpirun,slurm}.sh (sourced, not run). The caller sets
+# NETDAM, CLUSTER (where rank 0 writes the cluster file) and WORK (a scratch directory to remove,
+# or empty), then starts the launcher in the background as LAUNCHER=$! and calls
+# `allreduce_once_formed NAME`. On any exit the nodes and the launcher are stopped.
+
+LAUNCHER=""
+cleanup() {
+    [ -f "${CLUSTER:-}" ] && $NETDAM down --cluster "$CLUSTER" >/dev/null 2>&1 || true
+    [ -n "$LAUNCHER" ] && kill "$LAUNCHER" 2>/dev/null || true
+    [ -n "${WORK:-}" ] && rm -rf "$WORK" || true
+}
+trap cleanup EXIT
+
+# Wait for rank 0 to write $CLUSTER, all-reduce over the nodes through it (checked against
+# numpy), stop them, and exit with the all-reduce's status.
 
 allreduce_once_formed() {
     local launcher_name=$1

@@ -24,13 +24,6 @@ NETDAM=${NETDAM:-netdam}
 PORT=${RDV_PORT:-29544}
 WORK=$(mktemp -d)
 CLUSTER=$WORK/cluster.toml
-LAUNCHER=""
-cleanup() {
-    [ -f "$CLUSTER" ] && $NETDAM down --cluster "$CLUSTER" >/dev/null 2>&1 || true
-    [ -n "$LAUNCHER" ] && kill "$LAUNCHER" 2>/dev/null || true
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
 
 ROOT_FLAGS=()
 [ "$(id -u)" = 0 ] && ROOT_FLAGS=(--allow-run-as-root)

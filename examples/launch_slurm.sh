@@ -24,12 +24,6 @@ source "$(dirname "$0")/launch_common.sh"
 NETDAM=${NETDAM:-netdam}
 NODES=${SLURM_NTASKS:-3}
 CLUSTER=${CLUSTER_DIR:-$PWD}/netdam-cluster-${SLURM_JOB_ID:-$$}.toml
-LAUNCHER=""
-cleanup() {
-    [ -f "$CLUSTER" ] && $NETDAM down --cluster "$CLUSTER" >/dev/null 2>&1 || true
-    [ -n "$LAUNCHER" ] && kill "$LAUNCHER" 2>/dev/null || true
-}
-trap cleanup EXIT
 
 srun --ntasks "$NODES" $NETDAM node --memory 16MiB ${NODE_ARGS:-} --cluster "$CLUSTER" &
 LAUNCHER=$!

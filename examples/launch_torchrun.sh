@@ -25,13 +25,6 @@ NETDAM=${NETDAM:-netdam}
 PORT=${MASTER_PORT:-29500}
 WORK=$(mktemp -d)
 CLUSTER=$WORK/cluster.toml
-LAUNCHER=""
-cleanup() {
-    [ -f "$CLUSTER" ] && $NETDAM down --cluster "$CLUSTER" >/dev/null 2>&1 || true
-    [ -n "$LAUNCHER" ] && kill "$LAUNCHER" 2>/dev/null || true
-    rm -rf "$WORK"
-}
-trap cleanup EXIT
 
 # --no-python: torchrun runs the command as given instead of `python SCRIPT`.
 torchrun --nproc-per-node "$NODES" --master-addr 127.0.0.1 --master-port "$PORT" --no-python \

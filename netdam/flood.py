@@ -192,12 +192,12 @@ def _flood(cfg: FloodConfig, cluster: Any, target: Target, pid: int, control: En
     stats_failures = 0
     start = time.monotonic()
     with ControlClient(admin_key=admin) as client:
-        before = _counters(client, control, admin)
+        before = client.counters(control)
         while time.monotonic() - start < cfg.seconds:
             time.sleep(SAMPLE_EVERY_S)
             t0 = time.perf_counter()
             try:
-                _counters(client, control, admin)
+                client.counters(control)
                 stats_latency.append(time.perf_counter() - t0)
             except ControlError:
                 stats_failures += 1
@@ -216,19 +216,13 @@ def _flood(cfg: FloodConfig, cluster: Any, target: Target, pid: int, control: En
         alive = True
         try:
             client.ping(control, timeout=2.0)
-            after = _counters(client, control, admin)
+            after = client.counters(control)
         except ControlError:
             alive, after = False, before
     result = _report(cfg, samples, stats_latency, stats_failures, flood_seconds, before, after, alive)
     result["sent"] = sent
     result["sent_per_second"] = round(sent / max(flood_seconds, 1e-9))
     return result
-
-
-def _counters(client: ControlClient, control: Endpoint, admin: int) -> np.ndarray:
-    """The standard counters of a node or a switch (a switch's reply starts with the same)."""
-    reply = client.request(control, Packet(Opcode.COUNTERS, rkey=admin), timeout=1.0, retries=1)
-    return np.frombuffer(reply.payload, "<u8")[: C.NUM_COUNTERS].astype(np.uint64)
 
 
 def _report(cfg: FloodConfig, samples: list[dict[str, float]], latency: list[float], failures: int,

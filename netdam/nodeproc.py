@@ -7,6 +7,7 @@ membership, signals and the stop flag. Nothing per data packet happens here.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -27,8 +28,8 @@ from netdam.kernels import serve
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
 from netdam.node import NodeConfig, NodeCore
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
-from netdam.protocol.packet import Endpoint, endpoint_to_u64
-from netdam.sendqueue import SLOT_BYTES
+from netdam.protocol.packet import Endpoint, endpoint_to_u64, u64_to_endpoint
+from netdam.sendqueue import SLOT_BYTES, SendQueue
 from netdam.shm import DEFAULT_SHM_DIR, create_memory, prefault
 from netdam.udp import (
     granted_buffers,
@@ -51,6 +52,53 @@ HOLD_SLOTS = 256
 #: Attempt-count table of fault injection (power of two).
 FAULT_TABLE = 1 << 16
 PR_SET_PDEATHSIG = 1
+
+
+def record_socket_buffers(sock: socket.socket, counters: np.ndarray) -> None:
+    """The receive and send buffers the kernel granted, as gauges in the counters."""
+    counters[C.RCVBUF_BYTES], counters[C.SNDBUF_BYTES] = granted_buffers(sock)
+
+
+def serve_buffers(round_datagrams: int, recv_runs: int, hold_slots: int) -> tuple[np.ndarray, ...]:
+    """What a process's compiled serve loop receives into and sends with: the receive buffer
+    (GRO runs land in *recv_runs* slots of 64 KiB; datagrams released by fault injection are
+    copied after them), per-datagram offsets, lengths, sources and punt indices, the I/O state
+    and the sendmmsg scratch."""
+    extra = 2 * round_datagrams + hold_slots
+    return (
+        np.zeros(recv_runs * RUN_BYTES + hold_slots * SLOT_BYTES, np.uint8),
+        np.zeros(extra, np.int64),
+        np.zeros(extra, np.int32),
+        np.zeros(extra, np.uint64),
+        np.zeros(extra, np.int32),
+        np.zeros(STATE_LEN, np.int64),
+        np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64),
+    )
+
+
+class ManagedCore(Protocol):
+    """What the management port needs of a core (NodeCore, SwitchCore)."""
+
+    sendq: SendQueue
+
+    def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None: ...
+
+
+def serve_management_port(sock: socket.socket, core: ManagedCore) -> None:
+    """Requests on a process's management port (stats, ping, control): the same core, the same
+    checks. The control plane's answers go back through that port, which may fragment (a
+    switch's COUNTERS outgrow a 1500-byte datagram); the datapath's (a READ) leave with the
+    next flush of the data socket."""
+    for _ in range(64):
+        try:
+            data, src = sock.recvfrom(65536)
+        except BlockingIOError:
+            return
+        with core.sendq.capture() as replies:
+            core.receive_datagram(data, (src[0], src[1]), time.monotonic())
+        for reply, dst in replies:
+            with contextlib.suppress(OSError):  # an unreachable operator loses its reply only
+                sock.sendto(reply, u64_to_endpoint(dst))
 
 
 @dataclass
@@ -97,21 +145,11 @@ class NodeProcess:
                        world_size=config.world_size, tx_slots=4 * ROUND_DATAGRAMS),
             memory=self.memory.array,
         )  # fmt: skip
-        rcv, snd = granted_buffers(self.sock)
-        self.core.counters[C.RCVBUF_BYTES] = rcv
-        self.core.counters[C.SNDBUF_BYTES] = snd
-        extra = 2 * ROUND_DATAGRAMS + HOLD_SLOTS
-        # GRO runs land in RECV_RUNS slots of 64 KiB; datagrams released by fault injection are
-        # copied after them.
-        self.rx_buf = np.zeros(RECV_RUNS * RUN_BYTES + HOLD_SLOTS * SLOT_BYTES, np.uint8)
-        self.rx_off = np.zeros(extra, np.int64)
-        self.rx_len = np.zeros(extra, np.int32)
-        self.rx_src = np.zeros(extra, np.uint64)
-        self.punt = np.zeros(extra, np.int32)
+        record_socket_buffers(self.sock, self.core.counters)
+        (self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, self.io_state,
+         self.scratch) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
         self.group_sock: socket.socket | None = None
         self.group: Endpoint | None = None
-        self.io_state = np.zeros(STATE_LEN, np.int64)
-        self.scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
         spec = config.faults
         self.fault_cfg = np.array([float(spec.active), spec.loss, spec.dup, spec.reorder,
                                    spec.delay, spec.delay_s, 0.0, 0.0], np.float64)  # fmt: skip
@@ -144,14 +182,7 @@ class NodeProcess:
         return int(reason)
 
     def _serve_control(self) -> None:
-        """Requests on the management port (stats, ping, control): same core, same checks.
-        Replies leave through the data socket with the next flush."""
-        for _ in range(64):
-            try:
-                data, src = self.ctrl_sock.recvfrom(65536)
-            except BlockingIOError:
-                return
-            self.core.receive_datagram(data, (src[0], src[1]), time.monotonic())
+        serve_management_port(self.ctrl_sock, self.core)
 
     def _handle_events(self) -> None:
         while (event := self.core.next_event()) is not None:

@@ -8,6 +8,9 @@ the compiled kernels append to the queue directly (they take these arrays as arg
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
 from netdam import counters as C
@@ -29,6 +32,19 @@ class SendQueue:
         self.len = np.zeros(slots, np.int32)
         self.dst = np.zeros(slots, np.uint64)
         self.q = np.zeros(2, np.int64)
+        #: While ``capture`` runs: datagrams the control plane pushes, kept out of the queue.
+        self.captured: list[tuple[bytes, int]] | None = None
+
+    @contextmanager
+    def capture(self) -> Iterator[list[tuple[bytes, int]]]:
+        """Collect what ``push`` is given instead of queuing it: a process shell sends the
+        control plane's answers to a management-port request back through that port (which may
+        fragment, unlike the data port). What the compiled datapath queues is not captured."""
+        self.captured = []
+        try:
+            yield self.captured
+        finally:
+            self.captured = None
 
     def pending(self) -> int:
         """Datagrams waiting."""
@@ -58,6 +74,9 @@ class SendQueue:
 
     def push(self, data: bytes, dst: int) -> bool:
         """Queue one datagram built in Python; False (and counted) when there is no room."""
+        if self.captured is not None:
+            self.captured.append((data, dst))
+            return True
         self.reserve(1)
         tail = int(self.q[1])
         start = int(self.off[tail])

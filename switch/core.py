@@ -158,8 +158,6 @@ class SwitchCore(QueueOwner):
         self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
         # Send queue (as NodeCore's: back to back, [head, tail]).
         self.sendq = SendQueue(config.tx_slots, self.counters)
-        #: While serving the management port: control replies collected here, not queued.
-        self._direct: list[tuple[bytes, int]] | None = None
         self._punt = np.zeros(64, np.int32)
         self._events: deque[GroupChanged] = deque()
         self.set_regions(regions, generation)
@@ -416,21 +414,8 @@ class SwitchCore(QueueOwner):
     def _reserve_tx(self, n: int) -> None:
         self.sendq.reserve(n)
 
-    def receive_management(self, data: bytes, src: Endpoint, now: float) -> list[tuple[bytes, Endpoint]]:
-        """A datagram from the management port; returns the control plane's replies to send
-        back through that port (which may fragment: a COUNTERS reply outgrows a 1500-byte MTU
-        with the ports and regions of a larger pool). Datapath answers still take the queue."""
-        self._direct = []
-        try:
-            self.receive_datagram(data, src, now)
-            return [(reply, u64_to_endpoint(dst)) for reply, dst in self._direct]
-        finally:
-            self._direct = None
-
     def _push(self, data: bytes, dst: int) -> None:
-        if self._direct is not None:
-            self._direct.append((data, dst))
-        elif not self.sendq.push(data, dst):
+        if not self.sendq.push(data, dst):
             return
         port = self._port(dst)
         self.port_ctr[port, K.P_TX_PACKETS] += 1

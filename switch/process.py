@@ -7,23 +7,18 @@ management port beside the VIP answers COUNTERS/PING/JOIN even while the VIP is 
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from netdam import counters as C
 from netdam import nodeproc
 from netdam.cluster import ClusterFile, load_cluster
 from netdam.kernels import switch_serve
-from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
+from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
-from netdam.sendqueue import SLOT_BYTES
 from netdam.shm import prefault
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
 from netdam.switch.faults import LinkFaultSpec
@@ -35,7 +30,7 @@ from netdam.switch.state import (
     locked,
     save_state,
 )
-from netdam.udp import granted_buffers, open_control_socket, open_udp_socket
+from netdam.udp import open_control_socket, open_udp_socket
 
 ROUND_DATAGRAMS = 256
 RECV_RUNS = 32
@@ -103,17 +98,9 @@ class SwitchProcess:
             self.core.set_link_faults(port, direction, spec)
         self._stamp = file_stamp(config.state_file)
         self._next_check = 0.0
-        rcv, snd = granted_buffers(self.sock)
-        self.core.counters[C.RCVBUF_BYTES] = rcv
-        self.core.counters[C.SNDBUF_BYTES] = snd
-        extra = 2 * ROUND_DATAGRAMS + HOLD_SLOTS
-        self.rx_buf = np.zeros(RECV_RUNS * RUN_BYTES + HOLD_SLOTS * SLOT_BYTES, np.uint8)
-        self.rx_off = np.zeros(extra, np.int64)
-        self.rx_len = np.zeros(extra, np.int32)
-        self.rx_src = np.zeros(extra, np.uint64)
-        self.punt = np.zeros(extra, np.int32)
-        self.io_state = np.zeros(STATE_LEN, np.int64)
-        self.scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
+        nodeproc.record_socket_buffers(self.sock, self.core.counters)
+        (self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, self.io_state,
+         self.scratch) = nodeproc.serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
 
     def serve_once(self, timeout_ms: int) -> int:
         core = self.core
@@ -151,14 +138,7 @@ class SwitchProcess:
         return True
 
     def _serve_control(self) -> None:
-        for _ in range(64):
-            try:
-                data, src = self.ctrl_sock.recvfrom(65536)
-            except BlockingIOError:
-                return
-            for reply, dst in self.core.receive_management(data, (src[0], src[1]), time.monotonic()):
-                with contextlib.suppress(OSError):  # an unreachable operator loses its reply only
-                    self.ctrl_sock.sendto(reply, dst)
+        nodeproc.serve_management_port(self.ctrl_sock, self.core)
 
     def _handle_events(self) -> None:
         changes: list[GroupChanged] = []

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from netdam.launch import process_alive
+
 if TYPE_CHECKING:
     from netdam.cluster import ClusterFile
 
@@ -101,16 +103,6 @@ def unavailable_reason() -> str | None:
     return reason
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def list_netns(prefix: str = PREFIX) -> list[str]:
     """Names of the namespaces starting with *prefix*."""
     done = ip("netns", "list", check=False)
@@ -132,7 +124,7 @@ def cleanup_stale(prefix: str = PREFIX) -> list[str]:
     removed = []
     for name in list_netns(prefix):
         owner = name[len(prefix) :].split("-", 1)[0]
-        if owner.isdigit() and not _pid_alive(int(owner)):
+        if owner.isdigit() and not process_alive(int(owner)):
             delete_netns(name)
             removed.append(name)
     return removed

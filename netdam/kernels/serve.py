@@ -46,6 +46,7 @@ def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
     for k in range(head, head + sent):
         counters[C.TX_PACKETS] += 1
         counters[C.TX_BYTES] += tx_len[k]
+    counters[C.SEND_DROPS] = io_state[ST_SEND_DROPPED]  # of those, refused by the kernel
     txq[0] = head + sent
     if txq[0] == tail:
         txq[0] = 0
@@ -123,7 +124,6 @@ def _serve(  # type: ignore[no-untyped-def]
                 rx_off[k] += half
             n += m
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
-        counters[C.SEND_DROPS] = io_state[ST_SEND_DROPPED]
         if fault_cfg[0] != 0.0:
             n = _apply_faults(rx_buf, rx_off, rx_len, rx_src, n, fault_cfg, fault_keys, table_key,
                               table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen, counters)  # fmt: skip

@@ -14,7 +14,7 @@ from netdam import counters as C
 from netdam.kernels.datapath import _SLOT
 from netdam.kernels.serve import _flush  # one flush for node and switch
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
-from netdam.kernels.udp_io import ST_KERNEL_DROPS, ST_SEND_DROPPED, _now_ns, _recv_batch
+from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch
 
 RETURN_IDLE = 0
 RETURN_PUNT = 1
@@ -55,7 +55,6 @@ def _switch_serve(  # type: ignore[no-untyped-def]
             break
         n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state)
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
-        counters[C.SEND_DROPS] = io_state[ST_SEND_DROPPED]
         if n == 0 and held == 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
