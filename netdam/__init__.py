@@ -8,7 +8,19 @@ netdam.protocol`` stays light.
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# In a source checkout protocol/, switch/ and fpga_model/ sit beside netdam/ (pyproject maps them
+# in as netdam.protocol, netdam.switch and netdam.fpga_model only at install). Code run from the
+# checkout, where `python -m` and `python -c` put the checkout first on sys.path, must still see
+# the whole package, so the checkout's root joins this package's path. An installed copy has no
+# protocol/SPEC.md beside it and is left as it is.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_CHECKOUT, "protocol", "SPEC.md")) and os.path.isfile(
+    os.path.join(_CHECKOUT, "pyproject.toml")
+):
+    __path__.append(_CHECKOUT)
 
 __version__ = "0.1.0"
 
