@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from netdam.node import NodeConfig, NodeCore
+from netdam.core.node import NodeConfig, NodeCore
 from netdam.protocol.constants import RIGHTS_ALL, DType, Opcode
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
 

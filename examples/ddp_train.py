@@ -1,5 +1,5 @@
 """Train a small MLP with PyTorch DDP twice on 2-4 CPU ranks: once with the gradient all-reduce
-in the emulated NICs (the ``netdam.torch`` communication hook), once with plain Gloo, and
+in the emulated NICs (the ``netdam.clients.ddp`` communication hook), once with plain Gloo, and
 compare the loss curves.
 
     python examples/ddp_train.py --ranks 2 --steps 20 [--json]
@@ -60,7 +60,7 @@ def make_data(seed: int, steps: int, batch: int, inputs: int) -> tuple[torch.Ten
 def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[str, Any], outdir: str) -> None:
     """One DDP rank: both trainings, results to outdir/rank{rank}.json."""
     torch.set_num_threads(1)
-    from netdam.torch import NetdamHookState, netdam_allreduce_hook
+    from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    from netdam.launch import start_cluster
+    from netdam.cluster.launch import start_cluster
 
     result: dict[str, Any] = {"ok": False, "ranks": args.ranks, "steps": args.steps, "rtol": args.rtol,
                               "atol": args.atol, "torch": torch.__version__}  # fmt: skip

@@ -1,3 +1,3 @@
-from netdam.cli import main
+from netdam.cli.main import main
 
 raise SystemExit(main())

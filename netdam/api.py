@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from netdam.cluster import ClusterFile, load_cluster
-from netdam.collective import FLAG_SPARSE, Algo, CollectiveDescriptor, block_bounds
-from netdam.control import ControlClient, ControlError
+from netdam.cluster.clusterfile import ClusterFile, load_cluster
+from netdam.cluster.control import ControlClient, ControlError
+from netdam.core.collective import FLAG_SPARSE, Algo, CollectiveDescriptor, block_bounds
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     NUMPY_DTYPE,
@@ -34,7 +34,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
-from netdam.shm import attach
+from netdam.shell.shm import attach
 
 __all__ = [
     "CollectiveError",

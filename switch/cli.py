@@ -6,12 +6,12 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from netdam.cliutil import NetdamArgumentParser
+from netdam.cli.common import NetdamArgumentParser
 from netdam.protocol.constants import DEFAULT_MTU
 
 
 def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
-    from netdam.cli_cluster import endpoint_arg, mtu_arg
+    from netdam.cli.cluster import endpoint_arg, mtu_arg
 
     parser.add_argument("--cluster", type=Path, required=True, help="cluster file of the nodes (netdam up)")
     parser.add_argument("--vip", type=endpoint_arg, required=True,
@@ -29,7 +29,7 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
 def run_switch(args: argparse.Namespace) -> int:
     import sys
 
-    from netdam.cluster import load_cluster
+    from netdam.cluster.clusterfile import load_cluster
     from netdam.switch.faults import parse_faults
     from netdam.switch.process import SwitchProcessConfig, main
     from netdam.switch.state import state_path_for

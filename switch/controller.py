@@ -17,8 +17,9 @@ import secrets
 import time
 from pathlib import Path
 
-from netdam.cluster import ClusterFile, load_cluster
-from netdam.control import ControlClient, ControlError
+from netdam.cluster.clusterfile import ClusterFile, load_cluster
+from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.switch_launch import SwitchEntry, require_switch
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Rights, Status
 from netdam.protocol.packet import Packet
 from netdam.switch.addrmap import (
@@ -30,7 +31,6 @@ from netdam.switch.addrmap import (
     backing_per_way,
 )
 from netdam.switch.core import counters_from_payload
-from netdam.switch.launch import SwitchEntry, require_switch
 from netdam.switch.state import NodeHeap, PoolState, load_state, locked, save_state, state_path_for
 
 #: How long alloc/free wait for the switch to load the new map.

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from netdam import counters as C
+from netdam.core.node import _check_batch
+from netdam.core.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
 from netdam.kernels import switch_path as K
-from netdam.node import _check_batch
+from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DEFAULT_MTU,
     IP_UDP_OVERHEAD,
@@ -42,7 +43,6 @@ from netdam.protocol.packet import (
     reply_to,
     u64_to_endpoint,
 )
-from netdam.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
 from netdam.switch.addrmap import Region, build_tables
 from netdam.switch.faults import LinkFaultSpec
 
@@ -480,7 +480,7 @@ def counters_from_payload(payload: bytes) -> dict[str, object]:
     if words.shape[0] < C.NUM_COUNTERS + SECTION_LEN:
         raise ValueError(f"switch COUNTERS payload has {words.shape[0]} values, expected at least "
                          f"{C.NUM_COUNTERS + SECTION_LEN}: is this a switch?")  # fmt: skip
-    result = C.counters_to_dict(words[: C.NUM_COUNTERS])
+    result: dict[str, object] = C.counters_to_dict(words[: C.NUM_COUNTERS])
     head = words[C.NUM_COUNTERS : C.NUM_COUNTERS + SECTION_LEN]
     n_ports, total, first, listed = (int(v) for v in head[:4])
     result["switch"] = {name: int(head[4 + k]) for k, name in enumerate(SW_NAMES)}

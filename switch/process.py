@@ -1,6 +1,6 @@
 """The switch process: the VIP socket, the SwitchCore and its compiled serve loop.
 
-Mirrors netdam/nodeproc.py: Python runs only between compiled calls (punted control opcodes,
+Mirrors netdam/shell/node_process.py: Python runs only between compiled calls (punted control opcodes,
 reloading the address map when the state file changes, persisting JOIN/LEAVE, signals). A
 management port beside the VIP answers COUNTERS/PING/JOIN even while the VIP is flooded.
 """
@@ -13,13 +13,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from netdam import nodeproc
-from netdam.cluster import ClusterFile, load_cluster
+from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.kernels import switch_serve
 from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
-from netdam.shm import prefault
+from netdam.shell import node_process as nodeproc
+from netdam.shell.shm import prefault
+from netdam.shell.udp import open_control_socket, open_udp_socket
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
 from netdam.switch.faults import LinkFaultSpec
 from netdam.switch.state import (
@@ -30,7 +31,6 @@ from netdam.switch.state import (
     locked,
     save_state,
 )
-from netdam.udp import open_control_socket, open_udp_socket
 
 ROUND_DATAGRAMS = 256
 RECV_RUNS = 32

@@ -21,6 +21,6 @@ def rng() -> np.random.Generator:
 def compiled_kernels() -> None:
     """Compile (or load) the node's kernels once, in this process, before tests start node
     processes: otherwise several processes compile the same kernels at once on 2 cores."""
-    from netdam.launch import warm_node_kernels
+    from netdam.cluster.launch import warm_node_kernels
 
     warm_node_kernels()

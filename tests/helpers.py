@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 from hypothesis import strategies as st
 
-from netdam import cli_bench, cliutil
-from netdam.cliutil import NetdamArgumentParser
-from netdam.fabric import Fabric
-from netdam.faults import FaultSpec
-from netdam.node import NodeConfig, NodeCore
+from netdam.cli import bench as cli_bench
+from netdam.cli import common as cliutil
+from netdam.cli.common import NetdamArgumentParser
+from netdam.core.fabric import Fabric
+from netdam.core.faults import FaultSpec
+from netdam.core.node import NodeConfig, NodeCore
 from netdam.protocol.constants import (
     MAX_SEGMENTS,
     RIGHTS_ALL,
@@ -161,7 +162,7 @@ def valid_packets(draw: st.DrawFn) -> Packet:
 
 
 def run_bench_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
-    """Run `netdam bench ...` in-process (the parser of netdam/cli_bench.py alone); returns the
+    """Run `netdam bench ...` in-process (the parser of netdam/cli/bench.py alone); returns the
     exit code and the JSON object printed."""
     parser = NetdamArgumentParser(prog="netdam")
     cli_bench.register(parser.add_subparsers(dest="command", parser_class=NetdamArgumentParser))

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from netdam.launch import process_alive
+from netdam.cluster.launch import process_alive
 
 if TYPE_CHECKING:
-    from netdam.cluster import ClusterFile
+    from netdam.cluster.clusterfile import ClusterFile
 
 #: Every namespace this module creates starts with this (then the creating pid).
 PREFIX = "ndt"
@@ -57,7 +57,7 @@ PACKET_OUTGOING = 4
 VNET_HDR = struct.Struct(
     "=BBHHHH"
 )  # struct virtio_net_hdr: flags, gso_type, hdr_len, gso_size, ...
-START_TIMEOUT_S = 120.0  # as netdam.launch: a cold numba cache compiles for a while on 2 cores
+START_TIMEOUT_S = 120.0  # as netdam.cluster.launch: a cold numba cache compiles for a while on 2 cores
 #: Every node (and the switch VIP) listens on the protocol's port in its own namespace.
 NODE_PORT = 7744
 
@@ -336,11 +336,11 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
     """``netdam node`` in each of *nodes* (rank = position), bound to the host's address, all
     at the fabric's MTU; then, with *switch*, ``netdam switch`` in that host with its VIP in
     every node's members (nodes relay only to members and trust only their return segments).
-    Writes the cluster file by hand (netdam/cluster.py format, plus [switch])."""
-    from netdam.cluster import ClusterFile, NodeEntry, write_cluster
-    from netdam.faults import FaultSpec
-    from netdam.launch import node_command, warm_node_kernels
-    from netdam.switch.launch import SwitchEntry, switch_command, write_switch_entry
+    Writes the cluster file by hand (netdam/cluster/clusterfile.py format, plus [switch])."""
+    from netdam.cluster.clusterfile import ClusterFile, NodeEntry, write_cluster
+    from netdam.cluster.launch import node_command, warm_node_kernels
+    from netdam.cluster.switch_launch import SwitchEntry, switch_command, write_switch_entry
+    from netdam.core.faults import FaultSpec
     from netdam.switch.state import state_path_for
 
     warm_node_kernels()  # compile once here, not in every node at once
@@ -515,7 +515,7 @@ def _rank_main(args: list[str]) -> int:
     gwork = netdam.all_gather(gathered, gather_input(opts.seed, opts.rank, hi - lo), async_op=True)
     assert gwork is not None
     gwork.wait()
-    from netdam import counters as C
+    from netdam.protocol import counters as C
 
     counters = C.counters_to_dict(group.client.counters(group.node))
     stats = {"all_reduce": work.stats, "all_gather": gwork.stats, "counters": counters}
@@ -581,10 +581,10 @@ def _client_main(args: list[str]) -> int:
     parser.add_argument("--size", type=int, default=20000)
     parser.add_argument("--adds", type=int, default=16)
     opts = parser.parse_args(args)
-    from netdam.cluster import load_cluster
-    from netdam.pool import PoolClient, split
+    from netdam.clients.pool import PoolClient, split
+    from netdam.cluster.clusterfile import load_cluster
+    from netdam.cluster.switch_launch import require_switch
     from netdam.switch.controller import PoolController
-    from netdam.switch.launch import require_switch
 
     vip = require_switch(Path(opts.cluster)).vip
     mtu = load_cluster(opts.cluster).mtu  # as `netdam pool` does: requests sized for the cluster

@@ -16,8 +16,8 @@ import pytest
 
 from netdam.api import CollectiveError, ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
-from netdam.cli import main
-from netdam.launch import start_cluster
+from netdam.cli.main import main
+from netdam.cluster.launch import start_cluster
 
 
 def test_allreduce_command_clean_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,7 +117,7 @@ def test_dead_node_is_named_within_5_seconds(tmp_path: Path) -> None:
         assert "rank 2" in str(info.value) and str(cluster.info.nodes[2].port) in str(info.value)
         assert info.value.waiting_for is not None and "rank 2" in str(info.value.waiting_for["node"])
         # The survivors stay usable.
-        from netdam.control import ControlClient
+        from netdam.cluster.control import ControlClient
 
         with ControlClient() as client:
             for node in cluster.info.nodes[:2]:

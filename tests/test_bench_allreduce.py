@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import run_bench_cli as run_cli
 
-from netdam import bench_allreduce as B
+from netdam.tools.bench import allreduce as B
 
 ROW_KEYS = {
     "algo",
@@ -68,8 +68,8 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_missing_peers_are_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("netdam.bench_allreduce.util.find_spec", lambda name: None)
-    monkeypatch.setattr("netdam.bench_allreduce.shutil.which", lambda name: None)
+    monkeypatch.setattr("netdam.tools.bench.allreduce.util.find_spec", lambda name: None)
+    monkeypatch.setattr("netdam.tools.bench.allreduce.shutil.which", lambda name: None)
     cfg = B.AllReduceBenchConfig(nodes=(2,), sizes=(4096,), peers=("gloo", "mpi"), repeat=2,
                                  progress=False)  # fmt: skip
     res, code = B.run_allreduce_bench(cfg, runner=fake_runner)

@@ -10,8 +10,8 @@ import sys
 import pytest
 from helpers import run_bench_cli as run_cli
 
-from netdam import cli_bench
-from netdam.bench_datapath import node_command_available
+from netdam.cli import bench as cli_bench
+from netdam.tools.bench.datapath import node_command_available
 
 KEYS = {
     "raw_pps",

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from netdam.cli import build_parser, main
+from netdam.cli.main import build_parser, main
 
 
 def _all_command_paths() -> list[list[str]]:

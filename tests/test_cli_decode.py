@@ -1,7 +1,7 @@
 """``netdam decode``: hex (argument, file, stdin) and pcap input, text and --json output, exit codes.
 
-The parser is built locally around ``netdam.cli_decode.register`` so these tests do not depend on
-the other subcommand modules ``netdam.cli`` lists.
+The parser is built locally around ``netdam.cli.decode.register`` so these tests do not depend on
+the other subcommand modules ``netdam.cli.main`` lists.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-import netdam.cli_decode
-from netdam.cliutil import NetdamArgumentParser
+import netdam.cli.decode
+from netdam.cli.common import NetdamArgumentParser
 from netdam.protocol.fixtures import FIXTURE_NAMES, load_fixture
 
 CHAIN_ADD_HEX = load_fixture("chain_add").hex()
@@ -23,7 +23,7 @@ CHAIN_ADD_HEX = load_fixture("chain_add").hex()
 def run(argv: list[str]) -> int:
     parser = NetdamArgumentParser(prog="netdam")
     subparsers = parser.add_subparsers(dest="command", parser_class=NetdamArgumentParser)
-    netdam.cli_decode.register(subparsers)
+    netdam.cli.decode.register(subparsers)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
@@ -36,9 +36,9 @@ def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
 
 
 def test_decode_is_listed_in_the_netdam_command() -> None:
-    import netdam.cli
+    import netdam.cli.main
 
-    assert "netdam.cli_decode" in netdam.cli._COMMAND_MODULES
+    assert "netdam.cli.decode" in netdam.cli.main._COMMAND_MODULES
 
 
 def test_hex_argument_text_output(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from netdam import counters as C
-from netdam.cli import main
-from netdam.cluster import load_cluster
-from netdam.control import ControlClient, ControlError
-from netdam.faults import FaultSpec
-from netdam.launch import LocalCluster, start_cluster
-from netdam.launch import process_alive as alive
+from netdam.cli.main import main
+from netdam.cluster.clusterfile import load_cluster
+from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.launch import LocalCluster, start_cluster
+from netdam.cluster.launch import process_alive as alive
+from netdam.core.faults import FaultSpec
+from netdam.protocol import counters as C
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Status
 from netdam.protocol.packet import Packet
 
@@ -69,8 +69,8 @@ def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster
     """The CXL/PCIe stand-in: two host processes map the node's memory one after the other."""
     node = cluster.info.nodes[1]
     path = node.memory_file
-    writer = f"import numpy as np; from netdam.shm import attach; m = attach({path!r}); m[100:108] = np.arange(1, 9, dtype=np.uint8); m.flush(); print('wrote')"
-    reader = f"from netdam.shm import attach; m = attach({path!r}); print(m[100:108].tolist())"
+    writer = f"import numpy as np; from netdam.shell.shm import attach; m = attach({path!r}); m[100:108] = np.arange(1, 9, dtype=np.uint8); m.flush(); print('wrote')"
+    reader = f"from netdam.shell.shm import attach; m = attach({path!r}); print(m[100:108].tolist())"
     assert subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, check=True).stdout.strip() == "wrote"
     out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[1, 2, 3, 4, 5, 6, 7, 8]"
@@ -79,7 +79,7 @@ def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster
         rkey = client.register(node.endpoint, 0, 4096, RIGHTS_ALL)
         assert client.read(node.endpoint, rkey, 100, 8) == bytes(range(1, 9))
         client.write(node.endpoint, rkey, 200, b"\xaa\xbb")
-    from netdam.shm import attach
+    from netdam.shell.shm import attach
 
     assert bytes(attach(node.memory_file)[200:202]) == b"\xaa\xbb"
 
@@ -100,7 +100,7 @@ import sys, time, numpy as np
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
 from netdam.protocol.constants import Opcode
 from netdam.kernels.udp_io import _send_batch, MAX_MSGS, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
-from netdam.udp import open_udp_socket
+from netdam.shell.udp import open_udp_socket
 host, port, rkey, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 pkt = encode_packet(Packet(Opcode.WRITE, rkey=rkey, addr=0, length=8192, payload=bytes(8192)))
 n = 64

@@ -10,8 +10,8 @@ from helpers import valid_packets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from netdam import counters as C
-from netdam.node import NodeConfig, NodeCore
+from netdam.core.node import NodeConfig, NodeCore
+from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     HEADER_SIZE,
     REPLY_OPCODES,

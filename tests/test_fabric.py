@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import CLIENT, RKEY, make_cluster
 
-from netdam.faults import FaultSpec, decide, packet_id
+from netdam.core.faults import FaultSpec, decide, packet_id
 from netdam.protocol.constants import DType, Opcode
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
 

@@ -17,14 +17,14 @@ import pytest
 
 from netdam.api import CollectiveError, ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
-from netdam.cluster import load_cluster
-from netdam.control import ControlClient
-from netdam.launch import process_alive as alive
-from netdam.launch import start_cluster
-from netdam.pool import PoolClient, PoolError
+from netdam.clients.pool import PoolClient, PoolError
+from netdam.cluster.clusterfile import load_cluster
+from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import process_alive as alive
+from netdam.cluster.launch import start_cluster
+from netdam.cluster.switch_launch import load_switch_entry, start_pool_cluster, start_switch
 from netdam.protocol.constants import RIGHTS_ALL
 from netdam.switch.controller import PoolController
-from netdam.switch.launch import load_switch_entry, start_pool_cluster, start_switch
 
 KiB = 1024
 
@@ -159,7 +159,7 @@ def test_flood_keeps_node_alive_answering_and_flat(capsys: pytest.CaptureFixture
     memory flat after the warm-up, and counts what it NACKed and what the kernel dropped."""
     import json
 
-    from netdam.cli import main
+    from netdam.cli.main import main
 
     code = main(["flood", "--target", "node", "--seconds", "4", "--json"])
     result = json.loads(capsys.readouterr().out)

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-import netdam.cli_model as cli_model
-from netdam.cliutil import NetdamArgumentParser
+import netdam.cli.model as cli_model
+from netdam.cli.common import NetdamArgumentParser
 from netdam.fpga_model import (
     ALGOS,
     NetdamParams,

@@ -1,4 +1,4 @@
-"""Fuzzing (netdam/fuzz.py, `netdam fuzz`).
+"""Fuzzing (netdam/tools/fuzz/generator.py, `netdam fuzz`).
 
 In memory, driven by hypothesis: structured mutations of valid packets (bit flips, field-aware
 changes, SR-list and sparse corruption, truncation, extension) and random bytes against the
@@ -21,32 +21,11 @@ from helpers import valid_packets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from netdam import cli
-from netdam import counters as C
-from netdam.cli_fuzz import FuzzConfig, run_fuzz
-from netdam.fuzz import (
-    EV_NACK,
-    MUTATIONS,
-    DatagramGenerator,
-    Layout,
-    Shape,
-    expected_statuses,
-    header,
-    node_region_plan,
-    node_regions_of_pool,
-    plan_pool,
-    sparse_encode,
-)
-from netdam.fuzz_oracle import (
-    Expectation,
-    MemoryGuard,
-    Oracle,
-    ProcessTraffic,
-    counter_checks,
-    unreached,
-)
+from netdam.cli import main as cli
+from netdam.cli.fuzz import FuzzConfig, run_fuzz
+from netdam.core.node import NodeConfig, NodeCore
 from netdam.kernels import switch_path as K
-from netdam.node import NodeConfig, NodeCore
+from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     REPLY_OPCODES,
@@ -59,6 +38,27 @@ from netdam.protocol.constants import (
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.switch.core import SwitchConfig, SwitchCore
+from netdam.tools.fuzz.generator import (
+    EV_NACK,
+    MUTATIONS,
+    DatagramGenerator,
+    Layout,
+    Shape,
+    expected_statuses,
+    header,
+    node_region_plan,
+    node_regions_of_pool,
+    plan_pool,
+    sparse_encode,
+)
+from netdam.tools.fuzz.oracle import (
+    Expectation,
+    MemoryGuard,
+    Oracle,
+    ProcessTraffic,
+    counter_checks,
+    unreached,
+)
 
 CLIENT: Endpoint = ("127.0.0.1", 9001)
 THIRD: Endpoint = ("127.0.0.1", 9002)
@@ -70,7 +70,7 @@ ADMIN = 0xAD15
 
 
 class Net:
-    """A synchronous network of cores, one datagram at a time (lighter than netdam.fabric):
+    """A synchronous network of cores, one datagram at a time (lighter than netdam.core.fabric):
     replies to the client are collected, anything else that leaves the cluster is misdirected."""
 
     def __init__(self, cores: dict[Endpoint, NodeCore | SwitchCore]) -> None:

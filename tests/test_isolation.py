@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from netdam import counters as C
-from netdam.control import ControlClient
-from netdam.fabric import Fabric
-from netdam.launch import start_cluster
-from netdam.node import NodeConfig, NodeCore
+from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import start_cluster
+from netdam.core.fabric import Fabric
+from netdam.core.node import NodeConfig, NodeCore
+from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights, Status
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, backing_per_way

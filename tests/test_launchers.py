@@ -18,22 +18,20 @@ import numpy as np
 import pytest
 
 import netdam
-from netdam.allreduce_run import reference_chain_allreduce
 from netdam.api import ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
-from netdam.cli import build_parser, main
-from netdam.cluster import load_cluster, parse_cluster
-from netdam.control import ControlClient
-from netdam.launch import is_local_address
-from netdam.launcher_env import (
+from netdam.cli.main import build_parser, main
+from netdam.cluster.clusterfile import load_cluster, parse_cluster
+from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import is_local_address
+from netdam.cluster.launcher_env import (
     LaunchError,
     node_bind,
     resolve_launch,
     slurm_first_host,
     wants_rendezvous,
 )
-from netdam.protocol.constants import ReduceOp
-from netdam.rendezvous import (
+from netdam.cluster.rendezvous import (
     Answer,
     Gathering,
     LineReader,
@@ -49,6 +47,8 @@ from netdam.rendezvous import (
     parse_answer,
     parse_member,
 )
+from netdam.protocol.constants import ReduceOp
+from netdam.tools.allreduce import reference_chain_allreduce
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Variables of every launcher: stripped from the environment of the processes tests start.

@@ -38,8 +38,7 @@ from netns_fabric import (
     unavailable_reason,
 )
 
-from netdam.allreduce_run import reference_chain_allreduce
-from netdam.collective import Algo, block_bounds
+from netdam.core.collective import Algo, block_bounds
 from netdam.protocol.constants import (
     HEADER_SIZE,
     IP_UDP_OVERHEAD,
@@ -50,6 +49,7 @@ from netdam.protocol.constants import (
     ReduceOp,
     max_elements,
 )
+from netdam.tools.allreduce import reference_chain_allreduce
 
 DRIVER = str(Path(__file__).with_name("netns_fabric.py"))
 NODES = ("n0", "n1", "n2")

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from helpers import ADMIN_KEY, CLIENT, MEMORY, RKEY, Cluster, make_cluster, only
 
-from netdam import counters as C
-from netdam.events import GroupJoined, GroupLeft, RegionRegistered, ReplyReceived
-from netdam.fabric import Fabric
+from netdam.core.events import GroupJoined, GroupLeft, RegionRegistered, ReplyReceived
+from netdam.core.fabric import Fabric
+from netdam.core.node import INFO_STRUCT, NodeConfig, NodeCore
 from netdam.kernels import datapath
-from netdam.node import INFO_STRUCT, NodeConfig, NodeCore
+from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DUP_WINDOW,
     DUP_WINDOW_CLIENTS,

@@ -12,16 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from netdam import counters as C
-from netdam.aio_pool import AsyncPoolClient
-from netdam.control import ControlClient, ControlError
-from netdam.launch import LocalCluster
-from netdam.pool import PoolClient, PoolError
+from netdam.clients.async_pool import AsyncPoolClient
+from netdam.clients.pool import PoolClient, PoolError
+from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.launch import LocalCluster
+from netdam.cluster.switch_launch import (
+    SwitchHandle,
+    load_switch_entry,
+    start_pool_cluster,
+    start_switch,
+)
+from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, Rights, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.switch.controller import PoolController
 from netdam.switch.core import counters_from_payload
-from netdam.switch.launch import SwitchHandle, load_switch_entry, start_pool_cluster, start_switch
 
 ROOT = Path(__file__).resolve().parent.parent
 KiB = 1024
@@ -172,7 +177,7 @@ def test_retries_under_injected_loss_never_apply_twice(pool: Pool) -> None:
             for offset in (0, 8 * KiB):
                 olds = [client.fetch_add(region.gaddr + offset, 1, region.rkey) for _ in range(30)]
                 assert [v - olds[0] for v in olds] == list(range(30))
-                from netdam.pool import fetch_add_packet
+                from netdam.clients.pool import fetch_add_packet
 
                 replies = client.execute([fetch_add_packet(region.gaddr + offset + 8, 2, region.rkey)] * 40)
                 values = sorted(struct.unpack("<Q", r.payload)[0] for r in replies)
@@ -210,11 +215,11 @@ def test_switch_nacks_control_it_does_not_serve(pool: Pool) -> None:
 
 
 def pool_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """`netdam ARGV`, with netdam.cli_pool registered even before cli.py lists it."""
-    import netdam.cli as cli
+    """`netdam ARGV`, with netdam.cli.pool registered even before cli.py lists it."""
+    import netdam.cli.main as cli
 
-    if "netdam.cli_pool" not in cli._COMMAND_MODULES:
-        monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "netdam.cli_pool"))
+    if "netdam.cli.pool" not in cli._COMMAND_MODULES:
+        monkeypatch.setattr(cli, "_COMMAND_MODULES", (*cli._COMMAND_MODULES, "netdam.cli.pool"))
     return cli.main(argv)
 
 

@@ -12,11 +12,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from netdam import cli, cli_soak
-from netdam.faults import FaultSpec
+from netdam.cli import main as cli
+from netdam.cli import soak as cli_soak
+from netdam.core.faults import FaultSpec
 from netdam.protocol.constants import Opcode
 from netdam.protocol.packet import Packet, encode_packet
-from netdam.soak import (
+from netdam.switch.faults import parse_faults
+from netdam.tools.soak.client import ProbeSocket
+from netdam.tools.soak.parent import (
     BLOCK_MAX,
     CORRUPT,
     LOST,
@@ -33,8 +36,6 @@ from netdam.soak import (
     run_soak,
     switch_fault_text,
 )
-from netdam.soak_client import ProbeSocket
-from netdam.switch.faults import parse_faults
 
 RESULT_KEYS = {"ok", "ops", "ops_per_second", "lost_writes", "corrupt_reads", "counter_error", "errors",
                "counter_old_value_errors", "unconfirmed_writes", "unconfirmed_increments", "counter",
@@ -210,7 +211,7 @@ def test_soak_under_loss_dup_reorder_delay_is_all_zero(capsys: pytest.CaptureFix
 
 def test_soak_detects_corruption_and_phantom_increments() -> None:
     """The checker can fail: after the clients stop, one byte of a block is flipped in node
-    memory and the counter is bumped out of band (host stores through netdam.shm.attach).
+    memory and the counter is bumped out of band (host stores through netdam.shell.shm.attach).
     Faults on the switch's links (dup and reorder: never loss, see test_fault_attempt_...)."""
 
     def tamper(layout, info) -> None:  # type: ignore[no-untyped-def]
@@ -235,7 +236,7 @@ def test_exit_codes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     failed = json.loads(capsys.readouterr().out)
     assert failed["ok"] is False and failed["ops"] is None and "/nonexistent/c.toml" in failed["error"]
     canned = {"ok": False, "error_samples": []}
-    monkeypatch.setattr("netdam.soak.run_soak", lambda config: dict(canned))
+    monkeypatch.setattr("netdam.tools.soak.parent.run_soak", lambda config: dict(canned))
     monkeypatch.setattr(cli_soak, "summary_text", lambda result: "x")
     assert cli.main(["soak", "--json"]) == 1
     capsys.readouterr()

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from netdam import counters as C
-from netdam.fabric import Fabric
-from netdam.faults import FaultSpec
+from netdam.core.fabric import Fabric
+from netdam.core.faults import FaultSpec
+from netdam.core.node import NodeConfig, NodeCore
 from netdam.kernels import switch_path as K
-from netdam.node import NodeConfig, NodeCore
+from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, Rights, Status
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, backing_per_way

@@ -1,4 +1,4 @@
-"""The PyTorch DDP communication hook (netdam.torch) and examples/ddp_train.py. Skipped
+"""The PyTorch DDP communication hook (netdam.clients.ddp) and examples/ddp_train.py. Skipped
 without torch (an optional extra)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from netdam.api import CollectiveError  # noqa: E402
-from netdam.launch import LocalCluster, start_cluster  # noqa: E402
-from netdam.torch import NetdamHookState, netdam_allreduce_hook  # noqa: E402
+from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook  # noqa: E402
+from netdam.cluster.launch import LocalCluster, start_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
@@ -52,13 +52,13 @@ def two_nodes() -> Iterator[LocalCluster]:
 
 
 def test_netdam_torch_is_the_real_torch() -> None:
-    import netdam.torch as hook_module
+    import netdam.clients.ddp as hook_module
 
     assert vars(hook_module)["torch"] is torch and hasattr(torch, "nn")
 
 
 def test_without_torch_the_import_error_says_how_to_install() -> None:
-    code = "import sys; sys.modules['torch'] = None\ntry:\n import netdam.torch\nexcept ImportError as e:\n print(e)"
+    code = "import sys; sys.modules['torch'] = None\ntry:\n import netdam.clients.ddp\nexcept ImportError as e:\n print(e)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert "pip install 'netdam[torch]'" in out and "torch==2.13.0" in out
 
@@ -129,7 +129,7 @@ def test_unsupported_dtype_is_refused(two_nodes: LocalCluster) -> None:
     with NetdamHookState(two_nodes.info, 0, 2) as state:
         with pytest.raises(TypeError, match="cannot reduce torch.int32"):
             state.submit(torch.ones(4, dtype=torch.int32)).wait()
-        with pytest.raises(RuntimeError, match="TypeError: netdam.torch cannot reduce torch.int32"):
+        with pytest.raises(RuntimeError, match="TypeError: netdam.clients.ddp cannot reduce torch.int32"):
             netdam_allreduce_hook(state, FakeBucket(torch.ones(4, dtype=torch.int32))).wait()
         assert state.collectives == 0
 

@@ -1,4 +1,4 @@
-"""The batched UDP kernels (netdam/kernels/udp_io.py) and socket setup (netdam/udp.py) on real
+"""The batched UDP kernels (netdam/kernels/udp_io.py) and socket setup (netdam/shell/udp.py) on real
 loopback sockets. Ports come from binding port 0; every wait is bounded."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from netdam.kernels import udp_io as U
 from netdam.protocol.packet import endpoint_to_u64
-from netdam.udp import (
+from netdam.shell.udp import (
     IP_MTU_DISCOVER,
     IP_PMTUDISC_DO,
     check_mtu_fits,

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from netdam import counters as C
-from netdam.collective import Algo, decode_descriptor
-from netdam.launch import start_cluster
+from netdam.cluster.launch import start_cluster
+from netdam.core.collective import Algo, decode_descriptor
+from netdam.protocol import counters as C
 from netdam.protocol import packet as codec
 from netdam.protocol.constants import (
     CONTROL_OPCODES,

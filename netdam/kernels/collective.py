@@ -5,7 +5,7 @@ heads within the credit window, re-sends chains whose ACK is late, multicasts (o
 the chunks of this node's block as soon as the chain stores them, READs missing all-gather
 chunks from their owner when progress stalls, and reports completion to the host. The per
 packet side (ACK capture, stores, all-gather writes, READ repair replies) is in
-``datapath._process_batch``; both share the arrays below. ``netdam.collective`` owns them.
+``datapath._process_batch``; both share the arrays below. ``netdam.core.collective`` owns them.
 
 ``cfg`` (int64) indices are the ``CFG_*`` constants; ``fcfg`` (float64) the ``F_*`` ones.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam import counters as C
 from netdam.kernels.coll_layout import (
     AUX_BITMAP,
     AUX_DONE,
@@ -73,6 +72,7 @@ from netdam.kernels.coll_layout import (
     NZ_BASE,
 )  # fmt: skip
 from netdam.kernels.datapath import _F_SPARSE, _SLOT, _encode_payload, _wr16, _wr32
+from netdam.protocol import counters as C
 
 RTO_MIN_S = 0.02  # loopback emulation: 2 cores, many processes: ms-scale scheduling jitter
 RTO_MAX_S = 0.25  # several retries fit in the 2 s default watchdog

@@ -4,7 +4,7 @@ Rules of this file:
 1. The checks in ``_check_packet`` mirror ``netdam.protocol.packet.decode_packet`` step for step
    and in the same order, so both give the same status for the same bytes (tests/test_datapath.py
    holds them to it on random and mutated packets).
-2. Nothing here validates its *arguments*: ``netdam.node.NodeCore`` owns the arrays, sizes them
+2. Nothing here validates its *arguments*: ``netdam.core.node.NodeCore`` owns the arrays, sizes them
    and checks them once. Packet contents are untrusted and every address is checked against the
    rkey's region (which registration checked against memory) before any access.
 3. Control opcodes and replies addressed to this node are *punted*: their batch index goes to
@@ -19,7 +19,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam import counters as C
 from netdam.kernels.coll_layout import (
     AUX_BITMAP,
     AUX_DONE,
@@ -44,6 +43,7 @@ from netdam.kernels.coll_layout import (
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
+from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DUP_REPLY_BYTES,
     DUP_WINDOW,

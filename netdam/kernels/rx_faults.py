@@ -1,6 +1,6 @@
 """Receive-side fault injection for node processes, applied to each batch before the datapath.
 
-Every decision is ``_fault_hash(seed, src, self, packet id, attempt)`` (netdam.faults), the
+Every decision is ``_fault_hash(seed, src, self, packet id, attempt)`` (netdam.core.faults), the
 same function the in-memory fabric uses, so seeded runs replay across processes. ``attempt``
 counts how often this receiver saw that (src, packet id): a small open-addressed table; when
 its probe limit is hit the oldest-probed slot is reused, which can reset a count (documented in
@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam import counters as C
 from netdam.kernels.fault_hash import (
     _SALT_DELAY,
     _SALT_DROP,
@@ -26,6 +25,7 @@ from netdam.kernels.fault_hash import (
     _mix,
     _packet_id,
 )
+from netdam.protocol import counters as C
 
 _PROBES = 8
 

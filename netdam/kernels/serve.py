@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam import counters as C
 from netdam.kernels.coll_layout import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE
 from netdam.kernels.collective import _coll_tick
 from netdam.kernels.datapath import _SLOT, _process_batch
@@ -25,6 +24,7 @@ from netdam.kernels.udp_io import (
     _send_batch,
     _sys_poll,
 )
+from netdam.protocol import counters as C
 
 #: Why _serve returned.
 RETURN_IDLE = 0  # nothing arrived within timeout_ms

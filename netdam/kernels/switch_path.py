@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam import counters as C
 from netdam.kernels.datapath import (
     _ESIZE,
     _IS_REPLY,
@@ -52,6 +51,7 @@ from netdam.kernels.fault_hash import (
     _packet_id,
 )
 from netdam.kernels.rx_faults import _attempt
+from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags, Opcode, Rights, Status
 
 _HDR = 64

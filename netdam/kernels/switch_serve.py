@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from numba import njit
 
-from netdam import counters as C
 from netdam.kernels.datapath import _SLOT
 from netdam.kernels.serve import _flush  # one flush for node and switch
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
 from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch
+from netdam.protocol import counters as C
 
 RETURN_IDLE = 0
 RETURN_PUNT = 1

@@ -554,7 +554,7 @@ def _send_batch(fd, buf, offs, lens, dsts, n, scratch, state):  # type: ignore[n
 
 
 # ---------------------------------------------------------------- benchmark loops
-# The hot loops of `netdam bench datapath` (netdam/bench_datapath.py runs each in its own
+# The hot loops of `netdam bench datapath` (netdam/tools/bench/datapath.py runs each in its own
 # process). Times are CLOCK_MONOTONIC ns, shared by every process on the machine, so the parent
 # can hand all of them one measurement window.
 
@@ -572,7 +572,7 @@ _PACE_SLEEP_NS = 20_000
 RELAY_RX = 0
 RELAY_TX = 1
 RELAY_LEFT_BEHIND = 2
-RELAY_TX_IN_WINDOW = 3  # filled by the caller (netdam/bench_datapath.py)
+RELAY_TX_IN_WINDOW = 3  # filled by the caller (netdam/tools/bench/datapath.py)
 #: counts[] of _sink_run
 SINK_RX_IN_WINDOW = 0
 SINK_VERIFIED_IN_WINDOW = 1

@@ -141,7 +141,7 @@ local RIGHTS = {
     [0x4] = "ATOMIC",
 }
 
--- START_COLL descriptor byte 0 (netdam.collective.Algo)
+-- START_COLL descriptor byte 0 (netdam.core.collective.Algo)
 local ALGO = {
     [0] = "ALL_REDUCE",
     [1] = "REDUCE_SCATTER",
@@ -156,7 +156,7 @@ local COLL_MESSAGE = {
     [3] = "non-zero bitmap",
 }
 
--- Names of the scalar counters of a COUNTERS reply (netdam.counters; SPEC.md 6.3)
+-- Names of the scalar counters of a COUNTERS reply (netdam.protocol.counters; SPEC.md 6.3)
 local COUNTER = {
     [0] = "rx_packets",
     [1] = "rx_bytes",

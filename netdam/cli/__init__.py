@@ -1,0 +1,1 @@
+"""The ``netdam`` command: one thin module per subcommand (parse, call, print)."""

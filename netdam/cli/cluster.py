@@ -1,0 +1,351 @@
+"""``netdam node``, ``up``, ``down``, ``stats``, ``ping``: run and inspect local clusters."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from netdam.cli.common import CommandError, ExitCode, bounded_seconds, emit, size_arg
+from netdam.protocol import counters as C
+from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
+from netdam.protocol.packet import Endpoint
+
+if TYPE_CHECKING:
+    from netdam.cluster.launch import LocalCluster
+
+
+def endpoint_arg(text: str) -> Endpoint:
+    """argparse type for ``IP:PORT``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"invalid address {text!r}: write IP:PORT, e.g. 127.0.0.1:7744")
+    return host, int(port)
+
+
+def endpoints_arg(text: str) -> tuple[Endpoint, ...]:
+    return tuple(endpoint_arg(part) for part in text.split(",") if part)
+
+
+def mtu_arg(text: str) -> int:
+    value = int(text)
+    if not MIN_MTU <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"--mtu {value} out of range: NetDAM needs {MIN_MTU}..65535")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not a probability between 0 and 1")
+    return value
+
+
+def add_fault_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("receive-side fault injection (seeded, replayable)")
+    group.add_argument("--loss", type=probability, default=0.0, help="drop probability")
+    group.add_argument("--dup", type=probability, default=0.0, help="duplicate probability")
+    group.add_argument("--reorder", type=probability, default=0.0, help="reorder probability")
+    group.add_argument("--delay", type=probability, default=0.0, help="probability of a delay")
+    group.add_argument("--delay-ms", type=float, default=0.0, help="the delay, milliseconds")
+    group.add_argument("--seed", type=int, default=0, help="seed of every fault decision")
+
+
+def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from netdam.core.faults import FaultSpec
+
+    return FaultSpec(loss=args.loss, dup=args.dup, reorder=args.reorder, delay=args.delay,
+                     delay_s=args.delay_ms / 1000.0, seed=args.seed)  # fmt: skip
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from netdam.cluster.launcher_env import LAUNCHER_HELP
+
+    node = subparsers.add_parser("node", help="run one emulated NIC (a node process)",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="Run one node: memory in a file under --shm-dir, a UDP "
+                                 "socket on --bind, the compiled datapath. Prints 'ready IP:PORT "
+                                 "MEMORY_FILE admin_key=K' when serving; stops on SIGTERM/SIGINT. "
+                                 "Under torchrun, mpirun or srun it finds its rank and the others "
+                                 "itself (see below).", epilog=LAUNCHER_HELP)  # fmt: skip
+    node.add_argument("--bind", type=endpoint_arg, default=None,
+                      help="IP:PORT (default 127.0.0.1:7744; under a launcher auto:7744, see below)")  # fmt: skip
+    node.add_argument("--memory", type=size_arg, default=64 << 20, help="node memory (default 64MiB)")
+    node.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="where the memory file lives")
+    node.add_argument("--name", default=None,
+                      help="memory file is NAME.mem (default netdam-node; under a launcher "
+                      "netdam-rRANK-PID, or NAME-RANK when given)")  # fmt: skip
+    node.add_argument("--admin-key", type=lambda t: int(t, 0), default=0,
+                      help="key for control opcodes (random when 0; under a launcher rank 0's)")  # fmt: skip
+    node.add_argument("--members", type=endpoints_arg, default=(),
+                      help="IP:PORT,... of the cluster (given: no rendezvous, launcher variables ignored)")  # fmt: skip
+    node.add_argument("--rank", type=int, default=None, help="rank (default 0, or the launcher's)")
+    node.add_argument("--world-size", type=int, default=None, help="number of nodes (default 1, or the launcher's)")
+    node.add_argument("--master", default=None, metavar="HOST[:PORT]",
+                      help="rank 0's rendezvous address (mpirun sets none; see below)")  # fmt: skip
+    node.add_argument("--cluster", type=Path, default=None,
+                      help="under a launcher: rank 0 writes the cluster file here (other ranks ignore it)")  # fmt: skip
+    node.add_argument("--rendezvous-timeout", type=bounded_seconds(0.0, 86400.0, low_inclusive=False),
+                      default=300.0, help="seconds rank 0 waits for every rank (default 300)")  # fmt: skip
+    node.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU, help="IP MTU (default 9000)")
+    node.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
+    add_fault_args(node)
+    node.set_defaults(func=run_node)
+
+    up = subparsers.add_parser("up", help="start a local cluster of node processes",
+                               description="Start N node processes on loopback, write the cluster "
+                               "file and print its path. Foreground by default: Ctrl-C stops every "
+                               "node. With --detach, return and leave them running (netdam down). "
+                               "With --cluster FILE naming an existing file that lists [[nodes]] "
+                               "(written by hand, maybe for several hosts): start exactly the nodes "
+                               "whose address is an address of this host, with the file's ranks, "
+                               "ports, admin key and MTU, and fill in their pid, memory_file and "
+                               "control_port (other entries stay as written; the file is marked "
+                               "keep_file, so netdam down clears those fields instead of deleting "
+                               "it). Run it on every host of the file.")  # fmt: skip
+    up.add_argument("--nodes", type=int, default=None, help="node processes (default 4; not with an existing --cluster FILE)")
+    up.add_argument("--memory", type=size_arg, default=64 << 20,
+                    help="memory per node (default 64MiB; a file's memory_bytes wins)")  # fmt: skip
+    up.add_argument("--base-port", type=int, default=None, help="first node's UDP port (default: free ports)")
+    up.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
+    up.add_argument("--mtu", type=mtu_arg, default=None, help="IP MTU (default 9000, or the file's)")
+    up.add_argument("--cluster", type=Path, default=None,
+                    help="cluster file: start this host's nodes from it when it lists [[nodes]], "
+                    "else write the new cluster's file there")  # fmt: skip
+    up.add_argument("--detach", action="store_true", help="start, print, return")
+    up.add_argument("--switch", action="store_true",
+                    help="also start the pool switch (its VIP goes into the cluster file)")  # fmt: skip
+    up.add_argument("--json", action="store_true")
+    add_fault_args(up)
+    up.set_defaults(func=run_up)
+
+    down = subparsers.add_parser("down", help="stop a cluster started with netdam up")
+    down.add_argument("--cluster", type=Path, required=True, help="the cluster file")
+    down.add_argument("--json", action="store_true")
+    down.set_defaults(func=run_down)
+
+    stats = subparsers.add_parser("stats", help="counters of every node of a cluster")
+    stats.add_argument("--cluster", type=Path, required=True)
+    stats.add_argument("--timeout", type=float, default=1.0, help="seconds per node")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(func=run_stats)
+
+    ping = subparsers.add_parser("ping", help="PING nodes: version, memory, rank, round-trip time")
+    target = ping.add_mutually_exclusive_group(required=True)
+    target.add_argument("--cluster", type=Path)
+    target.add_argument("--node", type=endpoint_arg, help="IP:PORT of one node")
+    ping.add_argument("--count", type=int, default=3)
+    ping.add_argument("--timeout", type=float, default=1.0)
+    ping.add_argument("--json", action="store_true")
+    ping.set_defaults(func=run_ping)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from netdam.cluster.launcher_env import wants_rendezvous
+    from netdam.shell.node_process import NodeProcessConfig, main
+
+    if wants_rendezvous(os.environ, args.master, bool(args.members)):
+        return _run_launched_node(args)
+    for flag, value in (("--cluster", args.cluster), ("--bind auto", args.bind and args.bind[0] == "auto")):
+        if value:
+            raise CommandError(f"{flag} needs a rendezvous: run under torchrun, mpirun or srun, or pass "
+                               "--master HOST:PORT with --rank and --world-size", ExitCode.USAGE)  # fmt: skip
+    config = NodeProcessConfig(
+        bind=args.bind or ("127.0.0.1", 7744), memory_bytes=args.memory, shm_dir=args.shm_dir,
+        name=args.name or "netdam-node", admin_key=args.admin_key, members=args.members, mtu=args.mtu,
+        rank=args.rank if args.rank is not None else 0,
+        world_size=args.world_size if args.world_size is not None else 1,
+        faults=faults_from(args), die_with_parent=args.die_with_parent,
+    )  # fmt: skip
+    return main(config)
+
+
+def _run_launched_node(args: argparse.Namespace) -> int:
+    """A node under a launcher (or --master): rank from the environment, then the rendezvous."""
+    from netdam.cluster.launcher_env import LaunchError, node_bind, resolve_launch
+    from netdam.cluster.rendezvous import RendezvousError, resolve_bind, run_launched_node
+    from netdam.shell.node_process import NodeProcessConfig
+
+    try:
+        spec = resolve_launch(os.environ, rank=args.rank, world_size=args.world_size, master=args.master)
+        bind = resolve_bind(node_bind(args.bind, spec.local_rank), spec.master)
+    except LaunchError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    except RendezvousError as exc:
+        raise CommandError(str(exc), ExitCode(exc.code)) from None
+    master = f"{spec.master[0]}:{spec.master[1]} ({spec.master_source})" if spec.master else "none (world of one)"
+    print(f"netdam node: rank {spec.rank} of {spec.world_size} from {spec.source}, local rank "
+          f"{spec.local_rank}; rendezvous {master}; binding {bind[0]}:{bind[1]}", file=sys.stderr, flush=True)  # fmt: skip
+    name = f"{args.name}-{spec.rank}" if args.name else f"netdam-r{spec.rank}-{os.getpid()}"
+    config = NodeProcessConfig(
+        bind=bind, memory_bytes=args.memory, shm_dir=args.shm_dir, name=name, admin_key=args.admin_key,
+        mtu=args.mtu, rank=spec.rank, world_size=spec.world_size, faults=faults_from(args),
+        die_with_parent=args.die_with_parent,
+    )  # fmt: skip
+    try:
+        return run_launched_node(config, spec, cluster_path=args.cluster, timeout=args.rendezvous_timeout,
+                                 admin_key=args.admin_key)  # fmt: skip
+    except RendezvousError as exc:
+        raise CommandError(str(exc), ExitCode(exc.code)) from None
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from netdam.cluster.clusterfile import lists_nodes
+    from netdam.cluster.launch import ClusterStartError, start_cluster, start_from_file
+
+    try:
+        if args.cluster is not None and lists_nodes(args.cluster):
+            _check_file_flags(args)
+            cluster = start_from_file(args.cluster, memory=args.memory, shm_dir=args.shm_dir,
+                                      faults=faults_from(args), detach=args.detach, mtu=args.mtu)  # fmt: skip
+        else:
+            cluster = start_cluster(args.nodes if args.nodes is not None else 4, memory=args.memory,
+                                    base_port=args.base_port or 0, shm_dir=args.shm_dir,
+                                    mtu=args.mtu or DEFAULT_MTU,
+                                    cluster_path=args.cluster or Path.cwd() / f"netdam-cluster-{os.getpid()}.toml",
+                                    faults=faults_from(args), detach=args.detach,
+                                    switch=args.switch)  # fmt: skip
+    except (ValueError, ClusterStartError) as exc:
+        code = ExitCode.USAGE if isinstance(exc, ValueError) else ExitCode.RUN_FAILED
+        raise CommandError(str(exc), code) from None
+    summary: dict[str, object] = {"ok": True, "cluster": str(cluster.path), "nodes": len(cluster.processes),
+                                  "startup_seconds": cluster.startup_seconds, "detached": args.detach}  # fmt: skip
+    if cluster.owned is not None:
+        summary["ranks"] = list(cluster.owned)
+        summary["world_size"] = len(cluster.info.nodes)
+    if cluster.switch is not None:
+        vip = cluster.switch.vip
+        summary["vip"] = f"{vip[0]}:{vip[1]}"
+    emit(summary, args.json, text=str(cluster.path))
+    sys.stdout.flush()
+    if args.detach:
+        return ExitCode.OK
+    return _supervise(cluster)
+
+
+def _check_file_flags(args: argparse.Namespace) -> None:
+    """Flags that describe a new cluster make no sense when the file describes it."""
+    for flag, given in (("--nodes", args.nodes is not None), ("--base-port", args.base_port is not None),
+                        ("--switch", args.switch)):  # fmt: skip
+        if given:
+            raise CommandError(f"{flag} conflicts with {args.cluster}, which already lists [[nodes]]: drop "
+                               f"{flag} (the file decides), or give --cluster a new path", ExitCode.USAGE)  # fmt: skip
+
+
+def _supervise(cluster: LocalCluster) -> int:
+    """Foreground: wait until Ctrl-C/SIGTERM or a node dies, then stop everything."""
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    dead = None
+    try:
+        while not stopping and dead is None:
+            procs = cluster.processes + ([cluster.switch.process] if cluster.switch is not None else [])
+            dead = next((p for p in procs if p.poll() is not None), None)
+            time.sleep(0.1)
+    finally:
+        cluster.stop()
+    if dead is not None:
+        print(f"error: node pid {dead.pid} exited (code {dead.returncode}); cluster stopped", file=sys.stderr)
+        return ExitCode.RUN_FAILED
+    return ExitCode.OK
+
+
+def run_down(args: argparse.Namespace) -> int:
+    from netdam.cluster.launch import stop_cluster_file
+
+    try:
+        info = stop_cluster_file(args.cluster)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    emit({"ok": True, "stopped": len(info.nodes), "ranks": [n.rank for n in info.nodes],
+          "cluster": str(args.cluster)}, args.json,
+         text=f"stopped {len(info.nodes)} nodes of {info.name}")  # fmt: skip
+    return ExitCode.OK
+
+
+def _load(path: Path):  # type: ignore[no-untyped-def]
+    from netdam.cluster.clusterfile import load_cluster
+
+    try:
+        return load_cluster(path)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from netdam.cluster.control import ControlClient, ControlError
+
+    info = _load(args.cluster)
+    nodes = []
+    errors = []
+    with ControlClient(admin_key=info.admin_key) as client:
+        for node in info.nodes:
+            start = time.perf_counter()
+            try:
+                values = client.counters(node.control_endpoint, timeout=args.timeout)
+            except (ControlError, OSError) as exc:  # OSError: unreachable from here (another host)
+                errors.append(f"rank {node.rank}: {exc}")
+                nodes.append({"rank": node.rank, "address": f"{node.address}:{node.port}",
+                              "error": str(exc)})  # fmt: skip
+                continue
+            named = C.counters_to_dict(values)
+            named.update(rank=node.rank, address=f"{node.address}:{node.port}",
+                         answer_seconds=time.perf_counter() - start)  # fmt: skip
+            nodes.append(named)
+    result = {"ok": not errors, "cluster": str(args.cluster), "nodes": nodes}
+    if errors:
+        result["error"] = "; ".join(errors)
+    emit(result, args.json, text=_stats_table(nodes))
+    return ExitCode.OK if not errors else ExitCode.RUN_FAILED
+
+
+def _stats_table(nodes: list[dict[str, object]]) -> str:
+    cols = ("rx_packets", "tx_packets", "forwarded", "stored", "drops", "kernel_drops", "rcvbuf_bytes")
+    lines = [f"{'rank':>4} {'address':<21} " + " ".join(f"{c:>13}" for c in cols)]
+    for node in nodes:
+        if "error" in node:
+            lines.append(f"{node['rank']:>4} {node['address']:<21} {node['error']}")
+            continue
+        lines.append(f"{node['rank']:>4} {node['address']:<21} " + " ".join(f"{node[c]!s:>13}" for c in cols))
+    return "\n".join(lines)
+
+
+def run_ping(args: argparse.Namespace) -> int:
+    from netdam.cluster.control import ControlClient, ControlError
+
+    targets = [n.endpoint for n in _load(args.cluster).nodes] if args.cluster else [args.node]
+    results = []
+    failed = False
+    with ControlClient() as client:
+        for ep in targets:
+            rtts = []
+            info: dict[str, int] = {}
+            error = None
+            for _ in range(args.count):
+                try:
+                    info, rtt = client.ping(ep, timeout=args.timeout)
+                    rtts.append(rtt)
+                except (ControlError, OSError) as exc:
+                    error = str(exc)
+            failed |= not rtts
+            results.append({"address": f"{ep[0]}:{ep[1]}", "answered": len(rtts), "sent": args.count,
+                            "rtt_seconds_min": min(rtts) if rtts else None, "info": info,
+                            **({"error": error} if not rtts and error else {})})  # fmt: skip
+    text = "\n".join(
+        f"{r['address']}: {r['answered']}/{r['sent']} answered"
+        + (f", rtt min {r['rtt_seconds_min'] * 1e6:.0f} us, rank {r['info'].get('rank')}, "  # type: ignore[index,union-attr,operator]
+           f"memory {r['info'].get('memory_bytes')} B" if r["answered"] else f" ({r.get('error')})")  # type: ignore[union-attr]
+        for r in results
+    )  # fmt: skip
+    emit({"ok": not failed, "nodes": results}, args.json, text=text)
+    return ExitCode.RUN_FAILED if failed else ExitCode.OK

@@ -1,0 +1,135 @@
+"""Conventions shared by every subcommand (BRIEF section 7): exit codes, JSON output, size flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any, NoReturn
+
+from netdam.units import parse_size, parse_size_range
+
+
+class ExitCode(IntEnum):
+    """Process exit codes every command uses."""
+
+    OK = 0
+    CHECK_FAILED = 1  # wrong result or failed check
+    USAGE = 2  # usage error
+    RUN_FAILED = 3  # timeout, dead node, unreachable peer
+
+
+class CommandError(Exception):
+    """A failure a command reports as ``error`` in its output, with the exit code to use."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.RUN_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _clean(value: Any) -> Any:
+    """Replace NaN/inf floats by None: JSON output never carries NaN (BRIEF section 7)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalar
+        return _clean(value.item())
+    return value
+
+
+def dumps_json(obj: dict[str, Any]) -> str:
+    """Serialize one result object with the project's JSON rules."""
+    return json.dumps(_clean(obj), indent=2, sort_keys=False, allow_nan=False)
+
+
+def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:
+    """Print the result: exactly one JSON object on stdout with --json, else *text* (or key: value)."""
+    if as_json:
+        sys.stdout.write(dumps_json(obj) + "\n")
+        return
+    if text is not None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return
+    for key, value in _clean(obj).items():
+        sys.stdout.write(
+            f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}\n"
+        )
+
+
+def size_arg(text: str) -> int:
+    """argparse type for a byte-valued flag."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_range_arg(text: str) -> list[int]:
+    """argparse type for a size or an ``A..B`` range of powers of two."""
+    try:
+        return parse_size_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+#: Whether the command line being parsed asked for --json (set by netdam.cli.main.main).
+JSON_REQUESTED = [False]
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """argparse type for an integer in [low, high] (counts: repeats, warm-ups)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid count {text!r}: give an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {low}..{high}")
+        return value
+
+    return parse
+
+
+def bounded_seconds(low: float, high: float, *, low_inclusive: bool) -> Callable[[str], float]:
+    """argparse type for a finite number of seconds in (low, high] or [low, high]."""
+    return _bounded_quantity(low, high, low_inclusive, unit="s", noun="seconds", symbol="seconds")
+
+
+def bounded_milliseconds(low: float, high: float, *, low_inclusive: bool) -> Callable[[str], float]:
+    """argparse type for a finite number of milliseconds in (low, high] or [low, high]."""
+    return _bounded_quantity(low, high, low_inclusive, unit="ms", noun="milliseconds", symbol="ms")
+
+
+def _bounded_quantity(low: float, high: float, low_inclusive: bool, *, unit: str, noun: str,
+                      symbol: str) -> Callable[[str], float]:  # fmt: skip
+    low_text = f"{low:g} <= {symbol}" if low_inclusive else f"{low:g} < {symbol}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {noun} {text!r}: give a number") from None
+        above_low = value >= low if low_inclusive else value > low
+        if not math.isfinite(value) or not above_low or value > high:
+            raise argparse.ArgumentTypeError(f"{text} {unit} is out of range: give {low_text} <= {high:g}")
+        return value
+
+    return parse
+
+
+class NetdamArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that honours ``--json`` for usage errors too (exit 2, one JSON object)."""
+
+    def error(self, message: str) -> NoReturn:
+        if JSON_REQUESTED[0]:
+            sys.stdout.write(dumps_json({"ok": False, "error": f"{self.prog}: {message}"}) + "\n")
+            self.exit(ExitCode.USAGE)
+        self.print_usage(sys.stderr)
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\n")

@@ -1,0 +1,363 @@
+"""``netdam decode``: show the fields of NetDAM datagrams given as hex or read from a pcap file.
+
+Decoding goes through the codec (``netdam.protocol.packet.decode_packet``), so a malformed
+datagram reports exactly the error and NACK status a node would answer with; ``--scapy`` adds the
+scapy layer's dissection as a second opinion. scapy is imported only when needed (pcap or
+``--scapy``): it costs about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from netdam.cli.common import ExitCode, dumps_json
+from netdam.protocol.constants import (
+    ELEMENT_SIZE,
+    NETDAM_UDP_PORT,
+    NUMPY_DTYPE,
+    DType,
+    Flags,
+    Opcode,
+)
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
+
+#: Payload elements listed in --json output; larger payloads give only the hex.
+JSON_MAX_ELEMENTS = 256
+#: Text output shows this many payload bytes and elements, then "...".
+TEXT_MAX_BYTES = 32
+TEXT_MAX_ELEMENTS = 16
+
+_INFO = struct.Struct("<IIQIIII")  # SPEC.md 6.4
+_PAIR = struct.Struct("<II")  # SPEC.md 6.1, 6.2
+_SPARSE_PREFIX = struct.Struct("<II")  # SPEC.md 2.5
+
+
+class UsageProblem(Exception):
+    """Input the command cannot read: exit 2 with a message that names the fix."""
+
+
+@dataclass
+class Datagram:
+    """One UDP payload to decode, with where it came from."""
+
+    data: bytes
+    #: For pcap input: frame number (1-based, as Wireshark counts) and endpoints.
+    frame: int | None = None
+    src: str | None = None
+    dst: str | None = None
+
+
+def register(subparsers: Any) -> None:
+    """Add ``netdam decode`` to the ``netdam`` command."""
+    parser = subparsers.add_parser(
+        "decode",
+        help="decode NetDAM datagrams from hex or a pcap file",
+        description="Decode NetDAM datagrams (protocol/SPEC.md): one given as hex (argument, "
+        "--hex-file, or '-' for stdin; whitespace and '#' comment lines allowed) or every UDP "
+        "datagram to or from the NetDAM port in a pcap file. Exit 0 when all decode, 1 when one "
+        "is malformed (the error is the one a node reports), 2 on unreadable input.",
+    )
+    parser.add_argument(
+        "hex", nargs="*", metavar="HEX", help="datagram bytes as hex, or '-' to read stdin"
+    )
+    parser.add_argument("--hex-file", metavar="FILE", help="read the hex from FILE ('-' for stdin)")
+    parser.add_argument("--pcap", metavar="FILE", help="decode the NetDAM datagrams of a pcap file")
+    parser.add_argument(
+        "--port", type=int, default=None, metavar="N",
+        help=f"with --pcap: the NetDAM UDP port (default {NETDAM_UDP_PORT})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scapy", action="store_true", help="also show the scapy layer's dissection"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``netdam decode``; returns the exit code."""
+    try:
+        datagrams = _read_input(args)
+    except UsageProblem as exc:
+        return _fail({"ok": False, "error": str(exc)}, args.json, ExitCode.USAGE)
+    if not datagrams:
+        port = args.port or NETDAM_UDP_PORT
+        message = (
+            f"no UDP datagrams to or from port {port} in {args.pcap}; pick the port with --port"
+        )
+        return _fail({"ok": False, "error": message}, args.json, ExitCode.CHECK_FAILED)
+    results = [_decode_one(d, args.scapy) for d in datagrams]
+    failed = [r for r in results if not r["ok"]]
+    summary: dict[str, Any] = {"ok": not failed}
+    if failed:
+        # The first failure names the error, as a single-datagram failure would.
+        summary.update(error=failed[0]["error"], status=failed[0]["status"])
+    summary["packets"] = results
+    if args.json:
+        for result in results:
+            # Long payloads: the hex says it all; a list of 4096 numbers helps nobody.
+            if len(result.get("elements", ())) > JSON_MAX_ELEMENTS:
+                del result["elements"]
+        sys.stdout.write(dumps_json(summary) + "\n")
+    else:
+        sys.stdout.write(_render_text(results))
+        for result in failed:
+            where = f"frame {result['frame']}: " if "frame" in result else ""
+            print(f"error: {where}{result['error']} (status {result['status']})", file=sys.stderr)
+    return int(ExitCode.CHECK_FAILED if failed else ExitCode.OK)
+
+
+def _fail(obj: dict[str, Any], as_json: bool, code: ExitCode) -> int:
+    if as_json:
+        sys.stdout.write(dumps_json(obj) + "\n")
+    else:
+        print(f"error: {obj['error']}", file=sys.stderr)
+    return int(code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input
+
+
+def _read_input(args: argparse.Namespace) -> list[Datagram]:
+    sources = [name for name, given in (("HEX", args.hex), ("--hex-file", args.hex_file),
+                                        ("--pcap", args.pcap)) if given]  # fmt: skip
+    if len(sources) != 1:
+        what = "no input" if not sources else f"{' and '.join(sources)} together"
+        raise UsageProblem(
+            f"{what}: give exactly one of HEX (or '-' for stdin), --hex-file FILE, --pcap FILE"
+        )
+    if args.port is not None and not args.pcap:
+        raise UsageProblem("--port applies to --pcap input only; drop it or add --pcap FILE")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise UsageProblem(f"--port {args.port} is not a UDP port; give 1..65535")
+    if args.pcap:
+        return _read_pcap(args.pcap, args.port or NETDAM_UDP_PORT)
+    if args.hex_file:
+        return [Datagram(parse_hex(_read_text(args.hex_file), args.hex_file))]
+    if args.hex == ["-"]:
+        return [Datagram(parse_hex(sys.stdin.read(), "stdin"))]
+    return [Datagram(parse_hex(" ".join(args.hex), "the HEX argument"))]
+
+
+def _read_text(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageProblem(
+            f"hex file {path} not found; give an existing file or '-' for stdin"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageProblem(
+            f"cannot read hex file {path} ({exc}); give a text file of hex digits"
+        ) from None
+
+
+def parse_hex(text: str, where: str) -> bytes:
+    """Bytes of a hex dump: '#' comment lines and whitespace ignored, an optional 0x prefix."""
+    digits = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("#"):
+            continue
+        for word in line.split():
+            word = word[2:] if word[:2].lower() == "0x" else word
+            bad = next((c for c in word if c not in "0123456789abcdefABCDEF"), None)
+            if bad is not None:
+                raise UsageProblem(
+                    f"{where}, line {number}: {bad!r} is not a hex digit; give bytes as hex "
+                    "digits (comment lines start with '#')"
+                )
+            digits.append(word)
+    joined = "".join(digits)
+    if not joined:
+        raise UsageProblem(f"{where} holds no hex digits; give the datagram's bytes as hex")
+    if len(joined) % 2:
+        raise UsageProblem(
+            f"{where} has an odd number of hex digits ({len(joined)}); give two digits per byte"
+        )
+    return bytes.fromhex(joined)
+
+
+def _read_pcap(path: str, port: int) -> list[Datagram]:
+    # scapy is slow to import and only needed here and for --scapy.
+    from scapy.error import Scapy_Exception
+    from scapy.layers.inet import UDP
+    from scapy.utils import rdpcap
+
+    if not Path(path).is_file():
+        raise UsageProblem(f"pcap file {path} not found; give an existing capture file")
+    try:
+        frames = rdpcap(path)
+    except (Scapy_Exception, OSError, EOFError) as exc:
+        raise UsageProblem(
+            f"cannot read {path} as pcap ({exc}); give a pcap or pcapng file"
+        ) from None
+    datagrams = []
+    for number, frame in enumerate(frames, start=1):
+        udp = frame.getlayer(UDP)
+        if udp is None or port not in (udp.sport, udp.dport):
+            continue
+        # `original` is the exact bytes scapy dissected (UDP already cut Ethernet padding);
+        # rebuilding with bytes() could normalize a malformed datagram.
+        payload = udp.payload
+        data = payload.original if payload.original is not None else bytes(payload)
+        ip = udp.underlayer
+        src = f"{getattr(ip, 'src', '?')}:{udp.sport}"
+        dst = f"{getattr(ip, 'dst', '?')}:{udp.dport}"
+        datagrams.append(Datagram(bytes(data), frame=number, src=src, dst=dst))
+    return datagrams
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _decode_one(datagram: Datagram, with_scapy: bool) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    if datagram.frame is not None:
+        result.update(frame=datagram.frame, src=datagram.src, dst=datagram.dst)
+    result["size"] = len(datagram.data)
+    try:
+        packet = decode_packet(datagram.data)
+    except RemoteProtocolError as exc:
+        result.update(ok=False, error=str(exc), status=exc.status.name, hex=datagram.data.hex())
+    else:
+        result["ok"] = True
+        result.update(packet_fields(packet))
+    if with_scapy:
+        # Lenient by design: scapy shows even what the codec refuses.
+        from netdam.protocol.scapy_layer import NetDAM
+
+        try:
+            result["scapy"] = NetDAM(datagram.data).show2(dump=True)
+        except Exception as exc:  # scapy raises struct.error, IndexError... on short input
+            result["scapy"] = f"scapy cannot dissect these {len(datagram.data)} bytes ({exc})"
+    return result
+
+
+def packet_fields(packet: Packet) -> dict[str, Any]:
+    """Every field of *packet* in wire order, enums as names, plus the decoded payload."""
+    fields: dict[str, Any] = {
+        "version": packet.version,
+        "opcode": packet.opcode.name,
+        "flags": [str(f.name) for f in Flags if f and f in packet.flags],
+        "seq": packet.seq,
+        "client_id": packet.client_id,
+        "txn_id": packet.txn_id,
+        "coll_id": packet.coll_id,
+        "epoch": packet.epoch,
+        "rkey": packet.rkey,
+        "length": packet.length,
+        "addr": packet.addr,
+        "aux_addr": packet.aux_addr,
+        "dtype": packet.dtype.name,
+        "reduce_op": packet.reduce_op.name,
+        "status": packet.status.name,
+        "credit": packet.credit,
+        "seg_type": packet.seg_type.name,
+        "segments_left": packet.segments_left,
+        "seg_count": len(packet.segments),
+        "segments": [f"{ip}:{port}" for ip, port in packet.segments],
+        "ret": f"{packet.ret[0]}:{packet.ret[1]}",
+        "payload": packet.payload.hex(),
+    }
+    fields.update(_payload_meaning(packet))
+    return fields
+
+
+def _payload_meaning(packet: Packet) -> dict[str, Any]:
+    """What the payload says, where SPEC.md fixes its layout."""
+    opcode, payload = packet.opcode, packet.payload
+    if opcode in (Opcode.JOIN, Opcode.LEAVE):
+        ip, port = u64_to_endpoint(packet.addr)  # SPEC.md 3: addr = ip << 16 | port
+        return {"group": f"{ip}:{port}"}
+    if opcode == Opcode.INFO and len(payload) == _INFO.size:
+        names = ("version", "mtu", "memory_bytes", "max_payload", "max_segments", "rank", "world")
+        return {"info": dict(zip(names, _INFO.unpack(payload)))}
+    if opcode == Opcode.REGISTER:
+        rkey, rights = _PAIR.unpack(payload)
+        return {"requested_rkey": rkey, "rights": rights}
+    if opcode == Opcode.DEREGISTER:
+        return {"remove_rkey": _PAIR.unpack(payload)[0]}
+    if packet.flags & Flags.SPARSE and packet.dtype != DType.RAW:
+        return {"sparse": _sparse(packet)}
+    size = ELEMENT_SIZE[packet.dtype]
+    if payload and packet.dtype != DType.RAW and len(payload) % size == 0:
+        return {"elements": np.frombuffer(payload, dtype=NUMPY_DTYPE[packet.dtype]).tolist()}
+    return {}
+
+
+def _sparse(packet: Packet) -> dict[str, Any]:
+    # The codec has already validated the layout (SPEC.md 2.5).
+    nnz = _SPARSE_PREFIX.unpack_from(packet.payload)[0]
+    indices = np.frombuffer(packet.payload, dtype="<u2", count=nnz, offset=_SPARSE_PREFIX.size)
+    start = _SPARSE_PREFIX.size + (2 * nnz + 7) // 8 * 8
+    values = np.frombuffer(packet.payload, dtype=NUMPY_DTYPE[packet.dtype], count=nnz, offset=start)
+    return {"nnz": nnz, "indices": indices.tolist(), "values": values.tolist()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Text output
+
+_HEX_FIELDS = frozenset({"rkey", "addr", "aux_addr", "requested_rkey", "remove_rkey", "rights"})
+
+
+def _render_text(results: list[dict[str, Any]]) -> str:
+    blocks = []
+    for result in results:
+        lines = []
+        if "frame" in result:
+            lines.append(f"# frame {result['frame']}: {result['src']} > {result['dst']}")
+        lines += _text_lines(result)
+        blocks.append("\n".join(lines) + "\n")
+    return "\n".join(blocks)
+
+
+def _text_lines(result: dict[str, Any]) -> list[str]:
+    lines = [f"size: {result['size']} bytes"]
+    if not result["ok"]:
+        lines += [f"error: {result['error']}", f"status: {result['status']}",
+                  f"hex: {_short_hex(bytes.fromhex(result['hex']))}"]  # fmt: skip
+    else:
+        for name, value in result.items():
+            if name in ("frame", "src", "dst", "size", "ok", "scapy"):
+                continue
+            lines.append(f"{name}: {_text_value(name, value)}")
+    if "scapy" in result:
+        lines += ["scapy:", result["scapy"].rstrip("\n")]
+    return lines
+
+
+def _text_value(name: str, value: Any) -> str:
+    if name == "opcode":
+        return f"{value} (0x{Opcode[value]:02x})"
+    if name == "flags":
+        return "|".join(value) if value else "0"
+    if name in _HEX_FIELDS:
+        return f"0x{value:x}"
+    if name == "segments":
+        return ", ".join(value) if value else "none"
+    if name == "payload":
+        return _short_hex(bytes.fromhex(value)) if value else "none"
+    if name in ("elements", "indices", "values"):
+        shown = ", ".join(repr(v) for v in value[:TEXT_MAX_ELEMENTS])
+        more = f", ... ({len(value)} elements)" if len(value) > TEXT_MAX_ELEMENTS else ""
+        return f"[{shown}{more}]"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_text_value(k, v)}" for k, v in value.items())
+    return str(value)
+
+
+def _short_hex(data: bytes) -> str:
+    if len(data) <= TEXT_MAX_BYTES:
+        return data.hex(" ")
+    return f"{data[:TEXT_MAX_BYTES].hex(' ')} ... ({len(data)} bytes)"

@@ -1,0 +1,578 @@
+"""``netdam fuzz``: structured fuzzing of real node processes (or the pool switch) over UDP.
+
+    netdam fuzz --target node|switch --datagrams N --seed S [--nodes N] [--json]
+
+Starts a private local cluster (nodes, plus the switch for ``--target switch``), registers
+regions with known rkeys (through the pool controller for the switch), fills every node's
+memory with seeded bytes through its /dev/shm file and snapshots it, then sends the datagrams
+``netdam.tools.fuzz.generator.DatagramGenerator`` makes (valid packets, structured mutations of them, random
+bytes) in rounds: after each round a PING to every process is a barrier (a process answers it
+only after everything sent before it), so at most one round is in flight and no receive queue
+overflows. Every reply is decoded with the codec. After each round the memory outside every
+authorized write (``netdam.tools.fuzz.generator.Oracle``) is compared with the snapshot. At the end: every
+process must be alive and answer PING, every counter must agree with the oracle's expectation
+(exactly, up to datagrams the kernel dropped), every expected opcode and NACK status must have
+been reached, and nothing may reach the third-party endpoint the fuzzer plants in return
+segments and SR lists. Exit 0 when all hold, 1 when a check fails, 3 when the run could not
+run (cluster start-up, a setup request refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from netdam.cli.common import CommandError, ExitCode, bounded_int, emit
+from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.launch import ClusterStartError, LocalCluster, start_cluster
+from netdam.kernels import udp_io
+from netdam.protocol import counters as C
+from netdam.protocol.constants import Opcode, Rights, Status
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64
+from netdam.shell.shm import attach
+from netdam.shell.udp import open_udp_socket
+from netdam.tools.fuzz.generator import (
+    NODE_PLAN_BYTES,
+    POOL_PLAN,
+    TARGETS,
+    DatagramGenerator,
+    Layout,
+    header,
+    node_region_plan,
+    node_regions_of_pool,
+)
+from netdam.tools.fuzz.oracle import (
+    CounterCheck,
+    Expectation,
+    MemoryGuard,
+    Oracle,
+    ProcessTraffic,
+    counter_checks,
+    unreached,
+)
+
+#: Node memory of a fuzz cluster: small, so a snapshot comparison per round costs ~1 ms.
+FUZZ_MEMORY = 1 << 20
+#: How long a barrier waits for every process's INFO before re-sending the PING, and how many
+#: times it re-sends before declaring a process unresponsive.
+BARRIER_TIMEOUT_S = 1.0
+BARRIER_RETRIES = 4
+#: Receive buffer of the fuzzer's socket: 32 GRO runs of 64 KiB per call.
+RECV_RUNS = 32
+PROGRESS_EVERY_S = 2.0
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    target: str = "node"
+    datagrams: int = 100_000
+    seed: int = 1
+    nodes: int = 2
+    round_size: int = 512
+    mtu: int = 9000
+    memory: int = FUZZ_MEMORY
+    #: Where round files go when a crash or memory violation needs reproducing.
+    artifacts: Path | None = None
+    progress: bool = True
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "fuzz",
+        help="fuzz real node processes (or the switch) with mutated and random datagrams",
+        description="Start a private cluster, send seeded valid, mutated and random datagrams, "
+        "then check that every process is alive and answers PING, that memory outside every "
+        "authorized write is unchanged, that the counters add up, and that every opcode and "
+        "NACK status was reached.",
+    )
+    parser.add_argument("--target", choices=TARGETS, default="node",
+                        help="fuzz node processes directly, or the switch's VIP (default node)")  # fmt: skip
+    parser.add_argument("--datagrams", type=bounded_int(1, 1_000_000_000), default=100_000,
+                        help="datagrams to send (default 100000)")  # fmt: skip
+    parser.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=1,
+                        help="seed of every datagram (a run replays; default 1)")  # fmt: skip
+    parser.add_argument("--nodes", type=bounded_int(1, 8), default=2, help="node processes (default 2)")
+    parser.add_argument("--round", type=bounded_int(1, 4096), default=512, dest="round_size",
+                        metavar="N", help="datagrams between barriers (default 512)")  # fmt: skip
+    parser.add_argument("--artifacts", type=Path, default=None, metavar="DIR",
+                        help="directory for the datagrams of a round that crashed a process or "
+                        "changed memory it must not (default: the temporary directory)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = FuzzConfig(target=args.target, datagrams=args.datagrams, seed=args.seed, nodes=args.nodes,
+                        round_size=args.round_size, artifacts=args.artifacts)  # fmt: skip
+    result = run_fuzz(config)
+    emit(result, args.json, None if args.json else format_result(result))
+    return int(ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED)
+
+
+def run_fuzz(config: FuzzConfig) -> dict[str, Any]:
+    """Start a cluster, fuzz it, check it, stop it; the result object (``ok`` and friends)."""
+    if config.target not in TARGETS:
+        raise CommandError(f"unknown target {config.target!r}: give node or switch", ExitCode.USAGE)
+    if config.memory < NODE_PLAN_BYTES:
+        raise CommandError(f"node memory {config.memory} is too small: give at least {NODE_PLAN_BYTES}", ExitCode.USAGE)
+    try:
+        cluster = start_cluster(config.nodes, memory=config.memory, mtu=config.mtu, switch=config.target == "switch")
+    except (ClusterStartError, ValueError) as exc:
+        raise CommandError(f"could not start the fuzz cluster: {exc}", ExitCode.RUN_FAILED) from None
+    with cluster:
+        runner = FuzzRunner(config, cluster)
+        try:
+            return runner.run()
+        finally:
+            runner.close()
+
+
+# ---------------------------------------------------------------- the runner
+
+
+@dataclass
+class _Round:
+    """A round's datagrams, kept to write a reproducer."""
+
+    index: int
+    datagrams: list[tuple[bytes, int, str]] = field(default_factory=list)
+
+
+class FuzzRunner:
+    """The I/O shell of one fuzz run on a started cluster."""
+
+    def __init__(self, config: FuzzConfig, cluster: LocalCluster) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.admin = ControlClient(admin_key=cluster.info.admin_key)
+        self.sock = open_udp_socket(("127.0.0.1", 0))
+        self.third = open_udp_socket(("127.0.0.1", 0), gro=False)
+        self.third.setblocking(False)
+        self.io_state = udp_io.new_state()
+        self.scratch = udp_io.new_send_scratch()
+        self.rbuf = np.zeros(RECV_RUNS * udp_io.RUN_BYTES, np.uint8)
+        self.roffs = np.zeros(RECV_RUNS * 64, np.int64)
+        self.rlens = np.zeros(RECV_RUNS * 64, np.int32)
+        self.rsrcs = np.zeros(RECV_RUNS * 64, np.uint64)
+        self.sync_client = int(np.random.default_rng([config.seed, 7]).integers(1, 1 << 32)) | 1
+        self.bad_replies: list[str] = []
+        self.foreign = 0
+        self.read_mismatches = 0
+        self.crashed: list[str] = []
+        self.repro_file: str | None = None
+        self._barrier_seen: set[int] = set()
+
+    def close(self) -> None:
+        self.admin.close()
+        self.sock.close()
+        self.third.close()
+
+    # ------------------------------------------------------------ setup
+
+    def setup(self) -> Layout:
+        """Regions with known rkeys, the multicast group (switch), then the Layout."""
+        nodes = tuple(self.cluster.endpoints)
+        third = self.third.getsockname()
+        third_ep: Endpoint = (third[0], third[1])
+        try:
+            if self.config.target == "node":
+                plan = node_region_plan(self.config.memory, self.config.seed)
+                for node in nodes:
+                    for region in plan:
+                        self.admin.register(node, region.base, region.size, Rights(region.rights), rkey=region.rkey)
+                return Layout("node", nodes, tuple(plan for _ in nodes), self.config.memory, self.config.mtu,
+                              third_party=third_ep)  # fmt: skip
+            return self._setup_pool(nodes, third_ep)
+        except ControlError as exc:
+            raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
+
+    def _setup_pool(self, nodes: tuple[Endpoint, ...], third: Endpoint) -> Layout:
+        from netdam.switch.controller import PoolController, PoolError
+
+        assert self.cluster.switch is not None
+        controller = PoolController(self.cluster.path)
+        rng = np.random.default_rng([self.config.seed, 11])
+        group: Endpoint = (f"239.77.{int(rng.integers(1, 255))}.{int(rng.integers(1, 255))}", int(rng.integers(1024, 65535)))
+        try:
+            pool = tuple(controller.alloc(size, interleave=stride or None, rights=rights, tenant="fuzz")
+                         for size, stride, rights in POOL_PLAN)  # fmt: skip
+            for node in nodes:
+                controller.join(group, node)
+        except PoolError as exc:
+            raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
+        return Layout("switch", nodes, node_regions_of_pool(pool, len(nodes)), self.config.memory,
+                      self.config.mtu, vip=self.cluster.switch.vip, pool=pool, group=group,
+                      group_members=tuple(range(len(nodes))), third_party=third)  # fmt: skip
+
+    # ------------------------------------------------------------ counters
+
+    def read_counters(self, layout: Layout) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per process: the node-layout counters, and (switch) forwarded, replicated."""
+        values: list[np.ndarray] = []
+        extra: list[np.ndarray] = []
+        for entry in self.cluster.info.nodes:
+            values.append(self.admin.counters(entry.control_endpoint).astype(np.int64))
+            extra.append(np.zeros(0, np.int64))
+        if layout.vip is not None:
+            from netdam.switch.core import S_SW_BASE
+
+            assert self.cluster.switch is not None
+            reply = self.admin.request(self.cluster.switch.entry.control_endpoint,
+                                       Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key))  # fmt: skip
+            words = np.frombuffer(reply.payload, "<u8").astype(np.int64)
+            values.append(words[: C.NUM_COUNTERS].copy())
+            extra.append(words[S_SW_BASE : S_SW_BASE + 2].copy())
+        return values, extra
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> dict[str, Any]:
+        layout = self.setup()
+        self.layout = layout
+        self.processes = layout.processes
+        self.index_of = {endpoint_to_u64(ep): k for k, ep in enumerate(self.processes)}
+        self.traffic = [ProcessTraffic() for _ in self.processes]
+        self.reply_ops: Counter[int] = Counter()
+        self.nack_statuses: Counter[int] = Counter()
+        memories = [attach(n.memory_file) for n in self.cluster.info.nodes]
+        rng = np.random.default_rng([self.config.seed, 3])
+        for memory in memories:
+            memory[:] = rng.integers(0, 256, memory.shape[0], dtype=np.uint8)
+        self.guard = MemoryGuard(memories)
+        before, before_extra = self._calibrate(layout)
+        generator = DatagramGenerator(layout, self.config.seed)
+        expect = Expectation()
+        start = time.monotonic()
+        sent, error = self._rounds(generator, Oracle(layout), expect, memories)
+        seconds = time.monotonic() - start
+        after, after_extra = before, before_extra
+        if not error:
+            try:
+                after, after_extra = self.read_counters(layout)
+            except ControlError as exc:
+                error = f"counters after the run: {exc}"
+        self._check_alive()
+        self.guard.check(memories)
+        misdirected = self._drain_third()
+        deltas = [a - b for a, b in zip(after, before, strict=True)]
+        extras = [a - b for a, b in zip(after_extra, before_extra, strict=True)]
+        return self._result(layout, generator, expect, self.guard, deltas, extras, sent, seconds, misdirected, error)
+
+    def _calibrate(self, layout: Layout) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The "before" counters, read twice: the difference is what one reading adds (its
+        request on the management port, its reply if that leaves through the data socket),
+        expected in the deltas too."""
+        try:
+            first, _ = self.read_counters(layout)
+            before, before_extra = self.read_counters(layout)
+        except ControlError as exc:
+            raise CommandError(f"counters before the run: {exc}", ExitCode.RUN_FAILED) from None
+        for t, a, b in zip(self.traffic, first, before, strict=True):
+            t.overhead = b - a
+        return before, before_extra
+
+    def _rounds(self, generator: DatagramGenerator, oracle: Oracle, expect: Expectation,
+                memories: list[np.ndarray]) -> tuple[int, str]:  # fmt: skip
+        """Send every round; (datagrams sent, why the run stopped early or '')."""
+        config = self.config
+        dst_u64 = [endpoint_to_u64(ep) for ep in self.layout.destinations]
+        start = last_progress = time.monotonic()
+        sent, rounds, error = 0, 0, ""
+        pending: tuple[_Round, list[tuple[int, int, int]]] | None = self._make_round(
+            0, min(config.round_size, config.datagrams), generator, oracle, expect)
+        while pending is not None and not error:
+            # Send round k, make round k+1 while the processes work, then wait for round k.
+            current, writes = pending
+            self.guard.authorize(writes)
+            self._send([(data, dst_u64[dst]) for data, dst, _ in current.datagrams])
+            sent += len(current.datagrams)
+            left = config.datagrams - sent
+            pending = self._make_round(rounds + 1, min(config.round_size, left), generator, oracle, expect) if left else None
+            error = self._barrier(rounds)
+            if self.guard.check(memories) and self.repro_file is None:
+                self.repro_file = self._save_round(current, "memory violation")
+            if error and self.repro_file is None:
+                self.repro_file = self._save_round(current, error)
+            rounds += 1
+            now = time.monotonic()
+            if config.progress and now - last_progress >= PROGRESS_EVERY_S:
+                last_progress = now
+                print(f"netdam fuzz: {sent}/{config.datagrams} datagrams ({sent / (now - start):,.0f}/s)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        if not error:
+            # Twice, apart: a chain hop forwarded just before the first barrier lands by the second.
+            error = self._barrier(rounds)
+            time.sleep(0.02)
+            error = error or self._barrier(rounds + 1)
+        return sent, error
+
+    def _make_round(self, index: int, n: int, generator: DatagramGenerator, oracle: Oracle,
+                    expect: Expectation) -> tuple[_Round, list[tuple[int, int, int]]]:  # fmt: skip
+        """Generate a round and its expectation; the writes it may make (authorized when sent)."""
+        current = _Round(index)
+        writes: list[tuple[int, int, int]] = []
+        for dg in generator.batch(n):
+            outcome = oracle.outcome(dg.data, dg.dst)
+            expect.add(dg.data, outcome)
+            writes += outcome.writes
+            current.datagrams.append((dg.data, dg.dst, dg.kind))
+        return current, writes
+
+    def _send(self, items: list[tuple[bytes, int]]) -> None:
+        """Send datagrams in order (sendmmsg, GSO runs), waiting while the socket is full."""
+        lens = np.array([len(d) for d, _ in items], np.int32)
+        offs = np.zeros(len(items), np.int64)
+        if len(items) > 1:
+            offs[1:] = np.cumsum(lens[:-1])
+        buf = np.zeros(max(int(lens.sum()), 1), np.uint8)
+        joined = b"".join(d for d, _ in items)
+        buf[: len(joined)] = np.frombuffer(joined, np.uint8)
+        dsts = np.array([dst for _, dst in items], np.uint64)
+        done = 0
+        while done < len(items):
+            done += int(udp_io._send_batch(self.sock.fileno(), buf, offs[done:], lens[done:], dsts[done:],
+                                           len(items) - done, self.scratch, self.io_state))  # fmt: skip
+            if done < len(items):
+                self._receive(0)  # the other side may be waiting for us to drain replies
+
+    def _barrier(self, token: int) -> str:
+        """PING every process; wait for each one's INFO. '' when all answered, else why not.
+
+        A process answers a PING only after everything it received before it (one socket, in
+        order), so after the barrier no datagram of the round is waiting in a receive queue."""
+        waiting = set(range(len(self.processes)))
+        for _attempt in range(BARRIER_RETRIES + 1):
+            pings = []
+            for p in sorted(waiting):
+                self.traffic[p].pings += 1
+                ping = header(Opcode.PING, client=self.sync_client, txn=_sync_txn(token, p))
+                pings.append((ping, endpoint_to_u64(self.processes[p])))
+            self._send(pings)
+            deadline = time.monotonic() + BARRIER_TIMEOUT_S
+            while waiting and time.monotonic() < deadline:
+                self._receive(5)
+                waiting = {p for p in waiting if _sync_txn(token, p) not in self._barrier_seen}
+            if not waiting:
+                return ""
+            self._check_alive()
+            if self.crashed:
+                return "process died: " + ", ".join(self.crashed)
+        names = ", ".join(self.layout.process_name(p) for p in sorted(waiting))
+        self.crashed += [f"{self.layout.process_name(p)} (no answer to PING)" for p in sorted(waiting)]
+        return f"no answer to PING from {names} within {BARRIER_TIMEOUT_S * (BARRIER_RETRIES + 1):.0f} s"
+
+    def _receive(self, timeout_ms: int) -> int:
+        """Take every datagram waiting on the fuzzer's socket; decode and tally. Returns how many."""
+        n = int(udp_io._recv_batch(self.sock.fileno(), self.rbuf, self.roffs, self.rlens, self.rsrcs,
+                                   self.roffs.shape[0], timeout_ms, self.io_state))  # fmt: skip
+        offs, lens, srcs = self.roffs[:n].tolist(), self.rlens[:n].tolist(), self.rsrcs[:n].tolist()
+        for off, ln, src in zip(offs, lens, srcs, strict=True):
+            self._on_reply(bytes(self.rbuf[off : off + ln]), int(src))
+        return n
+
+    def _on_reply(self, data: bytes, src: int) -> None:
+        p = self.index_of.get(src, -1)
+        if p < 0:
+            self.foreign += 1
+            return
+        self.traffic[p].replies_received += 1
+        try:
+            reply = decode_packet(data)
+        except RemoteProtocolError as exc:
+            if len(self.bad_replies) < 8:
+                self.bad_replies.append(f"{self.layout.process_name(p)}: {exc}: {data[:96].hex()}")
+            return
+        if reply.opcode not in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+            if len(self.bad_replies) < 8:
+                self.bad_replies.append(f"{self.layout.process_name(p)}: sent {reply.opcode.name}, not a reply: {data[:96].hex()}")
+            return
+        self.reply_ops[int(reply.opcode)] += 1
+        if reply.opcode == Opcode.READ_RESP and p < len(self.layout.nodes):
+            if self.guard.read_matches(p, reply.addr, reply.payload) is False:
+                self.read_mismatches += 1
+                if len(self.bad_replies) < 8:
+                    self.bad_replies.append(f"{self.layout.process_name(p)}: READ_RESP of bytes nobody wrote differs from memory: {data[:96].hex()}")
+        if reply.opcode == Opcode.NACK:
+            self.traffic[p].nacks_received[int(reply.status)] += 1
+            self.nack_statuses[int(reply.status)] += 1
+        elif reply.opcode == Opcode.INFO and reply.client_id == self.sync_client:
+            self._barrier_seen.add(int(reply.txn_id))
+
+    def _check_alive(self) -> None:
+        procs = [(f"node{r}", p) for r, p in enumerate(self.cluster.processes)]
+        if self.cluster.switch is not None:
+            procs.append(("switch", self.cluster.switch.process))
+        for name, proc in procs:
+            code = proc.poll()
+            label = f"{name} (pid {proc.pid}, exit code {code})"
+            if code is not None and label not in self.crashed:
+                self.crashed.append(label)
+
+    def _answers_ping(self) -> list[str]:
+        """Processes that do not answer PING on their data port (checked after the counters)."""
+        silent = []
+        for p, ep in enumerate(self.processes):
+            try:
+                self.admin.ping(ep, timeout=1.0)
+            except ControlError:
+                silent.append(self.layout.process_name(p))
+        return silent
+
+    def _drain_third(self) -> int:
+        count = 0
+        while True:
+            try:
+                self.third.recvfrom(65536)
+            except BlockingIOError:
+                return count
+            count += 1
+
+    def _save_round(self, current: _Round, why: str) -> str:
+        directory = self.config.artifacts or Path(tempfile.gettempdir())
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"netdam-fuzz-{self.config.target}-seed{self.config.seed}-round{current.index}.txt"
+        lines = [f"# netdam fuzz --target {self.config.target} --seed {self.config.seed}: round {current.index}: {why}",
+                 "# destination (endpoint), kind, datagram hex; destinations in order of sending"]  # fmt: skip
+        for data, dst, kind in current.datagrams:
+            ep = self.layout.destinations[dst]
+            lines.append(f"{ep[0]}:{ep[1]} {kind} {data.hex()}")
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    # ------------------------------------------------------------ the result
+
+    def _result(
+        self, layout: Layout, generator: DatagramGenerator, expect: Expectation, guard: MemoryGuard,
+        deltas: list[np.ndarray], extras: list[np.ndarray], sent: int, seconds: float, misdirected: int,
+        error: str,
+    ) -> dict[str, Any]:  # fmt: skip
+        silent = self._answers_ping() if not self.crashed else []
+        self.crashed += [f"{name} (no answer to PING)" for name in silent]
+        kernel_drops = int(sum(int(d[C.KERNEL_DROPS]) for d in deltas))
+        own_drops = int(self.io_state[udp_io.ST_KERNEL_DROPS])
+        checks: list[CounterCheck] = []
+        if not error:
+            checks = counter_checks(layout, expect, deltas, extras, self.traffic, kernel_drops + own_drops)
+        failed = [c.as_dict() for c in checks if not c.ok]
+        reached: Counter[int] = Counter()
+        for d, t in zip(deltas, self.traffic, strict=True):
+            for op in Opcode:
+                reached[int(op)] += int(d[C.OPCODE_BASE + op])
+            reached[int(Opcode.PING)] -= t.pings
+            reached[int(Opcode.COUNTERS)] -= int(t.overhead[C.OPCODE_BASE + Opcode.COUNTERS])
+        missing = unreached(layout.target, reached, self.nack_statuses)
+        stale = sum(int(d[C.NACK_BASE + Status.STALE]) for d in deltas)
+        kinds = expect.kinds
+        send_errors = int(self.io_state[udp_io.ST_SEND_DROPPED])
+        ok = not (error or self.crashed or guard.violation_bytes or failed or missing["opcodes"]
+                  or missing["statuses"] or misdirected or self.bad_replies or self.foreign or send_errors
+                  or self.read_mismatches)  # fmt: skip
+        result: dict[str, Any] = {
+            "ok": bool(ok),
+            "target": layout.target,
+            "nodes": len(layout.nodes),
+            "seed": self.config.seed,
+            "sent": sent,
+            "mix": {k: int(generator.made[k]) for k in ("valid", "mutated", "repeated", "random")},
+            "accepted": kinds["accepted"] + kinds["windowed"] - stale,
+            "nacks": kinds["nack"] + stale,
+            "drops": kinds["drop"],
+            "by_opcode": {op.name: {"sent": int(expect.sent_by_opcode[int(op)]), "reached": int(reached[int(op)])}
+                          for op in Opcode},  # fmt: skip
+            "by_status": {Status(s).name: int(n) for s, n in sorted(self.nack_statuses.items())},
+            "crashes": len(self.crashed),
+            "crashed": self.crashed,
+            "memory_violations": int(guard.violation_bytes),
+            "violation_ranges": [{"node": n, "start": s, "end": e} for n, s, e in guard.ranges],
+            "replies": int(sum(self.reply_ops.values())),
+            "misdirected": misdirected,
+            "bad_replies": len(self.bad_replies) + self.foreign - self.read_mismatches,
+            "read_mismatches": self.read_mismatches,
+            "unreached": missing,
+            "counters_add_up": not failed and bool(checks),
+            "counter_checks": len(checks),
+            "counter_checks_failed": failed,
+            "kernel_drops": {"processes": kernel_drops, "fuzzer": own_drops},
+            "send_errors": send_errors,
+            "seconds": seconds,
+            "datagrams_per_second": sent / seconds if seconds > 0 else None,
+            "startup_seconds": self.cluster.startup_seconds,
+            "repro_file": self.repro_file,
+        }
+        if self.bad_replies:
+            result["bad_reply_examples"] = self.bad_replies
+        if error:
+            result["error"] = error
+        elif not ok:
+            result["error"] = _why(result)
+        return result
+
+
+def _sync_txn(token: int, process: int) -> int:
+    """Transaction id of a barrier PING: the round and the process (16 processes at most)."""
+    return (token << 4 | process) & 0xFFFFFFFF
+
+
+def _why(result: dict[str, Any]) -> str:
+    reasons = []
+    if result["crashes"]:
+        reasons.append(f"{result['crashes']} process(es) crashed or went silent")
+    if result["memory_violations"]:
+        reasons.append(f"{result['memory_violations']} bytes changed outside every authorized write")
+    if result["counter_checks_failed"]:
+        reasons.append(f"{len(result['counter_checks_failed'])} counter checks failed")
+    missing = result["unreached"]
+    if missing["opcodes"] or missing["statuses"]:
+        reasons.append("never reached: " + ", ".join(missing["opcodes"] + missing["statuses"]))
+    if result["misdirected"]:
+        reasons.append(f"{result['misdirected']} datagrams reached the third party")
+    if result["bad_replies"]:
+        reasons.append(f"{result['bad_replies']} replies were not valid v1 replies")
+    if result["read_mismatches"]:
+        reasons.append(f"{result['read_mismatches']} READ_RESPs differ from memory nobody wrote")
+    if result["send_errors"]:
+        reasons.append(f"{result['send_errors']} datagrams could not be sent")
+    return "; ".join(reasons)
+
+
+def _columns(title: str, cells: list[str], per_row: int) -> list[str]:
+    """A small table: *cells* in rows of *per_row*, the column title repeated above each."""
+    rows = ["  " + "   ".join([title] * min(per_row, len(cells)))]
+    for k in range(0, len(cells), per_row):
+        rows.append("  " + "   ".join(cells[k : k + per_row]))
+    return rows
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """The human summary: verdict, totals, then opcodes and NACK statuses as short tables."""
+    head = (f"netdam fuzz --target {result['target']}: {'OK' if result['ok'] else 'FAILED'}"
+            f"  ({result['nodes']} node{'s' if result['nodes'] != 1 else ''}, seed {result['seed']})")  # fmt: skip
+    mix = result["mix"]
+    lines = [
+        head,
+        f"  sent {result['sent']} datagrams in {result['seconds']:.1f} s ({result['datagrams_per_second'] or 0:,.0f}/s): "
+        f"{mix['valid']} valid, {mix['mutated']} mutated, {mix['repeated']} repeated, {mix['random']} random",
+        f"  accepted {result['accepted']}, nacks {result['nacks']}, drops {result['drops']}; replies {result['replies']}",
+        f"  crashes {result['crashes']}, memory violations {result['memory_violations']} bytes, misdirected {result['misdirected']}, "
+        f"bad replies {result['bad_replies']}, read mismatches {result['read_mismatches']}, counters add up: {result['counters_add_up']} ({result['counter_checks']} checks)",
+        f"  kernel drops: processes {result['kernel_drops']['processes']}, fuzzer {result['kernel_drops']['fuzzer']}",
+    ]  # fmt: skip
+    cells = [f"{name:<11}{row['sent']:>8}{row['reached']:>9}" for name, row in result["by_opcode"].items()]
+    lines += _columns("opcode        sent  reached", cells, 3)
+    lines += _columns("NACK status    replies", [f"{name:<14}{n:>8}" for name, n in result["by_status"].items()], 3)
+    if result.get("error"):
+        lines.append(f"  error: {result['error']}")
+    for check in result["counter_checks_failed"][:10]:
+        lines.append(f"  counter check failed: {check['name']}: counted {check['counted']}, expected {check['expected']}")
+    if result.get("repro_file"):
+        lines.append(f"  datagrams of the failing round: {result['repro_file']}")
+    return "\n".join(lines)

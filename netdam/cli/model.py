@@ -1,0 +1,498 @@
+"""``netdam model``: the FPGA cycle model from the command line (fpga_model/README.md).
+
+Subcommands: ``op`` (latency breakdown of one instruction), ``line-rate`` (packets/s and
+goodput against packet size), ``allreduce`` (modelled all-reduce time of one algorithm) and
+``sweep`` (every algorithm against size and node count, optionally plotted). Every one takes
+``--json`` and ``--params FILE.toml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+from netdam.cli.common import (
+    CommandError,
+    ExitCode,
+    NetdamArgumentParser,
+    emit,
+    size_arg,
+    size_range_arg,
+)
+from netdam.fpga_model import des, wire
+from netdam.fpga_model.analytic import (
+    describe_system,
+    line_rate,
+    line_rate_stages,
+    op_breakdown,
+)
+from netdam.fpga_model.collectives import ALGOS, allreduce
+from netdam.fpga_model.params import (
+    NetdamParams,
+    NicParams,
+    RoceParams,
+    default_presets,
+    load_params_file,
+    load_preset,
+    preset_names,
+    with_link,
+)
+from netdam.fpga_model.pipeline import NETDAM_OPS
+from netdam.units import format_size
+
+DTYPES = {"f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8}
+PLOT_HINT = "--plot needs matplotlib: pip install 'netdam[bench]' (or pip install matplotlib)"
+
+
+def _common(p: argparse.ArgumentParser, link_default: str = "100 (from the preset)") -> None:
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument(
+        "--params",
+        metavar="FILE.toml",
+        help='parameter file: kind = "netdam"|"roce", or [netdam]/[roce] tables '
+        "(each may name a base preset and override values)",
+    )
+    p.add_argument("--preset", choices=preset_names(), help="start from this shipped preset")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        metavar="GBPS",
+        help=f"port speed in 10^9 bit/s (default: {link_default})",
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Add ``model`` and its sub-subcommands to the top-level parser."""
+    model = subparsers.add_parser(
+        "model",
+        help="FPGA cycle model: latency, line rate and all-reduce time on real hardware",
+        description="Estimate what a job costs on a real NetDAM card and on a RoCE host. "
+        "Seconds everywhere; *_gbps are 10^9 bit/s; sizes in bytes.",
+    )
+    sub = model.add_subparsers(
+        dest="model_command", metavar="MODEL_COMMAND", parser_class=NetdamArgumentParser
+    )
+    sub.required = True
+
+    op = sub.add_parser(
+        "op",
+        help="latency breakdown of one instruction, wire to wire",
+        description="Latency of one instruction (first bit in to last bit out) "
+        "stage by stage: wire, MAC/PHY, parse, memory, ALU, store, reply.",
+    )
+    op.add_argument("--op", choices=NETDAM_OPS, default="read", help="instruction (default read)")
+    amount = op.add_mutually_exclusive_group()
+    amount.add_argument(
+        "--bytes", type=size_arg, metavar="SIZE", help="data bytes moved (default 128 = 32 f32)"
+    )
+    amount.add_argument("--count", type=int, metavar="N", help="elements instead of bytes")
+    op.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
+    op.add_argument(
+        "--sr-segments",
+        type=int,
+        default=0,
+        metavar="N",
+        help="segment-routing entries in the request (chain hops)",
+    )
+    op.add_argument(
+        "--system",
+        choices=("netdam", "roce"),
+        help="NetDAM card or RoCE host (default: the kind of --preset/--params, else netdam)",
+    )
+    op.add_argument(
+        "--des",
+        action="store_true",
+        help="also run the discrete-event model for the latency distribution",
+    )
+    _common(op)
+    op.set_defaults(func=cmd_op)
+
+    lr = sub.add_parser(
+        "line-rate",
+        help="packets/s and goodput of a stream of equal packets",
+        description="Saturated stream of equal packets through one node: "
+        "goodput counts UDP payload bits; bottleneck names the slowest stage.",
+    )
+    size = lr.add_mutually_exclusive_group()
+    size.add_argument(
+        "--payload", type=size_arg, metavar="BYTES", help="UDP payload bytes (default: MTU - 28)"
+    )
+    size.add_argument(
+        "--frame",
+        type=size_arg,
+        metavar="BYTES",
+        help="L2 frame bytes including FCS instead of --payload (>= 64)",
+    )
+    lr.add_argument(
+        "--op",
+        choices=NETDAM_OPS,
+        default="add",
+        help="what the node does with each packet (default add: a chain hop)",
+    )
+    lr.add_argument("--mtu", type=int, help="IP MTU (default: from the parameters, 9000)")
+    lr.add_argument("--system", choices=("netdam", "roce"), help="as for `model op`")
+    lr.add_argument(
+        "--des", action="store_true", help="also push packets through the discrete-event model"
+    )
+    _common(lr)
+    lr.set_defaults(func=cmd_line_rate)
+
+    ar = sub.add_parser(
+        "allreduce",
+        help="modelled all-reduce time of one algorithm",
+        description="Modelled all-reduce of SIZE bytes per node. algbw = size / "
+        "seconds, busbw = algbw x 2(N-1)/N (nccl-tests), both in 10^9 bit/s.",
+    )
+    ar.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes (>= 2)")
+    ar.add_argument(
+        "--size", type=size_arg, required=True, metavar="SIZE", help="bytes per node (e.g. 64MiB)"
+    )
+    ar.add_argument(
+        "--algo", choices=ALGOS, default="netdam-chain", help="algorithm (default netdam-chain)"
+    )
+    ar.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
+    _common(ar, "100")
+    ar.set_defaults(func=cmd_allreduce)
+
+    sw = sub.add_parser(
+        "sweep",
+        help="every algorithm against size and node count",
+        description="Time and busbw of every algorithm over sizes and node counts.",
+    )
+    sw.add_argument(
+        "--sizes",
+        type=size_range_arg,
+        default=size_range_arg("4KiB..1GiB"),
+        metavar="A..B",
+        help="sizes, powers of two from A to B (default 4KiB..1GiB)",
+    )
+    sw.add_argument(
+        "--nodes",
+        default="2,4,8,16,32",
+        metavar="LIST",
+        help="comma-separated node counts (default 2,4,8,16,32)",
+    )
+    sw.add_argument(
+        "--plot-nodes",
+        type=int,
+        default=8,
+        metavar="N",
+        help="node count of the against-size panels (default 8)",
+    )
+    sw.add_argument(
+        "--plot-size",
+        type=size_arg,
+        default=size_arg("256MiB"),
+        metavar="SIZE",
+        help="size of the against-nodes panels (default 256MiB)",
+    )
+    sw.add_argument("--plot", metavar="FILE.png", help="write a figure (needs matplotlib)")
+    sw.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
+    _common(sw, "100")
+    sw.set_defaults(func=cmd_sweep)
+
+
+# --- parameter resolution ---------------------------------------------------------------
+def _resolve(args: argparse.Namespace) -> tuple[NetdamParams, RoceParams, str | None]:
+    """NetDAM and RoCE parameters from presets, --preset, --params and --link-gbps.
+
+    Returns them and the kind the user named through --preset/--params (None if both or none).
+    """
+    link = args.link_gbps
+    if link is not None and link <= 0:
+        raise CommandError(f"--link-gbps must be positive, got {link}", ExitCode.USAGE)
+    try:
+        nd_name, ro_name = default_presets(link if link is not None else 100.0)
+        nd, ro = load_preset(nd_name), load_preset(ro_name)
+        named: set[str] = set()
+        if args.preset:
+            chosen = load_preset(args.preset)
+            named.add(chosen.kind)
+            if isinstance(chosen, NetdamParams):
+                nd = chosen
+            else:
+                ro = chosen
+        if args.params:
+            pset = load_params_file(args.params)
+            if pset.netdam is not None:
+                nd = pset.netdam
+                named.add("netdam")
+            if pset.roce is not None:
+                ro = pset.roce
+                named.add("roce")
+        if link is not None:
+            nd, ro = with_link(nd, link), with_link(ro, link)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    assert isinstance(nd, NetdamParams) and isinstance(ro, RoceParams)
+    return nd, ro, (named.pop() if len(named) == 1 else None)
+
+
+def _system(args: argparse.Namespace) -> NicParams:
+    nd, ro, named = _resolve(args)
+    kind = args.system or named or "netdam"
+    return nd if kind == "netdam" else ro
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    last = len(headers) - 1
+    out += [
+        "  ".join(
+            c.rjust(w) if 0 < i < last else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
+        for r in rows
+    ]
+    return "\n".join(out)
+
+
+def _guard(func: Any) -> Any:
+    """Report CommandError as the project does (JSON object with error), return its code."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            code: int = func(args)
+            return code
+        except CommandError as exc:
+            if args.json:
+                emit({"ok": False, "error": str(exc)}, True)
+            else:
+                import sys
+
+                print(f"error: {exc}", file=sys.stderr)
+            return int(exc.code)
+
+    run.__doc__ = func.__doc__
+    return run
+
+
+# --- op ------------------------------------------------------------------------------
+@_guard
+def cmd_op(args: argparse.Namespace) -> int:
+    """Latency breakdown of one instruction."""
+    p = _system(args)
+    dtype = DTYPES[args.dtype]
+    nbytes = (
+        args.count * dtype
+        if args.count is not None
+        else (args.bytes if args.bytes is not None else 128)
+    )
+    op = args.op
+    if isinstance(p, RoceParams) and op == "add-store":
+        raise CommandError("RoCE has no add-store; use add (a host ring step)", ExitCode.USAGE)
+    try:
+        b = op_breakdown(
+            p, op, nbytes, args.sr_segments if isinstance(p, NetdamParams) else 0, dtype
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    out: dict[str, Any] = {"ok": True, "system_description": describe_system(p), **b.as_dict()}
+    if args.des:
+        r = des.unloaded(list(b.stages), packets=400, seed=1)
+        out["des"] = r.as_dict()
+    rows = [
+        [
+            s["name"],
+            f"{s['seconds'] * 1e9:.1f}",
+            "" if s["cycles"] is None else f"{s['cycles']:g} @ {s['clock_hz'] / 1e6:.1f} MHz",
+            s["note"],
+        ]
+        for s in out["stages"]
+    ]
+    text = (
+        f"{describe_system(p)}\n{op.upper()} of {nbytes} B: {b.seconds * 1e9:.1f} ns wire to "
+        f"wire (request frame {b.shape.request_frame_bytes} B, response frame "
+        f"{b.shape.response_frame_bytes} B)\n\n" + _table(["stage", "ns", "cycles", "what"], rows)
+    )
+    if args.des:
+        d = out["des"]
+        text += (
+            f"\n\nDES ({d['delivered']} packets): mean {d['latency_mean_s'] * 1e9:.1f} ns, "
+            f"p99 {d['latency_p99_s'] * 1e9:.1f} ns, max {d['latency_max_s'] * 1e9:.1f} ns"
+        )
+    emit(out, args.json, text)
+    return int(ExitCode.OK)
+
+
+# --- line-rate -----------------------------------------------------------------------
+@_guard
+def cmd_line_rate(args: argparse.Namespace) -> int:
+    """Packets/s and goodput of a saturated stream."""
+    p = _system(args)
+    if args.mtu is not None:
+        if args.mtu < 68 or args.mtu > 65535:
+            raise CommandError(f"--mtu must be 68..65535, got {args.mtu}", ExitCode.USAGE)
+        import dataclasses
+
+        p = dataclasses.replace(p, mtu=args.mtu)
+    try:
+        if args.frame is not None:
+            if args.frame > p.mtu + wire.ETH_HEADER_BYTES + wire.FCS_BYTES:
+                raise ValueError(f"--frame {args.frame} exceeds MTU {p.mtu} + 18 B of L2 framing")
+            payload = wire.udp_payload_for_frame(args.frame)
+        else:
+            payload = args.payload if args.payload is not None else p.mtu - wire.IP_UDP_BYTES
+        if isinstance(p, RoceParams) and args.payload is None and args.frame is None:
+            payload = p.roce_mtu_bytes + wire.ROCE_BTH_BYTES + wire.ROCE_ICRC_BYTES
+        lr = line_rate(p, payload, args.op)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    out: dict[str, Any] = {"ok": True, "system": p.kind, "params": p.name, **lr.as_dict()}
+    text_extra = ""
+    if args.des:
+        stages = line_rate_stages(p, payload, args.op)
+        r = des.saturated(stages, packets=3000, seed=1)
+        out["des"] = r.as_dict()
+        out["des_vs_model"] = r.throughput_pps / lr.pps
+        text_extra = (
+            f"\nDES: {r.throughput_pps / 1e6:.3f} Mpps "
+            f"({out['des_vs_model']:.4f} of the analytic rate), latency p50 "
+            f"{r.latency_p50_s * 1e9:.0f} ns, p99 {r.latency_p99_s * 1e9:.0f} ns"
+        )
+    rows = [
+        [name, f"{mpps:.3f}", "<- bottleneck" if name == lr.bottleneck else ""]
+        for name, mpps in lr.stage_mpps.items()
+    ]
+    text = (
+        f"{describe_system(p)}\n{args.op}: UDP payload {payload} B, frame {lr.frame_bytes} B, "
+        f"{lr.wire_bytes} B on the wire\n{lr.pps / 1e6:.3f} Mpps, goodput "
+        f"{lr.goodput_gbps:.2f} Gb/s (data {lr.data_gbps:.2f} Gb/s), bottleneck "
+        f"{lr.bottleneck}\n\n" + _table(["stage", "Mpps", ""], rows) + text_extra
+    )
+    emit(out, args.json, text)
+    return int(ExitCode.OK)
+
+
+# --- allreduce -----------------------------------------------------------------------
+@_guard
+def cmd_allreduce(args: argparse.Namespace) -> int:
+    """Modelled all-reduce time of one algorithm."""
+    nd, ro, _ = _resolve(args)
+    dtype = DTYPES[args.dtype]
+    try:
+        est = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype)
+        chain = allreduce("netdam-chain", args.nodes, args.size, nd, ro, dtype)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    out: dict[str, Any] = {
+        "ok": True,
+        **est.as_dict(),
+        "dtype": args.dtype,
+        "ratio_vs_chain": est.seconds / chain.seconds,
+    }
+    terms = "\n".join(f"  {k}: {v * 1e6:.2f} us" for k, v in est.terms.items())
+    text = (
+        f"{est.algo}, {args.nodes} nodes, {format_size(args.size)} per node at "
+        f"{est.link_gbps:g} Gb/s ({est.params})\n"
+        f"time {est.seconds * 1e6:.2f} us, algbw {est.algbw_gbps:.2f} Gb/s, busbw "
+        f"{est.busbw_gbps:.2f} Gb/s, bottleneck {est.bottleneck}, "
+        f"{out['ratio_vs_chain']:.2f}x netdam-chain\n{terms}"
+    )
+    emit(out, args.json, text)
+    return int(ExitCode.OK)
+
+
+# --- sweep ---------------------------------------------------------------------------
+def _parse_nodes(text: str) -> list[int]:
+    try:
+        nodes = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise CommandError(
+            f"--nodes wants comma-separated integers, got {text!r}", ExitCode.USAGE
+        ) from None
+    if not nodes or nodes[0] < 2:
+        raise CommandError("--nodes: every node count must be >= 2", ExitCode.USAGE)
+    return nodes
+
+
+@_guard
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Every algorithm against size and node count."""
+    nd, ro, _ = _resolve(args)
+    dtype = DTYPES[args.dtype]
+    nodes = _parse_nodes(args.nodes)
+    plt: Any = None
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            plt = importlib.import_module("matplotlib.pyplot")
+        except ImportError:
+            raise CommandError(PLOT_HINT, ExitCode.USAGE) from None
+    points = sorted(
+        {(n, size) for n in nodes for size in args.sizes}
+        | {(args.plot_nodes, size) for size in args.sizes}
+        | {(n, args.plot_size) for n in nodes}
+    )
+    rows: list[dict[str, Any]] = []
+    try:
+        for algo in ALGOS:
+            for n, size in points:
+                e = allreduce(algo, n, size, nd, ro, dtype)
+                rows.append(
+                    {
+                        k: v
+                        for k, v in e.as_dict().items()
+                        if k not in ("terms_seconds", "params", "link_gbps")
+                    }
+                )
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    if plt is not None:
+        _plot(plt, rows, args.plot, args.plot_nodes, args.plot_size, nd.link_gbps)
+    out: dict[str, Any] = {
+        "ok": True,
+        "link_gbps": nd.link_gbps,
+        "netdam_params": nd.name,
+        "roce_params": ro.name,
+        "plot": args.plot,
+        "rows": rows,
+    }
+    pick = [r for r in rows if r["nodes"] == args.plot_nodes and r["bytes"] in args.sizes]
+    by_size: dict[int, dict[str, float]] = {}
+    for r in pick:
+        by_size.setdefault(r["bytes"], {})[r["algo"]] = r["busbw_gbps"]
+    table = _table(
+        ["size"] + [f"{a} busbw" for a in ALGOS],
+        [
+            [format_size(s)] + [f"{v.get(a, 0.0):.1f}" for a in ALGOS]
+            for s, v in sorted(by_size.items())
+        ],
+    )
+    text = (
+        f"all-reduce busbw in Gb/s, {args.plot_nodes} nodes, {nd.link_gbps:g} Gb/s links "
+        f"({nd.name} / {ro.name})\n\n{table}"
+        + (f"\n\nplot written to {args.plot}" if args.plot else "")
+    )
+    emit(out, args.json, text)
+    return int(ExitCode.OK)
+
+
+def _plot(
+    plt: Any, rows: list[dict[str, Any]], path: str, nodes: int, size: int, link: float
+) -> None:
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for algo in ALGOS:
+        by_size = sorted((r["bytes"], r) for r in rows if r["algo"] == algo and r["nodes"] == nodes)
+        by_nodes = sorted((r["nodes"], r) for r in rows if r["algo"] == algo and r["bytes"] == size)
+        xs = [b for b, _ in by_size]
+        axes[0][0].loglog(xs, [r["seconds"] for _, r in by_size], marker=".", label=algo)
+        axes[0][1].semilogx(xs, [r["busbw_gbps"] for _, r in by_size], marker=".", label=algo)
+        ns = [n for n, _ in by_nodes]
+        axes[1][0].plot(ns, [r["seconds"] for _, r in by_nodes], marker="o", label=algo)
+        axes[1][1].plot(ns, [r["busbw_gbps"] for _, r in by_nodes], marker="o", label=algo)
+    axes[0][0].set(xlabel="bytes per node", ylabel="seconds", title=f"time, {nodes} nodes")
+    axes[0][1].set(xlabel="bytes per node", ylabel="busbw (Gb/s)", title=f"busbw, {nodes} nodes")
+    axes[1][0].set(xlabel="nodes", ylabel="seconds", title=f"time, {format_size(size)}")
+    axes[1][1].set(xlabel="nodes", ylabel="busbw (Gb/s)", title=f"busbw, {format_size(size)}")
+    for ax in axes.flat:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Modelled all-reduce at {link:g} Gb/s (netdam fpga_model)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,223 @@
+"""``netdam pool alloc|free|write|read|list|stats`` and ``netdam switch``: the memory pool."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from netdam.cli.common import CommandError, ExitCode, emit, size_arg
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}: write decimal or 0x hex") from None
+
+
+def _rights(text: str) -> int:
+    bits = {"r": 1, "w": 2, "a": 4}
+    if not text or any(c not in bits for c in text):
+        raise argparse.ArgumentTypeError(f"invalid rights {text!r}: letters r (READ), w (WRITE), a (ATOMIC), e.g. rwa")
+    return sum(bits[c] for c in set(text))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from netdam.switch.cli import add_switch_arguments, run_switch
+
+    sw = subparsers.add_parser("switch", help="run one pool switch (VIP, address map, multicast)",
+                               description="Run the switch of a cluster: clients send to --vip, the "
+                               "switch translates global addresses and forwards to the nodes (which "
+                               "must list the VIP in --members; `netdam up --switch` does it all).")  # fmt: skip
+    add_switch_arguments(sw)
+    sw.set_defaults(func=run_switch)
+
+    pool = subparsers.add_parser("pool", help="allocate, free, write and read pooled memory",
+                                 description="The memory pool behind the switch's virtual IP. Every "
+                                 "command takes the cluster file of `netdam up --switch`.")  # fmt: skip
+    cmds = pool.add_subparsers(dest="pool_command", metavar="COMMAND", parser_class=type(pool))
+    cmds.required = True
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--cluster", type=Path, required=True, help="cluster file (netdam up --switch)")
+        p.add_argument("--json", action="store_true")
+
+    alloc = cmds.add_parser("alloc", help="allocate a region: prints its global address and rkey")
+    common(alloc)
+    alloc.add_argument("--size", type=size_arg, required=True, help="bytes (e.g. 64KiB)")
+    alloc.add_argument("--interleave", type=size_arg, default=None,
+                       help="interleave over nodes with this stride (e.g. 8KiB); default: one node")  # fmt: skip
+    alloc.add_argument("--ways", type=int, default=None, help="nodes to interleave over (default all)")
+    alloc.add_argument("--rights", type=_rights, default=7, help="r, w, a letters (default rwa)")
+    alloc.add_argument("--tenant", default="", help="a label stored with the region")
+    alloc.set_defaults(func=run_alloc)
+
+    free = cmds.add_parser("free", help="free a region")
+    common(free)
+    free.add_argument("--gaddr", type=_int, required=True, help="the region's global address")
+    free.set_defaults(func=run_free)
+
+    write = cmds.add_parser("write", help="write bytes at a global address")
+    common(write)
+    write.add_argument("--gaddr", type=_int, required=True)
+    write.add_argument("--rkey", type=_int, default=None, help="default: the region's, from the state file")
+    source = write.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="UTF-8 text to write")
+    source.add_argument("--hex", help="hex bytes to write")
+    source.add_argument("--file", type=Path, help="file whose bytes to write")
+    write.set_defaults(func=run_write)
+
+    read = cmds.add_parser("read", help="read bytes at a global address")
+    common(read)
+    read.add_argument("--gaddr", type=_int, required=True)
+    read.add_argument("--length", type=size_arg, required=True)
+    read.add_argument("--rkey", type=_int, default=None, help="default: the region's, from the state file")
+    read.set_defaults(func=run_read)
+
+    listing = cmds.add_parser("list", help="regions and groups of the pool")
+    common(listing)
+    listing.set_defaults(func=run_list)
+
+    stats = cmds.add_parser("stats", help="the switch's counters: per port and per region")
+    common(stats)
+    stats.set_defaults(func=run_stats)
+
+
+def _controller(args: argparse.Namespace) -> Any:
+    from netdam.switch.controller import PoolController, PoolError
+
+    try:
+        return PoolController(args.cluster)
+    except PoolError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+
+
+def _region_json(region: Any) -> dict[str, Any]:
+    from netdam.switch.addrmap import region_to_json
+
+    data: dict[str, Any] = dict(region_to_json(region))
+    data["gaddr_hex"] = f"0x{region.gaddr:x}"
+    data["rkey_hex"] = f"0x{region.rkey:08x}"
+    return data
+
+
+def run_alloc(args: argparse.Namespace) -> int:
+    from netdam.switch.controller import PoolError
+
+    ctl = _controller(args)
+    try:
+        region = ctl.alloc(args.size, args.interleave, ways=args.ways, rights=args.rights, tenant=args.tenant)
+    except PoolError as exc:
+        raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
+    vip = ctl.switch.vip
+    text = (f"gaddr 0x{region.gaddr:x} rkey 0x{region.rkey:08x} size {region.size} "
+            f"stride {region.stride} ways {len(region.ways)} vip {vip[0]}:{vip[1]}")  # fmt: skip
+    emit({"ok": True, **_region_json(region), "vip": f"{vip[0]}:{vip[1]}"}, args.json, text=text)
+    return ExitCode.OK
+
+
+def run_free(args: argparse.Namespace) -> int:
+    from netdam.switch.controller import PoolError
+
+    try:
+        region = _controller(args).free(args.gaddr)
+    except PoolError as exc:
+        raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
+    emit({"ok": True, "freed": _region_json(region)}, args.json, text=f"freed 0x{region.gaddr:x}")
+    return ExitCode.OK
+
+
+def _target(args: argparse.Namespace) -> tuple[Any, int, int]:
+    """(controller, rkey, stride) for args.gaddr."""
+    ctl = _controller(args)
+    region = next((r for r in ctl.regions() if r.gaddr <= args.gaddr < r.end), None)
+    rkey = args.rkey if args.rkey is not None else (region.rkey if region else None)
+    if rkey is None:
+        raise CommandError(f"0x{args.gaddr:x} is in no region of this pool: pass --rkey, or "
+                           "allocate with `netdam pool alloc`", ExitCode.USAGE)  # fmt: skip
+    return ctl, rkey, region.stride if region else 0
+
+
+def run_write(args: argparse.Namespace) -> int:
+    from netdam.clients.pool import PoolClient, PoolError
+
+    ctl, rkey, stride = _target(args)
+    if args.data is not None:
+        data = args.data.encode()
+    elif args.hex is not None:
+        try:
+            data = bytes.fromhex(args.hex)
+        except ValueError:
+            raise CommandError("--hex takes hex digits, e.g. 00ff10", ExitCode.USAGE) from None
+    else:
+        data = args.file.read_bytes()
+    try:
+        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu) as client:
+            client.write(args.gaddr, data, rkey, stride=stride)
+    except PoolError as exc:
+        code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED
+        raise CommandError(str(exc), code) from None
+    emit({"ok": True, "gaddr": args.gaddr, "bytes": len(data)}, args.json,
+         text=f"wrote {len(data)} bytes at 0x{args.gaddr:x}")  # fmt: skip
+    return ExitCode.OK
+
+
+def run_read(args: argparse.Namespace) -> int:
+    from netdam.clients.pool import PoolClient, PoolError
+
+    ctl, rkey, stride = _target(args)
+    try:
+        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu) as client:
+            data = client.read(args.gaddr, args.length, rkey, stride=stride)
+    except PoolError as exc:
+        code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED
+        raise CommandError(str(exc), code) from None
+    if args.json:
+        emit({"ok": True, "gaddr": args.gaddr, "bytes": len(data), "hex": data.hex()}, True)
+    else:
+        sys.stdout.write(data.hex() + "\n")
+    return ExitCode.OK
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from netdam.switch.controller import PoolError
+
+    try:
+        state = _controller(args).state()
+    except PoolError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    regions = [_region_json(r) for r in state.regions]
+    groups = {f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()}
+    lines = [f"0x{r.gaddr:x} size {r.size} rkey 0x{r.rkey:08x} stride {r.stride} ways "
+             f"{[w.node for w in r.ways]} {r.tenant}".rstrip() for r in state.regions]  # fmt: skip
+    lines += [f"group {g}: {', '.join(ms)}" for g, ms in groups.items()]
+    emit({"ok": True, "generation": state.generation, "regions": regions, "groups": groups}, args.json,
+         text="\n".join(lines) or "no regions")  # fmt: skip
+    return ExitCode.OK
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from netdam.cluster.control import ControlClient, ControlError
+    from netdam.protocol.constants import Opcode
+    from netdam.protocol.packet import Packet
+    from netdam.switch.core import counters_from_payload
+
+    ctl = _controller(args)
+    entry = ctl.switch
+    try:
+        with ControlClient(admin_key=ctl.cluster.admin_key) as client:
+            reply = client.request(entry.control_endpoint, Packet(Opcode.COUNTERS, rkey=ctl.cluster.admin_key))
+    except ControlError as exc:
+        raise CommandError(f"switch {entry.address}:{entry.port}: {exc}", ExitCode.RUN_FAILED) from None
+    values = counters_from_payload(reply.payload)
+    lines = [f"{'port':<8}{'rx_packets':>12}{'tx_packets':>12}{'fault_drops':>12}"]
+    for p in values["ports"]:  # type: ignore[attr-defined]
+        lines.append(f"{p['port']:<8}{p['rx_packets']:>12}{p['tx_packets']:>12}"
+                     f"{p['fault_drops_rx'] + p['fault_drops_tx']:>12}")  # fmt: skip
+    for r in values["regions"]:  # type: ignore[attr-defined]
+        lines.append(f"region 0x{r['gaddr']:x}: forwarded {r['forwarded']}, reads {r['reads']}, "
+                     f"writes {r['writes']}, atomics {r['atomics']}, nacks {r['nacks']}")  # fmt: skip
+    emit({"ok": True, **values}, args.json, text="\n".join(lines))
+    return ExitCode.OK

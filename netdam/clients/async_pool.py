@@ -1,0 +1,166 @@
+"""asyncio pool client (asyncio-dgram): the same operations as ``netdam.clients.pool.PoolClient``.
+
+One unconnected datagram socket (replies come from the nodes, not from the VIP); a reader task
+matches replies to waiting requests by transaction id. Every coroutine may run concurrently:
+at most ``window`` requests are in flight, retries re-send the same transaction id (at most
+once per node, SPEC.md section 7), and transaction ids stay within 192 of the oldest
+unanswered one.
+
+    async with await AsyncPoolClient.open(vip) as pool:
+        await pool.write(gaddr, b"hello", rkey)
+        old = await pool.fetch_add(gaddr + 64, 1, rkey)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Sequence
+from dataclasses import replace
+
+import asyncio_dgram
+
+from netdam.clients.pool import (
+    TXN_SPAN,
+    PoolError,
+    PoolTimeout,
+    cas_packet,
+    fetch_add_packet,
+    random_client_id,
+    split,
+)
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    Flags,
+    Opcode,
+    max_payload,
+)
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+
+_IDS = struct.Struct("!II")
+
+
+class AsyncPoolClient:
+    """asyncio client of the pool at a VIP; create with ``await AsyncPoolClient.open(vip)``."""
+
+    def __init__(self, stream: asyncio_dgram.aio.DatagramServer, vip: Endpoint, client_id: int,
+                 timeout: float, retries: int, window: int) -> None:  # fmt: skip
+        self.vip = vip
+        self.client_id = client_id
+        self.max_payload = MAX_PAYLOAD_BYTES
+        self.timeout = timeout
+        self.retries = retries
+        self._stream = stream
+        self._window = asyncio.Semaphore(window)
+        self._waiting: dict[int, asyncio.Future[Packet]] = {}
+        self._open: set[int] = set()  # unwrapped ids of unanswered requests
+        self._next = 1
+        self._progress = asyncio.Event()
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self.retransmits = 0
+
+    @classmethod
+    async def open(cls, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
+                   retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
+                   mtu: int = DEFAULT_MTU) -> AsyncPoolClient:  # fmt: skip
+        """*mtu*: the cluster's (its file's `mtu`); reads and writes are split to fit it."""
+        stream = await asyncio_dgram.bind((bind, 0))
+        client = cls(stream, vip, client_id or random_client_id(), timeout, retries, window)
+        client.max_payload = max_payload(mtu)
+        return client
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        try:
+            await self._reader
+        except (asyncio.CancelledError, asyncio_dgram.TransportClosed):
+            pass
+        self._stream.close()
+
+    async def __aenter__(self) -> AsyncPoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ operations
+
+    async def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
+        replies = await asyncio.gather(*(self.request(Packet(Opcode.READ, rkey=rkey, addr=a, length=n))
+                                         for a, n in split(addr, length, stride, self.max_payload)))  # fmt: skip
+        return b"".join(r.payload for r in replies)
+
+    async def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
+        await asyncio.gather(*(self.request(Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a,
+                                                   length=n, payload=data[a - addr : a - addr + n]))
+                               for a, n in split(addr, len(data), stride, self.max_payload)))  # fmt: skip
+
+    async def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
+        reply = await self.request(fetch_add_packet(addr, addend, rkey))
+        return int(struct.unpack("<Q", reply.payload)[0])
+
+    async def cas(self, addr: int, compare: int, swap: int, rkey: int) -> int:
+        reply = await self.request(cas_packet(addr, compare, swap, rkey))
+        return int(struct.unpack("<Q", reply.payload)[0])
+
+    async def read_many(self, requests: Sequence[tuple[int, int, int]]) -> list[bytes]:
+        replies = await asyncio.gather(*(self.request(Packet(Opcode.READ, rkey=k, addr=a, length=n))
+                                         for a, n, k in requests))  # fmt: skip
+        return [r.payload for r in replies]
+
+    # ------------------------------------------------------------------ one request
+
+    async def request(self, packet: Packet) -> Packet:
+        """Send *packet* (ids replaced) and return its reply; retries on timeout, NACK raises."""
+        async with self._window:
+            while self._open and self._next - min(self._open) >= TXN_SPAN:
+                self._progress.clear()
+                await self._progress.wait()
+            seq = self._next
+            self._next += 1
+            txn = seq & 0xFFFFFFFF
+            data = encode_packet(replace(packet, client_id=self.client_id, txn_id=txn))
+            future: asyncio.Future[Packet] = asyncio.get_running_loop().create_future()
+            self._waiting[txn] = future
+            self._open.add(seq)
+            try:
+                for attempt in range(self.retries + 1):
+                    if attempt == 1:
+                        flags = int.from_bytes(data[2:4], "big") | int(Flags.RETRY)
+                        data = data[:2] + flags.to_bytes(2, "big") + data[4:]
+                    if attempt:
+                        self.retransmits += 1
+                    await self._stream.send(data, self.vip)
+                    try:
+                        reply = await asyncio.wait_for(asyncio.shield(future), self.timeout)
+                    except asyncio.TimeoutError:
+                        continue
+                    if reply.opcode == Opcode.NACK:
+                        text = f" ({reply.payload.decode(errors='replace')})" if reply.payload else ""
+                        raise PoolError(f"{packet.opcode.name} at 0x{packet.addr:x} refused: "
+                                        f"{reply.status.name}{text}", reply.status)  # fmt: skip
+                    return reply
+                raise PoolTimeout(f"no answer from the pool at {self.vip[0]}:{self.vip[1]} after "
+                                  f"{self.retries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
+                                  "switch running (netdam up --switch)?")  # fmt: skip
+            finally:
+                self._waiting.pop(txn, None)
+                self._open.discard(seq)
+                self._progress.set()
+
+    async def _read_loop(self) -> None:
+        while True:
+            data, _ = await self._stream.recv()
+            if len(data) < HEADER_SIZE:
+                continue
+            client, txn = _IDS.unpack_from(data, 8)
+            future = self._waiting.get(txn)
+            if client != self.client_id or future is None or future.done():
+                continue
+            try:
+                future.set_result(decode_packet(data))
+            except RemoteProtocolError:
+                continue

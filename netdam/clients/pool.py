@@ -1,0 +1,240 @@
+"""Blocking pool client: READ, WRITE, FETCH_ADD, CAS through the switch's VIP, pipelined.
+
+Plain ``socket``: requests go to the VIP, replies come straight from the nodes (the switch put
+our address in the return segment), so the socket is *not* connected. Many requests stay in
+flight (``window``), matched by transaction id. A request with no answer within ``timeout`` is
+re-sent with the *same* transaction id (flag RETRY), so a node executes a mutating request at
+most once however often it is retried (SPEC.md section 7): the switch maps a global address to
+the same node every time, so the retry meets the same duplicate window.
+
+Transaction ids stay within 192 of the oldest unanswered one, well inside the node's window of
+256, so a retried request is never answered STALE.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    DType,
+    Flags,
+    Opcode,
+    Status,
+    max_payload,
+)
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.shell.udp import IP_MTU_DISCOVER, IP_PMTUDISC_DO
+
+#: Largest distance between the newest and the oldest unanswered transaction id.
+TXN_SPAN = 192
+_IDS = struct.Struct("!II")  # client_id, txn_id at offset 8
+
+
+class PoolError(Exception):
+    """A request was refused (``status`` is the NACK's) or never answered (``status`` None)."""
+
+    def __init__(self, message: str, status: Status | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PoolTimeout(PoolError):
+    """No answer after every retry."""
+
+
+def split(addr: int, length: int, stride: int = 0, limit: int = MAX_PAYLOAD_BYTES) -> list[tuple[int, int]]:
+    """(address, length) pieces of [addr, addr+length): at most *limit* bytes, never across a
+    multiple of *stride* (interleaved regions; the switch answers SPANS_NODES otherwise)."""
+    pieces = []
+    end = addr + length
+    while addr < end:
+        step = min(end - addr, limit)
+        if stride:
+            step = min(step, stride - addr % stride)
+        pieces.append((addr, step))
+        addr += step
+    return pieces
+
+
+@dataclass
+class _Flight:
+    index: int
+    seq: int  # the transaction id before wrapping to u32
+    data: bytes
+    deadline: float
+    tries: int
+
+
+def random_client_id() -> int:
+    """A random non-zero client id (distinct ids mod 256 keep duplicate windows apart)."""
+    return int.from_bytes(os.urandom(4), "big") | 1
+
+
+class PoolClient:
+    """Blocking, pipelined client of the pool at *vip*."""
+
+    def __init__(self, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
+                 retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
+                 mtu: int = DEFAULT_MTU) -> None:  # fmt: skip
+        if not 1 <= window <= 128:
+            raise ValueError(f"window {window} must be 1..128")
+        #: Largest READ/WRITE piece: what one datagram carries at the cluster's MTU (the cluster
+        #: file's `mtu`); requests are split to fit, as a NIC splits a transfer into frames.
+        self.max_payload = max_payload(mtu)
+        self.vip = vip
+        self.client_id = client_id or random_client_id()
+        self.timeout = timeout
+        self.retries = retries
+        self.window = window
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        # Never fragment (as the nodes): a request over the path MTU fails at once, naming it.
+        self.sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        self.sock.bind((bind, 0))
+        self._next_txn = int.from_bytes(os.urandom(3), "big") + 1
+        #: Requests re-sent after a timeout (all operations so far).
+        self.retransmits = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.sendto(data, self.vip)
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                raise PoolError(f"a {len(data)}-byte datagram does not fit the path MTU to "
+                                f"{self.vip[0]}: give PoolClient(mtu=...) the cluster's MTU") from None  # fmt: skip
+            raise
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ operations
+
+    def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
+        """*length* bytes from global address *addr* (split into requests as needed)."""
+        pieces = split(addr, length, stride, self.max_payload)
+        replies = self.execute([Packet(Opcode.READ, rkey=rkey, addr=a, length=n) for a, n in pieces])
+        return b"".join(r.payload for r in replies)
+
+    def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
+        """Write *data* at *addr*; returns when every piece is ACKed."""
+        pieces = split(addr, len(data), stride, self.max_payload)
+        self.execute([Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a, length=n,
+                             payload=data[a - addr : a - addr + n]) for a, n in pieces])  # fmt: skip
+
+    def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
+        """Add *addend* (mod 2^64) to the u64 at *addr*; returns the old value."""
+        [reply] = self.execute([fetch_add_packet(addr, addend, rkey)])
+        return int(struct.unpack("<Q", reply.payload)[0])
+
+    def cas(self, addr: int, compare: int, swap: int, rkey: int) -> int:
+        """Swap in *swap* if the u64 at *addr* equals *compare*; returns the old value."""
+        [reply] = self.execute([cas_packet(addr, compare, swap, rkey)])
+        return int(struct.unpack("<Q", reply.payload)[0])
+
+    def read_many(self, requests: Sequence[tuple[int, int, int]]) -> list[bytes]:
+        """[(addr, length <= 8192, rkey)] -> their bytes, all pipelined."""
+        replies = self.execute([Packet(Opcode.READ, rkey=k, addr=a, length=n) for a, n, k in requests])
+        return [r.payload for r in replies]
+
+    def write_many(self, requests: Sequence[tuple[int, bytes, int]]) -> None:
+        """[(addr, data <= 8192 bytes, rkey)], all pipelined, each ACKed."""
+        self.execute([Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=k, addr=a, length=len(d), payload=d)
+                      for a, d, k in requests])  # fmt: skip
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def execute(self, packets: Sequence[Packet]) -> list[Packet]:
+        """Send every request (client and txn ids replaced), ``window`` in flight; return the
+        replies in request order. A NACK raises PoolError; no answer after every retry raises
+        PoolTimeout. Requests still in flight then are abandoned (their late replies ignored)."""
+        replies: list[Packet | None] = [None] * len(packets)
+        flight: dict[int, _Flight] = {}
+        nxt = 0
+        while nxt < len(packets) or flight:
+            now = time.monotonic()
+            oldest = min((f.seq for f in flight.values()), default=self._next_txn)
+            while nxt < len(packets) and len(flight) < self.window and self._next_txn - oldest < TXN_SPAN:
+                seq = self._next_txn
+                self._next_txn += 1
+                txn = seq & 0xFFFFFFFF
+                data = encode_packet(replace(packets[nxt], client_id=self.client_id, txn_id=txn))
+                self._send(data)
+                flight[txn] = _Flight(nxt, seq, data, now + self.timeout, 0)
+                nxt += 1
+            if not flight:
+                continue
+            wait = min(f.deadline for f in flight.values()) - time.monotonic()
+            if wait > 0:
+                self.sock.settimeout(wait)
+                try:
+                    data, _ = self.sock.recvfrom(65536)
+                except TimeoutError:
+                    data = b""
+                if data:
+                    self._take(data, flight, replies, packets)
+                    continue
+            self._resend_due(flight)
+        return [r for r in replies if r is not None]
+
+    def _take(self, data: bytes, flight: dict[int, _Flight], replies: list[Packet | None],
+              packets: Sequence[Packet]) -> None:  # fmt: skip
+        if len(data) < HEADER_SIZE:
+            return
+        client, txn = _IDS.unpack_from(data, 8)
+        entry = flight.get(txn)
+        if client != self.client_id or entry is None:
+            return  # a late duplicate, or someone else's
+        try:
+            reply = decode_packet(data)
+        except RemoteProtocolError:
+            return
+        del flight[txn]
+        if reply.opcode == Opcode.NACK:
+            request = packets[entry.index]
+            text = f" ({reply.payload.decode(errors='replace')})" if reply.payload else ""
+            raise PoolError(f"{request.opcode.name} at 0x{request.addr:x} ({request.length} bytes) "
+                            f"refused: {reply.status.name}{text}", reply.status)  # fmt: skip
+        replies[entry.index] = reply
+
+    def _resend_due(self, flight: dict[int, _Flight]) -> None:
+        now = time.monotonic()
+        for txn, entry in flight.items():
+            if entry.deadline > now:
+                continue
+            if entry.tries >= self.retries:
+                raise PoolTimeout(f"no answer from the pool at {self.vip[0]}:{self.vip[1]} to txn {txn} "
+                                  f"after {entry.tries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
+                                  "switch running (netdam up --switch)?")  # fmt: skip
+            if entry.tries == 0:
+                flags = int.from_bytes(entry.data[2:4], "big") | int(Flags.RETRY)
+                entry.data = entry.data[:2] + flags.to_bytes(2, "big") + entry.data[4:]
+            entry.tries += 1
+            entry.deadline = now + self.timeout
+            self.retransmits += 1
+            self._send(entry.data)
+
+
+def fetch_add_packet(addr: int, addend: int, rkey: int) -> Packet:
+    return Packet(Opcode.FETCH_ADD, rkey=rkey, addr=addr, length=8, dtype=DType.U64,
+                  payload=struct.pack("<Q", addend % (1 << 64)))  # fmt: skip
+
+
+def cas_packet(addr: int, compare: int, swap: int, rkey: int) -> Packet:
+    return Packet(Opcode.CAS, rkey=rkey, addr=addr, length=8, dtype=DType.U64,
+                  payload=struct.pack("<QQ", compare % (1 << 64), swap % (1 << 64)))  # fmt: skip

@@ -1,0 +1,1 @@
+"""Clusters: start and stop local node processes and the switch, cluster files, launcher environments, rendezvous, control client."""

@@ -1,0 +1,118 @@
+"""A small blocking client for control and test traffic: one request, one reply, with a timeout.
+
+Plain ``socket``, no event loop: used by ``netdam stats``/``ping``, cluster start-up and tests.
+The pool clients with pipelining and retries come with the switch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+
+from netdam.protocol import counters as C
+from netdam.protocol.constants import DType, Opcode, Rights
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+
+INFO_FIELDS = ("version", "mtu", "memory_bytes", "max_payload", "max_segments", "rank", "world_size")
+
+
+class ControlError(Exception):
+    """A control request failed: timeout (``status`` None) or NACK (``status`` set)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ControlClient:
+    """Requests to nodes over UDP, matched to replies by transaction id."""
+
+    def __init__(self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((bind, 0))
+        self.admin_key = admin_key
+        # Random ids: clients rarely share a duplicate-window slot (client_id mod 256).
+        self.client_id = client_id if client_id is not None else int.from_bytes(os.urandom(4), "big") | 1
+        self._txn = itertools.count(int.from_bytes(os.urandom(2), "big") + 1)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, node: Endpoint, packet: Packet, timeout: float = 1.0, retries: int = 2) -> Packet:
+        """Send *packet* (its txn_id replaced), wait for the reply with the same txn id.
+
+        Retries re-send the same txn id, so a mutating request applies at most once.
+        """
+        txn = next(self._txn) & 0xFFFFFFFF
+        data = encode_packet(_with_ids(packet, self.client_id, txn))
+        for _attempt in range(retries + 1):
+            self.sock.sendto(data, node)
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                try:
+                    reply_bytes, _ = self.sock.recvfrom(65536)
+                except TimeoutError:
+                    break
+                try:
+                    reply = decode_packet(reply_bytes)
+                except RemoteProtocolError:
+                    continue
+                if reply.txn_id == txn and reply.client_id == self.client_id:
+                    if reply.opcode == Opcode.NACK:
+                        raise ControlError(
+                            f"{packet.opcode.name} to {node[0]}:{node[1]} refused: {reply.status.name}",
+                            int(reply.status),
+                        )
+                    return reply
+        raise ControlError(f"no answer from {node[0]}:{node[1]} to {packet.opcode.name} "
+                           f"within {timeout * (retries + 1):.1f} s: is the node running?")  # fmt: skip
+
+    def ping(self, node: Endpoint, timeout: float = 1.0) -> tuple[dict[str, int], float]:
+        """INFO fields of *node* and the round-trip time in seconds."""
+        start = time.perf_counter()
+        reply = self.request(node, Packet(Opcode.PING), timeout=timeout)
+        rtt = time.perf_counter() - start
+        values = struct.unpack("<IIQIIII", reply.payload)
+        return dict(zip(INFO_FIELDS, values, strict=True)), rtt
+
+    def counters(self, node: Endpoint, timeout: float = 1.0) -> np.ndarray:
+        reply = self.request(node, Packet(Opcode.COUNTERS, rkey=self.admin_key), timeout=timeout)
+        values = np.frombuffer(reply.payload, "<u8").astype(np.uint64)
+        if values.shape[0] < C.NUM_COUNTERS:
+            raise ControlError(f"COUNTERS reply from {node[0]}:{node[1]} has {values.shape[0]} values")
+        return values[: C.NUM_COUNTERS]  # a switch's reply goes on with its own sections
+
+    def register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
+        payload = struct.pack("<II", rkey, int(rights))
+        reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=base,
+                                          aux_addr=size, length=8, payload=payload))  # fmt: skip
+        return int(reply.rkey)
+
+    def write(self, node: Endpoint, rkey: int, addr: int, data: bytes, dtype: DType = DType.RAW) -> None:
+        from netdam.protocol.constants import Flags
+
+        self.request(node, Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=addr,
+                                  dtype=dtype, length=len(data), payload=data))  # fmt: skip
+
+    def read(self, node: Endpoint, rkey: int, addr: int, length: int) -> bytes:
+        reply = self.request(node, Packet(Opcode.READ, rkey=rkey, addr=addr, length=length))
+        return bytes(reply.payload)
+
+
+def _with_ids(packet: Packet, client_id: int, txn: int) -> Packet:
+    from dataclasses import replace
+
+    return replace(packet, client_id=client_id, txn_id=txn)

@@ -1,0 +1,511 @@
+"""Start and stop local clusters of node processes (``netdam up``/``down``, tests, benchmarks).
+
+Every node is ``python -m netdam node ...`` in its own process. A node prints ``ready ...``
+once its socket is bound and its kernels are loaded; start-up waits for every node's line (or
+its death, reported with its stderr). Foreground clusters die with their launcher (Linux
+PR_SET_PDEATHSIG), so no node outlives a killed ``netdam up``.
+
+``start_from_file`` is ``netdam up --cluster FILE`` for a FILE that already lists nodes (written
+by hand, maybe for several hosts): it starts exactly the nodes whose address belongs to this
+host (``is_local_address``) and fills in their entries; ``stop_cluster_file`` (``netdam down``)
+likewise only stops this host's nodes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from netdam.cluster.clusterfile import (
+    ClusterFile,
+    NodeEntry,
+    load_cluster,
+    update_cluster_file,
+    with_nodes,
+    write_cluster,
+)
+from netdam.core.faults import FaultSpec
+from netdam.protocol.packet import Endpoint
+from netdam.shell.shm import DEFAULT_SHM_DIR
+
+#: First node's port when not chosen: next to the protocol's default 7744.
+DEFAULT_BASE_PORT = 17744
+START_TIMEOUT_S = 120.0  # a cold numba cache compiles for ~10 s on 2 cores; CI machines vary
+
+
+class ClusterStartError(RuntimeError):
+    """A node did not come up; the message names it and quotes its error."""
+
+
+@dataclass
+class LocalCluster:
+    """Running node processes and the cluster file describing them."""
+
+    info: ClusterFile
+    path: Path
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    startup_seconds: float = 0.0
+    #: The pool switch (netdam.cluster.switch_launch.SwitchHandle) when started with switch=True.
+    switch: Any = None
+    #: Ranks this process started; None: every node of the file (a single-host cluster).
+    owned: tuple[int, ...] | None = None
+
+    @property
+    def owns_file(self) -> bool:
+        """Whether stopping removes the cluster file (else it clears our nodes' entries)."""
+        return self.owned is None and not self.info.keep_file
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return self.info.endpoints
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM every node, wait, SIGKILL stragglers, remove memory files and the cluster file."""
+        if self.switch is not None:
+            self.switch.stop()
+        stop_pids([p.pid for p in self.processes], timeout, processes=self.processes)
+        mine = [n for n in self.info.nodes if self.owned is None or n.rank in self.owned]
+        _remove_node_files(self.info.name, mine)
+        if self.owns_file:
+            _remove_pool_state(self.path)
+            self.path.unlink(missing_ok=True)
+        else:
+            _clear_entries(self.path, [n.rank for n in mine])
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def node_log(cluster_name: str, rank: int) -> Path:
+    """Where a node launched by us writes its stderr."""
+    return Path(tempfile.gettempdir()) / f"{cluster_name}-{rank}.log"
+
+
+def node_command(
+    bind: Endpoint, name: str, memory: int, admin_key: int, members: list[Endpoint], rank: int,
+    world: int, shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
+) -> list[str]:  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "netdam", "node",
+        "--bind", f"{bind[0]}:{bind[1]}", "--name", name, "--memory", f"{memory}B",
+        "--admin-key", hex(admin_key), "--rank", str(rank), "--world-size", str(world),
+        "--shm-dir", str(shm_dir), "--mtu", str(mtu),
+        "--members", ",".join(f"{ip}:{port}" for ip, port in members),
+    ]  # fmt: skip
+    if faults.active:
+        cmd += ["--loss", str(faults.loss), "--dup", str(faults.dup), "--reorder", str(faults.reorder),
+                "--delay", str(faults.delay), "--delay-ms", str(faults.delay_s * 1000), "--seed", str(faults.seed)]  # fmt: skip
+    if die_with_parent:
+        cmd.append("--die-with-parent")
+    return cmd
+
+
+def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:  # type: ignore[misc]
+    """Start *nodes* node processes, wait until all are ready, write the cluster file.
+
+    Free ports are probed then released, so another program may take one first: then the whole
+    start is retried on fresh ports (unless the caller fixed --base-port)."""
+    for attempt in range(3):
+        try:
+            return _start_cluster(nodes, **kwargs)  # type: ignore[arg-type]
+        except ClusterStartError as exc:
+            if "Address already in use" not in str(exc) or kwargs.get("base_port") or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def warm_node_kernels() -> None:
+    """Compile (or load from numba's cache) the node's kernels once, in this process, before
+    starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
+    long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
+    from netdam.shell.node_process import NodeProcess, NodeProcessConfig
+
+    proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
+                                         name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
+    try:
+        proc.warm_up()
+        proc.core.handle_timer(0.0)
+    finally:
+        proc.close()
+
+
+def _start_cluster(
+    nodes: int,
+    *,
+    memory: int = 64 << 20,
+    base_port: int = 0,
+    address: str = "127.0.0.1",
+    shm_dir: Path = DEFAULT_SHM_DIR,
+    mtu: int = 9000,
+    cluster_path: Path | None = None,
+    faults: FaultSpec | None = None,
+    detach: bool = False,
+    extra_members: tuple[Endpoint, ...] = (),
+    switch: bool = False,
+    switch_faults: str = "",
+    switch_seed: int = 0,
+) -> LocalCluster:
+    if nodes < 1:
+        raise ValueError("--nodes must be at least 1")
+    name = f"netdam-{os.getpid()}-{secrets.token_hex(3)}"
+    base = base_port or _free_port_block(address, nodes)
+    endpoints = [(address, base + rank) for rank in range(nodes)]
+    admin_key = secrets.randbits(32) | 1
+    faults = faults or FaultSpec()
+    vip = None
+    if switch:
+        from netdam.cluster.switch_launch import pick_vip
+
+        vip = pick_vip(address)  # nodes must trust the switch's return segments (SPEC 3.1)
+        extra_members = tuple(extra_members) + (vip,)
+    members = endpoints + list(extra_members)
+    start = time.monotonic()
+    spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach)
+    procs, control_ports = _spawn_nodes(spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)])
+    info = ClusterFile(
+        name=name,
+        admin_key=admin_key,
+        mtu=mtu,
+        created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        supervisor_pid=0 if detach else os.getpid(),
+        nodes=tuple(
+            NodeEntry(rank=r, address=ep[0], port=ep[1], pid=p.pid, control_port=control_ports[r],
+                      memory_file=str(shm_dir / f"{name}-{r}.mem"), memory_bytes=memory)
+            for r, (ep, p) in enumerate(zip(endpoints, procs, strict=True))
+        ),
+    )  # fmt: skip
+    # Private clusters (demo, benchmarks) keep their files out of the user's directory.
+    path = cluster_path or Path(tempfile.gettempdir()) / f"{name}.toml"
+    write_cluster(info, path)
+    cluster = LocalCluster(info, path, procs, time.monotonic() - start)
+    if vip is not None:
+        from netdam.cluster.switch_launch import start_switch
+
+        try:
+            cluster.switch = start_switch(cluster, vip, faults=switch_faults, seed=switch_seed, detach=detach)
+        except BaseException:
+            cluster.stop()
+            raise
+    return cluster
+
+
+@dataclass(frozen=True)
+class _NodeSpec:
+    """What every node of one cluster is started with."""
+
+    name: str
+    admin_key: int
+    members: list[Endpoint]
+    world: int
+    shm_dir: Path
+    mtu: int
+    faults: FaultSpec
+    detach: bool
+
+    def memory_file(self, rank: int) -> Path:
+        return self.shm_dir / f"{self.name}-{rank}.mem"
+
+
+def _spawn_nodes(
+    spec: _NodeSpec, nodes: list[tuple[int, Endpoint, int]]
+) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+    """Start one node process per (rank, bind, memory bytes), wait until all are ready; their
+    processes and control ports. On failure every started node is stopped and cleaned up."""
+    warm_node_kernels()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = [node_log(spec.name, rank) for rank, _, _ in nodes]
+    for (rank, bind, memory), log_path in zip(nodes, logs, strict=True):
+        cmd = node_command(bind, f"{spec.name}-{rank}", memory, spec.admin_key, spec.members, rank,
+                           spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+        # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
+        with open(log_path, "wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
+                                          start_new_session=spec.detach))  # fmt: skip
+    try:
+        control_ports = _wait_ready(procs, [bind for _, bind, _ in nodes], logs, [rank for rank, _, _ in nodes])
+    except BaseException:
+        stop_pids([p.pid for p in procs], 3.0, processes=procs)
+        for rank, _, _ in nodes:
+            spec.memory_file(rank).unlink(missing_ok=True)
+        raise
+    return procs, control_ports
+
+
+def is_local_address(address: str) -> bool:
+    """Whether *address* belongs to this host (in this network namespace): binding a UDP socket
+    to it succeeds. With net.ipv4.ip_nonlocal_bind set every address binds, so the interface
+    addresses (SIOCGIFADDR) decide then."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.bind((address, 0))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    if _nonlocal_bind() and not address.startswith("127."):
+        return address in _interface_addresses()
+    return True
+
+
+def _nonlocal_bind() -> bool:
+    try:
+        return Path("/proc/sys/net/ipv4/ip_nonlocal_bind").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def _interface_addresses() -> set[str]:
+    """The primary IPv4 address of every interface (ioctl SIOCGIFADDR)."""
+    import fcntl
+    import socket
+    import struct
+
+    found = set()
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, ifname in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+            except OSError:
+                continue
+            found.add(socket.inet_ntoa(raw[20:24]))
+    finally:
+        probe.close()
+    return found
+
+
+def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAULT_SHM_DIR,
+                    faults: FaultSpec | None = None, detach: bool = False,
+                    mtu: int | None = None) -> LocalCluster:  # fmt: skip
+    """``netdam up --cluster FILE`` with a FILE that lists nodes (hand-written, maybe for several
+    hosts): start exactly the nodes whose address is an address of this host, with the file's
+    ranks, ports, admin key and MTU (memory: the entry's ``memory_bytes``, else *memory*), every
+    node of the file as members; then fill in their pid, memory_file and control_port, keep the
+    other entries as written, and mark the file ``keep_file``."""
+    info = load_cluster(path)
+    if mtu is not None and mtu != info.mtu:
+        raise ValueError(f"--mtu {mtu} differs from mtu = {info.mtu} in {path}: edit the file or drop --mtu")
+    local = [n for n in info.nodes if is_local_address(n.address)]
+    if not local:
+        addresses = ", ".join(sorted({n.address for n in info.nodes}))
+        raise ValueError(f"no node of {path} has an address of this host (the file lists {addresses}): run "
+                         "`netdam up --cluster FILE` on the hosts that own them, or fix `address`")  # fmt: skip
+    for node in local:
+        if node.pid and _is_node_process(node.pid):
+            raise ValueError(f"rank {node.rank} ({node.address}:{node.port}) of {path} already runs as pid "
+                             f"{node.pid}: stop it first with `netdam down --cluster {path}`")  # fmt: skip
+    start = time.monotonic()
+    spec = _NodeSpec(info.name, info.admin_key, info.endpoints, len(info.nodes), shm_dir, info.mtu,
+                     faults or FaultSpec(), detach)  # fmt: skip
+    sizes = {n.rank: n.memory_bytes or memory for n in local}
+    procs, control_ports = _spawn_nodes(spec, [(n.rank, n.endpoint, sizes[n.rank]) for n in local])
+    entries = {
+        n.rank: replace(n, pid=p.pid, control_port=port, memory_file=str(spec.memory_file(n.rank)),
+                        memory_bytes=sizes[n.rank])
+        for n, p, port in zip(local, procs, control_ports, strict=True)
+    }  # fmt: skip
+    all_local = len(local) == len(info.nodes)
+
+    def fill(current: ClusterFile) -> ClusterFile:
+        head = {"supervisor_pid": 0 if detach else os.getpid()} if all_local else {}
+        return replace(with_nodes(current, entries), keep_file=True, **head)  # type: ignore[arg-type]
+
+    try:
+        updated = update_cluster_file(path, fill)
+    except BaseException:
+        stop_pids([p.pid for p in procs], 3.0, processes=procs)
+        _remove_node_files(info.name, list(entries.values()))
+        raise
+    return LocalCluster(updated, path, procs, time.monotonic() - start, owned=tuple(entries))
+
+
+def _is_node_process(pid: int) -> bool:
+    """Whether *pid* is alive and runs netdam (a stale file's pid may have been reused)."""
+    if not _alive(pid, None):
+        return False
+    try:
+        return b"netdam" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc: trust the file
+
+
+def _remove_node_files(cluster_name: str, nodes: list[NodeEntry]) -> None:
+    for node in nodes:
+        if node.memory_file:
+            Path(node.memory_file).unlink(missing_ok=True)
+        node_log(cluster_name, node.rank).unlink(missing_ok=True)
+
+
+def _clear_entries(path: Path, ranks: list[int]) -> None:
+    """Forget the running state (pid, memory file, control port) of *ranks* in the file."""
+    if not path.exists():
+        return
+
+    def clear(current: ClusterFile) -> ClusterFile:
+        cleared = {n.rank: n.cleared() for n in current.nodes if n.rank in ranks}
+        everyone_local = len(cleared) == len(current.nodes)
+        return replace(with_nodes(current, cleared), supervisor_pid=0 if everyone_local else current.supervisor_pid)
+
+    try:
+        update_cluster_file(path, clear)
+    except ValueError as exc:  # edited meanwhile into something unreadable: leave it alone
+        print(f"warning: could not clear ranks {ranks} in {path}: {exc}", file=sys.stderr)
+
+
+def _free_port_block(address: str, count: int) -> int:
+    """A base port with *count* consecutive free UDP ports (checked by binding them)."""
+    import socket
+
+    for _ in range(50):
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        probe.bind((address, 0))
+        base = probe.getsockname()[1]
+        probe.close()
+        if base + count >= 65535:
+            continue
+        socks = []
+        try:
+            for k in range(count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                socks.append(s)
+                s.bind((address, base + k))
+            return int(base)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ClusterStartError(f"no block of {count} free UDP ports on {address}: pass --base-port")
+
+
+def _wait_ready(
+    procs: list[subprocess.Popen[bytes]], endpoints: list[Endpoint], logs: list[Path],
+    ranks: list[int] | None = None,
+) -> list[int]:  # fmt: skip
+    """Wait for every node's ``ready`` line; return their control ports. *ranks* names the
+    processes in messages (default: their positions)."""
+    names = ranks if ranks is not None else list(range(len(procs)))
+    control_ports = [0] * len(procs)
+    selector = selectors.DefaultSelector()
+    waiting = {}
+    for rank, proc in enumerate(procs):
+        assert proc.stdout is not None
+        selector.register(proc.stdout, selectors.EVENT_READ, rank)
+        waiting[rank] = proc
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pending = ", ".join(f"{endpoints[r][0]}:{endpoints[r][1]} (rank {names[r]})" for r in waiting)
+            raise ClusterStartError(f"nodes not ready after {START_TIMEOUT_S:.0f} s: {pending}")
+        for key, _ in selector.select(timeout=min(left, 0.5)):
+            rank = key.data
+            line = key.fileobj.readline()  # type: ignore[union-attr]
+            if line.startswith(b"ready"):
+                for word in line.split():
+                    if word.startswith(b"control_port="):
+                        control_ports[rank] = int(word.split(b"=")[1])
+                selector.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+                del waiting[rank]
+            elif not line:
+                selector.unregister(key.fileobj)
+                waiting.pop(rank)
+                err = logs[rank].read_text(errors="replace").strip() if logs[rank].exists() else ""
+                raise ClusterStartError(
+                    f"node rank {names[rank]} ({endpoints[rank][0]}:{endpoints[rank][1]}) exited "
+                    f"during start-up: {err.splitlines()[-1] if err else 'no message'}"
+                )
+    selector.close()
+    return control_ports
+
+
+def stop_pids(pids: list[int], timeout: float, processes: list[subprocess.Popen[bytes]] | None = None) -> None:
+    """SIGTERM, wait up to *timeout*, then SIGKILL; reaps our own children."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    by_pid = {p.pid: p for p in processes or []}
+    for pid in pids:
+        while _alive(pid, by_pid.get(pid)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _alive(pid, by_pid.get(pid)):
+            _signal(pid, signal.SIGKILL)
+            if pid in by_pid:
+                by_pid[pid].wait(timeout=5)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int, proc: subprocess.Popen[bytes] | None) -> bool:
+    if proc is not None:
+        return proc.poll() is None
+    return process_alive(pid)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether *pid* runs (a zombie does not: it answers kill(0), /proc tells)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (not our child) still answers kill(0); /proc tells.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def stop_cluster_file(path: Path, timeout: float = 5.0) -> ClusterFile:
+    """``netdam down``: stop the nodes of a cluster file that run on this host (address of this
+    host, pid running netdam) and remove their memory files. When every node of the file is
+    local and the file is not ``keep_file``, the file goes too (and the foreground ``netdam up``
+    that supervises it is told to stop); otherwise the stopped nodes' pid, memory_file and
+    control_port are cleared and the other entries kept. Returns the file with the local nodes."""
+    info = load_cluster(path)
+    from netdam.cluster.switch_launch import stop_switch_from_file
+
+    local = [n for n in info.nodes if is_local_address(n.address)]
+    stop_switch_from_file(path, timeout)
+    stop_pids([n.pid for n in local if n.pid and _is_node_process(n.pid)], timeout)
+    _remove_node_files(info.name, local)
+    if len(local) == len(info.nodes) and info.supervisor_pid and _alive(info.supervisor_pid, None):
+        _signal(info.supervisor_pid, signal.SIGTERM)
+    if len(local) == len(info.nodes) and not info.keep_file:
+        _remove_pool_state(path)
+        path.unlink(missing_ok=True)
+    else:
+        _clear_entries(path, [n.rank for n in local])
+    return replace(info, nodes=tuple(local))
+
+
+def _remove_pool_state(cluster_path: Path) -> None:
+    """The pool's persisted state belongs to the cluster: it goes when the cluster goes (it
+    survives switch restarts, not `netdam down`)."""
+    from netdam.switch.state import state_path_for
+
+    state = state_path_for(cluster_path)
+    for leftover in (state, state.with_name(state.name + ".lock")):
+        leftover.unlink(missing_ok=True)

@@ -1,0 +1,521 @@
+"""NodeCore: one emulated NetDAM NIC, sans-I/O and batch-shaped.
+
+The core never touches a socket or a clock. Its owner (an I/O shell, or the in-memory fabric in
+tests) hands it a batch of received datagrams with ``receive_batch(buf, lens, srcs, n, now)`` and
+collects what to send with ``fill_send_batch(out, out_lens, out_dsts, now) -> n``. Addresses are
+``ip << 16 | port`` as uint64 (``netdam.protocol.packet.endpoint_to_u64``).
+
+The data opcodes run in one numba call per batch (``netdam.kernels.datapath.process_batch``);
+the rare control opcodes, PINGs and replies addressed to the node are *punted*
+to ``_handle_punted`` here, in Python.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from netdam.core.collective import CollectiveEngine
+from netdam.core.events import (
+    CollectiveStartRequested,
+    Event,
+    GroupJoined,
+    GroupLeft,
+    RegionDeregistered,
+    RegionRegistered,
+    ReplyReceived,
+)
+from netdam.core.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
+from netdam.kernels import coll_layout as L
+from netdam.kernels import collective as coll_kernels
+from netdam.kernels import datapath
+from netdam.protocol import counters as C
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    DUP_REPLY_BYTES,
+    DUP_WINDOW,
+    DUP_WINDOW_CLIENTS,
+    HEADER_SIZE,
+    IP_UDP_OVERHEAD,
+    MAX_PAYLOAD_BYTES,
+    MAX_SEGMENTS,
+    MIN_MTU,
+    PROTOCOL_VERSION,
+    SEGMENT_SIZE,
+    Opcode,
+    Rights,
+    Status,
+    max_payload,
+)
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import (
+    Endpoint,
+    Packet,
+    decode_packet,
+    encode_packet,
+    endpoint_to_u64,
+    reply_to,
+    u64_to_endpoint,
+)
+
+assert SLOT_BYTES == HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
+#: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
+RKEY_SLOTS = 1024
+MAX_REGIONS = RKEY_SLOTS // 2
+#: Events waiting for the owner; beyond it replies are dropped and counted.
+MAX_EVENTS = 1 << 16
+
+INFO_STRUCT = struct.Struct("<IIQIIII")
+REGISTER_STRUCT = struct.Struct("<II")
+
+
+@dataclass
+class NodeConfig:
+    """Settings of one node."""
+
+    #: This node's own address (replies and forwards name it as source).
+    endpoint: Endpoint
+    #: Bytes of node memory.
+    memory_bytes: int = 64 << 20
+    #: Key that authorises control opcodes (SPEC.md "Rights"). Random when not given.
+    admin_key: int = field(default_factory=lambda: secrets.randbits(32) | 1)
+    #: Addresses this node may forward to and whose return segments it trusts (itself included).
+    members: tuple[Endpoint, ...] = ()
+    #: IP MTU; packets that would not fit are refused at the source.
+    mtu: int = DEFAULT_MTU
+    rank: int = 0
+    world_size: int = 1
+    #: Initial send-queue slots (grows up to MAX_TX_QUEUE).
+    tx_slots: int = 256
+
+
+class NodeCore(QueueOwner):
+    """The sans-I/O core of one node: memory, rkeys, duplicate window, counters, datapath."""
+
+    def __init__(self, config: NodeConfig, memory: np.ndarray | None = None) -> None:
+        if config.mtu < MIN_MTU:
+            raise ValueError(
+                f"MTU {config.mtu} is too small: NetDAM needs at least {MIN_MTU} (--mtu)"
+            )
+        if memory is None:
+            memory = np.zeros(config.memory_bytes, dtype=np.uint8)
+        if memory.dtype != np.uint8 or memory.ndim != 1 or not memory.flags.c_contiguous:
+            raise ValueError("node memory must be a 1-D C-contiguous uint8 array")
+        self.config = config
+        self.memory = memory
+        self.counters = C.new_counters()
+        self.endpoint_u64 = endpoint_to_u64(config.endpoint)
+        #: Largest datagram accepted: the UDP payload of one MTU-sized IP packet; longer ones are
+        #: dropped and counted, as a NIC drops frames over its MTU.
+        self.max_datagram = config.mtu - IP_UDP_OVERHEAD
+        self.set_members(config.members)
+        self._rk_key = np.zeros(RKEY_SLOTS, np.uint32)
+        self._rk_base = np.zeros(RKEY_SLOTS, np.int64)
+        self._rk_len = np.zeros(RKEY_SLOTS, np.int64)
+        self._rk_rights = np.zeros(RKEY_SLOTS, np.uint8)
+        self._regions: dict[int, tuple[int, int, int]] = {}
+        # The at-most-once window's client table (SPEC section 7): key, highest txn, last use.
+        self._cl_id = np.zeros(DUP_WINDOW_CLIENTS, np.uint64)
+        self._cl_hi = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
+        self._cl_used = np.zeros(DUP_WINDOW_CLIENTS, np.int64)
+        self._w_txn = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint32)
+        self._w_state = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint8)
+        self._w_len = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.int32)
+        self._w_reply = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW, DUP_REPLY_BYTES), np.uint8)
+        self.collective = CollectiveEngine()
+        self.sendq = SendQueue(config.tx_slots, self.counters)
+        self._punt = np.zeros(0, np.int32)
+        self._events: deque[Event] = deque()
+        self.groups: set[Endpoint] = set()
+        self._handlers: dict[Opcode, Callable[[Packet, int], None]] = {
+            Opcode.PING: self._on_ping,
+            Opcode.REGISTER: self._on_register,
+            Opcode.DEREGISTER: self._on_deregister,
+            Opcode.JOIN: self._on_join,
+            Opcode.LEAVE: self._on_leave,
+            Opcode.START_COLL: self._on_start_collective,
+            Opcode.COUNTERS: self._on_counters,
+        }
+
+    # ------------------------------------------------------------------ the batch verbs
+
+    def receive_batch(
+        self,
+        buf: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        srcs: np.ndarray,
+        n: int,
+        now: float,
+    ) -> None:
+        """Execute datagrams ``buf[offs[i] : offs[i] + lens[i]]`` from ``srcs[i]`` for i < n."""
+        _check_batch(buf, offs, lens, srcs, n)
+        if n == 0:
+            return
+        self._reserve_tx(n)
+        if self._punt.shape[0] < n:
+            self._punt = np.zeros(max(n, 64), np.int32)
+        tx_n, n_punt = datapath._process_batch(
+            buf, offs, lens, srcs, n, self.max_datagram, *self.state_arrays(), int(self._txq[1]), self._punt
+        )
+        self._txq[1] = tx_n
+        self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
+
+    def state_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays ``datapath._process_batch`` takes after the receive batch, in its order.
+
+        For I/O shells that run the datapath inside their own compiled loop; the core stays the
+        only owner (shells must call ``reserve`` before and ``handle_punted`` after)."""
+        return (
+            self.memory, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._members,
+            self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
+            self._w_reply, self.collective.cfg, self.collective.done, self.collective.acked,
+            self.counters,
+            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst,
+        )  # fmt: skip
+
+    @property
+    def tx_queue(self) -> np.ndarray:
+        """``[head, tail]`` of the send queue (shared with compiled I/O loops)."""
+        return self._txq
+
+    def reserve(self, n: int) -> None:
+        """Guarantee room in the send queue for the answers to *n* received datagrams."""
+        self._reserve_tx(n)
+
+    def handle_punted(
+        self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
+        punt: np.ndarray, n_punt: int,
+    ) -> None:  # fmt: skip
+        """Run the slow path for the datagrams the datapath punted (batch indices in *punt*)."""
+        for k in range(n_punt):
+            i = int(punt[k])
+            self._handle_punted(bytes(buf[offs[i] : offs[i] + lens[i]]), int(srcs[i]))
+
+    def fill_send_batch(
+        self,
+        out: np.ndarray,
+        out_offs: np.ndarray,
+        out_lens: np.ndarray,
+        out_dsts: np.ndarray,
+        now: float,
+    ) -> int:
+        """Copy queued datagrams into the caller's batch (back to back in ``out``, as many as fit
+        in its bytes and its ``out_lens`` slots); return how many."""
+        _check_batch(out, out_offs, out_lens, out_dsts, out_lens.shape[0])
+        return self.sendq.fill(out, out_offs, out_lens, out_dsts)
+
+    def next_event(self) -> Event | None:
+        """The oldest undelivered event, or None."""
+        return self._events.popleft() if self._events else None
+
+    def get_timer(self) -> float | None:
+        """When the collective engine wants its next tick (None: no collective running)."""
+        if not self.collective.needs_tick:
+            return None
+        fcfg = self.collective.fcfg
+        return float(fcfg[L.F_NOW] + min(fcfg[L.F_RTO] / 4.0, 0.001))
+
+    def handle_timer(self, now: float) -> None:
+        """Run the collective engine's clock: chain heads, retransmits, all-gather, repair."""
+        if not self.collective.needs_tick:
+            return
+        self._reserve_tx(2 * self.collective.cfg[L.CFG_WINDOW] * max(1, int(self.collective.cfg[L.CFG_WORLD])))
+        tx_n = coll_kernels._coll_tick(
+            now, *self.collective.tick_arrays(), self.memory, self.collective.done, self.counters,
+            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, int(self._txq[1]),
+        )  # fmt: skip
+        self._txq[1] = tx_n
+
+    def engine_arrays(self) -> tuple[np.ndarray, ...]:
+        """The engine's clock arrays that ``state_arrays`` does not already carry, in the order
+        ``serve._serve`` takes them: fcfg, ring, bounds, cb, sent, tries, agsent."""
+        e = self.collective
+        return (e.fcfg, e.ring, e.bounds, e.cb, e.sent, e.tries, e.agsent)
+
+    # ------------------------------------------------------------------ one-datagram helpers
+
+    def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None:
+        """Convenience for tests and tools: a batch of one."""
+        buf = np.frombuffer(data, np.uint8).copy() if data else np.zeros(1, np.uint8)
+        self.receive_batch(
+            buf,
+            np.zeros(1, np.int64),
+            np.array([len(data)], np.int32),
+            np.array([endpoint_to_u64(src)], np.uint64),
+            1,
+            now,
+        )
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
+        """Drain the whole send queue as (bytes, destination) pairs."""
+        count = self.pending()
+        out = np.zeros(max(count, 1) * SLOT_BYTES, np.uint8)
+        offs = np.zeros(count, np.int64)
+        lens = np.zeros(count, np.int32)
+        dsts = np.zeros(count, np.uint64)
+        self.fill_send_batch(out, offs, lens, dsts, now)
+        return [
+            (bytes(out[offs[k] : offs[k] + lens[k]]), u64_to_endpoint(int(dsts[k])))
+            for k in range(count)
+        ]
+
+    # ------------------------------------------------------------------ host-side control
+
+    def set_members(self, members: tuple[Endpoint, ...] | list[Endpoint]) -> None:
+        """Replace the cluster member list (this node is always a member)."""
+        values = {endpoint_to_u64(m) for m in members} | {self.endpoint_u64}
+        self._members = np.array(sorted(values), dtype=np.uint64)
+        self._member_set = values
+
+    def register_region(self, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
+        """Make [base, base+size) reachable under an rkey (random when 0); return the rkey."""
+        status = self._register(base, size, int(rights), rkey, announce=False)
+        if isinstance(status, Status):
+            raise ValueError(f"cannot register region: {status.name}")
+        return status
+
+    def deregister_region(self, rkey: int) -> None:
+        """Remove *rkey*; raises KeyError when unknown."""
+        if self._deregister(rkey, announce=False) != Status.OK:
+            raise KeyError(f"unknown rkey 0x{rkey:08x}")
+
+    def regions(self) -> dict[int, tuple[int, int, int]]:
+        """rkey -> (base, size, rights) of every registered region."""
+        return dict(self._regions)
+
+    # ------------------------------------------------------------------ internals
+
+    def _reserve_tx(self, n: int) -> None:
+        self.sendq.reserve(n)
+
+    def _push(self, data: bytes, dst: int) -> None:
+        """Queue one datagram built by the control plane."""
+        self.sendq.push(data, dst)
+
+    def _reply_dst(self, packet: Packet, src: int) -> int:
+        ret = endpoint_to_u64(packet.ret)
+        if ret and src in self._member_set:
+            return int(ret)
+        return src
+
+    def _reply(
+        self,
+        request: Packet,
+        src: int,
+        opcode: Opcode,
+        status: Status = Status.OK,
+        payload: bytes = b"",
+        rkey: int | None = None,
+        aux_addr: int | None = None,
+    ) -> bytes:
+        reply = reply_to(request, opcode, status, payload)
+        if rkey is not None:
+            reply = replace(reply, rkey=rkey)
+        if aux_addr is not None:
+            reply = replace(reply, aux_addr=aux_addr)
+        data = encode_packet(reply)
+        self._push(data, self._reply_dst(request, src))
+        if status != Status.OK:
+            self.counters[C.NACK_BASE + status] += 1
+        return bytes(data)
+
+    def _nack(self, request: Packet, src: int, status: Status) -> None:
+        self._reply(request, src, Opcode.NACK, status)
+
+    def _handle_punted(self, data: bytes, src: int) -> None:
+        try:
+            packet = decode_packet(data)
+        except RemoteProtocolError as exc:
+            # The datapath validates what it punts; should anything reach here unvalidated,
+            # answer as the datapath would.
+            if data[1] in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+                self.counters[C.DROP_BAD_REPLY] += 1
+                return
+            self._nack_raw(data, src, exc.status)
+            return
+        if packet.opcode in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+            if len(self._events) >= MAX_EVENTS:
+                self.counters[C.DROP_UNEXPECTED_REPLY] += 1
+                return
+            self._events.append(ReplyReceived(packet, u64_to_endpoint(src)))
+            return
+        handler = self._handlers.get(packet.opcode)
+        if handler is None:
+            # Data opcodes (the datapath executes them, sparse ones included) never get here.
+            self._nack(packet, src, Status.BAD_FIELD)
+            return
+        if packet.opcode != Opcode.PING and packet.rkey != self.config.admin_key:
+            self._nack(packet, src, Status.UNAUTHORIZED)
+            return
+        handler(packet, src)
+
+    def _nack_raw(self, data: bytes, src: int, status: Status) -> None:
+        """NACK a packet the codec refused: echo its fixed header as the datapath does."""
+        header = bytearray(data[:HEADER_SIZE])
+        header[0] = 1
+        header[1] = Opcode.NACK
+        header[48] = header[48] if header[48] <= 6 else 0
+        header[49] = header[49] if header[49] <= 2 else 0
+        header[55] = header[62] = header[63] = 0
+        header[2:4] = (int.from_bytes(header[2:4], "big") & 0x000C).to_bytes(2, "big")
+        header[28:32] = b"\x00\x00\x00\x00"
+        header[50] = status
+        header[52:55] = b"\x00\x00\x00"
+        ret = int.from_bytes(header[56:60], "big") << 16 | int.from_bytes(header[60:62], "big")
+        self._push(bytes(header), ret if ret and src in self._member_set else src)
+        self.counters[C.NACK_BASE + status] += 1
+
+    def _on_ping(self, packet: Packet, src: int) -> None:
+        info = INFO_STRUCT.pack(
+            PROTOCOL_VERSION,
+            self.config.mtu,
+            self.memory.shape[0],
+            max_payload(self.config.mtu),
+            MAX_SEGMENTS,
+            self.config.rank,
+            self.config.world_size,
+        )
+        self._reply(packet, src, Opcode.INFO, payload=info)
+
+    def _windowed(
+        self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int | None]]
+    ) -> None:
+        """Run a mutating control opcode at most once per (client, txn), like the datapath."""
+        verdict, c, w = datapath._window_check(
+            self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state,
+            packet.client_id, self._reply_dst(packet, src), packet.txn_id,
+            int(self.counters[C.RX_PACKETS]) + 1,
+        )  # fmt: skip
+        if verdict == 2:
+            self._nack(packet, src, Status.STALE)
+            return
+        if verdict == 1:
+            length = int(self._w_len[c, w])
+            self.counters[C.DUP_REPLAYS] += 1
+            self._push(bytes(self._w_reply[c, w, :length]), self._reply_dst(packet, src))
+            return
+        status, rkey = execute()
+        if status != Status.OK:
+            self._nack(packet, src, status)
+            return
+        reply = self._reply(packet, src, Opcode.ACK, rkey=rkey)
+        if verdict == 0:
+            datapath._window_record(
+                self._w_txn, self._w_state, self._w_len, self._w_reply, c, w, packet.txn_id,
+                np.frombuffer(reply, np.uint8), len(reply),
+            )  # fmt: skip
+
+    def _on_register(self, packet: Packet, src: int) -> None:
+        requested, rights = REGISTER_STRUCT.unpack(packet.payload)
+
+        def execute() -> tuple[Status, int | None]:
+            result = self._register(packet.addr, packet.aux_addr, rights, requested)
+            if isinstance(result, Status):
+                return result, None
+            return Status.OK, result
+
+        self._windowed(packet, src, execute)
+
+    def _on_deregister(self, packet: Packet, src: int) -> None:
+        rkey, _ = REGISTER_STRUCT.unpack(packet.payload)
+        self._windowed(packet, src, lambda: (self._deregister(rkey), None))
+
+    def _register(
+        self, base: int, size: int, rights: int, rkey: int, announce: bool = True
+    ) -> int | Status:
+        if size <= 0 or base + size > self.memory.shape[0]:
+            return Status.OUT_OF_BOUNDS
+        if rights == 0 or rights & ~int(Rights.READ | Rights.WRITE | Rights.ATOMIC):
+            return Status.BAD_FIELD
+        if rkey and rkey in self._regions:
+            return Status.EXISTS
+        if len(self._regions) >= MAX_REGIONS:
+            return Status.NO_SPACE
+        while rkey == 0 or rkey in self._regions:
+            rkey = secrets.randbits(32)
+        slot = _probe_free(self._rk_key, rkey)
+        self._rk_key[slot] = rkey
+        self._rk_base[slot] = base
+        self._rk_len[slot] = size
+        self._rk_rights[slot] = rights
+        self._regions[rkey] = (base, size, rights)
+        if announce:  # the host that called register_region knows already
+            self._events.append(RegionRegistered(rkey, base, size, rights))
+        return rkey
+
+    def _deregister(self, rkey: int, announce: bool = True) -> Status:
+        if rkey not in self._regions:
+            return Status.BAD_RKEY
+        del self._regions[rkey]
+        # Rebuild the table: open addressing has no cheap delete, and deregistration is rare.
+        self._rk_key[:] = 0
+        for key, (base, size, rights) in self._regions.items():
+            slot = _probe_free(self._rk_key, key)
+            self._rk_key[slot], self._rk_base[slot] = key, base
+            self._rk_len[slot], self._rk_rights[slot] = size, rights
+        if announce:
+            self._events.append(RegionDeregistered(rkey))
+        return Status.OK
+
+    def _on_join(self, packet: Packet, src: int) -> None:
+        group = u64_to_endpoint(packet.addr)
+        self.groups.add(group)
+        self._events.append(GroupJoined(group))
+        self._reply(packet, src, Opcode.ACK)
+
+    def _on_leave(self, packet: Packet, src: int) -> None:
+        group = u64_to_endpoint(packet.addr)
+        self.groups.discard(group)
+        self._events.append(GroupLeft(group))
+        self._reply(packet, src, Opcode.ACK)
+
+    def _on_start_collective(self, packet: Packet, src: int) -> None:
+        final = self.collective.final_reply(packet, src)
+        if final is not None:
+            # A retried START_COLL of a finished collective: the host may have lost the
+            # completion, so it gets it again (SPEC.md "START_COLL").
+            self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1)
+            return
+        status = self.collective.start(
+            packet, src, self.memory, self.config.mtu, self.endpoint_u64, self._regions,
+            int(self.counters[C.RCVBUF_BYTES]),
+        )  # fmt: skip
+        if status == Status.OK:
+            self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
+            self._reply(packet, src, Opcode.ACK)
+        elif status == Status.STALE_EPOCH:  # aux_addr: this node's epoch, the host's next is above
+            self._reply(packet, src, Opcode.NACK, status, aux_addr=int(self.collective.cfg[L.CFG_EPOCH]))
+        else:
+            self._nack(packet, src, status)
+
+    def _on_counters(self, packet: Packet, src: int) -> None:
+        self._reply(packet, src, Opcode.ACK, payload=self.counters.astype("<u8").tobytes())
+
+
+def _probe_free(table: np.ndarray, rkey: int) -> int:
+    """The slot the datapath's probe sequence reaches first for *rkey* (same hash)."""
+    mask = table.shape[0] - 1
+    slot = (rkey * 2654435761) & mask
+    while table[slot] != 0:
+        slot = (slot + 1) & mask
+    return int(slot)
+
+
+def _check_batch(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
+    """The kernels trust their arrays: check dtypes, shapes and contiguity once, here."""
+    if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError("batch buffer must be a 1-D C-contiguous uint8 array")
+    if offs.dtype != np.int64 or offs.ndim != 1 or not offs.flags.c_contiguous:
+        raise ValueError("batch offsets must be a 1-D contiguous int64 array")
+    if lens.dtype != np.int32 or lens.ndim != 1 or not lens.flags.c_contiguous:
+        raise ValueError("batch lengths must be a 1-D contiguous int32 array")
+    if addrs.dtype != np.uint64 or addrs.ndim != 1 or not addrs.flags.c_contiguous:
+        raise ValueError("batch addresses must be a 1-D contiguous uint64 array (ip << 16 | port)")
+    if not 0 <= n <= min(offs.shape[0], lens.shape[0], addrs.shape[0]):
+        raise ValueError(f"batch count {n} exceeds the arrays ({lens.shape[0]} entries)")

@@ -1,0 +1,152 @@
+"""The send queue of a core (node or switch): datagrams packed back to back in one byte buffer.
+
+Datagram k lies at ``buf[off[k] : off[k] + length[k]]`` and goes to ``dst[k]``; ``off[tail]``
+is the next free byte, and ``q = [head, tail]`` marks what is pending. Packing back to back lets
+an I/O shell send a run of datagrams to one destination as one GSO message without copying, and
+the compiled kernels append to the queue directly (they take these arrays as arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from netdam.kernels.datapath import _drain
+from netdam.protocol import counters as C
+
+#: Room one outgoing datagram may need: header, full SR list, largest payload (protocol/SPEC.md).
+SLOT_BYTES = 64 + 64 * 8 + 8192
+#: Bound of the queue: beyond it the datapath drops and counts (DROP_TX_FULL).
+MAX_TX_QUEUE = 1 << 15
+
+
+class SendQueue:
+    """Pending datagrams of one core; the arrays are replaced when the queue grows."""
+
+    def __init__(self, slots: int, counters: np.ndarray) -> None:
+        self.counters = counters
+        self.buf = np.zeros(slots * SLOT_BYTES, np.uint8)
+        self.off = np.zeros(slots + 1, np.int64)
+        self.len = np.zeros(slots, np.int32)
+        self.dst = np.zeros(slots, np.uint64)
+        self.q = np.zeros(2, np.int64)
+        #: While ``capture`` runs: datagrams the control plane pushes, kept out of the queue.
+        self.captured: list[tuple[bytes, int]] | None = None
+
+    @contextmanager
+    def capture(self) -> Iterator[list[tuple[bytes, int]]]:
+        """Collect what ``push`` is given instead of queuing it: a process shell sends the
+        control plane's answers to a management-port request back through that port (which may
+        fragment, unlike the data port). What the compiled datapath queues is not captured."""
+        self.captured = []
+        try:
+            yield self.captured
+        finally:
+            self.captured = None
+
+    def pending(self) -> int:
+        """Datagrams waiting."""
+        return int(self.q[1] - self.q[0])
+
+    def reserve(self, n: int) -> None:
+        """Make room for n more datagrams: compact the queue, then grow up to MAX_TX_QUEUE."""
+        head, tail = int(self.q[0]), int(self.q[1])
+        if head:
+            live, base, end = tail - head, int(self.off[head]), int(self.off[tail])
+            self.buf[: end - base] = self.buf[base:end]
+            self.off[: live + 1] = self.off[head : tail + 1] - base
+            self.len[:live] = self.len[head:tail]
+            self.dst[:live] = self.dst[head:tail]
+            self.q[:] = (0, live)
+            tail = live
+        need = tail + n + 1  # +1: a punted packet's reply
+        cap = self.len.shape[0]
+        if need > cap and cap < MAX_TX_QUEUE:
+            new_cap = min(MAX_TX_QUEUE, max(need, 2 * cap))
+            self.off = _grown(self.off, new_cap + 1)
+            self.len = _grown(self.len, new_cap)
+            self.dst = _grown(self.dst, new_cap)
+        room = int(self.off[tail]) + (min(need, self.len.shape[0]) - tail) * SLOT_BYTES
+        if room > self.buf.shape[0]:
+            self.buf = _grown(self.buf, max(room, 2 * self.buf.shape[0]))
+
+    def push(self, data: bytes, dst: int) -> bool:
+        """Queue one datagram built in Python; False (and counted) when there is no room."""
+        if self.captured is not None:
+            self.captured.append((data, dst))
+            return True
+        self.reserve(1)
+        tail = int(self.q[1])
+        start = int(self.off[tail])
+        if tail >= self.len.shape[0] or start + len(data) > self.buf.shape[0]:
+            self.counters[C.DROP_TX_FULL] += 1
+            return False
+        self.buf[start : start + len(data)] = np.frombuffer(data, np.uint8)
+        self.len[tail] = len(data)
+        self.dst[tail] = dst
+        self.off[tail + 1] = start + len(data)
+        self.q[1] = tail + 1
+        return True
+
+    def fill(self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray) -> int:
+        """Copy pending datagrams into a caller's batch (back to back, as many as fit)."""
+        head, tail = int(self.q[0]), int(self.q[1])
+        count = int(_drain(self.buf, self.off, self.len, self.dst, head, tail - head,
+                           out, out_offs, out_lens, out_dsts))  # fmt: skip
+        self.sent(count)
+        return count
+
+    def sent(self, count: int) -> None:
+        """The *count* oldest datagrams left: count them and free their room."""
+        if count:
+            head = int(self.q[0])
+            self.counters[C.TX_PACKETS] += count
+            self.counters[C.TX_BYTES] += int(self.len[head : head + count].sum())
+            self.q[0] = head + count
+        if self.q[0] == self.q[1]:
+            self.q[:] = 0
+            self.off[0] = 0
+
+
+class QueueOwner:
+    """Gives a core (node or switch) the send queue's arrays under the names its kernels'
+    callers use; they are looked up each time because the queue replaces them when it grows."""
+
+    sendq: SendQueue
+
+    @property
+    def _tx_buf(self) -> np.ndarray:
+        return self.sendq.buf
+
+    @property
+    def _tx_off(self) -> np.ndarray:
+        return self.sendq.off
+
+    @property
+    def _tx_len(self) -> np.ndarray:
+        return self.sendq.len
+
+    @property
+    def _tx_dst(self) -> np.ndarray:
+        return self.sendq.dst
+
+    @property
+    def _txq(self) -> np.ndarray:
+        return self.sendq.q
+
+    def pending(self) -> int:
+        """Datagrams waiting in the send queue."""
+        return self.sendq.pending()
+
+    def sent(self, count: int) -> None:
+        """The owner sent the *count* oldest queued datagrams: count them and free their room."""
+        self.sendq.sent(count)
+
+
+def _grown(array: np.ndarray, size: int) -> np.ndarray:
+    """A copy of 1-D *array* extended with zeros to *size* elements."""
+    grown = np.zeros(size, array.dtype)
+    grown[: array.shape[0]] = array
+    return grown

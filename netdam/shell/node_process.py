@@ -1,0 +1,303 @@
+"""One node process: memory file, UDP socket, the NodeCore and its compiled serve loop.
+
+The thin I/O shell of the node core (aioquic's asyncio/protocol.py, batch-shaped). Python runs
+between compiled rounds only: punted datagrams (control opcodes, PING, replies), group
+membership, signals and the stop flag. Nothing per data packet happens here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from netdam.core.events import GroupJoined, GroupLeft
+from netdam.core.faults import FaultSpec
+from netdam.core.node import NodeConfig, NodeCore
+from netdam.core.sendqueue import SLOT_BYTES, SendQueue
+from netdam.kernels import serve
+from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
+from netdam.protocol import counters as C
+from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
+from netdam.protocol.packet import Endpoint, endpoint_to_u64, u64_to_endpoint
+from netdam.shell.shm import DEFAULT_SHM_DIR, create_memory, prefault
+from netdam.shell.udp import (
+    granted_buffers,
+    join_multicast,
+    open_control_socket,
+    open_udp_socket,
+    pin_multicast_sender,
+)
+
+#: Datagrams received per round (at most): four full GRO runs of 64.
+ROUND_DATAGRAMS = 256
+#: GRO runs (64 KiB receive slots) per round.
+RECV_RUNS = 32
+#: Rounds per compiled call before the control plane gets a turn (bounds stats latency).
+ROUNDS_PER_CALL = 32
+#: How long a call waits for traffic when idle, ms (the stop flag is checked this often).
+IDLE_WAIT_MS = 20
+#: Datagrams held aside by fault injection (reorder, delay) at once.
+HOLD_SLOTS = 256
+#: Attempt-count table of fault injection (power of two).
+FAULT_TABLE = 1 << 16
+PR_SET_PDEATHSIG = 1
+
+
+def record_socket_buffers(sock: socket.socket, counters: np.ndarray) -> None:
+    """The receive and send buffers the kernel granted, as gauges in the counters."""
+    counters[C.RCVBUF_BYTES], counters[C.SNDBUF_BYTES] = granted_buffers(sock)
+
+
+def serve_buffers(round_datagrams: int, recv_runs: int, hold_slots: int) -> tuple[np.ndarray, ...]:
+    """What a process's compiled serve loop receives into and sends with: the receive buffer
+    (GRO runs land in *recv_runs* slots of 64 KiB; datagrams released by fault injection are
+    copied after them), per-datagram offsets, lengths, sources and punt indices, the I/O state
+    and the sendmmsg scratch."""
+    extra = 2 * round_datagrams + hold_slots
+    return (
+        np.zeros(recv_runs * RUN_BYTES + hold_slots * SLOT_BYTES, np.uint8),
+        np.zeros(extra, np.int64),
+        np.zeros(extra, np.int32),
+        np.zeros(extra, np.uint64),
+        np.zeros(extra, np.int32),
+        np.zeros(STATE_LEN, np.int64),
+        np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64),
+    )
+
+
+class ManagedCore(Protocol):
+    """What the management port needs of a core (NodeCore, SwitchCore)."""
+
+    sendq: SendQueue
+
+    def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None: ...
+
+
+def serve_management_port(sock: socket.socket, core: ManagedCore) -> None:
+    """Requests on a process's management port (stats, ping, control): the same core, the same
+    checks. The control plane's answers go back through that port, which may fragment (a
+    switch's COUNTERS outgrow a 1500-byte datagram); the datapath's (a READ) leave with the
+    next flush of the data socket."""
+    for _ in range(64):
+        try:
+            data, src = sock.recvfrom(65536)
+        except BlockingIOError:
+            return
+        with core.sendq.capture() as replies:
+            core.receive_datagram(data, (src[0], src[1]), time.monotonic())
+        for reply, dst in replies:
+            with contextlib.suppress(OSError):  # an unreachable operator loses its reply only
+                sock.sendto(reply, u64_to_endpoint(dst))
+
+
+@dataclass
+class NodeProcessConfig:
+    bind: Endpoint = ("127.0.0.1", NETDAM_UDP_PORT)
+    memory_bytes: int = 64 << 20
+    shm_dir: Path = DEFAULT_SHM_DIR
+    name: str = "netdam-node"
+    admin_key: int = 0
+    members: tuple[Endpoint, ...] = ()
+    mtu: int = DEFAULT_MTU
+    rank: int = 0
+    world_size: int = 1
+    rcvbuf: int = 64 << 20
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    #: Die with the parent (netdam up in the foreground): no orphans.
+    die_with_parent: bool = False
+
+
+class NodeProcess:
+    """Owns the socket, the memory file and the core; ``run`` serves until stopped."""
+
+    def __init__(self, config: NodeProcessConfig) -> None:
+        self.config = config
+        self.stop = False
+        self.memory = create_memory(config.shm_dir, f"{config.name}.mem", config.memory_bytes)
+        try:
+            self.sock = open_udp_socket(config.bind, rcvbuf=config.rcvbuf)
+        except OSError as exc:
+            self.memory.close()
+            raise ValueError(f"cannot bind {config.bind[0]}:{config.bind[1]}: {exc.strerror}; "
+                             "pick another --bind port") from None  # fmt: skip
+        bound = self.sock.getsockname()
+        self.endpoint: Endpoint = (bound[0], bound[1])
+        # A management port beside the data port: under a flood the data socket's receive queue
+        # holds ~100 ms of packets, and stats must not wait behind them (issue 3: < 100 ms).
+        self.ctrl_sock = open_control_socket(bound[0])
+        self.control_port = int(self.ctrl_sock.getsockname()[1])
+        members = tuple(config.members) + (self.endpoint,)
+        self.core = NodeCore(
+            NodeConfig(endpoint=self.endpoint, memory_bytes=config.memory_bytes,
+                       admin_key=config.admin_key or NodeConfig(endpoint=self.endpoint).admin_key,
+                       members=members, mtu=config.mtu, rank=config.rank,
+                       world_size=config.world_size, tx_slots=4 * ROUND_DATAGRAMS),
+            memory=self.memory.array,
+        )  # fmt: skip
+        record_socket_buffers(self.sock, self.core.counters)
+        (self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, self.io_state,
+         self.scratch) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
+        self.group_sock: socket.socket | None = None
+        self.group: Endpoint | None = None
+        spec = config.faults
+        self.fault_cfg = np.array([float(spec.active), spec.loss, spec.dup, spec.reorder,
+                                   spec.delay, spec.delay_s, 0.0, 0.0], np.float64)  # fmt: skip
+        self.fault_keys = np.array([spec.seed & (2**64 - 1), endpoint_to_u64(self.endpoint)], np.uint64)
+        self.fault_table_key = np.zeros(FAULT_TABLE, np.uint64)
+        self.fault_table_count = np.zeros(FAULT_TABLE, np.uint32)
+        self.hold_buf = np.zeros((HOLD_SLOTS, SLOT_BYTES), np.uint8)
+        self.hold_len = np.zeros(HOLD_SLOTS, np.int32)
+        self.hold_src = np.zeros(HOLD_SLOTS, np.uint64)
+        self.hold_time = np.zeros(HOLD_SLOTS, np.float64)
+        self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
+
+    def serve_once(self, timeout_ms: int) -> int:
+        """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""
+        self.core.reserve(2 * ROUND_DATAGRAMS + HOLD_SLOTS + 1)
+        self.fault_cfg[6] = time.monotonic()
+        mfd = self.group_sock.fileno() if self.group_sock is not None else -1
+        reason, n_punt = serve._serve(
+            self.sock.fileno(), mfd, self.ctrl_sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
+            ROUND_DATAGRAMS, self.core.max_datagram, timeout_ms, self.io_state, ROUNDS_PER_CALL,
+            self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
+            self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen,
+            *self.core.state_arrays(), self.core.tx_queue, self.punt, self.scratch,
+            *self.core.engine_arrays(),
+        )  # fmt: skip
+        if n_punt:
+            self.core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
+        self._serve_control()
+        self._handle_events()
+        return int(reason)
+
+    def _serve_control(self) -> None:
+        serve_management_port(self.ctrl_sock, self.core)
+
+    def _handle_events(self) -> None:
+        while (event := self.core.next_event()) is not None:
+            if isinstance(event, GroupJoined):
+                self._join(event.group)
+            elif isinstance(event, GroupLeft) and self.group_sock is not None:
+                self.group_sock.close()
+                self.group_sock = None
+                self.group = None
+
+    def _join(self, group: Endpoint) -> None:
+        """Receive the group's datagrams on a socket bound to the group address and port
+        (shared by every node of this machine: SO_REUSEADDR), membership and sends pinned to
+        the interface of the node's own address (loopback for local clusters, BRIEF section 3;
+        the host's interface when nodes run on several hosts or network namespaces)."""
+        if self.group == group:
+            return
+        if self.group_sock is not None:
+            self.group_sock.close()
+        interface = self.endpoint[0] if self.endpoint[0] != "0.0.0.0" else "127.0.0.1"
+        sock = open_udp_socket(group, rcvbuf=self.config.rcvbuf, reuse_addr=True)
+        join_multicast(sock, group[0], interface)
+        pin_multicast_sender(self.sock, interface)
+        self.group_sock, self.group = sock, group
+
+    def warm_up(self) -> None:
+        """Compile (or load from cache) every kernel and make every queue and table resident
+        before announcing readiness."""
+        self.serve_once(0)
+        core = self.core
+        prefault(self, core, core.sendq, core.collective, skip=(core.memory,))
+
+    def run(self, handle_signals: bool = True) -> None:
+        """Serve until SIGTERM/SIGINT (or the parent's death, when asked) or ``stop``."""
+        if handle_signals:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            while not self.stop and not _STOP_REQUESTED[0]:
+                self.serve_once(IDLE_WAIT_MS)
+        finally:
+            self.close()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop = True
+        _STOP_REQUESTED[0] = True
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctrl_sock.close()
+        if self.group_sock is not None:
+            self.group_sock.close()
+        self.core.memory = np.zeros(0, np.uint8)
+        self.memory.close(unlink=True)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent dies (prctl PR_SET_PDEATHSIG): no orphans."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+#: Set by SIGTERM/SIGINT from the very start of main, so a signal that arrives while the node
+#: is still warming up also ends in a clean close (memory file removed), not a default kill.
+_STOP_REQUESTED = [False]
+
+
+def _request_stop(signum: int, frame: object) -> None:
+    _STOP_REQUESTED[0] = True
+
+
+class ServedProcess(Protocol):
+    """What serve_main needs of a node or switch process."""
+
+    def warm_up(self) -> None: ...
+
+    def run(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+P = TypeVar("P", bound=ServedProcess)
+
+
+def serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_parent: bool) -> int:
+    """The life of a node or switch process: stop handlers first, optionally die with the
+    parent, create (exit 2 with the message on ValueError), warm up, announce, serve."""
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
+    if with_parent:
+        die_with_parent()
+    try:
+        proc = create()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        proc.warm_up()
+    except BaseException:
+        proc.close()
+        raise
+    if _STOP_REQUESTED[0]:
+        proc.close()
+        return 0
+    print(ready_line(proc), flush=True)
+    proc.run()
+    return 0
+
+
+def main(config: NodeProcessConfig) -> int:
+    return serve_main(
+        lambda: NodeProcess(config),
+        lambda proc: f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} "
+        f"control_port={proc.control_port} admin_key={proc.core.config.admin_key}",
+        config.die_with_parent,
+    )

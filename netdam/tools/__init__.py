@@ -1,0 +1,1 @@
+"""Commands that exercise the emulator: demo, all-reduce run, benchmarks, fuzz, soak, flood."""

@@ -1,0 +1,791 @@
+"""``netdam bench allreduce``: the chain all-reduce against its peers, measured in the same run.
+
+For every node count and size, in one run and on the same float32 tensor size:
+
+- ``chain`` (always) and ``ring-host``: :func:`netdam.tools.allreduce.run_allreduce` on real node
+  processes over real UDP sockets (a private cluster per run, results checked bitwise);
+- ``gloo``: N Python processes, ``torch.distributed.init_process_group("gloo",
+  init_method="tcp://127.0.0.1:PORT")`` on CPU, timing ``dist.all_reduce``;
+- ``mpi``: ``mpirun --oversubscribe -np N --mca btl tcp,self python -c ...`` with mpi4py's
+  ``comm.Allreduce`` (``--allow-run-as-root`` added under root, BRIEF section 7).
+
+Every algorithm does ``warmup`` untimed full-size calls, then ``repeat`` timed ones; the peers put
+a barrier before each call and take each call's slowest rank. ``ratio_vs_chain`` is the
+algorithm's median seconds over chain's median seconds (same nodes, same size);
+``model_seconds_100g`` is the cycle model's estimate of the same job on 100G cards (NetDAM chain
+for ``chain``, a RoCE ring for the others): a field of the measured row, never a row of its own.
+A peer that is not installed lands in ``skipped`` with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata, util
+from pathlib import Path
+from typing import Any
+
+from netdam.units import format_size
+
+#: Every algorithm a row can carry, in the order tables and plots list them.
+ALGOS = ("chain", "ring-host", "gloo", "mpi")
+#: Algorithms ``--vs`` accepts (chain always runs).
+PEERS = ("ring-host", "gloo", "mpi")
+DTYPE = "f32"
+ELEMENT_BYTES = 4
+MAX_NODES = 64
+#: Printed by the peer scripts in front of their one JSON line.
+RESULT_TAG = "NETDAM_BENCH_RESULT "
+INSTALL_BENCH = "pip install 'netdam[bench]'"
+INSTALL_MPI = "apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py"
+#: Cycle-model algorithm behind each row's model_seconds_100g.
+MODEL_ALGO = {
+    "chain": "netdam-chain",
+    "ring-host": "roce-ring",
+    "gloo": "roce-ring",
+    "mpi": "roce-ring",
+}
+
+
+@dataclass(frozen=True)
+class AllReduceBenchConfig:
+    nodes: tuple[int, ...] = (4,)
+    sizes: tuple[int, ...] = (64 << 20,)
+    peers: tuple[str, ...] = PEERS
+    repeat: int = 5
+    warmup: int = 1
+    #: Wall-clock limit of one peer run (gloo or mpi), start-up included.
+    timeout_s: float = 600.0
+    plot: Path | None = None
+    progress: bool = True
+
+
+@dataclass
+class _Outcome:
+    """One (algo, nodes, size) run: per-repeat seconds or an error."""
+
+    times: list[float] = field(default_factory=list)
+    ok: bool | None = None
+    error: str | None = None
+    startup_seconds: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- argument parsing
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """``gloo,mpi,ring-host`` -> the peers in canonical order; ``none`` or empty -> ()."""
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if names in ([], ["none"]):
+        return ()
+    unknown = [n for n in names if n not in (*PEERS, "chain")]
+    if unknown:
+        raise ValueError(
+            f"unknown peer {unknown[0]!r} in --vs {text!r}: choose from {', '.join(PEERS)} "
+            "(comma-separated, or none; chain always runs)"
+        )
+    return tuple(p for p in PEERS if p in names)
+
+
+def parse_nodes(text: str) -> tuple[int, ...]:
+    """``4`` or ``2,4,8`` -> node counts, each 2..64, sorted and without duplicates."""
+    values: list[int] = []
+    for part in text.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError:
+            raise ValueError(
+                f"invalid --nodes {text!r}: give a node count or a comma-separated list (e.g. 2,4,8)"
+            ) from None
+        if not 2 <= value <= MAX_NODES:
+            raise ValueError(f"invalid --nodes {text!r}: every node count must be 2..{MAX_NODES}")
+        values.append(value)
+    return tuple(sorted(set(values)))
+
+
+def check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+    for size in sizes:
+        if size < ELEMENT_BYTES or size % ELEMENT_BYTES:
+            raise ValueError(
+                f"invalid size {size} B: give a positive multiple of {ELEMENT_BYTES} bytes "
+                f"({DTYPE} elements), e.g. 64KiB"
+            )
+    return tuple(sorted(set(sizes)))
+
+
+# ---------------------------------------------------------------- peers: availability
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def gloo_unavailable() -> str | None:
+    """Why the Gloo peer cannot run here, or None."""
+    if util.find_spec("torch") is None:
+        return f"torch not installed: {INSTALL_BENCH} (pins torch==2.13.0, the CPU build)"
+    return None
+
+
+def mpi_unavailable() -> str | None:
+    """Why the MPI peer cannot run here, or None."""
+    if shutil.which("mpirun") is None:
+        return f"mpirun not found: {INSTALL_MPI}"
+    if util.find_spec("mpi4py") is None:
+        return f"mpi4py not installed: pip install mpi4py (after apt-get install libopenmpi-dev) or {INSTALL_BENCH}"
+    return None
+
+
+def _mpi_library_version() -> str | None:
+    exe = shutil.which("mpirun")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = out.stdout.strip().splitlines()[:1]
+    return line[0] if line else None
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the numbers were measured: cores, kernel and every version that matters."""
+    import platform
+
+    import numpy as np
+
+    return {
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": _version("numba"),
+        "torch": _version("torch"),
+        "mpi4py": _version("mpi4py"),
+        "mpi": _mpi_library_version(),
+        "netdam": _version("netdam"),
+    }
+
+
+# ---------------------------------------------------------------- peers: processes
+
+_GLOO_SCRIPT = r"""
+import datetime, json, sys, time, zlib
+t0 = time.perf_counter()
+import torch
+import torch.distributed as dist
+rank, world, port, count, warmup, repeat = map(int, sys.argv[1:7])
+timeout = float(sys.argv[7])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world, timeout=datetime.timedelta(seconds=timeout))
+src = torch.rand(count, dtype=torch.float32, generator=torch.Generator().manual_seed(rank))
+buf = torch.empty_like(src)
+dist.barrier()
+init = time.perf_counter() - t0
+times = []
+for _ in range(warmup + repeat):
+    buf.copy_(src)
+    dist.barrier()
+    t = time.perf_counter()
+    dist.all_reduce(buf)
+    times.append(time.perf_counter() - t)
+crc = zlib.crc32(buf.numpy().tobytes())
+dist.barrier()
+dist.destroy_process_group()
+print(TAG + json.dumps({"rank": rank, "times": times[warmup:], "init_seconds": init,
+                        "crc": crc, "torch": torch.__version__}), flush=True)
+"""
+
+_MPI_SCRIPT = r"""
+import json, sys, time, zlib
+t0 = time.perf_counter()
+from mpi4py import MPI
+import numpy as np
+comm = MPI.COMM_WORLD
+count, warmup, repeat = map(int, sys.argv[1:4])
+src = np.random.default_rng(comm.rank).random(count, dtype=np.float32)
+buf = np.empty_like(src)
+comm.Barrier()
+init = time.perf_counter() - t0
+times = []
+for _ in range(warmup + repeat):
+    buf[:] = src
+    comm.Barrier()
+    t = time.perf_counter()
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    times.append(time.perf_counter() - t)
+crc = zlib.crc32(buf.tobytes())
+rows = comm.gather((times[warmup:], init, crc), root=0)
+if comm.rank == 0:
+    print(TAG + json.dumps({"times": [max(r[0][i] for r in rows) for i in range(repeat)],
+                            "init_seconds": max(r[1] for r in rows),
+                            "ranks_identical": len({r[2] for r in rows}) == 1,
+                            "library": MPI.Get_library_version().splitlines()[0]}), flush=True)
+"""
+
+
+def _script(body: str) -> str:
+    return f"TAG = {RESULT_TAG!r}\n{body}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _kill_group(proc: subprocess.Popen[str], grace: float = 3.0) -> None:
+    """SIGTERM the process group *proc* leads, then SIGKILL it if it lingers."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+            # The leader is gone; members of its group may still live: one SIGKILL for them.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tagged(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            value = json.loads(line[len(RESULT_TAG) :])
+            return value if isinstance(value, dict) else None
+    return None
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    kept = [ln for ln in text.strip().splitlines() if ln.strip()][-lines:]
+    return " | ".join(kept)
+
+
+def run_gloo(
+    nodes: int, count: int, warmup: int, repeat: int, timeout_s: float, ranks: int | None = None
+) -> _Outcome:
+    """N processes on 127.0.0.1, one rank each, as torch.distributed users start them.
+
+    *ranks* starts only the first ranks of the group (tests: a group that never completes)."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="netdam-gloo-") as tmp:
+        port = _free_port()
+        procs: list[subprocess.Popen[str]] = []
+        files = []
+        try:
+            # Each rank's own Gloo timeout comes 60 s after ours: this process's wall-clock
+            # limit decides, and kills every rank's process group when it passes.
+            for rank in range(nodes if ranks is None else ranks):
+                out = open(Path(tmp) / f"rank{rank}.out", "w+")
+                files.append(out)
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _script(_GLOO_SCRIPT), str(rank), str(nodes),
+                         str(port), str(count), str(warmup), str(repeat), str(timeout_s + 60.0)],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        text=True, start_new_session=True,
+                    )
+                )  # fmt: skip
+            deadline = start + timeout_s
+            failed: int | None = None
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    return _Outcome(error=f"gloo timed out after {timeout_s:g} s (raise --timeout)")
+                bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if bad:
+                    failed = bad[0]
+                    break
+                time.sleep(0.05)
+            if failed is None:
+                failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
+            if failed is not None:
+                files[failed].seek(0)
+                text = files[failed].read()
+                code = procs[failed].returncode
+                return _Outcome(error=f"gloo rank {failed} exited with {code}: {_tail(text)}")
+            reports = []
+            for rank, out in enumerate(files):
+                out.seek(0)
+                text = out.read()
+                report = _tagged(text)
+                if report is None:
+                    return _Outcome(error=f"gloo rank {rank} printed no result: {_tail(text)}")
+                reports.append(report)
+        finally:  # also on KeyboardInterrupt: no rank outlives the run
+            for proc in procs:
+                if proc.poll() is None:
+                    _kill_group(proc)
+            for out in files:
+                out.close()
+    times = [max(r["times"][i] for r in reports) for i in range(repeat)]
+    identical = len({r["crc"] for r in reports}) == 1
+    init = max(float(r["init_seconds"]) for r in reports)
+    return _Outcome(
+        times=times, ok=identical, startup_seconds=init,
+        extra={"ranks_identical": identical, "backend": f"gloo (torch {reports[0]['torch']}, TCP)"},
+    )  # fmt: skip
+
+
+def mpirun_command(nodes: int) -> list[str]:
+    """The mpirun command line (without the program), root handled per BRIEF section 7."""
+    cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "-np", str(nodes)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return [*cmd, "--mca", "btl", "tcp,self"]
+
+
+def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) -> _Outcome:
+    """``mpirun -np N python -c <mpi4py script>``, as MPI users start it."""
+    cmd = [*mpirun_command(nodes), sys.executable, "-c", _script(_MPI_SCRIPT),
+           str(count), str(warmup), str(repeat)]  # fmt: skip
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)  # mpirun and the ranks it started share its process group
+            return _Outcome(error=f"mpi timed out after {timeout_s:g} s (raise --timeout)")
+        except BaseException:
+            _kill_group(proc)
+            raise
+        out.seek(0)
+        text = out.read()
+    report = _tagged(text)
+    if proc.returncode != 0 or report is None:
+        return _Outcome(error=f"mpirun exited with {proc.returncode}: {_tail(text)}")
+    return _Outcome(
+        times=[float(t) for t in report["times"]], ok=bool(report["ranks_identical"]),
+        startup_seconds=float(report["init_seconds"]),
+        extra={"ranks_identical": report["ranks_identical"], "backend": report["library"],
+               "command": " ".join(cmd[: cmd.index(sys.executable)]) + " python -c ..."},
+    )  # fmt: skip
+
+
+def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _Outcome:
+    """chain or ring-host on a private cluster of real node processes, results checked bitwise."""
+    from netdam.tools.allreduce import AllReduceConfig, run_allreduce
+
+    res = run_allreduce(
+        AllReduceConfig(nodes=nodes, count=count, algo=algo, repeat=warmup + repeat)
+    )
+    all_times = res.get("seconds_all")
+    startup = res.get("startup_seconds")
+    outcome = _Outcome(
+        startup_seconds=float(startup) if isinstance(startup, (int, float)) else None
+    )
+    if not isinstance(all_times, list) or len(all_times) < warmup + repeat:
+        outcome.error = str(res.get("error") or f"{algo} returned no timings")
+        return outcome
+    outcome.times = [float(t) for t in all_times[warmup:]]
+    outcome.ok = bool(res.get("ok"))
+    if not outcome.ok:
+        outcome.error = str(res.get("error") or "result differs from the reference")
+    outcome.extra = {
+        k: res.get(k) for k in ("retransmits", "kernel_drops", "packets", "wire_bytes")
+    }
+    return outcome
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def model_seconds(algo: str, nodes: int, nbytes: int) -> float | None:
+    from netdam.fpga_model import estimate_allreduce_seconds
+
+    try:
+        return float(
+            estimate_allreduce_seconds(nodes, nbytes, 100.0, MODEL_ALGO[algo], ELEMENT_BYTES)
+        )
+    except ValueError:
+        return None
+
+
+def make_row(algo: str, nodes: int, nbytes: int, repeat: int, outcome: _Outcome) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "algo": algo, "nodes": nodes, "bytes": nbytes, "dtype": DTYPE, "repeat": repeat,
+        "seconds_median": None, "seconds_min": None, "seconds_max": None, "algbw_gbps": None,
+        "busbw_gbps": None, "ratio_vs_chain": None,
+        "model_seconds_100g": model_seconds(algo, nodes, nbytes), "model_algo": MODEL_ALGO[algo],
+        "ok": outcome.ok, "startup_seconds": outcome.startup_seconds,
+    }  # fmt: skip
+    if outcome.times:
+        median = _median(outcome.times)
+        algbw = nbytes * 8 / median / 1e9
+        row.update(
+            seconds_median=median, seconds_min=min(outcome.times), seconds_max=max(outcome.times),
+            seconds_all=outcome.times, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (nodes - 1) / nodes,
+        )  # fmt: skip
+    row.update(outcome.extra)
+    if outcome.error is not None:
+        row["error"] = outcome.error
+    return row
+
+
+Runner = Callable[[str, int, int, int, int, float], _Outcome]
+
+
+def _default_runner(
+    algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
+) -> _Outcome:
+    if algo == "gloo":
+        return run_gloo(nodes, count, warmup, repeat, timeout_s)
+    if algo == "mpi":
+        return run_mpi(nodes, count, warmup, repeat, timeout_s)
+    return run_netdam(algo, nodes, count, warmup, repeat)
+
+
+def _progress(enabled: bool, text: str) -> None:
+    if enabled:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def run_allreduce_bench(
+    cfg: AllReduceBenchConfig, runner: Runner | None = None
+) -> tuple[dict[str, Any], int]:
+    """Run every (nodes, size, algo); return the result object and the exit code."""
+    run = runner or _default_runner
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.monotonic()
+    skipped: list[dict[str, str]] = []
+    algos = ["chain"]
+    for peer in cfg.peers:
+        reason = {"gloo": gloo_unavailable, "mpi": mpi_unavailable}.get(peer, lambda: None)()
+        if reason is None:
+            algos.append(peer)
+        else:
+            skipped.append({"algo": peer, "reason": reason})
+    results: list[dict[str, Any]] = []
+    total = len(cfg.nodes) * len(cfg.sizes) * len(algos)
+    done = 0
+    for nodes in cfg.nodes:
+        for nbytes in cfg.sizes:
+            chain_median: float | None = None
+            for algo in algos:
+                done += 1
+                label = f"[{done}/{total}] {algo} {nodes} nodes x {format_size(nbytes)} {DTYPE}"
+                _progress(cfg.progress, f"{label} ...")
+                t_run = time.monotonic()
+                try:
+                    outcome = run(
+                        algo, nodes, nbytes // ELEMENT_BYTES, cfg.warmup, cfg.repeat, cfg.timeout_s
+                    )
+                except Exception as exc:  # a runner bug must not lose the other rows
+                    outcome = _Outcome(error=f"{type(exc).__name__}: {exc}")
+                row = make_row(algo, nodes, nbytes, cfg.repeat, outcome)
+                if algo == "chain":
+                    chain_median = row["seconds_median"]
+                if row["seconds_median"] is not None and chain_median:
+                    row["ratio_vs_chain"] = row["seconds_median"] / chain_median
+                results.append(row)
+                status = (
+                    f"{row['seconds_median']:.4g} s median, busbw {row['busbw_gbps']:.2f} Gb/s"
+                    if row["seconds_median"] is not None else "FAILED"
+                )  # fmt: skip
+                if "error" in row:
+                    status += f" ({row['error']})"
+                _progress(cfg.progress, f"{label}: {status} [{time.monotonic() - t_run:.1f} s]")
+    wrong = any(r["algo"] in ("chain", "ring-host") and r["ok"] is False for r in results)
+    failed = any(r["seconds_median"] is None for r in results)
+    code = 1 if wrong else 3 if failed else 0
+    res: dict[str, Any] = {
+        "ok": code == 0,
+        "started_at": started.isoformat(timespec="seconds"),
+        "seconds": time.monotonic() - t0,
+        "nodes": list(cfg.nodes), "sizes": list(cfg.sizes), "dtype": DTYPE,
+        "repeat": cfg.repeat, "warmup": cfg.warmup,
+        "results": results, "skipped": skipped, "targets": targets(results),
+        "machine": machine_info(),
+    }  # fmt: skip
+    if wrong:
+        res["error"] = "a chain or ring-host result differs from the numpy reference"
+    elif failed:
+        bad = next(r for r in results if r["seconds_median"] is None)
+        res["error"] = (
+            f"{bad['algo']} at {bad['nodes']} nodes x {bad['bytes']} B failed: {bad.get('error')}"
+        )
+    if cfg.plot is not None and results:
+        write_plot(results, cfg.plot)
+        res["plot"] = str(cfg.plot)
+    return res, code
+
+
+def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, reported (never asserted): chain vs gloo at 4 x 64 MiB, scaling."""
+
+    def median(algo: str, nodes: int, nbytes: int) -> float | None:
+        for r in results:
+            if (r["algo"], r["nodes"], r["bytes"]) == (algo, nodes, nbytes):
+                return r["seconds_median"]  # type: ignore[no-any-return]
+        return None
+
+    out: dict[str, Any] = {}
+    gloo = median("gloo", 4, 64 << 20)
+    chain = median("chain", 4, 64 << 20)
+    out["gloo_over_chain_4x64MiB"] = None if gloo is None or chain is None else gloo / chain
+    out["chain_not_slower_than_gloo_4x64MiB"] = (
+        None if gloo is None or chain is None else chain <= gloo
+    )
+    sizes = sorted({r["bytes"] for r in results})
+    if sizes:
+        big = sizes[-1]
+
+        def busbw(algo: str, nodes: int) -> float | None:
+            s = median(algo, nodes, big)
+            return None if s is None else big * 8 / s / 1e9 * 2 * (nodes - 1) / nodes
+
+        c2, c8, g2, g8 = busbw("chain", 2), busbw("chain", 8), busbw("gloo", 2), busbw("gloo", 8)
+        out["scaling_bytes"] = big
+        out["chain_busbw_8_over_2"] = None if c2 is None or c8 is None else c8 / c2
+        out["gloo_busbw_8_over_2"] = None if g2 is None or g8 is None else g8 / g2
+    return out
+
+
+# ---------------------------------------------------------------- output
+
+
+def format_table(res: dict[str, Any]) -> str:
+    head = f"{'algo':<10}{'nodes':>6}{'size':>9}{'median s':>11}{'min s':>10}{'max s':>10}{'busbw Gb/s':>12}{'vs chain':>10}{'model 100G s':>14}"
+    lines = [head, "-" * len(head)]
+
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    for r in res["results"]:
+        lines.append(
+            f"{r['algo']:<10}{r['nodes']:>6}{format_size(r['bytes']):>9}"
+            f"{num(r['seconds_median'], '.4g'):>11}{num(r['seconds_min'], '.4g'):>10}"
+            f"{num(r['seconds_max'], '.4g'):>10}{num(r['busbw_gbps'], '.2f'):>12}"
+            f"{num(r['ratio_vs_chain'], '.2f'):>10}{num(r['model_seconds_100g'], '.2e'):>14}"
+            + (f"  ERROR: {r['error']}" if "error" in r else "")
+        )
+    for s in res["skipped"]:
+        lines.append(f"skipped {s['algo']}: {s['reason']}")
+    if "plot" in res:
+        lines.append(f"plot: {res['plot']}")
+    if "error" in res:
+        lines.append(f"error: {res['error']}")
+    return "\n".join(lines)
+
+
+def plot_unavailable() -> str | None:
+    if util.find_spec("matplotlib") is None:
+        return f"--plot needs matplotlib: {INSTALL_BENCH} (or pip install matplotlib)"
+    return None
+
+
+def _model_label(algo: str) -> str:
+    return "netdam-chain" if algo == "chain" else "roce-ring (ring-host, gloo, mpi)"
+
+
+def write_plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Time and busbw against size (log-log), measured solid and modelled dashed, for every
+    algorithm and node count; a busbw-vs-nodes panel at the largest size when several node
+    counts ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    node_counts = sorted({r["nodes"] for r in results})
+    panels = 3 if len(node_counts) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5))
+    colors = {"chain": "C0", "ring-host": "C1", "gloo": "C2", "mpi": "C3"}
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+    def busbw(nbytes: int, seconds: float, nodes: int) -> float:
+        return nbytes * 8 / seconds / 1e9 * 2 * (nodes - 1) / nodes
+
+    for algo in ALGOS:
+        for k, nodes in enumerate(node_counts):
+            rows = sorted(
+                (r for r in results if r["algo"] == algo and r["nodes"] == nodes),
+                key=lambda r: r["bytes"],
+            )
+            if not rows:
+                continue
+            mk = markers[k % len(markers)]
+            label = f"{algo} ({nodes} nodes)" if len(node_counts) > 1 else algo
+            meas = [r for r in rows if r["seconds_median"] is not None]
+            model = [r for r in rows if r["model_seconds_100g"] is not None]
+            if meas:
+                x = [r["bytes"] for r in meas]
+                axes[0].plot(
+                    x,
+                    [r["seconds_median"] for r in meas],
+                    "-",
+                    marker=mk,
+                    color=colors[algo],
+                    label=label,
+                )
+                axes[1].plot(
+                    x,
+                    [r["busbw_gbps"] for r in meas],
+                    "-",
+                    marker=mk,
+                    color=colors[algo],
+                    label=label,
+                )
+            if model and (algo in ("chain", "gloo") or "gloo" not in {r["algo"] for r in results}):
+                # ring-host, gloo and mpi share the RoCE-ring model: draw it once.
+                x = [r["bytes"] for r in model]
+                lab = f"model 100G {_model_label(algo)}" + (
+                    f" ({nodes} nodes)" if len(node_counts) > 1 else ""
+                )
+                axes[0].plot(x, [r["model_seconds_100g"] for r in model], "--", marker=mk,
+                             color=colors[algo], alpha=0.6, label=lab)  # fmt: skip
+                axes[1].plot(x, [busbw(r["bytes"], r["model_seconds_100g"], nodes) for r in model], "--",
+                             marker=mk, color=colors[algo], alpha=0.6, label=lab)  # fmt: skip
+    from matplotlib.ticker import FuncFormatter
+
+    for ax, ylabel, title in (
+        (axes[0], "seconds (median)", "all-reduce time vs size"),
+        (axes[1], "busbw (Gb/s)", "bus bandwidth vs size"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_size(int(round(v)))))
+        ax.set_xlabel(f"bytes per rank ({DTYPE})")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    legend_rows = math.ceil(len(labels) / 4)
+    fig.set_size_inches(5.5 * panels, 4.5 + 0.22 * legend_rows)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+    if panels == 3:
+        big = max(r["bytes"] for r in results)
+        ax = axes[2]
+        for algo in ALGOS:
+            rows = sorted(
+                (r for r in results if r["algo"] == algo and r["bytes"] == big),
+                key=lambda r: r["nodes"],
+            )
+            meas = [r for r in rows if r["busbw_gbps"] is not None]
+            if meas:
+                ax.plot(
+                    [r["nodes"] for r in meas],
+                    [r["busbw_gbps"] for r in meas],
+                    "-o",
+                    color=colors[algo],
+                    label=algo,
+                )
+            model = [r for r in rows if r["model_seconds_100g"] is not None]
+            if model and algo in ("chain", "gloo"):
+                ax.plot([r["nodes"] for r in model],
+                        [busbw(big, r["model_seconds_100g"], r["nodes"]) for r in model], "--o",
+                        color=colors[algo], alpha=0.6, label=f"model 100G {_model_label(algo)}")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(node_counts, [str(n) for n in node_counts])
+        ax.set_xlabel("nodes")
+        ax.set_ylabel("busbw (Gb/s)")
+        ax.set_title(f"busbw vs nodes at {format_size(big)}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    fig.suptitle(
+        f"netdam bench allreduce, {os.cpu_count()} cores, loopback, {stamp}: measured solid, model dashed",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0.0, 0.22 * legend_rows / (4.5 + 0.22 * legend_rows) + 0.01, 1.0, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def register_allreduce_bench(benches: Any) -> None:
+    """Add ``allreduce`` under ``netdam bench`` (netdam/cli/bench.py's _BENCHMARKS)."""
+    from netdam.cli.common import (
+        CommandError,
+        ExitCode,
+        bounded_int,
+        bounded_seconds,
+        emit,
+        size_arg,
+        size_range_arg,
+    )
+
+    parser = benches.add_parser(
+        "allreduce",
+        help="chain all-reduce vs ring-host, Gloo and MPI in the same run (ratio_vs_chain)",
+        description="All-reduce of float32 tensors on N ranks: chain (always) and the peers of "
+        "--vs, each in its own processes as its users run it, warm-up then --repeat timed calls "
+        "(peers: barrier before each, slowest rank). Rows carry seconds_median/min/max, "
+        "algbw/busbw (Gb/s, busbw = algbw x 2(N-1)/N), ratio_vs_chain (algorithm / chain) and "
+        "model_seconds_100g. Missing peers are reported in `skipped`. Exit 0 ok, 1 a chain or "
+        "ring-host result was wrong, 2 usage, 3 a run failed.",
+    )
+    parser.add_argument("--nodes", default="4", help="ranks: N or a list like 2,4,8 (default 4)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--size", type=size_arg, default=None, help="bytes per rank (default 64MiB)")
+    sizes.add_argument(
+        "--sizes", type=size_range_arg, default=None, help="A..B: powers of two, e.g. 1KiB..256MiB"
+    )
+    parser.add_argument("--vs", default=",".join(("gloo", "mpi", "ring-host")),
+                        help="peers, comma-separated: gloo, mpi, ring-host, or none (default all)")  # fmt: skip
+    parser.add_argument("--repeat", type=bounded_int(1, 1000), default=5, help="timed calls per run (5)")
+    parser.add_argument("--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)")
+    parser.add_argument("--timeout", type=bounded_seconds(0, 86400, low_inclusive=False), default=600.0,
+                        help="wall-clock limit of one gloo/mpi run in seconds (600)")  # fmt: skip
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="write a PNG figure (needs matplotlib)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args: Any) -> int:
+        try:
+            nodes = parse_nodes(args.nodes)
+            peers = parse_peers(args.vs)
+            chosen = (
+                args.sizes
+                if args.sizes is not None
+                else [args.size if args.size is not None else 64 << 20]
+            )
+            size_list = check_sizes(chosen)
+        except ValueError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
+        if args.plot is not None:
+            if args.plot.suffix.lower() != ".png":
+                raise CommandError(f"--plot {args.plot}: give a .png file name", ExitCode.USAGE)
+            missing = plot_unavailable()
+            if missing is not None:
+                raise CommandError(missing, ExitCode.USAGE)
+        cfg = AllReduceBenchConfig(nodes=nodes, sizes=size_list, peers=peers, repeat=args.repeat,
+                                   warmup=args.warmup, timeout_s=args.timeout, plot=args.plot)  # fmt: skip
+        result, code = run_allreduce_bench(cfg)
+        if args.json:
+            sys.stderr.write(format_table(result) + "\n")
+        emit(result, args.json, text=format_table(result))
+        return code
+
+    parser.set_defaults(func=run)

@@ -1,0 +1,416 @@
+"""``netdam bench pool``: pool READ/WRITE through the switch against memcached, same generator.
+
+One run, real processes everywhere: a pool (``nodes`` node processes and the switch, started
+like ``netdam up --switch``), a null UDP echo server, memcached over UDP when it is on PATH, and
+``generators`` load-generator processes whose hot loop is a numba kernel
+(``netdam.kernels.pool_gen._gen_run``: recvmmsg/sendmmsg, a fixed window of requests in flight,
+latency per request). Phases, each ``warmup`` + ``seconds``, all with the same generators:
+
+- ``echo``: READ 64 B datagrams bounced by the echo server (``generator_ops``: what the
+  generators can drive at all);
+- ``read_64``, ``read_4096``, ``write_64``, ``write_4096``: pool requests to the VIP (global
+  addresses of an interleaved region; READ answered with READ_RESP, WRITE with ACK, both
+  straight from the node holding the data);
+- ``memcached_get_64``: memcached's UDP protocol (8-byte frame header, ``get``) for a 64-byte
+  value.
+
+When ``generator_ops`` < 1.5 x the fastest server measured, the run doubles the generator
+processes (the window is split among them) and measures again, up to ``max_generators``.
+``ratio = netdam_ops / memcached_ops`` (READ 64 B vs GET 64 B).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from netdam.protocol.constants import DType, Flags, Opcode
+from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
+
+LOOPBACK = "127.0.0.1"
+TEMPLATES = 64
+RECV_MAX = 1024
+RECV_BYTES = 16 << 16
+CHILD_IDLE_S = 300.0
+PHASE_GRACE_S = 20.0
+MEMCACHED_KEY = b"netdam-bench"
+
+
+@dataclass
+class PoolBenchConfig:
+    seconds: float = 2.0
+    warmup: float = 0.5
+    #: Requests in flight in all (split among the generator processes; a power of two).
+    window: int = 32
+    nodes: int = 2
+    interleave: int = 8192
+    generators: int = 1
+    max_generators: int = 4
+    timeout_ms: float = 50.0
+    memcached: str | None = None  # path; None: look on PATH
+    startup_timeout: float = 120.0
+
+
+class _Failure(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def _worker(role: str, conn: Connection, parent: int) -> None:
+    try:
+        from netdam.kernels import pool_gen as G
+        from netdam.kernels import udp_io as U
+        from netdam.shell.udp import open_udp_socket
+
+        sock = open_udp_socket((LOOPBACK, 0), rcvbuf=8 << 20)
+        fd = sock.fileno()
+        state = U.new_state()
+        scratch = U.new_send_scratch()
+        buf = np.zeros(RECV_BYTES, np.uint8)
+        offs = np.zeros(RECV_MAX, np.int64)
+        lens = np.zeros(RECV_MAX, np.int32)
+        srcs = np.zeros(RECV_MAX, np.uint64)
+        counts = np.zeros(G.G_COUNTS, np.int64)
+        hist = np.zeros(G.HIST_BINS, np.int64)
+        templates = np.zeros((1, 128), np.uint8)
+        if role == "gen":
+            G._gen_run(fd, templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0,
+                       0, 0, 0, 1, buf, offs, lens, srcs, RECV_MAX, scratch, state, counts, hist)  # fmt: skip
+        else:
+            G._echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, 0, counts)
+        conn.send(("ready", {"port": sock.getsockname()[1]}))
+        while True:
+            if not conn.poll(CHILD_IDLE_S) or os.getppid() != parent:
+                return
+            tag, cmd = conn.recv()
+            if tag == "exit":
+                return
+            counts[:] = 0
+            hist[:] = 0
+            if role == "gen":
+                rows = cmd["templates"]
+                width = max(len(r) for r in rows)
+                templates = np.zeros((len(rows), width), np.uint8)
+                t_len = np.zeros(len(rows), np.int64)
+                for k, r in enumerate(rows):
+                    templates[k, : len(r)] = np.frombuffer(r, np.uint8)
+                    t_len[k] = len(r)
+                G._gen_run(fd, templates, t_len, len(rows), cmd["window"], np.uint64(cmd["dst"]),
+                           cmd["id_off"], cmd["id_bytes"], cmd["ok_off"], cmd["ok_byte"],
+                           cmd["t_start"], cmd["t_end"], cmd["t_stop"], int(cmd["timeout_ns"]),
+                           buf, offs, lens, srcs, RECV_MAX, scratch, state, counts, hist)  # fmt: skip
+                nz = np.nonzero(hist)[0]
+                conn.send(("done", {"counts": counts.tolist(), "hist": dict(zip(nz.tolist(), hist[nz].tolist()))}))
+            else:
+                G._echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, cmd["t_stop"], counts)
+                conn.send(("done", {"counts": counts.tolist()}))
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{role}: {type(exc).__name__}: {exc}"))
+
+
+class _Child:
+    def __init__(self, ctx: Any, role: str) -> None:
+        self.role = role
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(role, child, os.getpid()), daemon=True,
+                                name=f"netdam-bench-pool-{role}")  # fmt: skip
+        self.proc.start()
+        child.close()
+        self.info: dict[str, Any] = {}
+
+    def expect(self, kind: str, timeout: float) -> dict[str, Any]:
+        if not self.conn.poll(timeout):
+            raise _Failure(f"{self.role} process did not answer within {timeout:.0f} s")
+        try:
+            tag, body = self.conn.recv()
+        except (EOFError, OSError):
+            raise _Failure(f"{self.role} process died (exit code {self.proc.exitcode})") from None
+        if tag != kind:
+            raise _Failure(str(body))
+        result: dict[str, Any] = body
+        return result
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send(("exit", {}))
+        self.proc.join(2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(2.0)
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def _netdam_templates(opcode: Opcode, size: int, gaddr: int, rkey: int, region_size: int, client_id: int) -> list[bytes]:
+    rows = []
+    step = max(size, 4096)
+    for k in range(TEMPLATES):
+        addr = gaddr + (k * step) % (region_size - size + 1)  # spread over stripes and nodes
+        if opcode == Opcode.READ:
+            p = Packet(Opcode.READ, client_id=client_id, rkey=rkey, addr=addr, length=size)
+        else:
+            p = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, client_id=client_id, rkey=rkey, addr=addr,
+                       length=size, dtype=DType.RAW, payload=bytes([k & 0xFF]) * size)  # fmt: skip
+        rows.append(encode_packet(p))
+    return rows
+
+
+def _memcached_get() -> list[bytes]:
+    return [b"\x00\x00\x00\x00\x00\x01\x00\x00get " + MEMCACHED_KEY + b"\r\n"]
+
+
+def _percentiles(hists: list[dict[int, int]]) -> tuple[float | None, float | None]:
+    merged: dict[int, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            merged[int(k)] = merged.get(int(k), 0) + int(v)
+    total = sum(merged.values())
+    if not total:
+        return None, None
+    out = []
+    for q in (0.5, 0.99):
+        need, seen = q * total, 0
+        for us in sorted(merged):
+            seen += merged[us]
+            if seen >= need:
+                out.append(float(us))
+                break
+    return out[0], out[1]
+
+
+def _start_memcached(path: str) -> tuple[subprocess.Popen[bytes], int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        port = int(probe.getsockname()[1])
+    cmd = [path, "-U", str(port), "-p", "0", "-l", LOOPBACK, "-m", "64", "-t", "4"]
+    if os.geteuid() == 0:
+        cmd += ["-u", "root"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Store the 64-byte value over UDP and wait for STORED.
+    value = bytes(range(64))
+    request = b"\x00\x01\x00\x00\x00\x01\x00\x00set " + MEMCACHED_KEY + b" 0 0 64\r\n" + value + b"\r\n"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(0.2)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise _Failure(f"memcached exited at start-up: {err.strip()[-300:]}")
+            s.sendto(request, (LOOPBACK, port))
+            try:
+                data = s.recv(2048)
+            except TimeoutError:
+                continue
+            if b"STORED" in data:
+                return proc, port
+    proc.kill()
+    raise _Failure("memcached did not answer a UDP set within 10 s")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
+    """Run every phase; (result object, exit code). A failed run carries ``error``, exit 3."""
+    from netdam.cli.common import ExitCode
+    from netdam.tools.bench.datapath import machine_info
+
+    if cfg.window < 1 or cfg.window & (cfg.window - 1) or cfg.window > 1024:
+        raise ValueError(f"--window {cfg.window} must be a power of two, 1..1024")
+    if cfg.generators < 1 or cfg.max_generators < cfg.generators:
+        raise ValueError("--generators must be >= 1 and <= --max-generators")
+    res: dict[str, Any] = {
+        "ok": False, "netdam_ops": None, "memcached_ops": None, "ratio": None, "generator_ops": None,
+        "generators": None, "window": cfg.window, "seconds": cfg.seconds, "warmup_seconds": cfg.warmup,
+        "nodes": cfg.nodes, "interleave_bytes": cfg.interleave, "valid": False, "results": {},
+        "startup_seconds": None, "machine": machine_info(),
+    }  # fmt: skip
+    memcached = cfg.memcached or shutil.which("memcached")
+    if memcached is None:
+        res["memcached_skipped"] = "memcached not on PATH (apt-get install memcached)"
+    code = ExitCode.OK
+    t0 = time.monotonic()
+    ctx = multiprocessing.get_context("spawn")
+    children: list[_Child] = []
+    mc_proc = None
+    pool = switch = None
+    with tempfile.TemporaryDirectory(prefix="netdam-bench-pool-") as tmp:
+        try:
+            from netdam.cluster.switch_launch import start_pool_cluster
+            from netdam.switch.controller import PoolController
+
+            pool, switch = start_pool_cluster(cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml")
+            region = PoolController(pool.path).alloc(4 << 20, interleave=cfg.interleave)
+            echo = _Child(ctx, "echo")
+            children.append(echo)
+            gens = [_Child(ctx, "gen") for _ in range(cfg.max_generators)]
+            children += gens
+            for child in children:
+                child.info = child.expect("ready", cfg.startup_timeout)
+            mc_port = None
+            if memcached is not None:
+                mc_proc, mc_port = _start_memcached(memcached)
+            res["startup_seconds"] = round(time.monotonic() - t0, 3)
+            vip = endpoint_to_u64(switch.vip)
+            echo_ep = endpoint_to_u64((LOOPBACK, echo.info["port"]))
+
+            def phase(name: str, n_gens: int, rows_for: Any, dst: int, id_off: int, id_bytes: int,
+                      ok_off: int, ok_byte: int) -> dict[str, Any]:  # fmt: skip
+                now = time.monotonic_ns()
+                t_start = now + int(0.1e9) + int(cfg.warmup * 1e9)
+                t_end = t_start + int(cfg.seconds * 1e9)
+                t_stop = t_end + int(0.05e9)
+                if name == "echo":
+                    echo.conn.send(("run", {"t_stop": t_stop + int(0.2e9)}))
+                per = max(1, cfg.window // n_gens)
+                for g in range(n_gens):
+                    gens[g].conn.send(("run", {
+                        "templates": rows_for(g), "window": per, "dst": dst, "id_off": id_off,
+                        "id_bytes": id_bytes, "ok_off": ok_off, "ok_byte": ok_byte, "t_start": t_start,
+                        "t_end": t_end, "t_stop": t_stop, "timeout_ns": cfg.timeout_ms * 1e6,
+                    }))  # fmt: skip
+                budget = (t_stop - now) / 1e9 + PHASE_GRACE_S
+                reports = [gens[g].expect("done", budget) for g in range(n_gens)]
+                if name == "echo":
+                    echo.expect("done", budget)
+                from netdam.kernels import pool_gen as G
+
+                ops = sum(r["counts"][G.G_OPS_IN_WINDOW] for r in reports) / cfg.seconds
+                p50, p99 = _percentiles([r["hist"] for r in reports])
+                return {"ops": ops, "p50_us": p50, "p99_us": p99,
+                        "timeouts": sum(r["counts"][G.G_TIMEOUTS] for r in reports),
+                        "errors": sum(r["counts"][G.G_ERRORS] for r in reports)}  # fmt: skip
+
+            n_gens = cfg.generators
+            attempt = 0
+            while True:
+                results: dict[str, Any] = {}
+
+                attempt += 1
+
+                def nd(op: Opcode, size: int, phase_no: int, attempt: int = attempt) -> Any:
+                    # A fresh client id per phase, attempt and generator (distinct mod 256): each
+                    # phase's transaction ids start again at 0, which a node's window calls STALE.
+                    base = 0x7E570000 + (attempt << 12) + (phase_no << 4)
+                    return lambda g: _netdam_templates(op, size, region.gaddr, region.rkey, region.size, base + g)
+
+                results["echo"] = phase("echo", n_gens, nd(Opcode.READ, 64, 1), echo_ep, 12, 4, -1, 0)
+                results["read_64"] = phase("read_64", n_gens, nd(Opcode.READ, 64, 2), vip, 12, 4, 1, int(Opcode.READ_RESP))
+                results["read_4096"] = phase("read_4096", n_gens, nd(Opcode.READ, 4096, 3), vip, 12, 4, 1, int(Opcode.READ_RESP))
+                results["write_64"] = phase("write_64", n_gens, nd(Opcode.WRITE, 64, 4), vip, 12, 4, 1, int(Opcode.ACK))
+                results["write_4096"] = phase("write_4096", n_gens, nd(Opcode.WRITE, 4096, 5), vip, 12, 4, 1, int(Opcode.ACK))
+                if mc_port is not None:
+                    results["memcached_get_64"] = phase("memcached", n_gens, lambda g: _memcached_get(),
+                                                        endpoint_to_u64((LOOPBACK, mc_port)), 0, 2, 8, ord("V"))  # fmt: skip
+                served = [results["read_64"]["ops"]]
+                if "memcached_get_64" in results:
+                    served.append(results["memcached_get_64"]["ops"])
+                gen_ops = results["echo"]["ops"]
+                if gen_ops >= 1.5 * max(served) or n_gens * 2 > cfg.max_generators:
+                    break
+                n_gens *= 2
+            res["results"] = results
+            res["generators"] = n_gens
+            res["generator_ops"] = gen_ops
+            res["netdam_ops"] = results["read_64"]["ops"]
+            if "memcached_get_64" in results:
+                res["memcached_ops"] = results["memcached_get_64"]["ops"]
+                if res["memcached_ops"]:
+                    res["ratio"] = res["netdam_ops"] / res["memcached_ops"]
+            res["valid"] = bool(gen_ops >= 1.5 * max(served))
+            if not res["valid"]:
+                res["invalid_reason"] = (f"the generators drove {gen_ops:,.0f} ops/s at the echo server, "
+                                         f"less than 1.5 x {max(served):,.0f}: more generator processes "
+                                         f"(--max-generators) or more cores are needed")  # fmt: skip
+            errors = sum(r["errors"] for r in results.values())
+            if errors:
+                res["error"] = f"{errors} requests were answered with an error (NACK or memcached error)"
+                code = ExitCode.CHECK_FAILED
+        except (_Failure, OSError, ValueError) as exc:
+            res["error"] = str(exc)
+            code = ExitCode.RUN_FAILED
+        except Exception as exc:  # a failed start-up (ClusterStartError, PoolError)
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            code = ExitCode.RUN_FAILED
+        finally:
+            for child in children:
+                child.stop()
+            if mc_proc is not None:
+                mc_proc.terminate()
+                with contextlib.suppress(Exception):
+                    mc_proc.wait(5)
+            if switch is not None:
+                switch.stop()
+            if pool is not None:
+                pool.stop()
+    if res["memcached_ops"] is None:
+        res.setdefault("memcached_skipped", "memcached was not measured")
+    res["ok"] = code == ExitCode.OK
+    return res, int(code)
+
+
+def format_text(res: dict[str, Any]) -> str:
+    lines = [f"netdam bench pool: {res['seconds']} s per phase, window {res['window']}, "
+             f"{res['generators']} generator process(es), {res['nodes']} nodes + switch"]  # fmt: skip
+    lines.append(f"  {'phase':<20}{'ops/s':>12}{'p50 us':>9}{'p99 us':>9}{'timeouts':>10}")
+    for name, r in res["results"].items():
+        p50 = "-" if r["p50_us"] is None else f"{r['p50_us']:.0f}"
+        p99 = "-" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
+        lines.append(f"  {name:<20}{r['ops']:>12,.0f}{p50:>9}{p99:>9}{r['timeouts']:>10}")
+    ratio = "-" if res["ratio"] is None else f"{res['ratio']:.3f}"
+    lines.append(f"  ratio netdam READ 64 / memcached GET 64: {ratio}; valid {'yes' if res['valid'] else 'NO'}")
+    for key in ("memcached_skipped", "invalid_reason", "error"):
+        if res.get(key):
+            lines.append(f"  {key}: {res[key]}")
+    return "\n".join(lines)
+
+
+def register_pool_bench(benches: Any) -> None:
+    """Add ``pool`` under ``netdam bench`` (netdam/cli/bench.py's _BENCHMARKS)."""
+    from netdam.cli.common import CommandError, ExitCode, emit, size_arg
+
+    parser = benches.add_parser(
+        "pool", help="pool READ/WRITE through the switch vs memcached GET (ratio = netdam / memcached)",
+        description="Pool READ and WRITE at 64 B and 4 KiB through the switch's VIP, memcached GET "
+        "64 B over UDP and a null echo server, all driven by the same numba generator processes "
+        "with a fixed window in flight. Keys: netdam_ops (READ 64 B), memcached_ops (GET 64 B), "
+        "ratio, generator_ops (echo). Exit 0 ok, 1 error replies, 3 a process failed.",
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per phase (2)")
+    parser.add_argument("--warmup", type=float, default=0.5, help="seconds before timing (0.5)")
+    parser.add_argument("--window", type=int, default=32, help="requests in flight in all (32)")
+    parser.add_argument("--nodes", type=int, default=2, help="node processes behind the switch (2)")
+    parser.add_argument("--interleave", type=size_arg, default=8192, help="stride of the region (8KiB)")
+    parser.add_argument("--generators", type=int, default=1, help="generator processes to start with")
+    parser.add_argument("--max-generators", type=int, default=4, help="most generator processes (4)")
+    parser.add_argument("--memcached", default=None, help="memcached binary (default: from PATH)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args: Any) -> int:
+        cfg = PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
+                              nodes=args.nodes, interleave=args.interleave, generators=args.generators,
+                              max_generators=args.max_generators, memcached=args.memcached)  # fmt: skip
+        try:
+            result, code = run_pool_bench(cfg)
+        except ValueError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
+        emit(result, args.json, text=format_text(result))
+        return code
+
+    parser.set_defaults(func=run)

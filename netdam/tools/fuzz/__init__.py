@@ -1,0 +1,1 @@
+"""Structured fuzzing of nodes and the switch: generator and oracle."""

@@ -1,0 +1,1 @@
+"""The pool soak: parent (plan, checks) and client processes."""
