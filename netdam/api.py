@@ -32,7 +32,7 @@ from netdam.protocol.constants import (
     Status,
     max_elements,
 )
-from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.shell.shm import attach
 
@@ -66,7 +66,7 @@ _ALIGN = 64
 DEFAULT_WATCHDOG_S = 2.5
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(NetdamError, RuntimeError):
     """A collective failed; ``waiting_for`` names what never arrived (node, block, seq range)."""
 
     def __init__(self, message: str, waiting_for: dict[str, object] | None = None) -> None:

@@ -21,6 +21,7 @@ from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.switch_launch import SwitchEntry, require_switch
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Rights, Status
+from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Packet
 from netdam.switch.addrmap import (
     GLOBAL_ALIGN,
@@ -37,7 +38,7 @@ from netdam.switch.state import NodeHeap, PoolState, load_state, locked, save_st
 SWITCH_SYNC_TIMEOUT_S = 5.0
 
 
-class PoolError(Exception):
+class ControllerError(NetdamError):
     """A pool operation failed; the message says why and what to do."""
 
 
@@ -71,14 +72,14 @@ def plan_region(state: PoolState, size: int, interleave: int | None, ways: int |
                 rights: int, rkey: int, tenant: str) -> Region:  # fmt: skip
     """Where a new region goes (pure: the caller registers and saves)."""
     if size <= 0:
-        raise PoolError(f"size {size} must be positive")
+        raise ControllerError(f"size {size} must be positive")
     nodes = len(state.nodes)
     if interleave:
         if interleave % STRIDE_ALIGN or interleave < STRIDE_ALIGN:
-            raise PoolError(f"interleave stride {interleave} must be a positive multiple of {STRIDE_ALIGN} (e.g. 8KiB)")
+            raise ControllerError(f"interleave stride {interleave} must be a positive multiple of {STRIDE_ALIGN} (e.g. 8KiB)")
         count = min(ways or nodes, nodes)
         if count < 1:
-            raise PoolError(f"ways must be 1..{nodes}")
+            raise ControllerError(f"ways must be 1..{nodes}")
         stride = interleave
     else:
         count, stride = 1, 0
@@ -94,7 +95,7 @@ def plan_region(state: PoolState, size: int, interleave: int | None, ways: int |
             break
     if len(chosen) < count:
         hint = "use --interleave to spread it over nodes, or free regions" if not interleave else "free regions or add nodes"
-        raise PoolError(f"no room for {size} bytes: {count} node(s) need {per} free bytes each; {hint}")
+        raise ControllerError(f"no room for {size} bytes: {count} node(s) need {per} free bytes each; {hint}")
     chosen.sort(key=lambda w: w.node)
     gaddr = _round_up(state.next_gaddr, GLOBAL_ALIGN)
     return Region(gaddr, size, rkey, rights, stride, tuple(chosen), tenant)
@@ -109,7 +110,7 @@ class PoolController:
             self.cluster: ClusterFile = load_cluster(self.cluster_path)
             entry = require_switch(self.cluster_path)
         except ValueError as exc:
-            raise PoolError(str(exc)) from None
+            raise ControllerError(str(exc)) from None
         default = Path(entry.state_file) if entry.state_file else state_path_for(self.cluster_path)
         self.state_path = Path(state_path) if state_path else default
         self.timeout = timeout
@@ -121,7 +122,7 @@ class PoolController:
         try:
             return require_switch(self.cluster_path)
         except ValueError as exc:
-            raise PoolError(str(exc)) from None
+            raise ControllerError(str(exc)) from None
 
     # ------------------------------------------------------------------ queries
 
@@ -129,7 +130,7 @@ class PoolController:
         try:
             return load_state(self.state_path)
         except ValueError as exc:
-            raise PoolError(str(exc)) from None
+            raise ControllerError(str(exc)) from None
 
     def regions(self) -> list[Region]:
         return list(self.state().regions)
@@ -138,7 +139,7 @@ class PoolController:
         for r in self.regions():
             if r.gaddr == gaddr:
                 return r
-        raise PoolError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them")
+        raise ControllerError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them")
 
     def switch_generation(self) -> int:
         """Map generation the switch serves (COUNTERS on its management port)."""
@@ -149,7 +150,7 @@ class PoolController:
                                        Packet(Opcode.COUNTERS, rkey=self.cluster.admin_key),
                                        timeout=self.timeout / 4, retries=3)  # fmt: skip
             except ControlError as exc:
-                raise PoolError(f"switch {switch.address}:{switch.port}: {exc}") from None
+                raise ControllerError(f"switch {switch.address}:{switch.port}: {exc}") from None
         values = counters_from_payload(reply.payload)["switch"]
         return int(values["map_generation"])  # type: ignore[index]
 
@@ -159,7 +160,7 @@ class PoolController:
             if self.switch_generation() >= generation:
                 return
             if time.monotonic() > deadline:
-                raise PoolError(f"the switch at {self.switch.address}:{self.switch.port} did not load "
+                raise ControllerError(f"the switch at {self.switch.address}:{self.switch.port} did not load "
                                 f"map generation {generation} within {SWITCH_SYNC_TIMEOUT_S:.0f} s: "
                                 f"is it running with --state {self.state_path}?")  # fmt: skip
             time.sleep(0.01)
@@ -171,7 +172,7 @@ class PoolController:
         """Allocate *size* bytes: range-mapped on one node, or interleaved with stride
         *interleave* over *ways* nodes (default all). Returns the region (gaddr, rkey, ...)."""
         if rights == 0 or rights & ~int(RIGHTS_ALL):
-            raise PoolError(f"rights {rights} must combine READ (1), WRITE (2), ATOMIC (4)")
+            raise ControllerError(f"rights {rights} must combine READ (1), WRITE (2), ATOMIC (4)")
         with locked(self.state_path):
             state = self.state()
             used = {r.rkey for r in state.regions}
@@ -185,7 +186,7 @@ class PoolController:
                     continue
                 break
             else:
-                raise PoolError("could not find an rkey free on every node in 8 tries")
+                raise ControllerError("could not find an rkey free on every node in 8 tries")
             state.regions.append(region)
             state.next_gaddr = region.gaddr + _round_up(region.size, GLOBAL_ALIGN)
             state.generation += 1
@@ -201,7 +202,7 @@ class PoolController:
             state = self.state()
             match = [r for r in state.regions if r.gaddr == gaddr]
             if not match:
-                raise PoolError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them")
+                raise ControllerError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them")
             region = match[0]
             state.regions.remove(region)
             state.generation += 1
@@ -222,7 +223,7 @@ class PoolController:
                     self._deregister_ways(client, state, region.rkey, done)
                     if exc.status == Status.EXISTS:
                         return Status.EXISTS
-                    raise PoolError(f"node {way.node} refused the backing of a new region: {exc}") from None
+                    raise ControllerError(f"node {way.node} refused the backing of a new region: {exc}") from None
                 done.append(way)
         return Status.OK
 
@@ -240,13 +241,13 @@ class PoolController:
                                             payload=struct.pack("<II", rkey, 0)))  # fmt: skip
             except ControlError as exc:
                 if exc.status != Status.BAD_RKEY:  # already gone
-                    raise PoolError(f"node {way.node} did not deregister rkey 0x{rkey:08x}: {exc}") from None
+                    raise ControllerError(f"node {way.node} did not deregister rkey 0x{rkey:08x}: {exc}") from None
 
     def _node(self, heap: NodeHeap, rank: int) -> tuple[str, int]:
         """The data endpoint of node *rank* (checked against the state's node list)."""
         entry = self.cluster.nodes[rank]
         if entry.endpoint != heap.endpoint:
-            raise PoolError(f"state file {self.state_path} names node {rank} {heap.endpoint}, the "
+            raise ControllerError(f"state file {self.state_path} names node {rank} {heap.endpoint}, the "
                             f"cluster file {entry.endpoint}: they belong to different clusters")  # fmt: skip
         return (str(entry.address), int(entry.port))
 
@@ -268,4 +269,4 @@ class PoolController:
                                Packet(opcode, rkey=self.cluster.admin_key, addr=endpoint_to_u64(group),
                                       aux_addr=endpoint_to_u64(member)), timeout=self.timeout)  # fmt: skip
             except ControlError as exc:
-                raise PoolError(str(exc)) from None
+                raise ControllerError(str(exc)) from None

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, NoReturn
 
+from netdam.protocol.errors import NetdamError
 from netdam.units import parse_size, parse_size_range
 
 
@@ -22,7 +23,7 @@ class ExitCode(IntEnum):
     RUN_FAILED = 3  # timeout, dead node, unreachable peer
 
 
-class CommandError(Exception):
+class CommandError(NetdamError):
     """A failure a command reports as ``error`` in its output, with the exit code to use."""
 
     def __init__(self, message: str, code: ExitCode = ExitCode.RUN_FAILED) -> None:

@@ -26,7 +26,7 @@ from netdam.protocol.constants import (
     Flags,
     Opcode,
 )
-from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
 
 #: Payload elements listed in --json output; larger payloads give only the hex.
@@ -40,7 +40,7 @@ _PAIR = struct.Struct("<II")  # SPEC.md 6.1, 6.2
 _SPARSE_PREFIX = struct.Struct("<II")  # SPEC.md 2.5
 
 
-class UsageProblem(Exception):
+class UsageProblem(NetdamError):
     """Input the command cannot read: exit 2 with a message that names the fix."""
 
 

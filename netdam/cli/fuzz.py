@@ -196,7 +196,7 @@ class FuzzRunner:
             raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
 
     def _setup_pool(self, nodes: tuple[Endpoint, ...], third: Endpoint) -> Layout:
-        from netdam.switch.controller import PoolController, PoolError
+        from netdam.switch.controller import ControllerError, PoolController
 
         assert self.cluster.switch is not None
         controller = PoolController(self.cluster.path)
@@ -207,7 +207,7 @@ class FuzzRunner:
                          for size, stride, rights in POOL_PLAN)  # fmt: skip
             for node in nodes:
                 controller.join(group, node)
-        except PoolError as exc:
+        except ControllerError as exc:
             raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
         return Layout("switch", nodes, node_regions_of_pool(pool, len(nodes)), self.config.memory,
                       self.config.mtu, vip=self.cluster.switch.vip, pool=pool, group=group,

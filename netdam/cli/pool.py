@@ -86,11 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _controller(args: argparse.Namespace) -> Any:
-    from netdam.switch.controller import PoolController, PoolError
+    from netdam.switch.controller import ControllerError, PoolController
 
     try:
         return PoolController(args.cluster)
-    except PoolError as exc:
+    except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
@@ -104,12 +104,12 @@ def _region_json(region: Any) -> dict[str, Any]:
 
 
 def run_alloc(args: argparse.Namespace) -> int:
-    from netdam.switch.controller import PoolError
+    from netdam.switch.controller import ControllerError
 
     ctl = _controller(args)
     try:
         region = ctl.alloc(args.size, args.interleave, ways=args.ways, rights=args.rights, tenant=args.tenant)
-    except PoolError as exc:
+    except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     vip = ctl.switch.vip
     text = (f"gaddr 0x{region.gaddr:x} rkey 0x{region.rkey:08x} size {region.size} "
@@ -119,11 +119,11 @@ def run_alloc(args: argparse.Namespace) -> int:
 
 
 def run_free(args: argparse.Namespace) -> int:
-    from netdam.switch.controller import PoolError
+    from netdam.switch.controller import ControllerError
 
     try:
         region = _controller(args).free(args.gaddr)
-    except PoolError as exc:
+    except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     emit({"ok": True, "freed": _region_json(region)}, args.json, text=f"freed 0x{region.gaddr:x}")
     return ExitCode.OK
@@ -182,11 +182,11 @@ def run_read(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from netdam.switch.controller import PoolError
+    from netdam.switch.controller import ControllerError
 
     try:
         state = _controller(args).state()
-    except PoolError as exc:
+    except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     regions = [_region_json(r) for r in state.regions]
     groups = {f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()}

@@ -31,7 +31,7 @@ from netdam.protocol.constants import (
     Status,
     max_payload,
 )
-from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.shell.udp import IP_MTU_DISCOVER, IP_PMTUDISC_DO
 
@@ -40,7 +40,7 @@ TXN_SPAN = 192
 _IDS = struct.Struct("!II")  # client_id, txn_id at offset 8
 
 
-class PoolError(Exception):
+class PoolError(NetdamError):
     """A request was refused (``status`` is the NACK's) or never answered (``status`` None)."""
 
     def __init__(self, message: str, status: Status | None = None) -> None:

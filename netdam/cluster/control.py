@@ -16,13 +16,13 @@ import numpy as np
 
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Opcode, Rights
-from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 
 INFO_FIELDS = ("version", "mtu", "memory_bytes", "max_payload", "max_segments", "rank", "world_size")
 
 
-class ControlError(Exception):
+class ControlError(NetdamError):
     """A control request failed: timeout (``status`` None) or NACK (``status`` set)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:

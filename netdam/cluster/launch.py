@@ -35,6 +35,7 @@ from netdam.cluster.clusterfile import (
     write_cluster,
 )
 from netdam.core.faults import FaultSpec
+from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
 from netdam.shell.shm import DEFAULT_SHM_DIR
 
@@ -43,7 +44,7 @@ DEFAULT_BASE_PORT = 17744
 START_TIMEOUT_S = 120.0  # a cold numba cache compiles for ~10 s on 2 cores; CI machines vary
 
 
-class ClusterStartError(RuntimeError):
+class ClusterStartError(NetdamError, RuntimeError):
     """A node did not come up; the message names it and quotes its error."""
 
 

@@ -28,6 +28,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
 
 #: Rendezvous port when no source gives one.
@@ -38,7 +39,7 @@ DEFAULT_NODE_BASE_PORT = 7744
 AUTO = "auto"
 
 
-class LaunchError(ValueError):
+class LaunchError(NetdamError, ValueError):
     """The launcher's environment or the flags are inconsistent; the message names the fix."""
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from netdam.cluster.clusterfile import ClusterFile, NodeEntry, write_cluster
 from netdam.cluster.launcher_env import AUTO, LaunchSpec
 from netdam.protocol.constants import DEFAULT_MTU
+from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ ANSWER_GRACE_S = 10.0
 POLL_S = 0.2
 
 
-class RendezvousError(Exception):
+class RendezvousError(NetdamError):
     """The rendezvous failed; ``code`` is the exit code (3: timeout, unreachable; 2: conflict)."""
 
     code = 3

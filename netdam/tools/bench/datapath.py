@@ -60,7 +60,7 @@ import numpy as np
 
 from netdam.protocol import counters as C
 from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, DType, Flags, Opcode, Rights
-from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.shell.udp import check_mtu_fits, granted_buffers, max_payload, open_udp_socket
 
@@ -343,7 +343,7 @@ class _Child:
         self.conn.close()
 
 
-class _BenchFailure(Exception):
+class _BenchFailure(NetdamError):
     """A process failed or timed out: the run reports `error` and exits 3."""
 
 

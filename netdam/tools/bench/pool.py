@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from netdam.protocol.constants import DType, Flags, Opcode
+from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
 
 LOOPBACK = "127.0.0.1"
@@ -63,7 +64,7 @@ class PoolBenchConfig:
     startup_timeout: float = 120.0
 
 
-class _Failure(Exception):
+class _Failure(NetdamError):
     pass
 
 

@@ -58,6 +58,7 @@ import numpy as np
 from netdam.clients.pool import PoolClient, PoolError
 from netdam.core.faults import FaultSpec
 from netdam.protocol.constants import MAX_PAYLOAD_BYTES, Opcode
+from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint, Packet
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ SNAPSHOT_KEYS = ("switch_fault_drops", "switch_fault_dups", "switch_fault_held",
 OK, LOST, CORRUPT = "ok", "lost", "corrupt"
 
 
-class SoakFailure(Exception):
+class SoakFailure(NetdamError):
     """The soak could not run to the end (cluster, client process): exit 3."""
 
 
@@ -397,7 +398,7 @@ def _pool_cluster(config: SoakConfig) -> Iterator[_Pool]:
 
 def _allocate(controller: PoolController, config: SoakConfig, nodes: int, allocated: list[Region]) -> SoakLayout:
     """One region per client and the counter's region (every region lands in *allocated*)."""
-    from netdam.switch.controller import PoolError as AllocError
+    from netdam.switch.controller import ControllerError as AllocError
 
     rng = seeded(config.seed, 0xA110C)
     ids = client_ids(config.seed, config.clients + 1)
@@ -629,7 +630,7 @@ def _run_on(config: SoakConfig, pool: _Pool, children: _Children) -> dict[str, A
 
 
 def _free(controller: PoolController, regions: list[Region]) -> None:
-    from netdam.switch.controller import PoolError as AllocError
+    from netdam.switch.controller import ControllerError as AllocError
 
     for region in regions:
         with contextlib.suppress(AllocError):
