@@ -29,6 +29,7 @@ from netdam.protocol.constants import (
     MAX_SEGMENTS,
     MIN_MTU,
     PROTOCOL_VERSION,
+    REPLY_OPCODES,
     Opcode,
     Status,
     max_payload,
@@ -444,7 +445,7 @@ class SwitchCore(QueueOwner):
         except RemoteProtocolError:
             self.counters[C.DROP_BAD_REPLY] += 1
             return
-        if packet.opcode in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+        if packet.opcode in REPLY_OPCODES:
             self.counters[C.DROP_UNEXPECTED_REPLY] += 1  # the switch asks nobody anything
             return
         if packet.opcode == Opcode.PING:

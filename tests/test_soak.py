@@ -19,22 +19,19 @@ from netdam.protocol.constants import Opcode
 from netdam.protocol.packet import Packet, encode_packet
 from netdam.switch.faults import parse_faults
 from netdam.tools.soak.client import ProbeSocket
-from netdam.tools.soak.parent import (
+from netdam.tools.soak.parent import bump_counter, flip_block_byte, run_soak, switch_fault_text
+from netdam.tools.soak.plan import (
     BLOCK_MAX,
     CORRUPT,
     LOST,
     OK,
     BlockBook,
     SoakConfig,
-    bump_counter,
     check_counter,
     checksum,
     client_ids,
     draw_region,
-    flip_block_byte,
     layout_blocks,
-    run_soak,
-    switch_fault_text,
 )
 
 RESULT_KEYS = {"ok", "ops", "ops_per_second", "lost_writes", "corrupt_reads", "counter_error", "errors",

@@ -35,7 +35,7 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import ClusterStartError, LocalCluster, start_cluster
 from netdam.kernels import udp_io
 from netdam.protocol import counters as C
-from netdam.protocol.constants import Opcode, Rights, Status
+from netdam.protocol.constants import REPLY_OPCODES, Opcode, Rights, Status
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64
 from netdam.shell.shm import attach
@@ -391,7 +391,7 @@ class FuzzRunner:
             if len(self.bad_replies) < 8:
                 self.bad_replies.append(f"{self.layout.process_name(p)}: {exc}: {data[:96].hex()}")
             return
-        if reply.opcode not in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+        if reply.opcode not in REPLY_OPCODES:
             if len(self.bad_replies) < 8:
                 self.bad_replies.append(f"{self.layout.process_name(p)}: sent {reply.opcode.name}, not a reply: {data[:96].hex()}")
             return

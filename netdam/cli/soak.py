@@ -63,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     from netdam.cli.common import CommandError
-    from netdam.tools.soak.parent import SoakConfig, run_soak
+    from netdam.tools.soak.parent import run_soak
+    from netdam.tools.soak.plan import SoakConfig
 
     try:
         config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes, loss=args.loss,

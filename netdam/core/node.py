@@ -46,6 +46,7 @@ from netdam.protocol.constants import (
     MAX_SEGMENTS,
     MIN_MTU,
     PROTOCOL_VERSION,
+    REPLY_OPCODES,
     SEGMENT_SIZE,
     Opcode,
     Rights,
@@ -334,12 +335,12 @@ class NodeCore(QueueOwner):
         except RemoteProtocolError as exc:
             # The datapath validates what it punts; should anything reach here unvalidated,
             # answer as the datapath would.
-            if data[1] in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+            if data[1] in REPLY_OPCODES:
                 self.counters[C.DROP_BAD_REPLY] += 1
                 return
             self._nack_raw(data, src, exc.status)
             return
-        if packet.opcode in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+        if packet.opcode in REPLY_OPCODES:
             if len(self._events) >= MAX_EVENTS:
                 self.counters[C.DROP_UNEXPECTED_REPLY] += 1
                 return

@@ -51,6 +51,7 @@ from netdam.protocol.constants import (
     HEADER_SIZE,
     MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
+    REPLY_OPCODES,
     SEGMENT_SIZE,
     DType,
     Flags,
@@ -109,7 +110,7 @@ for _op, (_len, _size) in {
     Opcode.DEREGISTER: (8, 8),
 }.items():
     _KIND[_op], _FIXED_LENGTH[_op], _FIXED_SIZE[_op] = _K_FIXED, _len, _size
-for _op in (Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK):
+for _op in REPLY_OPCODES:
     _IS_REPLY[_op] = 1
     _PUNTED_OPS[_op] = 1
 for _op in (

@@ -22,7 +22,7 @@ from netdam.clients.pool import PoolClient, PoolError, fetch_add_packet
 from netdam.core.faults import FaultSpec, decide, packet_id
 from netdam.protocol.constants import Flags, Opcode
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
-from netdam.tools.soak.parent import (
+from netdam.tools.soak.plan import (
     ATTEMPT_MEMORY,
     ERROR_SAMPLES,
     FILL_BATCH,
