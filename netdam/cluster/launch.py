@@ -89,6 +89,21 @@ class LocalCluster:
         self.stop()
 
 
+def netdam_python(module: str = "netdam") -> list[str]:
+    """The command that runs *module* as ``__main__`` in a child importing exactly this process's
+    netdam package. ``python -m`` would put the current directory first on ``sys.path``, so in a
+    source checkout the checkout's ``netdam/`` would hide the installed one (the issue-14 quick
+    start failure), and two copies would also keep two numba caches. ``-c`` code that sets
+    ``sys.path[0]`` to the directory holding our package avoids both; the word ``netdam`` stays
+    in the command line, which ``_is_node_process`` looks for."""
+    import netdam
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(netdam.__file__)))
+    code = (f"import sys, runpy; sys.path[0] = {root!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")  # fmt: skip
+    return [sys.executable, "-c", code]
+
+
 def node_log(cluster_name: str, rank: int) -> Path:
     """Where a node launched by us writes its stderr."""
     return Path(tempfile.gettempdir()) / f"{cluster_name}-{rank}.log"
@@ -99,7 +114,7 @@ def node_command(
     world: int, shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
 ) -> list[str]:  # fmt: skip
     cmd = [
-        sys.executable, "-m", "netdam", "node",
+        *netdam_python(), "node",
         "--bind", f"{bind[0]}:{bind[1]}", "--name", name, "--memory", f"{memory}B",
         "--admin-key", hex(admin_key), "--rank", str(rank), "--world-size", str(world),
         "--shm-dir", str(shm_dir), "--mtu", str(mtu),

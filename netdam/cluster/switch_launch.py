@@ -33,6 +33,7 @@ from netdam.cluster.launch import (
     ClusterStartError,
     LocalCluster,
     _wait_ready,
+    netdam_python,
     start_cluster,
     stop_pids,
 )
@@ -95,7 +96,7 @@ def pick_vip(address: str = "127.0.0.1") -> Endpoint:
 
 def switch_command(cluster_path: Path, vip: Endpoint, state_file: Path, mtu: int, faults: str,
                    seed: int, die_with_parent: bool) -> list[str]:  # fmt: skip
-    cmd = [sys.executable, "-m", "netdam.switch", "--cluster", str(cluster_path),
+    cmd = [*netdam_python("netdam.switch"), "--cluster", str(cluster_path),
            "--vip", f"{vip[0]}:{vip[1]}", "--state", str(state_file), "--mtu", str(mtu),
            "--seed", str(seed)]  # fmt: skip
     if faults:
