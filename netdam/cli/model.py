@@ -16,6 +16,7 @@ from netdam.cli.common import (
     CommandError,
     ExitCode,
     NetdamArgumentParser,
+    bounded_int,
     emit,
     size_arg,
     size_range_arg,
@@ -86,7 +87,7 @@ def register(subparsers: Any) -> None:
     amount.add_argument(
         "--bytes", type=size_arg, metavar="SIZE", help="data bytes moved (default 128 = 32 f32)"
     )
-    amount.add_argument("--count", type=int, metavar="N", help="elements instead of bytes")
+    amount.add_argument("--count", type=bounded_int(1, 1 << 40), metavar="N", help="elements instead of bytes")
     op.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     op.add_argument(
         "--sr-segments",
