@@ -14,6 +14,7 @@ No dependency: a one-line redraw needs no library, and netdam's core install sta
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -32,10 +33,33 @@ def quiet() -> bool:
     return bool(_SETTINGS["quiet"])
 
 
+#: The progress line being drawn now (notes clear it first, then it redraws).
+_CURRENT: list[Progress] = []
+
+
 def note(text: str) -> None:
-    """One line on stderr (unless ``-q``)."""
-    if not _SETTINGS["quiet"]:
-        print(f"netdam: {text}", file=sys.stderr, flush=True)
+    """One line on stderr (unless ``-q``), above the progress line when one is drawn."""
+    if _SETTINGS["quiet"]:
+        return
+    current = _CURRENT[-1] if _CURRENT else None
+    if current is not None:
+        current.clear()
+    print(f"netdam: {text}", file=sys.stderr, flush=True)
+    if current is not None:
+        current.update()
+
+
+def finish() -> None:
+    """End every progress line now (before the result goes to stdout, or when a command turns
+    from work into waiting, as `up` in the foreground does)."""
+    for current in list(_CURRENT):
+        current.close()
+
+
+def status(text: str) -> None:
+    """What the command does now, shown on the progress line (no-op without one)."""
+    if _CURRENT:
+        _CURRENT[-1].update(text)
 
 
 def bars_enabled() -> bool:
@@ -53,7 +77,7 @@ class Progress:
     on its own thread while a step blocks (a compile, a start-up). Without *total* it shows the
     elapsed time and the latest ``status``."""
 
-    def __init__(self, label: str, total: int | None = None) -> None:
+    def __init__(self, label: str, total: int | None = None, delay: float = 0.0) -> None:
         self.label = label
         self.total = total
         self.done = 0
@@ -64,23 +88,35 @@ class Progress:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._width = 0
+        #: Seconds before the line first shows: quick commands never flash one.
+        self._delay = delay
 
     def __enter__(self) -> Progress:
+        _CURRENT.append(self)
         if self._enabled:
-            self._draw()
             self._thread = threading.Thread(target=self._tick, name="netdam-progress", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:  # fmt: skip
+        self.close()
+
+    def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
-        if self._enabled:
+        if self in _CURRENT:
+            _CURRENT.remove(self)
+        self.clear()
+
+    def clear(self) -> None:
+        """Erase the line (before other output, and at the end)."""
+        if self._enabled and self._width:
             with self._lock:
                 sys.stderr.write("\r" + " " * self._width + "\r")
                 sys.stderr.flush()
+                self._width = 0
 
     def advance(self, steps: int = 1, status: str | None = None) -> None:
         self.done += steps
@@ -97,9 +133,12 @@ class Progress:
             self._draw()
 
     def _draw(self) -> None:
+        if self._stop.is_set() or time.monotonic() - self._start < self._delay:
+            return
         count = f"  {self.done}/{self.total}" if self.total else ""
         status = f"  {self.status}" if self.status else ""
         text = f"{self.label}{count}  {format_seconds(time.monotonic() - self._start)}{status}"
+        text = text[: max(shutil.get_terminal_size().columns - 1, 20)]  # a wrapped line never erases
         with self._lock:
             pad = max(self._width - len(text), 0)
             sys.stderr.write("\r" + text + " " * pad)

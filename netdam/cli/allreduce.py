@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--density must be between 0 and 1", ExitCode.USAGE)
     if args.sparse and args.algo != "chain":
         raise CommandError("--sparse needs --algo chain", ExitCode.USAGE)
+    if args.cluster is not None:
+        _check_cluster_mtu(args.cluster)
     config = AllReduceConfig(
         nodes=args.nodes, count=count, dtype=dtype, op=ReduceOp[args.op.upper()],
         faults=faults_from(args), timeout_s=args.timeout,
@@ -76,6 +78,24 @@ def run(args: argparse.Namespace) -> int:
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]
     emit(result, args.json, text=_text(result))
     return int(code)
+
+
+def _check_cluster_mtu(path: object) -> None:
+    """A cluster started with a small --mtu cannot carry a collective over all its nodes: say so
+    now, not after a watchdog period of silence."""
+    from pathlib import Path
+
+    from netdam.cluster.clusterfile import load_cluster
+    from netdam.core.collective import min_mtu
+
+    try:
+        info = load_cluster(Path(str(path)))
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    world = len(info.nodes)
+    if info.mtu < min_mtu(world):
+        raise CommandError(f"{path} runs at MTU {info.mtu}, too small for a collective over {world} nodes: "
+                           f"restart it with `netdam up --mtu {min_mtu(world)}` or more", ExitCode.USAGE)  # fmt: skip
 
 
 def _text(r: dict[str, object]) -> str:

@@ -274,11 +274,40 @@ def run_up(args: argparse.Namespace) -> int:
     if cluster.switch is not None:
         vip = cluster.switch.vip
         summary["vip"] = f"{vip[0]}:{vip[1]}"
-    emit(summary, args.json, text=str(cluster.path))
+    summary["endpoints"] = [f"{n.address}:{n.port}" for n in _started(cluster)]
+    emit(summary, args.json, text=_up_table(cluster, args.detach))
     sys.stdout.flush()
     if args.detach:
         return ExitCode.OK
     return _supervise(cluster)
+
+
+def _started(cluster: LocalCluster) -> list:  # type: ignore[type-arg]
+    return [n for n in cluster.info.nodes if cluster.owned is None or n.rank in cluster.owned]
+
+
+def _up_table(cluster: LocalCluster, detached: bool) -> str:
+    """What `up` prints: the cluster file's path first (scripts read that line), then who runs
+    where, the VIP, the logs and how to stop."""
+    from netdam.cluster.launch import node_log
+    from netdam.units import format_size
+
+    path = cluster.path
+    lines = [str(path), "", f"{'rank':>4}  {'endpoint':<21} {'control':>7} {'pid':>8}  {'memory':>9}  memory file"]
+    for n in _started(cluster):
+        lines.append(f"{n.rank:>4}  {n.address + ':' + str(n.port):<21} {n.control_port:>7} {n.pid:>8}  "
+                     f"{format_size(n.memory_bytes):>9}  {n.memory_file}")  # fmt: skip
+    if cluster.switch is not None:
+        vip = cluster.switch.vip
+        lines.append(f"switch: VIP {vip[0]}:{vip[1]} (pid {cluster.switch.process.pid}); pool clients send there")
+    logs = node_log(cluster.info.name, 0)
+    lines.append(f"logs: {logs.parent}/{cluster.info.name}-RANK.log (more with -v)")
+    lines.append(f"started in {cluster.startup_seconds:.1f} s; cluster file: {path}")
+    if detached:
+        lines.append(f"stop: netdam down --cluster {path}")
+    else:
+        lines.append(f"stop: Ctrl-C here, or `netdam down --cluster {path}` from another shell")
+    return "\n".join(lines)
 
 
 def _check_file_flags(args: argparse.Namespace) -> None:
@@ -316,14 +345,20 @@ def _supervise(cluster: LocalCluster) -> int:
 
 def run_down(args: argparse.Namespace) -> int:
     from netdam.cluster.launch import stop_cluster_file
+    from netdam.cluster.switch_launch import load_switch_entry
 
     try:
+        switch = load_switch_entry(args.cluster)
         info = stop_cluster_file(args.cluster)
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
+    if switch is not None and not switch.pid:
+        switch = None  # listed but not running here
+    text = f"stopped {len(info.nodes)} nodes of {info.name}"
+    if switch is not None:
+        text += f" and its switch (VIP {switch.vip[0]}:{switch.vip[1]})"
     emit({"ok": True, "stopped": len(info.nodes), "ranks": [n.rank for n in info.nodes],
-          "cluster": str(args.cluster)}, args.json,
-         text=f"stopped {len(info.nodes)} nodes of {info.name}")  # fmt: skip
+          "switch_stopped": switch is not None, "cluster": str(args.cluster)}, args.json, text=text)  # fmt: skip
     return ExitCode.OK
 
 

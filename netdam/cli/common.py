@@ -53,6 +53,9 @@ def dumps_json(obj: dict[str, Any]) -> str:
 
 def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:
     """Print the result: exactly one JSON object on stdout with --json, else *text* (or key: value)."""
+    from netdam import progress
+
+    progress.finish()  # the result never lands on a half-drawn progress line
     if as_json:
         sys.stdout.write(dumps_json(obj) + "\n")
         return

@@ -7,6 +7,7 @@ Every subcommand module exposes ``register(subparsers)``; the parser it adds set
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
@@ -78,6 +79,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
 
 def _report(message: str, code: int, as_json: bool) -> int:
     """The one error path: one line on stderr, and under --json one JSON object on stdout."""
+    progress.finish()
     if as_json:
         emit({"ok": False, "error": message}, True)
     print(f"error: {message}", file=sys.stderr)
@@ -103,8 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress.configure(quiet=bool(getattr(args, "quiet", False)), json_output=as_json)
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)  # fmt: skip
+    # One progress line per command (stderr, terminals only, after a second): the library names
+    # its phases through progress.status(). Processes that serve until stopped draw none.
+    line = progress.Progress(f"netdam {args.command}", delay=1.0)
+    if args.command in ("node", "switch"):
+        line = contextlib.nullcontext()  # type: ignore[assignment]
     try:
-        code: int = args.func(args)
+        with line:
+            code: int = args.func(args)
     except CommandError as exc:
         return _report(str(exc), int(exc.code), as_json)
     except KeyboardInterrupt:

@@ -15,6 +15,7 @@ start_switch(cluster, vip)``, or ``start_pool_cluster`` which does both. The swi
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import subprocess
@@ -103,6 +104,8 @@ def switch_command(cluster_path: Path, vip: Endpoint, state_file: Path, mtu: int
         cmd += ["--faults", faults]
     if die_with_parent:
         cmd.append("--die-with-parent")
+    if logging.getLogger().isEnabledFor(logging.INFO):  # the launcher's -v reaches the switch's log
+        cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
     return cmd
 
 
@@ -121,6 +124,9 @@ def start_switch(
     log = switch_log(cluster.path)
     start = time.monotonic()
     cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach)
+    from netdam import progress
+
+    progress.status("starting the switch")
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
     try:
