@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "netdam.cli.cluster",
     "netdam.cli.allreduce",
     "netdam.cli.decode",
+    "netdam.cli.capture",
     "netdam.cli.model",
     "netdam.cli.bench",
     "netdam.cli.pool",
