@@ -92,7 +92,7 @@ def min_mtu(world: int) -> int:
     """Smallest IP MTU at which a collective over *world* nodes can start: the START_COLL packet
     carries the fixed header, an SR list naming every member and the 64-byte descriptor (SPEC
     6.5); chunks then carry at least one 8-byte element behind an SR list one shorter."""
-    return IP_UDP_OVERHEAD + HEADER_SIZE + SEGMENT_SIZE * world + DESCRIPTOR.size
+    return int(IP_UDP_OVERHEAD + HEADER_SIZE + SEGMENT_SIZE * world + DESCRIPTOR.size)
 
 
 def decode_descriptor(payload: bytes) -> tuple[int, ...]:

@@ -59,12 +59,12 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 #: numba versions these intrinsics are known to work with: [low, high) (pyproject pins the same
 #: range; tests/test_numba_version.py fails, naming it, on anything else).
 NUMBA_TESTED = ((0, 59), (0, 69))
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 # ---------------------------------------------------------------- constants (man pages cited)
 
