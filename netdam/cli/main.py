@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -119,9 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _report("interrupted (Ctrl-C): stopped what this command started", ExitCode.INTERRUPTED, as_json)
     except BrokenPipeError:
-        # stdout closed early (`netdam ... | head`): nothing more to say to anyone.
-        sys.stderr.close()
-        return int(ExitCode.RUN_FAILED)
+        # stdout closed early (`netdam ... | head`): the reader has what it wanted. Point stdout
+        # at /dev/null so the interpreter's final flush does not raise a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return int(ExitCode.OK)
     except Exception as exc:
         if verbose >= 2:
             traceback.print_exc()
