@@ -203,7 +203,9 @@ def test_node_refuses_memory_it_cannot_get(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_unknown_cluster_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["stats", "--cluster", str(tmp_path / "nope.toml"), "--json"]) == 2
+    with pytest.raises(SystemExit) as usage:  # checked when the command line is parsed
+        main(["stats", "--cluster", str(tmp_path / "nope.toml"), "--json"])
+    assert usage.value.code == 2
     assert "start a cluster with `netdam up`" in json.loads(capsys.readouterr().out)["error"]
 
 

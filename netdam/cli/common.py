@@ -107,7 +107,7 @@ def cluster_file(text: str) -> Path:
     try:
         return readable_file(text)
     except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"{exc} (a cluster file is what `netdam up` writes)") from None
+        raise argparse.ArgumentTypeError(f"{exc}, or start a cluster with `netdam up`") from None
 
 
 def new_or_file(text: str) -> Path:
