@@ -60,6 +60,7 @@ CASES: list[tuple[list[str], int, str]] = [
     (["pool", "alloc", "--cluster", "/nonexistent.toml", "--size", "4KiB"], USAGE, "no such file"),
     (["pool", "alloc", "--cluster", "CLUSTER2", "--size", "64KiB", "--interleave", "8KiB", "--ways", "5"], USAGE, "1..2"),
     (["pool", "alloc", "--cluster", "CLUSTER2", "--size", "64KiB", "--ways", "2"], USAGE, "--interleave"),
+    (["allreduce", "--cluster", "CLUSTER2_MTU150"], USAGE, "netdam up --mtu 172"),
     (["pool", "read", "--cluster", "CLUSTER2", "--gaddr", "0", "--length", "0"], USAGE, "--length"),
     (["soak", "--cluster", "/nonexistent.toml"], USAGE, "no such file"),
     (["soak", "--clients", "0"], USAGE, "--clients"),
@@ -112,7 +113,10 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(("argv", "code", "word"), CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_bad_input_is_one_line(argv: list[str], code: int, word: str, cluster2: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    argv = [str(cluster2) if a == "CLUSTER2" else a for a in argv]
+    small = cluster2.with_name("two-mtu150.toml")
+    small.write_text(cluster2.read_text().replace("mtu = 9000", "mtu = 150"))
+    files = {"CLUSTER2": str(cluster2), "CLUSTER2_MTU150": str(small)}
+    argv = [files.get(a, a) for a in argv]
     _check(argv, code, word, *_main(argv, capsys))
     _check_json(code, word, *_main([*argv, "--json"], capsys))
 
