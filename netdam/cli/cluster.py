@@ -301,7 +301,12 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
         vip = cluster.switch.vip
         lines.append(f"switch: VIP {vip[0]}:{vip[1]} (pid {cluster.switch.process.pid}); pool clients send there")
     logs = node_log(cluster.info.name, 0)
-    lines.append(f"logs: {logs.parent}/{cluster.info.name}-RANK.log (more with -v)")
+    where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log"
+    if cluster.switch is not None:
+        from netdam.cluster.switch_launch import switch_log
+
+        where += f", switch {switch_log(path)}"
+    lines.append(where + " (more with -v)")
     lines.append(f"started in {cluster.startup_seconds:.1f} s; cluster file: {path}")
     if detached:
         lines.append(f"stop: netdam down --cluster {path}")
