@@ -68,8 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
+    from netdam import progress
     from netdam.cli.common import CommandError
     from netdam.tools.soak.parent import SoakConfig, run_soak
+
+    progress.status(f"soak of {args.seconds:g} s with {args.clients} clients (after start-up)")
 
     try:
         config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes, loss=args.loss,
