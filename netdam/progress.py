@@ -56,6 +56,15 @@ def finish() -> None:
         current.close()
 
 
+def describe(text: str) -> None:
+    """Say what the whole command does on its progress line (``netdam flood: 60 s at the node``);
+    ``status`` then names the phase beside it."""
+    if _CURRENT:
+        current = _CURRENT[-1]
+        current.label = f"{current.label.split(':')[0]}: {text}"
+        current.update()
+
+
 def status(text: str) -> None:
     """What the command does now, shown on the progress line (no-op without one)."""
     if _CURRENT:

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from netdam import progress
     from netdam.tools.flood import FloodConfig, run_flood
 
-    progress.status(f"flooding the {args.target} for {args.seconds:g} s (after start-up)")
+    progress.describe(f"{args.seconds:g} s at the {args.target}")
     result = run_flood(FloodConfig(args.target, args.seconds, args.senders, args.seed))
     text = (
         f"flood {result['target']} {result['seconds']} s, {result['sent']} datagrams "

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                         round_size=args.round_size, artifacts=args.artifacts)  # fmt: skip
     from netdam import progress
 
-    progress.status(f"{args.datagrams:,} datagrams at the {args.target}")
+    progress.describe(f"{args.datagrams:,} datagrams at the {args.target}")
     result = run_fuzz(config)
     emit(result, args.json, None if args.json else format_result(result))
     return int(ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED)

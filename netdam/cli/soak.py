@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from netdam.cli.common import CommandError
     from netdam.tools.soak.parent import SoakConfig, run_soak
 
-    progress.status(f"soak of {args.seconds:g} s with {args.clients} clients (after start-up)")
+    progress.describe(f"{args.seconds:g} s, {args.clients} clients")
 
     try:
         config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes, loss=args.loss,
