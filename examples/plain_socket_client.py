@@ -1,9 +1,12 @@
 """A NetDAM client with nothing but ``socket`` and ``struct``: REGISTER a region, WRITE, READ it
-back, FETCH_ADD a counter. Written from protocol/SPEC.md alone (no netdam imports).
+back, FETCH_ADD a counter, DEREGISTER. Written from protocol/SPEC.md alone (no netdam imports).
 
     python examples/plain_socket_client.py --node 127.0.0.1:17744 --admin-key 0x1234
 
-The admin key is in the cluster file ``netdam up`` writes (admin_key = ...).
+The admin key is in the cluster file ``netdam up`` writes (admin_key = ...). The region is the
+node's last 4 KiB page (node memory size from PING/INFO), which a pool switch never hands out,
+so the example never touches pool memory; it starts its counter at 0 and deregisters the region
+at the end, so it can run any number of times against the same node.
 """
 
 import argparse
@@ -14,7 +17,14 @@ import sys
 
 # SPEC.md 2.1: the 64-byte header, network byte order.
 HEADER = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
-READ, READ_RESP, WRITE, FETCH_ADD, ACK, NACK, REGISTER = 0x01, 0x02, 0x03, 0x07, 0x0B, 0x0C, 0x20
+READ, READ_RESP, WRITE, FETCH_ADD, PING, ACK, NACK = 0x01, 0x02, 0x03, 0x07, 0x09, 0x0B, 0x0C
+REGISTER, DEREGISTER = 0x20, 0x21
+# SPEC.md "Status codes": NACKs print by name.
+STATUS = ["OK", "BAD_VERSION", "BAD_OPCODE", "TRUNCATED", "BAD_LENGTH", "BAD_DTYPE", "BAD_OP",
+          "BAD_SEGMENT", "BAD_RKEY", "NO_RIGHTS", "OUT_OF_BOUNDS", "MISALIGNED", "TOO_LARGE", "STALE",
+          "NOT_MEMBER", "EXISTS", "NO_SPACE", "UNAUTHORIZED", "BAD_FIELD", "SPANS_NODES", "NO_ROUTE",
+          "STALE_EPOCH", "BUSY", "TIMEOUT"]
+PAGE = 4096
 ACK_REQ = 0x0001
 RAW, U64 = 0, 5
 RIGHTS_RW_ATOMIC = 0x7
@@ -40,7 +50,8 @@ def call(sock, node, datagram, txn):
                 if fields[4] == CLIENT_ID and fields[5] == txn:
                     opcode, status, length = fields[1], fields[14], fields[9]
                     if opcode == NACK:
-                        sys.exit(f"request {txn} refused: NACK status {status}")
+                        name = STATUS[status] if status < len(STATUS) else f"status {status}"
+                        sys.exit(f"request {txn} refused: NACK {name}")
                     return fields, reply[64 : 64 + length]
         except TimeoutError:
             continue
@@ -57,26 +68,38 @@ def main():
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.settimeout(1.0)
 
-    # REGISTER [0, 4096) with READ|WRITE|ATOMIC; the node picks the rkey (SPEC 6.1).
+    # PING: INFO says how big node memory is (SPEC 6.4: memory bytes at payload offset 8).
+    _, info = call(sock, node, header(PING, 1, 0, 0, 0), 1)
+    memory = struct.unpack_from("<Q", info, 8)[0]
+    base = memory - PAGE  # the last page: never pool backing (see the docstring)
+
+    # REGISTER [base, base + 4096) with READ|WRITE|ATOMIC; the node picks the rkey (SPEC 6.1).
     body = struct.pack("<II", 0, RIGHTS_RW_ATOMIC)
-    fields, _ = call(sock, node, header(REGISTER, 1, args.admin_key, 0, 8, aux=4096) + body, 1)
+    fields, _ = call(sock, node, header(REGISTER, 2, args.admin_key, base, 8, aux=PAGE) + body, 2)
     rkey = fields[8]
-    print(f"registered [0, 4096) as rkey 0x{rkey:08x}")
+    print(f"registered [0x{base:x}, 0x{base + PAGE:x}) as rkey 0x{rkey:08x}")
+    try:
+        data = b"hello, network-attached memory!!"
+        call(sock, node, header(WRITE, 3, rkey, base + 128, len(data), flags=ACK_REQ) + data, 3)
+        _, back = call(sock, node, header(READ, 4, rkey, base + 128, len(data)), 4)
+        print(f"wrote and read back {back!r}")
+        if back != data:
+            sys.exit("READ returned different bytes")
 
-    data = b"hello, network-attached memory!!"
-    call(sock, node, header(WRITE, 2, rkey, 128, len(data), flags=ACK_REQ) + data, 2)
-    _, back = call(sock, node, header(READ, 3, rkey, 128, len(data)), 3)
-    print(f"wrote and read back {back!r}")
-    if back != data:
-        sys.exit("READ returned different bytes")
-
-    for txn, expected in ((4, 0), (5, 5)):
-        _, old = call(sock, node, header(FETCH_ADD, txn, rkey, 1024, 8, dtype=U64) + struct.pack("<Q", 5), txn)
-        value = struct.unpack("<Q", old)[0]
-        print(f"FETCH_ADD 5 -> old value {value}")
-        if value != expected:
-            sys.exit(f"FETCH_ADD returned {value}, expected {expected}")
-    print("ok")
+        counter = base + 1024
+        zero = struct.pack("<Q", 0)
+        call(sock, node, header(WRITE, 5, rkey, counter, 8, flags=ACK_REQ) + zero, 5)  # start at 0
+        for txn, expected in ((6, 0), (7, 5)):
+            add = header(FETCH_ADD, txn, rkey, counter, 8, dtype=U64) + struct.pack("<Q", 5)
+            _, old = call(sock, node, add, txn)
+            value = struct.unpack("<Q", old)[0]
+            print(f"FETCH_ADD 5 -> old value {value}")
+            if value != expected:
+                sys.exit(f"FETCH_ADD returned {value}, expected {expected}")
+    finally:
+        # DEREGISTER (SPEC 6.2): the rkey stops working; the node forgets the region.
+        call(sock, node, header(DEREGISTER, 8, args.admin_key, 0, 8) + struct.pack("<II", rkey, 0), 8)
+    print("deregistered; ok")
 
 
 if __name__ == "__main__":

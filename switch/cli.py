@@ -48,6 +48,14 @@ def run_switch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import logging
+    import sys
+
     parser = NetdamArgumentParser(prog="python -m netdam.switch", description="Run one pool switch.")
     add_switch_arguments(parser)
-    return run_switch(parser.parse_args(argv))
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log more (to stderr: the log file when `netdam up --switch` starts it)")  # fmt: skip
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)  # fmt: skip
+    return run_switch(args)

@@ -74,6 +74,10 @@ def plan_region(state: PoolState, size: int, interleave: int | None, ways: int |
     if size <= 0:
         raise ControllerError(f"size {size} must be positive")
     nodes = len(state.nodes)
+    if ways is not None and not 1 <= ways <= nodes:
+        raise ControllerError(f"--ways {ways} does not fit a pool of {nodes} nodes: give 1..{nodes}")
+    if ways is not None and not interleave:
+        raise ControllerError("--ways needs --interleave (a region without it lives on one node)")
     if interleave:
         if interleave % STRIDE_ALIGN or interleave < STRIDE_ALIGN:
             raise ControllerError(f"interleave stride {interleave} must be a positive multiple of {STRIDE_ALIGN} (e.g. 8KiB)")

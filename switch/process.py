@@ -52,9 +52,21 @@ class SwitchProcessConfig:
     die_with_parent: bool = False
 
 
+#: The last bytes of every node's memory the pool never hands out: node-local scratch for clients
+#: that talk to a node directly (examples/plain_socket_client.py registers its region there), so
+#: they never alias pool memory. One 4 KiB page: the pool's allocation granule.
+NODE_LOCAL_RESERVE = 4096
+
+
 def initial_state(cluster: ClusterFile) -> PoolState:
-    """A fresh pool over every node's whole memory."""
-    return PoolState(nodes=[NodeHeap(n.address, n.port, n.memory_bytes, 0, n.memory_bytes) for n in cluster.nodes])
+    """A fresh pool over every node's memory but its last NODE_LOCAL_RESERVE bytes."""
+    return PoolState(nodes=[NodeHeap(n.address, n.port, n.memory_bytes, 0, _heap_end(n.memory_bytes))
+                            for n in cluster.nodes])  # fmt: skip
+
+
+def _heap_end(memory_bytes: int) -> int:
+    # Tiny nodes (tests) keep their whole memory: a reserve bigger than half would leave no pool.
+    return memory_bytes - NODE_LOCAL_RESERVE if memory_bytes >= 4 * NODE_LOCAL_RESERVE else memory_bytes
 
 
 def open_state(cluster: ClusterFile, path: Path) -> PoolState:

@@ -63,8 +63,10 @@ def test_usage_errors_exit_2_with_json(capsys: pytest.CaptureFixture[str]) -> No
     assert info.value.code == 2
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] is False and "write 64MiB" in result["error"]
-    assert main(["demo", "--nodes", "1", "--json"]) == 2
-    assert "--nodes must be between 2 and 64" in json.loads(capsys.readouterr().out)["error"]
+    with pytest.raises(SystemExit) as info:  # checked at parse time, like every value
+        main(["demo", "--nodes", "1", "--json"])
+    assert info.value.code == 2
+    assert "--nodes: 1 is out of range: give 2..64" in json.loads(capsys.readouterr().out)["error"]
 
 
 def test_usage_error_without_json_names_the_fix(capsys: pytest.CaptureFixture[str]) -> None:

@@ -225,11 +225,13 @@ def test_pcap_other_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert code == 1
     assert (
         result["error"]
-        == f"no UDP datagrams to or from port 7744 in {path}; pick the port with --port"
+        == f"no UDP datagrams to or from port 7744 in {path}; pick the ports with --port or --cluster"
     )
     code, result = run_json(["decode", "--pcap", str(path), "--port", "9999"], capsys)
     assert code == 0
     assert [p["opcode"] for p in result["packets"]] == ["READ", "READ_RESP"]
+    code, result = run_json(["decode", "--pcap", str(path), "--port", "7744,9990-9999"], capsys)
+    assert code == 0 and len(result["packets"]) == 2
 
 
 def test_pcap_with_a_malformed_datagram(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

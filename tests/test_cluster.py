@@ -85,14 +85,22 @@ def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster
 
 
 def test_plain_socket_client_example(cluster: LocalCluster) -> None:
+    """Runs any number of times against the same node (issue 14: the second run used to find
+    its counter at 10), and leaves no region behind."""
+    from netdam.shell.shm import attach
+
     ep = cluster.endpoints[0]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "plain_socket_client.py"), "--node", f"{ep[0]}:{ep[1]}",
-         "--admin-key", hex(cluster.info.admin_key)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "wrote and read back" in result.stdout and result.stdout.strip().endswith("ok")
+    memory = attach(cluster.info.nodes[0].memory_file)
+    low = bytes(memory[:8192])  # where the pool's first region would live
+    for _ in range(3):
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "plain_socket_client.py"), "--node", f"{ep[0]}:{ep[1]}",
+             "--admin-key", hex(cluster.info.admin_key)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert "wrote and read back" in result.stdout and result.stdout.strip().endswith("ok")
+    assert bytes(memory[:8192]) == low, "the example wrote into memory the pool hands out"
 
 
 FLOOD = r"""
@@ -195,7 +203,9 @@ def test_node_refuses_memory_it_cannot_get(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_unknown_cluster_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["stats", "--cluster", str(tmp_path / "nope.toml"), "--json"]) == 2
+    with pytest.raises(SystemExit) as usage:  # checked when the command line is parsed
+        main(["stats", "--cluster", str(tmp_path / "nope.toml"), "--json"])
+    assert usage.value.code == 2
     assert "start a cluster with `netdam up`" in json.loads(capsys.readouterr().out)["error"]
 
 

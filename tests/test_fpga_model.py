@@ -306,7 +306,7 @@ def test_cli_sweep_plot_without_matplotlib(
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     rc, d = _run(["model", "sweep", "--plot", str(tmp_path / "x.png"), "--json"], capsys)
-    assert rc == 2 and "pip install 'netdam[bench]'" in d["error"]
+    assert rc == 2 and "pip install 'netdam[plot]'" in d["error"]
 
 
 def test_cli_sweep_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -322,3 +322,12 @@ def test_cli_sweep_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_cli_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     rc, text = _run(["model", "op"], capsys)
     assert rc == 0 and "618.0 ns" in text and "mac_phy_rx" in text
+
+
+def test_cli_allreduce_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`model allreduce --plot` draws its curve (it used to be refused: only sweep plotted)."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "ar.png"
+    rc, d = _run(["model", "allreduce", "--nodes", "4", "--size", "1MiB", "--algo", "roce-ring",
+                  "--plot", str(png), "--json"], capsys)  # fmt: skip
+    assert rc == 0 and d["plot"] == str(png) and png.stat().st_size > 1000

@@ -229,9 +229,11 @@ def test_exit_codes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
         cli.main(["soak", "--clients", "65", "--json"])
     assert usage.value.code == 2
     assert "--clients: 65 is out of range: give 1..64" in json.loads(capsys.readouterr().out)["error"]
-    assert cli.main(["soak", "--cluster", "/nonexistent/c.toml", "--json"]) == 3
+    with pytest.raises(SystemExit) as usage:  # a missing file is a usage error, found at parse time
+        cli.main(["soak", "--cluster", "/nonexistent/c.toml", "--json"])
+    assert usage.value.code == 2
     failed = json.loads(capsys.readouterr().out)
-    assert failed["ok"] is False and failed["ops"] is None and "/nonexistent/c.toml" in failed["error"]
+    assert failed["ok"] is False and "/nonexistent/c.toml" in failed["error"]
     canned = {"ok": False, "error_samples": []}
     monkeypatch.setattr("netdam.tools.soak.parent.run_soak", lambda config: dict(canned))
     monkeypatch.setattr(cli_soak, "summary_text", lambda result: "x")

@@ -795,3 +795,49 @@ def test_live_capture_of_a_real_cluster(tshark_env: dict[str, str], tmp_path: Pa
         assert [(p.opcode, p.segments_left, p.ret) for p in relayed] == [
             (Opcode.CHAIN_ADD, 0, client.me)
         ]
+
+
+# ---------------------------------------------------------------------------------------------
+# (5) UDP-GSO super-frames: what a loopback capture holds for one GSO send
+
+
+def gso_frames() -> list[tuple[bytes, int]]:
+    """(super-frame payload, datagrams in it): equal sizes; a shorter last one; different
+    opcodes of one size (a node batches any packets of one size to one destination)."""
+    write = encode_packet(_write_of(DType.F32))
+    chain = load_fixture("chain_add")
+    ack = encode_packet(Packet(Opcode.ACK, client_id=7, txn_id=9))
+    read_resp = encode_packet(Packet(Opcode.READ_RESP, client_id=7, txn_id=8, length=4, payload=b"abcd"))
+    nack = encode_packet(Packet(Opcode.NACK, client_id=7, txn_id=10, status=Status.BUSY, length=4,
+                                payload=b"busy"))  # fmt: skip
+    return [(chain * 3, 3), (write * 2 + ack, 3), (read_resp + nack + ack, 3)]
+
+
+def test_decode_splits_gso_super_frames() -> None:
+    from netdam.cli.decode import split_gso
+
+    for payload, count in gso_frames():
+        parts = split_gso(payload)
+        assert len(parts) == count and b"".join(parts) == payload
+        for part in parts:
+            decode_packet(part)
+    # A malformed datagram is not mistaken for a super-frame: it keeps its own error.
+    bad = _with_length(load_fixture("chain_add"), 4096)
+    assert split_gso(bad) == [bad]
+
+
+@needs_tshark
+def test_gso_super_frames_dissect_as_their_datagrams(tshark_env: dict[str, str], tmp_path: Path) -> None:
+    frames = gso_frames()
+    pcap = tmp_path / "gso.pcap"
+    write_pcap(pcap, [Datagram(payload, CLIENT, ("10.0.0.2", OTHER_PORT)) for payload, _ in frames])
+    rows = tshark_fields(tshark_env, pcap)
+    assert len(rows) == len(frames)
+    for row, (_, count) in zip(rows, frames):
+        assert len(row["opcode"]) == count, row["_ws.col.Info"]
+        assert row["error.status"] == [], row["_ws.col.Info"]
+        assert row["_ws.col.Info"][0].startswith(f"NetDAM GSO x{count}: ")
+    # The port list preference (a cluster's ports) claims the port without the heuristic.
+    out = tshark(tshark_env, "-o", f"netdam.ports:{OTHER_PORT - 1}-{OTHER_PORT}", "-r", str(pcap),
+                 "-T", "fields", "-e", "netdam.gso.size")  # fmt: skip
+    assert out.split() == [str(len(load_fixture("chain_add"))), str(len(encode_packet(_write_of(DType.F32)))), "68"]

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 
 from netdam.cli.cluster import add_fault_args, faults_from
-from netdam.cli.common import CommandError, ExitCode, emit, size_arg
+from netdam.cli.common import (
+    CommandError,
+    ExitCode,
+    bounded_int,
+    bounded_seconds,
+    cluster_file,
+    emit,
+    size_arg,
+)
 from netdam.protocol.constants import ELEMENT_SIZE, DType, ReduceOp
 
 
@@ -17,10 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "NICs (chained reduce-scatter + multicast all-gather), read every rank's result back and "
         "compare it bitwise with a numpy reference summed in chain order.",
     )
-    parser.add_argument("--nodes", type=int, default=4, help="node processes (default 4)")
+    parser.add_argument("--nodes", type=bounded_int(2, 64), default=4,
+                        help="node processes, 2..64 (default 4; with --cluster, the file's)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--size", type=size_arg, help="bytes per rank (default 4MiB)")
-    size.add_argument("--count", type=int, help="elements per rank instead of bytes")
+    size.add_argument("--count", type=bounded_int(1, 1 << 40), help="elements per rank instead of bytes")
     parser.add_argument("--dtype", choices=["f32", "f16", "i32", "i64", "f64"], default="f32")
     parser.add_argument("--op", choices=["sum", "min", "max"], default="sum")
     parser.add_argument("--algo", choices=["chain", "ring-host"], default="chain",
@@ -32,9 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--density", type=float, default=None,
                         help="fraction of input elements left non-zero, the rest exactly 0 "
                         "(default 0.05 with --sparse, else 1)")  # fmt: skip
-    parser.add_argument("--repeat", type=int, default=1, help="timed repeats (median reported)")
-    parser.add_argument("--timeout", type=float, default=None, help="watchdog, seconds (default 60)")
-    parser.add_argument("--cluster", default=None, help="use a running cluster (netdam up)")
+    parser.add_argument("--repeat", type=bounded_int(1, 10000), default=1,
+                        help="timed repeats, >= 1 (median reported; default 1)")
+    parser.add_argument("--timeout", type=bounded_seconds(0.01, 86400.0, low_inclusive=True), default=None,
+                        help="watchdog: seconds a collective may go without progress before it "
+                        "fails naming the dead node (default 2.5)")
+    parser.add_argument("--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up)")
     parser.add_argument("--json", action="store_true")
     add_fault_args(parser)
     parser.set_defaults(func=run)
@@ -46,8 +58,6 @@ def run(args: argparse.Namespace) -> int:
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
     dtype = DType[args.dtype.upper()]
-    if not 1 <= args.nodes <= 64:
-        raise CommandError("--nodes must be between 1 and 64", ExitCode.USAGE)
     count = args.count if args.count is not None else (args.size or (4 << 20)) // ELEMENT_SIZE[dtype]
     if count < 1:
         raise CommandError(f"--size/--count give {count} elements; need at least 1", ExitCode.USAGE)
@@ -56,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--density must be between 0 and 1", ExitCode.USAGE)
     if args.sparse and args.algo != "chain":
         raise CommandError("--sparse needs --algo chain", ExitCode.USAGE)
+    if args.cluster is not None:
+        _check_cluster_mtu(args.cluster)
     config = AllReduceConfig(
         nodes=args.nodes, count=count, dtype=dtype, op=ReduceOp[args.op.upper()],
         faults=faults_from(args), timeout_s=args.timeout,
@@ -68,13 +80,31 @@ def run(args: argparse.Namespace) -> int:
     return int(code)
 
 
+def _check_cluster_mtu(path: object) -> None:
+    """A cluster started with a small --mtu cannot carry a collective over all its nodes: say so
+    now, not after a watchdog period of silence."""
+    from pathlib import Path
+
+    from netdam.cluster.clusterfile import load_cluster
+    from netdam.core.collective import min_mtu
+
+    try:
+        info = load_cluster(Path(str(path)))
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    world = len(info.nodes)
+    if info.mtu < min_mtu(world):
+        raise CommandError(f"{path} runs at MTU {info.mtu}, too small for a collective over {world} nodes: "
+                           f"restart it with `netdam up --mtu {min_mtu(world)}` or more", ExitCode.USAGE)  # fmt: skip
+
+
 def _text(r: dict[str, object]) -> str:
     if r.get("seconds") is None:
         return f"allreduce FAILED: {r.get('error')}" + (f"\n  waiting for {r['waiting_for']}" if r.get("waiting_for") else "")
     verdict = "OK" if r["ok"] else f"FAILED ({r.get('error')})"
     return (
         f"allreduce {r['algo']} {verdict}: {r['nodes']} nodes x {r['bytes']} B {r['dtype']} {r['op']} in "
-        f"{r['seconds']:.4f} s (algbw {r['algbw_gbps']:.2f} Gb/s, busbw {r['busbw_gbps']:.2f} Gb/s); "
+        f"{r['seconds']:.4f} s (algbw {float(r['algbw_gbps']) / 8:.3f} GB/s, busbw {float(r['busbw_gbps']) / 8:.3f} GB/s); "  # type: ignore[arg-type]
         f"{r['packets']} packets, {r['retransmits']} retransmits, {r['kernel_drops']} kernel drops; "
         f"model of 100G NetDAM cards: {float(r['model_seconds_100g']) * 1e3:.3f} ms"  # type: ignore[arg-type]
         + (f"\n  sparse (density {r['density']}): {r['wire_bytes_sparse']} wire bytes in {r['seconds']:.4f} s; "

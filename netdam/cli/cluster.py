@@ -10,7 +10,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from netdam.cli.common import CommandError, ExitCode, bounded_seconds, emit, size_arg
+from netdam.cli.common import (
+    CommandError,
+    ExitCode,
+    bounded_int,
+    bounded_milliseconds,
+    bounded_seconds,
+    cluster_file,
+    emit,
+    new_or_file,
+    port_arg,
+    size_arg,
+)
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
 from netdam.protocol.packet import Endpoint
@@ -32,14 +43,20 @@ def endpoints_arg(text: str) -> tuple[Endpoint, ...]:
 
 
 def mtu_arg(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid MTU {text!r}: give an integer, e.g. 9000") from None
     if not MIN_MTU <= value <= 65535:
         raise argparse.ArgumentTypeError(f"--mtu {value} out of range: NetDAM needs {MIN_MTU}..65535")
     return value
 
 
 def probability(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid probability {text!r}: give a number 0..1") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not a probability between 0 and 1")
     return value
@@ -51,7 +68,8 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dup", type=probability, default=0.0, help="duplicate probability")
     group.add_argument("--reorder", type=probability, default=0.0, help="reorder probability")
     group.add_argument("--delay", type=probability, default=0.0, help="probability of a delay")
-    group.add_argument("--delay-ms", type=float, default=0.0, help="the delay, milliseconds")
+    group.add_argument("--delay-ms", type=bounded_milliseconds(0.0, 60000.0, low_inclusive=True), default=0.0,
+                       help="the delay, milliseconds (0..60000)")
     group.add_argument("--seed", type=int, default=0, help="seed of every fault decision")
 
 
@@ -83,8 +101,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                       help="key for control opcodes (random when 0; under a launcher rank 0's)")  # fmt: skip
     node.add_argument("--members", type=endpoints_arg, default=(),
                       help="IP:PORT,... of the cluster (given: no rendezvous, launcher variables ignored)")  # fmt: skip
-    node.add_argument("--rank", type=int, default=None, help="rank (default 0, or the launcher's)")
-    node.add_argument("--world-size", type=int, default=None, help="number of nodes (default 1, or the launcher's)")
+    node.add_argument("--rank", type=bounded_int(0, 4095), default=None, help="rank (default 0, or the launcher's)")
+    node.add_argument("--world-size", type=bounded_int(1, 4096), default=None,
+                      help="number of nodes (default 1, or the launcher's)")  # fmt: skip
     node.add_argument("--master", default=None, metavar="HOST[:PORT]",
                       help="rank 0's rendezvous address (mpirun sets none; see below)")  # fmt: skip
     node.add_argument("--cluster", type=Path, default=None,
@@ -107,13 +126,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                "control_port (other entries stay as written; the file is marked "
                                "keep_file, so netdam down clears those fields instead of deleting "
                                "it). Run it on every host of the file.")  # fmt: skip
-    up.add_argument("--nodes", type=int, default=None, help="node processes (default 4; not with an existing --cluster FILE)")
+    up.add_argument("--nodes", type=bounded_int(1, MAX_UP_NODES), default=None,
+                    help=f"node processes, 1..{MAX_UP_NODES} (default 4; not with an existing --cluster FILE)")  # fmt: skip
     up.add_argument("--memory", type=size_arg, default=64 << 20,
                     help="memory per node (default 64MiB; a file's memory_bytes wins)")  # fmt: skip
-    up.add_argument("--base-port", type=int, default=None, help="first node's UDP port (default: free ports)")
+    up.add_argument("--base-port", type=port_arg, default=None, help="first node's UDP port (default: free ports)")
     up.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     up.add_argument("--mtu", type=mtu_arg, default=None, help="IP MTU (default 9000, or the file's)")
-    up.add_argument("--cluster", type=Path, default=None,
+    up.add_argument("--cluster", type=new_or_file, default=None,
                     help="cluster file: start this host's nodes from it when it lists [[nodes]], "
                     "else write the new cluster's file there")  # fmt: skip
     up.add_argument("--detach", action="store_true", help="start, print, return")
@@ -124,22 +144,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.set_defaults(func=run_up)
 
     down = subparsers.add_parser("down", help="stop a cluster started with netdam up")
-    down.add_argument("--cluster", type=Path, required=True, help="the cluster file")
+    down.add_argument("--cluster", type=cluster_file, required=True, help="the cluster file")
     down.add_argument("--json", action="store_true")
     down.set_defaults(func=run_down)
 
     stats = subparsers.add_parser("stats", help="counters of every node of a cluster")
-    stats.add_argument("--cluster", type=Path, required=True)
-    stats.add_argument("--timeout", type=float, default=1.0, help="seconds per node")
+    stats.add_argument("--cluster", type=cluster_file, required=True)
+    stats.add_argument("--timeout", type=bounded_seconds(0.0, 600.0, low_inclusive=False), default=1.0,
+                       help="seconds per node (default 1)")  # fmt: skip
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(func=run_stats)
 
     ping = subparsers.add_parser("ping", help="PING nodes: version, memory, rank, round-trip time")
     target = ping.add_mutually_exclusive_group(required=True)
-    target.add_argument("--cluster", type=Path)
+    target.add_argument("--cluster", type=cluster_file)
     target.add_argument("--node", type=endpoint_arg, help="IP:PORT of one node")
-    ping.add_argument("--count", type=int, default=3)
-    ping.add_argument("--timeout", type=float, default=1.0)
+    ping.add_argument("--count", type=bounded_int(1, 100000), default=3, help="PINGs per node (default 3)")
+    ping.add_argument("--timeout", type=bounded_seconds(0.0, 600.0, low_inclusive=False), default=1.0,
+                      help="seconds per PING (default 1)")  # fmt: skip
     ping.add_argument("--json", action="store_true")
     ping.set_defaults(func=run_ping)
 
@@ -193,10 +215,42 @@ def _run_launched_node(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), ExitCode(exc.code)) from None
 
 
+#: Most nodes `netdam up` starts on one machine: a collective's SR list names at most 64 hops
+#: (protocol/constants.py MAX_SEGMENTS), and every node is a process with its own memory.
+MAX_UP_NODES = 64
+
+
+def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
+    """What `up` can tell before starting anything: ports fit, memory fits, MTU carries a
+    collective over this many nodes."""
+    from netdam.core.collective import min_mtu
+
+    if args.base_port is not None and args.base_port + nodes - 1 > 65535:
+        raise CommandError(f"--base-port {args.base_port} leaves no room for {nodes} ports (last would be "
+                           f"{args.base_port + nodes - 1}): give at most {65536 - nodes}", ExitCode.USAGE)  # fmt: skip
+    mtu = args.mtu or DEFAULT_MTU
+    if mtu < min_mtu(nodes):
+        raise CommandError(f"--mtu {mtu} is too small for a collective over {nodes} nodes (the start packet "
+                           f"names every node): give at least {min_mtu(nodes)}", ExitCode.USAGE)  # fmt: skip
+    if not args.shm_dir.is_dir():
+        raise CommandError(f"--shm-dir {args.shm_dir} is not a directory: create it or pass another", ExitCode.USAGE)
+    try:
+        fs = os.statvfs(args.shm_dir)
+    except OSError:
+        return
+    free = fs.f_bavail * fs.f_frsize
+    if args.memory * nodes > free:
+        raise CommandError(f"--memory {args.memory} B x {nodes} nodes needs {args.memory * nodes} B but "
+                           f"{args.shm_dir} has {free} B free: lower --memory or --nodes, or pass --shm-dir",
+                           ExitCode.USAGE)  # fmt: skip
+
+
 def run_up(args: argparse.Namespace) -> int:
     from netdam.cluster.clusterfile import lists_nodes
     from netdam.cluster.launch import ClusterStartError, start_cluster, start_from_file
 
+    if args.cluster is None or not lists_nodes(args.cluster):
+        _check_up_flags(args, args.nodes if args.nodes is not None else 4)
     try:
         if args.cluster is not None and lists_nodes(args.cluster):
             _check_file_flags(args)
@@ -220,11 +274,45 @@ def run_up(args: argparse.Namespace) -> int:
     if cluster.switch is not None:
         vip = cluster.switch.vip
         summary["vip"] = f"{vip[0]}:{vip[1]}"
-    emit(summary, args.json, text=str(cluster.path))
+    summary["endpoints"] = [f"{n.address}:{n.port}" for n in _started(cluster)]
+    emit(summary, args.json, text=_up_table(cluster, args.detach))
     sys.stdout.flush()
     if args.detach:
         return ExitCode.OK
     return _supervise(cluster)
+
+
+def _started(cluster: LocalCluster) -> list:  # type: ignore[type-arg]
+    return [n for n in cluster.info.nodes if cluster.owned is None or n.rank in cluster.owned]
+
+
+def _up_table(cluster: LocalCluster, detached: bool) -> str:
+    """What `up` prints: the cluster file's path first (scripts read that line), then who runs
+    where, the VIP, the logs and how to stop."""
+    from netdam.cluster.launch import node_log
+    from netdam.units import format_size
+
+    path = cluster.path
+    lines = [str(path), "", f"{'rank':>4}  {'endpoint':<21} {'control':>7} {'pid':>8}  {'memory':>9}  memory file"]
+    for n in _started(cluster):
+        lines.append(f"{n.rank:>4}  {n.address + ':' + str(n.port):<21} {n.control_port:>7} {n.pid:>8}  "
+                     f"{format_size(n.memory_bytes):>9}  {n.memory_file}")  # fmt: skip
+    if cluster.switch is not None:
+        vip = cluster.switch.vip
+        lines.append(f"switch: VIP {vip[0]}:{vip[1]} (pid {cluster.switch.process.pid}); pool clients send there")
+    logs = node_log(cluster.info.name, 0)
+    where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log"
+    if cluster.switch is not None:
+        from netdam.cluster.switch_launch import switch_log
+
+        where += f", switch {switch_log(path)}"
+    lines.append(where + " (more with -v)")
+    lines.append(f"started in {cluster.startup_seconds:.1f} s; cluster file: {path}")
+    if detached:
+        lines.append(f"stop: netdam down --cluster {path}")
+    else:
+        lines.append(f"stop: Ctrl-C here, or `netdam down --cluster {path}` from another shell")
+    return "\n".join(lines)
 
 
 def _check_file_flags(args: argparse.Namespace) -> None:
@@ -262,14 +350,20 @@ def _supervise(cluster: LocalCluster) -> int:
 
 def run_down(args: argparse.Namespace) -> int:
     from netdam.cluster.launch import stop_cluster_file
+    from netdam.cluster.switch_launch import load_switch_entry
 
     try:
+        switch = load_switch_entry(args.cluster)
         info = stop_cluster_file(args.cluster)
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
+    if switch is not None and not switch.pid:
+        switch = None  # listed but not running here
+    text = f"stopped {len(info.nodes)} nodes of {info.name}"
+    if switch is not None:
+        text += f" and its switch (VIP {switch.vip[0]}:{switch.vip[1]})"
     emit({"ok": True, "stopped": len(info.nodes), "ranks": [n.rank for n in info.nodes],
-          "cluster": str(args.cluster)}, args.json,
-         text=f"stopped {len(info.nodes)} nodes of {info.name}")  # fmt: skip
+          "switch_stopped": switch is not None, "cluster": str(args.cluster)}, args.json, text=text)  # fmt: skip
     return ExitCode.OK
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from enum import IntEnum
+from pathlib import Path
 from typing import Any, NoReturn
 
 from netdam.protocol.errors import NetdamError
@@ -21,6 +23,7 @@ class ExitCode(IntEnum):
     CHECK_FAILED = 1  # wrong result or failed check
     USAGE = 2  # usage error
     RUN_FAILED = 3  # timeout, dead node, unreachable peer
+    INTERRUPTED = 130  # SIGINT (128 + 2), as shells report it
 
 
 class CommandError(NetdamError):
@@ -51,6 +54,9 @@ def dumps_json(obj: dict[str, Any]) -> str:
 
 def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:
     """Print the result: exactly one JSON object on stdout with --json, else *text* (or key: value)."""
+    from netdam import progress
+
+    progress.finish()  # the result never lands on a half-drawn progress line
     if as_json:
         sys.stdout.write(dumps_json(obj) + "\n")
         return
@@ -64,11 +70,62 @@ def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:
 
 
 def size_arg(text: str) -> int:
-    """argparse type for a byte-valued flag."""
+    """argparse type for a byte-valued flag: a size of at least one byte."""
     try:
-        return parse_size(text)
+        value = parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size: give at least 1 byte, e.g. 4KiB")
+    return value
+
+
+def port_arg(text: str) -> int:
+    """argparse type for a UDP port, 1..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: give an integer 1..65535") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range: give 1..65535")
+    return value
+
+
+def readable_file(text: str) -> Path:
+    """argparse type for a file the command reads: it exists, is a regular file, and is readable."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file: check the path")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not readable: check its permissions")
+    return path
+
+
+def cluster_file(text: str) -> Path:
+    """argparse type for ``--cluster FILE`` of a command that talks to a running cluster."""
+    try:
+        return readable_file(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or start a cluster with `netdam up`") from None
+
+
+def new_or_file(text: str) -> Path:
+    """argparse type for a path a command reads when present, else creates: never a directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file path")
+    return path
+
+
+def output_file(text: str) -> Path:
+    """argparse type for a file a command writes: not a directory, in an existing directory."""
+    path = new_or_file(text)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: directory {parent} does not exist: create it first")
+    return path
 
 
 def size_range_arg(text: str) -> list[int]:
@@ -129,8 +186,9 @@ class NetdamArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser that honours ``--json`` for usage errors too (exit 2, one JSON object)."""
 
     def error(self, message: str) -> NoReturn:
+        # One line naming the problem and the fix (the usage block would bury it); the full
+        # usage is one --help away.
+        line = f"{self.prog}: {message} (see `{self.prog} --help`)"
         if JSON_REQUESTED[0]:
-            sys.stdout.write(dumps_json({"ok": False, "error": f"{self.prog}: {message}"}) + "\n")
-            self.exit(ExitCode.USAGE)
-        self.print_usage(sys.stderr)
-        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\n")
+            sys.stdout.write(dumps_json({"ok": False, "error": line}) + "\n")
+        self.exit(ExitCode.USAGE, f"error: {line}\n")

@@ -17,11 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from netdam.cli.common import ExitCode, dumps_json
+from netdam.cli.common import ExitCode, cluster_file, dumps_json
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
+    HEADER_SIZE,
+    MULTICAST_PREFIX,
     NETDAM_UDP_PORT,
     NUMPY_DTYPE,
+    SEGMENT_SIZE,
     DType,
     Flags,
     Opcode,
@@ -53,6 +56,8 @@ class Datagram:
     frame: int | None = None
     src: str | None = None
     dst: str | None = None
+    #: Datagram k (1-based) of a UDP-GSO super-frame that held several (None: a frame of one).
+    segment: int | None = None
 
 
 def register(subparsers: Any) -> None:
@@ -70,9 +75,15 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--hex-file", metavar="FILE", help="read the hex from FILE ('-' for stdin)")
     parser.add_argument("--pcap", metavar="FILE", help="decode the NetDAM datagrams of a pcap file")
-    parser.add_argument(
-        "--port", type=int, default=None, metavar="N",
-        help=f"with --pcap: the NetDAM UDP port (default {NETDAM_UDP_PORT})",
+    ports = parser.add_mutually_exclusive_group()
+    ports.add_argument(
+        "--port", type=port_list, default=None, metavar="N[,M,A-B]",
+        help=f"with --pcap: the NetDAM UDP ports (default {NETDAM_UDP_PORT})",
+    )  # fmt: skip
+    ports.add_argument(
+        "--cluster", type=cluster_file, default=None, metavar="FILE",
+        help="with --pcap: the ports of this cluster (nodes, control ports, switch VIP) and its "
+        "multicast groups",
     )  # fmt: skip
     parser.add_argument(
         "--scapy", action="store_true", help="also show the scapy layer's dissection"
@@ -88,10 +99,9 @@ def run(args: argparse.Namespace) -> int:
     except UsageProblem as exc:
         return _fail({"ok": False, "error": str(exc)}, args.json, ExitCode.USAGE)
     if not datagrams:
-        port = args.port or NETDAM_UDP_PORT
-        message = (
-            f"no UDP datagrams to or from port {port} in {args.pcap}; pick the port with --port"
-        )
+        ports = ",".join(str(p) for p in sorted(_ports(args)))
+        message = (f"no UDP datagrams to or from port {ports} in {args.pcap}; pick the ports with "
+                   "--port or --cluster")  # fmt: skip
         return _fail({"ok": False, "error": message}, args.json, ExitCode.CHECK_FAILED)
     results = [_decode_one(d, args.scapy) for d in datagrams]
     failed = [r for r in results if not r["ok"]]
@@ -109,9 +119,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_render_text(results))
         for result in failed:
-            where = f"frame {result['frame']}: " if "frame" in result else ""
+            where = f"frame {result['frame']}{_segment(result)}: " if "frame" in result else ""
             print(f"error: {where}{result['error']} (status {result['status']})", file=sys.stderr)
     return int(ExitCode.CHECK_FAILED if failed else ExitCode.OK)
+
+
+def _segment(result: dict[str, Any]) -> str:
+    """' (GSO datagram k)' for a datagram split out of a super-frame."""
+    return f" (GSO datagram {result['gso_segment']})" if "gso_segment" in result else ""
 
 
 def _fail(obj: dict[str, Any], as_json: bool, code: ExitCode) -> int:
@@ -134,12 +149,11 @@ def _read_input(args: argparse.Namespace) -> list[Datagram]:
         raise UsageProblem(
             f"{what}: give exactly one of HEX (or '-' for stdin), --hex-file FILE, --pcap FILE"
         )
-    if args.port is not None and not args.pcap:
-        raise UsageProblem("--port applies to --pcap input only; drop it or add --pcap FILE")
-    if args.port is not None and not 0 < args.port < 65536:
-        raise UsageProblem(f"--port {args.port} is not a UDP port; give 1..65535")
+    for flag in ("port", "cluster"):
+        if getattr(args, flag) is not None and not args.pcap:
+            raise UsageProblem(f"--{flag} applies to --pcap input only; drop it or add --pcap FILE")
     if args.pcap:
-        return _read_pcap(args.pcap, args.port or NETDAM_UDP_PORT)
+        return _read_pcap(args.pcap, _ports(args), multicast=args.cluster is not None)
     if args.hex_file:
         return [Datagram(parse_hex(_read_text(args.hex_file), args.hex_file))]
     if args.hex == ["-"]:
@@ -187,7 +201,101 @@ def parse_hex(text: str, where: str) -> bytes:
     return bytes.fromhex(joined)
 
 
-def _read_pcap(path: str, port: int) -> list[Datagram]:
+def port_list(text: str) -> set[int]:
+    """argparse type for ``N[,M,A-B...]``: UDP ports."""
+    ports: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid port list {text!r}: write N, N,M or A-B") from None
+        if not 1 <= first <= last <= 65535:
+            raise argparse.ArgumentTypeError(f"invalid ports {part!r}: give ports 1..65535, A <= B")
+        ports.update(range(first, last + 1))
+    return ports
+
+
+def cluster_ports(path: Path) -> set[int]:
+    """The UDP ports a cluster's traffic uses: every node's data and control port, the switch's
+    VIP and control port (multicast groups are matched by address, 239.77.0.0/16)."""
+    from netdam.cluster.clusterfile import load_cluster
+    from netdam.cluster.switch_launch import load_switch_entry
+
+    info = load_cluster(path)
+    ports = {n.port for n in info.nodes} | {n.control_port for n in info.nodes if n.control_port}
+    switch = load_switch_entry(path)
+    if switch is not None:
+        ports |= {switch.vip[1]} | ({switch.control_port} if switch.control_port else set())
+    return ports
+
+
+def _ports(args: argparse.Namespace) -> set[int]:
+    if args.cluster is not None:
+        try:
+            return cluster_ports(args.cluster)
+        except ValueError as exc:
+            raise UsageProblem(str(exc)) from None
+    return set(args.port) if args.port else {NETDAM_UDP_PORT}
+
+
+def split_gso(data: bytes) -> list[bytes]:
+    """The datagrams of one captured UDP payload.
+
+    On loopback a capture sees a UDP-GSO send (udp(7) ``UDP_SEGMENT``) before segmentation: one
+    frame whose UDP payload is several datagrams of ``gso_size`` bytes laid back to back, the
+    last one possibly shorter. The header does not carry gso_size, so it is found from the
+    datagrams: the first datagram's size when its payload is dense (header + SR list +
+    ``length``), else the smallest size at which the first datagram decodes cleanly; a size is
+    taken only if every boundary it implies starts a header (version, known opcode: one GSO send
+    may carry different packets of one size, e.g. a READ_RESP then an ACK). A payload that is one datagram (or no such size fits) comes
+    back whole, so a truly malformed datagram still reports its own error."""
+    try:
+        decode_packet(data)
+        return [data]
+    except RemoteProtocolError:
+        pass
+    if len(data) < 2 * HEADER_SIZE:
+        return [data]
+    seg_count, length = data[54], int.from_bytes(data[28:32], "big")
+    dense = HEADER_SIZE + SEGMENT_SIZE * seg_count + length
+    candidates = [dense] + [s for s in range(HEADER_SIZE, len(data)) if _header_at(data, s)]
+    for size in candidates:
+        if not HEADER_SIZE <= size < len(data) or not _splits(data, size):
+            continue
+        return [data[i : i + size] for i in range(0, len(data), size)]
+    return [data]
+
+
+def _header_at(data: bytes, offset: int) -> bool:
+    """Whether a v1 header with a known opcode could start at *offset* (a node's GSO send may
+    batch different packets of one size to one destination: a READ_RESP, then an ACK)."""
+    return data[offset] == data[0] and offset + 1 < len(data) and data[offset + 1] in _OPCODES
+
+
+_OPCODES = frozenset(int(op) for op in Opcode)
+
+
+def _splits(data: bytes, size: int) -> bool:
+    if not all(_header_at(data, i) for i in range(size, len(data), size)):
+        return False
+    try:
+        decode_packet(data[:size])
+    except RemoteProtocolError:
+        return False
+    return True
+
+
+def _in_groups(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address) in ipaddress.ip_network(MULTICAST_PREFIX)
+    except ValueError:
+        return False
+
+
+def _read_pcap(path: str, ports: set[int], multicast: bool = False) -> list[Datagram]:
     # scapy is slow to import and only needed here and for --scapy.
     from scapy.error import Scapy_Exception
     from scapy.layers.inet import UDP
@@ -204,16 +312,22 @@ def _read_pcap(path: str, port: int) -> list[Datagram]:
     datagrams = []
     for number, frame in enumerate(frames, start=1):
         udp = frame.getlayer(UDP)
-        if udp is None or port not in (udp.sport, udp.dport):
+        if udp is None:
+            continue
+        ip = udp.underlayer
+        group = multicast and _in_groups(str(getattr(ip, "dst", "")))
+        if udp.sport not in ports and udp.dport not in ports and not group:
             continue
         # `original` is the exact bytes scapy dissected (UDP already cut Ethernet padding);
         # rebuilding with bytes() could normalize a malformed datagram.
         payload = udp.payload
         data = payload.original if payload.original is not None else bytes(payload)
-        ip = udp.underlayer
         src = f"{getattr(ip, 'src', '?')}:{udp.sport}"
         dst = f"{getattr(ip, 'dst', '?')}:{udp.dport}"
-        datagrams.append(Datagram(bytes(data), frame=number, src=src, dst=dst))
+        parts = split_gso(bytes(data))
+        for k, part in enumerate(parts, start=1):
+            datagrams.append(Datagram(part, frame=number, src=src, dst=dst,
+                                      segment=k if len(parts) > 1 else None))  # fmt: skip
     return datagrams
 
 
@@ -225,6 +339,8 @@ def _decode_one(datagram: Datagram, with_scapy: bool) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if datagram.frame is not None:
         result.update(frame=datagram.frame, src=datagram.src, dst=datagram.dst)
+        if datagram.segment is not None:
+            result["gso_segment"] = datagram.segment
     result["size"] = len(datagram.data)
     try:
         packet = decode_packet(datagram.data)
@@ -316,7 +432,7 @@ def _render_text(results: list[dict[str, Any]]) -> str:
     for result in results:
         lines = []
         if "frame" in result:
-            lines.append(f"# frame {result['frame']}: {result['src']} > {result['dst']}")
+            lines.append(f"# frame {result['frame']}{_segment(result)}: {result['src']} > {result['dst']}")
         lines += _text_lines(result)
         blocks.append("\n".join(lines) + "\n")
     return "\n".join(blocks)
@@ -329,7 +445,7 @@ def _text_lines(result: dict[str, Any]) -> list[str]:
                   f"hex: {_short_hex(bytes.fromhex(result['hex']))}"]  # fmt: skip
     else:
         for name, value in result.items():
-            if name in ("frame", "src", "dst", "size", "ok", "scapy"):
+            if name in ("frame", "src", "dst", "size", "ok", "scapy", "gso_segment"):
                 continue
             lines.append(f"{name}: {_text_value(name, value)}")
     if "scapy" in result:

@@ -26,8 +26,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
+    from netdam import progress
     from netdam.tools.flood import FloodConfig, run_flood
 
+    progress.describe(f"{args.seconds:g} s at the {args.target}")
     result = run_flood(FloodConfig(args.target, args.seconds, args.senders, args.seed))
     text = (
         f"flood {result['target']} {result['seconds']} s, {result['sent']} datagrams "

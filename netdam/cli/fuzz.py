@@ -113,6 +113,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     config = FuzzConfig(target=args.target, datagrams=args.datagrams, seed=args.seed, nodes=args.nodes,
                         round_size=args.round_size, artifacts=args.artifacts)  # fmt: skip
+    from netdam import progress
+
+    progress.describe(f"{args.datagrams:,} datagrams at the {args.target}")
     result = run_fuzz(config)
     emit(result, args.json, None if args.json else format_result(result))
     return int(ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED)

@@ -9,13 +9,13 @@ goodput against packet size), ``allreduce`` (modelled all-reduce time of one alg
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import Any
 
 from netdam.cli.common import (
     CommandError,
     ExitCode,
     NetdamArgumentParser,
+    bounded_int,
     emit,
     size_arg,
     size_range_arg,
@@ -39,10 +39,10 @@ from netdam.fpga_model.params import (
     with_link,
 )
 from netdam.fpga_model.pipeline import NETDAM_OPS
+from netdam.tools import plot as plotting
 from netdam.units import format_size
 
 DTYPES = {"f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8}
-PLOT_HINT = "--plot needs matplotlib: pip install 'netdam[bench]' (or pip install matplotlib)"
 
 
 def _common(p: argparse.ArgumentParser, link_default: str = "100 (from the preset)") -> None:
@@ -86,7 +86,7 @@ def register(subparsers: Any) -> None:
     amount.add_argument(
         "--bytes", type=size_arg, metavar="SIZE", help="data bytes moved (default 128 = 32 f32)"
     )
-    amount.add_argument("--count", type=int, metavar="N", help="elements instead of bytes")
+    amount.add_argument("--count", type=bounded_int(1, 1 << 40), metavar="N", help="elements instead of bytes")
     op.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     op.add_argument(
         "--sr-segments",
@@ -142,7 +142,8 @@ def register(subparsers: Any) -> None:
         "allreduce",
         help="modelled all-reduce time of one algorithm",
         description="Modelled all-reduce of SIZE bytes per node. algbw = size / "
-        "seconds, busbw = algbw x 2(N-1)/N (nccl-tests), both in 10^9 bit/s.",
+        "seconds, busbw = algbw x 2(N-1)/N (nccl-tests): printed in GB/s as nccl-tests prints "
+        "them; *_gbps in --json are 10^9 bit/s. --plot draws time and busbw against size.",
     )
     ar.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes (>= 2)")
     ar.add_argument(
@@ -152,6 +153,9 @@ def register(subparsers: Any) -> None:
         "--algo", choices=ALGOS, default="netdam-chain", help="algorithm (default netdam-chain)"
     )
     ar.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
+    ar.add_argument("--plot", metavar="FILE.png",
+                    help="also draw time and busbw against size, 4KiB up to 4 x SIZE (needs the "
+                    "[plot] extra: matplotlib)")  # fmt: skip
     _common(ar, "100")
     ar.set_defaults(func=cmd_allreduce)
 
@@ -187,7 +191,7 @@ def register(subparsers: Any) -> None:
         metavar="SIZE",
         help="size of the against-nodes panels (default 256MiB)",
     )
-    sw.add_argument("--plot", metavar="FILE.png", help="write a figure (needs matplotlib)")
+    sw.add_argument("--plot", metavar="FILE.png", help="write a figure (needs the [plot] extra: matplotlib)")
     sw.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     _common(sw, "100")
     sw.set_defaults(func=cmd_sweep)
@@ -372,6 +376,7 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
     """Modelled all-reduce time of one algorithm."""
     nd, ro, _ = _resolve(args)
     dtype = DTYPES[args.dtype]
+    plt = plotting.pyplot() if args.plot else None  # before the work: a missing extra is usage
     try:
         est = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype)
         chain = allreduce("netdam-chain", args.nodes, args.size, nd, ro, dtype)
@@ -387,10 +392,14 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
     text = (
         f"{est.algo}, {args.nodes} nodes, {format_size(args.size)} per node at "
         f"{est.link_gbps:g} Gb/s ({est.params})\n"
-        f"time {est.seconds * 1e6:.2f} us, algbw {est.algbw_gbps:.2f} Gb/s, busbw "
-        f"{est.busbw_gbps:.2f} Gb/s, bottleneck {est.bottleneck}, "
+        f"time {est.seconds * 1e6:.2f} us, algbw {plotting.gbytes_per_s(est.algbw_gbps):.2f} GB/s, "
+        f"busbw {plotting.gbytes_per_s(est.busbw_gbps):.2f} GB/s, bottleneck {est.bottleneck}, "
         f"{out['ratio_vs_chain']:.2f}x netdam-chain\n{terms}"
     )
+    if plt is not None:
+        _plot_allreduce(plt, args, nd, ro, dtype)
+        out["plot"] = args.plot
+        text += f"\n\nplot written to {args.plot}"
     emit(out, args.json, text)
     return int(ExitCode.OK)
 
@@ -414,15 +423,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     nd, ro, _ = _resolve(args)
     dtype = DTYPES[args.dtype]
     nodes = _parse_nodes(args.nodes)
-    plt: Any = None
-    if args.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            plt = importlib.import_module("matplotlib.pyplot")
-        except ImportError:
-            raise CommandError(PLOT_HINT, ExitCode.USAGE) from None
+    plt: Any = plotting.pyplot() if args.plot else None
     points = sorted(
         {(n, size) for n in nodes for size in args.sizes}
         | {(args.plot_nodes, size) for size in args.sizes}
@@ -455,7 +456,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     pick = [r for r in rows if r["nodes"] == args.plot_nodes and r["bytes"] in args.sizes]
     by_size: dict[int, dict[str, float]] = {}
     for r in pick:
-        by_size.setdefault(r["bytes"], {})[r["algo"]] = r["busbw_gbps"]
+        by_size.setdefault(r["bytes"], {})[r["algo"]] = plotting.gbytes_per_s(r["busbw_gbps"])
     table = _table(
         ["size"] + [f"{a} busbw" for a in ALGOS],
         [
@@ -464,7 +465,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         ],
     )
     text = (
-        f"all-reduce busbw in Gb/s, {args.plot_nodes} nodes, {nd.link_gbps:g} Gb/s links "
+        f"all-reduce busbw in GB/s (nccl-tests' unit), {args.plot_nodes} nodes, {nd.link_gbps:g} Gb/s links "
         f"({nd.name} / {ro.name})\n\n{table}"
         + (f"\n\nplot written to {args.plot}" if args.plot else "")
     )
@@ -476,23 +477,44 @@ def _plot(
     plt: Any, rows: list[dict[str, Any]], path: str, nodes: int, size: int, link: float
 ) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for algo in ALGOS:
+    for algo, style in zip(ALGOS, plotting.styles()):
         by_size = sorted((r["bytes"], r) for r in rows if r["algo"] == algo and r["nodes"] == nodes)
         by_nodes = sorted((r["nodes"], r) for r in rows if r["algo"] == algo and r["bytes"] == size)
         xs = [b for b, _ in by_size]
-        axes[0][0].loglog(xs, [r["seconds"] for _, r in by_size], marker=".", label=algo)
-        axes[0][1].semilogx(xs, [r["busbw_gbps"] for _, r in by_size], marker=".", label=algo)
+        axes[0][0].plot(xs, [r["seconds"] * 1e6 for _, r in by_size], label=algo, **style)
+        axes[0][1].plot(xs, [plotting.gbytes_per_s(r["busbw_gbps"]) for _, r in by_size], label=algo, **style)
         ns = [n for n, _ in by_nodes]
-        axes[1][0].plot(ns, [r["seconds"] for _, r in by_nodes], marker="o", label=algo)
-        axes[1][1].plot(ns, [r["busbw_gbps"] for _, r in by_nodes], marker="o", label=algo)
-    axes[0][0].set(xlabel="bytes per node", ylabel="seconds", title=f"time, {nodes} nodes")
-    axes[0][1].set(xlabel="bytes per node", ylabel="busbw (Gb/s)", title=f"busbw, {nodes} nodes")
-    axes[1][0].set(xlabel="nodes", ylabel="seconds", title=f"time, {format_size(size)}")
-    axes[1][1].set(xlabel="nodes", ylabel="busbw (Gb/s)", title=f"busbw, {format_size(size)}")
-    for ax in axes.flat:
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"Modelled all-reduce at {link:g} Gb/s (netdam fpga_model)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        axes[1][0].plot(ns, [r["seconds"] * 1e6 for _, r in by_nodes], label=algo, **style)
+        axes[1][1].plot(ns, [plotting.gbytes_per_s(r["busbw_gbps"]) for _, r in by_nodes], label=algo, **style)
+    for ax in axes[0]:
+        plotting.size_axis(ax)
+    axes[0][0].set_yscale("log")
+    axes[0][0].set(ylabel="time (us)", title=f"time, {nodes} nodes")
+    axes[0][1].set(ylabel="busbw (GB/s)", title=f"busbw, {nodes} nodes")
+    axes[1][0].set(xlabel="nodes", ylabel="time (us)", title=f"time, {format_size(size)} per node")
+    axes[1][1].set(xlabel="nodes", ylabel="busbw (GB/s)", title=f"busbw, {format_size(size)} per node")
+    plotting.finish(fig, path, f"Modelled all-reduce, {link:g} Gb/s links (netdam fpga_model)")
+
+
+def _plot_allreduce(plt: Any, args: argparse.Namespace, nd: Any, ro: Any, dtype: Any) -> None:
+    """`model allreduce --plot`: the algorithm (and netdam-chain beside it) against size, from
+    4 KiB to 4 x --size, the asked size marked."""
+    top = max(4 * args.size, 1 << 20)
+    sizes = [1 << k for k in range(12, top.bit_length()) if 1 << k <= top]
+    algos = [args.algo] + (["netdam-chain"] if args.algo != "netdam-chain" else [])
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for algo, style in zip(algos, plotting.styles()):
+        ests = [allreduce(algo, args.nodes, s, nd, ro, dtype) for s in sizes]
+        ax_t.plot(sizes, [e.seconds * 1e6 for e in ests], label=algo, **style)
+        ax_b.plot(sizes, [plotting.gbytes_per_s(e.busbw_gbps) for e in ests], label=algo, **style)
+    asked = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype)
+    ax_t.axvline(args.size, color="grey", linewidth=0.8)
+    ax_b.axvline(args.size, color="grey", linewidth=0.8)
+    ax_t.annotate(f"{format_size(args.size)}: {asked.seconds * 1e6:.1f} us", (args.size, asked.seconds * 1e6),
+                  fontsize=8)  # fmt: skip
+    for ax in (ax_t, ax_b):
+        plotting.size_axis(ax)
+    ax_t.set_yscale("log")
+    ax_t.set(ylabel="time (us)", title="time")
+    ax_b.set(ylabel="busbw (GB/s)", title="busbw (nccl-tests' definition)")
+    plotting.finish(fig, args.plot, f"Modelled all-reduce, {args.nodes} nodes, {nd.link_gbps:g} Gb/s links")

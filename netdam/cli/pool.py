@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-from netdam.cli.common import CommandError, ExitCode, emit, size_arg
+from netdam.cli.common import (
+    CommandError,
+    ExitCode,
+    bounded_int,
+    cluster_file,
+    emit,
+    readable_file,
+    size_arg,
+)
 
 
 def _int(text: str) -> int:
@@ -41,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     cmds.required = True
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--cluster", type=Path, required=True, help="cluster file (netdam up --switch)")
+        p.add_argument("--cluster", type=cluster_file, required=True, help="cluster file (netdam up --switch)")
         p.add_argument("--json", action="store_true")
 
     alloc = cmds.add_parser("alloc", help="allocate a region: prints its global address and rkey")
@@ -49,7 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     alloc.add_argument("--size", type=size_arg, required=True, help="bytes (e.g. 64KiB)")
     alloc.add_argument("--interleave", type=size_arg, default=None,
                        help="interleave over nodes with this stride (e.g. 8KiB); default: one node")  # fmt: skip
-    alloc.add_argument("--ways", type=int, default=None, help="nodes to interleave over (default all)")
+    alloc.add_argument("--ways", type=bounded_int(1, 64), default=None,
+                       help="nodes to interleave over, at most the cluster's (default all)")
     alloc.add_argument("--rights", type=_rights, default=7, help="r, w, a letters (default rwa)")
     alloc.add_argument("--tenant", default="", help="a label stored with the region")
     alloc.set_defaults(func=run_alloc)
@@ -66,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     source = write.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="UTF-8 text to write")
     source.add_argument("--hex", help="hex bytes to write")
-    source.add_argument("--file", type=Path, help="file whose bytes to write")
+    source.add_argument("--file", type=readable_file, help="file whose bytes to write")
     write.set_defaults(func=run_write)
 
     read = cmds.add_parser("read", help="read bytes at a global address")
@@ -104,8 +112,17 @@ def _region_json(region: Any) -> dict[str, Any]:
 
 
 def run_alloc(args: argparse.Namespace) -> int:
+    from netdam.cluster.clusterfile import load_cluster
     from netdam.switch.controller import ControllerError
 
+    try:
+        nodes = len(load_cluster(args.cluster).nodes)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    if args.ways is not None and args.ways > nodes:
+        raise CommandError(f"--ways {args.ways} but {args.cluster} has {nodes} nodes: give 1..{nodes}", ExitCode.USAGE)
+    if args.ways is not None and args.interleave is None:
+        raise CommandError("--ways needs --interleave STRIDE (without it a region lives on one node)", ExitCode.USAGE)
     ctl = _controller(args)
     try:
         region = ctl.alloc(args.size, args.interleave, ways=args.ways, rights=args.rights, tenant=args.tenant)

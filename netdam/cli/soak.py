@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from netdam.cli.cluster import probability
-from netdam.cli.common import ExitCode, bounded_int, bounded_milliseconds, bounded_seconds, emit
+from netdam.cli.common import (
+    ExitCode,
+    bounded_int,
+    bounded_milliseconds,
+    bounded_seconds,
+    cluster_file,
+    emit,
+)
 
 DESCRIPTION = """\
 Start a local cluster with a switch (or use --cluster), give every client process its own pool
@@ -38,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--seconds", type=bounded_seconds(0.0, 86400.0, low_inclusive=False), default=60.0,
                         help="length of the timed phase (default 60)")  # fmt: skip
     parser.add_argument("--nodes", type=bounded_int(1, 16), default=3, help="node processes of the private cluster (default 3)")
-    parser.add_argument("--cluster", type=Path, default=None, help="use a running cluster (netdam up --switch)")
+    parser.add_argument("--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up --switch)")
     parser.add_argument("--pipeline", type=bounded_int(1, 32), default=8,
                         help="operations per pipelined batch of a client (default 8)")  # fmt: skip
     parser.add_argument("--timeout-ms", type=bounded_milliseconds(0.0, 10000.0, low_inclusive=False), default=50.0,
@@ -62,9 +68,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
+    from netdam import progress
     from netdam.cli.common import CommandError
     from netdam.tools.soak.parent import run_soak
     from netdam.tools.soak.plan import SoakConfig
+
+    progress.describe(f"{args.seconds:g} s, {args.clients} clients")
 
     try:
         config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes, loss=args.loss,

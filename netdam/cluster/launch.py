@@ -14,6 +14,7 @@ likewise only stops this host's nodes.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import secrets
 import selectors
@@ -90,6 +91,21 @@ class LocalCluster:
         self.stop()
 
 
+def netdam_python(module: str = "netdam") -> list[str]:
+    """The command that runs *module* as ``__main__`` in a child importing exactly this process's
+    netdam package. ``python -m`` would put the current directory first on ``sys.path``, so in a
+    source checkout the checkout's ``netdam/`` would hide the installed one (the issue-14 quick
+    start failure), and two copies would also keep two numba caches. ``-c`` code that sets
+    ``sys.path[0]`` to the directory holding our package avoids both; the word ``netdam`` stays
+    in the command line, which ``_is_node_process`` looks for."""
+    import netdam
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(netdam.__file__)))
+    code = (f"import sys, runpy; sys.path[0] = {root!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")  # fmt: skip
+    return [sys.executable, "-c", code]
+
+
 def node_log(cluster_name: str, rank: int) -> Path:
     """Where a node launched by us writes its stderr."""
     return Path(tempfile.gettempdir()) / f"{cluster_name}-{rank}.log"
@@ -100,7 +116,7 @@ def node_command(
     world: int, shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
 ) -> list[str]:  # fmt: skip
     cmd = [
-        sys.executable, "-m", "netdam", "node",
+        *netdam_python(), "node",
         "--bind", f"{bind[0]}:{bind[1]}", "--name", name, "--memory", f"{memory}B",
         "--admin-key", hex(admin_key), "--rank", str(rank), "--world-size", str(world),
         "--shm-dir", str(shm_dir), "--mtu", str(mtu),
@@ -132,15 +148,37 @@ def warm_node_kernels() -> None:
     """Compile (or load from numba's cache) the node's kernels once, in this process, before
     starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
     long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
+    import threading
+
+    from netdam import progress
+
+    start = time.monotonic()
+    done = threading.Event()
+    noted = threading.Event()
+
+    def tell() -> None:
+        # Loading from the cache takes well under a second; still busy after one, it compiles.
+        if not done.wait(1.0):
+            noted.set()
+            progress.note("first run: compiling the node kernels once (about 40 s on 2 cores; numba "
+                          "caches them, later runs start in seconds)")  # fmt: skip
+            progress.status("compiling kernels (once)")
+
+    threading.Thread(target=tell, name="netdam-compile-note", daemon=True).start()
     from netdam.shell.node_process import NodeProcess, NodeProcessConfig
 
-    proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
-                                         name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
     try:
-        proc.warm_up()
-        proc.core.handle_timer(0.0)
+        proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
+                                             name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
+        try:
+            proc.warm_up()
+            proc.core.handle_timer(0.0)
+        finally:
+            proc.close()
     finally:
-        proc.close()
+        done.set()
+    if noted.is_set():
+        progress.note(f"kernels compiled in {time.monotonic() - start:.0f} s (cached from now on)")
 
 
 def _start_cluster(
@@ -225,12 +263,17 @@ def _spawn_nodes(
 ) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
     """Start one node process per (rank, bind, memory bytes), wait until all are ready; their
     processes and control ports. On failure every started node is stopped and cleaned up."""
+    from netdam import progress
+
     warm_node_kernels()
+    progress.status(f"starting {len(nodes)} node processes")
     procs: list[subprocess.Popen[bytes]] = []
     logs = [node_log(spec.name, rank) for rank, _, _ in nodes]
     for (rank, bind, memory), log_path in zip(nodes, logs, strict=True):
         cmd = node_command(bind, f"{spec.name}-{rank}", memory, spec.admin_key, spec.members, rank,
                            spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+        if logging.getLogger().isEnabledFor(logging.INFO):
+            cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
         # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
         with open(log_path, "wb") as log:
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
@@ -400,6 +443,8 @@ def _wait_ready(
 ) -> list[int]:  # fmt: skip
     """Wait for every node's ``ready`` line; return their control ports. *ranks* names the
     processes in messages (default: their positions)."""
+    from netdam import progress
+
     names = ranks if ranks is not None else list(range(len(procs)))
     control_ports = [0] * len(procs)
     selector = selectors.DefaultSelector()
@@ -412,8 +457,10 @@ def _wait_ready(
     while waiting:
         left = deadline - time.monotonic()
         if left <= 0:
-            pending = ", ".join(f"{endpoints[r][0]}:{endpoints[r][1]} (rank {names[r]})" for r in waiting)
-            raise ClusterStartError(f"nodes not ready after {START_TIMEOUT_S:.0f} s: {pending}")
+            pending = ", ".join(f"{endpoints[r][0]}:{endpoints[r][1]} (rank {names[r]}, log {logs[r]})"
+                                for r in waiting)  # fmt: skip
+            raise ClusterStartError(f"nodes not ready after {START_TIMEOUT_S:.0f} s: {pending}; "
+                                    "their logs say why")  # fmt: skip
         for key, _ in selector.select(timeout=min(left, 0.5)):
             rank = key.data
             line = key.fileobj.readline()  # type: ignore[union-attr]
@@ -424,16 +471,29 @@ def _wait_ready(
                 selector.unregister(key.fileobj)
                 key.fileobj.close()  # type: ignore[union-attr]
                 del waiting[rank]
+                progress.status(f"{len(procs) - len(waiting)}/{len(procs)} processes ready")
             elif not line:
                 selector.unregister(key.fileobj)
                 waiting.pop(rank)
                 err = logs[rank].read_text(errors="replace").strip() if logs[rank].exists() else ""
                 raise ClusterStartError(
                     f"node rank {names[rank]} ({endpoints[rank][0]}:{endpoints[rank][1]}) exited "
-                    f"during start-up: {err.splitlines()[-1] if err else 'no message'}"
+                    f"during start-up: {_last_error(err)} (full log: {logs[rank]})"
                 )
     selector.close()
     return control_ports
+
+
+def _last_error(log: str) -> str:
+    """The line of a start-up log that says what went wrong: the last ``error``/exception line,
+    else the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    if not lines:
+        return "no message"
+    for line in reversed(lines):
+        if line.startswith("error:") or "Error" in line.split(":")[0] or " ERROR " in line:
+            return line
+    return lines[-1]
 
 
 def stop_pids(pids: list[int], timeout: float, processes: list[subprocess.Popen[bytes]] | None = None) -> None:

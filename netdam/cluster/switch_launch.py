@@ -15,6 +15,7 @@ start_switch(cluster, vip)``, or ``start_pool_cluster`` which does both. The swi
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import subprocess
@@ -33,6 +34,7 @@ from netdam.cluster.launch import (
     ClusterStartError,
     LocalCluster,
     _wait_ready,
+    netdam_python,
     start_cluster,
     stop_pids,
 )
@@ -95,13 +97,15 @@ def pick_vip(address: str = "127.0.0.1") -> Endpoint:
 
 def switch_command(cluster_path: Path, vip: Endpoint, state_file: Path, mtu: int, faults: str,
                    seed: int, die_with_parent: bool) -> list[str]:  # fmt: skip
-    cmd = [sys.executable, "-m", "netdam.switch", "--cluster", str(cluster_path),
+    cmd = [*netdam_python("netdam.switch"), "--cluster", str(cluster_path),
            "--vip", f"{vip[0]}:{vip[1]}", "--state", str(state_file), "--mtu", str(mtu),
            "--seed", str(seed)]  # fmt: skip
     if faults:
         cmd += ["--faults", faults]
     if die_with_parent:
         cmd.append("--die-with-parent")
+    if logging.getLogger().isEnabledFor(logging.INFO):  # the launcher's -v reaches the switch's log
+        cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
     return cmd
 
 
@@ -120,6 +124,9 @@ def start_switch(
     log = switch_log(cluster.path)
     start = time.monotonic()
     cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach)
+    from netdam import progress
+
+    progress.status("starting the switch")
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
     try:

@@ -26,6 +26,7 @@ from netdam.kernels import coll_layout as L
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
+    IP_UDP_OVERHEAD,
     MAX_SEGMENTS,
     SEGMENT_SIZE,
     DType,
@@ -85,6 +86,13 @@ class CollectiveDescriptor:
             self.rkey, self.root, endpoint_to_u64(self.group) if self.group else 0,
             endpoint_to_u64(self.host) if self.host else 0, self.timeout_ms, 0,
         )  # fmt: skip
+
+
+def min_mtu(world: int) -> int:
+    """Smallest IP MTU at which a collective over *world* nodes can start: the START_COLL packet
+    carries the fixed header, an SR list naming every member and the 64-byte descriptor (SPEC
+    6.5); chunks then carry at least one 8-byte element behind an SR list one shorter."""
+    return int(IP_UDP_OVERHEAD + HEADER_SIZE + SEGMENT_SIZE * world + DESCRIPTOR.size)
 
 
 def decode_descriptor(payload: bytes) -> tuple[int, ...]:

@@ -62,6 +62,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+#: numba versions these intrinsics are known to work with: [low, high) (pyproject pins the same
+#: range; tests/test_numba_version.py fails, naming it, on anything else).
+NUMBA_TESTED = ((0, 59), (0, 69))
+
 # ---------------------------------------------------------------- constants (man pages cited)
 
 #: Indices into the shared ``state`` array (see the module docstring).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -52,6 +53,8 @@ HOLD_SLOTS = 256
 #: Attempt-count table of fault injection (power of two).
 FAULT_TABLE = 1 << 16
 PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger("netdam.process")
 
 
 def record_socket_buffers(sock: socket.socket, counters: np.ndarray) -> None:
@@ -276,21 +279,34 @@ def serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_par
     signal.signal(signal.SIGINT, _request_stop)
     if with_parent:
         die_with_parent()
+    log.info("starting (pid %d)", os.getpid())
     try:
         proc = create()
     except ValueError as exc:
+        log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        started = time.monotonic()
         proc.warm_up()
+        log.info("kernels loaded in %.2f s", time.monotonic() - started)
     except BaseException:
+        log.exception("start-up failed")
         proc.close()
         raise
     if _STOP_REQUESTED[0]:
+        log.info("stopped before serving")
         proc.close()
         return 0
-    print(ready_line(proc), flush=True)
-    proc.run()
+    line = ready_line(proc)
+    log.info("%s", line)
+    print(line, flush=True)
+    try:
+        proc.run()
+    except BaseException:
+        log.exception("serving failed")
+        raise
+    log.info("stopped")
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from netdam import progress
 from netdam.api import CollectiveError, ProcessGroup, Work
 from netdam.api import all_reduce as api_all_reduce
 from netdam.clients.ring_host import ring_all_reduce
@@ -112,6 +113,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         timeout = config.timeout_s
         groups = [ProcessGroup(info, rank, timeout_s=timeout) for rank in range(world)]
         result["startup_seconds"] = time.monotonic() - start
+        progress.status("warm-up all-reduce")
         _run_once(groups, [np.ones(1, np.float32) for _ in range(world)], ReduceOp.SUM)  # warm-up
         with ControlClient(admin_key=info.admin_key) as client:
             inputs = _inputs(config, world)
@@ -130,7 +132,8 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             times = []
             host_copy = host_packets = host_bytes = 0
             ok = True
-            for _ in range(config.repeat):
+            for index in range(config.repeat):
+                progress.status(f"all-reduce {index + 1}/{config.repeat}")
                 buffers = [x.copy() for x in inputs]
                 if config.algo == "ring-host":
                     ring = ring_all_reduce(groups, buffers, config.op)

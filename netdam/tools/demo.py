@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from netdam import progress
 from netdam.api import ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
 from netdam.clients.pool import PoolClient
@@ -63,7 +64,9 @@ def run_demo(config: DemoConfig) -> dict[str, object]:
     # Node memory: the pool's regions low, the host API's staging area in the upper half.
     memory = max(16 << 20, _round_up(4 * nbytes, 1 << 20))
     with start_cluster(config.nodes, memory=memory, mtu=config.mtu, switch=True) as cluster:
+        progress.status("pool traffic through the switch")
         pool = _pool_traffic(cluster, config)
+        progress.status("all-reduce in the NICs")
         allreduce = _allreduce(cluster, config)
         totals = np.zeros(C.NUM_COUNTERS, np.uint64)
         with ControlClient(admin_key=cluster.info.admin_key) as client:

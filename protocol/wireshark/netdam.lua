@@ -16,8 +16,11 @@
 -- 2. Validation mirrors netdam.protocol.packet.decode_packet: the same checks in the same
 --    order, the first failure decides, with the codec's status and its exact message (shown as
 --    expert info and in the generated fields netdam.error.status / netdam.error.text).
--- 3. Packets on UDP port 7744 are always dissected; on any other port a heuristic recognises
---    a plausible v1 header (local clusters use free ports).
+-- 3. Packets on UDP port 7744 (or the ports of the preference netdam.ports, e.g. a cluster's,
+--    which `netdam capture` prints) are always dissected; on any other port a heuristic
+--    recognises a plausible v1 header (local clusters use free ports).
+-- 4. A loopback capture holds a UDP-GSO send as one super-frame (several datagrams of one size,
+--    the last maybe shorter); it is split as netdam.cli.decode.split_gso splits it.
 -- Written for Wireshark 3.6 and later (Lua 5.2 up to 5.4); tested with tshark 4.0.
 
 local netdam = Proto("netdam", "NetDAM v1")
@@ -348,6 +351,9 @@ field("d_reserved", ProtoField.uint32("netdam.desc.reserved", "Reserved", base.H
 -- Verdict of the codec's checks (generated)
 field("error_status", ProtoField.uint8("netdam.error.status", "NACK status", base.DEC, STATUS))
 field("error_text", ProtoField.string("netdam.error.text", "Error"))
+-- UDP-GSO super-frames (section "Dissector"): datagram size and index, derived
+field("gso_size", ProtoField.uint32("netdam.gso.size", "GSO segment size", base.DEC))
+field("gso_segment", ProtoField.uint32("netdam.gso.segment", "GSO datagram", base.DEC))
 
 local all_fields = {}
 for _, f in pairs(F) do all_fields[#all_fields + 1] = f end
@@ -762,8 +768,9 @@ local function dissect(tvb, pinfo, tree)
         root:add(F.error_status, STATUS_CODE[problem.status]):set_generated()
         root:add(F.error_text, problem.text):set_generated()
         root:append_text(string.format(" [%s]", problem.status))
-        pinfo.cols.info:set(string.format("NetDAM [%s: %s]", problem.status, problem.text))
-        return total
+        local short = string.format("NetDAM [%s: %s]", problem.status, problem.text)
+        pinfo.cols.info:set(short)
+        return total, short
     end
 
     local opcode = tvb(1, 1):uint()
@@ -874,11 +881,64 @@ local function dissect(tvb, pinfo, tree)
     root:append_text(string.format(", %s%s", name, REPLY_OPCODES[name] and " (reply)" or ""))
     if problem ~= nil then root:append_text(string.format(" [%s]", problem.status)) end
     pinfo.cols.info:set(info)
+    return total, info
+end
+
+-- UDP-GSO super-frames. The header carries no segment size, so it comes from the datagrams: the
+-- first one's dense size (header + SR list + length), else the smallest size at which the first
+-- datagram validates; a size counts only if every boundary it implies starts a v1 header with a
+-- known opcode (one GSO send may batch different packets of one size: a READ_RESP, then an ACK).
+local function header_at(tvb, offset)
+    return offset + 2 <= tvb:len() and tvb(offset, 1):uint() == tvb(0, 1):uint()
+        and OPCODE[tvb(offset + 1, 1):uint()] ~= nil
+end
+
+local function gso_fits(tvb, size)
+    local total = tvb:len()
+    if size < HEADER_SIZE or size >= total then return false end
+    for offset = size, total - 1, size do
+        if not header_at(tvb, offset) then return false end
+    end
+    return validate(tvb(0, size):tvb()) == nil
+end
+
+local function gso_size(tvb)
+    local total = tvb:len()
+    if total < 2 * HEADER_SIZE or validate(tvb) == nil then return nil end
+    local dense = HEADER_SIZE + SEGMENT_SIZE * tvb(54, 1):uint() + tvb(28, 4):uint()
+    if gso_fits(tvb, dense) then return dense end
+    for size = HEADER_SIZE, total - 1 do
+        if header_at(tvb, size) and gso_fits(tvb, size) then return size end
+    end
+    return nil
+end
+
+local function dissect_frame(tvb, pinfo, tree)
+    local size = gso_size(tvb)
+    if size == nil then
+        return (dissect(tvb, pinfo, tree))
+    end
+    local total = tvb:len()
+    local count = math.ceil(total / size)
+    local first
+    local index = 0
+    for offset = 0, total - 1, size do
+        index = index + 1
+        local part = tvb(offset, math.min(size, total - offset)):tvb("GSO datagram " .. index)
+        local _, info = dissect(part, pinfo, tree)
+        first = first or info
+    end
+    local top = tree:add(netdam, tvb(0, total), string.format(
+        "UDP-GSO super-frame: %d datagrams of %d bytes (the last %d)", count, size,
+        total - size * (count - 1)))
+    top:add(F.gso_size, size):set_generated()
+    top:add(F.gso_segment, count):set_generated()
+    pinfo.cols.info:set(string.format("NetDAM GSO x%d: %s", count, first))
     return total
 end
 
 function netdam.dissector(tvb, pinfo, tree)
-    return dissect(tvb, pinfo, tree)
+    return dissect_frame(tvb, pinfo, tree)
 end
 
 -- Heuristic for other ports: a plausible v1 header (SPEC.md 2.1: version 1, a known opcode,
@@ -900,15 +960,19 @@ end
 
 local function heuristic(tvb, pinfo, tree)
     if not looks_like_netdam(tvb) then return false end
-    dissect(tvb, pinfo, tree)
+    dissect_frame(tvb, pinfo, tree)
     return true
 end
 
 netdam.prefs.udp_port = Pref.uint("UDP port", NETDAM_UDP_PORT,
     "UDP port always dissected as NetDAM (other ports: heuristic)")
+netdam.prefs.ports = Pref.range("UDP ports", "",
+    "More UDP ports always dissected as NetDAM, e.g. a cluster's (`netdam capture` prints them): "
+    .. "17744-17747,40001", 65535)
 
 local udp_table = DissectorTable.get("udp.port")
 local registered_port = NETDAM_UDP_PORT
+local registered_ports = ""
 udp_table:add(registered_port, netdam)
 netdam:register_heuristic("udp", heuristic)
 
@@ -917,5 +981,11 @@ function netdam.prefs_changed()
         udp_table:remove(registered_port, netdam)
         registered_port = netdam.prefs.udp_port
         udp_table:add(registered_port, netdam)
+    end
+    local ports = tostring(netdam.prefs.ports or "")
+    if ports ~= registered_ports then
+        if registered_ports ~= "" then udp_table:remove(registered_ports, netdam) end
+        registered_ports = ports
+        if ports ~= "" then udp_table:add(ports, netdam) end
     end
 end

@@ -47,7 +47,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -504,9 +503,11 @@ def _free_port() -> int:
 
 
 def default_node_cmd() -> list[str]:
-    """How the benchmark starts a node: this interpreter running ``-m netdam node``, which
+    """How the benchmark starts a node: this interpreter running ``netdam node`` (same package), which
     exits by itself if the benchmark dies (no orphans)."""
-    return [sys.executable, "-m", "netdam", "node", "--die-with-parent"]
+    from netdam.cluster.launch import netdam_python
+
+    return [*netdam_python(), "node", "--die-with-parent"]
 
 
 def node_command_available() -> bool:

@@ -401,9 +401,15 @@ def register_pool_bench(benches: Any) -> None:
     parser.add_argument("--generators", type=int, default=1, help="generator processes to start with")
     parser.add_argument("--max-generators", type=int, default=4, help="most generator processes (4)")
     parser.add_argument("--memcached", default=None, help="memcached binary (default: from PATH)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw ops/s and latency per phase, netdam beside memcached (needs the "
+                        "[plot] extra: matplotlib)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: Any) -> int:
+        from netdam.tools import plot as plotting
+
+        plt = plotting.pyplot() if args.plot else None  # before the run: a missing extra is usage
         cfg = PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
                               nodes=args.nodes, interleave=args.interleave, generators=args.generators,
                               max_generators=args.max_generators, memcached=args.memcached)  # fmt: skip
@@ -411,7 +417,37 @@ def register_pool_bench(benches: Any) -> None:
             result, code = run_pool_bench(cfg)
         except ValueError as exc:
             raise CommandError(str(exc), ExitCode.USAGE) from None
-        emit(result, args.json, text=format_text(result))
+        text = format_text(result)
+        if plt is not None and result["results"]:
+            plot_pool(plt, result, args.plot)
+            result["plot"] = args.plot
+            text += f"\n  plot written to {args.plot}"
+        emit(result, args.json, text=text)
         return code
 
     parser.set_defaults(func=run)
+
+
+def plot_pool(plt: Any, res: dict[str, Any], path: str) -> None:
+    """Ops/s per phase (the echo server is the generators' ceiling) and p50/p99 latency in us."""
+    from netdam.tools import plot as plotting
+
+    names = list(res["results"])
+    ops = [res["results"][n]["ops"] for n in names]
+    fig, (ax_ops, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colors = ["#888888" if n == "echo" else "#d62728" if n.startswith("memcached") else "#1f77b4" for n in names]
+    ax_ops.bar(names, ops, color=colors)
+    for x, value in enumerate(ops):
+        ax_ops.annotate(f"{value / 1e3:,.0f}k", (x, value), ha="center", va="bottom", fontsize=8)
+    ax_ops.set(ylabel="ops/s", title=f"throughput, window {res['window']}")
+    for (label, key), style in zip((("p50", "p50_us"), ("p99", "p99_us")), plotting.styles()):
+        values = [res["results"][n][key] for n in names]
+        xs = [i for i, v in enumerate(values) if v is not None]
+        ax_lat.plot(xs, [values[i] for i in xs], label=label, **style)
+    ax_lat.set_xticks(range(len(names)), names)
+    ax_lat.set(ylabel="latency (us)", title="latency per request")
+    for ax in (ax_ops, ax_lat):
+        ax.tick_params(axis="x", labelrotation=30)
+    ratio = "-" if res["ratio"] is None else f"{res['ratio']:.2f}"
+    plotting.finish(fig, path, f"netdam bench pool: {res['nodes']} nodes + switch vs memcached "
+                    f"(READ 64 B / GET 64 B = {ratio})")  # fmt: skip
