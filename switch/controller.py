@@ -17,9 +17,8 @@ import secrets
 import time
 from pathlib import Path
 
-from netdam.cluster.clusterfile import ClusterFile, load_cluster
+from netdam.cluster.clusterfile import ClusterFile, SwitchEntry, load_cluster, require_switch
 from netdam.cluster.control import ControlClient, ControlError
-from netdam.cluster.switch_launch import SwitchEntry, require_switch
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Rights, Status
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Packet

@@ -337,9 +337,14 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
     at the fabric's MTU; then, with *switch*, ``netdam switch`` in that host with its VIP in
     every node's members (nodes relay only to members and trust only their return segments).
     Writes the cluster file by hand (netdam/cluster/clusterfile.py format, plus [switch])."""
-    from netdam.cluster.clusterfile import ClusterFile, NodeEntry, write_cluster
-    from netdam.cluster.launch import node_command, warm_node_kernels
-    from netdam.cluster.switch_launch import SwitchEntry, switch_command, write_switch_entry
+    from netdam.cluster.clusterfile import (
+        ClusterFile,
+        NodeEntry,
+        SwitchEntry,
+        write_cluster,
+        write_switch_entry,
+    )
+    from netdam.cluster.launch import node_command, switch_command, warm_node_kernels
     from netdam.core.faults import FaultSpec
     from netdam.switch.state import state_path_for
 
@@ -582,8 +587,7 @@ def _client_main(args: list[str]) -> int:
     parser.add_argument("--adds", type=int, default=16)
     opts = parser.parse_args(args)
     from netdam.clients.pool import PoolClient, split
-    from netdam.cluster.clusterfile import load_cluster
-    from netdam.cluster.switch_launch import require_switch
+    from netdam.cluster.clusterfile import load_cluster, require_switch
     from netdam.switch.controller import PoolController
 
     vip = require_switch(Path(opts.cluster)).vip

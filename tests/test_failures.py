@@ -18,11 +18,10 @@ import pytest
 from netdam.api import CollectiveError, ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
 from netdam.clients.pool import PoolClient, PoolError
-from netdam.cluster.clusterfile import load_cluster
+from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import process_alive as alive
-from netdam.cluster.launch import start_cluster
-from netdam.cluster.switch_launch import load_switch_entry, start_pool_cluster, start_switch
+from netdam.cluster.launch import start_cluster, start_pool_cluster, start_switch
 from netdam.protocol.constants import RIGHTS_ALL
 from netdam.switch.controller import PoolController
 

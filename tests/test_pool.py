@@ -14,14 +14,9 @@ import pytest
 
 from netdam.clients.async_pool import AsyncPoolClient
 from netdam.clients.pool import PoolClient, PoolError
+from netdam.cluster.clusterfile import load_switch_entry
 from netdam.cluster.control import ControlClient, ControlError
-from netdam.cluster.launch import LocalCluster
-from netdam.cluster.switch_launch import (
-    SwitchHandle,
-    load_switch_entry,
-    start_pool_cluster,
-    start_switch,
-)
+from netdam.cluster.launch import LocalCluster, SwitchHandle, start_pool_cluster, start_switch
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, Rights, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64

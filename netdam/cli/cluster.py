@@ -303,7 +303,7 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
     logs = node_log(cluster.info.name, 0)
     where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log"
     if cluster.switch is not None:
-        from netdam.cluster.switch_launch import switch_log
+        from netdam.cluster.launch import switch_log
 
         where += f", switch {switch_log(path)}"
     lines.append(where + " (more with -v)")
@@ -349,8 +349,8 @@ def _supervise(cluster: LocalCluster) -> int:
 
 
 def run_down(args: argparse.Namespace) -> int:
+    from netdam.cluster.clusterfile import load_switch_entry
     from netdam.cluster.launch import stop_cluster_file
-    from netdam.cluster.switch_launch import load_switch_entry
 
     try:
         switch = load_switch_entry(args.cluster)

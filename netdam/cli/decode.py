@@ -219,8 +219,7 @@ def port_list(text: str) -> set[int]:
 def cluster_ports(path: Path) -> set[int]:
     """The UDP ports a cluster's traffic uses: every node's data and control port, the switch's
     VIP and control port (multicast groups are matched by address, 239.77.0.0/16)."""
-    from netdam.cluster.clusterfile import load_cluster
-    from netdam.cluster.switch_launch import load_switch_entry
+    from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 
     info = load_cluster(path)
     ports = {n.port for n in info.nodes} | {n.control_port for n in info.nodes if n.control_port}

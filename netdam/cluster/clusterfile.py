@@ -362,3 +362,65 @@ def load_cluster(path: str | Path) -> ClusterFile:
     except FileNotFoundError:
         raise ValueError(f"cluster file {target} not found: start a cluster with `netdam up`") from None
     return parse_cluster(text, target)
+
+
+# ---------------------------------------------------------------- the [switch] table
+
+@dataclass(frozen=True)
+class SwitchEntry:
+    """The ``[switch]`` table of a cluster file."""
+
+    address: str
+    port: int
+    control_port: int = 0
+    pid: int = 0
+    state_file: str = ""
+
+    @property
+    def vip(self) -> Endpoint:
+        return (self.address, self.port)
+
+    @property
+    def control_endpoint(self) -> Endpoint:
+        return (self.address, self.control_port or self.port)
+
+
+_SECTION = re.compile(r"\n\[switch\]\n.*?(?=\n\[|\Z)", re.S)
+
+
+def dump_switch_entry(entry: SwitchEntry) -> str:
+    return (f'\n[switch]\naddress = "{entry.address}"\nport = {entry.port}\n'
+            f"control_port = {entry.control_port}\npid = {entry.pid}\n"
+            f'state_file = "{entry.state_file}"\n')  # fmt: skip
+
+
+def write_switch_entry(cluster_path: Path, entry: SwitchEntry) -> None:
+    """Replace (or add) the ``[switch]`` table of a cluster file, atomically."""
+    text = _SECTION.sub("", cluster_path.read_text()).rstrip("\n") + "\n"
+    tmp = cluster_path.with_suffix(cluster_path.suffix + ".tmp")
+    tmp.write_text(text + dump_switch_entry(entry))
+    tmp.replace(cluster_path)
+
+
+def load_switch_entry(cluster_path: Path) -> SwitchEntry | None:
+    """The ``[switch]`` table of a cluster file, or None when it has no switch."""
+    try:
+        data = tomllib.loads(Path(cluster_path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"cluster file {cluster_path} not found: start a cluster with `netdam up --switch`") from None
+    table = data.get("switch")
+    if table is None:
+        return None
+    try:
+        return SwitchEntry(str(table["address"]), int(table["port"]), int(table.get("control_port", 0)),
+                           int(table.get("pid", 0)), str(table.get("state_file", "")))  # fmt: skip
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"cluster file {cluster_path}: bad [switch] table: {exc}") from None
+
+
+def require_switch(cluster_path: Path) -> SwitchEntry:
+    entry = load_switch_entry(cluster_path)
+    if entry is None:
+        raise ValueError(f"cluster file {cluster_path} has no [switch]: start the cluster with "
+                         "`netdam up --switch`")  # fmt: skip
+    return entry

@@ -14,31 +14,41 @@ likewise only stops this host's nodes.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import logging
 import os
 import secrets
 import selectors
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import netdam
+from netdam import progress
 from netdam.cluster.clusterfile import (
     ClusterFile,
     NodeEntry,
+    SwitchEntry,
     load_cluster,
+    load_switch_entry,
     update_cluster_file,
     with_nodes,
     write_cluster,
+    write_switch_entry,
 )
 from netdam.core.faults import FaultSpec
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
 from netdam.shell.shm import DEFAULT_SHM_DIR
+from netdam.switch.state import state_path_for
 
 #: First node's port when not chosen: next to the protocol's default 7744.
 DEFAULT_BASE_PORT = 17744
@@ -57,7 +67,7 @@ class LocalCluster:
     path: Path
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     startup_seconds: float = 0.0
-    #: The pool switch (netdam.cluster.switch_launch.SwitchHandle) when started with switch=True.
+    #: The pool switch (SwitchHandle) when started with switch=True.
     switch: Any = None
     #: Ranks this process started; None: every node of the file (a single-host cluster).
     owned: tuple[int, ...] | None = None
@@ -98,8 +108,6 @@ def netdam_python(module: str = "netdam") -> list[str]:
     start failure), and two copies would also keep two numba caches. ``-c`` code that sets
     ``sys.path[0]`` to the directory holding our package avoids both; the word ``netdam`` stays
     in the command line, which ``_is_node_process`` looks for."""
-    import netdam
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(netdam.__file__)))
     code = (f"import sys, runpy; sys.path[0] = {root!r}; "
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")  # fmt: skip
@@ -148,9 +156,6 @@ def warm_node_kernels() -> None:
     """Compile (or load from numba's cache) the node's kernels once, in this process, before
     starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
     long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
-    import threading
-
-    from netdam import progress
 
     start = time.monotonic()
     done = threading.Event()
@@ -165,6 +170,8 @@ def warm_node_kernels() -> None:
             progress.status("compiling kernels (once)")
 
     threading.Thread(target=tell, name="netdam-compile-note", daemon=True).start()
+    # Imported here: the node process pulls in every kernel module (numba), which commands that
+    # only read or stop clusters should not pay for.
     from netdam.shell.node_process import NodeProcess, NodeProcessConfig
 
     try:
@@ -206,8 +213,6 @@ def _start_cluster(
     faults = faults or FaultSpec()
     vip = None
     if switch:
-        from netdam.cluster.switch_launch import pick_vip
-
         vip = pick_vip(address)  # nodes must trust the switch's return segments (SPEC 3.1)
         extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
@@ -231,8 +236,6 @@ def _start_cluster(
     write_cluster(info, path)
     cluster = LocalCluster(info, path, procs, time.monotonic() - start)
     if vip is not None:
-        from netdam.cluster.switch_launch import start_switch
-
         try:
             cluster.switch = start_switch(cluster, vip, faults=switch_faults, seed=switch_seed, detach=detach)
         except BaseException:
@@ -263,8 +266,6 @@ def _spawn_nodes(
 ) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
     """Start one node process per (rank, bind, memory bytes), wait until all are ready; their
     processes and control ports. On failure every started node is stopped and cleaned up."""
-    from netdam import progress
-
     warm_node_kernels()
     progress.status(f"starting {len(nodes)} node processes")
     procs: list[subprocess.Popen[bytes]] = []
@@ -292,7 +293,6 @@ def is_local_address(address: str) -> bool:
     """Whether *address* belongs to this host (in this network namespace): binding a UDP socket
     to it succeeds. With net.ipv4.ip_nonlocal_bind set every address binds, so the interface
     addresses (SIOCGIFADDR) decide then."""
-    import socket
 
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -315,9 +315,6 @@ def _nonlocal_bind() -> bool:
 
 def _interface_addresses() -> set[str]:
     """The primary IPv4 address of every interface (ioctl SIOCGIFADDR)."""
-    import fcntl
-    import socket
-    import struct
 
     found = set()
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -413,7 +410,6 @@ def _clear_entries(path: Path, ranks: list[int]) -> None:
 
 def _free_port_block(address: str, count: int) -> int:
     """A base port with *count* consecutive free UDP ports (checked by binding them)."""
-    import socket
 
     for _ in range(50):
         probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -443,8 +439,6 @@ def _wait_ready(
 ) -> list[int]:  # fmt: skip
     """Wait for every node's ``ready`` line; return their control ports. *ranks* names the
     processes in messages (default: their positions)."""
-    from netdam import progress
-
     names = ranks if ranks is not None else list(range(len(procs)))
     control_ports = [0] * len(procs)
     selector = selectors.DefaultSelector()
@@ -546,8 +540,6 @@ def stop_cluster_file(path: Path, timeout: float = 5.0) -> ClusterFile:
     that supervises it is told to stop); otherwise the stopped nodes' pid, memory_file and
     control_port are cleared and the other entries kept. Returns the file with the local nodes."""
     info = load_cluster(path)
-    from netdam.cluster.switch_launch import stop_switch_from_file
-
     local = [n for n in info.nodes if is_local_address(n.address)]
     stop_switch_from_file(path, timeout)
     stop_pids([n.pid for n in local if n.pid and _is_node_process(n.pid)], timeout)
@@ -565,8 +557,116 @@ def stop_cluster_file(path: Path, timeout: float = 5.0) -> ClusterFile:
 def _remove_pool_state(cluster_path: Path) -> None:
     """The pool's persisted state belongs to the cluster: it goes when the cluster goes (it
     survives switch restarts, not `netdam down`)."""
-    from netdam.switch.state import state_path_for
-
     state = state_path_for(cluster_path)
     for leftover in (state, state.with_name(state.name + ".lock")):
         leftover.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- the switch of a local cluster
+# The nodes must trust the switch (its VIP is in their ``members``) from the start, so the VIP is
+# chosen before the nodes: ``vip = pick_vip(); start_cluster(..., extra_members=(vip,));
+# start_switch(cluster, vip)``, or ``start_pool_cluster`` which does both. The switch adds a
+# ``[switch]`` table to the cluster file (netdam.cluster.clusterfile.SwitchEntry).
+
+
+@dataclass
+class SwitchHandle:
+    """A running switch process."""
+
+    entry: SwitchEntry
+    process: subprocess.Popen[bytes]
+    cluster_path: Path
+    startup_seconds: float = 0.0
+
+    @property
+    def vip(self) -> Endpoint:
+        return self.entry.vip
+
+    @property
+    def state_file(self) -> Path:
+        return Path(self.entry.state_file)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (then SIGKILL) the switch; the state file stays (rkeys survive a restart)."""
+        stop_pids([self.process.pid], timeout, processes=[self.process])
+        switch_log(self.cluster_path).unlink(missing_ok=True)
+
+
+def switch_log(cluster_path: Path) -> Path:
+    return Path(tempfile.gettempdir()) / f"{cluster_path.stem}-switch.log"
+
+
+def pick_vip(address: str = "127.0.0.1") -> Endpoint:
+    """A free UDP port on *address* for the VIP (checked by binding it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind((address, 0))
+        return (address, int(probe.getsockname()[1]))
+
+
+def switch_command(cluster_path: Path, vip: Endpoint, state_file: Path, mtu: int, faults: str,
+                   seed: int, die_with_parent: bool) -> list[str]:  # fmt: skip
+    cmd = [*netdam_python("netdam.switch"), "--cluster", str(cluster_path),
+           "--vip", f"{vip[0]}:{vip[1]}", "--state", str(state_file), "--mtu", str(mtu),
+           "--seed", str(seed)]  # fmt: skip
+    if faults:
+        cmd += ["--faults", faults]
+    if die_with_parent:
+        cmd.append("--die-with-parent")
+    if logging.getLogger().isEnabledFor(logging.INFO):  # the launcher's -v reaches the switch's log
+        cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
+    return cmd
+
+
+def start_switch(
+    cluster: LocalCluster,
+    vip: Endpoint,
+    *,
+    state_file: Path | None = None,
+    faults: str = "",
+    seed: int = 0,
+    detach: bool = False,
+) -> SwitchHandle:
+    """Start the switch of *cluster* on *vip* (which the nodes were started to trust), wait
+    until it serves, and add ``[switch]`` to the cluster file."""
+    state = state_file or state_path_for(cluster.path)
+    log = switch_log(cluster.path)
+    start = time.monotonic()
+    cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach)
+    progress.status("starting the switch")
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
+    try:
+        [control_port] = _wait_ready([proc], [vip], [log])
+    except ClusterStartError as exc:
+        stop_pids([proc.pid], 3.0, processes=[proc])
+        raise ClusterStartError(str(exc).replace("node rank 0", "switch")) from None
+    except BaseException:
+        stop_pids([proc.pid], 3.0, processes=[proc])
+        raise
+    entry = SwitchEntry(vip[0], vip[1], control_port, proc.pid, str(state))
+    write_switch_entry(cluster.path, entry)
+    return SwitchHandle(entry, proc, cluster.path, time.monotonic() - start)
+
+
+def start_pool_cluster(nodes: int, *, faults: str = "", seed: int = 0, state_file: Path | None = None,
+                       **cluster_kwargs: object) -> tuple[LocalCluster, SwitchHandle]:  # fmt: skip
+    """Nodes that trust a VIP, then the switch on it: ``netdam up --switch`` in one call."""
+    address = str(cluster_kwargs.get("address", "127.0.0.1"))
+    vip = pick_vip(address)
+    cluster = start_cluster(nodes, extra_members=(vip,), **cluster_kwargs)  # type: ignore[arg-type]
+    try:
+        handle = start_switch(cluster, vip, state_file=state_file, faults=faults, seed=seed,
+                              detach=bool(cluster_kwargs.get("detach", False)))  # fmt: skip
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, handle
+
+
+def stop_switch_from_file(cluster_path: Path, timeout: float = 5.0) -> SwitchEntry | None:
+    """``netdam down`` for the switch: stop the pid its [switch] table names."""
+    entry = load_switch_entry(cluster_path)
+    if entry is not None and entry.pid:
+        stop_pids([entry.pid], timeout)
+        switch_log(cluster_path).unlink(missing_ok=True)
+    return entry

@@ -144,7 +144,7 @@ def rss_bytes(pid: int) -> dict[str, int]:
 
 
 def _setup(cfg: FloodConfig, workdir: Path) -> tuple[Any, Any, Target, int, Endpoint]:
-    from netdam.cluster.switch_launch import start_pool_cluster
+    from netdam.cluster.launch import start_pool_cluster
     from netdam.switch.controller import PoolController
 
     cluster, switch = start_pool_cluster(cfg.nodes, memory=8 << 20, cluster_path=workdir / "flood.toml")

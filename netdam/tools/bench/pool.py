@@ -253,7 +253,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
     pool = switch = None
     with tempfile.TemporaryDirectory(prefix="netdam-bench-pool-") as tmp:
         try:
-            from netdam.cluster.switch_launch import start_pool_cluster
+            from netdam.cluster.launch import start_pool_cluster
             from netdam.switch.controller import PoolController
 
             pool, switch = start_pool_cluster(cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml")

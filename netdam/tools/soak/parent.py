@@ -125,8 +125,7 @@ def fault_links(config: SoakConfig, nodes: int, own: bool) -> list[str]:
 
 def _check_cluster_file(path: Path) -> tuple[ClusterFile, Endpoint, Endpoint]:
     """(cluster, VIP, switch management endpoint) of a running cluster's file."""
-    from netdam.cluster.clusterfile import load_cluster
-    from netdam.cluster.switch_launch import require_switch
+    from netdam.cluster.clusterfile import load_cluster, require_switch
 
     try:
         info = load_cluster(path)
