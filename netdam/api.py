@@ -12,7 +12,6 @@ group), as with torch.distributed and MPI.
 from __future__ import annotations
 
 import hashlib
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 
 from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.cluster.control import ControlClient, ControlError
-from netdam.core.collective import FLAG_SPARSE, Algo, CollectiveDescriptor, block_bounds
+from netdam.core.chunk_plan import block_bounds
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     NUMPY_DTYPE,
@@ -34,6 +33,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import FLAG_SPARSE, Algo, CollectiveDescriptor, unpack_completion
 from netdam.shell.shm import attach
 
 __all__ = [
@@ -277,7 +277,7 @@ class Work:
             if reply.aux_addr == 0:
                 self.started = True
             if reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
-                retransmits, reads = struct.unpack("<QQ", reply.payload)
+                retransmits, reads = unpack_completion(reply.payload)
                 self.stats = {"retransmits": retransmits, "repair_reads": reads}
                 self.done = True
                 return True
@@ -302,7 +302,7 @@ class Work:
     def _fail(self, reply: Packet) -> None:
         waiting = None
         if reply.aux_addr == 1 and len(reply.payload) >= 16:
-            first, last = struct.unpack_from("<QQ", reply.payload)
+            first, last = unpack_completion(reply.payload)
             waiting = self._waiting_for(first, last)
         dead = self.group.dead_nodes()
         if dead and waiting is not None:

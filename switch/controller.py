@@ -22,6 +22,7 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Rights, Status
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Packet
+from netdam.protocol.payloads import pack_key_rights
 from netdam.switch.addrmap import (
     GLOBAL_ALIGN,
     LOCAL_ALIGN,
@@ -235,13 +236,12 @@ class PoolController:
             self._deregister_ways(client, state, region.rkey, list(region.ways))
 
     def _deregister_ways(self, client: ControlClient, state: PoolState, rkey: int, ways: list[Way]) -> None:
-        import struct
 
         for way in ways:
             node = self._node(state.nodes[way.node], way.node)
             try:
                 client.request(node, Packet(Opcode.DEREGISTER, rkey=self.cluster.admin_key, length=8,
-                                            payload=struct.pack("<II", rkey, 0)))  # fmt: skip
+                                            payload=pack_key_rights(rkey, 0)))  # fmt: skip
             except ControlError as exc:
                 if exc.status != Status.BAD_RKEY:  # already gone
                     raise ControllerError(f"node {way.node} did not deregister rkey 0x{rkey:08x}: {exc}") from None

@@ -11,7 +11,6 @@ client named in the return segment directly.
 from __future__ import annotations
 
 import ipaddress
-import struct
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -44,6 +43,7 @@ from netdam.protocol.packet import (
     reply_to,
     u64_to_endpoint,
 )
+from netdam.protocol.payloads import INFO
 from netdam.switch.addrmap import Region, build_tables
 from netdam.switch.faults import LinkFaultSpec
 
@@ -70,7 +70,6 @@ S_REGIONS_TOTAL = C.NUM_COUNTERS + 1
 S_FIRST_REGION = C.NUM_COUNTERS + 2
 S_REGIONS_LISTED = C.NUM_COUNTERS + 3
 S_SW_BASE = C.NUM_COUNTERS + 4  # sw[0..7]: forwarded, replicated, ids_filled, generation, ...
-INFO_STRUCT = struct.Struct("<IIQIIII")
 
 SW_NAMES = ("forwarded", "replicated", "client_ids_filled", "map_generation", "regions", "groups",
             "nodes", "kth_drops")  # fmt: skip
@@ -450,7 +449,7 @@ class SwitchCore(QueueOwner):
             return
         if packet.opcode == Opcode.PING:
             mapped = sum(r.size for r in self.regions)
-            info = INFO_STRUCT.pack(PROTOCOL_VERSION, self.config.mtu, mapped, max_payload(self.config.mtu),
+            info = INFO.pack(PROTOCOL_VERSION, self.config.mtu, mapped, max_payload(self.config.mtu),
                                     MAX_SEGMENTS, SWITCH_RANK, len(self.config.nodes))  # fmt: skip
             self._reply(packet, src, Opcode.INFO, payload=info)
             return

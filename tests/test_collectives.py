@@ -11,12 +11,12 @@ import pytest
 from helpers import ADMIN_KEY, RKEY, Cluster, make_cluster
 from reference import reference_chain
 
-from netdam.core.collective import Algo, CollectiveDescriptor
 from netdam.core.faults import FaultSpec
 from netdam.kernels import coll_layout as L
 from netdam.protocol import counters as C
 from netdam.protocol.constants import NUMPY_DTYPE, DType, Opcode, ReduceOp, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import Algo, CollectiveDescriptor
 
 IN, OUT = 0, 1 << 19
 MEMORY = 1 << 20

@@ -38,7 +38,7 @@ from netns_fabric import (
     unavailable_reason,
 )
 
-from netdam.core.collective import Algo, block_bounds
+from netdam.core.chunk_plan import block_bounds
 from netdam.protocol.constants import (
     HEADER_SIZE,
     IP_UDP_OVERHEAD,
@@ -49,6 +49,7 @@ from netdam.protocol.constants import (
     ReduceOp,
     max_elements,
 )
+from netdam.protocol.payloads import Algo
 from netdam.tools.allreduce import reference_chain_allreduce
 
 DRIVER = str(Path(__file__).with_name("netns_fabric.py"))

@@ -10,7 +10,7 @@ from helpers import ADMIN_KEY, CLIENT, MEMORY, RKEY, Cluster, make_cluster, only
 
 from netdam.core.events import GroupJoined, GroupLeft, RegionRegistered, ReplyReceived
 from netdam.core.fabric import Fabric
-from netdam.core.node import INFO_STRUCT, NodeConfig, NodeCore
+from netdam.core.node import NodeConfig, NodeCore
 from netdam.kernels import datapath
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
@@ -24,6 +24,7 @@ from netdam.protocol.constants import (
     Status,
 )
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.payloads import INFO as INFO_STRUCT
 
 
 def write(

@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from netdam.cluster.launch import start_cluster
-from netdam.core.collective import Algo, decode_descriptor
 from netdam.protocol import counters as C
 from netdam.protocol import packet as codec
 from netdam.protocol.constants import (
@@ -51,6 +50,7 @@ from netdam.protocol.constants import (
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.fixtures import FIXTURE_NAMES, load_fixture
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, u64_to_endpoint
+from netdam.protocol.payloads import Algo, unpack_descriptor
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = ROOT / "protocol" / "wireshark" / "netdam.lua"
@@ -371,7 +371,7 @@ def check_payload(row: dict[str, list[str]], packet: Packet) -> None:
     elif op == Opcode.NACK and payload:
         assert row["nack.text"] == [payload.decode()]
     elif op == Opcode.START_COLL:
-        descriptor = decode_descriptor(payload)
+        descriptor = astuple(unpack_descriptor(payload))
         got = [_num(row[f"desc.{name}"][0]) for name in DESCRIPTOR_FIELDS]
         assert got == list(descriptor)
         group, host = u64_to_endpoint(descriptor[9]), u64_to_endpoint(descriptor[10])

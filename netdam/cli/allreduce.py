@@ -86,7 +86,7 @@ def _check_cluster_mtu(path: object) -> None:
     from pathlib import Path
 
     from netdam.cluster.clusterfile import load_cluster
-    from netdam.core.collective import min_mtu
+    from netdam.core.chunk_plan import min_mtu
 
     try:
         info = load_cluster(Path(str(path)))

@@ -223,7 +223,7 @@ MAX_UP_NODES = 64
 def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
     """What `up` can tell before starting anything: ports fit, memory fits, MTU carries a
     collective over this many nodes."""
-    from netdam.core.collective import min_mtu
+    from netdam.core.chunk_plan import min_mtu
 
     if args.base_port is not None and args.base_port + nodes - 1 > 65535:
         raise CommandError(f"--base-port {args.base_port} leaves no room for {nodes} ports (last would be "

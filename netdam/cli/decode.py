@@ -9,7 +9,6 @@ scapy layer's dissection as a second opinion. scapy is imported only when needed
 from __future__ import annotations
 
 import argparse
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
+from netdam.protocol.payloads import INFO, SPARSE_PREFIX, unpack_key_rights
 
 #: Payload elements listed in --json output; larger payloads give only the hex.
 JSON_MAX_ELEMENTS = 256
@@ -38,9 +38,6 @@ JSON_MAX_ELEMENTS = 256
 TEXT_MAX_BYTES = 32
 TEXT_MAX_ELEMENTS = 16
 
-_INFO = struct.Struct("<IIQIIII")  # SPEC.md 6.4
-_PAIR = struct.Struct("<II")  # SPEC.md 6.1, 6.2
-_SPARSE_PREFIX = struct.Struct("<II")  # SPEC.md 2.5
 
 
 class UsageProblem(NetdamError):
@@ -395,14 +392,14 @@ def _payload_meaning(packet: Packet) -> dict[str, Any]:
     if opcode in (Opcode.JOIN, Opcode.LEAVE):
         ip, port = u64_to_endpoint(packet.addr)  # SPEC.md 3: addr = ip << 16 | port
         return {"group": f"{ip}:{port}"}
-    if opcode == Opcode.INFO and len(payload) == _INFO.size:
+    if opcode == Opcode.INFO and len(payload) == INFO.size:
         names = ("version", "mtu", "memory_bytes", "max_payload", "max_segments", "rank", "world")
-        return {"info": dict(zip(names, _INFO.unpack(payload)))}
+        return {"info": dict(zip(names, INFO.unpack(payload)))}
     if opcode == Opcode.REGISTER:
-        rkey, rights = _PAIR.unpack(payload)
+        rkey, rights = unpack_key_rights(payload)
         return {"requested_rkey": rkey, "rights": rights}
     if opcode == Opcode.DEREGISTER:
-        return {"remove_rkey": _PAIR.unpack(payload)[0]}
+        return {"remove_rkey": unpack_key_rights(payload)[0]}
     if packet.flags & Flags.SPARSE and packet.dtype != DType.RAW:
         return {"sparse": _sparse(packet)}
     size = ELEMENT_SIZE[packet.dtype]
@@ -413,9 +410,9 @@ def _payload_meaning(packet: Packet) -> dict[str, Any]:
 
 def _sparse(packet: Packet) -> dict[str, Any]:
     # The codec has already validated the layout (SPEC.md 2.5).
-    nnz = _SPARSE_PREFIX.unpack_from(packet.payload)[0]
-    indices = np.frombuffer(packet.payload, dtype="<u2", count=nnz, offset=_SPARSE_PREFIX.size)
-    start = _SPARSE_PREFIX.size + (2 * nnz + 7) // 8 * 8
+    nnz = SPARSE_PREFIX.unpack_from(packet.payload)[0]
+    indices = np.frombuffer(packet.payload, dtype="<u2", count=nnz, offset=SPARSE_PREFIX.size)
+    start = SPARSE_PREFIX.size + (2 * nnz + 7) // 8 * 8
     values = np.frombuffer(packet.payload, dtype=NUMPY_DTYPE[packet.dtype], count=nnz, offset=start)
     return {"nnz": nnz, "indices": indices.tolist(), "values": values.tolist()}
 

@@ -39,6 +39,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import unpack_u64
 
 _IDS = struct.Struct("!II")
 
@@ -100,11 +101,11 @@ class AsyncPoolClient:
 
     async def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
         reply = await self.request(fetch_add_packet(addr, addend, rkey))
-        return int(struct.unpack("<Q", reply.payload)[0])
+        return int(unpack_u64(reply.payload))
 
     async def cas(self, addr: int, compare: int, swap: int, rkey: int) -> int:
         reply = await self.request(cas_packet(addr, compare, swap, rkey))
-        return int(struct.unpack("<Q", reply.payload)[0])
+        return int(unpack_u64(reply.payload))
 
     async def read_many(self, requests: Sequence[tuple[int, int, int]]) -> list[bytes]:
         replies = await asyncio.gather(*(self.request(Packet(Opcode.READ, rkey=k, addr=a, length=n))

@@ -33,6 +33,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import pack_cas, pack_u64, unpack_u64
 from netdam.shell.udp import IP_MTU_DISCOVER, IP_PMTUDISC_DO
 
 #: Largest distance between the newest and the oldest unanswered transaction id.
@@ -140,12 +141,12 @@ class PoolClient:
     def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
         """Add *addend* (mod 2^64) to the u64 at *addr*; returns the old value."""
         [reply] = self.execute([fetch_add_packet(addr, addend, rkey)])
-        return int(struct.unpack("<Q", reply.payload)[0])
+        return int(unpack_u64(reply.payload))
 
     def cas(self, addr: int, compare: int, swap: int, rkey: int) -> int:
         """Swap in *swap* if the u64 at *addr* equals *compare*; returns the old value."""
         [reply] = self.execute([cas_packet(addr, compare, swap, rkey)])
-        return int(struct.unpack("<Q", reply.payload)[0])
+        return int(unpack_u64(reply.payload))
 
     def read_many(self, requests: Sequence[tuple[int, int, int]]) -> list[bytes]:
         """[(addr, length <= 8192, rkey)] -> their bytes, all pipelined."""
@@ -232,9 +233,9 @@ class PoolClient:
 
 def fetch_add_packet(addr: int, addend: int, rkey: int) -> Packet:
     return Packet(Opcode.FETCH_ADD, rkey=rkey, addr=addr, length=8, dtype=DType.U64,
-                  payload=struct.pack("<Q", addend % (1 << 64)))  # fmt: skip
+                  payload=pack_u64(addend))  # fmt: skip
 
 
 def cas_packet(addr: int, compare: int, swap: int, rkey: int) -> Packet:
     return Packet(Opcode.CAS, rkey=rkey, addr=addr, length=8, dtype=DType.U64,
-                  payload=struct.pack("<QQ", compare % (1 << 64), swap % (1 << 64)))  # fmt: skip
+                  payload=pack_cas(compare, swap))  # fmt: skip

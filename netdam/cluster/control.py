@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import struct
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import INFO, pack_key_rights
 
 INFO_FIELDS = ("version", "mtu", "memory_bytes", "max_payload", "max_segments", "rank", "world_size")
 
@@ -85,7 +85,7 @@ class ControlClient:
         start = time.perf_counter()
         reply = self.request(node, Packet(Opcode.PING), timeout=timeout)
         rtt = time.perf_counter() - start
-        values = struct.unpack("<IIQIIII", reply.payload)
+        values = INFO.unpack(reply.payload)
         return dict(zip(INFO_FIELDS, values, strict=True)), rtt
 
     def counters(self, node: Endpoint, timeout: float = 1.0) -> np.ndarray:
@@ -96,7 +96,7 @@ class ControlClient:
         return values[: C.NUM_COUNTERS]  # a switch's reply goes on with its own sections
 
     def register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
-        payload = struct.pack("<II", rkey, int(rights))
+        payload = pack_key_rights(rkey, int(rights))
         reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=base,
                                           aux_addr=size, length=8, payload=payload))  # fmt: skip
         return int(reply.rkey)

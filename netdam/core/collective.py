@@ -16,17 +16,15 @@ Rules of this file:
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
-from enum import IntEnum
+from dataclasses import astuple
 
 import numpy as np
 
+from netdam.core.chunk_plan import block_bounds
 from netdam.kernels import coll_layout as L
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
-    IP_UDP_OVERHEAD,
     MAX_SEGMENTS,
     SEGMENT_SIZE,
     DType,
@@ -35,14 +33,12 @@ from netdam.protocol.constants import (
     Status,
     max_elements,
 )
-from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Packet, endpoint_to_u64
+from netdam.protocol.payloads import FLAG_SPARSE, Algo, pack_completion, unpack_descriptor
 
 #: Chunks one collective may have (chunk ids index per-chunk state arrays).
 MAX_CHUNKS = L.MAX_CHUNKS
-#: Descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC.md 4.1).
-FLAG_SPARSE = 0x01
-DESCRIPTOR = struct.Struct("<BBHIQQQIIQQII")
-assert DESCRIPTOR.size == 64
 #: Watchdog: a collective fails after this long without progress (START_COLL may say less).
 DEFAULT_TIMEOUT_MS = 10_000
 #: Credit window bounds, chunks in flight per originator.
@@ -54,62 +50,7 @@ TOTAL_IN_FLIGHT = 512
 INITIAL_RTO_S = 0.05
 
 
-class Algo(IntEnum):
-    """START_COLL descriptor byte 0 (torch.distributed names)."""
-
-    ALL_REDUCE = L.ALGO_ALL_REDUCE
-    REDUCE_SCATTER = L.ALGO_REDUCE_SCATTER
-    ALL_GATHER = L.ALGO_ALL_GATHER
-    BROADCAST = L.ALGO_BROADCAST
-
-
-@dataclass(frozen=True)
-class CollectiveDescriptor:
-    """The START_COLL payload (SPEC.md "START_COLL descriptor"), 64 bytes little-endian."""
-
-    algo: Algo
-    rank: int
-    count: int
-    in_addr: int
-    out_addr: int
-    rkey: int
-    window: int = 0  # 0: the node derives it from its receive buffer
-    root: int = 0
-    group: Endpoint | None = None  # multicast group of the all-gather; None: unicast fan-out
-    host: Endpoint | None = None  # where the completion goes; None: the START_COLL sender
-    timeout_ms: int = 0
-    flags: int = 0
-
-    def encode(self) -> bytes:
-        return DESCRIPTOR.pack(
-            self.algo, self.flags, self.window, self.rank, self.count, self.in_addr, self.out_addr,
-            self.rkey, self.root, endpoint_to_u64(self.group) if self.group else 0,
-            endpoint_to_u64(self.host) if self.host else 0, self.timeout_ms, 0,
-        )  # fmt: skip
-
-
-def min_mtu(world: int) -> int:
-    """Smallest IP MTU at which a collective over *world* nodes can start: the START_COLL packet
-    carries the fixed header, an SR list naming every member and the 64-byte descriptor (SPEC
-    6.5); chunks then carry at least one 8-byte element behind an SR list one shorter."""
-    return int(IP_UDP_OVERHEAD + HEADER_SIZE + SEGMENT_SIZE * world + DESCRIPTOR.size)
-
-
-def decode_descriptor(payload: bytes) -> tuple[int, ...]:
-    """Raw descriptor fields; ValueError when the size is wrong."""
-    if len(payload) != DESCRIPTOR.size:
-        raise ValueError(f"START_COLL descriptor must be {DESCRIPTOR.size} bytes, got {len(payload)}")
-    return DESCRIPTOR.unpack(payload)
-
-
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def block_bounds(algo: int, count: int, world: int, root: int) -> np.ndarray:
-    """Element bounds of the N blocks (N+1 entries)."""
-    if algo == Algo.BROADCAST:
-        return np.array([0 if j <= root else count for j in range(world + 1)], np.int64)
-    return np.array([j * count // world for j in range(world + 1)], np.int64)
 
 
 class CollectiveEngine:
@@ -151,8 +92,8 @@ class CollectiveEngine:
         """Set up the collective *packet* describes; returns the status to answer with."""
         try:
             (algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host,
-             timeout_ms, _) = decode_descriptor(packet.payload)  # fmt: skip
-        except ValueError:
+             timeout_ms, _) = astuple(unpack_descriptor(packet.payload))  # fmt: skip
+        except RemoteProtocolError:
             return Status.BAD_LENGTH
         if self.cfg[L.CFG_STATE] != 0 and self.cfg[L.CFG_COLL] == packet.coll_id:
             if self.cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id):
@@ -291,11 +232,11 @@ class CollectiveEngine:
         if self.started_by != (src, packet.client_id):
             return None  # someone else's collective: start() answers STALE_EPOCH
         if cfg[L.CFG_STATE] == 2:
-            stats = struct.pack("<QQ", int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
+            stats = pack_completion(int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
             return Opcode.ACK, Status.OK, stats
         missing = np.flatnonzero(self.done[: int(cfg[L.CFG_CHUNKS])] == 0)
         first, last = (int(missing[0]), int(missing[-1])) if missing.size else (2**64 - 1, 2**64 - 1)
-        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.TIMEOUT), struct.pack("<QQ", first, last)
+        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.TIMEOUT), pack_completion(first, last)
 
     def status(self) -> dict[str, object]:
         """Progress of the current (or last) collective, for watchdogs and stats."""

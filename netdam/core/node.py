@@ -13,7 +13,6 @@ to ``_handle_punted`` here, in Python.
 from __future__ import annotations
 
 import secrets
-import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -63,6 +62,7 @@ from netdam.protocol.packet import (
     reply_to,
     u64_to_endpoint,
 )
+from netdam.protocol.payloads import INFO, KEY_RIGHTS
 
 assert SLOT_BYTES == HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
@@ -71,8 +71,6 @@ MAX_REGIONS = RKEY_SLOTS // 2
 #: Events waiting for the owner; beyond it replies are dropped and counted.
 MAX_EVENTS = 1 << 16
 
-INFO_STRUCT = struct.Struct("<IIQIIII")
-REGISTER_STRUCT = struct.Struct("<II")
 
 
 @dataclass
@@ -373,7 +371,7 @@ class NodeCore(QueueOwner):
         self.counters[C.NACK_BASE + status] += 1
 
     def _on_ping(self, packet: Packet, src: int) -> None:
-        info = INFO_STRUCT.pack(
+        info = INFO.pack(
             PROTOCOL_VERSION,
             self.config.mtu,
             self.memory.shape[0],
@@ -413,7 +411,7 @@ class NodeCore(QueueOwner):
             )  # fmt: skip
 
     def _on_register(self, packet: Packet, src: int) -> None:
-        requested, rights = REGISTER_STRUCT.unpack(packet.payload)
+        requested, rights = KEY_RIGHTS.unpack(packet.payload)
 
         def execute() -> tuple[Status, int | None]:
             result = self._register(packet.addr, packet.aux_addr, rights, requested)
@@ -424,7 +422,7 @@ class NodeCore(QueueOwner):
         self._windowed(packet, src, execute)
 
     def _on_deregister(self, packet: Packet, src: int) -> None:
-        rkey, _ = REGISTER_STRUCT.unpack(packet.payload)
+        rkey, _ = KEY_RIGHTS.unpack(packet.payload)
         self._windowed(packet, src, lambda: (self._deregister(rkey), None))
 
     def _register(

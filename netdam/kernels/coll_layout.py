@@ -1,5 +1,7 @@
 """Layout of the collective engine's state arrays, shared by the datapath and the engine tick."""
 
+from netdam.protocol.payloads import Algo
+
 # cfg indices
 CFG_STATE = 0  # 0 idle, 1 running, 2 done, 3 failed
 CFG_COLL = 1
@@ -71,8 +73,8 @@ F_LAST_DONE_SENT = 10  # last time this node sent its DONE
 F_BM_SENT = 11  # last time this node sent its bitmap requests (sparse mode)
 F_LEN = 12
 
-# algorithms (START_COLL descriptor byte 0)
-ALGO_ALL_REDUCE = 0
-ALGO_REDUCE_SCATTER = 1
-ALGO_ALL_GATHER = 2
-ALGO_BROADCAST = 3
+# algorithms (START_COLL descriptor byte 0; the wire's values, protocol/payloads.py)
+ALGO_ALL_REDUCE = int(Algo.ALL_REDUCE)
+ALGO_REDUCE_SCATTER = int(Algo.REDUCE_SCATTER)
+ALGO_ALL_GATHER = int(Algo.ALL_GATHER)
+ALGO_BROADCAST = int(Algo.BROADCAST)

@@ -16,7 +16,6 @@ packets, from one host process:
 
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from netdam.protocol.constants import (
     ReduceOp,
     max_elements,
 )
+from netdam.protocol.payloads import unpack_u64
 from netdam.switch.controller import PoolController
 from netdam.tools.allreduce import reference_chain_allreduce
 
@@ -120,7 +120,7 @@ def _pool_traffic(cluster: LocalCluster, config: DemoConfig) -> dict[str, object
             mismatches = sum(got != blocks[k] for got, k in zip(back, mine, strict=True))
         for k in range(config.pool_ops):
             clients[k % len(clients)].fetch_add(counter_addr, 1, region.rkey)
-        counter = struct.unpack("<Q", clients[0].read(counter_addr, 8, region.rkey))[0]
+        counter = unpack_u64(clients[0].read(counter_addr, 8, region.rkey))
     finally:
         for client in clients:
             client.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import struct
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights
 from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_u64
+from netdam.protocol.payloads import pack_key_rights, pack_u64
 
 #: Datagrams in the sender's cycle; sent again and again, batch by batch.
 MIX_SIZE = 4096
@@ -79,7 +79,7 @@ def build_mix(target: Target, seed: int, count: int = MIX_SIZE) -> list[bytes]:
                        dtype=DType.RAW, payload=bytes(length), **ids)  # fmt: skip
         elif kind == 3:
             p = Packet(Opcode.FETCH_ADD, rkey=target.rkey, addr=addr, length=8, dtype=DType.U64,
-                       payload=struct.pack("<Q", 1), **ids)  # fmt: skip
+                       payload=pack_u64(1), **ids)  # fmt: skip
         elif kind == 4:
             p = Packet(Opcode.READ, rkey=target.rkey ^ 0x5A5A, addr=addr, length=length, **ids)
         elif kind == 5:
@@ -92,7 +92,7 @@ def build_mix(target: Target, seed: int, count: int = MIX_SIZE) -> list[bytes]:
                        segments_left=len(segs) - 1, payload=bytes(1024), **ids)  # fmt: skip
         elif kind == 7:
             op = [Opcode.REGISTER, Opcode.COUNTERS, Opcode.JOIN, Opcode.START_COLL][int(rng.integers(0, 4))]
-            payload = struct.pack("<II", 0, int(Rights.READ)) if op == Opcode.REGISTER else b""
+            payload = pack_key_rights(0, int(Rights.READ)) if op == Opcode.REGISTER else b""
             payload = bytes(64) if op == Opcode.START_COLL else payload
             p = Packet(op, rkey=int(rng.integers(1, 2**32)), length=len(payload), payload=payload,
                        coll_id=1 if op == Opcode.START_COLL else 0, **ids)  # fmt: skip

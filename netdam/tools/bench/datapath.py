@@ -45,7 +45,6 @@ import select
 import shlex
 import signal
 import socket
-import struct
 import subprocess
 import tempfile
 import threading
@@ -61,6 +60,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.payloads import pack_key_rights
 from netdam.shell.udp import check_mtu_fits, granted_buffers, max_payload, open_udp_socket
 
 LOOPBACK = "127.0.0.1"
@@ -452,7 +452,7 @@ class _NodeProcess:
                 length=8,
                 addr=0,
                 aux_addr=packets * nbytes,
-                payload=struct.pack("<II", BENCH_RKEY, int(Rights.READ | Rights.WRITE)),
+                payload=pack_key_rights(BENCH_RKEY, int(Rights.READ | Rights.WRITE)),
             )
         )
         for k in range(packets):

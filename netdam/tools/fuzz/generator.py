@@ -49,6 +49,7 @@ from netdam.protocol.packet import (
     Endpoint,
     endpoint_to_u64,
 )
+from netdam.protocol.payloads import pack_key_rights, pack_sparse_prefix
 from netdam.switch.addrmap import GLOBAL_BASE, Region
 
 TARGETS = ("node", "switch")
@@ -324,7 +325,7 @@ def header(
 
 def sparse_encode(dense: bytes, esize: int, keep: Sequence[int]) -> bytes:
     """SPEC.md 2.5 sparse payload listing elements *keep* (strictly increasing) of *dense*."""
-    body = struct.pack("<II", len(keep), 0) + struct.pack(f"<{len(keep)}H", *keep)
+    body = bytes(pack_sparse_prefix(len(keep))) + struct.pack(f"<{len(keep)}H", *keep)
     body += bytes(-len(body) % 8)
     return body + b"".join(dense[i * esize : (i + 1) * esize] for i in keep)
 
@@ -610,7 +611,7 @@ class DatagramGenerator:
             return header(op, coll=coll, status=status, dtype=dtype, length=len(payload), rkey=rkey,
                           addr=d.u64(), client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
         if op in (Opcode.REGISTER, Opcode.DEREGISTER):
-            payload = struct.pack("<II", int(d.pick(self._rkeys)) if d.chance(0.5) else d.u32(), d.below(8))
+            payload = pack_key_rights(int(d.pick(self._rkeys)) if d.chance(0.5) else d.u32(), d.below(8))
             return header(op, rkey=rkey, length=8, addr=d.below(self.layout.memory_bytes),
                           aux=d.below(1 << 16), client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
         if op in (Opcode.JOIN, Opcode.LEAVE):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import socket
-import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from netdam.clients.pool import PoolClient, PoolError, fetch_add_packet
 from netdam.core.faults import FaultSpec, decide, packet_id
 from netdam.protocol.constants import Flags, Opcode
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
+from netdam.protocol.payloads import unpack_u64
 from netdam.tools.soak.plan import (
     ATTEMPT_MEMORY,
     ERROR_SAMPLES,
@@ -307,7 +307,7 @@ class SoakClient:
                              f"({op.packet.length} bytes) found {verdict} data")  # fmt: skip
         else:
             self.counts["fetch_adds"] += 1
-            self.olds.append(int(struct.unpack("<Q", reply.payload)[0]))
+            self.olds.append(unpack_u64(reply.payload))
 
     def _failed(self, ops: Sequence[_Op], exc: PoolError, start: float) -> None:
         """No reply (or a NACK) in the batch: nothing of it counts as acknowledged."""

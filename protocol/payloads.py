@@ -1,0 +1,177 @@
+"""Payload structs of NetDAM v1 (protocol/SPEC.md): every fixed layout a payload carries.
+
+The header and the SR list are the codec's (``packet.py``); this module owns what sits behind
+them. Payload fields are little-endian like the element data (SPEC.md section 2), unlike the
+header. Each struct has one ``pack_*``/``unpack_*`` pair (or a dataclass with ``encode``) so that
+nodes, the switch, clients, the decoder and the fixtures write and read the same bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from netdam.protocol.constants import Status
+from netdam.protocol.errors import RemoteProtocolError
+
+# The sparse prefix (nnz, reserved; SPEC.md 2.5) is the codec's own: it sizes sparse payloads.
+from netdam.protocol.packet import SPARSE_PREFIX, Endpoint, endpoint_to_u64
+
+#: INFO (reply to PING, SPEC.md 6.4): version, mtu, memory bytes, max payload, max segments,
+#: rank, world size.
+INFO = struct.Struct("<IIQIIII")
+#: REGISTER request (requested rkey, rights), its ACK (granted rkey, rights) and DEREGISTER
+#: (rkey, 0): SPEC.md 6.1 and 6.2.
+KEY_RIGHTS = struct.Struct("<II")
+#: START_COLL descriptor, 64 bytes (SPEC.md 6.5).
+DESCRIPTOR = struct.Struct("<BBHIQQQIIQQII")
+#: Completion of a collective (ACK with aux_addr 1: retransmits, repair reads) and its failure
+#: (NACK with aux_addr 1: first and last chunk still missing), SPEC.md 6.5.
+COMPLETION = struct.Struct("<QQ")
+#: FETCH_ADD operand, and the old value every atomic answers with (SPEC.md 5.4).
+U64 = struct.Struct("<Q")
+#: CAS operands: compare, swap (SPEC.md 5.5).
+CAS_OPERANDS = struct.Struct("<QQ")
+
+assert DESCRIPTOR.size == 64
+
+#: START_COLL descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC 4.1).
+FLAG_SPARSE = 0x01
+
+
+class Algo(IntEnum):
+    """START_COLL descriptor byte 0 (torch.distributed names)."""
+
+    ALL_REDUCE = 0
+    REDUCE_SCATTER = 1
+    ALL_GATHER = 2
+    BROADCAST = 3
+
+
+@dataclass(frozen=True)
+class Info:
+    """What a node (or the switch, rank 0xFFFFFFFF) says about itself in reply to PING."""
+
+    version: int
+    mtu: int
+    memory_bytes: int
+    max_payload: int
+    max_segments: int
+    rank: int
+    world_size: int
+
+    def encode(self) -> bytes:
+        return INFO.pack(self.version, self.mtu, self.memory_bytes, self.max_payload,
+                         self.max_segments, self.rank, self.world_size)  # fmt: skip
+
+
+def unpack_info(payload: bytes) -> Info:
+    return Info(*_unpack(INFO, payload, "INFO"))
+
+
+def pack_key_rights(rkey: int, rights: int) -> bytes:
+    return KEY_RIGHTS.pack(rkey, rights)
+
+
+def unpack_key_rights(payload: bytes) -> tuple[int, int]:
+    rkey, rights = _unpack(KEY_RIGHTS, payload, "REGISTER/DEREGISTER")
+    return int(rkey), int(rights)
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """The START_COLL payload as raw fields (endpoints as u64: IPv4 << 16 | port)."""
+
+    algo: int
+    flags: int
+    window: int
+    rank: int
+    count: int
+    in_addr: int
+    out_addr: int
+    rkey: int
+    root: int
+    group: int
+    host: int
+    timeout_ms: int
+    reserved: int = 0
+
+    def encode(self) -> bytes:
+        return DESCRIPTOR.pack(self.algo, self.flags, self.window, self.rank, self.count,
+                               self.in_addr, self.out_addr, self.rkey, self.root, self.group,
+                               self.host, self.timeout_ms, self.reserved)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CollectiveDescriptor:
+    """The START_COLL payload as a host writes it (SPEC.md 6.5), with typed endpoints."""
+
+    algo: Algo
+    rank: int
+    count: int
+    in_addr: int
+    out_addr: int
+    rkey: int
+    window: int = 0  # 0: the node derives it from its receive buffer
+    root: int = 0
+    group: Endpoint | None = None  # multicast group of the all-gather; None: unicast fan-out
+    host: Endpoint | None = None  # where the completion goes; None: the START_COLL sender
+    timeout_ms: int = 0
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        return Descriptor(
+            self.algo, self.flags, self.window, self.rank, self.count, self.in_addr, self.out_addr,
+            self.rkey, self.root, endpoint_to_u64(self.group) if self.group else 0,
+            endpoint_to_u64(self.host) if self.host else 0, self.timeout_ms,
+        ).encode()  # fmt: skip
+
+
+def unpack_descriptor(payload: bytes) -> Descriptor:
+    """ValueError (a RemoteProtocolError) when the size is wrong."""
+    return Descriptor(*_unpack(DESCRIPTOR, payload, "START_COLL descriptor"))
+
+
+def pack_completion(first: int, second: int) -> bytes:
+    return COMPLETION.pack(first, second)
+
+
+def unpack_completion(payload: bytes) -> tuple[int, int]:
+    first, second = COMPLETION.unpack_from(_at_least(COMPLETION, payload, "completion"))
+    return int(first), int(second)
+
+
+def pack_u64(value: int) -> bytes:
+    return U64.pack(value % (1 << 64))
+
+
+def unpack_u64(payload: bytes) -> int:
+    return int(_unpack(U64, payload, "u64 operand")[0])
+
+
+def pack_cas(compare: int, swap: int) -> bytes:
+    return CAS_OPERANDS.pack(compare % (1 << 64), swap % (1 << 64))
+
+
+def pack_sparse_prefix(nnz: int) -> bytes:
+    return bytes(SPARSE_PREFIX.pack(nnz, 0))
+
+
+def unpack_sparse_prefix(payload: bytes) -> int:
+    """nnz of a sparse payload."""
+    return int(SPARSE_PREFIX.unpack_from(_at_least(SPARSE_PREFIX, payload, "sparse prefix"))[0])
+
+
+def _unpack(layout: struct.Struct, payload: bytes, name: str) -> tuple[int, ...]:
+    if len(payload) != layout.size:
+        raise RemoteProtocolError(Status.BAD_LENGTH,
+                                  f"{name} payload must be {layout.size} bytes, got {len(payload)}")  # fmt: skip
+    return layout.unpack(payload)
+
+
+def _at_least(layout: struct.Struct, payload: bytes, name: str) -> bytes:
+    if len(payload) < layout.size:
+        raise RemoteProtocolError(Status.BAD_LENGTH,
+                                  f"{name} payload must be at least {layout.size} bytes, got {len(payload)}")  # fmt: skip
+    return payload
