@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from netdam.core.faults import FaultSpec
 from netdam.core.node import _check_batch
 from netdam.core.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
 from netdam.kernels import switch_path as K
@@ -45,7 +46,6 @@ from netdam.protocol.packet import (
 )
 from netdam.protocol.payloads import INFO
 from netdam.switch.addrmap import Region, build_tables
-from netdam.switch.faults import LinkFaultSpec
 
 #: Send-queue bound (datagrams).
 MAX_TX_QUEUE = 1 << 15
@@ -253,7 +253,7 @@ class SwitchCore(QueueOwner):
 
     # ------------------------------------------------------------------ faults
 
-    def set_link_faults(self, port: int, direction: int, spec: LinkFaultSpec) -> None:
+    def set_link_faults(self, port: int, direction: int, spec: FaultSpec) -> None:
         """Faults on *port* (0 clients, 1 + rank) in *direction* (0 rx, 1 tx)."""
         row = self.fcfg[port, direction]
         row[:] = (float(spec.random_active), spec.loss, spec.dup, spec.reorder, spec.delay,

@@ -13,43 +13,10 @@ Text form (``--faults`` of ``netdam switch``), entries separated by ``;``::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from netdam.core.faults import FaultSpec
 from netdam.protocol.constants import Opcode
 
 DIRECTIONS = {"rx": 0, "tx": 1}
-
-
-@dataclass(frozen=True)
-class LinkFaultSpec:
-    """Faults on one link direction: probabilities per datagram, and one k-th-packet drop."""
-
-    loss: float = 0.0
-    dup: float = 0.0
-    reorder: float = 0.0
-    delay: float = 0.0
-    delay_s: float = 0.0
-    #: Drop the kth_k-th packet (1-based) of this opcode on the link direction (0: off).
-    kth_opcode: int = 0
-    kth_k: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("loss", "dup", "reorder", "delay"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}={value} is not a probability between 0 and 1")
-        if self.delay_s < 0:
-            raise ValueError(f"delay_ms must be >= 0, got {self.delay_s * 1000}")
-        if self.kth_k < 0 or not 0 <= self.kth_opcode < 64:
-            raise ValueError("kth needs OPCODE@K with K >= 1, e.g. kth=FETCH_ADD@3")
-
-    @property
-    def random_active(self) -> bool:
-        return bool(self.loss or self.dup or self.reorder or (self.delay and self.delay_s))
-
-    @property
-    def active(self) -> bool:
-        return self.random_active or self.kth_k > 0
 
 
 def link_port(link: str, nodes: int) -> int:
@@ -61,7 +28,7 @@ def link_port(link: str, nodes: int) -> int:
     raise ValueError(f"unknown link {link!r}: use client or node0..node{nodes - 1}")
 
 
-def parse_link_spec(text: str) -> LinkFaultSpec:
+def parse_link_spec(text: str) -> FaultSpec:
     """``loss=0.1,dup=0.05,reorder=0.1,delay=0.2,delay_ms=5,kth=FETCH_ADD@3``."""
     values: dict[str, float | int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -80,10 +47,10 @@ def parse_link_spec(text: str) -> LinkFaultSpec:
             values["kth_k"] = int(k)
         else:
             raise ValueError(f"unknown fault {key!r}: use loss, dup, reorder, delay, delay_ms or kth")
-    return LinkFaultSpec(**values)  # type: ignore[arg-type]
+    return FaultSpec(**values)  # type: ignore[arg-type]
 
 
-def parse_faults(text: str, nodes: int) -> list[tuple[int, int, LinkFaultSpec]]:
+def parse_faults(text: str, nodes: int) -> list[tuple[int, int, FaultSpec]]:
     """``LINK:DIR:SPEC;...`` -> [(port, direction, spec)]."""
     result = []
     for entry in filter(None, (e.strip() for e in text.split(";"))):

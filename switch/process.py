@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from netdam.cluster.clusterfile import ClusterFile, load_cluster
+from netdam.core.faults import FaultSpec
 from netdam.kernels import switch_serve
 from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU
@@ -22,7 +23,6 @@ from netdam.shell import node_process as nodeproc
 from netdam.shell.shm import prefault
 from netdam.shell.udp import open_control_socket, open_udp_socket
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
-from netdam.switch.faults import LinkFaultSpec
 from netdam.switch.state import (
     NodeHeap,
     PoolState,
@@ -46,7 +46,7 @@ class SwitchProcessConfig:
     cluster_file: Path
     state_file: Path
     mtu: int = DEFAULT_MTU
-    faults: list[tuple[int, int, LinkFaultSpec]] = field(default_factory=list)
+    faults: list[tuple[int, int, FaultSpec]] = field(default_factory=list)
     seed: int = 0
     rcvbuf: int = 64 << 20
     die_with_parent: bool = False

@@ -19,7 +19,7 @@ from netdam.protocol.constants import DType, Flags, Opcode, Rights, Status
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, backing_per_way
 from netdam.switch.core import SwitchConfig, SwitchCore, counters_from_payload
-from netdam.switch.faults import LinkFaultSpec, parse_faults
+from netdam.switch.faults import parse_faults
 
 VIP: Endpoint = ("127.0.0.1", 7744)
 CLIENT: Endpoint = ("127.0.0.1", 9001)
@@ -228,7 +228,7 @@ def run_fetch_adds(pool: Pool, count: int, client_id: int = 0x51) -> int:
 
 def test_retries_under_loss_never_apply_twice() -> None:
     pool = make_pool(FaultSpec(loss=0.3, dup=0.2, reorder=0.2, seed=11), seed=4)
-    pool.switch.set_link_faults(2, K.DIR_TX, LinkFaultSpec(loss=0.2, dup=0.3))
+    pool.switch.set_link_faults(2, K.DIR_TX, FaultSpec(loss=0.2, dup=0.3))
     assert run_fetch_adds(pool, 40) == 40
     node = pool.nodes[1]
     assert node.counters[C.DUP_REPLAYS] > 0  # retries and duplicates reached the node
@@ -251,7 +251,7 @@ def fault_run(seed: int) -> tuple[list[int], list[int]]:
     pool = make_pool(seed=seed)
     for port in range(4):
         for direction in (K.DIR_RX, K.DIR_TX):
-            pool.switch.set_link_faults(port, direction, LinkFaultSpec(loss=0.15, dup=0.15, reorder=0.2,
+            pool.switch.set_link_faults(port, direction, FaultSpec(loss=0.15, dup=0.15, reorder=0.2,
                                                                        delay=0.1, delay_s=0.01))  # fmt: skip
     outcome = []
     for k in range(60):

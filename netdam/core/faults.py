@@ -34,6 +34,10 @@ class FaultSpec:
     delay_s: float = 0.0
     delay: float = 0.0
     seed: int = 0
+    #: Drop the kth_k-th packet (1-based) of opcode kth_opcode (0: off). Only the switch's links
+    #: count packets per opcode (switch/SPEC_SWITCH.md "Fault injection"); nodes reject it.
+    kth_opcode: int = 0
+    kth_k: int = 0
 
     def __post_init__(self) -> None:
         for name in ("loss", "dup", "reorder", "delay"):
@@ -41,11 +45,18 @@ class FaultSpec:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"--{name} must be a probability between 0 and 1, got {value}")
         if self.delay_s < 0:
-            raise ValueError(f"delay must be >= 0 seconds, got {self.delay_s}")
+            raise ValueError(f"--delay-ms must be >= 0, got {self.delay_s * 1000:g}")
+        if self.kth_k < 0 or not 0 <= self.kth_opcode < 64:
+            raise ValueError("kth needs OPCODE@K with K >= 1, e.g. kth=FETCH_ADD@3")
+
+    @property
+    def random_active(self) -> bool:
+        """Any probabilistic fault (what the hash decides)."""
+        return bool(self.loss or self.dup or self.reorder or (self.delay and self.delay_s))
 
     @property
     def active(self) -> bool:
-        return bool(self.loss or self.dup or self.reorder or (self.delay and self.delay_s))
+        return self.random_active or self.kth_k > 0
 
 
 @dataclass(frozen=True)
