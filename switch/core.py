@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from netdam.core.base import CoreBase, check_batch
 from netdam.core.faults import FaultSpec
-from netdam.core.node import _check_batch
-from netdam.core.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
+from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import switch_path as K
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
@@ -37,11 +37,8 @@ from netdam.protocol.constants import (
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import (
     Endpoint,
-    Packet,
     decode_packet,
-    encode_packet,
     endpoint_to_u64,
-    reply_to,
     u64_to_endpoint,
 )
 from netdam.protocol.payloads import INFO
@@ -111,7 +108,7 @@ class _Tables:
     groups: dict[int, list[int]] = field(default_factory=dict)
 
 
-class SwitchCore(QueueOwner):
+class SwitchCore(CoreBase):
     """Address map, groups, counters, faults and the batch datapath of one switch."""
 
     def __init__(self, config: SwitchConfig, regions: Sequence[Region] = (), generation: int = 0) -> None:
@@ -133,7 +130,7 @@ class SwitchCore(QueueOwner):
         self._nodes_ep = nodes_u64
         self._node_sorted = nodes_u64[order].copy()
         self._node_port = (order + 1).astype(np.int64)
-        self._node_set = set(nodes_u64.tolist())
+        self._trusted = set(nodes_u64.tolist())
         self.counters = C.new_counters()
         self.sw = np.zeros(K.SW_LEN, np.uint64)
         self.sw[K.SW_NODES] = len(config.nodes)
@@ -197,7 +194,7 @@ class SwitchCore(QueueOwner):
         for group, members in groups.items():
             self._check_group(group)
             for member in members:
-                if endpoint_to_u64(member) not in self._node_set:
+                if endpoint_to_u64(member) not in self._trusted:
                     raise ValueError(f"group {group[0]}:{group[1]}: member {member[0]}:{member[1]} is not a cluster node")
             table[endpoint_to_u64(group)] = sorted({endpoint_to_u64(m) for m in members})
         self._groups = {g: ms for g, ms in table.items() if ms}
@@ -210,7 +207,7 @@ class SwitchCore(QueueOwner):
         except ValueError:
             return Status.BAD_FIELD
         g, m = endpoint_to_u64(group), endpoint_to_u64(member)
-        if m not in self._node_set:
+        if m not in self._trusted:
             return Status.NOT_MEMBER
         members = self._groups.get(g, [])
         if m in members:
@@ -307,7 +304,7 @@ class SwitchCore(QueueOwner):
         self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, n: int, now: float
     ) -> None:
         """Run datagrams ``buf[offs[i] : offs[i] + lens[i]]`` from ``srcs[i]`` (i < n)."""
-        _check_batch(buf, offs, lens, srcs, n)
+        check_batch(buf, offs, lens, srcs, n)
         if n == 0 and not (self.fstate[K.FS_HELD_RX] or self.fstate[K.FS_HELD_TX]):
             return
         if self.faults_engaged:
@@ -336,22 +333,6 @@ class SwitchCore(QueueOwner):
         self._txq[1] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 
-    def handle_punted(
-        self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
-        punt: np.ndarray, n_punt: int,
-    ) -> None:  # fmt: skip
-        """Slow path for the datagrams the kernel punted (batch indices in *punt*)."""
-        for k in range(n_punt):
-            i = int(punt[k])
-            self._handle_punted(bytes(buf[offs[i] : offs[i] + lens[i]]), int(srcs[i]))
-
-    def fill_send_batch(
-        self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray, now: float
-    ) -> int:
-        """Copy queued datagrams into the caller's batch; return how many."""
-        _check_batch(out, out_offs, out_lens, out_dsts, out_lens.shape[0])
-        return self.sendq.fill(out, out_offs, out_lens, out_dsts)
-
     def get_timer(self) -> float | None:
         """When the earliest datagram held by a reorder/delay fault is due (None: none held)."""
         if not self.held():
@@ -367,24 +348,6 @@ class SwitchCore(QueueOwner):
     def held(self) -> int:
         """Datagrams held aside by reorder/delay faults."""
         return int(self.fstate[K.FS_HELD_RX] + self.fstate[K.FS_HELD_TX])
-
-    def next_event(self) -> GroupChanged | None:
-        return self._events.popleft() if self._events else None
-
-    def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None:
-        """A batch of one (tests, management port)."""
-        buf = np.frombuffer(data, np.uint8).copy() if data else np.zeros(1, np.uint8)
-        self.receive_batch(buf, np.zeros(1, np.int64), np.array([len(data)], np.int32),
-                           np.array([endpoint_to_u64(src)], np.uint64), 1, now)  # fmt: skip
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
-        count = self.pending()
-        out = np.zeros(max(count, 1) * SLOT_BYTES, np.uint8)
-        offs = np.zeros(max(count, 1), np.int64)
-        lens = np.zeros(max(count, 1), np.int32)
-        dsts = np.zeros(max(count, 1), np.uint64)
-        got = self.fill_send_batch(out, offs, lens, dsts, now)
-        return [(bytes(out[offs[k] : offs[k] + lens[k]]), u64_to_endpoint(int(dsts[k]))) for k in range(got)]
 
     # ------------------------------------------------------------------ counters
 
@@ -411,9 +374,6 @@ class SwitchCore(QueueOwner):
 
     # ------------------------------------------------------------------ internals
 
-    def _reserve_tx(self, n: int) -> None:
-        self.sendq.reserve(n)
-
     def _push(self, data: bytes, dst: int) -> None:
         if not self.sendq.push(data, dst):
             return
@@ -426,17 +386,6 @@ class SwitchCore(QueueOwner):
         if i < self._node_sorted.shape[0] and int(self._node_sorted[i]) == ep:
             return int(self._node_port[i])
         return 0
-
-    def _reply_dst(self, packet: Packet, src: int) -> int:
-        ret = endpoint_to_u64(packet.ret)
-        return ret if ret and src in self._node_set else src
-
-    def _reply(self, request: Packet, src: int, opcode: Opcode, status: Status = Status.OK,
-               payload: bytes = b"") -> None:  # fmt: skip
-        reply = reply_to(request, opcode, status, payload)
-        self._push(encode_packet(reply), self._reply_dst(request, src))
-        if status != Status.OK:
-            self.counters[C.NACK_BASE + status] += 1
 
     def _handle_punted(self, data: bytes, src: int) -> None:
         try:

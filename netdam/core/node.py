@@ -15,10 +15,11 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from netdam.core.base import CoreBase, check_batch
 from netdam.core.collective import CollectiveEngine
 from netdam.core.events import (
     CollectiveStartRequested,
@@ -29,7 +30,7 @@ from netdam.core.events import (
     RegionRegistered,
     ReplyReceived,
 )
-from netdam.core.sendqueue import SLOT_BYTES, QueueOwner, SendQueue
+from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import coll_layout as L
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
@@ -57,9 +58,7 @@ from netdam.protocol.packet import (
     Endpoint,
     Packet,
     decode_packet,
-    encode_packet,
     endpoint_to_u64,
-    reply_to,
     u64_to_endpoint,
 )
 from netdam.protocol.payloads import INFO, KEY_RIGHTS
@@ -93,7 +92,7 @@ class NodeConfig:
     tx_slots: int = 256
 
 
-class NodeCore(QueueOwner):
+class NodeCore(CoreBase):
     """The sans-I/O core of one node: memory, rkeys, duplicate window, counters, datapath."""
 
     def __init__(self, config: NodeConfig, memory: np.ndarray | None = None) -> None:
@@ -153,7 +152,7 @@ class NodeCore(QueueOwner):
         now: float,
     ) -> None:
         """Execute datagrams ``buf[offs[i] : offs[i] + lens[i]]`` from ``srcs[i]`` for i < n."""
-        _check_batch(buf, offs, lens, srcs, n)
+        check_batch(buf, offs, lens, srcs, n)
         if n == 0:
             return
         self._reserve_tx(n)
@@ -187,32 +186,6 @@ class NodeCore(QueueOwner):
         """Guarantee room in the send queue for the answers to *n* received datagrams."""
         self._reserve_tx(n)
 
-    def handle_punted(
-        self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
-        punt: np.ndarray, n_punt: int,
-    ) -> None:  # fmt: skip
-        """Run the slow path for the datagrams the datapath punted (batch indices in *punt*)."""
-        for k in range(n_punt):
-            i = int(punt[k])
-            self._handle_punted(bytes(buf[offs[i] : offs[i] + lens[i]]), int(srcs[i]))
-
-    def fill_send_batch(
-        self,
-        out: np.ndarray,
-        out_offs: np.ndarray,
-        out_lens: np.ndarray,
-        out_dsts: np.ndarray,
-        now: float,
-    ) -> int:
-        """Copy queued datagrams into the caller's batch (back to back in ``out``, as many as fit
-        in its bytes and its ``out_lens`` slots); return how many."""
-        _check_batch(out, out_offs, out_lens, out_dsts, out_lens.shape[0])
-        return self.sendq.fill(out, out_offs, out_lens, out_dsts)
-
-    def next_event(self) -> Event | None:
-        """The oldest undelivered event, or None."""
-        return self._events.popleft() if self._events else None
-
     def get_timer(self) -> float | None:
         """When the collective engine wants its next tick (None: no collective running)."""
         if not self.collective.needs_tick:
@@ -239,38 +212,13 @@ class NodeCore(QueueOwner):
 
     # ------------------------------------------------------------------ one-datagram helpers
 
-    def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None:
-        """Convenience for tests and tools: a batch of one."""
-        buf = np.frombuffer(data, np.uint8).copy() if data else np.zeros(1, np.uint8)
-        self.receive_batch(
-            buf,
-            np.zeros(1, np.int64),
-            np.array([len(data)], np.int32),
-            np.array([endpoint_to_u64(src)], np.uint64),
-            1,
-            now,
-        )
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
-        """Drain the whole send queue as (bytes, destination) pairs."""
-        count = self.pending()
-        out = np.zeros(max(count, 1) * SLOT_BYTES, np.uint8)
-        offs = np.zeros(count, np.int64)
-        lens = np.zeros(count, np.int32)
-        dsts = np.zeros(count, np.uint64)
-        self.fill_send_batch(out, offs, lens, dsts, now)
-        return [
-            (bytes(out[offs[k] : offs[k] + lens[k]]), u64_to_endpoint(int(dsts[k])))
-            for k in range(count)
-        ]
-
     # ------------------------------------------------------------------ host-side control
 
     def set_members(self, members: tuple[Endpoint, ...] | list[Endpoint]) -> None:
         """Replace the cluster member list (this node is always a member)."""
         values = {endpoint_to_u64(m) for m in members} | {self.endpoint_u64}
         self._members = np.array(sorted(values), dtype=np.uint64)
-        self._member_set = values
+        self._trusted = values
 
     def register_region(self, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
         """Make [base, base+size) reachable under an rkey (random when 0); return the rkey."""
@@ -289,43 +237,6 @@ class NodeCore(QueueOwner):
         return dict(self._regions)
 
     # ------------------------------------------------------------------ internals
-
-    def _reserve_tx(self, n: int) -> None:
-        self.sendq.reserve(n)
-
-    def _push(self, data: bytes, dst: int) -> None:
-        """Queue one datagram built by the control plane."""
-        self.sendq.push(data, dst)
-
-    def _reply_dst(self, packet: Packet, src: int) -> int:
-        ret = endpoint_to_u64(packet.ret)
-        if ret and src in self._member_set:
-            return int(ret)
-        return src
-
-    def _reply(
-        self,
-        request: Packet,
-        src: int,
-        opcode: Opcode,
-        status: Status = Status.OK,
-        payload: bytes = b"",
-        rkey: int | None = None,
-        aux_addr: int | None = None,
-    ) -> bytes:
-        reply = reply_to(request, opcode, status, payload)
-        if rkey is not None:
-            reply = replace(reply, rkey=rkey)
-        if aux_addr is not None:
-            reply = replace(reply, aux_addr=aux_addr)
-        data = encode_packet(reply)
-        self._push(data, self._reply_dst(request, src))
-        if status != Status.OK:
-            self.counters[C.NACK_BASE + status] += 1
-        return bytes(data)
-
-    def _nack(self, request: Packet, src: int, status: Status) -> None:
-        self._reply(request, src, Opcode.NACK, status)
 
     def _handle_punted(self, data: bytes, src: int) -> None:
         try:
@@ -367,7 +278,7 @@ class NodeCore(QueueOwner):
         header[50] = status
         header[52:55] = b"\x00\x00\x00"
         ret = int.from_bytes(header[56:60], "big") << 16 | int.from_bytes(header[60:62], "big")
-        self._push(bytes(header), ret if ret and src in self._member_set else src)
+        self._push(bytes(header), ret if ret and src in self._trusted else src)
         self.counters[C.NACK_BASE + status] += 1
 
     def _on_ping(self, packet: Packet, src: int) -> None:
@@ -504,17 +415,3 @@ def _probe_free(table: np.ndarray, rkey: int) -> int:
     while table[slot] != 0:
         slot = (slot + 1) & mask
     return int(slot)
-
-
-def _check_batch(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
-    """The kernels trust their arrays: check dtypes, shapes and contiguity once, here."""
-    if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
-        raise ValueError("batch buffer must be a 1-D C-contiguous uint8 array")
-    if offs.dtype != np.int64 or offs.ndim != 1 or not offs.flags.c_contiguous:
-        raise ValueError("batch offsets must be a 1-D contiguous int64 array")
-    if lens.dtype != np.int32 or lens.ndim != 1 or not lens.flags.c_contiguous:
-        raise ValueError("batch lengths must be a 1-D contiguous int32 array")
-    if addrs.dtype != np.uint64 or addrs.ndim != 1 or not addrs.flags.c_contiguous:
-        raise ValueError("batch addresses must be a 1-D contiguous uint64 array (ip << 16 | port)")
-    if not 0 <= n <= min(offs.shape[0], lens.shape[0], addrs.shape[0]):
-        raise ValueError(f"batch count {n} exceeds the arrays ({lens.shape[0]} entries)")
