@@ -19,7 +19,13 @@ from netdam.kernels import switch_serve
 from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
-from netdam.shell import node_process as nodeproc
+from netdam.shell.process import (
+    record_socket_buffers,
+    serve_buffers,
+    serve_main,
+    serve_management_port,
+    stop_requested,
+)
 from netdam.shell.shm import prefault
 from netdam.shell.udp import open_control_socket, open_udp_socket
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
@@ -110,9 +116,9 @@ class SwitchProcess:
             self.core.set_link_faults(port, direction, spec)
         self._stamp = file_stamp(config.state_file)
         self._next_check = 0.0
-        nodeproc.record_socket_buffers(self.sock, self.core.counters)
+        record_socket_buffers(self.sock, self.core.counters)
         (self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, self.io_state,
-         self.scratch) = nodeproc.serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
+         self.scratch) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
 
     def serve_once(self, timeout_ms: int) -> int:
         core = self.core
@@ -150,7 +156,7 @@ class SwitchProcess:
         return True
 
     def _serve_control(self) -> None:
-        nodeproc.serve_management_port(self.ctrl_sock, self.core)
+        serve_management_port(self.ctrl_sock, self.core)
 
     def _handle_events(self) -> None:
         changes: list[GroupChanged] = []
@@ -183,7 +189,7 @@ class SwitchProcess:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            while not self.stop and not nodeproc._STOP_REQUESTED[0]:
+            while not self.stop and not stop_requested():
                 self.serve_once(IDLE_WAIT_MS)
         finally:
             self.close()
@@ -197,7 +203,7 @@ class SwitchProcess:
 
 
 def main(config: SwitchProcessConfig) -> int:
-    return nodeproc.serve_main(
+    return serve_main(
         lambda: SwitchProcess(config),
         lambda proc: f"ready {proc.vip[0]}:{proc.vip[1]} {config.state_file} control_port={proc.control_port}",
         config.die_with_parent,

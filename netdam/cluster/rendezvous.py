@@ -466,13 +466,16 @@ def run_launched_node(config: NodeProcessConfig, spec: LaunchSpec, *, cluster_pa
                       timeout: float, admin_key: int) -> int:  # fmt: skip
     """``netdam node`` under a launcher: bind, warm up, rendezvous, (rank 0) write the cluster
     file, announce, serve. RendezvousError propagates (its ``code`` is the exit code)."""
-    from netdam.shell import node_process as nodeproc
+    # Imported here: the node process pulls in the kernels (numba), which the rendezvous's own
+    # users (tests, the launcher's parent) do not need.
+    from netdam.shell.node_process import NodeProcess
+    from netdam.shell.process import serve_main, stop_requested
 
     def should_stop() -> bool:
-        return nodeproc._STOP_REQUESTED[0]
+        return stop_requested()
 
     def create() -> NodeProcess:
-        proc = nodeproc.NodeProcess(config)
+        proc = NodeProcess(config)
         try:
             proc.warm_up()
             answer = rendezvous(proc, spec, timeout, admin_key or (secrets.randbits(32) | 1), should_stop)
@@ -491,7 +494,7 @@ def run_launched_node(config: NodeProcessConfig, spec: LaunchSpec, *, cluster_pa
         return (f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} control_port={proc.control_port} "
                 f"admin_key={proc.core.config.admin_key} rank={spec.rank} world_size={spec.world_size}")  # fmt: skip
 
-    return nodeproc.serve_main(create, ready, config.die_with_parent)
+    return serve_main(create, ready, config.die_with_parent)
 
 
 def resolve_bind(bind: Endpoint, master: Endpoint | None) -> Endpoint:

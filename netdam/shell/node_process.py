@@ -7,33 +7,32 @@ membership, signals and the stop flag. Nothing per data packet happens here.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import logging
-import os
 import signal
 import socket
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
 
 import numpy as np
 
 from netdam.core.events import GroupJoined, GroupLeft
 from netdam.core.faults import FaultSpec
 from netdam.core.node import NodeConfig, NodeCore
-from netdam.core.sendqueue import SLOT_BYTES, SendQueue
+from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
-from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
-from netdam.protocol import counters as C
+from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
-from netdam.protocol.packet import Endpoint, endpoint_to_u64, u64_to_endpoint
+from netdam.protocol.packet import Endpoint, endpoint_to_u64
+from netdam.shell.process import (
+    record_socket_buffers,
+    request_stop,
+    serve_buffers,
+    serve_main,
+    serve_management_port,
+    stop_requested,
+)
 from netdam.shell.shm import DEFAULT_SHM_DIR, create_memory, prefault
 from netdam.shell.udp import (
-    granted_buffers,
     join_multicast,
     open_control_socket,
     open_udp_socket,
@@ -52,56 +51,7 @@ IDLE_WAIT_MS = 20
 HOLD_SLOTS = 256
 #: Attempt-count table of fault injection (power of two).
 FAULT_TABLE = 1 << 16
-PR_SET_PDEATHSIG = 1
 
-log = logging.getLogger("netdam.process")
-
-
-def record_socket_buffers(sock: socket.socket, counters: np.ndarray) -> None:
-    """The receive and send buffers the kernel granted, as gauges in the counters."""
-    counters[C.RCVBUF_BYTES], counters[C.SNDBUF_BYTES] = granted_buffers(sock)
-
-
-def serve_buffers(round_datagrams: int, recv_runs: int, hold_slots: int) -> tuple[np.ndarray, ...]:
-    """What a process's compiled serve loop receives into and sends with: the receive buffer
-    (GRO runs land in *recv_runs* slots of 64 KiB; datagrams released by fault injection are
-    copied after them), per-datagram offsets, lengths, sources and punt indices, the I/O state
-    and the sendmmsg scratch."""
-    extra = 2 * round_datagrams + hold_slots
-    return (
-        np.zeros(recv_runs * RUN_BYTES + hold_slots * SLOT_BYTES, np.uint8),
-        np.zeros(extra, np.int64),
-        np.zeros(extra, np.int32),
-        np.zeros(extra, np.uint64),
-        np.zeros(extra, np.int32),
-        np.zeros(STATE_LEN, np.int64),
-        np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64),
-    )
-
-
-class ManagedCore(Protocol):
-    """What the management port needs of a core (NodeCore, SwitchCore)."""
-
-    sendq: SendQueue
-
-    def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None: ...
-
-
-def serve_management_port(sock: socket.socket, core: ManagedCore) -> None:
-    """Requests on a process's management port (stats, ping, control): the same core, the same
-    checks. The control plane's answers go back through that port, which may fragment (a
-    switch's COUNTERS outgrow a 1500-byte datagram); the datapath's (a READ) leave with the
-    next flush of the data socket."""
-    for _ in range(64):
-        try:
-            data, src = sock.recvfrom(65536)
-        except BlockingIOError:
-            return
-        with core.sendq.capture() as replies:
-            core.receive_datagram(data, (src[0], src[1]), time.monotonic())
-        for reply, dst in replies:
-            with contextlib.suppress(OSError):  # an unreachable operator loses its reply only
-                sock.sendto(reply, u64_to_endpoint(dst))
 
 
 @dataclass
@@ -224,14 +174,14 @@ class NodeProcess:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
         try:
-            while not self.stop and not _STOP_REQUESTED[0]:
+            while not self.stop and not stop_requested():
                 self.serve_once(IDLE_WAIT_MS)
         finally:
             self.close()
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop = True
-        _STOP_REQUESTED[0] = True
+        request_stop()
 
     def close(self) -> None:
         self.sock.close()
@@ -240,74 +190,6 @@ class NodeProcess:
             self.group_sock.close()
         self.core.memory = np.zeros(0, np.uint8)
         self.memory.close(unlink=True)
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent dies (prctl PR_SET_PDEATHSIG): no orphans."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-#: Set by SIGTERM/SIGINT from the very start of main, so a signal that arrives while the node
-#: is still warming up also ends in a clean close (memory file removed), not a default kill.
-_STOP_REQUESTED = [False]
-
-
-def _request_stop(signum: int, frame: object) -> None:
-    _STOP_REQUESTED[0] = True
-
-
-class ServedProcess(Protocol):
-    """What serve_main needs of a node or switch process."""
-
-    def warm_up(self) -> None: ...
-
-    def run(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-P = TypeVar("P", bound=ServedProcess)
-
-
-def serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_parent: bool) -> int:
-    """The life of a node or switch process: stop handlers first, optionally die with the
-    parent, create (exit 2 with the message on ValueError), warm up, announce, serve."""
-    signal.signal(signal.SIGTERM, _request_stop)
-    signal.signal(signal.SIGINT, _request_stop)
-    if with_parent:
-        die_with_parent()
-    log.info("starting (pid %d)", os.getpid())
-    try:
-        proc = create()
-    except ValueError as exc:
-        log.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        started = time.monotonic()
-        proc.warm_up()
-        log.info("kernels loaded in %.2f s", time.monotonic() - started)
-    except BaseException:
-        log.exception("start-up failed")
-        proc.close()
-        raise
-    if _STOP_REQUESTED[0]:
-        log.info("stopped before serving")
-        proc.close()
-        return 0
-    line = ready_line(proc)
-    log.info("%s", line)
-    print(line, flush=True)
-    try:
-        proc.run()
-    except BaseException:
-        log.exception("serving failed")
-        raise
-    log.info("stopped")
-    return 0
 
 
 def main(config: NodeProcessConfig) -> int:
