@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ from netdam.protocol.constants import (
     max_elements,
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
-from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import FLAG_SPARSE, Algo, CollectiveDescriptor, unpack_completion
 from netdam.shell.shm import attach
 
@@ -292,7 +292,6 @@ class Work:
         """The node already ran epoch *node_epoch* of this cluster's collectives (this group is
         new: it counts from 1): move past it. Every rank's node ran the same collectives, so
         every rank moves to the same epoch without talking to the others."""
-        from dataclasses import replace
 
         epoch = max(self.group.epoch, node_epoch + 1)
         self.group.epoch = epoch
@@ -329,13 +328,11 @@ class Work:
 
 
 def _with(packet: Packet, client_id: int, txn: int) -> Packet:
-    from dataclasses import replace
 
     return replace(packet, client_id=client_id, txn_id=txn)
 
 
 def _endpoint_u64(endpoint: Endpoint) -> int:
-    from netdam.protocol.packet import endpoint_to_u64
 
     return int(endpoint_to_u64(endpoint))
 

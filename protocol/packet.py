@@ -36,6 +36,10 @@ from netdam.protocol.errors import LocalProtocolError, RemoteProtocolError
 
 #: The fixed header, network byte order. Offsets are in SPEC.md.
 HEADER_STRUCT = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
+#: client_id and txn_id, bytes 8..15 of the header: what a client matches a reply by without
+#: decoding it (SPEC.md 2.1).
+REPLY_IDS = struct.Struct("!II")
+REPLY_IDS_OFFSET = 8
 #: One SR segment: IPv4, port, reserved.
 SEGMENT_STRUCT = struct.Struct("!IHH")
 assert HEADER_STRUCT.size == HEADER_SIZE and SEGMENT_STRUCT.size == SEGMENT_SIZE

@@ -36,6 +36,11 @@ CAS_OPERANDS = struct.Struct("<QQ")
 
 assert DESCRIPTOR.size == 64
 
+#: The ring-host baseline's host-to-host step signal (not a NetDAM opcode: hosts of the RoCE-style
+#: baseline tell their ring successor that a step's data is in place): b"RSTP", u32 step.
+RING_STEP_MAGIC = b"RSTP"
+RING_STEP = struct.Struct("<4sI")
+
 #: START_COLL descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC 4.1).
 FLAG_SPARSE = 0x01
 
@@ -175,3 +180,14 @@ def _at_least(layout: struct.Struct, payload: bytes, name: str) -> bytes:
         raise RemoteProtocolError(Status.BAD_LENGTH,
                                   f"{name} payload must be at least {layout.size} bytes, got {len(payload)}")  # fmt: skip
     return payload
+
+
+def pack_ring_step(step: int) -> bytes:
+    return RING_STEP.pack(RING_STEP_MAGIC, step)
+
+
+def unpack_ring_step(datagram: bytes) -> int | None:
+    """The step a ring-host step signal names, or None when *datagram* is not one."""
+    if len(datagram) < RING_STEP.size or datagram[:4] != RING_STEP_MAGIC:
+        return None
+    return int(RING_STEP.unpack_from(datagram)[1])

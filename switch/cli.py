@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from netdam.cli.cluster import endpoint_arg, mtu_arg
 from netdam.cli.common import NetdamArgumentParser
+from netdam.cluster.clusterfile import load_cluster
 from netdam.protocol.constants import DEFAULT_MTU
+from netdam.switch.state import state_path_for
 
 
 def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
-    from netdam.cli.cluster import endpoint_arg, mtu_arg
 
     parser.add_argument("--cluster", type=Path, required=True, help="cluster file of the nodes (netdam up)")
     parser.add_argument("--vip", type=endpoint_arg, required=True,
@@ -27,12 +31,12 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_switch(args: argparse.Namespace) -> int:
-    import sys
 
-    from netdam.cluster.clusterfile import load_cluster
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.faults import parse_faults
+
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.process import SwitchProcessConfig, main
-    from netdam.switch.state import state_path_for
 
     try:
         nodes = len(load_cluster(args.cluster).nodes)
@@ -48,8 +52,6 @@ def run_switch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import logging
-    import sys
 
     parser = NetdamArgumentParser(prog="python -m netdam.switch", description="Run one pool switch.")
     add_switch_arguments(parser)

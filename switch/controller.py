@@ -21,7 +21,7 @@ from netdam.cluster.clusterfile import ClusterFile, SwitchEntry, load_cluster, r
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Rights, Status
 from netdam.protocol.errors import NetdamError
-from netdam.protocol.packet import Packet
+from netdam.protocol.packet import Packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights
 from netdam.switch.addrmap import (
     GLOBAL_ALIGN,
@@ -264,7 +264,6 @@ class PoolController:
         self._group_op(Opcode.LEAVE, group, member)
 
     def _group_op(self, opcode: Opcode, group: tuple[str, int], member: tuple[str, int]) -> None:
-        from netdam.protocol.packet import endpoint_to_u64
 
         with ControlClient(admin_key=self.cluster.admin_key) as client:
             try:

@@ -4,6 +4,7 @@ only in kernels, scapy only where dissection happens."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,3 +61,148 @@ def test_scapy_imported_lazily() -> None:
             a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names
         }
         assert "scapy" not in top, path
+
+
+# ---------------------------------------------------------------- the house's rooms (issue 13)
+
+PACKAGE_DIRS = {"netdam": ROOT / "netdam", "netdam.protocol": ROOT / "protocol",
+                "netdam.switch": ROOT / "switch", "netdam.fpga_model": ROOT / "fpga_model"}  # fmt: skip
+#: Rooms whose code may touch sockets, clocks and processes: the shell, and what is a shell
+#: itself (clients, cluster tools, commands and tools, the switch's process and launch side).
+SHELL_ROOMS = ("netdam/shell/", "netdam/clients/", "netdam/cluster/", "netdam/cli/", "netdam/tools/",
+               "netdam/progress.py", "netdam/api.py", "switch/process.py", "switch/cli.py",
+               "switch/controller.py", "switch/state.py", "protocol/fixtures/", "protocol/scapy_layer.py")  # fmt: skip
+SYSCALL_MODULES = {"socket", "select", "selectors", "time", "subprocess", "threading", "asyncio",
+                   "asyncio_dgram", "signal", "multiprocessing"}  # fmt: skip
+
+
+def our_modules() -> dict[str, Path]:
+    """Dotted name -> file of every module we ship."""
+    found: dict[str, Path] = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            if package == "netdam" and path.relative_to(folder).parts[0] in ("protocol", "switch", "fpga_model"):
+                continue
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """Dotted names imported at module level (outside functions; TYPE_CHECKING blocks excluded)."""
+    names: set[str] = set()
+    tree = ast.parse(path.read_text())
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, (ast.If, ast.Try)):
+            todo.extend(node.body + node.orelse + getattr(node, "finalbody", []))
+            for handler in getattr(node, "handlers", []):
+                todo.extend(handler.body)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def test_no_import_cycles() -> None:
+    modules = our_modules()
+    graph = {name: {m for m in module_level_imports(path) if m in modules and m != name}
+             for name, path in modules.items()}  # fmt: skip
+    state: dict[str, int] = {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_protocol_imports_nothing_of_ours_outside_protocol() -> None:
+    for path in (ROOT / "protocol").rglob("*.py"):
+        ours = {m for m in module_level_imports(path) | _function_imports(path) if m.startswith("netdam")}
+        assert all(m.startswith("netdam.protocol") for m in ours), (path, ours)
+
+
+def test_only_shells_touch_sockets_clocks_and_processes() -> None:
+    for path in our_modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(SHELL_ROOMS) or rel.startswith("fpga_model/"):
+            continue
+        if "kernels" in path.parts:
+            continue  # compiled code reaches libc through numba, not through these modules
+        assert not imports_of(path) & SYSCALL_MODULES, (rel, imports_of(path) & SYSCALL_MODULES)
+
+
+def test_every_error_derives_from_netdam_error() -> None:
+    """A user catches NetdamError for anything we raise on purpose."""
+    classes: dict[str, list[str]] = {}
+    for path in our_modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = [ast.unparse(b).split(".")[-1] for b in node.bases]
+
+    def rooted(name: str, seen: frozenset[str] = frozenset()) -> bool:
+        if name == "NetdamError":
+            return True
+        return name in classes and name not in seen and any(rooted(b, seen | {name}) for b in classes[name])
+
+    for name, bases in classes.items():
+        if name.endswith(("Error", "Failure", "Timeout", "Conflict", "Stopped", "Problem")):
+            assert rooted(name), f"{name}({', '.join(bases)}) does not derive from NetdamError"
+
+
+WIRE_STRUCT = re.compile(r"""struct\.(pack|unpack|unpack_from|pack_into|Struct)\(\s*["'][<>!]?[IQHB]""")
+
+
+def test_wire_structs_live_in_protocol() -> None:
+    """Payload layouts are protocol/'s (payloads.py, packet.py): the rest packs through them.
+    The fuzzer's mutations and the stdlib-only examples are exempt: they forge bytes on purpose."""
+    for path in our_modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(("protocol/", "netdam/tools/fuzz/", "netdam/kernels/")):
+            continue
+        hits = [m.group(0) for m in WIRE_STRUCT.finditer(path.read_text())]
+        assert not hits, (rel, hits)
+
+
+def test_function_level_imports_say_why() -> None:
+    """A function-level import avoids an optional dependency (scapy, matplotlib, torch) or
+    numba's start-up cost, and a comment above it (or above its group) says so (issue 13)."""
+    for name, path in our_modules().items():
+        if name == "netdam":
+            continue  # the package's lazy attribute loader
+        lines = path.read_text().split("\n")
+        tree = ast.parse("\n".join(lines))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    above = lines[node.lineno - 2].strip()
+                    explained = above.startswith(("#", "import ", "from ")) or "# " in lines[node.lineno - 1]
+                    assert explained, (
+                        f"{path.relative_to(ROOT)}:{node.lineno}: say why this import is not at the top"
+                    )
+
+
+def _function_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from netdam.cli.cluster import add_fault_args, faults_from
 from netdam.cli.common import (
@@ -14,6 +15,8 @@ from netdam.cli.common import (
     emit,
     size_arg,
 )
+from netdam.cluster.clusterfile import load_cluster
+from netdam.core.chunk_plan import min_mtu
 from netdam.protocol.constants import ELEMENT_SIZE, DType, ReduceOp
 
 
@@ -53,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
     dtype = DType[args.dtype.upper()]
@@ -83,10 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def _check_cluster_mtu(path: object) -> None:
     """A cluster started with a small --mtu cannot carry a collective over all its nodes: say so
     now, not after a watchdog period of silence."""
-    from pathlib import Path
 
-    from netdam.cluster.clusterfile import load_cluster
-    from netdam.core.chunk_plan import min_mtu
 
     try:
         info = load_cluster(Path(str(path)))

@@ -18,6 +18,15 @@ from netdam.cli.common import (
     emit,
     size_arg,
 )
+from netdam.tools.bench.allreduce import register_allreduce_bench
+from netdam.tools.bench.datapath import (
+    FEED_BATCH,
+    DatapathBenchConfig,
+    format_text,
+    parse_node_cmd,
+    run_datapath_bench,
+)
+from netdam.tools.bench.pool import register_pool_bench
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,7 +49,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def register_datapath(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from netdam.tools.bench.datapath import FEED_BATCH
 
     parser = benches.add_parser(
         "datapath",
@@ -94,12 +102,6 @@ def register_datapath(benches: argparse._SubParsersAction) -> None:  # type: ign
 
 
 def run_datapath(args: argparse.Namespace) -> int:
-    from netdam.tools.bench.datapath import (
-        DatapathBenchConfig,
-        format_text,
-        parse_node_cmd,
-        run_datapath_bench,
-    )
 
     cfg = DatapathBenchConfig(
         seconds=args.seconds,
@@ -122,13 +124,11 @@ def run_datapath(args: argparse.Namespace) -> int:
 
 #: Benchmarks under `netdam bench`, in the order --help lists them.
 def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from netdam.tools.bench.pool import register_pool_bench
 
     register_pool_bench(benches)
 
 
 def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from netdam.tools.bench.allreduce import register_allreduce_bench
 
     register_allreduce_bench(benches)
 

@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 from typing import Any
 
+from netdam import progress
 from netdam.cli.common import (
     CommandError,
     ExitCode,
@@ -20,6 +21,7 @@ from netdam.cli.common import (
     emit,
     output_file,
 )
+from netdam.cli.decode import cluster_ports
 from netdam.protocol.constants import MULTICAST_PREFIX
 
 
@@ -46,14 +48,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    from netdam import progress
-    from netdam.cli.decode import cluster_ports
 
     try:
         ports = cluster_ports(args.cluster)
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     frames = capture(args.iface, ports, seconds=args.seconds, count=args.count, on_frame=_counter())
+    # Imported here: an optional or heavy dependency (scapy), loaded only by the commands that use it.
     from scapy.utils import wrpcap
 
     wrpcap(str(args.output), frames)
@@ -66,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _counter() -> Any:
-    from netdam import progress
 
     seen = [0]
 
@@ -82,9 +82,9 @@ def capture(iface: str, ports: set[int], *, seconds: float | None = None, count:
             on_frame: Any = None, started: Any = None) -> list[Any]:  # fmt: skip
     """Frames on *iface* to or from *ports* or a NetDAM multicast group. *started* (an Event)
     is set once the capture socket is open, so a caller can start traffic after it."""
-    from netdam import progress
 
     try:
+        # Imported here: an optional or heavy dependency (scapy), loaded only by the commands that use it.
         from scapy.layers.inet import IP, UDP
         from scapy.sendrecv import sniff
     except ImportError as exc:  # scapy is a dependency; a broken install still gets one line

@@ -22,9 +22,21 @@ from netdam.cli.common import (
     port_arg,
     size_arg,
 )
+from netdam.cluster.clusterfile import lists_nodes, load_cluster, load_switch_entry
+from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.launcher_env import (
+    LAUNCHER_HELP,
+    LaunchError,
+    node_bind,
+    resolve_launch,
+    wants_rendezvous,
+)
+from netdam.cluster.rendezvous import RendezvousError, resolve_bind, run_launched_node
+from netdam.core.chunk_plan import min_mtu
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
 from netdam.protocol.packet import Endpoint
+from netdam.units import format_size
 
 if TYPE_CHECKING:
     from netdam.cluster.launch import LocalCluster
@@ -74,6 +86,7 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
 
 
 def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.core.faults import FaultSpec
 
     return FaultSpec(loss=args.loss, dup=args.dup, reorder=args.reorder, delay=args.delay,
@@ -81,7 +94,6 @@ def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from netdam.cluster.launcher_env import LAUNCHER_HELP
 
     node = subparsers.add_parser("node", help="run one emulated NIC (a node process)",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -167,7 +179,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from netdam.cluster.launcher_env import wants_rendezvous
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.node_process import NodeProcessConfig, main
 
     if wants_rendezvous(os.environ, args.master, bool(args.members)):
@@ -188,8 +200,7 @@ def run_node(args: argparse.Namespace) -> int:
 
 def _run_launched_node(args: argparse.Namespace) -> int:
     """A node under a launcher (or --master): rank from the environment, then the rendezvous."""
-    from netdam.cluster.launcher_env import LaunchError, node_bind, resolve_launch
-    from netdam.cluster.rendezvous import RendezvousError, resolve_bind, run_launched_node
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.node_process import NodeProcessConfig
 
     try:
@@ -223,7 +234,6 @@ MAX_UP_NODES = 64
 def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
     """What `up` can tell before starting anything: ports fit, memory fits, MTU carries a
     collective over this many nodes."""
-    from netdam.core.chunk_plan import min_mtu
 
     if args.base_port is not None and args.base_port + nodes - 1 > 65535:
         raise CommandError(f"--base-port {args.base_port} leaves no room for {nodes} ports (last would be "
@@ -246,7 +256,7 @@ def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from netdam.cluster.clusterfile import lists_nodes
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.cluster.launch import ClusterStartError, start_cluster, start_from_file
 
     if args.cluster is None or not lists_nodes(args.cluster):
@@ -289,8 +299,8 @@ def _started(cluster: LocalCluster) -> list:  # type: ignore[type-arg]
 def _up_table(cluster: LocalCluster, detached: bool) -> str:
     """What `up` prints: the cluster file's path first (scripts read that line), then who runs
     where, the VIP, the logs and how to stop."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.cluster.launch import node_log
-    from netdam.units import format_size
 
     path = cluster.path
     lines = [str(path), "", f"{'rank':>4}  {'endpoint':<21} {'control':>7} {'pid':>8}  {'memory':>9}  memory file"]
@@ -303,6 +313,7 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
     logs = node_log(cluster.info.name, 0)
     where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log"
     if cluster.switch is not None:
+        # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
         from netdam.cluster.launch import switch_log
 
         where += f", switch {switch_log(path)}"
@@ -349,7 +360,7 @@ def _supervise(cluster: LocalCluster) -> int:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    from netdam.cluster.clusterfile import load_switch_entry
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.cluster.launch import stop_cluster_file
 
     try:
@@ -368,7 +379,6 @@ def run_down(args: argparse.Namespace) -> int:
 
 
 def _load(path: Path):  # type: ignore[no-untyped-def]
-    from netdam.cluster.clusterfile import load_cluster
 
     try:
         return load_cluster(path)
@@ -377,7 +387,6 @@ def _load(path: Path):  # type: ignore[no-untyped-def]
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from netdam.cluster.control import ControlClient, ControlError
 
     info = _load(args.cluster)
     nodes = []
@@ -415,7 +424,6 @@ def _stats_table(nodes: list[dict[str, object]]) -> str:
 
 
 def run_ping(args: argparse.Namespace) -> int:
-    from netdam.cluster.control import ControlClient, ControlError
 
     targets = [n.endpoint for n in _load(args.cluster).nodes] if args.cluster else [args.node]
     results = []

@@ -12,6 +12,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
+from netdam import progress
 from netdam.protocol.errors import NetdamError
 from netdam.units import parse_size, parse_size_range
 
@@ -54,7 +55,6 @@ def dumps_json(obj: dict[str, Any]) -> str:
 
 def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:
     """Print the result: exactly one JSON object on stdout with --json, else *text* (or key: value)."""
-    from netdam import progress
 
     progress.finish()  # the result never lands on a half-drawn progress line
     if as_json:

@@ -9,6 +9,7 @@ scapy layer's dissection as a second opinion. scapy is imported only when needed
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from netdam.cli.common import ExitCode, cluster_file, dumps_json
+from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -216,7 +218,6 @@ def port_list(text: str) -> set[int]:
 def cluster_ports(path: Path) -> set[int]:
     """The UDP ports a cluster's traffic uses: every node's data and control port, the switch's
     VIP and control port (multicast groups are matched by address, 239.77.0.0/16)."""
-    from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 
     info = load_cluster(path)
     ports = {n.port for n in info.nodes} | {n.control_port for n in info.nodes if n.control_port}
@@ -283,7 +284,6 @@ def _splits(data: bytes, size: int) -> bool:
 
 
 def _in_groups(address: str) -> bool:
-    import ipaddress
 
     try:
         return ipaddress.ip_address(address) in ipaddress.ip_network(MULTICAST_PREFIX)

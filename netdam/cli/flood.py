@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from netdam import progress
 from netdam.cli.common import ExitCode, bounded_int, bounded_seconds, emit
+from netdam.tools.flood import FloodConfig, run_flood
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -26,8 +28,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    from netdam import progress
-    from netdam.tools.flood import FloodConfig, run_flood
 
     progress.describe(f"{args.seconds:g} s at the {args.target}")
     result = run_flood(FloodConfig(args.target, args.seconds, args.senders, args.seed))

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from netdam import progress
 from netdam.cli.common import CommandError, ExitCode, bounded_int, emit
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import ClusterStartError, LocalCluster, start_cluster
@@ -113,7 +114,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run(args: argparse.Namespace) -> int:
     config = FuzzConfig(target=args.target, datagrams=args.datagrams, seed=args.seed, nodes=args.nodes,
                         round_size=args.round_size, artifacts=args.artifacts)  # fmt: skip
-    from netdam import progress
 
     progress.describe(f"{args.datagrams:,} datagrams at the {args.target}")
     result = run_fuzz(config)
@@ -199,6 +199,7 @@ class FuzzRunner:
             raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
 
     def _setup_pool(self, nodes: tuple[Endpoint, ...], third: Endpoint) -> Layout:
+        # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
         from netdam.switch.controller import ControllerError, PoolController
 
         assert self.cluster.switch is not None
@@ -226,6 +227,7 @@ class FuzzRunner:
             values.append(self.admin.counters(entry.control_endpoint).astype(np.int64))
             extra.append(np.zeros(0, np.int64))
         if layout.vip is not None:
+            # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
             from netdam.switch.core import S_SW_BASE
 
             assert self.cluster.switch is not None

@@ -128,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if verbose >= 2:
             traceback.print_exc()
+        # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
         from netdam.cluster.launch import ClusterStartError
 
         if isinstance(exc, ClusterStartError):

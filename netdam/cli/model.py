@@ -9,6 +9,8 @@ goodput against packet size), ``allreduce`` (modelled all-reduce time of one alg
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
 from typing import Any
 
 from netdam.cli.common import (
@@ -264,7 +266,6 @@ def _guard(func: Any) -> Any:
             if args.json:
                 emit({"ok": False, "error": str(exc)}, True)
             else:
-                import sys
 
                 print(f"error: {exc}", file=sys.stderr)
             return int(exc.code)
@@ -329,7 +330,6 @@ def cmd_line_rate(args: argparse.Namespace) -> int:
     if args.mtu is not None:
         if args.mtu < 68 or args.mtu > 65535:
             raise CommandError(f"--mtu must be 68..65535, got {args.mtu}", ExitCode.USAGE)
-        import dataclasses
 
         p = dataclasses.replace(p, mtu=args.mtu)
     try:

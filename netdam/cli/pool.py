@@ -15,6 +15,13 @@ from netdam.cli.common import (
     readable_file,
     size_arg,
 )
+from netdam.clients.pool import PoolClient, PoolError
+from netdam.cluster.clusterfile import load_cluster
+from netdam.cluster.control import ControlClient, ControlError
+from netdam.protocol.constants import Opcode
+from netdam.protocol.packet import Packet
+from netdam.switch.addrmap import region_to_json
+from netdam.switch.cli import add_switch_arguments, run_switch
 
 
 def _int(text: str) -> int:
@@ -32,7 +39,6 @@ def _rights(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from netdam.switch.cli import add_switch_arguments, run_switch
 
     sw = subparsers.add_parser("switch", help="run one pool switch (VIP, address map, multicast)",
                                description="Run the switch of a cluster: clients send to --vip, the "
@@ -94,6 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _controller(args: argparse.Namespace) -> Any:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError, PoolController
 
     try:
@@ -103,7 +110,6 @@ def _controller(args: argparse.Namespace) -> Any:
 
 
 def _region_json(region: Any) -> dict[str, Any]:
-    from netdam.switch.addrmap import region_to_json
 
     data: dict[str, Any] = dict(region_to_json(region))
     data["gaddr_hex"] = f"0x{region.gaddr:x}"
@@ -112,7 +118,7 @@ def _region_json(region: Any) -> dict[str, Any]:
 
 
 def run_alloc(args: argparse.Namespace) -> int:
-    from netdam.cluster.clusterfile import load_cluster
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError
 
     try:
@@ -136,6 +142,7 @@ def run_alloc(args: argparse.Namespace) -> int:
 
 
 def run_free(args: argparse.Namespace) -> int:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError
 
     try:
@@ -158,7 +165,6 @@ def _target(args: argparse.Namespace) -> tuple[Any, int, int]:
 
 
 def run_write(args: argparse.Namespace) -> int:
-    from netdam.clients.pool import PoolClient, PoolError
 
     ctl, rkey, stride = _target(args)
     if args.data is not None:
@@ -182,7 +188,6 @@ def run_write(args: argparse.Namespace) -> int:
 
 
 def run_read(args: argparse.Namespace) -> int:
-    from netdam.clients.pool import PoolClient, PoolError
 
     ctl, rkey, stride = _target(args)
     try:
@@ -199,6 +204,7 @@ def run_read(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError
 
     try:
@@ -216,9 +222,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from netdam.cluster.control import ControlClient, ControlError
-    from netdam.protocol.constants import Opcode
-    from netdam.protocol.packet import Packet
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.core import counters_from_payload
 
     ctl = _controller(args)

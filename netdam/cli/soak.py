@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from netdam import progress
 from netdam.cli.cluster import probability
 from netdam.cli.common import (
+    CommandError,
     ExitCode,
     bounded_int,
     bounded_milliseconds,
@@ -68,9 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    from netdam import progress
-    from netdam.cli.common import CommandError
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.tools.soak.parent import run_soak
+
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.tools.soak.plan import SoakConfig
 
     progress.describe(f"{args.seconds:g} s, {args.clients} clients")

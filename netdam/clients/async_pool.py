@@ -14,7 +14,6 @@ unanswered one.
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -38,10 +37,15 @@ from netdam.protocol.constants import (
     max_payload,
 )
 from netdam.protocol.errors import RemoteProtocolError
-from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.packet import (
+    REPLY_IDS,
+    REPLY_IDS_OFFSET,
+    Endpoint,
+    Packet,
+    decode_packet,
+    encode_packet,
+)
 from netdam.protocol.payloads import unpack_u64
-
-_IDS = struct.Struct("!II")
 
 
 class AsyncPoolClient:
@@ -157,7 +161,7 @@ class AsyncPoolClient:
             data, _ = await self._stream.recv()
             if len(data) < HEADER_SIZE:
                 continue
-            client, txn = _IDS.unpack_from(data, 8)
+            client, txn = REPLY_IDS.unpack_from(data, REPLY_IDS_OFFSET)
             future = self._waiting.get(txn)
             if client != self.client_id or future is None or future.done():
                 continue

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -32,13 +31,19 @@ from netdam.protocol.constants import (
     max_payload,
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
-from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.packet import (
+    REPLY_IDS,
+    REPLY_IDS_OFFSET,
+    Endpoint,
+    Packet,
+    decode_packet,
+    encode_packet,
+)
 from netdam.protocol.payloads import pack_cas, pack_u64, unpack_u64
 from netdam.shell.udp import IP_MTU_DISCOVER, IP_PMTUDISC_DO
 
 #: Largest distance between the newest and the oldest unanswered transaction id.
 TXN_SPAN = 192
-_IDS = struct.Struct("!II")  # client_id, txn_id at offset 8
 
 
 class PoolError(NetdamError):
@@ -197,7 +202,7 @@ class PoolClient:
               packets: Sequence[Packet]) -> None:  # fmt: skip
         if len(data) < HEADER_SIZE:
             return
-        client, txn = _IDS.unpack_from(data, 8)
+        client, txn = REPLY_IDS.unpack_from(data, REPLY_IDS_OFFSET)
         entry = flight.get(txn)
         if client != self.client_id or entry is None:
             return  # a late duplicate, or someone else's

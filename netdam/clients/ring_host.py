@@ -17,14 +17,13 @@ GIL); what differs from the chain is only where the combine runs.
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from netdam.api import ProcessGroup
+from netdam.api import ProcessGroup, _wire_dtype
 from netdam.kernels.combine import combine
 from netdam.kernels.udp_io import (
     MAX_MSGS,
@@ -35,10 +34,10 @@ from netdam.kernels.udp_io import (
 )
 from netdam.protocol.constants import ELEMENT_SIZE, Flags, Opcode, ReduceOp, max_elements
 from netdam.protocol.packet import HEADER_STRUCT, Endpoint, Packet, encode_packet, endpoint_to_u64
+from netdam.protocol.payloads import pack_ring_step, unpack_ring_step
 
 #: WRITEs in flight per host.
 WINDOW = 64
-STEP_MAGIC = b"RSTP"
 
 
 @dataclass
@@ -131,7 +130,7 @@ class _RingHost:
             # a host running ahead never overwrites data its successor has not copied yet.
             area = self.recv_base + (0 if reduce_phase else self.raw.shape[0])
             self._write_block(send_block, step, area, deadline)
-            self.sock.sendto(STEP_MAGIC + struct.pack("<I", step), self.peer)
+            self.sock.sendto(pack_ring_step(step), self.peer)
             self._wait_step(step, deadline)
             lo, hi = self.block(recv_block)
             landed = self.group.memory[area + lo : area + hi]
@@ -183,8 +182,9 @@ class _RingHost:
         for k in range(got):
             start = int(self.rx_off[k])
             datagram = self.rx[start : start + self.rx_len[k]]
-            if bytes(datagram[:4]) == STEP_MAGIC:
-                self.steps_heard.add(struct.unpack("<I", bytes(datagram[4:8]))[0])
+            step = unpack_ring_step(bytes(datagram[:8]))
+            if step is not None:
+                self.steps_heard.add(step)
             elif datagram.shape[0] >= HEADER_STRUCT.size and datagram[1] == Opcode.ACK:
                 self.acked += 1
             elif datagram.shape[0] >= HEADER_STRUCT.size and datagram[1] == Opcode.NACK:
@@ -198,6 +198,5 @@ class _RingHost:
 
 
 def _dtype_code(buf: np.ndarray):  # type: ignore[no-untyped-def]
-    from netdam.api import _wire_dtype
 
     return _wire_dtype(buf)

@@ -10,11 +10,12 @@ import itertools
 import os
 import socket
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from netdam.protocol import counters as C
-from netdam.protocol.constants import DType, Opcode, Rights
+from netdam.protocol.constants import DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights
@@ -102,7 +103,6 @@ class ControlClient:
         return int(reply.rkey)
 
     def write(self, node: Endpoint, rkey: int, addr: int, data: bytes, dtype: DType = DType.RAW) -> None:
-        from netdam.protocol.constants import Flags
 
         self.request(node, Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=addr,
                                   dtype=dtype, length=len(data), payload=data))  # fmt: skip
@@ -113,6 +113,5 @@ class ControlClient:
 
 
 def _with_ids(packet: Packet, client_id: int, txn: int) -> Packet:
-    from dataclasses import replace
 
     return replace(packet, client_id=client_id, txn_id=txn)

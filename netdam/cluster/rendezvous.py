@@ -469,6 +469,8 @@ def run_launched_node(config: NodeProcessConfig, spec: LaunchSpec, *, cluster_pa
     # Imported here: the node process pulls in the kernels (numba), which the rendezvous's own
     # users (tests, the launcher's parent) do not need.
     from netdam.shell.node_process import NodeProcess
+
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.process import serve_main, stop_requested
 
     def should_stop() -> bool:

@@ -25,10 +25,12 @@ from typing import Any
 import numpy as np
 
 from netdam.cluster.control import ControlClient, ControlError
+from netdam.kernels import udp_io as U
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights
 from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights, pack_u64
+from netdam.shell.udp import open_udp_socket
 
 #: Datagrams in the sender's cycle; sent again and again, batch by batch.
 MIX_SIZE = 4096
@@ -108,8 +110,6 @@ def build_mix(target: Target, seed: int, count: int = MIX_SIZE) -> list[bytes]:
 
 def _sender(conn: Connection, mix: list[bytes], dst: Endpoint) -> None:
     """Spawned child: send the mix round and round with sendmmsg until the time it is told."""
-    from netdam.kernels import udp_io as U
-    from netdam.shell.udp import open_udp_socket
 
     try:
         sock = open_udp_socket(("127.0.0.1", 0), rcvbuf=1 << 16, gro=False)
@@ -144,7 +144,10 @@ def rss_bytes(pid: int) -> dict[str, int]:
 
 
 def _setup(cfg: FloodConfig, workdir: Path) -> tuple[Any, Any, Target, int, Endpoint]:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.cluster.launch import start_pool_cluster
+
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import PoolController
 
     cluster, switch = start_pool_cluster(cfg.nodes, memory=8 << 20, cluster_path=workdir / "flood.toml")

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
+from netdam.cli.common import CommandError, ExitCode
 from netdam.units import format_size
 
 PLOT_HINT = "--plot needs matplotlib: pip install 'netdam[plot]' (or drop --plot)"
@@ -27,12 +28,13 @@ _STYLES = (("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1))),
 
 def pyplot() -> Any:
     """matplotlib.pyplot with a file backend, or a usage error naming the extra."""
-    from netdam.cli.common import CommandError, ExitCode
 
     try:
+        # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
         import matplotlib
 
         matplotlib.use("Agg")
+        # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
         import matplotlib.pyplot as plt
     except ImportError:
         raise CommandError(PLOT_HINT, ExitCode.USAGE) from None
@@ -50,6 +52,7 @@ def styles() -> Iterator[dict[str, Any]]:
 
 def size_axis(ax: Any, label: str = "bytes per node") -> None:
     """Log-2 x axis with ticks as 4KiB, 1MiB, 1GiB."""
+    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     ax.set_xscale("log", base=2)

@@ -24,6 +24,7 @@ import datetime as _dt
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -37,6 +38,18 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from netdam.cli.common import (
+    CommandError,
+    ExitCode,
+    bounded_int,
+    bounded_seconds,
+    emit,
+    size_arg,
+    size_range_arg,
+)
+from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.units import format_size
 
 #: Every algorithm a row can carry, in the order tables and plots list them.
@@ -166,9 +179,7 @@ def _mpi_library_version() -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """Where the numbers were measured: cores, kernel and every version that matters."""
-    import platform
 
-    import numpy as np
 
     return {
         "cores": os.cpu_count(),
@@ -383,6 +394,7 @@ def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) 
 
 def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _Outcome:
     """chain or ring-host on a private cluster of real node processes, results checked bitwise."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
     res = run_allreduce(
@@ -416,7 +428,6 @@ def _median(values: Sequence[float]) -> float:
 
 
 def model_seconds(algo: str, nodes: int, nbytes: int) -> float | None:
-    from netdam.fpga_model import estimate_allreduce_seconds
 
     try:
         return float(
@@ -608,9 +619,11 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     """Time and busbw against size (log-log), measured solid and modelled dashed, for every
     algorithm and node count; a busbw-vs-nodes panel at the largest size when several node
     counts ran."""
+    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
     import matplotlib
 
     matplotlib.use("Agg")
+    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
     import matplotlib.pyplot as plt
 
     node_counts = sorted({r["nodes"] for r in results})
@@ -662,6 +675,7 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
                              color=colors[algo], alpha=0.6, label=lab)  # fmt: skip
                 axes[1].plot(x, [busbw(r["bytes"], r["model_seconds_100g"], nodes) for r in model], "--",
                              marker=mk, color=colors[algo], alpha=0.6, label=lab)  # fmt: skip
+    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
     from matplotlib.ticker import FuncFormatter
 
     for ax, ylabel, title in (
@@ -725,15 +739,6 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def register_allreduce_bench(benches: Any) -> None:
     """Add ``allreduce`` under ``netdam bench`` (netdam/cli/bench.py's _BENCHMARKS)."""
-    from netdam.cli.common import (
-        CommandError,
-        ExitCode,
-        bounded_int,
-        bounded_seconds,
-        emit,
-        size_arg,
-        size_range_arg,
-    )
 
     parser = benches.add_parser(
         "allreduce",

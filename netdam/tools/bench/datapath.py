@@ -56,6 +56,9 @@ from typing import Any
 
 import numpy as np
 
+from netdam.cli.common import ExitCode
+from netdam.cli.main import build_parser
+from netdam.kernels import udp_io as U
 from netdam.protocol import counters as C
 from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
@@ -160,7 +163,6 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
         pinned = params.get("pin", {}).get(role)
         if pinned is not None:
             os.sched_setaffinity(0, {pinned})
-        from netdam.kernels import udp_io as U
 
         if role == "feeder":
             sock = open_udp_socket((LOOPBACK, 0), rcvbuf=1 << 20, gro=False)
@@ -505,6 +507,7 @@ def _free_port() -> int:
 def default_node_cmd() -> list[str]:
     """How the benchmark starts a node: this interpreter running ``netdam node`` (same package), which
     exits by itself if the benchmark dies (no orphans)."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.cluster.launch import netdam_python
 
     return [*netdam_python(), "node", "--die-with-parent"]
@@ -512,7 +515,6 @@ def default_node_cmd() -> list[str]:
 
 def node_command_available() -> bool:
     """Whether this installation has the ``netdam node`` subcommand."""
-    from netdam.cli.main import build_parser
 
     parser = build_parser()
     for action in parser._actions:
@@ -644,8 +646,6 @@ def _proc_cpu_seconds(pid: int) -> float:
 def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
     """Run the three phases; return (result object, exit code). Never raises for a failed run:
     the result carries ``error`` and the exit code is 3."""
-    from netdam.cli.common import ExitCode
-    from netdam.kernels import udp_io as U
 
     if cfg.packets % FEED_BATCH or cfg.packets <= 0:
         raise ValueError(f"--packets must be a positive multiple of {FEED_BATCH}")

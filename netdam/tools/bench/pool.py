@@ -36,9 +36,15 @@ from typing import Any
 
 import numpy as np
 
+from netdam.cli.common import CommandError, ExitCode, emit, size_arg
+from netdam.kernels import pool_gen as G
+from netdam.kernels import udp_io as U
 from netdam.protocol.constants import DType, Flags, Opcode
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
+from netdam.shell.udp import open_udp_socket
+from netdam.tools import plot as plotting
+from netdam.tools.bench.datapath import machine_info
 
 LOOPBACK = "127.0.0.1"
 TEMPLATES = 64
@@ -73,9 +79,6 @@ class _Failure(NetdamError):
 
 def _worker(role: str, conn: Connection, parent: int) -> None:
     try:
-        from netdam.kernels import pool_gen as G
-        from netdam.kernels import udp_io as U
-        from netdam.shell.udp import open_udp_socket
 
         sock = open_udp_socket((LOOPBACK, 0), rcvbuf=8 << 20)
         fd = sock.fileno()
@@ -229,8 +232,6 @@ def _start_memcached(path: str) -> tuple[subprocess.Popen[bytes], int]:
 
 def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
     """Run every phase; (result object, exit code). A failed run carries ``error``, exit 3."""
-    from netdam.cli.common import ExitCode
-    from netdam.tools.bench.datapath import machine_info
 
     if cfg.window < 1 or cfg.window & (cfg.window - 1) or cfg.window > 1024:
         raise ValueError(f"--window {cfg.window} must be a power of two, 1..1024")
@@ -253,7 +254,10 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
     pool = switch = None
     with tempfile.TemporaryDirectory(prefix="netdam-bench-pool-") as tmp:
         try:
+            # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
             from netdam.cluster.launch import start_pool_cluster
+
+            # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
             from netdam.switch.controller import PoolController
 
             pool, switch = start_pool_cluster(cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml")
@@ -290,7 +294,6 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                 reports = [gens[g].expect("done", budget) for g in range(n_gens)]
                 if name == "echo":
                     echo.expect("done", budget)
-                from netdam.kernels import pool_gen as G
 
                 ops = sum(r["counts"][G.G_OPS_IN_WINDOW] for r in reports) / cfg.seconds
                 p50, p99 = _percentiles([r["hist"] for r in reports])
@@ -384,7 +387,6 @@ def format_text(res: dict[str, Any]) -> str:
 
 def register_pool_bench(benches: Any) -> None:
     """Add ``pool`` under ``netdam bench`` (netdam/cli/bench.py's _BENCHMARKS)."""
-    from netdam.cli.common import CommandError, ExitCode, emit, size_arg
 
     parser = benches.add_parser(
         "pool", help="pool READ/WRITE through the switch vs memcached GET (ratio = netdam / memcached)",
@@ -407,7 +409,6 @@ def register_pool_bench(benches: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: Any) -> int:
-        from netdam.tools import plot as plotting
 
         plt = plotting.pyplot() if args.plot else None  # before the run: a missing extra is usage
         cfg = PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
@@ -430,7 +431,6 @@ def register_pool_bench(benches: Any) -> None:
 
 def plot_pool(plt: Any, res: dict[str, Any], path: str) -> None:
     """Ops/s per phase (the echo server is the generators' ceiling) and p50/p99 latency in us."""
-    from netdam.tools import plot as plotting
 
     names = list(res["results"])
     ops = [res["results"][n]["ops"] for n in names]

@@ -51,6 +51,7 @@ from netdam.protocol.packet import (
 )
 from netdam.protocol.payloads import pack_key_rights, pack_sparse_prefix
 from netdam.switch.addrmap import GLOBAL_BASE, Region
+from netdam.switch.state import NodeHeap, PoolState
 
 TARGETS = ("node", "switch")
 _T = TypeVar("_T")
@@ -230,8 +231,8 @@ def node_regions_of_pool(pool: Sequence[Region], nodes: int) -> tuple[tuple[Node
 def plan_pool(nodes: Sequence[Endpoint], memory_bytes: int, seed: int) -> tuple[Region, ...]:
     """The regions of POOL_PLAN placed as the pool controller places them (its pure planner),
     with rkeys from *seed*: for tests that run the switch in memory."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import plan_region
-    from netdam.switch.state import NodeHeap, PoolState
 
     state = PoolState(nodes=[NodeHeap(ep[0], ep[1], memory_bytes, 0, memory_bytes) for ep in nodes])
     for rkey, (size, stride, rights) in zip(fuzz_rkeys(seed, len(POOL_PLAN)), POOL_PLAN, strict=True):

@@ -55,9 +55,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from netdam.clients.pool import PoolClient, PoolError
+from netdam.cluster.clusterfile import load_cluster, require_switch
+from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.faults import FaultSpec
-from netdam.protocol.constants import Opcode
+from netdam.protocol import counters as C
+from netdam.protocol.constants import Opcode, Status
 from netdam.protocol.packet import Endpoint, Packet
+from netdam.shell.shm import attach
 from netdam.tools.soak.client import ClientReport, client_main
 from netdam.tools.soak.plan import (
     COUNTER_REGION,
@@ -125,7 +129,6 @@ def fault_links(config: SoakConfig, nodes: int, own: bool) -> list[str]:
 
 def _check_cluster_file(path: Path) -> tuple[ClusterFile, Endpoint, Endpoint]:
     """(cluster, VIP, switch management endpoint) of a running cluster's file."""
-    from netdam.cluster.clusterfile import load_cluster, require_switch
 
     try:
         info = load_cluster(path)
@@ -138,6 +141,7 @@ def _check_cluster_file(path: Path) -> tuple[ClusterFile, Endpoint, Endpoint]:
 @contextlib.contextmanager
 def _pool_cluster(config: SoakConfig) -> Iterator[_Pool]:
     """The soak's pool: a private cluster with a switch, or the running one of --cluster."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.cluster.launch import ClusterStartError, start_cluster
 
     if config.cluster is not None:
@@ -162,6 +166,7 @@ def _pool_cluster(config: SoakConfig) -> Iterator[_Pool]:
 
 def _allocate(controller: PoolController, config: SoakConfig, nodes: int, allocated: list[Region]) -> SoakLayout:
     """One region per client and the counter's region (every region lands in *allocated*)."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError as AllocError
 
     rng = seeded(config.seed, 0xA110C)
@@ -298,9 +303,7 @@ def _verify_region(client: PoolClient, plan: ClientPlan, book: BlockBook, check:
 
 def _counter_snapshot(pool: _Pool) -> dict[str, int]:
     """Fault, drop and duplicate-window counters of the switch and the nodes (nodes summed)."""
-    from netdam.cluster.control import ControlClient, ControlError
-    from netdam.protocol import counters as C
-    from netdam.protocol.constants import Status
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.core import counters_from_payload
 
     out = dict.fromkeys(SNAPSHOT_KEYS, 0)
@@ -363,6 +366,7 @@ def _run(config: SoakConfig) -> dict[str, Any]:
 
 
 def _run_on(config: SoakConfig, pool: _Pool, children: _Children) -> dict[str, Any]:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import PoolController
 
     controller = PoolController(pool.path)
@@ -392,6 +396,7 @@ def _run_on(config: SoakConfig, pool: _Pool, children: _Children) -> dict[str, A
 
 
 def _free(controller: PoolController, regions: list[Region]) -> None:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError as AllocError
 
     for region in regions:
@@ -460,7 +465,6 @@ def _summarize(config: SoakConfig, pool: _Pool, layout: SoakLayout, reports: lis
 
 
 def _node_memory(info: ClusterFile, rank: int) -> np.ndarray:
-    from netdam.shell.shm import attach
 
     return attach(info.nodes[rank].memory_file)
 
