@@ -22,6 +22,7 @@ import numpy as np
 
 from netdam.core.chunk_plan import block_bounds
 from netdam.kernels import coll_layout as L
+from netdam.kernels.state import CollState
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -80,10 +81,10 @@ class CollectiveEngine:
         """Running, or owing a member a repeated DONE."""
         return bool(self.running or self.cfg[L.CFG_PREV_ASK] or self.cfg[L.CFG_CUR_ASK])
 
-    def tick_arrays(self) -> tuple[np.ndarray, ...]:
-        """Arguments of ``_coll_tick`` after ``now``, in its order, before memory."""
-        return (self.cfg, self.fcfg, self.ring, self.bounds, self.cb, self.acked, self.sent,
-                self.tries, self.agsent)  # fmt: skip
+    def state(self) -> CollState:
+        """The engine's arrays as the kernels take them (made here, and only here)."""
+        return CollState(self.cfg, self.done, self.acked, self.fcfg, self.ring, self.bounds, self.cb,
+                         self.sent, self.tries, self.agsent)  # fmt: skip
 
     def start(
         self, packet: Packet, src: int, memory: np.ndarray, mtu: int, self_endpoint: int,

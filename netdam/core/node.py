@@ -34,6 +34,7 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import coll_layout as L
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
+from netdam.kernels.state import DupWindow, NodeState, Regions, RxBatch
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DEFAULT_MTU,
@@ -158,24 +159,25 @@ class NodeCore(CoreBase):
         self._reserve_tx(n)
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
-        tx_n, n_punt = datapath._process_batch(
-            buf, offs, lens, srcs, n, self.max_datagram, *self.state_arrays(), int(self._txq[1]), self._punt
-        )
+        tx_n, n_punt = datapath.process_batch(RxBatch(buf, offs, lens, srcs), n, self.max_datagram,
+                                              self.node_state(), self.tx_bundle(), int(self._txq[1]), self._punt)  # fmt: skip
         self._txq[1] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 
-    def state_arrays(self) -> tuple[np.ndarray, ...]:
-        """The arrays ``datapath._process_batch`` takes after the receive batch, in its order.
+    def node_state(self) -> NodeState:
+        """What the datapath reads and changes besides the batches (made here, and only here).
 
         For I/O shells that run the datapath inside their own compiled loop; the core stays the
-        only owner (shells must call ``reserve`` before and ``handle_punted`` after)."""
-        return (
-            self.memory, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._members,
-            self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
-            self._w_reply, self.collective.cfg, self.collective.done, self.collective.acked,
+        only owner (shells must call ``reserve`` before and ``handle_punted`` after). Made afresh
+        for each call: registering a region replaces the rkey table's arrays."""
+        return NodeState(
+            self.memory,
+            Regions(self._rk_key, self._rk_base, self._rk_len, self._rk_rights),
+            self._members,
+            DupWindow(self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len, self._w_reply),
+            self.collective.state(),
             self.counters,
-            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst,
-        )  # fmt: skip
+        )
 
     @property
     def tx_queue(self) -> np.ndarray:
@@ -198,17 +200,8 @@ class NodeCore(CoreBase):
         if not self.collective.needs_tick:
             return
         self._reserve_tx(2 * self.collective.cfg[L.CFG_WINDOW] * max(1, int(self.collective.cfg[L.CFG_WORLD])))
-        tx_n = coll_kernels._coll_tick(
-            now, *self.collective.tick_arrays(), self.memory, self.collective.done, self.counters,
-            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst, int(self._txq[1]),
-        )  # fmt: skip
-        self._txq[1] = tx_n
-
-    def engine_arrays(self) -> tuple[np.ndarray, ...]:
-        """The engine's clock arrays that ``state_arrays`` does not already carry, in the order
-        ``serve._serve`` takes them: fcfg, ring, bounds, cb, sent, tries, agsent."""
-        e = self.collective
-        return (e.fcfg, e.ring, e.bounds, e.cb, e.sent, e.tries, e.agsent)
+        self._txq[1] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
+                                              self.tx_bundle(), int(self._txq[1]))  # fmt: skip
 
     # ------------------------------------------------------------------ one-datagram helpers
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from netdam.kernels.datapath import _drain
+from netdam.kernels.state import TxQueue
 from netdam.protocol import counters as C
 
 #: Room one outgoing datagram may need: header, full SR list, largest payload (protocol/SPEC.md).
@@ -135,6 +136,10 @@ class QueueOwner:
     @property
     def _txq(self) -> np.ndarray:
         return self.sendq.q
+
+    def tx_bundle(self) -> TxQueue:
+        """The queue's arrays as the kernels take them (afresh each call: growing replaces them)."""
+        return TxQueue(self.sendq.buf, self.sendq.off, self.sendq.len, self.sendq.dst)
 
     def pending(self) -> int:
         """Datagrams waiting in the send queue."""

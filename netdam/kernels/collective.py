@@ -38,6 +38,7 @@ from netdam.kernels.coll_layout import (
     CFG_HOST,
     CFG_IN,
     CFG_INFLIGHT,
+    CFG_LEN,
     CFG_LOW_UNACKED,
     CFG_NEEDED,
     CFG_NEXT_SEND,
@@ -64,6 +65,7 @@ from netdam.kernels.coll_layout import (
     F_LAST_COUNT,
     F_LAST_DONE_SENT,
     F_LAST_PROGRESS,
+    F_LEN,
     F_NOW,
     F_RTO,
     F_RTTVAR,
@@ -72,6 +74,7 @@ from netdam.kernels.coll_layout import (
     NZ_BASE,
 )  # fmt: skip
 from netdam.kernels.datapath import _F_SPARSE, _SLOT, _encode_payload, _wr16, _wr32
+from netdam.kernels.state import CollState, TxQueue
 from netdam.protocol import counters as C
 
 RTO_MIN_S = 0.02  # loopback emulation: 2 cores, many processes: ms-scale scheduling jitter
@@ -231,12 +234,21 @@ def _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: i
     return _commit(tx_off, tx_len, tx_dst, tx_n, 80, np.uint64(cfg[CFG_HOST]))
 
 
+def coll_tick(now: float, coll: CollState, mem: np.ndarray, counters: np.ndarray, tx: TxQueue,
+              tx_n: int) -> int:  # fmt: skip
+    """Checked entry to the engine's clock: advance the collective at *now*; returns tx_n."""
+    if not 0 <= tx_n < tx.len.shape[0]:
+        raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
+    if coll.cfg.shape[0] < CFG_LEN or coll.f.shape[0] < F_LEN:
+        raise ValueError("collective state arrays are shorter than their layout")
+    return int(_coll_tick(now, coll, mem, counters, tx, tx_n))
+
+
 @njit(cache=True, nogil=True)
-def _coll_tick(  # type: ignore[no-untyped-def]
-    now, cfg, fcfg, ring, bounds, cb, acked, sent, tries, agsent,
-    mem, done, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
-):  # fmt: skip
+def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-def]
     """Advance the running collective at time *now* (seconds); returns the new tx_n."""
+    cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
+    tx_buf, tx_off, tx_len, tx_dst = tx
     if cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0:
         tx_n = _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     if cfg[CFG_STATE] != 1:

@@ -43,6 +43,7 @@ from netdam.kernels.coll_layout import (
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
+from netdam.kernels.state import NodeState, RxBatch, TxQueue
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DUP_REPLY_BYTES,
@@ -633,18 +634,32 @@ def _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, co
 # ---------------------------------------------------------------- the batch kernel
 
 
+def process_batch(rx: RxBatch, n: int, max_len: int, node: NodeState, tx: TxQueue, tx_n: int,
+                  punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+    """Checked entry to the datapath (numba checks no bounds): execute rx[0:n] against *node*,
+    append answers to *tx* from *tx_n*; returns (tx_n, n_punt), punted indices in *punt*."""
+    if not 0 <= n <= min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]):
+        raise ValueError(f"batch of {n} does not fit its arrays")
+    if not 0 <= tx_n < tx.len.shape[0] or tx.off.shape[0] != tx.len.shape[0] + 1:
+        raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
+    if node.mem.dtype != np.uint8 or node.counters.shape[0] < C.NUM_COUNTERS:
+        raise ValueError("node state: memory must be uint8 and counters full size")
+    tx_n, n_punt = _process_batch(rx, n, max_len, node, tx, tx_n, punt)
+    return int(tx_n), int(n_punt)
+
+
 @njit(cache=True, nogil=True)
-def _process_batch(  # type: ignore[no-untyped-def]
-    rx_buf, rx_off, rx_len, rx_src, n, max_len,
-    mem, rk_key, rk_base, rk_len, rk_rights, members,
-    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-    co_cfg, co_done, co_acked,
-    counters, tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
-):  # fmt: skip
+def _process_batch(rx, n, max_len, node, tx, tx_n, punt):  # type: ignore[no-untyped-def]
     """Execute datagrams rx_buf[rx_off[i] : rx_off[i] + rx_len[i]] for i < n; append replies and
     forwards to the send queue from tx_n (packet k at tx_buf[tx_off[k] : tx_off[k] + tx_len[k]],
     packed back to back so runs to one destination can leave as one GSO send; tx_off[tx_n] is
     the next free byte). Returns (tx_n, n_punt)."""
+    rx_buf, rx_off, rx_len, rx_src = rx
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    _co_cfg, _co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply = window
+    tx_buf, tx_off, tx_len, tx_dst = tx
     n_punt = 0
     cap = tx_len.shape[0]
     for i in range(n):
@@ -667,8 +682,7 @@ def _process_batch(  # type: ignore[no-untyped-def]
             continue
         if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, 16) != 0:
             counters[C.OPCODE_BASE + op] += 1
-            if _coll_reply(b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                           co_cfg, co_done, co_acked, counters):  # fmt: skip
+            if _coll_reply(b, ln, src, op, node):
                 continue  # consumed by the collective engine, in the datapath
             punt[n_punt] = i
             n_punt += 1
@@ -689,33 +703,25 @@ def _process_batch(  # type: ignore[no-untyped-def]
             continue
         counters[C.OPCODE_BASE + op] += 1
         if op == _OP_CHAIN_ADD:
-            tx_n = _chain_add(
-                b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                co_cfg, co_done, co_acked, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
-            )  # fmt: skip
+            tx_n = _chain_add(b, ln, src, node, tx, tx_n)
         elif op == _OP_READ:
-            tx_n = _read(b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters,
-                         tx_buf, tx_off, tx_len, tx_dst, tx_n, co_cfg, co_done, max_len)  # fmt: skip
+            tx_n = _read(b, src, node, tx, tx_n, max_len)
         elif op == _OP_ALL_WRITE:
-            tx_n = _all_write(b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                              counters, tx_buf, tx_off, tx_len, tx_dst, tx_n, co_cfg, co_done)  # fmt: skip
+            tx_n = _all_write(b, ln, src, node, tx, tx_n)
         else:
-            tx_n = _mutate(
-                b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
-                cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-                counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
-            )  # fmt: skip
+            tx_n = _mutate(b, ln, src, op, node, tx, tx_n)
     return tx_n, n_punt
 
 
 @njit(cache=True, nogil=True)
-def _read(
-    b, src, mem, rk_key, rk_base, rk_len, rk_rights, members, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
-    co_cfg, co_done, max_len,
-):  # type: ignore[no-untyped-def]
+def _read(b, src, node, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
     """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final.
     A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, 28)
     if _HDR + length > max_len:
         return _emit_nack(b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
@@ -749,28 +755,14 @@ def _read(
 
 
 @njit(cache=True, nogil=True)
-def _all_write(
-    b,
-    ln,
-    src,
-    mem,
-    rk_key,
-    rk_base,
-    rk_len,
-    rk_rights,
-    members,
-    counters,
-    tx_buf,
-    tx_off,
-    tx_len,
-    tx_dst,
-    tx_n,
-    co_cfg,
-    co_done,
-):  # type: ignore[no-untyped-def]
+def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
@@ -810,12 +802,12 @@ def _all_write(
 
 
 @njit(cache=True, nogil=True)
-def _mutate(  # type: ignore[no-untyped-def]
-    b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members,
-    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-    counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
-):  # fmt: skip
+def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, txn id)."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply = window
+    tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     dtype = np.int64(b[48])
@@ -896,12 +888,13 @@ def _scratch(tx_buf, tx_off, tx_n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _chain_add(  # type: ignore[no-untyped-def]
-    b, ln, src, mem, rk_key, rk_base, rk_len, rk_rights, members,
-    co_cfg, co_done, co_acked, counters, tx_buf, tx_off, tx_len, tx_dst, tx_n,
-):  # fmt: skip
+def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, 28)
     addr = _rd64(b, 32)
     store_addr = _rd64(b, 40)
@@ -1065,10 +1058,13 @@ def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyp
 
 
 @njit(cache=True, nogil=True)
-def _coll_reply(b, ln, src, op, mem, rk_key, rk_base, rk_len, rk_rights, members, co_cfg, co_done, co_acked, counters):  # type: ignore[no-untyped-def]
+def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
     """Replies of the running collective, handled here so no reply costs Python: chain ACKs
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not _is_member(members, src):
         return False
     if op == _OP_ACK and _rd64(b, 40) == AUX_DONE and _rd32(b, 16) == co_cfg[CFG_COLL]:

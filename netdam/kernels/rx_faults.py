@@ -77,12 +77,11 @@ def _hold(rx_buf, off, ln, src, release, cfg, hold_buf, hold_len, hold_src, hold
 
 
 @njit(cache=True, nogil=True)
-def _apply_faults(  # type: ignore[no-untyped-def]
-    rx_buf, rx_off, rx_len, rx_src, n, cfg, keys, table_key, table_count,
-    hold_buf, hold_len, hold_src, hold_time, hold_gen, counters,
-):  # fmt: skip
+def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
     """Rewrite rx[0:n] in place as the faults decide; returns the new count (rx arrays must
     have room for 2n + held entries, rx_buf room after the data for released copies)."""
+    rx_buf, rx_off, rx_len, rx_src = rx
+    cfg, keys, table_key, table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen = faults
     seed = keys[0]
     me = keys[1]
     out_off = np.empty(2 * n + hold_len.shape[0], np.int64)

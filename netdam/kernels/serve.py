@@ -15,6 +15,7 @@ from netdam.kernels.coll_layout import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE
 from netdam.kernels.collective import _coll_tick
 from netdam.kernels.datapath import _SLOT, _process_batch
 from netdam.kernels.rx_faults import _apply_faults
+from netdam.kernels.state import FaultState, NodeState, RxBatch, ServeIO, TxQueue
 from netdam.kernels.udp_io import (
     _POLLIN,
     ST_KERNEL_DROPS,
@@ -72,29 +73,40 @@ def _wait_any(fd, mfd, cfd, timeout_ms):  # type: ignore[no-untyped-def]
     return ready
 
 
+def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, tx: TxQueue,
+          txq: np.ndarray, punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+    """Checked entry to the node's compiled loop; returns (reason, n_punt)."""
+    room = 2 * io.max_n + faults.hold_len.shape[0]
+    if min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]) < room:
+        raise ValueError(f"receive arrays need {room} entries (2 x max_n + held datagrams)")
+    if not 0 < io.recv_bytes <= rx.buf.shape[0]:
+        raise ValueError(f"recv_bytes {io.recv_bytes} outside the receive buffer")
+    if txq.shape[0] != 2 or not 0 <= txq[0] <= txq[1] < tx.len.shape[0]:
+        raise ValueError("send queue [head, tail] outside its slots")
+    reason, n_punt = _serve(io, rx, faults, node, tx, txq, punt)
+    return int(reason), int(n_punt)
+
+
 @njit(cache=True, nogil=True)
-def _serve(  # type: ignore[no-untyped-def]
-    fd, mfd, cfd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, max_len, timeout_ms, io_state, max_rounds,
-    fault_cfg, fault_keys, table_key, table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen,
-    mem, rk_key, rk_base, rk_len, rk_rights, members,
-    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-    co_cfg, co_done, co_acked, counters,
-    tx_buf, tx_off, tx_len, tx_dst, txq, punt, scratch,
-    co_f, co_ring, co_bounds, co_cb, co_sent, co_tries, co_agsent,
-):  # fmt: skip
+def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
     while waiting, control traffic there ends the call at once, so stats never wait for it.
 
     Waits for traffic only in the first round; when fault injection holds datagrams aside, a
     quiet round still releases those that are due."""
+    fd, mfd, cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
+    rx_buf, rx_off, rx_len, rx_src = rx
+    fault_cfg = faults.cfg
+    hold_len = faults.hold_len
+    mem, regions, members, window, coll, counters = node
+    co_cfg = coll.cfg
+    tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
     for _round in range(max_rounds):
         if co_cfg[CFG_STATE] == 1 or co_cfg[CFG_PREV_ASK] != 0 or co_cfg[CFG_CUR_ASK] != 0:
             # The collective engine's clock runs every round (and answers late DONE requests).
-            tx_n = _coll_tick(_now_ns() * 1e-9, co_cfg, co_f, co_ring, co_bounds, co_cb, co_acked,
-                              co_sent, co_tries, co_agsent, mem, co_done, counters,
-                              tx_buf, tx_off, tx_len, tx_dst, txq[1])  # fmt: skip
+            tx_n = _coll_tick(_now_ns() * 1e-9, coll, mem, counters, tx, txq[1])
             txq[1] = tx_n
         if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
             if txq[0] > 0:
@@ -125,19 +137,12 @@ def _serve(  # type: ignore[no-untyped-def]
             n += m
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if fault_cfg[0] != 0.0:
-            n = _apply_faults(rx_buf, rx_off, rx_len, rx_src, n, fault_cfg, fault_keys, table_key,
-                              table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen, counters)  # fmt: skip
+            n = _apply_faults(rx, n, faults, counters)
             fault_cfg[7] += 1.0  # batch generation: held datagrams wait at least one batch
         if n == 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
-        tx_n, n_punt = _process_batch(
-            rx_buf, rx_off, rx_len, rx_src, n, max_len,
-            mem, rk_key, rk_base, rk_len, rk_rights, members,
-            cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply,
-            co_cfg, co_done, co_acked, counters,
-            tx_buf, tx_off, tx_len, tx_dst, txq[1], punt,
-        )  # fmt: skip
+        tx_n, n_punt = _process_batch(rx, n, max_len, node, tx, txq[1], punt)
         txq[1] = tx_n
         if n_punt > 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)

@@ -20,6 +20,7 @@ from netdam.core.faults import FaultSpec
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
+from netdam.kernels.state import FaultState, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
@@ -114,20 +115,19 @@ class NodeProcess:
         self.hold_src = np.zeros(HOLD_SLOTS, np.uint64)
         self.hold_time = np.zeros(HOLD_SLOTS, np.float64)
         self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
+        self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
+        self.faults = FaultState(self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
+                                 self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen)  # fmt: skip
 
     def serve_once(self, timeout_ms: int) -> int:
         """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""
         self.core.reserve(2 * ROUND_DATAGRAMS + HOLD_SLOTS + 1)
         self.fault_cfg[6] = time.monotonic()
         mfd = self.group_sock.fileno() if self.group_sock is not None else -1
-        reason, n_punt = serve._serve(
-            self.sock.fileno(), mfd, self.ctrl_sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len, self.rx_src,
-            ROUND_DATAGRAMS, self.core.max_datagram, timeout_ms, self.io_state, ROUNDS_PER_CALL,
-            self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
-            self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen,
-            *self.core.state_arrays(), self.core.tx_queue, self.punt, self.scratch,
-            *self.core.engine_arrays(),
-        )  # fmt: skip
+        io = ServeIO(self.sock.fileno(), mfd, self.ctrl_sock.fileno(), RECV_RUNS * RUN_BYTES, ROUND_DATAGRAMS,
+                     self.core.max_datagram, timeout_ms, ROUNDS_PER_CALL, self.io_state, self.scratch)  # fmt: skip
+        reason, n_punt = serve.serve(io, self.rx, self.faults, self.core.node_state(), self.core.tx_bundle(),
+                                     self.core.tx_queue, self.punt)  # fmt: skip
         if n_punt:
             self.core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
         self._serve_control()

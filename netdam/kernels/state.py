@@ -1,0 +1,109 @@
+"""Named state bundles the kernels take instead of dozens of positional arrays.
+
+numba passes a NamedTuple of arrays (nested ones too) as one argument, typed by its fields, and
+caches kernels keyed by those types (``cache=True`` works). Each bundle is made in one place, by
+its Python owner (``NodeCore.node_state``, ``SwitchCore.switch_state``, the shells' serve
+buffers), which allocates and checks every array once; the kernels unpack the fields they use
+in their first lines and trust them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class RxBatch(NamedTuple):
+    """A received batch: datagram k is buf[off[k] : off[k] + len[k]], from src[k] (ip << 16 | port)."""
+
+    buf: np.ndarray  # uint8
+    off: np.ndarray  # int64
+    len: np.ndarray  # int32
+    src: np.ndarray  # uint64
+
+
+class TxQueue(NamedTuple):
+    """The send queue's arrays (netdam.core.sendqueue.SendQueue): datagrams packed back to back."""
+
+    buf: np.ndarray  # uint8
+    off: np.ndarray  # int64, off[n] is the next free byte
+    len: np.ndarray  # int32
+    dst: np.ndarray  # uint64
+
+
+class Regions(NamedTuple):
+    """The node's rkey table (sorted by key; SPEC.md 6.1)."""
+
+    key: np.ndarray  # uint32
+    base: np.ndarray  # int64
+    len: np.ndarray  # int64
+    rights: np.ndarray  # uint8
+
+
+class DupWindow(NamedTuple):
+    """The at-most-once window per (client id, reply address) (SPEC.md section 7)."""
+
+    cl_id: np.ndarray
+    cl_hi: np.ndarray
+    cl_used: np.ndarray
+    txn: np.ndarray
+    state: np.ndarray
+    len: np.ndarray
+    reply: np.ndarray
+
+
+class CollState(NamedTuple):
+    """The collective engine's arrays (layout in netdam.kernels.coll_layout)."""
+
+    cfg: np.ndarray  # int64 CFG_* words
+    done: np.ndarray  # uint8 per chunk (+ sparse tables)
+    acked: np.ndarray  # uint8 per chunk
+    f: np.ndarray  # float64 F_* clock words
+    ring: np.ndarray  # uint64 members in ring order
+    bounds: np.ndarray  # int64 block bounds
+    cb: np.ndarray  # int64 chunk bounds per block
+    sent: np.ndarray  # float64 last send time per chunk
+    tries: np.ndarray  # uint8 per chunk
+    agsent: np.ndarray  # uint8 all-gather sent per chunk
+
+
+class NodeState(NamedTuple):
+    """Everything a node's datapath reads or changes besides the batches."""
+
+    mem: np.ndarray  # uint8 node memory
+    regions: Regions
+    members: np.ndarray  # uint64 sorted cluster members
+    window: DupWindow
+    coll: CollState
+    counters: np.ndarray  # uint64 (protocol/counters.py)
+
+
+class FaultState(NamedTuple):
+    """Receive-side fault injection of a node process (netdam.kernels.rx_faults): the spec as
+    floats, the (seed, own endpoint) keys, the attempt-count table and the held datagrams."""
+
+    cfg: np.ndarray  # float64: active, loss, dup, reorder, delay, delay_s, now, generation
+    keys: np.ndarray  # uint64: seed, own endpoint
+    table_key: np.ndarray  # uint64
+    table_count: np.ndarray  # uint32
+    hold_buf: np.ndarray  # uint8 (slots, SLOT_BYTES)
+    hold_len: np.ndarray  # int32
+    hold_src: np.ndarray  # uint64
+    hold_time: np.ndarray  # float64
+    hold_gen: np.ndarray  # int64
+
+
+class ServeIO(NamedTuple):
+    """One compiled serve call's sockets and limits."""
+
+    fd: int  # data socket
+    mfd: int  # joined multicast group's socket, -1: none
+    cfd: int  # management socket (traffic there ends the call)
+    recv_bytes: int  # the first recv_bytes of the receive buffer take GRO runs
+    max_n: int  # datagrams per round
+    max_len: int  # largest datagram the MTU allows
+    timeout_ms: int  # longest wait for traffic
+    max_rounds: int  # rounds before the control plane's turn
+    io_state: np.ndarray  # int64 (netdam.kernels.udp_io STATE_LEN)
+    scratch: np.ndarray  # int64 sendmmsg scratch
