@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from netdam.kernels.state import RegionTable
 from netdam.protocol.constants import ELEMENT_SIZE, DType, Opcode, Rights, Status
 
 #: First global address the controller hands out.
@@ -154,9 +155,10 @@ class MapTables:
     way_node: np.ndarray  # int64: rank
     way_local: np.ndarray  # int64
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return (self.reg_base, self.reg_end, self.reg_rkey, self.reg_rights, self.reg_stride,
-                self.reg_ways, self.reg_way0, self.way_node, self.way_local)  # fmt: skip
+    def bundle(self) -> RegionTable:
+        """The table as the switch's kernels take it (netdam.kernels.state.RegionTable)."""
+        return RegionTable(self.reg_base, self.reg_end, self.reg_rkey, self.reg_rights, self.reg_stride,
+                           self.reg_ways, self.reg_way0, self.way_node, self.way_local)  # fmt: skip
 
 
 def check_regions(regions: Sequence[Region], nodes: int) -> None:

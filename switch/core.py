@@ -21,6 +21,14 @@ from netdam.core.base import CoreBase, check_batch
 from netdam.core.faults import FaultSpec
 from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import switch_path as K
+from netdam.kernels.state import (
+    Groups,
+    LinkFaults,
+    RxBatch,
+    SwitchCounters,
+    SwitchPorts,
+    SwitchState,
+)
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DEFAULT_MTU,
@@ -261,18 +269,17 @@ class SwitchCore(CoreBase):
 
     # ------------------------------------------------------------------ the batch verbs
 
-    def state_arrays(self) -> tuple[np.ndarray, ...]:
-        """The arrays ``switch_path._switch_round`` takes after (rx arrays, n, max_len)."""
-        t = self._tables
-        return (
-            self.cfg, self._nodes_ep, self._node_sorted, self._node_port,
-            *t.arrays(),
-            self._grp_key, self._grp_first, self._grp_count, self._grp_member,
-            self.counters, self.sw, self.port_ctr, self.reg_ctr,
-            self.fcfg, self.fkeys, self.fclock, self.fstate, self.ftab_key, self.ftab_count,
-            self.kctr, self.hold_buf, self.hold_len, self.hold_ep, self.hold_dir, self.hold_time,
-            self.hold_gen,
-            self._tx_buf, self._tx_off, self._tx_len, self._tx_dst,
+    def switch_state(self) -> SwitchState:
+        """What the switch's datapath reads and changes besides the batches (made here only;
+        afresh per call: a new address map or group replaces its tables' arrays)."""
+        return SwitchState(
+            SwitchPorts(self.cfg, self._nodes_ep, self._node_sorted, self._node_port),
+            self._tables.bundle(),
+            Groups(self._grp_key, self._grp_first, self._grp_count, self._grp_member),
+            SwitchCounters(self.counters, self.sw, self.port_ctr, self.reg_ctr),
+            LinkFaults(self.fcfg, self.fkeys, self.fclock, self.fstate, self.ftab_key, self.ftab_count,
+                       self.kctr, self.hold_buf, self.hold_len, self.hold_ep, self.hold_dir, self.hold_time,
+                       self.hold_gen),
         )  # fmt: skip
 
     @property
@@ -326,10 +333,8 @@ class SwitchCore(CoreBase):
         if self._punt.shape[0] < lens.shape[0]:
             self._punt = np.zeros(lens.shape[0], np.int32)
         self.fclock[0] = now
-        tx_n, n_punt = K._switch_round(
-            buf, offs, lens, srcs, n, self.max_datagram, *self.state_arrays(),
-            int(self._txq[1]), self._punt,
-        )  # fmt: skip
+        tx_n, n_punt = K.switch_round(RxBatch(buf, offs, lens, srcs), n, self.max_datagram, self.switch_state(),
+                                      self.tx_bundle(), int(self._txq[1]), self._punt)  # fmt: skip
         self._txq[1] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 

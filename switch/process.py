@@ -16,6 +16,7 @@ from pathlib import Path
 from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.core.faults import FaultSpec
 from netdam.kernels import switch_serve
+from netdam.kernels.state import RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
@@ -119,17 +120,16 @@ class SwitchProcess:
         record_socket_buffers(self.sock, self.core.counters)
         (self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, self.io_state,
          self.scratch) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
+        self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
 
     def serve_once(self, timeout_ms: int) -> int:
         core = self.core
         max_n = core.round_datagrams(ROUND_DATAGRAMS)
         core.reserve(max_n)
-        reason, n_punt = switch_serve._switch_serve(
-            self.sock.fileno(), self.rx_buf, RECV_RUNS * RUN_BYTES, self.rx_off, self.rx_len,
-            self.rx_src, max_n, core.max_datagram, timeout_ms, self.io_state,
-            ROUNDS_PER_CALL, core.room_per_datagram(), *core.state_arrays(), core.tx_queue,
-            self.punt, self.scratch,
-        )  # fmt: skip
+        io = ServeIO(self.sock.fileno(), -1, -1, RECV_RUNS * RUN_BYTES, max_n, core.max_datagram, timeout_ms,
+                     ROUNDS_PER_CALL, self.io_state, self.scratch)  # fmt: skip
+        reason, n_punt = switch_serve.switch_serve(io, self.rx, core.room_per_datagram(), core.switch_state(),
+                                                   core.tx_bundle(), core.tx_queue, self.punt)  # fmt: skip
         if n_punt:
             core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
         self._serve_control()

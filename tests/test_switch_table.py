@@ -41,7 +41,7 @@ def kernel(regions: list[Region], rows: list[tuple[int, int, int, int, int]]) ->
     _translate_many(
         np.array([int(a) for a in arr[:, 0]], np.uint64), np.array(arr[:, 1], np.int64),
         np.array(arr[:, 2], np.int64), np.array(arr[:, 3], np.int64), np.array(arr[:, 4], np.int64),
-        *t.arrays(), status, node, local,
+        t.bundle(), status, node, local,
     )  # fmt: skip
     return list(zip(status.tolist(), node.tolist(), local.tolist()))
 

@@ -44,13 +44,12 @@ def _get_id(buf, off, nbytes):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _gen_run(  # type: ignore[no-untyped-def]
-    fd, templates, t_len, n_templates, window, dst, id_off, id_bytes, ok_off, ok_byte,
-    t_start, t_end, t_stop, timeout_ns,
-    rx_buf, rx_off, rx_len, rx_src, max_n, scratch, state, counts, hist,
-):  # fmt: skip
+def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):  # type: ignore[no-untyped-def]
     """Closed loop until *t_stop*; ops and latencies count inside [t_start, t_end). A reply is
     good when ``reply[ok_off] == ok_byte`` (ok_off < 0: any reply)."""
+    templates, t_len, n_templates, window, dst, id_off, id_bytes, ok_off, ok_byte, timeout_ns = plan
+    t_start, t_end, t_stop = phase
+    rx_buf, rx_off, rx_len, rx_src = rx
     slot_bytes = templates.shape[1]
     sbuf = np.zeros(window * slot_bytes, np.uint8)
     s_off = np.zeros(window, np.int64)

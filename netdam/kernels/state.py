@@ -107,3 +107,104 @@ class ServeIO(NamedTuple):
     max_rounds: int  # rounds before the control plane's turn
     io_state: np.ndarray  # int64 (netdam.kernels.udp_io STATE_LEN)
     scratch: np.ndarray  # int64 sendmmsg scratch
+
+
+class SwitchPorts(NamedTuple):
+    """The switch's configuration words and its nodes (port p = node p-1; port 0 = clients)."""
+
+    cfg: np.ndarray  # int64 CFG_* words (netdam.kernels.switch_path)
+    nodes_ep: np.ndarray  # uint64 node endpoints by rank
+    node_sorted: np.ndarray  # uint64 node endpoints, sorted
+    node_port: np.ndarray  # int64 port of each sorted endpoint
+
+
+class RegionTable(NamedTuple):
+    """The pool's address map as the translate kernel reads it (switch/addrmap.py)."""
+
+    base: np.ndarray
+    end: np.ndarray
+    rkey: np.ndarray
+    rights: np.ndarray
+    stride: np.ndarray
+    ways: np.ndarray
+    way0: np.ndarray
+    way_node: np.ndarray
+    way_local: np.ndarray
+
+
+class Groups(NamedTuple):
+    """Multicast groups the switch replicates to: key -> member[first : first + size]."""
+
+    key: np.ndarray
+    first: np.ndarray
+    size: np.ndarray  # members per group
+    member: np.ndarray
+
+
+class SwitchCounters(NamedTuple):
+    """The node counter layout, the switch's own section, per-port and per-region counters."""
+
+    counters: np.ndarray
+    sw: np.ndarray
+    port_ctr: np.ndarray
+    reg_ctr: np.ndarray
+
+
+class LinkFaults(NamedTuple):
+    """Per-link, per-direction fault injection of the switch and its held datagrams."""
+
+    fcfg: np.ndarray  # float64 (ports, 2, F_*)
+    fkeys: np.ndarray  # uint64 seed, VIP
+    fclock: np.ndarray  # float64 now, generation
+    fstate: np.ndarray  # int64 FS_* flags and held counts
+    ftab_key: np.ndarray
+    ftab_count: np.ndarray
+    kctr: np.ndarray  # int64 (ports, 2, 64) packets per opcode, for k-th drops
+    hold_buf: np.ndarray
+    hold_len: np.ndarray
+    hold_ep: np.ndarray
+    hold_dir: np.ndarray
+    hold_time: np.ndarray
+    hold_gen: np.ndarray
+
+
+class SwitchState(NamedTuple):
+    """Everything the switch's datapath reads or changes besides the batches."""
+
+    ports: SwitchPorts
+    regions: RegionTable
+    groups: Groups
+    ctrs: SwitchCounters
+    faults: LinkFaults
+
+
+class TimeWindow(NamedTuple):
+    """A benchmark phase in monotonic ns: counting inside [start, end), running until stop."""
+
+    start: int
+    end: int
+    stop: int
+
+
+class SinkCheck(NamedTuple):
+    """What a benchmark sink verifies: each datagram's payload words against *expect64*."""
+
+    expect64: np.ndarray  # uint64 expected payload words per packet id
+    pkt_len: int
+    payload_off: int
+    verify: bool
+
+
+class GenPlan(NamedTuple):
+    """A closed-loop request generator's requests (netdam.kernels.pool_gen)."""
+
+    templates: np.ndarray  # uint8 (n, width) request templates
+    t_len: np.ndarray  # int64 length of each
+    n_templates: int
+    window: int  # requests in flight
+    dst: int  # uint64 endpoint
+    id_off: int  # where the request id sits in a template, and its bytes
+    id_bytes: int
+    ok_off: int  # a reply is good when reply[ok_off] == ok_byte (ok_off < 0: any reply)
+    ok_byte: int
+    timeout_ns: int

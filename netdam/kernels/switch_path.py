@@ -51,6 +51,7 @@ from netdam.kernels.fault_hash import (
     _packet_id,
 )
 from netdam.kernels.rx_faults import _attempt
+from netdam.kernels.state import RxBatch, SwitchState, TxQueue
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags, Opcode, Rights, Status
 
@@ -177,15 +178,14 @@ def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_of
 
 
 @njit(cache=True, nogil=True)
-def _switch_batch(  # type: ignore[no-untyped-def]
-    rx_buf, rx_off, rx_len, rx_src, n, max_len,
-    cfg, nodes_ep, node_sorted, node_port,
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-    grp_key, grp_first, grp_count, grp_member,
-    counters, sw, port_ctr, reg_ctr,
-    tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
-):  # fmt: skip
+def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untyped-def]
     """Translate/replicate datagrams rx[0:n] into the send queue from tx_n; (tx_n, n_punt)."""
+    rx_buf, rx_off, rx_len, rx_src = rx
+    cfg, nodes_ep, node_sorted, node_port = st.ports
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local = st.regions
+    grp_key, grp_first, grp_count, grp_member = st.groups
+    counters, sw, port_ctr, reg_ctr = st.ctrs
+    tx_buf, tx_off, tx_len, tx_dst = tx
     n_punt = 0
     cap = tx_len.shape[0]
     fanout = np.int64(cfg[CFG_FANOUT])
@@ -261,10 +261,7 @@ def _switch_batch(  # type: ignore[no-untyped-def]
             need, align = _R_ATOMIC, 8
         else:
             need, align = _R_WRITE, _ESIZE[dtype]
-        status, r, node, local = _lookup(
-            addr, length, _rd32(b, 24), need, align, reg_base, reg_end, reg_rkey, reg_rights,
-            reg_stride, reg_ways, reg_way0, way_node, way_local,
-        )  # fmt: skip
+        status, r, node, local = _lookup(addr, length, _rd32(b, 24), need, align, st.regions)
         if status != 0:
             if r >= 0:
                 reg_ctr[r, R_NACKS] += 1
@@ -334,13 +331,14 @@ def _hold(data, ln, ep, direction, release, gen, hold_buf, hold_len, hold_ep, ho
 
 
 @njit(cache=True, nogil=True)
-def _rx_faults(  # type: ignore[no-untyped-def]
-    rx_buf, rx_off, rx_len, rx_src, n, node_sorted, node_port, cfg,
-    counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
-    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
-):  # fmt: skip
+def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
     """Receive direction: rewrite rx[0:n] in place; released held datagrams are copied after
     the batch's data. rx arrays need room for 2n + held entries."""
+    rx_buf, rx_off, rx_len, rx_src = rx
+    cfg, nodes_ep, node_sorted, node_port = st.ports
+    counters, sw, port_ctr, reg_ctr = st.ctrs
+    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr = st.faults[:7]
+    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = st.faults[7:]
     seed = fkeys[0]
     vip = cfg[CFG_VIP]
     now = fclock[0]
@@ -402,14 +400,14 @@ def _rx_faults(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _tx_faults(  # type: ignore[no-untyped-def]
-    start, tx_n, node_sorted, node_port, cfg,
-    counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
-    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
-    tx_buf, tx_off, tx_len, tx_dst,
-):  # fmt: skip
+def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
     """Transmit direction: re-queue datagrams [start, tx_n) as the faults decide, then append
     held datagrams that are due. Returns the new tx_n."""
+    cfg, nodes_ep, node_sorted, node_port = st.ports
+    counters, sw, port_ctr, reg_ctr = st.ctrs
+    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr = st.faults[:7]
+    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = st.faults[7:]
+    tx_buf, tx_off, tx_len, tx_dst = tx
     seed = fkeys[0]
     vip = cfg[CFG_VIP]
     now = fclock[0]
@@ -475,53 +473,43 @@ def _tx_faults(  # type: ignore[no-untyped-def]
     return q
 
 
+def switch_round(rx: RxBatch, n: int, max_len: int, st: SwitchState, tx: TxQueue, tx_n: int,
+                 punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+    """Checked entry to the switch's datapath: receive faults, translation/replication,
+    transmit faults for rx[0:n]; returns (tx_n, n_punt)."""
+    if not 0 <= n <= min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]):
+        raise ValueError(f"batch of {n} does not fit its arrays")
+    if not 0 <= tx_n < tx.len.shape[0] or tx.off.shape[0] != tx.len.shape[0] + 1:
+        raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
+    tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, tx_n, punt)
+    return int(tx_n), int(n_punt)
+
+
 @njit(cache=True, nogil=True)
-def _switch_round(  # type: ignore[no-untyped-def]
-    rx_buf, rx_off, rx_len, rx_src, n, max_len,
-    cfg, nodes_ep, node_sorted, node_port,
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-    grp_key, grp_first, grp_count, grp_member,
-    counters, sw, port_ctr, reg_ctr,
-    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
-    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
-    tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
-):  # fmt: skip
+def _switch_round(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untyped-def]
     """Receive faults, translation/replication, transmit faults: one batch. (tx_n, n_punt).
 
     With receive faults configured (or datagrams held), the rx arrays need room for 2n + held
     entries and rx_buf room after the data for released copies."""
+    fstate, fclock = st.faults.fstate, st.faults.fclock
     if fstate[FS_RX_ACTIVE] != 0 or fstate[FS_HELD_RX] > 0:
-        n = _rx_faults(rx_buf, rx_off, rx_len, rx_src, n, node_sorted, node_port, cfg,
-                       counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count,
-                       kctr, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen)  # fmt: skip
+        n = _rx_faults(rx, n, st)
     start = tx_n
-    tx_n, n_punt = _switch_batch(
-        rx_buf, rx_off, rx_len, rx_src, n, max_len,
-        cfg, nodes_ep, node_sorted, node_port,
-        reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-        grp_key, grp_first, grp_count, grp_member,
-        counters, sw, port_ctr, reg_ctr,
-        tx_buf, tx_off, tx_len, tx_dst, tx_n, punt,
-    )  # fmt: skip
+    tx_n, n_punt = _switch_batch(rx, n, max_len, st, tx, tx_n, punt)
     if fstate[FS_TX_ACTIVE] != 0 or fstate[FS_HELD_TX] > 0:
-        tx_n = _tx_faults(start, tx_n, node_sorted, node_port, cfg,
-                          counters, sw, port_ctr, fcfg, fkeys, fclock, fstate, ftab_key, ftab_count,
-                          kctr, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
-                          tx_buf, tx_off, tx_len, tx_dst)  # fmt: skip
+        tx_n = _tx_faults(start, tx_n, st, tx)
     fclock[1] += 1.0
     return tx_n, n_punt
 
 
 @njit(cache=True, nogil=True)
-def _lookup(  # type: ignore[no-untyped-def]
-    addr, length, rkey, need, align,
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-):  # fmt: skip
+def _lookup(addr, length, rkey, need, align, regions):  # type: ignore[no-untyped-def]
     """(status, region, node, local) of a pool operand [addr, addr+length) under *rkey*.
 
     Checks in order: mapped (NO_ROUTE), rkey of that region (BAD_RKEY), rights (NO_RIGHTS),
     region end (OUT_OF_BOUNDS), alignment of the offset (MISALIGNED), stride boundary
     (SPANS_NODES). region is -1 when unmapped; node and local are -1 on any failure."""
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local = regions
     r = np.int64(np.searchsorted(reg_base, addr, side="right")) - 1
     if r < 0 or r >= reg_base.shape[0] or addr >= reg_end[r]:
         return _S_NO_ROUTE, np.int64(-1), np.int64(-1), np.int64(-1)
@@ -552,17 +540,10 @@ def _lookup(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _translate_many(  # type: ignore[no-untyped-def]
-    addrs, lengths, rkeys, needs, aligns,
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-    out_status, out_node, out_local,
-):  # fmt: skip
+def _translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, out_node, out_local):  # type: ignore[no-untyped-def]
     """_lookup over arrays (tests hold it to the Python reference in netdam.switch.addrmap)."""
     for i in range(addrs.shape[0]):
-        status, r, node, local = _lookup(
-            addrs[i], lengths[i], rkeys[i], needs[i], aligns[i], reg_base, reg_end, reg_rkey,
-            reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-        )  # fmt: skip
+        status, r, node, local = _lookup(addrs[i], lengths[i], rkeys[i], needs[i], aligns[i], regions)
         out_status[i] = status
         out_node[i] = node
         out_local[i] = local

@@ -8,10 +8,12 @@ released in later rounds even when nothing arrives.
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from netdam.kernels.datapath import _SLOT
 from netdam.kernels.serve import _flush  # one flush for node and switch
+from netdam.kernels.state import RxBatch, ServeIO, SwitchState, TxQueue
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
 from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch
 from netdam.protocol import counters as C
@@ -24,19 +26,29 @@ RETURN_QUEUE = 3
 CALL_BUDGET_NS = 5_000_000
 
 
+def switch_serve(io: ServeIO, rx: RxBatch, room_per: int, st: SwitchState, tx: TxQueue, txq: np.ndarray,
+                 punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+    """Checked entry to the switch's compiled loop; returns (reason, n_punt)."""
+    room = 2 * io.max_n + st.faults.hold_len.shape[0]
+    if min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]) < room:
+        raise ValueError(f"receive arrays need {room} entries (2 x max_n + held datagrams)")
+    if not 0 < io.recv_bytes <= rx.buf.shape[0]:
+        raise ValueError(f"recv_bytes {io.recv_bytes} outside the receive buffer")
+    if txq.shape[0] != 2 or not 0 <= txq[0] <= txq[1] < tx.len.shape[0]:
+        raise ValueError("send queue [head, tail] outside its slots")
+    reason, n_punt = _switch_serve(io, rx, room_per, st, tx, txq, punt)
+    return int(reason), int(n_punt)
+
+
 @njit(cache=True, nogil=True)
-def _switch_serve(  # type: ignore[no-untyped-def]
-    fd, rx_buf, recv_bytes, rx_off, rx_len, rx_src, max_n, max_len, timeout_ms, io_state, max_rounds,
-    room_per, cfg, nodes_ep, node_sorted, node_port,
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-    grp_key, grp_first, grp_count, grp_member,
-    counters, sw, port_ctr, reg_ctr,
-    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
-    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
-    tx_buf, tx_off, tx_len, tx_dst, txq, punt, scratch,
-):  # fmt: skip
+def _switch_serve(io, rx, room_per, st, tx, txq, punt):  # type: ignore[no-untyped-def]
     """Returns (reason, n_punt); on RETURN_PUNT the punted datagrams are rx[punt[k]].
     *room_per*: send-queue entries one received datagram may need (fan-out x duplicates)."""
+    fd, _mfd, _cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
+    rx_buf, rx_off, rx_len, rx_src = rx
+    counters = st.ctrs.counters
+    fclock, fstate, hold_len = st.faults.fclock, st.faults.fstate, st.faults.hold_len
+    tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
     t0 = _now_ns()
     for _round in range(max_rounds):
@@ -59,16 +71,7 @@ def _switch_serve(  # type: ignore[no-untyped-def]
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
         fclock[0] = _now_ns() * 1e-9
-        tx_n, n_punt = _switch_round(
-            rx_buf, rx_off, rx_len, rx_src, n, max_len,
-            cfg, nodes_ep, node_sorted, node_port,
-            reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local,
-            grp_key, grp_first, grp_count, grp_member,
-            counters, sw, port_ctr, reg_ctr,
-            fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr,
-            hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen,
-            tx_buf, tx_off, tx_len, tx_dst, txq[1], punt,
-        )  # fmt: skip
+        tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, txq[1], punt)
         txq[1] = tx_n
         if n_punt > 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)

@@ -587,10 +587,7 @@ COUNTS_LEN = 8
 
 
 @njit(cache=True, nogil=True)
-def _feed_run(  # type: ignore[no-untyped-def]
-    fd, buf, offs, lens, dsts, n_pkts, batch, scratch, state, t_start, t_end, counts,
-    progress, window, i0,
-):  # fmt: skip
+def _feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0):  # type: ignore[no-untyped-def]
     """Resend datagrams [0, n_pkts) in batches of *batch* (n_pkts a multiple of batch) until
     *t_end*; count what was sent inside [t_start, t_end).
 
@@ -602,6 +599,7 @@ def _feed_run(  # type: ignore[no-untyped-def]
     state across calls, so a phase may be run in several calls (the caller samples CPU time
     between them); *i0* is where the previous call stopped in the packet list. Returns the
     next *i0*."""
+    buf, offs, lens, dsts = pkts
     i = i0
     base = counts[FEED_PROGRESS_BASE]
     last_seen = progress[0]
@@ -655,16 +653,16 @@ def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_st
 
 
 @njit(cache=True, nogil=True)
-def _sink_run(  # type: ignore[no-untyped-def]
-    fd, buf, buf64, offs, lens, srcs, max_n, state,
-    expect64, pkt_len, payload_off, verify, t_start, t_end, t_stop, counts, progress,
-):  # fmt: skip
+def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # type: ignore[no-untyped-def]
     """Count datagrams until *t_stop*; with *verify*, a datagram counts as verified when it is
     *pkt_len* bytes and its payload equals row ``seq`` (header bytes 4..8, big-endian) of
     *expect64* bitwise. *buf64* is *buf* viewed as uint64; payloads must be 8-aligned in buf
     (runs start at 64 KiB boundaries; pkt_len and payload_off are multiples of 8).
     ``progress[0]`` (shared memory) gets the running count of received datagrams, for a
     window-paced feeder."""
+    buf, offs, lens, srcs = rx
+    expect64, pkt_len, payload_off, verify = check
+    t_start, t_end, t_stop = phase
     words = expect64.shape[1]
     rows = expect64.shape[0]
     while True:

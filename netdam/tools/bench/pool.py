@@ -39,6 +39,7 @@ import numpy as np
 from netdam.cli.common import CommandError, ExitCode, emit, size_arg
 from netdam.kernels import pool_gen as G
 from netdam.kernels import udp_io as U
+from netdam.kernels.state import GenPlan, RxBatch, TimeWindow
 from netdam.protocol.constants import DType, Flags, Opcode
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
@@ -92,8 +93,9 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
         hist = np.zeros(G.HIST_BINS, np.int64)
         templates = np.zeros((1, 128), np.uint8)
         if role == "gen":
-            G._gen_run(fd, templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0,
-                       0, 0, 0, 1, buf, offs, lens, srcs, RECV_MAX, scratch, state, counts, hist)  # fmt: skip
+            G._gen_run(fd, GenPlan(templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0, 1),
+                       TimeWindow(0, 0, 0), RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts,
+                       hist)  # fmt: skip
         else:
             G._echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, 0, counts)
         conn.send(("ready", {"port": sock.getsockname()[1]}))
@@ -113,10 +115,10 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
                 for k, r in enumerate(rows):
                     templates[k, : len(r)] = np.frombuffer(r, np.uint8)
                     t_len[k] = len(r)
-                G._gen_run(fd, templates, t_len, len(rows), cmd["window"], np.uint64(cmd["dst"]),
-                           cmd["id_off"], cmd["id_bytes"], cmd["ok_off"], cmd["ok_byte"],
-                           cmd["t_start"], cmd["t_end"], cmd["t_stop"], int(cmd["timeout_ns"]),
-                           buf, offs, lens, srcs, RECV_MAX, scratch, state, counts, hist)  # fmt: skip
+                plan = GenPlan(templates, t_len, len(rows), cmd["window"], np.uint64(cmd["dst"]), cmd["id_off"],
+                               cmd["id_bytes"], cmd["ok_off"], cmd["ok_byte"], int(cmd["timeout_ns"]))  # fmt: skip
+                G._gen_run(fd, plan, TimeWindow(cmd["t_start"], cmd["t_end"], cmd["t_stop"]),
+                           RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts, hist)  # fmt: skip
                 nz = np.nonzero(hist)[0]
                 conn.send(("done", {"counts": counts.tolist(), "hist": dict(zip(nz.tolist(), hist[nz].tolist()))}))
             else:
