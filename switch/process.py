@@ -7,7 +7,6 @@ management port beside the VIP answers COUNTERS/PING/JOIN even while the VIP is 
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,11 +20,11 @@ from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.protocol.packet import Endpoint
 from netdam.shell.process import (
+    ServeLoop,
     record_socket_buffers,
     serve_buffers,
     serve_main,
     serve_management_port,
-    stop_requested,
 )
 from netdam.shell.shm import prefault
 from netdam.shell.udp import open_control_socket, open_udp_socket
@@ -42,7 +41,6 @@ from netdam.switch.state import (
 ROUND_DATAGRAMS = 256
 RECV_RUNS = 32
 ROUNDS_PER_CALL = 256
-IDLE_WAIT_MS = 20
 #: How often the state file is checked for a new address map, seconds.
 RELOAD_CHECK_S = 0.02
 
@@ -92,7 +90,7 @@ def open_state(cluster: ClusterFile, path: Path) -> PoolState:
     return state
 
 
-class SwitchProcess:
+class SwitchProcess(ServeLoop):
     def __init__(self, config: SwitchProcessConfig) -> None:
         self.config = config
         self.stop = False
@@ -184,18 +182,6 @@ class SwitchProcess:
         """Compile (or load) the kernels, make every queue and table resident (flat memory)."""
         self.serve_once(0)
         prefault(self, self.core, self.core.sendq)
-
-    def run(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-        try:
-            while not self.stop and not stop_requested():
-                self.serve_once(IDLE_WAIT_MS)
-        finally:
-            self.close()
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self.stop = True
 
     def close(self) -> None:
         self.sock.close()

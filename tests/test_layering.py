@@ -206,3 +206,22 @@ def _function_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
     return names
+
+
+def test_private_kernels_only_through_wrappers() -> None:
+    """Python calls kernels through the public wrappers that check what numba does not; only
+    netdam/kernels/ itself sees the `_private` jitted functions (tests of a kernel may too)."""
+    for path in our_modules().values():
+        if "kernels" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("netdam.kernels"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.isupper()]
+                assert not private, (path.relative_to(ROOT), node.module, private)
+        kernel_aliases = {a.asname or a.name for node in ast.walk(ast.parse(path.read_text()))
+                          if isinstance(node, ast.ImportFrom) and node.module in ("netdam.kernels",)
+                          for a in node.names}  # fmt: skip
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in kernel_aliases:
+                name = node.attr
+                assert not (name.startswith("_") and not name[1:].isupper()), (path.relative_to(ROOT), f"{node.value.id}.{name}")

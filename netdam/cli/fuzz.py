@@ -344,7 +344,7 @@ class FuzzRunner:
         dsts = np.array([dst for _, dst in items], np.uint64)
         done = 0
         while done < len(items):
-            done += int(udp_io._send_batch(self.sock.fileno(), buf, offs[done:], lens[done:], dsts[done:],
+            done += int(udp_io.send_batch(self.sock.fileno(), buf, offs[done:], lens[done:], dsts[done:],
                                            len(items) - done, self.scratch, self.io_state))  # fmt: skip
             if done < len(items):
                 self._receive(0)  # the other side may be waiting for us to drain replies
@@ -377,7 +377,7 @@ class FuzzRunner:
 
     def _receive(self, timeout_ms: int) -> int:
         """Take every datagram waiting on the fuzzer's socket; decode and tally. Returns how many."""
-        n = int(udp_io._recv_batch(self.sock.fileno(), self.rbuf, self.roffs, self.rlens, self.rsrcs,
+        n = int(udp_io.recv_batch(self.sock.fileno(), self.rbuf, self.roffs, self.rlens, self.rsrcs,
                                    self.roffs.shape[0], timeout_ms, self.io_state))  # fmt: skip
         offs, lens, srcs = self.roffs[:n].tolist(), self.rlens[:n].tolist(), self.rsrcs[:n].tolist()
         for off, ln, src in zip(offs, lens, srcs, strict=True):

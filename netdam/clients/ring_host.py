@@ -29,8 +29,8 @@ from netdam.kernels.udp_io import (
     MAX_MSGS,
     SEND_SCRATCH_WORDS_PER_MSG,
     STATE_LEN,
-    _recv_batch,
-    _send_batch,
+    recv_batch,
+    send_batch,
 )
 from netdam.protocol.constants import ELEMENT_SIZE, Flags, Opcode, ReduceOp, max_elements
 from netdam.protocol.packet import HEADER_STRUCT, Endpoint, Packet, encode_packet, endpoint_to_u64
@@ -173,11 +173,11 @@ class _RingHost:
         dsts = np.full(len(packets), endpoint_to_u64(self.next_node), np.uint64)
         done = 0
         while done < len(packets):
-            done += int(_send_batch(self.sock.fileno(), buf, offs[done:], lens[done:], dsts[done:],
+            done += int(send_batch(self.sock.fileno(), buf, offs[done:], lens[done:], dsts[done:],
                                     len(packets) - done, self.scratch, self.state))  # fmt: skip
 
     def _receive(self, timeout_ms: int) -> None:
-        got = int(_recv_batch(self.sock.fileno(), self.rx, self.rx_off, self.rx_len, self.rx_src,
+        got = int(recv_batch(self.sock.fileno(), self.rx, self.rx_off, self.rx_len, self.rx_src,
                               4096, timeout_ms, self.state))  # fmt: skip
         for k in range(got):
             start = int(self.rx_off[k])

@@ -13,14 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from netdam.kernels.fault_hash import (
-    _SALT_DELAY,
-    _SALT_DROP,
-    _SALT_DUP,
-    _SALT_REORDER,
-    _fault_hash,
-    _packet_id,
-)
+from netdam.kernels.fault_hash import fault_draws
+from netdam.kernels.fault_hash import packet_id as _kernel_packet_id
 
 
 @dataclass(frozen=True)
@@ -71,18 +65,16 @@ class FaultDecision:
 
 def decide(spec: FaultSpec, src: int, dst: int, pid: int, attempt: int) -> FaultDecision:
     """The fate of one datagram (pure: same arguments, same answer)."""
-    key = [np.uint64(v & 0xFFFFFFFFFFFFFFFF) for v in (spec.seed, src, dst, pid, attempt)]
-    if _fault_hash(*key, np.uint64(_SALT_DROP)) < spec.loss:
+    drop, dup, reorder_draw, delay = fault_draws(spec.seed, src, dst, pid, attempt)
+    if drop < spec.loss:
         return FaultDecision(True, 0, False, 0.0)
-    copies = 2 if _fault_hash(*key, np.uint64(_SALT_DUP)) < spec.dup else 1
-    reorder = _fault_hash(*key, np.uint64(_SALT_REORDER)) < spec.reorder
-    delayed = _fault_hash(*key, np.uint64(_SALT_DELAY)) < spec.delay
+    copies = 2 if dup < spec.dup else 1
+    reorder = reorder_draw < spec.reorder
+    delayed = delay < spec.delay
     return FaultDecision(False, copies, reorder, spec.delay_s if delayed else 0.0)
 
 
 def packet_id(datagram: bytes | np.ndarray) -> int:
     """The id fault decisions use for *datagram* (see module docstring)."""
     arr = np.frombuffer(datagram, np.uint8) if isinstance(datagram, bytes) else datagram
-    if arr.dtype != np.uint8 or arr.ndim != 1:
-        raise ValueError("packet_id needs bytes or a 1-D uint8 array")
-    return int(_packet_id(arr, arr.shape[0]))
+    return int(_kernel_packet_id(arr))

@@ -174,10 +174,14 @@ class NodeCore(CoreBase):
             self.memory,
             Regions(self._rk_key, self._rk_base, self._rk_len, self._rk_rights),
             self._members,
-            DupWindow(self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len, self._w_reply),
+            self._dup_window(),
             self.collective.state(),
             self.counters,
         )
+
+    def _dup_window(self) -> DupWindow:
+        return DupWindow(self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
+                         self._w_reply)  # fmt: skip
 
     @property
     def tx_queue(self) -> np.ndarray:
@@ -290,11 +294,8 @@ class NodeCore(CoreBase):
         self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int | None]]
     ) -> None:
         """Run a mutating control opcode at most once per (client, txn), like the datapath."""
-        verdict, c, w = datapath._window_check(
-            self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state,
-            packet.client_id, self._reply_dst(packet, src), packet.txn_id,
-            int(self.counters[C.RX_PACKETS]) + 1,
-        )  # fmt: skip
+        verdict, c, w = datapath.window_check(self._dup_window(), packet.client_id, self._reply_dst(packet, src),
+                                              packet.txn_id, int(self.counters[C.RX_PACKETS]) + 1)  # fmt: skip
         if verdict == 2:
             self._nack(packet, src, Status.STALE)
             return
@@ -309,10 +310,7 @@ class NodeCore(CoreBase):
             return
         reply = self._reply(packet, src, Opcode.ACK, rkey=rkey)
         if verdict == 0:
-            datapath._window_record(
-                self._w_txn, self._w_state, self._w_len, self._w_reply, c, w, packet.txn_id,
-                np.frombuffer(reply, np.uint8), len(reply),
-            )  # fmt: skip
+            datapath.window_record(self._dup_window(), c, w, packet.txn_id, np.frombuffer(reply, np.uint8))
 
     def _on_register(self, packet: Packet, src: int) -> None:
         requested, rights = KEY_RIGHTS.unpack(packet.payload)

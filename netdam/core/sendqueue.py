@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from netdam.kernels.datapath import _drain
+from netdam.kernels.datapath import drain
 from netdam.kernels.state import TxQueue
 from netdam.protocol import counters as C
 
@@ -94,8 +94,8 @@ class SendQueue:
     def fill(self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray) -> int:
         """Copy pending datagrams into a caller's batch (back to back, as many as fit)."""
         head, tail = int(self.q[0]), int(self.q[1])
-        count = int(_drain(self.buf, self.off, self.len, self.dst, head, tail - head,
-                           out, out_offs, out_lens, out_dsts))  # fmt: skip
+        count = drain(TxQueue(self.buf, self.off, self.len, self.dst), head, tail - head,
+                      TxQueue(out, out_offs, out_lens, out_dsts))  # fmt: skip
         self.sent(count)
         return count
 

@@ -43,7 +43,7 @@ from netdam.kernels.coll_layout import (
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
-from netdam.kernels.state import NodeState, RxBatch, TxQueue
+from netdam.kernels.state import DupWindow, NodeState, RxBatch, TxQueue
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DUP_REPLY_BYTES,
@@ -1124,3 +1124,27 @@ def _drain(tx_buf, tx_off, tx_len, tx_dst, start, count, out_buf, out_off, out_l
         out_dst[k] = tx_dst[start + k]
         pos += ln
     return limit
+
+
+def drain(tx: TxQueue, start: int, count: int, out: TxQueue) -> int:
+    """Copy queued datagrams [start, start + count) into *out*'s arrays, as many as fit; returns how many."""
+    if not 0 <= start <= start + count <= tx.len.shape[0]:
+        raise ValueError(f"drain [{start}, {start + count}) outside the queue's {tx.len.shape[0]} slots")
+    return int(_drain(tx.buf, tx.off, tx.len, tx.dst, start, count, out.buf, out.off, out.len, out.dst))
+
+
+def window_check(window: DupWindow, client: int, requester: int, txn: int, stamp: int) -> tuple[int, int, int]:
+    """The duplicate window's verdict for (client, requester, txn): (0 new | 1 duplicate | 2 stale,
+    client slot, window slot)."""
+    verdict, c, w = _window_check(window.cl_id, window.cl_hi, window.cl_used, window.txn, window.state,
+                                  client, requester, txn, stamp)  # fmt: skip
+    return int(verdict), int(c), int(w)
+
+
+def window_record(window: DupWindow, c: int, w: int, txn: int, reply: np.ndarray) -> None:
+    """Remember *reply* for (client slot c, window slot w) so a retry gets it again."""
+    if not (0 <= c < window.txn.shape[0] and 0 <= w < window.txn.shape[1]):
+        raise ValueError(f"window slot ({c}, {w}) outside the window")
+    if reply.shape[0] > window.reply.shape[2]:
+        raise ValueError(f"reply of {reply.shape[0]} bytes longer than the window keeps")
+    _window_record(window.txn, window.state, window.len, window.reply, c, w, txn, reply, reply.shape[0])

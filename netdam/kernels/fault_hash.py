@@ -45,3 +45,18 @@ def _packet_id(b, n):  # type: ignore[no-untyped-def]
     for k in range(4, 48):
         h = _mix(h ^ (np.uint64(b[k]) << np.uint64(8 * (k % 8))))
     return _mix(h ^ np.uint64(b[53]))
+
+
+def fault_draws(seed: int, src: int, dst: int, pid: int, attempt: int) -> tuple[float, float, float, float]:
+    """The four uniform draws in [0, 1) that decide drop, duplicate, reorder and delay for one
+    datagram: the same numbers the node and switch kernels draw."""
+    key = [np.uint64(v & 0xFFFFFFFFFFFFFFFF) for v in (seed, src, dst, pid, attempt)]
+    return tuple(float(_fault_hash(*key, np.uint64(salt)))  # type: ignore[return-value]
+                 for salt in (_SALT_DROP, _SALT_DUP, _SALT_REORDER, _SALT_DELAY))  # fmt: skip
+
+
+def packet_id(datagram: np.ndarray) -> int:
+    """The id fault decisions use for *datagram* (a 1-D uint8 array)."""
+    if datagram.dtype != np.uint8 or datagram.ndim != 1:
+        raise ValueError("packet_id needs a 1-D uint8 array")
+    return int(_packet_id(datagram, datagram.shape[0]))

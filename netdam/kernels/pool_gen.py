@@ -12,6 +12,8 @@ measurement window.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit
 
@@ -134,3 +136,23 @@ def _echo_run(fd, buf, offs, lens, srcs, max_n, scratch, state, t_stop, counts):
         counts[0] += n
         counts[1] += done
     return counts[1]
+
+
+def gen_run(fd: int, plan: Any, phase: Any, rx: Any, max_n: int, scratch: np.ndarray, state: np.ndarray,
+            counts: np.ndarray, hist: np.ndarray) -> None:  # fmt: skip
+    """Closed-loop request generator (see _gen_run): *plan* a GenPlan, *phase* a TimeWindow."""
+    if plan.templates.ndim != 2 or plan.t_len.shape[0] < plan.n_templates or plan.window < 1:
+        raise ValueError("gen_run: templates must be (n, width) with n >= n_templates, window >= 1")
+    if int(plan.t_len[: plan.n_templates].max()) > plan.templates.shape[1]:
+        raise ValueError("gen_run: a template is longer than its row")
+    if counts.shape[0] < G_COUNTS or hist.shape[0] < HIST_BINS:
+        raise ValueError("gen_run: counts or histogram too short")
+    _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist)
+
+
+def echo_run(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, max_n: int,
+             scratch: np.ndarray, state: np.ndarray, t_stop: int, counts: np.ndarray) -> None:  # fmt: skip
+    """Null echo server (see _echo_run)."""
+    if not max_n <= min(offs.shape[0], lens.shape[0], srcs.shape[0]) or counts.shape[0] < G_COUNTS:
+        raise ValueError("echo_run: batch arrays or counts too short")
+    _echo_run(fd, buf, offs, lens, srcs, max_n, scratch, state, t_stop, counts)

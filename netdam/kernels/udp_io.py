@@ -56,6 +56,8 @@ of payload (65535 - 20 - 8). Each segment must fit the path MTU (else EMSGSIZE w
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -704,3 +706,61 @@ def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # t
             counts[SINK_RX_IN_WINDOW] += n
             counts[SINK_VERIFIED_IN_WINDOW] += good
     return counts[SINK_RX_TOTAL]
+
+
+# ---------------------------------------------------------------- checked entries for Python callers
+
+
+def _check_io_arrays(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
+    if buf.dtype != np.uint8 or offs.dtype != np.int64 or lens.dtype != np.int32 or addrs.dtype != np.uint64:
+        raise ValueError("batch arrays must be uint8 buffer, int64 offsets, int32 lengths, uint64 addresses")
+    if not 0 <= n <= min(offs.shape[0], lens.shape[0], addrs.shape[0]):
+        raise ValueError(f"batch of {n} does not fit its arrays")
+
+
+def recv_batch(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, max_n: int,
+               timeout_ms: int, state: np.ndarray) -> int:  # fmt: skip
+    """recvmmsg with GRO into *buf* (datagram k at buf[offs[k]:offs[k]+lens[k]] from srcs[k]);
+    waits up to *timeout_ms* for the first; returns how many arrived."""
+    _check_io_arrays(buf, offs, lens, srcs, max_n)
+    if state.shape[0] < STATE_LEN:
+        raise ValueError(f"I/O state needs {STATE_LEN} words (new_state())")
+    return int(_recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state))
+
+
+def send_batch(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, n: int,
+               scratch: np.ndarray, state: np.ndarray) -> int:  # fmt: skip
+    """sendmmsg (runs of equal-size datagrams to one destination as GSO); returns how many left."""
+    _check_io_arrays(buf, offs, lens, dsts, n)
+    if n and int(offs[n - 1]) + int(lens[n - 1]) > buf.shape[0]:
+        raise ValueError("a datagram reaches past the send buffer")
+    if scratch.shape[0] < MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG or state.shape[0] < STATE_LEN:
+        raise ValueError("send scratch or I/O state too small (new_send_scratch(), new_state())")
+    return int(_send_batch(fd, buf, offs, lens, dsts, n, scratch, state))
+
+
+def feed_run(fd: int, pkts: Any, n_pkts: int, batch: int, scratch: np.ndarray, state: np.ndarray, t_start: int,
+             t_end: int, counts: np.ndarray, progress: np.ndarray, window: int, i0: int) -> int:  # fmt: skip
+    """Benchmark feeder (see _feed_run); *pkts* a TxQueue of the datagrams to cycle through."""
+    _check_io_arrays(pkts.buf, pkts.off, pkts.len, pkts.dst, n_pkts)
+    if counts.shape[0] < COUNTS_LEN or batch < 1:
+        raise ValueError("feed_run: counts too short or batch < 1")
+    return int(_feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0))
+
+
+def relay_run(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, dsts: np.ndarray,
+              max_n: int, scratch: np.ndarray, state: np.ndarray, dst: Any, t_stop: int, counts: np.ndarray) -> None:  # fmt: skip
+    """Benchmark relay that forwards without work (see _relay_run)."""
+    _check_io_arrays(buf, offs, lens, srcs, max_n)
+    if dsts.shape[0] < max_n or counts.shape[0] < COUNTS_LEN:
+        raise ValueError("relay_run: destination or counts arrays too short")
+    _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_stop, counts)
+
+
+def sink_run(fd: int, rx: Any, buf64: np.ndarray, max_n: int, state: np.ndarray, check: Any, phase: Any,
+             counts: np.ndarray, progress: np.ndarray) -> None:  # fmt: skip
+    """Benchmark sink (see _sink_run); *rx* an RxBatch, *check* a SinkCheck, *phase* a TimeWindow."""
+    _check_io_arrays(rx.buf, rx.off, rx.len, rx.src, max_n)
+    if buf64.shape[0] * 8 > rx.buf.shape[0] or counts.shape[0] < COUNTS_LEN:
+        raise ValueError("sink_run: buf64 must view the receive buffer; counts too short")
+    _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress)

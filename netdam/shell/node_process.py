@@ -7,7 +7,6 @@ membership, signals and the stop flag. Nothing per data packet happens here.
 
 from __future__ import annotations
 
-import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -25,12 +24,11 @@ from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
 from netdam.shell.process import (
+    ServeLoop,
     record_socket_buffers,
-    request_stop,
     serve_buffers,
     serve_main,
     serve_management_port,
-    stop_requested,
 )
 from netdam.shell.shm import DEFAULT_SHM_DIR, create_memory, prefault
 from netdam.shell.udp import (
@@ -46,8 +44,6 @@ ROUND_DATAGRAMS = 256
 RECV_RUNS = 32
 #: Rounds per compiled call before the control plane gets a turn (bounds stats latency).
 ROUNDS_PER_CALL = 32
-#: How long a call waits for traffic when idle, ms (the stop flag is checked this often).
-IDLE_WAIT_MS = 20
 #: Datagrams held aside by fault injection (reorder, delay) at once.
 HOLD_SLOTS = 256
 #: Attempt-count table of fault injection (power of two).
@@ -72,7 +68,7 @@ class NodeProcessConfig:
     die_with_parent: bool = False
 
 
-class NodeProcess:
+class NodeProcess(ServeLoop):
     """Owns the socket, the memory file and the core; ``run`` serves until stopped."""
 
     def __init__(self, config: NodeProcessConfig) -> None:
@@ -167,21 +163,6 @@ class NodeProcess:
         self.serve_once(0)
         core = self.core
         prefault(self, core, core.sendq, core.collective, skip=(core.memory,))
-
-    def run(self, handle_signals: bool = True) -> None:
-        """Serve until SIGTERM/SIGINT (or the parent's death, when asked) or ``stop``."""
-        if handle_signals:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
-        try:
-            while not self.stop and not stop_requested():
-                self.serve_once(IDLE_WAIT_MS)
-        finally:
-            self.close()
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self.stop = True
-        request_stop()
 
     def close(self) -> None:
         self.sock.close()

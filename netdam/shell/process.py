@@ -151,3 +151,34 @@ def serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_par
         raise
     log.info("stopped")
     return 0
+
+
+class ServeLoop:
+    """The serve loop both processes run: compiled calls until SIGTERM/SIGINT or ``stop``.
+
+    Subclasses provide ``serve_once(timeout_ms)`` and ``close()``; ``idle_wait_ms`` bounds how
+    long one call waits for traffic, so the stop flag is checked at least that often."""
+
+    idle_wait_ms = 20
+    stop = False
+
+    def serve_once(self, timeout_ms: int) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def run(self, handle_signals: bool = True) -> None:
+        """Serve until SIGTERM/SIGINT (or the parent's death, when asked) or ``stop``."""
+        if handle_signals:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            while not self.stop and not stop_requested():
+                self.serve_once(self.idle_wait_ms)
+        finally:
+            self.close()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.stop = True
+        request_stop()

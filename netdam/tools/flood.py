@@ -125,7 +125,7 @@ def _sender(conn: Connection, mix: list[bytes], dst: Endpoint) -> None:
         progress = np.zeros(8, np.int64)
         conn.send(("ready", {}))
         t_end_ns = int(conn.recv())
-        U._feed_run(sock.fileno(), TxQueue(buf, offs, lens, dsts), len(mix), FEED_BATCH, U.new_send_scratch(),
+        U.feed_run(sock.fileno(), TxQueue(buf, offs, lens, dsts), len(mix), FEED_BATCH, U.new_send_scratch(),
                     U.new_state(), 0, t_end_ns, counts, progress, 0, 0)  # fmt: skip
         conn.send(("done", {"sent": int(counts[U.FEED_SENT_TOTAL])}))
     except BaseException as exc:  # report, the parent turns it into `error`

@@ -187,13 +187,13 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
         }
         # Load (or compile) the kernel now, with the argument types of the real run.
         if role == "feeder":
-            U._feed_run(fd, TxQueue(buf, offs, lens, addrs), 0, 1, scratch, state, 0, 0, counts,
+            U.feed_run(fd, TxQueue(buf, offs, lens, addrs), 0, 1, scratch, state, 0, 0, counts,
                         progress, 0, 0)  # fmt: skip
         elif role == "relay":
-            U._relay_run(fd, buf, offs, lens, addrs, addrs.copy(), RECV_MAX_DATAGRAMS,
+            U.relay_run(fd, buf, offs, lens, addrs, addrs.copy(), RECV_MAX_DATAGRAMS,
                          scratch, state, np.uint64(0), 0, counts)  # fmt: skip
         else:
-            U._sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
+            U.sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
                         SinkCheck(expect["raw"], 0, 0, False), TimeWindow(0, 0, 0), counts, progress)  # fmt: skip
         conn.send(
             (
@@ -231,7 +231,7 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 i0 = 0
                 for until in (t_start, t_end):
                     cpu.append(_cpu_now())
-                    i0 = U._feed_run(fd, TxQueue(fbuf, foffs, flens, fdsts), n, FEED_BATCH, scratch,
+                    i0 = U.feed_run(fd, TxQueue(fbuf, foffs, flens, fdsts), n, FEED_BATCH, scratch,
                                      state, t_start, until, counts, progress,
                                      int(cmd["window"]), i0)  # fmt: skip
                 cpu.append(_cpu_now())
@@ -242,7 +242,7 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 for until in (t_start, t_end, t_stop):
                     cpu.append(_cpu_now())
                     sent = counts[U.RELAY_TX]
-                    U._relay_run(fd, buf, offs, lens, addrs, dsts, RECV_MAX_DATAGRAMS, scratch,
+                    U.relay_run(fd, buf, offs, lens, addrs, dsts, RECV_MAX_DATAGRAMS, scratch,
                                  state, dst, until, counts)  # fmt: skip
                     if until == t_end:
                         in_window = int(counts[U.RELAY_TX] - sent)
@@ -254,7 +254,7 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 size = HEADER_SIZE + 2 * SEGMENT_SIZE + w.payload_bytes
                 for until in (t_start, t_end, t_stop):
                     cpu.append(_cpu_now())
-                    U._sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
+                    U.sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
                                 SinkCheck(table, size, HEADER_SIZE + 2 * SEGMENT_SIZE, mode != "null"),
                                 TimeWindow(t_start, t_end, until), counts, progress)  # fmt: skip
                 cpu.append(_cpu_now())

@@ -93,11 +93,11 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
         hist = np.zeros(G.HIST_BINS, np.int64)
         templates = np.zeros((1, 128), np.uint8)
         if role == "gen":
-            G._gen_run(fd, GenPlan(templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0, 1),
+            G.gen_run(fd, GenPlan(templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0, 1),
                        TimeWindow(0, 0, 0), RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts,
                        hist)  # fmt: skip
         else:
-            G._echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, 0, counts)
+            G.echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, 0, counts)
         conn.send(("ready", {"port": sock.getsockname()[1]}))
         while True:
             if not conn.poll(CHILD_IDLE_S) or os.getppid() != parent:
@@ -117,12 +117,12 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
                     t_len[k] = len(r)
                 plan = GenPlan(templates, t_len, len(rows), cmd["window"], np.uint64(cmd["dst"]), cmd["id_off"],
                                cmd["id_bytes"], cmd["ok_off"], cmd["ok_byte"], int(cmd["timeout_ns"]))  # fmt: skip
-                G._gen_run(fd, plan, TimeWindow(cmd["t_start"], cmd["t_end"], cmd["t_stop"]),
+                G.gen_run(fd, plan, TimeWindow(cmd["t_start"], cmd["t_end"], cmd["t_stop"]),
                            RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts, hist)  # fmt: skip
                 nz = np.nonzero(hist)[0]
                 conn.send(("done", {"counts": counts.tolist(), "hist": dict(zip(nz.tolist(), hist[nz].tolist()))}))
             else:
-                G._echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, cmd["t_stop"], counts)
+                G.echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, cmd["t_stop"], counts)
                 conn.send(("done", {"counts": counts.tolist()}))
     except BaseException as exc:
         with contextlib.suppress(Exception):
