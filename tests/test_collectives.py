@@ -12,7 +12,7 @@ from helpers import ADMIN_KEY, RKEY, Cluster, make_cluster
 from reference import reference_chain
 
 from netdam.core.faults import FaultSpec
-from netdam.kernels import coll_layout as L
+from netdam.kernels import collective as L
 from netdam.protocol import counters as C
 from netdam.protocol.constants import NUMPY_DTYPE, DType, Opcode, ReduceOp, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet

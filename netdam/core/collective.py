@@ -21,7 +21,7 @@ from dataclasses import astuple
 import numpy as np
 
 from netdam.core.chunk_plan import block_bounds
-from netdam.kernels import coll_layout as L
+from netdam.kernels import collective as L
 from netdam.kernels.state import CollState
 from netdam.protocol.constants import (
     ELEMENT_SIZE,

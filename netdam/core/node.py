@@ -31,7 +31,7 @@ from netdam.core.events import (
     ReplyReceived,
 )
 from netdam.core.sendqueue import SLOT_BYTES, SendQueue
-from netdam.kernels import coll_layout as L
+from netdam.kernels import collective as L
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.state import DupWindow, NodeState, Regions, RxBatch

@@ -1,11 +1,13 @@
-"""The collective engine's clock: what a NIC does between packets during a collective.
+"""The collective engine in the NIC, compiled: the layout of its state arrays, its clock, and
+its per-packet side, in one module.
 
-``_coll_tick`` runs every serve round (and on every fabric step in tests). It originates chain
-heads within the credit window, re-sends chains whose ACK is late, multicasts (or fans out)
-the chunks of this node's block as soon as the chain stores them, READs missing all-gather
-chunks from their owner when progress stalls, and reports completion to the host. The per
-packet side (ACK capture, stores, all-gather writes, READ repair replies) is in
-``datapath._process_batch``; both share the arrays below. ``netdam.core.collective`` owns them.
+The clock, ``_coll_tick``, runs every serve round (and on every fabric step in tests). It
+originates chain heads within the credit window, re-sends chains whose ACK is late, multicasts
+(or fans out) the chunks of this node's block as soon as the chain stores them, READs missing
+all-gather chunks from their owner when progress stalls, and reports completion to the host.
+The per-packet side (``_chain_add``: combine in flight and store at the last hop; ``_all_write``;
+``_coll_reply``: ACK capture, BUSY, repair READ answers, DONE and bitmap messages) is called by
+``datapath._process_batch``, which only dispatches. ``netdam.core.collective`` owns the arrays.
 
 ``cfg`` (int64) indices are the ``CFG_*`` constants; ``fcfg`` (float64) the ``F_*`` ones.
 """
@@ -15,68 +17,128 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.coll_layout import (
-    AUX_BITMAP,
-    AUX_DONE,
-    BM_BASE,
-    CFG_ACKED,
-    CFG_AG_NEXT,
-    CFG_ALGO,
-    CFG_BM_APPLIED,
-    CFG_BM_ASK,
-    CFG_BM_GOT,
-    CFG_BM_HAS,
-    CFG_CHUNKS,
-    CFG_CLIENT,
-    CFG_COLL,
-    CFG_CUR_ASK,
-    CFG_DONE_COUNT,
-    CFG_DTYPE,
-    CFG_EPOCH,
-    CFG_FATAL,
-    CFG_GROUP,
-    CFG_HOST,
-    CFG_IN,
-    CFG_INFLIGHT,
-    CFG_LEN,
-    CFG_LOW_UNACKED,
-    CFG_NEEDED,
-    CFG_NEXT_SEND,
-    CFG_OP,
-    CFG_ORIG_BLOCK,
-    CFG_OUT,
-    CFG_OWN_BLOCK,
-    CFG_PEERS_DONE,
-    CFG_PER_PACKET,
-    CFG_PREV_ASK,
-    CFG_RANK,
-    CFG_READS,
-    CFG_RETRANSMITS,
-    CFG_RKEY,
-    CFG_SPARSE,
-    CFG_STATE,
-    CFG_TXN,
-    CFG_WINDOW,
-    CFG_WORLD,
-    F_BASE_RTO,
-    F_BM_SENT,
-    F_DEADLINE,
-    F_LAST_ADVANCE,
-    F_LAST_COUNT,
-    F_LAST_DONE_SENT,
-    F_LAST_PROGRESS,
-    F_LEN,
-    F_NOW,
-    F_RTO,
-    F_RTTVAR,
-    F_SRTT,
-    F_START,
-    NZ_BASE,
-)  # fmt: skip
-from netdam.kernels.datapath import _F_SPARSE, _SLOT, _encode_payload, _wr16, _wr32
+from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.state import CollState, TxQueue
+from netdam.kernels.wire import (
+    _ESIZE,
+    _F_ACK_REQ,
+    _F_SPARSE,
+    _HDR,
+    _OP_ACK,
+    _OP_ALL_WRITE,
+    _OP_CHAIN_ADD,
+    _OP_NACK,
+    _OP_READ,
+    _OP_READ_RESP,
+    _PHASE_NOT_STARTED,
+    _PHASE_RUNNING,
+    _PHASE_STALE,
+    _R_READ,
+    _R_WRITE,
+    _S_BUSY,
+    _S_NOT_MEMBER,
+    _S_TOO_LARGE,
+    _SEG,
+    _SLOT,
+    _check_access,
+    _credit,
+    _emit_nack,
+    _encode_payload,
+    _is_member,
+    _rd16,
+    _rd32,
+    _rd64,
+    _reply_dst,
+    _reply_header,
+    _scratch,
+    _sparse_expand,
+    _wr16,
+    _wr32,
+)
 from netdam.protocol import counters as C
+from netdam.protocol.constants import Flags
+from netdam.protocol.payloads import Algo
 
+# ---------------------------------------------------------------- layout of the engine's state arrays
+# cfg indices
+CFG_STATE = 0  # 0 idle, 1 running, 2 done, 3 failed
+CFG_COLL = 1
+CFG_EPOCH = 2
+CFG_RANK = 3
+CFG_WORLD = 4
+CFG_ALGO = 5
+CFG_DTYPE = 6
+CFG_OP = 7
+CFG_COUNT = 8
+CFG_IN = 9
+CFG_OUT = 10
+CFG_RKEY = 11
+CFG_WINDOW = 12
+CFG_PER_PACKET = 13
+CFG_CHUNKS = 14
+CFG_GROUP = 15  # multicast group endpoint, 0: fan out by unicast
+CFG_HOST = 16  # where the completion goes
+CFG_SLOT = 17  # completed-chunk guard slot
+CFG_ORIG_BLOCK = 18  # block whose chains this node starts, -1: none
+CFG_OWN_BLOCK = 19  # block this node stores and spreads, -1: none
+CFG_NEXT_SEND = 20
+CFG_INFLIGHT = 21
+CFG_ACKED = 22
+CFG_LOW_UNACKED = 23
+CFG_AG_NEXT = 24
+CFG_RETRANSMITS = 25
+CFG_READS = 26
+CFG_FATAL = 27  # status of a fatal NACK (0: none)
+CFG_CLIENT = 28
+CFG_TXN = 29
+CFG_NEEDED = 30  # chunks this node must hold (done bits) to finish
+CFG_DONE_COUNT = 31  # chunks whose done bit is set on this node
+CFG_PEERS_DONE = 32  # bit r: rank r said DONE for this epoch (this node's own bit included)
+CFG_PREV_ASK = 33  # bit r: rank r asked for this node's DONE of the previous epoch
+CFG_CUR_ASK = 34  # bit r: rank r still asks for this node's DONE of the finished epoch
+CFG_SPARSE = 35  # descriptor flags bit 0: sparse payloads and the non-zero bitmap round
+CFG_BM_GOT = 36  # bit r: rank r's non-zero bitmap arrived (own bit included)
+CFG_BM_HAS = 37  # bit r: rank r answered: it holds this node's bitmap (own bit included)
+CFG_BM_ASK = 38  # bit r: rank r sent its bitmap as a request: answer with ours
+CFG_BM_APPLIED = 39  # 1 once chunks zero everywhere were skipped
+CFG_LEN = 40
+
+#: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
+AUX_DONE = 2
+#: aux_addr of an ACK carrying a member's per-chunk non-zero bitmap (sparse mode, SPEC 4.1).
+AUX_BITMAP = 3
+
+# Sparse mode keeps two more per-chunk tables at the end of the ``done`` array (no new kernel
+# arguments): the OR of all members' bitmaps, one byte per chunk, at NZ_BASE + c, and this
+# node's own bitmap, packed LSB first, at BM_BASE.
+MAX_CHUNKS = 1 << 17
+NZ_BASE = MAX_CHUNKS
+BM_BASE = 2 * MAX_CHUNKS
+DONE_LEN = 2 * MAX_CHUNKS + MAX_CHUNKS // 8
+
+# fcfg indices
+F_START = 0
+F_RTO = 1
+F_SRTT = 2
+F_RTTVAR = 3
+F_LAST_PROGRESS = 4
+F_LAST_COUNT = 5
+F_NOW = 6
+F_DEADLINE = 7  # watchdog: the collective fails after this long without any progress
+F_BASE_RTO = 8  # RTO without backoff: paces all-gather repair
+F_LAST_ADVANCE = 9  # last time a chunk completed or a chain was ACKed
+F_LAST_DONE_SENT = 10  # last time this node sent its DONE
+F_BM_SENT = 11  # last time this node sent its bitmap requests (sparse mode)
+F_LEN = 12
+
+# algorithms (START_COLL descriptor byte 0; the wire's values, protocol/payloads.py)
+ALGO_ALL_REDUCE = int(Algo.ALL_REDUCE)
+ALGO_REDUCE_SCATTER = int(Algo.REDUCE_SCATTER)
+ALGO_ALL_GATHER = int(Algo.ALL_GATHER)
+ALGO_BROADCAST = int(Algo.BROADCAST)
+
+
+# ---------------------------------------------------------------- the clock
 RTO_MIN_S = 0.02  # loopback emulation: 2 cores, many processes: ms-scale scheduling jitter
 RTO_MAX_S = 0.25  # several retries fit in the 2 s default watchdog
 #: Re-ask a hop that answered BUSY after this long (seconds).
@@ -84,15 +146,9 @@ BUSY_RETRY_S = 0.0005
 #: All-gather repair starts after this long without progress (or 4 RTOs, whichever is longer).
 REPAIR_MIN_S = 0.1
 
-_OP_READ = 0x01
-_OP_CHAIN_ADD = 0x05
-_OP_ALL_WRITE = 0x06
-_OP_ACK = 0x0B
-_OP_NACK = 0x0C
-_F_ACK_REQ = 0x0001
-_F_MCAST = 0x0004
-_F_RETRY = 0x0010
-_ESIZE = np.array([1, 4, 2, 4, 8, 8, 8], dtype=np.int64)
+# Header flags the engine sets (the wire's values, protocol/constants.py).
+_F_MCAST = int(Flags.MCAST)
+_F_RETRY = int(Flags.RETRY)
 
 
 @njit(cache=True, nogil=True)
@@ -499,3 +555,287 @@ def _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done):  # type: ignor
             mem[o : o + count * esize] = 0
             done[c] = 1
             cfg[CFG_DONE_COUNT] += 1
+
+
+# ---------------------------------------------------------------- per-packet: what the datapath hands the engine
+
+
+@njit(cache=True, nogil=True)
+def _coll_phase(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
+    """RUNNING when (coll, epoch) is this node's current collective (running or finished),
+    STALE for an earlier epoch of it, NOT_STARTED otherwise (the host has not started it here
+    yet: its input may not be staged, so nothing of it may be read or written)."""
+    if co_cfg[CFG_STATE] != 0 and coll == co_cfg[CFG_COLL]:
+        behind = (co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF
+        if behind == 0:
+            return _PHASE_RUNNING
+        if behind < 0x80000000:
+            return _PHASE_STALE
+    return _PHASE_NOT_STARTED
+
+
+@njit(cache=True, nogil=True)
+def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
+    """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
+    collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
+    host started the collective here (before that the output may still be staged over)."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    tx_buf, tx_off, tx_len, tx_dst = tx
+    length = _rd32(b, 28)
+    addr = _rd64(b, 32)
+    esize = _ESIZE[np.int64(b[48])]
+    coll = _rd32(b, 16)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+        counters[C.DROP_COLL_EARLY] += 1  # before the rkey check: it may not be registered yet
+        return tx_n  # fetched again by READ repair once started
+    status = _check_access(
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize
+    )
+    if status != 0:
+        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    if coll != 0:
+        seq = _rd32(b, 4)
+        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        if phase != _PHASE_RUNNING or seq >= co_cfg[CFG_CHUNKS]:
+            counters[C.DROP_STALE_EPOCH if phase == _PHASE_STALE else C.DROP_COLL_EARLY] += 1
+            return tx_n  # an early one is fetched again by READ repair once started
+        if co_done[seq] != 0:
+            counters[C.DUP_SILENT] += 1
+            return tx_n
+        co_done[seq] = 1
+        co_cfg[CFG_DONE_COUNT] += 1
+    a = np.int64(addr)
+    if _rd16(b, 2) & _F_SPARSE:
+        _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), esize)  # the rest zeroed
+    else:
+        mem[a : a + length] = b[_HDR : _HDR + length]
+    if _rd16(b, 2) & _F_ACK_REQ:
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
+        tx_len[tx_n] = _HDR
+        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
+        tx_dst[tx_n] = _reply_dst(b, src, members)
+        return tx_n + 1
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
+    """Combine local memory into the payload; forward to the next segment or, at the last hop,
+    store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    tx_buf, tx_off, tx_len, tx_dst = tx
+    length = _rd32(b, 28)
+    addr = _rd64(b, 32)
+    store_addr = _rd64(b, 40)
+    dtype = np.int64(b[48])
+    op = np.int64(b[49])
+    esize = _ESIZE[dtype]
+    rkey = _rd32(b, 24)
+    left = np.int64(b[53])
+    count = np.int64(b[54])
+    coll = _rd32(b, 16)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+        # This node's host has not started the collective (nor, maybe, registered its key):
+        # BUSY, before the rkey check, so the sender backs off instead of failing.
+        return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
+    status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize)
+    if status == 0 and left == 0:
+        status = _check_access(
+            rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize
+        )
+    nxt = np.uint64(0)
+    if status == 0 and left > 0:
+        o = _HDR + _SEG * (count - left)
+        nxt = np.uint64((_rd32(b, o) << 16) | _rd16(b, o + 4))
+        if not _is_member(members, nxt):
+            status = _S_NOT_MEMBER  # nodes relay only inside their cluster
+    seq = _rd32(b, 4)
+    guarded = False
+    if status == 0 and coll != 0:
+        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        if phase == _PHASE_STALE:
+            counters[C.DROP_STALE_EPOCH] += 1
+            return tx_n
+        if phase == _PHASE_NOT_STARTED:
+            status = _S_BUSY  # this node has not started that collective: retry later
+        elif seq >= co_cfg[CFG_CHUNKS]:
+            status = _S_TOO_LARGE
+        else:
+            guarded = True
+    if status != 0:
+        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    payload_off = _HDR + _SEG * count
+    a = np.int64(addr)
+    sparse_in = (_rd16(b, 2) & _F_SPARSE) != 0
+    sparse_mode = guarded and co_cfg[CFG_SPARSE] != 0
+    if left > 0:
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        for k in range(payload_off):
+            t[k] = b[k]
+        t[53] = left - 1
+        if (_rd32(b, 56) == 0 and _rd16(b, 60) == 0) or not _is_member(members, src):
+            # First relay of a chain: record the originator so the last hop can ACK it. A
+            # return segment written by a non-member is replaced: replies never go to a third party.
+            _wr32(t, 56, np.int64(src >> np.uint64(16)))
+            _wr16(t, 60, np.int64(src & np.uint64(0xFFFF)))
+        nbytes = np.int64(length)
+        if sparse_in or sparse_mode:
+            # Dense running value in a scratch (the next send slot when free), combined there,
+            # then re-encoded into the forwarded packet: sparse when it pays, else dense.
+            x = _scratch(tx_buf, tx_off, tx_n)
+            if sparse_in:
+                _sparse_expand(x, np.int64(0), b, np.int64(payload_off), nbytes, esize)
+            else:
+                x[:length] = b[payload_off : payload_off + length]
+            _combine_bytes(x, np.int64(0), x, np.int64(0), mem, a, nbytes, dtype, op)
+            nbytes, sparse_out = _encode_payload(t, np.int64(payload_off), x, np.int64(0), nbytes, esize)
+            flags = _rd16(b, 2) & ~_F_SPARSE
+            _wr16(t, 2, flags | (_F_SPARSE if sparse_out else 0))
+        else:
+            _combine_bytes(
+                t, np.int64(payload_off), b, np.int64(payload_off), mem, a, nbytes, dtype, op
+            )
+        counters[C.BYTES_COMBINED] += length
+        counters[C.FORWARDED] += 1
+        tx_len[tx_n] = payload_off + nbytes
+        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
+        tx_dst[tx_n] = nxt
+        return tx_n + 1
+    if guarded and co_done[seq] != 0:
+        counters[C.CHAIN_REACKS] += 1  # already stored: re-ACK, never add twice
+    else:
+        # Combine into the free send slot, then store: the store range may overlap the operand
+        # (in-place all-reduce), and the combine kernel may not alias its output with `b`.
+        s = np.int64(store_addr)
+        scratch = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        if sparse_in:
+            _sparse_expand(scratch, np.int64(_HDR), b, np.int64(payload_off), np.int64(length), esize)
+            _combine_bytes(
+                scratch, np.int64(_HDR), scratch, np.int64(_HDR), mem, a, np.int64(length), dtype, op
+            )
+        else:
+            _combine_bytes(
+                scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
+            )
+        mem[s : s + length] = scratch[_HDR : _HDR + length]
+        counters[C.BYTES_COMBINED] += length
+        counters[C.STORED] += 1
+        if guarded:
+            co_done[seq] = 1
+            co_cfg[CFG_DONE_COUNT] += 1
+    if _rd16(b, 2) & _F_ACK_REQ:
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
+        tx_len[tx_n] = _HDR
+        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
+        tx_dst[tx_n] = _reply_dst(b, src, members)
+        return tx_n + 1
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _coll_done_msg(b, src, co_cfg):  # type: ignore[no-untyped-def]
+    """A member's DONE: for this epoch, note it; for the previous epoch (that member may have
+    lost this node's DONE while this node moved on), ask the engine to repeat it."""
+    world = co_cfg[CFG_WORLD]
+    rank = _rd32(b, 4)  # DONE carries the sender's rank in seq
+    if co_cfg[CFG_STATE] == 0 or rank >= world:
+        return True
+    epoch = _rd32(b, 20)
+    asks = _rd32(b, 12) == 0  # txn_id 1 marks an answer, which is never answered
+    if epoch == co_cfg[CFG_EPOCH]:
+        co_cfg[CFG_PEERS_DONE] |= np.int64(1) << rank
+        ready = (co_cfg[CFG_PEERS_DONE] >> co_cfg[CFG_RANK]) & 1
+        if asks and (co_cfg[CFG_STATE] != 1 or ready):
+            # This node is ready (or finished): answer at once, so a member that started late
+            # need not wait a retransmission timeout for the DONE it missed.
+            co_cfg[CFG_CUR_ASK] |= np.int64(1) << rank
+    elif asks and ((co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF) == 1:
+        co_cfg[CFG_PREV_ASK] |= np.int64(1) << rank
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyped-def]
+    """A member's per-chunk non-zero bitmap (sparse mode, SPEC.md 4.1): OR it in once; a request
+    (txn_id 0) is answered with ours by the next tick, an answer (txn_id 1) proves the member
+    holds ours. Dropped unless this node runs that very collective and epoch."""
+    rank = _rd32(b, 4)
+    nbytes = _rd32(b, 28)
+    chunks = co_cfg[CFG_CHUNKS]
+    if (
+        co_cfg[CFG_STATE] != 1
+        or co_cfg[CFG_SPARSE] == 0
+        or _rd32(b, 16) != co_cfg[CFG_COLL]
+        or _rd32(b, 20) != co_cfg[CFG_EPOCH]
+        or rank >= co_cfg[CFG_WORLD]
+        or nbytes != (chunks + 7) // 8
+    ):
+        counters[C.DROP_COLL_EARLY] += 1
+        return
+    bit = np.int64(1) << rank
+    if co_cfg[CFG_BM_GOT] & bit == 0:
+        for c in range(chunks):
+            if (b[_HDR + (c >> 3)] >> (c & 7)) & 1:
+                co_done[NZ_BASE + c] = 1
+        co_cfg[CFG_BM_GOT] |= bit
+    if _rd32(b, 12) == 1:
+        co_cfg[CFG_BM_HAS] |= bit
+    else:
+        co_cfg[CFG_BM_ASK] |= bit
+
+
+@njit(cache=True, nogil=True)
+def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
+    """Replies of the running collective, handled here so no reply costs Python: chain ACKs
+    free the originator's window, NACKs BUSY are retried by the timer (others fail the
+    collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
+    mem, regions, members, window, coll, counters = node
+    rk_key, rk_base, rk_len, rk_rights = regions
+    co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
+    if not _is_member(members, src):
+        return False
+    if op == _OP_ACK and _rd64(b, 40) == AUX_DONE and _rd32(b, 16) == co_cfg[CFG_COLL]:
+        return _coll_done_msg(b, src, co_cfg)
+    if op == _OP_ACK and _rd64(b, 40) == AUX_BITMAP:
+        _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
+        return True
+    if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, 16), _rd32(b, 20)) != _PHASE_RUNNING:
+        return False
+    seq = _rd32(b, 4)
+    if seq >= co_cfg[CFG_CHUNKS]:
+        return False
+    if op == _OP_ACK:
+        if co_acked[seq] != 1:
+            co_acked[seq] = 1
+            co_cfg[CFG_ACKED] += 1
+            co_cfg[CFG_INFLIGHT] -= 1
+        return True
+    if op == _OP_NACK:
+        status = np.int64(b[50])
+        if status == _S_BUSY:
+            if co_acked[seq] == 0:
+                co_acked[seq] = 2  # a hop has not started yet: flow control, not loss
+        elif co_cfg[CFG_FATAL] == 0:
+            co_cfg[CFG_FATAL] = status
+        return True
+    if op == _OP_READ_RESP:
+        length = _rd32(b, 28)
+        addr = _rd64(b, 32)
+        esize = _ESIZE[np.int64(b[48])]
+        # The answer lands in this node's memory: this node's rights on that range apply.
+        if _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize) != 0:
+            return True
+        if co_done[seq] == 0:
+            a = np.int64(addr)
+            mem[a : a + length] = b[_HDR : _HDR + length]
+            co_done[seq] = 1
+            co_cfg[CFG_DONE_COUNT] += 1
+        return True
+    return False

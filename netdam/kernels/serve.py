@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.coll_layout import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE
-from netdam.kernels.collective import _coll_tick
-from netdam.kernels.datapath import _SLOT, _process_batch
+from netdam.kernels.collective import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE, _coll_tick
+from netdam.kernels.datapath import _process_batch
 from netdam.kernels.rx_faults import _apply_faults
 from netdam.kernels.state import FaultState, NodeState, RxBatch, ServeIO, TxQueue
 from netdam.kernels.udp_io import (
@@ -25,6 +24,7 @@ from netdam.kernels.udp_io import (
     _send_batch,
     _sys_poll,
 )
+from netdam.kernels.wire import _SLOT
 from netdam.protocol import counters as C
 
 #: Why _serve returned.

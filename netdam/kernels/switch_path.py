@@ -26,7 +26,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.datapath import (
+from netdam.kernels.fault_hash import (
+    _SALT_DELAY,
+    _SALT_DROP,
+    _SALT_DUP,
+    _SALT_REORDER,
+    _fault_hash,
+    _mix,
+    _packet_id,
+)
+from netdam.kernels.rx_faults import _attempt
+from netdam.kernels.state import RxBatch, SwitchState, TxQueue
+from netdam.kernels.wire import (
     _ESIZE,
     _IS_REPLY,
     _PUNTED_OPS,
@@ -41,17 +52,6 @@ from netdam.kernels.datapath import (
     _wr16,
     _wr32,
 )
-from netdam.kernels.fault_hash import (
-    _SALT_DELAY,
-    _SALT_DROP,
-    _SALT_DUP,
-    _SALT_REORDER,
-    _fault_hash,
-    _mix,
-    _packet_id,
-)
-from netdam.kernels.rx_faults import _attempt
-from netdam.kernels.state import RxBatch, SwitchState, TxQueue
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags, Opcode, Rights, Status
 

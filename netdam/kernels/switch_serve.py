@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.datapath import _SLOT
 from netdam.kernels.serve import _flush  # one flush for node and switch
 from netdam.kernels.state import RxBatch, ServeIO, SwitchState, TxQueue
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
 from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch
+from netdam.kernels.wire import _SLOT
 from netdam.protocol import counters as C
 
 RETURN_IDLE = 0

@@ -1,0 +1,624 @@
+"""The bytes of a NetDAM datagram as the kernels see them: field readers and writers, the
+checks (in decode_packet's order), access rules, ACK/NACK emitters, the sparse codec and the
+opcode tables every kernel dispatches on."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from netdam.protocol import counters as C
+from netdam.protocol.constants import (
+    DUP_REPLY_BYTES,
+    DUP_WINDOW,
+    FLAGS_V1_MASK,
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    MAX_SEGMENTS,
+    REPLY_OPCODES,
+    SEGMENT_SIZE,
+    DType,
+    Flags,
+    Opcode,
+    Rights,
+    Status,
+)
+
+# numba freezes module-level ints and arrays at compile time: plain copies of the wire constants.
+_HDR = HEADER_SIZE
+
+
+_SEG = SEGMENT_SIZE
+
+
+_MAXSEG = MAX_SEGMENTS
+
+
+_MAXPAY = MAX_PAYLOAD_BYTES
+
+
+_FLAGS_MASK = FLAGS_V1_MASK
+
+
+_F_ACK_REQ = int(Flags.ACK_REQ)
+
+
+_F_SPARSE = int(Flags.SPARSE)
+
+
+_F_KEEP_IN_REPLY = int(Flags.RELAYED | Flags.MCAST)
+
+
+_R_READ = int(Rights.READ)
+
+
+_R_WRITE = int(Rights.WRITE)
+
+
+_R_ATOMIC = int(Rights.ATOMIC)
+
+
+_U64 = int(DType.U64)
+
+
+_MAX_STATUS = max(int(s) for s in Status)
+
+
+_W = DUP_WINDOW
+
+
+_REPLY_MAX = DUP_REPLY_BYTES
+
+
+#: Room one outgoing datagram may need: header, full SR list, largest payload.
+_SLOT = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
+
+
+#: Verdict of _check_packet for a datagram too short to answer: count and drop.
+DROP_SILENTLY = 255
+
+
+#: Verdict for a well-formed packet the control plane must handle.
+PUNT = 254
+
+
+# Opcode kinds, indexed by opcode value (0..63); 0 = unknown.
+_K_READ, _K_DATA, _K_OPAQUE, _K_EMPTY, _K_FIXED = 1, 2, 3, 4, 5
+
+
+_KIND = np.zeros(64, dtype=np.int64)
+
+
+_FIXED_LENGTH = np.zeros(64, dtype=np.int64)
+
+
+_FIXED_SIZE = np.zeros(64, dtype=np.int64)
+
+
+_IS_REPLY = np.zeros(64, dtype=np.int64)
+
+
+_IS_CONTROL = np.zeros(64, dtype=np.int64)
+
+
+_TAKES_SR = np.zeros(64, dtype=np.int64)
+
+
+_COMBINES = np.zeros(64, dtype=np.int64)
+
+
+_ATOMIC = np.zeros(64, dtype=np.int64)
+
+
+_PUNTED_OPS = np.zeros(64, dtype=np.int64)
+
+
+for _op in (Opcode.READ,):
+    _KIND[_op] = _K_READ
+
+
+for _op in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP):
+    _KIND[_op] = _K_DATA
+
+
+for _op in (Opcode.INFO, Opcode.ACK, Opcode.NACK, Opcode.START_COLL):
+    _KIND[_op] = _K_OPAQUE
+
+
+for _op in (Opcode.PING, Opcode.JOIN, Opcode.LEAVE, Opcode.COUNTERS):
+    _KIND[_op] = _K_EMPTY
+
+
+for _op, (_len, _size) in {
+    Opcode.FETCH_ADD: (8, 8),
+    Opcode.CAS: (8, 16),
+    Opcode.REGISTER: (8, 8),
+    Opcode.DEREGISTER: (8, 8),
+}.items():
+    _KIND[_op], _FIXED_LENGTH[_op], _FIXED_SIZE[_op] = _K_FIXED, _len, _size
+
+
+for _op in REPLY_OPCODES:
+    _IS_REPLY[_op] = 1
+    _PUNTED_OPS[_op] = 1
+
+
+for _op in (
+    Opcode.REGISTER,
+    Opcode.DEREGISTER,
+    Opcode.JOIN,
+    Opcode.LEAVE,
+    Opcode.START_COLL,
+    Opcode.COUNTERS,
+):
+    _IS_CONTROL[_op] = 1
+    _PUNTED_OPS[_op] = 1
+
+
+_PUNTED_OPS[Opcode.PING] = 1
+
+
+_TAKES_SR[Opcode.CHAIN_ADD] = _TAKES_SR[Opcode.START_COLL] = 1
+
+
+_COMBINES[Opcode.ADD] = _COMBINES[Opcode.CHAIN_ADD] = 1
+
+
+_ATOMIC[Opcode.FETCH_ADD] = _ATOMIC[Opcode.CAS] = 1
+
+
+_ESIZE = np.array([1, 4, 2, 4, 8, 8, 8], dtype=np.int64)  # by DType value
+
+
+_OP_READ = int(Opcode.READ)
+
+
+_OP_READ_RESP = int(Opcode.READ_RESP)
+
+
+_OP_WRITE = int(Opcode.WRITE)
+
+
+_OP_ADD = int(Opcode.ADD)
+
+
+_OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
+
+
+_OP_ALL_WRITE = int(Opcode.ALL_WRITE)
+
+
+_OP_FETCH_ADD = int(Opcode.FETCH_ADD)
+
+
+_OP_CAS = int(Opcode.CAS)
+
+
+_OP_ACK = int(Opcode.ACK)
+
+
+_OP_NACK = int(Opcode.NACK)
+
+
+_S_BAD_VERSION = int(Status.BAD_VERSION)
+
+
+_S_BAD_OPCODE = int(Status.BAD_OPCODE)
+
+
+_S_TRUNCATED = int(Status.TRUNCATED)
+
+
+_S_BAD_LENGTH = int(Status.BAD_LENGTH)
+
+
+_S_BAD_DTYPE = int(Status.BAD_DTYPE)
+
+
+_S_BAD_OP = int(Status.BAD_OP)
+
+
+_S_BAD_SEGMENT = int(Status.BAD_SEGMENT)
+
+
+_S_BAD_RKEY = int(Status.BAD_RKEY)
+
+
+_S_NO_RIGHTS = int(Status.NO_RIGHTS)
+
+
+_S_OUT_OF_BOUNDS = int(Status.OUT_OF_BOUNDS)
+
+
+_S_MISALIGNED = int(Status.MISALIGNED)
+
+
+_S_TOO_LARGE = int(Status.TOO_LARGE)
+
+
+_S_STALE = int(Status.STALE)
+
+
+_S_NOT_MEMBER = int(Status.NOT_MEMBER)
+
+
+_S_BAD_FIELD = int(Status.BAD_FIELD)
+
+
+_S_BUSY = int(Status.BUSY)
+
+
+# Where a collective packet stands on this node (see _coll_phase).
+_PHASE_RUNNING, _PHASE_STALE, _PHASE_NOT_STARTED = 0, 1, 2
+
+
+@njit(cache=True, nogil=True)
+def _rd16(b, o):  # type: ignore[no-untyped-def]
+    return (np.int64(b[o]) << 8) | np.int64(b[o + 1])
+
+
+@njit(cache=True, nogil=True)
+def _rd32(b, o):  # type: ignore[no-untyped-def]
+    return (_rd16(b, o) << 16) | _rd16(b, o + 2)
+
+
+@njit(cache=True, nogil=True)
+def _rd64(b, o):  # type: ignore[no-untyped-def]
+    return (np.uint64(_rd32(b, o)) << np.uint64(32)) | np.uint64(_rd32(b, o + 4))
+
+
+@njit(cache=True, nogil=True)
+def _wr8(b, o, v):  # type: ignore[no-untyped-def]
+    b[o] = np.uint8(v & 0xFF)
+
+
+@njit(cache=True, nogil=True)
+def _wr16(b, o, v):  # type: ignore[no-untyped-def]
+    b[o] = np.uint8((v >> 8) & 0xFF)
+    b[o + 1] = np.uint8(v & 0xFF)
+
+
+@njit(cache=True, nogil=True)
+def _wr32(b, o, v):  # type: ignore[no-untyped-def]
+    _wr16(b, o, (v >> 16) & 0xFFFF)
+    _wr16(b, o + 2, v & 0xFFFF)
+
+
+@njit(cache=True, nogil=True)
+def _le64(b, o):  # type: ignore[no-untyped-def]
+    value = np.uint64(0)
+    for k in range(8):
+        value |= np.uint64(b[o + k]) << np.uint64(8 * k)
+    return value
+
+
+@njit(cache=True, nogil=True)
+def _put_le64(b, o, v):  # type: ignore[no-untyped-def]
+    for k in range(8):
+        b[o + k] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
+
+
+@njit(cache=True, nogil=True)
+def _check_packet(b, n):  # type: ignore[no-untyped-def]
+    """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status."""
+    if n < _HDR:
+        return DROP_SILENTLY
+    if b[0] != 1:
+        return _S_BAD_VERSION
+    op = np.int64(b[1])
+    if op >= 64 or _KIND[op] == 0:
+        return _S_BAD_OPCODE
+    if b[55] != 0 or b[62] != 0 or b[63] != 0:
+        return _S_BAD_FIELD
+    flags = _rd16(b, 2)
+    if flags & ~_FLAGS_MASK:
+        return _S_BAD_FIELD
+    dtype = np.int64(b[48])
+    if dtype > 6:
+        return _S_BAD_DTYPE
+    if b[49] > 2:
+        return _S_BAD_OP
+    if b[50] > _MAX_STATUS:
+        return _S_BAD_FIELD
+    status = _check_segments(b, n)
+    if status != 0:
+        return status
+    return _check_fields(b, n, op, flags, dtype)
+
+
+@njit(cache=True, nogil=True)
+def _check_segments(b, n):  # type: ignore[no-untyped-def]
+    seg_type = np.int64(b[52])
+    left = np.int64(b[53])
+    count = np.int64(b[54])
+    if seg_type > 1 or count > _MAXSEG:
+        return _S_BAD_SEGMENT
+    if (seg_type == 0) != (count == 0):
+        return _S_BAD_SEGMENT
+    if left >= max(count, 1):
+        return _S_BAD_SEGMENT
+    if (n - _HDR) // _SEG < count:
+        return _S_TRUNCATED
+    for i in range(count):
+        if b[_HDR + _SEG * i + 6] != 0 or b[_HDR + _SEG * i + 7] != 0:
+            return _S_BAD_SEGMENT
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
+    count = np.int64(b[54])
+    length = _rd32(b, 28)
+    size = n - _HDR - _SEG * count
+    esize = _ESIZE[dtype]
+    if count > 0 and _TAKES_SR[op] == 0:
+        return _S_BAD_SEGMENT
+    if length > _MAXPAY and _IS_CONTROL[op] == 0:
+        return _S_TOO_LARGE
+    if _COMBINES[op] == 1 and dtype == 0:
+        return _S_BAD_DTYPE
+    if _ATOMIC[op] == 1 and dtype != _U64:
+        return _S_BAD_DTYPE
+    if flags & _F_SPARSE and op != _OP_CHAIN_ADD and op != _OP_ALL_WRITE and op != _OP_WRITE:
+        return _S_BAD_FIELD  # no sparse form (SPEC.md 2.5)
+    kind = _KIND[op]
+    if kind == _K_READ:
+        if size != 0 or length == 0 or length % esize != 0:
+            return _S_BAD_LENGTH
+    elif kind == _K_DATA:
+        if flags & _F_SPARSE:
+            if length == 0 or length % esize != 0:
+                return _S_BAD_LENGTH
+            return _check_sparse(b, n - size, size, length, esize)
+        if length == 0 or length != size or length % esize != 0:
+            return _S_BAD_LENGTH
+    elif kind == _K_OPAQUE:
+        if length != size:
+            return _S_BAD_LENGTH
+    elif kind == _K_EMPTY:
+        if length != 0 or size != 0:
+            return _S_BAD_LENGTH
+    elif length != _FIXED_LENGTH[op] or size != _FIXED_SIZE[op]:
+        return _S_BAD_LENGTH
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _le32(b, o):  # type: ignore[no-untyped-def]
+    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16) | (np.int64(b[o + 3]) << 24)
+
+
+@njit(cache=True, nogil=True)
+def _sparse_size(nnz, esize):  # type: ignore[no-untyped-def]
+    return 8 + (2 * nnz + 7) // 8 * 8 + nnz * esize
+
+
+@njit(cache=True, nogil=True)
+def _check_sparse(b, p, size, length, esize):  # type: ignore[no-untyped-def]
+    """Mirrors protocol.packet.check_sparse_payload on the payload b[p : p + size]."""
+    if size < 8:
+        return _S_TRUNCATED
+    if _le32(b, p + 4) != 0:
+        return _S_BAD_FIELD
+    nnz = _le32(b, p)
+    elements = length // esize
+    if nnz > elements:
+        return _S_BAD_LENGTH
+    if size != _sparse_size(nnz, esize):
+        return _S_BAD_LENGTH
+    for k in range(p + 8 + 2 * nnz, p + 8 + (2 * nnz + 7) // 8 * 8):
+        if b[k] != 0:
+            return _S_BAD_FIELD
+    prev = np.int64(-1)
+    for k in range(nnz):
+        index = np.int64(b[p + 8 + 2 * k]) | (np.int64(b[p + 9 + 2 * k]) << 8)
+        if index <= prev:
+            return _S_BAD_FIELD
+        prev = index
+    if nnz > 0 and prev >= elements:
+        return _S_BAD_FIELD
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _nnz_typed(w):  # type: ignore[no-untyped-def]
+    n = 0
+    for i in range(w.shape[0]):
+        if w[i] != 0:
+            n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _encode_typed(w, idx, vals):  # type: ignore[no-untyped-def]
+    k = 0
+    for i in range(w.shape[0]):
+        if w[i] != 0:
+            idx[k] = i
+            vals[k] = w[i]
+            k += 1
+
+
+@njit(cache=True, nogil=True)
+def _expand_typed(w, idx, vals):  # type: ignore[no-untyped-def]
+    w[:] = 0
+    for k in range(idx.shape[0]):
+        w[idx[k]] = vals[k]
+
+
+@njit(cache=True, nogil=True)
+def _count_nonzero(src, off, nbytes, esize):  # type: ignore[no-untyped-def]
+    """Elements of src[off : off + nbytes] whose bits are not all zero (-0.0 counts)."""
+    s = src[off : off + nbytes]
+    if esize == 2:
+        return _nnz_typed(s.view(np.uint16))
+    if esize == 4:
+        return _nnz_typed(s.view(np.uint32))
+    if esize == 8:
+        return _nnz_typed(s.view(np.uint64))
+    return _nnz_typed(s)
+
+
+@njit(cache=True, nogil=True)
+def _sparse_pays(nnz, nbytes, esize):  # type: ignore[no-untyped-def]
+    """The re-encode rule: sparse when under half the elements are non-zero and it is shorter."""
+    return nnz * 2 < nbytes // esize and _sparse_size(nnz, esize) < nbytes
+
+
+@njit(cache=True, nogil=True)
+def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):  # type: ignore[no-untyped-def]
+    """Write the sparse form of dense src[s_off : s_off + nbytes] (nnz non-zero elements) at
+    dst[d_off:] (must not overlap src); returns its size in bytes. Little-endian host."""
+    pad = (2 * nnz + 7) // 8 * 8
+    for k in range(4):
+        dst[d_off + k] = np.uint8((nnz >> (8 * k)) & 0xFF)
+        dst[d_off + 4 + k] = 0
+    for k in range(2 * nnz, pad):
+        dst[d_off + 8 + k] = 0
+    idx = dst[d_off + 8 : d_off + 8 + 2 * nnz].view(np.uint16)
+    v = d_off + 8 + pad
+    s = src[s_off : s_off + nbytes]
+    vals = dst[v : v + nnz * esize]
+    if esize == 2:
+        _encode_typed(s.view(np.uint16), idx, vals.view(np.uint16))
+    elif esize == 4:
+        _encode_typed(s.view(np.uint32), idx, vals.view(np.uint32))
+    elif esize == 8:
+        _encode_typed(s.view(np.uint64), idx, vals.view(np.uint64))
+    else:
+        _encode_typed(s, idx, vals)
+    return 8 + pad + nnz * esize
+
+
+@njit(cache=True, nogil=True)
+def _sparse_expand(dst, d_off, b, p, nbytes, esize):  # type: ignore[no-untyped-def]
+    """Dense form of the (validated) sparse payload at b[p:] into dst[d_off : d_off + nbytes]:
+    listed elements get their value, all others all-zero bits."""
+    nnz = _le32(b, p)
+    idx = b[p + 8 : p + 8 + 2 * nnz].view(np.uint16)
+    v = p + 8 + (2 * nnz + 7) // 8 * 8
+    vals = b[v : v + nnz * esize]
+    w = dst[d_off : d_off + nbytes]
+    if esize == 2:
+        _expand_typed(w.view(np.uint16), idx, vals.view(np.uint16))
+    elif esize == 4:
+        _expand_typed(w.view(np.uint32), idx, vals.view(np.uint32))
+    elif esize == 8:
+        _expand_typed(w.view(np.uint64), idx, vals.view(np.uint64))
+    else:
+        _expand_typed(w, idx, vals)
+
+
+@njit(cache=True, nogil=True)
+def _encode_payload(dst, d_off, src, s_off, nbytes, esize):  # type: ignore[no-untyped-def]
+    """Dense src range into dst[d_off:] as sparse (when it pays) or dense; (bytes, sparse?)."""
+    nnz = _count_nonzero(src, s_off, nbytes, esize)
+    if _sparse_pays(nnz, nbytes, esize):
+        return _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz), True
+    for k in range(nbytes):
+        dst[d_off + k] = src[s_off + k]
+    return nbytes, False
+
+
+@njit(cache=True, nogil=True)
+def _find_rkey(rk_key, rkey):  # type: ignore[no-untyped-def]
+    """Slot of *rkey* in the open-addressed table, or -1. Key 0 never matches (empty slot)."""
+    if rkey == 0:
+        return -1
+    mask = rk_key.shape[0] - 1
+    slot = (rkey * 2654435761) & mask  # Knuth multiplicative hash spreads sequential keys
+    for _ in range(rk_key.shape[0]):
+        key = rk_key[slot]
+        if key == rkey:
+            return slot
+        if key == 0:
+            return -1
+        slot = (slot + 1) & mask
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align):  # type: ignore[no-untyped-def]
+    """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status."""
+    slot = _find_rkey(rk_key, rkey)
+    if slot < 0:
+        return _S_BAD_RKEY
+    if (rk_rights[slot] & need) != need:
+        return _S_NO_RIGHTS
+    base = rk_base[slot]
+    # addr is u64 on the wire: compare without overflow (addr - base could wrap).
+    if addr < np.uint64(base) or addr - np.uint64(base) > np.uint64(rk_len[slot]):
+        return _S_OUT_OF_BOUNDS
+    if np.int64(addr - np.uint64(base)) + nbytes > rk_len[slot]:
+        return _S_OUT_OF_BOUNDS
+    if np.int64(addr % np.uint64(align)) != 0:
+        return _S_MISALIGNED
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _is_member(members, endpoint):  # type: ignore[no-untyped-def]
+    i = np.searchsorted(members, endpoint)
+    return i < members.shape[0] and members[i] == endpoint
+
+
+@njit(cache=True, nogil=True)
+def _reply_dst(b, src, members):  # type: ignore[no-untyped-def]
+    """Where replies go: the return segment when a cluster member (switch, chain hop) wrote it,
+    else the UDP source. A client cannot aim replies at a third party (SPEC.md "Rights")."""
+    ret = np.uint64((_rd32(b, 56) << 16) | _rd16(b, 60))
+    if ret != 0 and _is_member(members, src):
+        return ret
+    return src
+
+
+@njit(cache=True, nogil=True)
+def _reply_header(t, b, opcode, status, length, credit):  # type: ignore[no-untyped-def]
+    """Write a reply header into t from request header b: ids echoed, SR list dropped."""
+    for k in range(_HDR):
+        t[k] = b[k]
+    # A reply is always a valid v1 header, even when it NACKs an invalid one: fields that
+    # failed validation are not echoed (SPEC.md section 3).
+    t[0] = 1
+    t[1] = opcode
+    if t[48] > 6:
+        t[48] = 0
+    if t[49] > 2:
+        t[49] = 0
+    t[55] = 0
+    t[62] = 0
+    t[63] = 0
+    _wr16(t, 2, _rd16(b, 2) & _F_KEEP_IN_REPLY)
+    _wr32(t, 28, length)
+    t[50] = status
+    t[51] = credit
+    t[52] = 0
+    t[53] = 0
+    t[54] = 0
+
+
+@njit(cache=True, nogil=True)
+def _credit(tx_n, cap):  # type: ignore[no-untyped-def]
+    """Congestion byte of replies: send-queue occupancy scaled to 0..255 (SPEC.md "credit")."""
+    return min(255, (tx_n * 255) // cap)
+
+
+@njit(cache=True, nogil=True)
+def _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):  # type: ignore[no-untyped-def]
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    _reply_header(t, b, _OP_NACK, status, 0, _credit(tx_n, tx_len.shape[0]))
+    tx_len[tx_n] = _HDR
+    tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
+    tx_dst[tx_n] = _reply_dst(b, src, members)
+    counters[C.NACK_BASE + status] += 1
+    return tx_n + 1
+
+
+@njit(cache=True, nogil=True)
+def _scratch(tx_buf, tx_off, tx_n):  # type: ignore[no-untyped-def]
+    """A dense payload's worth of scratch: the send slot after the current one when the queue
+    has it, else a fresh array (rare: a nearly full queue)."""
+    start = tx_off[tx_n] + _SLOT
+    if start + _MAXPAY <= tx_buf.shape[0]:
+        return tx_buf[start : start + _MAXPAY]
+    return np.zeros(_MAXPAY, np.uint8)
