@@ -23,6 +23,7 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import switch_path as K
 from netdam.kernels.state import (
     Groups,
+    HoldTable,
     LinkFaults,
     RxBatch,
     SwitchCounters,
@@ -278,8 +279,8 @@ class SwitchCore(CoreBase):
             Groups(self._grp_key, self._grp_first, self._grp_count, self._grp_member),
             SwitchCounters(self.counters, self.sw, self.port_ctr, self.reg_ctr),
             LinkFaults(self.fcfg, self.fkeys, self.fclock, self.fstate, self.ftab_key, self.ftab_count,
-                       self.kctr, self.hold_buf, self.hold_len, self.hold_ep, self.hold_dir, self.hold_time,
-                       self.hold_gen),
+                       self.kctr, HoldTable(self.hold_buf, self.hold_len, self.hold_ep, self.hold_dir,
+                                            self.hold_time, self.hold_gen)),
         )  # fmt: skip
 
     @property

@@ -242,7 +242,7 @@ def test_exit_codes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
 
 
 def _full_attempt_table() -> tuple[np.ndarray, np.ndarray]:
-    from netdam.kernels.rx_faults import _attempt
+    from netdam.kernels.faults import _attempt
 
     keys = np.zeros(16, np.uint64)
     counts = np.zeros(16, np.uint32)
@@ -258,7 +258,7 @@ def test_fault_attempt_table_counts_retries_when_full() -> None:
     `_attempt` stored the key one slot past its probe window, where no lookup found it: every
     retransmission was attempt 0 again and got the first decision again, so a dropped request
     was dropped for ever (the soak: 'no answer ... after 21 tries' within seconds)."""
-    from netdam.kernels.rx_faults import _attempt
+    from netdam.kernels.faults import _attempt
 
     keys, counts = _full_attempt_table()
     retried = np.uint64(16 * 99 + 5)
@@ -273,7 +273,7 @@ def test_fault_attempt_table_two_retried_keys_of_one_slot() -> None:
     about once per 30 s) evicted each other on every sighting, so both stayed at attempt 0, got
     their first decision (drop) every time, and both clients timed out together. The victim
     slot now depends on the key's hash bits."""
-    from netdam.kernels.rx_faults import _attempt
+    from netdam.kernels.faults import _attempt
 
     keys, counts = _full_attempt_table()
     first, second = np.uint64(16 * 99 + 5), np.uint64(16 * 77 + 5)
@@ -290,7 +290,7 @@ def test_fault_attempt_table_no_pair_of_one_slot_repeats_attempts() -> None:
     those bits (about 1 in 8) evicted each other for ever (the table never drains), so two
     clients' dropped requests of such a pair both timed out. The new key now carries the evicted
     slot's count on."""
-    from netdam.kernels.rx_faults import _attempt
+    from netdam.kernels.faults import _attempt
 
     candidates = [np.uint64(16 * k + 5) for k in range(2, 40)]  # all start at slot 5
     stuck = []

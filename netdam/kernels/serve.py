@@ -13,7 +13,7 @@ from numba import njit
 
 from netdam.kernels.collective import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE, _coll_tick
 from netdam.kernels.datapath import _process_batch
-from netdam.kernels.rx_faults import _apply_faults
+from netdam.kernels.faults import _apply_faults
 from netdam.kernels.state import FaultState, NodeState, RxBatch, ServeIO, TxQueue
 from netdam.kernels.udp_io import (
     _POLLIN,
@@ -76,7 +76,7 @@ def _wait_any(fd, mfd, cfd, timeout_ms):  # type: ignore[no-untyped-def]
 def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, tx: TxQueue,
           txq: np.ndarray, punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
     """Checked entry to the node's compiled loop; returns (reason, n_punt)."""
-    room = 2 * io.max_n + faults.hold_len.shape[0]
+    room = 2 * io.max_n + faults.hold.len.shape[0]
     if min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]) < room:
         raise ValueError(f"receive arrays need {room} entries (2 x max_n + held datagrams)")
     if not 0 < io.recv_bytes <= rx.buf.shape[0]:
@@ -98,7 +98,7 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
     fd, mfd, cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg
-    hold_len = faults.hold_len
+    hold_len = faults.hold.len
     mem, regions, members, window, coll, counters = node
     co_cfg = coll.cfg
     tx_buf, tx_off, tx_len, tx_dst = tx

@@ -79,19 +79,26 @@ class NodeState(NamedTuple):
     counters: np.ndarray  # uint64 (protocol/counters.py)
 
 
+class HoldTable(NamedTuple):
+    """Datagrams fault injection holds aside (reorder, delay) until their release (kernels/faults.py)."""
+
+    buf: np.ndarray  # uint8 (slots, SLOT_BYTES)
+    len: np.ndarray  # int32, 0 = free slot
+    ep: np.ndarray  # uint64 source (receive side) or destination (transmit side)
+    tag: np.ndarray  # int64 which side holds it (the switch: DIR_RX / DIR_TX; a node: 0)
+    time: np.ndarray  # float64 release time
+    gen: np.ndarray  # int64 batch generation it was held in
+
+
 class FaultState(NamedTuple):
-    """Receive-side fault injection of a node process (netdam.kernels.rx_faults): the spec as
+    """Receive-side fault injection of a node process (netdam.kernels.faults): the spec as
     floats, the (seed, own endpoint) keys, the attempt-count table and the held datagrams."""
 
     cfg: np.ndarray  # float64: active, loss, dup, reorder, delay, delay_s, now, generation
     keys: np.ndarray  # uint64: seed, own endpoint
     table_key: np.ndarray  # uint64
     table_count: np.ndarray  # uint32
-    hold_buf: np.ndarray  # uint8 (slots, SLOT_BYTES)
-    hold_len: np.ndarray  # int32
-    hold_src: np.ndarray  # uint64
-    hold_time: np.ndarray  # float64
-    hold_gen: np.ndarray  # int64
+    hold: HoldTable
 
 
 class ServeIO(NamedTuple):
@@ -160,12 +167,7 @@ class LinkFaults(NamedTuple):
     ftab_key: np.ndarray
     ftab_count: np.ndarray
     kctr: np.ndarray  # int64 (ports, 2, 64) packets per opcode, for k-th drops
-    hold_buf: np.ndarray
-    hold_len: np.ndarray
-    hold_ep: np.ndarray
-    hold_dir: np.ndarray
-    hold_time: np.ndarray
-    hold_gen: np.ndarray
+    hold: HoldTable
 
 
 class SwitchState(NamedTuple):

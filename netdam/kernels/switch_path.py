@@ -27,15 +27,10 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels.fault_hash import (
-    _SALT_DELAY,
-    _SALT_DROP,
-    _SALT_DUP,
-    _SALT_REORDER,
-    _fault_hash,
     _mix,
     _packet_id,
 )
-from netdam.kernels.rx_faults import _attempt
+from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
 from netdam.kernels.state import RxBatch, SwitchState, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
@@ -290,8 +285,9 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
 
 
 @njit(cache=True, nogil=True)
-def _decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):  # type: ignore[no-untyped-def]
-    """(drop, kth_drop, copies, held, release_delay) for one packet on one link direction."""
+def _link_decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):  # type: ignore[no-untyped-def]
+    """(drop, kth_drop, copies, held, release_delay) for one packet on one link direction: the
+    link's k-th-packet drop first, then the shared engine (kernels/faults.py) on its row."""
     kth_k = np.int64(fcfg[port, direction, F_KTH_K])
     if op < 64:
         kctr[port, direction, op] += 1
@@ -299,35 +295,8 @@ def _decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):  # ty
             return True, True, 0, False, 0.0
     if fcfg[port, direction, F_ACTIVE] == 0.0:
         return False, False, 1, False, 0.0
-    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_DROP)) < fcfg[port, direction, F_LOSS]:
-        return True, False, 0, False, 0.0
-    copies = 1
-    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_DUP)) < fcfg[port, direction, F_DUP]:
-        copies = 2
-    held = False
-    delay = 0.0
-    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_REORDER)) < fcfg[port, direction, F_REORDER]:
-        held = True
-    if _fault_hash(seed, a, b_ep, pid, attempt, np.uint64(_SALT_DELAY)) < fcfg[port, direction, F_DELAY]:
-        held = True
-        delay = fcfg[port, direction, F_DELAY_S]
-    return False, False, copies, held, delay
-
-
-@njit(cache=True, nogil=True)
-def _hold(data, ln, ep, direction, release, gen, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen):  # type: ignore[no-untyped-def]
-    if ln > hold_buf.shape[1]:
-        return False
-    for h in range(hold_len.shape[0]):
-        if hold_len[h] == 0:
-            hold_buf[h, :ln] = data[:ln]
-            hold_len[h] = ln
-            hold_ep[h] = ep
-            hold_dir[h] = direction
-            hold_time[h] = release
-            hold_gen[h] = gen
-            return True
-    return False
+    drop, copies, held, delay = _decide(fcfg[port, direction, F_LOSS : F_DELAY_S + 1], seed, a, b_ep, pid, attempt)
+    return drop, False, copies, held, delay
 
 
 @njit(cache=True, nogil=True)
@@ -337,8 +306,8 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
     rx_buf, rx_off, rx_len, rx_src = rx
     cfg, nodes_ep, node_sorted, node_port = st.ports
     counters, sw, port_ctr, reg_ctr = st.ctrs
-    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr = st.faults[:7]
-    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = st.faults[7:]
+    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
+    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
     seed = fkeys[0]
     vip = cfg[CFG_VIP]
     now = fclock[0]
@@ -359,7 +328,7 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
         pid = _packet_id(b, ln)
         attempt = _attempt(ftab_key, ftab_count, _mix(src ^ _mix(pid)) | np.uint64(1))
         op = np.int64(b[1]) if ln > 1 else 64
-        drop, kth, copies, held, delay = _decide(fcfg, port, DIR_RX, seed, src, vip, pid, attempt, op, kctr)
+        drop, kth, copies, held, delay = _link_decide(fcfg, port, DIR_RX, seed, src, vip, pid, attempt, op, kctr)
         if drop:
             counters[C.DROP_FAULT] += 1
             port_ctr[port, P_FAULT_DROPS_RX] += 1
@@ -368,7 +337,7 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
             continue
         if copies > 1:
             port_ctr[port, P_FAULT_DUPS] += 1
-        if held and _hold(b, ln, src, DIR_RX, now + delay, gen, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen):
+        if held and _hold(b, ln, src, DIR_RX, now + delay, gen, hold):
             copies -= 1
             fstate[FS_HELD_RX] += 1
             port_ctr[port, P_FAULT_HELD] += 1
@@ -378,20 +347,8 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
             out_src[m] = src
             m += 1
     if fstate[FS_HELD_RX] > 0:
-        for h in range(hold_len.shape[0]):
-            ln = np.int64(hold_len[h])
-            if ln == 0 or hold_dir[h] != DIR_RX or hold_gen[h] >= gen or hold_time[h] > now:
-                continue
-            if end + ln > rx_buf.shape[0] or m >= m_cap:
-                break
-            rx_buf[end : end + ln] = hold_buf[h, :ln]
-            out_off[m] = end
-            out_len[m] = ln
-            out_src[m] = hold_ep[h]
-            m += 1
-            end += ln
-            hold_len[h] = 0
-            fstate[FS_HELD_RX] -= 1
+        m, end, released = _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, DIR_RX, gen, now)
+        fstate[FS_HELD_RX] -= released
     m = min(m, rx_off.shape[0])
     rx_off[:m] = out_off[:m]
     rx_len[:m] = out_len[:m]
@@ -405,8 +362,8 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
     held datagrams that are due. Returns the new tx_n."""
     cfg, nodes_ep, node_sorted, node_port = st.ports
     counters, sw, port_ctr, reg_ctr = st.ctrs
-    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr = st.faults[:7]
-    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = st.faults[7:]
+    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
+    hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
     tx_buf, tx_off, tx_len, tx_dst = tx
     seed = fkeys[0]
     vip = cfg[CFG_VIP]
@@ -434,7 +391,7 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
         pid = _packet_id(d, ln)
         attempt = _attempt(ftab_key, ftab_count, _mix(dst ^ _mix(pid ^ np.uint64(_SALT_TX))) | np.uint64(1))
         op = np.int64(d[1]) if ln > 1 else 64
-        drop, kth, copies, held, delay = _decide(fcfg, port, DIR_TX, seed, vip, dst, pid, attempt, op, kctr)
+        drop, kth, copies, held, delay = _link_decide(fcfg, port, DIR_TX, seed, vip, dst, pid, attempt, op, kctr)
         if drop:
             counters[C.DROP_FAULT] += 1
             port_ctr[port, P_FAULT_DROPS_TX] += 1
@@ -443,7 +400,7 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
             continue
         if copies > 1:
             port_ctr[port, P_FAULT_DUPS] += 1
-        if held and _hold(d, ln, dst, DIR_TX, now + delay, gen, hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen):
+        if held and _hold(d, ln, dst, DIR_TX, now + delay, gen, hold):
             copies -= 1
             fstate[FS_HELD_TX] += 1
             port_ctr[port, P_FAULT_HELD] += 1

@@ -29,7 +29,7 @@ CALL_BUDGET_NS = 5_000_000
 def switch_serve(io: ServeIO, rx: RxBatch, room_per: int, st: SwitchState, tx: TxQueue, txq: np.ndarray,
                  punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
     """Checked entry to the switch's compiled loop; returns (reason, n_punt)."""
-    room = 2 * io.max_n + st.faults.hold_len.shape[0]
+    room = 2 * io.max_n + st.faults.hold.len.shape[0]
     if min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]) < room:
         raise ValueError(f"receive arrays need {room} entries (2 x max_n + held datagrams)")
     if not 0 < io.recv_bytes <= rx.buf.shape[0]:
@@ -47,7 +47,7 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):  # type: ignore[no-untyp
     fd, _mfd, _cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
     rx_buf, rx_off, rx_len, rx_src = rx
     counters = st.ctrs.counters
-    fclock, fstate, hold_len = st.faults.fclock, st.faults.fstate, st.faults.hold_len
+    fclock, fstate, hold_len = st.faults.fclock, st.faults.fstate, st.faults.hold.len
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
     t0 = _now_ns()

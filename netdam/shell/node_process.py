@@ -19,7 +19,7 @@ from netdam.core.faults import FaultSpec
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
-from netdam.kernels.state import FaultState, RxBatch, ServeIO
+from netdam.kernels.state import FaultState, HoldTable, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
@@ -111,9 +111,11 @@ class NodeProcess(ServeLoop):
         self.hold_src = np.zeros(HOLD_SLOTS, np.uint64)
         self.hold_time = np.zeros(HOLD_SLOTS, np.float64)
         self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
+        self.hold = HoldTable(self.hold_buf, self.hold_len, self.hold_src, np.zeros(HOLD_SLOTS, np.int64),
+                              self.hold_time, self.hold_gen)  # fmt: skip
         self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
         self.faults = FaultState(self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
-                                 self.hold_buf, self.hold_len, self.hold_src, self.hold_time, self.hold_gen)  # fmt: skip
+                                 self.hold)  # fmt: skip
 
     def serve_once(self, timeout_ms: int) -> int:
         """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""

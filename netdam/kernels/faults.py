@@ -1,4 +1,8 @@
-"""Receive-side fault injection for node processes, applied to each batch before the datapath.
+"""The one fault engine: decide, hold, release (BRIEF section 7), used by the node's receive
+side (``_apply_faults``, here) and the switch's links (``switch_path._rx_faults``/``_tx_faults``);
+the in-memory fabric draws the same numbers through ``fault_hash.fault_draws``.
+
+Receive-side fault injection for node processes is applied to each batch before the datapath.
 
 Every decision is ``_fault_hash(seed, src, self, packet id, attempt)`` (netdam.core.faults), the
 same function the in-memory fabric uses, so seeded runs replay across processes. ``attempt``
@@ -60,20 +64,61 @@ def _attempt(table_key, table_count, key):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _hold(rx_buf, off, ln, src, release, cfg, hold_buf, hold_len, hold_src, hold_time, hold_gen, counters):  # type: ignore[no-untyped-def]
-    """Copy a datagram aside until *release* (and at least the next batch). False when full."""
-    slot_bytes = hold_buf.shape[1]
-    if ln > slot_bytes:
+def _decide(probs, seed, a, b, pid, attempt):  # type: ignore[no-untyped-def]
+    """The fate of one datagram from *a* to *b*: (drop, copies, held, delay_s). *probs* is
+    (loss, dup, reorder, delay, delay_s); reorder holds the datagram to the next batch, delay
+    holds it delay_s longer. The same draws as core.faults.decide (fault_draws)."""
+    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DROP)) < probs[0]:
+        return True, 0, False, 0.0
+    copies = 2 if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DUP)) < probs[1] else 1
+    held = False
+    delay = 0.0
+    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_REORDER)) < probs[2]:
+        held = True
+    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DELAY)) < probs[3]:
+        held = True
+        delay = probs[4]
+    return False, copies, held, delay
+
+
+@njit(cache=True, nogil=True)
+def _hold(data, ln, ep, tag, release, gen, hold):  # type: ignore[no-untyped-def]
+    """Copy a datagram aside until *release* (and at least the next batch, *gen*). False when
+    the table is full (the datagram then goes on at once)."""
+    if ln > hold.buf.shape[1]:
         return False
-    for h in range(hold_len.shape[0]):
-        if hold_len[h] == 0:
-            hold_buf[h, :ln] = rx_buf[off : off + ln]
-            hold_len[h] = ln
-            hold_src[h] = src
-            hold_time[h] = release
-            hold_gen[h] = np.int64(cfg[7])
+    for h in range(hold.len.shape[0]):
+        if hold.len[h] == 0:
+            hold.buf[h, :ln] = data[:ln]
+            hold.len[h] = ln
+            hold.ep[h] = ep
+            hold.tag[h] = tag
+            hold.time[h] = release
+            hold.gen[h] = gen
             return True
     return False
+
+
+@njit(cache=True, nogil=True)
+def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, gen, now):  # type: ignore[no-untyped-def]
+    """Append the held datagrams of *tag* that are due (held in an earlier batch, time come) to
+    a receive batch, copied after its data at *end*. Returns (m, end, released)."""
+    released = 0
+    for h in range(hold.len.shape[0]):
+        ln = np.int64(hold.len[h])
+        if ln == 0 or hold.tag[h] != tag or hold.gen[h] >= gen or hold.time[h] > now:
+            continue
+        if end + ln > rx_buf.shape[0] or m >= out_off.shape[0]:
+            break
+        rx_buf[end : end + ln] = hold.buf[h, :ln]
+        out_off[m] = end
+        out_len[m] = ln
+        out_src[m] = hold.ep[h]
+        m += 1
+        end += ln
+        hold.len[h] = 0
+        released += 1
+    return m, end, released
 
 
 @njit(cache=True, nogil=True)
@@ -81,7 +126,8 @@ def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
     """Rewrite rx[0:n] in place as the faults decide; returns the new count (rx arrays must
     have room for 2n + held entries, rx_buf room after the data for released copies)."""
     rx_buf, rx_off, rx_len, rx_src = rx
-    cfg, keys, table_key, table_count, hold_buf, hold_len, hold_src, hold_time, hold_gen = faults
+    cfg, keys, table_key, table_count, hold = faults
+    hold_len = hold.len
     seed = keys[0]
     me = keys[1]
     out_off = np.empty(2 * n + hold_len.shape[0], np.int64)
@@ -96,17 +142,11 @@ def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
         end = max(end, off + ln)
         pid = _packet_id(rx_buf[off : off + ln], ln)
         attempt = _attempt(table_key, table_count, _mix(src ^ _mix(pid)) | np.uint64(1))
-        if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_DROP)) < cfg[1]:
+        drop, copies, held, delay = _decide(cfg[1:6], seed, src, me, pid, attempt)
+        if drop:
             counters[C.DROP_FAULT] += 1
             continue
-        copies = 2 if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_DUP)) < cfg[2] else 1
-        release = -1.0
-        if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_REORDER)) < cfg[3]:
-            release = cfg[6]
-        if _fault_hash(seed, src, me, pid, attempt, np.uint64(_SALT_DELAY)) < cfg[4]:
-            release = cfg[6] + cfg[5]
-        if release >= 0.0 and _hold(rx_buf, off, ln, src, release, cfg, hold_buf, hold_len,
-                                    hold_src, hold_time, hold_gen, counters):  # fmt: skip
+        if held and _hold(rx_buf[off : off + ln], ln, src, 0, cfg[6] + delay, np.int64(cfg[7]), hold):
             copies -= 1  # one copy waits aside; a duplicate still goes now
         for _ in range(copies):
             out_off[m] = off
@@ -114,19 +154,7 @@ def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
             out_src[m] = src
             m += 1
     # Release held datagrams whose time has come and that were held in an earlier batch.
-    for h in range(hold_len.shape[0]):
-        ln = np.int64(hold_len[h])
-        if ln == 0 or hold_gen[h] >= np.int64(cfg[7]) or hold_time[h] > cfg[6]:
-            continue
-        if end + ln > rx_buf.shape[0]:
-            break
-        rx_buf[end : end + ln] = hold_buf[h, :ln]
-        out_off[m] = end
-        out_len[m] = ln
-        out_src[m] = hold_src[h]
-        m += 1
-        end += ln
-        hold_len[h] = 0
+    m, end, _ = _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, 0, np.int64(cfg[7]), cfg[6])
     m = min(m, rx_off.shape[0])
     rx_off[:m] = out_off[:m]
     rx_len[:m] = out_len[:m]
