@@ -29,8 +29,8 @@ from netdam.fpga_model import (
     preset_names,
     wire,
 )
-from netdam.fpga_model.collectives import default_params, roce_ideal, roce_ring
-from netdam.fpga_model.params import STATUSES, RoceParams, param_names
+from netdam.fpga_model.collectives import roce_ideal, roce_ring
+from netdam.fpga_model.params import STATUSES, param_names
 
 README = Path(__file__).resolve().parents[1] / "fpga_model" / "README.md"
 
