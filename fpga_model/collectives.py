@@ -6,10 +6,18 @@ Algorithms (p nodes, n bytes per node):
   in flight, the last stores), then all-gather by multicast writes (design notes 4.1-4.3).
   Every node receives (p-1)/p n in each phase at the rate of its NIC pipeline for ADD and
   WRITE packets (analytic.py), plus the fill latency of one chain and one multicast hop.
-- ``roce-ring``: host ring, Thakur, Rabenseifner & Gropp 2005:
+- ``roce-ideal``: hardware bound of a host ring, Thakur, Rabenseifner & Gropp 2005:
   2(p-1) a + 2(p-1)/p n b + (p-1)/p n g, where a is the RDMA one-way latency (PCIe
   doorbell + NIC + wire + NIC + DMA write), b the per-byte cost of the slowest of link,
   PCIe and host DRAM (with DDIO misses, design notes 8.2), g one core's reduction cost.
+- ``roce-ring``: RoCE as people run it, an MPI library over verbs (OpenMPI coll/tuned
+  decision): recursive doubling below ``small_allreduce_bytes``, ring up to p segments of
+  ``ring_segment_bytes``, segmented ring above. Each message pays software (verbs post + CQ
+  poll), each step the progress engine; eager messages pay copies through bounce buffers,
+  rendezvous messages an RTS/CTS round trip and the PCIe read round trip of the RDMA read.
+  A plain ring step serializes receive and reduce; the segmented ring overlaps the transfer
+  of one segment with the reduction of the previous one. With every software cost zero and
+  no small-size or segment switch this reduces exactly to ``roce-ideal``.
 - ``halving-doubling``: Rabenseifner (same paper): 2 log2(p) a + 2(p-1)/p n b + (p-1)/p n g
   for powers of two; otherwise the p - p' extra ranks first fold into a partner and get the
   result back at the end (a + n b + n g, then a + n b).
@@ -40,7 +48,7 @@ from .params import (
 )
 from .pipeline import netdam_shape, netdam_stages
 
-ALGOS = ("netdam-chain", "roce-ring", "halving-doubling", "ideal")
+ALGOS = ("netdam-chain", "roce-ideal", "roce-ring", "halving-doubling", "ideal")
 _LINK_STAGES = {"wire_in": "link", "wire_out": "link"}
 
 
@@ -175,11 +183,67 @@ def _host_estimate(algo: str, p: RoceParams, nodes: int, nbytes: int, steps: flo
                              bottleneck, terms, p.name)
 
 
-def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
-    """Host ring all-reduce over RoCE: 2(p-1) steps of n/p bytes, one core reducing."""
+def roce_ideal(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+    """Hardware bound of a host ring over RoCE: 2(p-1) steps of n/p bytes, one core reducing."""
     _check(nodes, nbytes, dtype_bytes)
-    return _host_estimate("roce-ring", p, nodes, nbytes, 2.0 * (nodes - 1),
+    return _host_estimate("roce-ideal", p, nodes, nbytes, 2.0 * (nodes - 1),
                           (nodes - 1) / nodes, {})
+
+
+def _message_overhead_s(p: RoceParams, c: _HostCosts, nbytes: int) -> tuple[float, float]:
+    """(seconds per message, seconds per byte) of software for one point-to-point message."""
+    if nbytes <= p.eager_limit_bytes:
+        # Eager: copy into a registered bounce buffer, copy out at the receiver.
+        return p.sw_message_s, p.eager_copies / p.cpu_memcpy_bytes_per_s
+    # Rendezvous: RTS then CTS (one round trip of small messages, each with its own
+    # software cost), then the RDMA read crosses the responder's PCIe as a read round trip.
+    handshake = 2.0 * (c.alpha + p.sw_message_s)
+    return p.sw_message_s + handshake + p.pcie_read_s(32), 0.0
+
+
+def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+    """MPI-library all-reduce over RoCE as OpenMPI's tuned component runs it (module docstring)."""
+    _check(nodes, nbytes, dtype_bytes)
+    c = _host_costs(p)
+    if nbytes < p.small_allreduce_bytes:
+        # Recursive doubling: log2(p') exchanges of the whole vector, each received into a
+        # temporary buffer then reduced into the local one (serialized: progress only in calls).
+        pow2 = 1 << (nodes.bit_length() - 1)
+        steps = int(math.log2(pow2)) + (2 if pow2 != nodes else 0)
+        lat, per = _message_overhead_s(p, c, nbytes)
+        comm = steps * (c.alpha + lat + p.sw_step_s)
+        xfer = steps * nbytes * (c.beta_rs + per)
+        red = steps * nbytes * c.gamma
+        terms = {"latency": comm, "transfer": xfer, "cpu_reduce": red}
+    else:
+        block = math.ceil(nbytes / nodes)
+        seg = min(block, p.ring_segment_bytes) if nbytes > nodes * p.ring_segment_bytes else block
+        nseg = math.ceil(block / seg)
+        lat, per = _message_overhead_s(p, c, seg)
+        # Per segment: communication (wire/PCIe/DRAM bound + software) and the reduction of
+        # the received temporary into the local block (reduce-scatter only).
+        comm_rs = c.alpha + lat + seg * (c.beta_rs + per)
+        comm_ag = c.alpha + lat + seg * (c.beta_ag + per)
+        red = seg * c.gamma
+        steps = nodes - 1
+        if nseg == 1:
+            rs_step = comm_rs + red  # receive then reduce, serialized
+            ag_step = comm_ag
+        else:
+            # Segmented ring: segment k+1 travels while segment k is reduced.
+            rs_step = nseg * max(comm_rs, red) + min(comm_rs, red)
+            ag_step = nseg * comm_ag
+        sw = 2.0 * steps * p.sw_step_s
+        lat_total = 2.0 * steps * nseg * (c.alpha + lat)
+        total = steps * (rs_step + ag_step) + sw
+        red_total = steps * (rs_step - nseg * comm_rs) if nseg == 1 else \
+            steps * max(0.0, rs_step - nseg * comm_rs)
+        terms = {"latency": lat_total + sw, "transfer": total - lat_total - sw - red_total,
+                 "cpu_reduce": red_total}
+    worst = max(terms, key=lambda k: terms[k])
+    bottleneck = c.limiter_rs if worst == "transfer" else worst
+    return AllreduceEstimate("roce-ring", nodes, nbytes, p.link_gbps, sum(terms.values()),
+                             bottleneck, terms, p.name)
 
 
 def halving_doubling(p: RoceParams, nodes: int, nbytes: int,
@@ -209,6 +273,8 @@ def allreduce(algo: str, nodes: int, nbytes: int, netdam: NetdamParams, roce: Ro
     """Dispatch to one algorithm; the link speed comes from the parameters it uses."""
     if algo == "netdam-chain":
         return netdam_chain(netdam, nodes, nbytes, dtype_bytes)
+    if algo == "roce-ideal":
+        return roce_ideal(roce, nodes, nbytes, dtype_bytes)
     if algo == "roce-ring":
         return roce_ring(roce, nodes, nbytes, dtype_bytes)
     if algo == "halving-doubling":
@@ -253,5 +319,6 @@ __all__ = [
     "halving_doubling",
     "ideal",
     "netdam_chain",
+    "roce_ideal",
     "roce_ring",
 ]

@@ -124,6 +124,13 @@ class RoceParams:
     rx_buffer_packets: int = _p("packets each pipeline queue holds", "packets")
     propagation_s: float = _p("cable propagation per hop", "s")
     switch_latency_s: float = _p("port-to-port latency of the switch between nodes", "s")
+    # Host-library (MPI over verbs) costs of the `roce-ring` model; zero them for `roce-ideal`.
+    sw_message_s: float = _p("software per message: verbs post + doorbell + CQ poll", "s")
+    sw_step_s: float = _p("MPI progress engine per algorithm step (matching, requests)", "s")
+    eager_limit_bytes: int = _p("largest message sent eagerly; above it rendezvous", "B")
+    eager_copies: int = _p("memory copies per eager byte (into and out of bounce buffers)", "")
+    small_allreduce_bytes: int = _p("below this vector size recursive doubling, else ring", "B")
+    ring_segment_bytes: int = _p("segment of the segmented ring (comm/reduce pipelined)", "B")
     provenance: tuple[tuple[str, Provenance], ...] = field(
         default=(), compare=False, repr=False, metadata={"doc": "", "unit": ""}
     )
@@ -154,7 +161,8 @@ _CLASSES: dict[str, type[NetdamParams] | type[RoceParams]] = {
 }
 _ALLOW_ZERO = {"mem_jitter_s", "mem_jitter_max_s", "ddio_hit_rate", "propagation_s",
                "switch_latency_s", "parse_cycles", "reply_cycles", "alu_latency_cycles",
-               "pcie_read_per_byte_s"}
+               "pcie_read_per_byte_s", "sw_message_s", "sw_step_s", "eager_limit_bytes",
+               "eager_copies", "small_allreduce_bytes"}
 
 
 def _check_positive(params: NetdamParams | RoceParams) -> None:

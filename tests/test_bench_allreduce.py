@@ -60,6 +60,7 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
         assert row["seconds_min"] <= row["seconds_median"] <= row["seconds_max"]
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(p-1)/p = 1 at p = 2
         assert row["model_seconds_100g"] > 0
+        assert row["model_seconds_100g_roce_ring"] > 0 and row["model_seconds_100g_roce_ideal"] > 0
     assert algos["chain"]["ratio_vs_chain"] == 1.0
     ring = algos["ring-host"]
     assert ring["ratio_vs_chain"] == pytest.approx(

@@ -380,6 +380,9 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
     try:
         est = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype)
         chain = allreduce("netdam-chain", args.nodes, args.size, nd, ro, dtype)
+        # NetDAM beside both RoCE baselines: the hardware bound and the MPI-library model.
+        side = {a: allreduce(a, args.nodes, args.size, nd, ro, dtype)
+                for a in ("netdam-chain", "roce-ideal", "roce-ring")}
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     out: dict[str, Any] = {
@@ -387,6 +390,8 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
         **est.as_dict(),
         "dtype": args.dtype,
         "ratio_vs_chain": est.seconds / chain.seconds,
+        "compare": {a: {"seconds": e.seconds, "busbw_gbps": e.busbw_gbps,
+                        "bottleneck": e.bottleneck} for a, e in side.items()},
     }
     terms = "\n".join(f"  {k}: {v * 1e6:.2f} us" for k, v in est.terms.items())
     text = (
@@ -394,7 +399,10 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
         f"{est.link_gbps:g} Gb/s ({est.params})\n"
         f"time {est.seconds * 1e6:.2f} us, algbw {plotting.gbytes_per_s(est.algbw_gbps):.2f} GB/s, "
         f"busbw {plotting.gbytes_per_s(est.busbw_gbps):.2f} GB/s, bottleneck {est.bottleneck}, "
-        f"{out['ratio_vs_chain']:.2f}x netdam-chain\n{terms}"
+        f"{out['ratio_vs_chain']:.2f}x netdam-chain\n{terms}\n"
+        + "\n".join(f"  vs {a}: {e.seconds * 1e6:.2f} us, busbw "
+                    f"{plotting.gbytes_per_s(e.busbw_gbps):.2f} GB/s ({e.bottleneck})"
+                    for a, e in side.items())
     )
     if plt is not None:
         _plot_allreduce(plt, args, nd, ro, dtype)

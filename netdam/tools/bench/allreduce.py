@@ -427,12 +427,10 @@ def _median(values: Sequence[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def model_seconds(algo: str, nodes: int, nbytes: int) -> float | None:
-
+def model_seconds(algo: str, nodes: int, nbytes: int, model: str | None = None) -> float | None:
     try:
-        return float(
-            estimate_allreduce_seconds(nodes, nbytes, 100.0, MODEL_ALGO[algo], ELEMENT_BYTES)
-        )
+        return float(estimate_allreduce_seconds(
+            nodes, nbytes, 100.0, model or MODEL_ALGO[algo], ELEMENT_BYTES))
     except ValueError:
         return None
 
@@ -443,6 +441,9 @@ def make_row(algo: str, nodes: int, nbytes: int, repeat: int, outcome: _Outcome)
         "seconds_median": None, "seconds_min": None, "seconds_max": None, "algbw_gbps": None,
         "busbw_gbps": None, "ratio_vs_chain": None,
         "model_seconds_100g": model_seconds(algo, nodes, nbytes), "model_algo": MODEL_ALGO[algo],
+        # Both RoCE estimates: the host-library model and the hardware bound of a ring.
+        "model_seconds_100g_roce_ring": model_seconds(algo, nodes, nbytes, "roce-ring"),
+        "model_seconds_100g_roce_ideal": model_seconds(algo, nodes, nbytes, "roce-ideal"),
         "ok": outcome.ok, "startup_seconds": outcome.startup_seconds,
     }  # fmt: skip
     if outcome.times:
