@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netdam.kernels import signatures as S
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.state import CollState, TxQueue
 from netdam.kernels.wire import (
@@ -839,3 +840,9 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
             co_cfg[CFG_DONE_COUNT] += 1
         return True
     return False
+
+
+# The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
+# the end of the module where every kernel it calls exists; no other signature compiles.
+_coll_tick.compile(S.COLL_TICK)
+_coll_tick.disable_compile()

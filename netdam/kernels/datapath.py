@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netdam.kernels import signatures as S
 from netdam.kernels.collective import (
     CFG_CHUNKS,
     _all_write,
@@ -391,3 +392,9 @@ def window_record(window: DupWindow, c: int, w: int, txn: int, reply: np.ndarray
     if reply.shape[0] > window.reply.shape[2]:
         raise ValueError(f"reply of {reply.shape[0]} bytes longer than the window keeps")
     _window_record(window.txn, window.state, window.len, window.reply, c, w, txn, reply, reply.shape[0])
+
+
+# The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
+# the end of the module where every kernel it calls exists; no other signature compiles.
+_process_batch.compile(S.PROCESS_BATCH)
+_process_batch.disable_compile()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netdam.kernels import signatures as S
 from netdam.kernels.collective import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE, _coll_tick
 from netdam.kernels.datapath import _process_batch
 from netdam.kernels.faults import _apply_faults
@@ -149,3 +150,9 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
             return RETURN_PUNT, n_punt
     _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
     return RETURN_ROUNDS, 0
+
+
+# The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
+# the end of the module where every kernel it calls exists; no other signature compiles.
+_serve.compile(S.SERVE)
+_serve.disable_compile()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netdam.kernels import signatures as S
 from netdam.kernels.fault_hash import (
     _mix,
     _packet_id,
@@ -504,3 +505,9 @@ def _translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, o
         out_status[i] = status
         out_node[i] = node
         out_local[i] = local
+
+
+# The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
+# the end of the module where every kernel it calls exists; no other signature compiles.
+_switch_round.compile(S.SWITCH_ROUND)
+_switch_round.disable_compile()

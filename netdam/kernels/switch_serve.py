@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netdam.kernels import signatures as S
 from netdam.kernels.serve import _flush  # one flush for node and switch
 from netdam.kernels.state import RxBatch, ServeIO, SwitchState, TxQueue
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
@@ -81,3 +82,9 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):  # type: ignore[no-untyp
             return RETURN_IDLE, 0
     _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
     return RETURN_ROUNDS, 0
+
+
+# The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
+# the end of the module where every kernel it calls exists; no other signature compiles.
+_switch_serve.compile(S.SWITCH_SERVE)
+_switch_serve.disable_compile()
