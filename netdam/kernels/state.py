@@ -54,7 +54,7 @@ class DupWindow(NamedTuple):
 
 
 class CollState(NamedTuple):
-    """The collective engine's arrays (layout in netdam.kernels.coll_layout)."""
+    """The collective engine's arrays (layout: the CFG_* and F_* words of netdam.kernels.collective)."""
 
     cfg: np.ndarray  # int64 CFG_* words
     done: np.ndarray  # uint8 per chunk (+ sparse tables)
