@@ -31,7 +31,6 @@ from netdam.core.events import (
     ReplyReceived,
 )
 from netdam.core.sendqueue import SLOT_BYTES, SendQueue
-from netdam.kernels import collective as L
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.state import DupWindow, NodeState, Regions, RxBatch
@@ -197,13 +196,13 @@ class NodeCore(CoreBase):
         if not self.collective.needs_tick:
             return None
         fcfg = self.collective.fcfg
-        return float(fcfg[L.F_NOW] + min(fcfg[L.F_RTO] / 4.0, 0.001))
+        return float(fcfg[coll_kernels.F_NOW] + min(fcfg[coll_kernels.F_RTO] / 4.0, 0.001))
 
     def handle_timer(self, now: float) -> None:
         """Run the collective engine's clock: chain heads, retransmits, all-gather, repair."""
         if not self.collective.needs_tick:
             return
-        self._reserve_tx(2 * self.collective.cfg[L.CFG_WINDOW] * max(1, int(self.collective.cfg[L.CFG_WORLD])))
+        self._reserve_tx(2 * self.collective.cfg[coll_kernels.CFG_WINDOW] * max(1, int(self.collective.cfg[coll_kernels.CFG_WORLD])))
         self._txq[1] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
                                               self.tx_bundle(), int(self._txq[1]))  # fmt: skip
 
@@ -391,7 +390,7 @@ class NodeCore(CoreBase):
             self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
             self._reply(packet, src, Opcode.ACK)
         elif status == Status.STALE_EPOCH:  # aux_addr: this node's epoch, the host's next is above
-            self._reply(packet, src, Opcode.NACK, status, aux_addr=int(self.collective.cfg[L.CFG_EPOCH]))
+            self._reply(packet, src, Opcode.NACK, status, aux_addr=int(self.collective.cfg[coll_kernels.CFG_EPOCH]))
         else:
             self._nack(packet, src, status)
 

@@ -91,11 +91,14 @@ class SendQueue:
         self.q[1] = tail + 1
         return True
 
+    def bundle(self) -> TxQueue:
+        """The queue's arrays as the kernels take them (made afresh: growing replaces them)."""
+        return TxQueue(self.buf, self.off, self.len, self.dst)
+
     def fill(self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray) -> int:
         """Copy pending datagrams into a caller's batch (back to back, as many as fit)."""
         head, tail = int(self.q[0]), int(self.q[1])
-        count = drain(TxQueue(self.buf, self.off, self.len, self.dst), head, tail - head,
-                      TxQueue(out, out_offs, out_lens, out_dsts))  # fmt: skip
+        count = drain(self.bundle(), head, tail - head, TxQueue(out, out_offs, out_lens, out_dsts))
         self.sent(count)
         return count
 
@@ -112,34 +115,17 @@ class SendQueue:
 
 
 class QueueOwner:
-    """Gives a core (node or switch) the send queue's arrays under the names its kernels'
-    callers use; they are looked up each time because the queue replaces them when it grows."""
+    """Gives a core (node or switch) its send queue as the kernels take it; the arrays are looked
+    up each time because the queue replaces them when it grows."""
 
     sendq: SendQueue
-
-    @property
-    def _tx_buf(self) -> np.ndarray:
-        return self.sendq.buf
-
-    @property
-    def _tx_off(self) -> np.ndarray:
-        return self.sendq.off
-
-    @property
-    def _tx_len(self) -> np.ndarray:
-        return self.sendq.len
-
-    @property
-    def _tx_dst(self) -> np.ndarray:
-        return self.sendq.dst
 
     @property
     def _txq(self) -> np.ndarray:
         return self.sendq.q
 
     def tx_bundle(self) -> TxQueue:
-        """The queue's arrays as the kernels take them (afresh each call: growing replaces them)."""
-        return TxQueue(self.sendq.buf, self.sendq.off, self.sendq.len, self.sendq.dst)
+        return self.sendq.bundle()
 
     def pending(self) -> int:
         """Datagrams waiting in the send queue."""
