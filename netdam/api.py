@@ -254,7 +254,9 @@ class Work:
         for action in self._finish:
             action()  # type: ignore[operator]
 
-    def _poll(self, timeout: float) -> bool:
+    def _poll(self, timeout: float, until_started: bool = False) -> bool:
+        """Take the node's answers for up to *timeout* seconds; returns at once on completion
+        (and, with *until_started*, on the ACK that says the node runs it)."""
         sock = self.group.client.sock
         sock.settimeout(timeout if timeout > 0 else 1e-6)
         while True:
@@ -276,6 +278,8 @@ class Work:
                 self._fail(reply)
             if reply.aux_addr == 0:
                 self.started = True
+                if until_started:
+                    return self.done
             if reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
                 retransmits, reads = unpack_completion(reply.payload)
                 self.stats = {"retransmits": retransmits, "repair_reads": reads}
@@ -286,7 +290,7 @@ class Work:
         """Poll until the node ACKs START_COLL (after moving past a STALE_EPOCH), or *timeout*."""
         deadline = time.monotonic() + timeout
         while not (self.started or self.done) and time.monotonic() < deadline:
-            self._poll(0.02)
+            self._poll(0.02, until_started=True)
 
     def _rebase(self, node_epoch: int) -> None:
         """The node already ran epoch *node_epoch* of this cluster's collectives (this group is

@@ -16,8 +16,6 @@ Rules of this file:
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import numpy as np
 
 from netdam.core.chunk_plan import block_bounds
@@ -92,10 +90,13 @@ class CollectiveEngine:
     ) -> Status:  # fmt: skip
         """Set up the collective *packet* describes; returns the status to answer with."""
         try:
-            (algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host,
-             timeout_ms, _) = astuple(unpack_descriptor(packet.payload))  # fmt: skip
+            d = unpack_descriptor(packet.payload)
         except RemoteProtocolError:
             return Status.BAD_LENGTH
+        # Fields one by one: dataclasses.astuple deep-copies (a fifth of a START_COLL's cost).
+        algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host, timeout_ms = (
+            d.algo, d.flags, d.window, d.rank, d.count, d.in_addr, d.out_addr, d.rkey, d.root,
+            d.group, d.host, d.timeout_ms)  # fmt: skip
         if self.cfg[L.CFG_STATE] != 0 and self.cfg[L.CFG_COLL] == packet.coll_id:
             if self.cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id):
                 return Status.OK  # a retried START_COLL: already running or finished
@@ -154,8 +155,11 @@ class CollectiveEngine:
         # A member may still ask for this node's DONE of the epoch that just ended.
         cfg[L.CFG_PREV_ASK] |= cfg[L.CFG_CUR_ASK]
         prev_ask = cfg[L.CFG_PREV_ASK]
+        # Chains refused BUSY before this start are told to come again (RESUME) by the first tick.
+        refused = cfg[L.CFG_REFUSED_COLL :].copy()
         cfg[:] = 0
         cfg[L.CFG_PREV_ASK] = prev_ask
+        cfg[L.CFG_REFUSED_COLL :] = refused
         packet_bytes = HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
         if not window:
             # Credit window: every node may hold N originators' windows in its receive queue;

@@ -102,12 +102,23 @@ CFG_BM_GOT = 36  # bit r: rank r's non-zero bitmap arrived (own bit included)
 CFG_BM_HAS = 37  # bit r: rank r answered: it holds this node's bitmap (own bit included)
 CFG_BM_ASK = 38  # bit r: rank r sent its bitmap as a request: answer with ours
 CFG_BM_APPLIED = 39  # 1 once chunks zero everywhere were skipped
-CFG_LEN = 40
+# Chains this node refused with BUSY because its host had not started that collective yet:
+# once it starts, it tells each refused originator to ask again now (RESUME), so a start skew
+# between hosts costs one message, not a backoff timer. Kept across START_COLL (set up zeroes
+# the rest of cfg).
+CFG_REFUSED_COLL = 40
+CFG_REFUSED_EPOCH = 41
+CFG_REFUSED_N = 42
+CFG_REFUSED_BASE = 43  # REFUSED_SLOTS originator endpoints (u64 as int64) follow
+REFUSED_SLOTS = 16
+CFG_LEN = CFG_REFUSED_BASE + REFUSED_SLOTS
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
 #: aux_addr of an ACK carrying a member's per-chunk non-zero bitmap (sparse mode, SPEC 4.1).
 AUX_BITMAP = 3
+#: aux_addr of an ACK that says "I have started: ask again the chains I answered BUSY" (RESUME).
+AUX_RESUME = 4
 
 # Sparse mode keeps two more per-chunk tables at the end of the ``done`` array (no new kernel
 # arguments): the OR of all members' bitmaps, one byte per chunk, at NZ_BASE + c, and this
@@ -179,6 +190,12 @@ def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):  # type: ignor
 @njit(cache=True, nogil=True)
 def _room(tx_buf, tx_off, tx_len, tx_n):  # type: ignore[no-untyped-def]
     return tx_n + 1 < tx_len.shape[0] and tx_off[tx_n] + _SLOT <= tx_buf.shape[0]
+
+
+@njit(cache=True, nogil=True)
+def _room_for(tx_buf, tx_off, tx_len, tx_n, k):  # type: ignore[no-untyped-def]
+    """Room for *k* more datagrams in the send queue."""
+    return tx_n + k < tx_len.shape[0] and tx_off[tx_n] + k * _SLOT <= tx_buf.shape[0]
 
 
 @njit(cache=True, nogil=True)
@@ -315,6 +332,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
         fcfg[F_START] = now
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
+        tx_n = _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     window = cfg[CFG_WINDOW]
     # DONEs and (sparse mode) arriving bitmaps are progress too
     advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE] + cfg[CFG_BM_GOT]
@@ -441,16 +459,23 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
     me = np.int64(1) << cfg[CFG_RANK]
     chains_done = ob < 0 or cfg[CFG_ACKED] >= cb[ob + 1] - cb[ob]
     if chains_done and cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED]:
-        if cfg[CFG_PEERS_DONE] & me == 0 or now - fcfg[F_LAST_DONE_SENT] > base_rto:
+        first = cfg[CFG_PEERS_DONE] & me == 0
+        if first or now - fcfg[F_LAST_DONE_SENT] > base_rto:
+            if first and not _room_for(tx_buf, tx_off, tx_len, tx_n, world):
+                return tx_n  # the first round of DONEs goes out whole
             cfg[CFG_PEERS_DONE] |= me
             fcfg[F_LAST_DONE_SENT] = now
             for k in range(1, world):
                 peer = (cfg[CFG_RANK] + k) % world
-                if (cfg[CFG_PEERS_DONE] >> peer) & 1:
-                    continue
+                have_theirs = (cfg[CFG_PEERS_DONE] >> peer) & 1
+                if have_theirs and not first:
+                    continue  # re-sends only ask the members still silent
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
-                tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], False, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                # A member whose DONE is already here asked for ours while this node was not
+                # ready: it gets ours now as the answer, packet-driven, not after its RTO.
+                tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], have_theirs != 0,
+                                  tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
         all_ranks = (np.int64(1) << world) - 1
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
             cfg[CFG_STATE] = 2
@@ -483,6 +508,42 @@ def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):  
     _wr32(t, 12, 1 if answer else 0)
     _wr32(t, 20, epoch)
     return _commit(tx_off, tx_len, tx_dst, tx_n, 64, dst)
+
+
+@njit(cache=True, nogil=True)
+def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+    """RESUME to every originator this node answered BUSY for this very collective and epoch
+    before its host started it: an ACK with aux_addr = AUX_RESUME, seq = this node's rank,
+    txn_id 0, no payload. Records of any other collective or epoch are stale: forgotten."""
+    n = cfg[CFG_REFUSED_N]
+    if cfg[CFG_REFUSED_COLL] == cfg[CFG_COLL] and cfg[CFG_REFUSED_EPOCH] == cfg[CFG_EPOCH]:
+        for k in range(n):
+            if not _room(tx_buf, tx_off, tx_len, tx_n):
+                break  # the originator's BUSY backoff asks again anyway
+            t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+            _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
+            tx_n = _commit(tx_off, tx_len, tx_dst, tx_n, 64, np.uint64(cfg[CFG_REFUSED_BASE + k]))
+    cfg[CFG_REFUSED_N] = 0
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _note_refusal(co_cfg, coll, epoch, originator):  # type: ignore[no-untyped-def]
+    """Remember an originator answered BUSY for (coll, epoch), for _send_resumes. Only the
+    newest (coll, epoch) refused is kept; past REFUSED_SLOTS originators the rest wait for
+    their backoff timer."""
+    if co_cfg[CFG_REFUSED_COLL] != coll or co_cfg[CFG_REFUSED_EPOCH] != epoch:
+        co_cfg[CFG_REFUSED_COLL] = coll
+        co_cfg[CFG_REFUSED_EPOCH] = epoch
+        co_cfg[CFG_REFUSED_N] = 0
+    n = co_cfg[CFG_REFUSED_N]
+    value = np.int64(originator)
+    for k in range(n):
+        if co_cfg[CFG_REFUSED_BASE + k] == value:
+            return
+    if n < REFUSED_SLOTS:
+        co_cfg[CFG_REFUSED_BASE + n] = value
+        co_cfg[CFG_REFUSED_N] = n + 1
 
 
 @njit(cache=True, nogil=True)
@@ -642,7 +703,10 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     coll = _rd32(b, 16)
     if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
         # This node's host has not started the collective (nor, maybe, registered its key):
-        # BUSY, before the rkey check, so the sender backs off instead of failing.
+        # BUSY, before the rkey check, so the sender backs off instead of failing; RESUME
+        # tells it when to ask again.
+        if _is_member(members, src):
+            _note_refusal(co_cfg, coll, _rd32(b, 20), _reply_dst(b, src, members))
         return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
     status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize)
@@ -808,7 +872,14 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
         _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
         return True
     if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, 16), _rd32(b, 20)) != _PHASE_RUNNING:
-        return False
+        return op == _OP_ACK and _rd64(b, 40) == AUX_RESUME  # of another collective: consumed
+    if op == _OP_ACK and _rd64(b, 40) == AUX_RESUME:
+        # A hop that answered BUSY has started: the chains waiting on it go again at the next
+        # tick instead of after their backoff.
+        for c in range(co_cfg[CFG_LOW_UNACKED], co_cfg[CFG_NEXT_SEND]):
+            if co_acked[c] == 2:
+                coll.sent[c] = -1.0
+        return True
     seq = _rd32(b, 4)
     if seq >= co_cfg[CFG_CHUNKS]:
         return False
