@@ -42,6 +42,7 @@ from netdam.kernels.wire import (
     _SEG,
     _SLOT,
     _check_access,
+    _copy,
     _credit,
     _emit_nack,
     _encode_payload,
@@ -246,7 +247,7 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
         if sparse:
             _wr16(t, 2, flags | _F_SPARSE)
         return _commit(tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world])
-    t[p : p + nbytes] = mem[src_addr : src_addr + nbytes]
+    _copy(t, p, mem, src_addr, nbytes)
     return _commit(tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
 
 
@@ -265,7 +266,7 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_
         if sparse:
             _wr16(t, 2, flags | _F_SPARSE)
         return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + size, dst)
-    t[64 : 64 + nbytes] = mem[addr : addr + nbytes]
+    _copy(t, 64, mem, addr, nbytes)
     return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + nbytes, dst)
 
 
@@ -591,7 +592,7 @@ def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
     _wr32(t, 12, answer)
-    t[64 : 64 + nbytes] = done[BM_BASE : BM_BASE + nbytes]
+    _copy(t, 64, done, BM_BASE, nbytes)
     return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + nbytes, dst)
 
 
@@ -672,7 +673,7 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     if _rd16(b, 2) & _F_SPARSE:
         _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), esize)  # the rest zeroed
     else:
-        mem[a : a + length] = b[_HDR : _HDR + length]
+        _copy(mem, a, b, _HDR, length)
     if _rd16(b, 2) & _F_ACK_REQ:
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
@@ -757,7 +758,7 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
             if sparse_in:
                 _sparse_expand(x, np.int64(0), b, np.int64(payload_off), nbytes, esize)
             else:
-                x[:length] = b[payload_off : payload_off + length]
+                _copy(x, 0, b, payload_off, length)
             _combine_bytes(x, np.int64(0), x, np.int64(0), mem, a, nbytes, dtype, op)
             nbytes, sparse_out = _encode_payload(t, np.int64(payload_off), x, np.int64(0), nbytes, esize)
             flags = _rd16(b, 2) & ~_F_SPARSE
@@ -788,7 +789,7 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
             _combine_bytes(
                 scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
             )
-        mem[s : s + length] = scratch[_HDR : _HDR + length]
+        _copy(mem, s, scratch, _HDR, length)
         counters[C.BYTES_COMBINED] += length
         counters[C.STORED] += 1
         if guarded:
@@ -906,7 +907,7 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
             return True
         if co_done[seq] == 0:
             a = np.int64(addr)
-            mem[a : a + length] = b[_HDR : _HDR + length]
+            _copy(mem, a, b, _HDR, length)
             co_done[seq] = 1
             co_cfg[CFG_DONE_COUNT] += 1
         return True

@@ -63,6 +63,7 @@ from netdam.kernels.wire import (
     PUNT,
     _check_access,
     _check_packet,
+    _copy,
     _credit,
     _emit_nack,
     _le64,
@@ -268,7 +269,7 @@ def _read(b, src, node, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _reply_header(t, b, _OP_READ_RESP, 0, length, _credit(tx_n, tx_len.shape[0]))
     a = np.int64(addr)
-    t[_HDR : _HDR + length] = mem[a : a + length]
+    _copy(t, _HDR, mem, a, length)
     tx_len[tx_n] = _HDR + length
     tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
     tx_dst[tx_n] = _reply_dst(b, src, members)
@@ -310,7 +311,7 @@ def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
             return tx_n
         counters[C.DUP_REPLAYS] += 1
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-        t[:reply_len] = w_reply[c, w, :reply_len]
+        _copy(t, 0, w_reply[c, w], 0, reply_len)
         tx_len[tx_n] = reply_len
         tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = dst
@@ -323,7 +324,7 @@ def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
             if _rd16(b, 2) & _F_SPARSE:
                 _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), _ESIZE[dtype])
             else:
-                mem[a : a + length] = b[_HDR : _HDR + length]
+                _copy(mem, a, b, _HDR, length)
         else:
             _combine_bytes(
                 mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[49])
@@ -362,7 +363,7 @@ def _drain(tx_buf, tx_off, tx_len, tx_dst, start, count, out_buf, out_off, out_l
         if pos + ln > out_buf.shape[0]:
             return k
         src = tx_off[start + k]
-        out_buf[pos : pos + ln] = tx_buf[src : src + ln]
+        _copy(out_buf, pos, tx_buf, src, ln)
         out_off[k] = pos
         out_len[k] = ln
         out_dst[k] = tx_dst[start + k]

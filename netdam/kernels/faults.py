@@ -29,6 +29,7 @@ from netdam.kernels.fault_hash import (
     _mix,
     _packet_id,
 )
+from netdam.kernels.wire import _copy
 from netdam.protocol import counters as C
 
 _PROBES = 8
@@ -89,7 +90,7 @@ def _hold(data, ln, ep, tag, release, gen, hold):  # type: ignore[no-untyped-def
         return False
     for h in range(hold.len.shape[0]):
         if hold.len[h] == 0:
-            hold.buf[h, :ln] = data[:ln]
+            _copy(hold.buf[h], 0, data, 0, ln)
             hold.len[h] = ln
             hold.ep[h] = ep
             hold.tag[h] = tag
@@ -110,7 +111,7 @@ def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, ge
             continue
         if end + ln > rx_buf.shape[0] or m >= out_off.shape[0]:
             break
-        rx_buf[end : end + ln] = hold.buf[h, :ln]
+        _copy(rx_buf, end, hold.buf[h], 0, ln)
         out_off[m] = end
         out_len[m] = ln
         out_src[m] = hold.ep[h]

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels.udp_io import _now_ns, _recv_batch, _send_batch
+from netdam.kernels.wire import _copy
 
 # counts[] of _gen_run
 G_OPS_IN_WINDOW = 0
@@ -64,7 +65,7 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):  # type:
     id_mod = np.int64(1) << np.int64(8 * id_bytes)
     for s in range(window):
         t = s % n_templates
-        sbuf[s * slot_bytes : s * slot_bytes + t_len[t]] = templates[t, : t_len[t]]
+        _copy(sbuf, s * slot_bytes, templates[t], 0, t_len[t])
         cur[s] = s
     n_todo = window
     for s in range(window):

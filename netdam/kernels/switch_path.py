@@ -41,6 +41,7 @@ from netdam.kernels.wire import (
     DROP_SILENTLY,
     PUNT,
     _check_packet,
+    _copy,
     _emit_nack,
     _rd16,
     _rd32,
@@ -155,7 +156,7 @@ def _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_l
 def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
     """Queue a copy of b[:ln] to *dst* with the return segment, RELAYED and client id written."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    t[:ln] = b[:ln]
+    _copy(t, 0, b, 0, ln)
     ret_set = _rd32(b, 56) != 0 or _rd16(b, 60) != 0
     if not (from_node and ret_set):
         # A client's return segment is always replaced: replies never go to a third party.
@@ -374,7 +375,7 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
     base = tx_off[start]
     total = tx_off[tx_n] - base
     stage = np.empty(max(total, 1), np.uint8)
-    stage[:total] = tx_buf[base : base + total]
+    _copy(stage, 0, tx_buf, base, total)
     s_off = np.empty(max(count, 1), np.int64)
     s_len = np.empty(max(count, 1), np.int64)
     s_dst = np.empty(max(count, 1), np.uint64)
@@ -421,7 +422,7 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
                 continue
             if q >= cap or tx_off[q] + ln > tx_buf.shape[0]:
                 break
-            tx_buf[tx_off[q] : tx_off[q] + ln] = hold_buf[h, :ln]
+            _copy(tx_buf, tx_off[q], hold_buf[h], 0, ln)
             tx_len[q] = ln
             tx_dst[q] = hold_ep[h]
             tx_off[q + 1] = tx_off[q] + ln

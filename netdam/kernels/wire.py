@@ -253,6 +253,21 @@ _PHASE_RUNNING, _PHASE_STALE, _PHASE_NOT_STARTED = 0, 1, 2
 
 
 @njit(cache=True, nogil=True)
+def _copy(dst, dst_off, src, src_off, n):  # type: ignore[no-untyped-def]
+    """dst[dst_off : dst_off + n] = src[src_off : src_off + n] for byte arrays that do not
+    overlap (or where dst starts before src). Every payload copy goes through here: numba's
+    slice assignment checks for overlap and copies through a temporary, ~2.6 us per 8 KiB on
+    the reference machine, where this loop, which LLVM vectorizes, takes ~0.1 us (measured
+    with both in one njit loop over 100k copies). Views first: indexing ``dst[dst_off + k]``
+    directly keeps numba's negative-index wraparound in the loop, which stops LLVM from
+    vectorizing it (6.3 us per 8 KiB). Never writes past either view, whatever *n* says."""
+    d = dst[dst_off : dst_off + n]
+    s = src[src_off : src_off + n]
+    for k in range(min(d.shape[0], s.shape[0])):
+        d[k] = s[k]
+
+
+@njit(cache=True, nogil=True)
 def _rd16(b, o):  # type: ignore[no-untyped-def]
     return (np.int64(b[o]) << 8) | np.int64(b[o + 1])
 
