@@ -39,7 +39,8 @@ assert DESCRIPTOR.size == 64
 #: The ring-host baseline's host-to-host step signal (not a NetDAM opcode: hosts of the RoCE-style
 #: baseline tell their ring successor that a step's data is in place): b"RSTP", u32 step.
 RING_STEP_MAGIC = b"RSTP"
-RING_STEP = struct.Struct("<4sI")
+#: Host-to-host word of the ring-host baseline: magic, step, segment of the step now in place.
+RING_STEP = struct.Struct("<4sHH")
 
 #: START_COLL descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC 4.1).
 FLAG_SPARSE = 0x01
@@ -182,12 +183,13 @@ def _at_least(layout: struct.Struct, payload: bytes, name: str) -> bytes:
     return payload
 
 
-def pack_ring_step(step: int) -> bytes:
-    return RING_STEP.pack(RING_STEP_MAGIC, step)
+def pack_ring_step(step: int, segment: int = 0) -> bytes:
+    return RING_STEP.pack(RING_STEP_MAGIC, step, segment)
 
 
-def unpack_ring_step(datagram: bytes) -> int | None:
-    """The step a ring-host step signal names, or None when *datagram* is not one."""
+def unpack_ring_step(datagram: bytes) -> tuple[int, int] | None:
+    """(step, segment) a ring-host signal names, or None when *datagram* is not one."""
     if len(datagram) < RING_STEP.size or datagram[:4] != RING_STEP_MAGIC:
         return None
-    return int(RING_STEP.unpack_from(datagram)[1])
+    _, step, segment = RING_STEP.unpack_from(datagram)
+    return int(step), int(segment)

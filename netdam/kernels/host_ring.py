@@ -1,0 +1,81 @@
+"""The compiled half of the ring-host baseline (``netdam.clients.ring_host``): WRITE datagrams
+of one segment built straight from node memory into a send buffer, as a RoCE NIC's DMA engine
+reads a registered buffer for an RDMA WRITE. The header comes from a template the client encodes
+once with ``protocol.packet.encode_packet``; only ``txn_id``, ``length`` and ``addr`` change per
+datagram.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from netdam.kernels.wire import _HDR, _OP_ACK, _copy, _wr32
+
+
+@njit(cache=True, nogil=True)
+def _write_packets(template, mem, src, dst_addr, nbytes, per_packet, txn0, out, out_off, out_len):  # type: ignore[no-untyped-def]
+    """WRITEs of mem[src : src + nbytes] to dst_addr.. in datagrams of per_packet payload bytes;
+    returns how many (datagram k at out[out_off[k] : out_off[k] + out_len[k]])."""
+    n = 0
+    pos = 0
+    done = 0
+    while done < nbytes:
+        length = min(per_packet, nbytes - done)
+        _copy(out, pos, template, 0, _HDR)
+        _wr32(out[pos:], 12, (txn0 + n) & 0xFFFFFFFF)
+        _wr32(out[pos:], 28, length)
+        addr = dst_addr + done
+        _wr32(out[pos:], 32, (addr >> 32) & 0xFFFFFFFF)
+        _wr32(out[pos:], 36, addr & 0xFFFFFFFF)
+        _copy(out, pos + _HDR, mem, src + done, length)
+        out_off[n] = pos
+        out_len[n] = _HDR + length
+        pos += _HDR + length
+        done += length
+        n += 1
+    return n
+
+
+def write_packets(template: np.ndarray, mem: np.ndarray, src: int, dst_addr: int, nbytes: int,
+                  per_packet: int, txn0: int, out: np.ndarray, out_off: np.ndarray,
+                  out_len: np.ndarray) -> int:  # fmt: skip
+    """Checked entry to _write_packets: every range inside its array, the arrays the I/O
+    kernels take (uint8 buffers, int64 offsets, int32 lengths)."""
+    if template.dtype != np.uint8 or template.shape[0] < _HDR:
+        raise ValueError(f"the header template must be at least {_HDR} uint8 bytes")
+    if mem.dtype != np.uint8 or out.dtype != np.uint8 or out_off.dtype != np.int64 or out_len.dtype != np.int32:
+        raise ValueError("write_packets takes uint8 memory and buffer, int64 offsets, int32 lengths")
+    if per_packet <= 0 or nbytes < 0 or src < 0 or dst_addr < 0 or src + nbytes > mem.shape[0]:
+        raise ValueError(f"segment [{src}, {src + nbytes}) outside node memory or bad packet size")
+    count = -(-nbytes // per_packet)
+    if count > min(out_off.shape[0], out_len.shape[0]) or nbytes + count * _HDR > out.shape[0]:
+        raise ValueError(f"{count} datagrams do not fit the send buffer")
+    return int(_write_packets(template, mem, np.int64(src), np.int64(dst_addr), np.int64(nbytes),
+                              np.int64(per_packet), np.int64(txn0), out, out_off, out_len))  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def _sort_replies(rx_len, n, rx, rx_off, others):  # type: ignore[no-untyped-def]
+    """Count the ACKs among n received datagrams; the indices of every other datagram go to
+    *others* for Python (NACKs, the hosts' step words). Returns (acks, n_others)."""
+    acks = 0
+    m = 0
+    for k in range(n):
+        if rx_len[k] >= _HDR and rx[rx_off[k] + 1] == _OP_ACK:
+            acks += 1
+        else:
+            others[m] = k
+            m += 1
+    return acks, m
+
+
+def sort_replies(rx: np.ndarray, rx_off: np.ndarray, rx_len: np.ndarray, n: int,
+                 others: np.ndarray) -> tuple[int, int]:  # fmt: skip
+    """Checked entry to _sort_replies (the receive arrays recv_batch filled)."""
+    if not 0 <= n <= min(rx_off.shape[0], rx_len.shape[0], others.shape[0]):
+        raise ValueError(f"{n} datagrams exceed the receive arrays")
+    if n and int((rx_off[:n] + rx_len[:n]).max()) > rx.shape[0]:
+        raise ValueError("a datagram reaches past the receive buffer")
+    acks, m = _sort_replies(rx_len, np.int64(n), rx, rx_off, others)
+    return int(acks), int(m)
