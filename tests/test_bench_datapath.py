@@ -18,6 +18,8 @@ KEYS = {
     "node_pps",
     "feeder_pps",
     "ratio",
+    "py_relay_pps",
+    "ratio_vs_py_relay",
     "valid",
     "verified",
     "mismatches",
@@ -42,6 +44,11 @@ def test_short_run_reports_every_key_with_verified_sums(capsys) -> None:
     assert res["verified"] is True and res["mismatches"] == 0
     assert res["raw_pps"] > 0 and res["node_pps"] > 0 and res["feeder_pps"] > 0
     assert res["ratio"] == pytest.approx(res["node_pps"] / res["raw_pps"])
+    # The plain-Python relay forwarded verified datagrams in GRO/GSO runs, not one by one.
+    assert res["py_relay_pps"] > 0
+    assert res["ratio_vs_py_relay"] == pytest.approx(res["node_pps"] / res["py_relay_pps"])
+    py_io = res["py_relay_io"]
+    assert py_io["gso_runs"] > 0 and py_io["tx_datagrams"] > py_io["send_calls"]
     assert isinstance(res["valid"], bool)
     assert res["payload_bytes"] == 8192 and res["datagram_bytes"] == 8272
     counters = res["node_counters"]

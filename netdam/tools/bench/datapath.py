@@ -1,6 +1,6 @@
 """``netdam bench datapath``: a node's packet rate against a bare relay, in one run.
 
-Three phases, in sequence, each measured for ``seconds`` after ``warmup`` (BRIEF section 6: "a
+Four phases, in sequence, each measured for ``seconds`` after ``warmup`` (BRIEF section 6: "a
 node's datapath: at least 90% of the packet rate of a bare relay that forwards the same
 datagrams with the best batching this machine offers (GSO/GRO) and does no work, same run"):
 
@@ -8,12 +8,17 @@ datagrams with the best batching this machine offers (GSO/GRO) and does no work,
    feeder). The run is only *valid* when the feeder outruns both others by 20%, or they would
    be measuring the feeder.
 2. ``feeder -> relay -> sink``: a bare relay (GRO in, GSO out, no work) (``raw_pps``).
+   ``ratio`` = node / relay: the compiled relay is the strictest bar.
+2b. ``feeder -> Python relay -> sink``: the same relay written as a plain Python program would
+   be (one ``recvmsg`` per GRO run, one ``sendmsg`` with ``UDP_SEGMENT`` per run, 7 x 8 KiB
+   datagrams a call; :func:`py_relay_run`) (``py_relay_pps``; ``ratio_vs_py_relay``).
 3. ``feeder -> node -> sink``: a real ``netdam node`` process executing CHAIN_ADD (add 2048 f32
    from its memory, forward to the next SR segment) (``node_pps``: datagrams the sink verified
    bitwise against ``payload + operand`` computed by numpy).
 
 Every process is real and runs its hot loop in a numba kernel (``netdam.kernels.udp_io``):
-feeder, relay and sinks are ``multiprocessing`` "spawn" children, the node is
+feeder, relays and sinks are ``multiprocessing`` "spawn" children (the Python relay in plain
+Python), the node is
 ``python -m netdam node``. Both phases 2 and 3 send the *same* datagrams (the CHAIN_ADD packets,
 ``datagram_bytes`` each) and the sink does the same work in both (a bitwise compare of every
 payload with its expected value), so the ratio compares like with like. Counts come from the
@@ -46,6 +51,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -65,7 +71,15 @@ from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, DType, Flags, O
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights
-from netdam.shell.udp import check_mtu_fits, granted_buffers, max_payload, open_udp_socket
+from netdam.shell.udp import (
+    SOL_UDP,
+    UDP_GRO,
+    UDP_SEGMENT,
+    check_mtu_fits,
+    granted_buffers,
+    max_payload,
+    open_udp_socket,
+)
 
 LOOPBACK = "127.0.0.1"
 #: rkey of the benchmark's region on the node.
@@ -192,6 +206,8 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
         elif role == "relay":
             U.relay_run(fd, buf, offs, lens, addrs, addrs.copy(), RECV_MAX_DATAGRAMS,
                          scratch, state, np.uint64(0), 0, counts)  # fmt: skip
+        elif role == "pyrelay":
+            pass  # plain Python: nothing to compile
         else:
             U.sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
                         SinkCheck(expect["raw"], 0, 0, False), TimeWindow(0, 0, 0), counts, progress)  # fmt: skip
@@ -248,6 +264,17 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                         in_window = int(counts[U.RELAY_TX] - sent)
                 cpu.append(_cpu_now())
                 counts[U.RELAY_TX_IN_WINDOW] = in_window
+            elif role == "pyrelay":
+                dst_ep = (LOOPBACK, int(cmd["dst"]))
+                in_window = 0
+                for until in (t_start, t_end, t_stop):
+                    cpu.append(_cpu_now())
+                    sent = py_relay_run(sock, dst_ep, until, state)
+                    counts[U.RELAY_TX] += sent
+                    if until == t_end:
+                        in_window = sent
+                cpu.append(_cpu_now())
+                counts[U.RELAY_TX_IN_WINDOW] = in_window
             else:
                 mode = cmd["mode"]
                 table = expect["node" if mode == "node" else "raw"]
@@ -273,6 +300,50 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
     except BaseException as exc:  # report and exit: the parent turns it into `error`
         with contextlib.suppress(Exception):
             conn.send(("error", f"{role}: {type(exc).__name__}: {exc}"))
+
+
+#: Ancillary space for one UDP_GRO control message (an int) on recvmsg.
+_GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
+
+
+def py_relay_run(sock: socket.socket, dst: tuple[str, int], until_ns: int, state: np.ndarray) -> int:
+    """Forward datagrams from *sock* to *dst* until ``time.monotonic_ns() >= until_ns`` as a
+    plain Python program would, with the kernel's batching: one recvmsg takes a GRO run
+    (up to 64 KiB of coalesced datagrams, udp(7)) and one sendmsg hands it back whole with
+    UDP_SEGMENT, so a run of 7 x 8 KiB datagrams costs two system calls and no work in
+    Python. Returns the datagrams sent; counts calls and runs in *state* like the compiled
+    relay (udp_io's ST_* slots)."""
+    sock.settimeout(0.02)
+    sent = 0
+    while time.monotonic_ns() < until_ns:
+        try:
+            data, ancdata, _flags, _addr = sock.recvmsg(1 << 16, _GRO_CMSG_SPACE)
+        except (TimeoutError, BlockingIOError, InterruptedError):
+            continue
+        state[U.ST_RECV_CALLS] += 1
+        segment = len(data)
+        for level, kind, value in ancdata:
+            if level == SOL_UDP and kind == UDP_GRO and len(value) >= 4:
+                segment = int.from_bytes(value[:4], sys.byteorder)
+        n = -(-len(data) // segment) if segment else 0
+        state[U.ST_RX_DATAGRAMS] += n
+        try:
+            if n > 1:
+                state[U.ST_GRO_RUNS] += 1
+                state[U.ST_GSO_RUNS] += 1
+                sock.sendmsg([data], [(SOL_UDP, UDP_SEGMENT, segment.to_bytes(2, sys.byteorder))], 0, dst)
+            else:
+                sock.sendto(data, dst)
+        except (BlockingIOError, TimeoutError, InterruptedError):
+            state[U.ST_SEND_DROPPED] += n
+            continue
+        except OSError:  # ENOBUFS and the like: counted, as the compiled relay counts them
+            state[U.ST_SEND_DROPPED] += n
+            continue
+        state[U.ST_SEND_CALLS] += 1
+        state[U.ST_TX_DATAGRAMS] += n
+        sent += n
+    return sent
 
 
 def _cpu_now() -> float:
@@ -560,7 +631,8 @@ def _version(dist: str) -> str | None:
 
 
 def _phase(
-    run: _Run, name: str, first_hop: int, node_port: int, sink_mode: str, relay_dst: int | None
+    run: _Run, name: str, first_hop: int, node_port: int, sink_mode: str, relay_dst: int | None,
+    relay_role: str = "relay",
 ) -> dict[str, Any]:
     """Run one phase: every involved process gets the same window; return their reports, and
     record in ``cpu`` how busy each was inside the window."""
@@ -574,7 +646,7 @@ def _phase(
     window = {"t_start": t_start, "t_end": t_end, "t_stop": t_stop}
     budget = (t_stop - now) / 1e9 + PHASE_GRACE_SECONDS
     sink.send(("run", {"mode": sink_mode, **window}))
-    relay = run.children.get("relay") if relay_dst is not None else None
+    relay = run.children.get(relay_role) if relay_dst is not None else None
     if relay is not None:
         relay.send(("run", {"dst": relay_dst, **window}))
     feeder.send(
@@ -617,9 +689,11 @@ def auto_pinning() -> dict[str, int]:
     for feeder, sink and device; with 2 the feeder and sink share the other; with 1 nothing."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 3:
-        return {"feeder": cpus[0], "sink": cpus[1], "relay": cpus[2], "node": cpus[2]}
+        return {"feeder": cpus[0], "sink": cpus[1], "relay": cpus[2], "pyrelay": cpus[2],
+                "node": cpus[2]}  # fmt: skip
     if len(cpus) == 2:
-        return {"feeder": cpus[0], "sink": cpus[0], "relay": cpus[1], "node": cpus[1]}
+        return {"feeder": cpus[0], "sink": cpus[0], "relay": cpus[1], "pyrelay": cpus[1],
+                "node": cpus[1]}  # fmt: skip
     return {}
 
 
@@ -675,6 +749,8 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
         "node_pps": None,
         "feeder_pps": None,
         "ratio": None,
+        "py_relay_pps": None,
+        "ratio_vs_py_relay": None,
         "valid": False,
         "verified": None,
         "verified_datagrams": 0,
@@ -724,7 +800,7 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 with open(progress_file, "wb") as f:
                     f.write(bytes(64))
                 params["progress_file"] = progress_file
-                for role in ("sink", "relay", "feeder"):
+                for role in ("sink", "relay", "pyrelay", "feeder"):
                     run.children[role] = _Child(ctx, role, params)
                 for role, child in run.children.items():
                     child.info = child.expect("ready", cfg.startup_timeout)
@@ -765,6 +841,15 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 drops["raw_sink"] = _new_drops(U, p2["sink"])
                 res["relay_io"] = _state_dict(U, p2["relay"]["state"])
                 _device_cpu(res, "raw", "relay", p2["cpu_window"]["relay"], raw_n, cfg.seconds)
+                # Phase 2b: feeder -> plain-Python GRO/GSO relay -> sink.
+                py_port = run.children["pyrelay"].info["port"]
+                p2b = _phase(run, "py_relay", py_port, py_port, "raw", sink_port, "pyrelay")
+                py_n = p2b["sink"]["counts"][U.SINK_VERIFIED_IN_WINDOW]
+                res["py_relay_pps"] = py_n / cfg.seconds
+                res["mismatches"] += p2b["sink"]["counts"][U.SINK_MISMATCHES]
+                drops["py_relay_sink"] = _new_drops(U, p2b["sink"])
+                res["py_relay_io"] = _state_dict(U, p2b["relay"]["state"])
+                _device_cpu(res, "py_relay", "py_relay", p2b["cpu_window"]["relay"], py_n, cfg.seconds)
                 # Phase 3: feeder -> node -> sink.
                 if run.node is not None:
                     node_port = run.node.port
@@ -853,6 +938,9 @@ def _finish(res: dict[str, Any]) -> None:
     raw, node, feeder = res["raw_pps"], res["node_pps"], res["feeder_pps"]
     if raw and node is not None:
         res["ratio"] = node / raw
+    py = res.get("py_relay_pps")
+    if py and node is not None:
+        res["ratio_vs_py_relay"] = node / py
     measured = [v for v in (raw, node) if v is not None]
     if feeder is not None and measured:
         res["valid"] = bool(feeder >= 1.2 * max(measured))
@@ -878,14 +966,17 @@ def format_text(res: dict[str, Any]) -> str:
     lines = [
         f"netdam bench datapath: {res['seconds']} s per phase after {res['warmup_seconds']} s "
         f"warm-up, {res['datagram_bytes']}-byte datagrams ({res['elements_per_packet']} f32)",
-        f"  {'phase':<28}{'datagrams/s':>12}{'Gb/s':>9}",
-        f"  {'feeder -> null sink':<28}{pps(res['feeder_pps'])}{gbps(res['feeder_gbps'])}",
-        f"  {'feeder -> relay -> sink':<28}{pps(res['raw_pps'])}{gbps(res['raw_gbps'])}",
-        f"  {'feeder -> node -> sink':<28}{pps(res['node_pps'])}{gbps(res['node_gbps'])}",
+        f"  {'phase':<32}{'datagrams/s':>12}{'Gb/s':>9}",
+        f"  {'feeder -> null sink':<32}{pps(res['feeder_pps'])}{gbps(res['feeder_gbps'])}",
+        f"  {'feeder -> relay -> sink':<32}{pps(res['raw_pps'])}{gbps(res['raw_gbps'])}",
+        f"  {'feeder -> Python relay -> sink':<32}{pps(res.get('py_relay_pps'))}"
+        f"{gbps(None if res.get('py_relay_pps') is None else res['py_relay_pps'] * res['datagram_bytes'] * 8 / 1e9)}",
+        f"  {'feeder -> node -> sink':<32}{pps(res['node_pps'])}{gbps(res['node_gbps'])}",
     ]
     ratio = "-" if res["ratio"] is None else f"{res['ratio']:.3f}"
+    py_ratio = "-" if res.get("ratio_vs_py_relay") is None else f"{res['ratio_vs_py_relay']:.3f}"
     lines.append(
-        f"  ratio node/raw {ratio}; valid {'yes' if res['valid'] else 'NO'}; "
+        f"  ratio node/raw {ratio}, node/Python relay {py_ratio}; valid {'yes' if res['valid'] else 'NO'}; "
         f"sums verified {res['verified']} ({res['verified_datagrams']} datagrams, "
         f"{res['mismatches']} mismatches); kernel drops {res['kernel_drops']}"
     )
