@@ -223,6 +223,13 @@ class Work:
         self._txn = 0
         self._heard = time.monotonic()
         self._finish: list[object] = []
+        # Host-side phases of the call (perf_counter seconds), for benchmarks: the copy into
+        # node memory (0 for NIC-resident buffers), when START_COLL left, when the completion
+        # arrived, and the copy back out.
+        self.stage_in_s = 0.0
+        self.sent_at = 0.0
+        self.completed_at: float | None = None
+        self.copy_out_s = 0.0
 
     def send_start(self) -> None:
         client = self.group.client
@@ -230,6 +237,8 @@ class Work:
         data = encode_packet(_with(self.packet, client.client_id, self._txn))
         client.sock.sendto(data, self.group.node)
         self._sent_at = time.monotonic()
+        if not self.sent_at:
+            self.sent_at = time.perf_counter()
 
     def is_completed(self) -> bool:
         return self.done or self._poll(0.0)
@@ -251,8 +260,11 @@ class Work:
                 )
             if not self._poll(0.2) and time.monotonic() - self._sent_at > 0.5:
                 self.send_start()  # lost START_COLL or lost completion: the node answers again
+        t_copy = time.perf_counter()
         for action in self._finish:
             action()  # type: ignore[operator]
+        self._finish.clear()
+        self.copy_out_s = time.perf_counter() - t_copy
 
     def _poll(self, timeout: float, until_started: bool = False) -> bool:
         """Take the node's answers for up to *timeout* seconds; returns at once on completion
@@ -284,6 +296,7 @@ class Work:
                 retransmits, reads = unpack_completion(reply.payload)
                 self.stats = {"retransmits": retransmits, "repair_reads": reads}
                 self.done = True
+                self.completed_at = time.perf_counter()
                 return True
 
     def await_started(self, timeout: float) -> None:
@@ -394,8 +407,11 @@ def all_reduce(buf: np.ndarray, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup
     under half their elements are non-zero, and chunks zero on every rank are not sent at all;
     the result is bitwise the dense one."""
     g = _group(group)
+    t_stage = time.perf_counter()
     addr = g._stage(buf, buf.nbytes)
+    stage_in_s = time.perf_counter() - t_stage
     work = g.start(Algo.ALL_REDUCE, buf, op, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0)
+    work.stage_in_s = stage_in_s
     if g._offset_of(buf) is None:
         work._finish.append(lambda: _copy_out(g, addr, buf))
     return _run(work, async_op)

@@ -19,6 +19,8 @@ ROW_KEYS = {
     "dtype",
     "repeat",
     "seconds_median",
+    "seconds_p50",
+    "seconds_p99",
     "seconds_min",
     "seconds_max",
     "algbw_gbps",
@@ -35,7 +37,7 @@ def fake_runner(
     algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
 ) -> B._Outcome:
     """Seconds proportional to size, chain fastest: exercises rows, ratios and the plot quickly."""
-    scale = {"chain": 1.0, "ring-host": 3.0, "gloo": 0.5, "mpi": 2.0}[algo]
+    scale = {"chain": 1.0, "chain-resident": 0.8, "ring-host": 3.0, "gloo": 0.5, "mpi": 2.0}[algo]
     base = scale * (1e-4 + count * 4 / 1e9) * nodes
     return B._Outcome(times=[base * (1 + 0.01 * i) for i in range(repeat)], ok=True)
 
@@ -43,7 +45,7 @@ def fake_runner(
 def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None:
     code, res = run_cli(
         ["bench", "allreduce", "--nodes", "2", "--size", "64KiB", "--repeat", "1",
-         "--vs", "ring-host", "--json"],
+         "--vs", "ring-host,chain-resident", "--json"],
         capsys,
     )  # fmt: skip
     assert code == 0, res.get("error")
@@ -52,7 +54,10 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
     assert MACHINE_KEYS <= res["machine"].keys()
     assert res["skipped"] == []
     algos = {r["algo"]: r for r in res["results"]}
-    assert set(algos) == {"chain", "ring-host"}
+    assert set(algos) == {"chain", "chain-resident", "ring-host"}
+    # Host-side phases of the netdam rows: the staged chain copies in and out, resident does not.
+    assert set(algos["chain"]["phases"]) == {"stage_in", "start_skew", "collective", "copy_out"}
+    assert algos["chain-resident"]["phases"]["copy_out"] < algos["chain"]["phases"]["copy_out"]
     for row in res["results"]:
         assert ROW_KEYS <= row.keys()
         assert (row["nodes"], row["bytes"], row["dtype"], row["repeat"]) == (2, 65536, "f32", 1)
@@ -66,6 +71,27 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
     assert ring["ratio_vs_chain"] == pytest.approx(
         ring["seconds_median"] / algos["chain"]["seconds_median"]
     )
+
+
+def test_percentiles_and_default_call_counts() -> None:
+    calls = [float(i) for i in range(1, 101)]  # 1..100
+    assert B.percentile(calls, 50) == 50.0 and B.percentile(calls, 99) == 99.0
+    assert B.percentile([3.0, 1.0, 2.0], 99) == 3.0  # under 100 calls p99 is the slowest
+    assert B.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert (B.auto_repeat(4), B.auto_repeat(64 << 10), B.auto_repeat(1 << 20), B.auto_repeat(64 << 20)) == (
+        100, 100, 20, 5)  # fmt: skip
+    cfg = B.AllReduceBenchConfig(nodes=(2,), sizes=(4096, 8 << 20), peers=("chain-resident",), progress=False)
+    res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
+    assert code == 0
+    rows = {(r["algo"], r["bytes"]): r for r in res["results"]}
+    assert rows[("chain", 4096)]["repeat"] == 100 and rows[("chain", 8 << 20)]["repeat"] == 5
+    small = rows[("chain-resident", 4096)]  # fake times: base x (1 + 0.01 i), i = 0..99
+    base = small["seconds_min"]
+    assert small["seconds_p50"] == pytest.approx(base * 1.49)
+    assert small["seconds_p99"] == pytest.approx(base * 1.98)
+    assert small["seconds_p99"] < small["seconds_max"]
+    big = rows[("chain", 8 << 20)]  # 5 calls: p99 is the slowest
+    assert big["seconds_p99"] == big["seconds_max"]
 
 
 def test_missing_peers_are_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--density", type=float, default=None,
                         help="fraction of input elements left non-zero, the rest exactly 0 "
                         "(default 0.05 with --sparse, else 1)")  # fmt: skip
+    parser.add_argument("--resident", action="store_true",
+                        help="buffers in NIC memory (netdam.empty): no staging copy in or out; "
+                        "default: plain numpy arrays, staged and timed as netdam.all_reduce(x) does")  # fmt: skip
     parser.add_argument("--repeat", type=bounded_int(1, 10000), default=1,
                         help="timed repeats, >= 1 (median reported; default 1)")
     parser.add_argument("--timeout", type=bounded_seconds(0.01, 86400.0, low_inclusive=True), default=None,
@@ -67,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     density = args.density if args.density is not None else (0.05 if args.sparse else 1.0)
     if not 0.0 <= density <= 1.0:
         raise CommandError("--density must be between 0 and 1", ExitCode.USAGE)
+    if args.resident and args.cluster is not None:
+        raise CommandError("--resident needs a private cluster (drop --cluster): other users' "
+                           "netdam.empty arrays may hold a running cluster's memory", ExitCode.USAGE)  # fmt: skip
     if args.sparse and args.algo != "chain":
         raise CommandError("--sparse needs --algo chain", ExitCode.USAGE)
     if args.cluster is not None:
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes, count=count, dtype=dtype, op=ReduceOp[args.op.upper()],
         faults=faults_from(args), timeout_s=args.timeout,
         cluster=Path(args.cluster) if args.cluster else None, seed=args.seed, repeat=args.repeat,
-        algo=args.algo, sparse=args.sparse, density=density,
+        algo=args.algo, sparse=args.sparse, density=density, resident=args.resident,
     )  # fmt: skip
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]
@@ -110,4 +116,14 @@ def _text(r: dict[str, object]) -> str:
         + (f"\n  sparse (density {r['density']}): {r['wire_bytes_sparse']} wire bytes in {r['seconds']:.4f} s; "
            f"dense: {r['wire_bytes_dense']} wire bytes in {float(r['seconds_dense']):.4f} s"  # type: ignore[arg-type]
            if r.get("sparse") else "")
+        + _phases_text(r)
     )
+
+
+def _phases_text(r: dict[str, object]) -> str:
+    phases = r.get("phases")
+    if not isinstance(phases, dict):
+        return ""
+    parts = ", ".join(f"{name.replace('_', ' ')} {float(v) * 1e3:.3f} ms" for name, v in phases.items())
+    where = "NIC-resident buffers" if r.get("resident") else "numpy buffers staged"
+    return f"\n  host-side phases (median, {where}): {parts}"

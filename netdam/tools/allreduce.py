@@ -9,6 +9,7 @@ chain order, bitwise. Counters come from the nodes.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,10 @@ from netdam.protocol.constants import ELEMENT_SIZE, IP_UDP_OVERHEAD, NUMPY_DTYPE
 
 #: Node memory for a private cluster: the API stages inputs in the upper half.
 MIN_NODE_MEMORY = 16 << 20
+#: From this many bytes per rank every rank's host runs in its own thread, as one process per
+#: rank would (numpy's copies release the GIL, so stagings overlap); below it one thread starts
+#: every rank in turn, cheaper than a thread hand-off (~50 us) when a call takes ~1-3 ms.
+THREADED_MIN_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class AllReduceConfig:
     algo: str = "chain"
     sparse: bool = False  # sparse mode; the same inputs also run dense, both wire byte counts
     density: float = 1.0  # fraction of input elements kept non-zero (the rest exactly +0)
+    #: Buffers in NIC memory (netdam.empty): no staging copy in or out (chain only).
+    resident: bool = False
 
 
 def reference_chain_allreduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
@@ -130,24 +137,40 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                               dense_equals_reference=dense_ok)  # fmt: skip
             before = _totals(info, client)
             times = []
+            phase_times: dict[str, list[float]] = {}
+            resident = config.resident
+            threaded = nbytes >= THREADED_MIN_BYTES
+            pool = ThreadPoolExecutor(world, thread_name_prefix="netdam-rank") if threaded else None
+            held = [g.empty(x.shape, x.dtype) for g, x in zip(groups, inputs, strict=True)] if resident else None
             host_copy = host_packets = host_bytes = 0
             ok = True
-            for index in range(config.repeat):
-                progress.status(f"all-reduce {index + 1}/{config.repeat}")
-                buffers = [x.copy() for x in inputs]
-                if config.algo == "ring-host":
-                    ring = ring_all_reduce(groups, buffers, config.op)
-                    times.append(ring.seconds)
-                    host_copy += ring.host_copy_bytes
-                    host_packets += ring.packets
-                    host_bytes += ring.payload_bytes
-                else:
-                    times.append(_run_once(groups, buffers, config.op, config.sparse))
-                identical = all(b.tobytes() == buffers[0].tobytes() for b in buffers)
-                exact = buffers[0].tobytes() == expected.tobytes()
-                ok = ok and identical and exact
+            try:
+                for index in range(config.repeat):
+                    progress.status(f"all-reduce {index + 1}/{config.repeat}")
+                    buffers = _buffers(groups, inputs, held)
+                    if config.algo == "ring-host":
+                        ring = ring_all_reduce(groups, buffers, config.op)
+                        times.append(ring.seconds)
+                        host_copy += ring.host_copy_bytes
+                        host_packets += ring.packets
+                        host_bytes += ring.payload_bytes
+                    else:
+                        seconds, phases = _timed_run(groups, buffers, config.op, config.sparse, pool)
+                        times.append(seconds)
+                        for key, value in phases.items():
+                            phase_times.setdefault(key, []).append(value)
+                    identical = all(b.tobytes() == buffers[0].tobytes() for b in buffers)
+                    exact = buffers[0].tobytes() == expected.tobytes()
+                    ok = ok and identical and exact
+            finally:
+                if pool is not None:
+                    pool.shutdown()
             after = _totals(info, client)
         seconds = float(np.median(times))
+        if phase_times:
+            result["phases"] = {key: float(np.median(v)) for key, v in phase_times.items()}
+        result["resident"] = resident
+        result["threaded"] = threaded
         delta = after.astype(np.int64) - before.astype(np.int64)
         # Datagrams the nodes sent, plus (ring-host) the WRITEs the hosts sent through their NICs.
         packets = int(delta[C.TX_PACKETS]) + host_packets
@@ -177,6 +200,63 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         if cluster is not None:
             cluster.stop()
     return result
+
+
+def _buffers(groups: list[ProcessGroup], inputs: list[np.ndarray], held: list[np.ndarray] | None) -> list[np.ndarray]:
+    """Fresh copies of the inputs: plain numpy arrays, or each rank's NIC-memory array *held*
+    (netdam.empty), refilled untimed (a resident user computes into it)."""
+    if held is None:
+        return [x.copy() for x in inputs]
+    for buf, x in zip(held, inputs, strict=True):
+        buf[...] = x
+    return held
+
+
+def _one_rank(group: ProcessGroup, buf: np.ndarray, op: ReduceOp, sparse: bool, t0: float) -> dict[str, float]:
+    """One rank's host: all_reduce(buf) as its own process would call it; its phase times."""
+    t_call = time.perf_counter()
+    work = api_all_reduce(buf, op=op, group=group, async_op=True, sparse=sparse)
+    assert work is not None
+    work.wait()
+    t_end = time.perf_counter()
+    completed = work.completed_at if work.completed_at is not None else t_end
+    return {"call": t_call - t0, "stage_in": work.stage_in_s, "sent": work.sent_at - t0,
+            "completed": completed - t0, "copy_out": work.copy_out_s, "end": t_end - t0}  # fmt: skip
+
+
+def _timed_run(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool,
+               pool: ThreadPoolExecutor | None) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """One all-reduce on every rank: seconds from the first rank's call to the last rank's
+    return, and host-side phases (seconds): ``stage_in`` (slowest rank's copy into node
+    memory), ``start_skew`` (first to last START_COLL sent), ``collective`` (last START_COLL
+    sent to last completion received: the NICs' work), ``copy_out`` (slowest rank's copy back)."""
+    t0 = time.perf_counter()
+    if pool is None:
+        works: list[Work] = []
+        calls: list[float] = []
+        for group, buf in zip(groups, buffers, strict=True):
+            calls.append(time.perf_counter() - t0)
+            work = api_all_reduce(buf, op=op, group=group, async_op=True, sparse=sparse)
+            assert work is not None
+            works.append(work)
+        ranks = []
+        for work, t_call in zip(works, calls, strict=True):
+            work.wait()
+            t_end = time.perf_counter() - t0
+            done = (work.completed_at - t0) if work.completed_at is not None else t_end
+            ranks.append({"call": t_call, "stage_in": work.stage_in_s, "sent": work.sent_at - t0,
+                          "completed": done, "copy_out": work.copy_out_s, "end": t_end})  # fmt: skip
+    else:
+        futures = [pool.submit(_one_rank, g, b, op, sparse, t0) for g, b in zip(groups, buffers, strict=True)]
+        ranks = [f.result() for f in futures]
+    seconds = max(r["end"] for r in ranks)
+    phases = {
+        "stage_in": max(r["stage_in"] for r in ranks),
+        "start_skew": max(r["sent"] for r in ranks) - min(r["sent"] for r in ranks),
+        "collective": max(r["completed"] for r in ranks) - max(r["sent"] for r in ranks),
+        "copy_out": max(r["copy_out"] for r in ranks),
+    }
+    return seconds, phases
 
 
 def _run_once(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool = False) -> float:

@@ -2,15 +2,22 @@
 
 For every node count and size, in one run and on the same float32 tensor size:
 
-- ``chain`` (always) and ``ring-host``: :func:`netdam.tools.allreduce.run_allreduce` on real node
-  processes over real UDP sockets (a private cluster per run, results checked bitwise);
+- ``chain`` (always), ``chain-resident`` and ``ring-host``: :func:`netdam.tools.allreduce.run_allreduce`
+  on real node processes over real UDP sockets (a private cluster per run, results checked
+  bitwise). ``chain`` reduces plain numpy arrays and times their staging into node memory and
+  back, as a user of ``netdam.all_reduce(x)`` sees it; ``chain-resident`` reduces arrays that
+  live in NIC memory (``netdam.empty``), no staging;
 - ``gloo``: N Python processes, ``torch.distributed.init_process_group("gloo",
   init_method="tcp://127.0.0.1:PORT")`` on CPU, timing ``dist.all_reduce``;
 - ``mpi``: ``mpirun --oversubscribe -np N --mca btl tcp,self python -c ...`` with mpi4py's
   ``comm.Allreduce`` (``--allow-run-as-root`` added under root, BRIEF section 7).
 
-Every algorithm does ``warmup`` untimed full-size calls, then ``repeat`` timed ones; the peers put
-a barrier before each call and take each call's slowest rank. ``ratio_vs_chain`` is the
+Every algorithm does ``warmup`` untimed full-size calls, then ``repeat`` timed ones (by default
+100 up to 64 KiB, 20 up to 4 MiB, 5 above: enough calls for a p99 where calls are cheap); the
+peers run as a plain script runs them: back-to-back calls on one tensor, each call's time
+taken on its slowest rank (``seconds_median_barrier`` adds the same calls each after a barrier
+on fresh data, the start-aligned way chain is timed). Rows carry the median, p50 and p99
+(nearest rank) of the calls. ``ratio_vs_chain`` is the
 algorithm's median seconds over chain's median seconds (same nodes, same size);
 ``model_seconds_100g`` is the cycle model's estimate of the same job on 100G cards (NetDAM chain
 for ``chain``, a RoCE ring for the others): a field of the measured row, never a row of its own.
@@ -53,9 +60,11 @@ from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.units import format_size
 
 #: Every algorithm a row can carry, in the order tables and plots list them.
-ALGOS = ("chain", "ring-host", "gloo", "mpi")
+ALGOS = ("chain", "chain-resident", "ring-host", "gloo", "mpi")
 #: Algorithms ``--vs`` accepts (chain always runs).
-PEERS = ("ring-host", "gloo", "mpi")
+PEERS = ("chain-resident", "ring-host", "gloo", "mpi")
+#: The algorithms this project runs on node processes (results checked bitwise).
+NETDAM_ALGOS = ("chain", "chain-resident", "ring-host")
 DTYPE = "f32"
 ELEMENT_BYTES = 4
 MAX_NODES = 64
@@ -66,6 +75,7 @@ INSTALL_MPI = "apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py"
 #: Cycle-model algorithm behind each row's model_seconds_100g.
 MODEL_ALGO = {
     "chain": "netdam-chain",
+    "chain-resident": "netdam-chain",
     "ring-host": "roce-ring",
     "gloo": "roce-ring",
     "mpi": "roce-ring",
@@ -77,7 +87,8 @@ class AllReduceBenchConfig:
     nodes: tuple[int, ...] = (4,)
     sizes: tuple[int, ...] = (64 << 20,)
     peers: tuple[str, ...] = PEERS
-    repeat: int = 5
+    #: Timed calls per row; None: auto_repeat(size).
+    repeat: int | None = None
     warmup: int = 1
     #: Wall-clock limit of one peer run (gloo or mpi), start-up included.
     timeout_s: float = 600.0
@@ -127,6 +138,21 @@ def parse_nodes(text: str) -> tuple[int, ...]:
             raise ValueError(f"invalid --nodes {text!r}: every node count must be 2..{MAX_NODES}")
         values.append(value)
     return tuple(sorted(set(values)))
+
+
+def auto_repeat(nbytes: int) -> int:
+    """Timed calls per row when --repeat is not given: 100 up to 64 KiB (a p99 of 100 calls),
+    20 up to 4 MiB, 5 above (a 64 MiB call takes ~0.1-0.3 s here)."""
+    if nbytes <= 64 << 10:
+        return 100
+    return 20 if nbytes <= 4 << 20 else 5
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100): the smallest value with q% of the calls at or
+    under it; with fewer than 100 calls p99 is the slowest call."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -209,18 +235,33 @@ src = torch.rand(count, dtype=torch.float32, generator=torch.Generator().manual_
 buf = torch.empty_like(src)
 dist.barrier()
 init = time.perf_counter() - t0
+# 1. As a plain training script calls it: back to back on one tensor, no barrier between
+#    calls. The tensor holds zeros so repeated sums stay finite (Gloo adds every element
+#    whatever its value).
+buf.zero_()
+for _ in range(warmup):
+    dist.all_reduce(buf)
+dist.barrier()
 times = []
-for _ in range(warmup + repeat):
+t = time.perf_counter()
+for _ in range(repeat):
+    dist.all_reduce(buf)
+    now = time.perf_counter()
+    times.append(now - t)
+    t = now
+# 2. Each call on fresh data after a barrier (the start-aligned way chain is timed).
+barrier_times = []
+for _ in range(repeat):
     buf.copy_(src)
     dist.barrier()
     t = time.perf_counter()
     dist.all_reduce(buf)
-    times.append(time.perf_counter() - t)
+    barrier_times.append(time.perf_counter() - t)
 crc = zlib.crc32(buf.numpy().tobytes())
 dist.barrier()
 dist.destroy_process_group()
-print(TAG + json.dumps({"rank": rank, "times": times[warmup:], "init_seconds": init,
-                        "crc": crc, "torch": torch.__version__}), flush=True)
+print(TAG + json.dumps({"rank": rank, "times": times, "barrier_times": barrier_times,
+                        "init_seconds": init, "crc": crc, "torch": torch.__version__}), flush=True)
 """
 
 _MPI_SCRIPT = r"""
@@ -231,22 +272,35 @@ import numpy as np
 comm = MPI.COMM_WORLD
 count, warmup, repeat = map(int, sys.argv[1:4])
 src = np.random.default_rng(comm.rank).random(count, dtype=np.float32)
-buf = np.empty_like(src)
+buf = np.zeros_like(src)
 comm.Barrier()
 init = time.perf_counter() - t0
+# 1. Back to back on one buffer of zeros (sums stay finite), as an application calls it.
+for _ in range(warmup):
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+comm.Barrier()
 times = []
-for _ in range(warmup + repeat):
+t = time.perf_counter()
+for _ in range(repeat):
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    now = time.perf_counter()
+    times.append(now - t)
+    t = now
+# 2. Each call on fresh data after a barrier.
+barrier_times = []
+for _ in range(repeat):
     buf[:] = src
     comm.Barrier()
     t = time.perf_counter()
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    times.append(time.perf_counter() - t)
+    barrier_times.append(time.perf_counter() - t)
 crc = zlib.crc32(buf.tobytes())
-rows = comm.gather((times[warmup:], init, crc), root=0)
+rows = comm.gather((times, barrier_times, init, crc), root=0)
 if comm.rank == 0:
     print(TAG + json.dumps({"times": [max(r[0][i] for r in rows) for i in range(repeat)],
-                            "init_seconds": max(r[1] for r in rows),
-                            "ranks_identical": len({r[2] for r in rows}) == 1,
+                            "barrier_times": [max(r[1][i] for r in rows) for i in range(repeat)],
+                            "init_seconds": max(r[2] for r in rows),
+                            "ranks_identical": len({r[3] for r in rows}) == 1,
                             "library": MPI.Get_library_version().splitlines()[0]}), flush=True)
 """
 
@@ -346,11 +400,13 @@ def run_gloo(
             for out in files:
                 out.close()
     times = [max(r["times"][i] for r in reports) for i in range(repeat)]
+    barrier_times = [max(r["barrier_times"][i] for r in reports) for i in range(repeat)]
     identical = len({r["crc"] for r in reports}) == 1
     init = max(float(r["init_seconds"]) for r in reports)
     return _Outcome(
         times=times, ok=identical, startup_seconds=init,
-        extra={"ranks_identical": identical, "backend": f"gloo (torch {reports[0]['torch']}, TCP)"},
+        extra={"ranks_identical": identical, "backend": f"gloo (torch {reports[0]['torch']}, TCP)",
+               "seconds_median_barrier": _median(barrier_times)},
     )  # fmt: skip
 
 
@@ -388,17 +444,20 @@ def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) 
         times=[float(t) for t in report["times"]], ok=bool(report["ranks_identical"]),
         startup_seconds=float(report["init_seconds"]),
         extra={"ranks_identical": report["ranks_identical"], "backend": report["library"],
+               "seconds_median_barrier": _median([float(t) for t in report["barrier_times"]]),
                "command": " ".join(cmd[: cmd.index(sys.executable)]) + " python -c ..."},
     )  # fmt: skip
 
 
 def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _Outcome:
-    """chain or ring-host on a private cluster of real node processes, results checked bitwise."""
+    """chain, chain-resident or ring-host on a private cluster of real node processes, results
+    checked bitwise."""
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
     res = run_allreduce(
-        AllReduceConfig(nodes=nodes, count=count, algo=algo, repeat=warmup + repeat)
+        AllReduceConfig(nodes=nodes, count=count, algo="chain" if algo == "chain-resident" else algo,
+                        repeat=warmup + repeat, resident=algo == "chain-resident")  # fmt: skip
     )
     all_times = res.get("seconds_all")
     startup = res.get("startup_seconds")
@@ -413,7 +472,8 @@ def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _
     if not outcome.ok:
         outcome.error = str(res.get("error") or "result differs from the reference")
     outcome.extra = {
-        k: res.get(k) for k in ("retransmits", "kernel_drops", "packets", "wire_bytes")
+        k: res.get(k) for k in ("retransmits", "kernel_drops", "packets", "wire_bytes", "phases")
+        if k in res
     }
     return outcome
 
@@ -438,7 +498,8 @@ def model_seconds(algo: str, nodes: int, nbytes: int, model: str | None = None) 
 def make_row(algo: str, nodes: int, nbytes: int, repeat: int, outcome: _Outcome) -> dict[str, Any]:
     row: dict[str, Any] = {
         "algo": algo, "nodes": nodes, "bytes": nbytes, "dtype": DTYPE, "repeat": repeat,
-        "seconds_median": None, "seconds_min": None, "seconds_max": None, "algbw_gbps": None,
+        "seconds_median": None, "seconds_p50": None, "seconds_p99": None, "seconds_min": None,
+        "seconds_max": None, "algbw_gbps": None,
         "busbw_gbps": None, "ratio_vs_chain": None,
         "model_seconds_100g": model_seconds(algo, nodes, nbytes), "model_algo": MODEL_ALGO[algo],
         # Both RoCE estimates: the host-library model and the hardware bound of a ring.
@@ -450,7 +511,9 @@ def make_row(algo: str, nodes: int, nbytes: int, repeat: int, outcome: _Outcome)
         median = _median(outcome.times)
         algbw = nbytes * 8 / median / 1e9
         row.update(
-            seconds_median=median, seconds_min=min(outcome.times), seconds_max=max(outcome.times),
+            seconds_median=median, seconds_p50=percentile(outcome.times, 50),
+            seconds_p99=percentile(outcome.times, 99),
+            seconds_min=min(outcome.times), seconds_max=max(outcome.times),
             seconds_all=outcome.times, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (nodes - 1) / nodes,
         )  # fmt: skip
     row.update(outcome.extra)
@@ -499,6 +562,7 @@ def run_allreduce_bench(
     for nodes in cfg.nodes:
         for nbytes in cfg.sizes:
             chain_median: float | None = None
+            repeat = cfg.repeat if cfg.repeat is not None else auto_repeat(nbytes)
             for algo in algos:
                 done += 1
                 label = f"[{done}/{total}] {algo} {nodes} nodes x {format_size(nbytes)} {DTYPE}"
@@ -506,11 +570,11 @@ def run_allreduce_bench(
                 t_run = time.monotonic()
                 try:
                     outcome = run(
-                        algo, nodes, nbytes // ELEMENT_BYTES, cfg.warmup, cfg.repeat, cfg.timeout_s
+                        algo, nodes, nbytes // ELEMENT_BYTES, cfg.warmup, repeat, cfg.timeout_s
                     )
                 except Exception as exc:  # a runner bug must not lose the other rows
                     outcome = _Outcome(error=f"{type(exc).__name__}: {exc}")
-                row = make_row(algo, nodes, nbytes, cfg.repeat, outcome)
+                row = make_row(algo, nodes, nbytes, repeat, outcome)
                 if algo == "chain":
                     chain_median = row["seconds_median"]
                 if row["seconds_median"] is not None and chain_median:
@@ -523,7 +587,7 @@ def run_allreduce_bench(
                 if "error" in row:
                     status += f" ({row['error']})"
                 _progress(cfg.progress, f"{label}: {status} [{time.monotonic() - t_run:.1f} s]")
-    wrong = any(r["algo"] in ("chain", "ring-host") and r["ok"] is False for r in results)
+    wrong = any(r["algo"] in NETDAM_ALGOS and r["ok"] is False for r in results)
     failed = any(r["seconds_median"] is None for r in results)
     code = 1 if wrong else 3 if failed else 0
     res: dict[str, Any] = {
@@ -536,7 +600,7 @@ def run_allreduce_bench(
         "machine": machine_info(),
     }  # fmt: skip
     if wrong:
-        res["error"] = "a chain or ring-host result differs from the numpy reference"
+        res["error"] = "a chain, chain-resident or ring-host result differs from the numpy reference"
     elif failed:
         bad = next(r for r in results if r["seconds_median"] is None)
         res["error"] = (
@@ -583,7 +647,8 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    head = f"{'algo':<10}{'nodes':>6}{'size':>9}{'median s':>11}{'min s':>10}{'max s':>10}{'busbw Gb/s':>12}{'vs chain':>10}{'model 100G s':>14}"
+    head = (f"{'algo':<15}{'nodes':>6}{'size':>9}{'calls':>6}{'median s':>11}{'p50 s':>10}{'p99 s':>10}"
+            f"{'min s':>10}{'busbw Gb/s':>12}{'vs chain':>10}{'model 100G s':>14}")  # fmt: skip
     lines = [head, "-" * len(head)]
 
     def num(value: Any, fmt: str) -> str:
@@ -591,9 +656,9 @@ def format_table(res: dict[str, Any]) -> str:
 
     for r in res["results"]:
         lines.append(
-            f"{r['algo']:<10}{r['nodes']:>6}{format_size(r['bytes']):>9}"
-            f"{num(r['seconds_median'], '.4g'):>11}{num(r['seconds_min'], '.4g'):>10}"
-            f"{num(r['seconds_max'], '.4g'):>10}{num(r['busbw_gbps'], '.2f'):>12}"
+            f"{r['algo']:<15}{r['nodes']:>6}{format_size(r['bytes']):>9}{r['repeat']:>6}"
+            f"{num(r['seconds_median'], '.4g'):>11}{num(r['seconds_p50'], '.4g'):>10}"
+            f"{num(r['seconds_p99'], '.4g'):>10}{num(r['seconds_min'], '.4g'):>10}{num(r['busbw_gbps'], '.2f'):>12}"
             f"{num(r['ratio_vs_chain'], '.2f'):>10}{num(r['model_seconds_100g'], '.2e'):>14}"
             + (f"  ERROR: {r['error']}" if "error" in r else "")
         )
@@ -613,7 +678,7 @@ def plot_unavailable() -> str | None:
 
 
 def _model_label(algo: str) -> str:
-    return "netdam-chain" if algo == "chain" else "roce-ring (ring-host, gloo, mpi)"
+    return "netdam-chain" if algo.startswith("chain") else "roce-ring (ring-host, gloo, mpi)"
 
 
 def write_plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -630,7 +695,7 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     node_counts = sorted({r["nodes"] for r in results})
     panels = 3 if len(node_counts) > 1 else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5))
-    colors = {"chain": "C0", "ring-host": "C1", "gloo": "C2", "mpi": "C3"}
+    colors = {"chain": "C0", "chain-resident": "C4", "ring-host": "C1", "gloo": "C2", "mpi": "C3"}
     markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
     def busbw(nbytes: int, seconds: float, nodes: int) -> float:
@@ -757,9 +822,11 @@ def register_allreduce_bench(benches: Any) -> None:
     sizes.add_argument(
         "--sizes", type=size_range_arg, default=None, help="A..B: powers of two, e.g. 1KiB..256MiB"
     )
-    parser.add_argument("--vs", default=",".join(("gloo", "mpi", "ring-host")),
-                        help="peers, comma-separated: gloo, mpi, ring-host, or none (default all)")  # fmt: skip
-    parser.add_argument("--repeat", type=bounded_int(1, 1000), default=5, help="timed calls per run (5)")
+    parser.add_argument("--vs", default=",".join(PEERS),
+                        help="peers, comma-separated: chain-resident, ring-host, gloo, mpi, or none "
+                        "(default all)")  # fmt: skip
+    parser.add_argument("--repeat", type=bounded_int(1, 1000), default=None,
+                        help="timed calls per row (default 100 up to 64KiB, 20 up to 4MiB, 5 above)")
     parser.add_argument("--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)")
     parser.add_argument("--timeout", type=bounded_seconds(0, 86400, low_inclusive=False), default=600.0,
                         help="wall-clock limit of one gloo/mpi run in seconds (600)")  # fmt: skip
