@@ -94,6 +94,13 @@ def test_percentiles_and_default_call_counts() -> None:
     assert big["seconds_p99"] == big["seconds_max"]
 
 
+def test_back_to_back_calls_end_with_their_last_rank() -> None:
+    # Rank 1 starts late and finishes call 1 last; rank 0 finishes call 2 last.
+    ends = [[10.0, 10.5, 11.4], [10.2, 10.6, 11.1]]
+    assert B.call_times(ends) == pytest.approx([10.6 - 10.2, 11.4 - 10.6])
+    assert sum(B.call_times(ends)) == pytest.approx(11.4 - 10.2)  # the loop's wall time
+
+
 def test_missing_peers_are_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("netdam.tools.bench.allreduce.util.find_spec", lambda name: None)
     monkeypatch.setattr("netdam.tools.bench.allreduce.shutil.which", lambda name: None)

@@ -14,8 +14,8 @@ For every node count and size, in one run and on the same float32 tensor size:
 
 Every algorithm does ``warmup`` untimed full-size calls, then ``repeat`` timed ones (by default
 100 up to 64 KiB, 20 up to 4 MiB, 5 above: enough calls for a p99 where calls are cheap); the
-peers run as a plain script runs them: back-to-back calls on one tensor, each call's time
-taken on its slowest rank (``seconds_median_barrier`` adds the same calls each after a barrier
+peers run as a plain script runs them: back-to-back calls on one tensor, a call ending when
+its last rank returns (:func:`call_times`) (``seconds_median_barrier`` adds the same calls each after a barrier
 on fresh data, the start-aligned way chain is timed). Rows carry the median, p50 and p99
 (nearest rank) of the calls. ``ratio_vs_chain`` is the
 algorithm's median seconds over chain's median seconds (same nodes, same size);
@@ -242,13 +242,11 @@ buf.zero_()
 for _ in range(warmup):
     dist.all_reduce(buf)
 dist.barrier()
-times = []
-t = time.perf_counter()
+# CLOCK_MONOTONIC is one clock for every process on the machine: the parent lines the ranks up.
+ends = [time.monotonic()]
 for _ in range(repeat):
     dist.all_reduce(buf)
-    now = time.perf_counter()
-    times.append(now - t)
-    t = now
+    ends.append(time.monotonic())
 # 2. Each call on fresh data after a barrier (the start-aligned way chain is timed).
 barrier_times = []
 for _ in range(repeat):
@@ -260,7 +258,7 @@ for _ in range(repeat):
 crc = zlib.crc32(buf.numpy().tobytes())
 dist.barrier()
 dist.destroy_process_group()
-print(TAG + json.dumps({"rank": rank, "times": times, "barrier_times": barrier_times,
+print(TAG + json.dumps({"rank": rank, "ends": ends, "barrier_times": barrier_times,
                         "init_seconds": init, "crc": crc, "torch": torch.__version__}), flush=True)
 """
 
@@ -279,13 +277,10 @@ init = time.perf_counter() - t0
 for _ in range(warmup):
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 comm.Barrier()
-times = []
-t = time.perf_counter()
+ends = [time.monotonic()]
 for _ in range(repeat):
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    now = time.perf_counter()
-    times.append(now - t)
-    t = now
+    ends.append(time.monotonic())
 # 2. Each call on fresh data after a barrier.
 barrier_times = []
 for _ in range(repeat):
@@ -295,9 +290,9 @@ for _ in range(repeat):
     comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     barrier_times.append(time.perf_counter() - t)
 crc = zlib.crc32(buf.tobytes())
-rows = comm.gather((times, barrier_times, init, crc), root=0)
+rows = comm.gather((ends, barrier_times, init, crc), root=0)
 if comm.rank == 0:
-    print(TAG + json.dumps({"times": [max(r[0][i] for r in rows) for i in range(repeat)],
+    print(TAG + json.dumps({"ends": [r[0] for r in rows],
                             "barrier_times": [max(r[1][i] for r in rows) for i in range(repeat)],
                             "init_seconds": max(r[2] for r in rows),
                             "ranks_identical": len({r[3] for r in rows}) == 1,
@@ -307,6 +302,15 @@ if comm.rank == 0:
 
 def _script(body: str) -> str:
     return f"TAG = {RESULT_TAG!r}\n{body}"
+
+
+def call_times(ends: Sequence[Sequence[float]]) -> list[float]:
+    """Per-call seconds of back-to-back calls from every rank's timestamps (``ends[r][0]`` the
+    loop's start, ``ends[r][i]`` the end of call i, one system-wide monotonic clock): call i
+    ends when its last rank returns, so it lasts max_r ends[r][i] - max_r ends[r][i-1]. The
+    calls add up to the loop's wall time, as a plain script's total / calls does."""
+    done = [max(float(e[i]) for e in ends) for i in range(len(ends[0]))]
+    return [done[i] - done[i - 1] for i in range(1, len(done))]
 
 
 def _free_port() -> int:
@@ -399,7 +403,7 @@ def run_gloo(
                     _kill_group(proc)
             for out in files:
                 out.close()
-    times = [max(r["times"][i] for r in reports) for i in range(repeat)]
+    times = call_times([r["ends"] for r in reports])
     barrier_times = [max(r["barrier_times"][i] for r in reports) for i in range(repeat)]
     identical = len({r["crc"] for r in reports}) == 1
     init = max(float(r["init_seconds"]) for r in reports)
@@ -441,7 +445,7 @@ def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) 
     if proc.returncode != 0 or report is None:
         return _Outcome(error=f"mpirun exited with {proc.returncode}: {_tail(text)}")
     return _Outcome(
-        times=[float(t) for t in report["times"]], ok=bool(report["ranks_identical"]),
+        times=call_times(report["ends"]), ok=bool(report["ranks_identical"]),
         startup_seconds=float(report["init_seconds"]),
         extra={"ranks_identical": report["ranks_identical"], "backend": report["library"],
                "seconds_median_barrier": _median([float(t) for t in report["barrier_times"]]),
