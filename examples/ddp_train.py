@@ -79,17 +79,23 @@ def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[
         losses = []
         dist.barrier()
         start = time.perf_counter()
+        first_step_end = start
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(x[step, mine]), y[step, mine])
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             losses.append(loss.item())
-        seconds = time.perf_counter() - start
+            if step == 0:
+                first_step_end = time.perf_counter()
+        end = time.perf_counter()
+        seconds = end - start
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         out[mode] = {
             "losses": losses,
             "seconds": seconds,
+            # Steady state: the first step also builds DDP's buckets and settles the epochs.
+            "steady_seconds": end - first_step_end,
             "params": params.tolist(),
             "params_crc": zlib.crc32(params.numpy().tobytes()),
         }
@@ -127,6 +133,18 @@ def compare(ranks: list[dict[str, Any]], rtol: float, atol: float) -> dict[str, 
         "gloo_replicas_identical": identical["gloo"],
         "bitwise_equal_losses": max_abs == 0.0,
     }
+
+
+def steps_per_second(ranks: list[dict[str, Any]], steps: int) -> dict[str, float | None]:
+    """Training steps per second of each mode after the first step, on the slowest rank (a
+    step ends for the job when its last rank ends it), and hook over Gloo."""
+    out: dict[str, float | None] = {}
+    for mode in MODES:
+        slowest = max(r[mode]["steady_seconds"] for r in ranks)
+        out[f"steps_per_second_{mode}"] = (steps - 1) / slowest if steps > 1 and slowest > 0 else None
+    a, b = out["steps_per_second_netdam"], out["steps_per_second_gloo"]
+    out["steps_per_second_ratio"] = a / b if a and b else None
+    return out
 
 
 def _free_tcp_port() -> int:
@@ -186,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     hook = ranks[0]["netdam"]
     result.update(collectives=hook["collectives"], buckets=hook["buckets"], bytes_reduced=hook["bytes"],
                   seconds_netdam=round(hook["seconds"], 3), seconds_gloo=round(ranks[0]["gloo"]["seconds"], 3))  # fmt: skip
+    result.update(steps_per_second(ranks, args.steps))
     if args.json:
         print(json.dumps(result))
     else:
@@ -201,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['bytes_reduced']} bytes per rank")  # fmt: skip
         print(f"training time: netdam {result['seconds_netdam']:.2f} s, gloo {result['seconds_gloo']:.2f} s; "
               f"cluster start {result['startup_seconds']:.2f} s")  # fmt: skip
+        if result["steps_per_second_netdam"] is not None:
+            print(f"steps per second after the first (slowest rank): netdam hook "
+                  f"{result['steps_per_second_netdam']:.1f}, gloo {result['steps_per_second_gloo']:.1f} "
+                  f"(hook / gloo {result['steps_per_second_ratio']:.2f})")  # fmt: skip
         print("OK: losses agree within tolerance" if result["ok"] else "FAILED: losses or replicas disagree")
     return 0 if result["ok"] else 1
 

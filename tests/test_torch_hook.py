@@ -203,3 +203,15 @@ def test_ddp_example_two_ranks_losses_agree_with_gloo() -> None:
     assert r["buckets"] >= 4 and r["collectives"] > r["buckets"]
     assert r["bytes_reduced"] == 4 * 4 * (16 * 32 + 32 + 32 * 32 + 32 + 32 + 1)
     assert r["loss_netdam"][-1] < r["loss_netdam"][0]
+    # Steps per second after the first step, both modes (measured, not compared here).
+    assert r["steps_per_second_netdam"] > 0 and r["steps_per_second_gloo"] > 0
+    assert r["steps_per_second_ratio"] == pytest.approx(r["steps_per_second_netdam"] / r["steps_per_second_gloo"])
+
+
+def test_example_steps_per_second_take_the_slowest_rank() -> None:
+    rate = _example().steps_per_second
+    ranks = [{"netdam": {"steady_seconds": 1.0}, "gloo": {"steady_seconds": 2.0}},
+             {"netdam": {"steady_seconds": 0.5}, "gloo": {"steady_seconds": 4.0}}]  # fmt: skip
+    out = rate(ranks, 11)
+    assert out == {"steps_per_second_netdam": 10.0, "steps_per_second_gloo": 2.5, "steps_per_second_ratio": 4.0}
+    assert rate(ranks, 1)["steps_per_second_netdam"] is None
