@@ -34,6 +34,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,6 +160,9 @@ class _RingHost:
         self.rx_src = np.zeros(4096, np.uint64)
         self.others = np.zeros(4096, np.int64)
         self.heard: set[tuple[int, int]] = set()
+        #: Segments posted and not yet ACKed whole: (ACK count that completes it, step, segment),
+        #: in posting order (the node ACKs in arrival order, one ACK per WRITE).
+        self.pending: deque[tuple[int, int, int]] = deque()
         self.acked = 0
         self.txn = 0
         self.host_copy_bytes = 0
@@ -200,27 +204,32 @@ class _RingHost:
                 self._send_segment(self.out + lo, self.next_out + lo, hi - lo, n + t, k, deadline)
         for k, _ in enumerate(self.segments((r + 1) % n)):  # the last block to arrive
             self._wait(2 * n - 3, k, deadline)
+        while self.pending:  # the next host still waits for word of our last segments
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: WRITEs of step {self.pending[0][1]} not ACKed")
+            self._receive(50)
         if self.staged:
             self.buf.reshape(-1).view(np.uint8)[:] = mem[self.out : self.out + self.nbytes]
 
     def _send_segment(self, src: int, dst: int, nbytes: int, step: int, segment: int, deadline: float) -> None:
-        """WRITE mem[src : src + nbytes] to the next node at *dst*; once every WRITE is ACKed,
-        tell the next host that (step, segment) is in place."""
+        """Post the WRITEs of mem[src : src + nbytes] to the next node at *dst* and return: once
+        every one is ACKed, :meth:`_receive` tells the next host that (step, segment) is in
+        place. Meanwhile this host reduces the segments arriving from the previous host, as a
+        verbs host posts a WRITE and polls its completion queue later (the overlap of Gloo's
+        and OpenMPI's segmented rings)."""
         count = write_packets(self.template, self.mem, src, dst, nbytes, self.per_packet, self.txn,
                               self.tx, self.tx_off, self.tx_len)  # fmt: skip
         self.txn += count
         self.packets += count
         self.payload_bytes += nbytes + count * HEADER_SIZE
-        target = self.acked + count
+        target = (self.pending[-1][0] if self.pending else self.acked) + count
+        self.pending.append((target, step, segment))
         done = 0
         while done < count:
             done += send_batch(self.sock.fileno(), self.tx, self.tx_off[done:], self.tx_len[done:],
                                self.tx_dst[done:], count - done, self.scratch, self.state)  # fmt: skip
-        while self.acked < target:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: WRITEs of step {step} not ACKed")
-            self._receive(50)
-        self.sock.sendto(pack_ring_step(step, segment), self.peer)
+                raise TimeoutError(f"rank {self.rank}: cannot send the WRITEs of step {step}")
 
     def _wait(self, step: int, segment: int, deadline: float) -> None:
         while (step, segment) not in self.heard:
@@ -234,6 +243,9 @@ class _RingHost:
                          timeout_ms, self.state)  # fmt: skip
         acks, n_others = sort_replies(self.rx, self.rx_off, self.rx_len, got, self.others)
         self.acked += acks  # counted compiled: a Python loop over the ACKs was 80% of a send
+        while self.pending and self.pending[0][0] <= self.acked:
+            _, step, segment = self.pending.popleft()
+            self.sock.sendto(pack_ring_step(step, segment), self.peer)
         for k in self.others[:n_others]:
             start = int(self.rx_off[k])
             datagram = self.rx[start : start + self.rx_len[k]]
