@@ -33,7 +33,14 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
-from netdam.protocol.payloads import FLAG_SPARSE, Algo, CollectiveDescriptor, unpack_completion
+from netdam.protocol.payloads import (
+    FLAG_SPARSE,
+    Algo,
+    CollectiveDescriptor,
+    CompletionPhases,
+    unpack_completion,
+    unpack_completion_phases,
+)
 from netdam.shell.shm import attach
 
 __all__ = [
@@ -223,13 +230,15 @@ class Work:
         self._txn = 0
         self._heard = time.monotonic()
         self._finish: list[object] = []
-        # Host-side phases of the call (perf_counter seconds), for benchmarks: the copy into
-        # node memory (0 for NIC-resident buffers), when START_COLL left, when the completion
-        # arrived, and the copy back out.
+        # Phases of the call, for benchmarks: the copy into node memory (0 for NIC-resident
+        # buffers), when START_COLL left and when the completion arrived (time.monotonic(),
+        # CLOCK_MONOTONIC: the nodes' clock on one Linux host), the copy back out, and the
+        # node's own phases from the completion (SPEC.md 4.1).
         self.stage_in_s = 0.0
         self.sent_at = 0.0
         self.completed_at: float | None = None
         self.copy_out_s = 0.0
+        self.node_phases: CompletionPhases | None = None
 
     def send_start(self) -> None:
         client = self.group.client
@@ -238,7 +247,7 @@ class Work:
         client.sock.sendto(data, self.group.node)
         self._sent_at = time.monotonic()
         if not self.sent_at:
-            self.sent_at = time.perf_counter()
+            self.sent_at = time.monotonic()
 
     def is_completed(self) -> bool:
         return self.done or self._poll(0.0)
@@ -296,7 +305,8 @@ class Work:
                 retransmits, reads = unpack_completion(reply.payload)
                 self.stats = {"retransmits": retransmits, "repair_reads": reads}
                 self.done = True
-                self.completed_at = time.perf_counter()
+                self.completed_at = time.monotonic()
+                self.node_phases = unpack_completion_phases(reply.payload)
                 return True
 
     def await_started(self, timeout: float) -> None:

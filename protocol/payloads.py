@@ -139,6 +139,37 @@ def unpack_descriptor(payload: bytes) -> Descriptor:
     return Descriptor(*_unpack(DESCRIPTOR, payload, "START_COLL descriptor"))
 
 
+@dataclass(frozen=True)
+class CompletionPhases:
+    """Where a collective's time went on one node (SPEC.md 4.1): the node's clock when the
+    collective started there (ns; CLOCK_MONOTONIC for nodes on one Linux host) and the
+    microseconds from then until every chain it started was ACKed, every chunk it needs was
+    there, and every member's DONE was there (NO_PHASE_US: never)."""
+
+    start_ns: int
+    chains_us: int
+    chunks_us: int
+    done_us: int
+
+
+#: A completion ACK's phases, after its two u64 counters: u64 start (ns), u32 x 3 (us), u32 0.
+COMPLETION_PHASES = struct.Struct("<QIIII")
+#: A phase's microseconds when it never ended.
+NO_PHASE_US = 0xFFFFFFFF
+
+
+def pack_completion_phases(phases: CompletionPhases) -> bytes:
+    return COMPLETION_PHASES.pack(phases.start_ns, phases.chains_us, phases.chunks_us, phases.done_us, 0)
+
+
+def unpack_completion_phases(payload: bytes) -> CompletionPhases | None:
+    """The phases of a completion ACK's payload; None when it has none (a 16-byte payload)."""
+    if len(payload) < COMPLETION.size + COMPLETION_PHASES.size:
+        return None
+    start, chains, chunks, done, _ = COMPLETION_PHASES.unpack_from(payload, COMPLETION.size)
+    return CompletionPhases(int(start), int(chains), int(chunks), int(done))
+
+
 def pack_completion(first: int, second: int) -> bytes:
     return COMPLETION.pack(first, second)
 

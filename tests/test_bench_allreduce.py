@@ -56,7 +56,8 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
     algos = {r["algo"]: r for r in res["results"]}
     assert set(algos) == {"chain", "chain-resident", "ring-host"}
     # Host-side phases of the netdam rows: the staged chain copies in and out, resident does not.
-    assert set(algos["chain"]["phases"]) == {"stage_in", "start_skew", "collective", "copy_out"}
+    assert set(algos["chain"]["phases"]) == {"stage_in", "start_skew", "reduce_scatter", "all_gather", "done",
+                                             "completion", "copy_out"}
     assert algos["chain-resident"]["phases"]["copy_out"] < algos["chain"]["phases"]["copy_out"]
     for row in res["results"]:
         assert ROW_KEYS <= row.keys()

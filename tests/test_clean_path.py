@@ -19,7 +19,16 @@ from test_collectives import chain_reference, hosts
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Opcode, ReduceOp, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import Algo, CollectiveDescriptor
+from netdam.protocol.payloads import (
+    NO_PHASE_US,
+    Algo,
+    CollectiveDescriptor,
+    CompletionPhases,
+    pack_completion,
+    pack_completion_phases,
+    unpack_completion,
+    unpack_completion_phases,
+)
 
 IN, OUT = 0, 1 << 18
 GROUP = ("239.77.0.9", 7745)
@@ -84,3 +93,24 @@ def test_every_start_order_completes_without_a_timer(n: int, multicast: bool) ->
                 assert got.tobytes() == expected.tobytes()
             saw_busy = saw_busy or int(out["busy"]) > 0  # type: ignore[call-overload]
     assert saw_busy, "no start skew was exercised: no chain was ever refused BUSY"
+
+
+def test_the_completion_carries_every_phase_in_order() -> None:
+    """SPEC.md 4.1: the completion's phases (here on a fabric whose clock stands still, so every
+    phase ends at the start's instant: 0 us, never the 'did not end' value)."""
+    out = run_frozen(3, (2, 0, 1), 1, 3000, True)
+    for reply in out["finals"].values():  # type: ignore[attr-defined]
+        assert len(reply.payload) == 40
+        assert unpack_completion(reply.payload) == (0, 0)  # nothing re-sent, nothing repaired
+        phases = unpack_completion_phases(reply.payload)
+        assert phases == CompletionPhases(start_ns=0, chains_us=0, chunks_us=0, done_us=0)
+        assert reply.payload[36:40] == bytes(4)
+
+
+def test_completion_phases_pack_and_unpack() -> None:
+    phases = CompletionPhases(start_ns=123_456_789_012, chains_us=1_000, chunks_us=1_500, done_us=NO_PHASE_US)
+    data = pack_completion(7, 1) + pack_completion_phases(phases)
+    assert data[16:24] == (123_456_789_012).to_bytes(8, "little")
+    assert data[24:28] == (1_000).to_bytes(4, "little") and data[32:36] == b"\xff\xff\xff\xff"
+    assert unpack_completion_phases(data) == phases
+    assert unpack_completion_phases(pack_completion(7, 1)) is None  # a 16-byte completion: no phases

@@ -126,4 +126,4 @@ def _phases_text(r: dict[str, object]) -> str:
         return ""
     parts = ", ".join(f"{name.replace('_', ' ')} {float(v) * 1e3:.3f} ms" for name, v in phases.items())
     where = "NIC-resident buffers" if r.get("resident") else "numpy buffers staged"
-    return f"\n  host-side phases (median, {where}): {parts}"
+    return f"\n  phases (median, {where}): {parts}"

@@ -34,7 +34,15 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Packet, endpoint_to_u64
-from netdam.protocol.payloads import FLAG_SPARSE, Algo, pack_completion, unpack_descriptor
+from netdam.protocol.payloads import (
+    FLAG_SPARSE,
+    NO_PHASE_US,
+    Algo,
+    CompletionPhases,
+    pack_completion,
+    pack_completion_phases,
+    unpack_descriptor,
+)
 
 #: Chunks one collective may have (chunk ids index per-chunk state arrays).
 MAX_CHUNKS = L.MAX_CHUNKS
@@ -190,6 +198,7 @@ class CollectiveEngine:
         fcfg[L.F_RTO] = INITIAL_RTO_S
         fcfg[L.F_BASE_RTO] = INITIAL_RTO_S
         fcfg[L.F_START] = -1.0  # the first tick stamps the start
+        fcfg[L.F_T_CHAINS : L.F_T_DONE + 1] = -1.0  # phases not ended yet
         fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall
         fcfg[L.F_LAST_COUNT] = -1.0
         cfg[L.CFG_STATE] = 1
@@ -238,10 +247,22 @@ class CollectiveEngine:
             return None  # someone else's collective: start() answers STALE_EPOCH
         if cfg[L.CFG_STATE] == 2:
             stats = pack_completion(int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
-            return Opcode.ACK, Status.OK, stats
+            return Opcode.ACK, Status.OK, stats + pack_completion_phases(self.phases())
         missing = np.flatnonzero(self.done[: int(cfg[L.CFG_CHUNKS])] == 0)
         first, last = (int(missing[0]), int(missing[-1])) if missing.size else (2**64 - 1, 2**64 - 1)
         return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.TIMEOUT), pack_completion(first, last)
+
+    def phases(self) -> CompletionPhases:
+        """The phases the completion reports (SPEC.md 4.1), from the engine's clock stamps."""
+        f = self.fcfg
+        start = float(f[L.F_START])
+
+        def us(slot: int) -> int:
+            if f[slot] < 0.0 or start < 0.0:
+                return int(NO_PHASE_US)
+            return int(min(max((float(f[slot]) - start) * 1e6, 0.0), NO_PHASE_US - 1))
+
+        return CompletionPhases(int(max(start, 0.0) * 1e9), us(L.F_T_CHAINS), us(L.F_T_CHUNKS), us(L.F_T_DONE))
 
     def status(self) -> dict[str, object]:
         """Progress of the current (or last) collective, for watchdogs and stats."""

@@ -47,6 +47,8 @@ from netdam.kernels.wire import (
     _emit_nack,
     _encode_payload,
     _is_member,
+    _put_le32,
+    _put_le64,
     _rd16,
     _rd32,
     _rd64,
@@ -59,7 +61,7 @@ from netdam.kernels.wire import (
 )
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags
-from netdam.protocol.payloads import Algo
+from netdam.protocol.payloads import NO_PHASE_US, Algo
 
 # ---------------------------------------------------------------- layout of the engine's state arrays
 # cfg indices
@@ -142,7 +144,12 @@ F_BASE_RTO = 8  # RTO without backoff: paces all-gather repair
 F_LAST_ADVANCE = 9  # last time a chunk completed or a chain was ACKed
 F_LAST_DONE_SENT = 10  # last time this node sent its DONE
 F_BM_SENT = 11  # last time this node sent its bitmap requests (sparse mode)
-F_LEN = 12
+# When this node's phases ended (the engine's clock; -1: not yet), reported in the completion
+# (SPEC.md 4.1) so a host can see where a collective's time went.
+F_T_CHAINS = 12  # every chain this node started was ACKed (its share of the reduce-scatter)
+F_T_CHUNKS = 13  # every chunk this node needs is here (the all-gather, for this node)
+F_T_DONE = 14  # every member's DONE is here: the collective is complete
+F_LEN = 15
 
 # algorithms (START_COLL descriptor byte 0; the wire's values, protocol/payloads.py)
 ALGO_ALL_REDUCE = int(Algo.ALL_REDUCE)
@@ -282,12 +289,15 @@ def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
 
 
 @njit(cache=True, nogil=True)
-def _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
     """Tell the host the collective ended: ACK (or NACK with *status*) echoing its START_COLL ids,
     aux_addr = 1. Payload, u64 LE each: retransmits and repair READs (ACK), or the first and last
-    chunk still missing here (NACK), so the host can name what it waited for."""
+    chunk still missing here (NACK), so the host can name what it waited for. An ACK adds the
+    phases (SPEC.md 4.1): u64 engine clock at the start (ns), u32 microseconds from the start to
+    the end of each phase (chains ACKed, chunks here, DONEs here), u32 0."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _header(t, _OP_ACK if status == 0 else _OP_NACK, 0, 0, cfg, 16, 0, 1, 0)
+    length = 40 if status == 0 else 16
+    _header(t, _OP_ACK if status == 0 else _OP_NACK, 0, 0, cfg, length, 0, 1, 0)
     t[24:28] = 0  # no key in a reply to the host
     _wr32(t, 8, cfg[CFG_CLIENT])
     _wr32(t, 12, cfg[CFG_TXN])
@@ -306,7 +316,23 @@ def _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: i
     for k in range(8):
         t[64 + k] = np.uint8((first >> (8 * k)) & 0xFF)
         t[72 + k] = np.uint8((last >> (8 * k)) & 0xFF)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, 80, np.uint64(cfg[CFG_HOST]))
+    if status != 0:
+        return _commit(tx_off, tx_len, tx_dst, tx_n, 80, np.uint64(cfg[CFG_HOST]))
+    _put_le64(t, 80, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
+    for i in range(3):
+        _put_le32(t, 88 + 4 * i, _phase_us(fcfg, F_T_CHAINS + i))
+    _put_le32(t, 100, 0)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, 104, np.uint64(cfg[CFG_HOST]))
+
+
+@njit(cache=True, nogil=True)
+def _phase_us(fcfg, slot):  # type: ignore[no-untyped-def]
+    """Microseconds from the collective's start to the end of the phase in *slot*, saturated
+    to u32; NO_PHASE_US when it never ended."""
+    if fcfg[slot] < 0.0 or fcfg[F_START] < 0.0:
+        return np.int64(NO_PHASE_US)
+    return np.int64(min(max((fcfg[slot] - fcfg[F_START]) * 1e6, 0.0), NO_PHASE_US - 1))
+
 
 
 def coll_tick(now: float, coll: CollState, mem: np.ndarray, counters: np.ndarray, tx: TxQueue,
@@ -345,7 +371,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
         cfg[CFG_STATE] = 3
         if _room(tx_buf, tx_off, tx_len, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
-            tx_n = _notify(cfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
         return tx_n
     ob = cfg[CFG_ORIG_BLOCK]
     # 0. Sparse mode: first the round of per-chunk non-zero bitmaps; nothing else moves before
@@ -459,6 +485,10 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
     world = cfg[CFG_WORLD]
     me = np.int64(1) << cfg[CFG_RANK]
     chains_done = ob < 0 or cfg[CFG_ACKED] >= cb[ob + 1] - cb[ob]
+    if chains_done and fcfg[F_T_CHAINS] < 0.0:
+        fcfg[F_T_CHAINS] = now
+    if cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED] and fcfg[F_T_CHUNKS] < 0.0:
+        fcfg[F_T_CHUNKS] = now
     if chains_done and cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED]:
         first = cfg[CFG_PEERS_DONE] & me == 0
         if first or now - fcfg[F_LAST_DONE_SENT] > base_rto:
@@ -480,7 +510,8 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
         all_ranks = (np.int64(1) << world) - 1
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
             cfg[CFG_STATE] = 2
-            tx_n = _notify(cfg, 0, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            fcfg[F_T_DONE] = now
+            tx_n = _notify(cfg, fcfg, 0, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
 
 

@@ -94,8 +94,12 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
     while waiting, control traffic there ends the call at once, so stats never wait for it.
 
-    Waits for traffic only in the first round; when fault injection holds datagrams aside, a
-    quiet round still releases those that are due."""
+    Stays in the compiled loop while traffic comes within *timeout_ms* of the call's start (up
+    to *max_rounds* rounds): a round that found nothing waits for the next datagram (at most
+    1 ms while a collective runs, for its clock), so a node forwarding a chain never passes
+    through Python between packets (each return cost ~50-100 us of Python and numba dispatch
+    per wake-up). When fault injection holds datagrams aside, a quiet round still releases
+    those that are due; the fault clock (faults.cfg[6]) follows CLOCK_MONOTONIC every round."""
     fd, mfd, cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg
@@ -104,7 +108,12 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
     co_cfg = coll.cfg
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
+    start_ns = _now_ns()
+    budget_ns = np.int64(timeout_ms) * 1_000_000
+    got = 0  # datagrams the last round took: more may be queued, drain before waiting
     for _round in range(max_rounds):
+        if fault_cfg[0] != 0.0:
+            fault_cfg[6] = _now_ns() * 1e-9  # time.monotonic(): what the held datagrams use
         if co_cfg[CFG_STATE] == 1 or co_cfg[CFG_PREV_ASK] != 0 or co_cfg[CFG_CUR_ASK] != 0:
             # The collective engine's clock runs every round (and answers late DONE requests).
             tx_n = _coll_tick(_now_ns() * 1e-9, coll, mem, counters, tx, txq[1])
@@ -117,8 +126,13 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
         if tail + room > cap or tx_off[tail] + room * _SLOT > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
         # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
-        # Wait for traffic only in the first round, and briefly while a collective runs.
-        wait = 0 if _round > 0 else (min(timeout_ms, 1) if co_cfg[CFG_STATE] == 1 else timeout_ms)
+        # Wait for traffic while the call's time lasts, briefly while a collective runs.
+        wait = 0
+        if got == 0:
+            left_ms = (budget_ns - (_now_ns() - start_ns)) // 1_000_000
+            if _round > 0 and left_ms <= 0:
+                break  # the call's time is up: the control plane's turn
+            wait = min(left_ms, 1) if co_cfg[CFG_STATE] == 1 else left_ms
         if wait > 0:
             ready = _wait_any(fd, mfd, cfd, wait)
             if ready & 4:
@@ -140,16 +154,18 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
         if fault_cfg[0] != 0.0:
             n = _apply_faults(rx, n, faults, counters)
             fault_cfg[7] += 1.0  # batch generation: held datagrams wait at least one batch
+        got = n
         if n == 0:
-            _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
-            return RETURN_IDLE, 0
+            if budget_ns == 0:
+                break  # a call with no time to wait: one look only
+            continue
         tx_n, n_punt = _process_batch(rx, n, max_len, node, tx, txq[1], punt)
         txq[1] = tx_n
         if n_punt > 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_PUNT, n_punt
     _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
-    return RETURN_ROUNDS, 0
+    return (RETURN_ROUNDS if got else RETURN_IDLE), 0
 
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at

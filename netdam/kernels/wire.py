@@ -314,6 +314,12 @@ def _put_le64(b, o, v):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _put_le32(b, o, v):  # type: ignore[no-untyped-def]
+    for k in range(4):
+        b[o + k] = np.uint8((v >> (8 * k)) & 0xFF)
+
+
+@njit(cache=True, nogil=True)
 def _check_packet(b, n):  # type: ignore[no-untyped-def]
     """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status."""
     if n < _HDR:

@@ -26,6 +26,7 @@ from netdam.core.faults import FaultSpec
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.protocol import counters as C
 from netdam.protocol.constants import ELEMENT_SIZE, IP_UDP_OVERHEAD, NUMPY_DTYPE, DType, ReduceOp
+from netdam.protocol.payloads import NO_PHASE_US
 
 #: Node memory for a private cluster: the API stages inputs in the upper half.
 MIN_NODE_MEMORY = 16 << 20
@@ -212,51 +213,68 @@ def _buffers(groups: list[ProcessGroup], inputs: list[np.ndarray], held: list[np
     return held
 
 
-def _one_rank(group: ProcessGroup, buf: np.ndarray, op: ReduceOp, sparse: bool, t0: float) -> dict[str, float]:
-    """One rank's host: all_reduce(buf) as its own process would call it; its phase times."""
-    t_call = time.perf_counter()
+def _one_rank(group: ProcessGroup, buf: np.ndarray, op: ReduceOp, sparse: bool) -> tuple[Work, float]:
+    """One rank's host: all_reduce(buf) as its own process would call it; (work, return time)."""
     work = api_all_reduce(buf, op=op, group=group, async_op=True, sparse=sparse)
     assert work is not None
     work.wait()
-    t_end = time.perf_counter()
-    completed = work.completed_at if work.completed_at is not None else t_end
-    return {"call": t_call - t0, "stage_in": work.stage_in_s, "sent": work.sent_at - t0,
-            "completed": completed - t0, "copy_out": work.copy_out_s, "end": t_end - t0}  # fmt: skip
+    return work, time.monotonic()
 
 
 def _timed_run(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool,
                pool: ThreadPoolExecutor | None) -> tuple[float, dict[str, float]]:  # fmt: skip
     """One all-reduce on every rank: seconds from the first rank's call to the last rank's
-    return, and host-side phases (seconds): ``stage_in`` (slowest rank's copy into node
-    memory), ``start_skew`` (first to last START_COLL sent), ``collective`` (last START_COLL
-    sent to last completion received: the NICs' work), ``copy_out`` (slowest rank's copy back)."""
-    t0 = time.perf_counter()
+    return, and its phases (seconds, :func:`phases`)."""
+    t0 = time.monotonic()
     if pool is None:
         works: list[Work] = []
-        calls: list[float] = []
         for group, buf in zip(groups, buffers, strict=True):
-            calls.append(time.perf_counter() - t0)
             work = api_all_reduce(buf, op=op, group=group, async_op=True, sparse=sparse)
             assert work is not None
             works.append(work)
-        ranks = []
-        for work, t_call in zip(works, calls, strict=True):
+        done = []
+        for work in works:
             work.wait()
-            t_end = time.perf_counter() - t0
-            done = (work.completed_at - t0) if work.completed_at is not None else t_end
-            ranks.append({"call": t_call, "stage_in": work.stage_in_s, "sent": work.sent_at - t0,
-                          "completed": done, "copy_out": work.copy_out_s, "end": t_end})  # fmt: skip
+            done.append((work, time.monotonic()))
     else:
-        futures = [pool.submit(_one_rank, g, b, op, sparse, t0) for g, b in zip(groups, buffers, strict=True)]
-        ranks = [f.result() for f in futures]
-    seconds = max(r["end"] for r in ranks)
-    phases = {
-        "stage_in": max(r["stage_in"] for r in ranks),
-        "start_skew": max(r["sent"] for r in ranks) - min(r["sent"] for r in ranks),
-        "collective": max(r["completed"] for r in ranks) - max(r["sent"] for r in ranks),
-        "copy_out": max(r["copy_out"] for r in ranks),
-    }
-    return seconds, phases
+        futures = [pool.submit(_one_rank, g, b, op, sparse) for g, b in zip(groups, buffers, strict=True)]
+        done = [f.result() for f in futures]
+    return max(end for _, end in done) - t0, phases(done)
+
+
+def phases(done: list[tuple[Work, float]]) -> dict[str, float]:
+    """Where one all-reduce's time went, from every rank's Work and return time (seconds; host
+    and nodes share CLOCK_MONOTONIC on one machine):
+
+    - ``stage_in``: the slowest rank's copy into node memory (0 for NIC-resident buffers);
+    - ``start_skew``: first to last START_COLL sent;
+    - ``reduce_scatter``: last START_COLL sent to the last node whose chains are all ACKed;
+    - ``all_gather``: from there to the last node holding every chunk;
+    - ``done``: from there to the last node holding every member's DONE;
+    - ``completion``: from there to the last completion received by a host;
+    - ``copy_out``: the slowest rank's copy back out.
+
+    The node phases need every completion to carry them (SPEC.md 4.1); without, ``collective``
+    (last START_COLL sent to last completion received) stands for the four."""
+    works = [w for w, _ in done]
+    sent = [w.sent_at for w in works]
+    received = [w.completed_at if w.completed_at is not None else end for w, end in done]
+    out = {"stage_in": max(w.stage_in_s for w in works), "start_skew": max(sent) - min(sent)}
+    node = [w.node_phases for w in works]
+    ended = [p for p in node if p is not None and NO_PHASE_US not in (p.chains_us, p.chunks_us, p.done_us)]
+    if len(ended) == len(works):
+        chains = max(p.start_ns / 1e9 + p.chains_us / 1e6 for p in ended)
+        chunks = max(p.start_ns / 1e9 + p.chunks_us / 1e6 for p in ended)
+        dones = max(p.start_ns / 1e9 + p.done_us / 1e6 for p in ended)
+        # Microsecond stamps on one clock, read in order: clamp rounding to zero, never negative.
+        out["reduce_scatter"] = max(chains - max(sent), 0.0)
+        out["all_gather"] = max(chunks - max(chains, max(sent)), 0.0)
+        out["done"] = max(dones - max(chunks, chains, max(sent)), 0.0)
+        out["completion"] = max(max(received) - max(dones, chunks, chains, max(sent)), 0.0)
+    else:
+        out["collective"] = max(received) - max(sent)
+    out["copy_out"] = max(w.copy_out_s for w in works)
+    return out
 
 
 def _run_once(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool = False) -> float:
