@@ -6,18 +6,23 @@ Algorithms (p nodes, n bytes per node):
   in flight, the last stores), then all-gather by multicast writes (design notes 4.1-4.3).
   Every node receives (p-1)/p n in each phase at the rate of its NIC pipeline for ADD and
   WRITE packets (analytic.py), plus the fill latency of one chain and one multicast hop.
-- ``roce-ideal``: hardware bound of a host ring, Thakur, Rabenseifner & Gropp 2005:
-  2(p-1) a + 2(p-1)/p n b + (p-1)/p n g, where a is the RDMA one-way latency (PCIe
-  doorbell + NIC + wire + NIC + DMA write), b the per-byte cost of the slowest of link,
-  PCIe and host DRAM (with DDIO misses, design notes 8.2), g one core's reduction cost.
+- ``roce-ideal``: the hardware bound of a RoCE host all-reduce: no software cost, and the
+  reduction of each step fully overlapped with its transfer (an infinitely fine pipeline).
+  The better of a ring, Thakur, Rabenseifner & Gropp 2005,
+  2(p-1) a + (p-1)/p n (max(b_rs, g) + b_ag), and recursive doubling, log2(p) steps of
+  a + n max(b_rs, g) (two more steps when p is not a power of two), where a is the RDMA
+  one-way latency (PCIe doorbell + NIC + wire + NIC + DMA write), b the per-byte cost of
+  the slowest of link, PCIe and host DRAM (with DDIO misses, design notes 8.2), g one
+  core's reduction cost. No library can beat it: ``roce-ring`` >= ``roce-ideal`` for every
+  size, node count and preset.
 - ``roce-ring``: RoCE as people run it, an MPI library over verbs (OpenMPI coll/tuned
   decision): recursive doubling below ``small_allreduce_bytes``, ring up to p segments of
   ``ring_segment_bytes``, segmented ring above. Each message pays software (verbs post + CQ
   poll), each step the progress engine; eager messages pay copies through bounce buffers,
   rendezvous messages an RTS/CTS round trip and the PCIe read round trip of the RDMA read.
   A plain ring step serializes receive and reduce; the segmented ring overlaps the transfer
-  of one segment with the reduction of the previous one. With every software cost zero and
-  no small-size or segment switch this reduces exactly to ``roce-ideal``.
+  of one segment with the reduction of the previous one. With every software cost zero, no
+  small-size or segment switch and a free reduction this reduces exactly to ``roce-ideal``.
 - ``halving-doubling``: Rabenseifner (same paper): 2 log2(p) a + 2(p-1)/p n b + (p-1)/p n g
   for powers of two; otherwise the p - p' extra ranks first fold into a partner and get the
   result back at the end (a + n b + n g, then a + n b).
@@ -184,10 +189,25 @@ def _host_estimate(algo: str, p: RoceParams, nodes: int, nbytes: int, steps: flo
 
 
 def roce_ideal(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
-    """Hardware bound of a host ring over RoCE: 2(p-1) steps of n/p bytes, one core reducing."""
+    """Hardware bound of a RoCE host all-reduce (module docstring): the better of a ring and
+    recursive doubling, no software, each step's reduction hidden behind its transfer where
+    the transfer is the slower (and the transfer behind the reduction where that is)."""
     _check(nodes, nbytes, dtype_bytes)
-    return _host_estimate("roce-ideal", p, nodes, nbytes, 2.0 * (nodes - 1),
-                          (nodes - 1) / nodes, {})
+    c = _host_costs(p)
+    frac = (nodes - 1) / nodes
+    rs = max(c.beta_rs, c.gamma)  # per byte of a reduce-scatter step: the slower of the two
+    ring = {"latency": 2.0 * (nodes - 1) * c.alpha,
+            "transfer": frac * nbytes * (min(c.beta_rs, rs) + c.beta_ag),
+            "cpu_reduce": frac * nbytes * (rs - c.beta_rs)}
+    pow2 = 1 << (nodes.bit_length() - 1)
+    steps = math.log2(pow2) + (2 if pow2 != nodes else 0)
+    doubling = {"latency": steps * c.alpha, "transfer": steps * nbytes * c.beta_rs,
+                "cpu_reduce": steps * nbytes * (rs - c.beta_rs)}
+    terms = min(ring, doubling, key=lambda t: sum(t.values()))
+    worst = max(terms, key=lambda k: terms[k])
+    bottleneck = c.limiter_rs if worst == "transfer" else worst
+    return AllreduceEstimate("roce-ideal", nodes, nbytes, p.link_gbps, sum(terms.values()),
+                             bottleneck, terms, p.name)
 
 
 def _message_overhead_s(p: RoceParams, c: _HostCosts, nbytes: int) -> tuple[float, float]:

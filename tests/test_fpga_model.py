@@ -30,7 +30,7 @@ from netdam.fpga_model import (
     wire,
 )
 from netdam.fpga_model.collectives import roce_ideal, roce_ring
-from netdam.fpga_model.params import STATUSES, param_names
+from netdam.fpga_model.params import STATUSES, param_names, with_link
 
 README = Path(__file__).resolve().parents[1] / "fpga_model" / "README.md"
 
@@ -148,8 +148,9 @@ def test_roce_ring_monotonic_within_each_algorithm() -> None:
 def test_monotonic_in_nodes(algo: str) -> None:
     # Halving-doubling is only monotonic over powers of two: 7 ranks fold into 4 and pay
     # two extra full-vector steps, so 8 ranks beat 7 (Thakur et al. 2005); roce-ring
-    # uses recursive doubling for small vectors, which folds the same way.
-    counts = ([2, 4, 8, 16, 32, 64] if algo in ("halving-doubling", "roce-ring")
+    # uses recursive doubling for small vectors, which folds the same way, and roce-ideal
+    # takes the better of ring and recursive doubling.
+    counts = ([2, 4, 8, 16, 32, 64] if algo in ("halving-doubling", "roce-ring", "roce-ideal")
                   else list(range(2, 40)))
     for size in (4096, 1 << 20, 64 << 20, 1 << 30):
         times = [estimate_allreduce_seconds(n, size, algo=algo) for n in counts]
@@ -357,10 +358,28 @@ def _zero_overhead(p: RoceParams) -> RoceParams:
 
 
 def test_roce_ring_zero_overhead_is_roce_ideal() -> None:
+    """No software, no segments and a free reduction: the library's ring (or its recursive
+    doubling, forced) is exactly the bound, which takes the better of the two."""
     _, ro = default_params(100.0)
-    z = _zero_overhead(ro)
-    for n in (64 << 10, 1 << 20, 64 << 20):
-        assert roce_ring(z, 8, n).seconds == pytest.approx(roce_ideal(z, 8, n).seconds, rel=1e-9)
+    z = dataclasses.replace(_zero_overhead(ro), cpu_reduce_bytes_per_s=1e30)
+    doubling = dataclasses.replace(z, small_allreduce_bytes=1 << 40)
+    for nodes in (2, 4, 8):
+        for n in (64 << 10, 1 << 20, 64 << 20):
+            ring_s, rd_s = roce_ring(z, nodes, n).seconds, roce_ring(doubling, nodes, n).seconds
+            assert roce_ideal(z, nodes, n).seconds == pytest.approx(min(ring_s, rd_s), rel=1e-9)
+
+
+@pytest.mark.parametrize("preset", ["roce-gen3", "roce-gen4"])
+@pytest.mark.parametrize("link", [25.0, 100.0, 200.0, 400.0])
+def test_roce_ring_never_beats_roce_ideal(preset: str, link: float) -> None:
+    """The library model pays software, copies and serialization on top of the hardware bound,
+    at every size and node count: it can only be slower."""
+    ro = with_link(load_preset(preset), link)
+    assert isinstance(ro, RoceParams)
+    for nodes in range(2, 9):
+        for n in [1 << k for k in range(10, 31, 2)] + [3 * (1 << 20) + 4]:
+            ring, bound = roce_ring(ro, nodes, n), roce_ideal(ro, nodes, n)
+            assert ring.seconds >= bound.seconds * (1 - 1e-12), (preset, link, nodes, n)
 
 
 def test_roce_ring_each_cost_term_adds() -> None:
