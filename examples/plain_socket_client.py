@@ -1,9 +1,11 @@
 """A NetDAM client with nothing but ``socket`` and ``struct``: REGISTER a region, WRITE, READ it
 back, FETCH_ADD a counter, DEREGISTER. Written from protocol/SPEC.md alone (no netdam imports).
 
-    python examples/plain_socket_client.py --node 127.0.0.1:17744 --admin-key 0x1234
+    python examples/plain_socket_client.py --node 127.0.0.1:17744 --cluster /tmp/netdam/cluster.toml
 
-The admin key is in the cluster file ``netdam up`` writes (admin_key = ...). The region is the
+The admin key is read from the cluster file ``netdam up`` writes (``admin_key = ...``, a file
+only its owner can read), never from the command line, where every local user would see it
+(``ps``). The region is the
 node's last 4 KiB page (node memory size from PING/INFO), which a pool switch never hands out,
 so the example never touches pool memory; it starts its counter at 0 and deregisters the region
 at the end, so it can run any number of times against the same node.
@@ -14,6 +16,8 @@ import os
 import socket
 import struct
 import sys
+
+import tomllib
 
 # SPEC.md 2.1: the 64-byte header, network byte order.
 HEADER = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
@@ -61,8 +65,13 @@ def call(sock, node, datagram, txn):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--node", required=True, help="IP:PORT")
-    parser.add_argument("--admin-key", required=True, type=lambda t: int(t, 0))
+    parser.add_argument("--cluster", required=True, help="the cluster file (TOML) that holds admin_key")
     args = parser.parse_args()
+    try:
+        with open(args.cluster, "rb") as f:
+            args.admin_key = int(tomllib.load(f)["cluster"]["admin_key"])
+    except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError) as exc:
+        sys.exit(f"cannot read admin_key from {args.cluster}: {exc}")
     host, port = args.node.rsplit(":", 1)
     node = (host, int(port))
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from netdam.cluster.secrets_io import write_private
 from netdam.protocol.packet import Endpoint
 from netdam.switch.addrmap import (
     GLOBAL_BASE,
@@ -115,9 +116,7 @@ def load_state(path: Path) -> PoolState:
 
 def save_state(path: Path, state: PoolState) -> None:
     """Write atomically: readers (the switch) never see half a file."""
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(state_to_json(state))
-    tmp.replace(path)
+    write_private(path, state_to_json(state))  # mode 0600: it holds every region's rkey
 
 
 @contextlib.contextmanager

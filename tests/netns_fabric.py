@@ -345,6 +345,7 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
         write_switch_entry,
     )
     from netdam.cluster.launch import node_command, switch_command, warm_node_kernels
+    from netdam.cluster.secrets_io import key_pipe
     from netdam.core.faults import FaultSpec
     from netdam.switch.state import state_path_for
 
@@ -357,9 +358,13 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
     shm = Path("/dev/shm")
     procs = []
     for rank, host in enumerate(nodes):
-        cmd = node_command(endpoints[rank], f"{name}{rank}", memory, admin_key, members, rank, len(nodes),
+        key_fd = key_pipe(admin_key)  # through `ip netns exec` too: an inherited descriptor
+        cmd = node_command(endpoints[rank], f"{name}{rank}", memory, key_fd, members, rank, len(nodes),
                            shm, fabric.mtu, FaultSpec(), die_with_parent=True)  # fmt: skip
-        procs.append(fabric.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        try:
+            procs.append(fabric.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(key_fd,)))
+        finally:
+            os.close(key_fd)
     ports = wait_ready(procs, [f"node {n} ({ip}:{p})" for n, (ip, p) in zip(nodes, endpoints)])
     info = ClusterFile(name=name, admin_key=admin_key, mtu=fabric.mtu, nodes=tuple(
         NodeEntry(rank=r, address=ep[0], port=ep[1], pid=p.pid, control_port=ports[r],

@@ -95,7 +95,7 @@ def test_plain_socket_client_example(cluster: LocalCluster) -> None:
     for _ in range(3):
         result = subprocess.run(
             [sys.executable, str(ROOT / "examples" / "plain_socket_client.py"), "--node", f"{ep[0]}:{ep[1]}",
-             "--admin-key", hex(cluster.info.admin_key)],
+             "--cluster", str(cluster.path)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr

@@ -94,7 +94,7 @@ def register_datapath(benches: argparse._SubParsersAction) -> None:  # type: ign
         "--node-cmd",
         default=None,
         help="command line that starts one node process (default: this Python's "
-        "`-m netdam node`); it gets --bind, --memory, --members, --admin-key, --shm-dir, "
+        "`-m netdam node`); it gets --bind, --memory, --members, --admin-key-fd, --shm-dir, "
         "--name and --mtu appended",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")

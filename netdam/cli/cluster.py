@@ -32,6 +32,7 @@ from netdam.cluster.launcher_env import (
     wants_rendezvous,
 )
 from netdam.cluster.rendezvous import RendezvousError, resolve_bind, run_launched_node
+from netdam.cluster.secrets_io import KeyFileError, read_key_fd, read_key_file
 from netdam.core.chunk_plan import min_mtu
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
@@ -109,8 +110,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     node.add_argument("--name", default=None,
                       help="memory file is NAME.mem (default netdam-node; under a launcher "
                       "netdam-rRANK-PID, or NAME-RANK when given)")  # fmt: skip
-    node.add_argument("--admin-key", type=lambda t: int(t, 0), default=0,
-                      help="key for control opcodes (random when 0; under a launcher rank 0's)")  # fmt: skip
+    keys = node.add_mutually_exclusive_group()
+    keys.add_argument("--admin-key-file", type=Path, default=None,
+                      help="file holding the key for control opcodes, mode 0600 (default: a random "
+                      "key; under a launcher rank 0's)")  # fmt: skip
+    keys.add_argument("--admin-key-fd", type=bounded_int(0, 1 << 20), default=None,
+                      help="inherited descriptor to read the key from (a pipe from the launching process)")
+    keys.add_argument("--admin-key", default=None, help=argparse.SUPPRESS)
     node.add_argument("--members", type=endpoints_arg, default=(),
                       help="IP:PORT,... of the cluster (given: no rendezvous, launcher variables ignored)")  # fmt: skip
     node.add_argument("--rank", type=bounded_int(0, 4095), default=None, help="rank (default 0, or the launcher's)")
@@ -178,9 +184,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ping.set_defaults(func=run_ping)
 
 
+def _admin_key(args: argparse.Namespace) -> int:
+    """The node's admin key from --admin-key-file or --admin-key-fd; 0 (random) without."""
+    if args.admin_key is not None:
+        raise CommandError("--admin-key would show the key to every local user (ps): write it to a file "
+                           "with mode 0600 and pass --admin-key-file FILE, or hand it over a pipe with "
+                           "--admin-key-fd N", ExitCode.USAGE)  # fmt: skip
+    try:
+        if args.admin_key_file is not None:
+            return read_key_file(args.admin_key_file)
+        if args.admin_key_fd is not None:
+            return read_key_fd(args.admin_key_fd)
+    except KeyFileError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    return 0
+
+
 def run_node(args: argparse.Namespace) -> int:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.node_process import NodeProcessConfig, main
+
+    args.admin_key = _admin_key(args)
 
     if wants_rendezvous(os.environ, args.master, bool(args.members)):
         return _run_launched_node(args)

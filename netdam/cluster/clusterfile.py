@@ -45,6 +45,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from netdam.cluster.secrets_io import write_private
 from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
 from netdam.protocol.packet import Endpoint
 
@@ -118,9 +119,8 @@ def dump_cluster(cluster: ClusterFile) -> str:
 
 
 def write_cluster(cluster: ClusterFile, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dump_cluster(cluster))
-    tmp.replace(path)  # atomic: readers never see half a file
+    """Atomically (readers never see half a file), mode 0600: it holds the admin key."""
+    write_private(path, dump_cluster(cluster))
 
 
 @contextmanager
@@ -397,9 +397,7 @@ def dump_switch_entry(entry: SwitchEntry) -> str:
 def write_switch_entry(cluster_path: Path, entry: SwitchEntry) -> None:
     """Replace (or add) the ``[switch]`` table of a cluster file, atomically."""
     text = _SECTION.sub("", cluster_path.read_text()).rstrip("\n") + "\n"
-    tmp = cluster_path.with_suffix(cluster_path.suffix + ".tmp")
-    tmp.write_text(text + dump_switch_entry(entry))
-    tmp.replace(cluster_path)
+    write_private(cluster_path, text + dump_switch_entry(entry))
 
 
 def load_switch_entry(cluster_path: Path) -> SwitchEntry | None:

@@ -44,6 +44,7 @@ from netdam.cluster.clusterfile import (
     write_cluster,
     write_switch_entry,
 )
+from netdam.cluster.secrets_io import key_pipe
 from netdam.core.faults import FaultSpec
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
@@ -120,13 +121,15 @@ def node_log(cluster_name: str, rank: int) -> Path:
 
 
 def node_command(
-    bind: Endpoint, name: str, memory: int, admin_key: int, members: list[Endpoint], rank: int,
+    bind: Endpoint, name: str, memory: int, key_fd: int, members: list[Endpoint], rank: int,
     world: int, shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
 ) -> list[str]:  # fmt: skip
+    """The node's argv; the admin key comes through inherited descriptor *key_fd* (a pipe,
+    secrets_io.key_pipe), never on the command line every local user reads."""
     cmd = [
         *netdam_python(), "node",
         "--bind", f"{bind[0]}:{bind[1]}", "--name", name, "--memory", f"{memory}B",
-        "--admin-key", hex(admin_key), "--rank", str(rank), "--world-size", str(world),
+        "--admin-key-fd", str(key_fd), "--rank", str(rank), "--world-size", str(world),
         "--shm-dir", str(shm_dir), "--mtu", str(mtu),
         "--members", ",".join(f"{ip}:{port}" for ip, port in members),
     ]  # fmt: skip
@@ -271,14 +274,18 @@ def _spawn_nodes(
     procs: list[subprocess.Popen[bytes]] = []
     logs = [node_log(spec.name, rank) for rank, _, _ in nodes]
     for (rank, bind, memory), log_path in zip(nodes, logs, strict=True):
-        cmd = node_command(bind, f"{spec.name}-{rank}", memory, spec.admin_key, spec.members, rank,
+        key_fd = key_pipe(spec.admin_key)
+        cmd = node_command(bind, f"{spec.name}-{rank}", memory, key_fd, spec.members, rank,
                            spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
         if logging.getLogger().isEnabledFor(logging.INFO):
             cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
         # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
-        with open(log_path, "wb") as log:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
-                                          start_new_session=spec.detach))  # fmt: skip
+        try:
+            with open(log_path, "wb") as log:
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, pass_fds=(key_fd,),
+                                              start_new_session=spec.detach))  # fmt: skip
+        finally:
+            os.close(key_fd)  # the child holds its own copy
     try:
         control_ports = _wait_ready(procs, [bind for _, bind, _ in nodes], logs, [rank for rank, _, _ in nodes])
     except BaseException:

@@ -64,6 +64,7 @@ import numpy as np
 
 from netdam.cli.common import ExitCode
 from netdam.cli.main import build_parser
+from netdam.cluster.secrets_io import key_pipe
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import RxBatch, SinkCheck, TimeWindow, TxQueue
 from netdam.protocol import counters as C
@@ -428,24 +429,29 @@ class _NodeProcess:
 
     def __init__(self, cmd: list[str], sink_port: int, mtu: int, memory: int, shm_dir: str) -> None:
         self.admin_key = secrets.randbits(31) | 1
+        key_fd = key_pipe(self.admin_key)  # the key through a pipe: never on a command line
         port = _free_port()
         self.argv = cmd + [
             "--bind", f"{LOOPBACK}:{port}",
             "--memory", f"{memory}B",
             "--members", f"{LOOPBACK}:{sink_port}",
-            "--admin-key", f"0x{self.admin_key:08x}",
+            "--admin-key-fd", str(key_fd),
             "--shm-dir", shm_dir,
             "--name", "bench-node",
             "--mtu", str(mtu),
         ]  # fmt: skip
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            start_new_session=True,  # our Ctrl-C does not reach it; we stop it ourselves
-        )
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=self.stderr,
+                pass_fds=(key_fd,),
+                start_new_session=True,  # our Ctrl-C does not reach it; we stop it ourselves
+            )
+        finally:
+            os.close(key_fd)
         self.port = 0
         self._ctl = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._ctl.bind((LOOPBACK, 0))

@@ -1,0 +1,93 @@
+"""Where a process's admin key comes from, and how key-bearing files are written.
+
+The admin key authorizes every control opcode of a cluster (SPEC.md section 8), so it never
+travels on a command line, which every local user reads in ``ps`` and ``/proc/PID/cmdline``:
+a node or switch reads it from a file only its owner can read (``--admin-key-file``) or from
+a descriptor its parent hands it (``--admin-key-fd``, a pipe). Files that hold keys (cluster
+files, the pool's state) are created mode 0600, before a byte is written.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from netdam.protocol.errors import NetdamError
+
+#: Mode bits that let anyone but the owner read or change a key file.
+_NOT_OWNER = stat.S_IRWXG | stat.S_IRWXO
+
+
+class KeyFileError(NetdamError, ValueError):
+    """A key file or descriptor that cannot be used; the message names the fix."""
+
+
+def parse_key(text: str, where: str) -> int:
+    """A 32-bit key written as hex (0x...) or decimal, surrounding whitespace ignored."""
+    value = text.strip()
+    try:
+        key = int(value, 0)
+    except ValueError:
+        raise KeyFileError(f"{where} holds {value[:20]!r}, not a key: write one number, e.g. 0x1a2b3c4d") from None
+    if not 0 < key < 1 << 32:
+        raise KeyFileError(f"{where} holds {key}: a key is 1..2^32-1")
+    return key
+
+
+def read_key_file(path: Path) -> int:
+    """The key in *path*, which must be a regular file no one but its owner can read."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise KeyFileError(f"admin key file {path} not found: write the key there (mode 0600)") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise KeyFileError(f"admin key file {path} is not a regular file")
+    if info.st_mode & _NOT_OWNER:
+        raise KeyFileError(f"admin key file {path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}): "
+                           f"run `chmod 600 {path}`")  # fmt: skip
+    return parse_key(path.read_text(), f"admin key file {path}")
+
+
+def read_key_fd(fd: int) -> int:
+    """The key written into inherited descriptor *fd* (read to its end, then closed)."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 64):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > 64:
+                break
+    except OSError as exc:
+        raise KeyFileError(f"--admin-key-fd {fd}: {exc.strerror}: pass a descriptor this process inherited") from None
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return parse_key(b"".join(chunks).decode("ascii", "replace"), f"--admin-key-fd {fd}")
+
+
+def key_pipe(key: int) -> int:
+    """A pipe whose read end holds *key* for a child (``pass_fds``); returns the read end. The
+    write end is closed once written: the child reads to the end of it."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, f"0x{key:08x}\n".encode())
+    finally:
+        os.close(write_end)
+    return read_end
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write *text* to *path* atomically, the file mode 0600 from its creation on (a file that
+    holds keys is never readable by others, not even between create and chmod)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o600)  # an existing tmp kept its old mode: O_CREAT's mode applies to new files
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

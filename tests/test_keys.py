@@ -1,0 +1,103 @@
+"""Keys stay secret on the host: never on a node's command line (``ps`` shows argv to every
+local user), files that hold keys are mode 0600 from creation, key files readable by others
+are refused with the fix (issue 17)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netdam.cluster.launch import start_cluster
+from netdam.cluster.secrets_io import (
+    KeyFileError,
+    key_pipe,
+    parse_key,
+    read_key_fd,
+    read_key_file,
+    write_private,
+)
+
+NODE = [sys.executable, "-m", "netdam", "node", "--bind", "127.0.0.1:0", "--memory", "1MiB"]
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_launched_nodes_get_the_key_through_a_pipe_not_argv() -> None:
+    with start_cluster(2, memory=1 << 20) as cluster:
+        key = cluster.info.admin_key
+        for proc in cluster.processes:
+            argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+            text = b" ".join(argv).decode()
+            assert "--admin-key-fd" in text and "--admin-key " not in text
+            for spelling in (hex(key), f"0x{key:08x}", str(key)):
+                assert spelling not in text, "the admin key is on a node's command line"
+        assert _mode(cluster.path) == 0o600  # the cluster file holds the key
+
+
+def test_private_files_are_0600_from_creation(tmp_path: Path) -> None:
+    target = tmp_path / "cluster.toml"
+    target.write_text("old")
+    target.chmod(0o644)
+    old_umask = os.umask(0)  # the most permissive umask: the mode must not depend on it
+    try:
+        write_private(target, "admin_key = 1\n")
+    finally:
+        os.umask(old_umask)
+    assert _mode(target) == 0o600 and target.read_text() == "admin_key = 1\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["cluster.toml"]  # no temporary file left
+
+
+def test_key_files_and_descriptors(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("0x5eed\n")
+    key_file.chmod(0o600)
+    assert read_key_file(key_file) == 0x5EED
+    key_file.chmod(0o640)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        read_key_file(key_file)
+    with pytest.raises(KeyFileError, match="not found"):
+        read_key_file(tmp_path / "missing")
+    assert read_key_fd(key_pipe(0xDEADBEEF)) == 0xDEADBEEF
+    for bad, message in (("zero", "not a key"), ("0", "1..2\\^32-1"), (str(1 << 32), "1..2\\^32-1")):
+        with pytest.raises(KeyFileError, match=message):
+            parse_key(bad, "test")
+
+
+@pytest.mark.parametrize(
+    ("extra", "mode", "message"),
+    [
+        (["--admin-key", "0x1234"], None, "--admin-key would show the key to every local user"),
+        (["--admin-key-file", "{key}"], 0o644, "chmod 600"),
+    ],
+)
+def test_node_refuses_keys_others_can_read(tmp_path: Path, extra: list[str], mode: int | None, message: str) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("0x1234\n")
+    if mode is not None:
+        key_file.chmod(mode)
+    argv = [*NODE, "--shm-dir", str(tmp_path), *(a.replace("{key}", str(key_file)) for a in extra)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_node_reads_its_key_from_a_private_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("0x5eed\n")
+    key_file.chmod(0o600)
+    argv = [*NODE, "--shm-dir", str(tmp_path), "--admin-key-file", str(key_file)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("ready ") and line.strip().endswith(f"admin_key={0x5EED}"), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
