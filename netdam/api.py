@@ -11,10 +11,14 @@ group), as with torch.distributed and MPI.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,10 +31,10 @@ from netdam.protocol.constants import (
     RIGHTS_ALL,
     DType,
     Opcode,
-    ReduceOp,
     Status,
     max_elements,
 )
+from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import (
@@ -49,6 +53,7 @@ __all__ = [
     "ReduceOp",
     "Work",
     "all_gather",
+    "all_gather_into_tensor",
     "all_reduce",
     "barrier",
     "broadcast",
@@ -58,11 +63,61 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "init",
+    "init_process_group",
+    "is_initialized",
     "reduce_scatter",
+    "reduce_scatter_tensor",
 ]
 
 #: coll_id of the group of all ranks.
 WORLD_COLL_ID = 1
+
+
+class ReduceOp(IntEnum):
+    """torch.distributed's reduce operations. SUM, MIN and MAX run in the NICs (their values are
+    the wire's, SPEC.md: a protocol ReduceOp passes as well). AVG is SUM in the NICs, then each
+    host divides by the world size (floating dtypes only: every rank divides the same bits by
+    the same number, so ranks stay bitwise identical). PRODUCT has no operation on the wire:
+    the NIC's datapath only adds, takes minima and maxima (refused, naming the alternative)."""
+
+    SUM = int(WireOp.SUM)
+    MIN = int(WireOp.MIN)
+    MAX = int(WireOp.MAX)
+    AVG = 100
+    PRODUCT = 101
+
+
+def _wire_op(op: int, array: np.ndarray) -> WireOp:
+    """The operation the NICs run for *op* on *array*'s dtype; ValueError when none can."""
+    if op == ReduceOp.AVG:
+        if array.dtype.kind != "f":
+            raise ValueError(f"ReduceOp.AVG needs a floating dtype, not {array.dtype}: the average of "
+                             "integers is not an integer (reduce with SUM and divide yourself)")  # fmt: skip
+        return WireOp.SUM
+    if op == ReduceOp.PRODUCT:
+        raise ValueError("ReduceOp.PRODUCT: the NICs' datapath has no multiply (SPEC.md: SUM, MIN, MAX); "
+                         "gather the tensors (all_gather) and take numpy.prod on the host")  # fmt: skip
+    try:
+        return WireOp(int(op))
+    except ValueError:
+        raise ValueError(f"unknown reduce op {op!r}: use netdam.ReduceOp.SUM, MIN, MAX or AVG") from None
+
+
+def _as_array(tensor: Any, name: str) -> np.ndarray:
+    """A numpy view of *tensor*: numpy arrays as they are, CPU torch tensors without a copy
+    (results written into the view land in the tensor)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    module = type(tensor).__module__
+    if module.startswith("torch"):
+        if getattr(tensor, "device", None) is not None and tensor.device.type != "cpu":
+            raise ValueError(f"{name} is on {tensor.device}: netdam reduces CPU tensors (call .cpu())")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} is not contiguous: call .contiguous() first (results are written in place)")
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        return np.asarray(tensor.numpy())
+    raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, not {type(tensor).__name__}")
 _ALIGN = 64
 
 
@@ -185,7 +240,7 @@ class ProcessGroup:
         self.memory[start : start + flat.shape[0]] = flat
         return int(start)
 
-    def start(self, algo: Algo, array: np.ndarray, op: ReduceOp, in_addr: int, out_addr: int,
+    def start(self, algo: Algo, array: np.ndarray, op: WireOp, in_addr: int, out_addr: int,
               count: int, root: int = 0, flags: int = 0) -> Work:  # fmt: skip
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
         *flags* is the descriptor's flags byte (bit 0: sparse mode, SPEC.md 4.1)."""
@@ -409,43 +464,75 @@ def _run(work: Work, async_op: bool) -> Work | None:
     return None
 
 
-def all_reduce(buf: np.ndarray, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+def all_reduce(buf: Any, op: int = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False, *, sparse: bool = False) -> Work | None:  # fmt: skip
-    """Reduce *buf* over all ranks in place; afterwards it is bitwise identical on every rank.
+    """Reduce *buf* (a numpy array or CPU torch tensor) over all ranks in place; afterwards it
+    is bitwise identical on every rank.
 
     ``sparse=True`` (every rank must pass the same): chunks travel as (index, value) pairs when
     under half their elements are non-zero, and chunks zero on every rank are not sent at all;
     the result is bitwise the dense one."""
+    buf = _as_array(buf, "buf")
+    average = op == ReduceOp.AVG
+    wire = _wire_op(op, buf)
     g = _group(group)
     t_stage = time.perf_counter()
     addr = g._stage(buf, buf.nbytes)
     stage_in_s = time.perf_counter() - t_stage
-    work = g.start(Algo.ALL_REDUCE, buf, op, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0)
+    work = g.start(Algo.ALL_REDUCE, buf, wire, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0)
     work.stage_in_s = stage_in_s
     if g._offset_of(buf) is None:
         work._finish.append(lambda: _copy_out(g, addr, buf))
+    if average:
+        world = g.world_size
+        work._finish.append(lambda: np.divide(buf, world, out=buf, casting="unsafe"))
     return _run(work, async_op)
 
 
-def reduce_scatter(output: np.ndarray, input: np.ndarray, op: ReduceOp = ReduceOp.SUM,
-                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:  # fmt: skip
-    """Reduce *input* (world_size blocks) and leave this rank's block in *output*."""
+def reduce_scatter_tensor(output: Any, input: Any, op: int = ReduceOp.SUM,
+                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:  # fmt: skip
+    """Reduce *input* (world_size blocks, flat) over all ranks and leave this rank's block in
+    *output* (torch.distributed.reduce_scatter_tensor)."""
+    output, input = _as_array(output, "output"), _as_array(input, "input")
+    average = op == ReduceOp.AVG
+    wire = _wire_op(op, input)
     g = _group(group)
     count = input.size
     lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
     if output.size != hi - lo:
         raise ValueError(f"output has {output.size} elements; rank {g.rank}'s block has {hi - lo}")
     addr = g._stage(input, input.nbytes)
-    work = g.start(Algo.REDUCE_SCATTER, input, op, addr, addr, count)
+    work = g.start(Algo.REDUCE_SCATTER, input, wire, addr, addr, count)
     esize = input.itemsize
     work._finish.append(lambda: output.reshape(-1).__setitem__(
         slice(None), g.memory[addr + lo * esize : addr + hi * esize].view(output.dtype)))  # fmt: skip
+    if average:
+        world = g.world_size
+        work._finish.append(lambda: np.divide(output, world, out=output, casting="unsafe"))
     return _run(work, async_op)
 
 
-def all_gather(output: np.ndarray, input: np.ndarray, group: ProcessGroup | None = None,
-               async_op: bool = False) -> Work | None:  # fmt: skip
-    """Concatenate every rank's *input* (its block) into *output* on every rank."""
+def reduce_scatter(output: Any, input_list: Any, op: int = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:  # fmt: skip
+    """torch.distributed.reduce_scatter: *input_list* holds world_size tensors shaped like
+    *output*; this rank's *output* gets the reduction of everyone's entry number rank. (A flat
+    array in place of the list is taken as reduce_scatter_tensor's input, as netdam 0.1 had it.)"""
+    if not isinstance(input_list, (list, tuple)):
+        return reduce_scatter_tensor(output, input_list, op, group, async_op)
+    g = _group(group)
+    out = _as_array(output, "output")
+    parts = [_as_array(t, f"input_list[{k}]") for k, t in enumerate(input_list)]
+    if len(parts) != g.world_size or any(p.size != out.size or p.dtype != out.dtype for p in parts):
+        raise ValueError(f"input_list must hold {g.world_size} tensors of output's size ({out.size}) and dtype ({out.dtype})")
+    flat = np.concatenate([p.reshape(-1) for p in parts])
+    return reduce_scatter_tensor(out, flat, op, group, async_op)
+
+
+def all_gather_into_tensor(output: Any, input: Any, group: ProcessGroup | None = None,
+                           async_op: bool = False) -> Work | None:  # fmt: skip
+    """Concatenate every rank's *input* (its block) into the flat *output* on every rank
+    (torch.distributed.all_gather_into_tensor)."""
+    output, input = _as_array(output, "output"), _as_array(input, "input")
     g = _group(group)
     count = output.size
     lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
@@ -457,28 +544,114 @@ def all_gather(output: np.ndarray, input: np.ndarray, group: ProcessGroup | None
     if in_addr + input.nbytes > g.memory.shape[0]:
         raise MemoryError("all_gather does not fit the staging area: start nodes with more --memory")
     g.memory[in_addr : in_addr + input.nbytes] = np.ascontiguousarray(input).reshape(-1).view(np.uint8)
-    work = g.start(Algo.ALL_GATHER, output, ReduceOp.SUM, in_addr, out_addr, count)
+    work = g.start(Algo.ALL_GATHER, output, WireOp.SUM, in_addr, out_addr, count)
     work._finish.append(lambda: _copy_out(g, out_addr, output))
     return _run(work, async_op)
 
 
-def broadcast(buf: np.ndarray, src: int = 0, group: ProcessGroup | None = None,
+def all_gather(tensor_list: Any, tensor: Any, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:  # fmt: skip
+    """torch.distributed.all_gather: entry k of *tensor_list* receives rank k's *tensor*. (A
+    flat array in place of the list is taken as all_gather_into_tensor's output, as netdam 0.1
+    had it.)"""
+    if not isinstance(tensor_list, (list, tuple)):
+        return all_gather_into_tensor(tensor_list, tensor, group, async_op)
+    g = _group(group)
+    mine = _as_array(tensor, "tensor")
+    outs = [_as_array(t, f"tensor_list[{k}]") for k, t in enumerate(tensor_list)]
+    if len(outs) != g.world_size or any(o.size != mine.size or o.dtype != mine.dtype for o in outs):
+        raise ValueError(f"tensor_list must hold {g.world_size} tensors of tensor's size ({mine.size}) and dtype ({mine.dtype})")
+    flat = np.empty(mine.size * g.world_size, mine.dtype)
+    work = all_gather_into_tensor(flat, mine, group, async_op=True)
+    assert work is not None
+
+    def scatter_into_list() -> None:
+        for k, out in enumerate(outs):
+            out.reshape(-1)[:] = flat[k * mine.size : (k + 1) * mine.size]
+
+    work._finish.append(scatter_into_list)
+    return _run(work, async_op)
+
+
+def broadcast(buf: Any, src: int = 0, group: ProcessGroup | None = None,
               async_op: bool = False) -> Work | None:  # fmt: skip
     """Copy rank *src*'s *buf* into every rank's *buf*."""
+    buf = _as_array(buf, "buf")
     g = _group(group)
     addr = g._stage(buf, buf.nbytes)
-    work = g.start(Algo.BROADCAST, buf, ReduceOp.SUM, addr, addr, buf.size, root=src)
+    work = g.start(Algo.BROADCAST, buf, WireOp.SUM, addr, addr, buf.size, root=src)
     if g._offset_of(buf) is None:
         work._finish.append(lambda: _copy_out(g, addr, buf))
     return _run(work, async_op)
 
 
-def barrier(group: ProcessGroup | None = None) -> None:
-    """Return once every rank reached the barrier (an all-reduce of one element)."""
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Return once every rank reached the barrier (an all-reduce of one element); with
+    *async_op*, the Work to wait on."""
     token = np.ones(1, np.int32)
-    all_reduce(token, group=group)
-    if int(token[0]) != _group(group).world_size:
-        raise CollectiveError(f"barrier counted {int(token[0])} ranks, expected {_group(group).world_size}")
+    world = _group(group).world_size
+    work = all_reduce(token, group=group, async_op=True)
+    assert work is not None
+
+    def check() -> None:
+        if int(token[0]) != world:
+            raise CollectiveError(f"barrier counted {int(token[0])} ranks, expected {world}")
+
+    work._finish.append(check)
+    return _run(work, async_op)
+
+
+def is_initialized() -> bool:
+    """Whether a default group exists (init or init_process_group, not yet destroyed)."""
+    return _default is not None
+
+
+#: Environment variables of ``init_method="env://"``: the cluster file, and torch's names.
+ENV_CLUSTER, ENV_RANK, ENV_WORLD_SIZE = "NETDAM_CLUSTER", "RANK", "WORLD_SIZE"
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None, *,
+                       rank: int = -1, world_size: int = -1,
+                       timeout: datetime.timedelta | float | None = None,
+                       multicast: bool = True) -> ProcessGroup:  # fmt: skip
+    """torch.distributed.init_process_group for a netdam cluster. ``init_method``: "env://"
+    (the default: the cluster file in $NETDAM_CLUSTER, rank and world size from $RANK and
+    $WORLD_SIZE unless given) or "file://PATH" (the cluster file, which ``netdam up`` writes);
+    *world_size* must match the file's node count. *backend* may be None or "netdam"."""
+    if backend not in (None, "netdam"):
+        raise ValueError(f"backend {backend!r}: netdam is its own backend (pass backend=None or 'netdam'); "
+                         "for Gloo or NCCL use torch.distributed")  # fmt: skip
+    method = init_method or "env://"
+    if method == "env://":
+        path = os.environ.get(ENV_CLUSTER)
+        if not path:
+            raise ValueError(f"init_method env:// reads the cluster file from ${ENV_CLUSTER}: set it to the "
+                             "file `netdam up` wrote, or pass init_method='file://PATH'")  # fmt: skip
+        rank = rank if rank >= 0 else _env_int(ENV_RANK)
+        world_size = world_size if world_size >= 0 else _env_int(ENV_WORLD_SIZE, -1)
+    elif method.startswith("file://"):
+        path = method[len("file://"):]
+        if rank < 0:
+            raise ValueError("init_method file:// needs rank=")
+    else:
+        raise ValueError(f"init_method {method!r}: use 'env://' or 'file://PATH' (the cluster file)")
+    cluster = load_cluster(Path(path))
+    if world_size >= 0 and world_size != len(cluster.nodes):
+        raise ValueError(f"world_size {world_size} but {path} has {len(cluster.nodes)} nodes: one rank per node")
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    return init(cluster=Path(path), rank=rank, multicast=multicast, timeout=seconds)
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"init_method env:// needs ${name} (or the {name.lower()}= argument)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} is not an integer") from None
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:

@@ -1,0 +1,144 @@
+"""The host API in torch.distributed's words (issue 17): init_process_group (env:// and
+file://), is_initialized, the flat *_tensor forms and the list forms, ReduceOp.AVG (and
+PRODUCT refused with the reason), barrier(async_op=), CPU torch tensors in place of numpy
+arrays. Every result against a numpy oracle; all ranks live in this process, so each call is
+started on every rank (async) before any is waited on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import netdam
+from netdam import api
+from netdam.cluster.launch import LocalCluster, start_cluster
+from netdam.protocol.constants import ReduceOp as WireOp
+from netdam.tools.allreduce import reference_chain_allreduce
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with start_cluster(WORLD, memory=4 << 20) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def groups(cluster: LocalCluster) -> Iterator[list[api.ProcessGroup]]:
+    made = [api.ProcessGroup(cluster.info, rank) for rank in range(WORLD)]
+    yield made
+    for group in made:
+        group.close()
+
+
+def on_every_rank(groups: list[api.ProcessGroup], call: Callable[[api.ProcessGroup, int], Any]) -> None:
+    works = [call(group, rank) for rank, group in enumerate(groups)]
+    for work in works:
+        work.wait()
+
+
+def test_avg_is_the_sum_divided_bitwise_identical(groups: list[api.ProcessGroup]) -> None:
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(5000).astype(np.float32) for _ in range(WORLD)]
+    bufs = [x.copy() for x in inputs]
+    on_every_rank(groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.AVG, group=g, async_op=True))
+    expected = reference_chain_allreduce(inputs, WireOp.SUM) / np.float32(WORLD)
+    for buf in bufs:
+        assert buf.tobytes() == expected.astype(np.float32).tobytes()
+
+
+def test_avg_of_integers_and_product_are_refused_with_the_reason(groups: list[api.ProcessGroup]) -> None:
+    with pytest.raises(ValueError, match="floating dtype"):
+        api.all_reduce(np.ones(4, np.int32), op=api.ReduceOp.AVG, group=groups[0])
+    with pytest.raises(ValueError, match="no multiply"):
+        api.all_reduce(np.ones(4, np.float32), op=api.ReduceOp.PRODUCT, group=groups[0])
+    assert int(api.ReduceOp.SUM) == int(WireOp.SUM) and int(api.ReduceOp.MAX) == int(WireOp.MAX)
+
+
+def test_flat_and_list_forms(groups: list[api.ProcessGroup]) -> None:
+    n = 4 * WORLD
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal(n).astype(np.float32) for _ in range(WORLD)]
+    total = reference_chain_allreduce(inputs, WireOp.SUM)
+    # reduce_scatter_tensor (flat) and reduce_scatter (list of world tensors).
+    outs = [np.empty(4, np.float32) for _ in range(WORLD)]
+    on_every_rank(groups, lambda g, r: api.reduce_scatter_tensor(outs[r], inputs[r].copy(), group=g, async_op=True))
+    for r, out in enumerate(outs):
+        assert out.tobytes() == total[4 * r : 4 * r + 4].tobytes()
+    lists = [[x[4 * k : 4 * k + 4].copy() for k in range(WORLD)] for x in inputs]
+    outs2 = [np.empty(4, np.float32) for _ in range(WORLD)]
+    on_every_rank(groups, lambda g, r: api.reduce_scatter(outs2[r], lists[r], group=g, async_op=True))
+    assert [o.tobytes() for o in outs2] == [o.tobytes() for o in outs]
+    # all_gather_into_tensor (flat) and all_gather (list).
+    mine = [np.full(4, r + 1, np.float32) for r in range(WORLD)]
+    flats = [np.empty(4 * WORLD, np.float32) for _ in range(WORLD)]
+    on_every_rank(groups, lambda g, r: api.all_gather_into_tensor(flats[r], mine[r], group=g, async_op=True))
+    expected = np.concatenate(mine)
+    assert all(f.tobytes() == expected.tobytes() for f in flats)
+    got = [[np.empty(4, np.float32) for _ in range(WORLD)] for _ in range(WORLD)]
+    on_every_rank(groups, lambda g, r: api.all_gather(got[r], mine[r], group=g, async_op=True))
+    for lst in got:
+        assert [t.tobytes() for t in lst] == [m.tobytes() for m in mine]
+    with pytest.raises(ValueError, match="must hold 3 tensors"):
+        api.all_gather([np.empty(4, np.float32)], mine[0], group=groups[0])
+
+
+def test_barrier_async(groups: list[api.ProcessGroup]) -> None:
+    on_every_rank(groups, lambda g, r: api.barrier(group=g, async_op=True))
+
+
+def test_torch_cpu_tensors_are_reduced_in_place(groups: list[api.ProcessGroup]) -> None:
+    torch = pytest.importorskip("torch")
+    tensors = [torch.arange(6, dtype=torch.float32) * (r + 1) for r in range(WORLD)]
+    on_every_rank(groups, lambda g, r: api.all_reduce(tensors[r], group=g, async_op=True))
+    expected = torch.arange(6, dtype=torch.float32) * sum(range(1, WORLD + 1))
+    assert all(torch.equal(t, expected) for t in tensors)
+    with pytest.raises(ValueError, match="not contiguous"):
+        api.all_reduce(torch.zeros(4, 4).t(), group=groups[0])
+
+
+def test_init_process_group_env_and_file(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not netdam.is_initialized()
+    monkeypatch.setenv("NETDAM_CLUSTER", str(cluster.path))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    group = netdam.init_process_group()
+    try:
+        assert netdam.is_initialized() and group.rank == 1 and netdam.get_world_size() == WORLD
+    finally:
+        netdam.destroy_process_group()
+    assert not netdam.is_initialized()
+    group = netdam.init_process_group(init_method=f"file://{cluster.path}", rank=2, world_size=WORLD)
+    try:
+        assert netdam.get_rank() == 2
+    finally:
+        netdam.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "message"),
+    [
+        ({"backend": "nccl"}, {}, "netdam is its own backend"),
+        ({}, {}, "NETDAM_CLUSTER"),
+        ({"init_method": "tcp://1.2.3.4:5"}, {}, "use 'env://' or 'file://PATH'"),
+        ({"init_method": "file://{path}"}, {}, "needs rank="),
+        ({"init_method": "file://{path}", "rank": 0, "world_size": 7}, {}, "one rank per node"),
+        ({}, {"NETDAM_CLUSTER": "{path}", "RANK": "x"}, "not an integer"),
+    ],
+)
+def test_init_process_group_errors_name_the_fix(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch,
+                                                 kwargs: dict[str, Any], env: dict[str, str], message: str) -> None:  # fmt: skip
+    monkeypatch.delenv("NETDAM_CLUSTER", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value.replace("{path}", str(cluster.path)))
+    args = {k: (v.replace("{path}", str(cluster.path)) if isinstance(v, str) else v) for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=message):
+        netdam.init_process_group(**args)
+    assert not netdam.is_initialized()
+    assert isinstance(cluster.path, Path)
