@@ -371,14 +371,21 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
     return res, int(code)
 
 
+def phase_table(results: dict[str, dict[str, Any]], wrong: bool = False) -> list[str]:
+    """Header and one line per phase: ops/s, p50/p99 us, timeouts (and wrong READs)."""
+    lines = [f"  {'phase':<20}{'ops/s':>12}{'p50 us':>9}{'p99 us':>9}{'timeouts':>10}" + (f"{'wrong':>7}" if wrong else "")]
+    for name, r in results.items():
+        p50 = "-" if r["p50_us"] is None else f"{r['p50_us']:.0f}"
+        p99 = "-" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
+        lines.append(f"  {name:<20}{r['ops']:>12,.0f}{p50:>9}{p99:>9}{r['timeouts']:>10}"
+                     + (f"{r['mismatches']:>7}" if wrong else ""))  # fmt: skip
+    return lines
+
+
 def format_text(res: dict[str, Any]) -> str:
     lines = [f"netdam bench pool: {res['seconds']} s per phase, window {res['window']}, "
              f"{res['generators']} generator process(es), {res['nodes']} nodes + switch"]  # fmt: skip
-    lines.append(f"  {'phase':<20}{'ops/s':>12}{'p50 us':>9}{'p99 us':>9}{'timeouts':>10}")
-    for name, r in res["results"].items():
-        p50 = "-" if r["p50_us"] is None else f"{r['p50_us']:.0f}"
-        p99 = "-" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
-        lines.append(f"  {name:<20}{r['ops']:>12,.0f}{p50:>9}{p99:>9}{r['timeouts']:>10}")
+    lines += phase_table(res["results"])
     ratio = "-" if res["ratio"] is None else f"{res['ratio']:.3f}"
     lines.append(f"  ratio netdam READ 64 / memcached GET 64: {ratio}; valid {'yes' if res['valid'] else 'NO'}")
     for key in ("memcached_skipped", "invalid_reason", "error"):
@@ -408,10 +415,15 @@ def register_pool_bench(benches: Any) -> None:
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw ops/s and latency per phase, netdam beside memcached (needs the "
                         "[plot] extra: matplotlib)")  # fmt: skip
+    parser.add_argument("--async", dest="async_mode", action="store_true",
+                        help="instead: --clients asyncio clients (AsyncPoolClient) in one event loop, "
+                        "READ/WRITE 64 B and 4 KiB, every READ checked")  # fmt: skip
+    parser.add_argument("--clients", type=int, default=8, help="with --async: clients, 1..256 (8)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: Any) -> int:
-
+        if args.async_mode:
+            return run_async(args)
         plt = plotting.pyplot() if args.plot else None  # before the run: a missing extra is usage
         cfg = PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
                               nodes=args.nodes, interleave=args.interleave, generators=args.generators,
@@ -429,6 +441,27 @@ def register_pool_bench(benches: Any) -> None:
         return code
 
     parser.set_defaults(func=run)
+
+
+def run_async(args: Any) -> int:
+    """``netdam bench pool --async``: netdam/tools/bench/pool_async.py."""
+    # Imported here: the asyncio client and asyncio-dgram, which the generator benchmark does not use.
+    from netdam.tools.bench.pool_async import (
+        AsyncPoolBenchConfig,
+        format_async_text,
+        run_async_pool_bench,
+    )
+
+    if args.plot:
+        raise CommandError("--plot draws the generator phases: drop it with --async", ExitCode.USAGE)
+    cfg = AsyncPoolBenchConfig(clients=args.clients, seconds=args.seconds, warmup=args.warmup,
+                               nodes=args.nodes, interleave=args.interleave)  # fmt: skip
+    try:
+        result, code = run_async_pool_bench(cfg)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    emit(result, args.json, text=format_async_text(result))
+    return code
 
 
 def plot_pool(plt: Any, res: dict[str, Any], path: str) -> None:
