@@ -50,7 +50,13 @@ from netdam.protocol.constants import (
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.fixtures import FIXTURE_NAMES, load_fixture
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, u64_to_endpoint
-from netdam.protocol.payloads import Algo, unpack_descriptor
+from netdam.protocol.payloads import (
+    Algo,
+    CompletionPhases,
+    pack_completion,
+    pack_completion_phases,
+    unpack_descriptor,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = ROOT / "protocol" / "wireshark" / "netdam.lua"
@@ -841,3 +847,16 @@ def test_gso_super_frames_dissect_as_their_datagrams(tshark_env: dict[str, str],
     out = tshark(tshark_env, "-o", f"netdam.ports:{OTHER_PORT - 1}-{OTHER_PORT}", "-r", str(pcap),
                  "-T", "fields", "-e", "netdam.gso.size")  # fmt: skip
     assert out.split() == [str(len(load_fixture("chain_add"))), str(len(encode_packet(_write_of(DType.F32)))), "68"]
+
+
+def test_completion_phases_dissect(tshark_env: dict[str, str], tmp_path: Path) -> None:
+    """A collective's completion ACK (SPEC.md 4.1): its counters and its phases, by name."""
+    phases = CompletionPhases(start_ns=123_456_789_000, chains_us=1500, chunks_us=1700, done_us=1900)
+    ack = Packet(Opcode.ACK, client_id=9, txn_id=7, coll_id=1, epoch=3, aux_addr=1,
+                 payload=pack_completion(2, 1) + pack_completion_phases(phases), length=40)  # fmt: skip
+    pcap = tmp_path / "completion.pcap"
+    write_pcap(pcap, [Datagram(encode_packet(ack), ("10.0.0.2", NETDAM_UDP_PORT), CLIENT)])
+    out = tshark(tshark_env, "-r", str(pcap), "-T", "fields", "-E", "separator=,",
+                 *(a for f in ("chains_resent", "repair_reads", "start_ns", "chains_us", "chunks_us", "done_us")
+                   for a in ("-e", f"netdam.coll.{f}")))  # fmt: skip
+    assert out.strip() == "2,1,123456789000,1500,1700,1900"

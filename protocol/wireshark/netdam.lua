@@ -324,6 +324,10 @@ field("nack_text", ProtoField.string("netdam.nack.text", "Reason"))
 -- Collective completion (SPEC.md 4.1) and bitmap
 field("chains_resent", ProtoField.uint64("netdam.coll.chains_resent", "Chains re-sent", base.DEC))
 field("repair_reads", ProtoField.uint64("netdam.coll.repair_reads", "Repair READs", base.DEC))
+field("phase_start", ProtoField.uint64("netdam.coll.start_ns", "Started at (node clock, ns)", base.DEC))
+field("phase_chains", ProtoField.uint32("netdam.coll.chains_us", "Chains ACKed after (us)", base.DEC))
+field("phase_chunks", ProtoField.uint32("netdam.coll.chunks_us", "Every chunk here after (us)", base.DEC))
+field("phase_done", ProtoField.uint32("netdam.coll.done_us", "Every DONE here after (us)", base.DEC))
 field("first_missing", ProtoField.uint64("netdam.coll.first_missing", "First missing chunk",
     base.DEC))
 field("last_missing", ProtoField.uint64("netdam.coll.last_missing", "Last missing chunk",
@@ -711,9 +715,15 @@ local function dissect_payload(tree, tvb, pinfo, name, poff, size)
         ptree:add_le(F.swap, tvb(poff + 8, 8))
     elseif (name == "ACK" or name == "NACK") and coll_id ~= 0 and aux_hi == 0
         and COLL_MESSAGE[aux_lo] ~= nil then
-        if aux_lo == 1 and size == 16 and name == "ACK" then
+        if aux_lo == 1 and size >= 16 and name == "ACK" then
             ptree:add_le(F.chains_resent, tvb(poff, 8))
             ptree:add_le(F.repair_reads, tvb(poff + 8, 8))
+            if size >= 40 then  -- the phases (SPEC.md 4.1)
+                ptree:add_le(F.phase_start, tvb(poff + 16, 8))
+                ptree:add_le(F.phase_chains, tvb(poff + 24, 4))
+                ptree:add_le(F.phase_chunks, tvb(poff + 28, 4))
+                ptree:add_le(F.phase_done, tvb(poff + 32, 4))
+            end
         elseif aux_lo == 1 and size == 16 then
             ptree:add_le(F.first_missing, tvb(poff, 8))
             ptree:add_le(F.last_missing, tvb(poff + 8, 8))
