@@ -1,0 +1,104 @@
+"""Behaviours SPEC.md states that a plain-socket client found unstated (issue 17), each pinned
+against a node: requests built with the codec, then bytes changed where the codec would refuse."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import pytest
+from helpers import ADMIN_KEY, CLIENT, RKEY, Cluster, make_cluster
+
+from netdam.protocol.constants import DType, Flags, Opcode, Status
+from netdam.protocol.packet import Packet, decode_packet, encode_packet
+
+Mutation = Callable[[bytearray], None]
+
+
+@pytest.fixture()
+def cluster() -> Cluster:
+    return make_cluster(2)
+
+
+def answers(cluster: Cluster, data: bytes) -> list[tuple[Opcode, Status]]:
+    cluster.fabric.send(CLIENT, cluster.endpoints[0], data)
+    cluster.fabric.run_until_idle()
+    return [(decode_packet(d).opcode, decode_packet(d).status) for d, _ in cluster.fabric.receive(CLIENT)]
+
+
+def mutated(packet: Packet, *changes: Mutation) -> bytes:
+    data = bytearray(encode_packet(packet))
+    for change in changes:
+        change(data)
+    return bytes(data)
+
+
+def byte(offset: int, value: int) -> Mutation:
+    return lambda b: b.__setitem__(offset, value)
+
+
+def flags(value: int) -> Mutation:
+    return lambda b: b.__setitem__(slice(2, 4), value.to_bytes(2, "big"))
+
+
+def write(txn: int, flag: Flags = Flags.ACK_REQ, rkey: int = RKEY) -> Packet:
+    return Packet(Opcode.WRITE, flags=flag, rkey=rkey, length=8, payload=b"12345678", client_id=1, txn_id=txn)
+
+
+NACK = Opcode.NACK
+
+
+def test_status_and_credit_in_requests(cluster: Cluster) -> None:
+    assert answers(cluster, mutated(write(1), byte(50, 5))) == [(Opcode.ACK, Status.OK)]
+    assert answers(cluster, mutated(write(2), byte(51, 200))) == [(Opcode.ACK, Status.OK)]
+    assert answers(cluster, mutated(write(3), byte(50, 200))) == [(NACK, Status.BAD_FIELD)]
+
+
+def test_nacks_do_not_need_ack_req(cluster: Cluster) -> None:
+    assert answers(cluster, encode_packet(write(4, Flags(0), rkey=0xDEAD))) == [(NACK, Status.BAD_RKEY)]
+    assert answers(cluster, encode_packet(write(5, Flags(0)))) == []  # success without ACK_REQ: silent
+
+
+def test_mcast_flag_on_a_unicast_write_is_informational(cluster: Cluster) -> None:
+    assert answers(cluster, encode_packet(write(6, Flags.ACK_REQ | Flags.MCAST))) == [(Opcode.ACK, Status.OK)]
+
+
+def test_sparse_flag_is_checked_after_the_dtype(cluster: Cluster) -> None:
+    sparse = flags(int(Flags.ACK_REQ | Flags.SPARSE))
+    read = Packet(Opcode.READ, flags=Flags.ACK_REQ, rkey=RKEY, length=8, dtype=DType.F32, client_id=1, txn_id=7)
+    assert answers(cluster, mutated(read, sparse)) == [(NACK, Status.BAD_FIELD)]
+    fetch = Packet(Opcode.FETCH_ADD, flags=Flags.ACK_REQ, rkey=RKEY, length=8, dtype=DType.U64,
+                   payload=bytes(8), client_id=1, txn_id=8)  # fmt: skip
+    assert answers(cluster, mutated(fetch, sparse, byte(48, int(DType.F32)))) == [(NACK, Status.BAD_DTYPE)]
+
+
+def test_wrong_payload_sizes_are_bad_length(cluster: Cluster) -> None:
+    fetch = encode_packet(Packet(Opcode.FETCH_ADD, flags=Flags.ACK_REQ, rkey=RKEY, length=8, dtype=DType.U64,
+                                 payload=bytes(8), client_id=1, txn_id=9))  # fmt: skip
+    cas = encode_packet(Packet(Opcode.CAS, flags=Flags.ACK_REQ, rkey=RKEY, length=8, dtype=DType.U64,
+                               payload=bytes(16), client_id=1, txn_id=10))  # fmt: skip
+    read = encode_packet(Packet(Opcode.READ, flags=Flags.ACK_REQ, rkey=RKEY, length=8, client_id=1, txn_id=11))
+    ping = encode_packet(Packet(Opcode.PING, client_id=1, txn_id=12))
+    for data in (fetch[:-4], fetch + bytes(8), cas[:-8], read + bytes(8), ping + bytes(8)):
+        assert answers(cluster, data) == [(NACK, Status.BAD_LENGTH)]
+
+
+def test_segment_type_and_count_must_agree(cluster: Cluster) -> None:
+    read = Packet(Opcode.READ, flags=Flags.ACK_REQ, rkey=RKEY, length=8, client_id=1, txn_id=13)
+    assert answers(cluster, mutated(read, byte(52, 1))) == [(NACK, Status.BAD_SEGMENT)]  # type 1, 0 segments
+
+
+def register(size: int, rights: int, txn: int, addr: int = 0) -> bytes:
+    return encode_packet(Packet(Opcode.REGISTER, rkey=ADMIN_KEY, addr=addr, aux_addr=size, length=8,
+                                payload=struct.pack("<II", 0, rights), client_id=4, txn_id=txn))  # fmt: skip
+
+
+def test_register_edge_cases(cluster: Cluster) -> None:
+    assert answers(cluster, register(0, 1, 20)) == [(NACK, Status.OUT_OF_BOUNDS)]
+    assert answers(cluster, register(4096, 0, 21)) == [(NACK, Status.BAD_FIELD)]
+    # Overlapping regions are allowed: each rkey answers for its own range and rights.
+    assert answers(cluster, register(4096, 1, 22)) == [(Opcode.ACK, Status.OK)]
+    assert answers(cluster, register(4096, 3, 23, addr=2048)) == [(Opcode.ACK, Status.OK)]
+    gone = encode_packet(Packet(Opcode.DEREGISTER, rkey=ADMIN_KEY, length=8, payload=struct.pack("<II", 0xBAD, 0),
+                                client_id=4, txn_id=24))  # fmt: skip
+    assert answers(cluster, gone) == [(NACK, Status.BAD_RKEY)]
