@@ -3,12 +3,15 @@ against a node: requests built with the codec, then bytes changed where the code
 
 from __future__ import annotations
 
+import inspect
 import struct
 from collections.abc import Callable
 
 import pytest
 from helpers import ADMIN_KEY, CLIENT, RKEY, Cluster, make_cluster
 
+from netdam.clients.async_pool import AsyncPoolClient
+from netdam.clients.pool import TXN_SPAN, PoolClient
 from netdam.protocol.constants import DType, Flags, Opcode, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
 
@@ -102,3 +105,11 @@ def test_register_edge_cases(cluster: Cluster) -> None:
     gone = encode_packet(Packet(Opcode.DEREGISTER, rkey=ADMIN_KEY, length=8, payload=struct.pack("<II", 0xBAD, 0),
                                 client_id=4, txn_id=24))  # fmt: skip
     assert answers(cluster, gone) == [(NACK, Status.BAD_RKEY)]
+
+
+def test_the_shipped_clients_retry_as_spec_says() -> None:
+    """SPEC.md 7, Retries: 50 ms, at most 20 re-sends, 32 in flight, for both pool clients."""
+    for signature in (inspect.signature(PoolClient.__init__), inspect.signature(AsyncPoolClient.open)):
+        defaults = {name: p.default for name, p in signature.parameters.items()}
+        assert (defaults["timeout"], defaults["retries"], defaults["window"]) == (0.05, 20, 32)
+    assert TXN_SPAN == 192

@@ -311,7 +311,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                 attempt += 1
 
                 def nd(op: Opcode, size: int, phase_no: int, attempt: int = attempt) -> Any:
-                    # A fresh client id per phase, attempt and generator (distinct mod 256): each
+                    # A fresh client id per phase, attempt and generator: each
                     # phase's transaction ids start again at 0, which a node's window calls STALE.
                     base = 0x7E570000 + (attempt << 12) + (phase_no << 4)
                     return lambda g: _netdam_templates(op, size, region.gaddr, region.rkey, region.size, base + g)
