@@ -7,6 +7,7 @@ import inspect
 import struct
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from helpers import ADMIN_KEY, CLIENT, RKEY, Cluster, make_cluster
 
@@ -113,3 +114,15 @@ def test_the_shipped_clients_retry_as_spec_says() -> None:
         defaults = {name: p.default for name, p in signature.parameters.items()}
         assert (defaults["timeout"], defaults["retries"], defaults["window"]) == (0.05, 20, 32)
     assert TXN_SPAN == 192
+
+
+def test_a_node_may_appear_in_an_sr_list_more_than_once(cluster: Cluster) -> None:
+    """SPEC.md 4: each appearance is one hop; node 0, node 1, node 0 adds node 0's operand twice."""
+    for node, value in ((0, 1.5), (1, 10.0)):
+        cluster.nodes[node].memory[0:8] = np.full(2, value, np.float32).view(np.uint8)
+    chain = Packet(Opcode.CHAIN_ADD, flags=Flags.ACK_REQ, rkey=RKEY, addr=0, aux_addr=64, length=8,
+                   dtype=DType.F32, payload=np.full(2, 100.0, np.float32).tobytes(),
+                   segments=(cluster.endpoints[0], cluster.endpoints[1], cluster.endpoints[0]), segments_left=2,
+                   client_id=1, txn_id=40)  # fmt: skip
+    assert answers(cluster, encode_packet(chain)) == [(Opcode.ACK, Status.OK)]
+    assert cluster.nodes[0].memory[64:72].view(np.float32).tolist() == [113.0, 113.0]
