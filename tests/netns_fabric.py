@@ -330,6 +330,20 @@ class NetnsCluster:
     switch: str | None = None
     vip: tuple[str, int] | None = None
 
+    def dead_nodes(self) -> list[str]:
+        """Every node process that has exited: rank, exit status and the end of its stderr (a
+        failure elsewhere then names its cause instead of a silent peer)."""
+        by_pid = {proc.pid: proc for proc in self.fabric.processes}
+        dead = []
+        for entry in self.info.nodes:
+            proc = by_pid.get(entry.pid)
+            if proc is None or proc.poll() is None:
+                continue
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            tail = " | ".join(err.strip().splitlines()[-8:])
+            dead.append(f"node rank {entry.rank} exited {proc.returncode}: {tail}")
+        return dead
+
 
 def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, switch: str | None = None,
                         memory: int = 4 << 20, port: int = NODE_PORT) -> NetnsCluster:  # fmt: skip

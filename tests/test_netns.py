@@ -154,7 +154,7 @@ def site(
 def ok_ranks(site: Site) -> list[RankResult]:
     failed = [f"rank {r}: exit {res.returncode}: {res.stderr.strip().splitlines()[-1:]}"
               for r, res in enumerate(site.ranks) if res.returncode != 0]  # fmt: skip
-    assert not failed, "; ".join(failed)
+    assert not failed, "; ".join(failed + site.cluster.dead_nodes())
     return site.ranks
 
 
@@ -250,6 +250,7 @@ def test_links_and_namespaces(site: Site) -> None:
     assert len(mtus) == 1 + 2 * len(site.fabric.hosts)  # bridge, its ports, every host's nd0
     assert set(mtus.values()) == {site.mtu}, mtus
     # Every node process runs in its own host's namespace (same inode as /run/netns/NAME).
+    assert not site.cluster.dead_nodes(), site.cluster.dead_nodes()
     for rank, host in enumerate(site.cluster.nodes):
         pid = site.cluster.info.nodes[rank].pid
         assert (
