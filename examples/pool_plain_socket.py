@@ -1,12 +1,14 @@
-"""The NetDAM memory pool with nothing but ``socket`` and ``struct``: WRITE, READ back and
-FETCH_ADD through the switch's virtual IP. Written from protocol/SPEC.md alone (no netdam imports).
+"""The NetDAM memory pool with nothing but the standard library (socket, struct, tomllib):
+allocate a region, WRITE, READ back, FETCH_ADD, QUERY and FREE it through the switch's virtual
+IP. Written from protocol/SPEC.md alone (no netdam imports).
 
     netdam up --nodes 2 --switch --detach --cluster c.toml
-    netdam pool alloc --cluster c.toml --size 64KiB --interleave 8KiB   # prints gaddr and rkey
-    python examples/pool_plain_socket.py --vip 127.0.0.1:PORT --gaddr 0x100000000 --rkey 0x...
+    python examples/pool_plain_socket.py --cluster c.toml
 
-Requests go to the VIP; replies come straight from the node that holds the data (the switch
-wrote our address into the return segment), so the socket must not be connected.
+The cluster file (SPEC.md 12) gives the VIP and the admin key; ALLOC with the admin key creates
+a tenant and hands back its credential (SPEC.md 11.9), which alone then queries and frees the
+region. Requests go to the VIP; READ/WRITE/atomic replies come straight from the node that holds
+the data (the switch wrote our address into the return segment), so the socket is not connected.
 """
 
 import argparse
@@ -15,66 +17,134 @@ import socket
 import struct
 import sys
 
+import tomllib
+
 # SPEC.md 2.1: the 64-byte header, network byte order.
 HEADER = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
-READ, WRITE, FETCH_ADD, NACK = 0x01, 0x03, 0x07, 0x0C
+READ, WRITE, FETCH_ADD, PING, INFO, ACK, NACK = 0x01, 0x03, 0x07, 0x09, 0x0A, 0x0B, 0x0C
+ALLOC, FREE, QUERY = 0x26, 0x27, 0x28
 ACK_REQ, RELAYED = 0x0001, 0x0008
 RAW, U64 = 0, 5
+NO_ROUTE = 20
+# SPEC.md 6.4 INFO; 11.9 ALLOC request, region record and one way of it (little-endian).
+INFO_PAYLOAD = struct.Struct("<IIQIIII")
+ALLOC_REQUEST = struct.Struct("<QQIHBB16s")
+REGION = struct.Struct("<QQQIIHBBI16s")
+WAY = struct.Struct("<IIQQ")
 CLIENT_ID = int.from_bytes(os.urandom(4), "big") | 1
 
 
-def header(opcode, txn, rkey, addr, length, dtype=RAW, flags=0):
+class Refused(Exception):
+    def __init__(self, status, text):
+        super().__init__(f"NACK status {status} {text!r}")
+        self.status = status
+
+
+def header(opcode, txn, rkey=0, addr=0, length=0, dtype=RAW, flags=0):
     return HEADER.pack(1, opcode, flags, 0, CLIENT_ID, txn, 0, 0, rkey, length, addr, 0,
                        dtype, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
-def call(sock, vip, datagram, txn):
-    """Send to the VIP, wait for the reply with our txn id from whichever node answers.
-    Re-sending the same txn id is safe: a node executes it at most once (SPEC 7)."""
-    for _ in range(10):
-        sock.sendto(datagram, vip)
-        try:
-            while True:
-                reply, source = sock.recvfrom(65536)
-                fields = HEADER.unpack_from(reply)
-                if fields[4] == CLIENT_ID and fields[5] == txn:
-                    if fields[1] == NACK:
-                        sys.exit(f"request {txn} refused: NACK status {fields[14]}")
-                    return fields, reply[64 : 64 + fields[9]], source
-        except TimeoutError:
-            continue
-    sys.exit(f"no answer through {vip[0]}:{vip[1]}")
+class Client:
+    def __init__(self, vip):
+        self.vip = vip
+        self.txn = 0
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("0.0.0.0", 0))
+
+    def call(self, opcode, payload=b"", timeout=0.5, tries=8, **fields):
+        """Send to the VIP, wait for the reply with our txn id from whoever answers. Re-sending
+        the same txn id is safe: nodes and the switch's allocator execute it at most once
+        (SPEC 7, 11.9); the wait doubles on each try (SPEC 12.4)."""
+        self.txn += 1
+        datagram = header(opcode, self.txn, length=fields.pop("length", len(payload)), **fields) + payload
+        for _ in range(tries):
+            self.sock.sendto(datagram, self.vip)
+            self.sock.settimeout(timeout)
+            try:
+                while True:
+                    reply, source = self.sock.recvfrom(65536)
+                    got = HEADER.unpack_from(reply)
+                    if got[4] == CLIENT_ID and got[5] == self.txn:
+                        body = reply[64 : 64 + got[9]]
+                        if got[1] == NACK:
+                            raise Refused(got[14], body.decode(errors="replace"))
+                        return got, body, source
+            except TimeoutError:
+                timeout = min(2 * timeout, 4.0)
+        sys.exit(f"no answer through {self.vip[0]}:{self.vip[1]}")
+
+
+def region_record(body):
+    gaddr, size, credential, rkey, stride, ways, rights, _, _, label = REGION.unpack_from(body)
+    backing = [WAY.unpack_from(body, REGION.size + k * WAY.size) for k in range(ways)]
+    return {"gaddr": gaddr, "size": size, "credential": credential, "rkey": rkey, "stride": stride,
+            "rights": rights, "label": label.rstrip(b"\0").decode(), "ways": [(n, local, sz) for n, _, local, sz in backing]}
+
+
+def pieces(gaddr, offset, length, stride, limit):
+    """Split [offset, offset+length) so no piece crosses a stride boundary (SPEC 11.2)."""
+    while length:
+        step = min(length, limit, stride - offset % stride if stride else length)
+        yield gaddr + offset, offset, step
+        offset += step
+        length -= step
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vip", required=True, help="IP:PORT of the switch")
-    parser.add_argument("--gaddr", required=True, type=lambda t: int(t, 0), help="region's global address")
-    parser.add_argument("--rkey", required=True, type=lambda t: int(t, 0))
+    parser.add_argument("--cluster", required=True, help="cluster file of `netdam up --switch`")
     args = parser.parse_args()
-    host, port = args.vip.rsplit(":", 1)
-    vip = (host, int(port))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.5)
+    with open(args.cluster, "rb") as f:
+        cluster = tomllib.load(f)
+    admin_key = cluster["cluster"]["admin_key"]
+    vip = (cluster["switch"]["address"], cluster["switch"]["port"])
+    client = Client(vip)
 
-    data = b"pooled memory, plain socket ok!!"
-    _, _, node = call(sock, vip, header(WRITE, 1, args.rkey, args.gaddr, len(data), flags=ACK_REQ) + data, 1)
-    fields, back, node = call(sock, vip, header(READ, 2, args.rkey, args.gaddr, len(data)), 2)
-    print(f"wrote and read back {back!r} (answered by node {node[0]}:{node[1]}, "
-          f"relayed: {bool(fields[2] & RELAYED)})")
-    if back != data:
+    _, info, _ = client.call(PING)
+    version, mtu, mapped, max_payload, _, rank, nodes = INFO_PAYLOAD.unpack(info)
+    print(f"switch {vip[0]}:{vip[1]}: version {version}, MTU {mtu}, {nodes} nodes, largest payload {max_payload}")
+
+    # ALLOC 64 KiB interleaved with stride 8 KiB over every node, all rights, for a new tenant.
+    request = ALLOC_REQUEST.pack(64 << 10, 0, 8192, 0, 7, 0, b"plain-socket".ljust(16, b"\0"))
+    fields, body, _ = client.call(ALLOC, request, rkey=admin_key)
+    region = region_record(body)
+    gaddr, rkey, credential, stride = region["gaddr"], region["rkey"], region["credential"], region["stride"]
+    assert fields[10] == gaddr and fields[8] == rkey, "ACK header names the region"
+    print(f"ALLOC: gaddr 0x{gaddr:x} rkey 0x{rkey:08x} ways {len(region['ways'])} credential 0x{credential:016x}")
+
+    data = bytes((7 * k) % 251 for k in range(20000))
+    for addr, offset, step in pieces(gaddr, 0, len(data), stride, max_payload):
+        client.call(WRITE, data[offset : offset + step], rkey=rkey, addr=addr, flags=ACK_REQ)
+    back = bytearray()
+    relayed = True
+    for addr, _, step in pieces(gaddr, 0, len(data), stride, max_payload):
+        got, chunk, _ = client.call(READ, rkey=rkey, addr=addr, length=step)
+        relayed &= bool(got[2] & RELAYED)
+        back += chunk
+    print(f"wrote and read back {len(back)} bytes, relayed: {relayed}")
+    if bytes(back) != data:
         sys.exit("READ returned different bytes")
 
-    counter = args.gaddr + 64
-    start = None
-    for txn in (3, 4):
-        _, old, _ = call(sock, vip, header(FETCH_ADD, txn, args.rkey, counter, 8, dtype=U64) + struct.pack("<Q", 5), txn)
-        value = struct.unpack("<Q", old)[0]
-        start = value if start is None else start
-        print(f"FETCH_ADD 5 -> old value {value}")
-        if value != start + 5 * (txn - 3):
-            sys.exit(f"FETCH_ADD returned {value}, expected {start + 5 * (txn - 3)}")
+    counter = gaddr + 8192 + 64  # on the second way when there are two nodes
+    olds = [struct.unpack("<Q", client.call(FETCH_ADD, struct.pack("<Q", 5), rkey=rkey, addr=counter,
+                                            length=8, dtype=U64)[1])[0] for _ in range(2)]
+    print(f"FETCH_ADD 5 twice -> old values {olds}")
+    if olds[1] != olds[0] + 5:
+        sys.exit("FETCH_ADD did not add")
+
+    # The credential alone (rkey 0) queries and frees the tenant's region.
+    _, body, _ = client.call(QUERY, struct.pack("<Q", credential), addr=gaddr)
+    if region_record(body)["rkey"] != rkey:
+        sys.exit("QUERY described another region")
+    client.call(FREE, struct.pack("<Q", credential), addr=gaddr)
+    try:
+        client.call(READ, rkey=rkey, addr=gaddr, length=8)
+        sys.exit("READ after FREE succeeded")
+    except Refused as exc:
+        if exc.status != NO_ROUTE:
+            raise
+    print(f"FREE: 0x{gaddr:x} is gone (READ answers NO_ROUTE)")
     print("ok")
 
 

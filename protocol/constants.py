@@ -69,6 +69,11 @@ class Opcode(IntEnum):
     LEAVE = 0x23
     START_COLL = 0x24
     COUNTERS = 0x25
+    # Pool control: sent to a switch's VIP, authorised by the admin key or a tenant credential
+    # (SPEC.md 11.9). A node answers them NACK BAD_FIELD.
+    ALLOC = 0x26
+    FREE = 0x27
+    QUERY = 0x28
 
 
 #: Replies: never answered, never NACKed (a malformed reply is counted and dropped).
@@ -84,6 +89,9 @@ CONTROL_OPCODES = frozenset(
         Opcode.COUNTERS,
     }
 )
+
+#: Pool control opcodes, served by the switch (SPEC.md 11.9).
+POOL_OPCODES = frozenset({Opcode.ALLOC, Opcode.FREE, Opcode.QUERY})
 
 
 class Flags(IntFlag):

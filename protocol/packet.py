@@ -64,6 +64,9 @@ _FIXED_PAYLOAD = {
     Opcode.CAS: (8, 16),  # compare, swap: u64 LE each
     Opcode.REGISTER: (8, 8),  # requested rkey u32 LE, rights u32 LE
     Opcode.DEREGISTER: (8, 8),  # rkey u32 LE, reserved u32
+    Opcode.ALLOC: (40, 40),  # size, credential, stride, ways, rights, label (SPEC.md 11.9)
+    Opcode.FREE: (8, 8),  # tenant credential, u64 LE
+    Opcode.QUERY: (8, 8),  # tenant credential, u64 LE
 }
 # Only SR-routed opcodes may carry an SR list.
 _SR_OPCODES = frozenset({Opcode.CHAIN_ADD, Opcode.START_COLL})

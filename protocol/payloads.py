@@ -36,6 +36,21 @@ CAS_OPERANDS = struct.Struct("<QQ")
 
 assert DESCRIPTOR.size == 64
 
+#: ALLOC request (SPEC.md 11.9): size, tenant credential (0: a new tenant, admin key required),
+#: stride (0: one node), ways (0: every node), rights, reserved, label (UTF-8, zero padded).
+ALLOC_REQUEST = struct.Struct("<QQIHBB16s")
+#: FREE and QUERY requests: the tenant credential (0 with the admin key).
+CREDENTIAL = struct.Struct("<Q")
+#: A region as ALLOC's and QUERY's ACK describe it: gaddr, size, credential (ALLOC only, else 0),
+#: rkey, stride, ways W, rights, reserved, reserved, label; then W x REGION_WAY.
+REGION_INFO = struct.Struct("<QQQIIHBBI16s")
+#: One way of a region: node rank, reserved, local address, backing bytes.
+REGION_WAY = struct.Struct("<IIQQ")
+#: Bytes of the label field of ALLOC and of the region record.
+LABEL_BYTES = 16
+
+assert ALLOC_REQUEST.size == 40 and REGION_INFO.size == 56 and REGION_WAY.size == 24
+
 #: The ring-host baseline's host-to-host step signal (not a NetDAM opcode: hosts of the RoCE-style
 #: baseline tell their ring successor that a step's data is in place): b"RSTP", u32 step.
 RING_STEP_MAGIC = b"RSTP"
@@ -212,6 +227,92 @@ def _at_least(layout: struct.Struct, payload: bytes, name: str) -> bytes:
         raise RemoteProtocolError(Status.BAD_LENGTH,
                                   f"{name} payload must be at least {layout.size} bytes, got {len(payload)}")  # fmt: skip
     return payload
+
+
+@dataclass(frozen=True)
+class AllocRequest:
+    """The ALLOC payload (SPEC.md 11.9)."""
+
+    size: int
+    credential: int = 0
+    stride: int = 0
+    ways: int = 0
+    rights: int = 7
+    label: str = ""
+    reserved: int = 0
+
+    def encode(self) -> bytes:
+        return ALLOC_REQUEST.pack(self.size, self.credential, self.stride, self.ways, self.rights,
+                                  self.reserved, encode_label(self.label))  # fmt: skip
+
+
+def encode_label(label: str) -> bytes:
+    """*label* as the 16-byte field: UTF-8, cut at a character boundary, zero padded."""
+    data = label.encode()[:LABEL_BYTES]
+    while data:
+        try:
+            data.decode()
+            break
+        except UnicodeDecodeError:
+            data = data[:-1]
+    return data.ljust(LABEL_BYTES, b"\0")
+
+
+def decode_label(field: bytes) -> str:
+    return field.rstrip(b"\0").decode(errors="replace")
+
+
+def unpack_alloc(payload: bytes) -> AllocRequest:
+    size, credential, stride, ways, rights, reserved, label = _unpack(ALLOC_REQUEST, payload, "ALLOC")
+    return AllocRequest(size, credential, stride, ways, rights, decode_label(label), reserved)  # type: ignore[arg-type]
+
+
+def pack_credential(credential: int) -> bytes:
+    return CREDENTIAL.pack(credential % (1 << 64))
+
+
+def unpack_credential(payload: bytes) -> int:
+    return int(_unpack(CREDENTIAL, payload, "credential")[0])
+
+
+@dataclass(frozen=True)
+class RegionWay:
+    node: int
+    local: int
+    size: int
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """A region as ALLOC's and QUERY's ACK carry it (SPEC.md 11.9)."""
+
+    gaddr: int
+    size: int
+    rkey: int
+    stride: int
+    rights: int
+    ways: tuple[RegionWay, ...]
+    credential: int = 0
+    label: str = ""
+
+    def encode(self) -> bytes:
+        head = REGION_INFO.pack(self.gaddr, self.size, self.credential, self.rkey, self.stride, len(self.ways),
+                                self.rights, 0, 0, encode_label(self.label))  # fmt: skip
+        return head + b"".join(REGION_WAY.pack(w.node, 0, w.local, w.size) for w in self.ways)
+
+
+def unpack_region_info(payload: bytes) -> RegionInfo:
+    """RemoteProtocolError BAD_LENGTH when the size disagrees with the ways count."""
+    _at_least(REGION_INFO, payload, "region record")
+    gaddr, size, credential, rkey, stride, count, rights, _r1, _r2, label = REGION_INFO.unpack_from(payload)
+    want = REGION_INFO.size + count * REGION_WAY.size
+    if len(payload) != want:
+        raise RemoteProtocolError(Status.BAD_LENGTH,
+                                  f"region record with {count} ways must be {want} bytes, got {len(payload)}")  # fmt: skip
+    ways = tuple(RegionWay(int(n), int(local), int(sz)) for n, _r, local, sz in
+                 (REGION_WAY.unpack_from(payload, REGION_INFO.size + k * REGION_WAY.size) for k in range(count)))  # fmt: skip
+    return RegionInfo(int(gaddr), int(size), int(rkey), int(stride), int(rights), ways, int(credential),
+                      decode_label(label))  # fmt: skip
 
 
 def pack_ring_step(step: int, segment: int = 0) -> bytes:

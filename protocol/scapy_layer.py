@@ -29,9 +29,15 @@ from scapy.fields import (
     FlagsField,
     IntField,
     IPField,
+    LEIntField,
+    LELongField,
+    LEShortField,
     PacketListField,
     ShortField,
+    StrFixedLenField,
     XIntField,
+    XLEIntField,
+    XLELongField,
     XLongField,
 )
 from scapy.layers.inet import UDP
@@ -41,6 +47,7 @@ from netdam.protocol.constants import (
     ELEMENT_SIZE,
     NETDAM_UDP_PORT,
     NUMPY_DTYPE,
+    POOL_OPCODES,
     PROTOCOL_VERSION,
     REPLY_OPCODES,
     DType,
@@ -185,3 +192,76 @@ def payload_elements(pkt: Any) -> np.ndarray[Any, Any]:
     # A copy: writable, and independent of the packet's bytes.
     elements: np.ndarray[Any, Any] = np.frombuffer(data, dtype=np.dtype(NUMPY_DTYPE[dtype])).copy()
     return elements
+
+
+# ---------------------------------------------------------------- pool control payloads (SPEC 11.9)
+# Little-endian like every fixed payload. Not bound above NetDAM (its payload stays Raw, as for
+# every opcode); ``pool_payload`` dissects them on demand.
+
+
+class NetDAMAlloc(Packet):  # type: ignore[misc]
+    """ALLOC request payload, 40 bytes."""
+
+    name = "NetDAM ALLOC"
+    fields_desc = [
+        LELongField("size", 0),
+        XLELongField("credential", 0),
+        LEIntField("stride", 0),
+        LEShortField("ways", 0),
+        FlagsField("rights", 7, 8, ["READ", "WRITE", "ATOMIC"]),
+        ByteField("reserved", 0),
+        StrFixedLenField("label", b"", 16),
+    ]
+
+
+class NetDAMCredential(Packet):  # type: ignore[misc]
+    """FREE and QUERY payload: the tenant credential."""
+
+    name = "NetDAM credential"
+    fields_desc = [XLELongField("credential", 0)]
+
+
+class NetDAMRegionWay(Packet):  # type: ignore[misc]
+    name = "NetDAM region way"
+    fields_desc = [LEIntField("node", 0), LEIntField("reserved", 0), XLELongField("local", 0),
+                   LELongField("size", 0)]  # fmt: skip
+
+    def extract_padding(self, s: bytes) -> tuple[bytes, bytes]:
+        return b"", s
+
+
+class NetDAMRegion(Packet):  # type: ignore[misc]
+    """The region record of ALLOC's, FREE's and QUERY's ACK (56 bytes + 24 per way)."""
+
+    name = "NetDAM region"
+    fields_desc = [
+        XLELongField("gaddr", 0),
+        LELongField("size", 0),
+        XLELongField("credential", 0),
+        XLEIntField("rkey", 0),
+        LEIntField("stride", 0),
+        FieldLenField("ways", None, count_of="way_list", fmt="<H"),
+        FlagsField("rights", 7, 8, ["READ", "WRITE", "ATOMIC"]),
+        ByteField("reserved1", 0),
+        LEIntField("reserved2", 0),
+        StrFixedLenField("label", b"", 16),
+        PacketListField("way_list", [], NetDAMRegionWay, count_from=lambda pkt: pkt.ways),
+    ]
+
+
+def pool_payload(pkt: Any, request: Any = None) -> Packet:
+    """The pool-control payload of *pkt* dissected: NetDAMAlloc (ALLOC), NetDAMCredential (FREE,
+    QUERY), or NetDAMRegion for an ACK (pass the *request* it answers when the ACK alone is
+    ambiguous: any ACK with a payload of 56 + 24k bytes is taken for a region record)."""
+    layer = pkt.getlayer(NetDAM)
+    if layer is None:
+        raise ValueError("packet has no NetDAM layer")
+    data = bytes(layer.payload)
+    if layer.opcode == Opcode.ALLOC:
+        return NetDAMAlloc(data)
+    if layer.opcode in (Opcode.FREE, Opcode.QUERY):
+        return NetDAMCredential(data)
+    answers_pool = request is None or request.getlayer(NetDAM).opcode in POOL_OPCODES
+    if layer.opcode == Opcode.ACK and answers_pool and len(data) >= 56 and (len(data) - 56) % 24 == 0:
+        return NetDAMRegion(data)
+    raise ValueError(f"{_OPCODES.get(layer.opcode, layer.opcode)} carries no pool-control payload")

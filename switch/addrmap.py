@@ -55,7 +55,9 @@ class Region:
     rights: int
     stride: int  # 0 = range-mapped on ways[0]
     ways: tuple[Way, ...]
-    tenant: str = ""
+    tenant: str = ""  # a label, not an identity
+    #: SHA-256 (hex) of the credential of the tenant that owns the region ("": the admin's).
+    owner: str = ""
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     @property
@@ -215,7 +217,7 @@ def build_tables(regions: Sequence[Region], nodes: int) -> MapTables:
 def region_to_json(region: Region) -> dict[str, object]:
     return {
         "gaddr": region.gaddr, "size": region.size, "rkey": region.rkey, "rights": region.rights,
-        "stride": region.stride, "tenant": region.tenant,
+        "stride": region.stride, "tenant": region.tenant, "owner": region.owner,
         "ways": [{"node": w.node, "local": w.local, "size": w.size} for w in region.ways],
     }  # fmt: skip
 
@@ -232,4 +234,5 @@ def region_from_json(data: dict[str, object]) -> Region:
         stride=int(data.get("stride", 0)),  # type: ignore[call-overload]
         ways=tuple(Way(int(w["node"]), int(w["local"]), int(w["size"])) for w in ways),
         tenant=str(data.get("tenant", "")),
+        owner=str(data.get("owner", "")),
     )

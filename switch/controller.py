@@ -1,28 +1,46 @@
-"""The pool controller: allocates and frees regions, registers their backing on the nodes.
+"""The pool's allocator, served on the wire: ALLOC, FREE and QUERY to the switch's VIP.
 
-``alloc(size, interleave=None|stride) -> Region`` (its ``gaddr`` and ``rkey`` are what a client
-needs): picks a global range, picks backing ranges on the nodes (first fit in each node's heap),
-picks a random rkey, REGISTERs every backing range on its node *under that same rkey* with the
-region's rights (so the node enforces rights and bounds too), then writes the state file; the
-switch reloads it and ``alloc`` returns once the switch serves the new map (its COUNTERS show
-the new generation). ``free`` removes the region from the map first, then DEREGISTERs.
+Two halves, one wire path (SPEC.md 11.9):
 
-Runs in any process that can read the cluster file (``netdam pool``, tests): the state file's
-lock serialises concurrent controllers.
+- ``PoolService`` runs inside the switch process and answers the three opcodes. ALLOC picks a
+  global range, backing ranges on the nodes (first fit in each node's heap) and a random rkey,
+  REGISTERs every backing range on its node *under that same rkey* with the region's rights (so
+  the node enforces rights and bounds too), writes the state file and swaps the switch's map
+  before it answers. FREE removes the region from the map and the state file, then
+  DEREGISTERs the backing. A region belongs to the tenant whose credential (a 64-bit secret from
+  ``secrets``, handed out in the ACK of the ALLOC that created the tenant) allocated it; FREE and
+  QUERY see only the caller's regions (the admin key sees all). The state file keeps a SHA-256
+  of each credential, never the credential.
+- ``PoolController`` is the client side every tool uses (``netdam pool``, tests, soak, fuzz): it
+  sends those datagrams to the VIP with the admin key from the cluster file, or with a tenant
+  credential.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from netdam.cluster.clusterfile import ClusterFile, SwitchEntry, load_cluster, require_switch
 from netdam.cluster.control import ControlClient, ControlError
-from netdam.protocol.constants import RIGHTS_ALL, Opcode, Rights, Status
-from netdam.protocol.errors import NetdamError
+from netdam.protocol.constants import RIGHTS_ALL, Opcode, Status
+from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, endpoint_to_u64
-from netdam.protocol.payloads import pack_key_rights
+from netdam.protocol.payloads import (
+    AllocRequest,
+    RegionInfo,
+    RegionWay,
+    pack_credential,
+    pack_key_rights,
+    unpack_alloc,
+    unpack_credential,
+    unpack_region_info,
+)
 from netdam.switch.addrmap import (
     GLOBAL_ALIGN,
     LOCAL_ALIGN,
@@ -31,15 +49,29 @@ from netdam.switch.addrmap import (
     Way,
     backing_per_way,
 )
-from netdam.switch.core import counters_from_payload
-from netdam.switch.state import NodeHeap, PoolState, load_state, locked, save_state, state_path_for
+from netdam.switch.core import PoolReply, counters_from_payload
+from netdam.switch.state import PoolState, load_state, locked, save_state, state_path_for
 
 #: How long alloc/free wait for the switch to load the new map.
 SWITCH_SYNC_TIMEOUT_S = 5.0
+#: The switch's wait for one node's answer to REGISTER/DEREGISTER, and its retries: ALLOC and
+#: FREE stall the switch's datapath for these round trips (SPEC.md 11.9).
+NODE_TIMEOUT_S = 0.2
+NODE_RETRIES = 2
+#: ALLOC/FREE replies the switch keeps for retries of the same (source, client id, txn id).
+REPLY_CACHE = 4096
+#: How long a controller waits for the switch's answer to ALLOC/FREE/QUERY, and its retries.
+REQUEST_TIMEOUT_S = 2.0
+REQUEST_RETRIES = 2
 
 
 class ControllerError(NetdamError):
-    """A pool operation failed; the message says why and what to do."""
+    """A pool operation failed; the message says why and what to do. ``status``: the wire
+    status it maps to (the switch's NACK), None when no answer came."""
+
+    def __init__(self, message: str, status: int | None = Status.BAD_FIELD) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _round_up(value: int, align: int) -> int:
@@ -69,7 +101,7 @@ def first_fit(state: PoolState, rank: int, size: int) -> int | None:
 
 
 def plan_region(state: PoolState, size: int, interleave: int | None, ways: int | None,
-                rights: int, rkey: int, tenant: str) -> Region:  # fmt: skip
+                rights: int, rkey: int, tenant: str, owner: str = "") -> Region:  # fmt: skip
     """Where a new region goes (pure: the caller registers and saves)."""
     if size <= 0:
         raise ControllerError(f"size {size} must be positive")
@@ -99,16 +131,214 @@ def plan_region(state: PoolState, size: int, interleave: int | None, ways: int |
             break
     if len(chosen) < count:
         hint = "use --interleave to spread it over nodes, or free regions" if not interleave else "free regions or add nodes"
-        raise ControllerError(f"no room for {size} bytes: {count} node(s) need {per} free bytes each; {hint}")
+        raise ControllerError(f"no room for {size} bytes: {count} node(s) need {per} free bytes each; {hint}",
+                              Status.NO_SPACE)  # fmt: skip
     chosen.sort(key=lambda w: w.node)
     gaddr = _round_up(state.next_gaddr, GLOBAL_ALIGN)
-    return Region(gaddr, size, rkey, rights, stride, tuple(chosen), tenant)
+    return Region(gaddr, size, rkey, rights, stride, tuple(chosen), tenant, owner=owner)
+
+
+def credential_digest(credential: int) -> str:
+    """What the state file keeps of a tenant credential: SHA-256 of its 8 bytes (LE), hex."""
+    return hashlib.sha256(credential.to_bytes(8, "little")).hexdigest()
+
+
+def region_info(region: Region, credential: int = 0) -> RegionInfo:
+    """The wire record of *region* (SPEC.md 11.9)."""
+    return RegionInfo(region.gaddr, region.size, region.rkey, region.stride, region.rights,
+                      tuple(RegionWay(w.node, w.local, w.size) for w in region.ways), credential,
+                      region.tenant)  # fmt: skip
+
+
+def region_from_info(info: RegionInfo) -> Region:
+    extra: dict[str, object] = {"credential": info.credential} if info.credential else {}
+    return Region(info.gaddr, info.size, info.rkey, info.rights, info.stride,
+                  tuple(Way(w.node, w.local, w.size) for w in info.ways), info.label, extra=extra)  # fmt: skip
+
+
+class NodeAgent(Protocol):
+    """How the pool service reaches the nodes (the switch process gives it a UDP client)."""
+
+    def register(self, node: tuple[str, int], base: int, size: int, rights: int, rkey: int) -> Status:
+        """REGISTER on *node*: OK, or the node's NACK status (TIMEOUT: no answer)."""
+        ...
+
+    def deregister(self, node: tuple[str, int], rkey: int) -> Status:
+        ...
+
+
+class PoolService:
+    """ALLOC, FREE and QUERY at the switch (SPEC.md 11.9): authorisation, allocation,
+    registration on the nodes, persistence. ``on_change(state)`` is called after every change so
+    the switch swaps its map before the ACK leaves."""
+
+    def __init__(self, cluster: ClusterFile, state_path: Path, agent: NodeAgent,
+                 on_change: Callable[[PoolState], None] = lambda state: None) -> None:  # fmt: skip
+        self.cluster = cluster
+        self.state_path = Path(state_path)
+        self.agent = agent
+        self.on_change = on_change
+        self._replies: OrderedDict[tuple[int, int, int], PoolReply] = OrderedDict()
+
+    def handle(self, packet: Packet, src: int) -> PoolReply:
+        """The answer to one ALLOC/FREE/QUERY from *src*; a retry of an ALLOC or FREE that
+        succeeded (same source, client id and txn id) gets the same answer and changes nothing."""
+        key = (src, packet.client_id, packet.txn_id)
+        if packet.opcode != Opcode.QUERY and key in self._replies:
+            self._replies.move_to_end(key)
+            return self._replies[key]
+        try:
+            if packet.rkey not in (0, self.cluster.admin_key):
+                return PoolReply(Status.UNAUTHORIZED)
+            admin = packet.rkey == self.cluster.admin_key
+            if packet.opcode == Opcode.ALLOC:
+                reply = self._alloc(unpack_alloc(packet.payload), admin)
+            else:
+                reply = self._free_or_query(packet.opcode, packet.addr, unpack_credential(packet.payload), admin)
+        except RemoteProtocolError as exc:
+            return PoolReply(exc.status, text=str(exc))
+        if reply.status == Status.OK and packet.opcode != Opcode.QUERY:
+            self._replies[key] = reply
+            while len(self._replies) > REPLY_CACHE:
+                self._replies.popitem(last=False)
+        return reply
+
+    # ------------------------------------------------------------------ the three requests
+
+    def _alloc(self, req: AllocRequest, admin: bool) -> PoolReply:
+        if req.reserved:
+            return PoolReply(Status.BAD_FIELD, text="ALLOC reserved byte must be 0")
+        with locked(self.state_path):
+            state = load_state(self.state_path)
+            credential = req.credential
+            if credential == 0:
+                if not admin:
+                    return PoolReply(Status.UNAUTHORIZED, text="a new tenant needs the admin key")
+                while credential == 0:
+                    credential = secrets.randbits(64)
+                owner = credential_digest(credential)
+            else:
+                owner = credential_digest(credential)
+                if owner not in state.tenants:
+                    return PoolReply(Status.UNAUTHORIZED, text="unknown tenant credential")
+            if req.size == 0 or req.rights == 0 or req.rights & ~int(RIGHTS_ALL):
+                return PoolReply(Status.BAD_FIELD, text="size must be > 0, rights 1..7")
+            try:
+                region = self._place(state, req, owner)
+            except ControllerError as exc:
+                return PoolReply(Status(exc.status or Status.BAD_FIELD), text=str(exc))
+            except _NodeRefused as exc:
+                return PoolReply(exc.status, text=str(exc))
+            state.tenants.setdefault(owner, req.label)
+            state.regions.append(region)
+            state.next_gaddr = region.gaddr + _round_up(region.size, GLOBAL_ALIGN)
+            state.generation += 1
+            save_state(self.state_path, state)
+        self.on_change(state)
+        return PoolReply(Status.OK, region_info(region, credential).encode(), rkey=region.rkey, addr=region.gaddr)
+
+    def _place(self, state: PoolState, req: AllocRequest, owner: str) -> Region:
+        """Plan the region and register its backing on the nodes under a fresh rkey."""
+        used = {r.rkey for r in state.regions}
+        for _attempt in range(8):
+            rkey = secrets.randbits(32)
+            if rkey == 0 or rkey in used:
+                continue
+            region = plan_region(state, req.size, req.stride or None, req.ways or None, req.rights, rkey,
+                                 req.label, owner)  # fmt: skip
+            if self._register(state, region) == Status.EXISTS:  # a node uses that rkey: pick another
+                continue
+            return region
+        raise ControllerError("could not find an rkey free on every node in 8 tries", Status.NO_SPACE)
+
+    def _free_or_query(self, opcode: Opcode, addr: int, credential: int, admin: bool) -> PoolReply:
+        owner = credential_digest(credential) if credential else ""
+        with locked(self.state_path):
+            state = load_state(self.state_path)
+            if not admin and (not credential or owner not in state.tenants):
+                return PoolReply(Status.UNAUTHORIZED, text="unknown tenant credential")
+            visible = sorted((r for r in state.regions if admin or r.owner == owner), key=lambda r: r.gaddr)
+            if opcode == Opcode.QUERY:
+                match = [r for r in visible if r.gaddr >= addr][:1]
+            else:
+                match = [r for r in visible if r.gaddr == addr]
+            if not match:
+                return PoolReply(Status.NO_ROUTE, text=f"no region of yours at 0x{addr:x}")
+            region = match[0]
+            if opcode == Opcode.FREE:
+                state.regions.remove(region)
+                state.generation += 1
+                save_state(self.state_path, state)
+        if opcode == Opcode.FREE:
+            self.on_change(state)  # out of the map before the backing goes
+            for way in region.ways:
+                self.agent.deregister(self._endpoint(state, way.node), region.rkey)
+        return PoolReply(Status.OK, region_info(region).encode(), rkey=region.rkey, addr=region.gaddr)
+
+    # ------------------------------------------------------------------ nodes
+
+    def _register(self, state: PoolState, region: Region) -> Status:
+        done: list[Way] = []
+        for way in region.ways:
+            node = self._endpoint(state, way.node)
+            status = self.agent.register(node, way.local, way.size, region.rights, region.rkey)
+            if status != Status.OK:
+                for back in done:
+                    self.agent.deregister(self._endpoint(state, back.node), region.rkey)
+                if status == Status.EXISTS:
+                    return status
+                raise _NodeRefused(status, f"node {way.node} refused the backing of a new region: {status.name}")
+            done.append(way)
+        return Status.OK
+
+    def _endpoint(self, state: PoolState, rank: int) -> tuple[str, int]:
+        heap = state.nodes[rank]
+        entry = self.cluster.nodes[rank]
+        if entry.endpoint != heap.endpoint:
+            raise _NodeRefused(Status.BAD_FIELD, f"state file names node {rank} {heap.endpoint}, the cluster "
+                               f"file {entry.endpoint}: they belong to different clusters")  # fmt: skip
+        return (str(entry.address), int(entry.port))
+
+
+class _NodeRefused(Exception):
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class UdpNodeAgent:
+    """REGISTER/DEREGISTER over UDP with the admin key (the switch process's agent)."""
+
+    def __init__(self, admin_key: int) -> None:
+        self.client = ControlClient(admin_key=admin_key)
+
+    def register(self, node: tuple[str, int], base: int, size: int, rights: int, rkey: int) -> Status:
+        packet = Packet(Opcode.REGISTER, rkey=self.client.admin_key, addr=base, aux_addr=size, length=8,
+                        payload=pack_key_rights(rkey, rights))  # fmt: skip
+        return self._call(node, packet)
+
+    def deregister(self, node: tuple[str, int], rkey: int) -> Status:
+        packet = Packet(Opcode.DEREGISTER, rkey=self.client.admin_key, length=8, payload=pack_key_rights(rkey, 0))
+        return self._call(node, packet)
+
+    def _call(self, node: tuple[str, int], packet: Packet) -> Status:
+        try:
+            self.client.request(node, packet, timeout=NODE_TIMEOUT_S, retries=NODE_RETRIES)
+        except ControlError as exc:
+            return Status(exc.status) if exc.status is not None else Status.TIMEOUT
+        return Status.OK
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class PoolController:
-    """Allocator of one pool (the cluster file names nodes, admin key and the switch)."""
+    """Client of one pool's allocator: ALLOC, FREE and QUERY to the switch's VIP (SPEC.md 11.9),
+    with the cluster file's admin key, or with a tenant *credential* (then only that tenant's
+    regions are visible)."""
 
-    def __init__(self, cluster_path: Path, state_path: Path | None = None, timeout: float = 1.0) -> None:
+    def __init__(self, cluster_path: Path, state_path: Path | None = None, timeout: float = REQUEST_TIMEOUT_S,
+                 credential: int | None = None) -> None:  # fmt: skip
         self.cluster_path = Path(cluster_path)
         try:
             self.cluster: ClusterFile = load_cluster(self.cluster_path)
@@ -118,6 +348,7 @@ class PoolController:
         default = Path(entry.state_file) if entry.state_file else state_path_for(self.cluster_path)
         self.state_path = Path(state_path) if state_path else default
         self.timeout = timeout
+        self.credential = credential
 
     @property
     def switch(self) -> SwitchEntry:
@@ -131,19 +362,37 @@ class PoolController:
     # ------------------------------------------------------------------ queries
 
     def state(self) -> PoolState:
+        """The state file as the switch last wrote it (read-only: changes go over the wire)."""
         try:
             return load_state(self.state_path)
         except ValueError as exc:
             raise ControllerError(str(exc)) from None
 
     def regions(self) -> list[Region]:
-        return list(self.state().regions)
+        """Every region visible to this controller, by QUERY (SPEC.md 11.9), in address order."""
+        found: list[Region] = []
+        addr = 0
+        while True:
+            try:
+                region = self.query(addr)
+            except ControllerError as exc:
+                if exc.status == Status.NO_ROUTE:
+                    return found
+                raise
+            found.append(region)
+            addr = region.gaddr + 1
+
+    def query(self, addr: int) -> Region:
+        """The first visible region at or after global address *addr* (NO_ROUTE: none)."""
+        reply = self._request(Opcode.QUERY, addr, pack_credential(self.credential or 0))
+        return region_from_info(unpack_region_info(reply.payload))
 
     def region(self, gaddr: int) -> Region:
         for r in self.regions():
             if r.gaddr == gaddr:
                 return r
-        raise ControllerError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them")
+        raise ControllerError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them",
+                              Status.NO_ROUTE)  # fmt: skip
 
     def switch_generation(self) -> int:
         """Map generation the switch serves (COUNTERS on its management port)."""
@@ -174,85 +423,37 @@ class PoolController:
     def alloc(self, size: int, interleave: int | None = None, *, ways: int | None = None,
               rights: int = int(RIGHTS_ALL), tenant: str = "", wait: bool = True) -> Region:  # fmt: skip
         """Allocate *size* bytes: range-mapped on one node, or interleaved with stride
-        *interleave* over *ways* nodes (default all). Returns the region (gaddr, rkey, ...)."""
+        *interleave* over *ways* nodes (default all). Returns the region (gaddr, rkey, ...;
+        ``extra["credential"]``: the tenant credential that frees and queries it). The switch
+        answers once it serves the new map, so *wait* has nothing left to wait for."""
         if rights == 0 or rights & ~int(RIGHTS_ALL):
             raise ControllerError(f"rights {rights} must combine READ (1), WRITE (2), ATOMIC (4)")
-        with locked(self.state_path):
-            state = self.state()
-            used = {r.rkey for r in state.regions}
-            for _attempt in range(8):
-                rkey = secrets.randbits(32)
-                if rkey == 0 or rkey in used:
-                    continue
-                region = plan_region(state, size, interleave, ways, rights, rkey, tenant)
-                status = self._register(state, region)
-                if status == Status.EXISTS:  # a node uses that rkey already: pick another
-                    continue
-                break
-            else:
-                raise ControllerError("could not find an rkey free on every node in 8 tries")
-            state.regions.append(region)
-            state.next_gaddr = region.gaddr + _round_up(region.size, GLOBAL_ALIGN)
-            state.generation += 1
-            save_state(self.state_path, state)
-            generation = state.generation
-        if wait:
-            self.wait_for_switch(generation)
-        return region
+        if size <= 0 or size >= 1 << 64:
+            raise ControllerError(f"size {size} must be positive")
+        if interleave is not None and not 0 < interleave < 1 << 32:
+            raise ControllerError(f"interleave stride {interleave} must be 1..{(1 << 32) - 1} bytes")
+        if ways is not None and not 0 < ways < 1 << 16:
+            raise ControllerError(f"ways {ways} must be 1..65535")
+        request = AllocRequest(size, self.credential or 0, interleave or 0, ways or 0, rights, tenant)
+        reply = self._request(Opcode.ALLOC, 0, request.encode())
+        return region_from_info(unpack_region_info(reply.payload))
 
     def free(self, gaddr: int, *, wait: bool = True) -> Region:
-        """Remove the region at *gaddr* from the map, then deregister its backing on the nodes."""
-        with locked(self.state_path):
-            state = self.state()
-            match = [r for r in state.regions if r.gaddr == gaddr]
-            if not match:
-                raise ControllerError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them")
-            region = match[0]
-            state.regions.remove(region)
-            state.generation += 1
-            save_state(self.state_path, state)
-            if wait:
-                self.wait_for_switch(state.generation)
-            self._deregister(state, region)
-        return region
+        """Free the region at *gaddr*: the switch removes it from the map, then deregisters its
+        backing on the nodes. Returns what was freed."""
+        reply = self._request(Opcode.FREE, gaddr, pack_credential(self.credential or 0))
+        return region_from_info(unpack_region_info(reply.payload))
 
-    def _register(self, state: PoolState, region: Region) -> Status:
-        done: list[Way] = []
-        with ControlClient(admin_key=self.cluster.admin_key) as client:
-            for way in region.ways:
-                node = self._node(state.nodes[way.node], way.node)
-                try:
-                    client.register(node, way.local, way.size, Rights(region.rights), rkey=region.rkey)
-                except ControlError as exc:
-                    self._deregister_ways(client, state, region.rkey, done)
-                    if exc.status == Status.EXISTS:
-                        return Status.EXISTS
-                    raise ControllerError(f"node {way.node} refused the backing of a new region: {exc}") from None
-                done.append(way)
-        return Status.OK
-
-    def _deregister(self, state: PoolState, region: Region) -> None:
-        with ControlClient(admin_key=self.cluster.admin_key) as client:
-            self._deregister_ways(client, state, region.rkey, list(region.ways))
-
-    def _deregister_ways(self, client: ControlClient, state: PoolState, rkey: int, ways: list[Way]) -> None:
-
-        for way in ways:
-            node = self._node(state.nodes[way.node], way.node)
+    def _request(self, opcode: Opcode, addr: int, payload: bytes) -> Packet:
+        """Send one pool request to the VIP (admin key unless a credential is set)."""
+        vip = self.switch.vip
+        rkey = 0 if self.credential else self.cluster.admin_key
+        packet = Packet(opcode, rkey=rkey, addr=addr, length=len(payload), payload=payload)
+        with ControlClient() as client:
             try:
-                client.request(node, Packet(Opcode.DEREGISTER, rkey=self.cluster.admin_key, length=8,
-                                            payload=pack_key_rights(rkey, 0)))  # fmt: skip
+                return client.request(vip, packet, timeout=self.timeout, retries=REQUEST_RETRIES)
             except ControlError as exc:
-                if exc.status != Status.BAD_RKEY:  # already gone
-                    raise ControllerError(f"node {way.node} did not deregister rkey 0x{rkey:08x}: {exc}") from None
-
-    def _node(self, heap: NodeHeap, rank: int) -> tuple[str, int]:
-        """The data endpoint of node *rank* (checked against the state's node list)."""
-        entry = self.cluster.nodes[rank]
-        if entry.endpoint != heap.endpoint:
-            raise ControllerError(f"state file {self.state_path} names node {rank} {heap.endpoint}, the "
-                            f"cluster file {entry.endpoint}: they belong to different clusters")  # fmt: skip
-        return (str(entry.address), int(entry.port))
+                raise ControllerError(_explain(opcode, addr, exc), exc.status) from None
 
     # ------------------------------------------------------------------ groups
 
@@ -272,3 +473,19 @@ class PoolController:
                                       aux_addr=endpoint_to_u64(member)), timeout=self.timeout)  # fmt: skip
             except ControlError as exc:
                 raise ControllerError(str(exc)) from None
+
+
+def _explain(opcode: Opcode, addr: int, exc: ControlError) -> str:
+    """One line: what the switch said, and what to do."""
+    status = exc.status
+    if status is None:
+        return f"{exc}: is the switch running (netdam up --switch)?"
+    hint = {
+        Status.NO_ROUTE: (f"no region at 0x{addr:x}: `netdam pool list --cluster FILE` shows them"
+                          if opcode == Opcode.FREE else "no region there"),
+        Status.NO_SPACE: "no room for the region: use --interleave to spread it over nodes, or free regions",
+        Status.UNAUTHORIZED: "the switch refused the key: pass the cluster file's admin key or the "
+                             "tenant credential that ALLOC returned",
+        Status.BAD_FIELD: "the switch refused the request's fields (size, stride, ways or rights)",
+    }.get(Status(status), str(exc))  # fmt: skip
+    return f"{opcode.name} refused ({Status(status).name}): {hint}"

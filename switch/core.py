@@ -14,6 +14,7 @@ import ipaddress
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from netdam.protocol.constants import (
     MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
     MIN_MTU,
+    POOL_OPCODES,
     PROTOCOL_VERSION,
     REPLY_OPCODES,
     Opcode,
@@ -46,6 +48,7 @@ from netdam.protocol.constants import (
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import (
     Endpoint,
+    Packet,
     decode_packet,
     endpoint_to_u64,
     u64_to_endpoint,
@@ -64,6 +67,8 @@ MAX_GROUP_MEMBERS = 64
 MAX_GROUPS = 1024
 #: The multicast range group names must come from (administratively scoped, RFC 2365).
 GROUP_NET = ipaddress.IPv4Network("239.0.0.0/8")
+#: Longest UTF-8 text a pool NACK carries (SPEC.md 11.9).
+MAX_NACK_TEXT = 160
 #: INFO's rank field at a switch (nodes have 0..N-1).
 SWITCH_RANK = 0xFFFFFFFF
 #: COUNTERS payload: 128 node-layout values, then the switch section (SPEC_SWITCH.md).
@@ -107,6 +112,27 @@ class GroupChanged:
     group: Endpoint
     member: Endpoint
     joined: bool
+
+
+@dataclass(frozen=True)
+class PoolReply:
+    """What the switch answers an ALLOC, FREE or QUERY: an ACK (status OK) or a NACK."""
+
+    status: Status
+    payload: bytes = b""
+    rkey: int | None = None
+    addr: int | None = None
+    text: str = ""
+
+    @property
+    def opcode(self) -> Opcode:
+        return Opcode.ACK if self.status == Status.OK else Opcode.NACK
+
+class PoolHandler(Protocol):
+    """The switch's allocator (``netdam.switch.controller.PoolService``): answers ALLOC, FREE
+    and QUERY (SPEC.md 11.9)."""
+
+    def handle(self, packet: Packet, src: int) -> PoolReply: ...
 
 
 @dataclass
@@ -166,6 +192,8 @@ class SwitchCore(CoreBase):
         self.sendq = SendQueue(config.tx_slots, self.counters)
         self._punt = np.zeros(64, np.int32)
         self._events: deque[GroupChanged] = deque()
+        #: The allocator answering ALLOC/FREE/QUERY (the switch process sets it; None: NACK).
+        self.pool: PoolHandler | None = None
         self.set_regions(regions, generation)
 
     # ------------------------------------------------------------------ tables
@@ -408,6 +436,9 @@ class SwitchCore(CoreBase):
                                     MAX_SEGMENTS, SWITCH_RANK, len(self.config.nodes))  # fmt: skip
             self._reply(packet, src, Opcode.INFO, payload=info)
             return
+        if packet.opcode in POOL_OPCODES:
+            self._pool_request(packet, src)
+            return
         if packet.rkey != self.config.admin_key:
             self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED)
             return
@@ -427,6 +458,17 @@ class SwitchCore(CoreBase):
             text = (f"{packet.opcode.name} goes to a node, not to the switch: pool regions are "
                     "allocated by the controller (netdam pool alloc)").encode()  # fmt: skip
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
+
+
+    def _pool_request(self, packet: Packet, src: int) -> None:
+        if self.pool is None:
+            text = b"this switch runs without a pool controller (start it with --cluster and --state)"
+            self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
+            return
+        answer = self.pool.handle(packet, src)
+        reply = packet if answer.addr is None else replace(packet, addr=answer.addr)
+        payload = answer.payload if answer.status == Status.OK else answer.text.encode()[:MAX_NACK_TEXT]
+        self._reply(reply, src, answer.opcode, answer.status, payload=payload, rkey=answer.rkey)
 
 
 def counters_from_payload(payload: bytes) -> dict[str, object]:

@@ -1,7 +1,8 @@
 """The switch process: the VIP socket, the SwitchCore and its compiled serve loop.
 
 Mirrors netdam/shell/node_process.py: Python runs only between compiled calls (punted control opcodes,
-reloading the address map when the state file changes, persisting JOIN/LEAVE, signals). A
+the pool's ALLOC/FREE/QUERY, reloading the address map when the state file changes, persisting
+JOIN/LEAVE, signals). A
 management port beside the VIP answers COUNTERS/PING/JOIN even while the VIP is flooded.
 """
 
@@ -28,6 +29,7 @@ from netdam.shell.process import (
 )
 from netdam.shell.shm import prefault
 from netdam.shell.udp import open_control_socket, open_udp_socket
+from netdam.switch.controller import PoolService, UdpNodeAgent
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
 from netdam.switch.state import (
     NodeHeap,
@@ -111,6 +113,8 @@ class SwitchProcess(ServeLoop):
             state.regions, state.generation,
         )  # fmt: skip
         self.core.set_groups(state.groups)
+        self.agent = UdpNodeAgent(cluster.admin_key)
+        self.core.pool = PoolService(cluster, config.state_file, self.agent, self._map_changed)
         for port, direction, spec in config.faults:
             self.core.set_link_faults(port, direction, spec)
         self._stamp = file_stamp(config.state_file)
@@ -153,6 +157,11 @@ class SwitchProcess(ServeLoop):
             return False
         return True
 
+    def _map_changed(self, state: PoolState) -> None:
+        """ALLOC or FREE changed the state file: serve the new map before the ACK leaves."""
+        self.core.set_regions(state.regions, state.generation)
+        self._stamp = file_stamp(self.config.state_file)
+
     def _serve_control(self) -> None:
         serve_management_port(self.ctrl_sock, self.core)
 
@@ -184,6 +193,7 @@ class SwitchProcess(ServeLoop):
         prefault(self, self.core, self.core.sendq)
 
     def close(self) -> None:
+        self.agent.close()
         self.sock.close()
         self.ctrl_sock.close()
 

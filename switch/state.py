@@ -1,7 +1,8 @@
 """The pool controller's persistent state: one JSON file next to the cluster file.
 
-Holds the address map (regions with their rkeys and backing ranges), the multicast groups and a
-``generation`` that grows with every change. Writers (the controller, and the switch when a JOIN
+Holds the address map (regions with their rkeys, backing ranges and owners), the tenants (the
+SHA-256 of each tenant credential, never the credential), the multicast groups and a
+``generation`` that grows with every change. The file is created mode 0600: it holds every rkey. Writers (the controller, and the switch when a JOIN
 or LEAVE arrives) take an exclusive ``flock`` on ``<state>.lock``, read, modify and replace the
 file atomically (write a temporary file, ``rename``); the switch reloads the file when it
 changes, so a restarted switch serves the same map and every rkey stays valid (the nodes keep
@@ -12,7 +13,9 @@ their registrations).
  "nodes": [{"address": "127.0.0.1", "port": 17744, "memory_bytes": 67108864,
             "heap_start": 0, "heap_end": 67108864}],
  "regions": [{"gaddr": 4294967296, "size": 65536, "rkey": 305419896, "rights": 7,
-              "stride": 8192, "tenant": "", "ways": [{"node": 0, "local": 0, "size": 32768}]}],
+              "stride": 8192, "tenant": "", "owner": "9f86d0...", "ways": [{"node": 0, "local": 0,
+              "size": 32768}]}],
+ "tenants": {"9f86d0...": "label"},
  "groups": {"239.77.0.1:7744": ["127.0.0.1:17744"]}}
 ```
 """
@@ -60,6 +63,8 @@ class PoolState:
     nodes: list[NodeHeap]
     regions: list[Region] = field(default_factory=list)
     groups: dict[Endpoint, list[Endpoint]] = field(default_factory=dict)
+    #: Tenants: SHA-256 (hex) of the credential -> label.
+    tenants: dict[str, str] = field(default_factory=dict)
     generation: int = 0
     next_gaddr: int = GLOBAL_BASE
 
@@ -82,6 +87,7 @@ def state_to_json(state: PoolState) -> str:
         "nodes": [vars(n) for n in state.nodes],
         "regions": [region_to_json(r) for r in state.regions],
         "groups": {f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()},
+        "tenants": dict(state.tenants),
     }
     return json.dumps(data, indent=1)
 
@@ -96,6 +102,7 @@ def state_from_json(text: str, where: str = "state") -> PoolState:
             nodes=[NodeHeap(**n) for n in data["nodes"]],
             regions=[region_from_json(r) for r in data["regions"]],
             groups={_ep(g): [_ep(m) for m in ms] for g, ms in data.get("groups", {}).items()},
+            tenants={str(k): str(v) for k, v in data.get("tenants", {}).items()},
             generation=int(data["generation"]),
             next_gaddr=int(data["next_gaddr"]),
         )
@@ -117,6 +124,7 @@ def load_state(path: Path) -> PoolState:
 def save_state(path: Path, state: PoolState) -> None:
     """Write atomically: readers (the switch) never see half a file."""
     write_private(path, state_to_json(state))  # mode 0600: it holds every region's rkey
+
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ ADMIN = 0x05EC_12E7
 HOPS = (("10.0.0.2", 7744), ("10.0.0.3", 7744), ("10.0.0.4", 7744))
 RING = (("10.0.0.1", 7744), *HOPS)
 GROUP_ADDR = (0xEF4D_0001 << 16) | 7744  # 239.77.0.1:7744 as ip << 16 | port
+CREDENTIAL = 0x0123_4567_89AB_CDEF
 
 
 def f32(*values: float) -> bytes:
@@ -69,6 +70,17 @@ EXPECTED: dict[str, dict[str, Any]] = {
                                                       0x10000, 0x5EED0001, 0, (0xEF4D0001 << 16) | 7744,
                                                       0, 10_000, 0)),
     "counters": dict(opcode=Opcode.COUNTERS, rkey=ADMIN, txn_id=115, length=0, payload=b""),
+    # SPEC.md 11.9: size, credential (u64 LE), stride (u32), ways (u16), rights (u8), reserved, label.
+    "alloc": dict(opcode=Opcode.ALLOC, rkey=ADMIN, txn_id=116, length=40, addr=0,
+                  payload=struct.pack("<QQIHBB16s", 65536, 0, 8192, 2, 7, 0, b"demo")),
+    "alloc_ack": dict(opcode=Opcode.ACK, rkey=0x5A17C0DE, txn_id=116, length=104, addr=1 << 32,
+                      payload=struct.pack("<QQQIIHBBI16s", 1 << 32, 65536, CREDENTIAL, 0x5A17C0DE, 8192, 2, 7,
+                                          0, 0, b"demo")
+                      + struct.pack("<IIQQ", 0, 0, 0x10000, 32768) + struct.pack("<IIQQ", 1, 0, 0x10000, 32768)),
+    "free": dict(opcode=Opcode.FREE, rkey=0, txn_id=117, length=8, addr=1 << 32,
+                 payload=CREDENTIAL.to_bytes(8, "little")),
+    "query": dict(opcode=Opcode.QUERY, rkey=0, txn_id=118, length=8, addr=1 << 32,
+                  payload=CREDENTIAL.to_bytes(8, "little")),
 }  # fmt: skip
 
 

@@ -184,3 +184,36 @@ def test_summary_names_the_opcode() -> None:
         NetDAM(load_fixture("chain_add")).mysummary() == "NetDAM CHAIN_ADD client=7 txn=104 seq=3"
     )
     assert NetDAM(load_fixture("nack")).mysummary().endswith(" OUT_OF_BOUNDS")
+
+
+def test_pool_control_payloads_dissect_like_the_codec() -> None:
+    from netdam.protocol.payloads import unpack_alloc, unpack_credential, unpack_region_info
+    from netdam.protocol.scapy_layer import (
+        NetDAMAlloc,
+        NetDAMCredential,
+        NetDAMRegion,
+        pool_payload,
+    )
+
+    alloc = NetDAM(load_fixture("alloc"))
+    assert alloc.mysummary() == "NetDAM ALLOC client=7 txn=116 seq=0"
+    layer = pool_payload(alloc)
+    want = unpack_alloc(decode_packet(load_fixture("alloc")).payload)
+    assert isinstance(layer, NetDAMAlloc)
+    assert (layer.size, layer.credential, layer.stride, layer.ways, int(layer.rights), layer.label.rstrip(b"\0")) == (
+        want.size, want.credential, want.stride, want.ways, want.rights, want.label.encode())
+    for name in ("free", "query"):
+        cred = pool_payload(IP() / UDP() / NetDAM(load_fixture(name)))
+        assert isinstance(cred, NetDAMCredential)
+        assert cred.credential == unpack_credential(decode_packet(load_fixture(name)).payload)
+    region = pool_payload(NetDAM(load_fixture("alloc_ack")), request=alloc)
+    info = unpack_region_info(decode_packet(load_fixture("alloc_ack")).payload)
+    assert isinstance(region, NetDAMRegion)
+    assert (region.gaddr, region.size, region.credential, region.rkey, region.stride, region.ways) == (
+        info.gaddr, info.size, info.credential, info.rkey, info.stride, len(info.ways))
+    assert [(w.node, w.local, w.size) for w in region.way_list] == [(w.node, w.local, w.size) for w in info.ways]
+    # Built from fields, the layers give the fixture's bytes back.
+    assert bytes(region) == decode_packet(load_fixture("alloc_ack")).payload
+    assert bytes(layer) == decode_packet(load_fixture("alloc")).payload
+    with pytest.raises(ValueError, match="READ carries no pool-control payload"):
+        pool_payload(NetDAM(load_fixture("read")))

@@ -55,7 +55,9 @@ from netdam.protocol.payloads import (
     CompletionPhases,
     pack_completion,
     pack_completion_phases,
+    unpack_alloc,
     unpack_descriptor,
+    unpack_region_info,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -284,11 +286,15 @@ FLAG_FIELDS = tuple(f"flags.{str(f.name).lower()}" for f in Flags if f)
 DESCRIPTOR_FIELDS = ("algo", "flags", "window", "rank", "count", "in_addr", "out_addr", "rkey",
                      "root", "group", "host", "timeout_ms", "reserved")  # fmt: skip
 INFO_FIELDS = ("version", "mtu", "memory", "max_payload", "max_segments", "rank", "world")
+ALLOC_FIELDS = ("size", "credential", "stride", "ways", "rights", "reserved", "label")
+REGION_FIELDS = ("gaddr", "size", "credential", "rkey", "stride", "ways", "rights", "label")
 PAYLOAD_FIELDS = (
     "payload", "seg.ip", "seg.port", "seg.reserved", "group.ip", "group.port", "error.status",
     "error.text", "register.rkey", "register.rights", "deregister.rkey", "atomic.addend",
     "atomic.compare", "atomic.swap", "atomic.old", "nack.text", "sparse.nnz", "sparse.index",
     "counter", "desc.group.ip", "desc.group.port", "desc.host.ip", "desc.host.port",
+    *(f"alloc.{name}" for name in ALLOC_FIELDS), "pool.credential",
+    *(f"region.{name}" for name in REGION_FIELDS), "region.way.node", "region.way.local", "region.way.size",
     *(f"rights.{str(r.name).lower()}" for r in Rights if r),
     *(f"data.{d.name.lower()}" for d in DType if d != DType.RAW),
     *(f"info.{name}" for name in INFO_FIELDS),
@@ -370,6 +376,22 @@ def check_payload(row: dict[str, list[str]], packet: Packet) -> None:
         assert [_num(v) for v in row["atomic.addend"]] == u64
     elif op == Opcode.CAS:
         assert [_num(v) for v in row["atomic.compare"] + row["atomic.swap"]] == u64
+    elif op == Opcode.ALLOC:
+        alloc = unpack_alloc(payload)
+        got = [_num(row[f"alloc.{n}"][0]) for n in ALLOC_FIELDS[:-1]]
+        assert got == [alloc.size, alloc.credential, alloc.stride, alloc.ways, alloc.rights, alloc.reserved]
+        assert row["alloc.label"] == [alloc.label]
+    elif op in (Opcode.FREE, Opcode.QUERY):
+        assert [_num(v) for v in row["pool.credential"]] == u64
+    elif op == Opcode.ACK and row["region.gaddr"]:
+        region = unpack_region_info(payload)
+        got = [_num(row[f"region.{n}"][0]) for n in REGION_FIELDS[:-1]]
+        assert got == [region.gaddr, region.size, region.credential, region.rkey, region.stride,
+                       len(region.ways), region.rights]  # fmt: skip
+        assert (region.gaddr, region.rkey) == (packet.addr, packet.rkey) and row["region.label"] == [region.label]
+        ways = [(w.node, w.local, w.size) for w in region.ways]
+        assert list(zip(*([_num(v) for v in row[f"region.way.{n}"]] for n in ("node", "local", "size")))) == ways
+        assert row["counter"] == []
     elif op == Opcode.ACK and len(payload) == 8:
         assert [_num(v) for v in row["atomic.old"]] == u64
     elif op == Opcode.ACK and len(payload) > 16:
@@ -446,9 +468,9 @@ def test_verbose_output_names_every_opcode_and_field(
     tshark_env: dict[str, str], fixture_pcap: Path, tmp_path: Path
 ) -> None:
     text = tshark(tshark_env, "-r", str(fixture_pcap), "-V")
-    for name in FIXTURE_NAMES:
-        op = decode_packet(load_fixture(name)).opcode
-        assert text.count(f"    Opcode: {op.name} (0x{op:02x})\n") == 2, op.name
+    opcodes = [decode_packet(load_fixture(name)).opcode for name in FIXTURE_NAMES]
+    for op in set(opcodes):  # each fixture twice (port table, heuristic)
+        assert text.count(f"    Opcode: {op.name} (0x{op:02x})\n") == 2 * opcodes.count(op), op.name
     chain = text[text.index("NetDAM v1, CHAIN_ADD") :]
     for line in ("    Flags: 0x0001 (ACK_REQ)", "ACK_REQ: True", "    Collective id: 9",
                  "    Aux address: 0x0000000000020000", "    Data type: F32 (1)",
@@ -457,6 +479,7 @@ def test_verbose_output_names_every_opcode_and_field(
                  "Segment 2: 10.0.0.4:7744 (last hop)", "[3] f32: 100"):  # fmt: skip
         assert line in chain, line
     assert "All-gather group: 0x0000ef4d00011e40" in text and "Group IPv4: 239.77.0.1" in text
+    assert "Region record (2 ways)" in text and "Tenant credential: 0x0123456789abcdef" in text
     assert (
         "Status: OUT_OF_BOUNDS (10)" in text
         and "[Expert Info (Note/Response): NACK OUT_OF_BOUNDS]" in text

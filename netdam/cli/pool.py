@@ -1,4 +1,7 @@
-"""``netdam pool alloc|free|write|read|list|stats`` and ``netdam switch``: the memory pool."""
+"""``netdam pool alloc|free|query|write|read|list|stats`` and ``netdam switch``: the memory pool.
+
+alloc, free, query and list talk to the switch's VIP with ALLOC, FREE and QUERY (SPEC.md 11.9),
+the datagrams any client may send."""
 
 from __future__ import annotations
 
@@ -38,6 +41,16 @@ def _rights(text: str) -> int:
     return sum(bits[c] for c in set(text))
 
 
+def _credential(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid credential {text!r}: give the 0x... value alloc printed") from None
+    if not 0 < value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"credential {text!r} must be a non-zero 64-bit number")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     sw = subparsers.add_parser("switch", help="run one pool switch (VIP, address map, multicast)",
@@ -65,13 +78,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     alloc.add_argument("--ways", type=bounded_int(1, 64), default=None,
                        help="nodes to interleave over, at most the cluster's (default all)")
     alloc.add_argument("--rights", type=_rights, default=7, help="r, w, a letters (default rwa)")
-    alloc.add_argument("--tenant", default="", help="a label stored with the region")
+    alloc.add_argument("--tenant", default="", help="a label stored with the region (at most 16 bytes)")
+    alloc.add_argument("--credential", type=_credential, default=None,
+                       help="allocate for the tenant of this credential (default: a new tenant, "
+                       "with the cluster file's admin key); printed by every alloc")  # fmt: skip
     alloc.set_defaults(func=run_alloc)
 
     free = cmds.add_parser("free", help="free a region")
     common(free)
     free.add_argument("--gaddr", type=_int, required=True, help="the region's global address")
+    free.add_argument("--credential", type=_credential, default=None,
+                      help="the tenant credential alloc printed (default: the admin key)")
     free.set_defaults(func=run_free)
+
+    query = cmds.add_parser("query", help="describe a region (QUERY on the wire)")
+    common(query)
+    query.add_argument("--gaddr", type=_int, required=True, help="the first region at or after this address")
+    query.add_argument("--credential", type=_credential, default=None,
+                       help="the tenant credential alloc printed (default: the admin key)")
+    query.set_defaults(func=run_query)
 
     write = cmds.add_parser("write", help="write bytes at a global address")
     common(write)
@@ -104,7 +129,7 @@ def _controller(args: argparse.Namespace) -> Any:
     from netdam.switch.controller import ControllerError, PoolController
 
     try:
-        return PoolController(args.cluster)
+        return PoolController(args.cluster, credential=getattr(args, "credential", None))
     except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
@@ -112,8 +137,11 @@ def _controller(args: argparse.Namespace) -> Any:
 def _region_json(region: Any) -> dict[str, Any]:
 
     data: dict[str, Any] = dict(region_to_json(region))
+    data.pop("owner", None)
     data["gaddr_hex"] = f"0x{region.gaddr:x}"
     data["rkey_hex"] = f"0x{region.rkey:08x}"
+    if region.extra.get("credential"):
+        data["credential"] = f"0x{region.extra['credential']:016x}"
     return data
 
 
@@ -136,7 +164,8 @@ def run_alloc(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     vip = ctl.switch.vip
     text = (f"gaddr 0x{region.gaddr:x} rkey 0x{region.rkey:08x} size {region.size} "
-            f"stride {region.stride} ways {len(region.ways)} vip {vip[0]}:{vip[1]}")  # fmt: skip
+            f"stride {region.stride} ways {len(region.ways)} vip {vip[0]}:{vip[1]} "
+            f"credential 0x{region.extra.get('credential', 0):016x}")  # fmt: skip
     emit({"ok": True, **_region_json(region), "vip": f"{vip[0]}:{vip[1]}"}, args.json, text=text)
     return ExitCode.OK
 
@@ -150,6 +179,20 @@ def run_free(args: argparse.Namespace) -> int:
     except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     emit({"ok": True, "freed": _region_json(region)}, args.json, text=f"freed 0x{region.gaddr:x}")
+    return ExitCode.OK
+
+
+def run_query(args: argparse.Namespace) -> int:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
+    from netdam.switch.controller import ControllerError
+
+    try:
+        region = _controller(args).query(args.gaddr)
+    except ControllerError as exc:
+        raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
+    emit({"ok": True, **_region_json(region)}, args.json,
+         text=f"0x{region.gaddr:x} size {region.size} rkey 0x{region.rkey:08x} stride {region.stride} "
+              f"ways {[w.node for w in region.ways]} {region.tenant}".rstrip())  # fmt: skip
     return ExitCode.OK
 
 
@@ -207,14 +250,16 @@ def run_list(args: argparse.Namespace) -> int:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError
 
+    ctl = _controller(args)
     try:
-        state = _controller(args).state()
+        state = ctl.state()  # groups and generation; the regions come over the wire (QUERY)
+        listed = ctl.regions()
     except ControllerError as exc:
-        raise CommandError(str(exc), ExitCode.USAGE) from None
-    regions = [_region_json(r) for r in state.regions]
+        raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
+    regions = [_region_json(r) for r in listed]
     groups = {f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()}
     lines = [f"0x{r.gaddr:x} size {r.size} rkey 0x{r.rkey:08x} stride {r.stride} ways "
-             f"{[w.node for w in r.ways]} {r.tenant}".rstrip() for r in state.regions]  # fmt: skip
+             f"{[w.node for w in r.ways]} {r.tenant}".rstrip() for r in listed]  # fmt: skip
     lines += [f"group {g}: {', '.join(ms)}" for g, ms in groups.items()]
     emit({"ok": True, "generation": state.generation, "regions": regions, "groups": groups}, args.json,
          text="\n".join(lines) or "no regions")  # fmt: skip

@@ -15,6 +15,7 @@ from netdam.protocol.constants import (
     HEADER_SIZE,
     MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
+    POOL_OPCODES,
     REPLY_OPCODES,
     SEGMENT_SIZE,
     DType,
@@ -134,6 +135,9 @@ for _op, (_len, _size) in {
     Opcode.CAS: (8, 16),
     Opcode.REGISTER: (8, 8),
     Opcode.DEREGISTER: (8, 8),
+    Opcode.ALLOC: (40, 40),
+    Opcode.FREE: (8, 8),
+    Opcode.QUERY: (8, 8),
 }.items():
     _KIND[_op], _FIXED_LENGTH[_op], _FIXED_SIZE[_op] = _K_FIXED, _len, _size
 
@@ -156,6 +160,10 @@ for _op in (
 
 
 _PUNTED_OPS[Opcode.PING] = 1
+
+
+for _op in POOL_OPCODES:  # the switch's controller serves them; a node NACKs them BAD_FIELD
+    _PUNTED_OPS[_op] = 1
 
 
 _TAKES_SR[Opcode.CHAIN_ADD] = _TAKES_SR[Opcode.START_COLL] = 1

@@ -62,6 +62,9 @@ local OPCODE = {
     [0x23] = "LEAVE",
     [0x24] = "START_COLL",
     [0x25] = "COUNTERS",
+    [0x26] = "ALLOC",
+    [0x27] = "FREE",
+    [0x28] = "QUERY",
 }
 
 -- Status (constants.Status)
@@ -211,6 +214,9 @@ local FIXED_PAYLOAD = {
     CAS = {8, 16},
     REGISTER = {8, 8},
     DEREGISTER = {8, 8},
+    ALLOC = {40, 40},
+    FREE = {8, 8},
+    QUERY = {8, 8},
 }
 
 local STATUS_CODE = {}
@@ -308,6 +314,27 @@ for _, bit in ipairs(sorted_keys(RIGHTS)) do
 end
 field("dereg_rkey", ProtoField.uint32("netdam.deregister.rkey", "Rkey to remove", base.HEX))
 field("dereg_reserved", ProtoField.uint32("netdam.deregister.reserved", "Reserved", base.HEX))
+-- ALLOC / FREE / QUERY and the region record of their ACKs, SPEC.md 11.9 (little-endian)
+field("alloc_size", ProtoField.uint64("netdam.alloc.size", "Size", base.DEC))
+field("alloc_credential", ProtoField.uint64("netdam.alloc.credential", "Tenant credential", base.HEX))
+field("alloc_stride", ProtoField.uint32("netdam.alloc.stride", "Stride", base.DEC))
+field("alloc_ways", ProtoField.uint16("netdam.alloc.ways", "Ways", base.DEC))
+field("alloc_rights", ProtoField.uint8("netdam.alloc.rights", "Rights", base.HEX))
+field("alloc_reserved", ProtoField.uint8("netdam.alloc.reserved", "Reserved", base.HEX))
+field("alloc_label", ProtoField.string("netdam.alloc.label", "Label"))
+field("pool_credential", ProtoField.uint64("netdam.pool.credential", "Tenant credential", base.HEX))
+field("region_gaddr", ProtoField.uint64("netdam.region.gaddr", "Global address", base.HEX))
+field("region_size", ProtoField.uint64("netdam.region.size", "Size", base.DEC))
+field("region_credential", ProtoField.uint64("netdam.region.credential", "Tenant credential", base.HEX))
+field("region_rkey", ProtoField.uint32("netdam.region.rkey", "Rkey", base.HEX))
+field("region_stride", ProtoField.uint32("netdam.region.stride", "Stride", base.DEC))
+field("region_ways", ProtoField.uint16("netdam.region.ways", "Ways", base.DEC))
+field("region_rights", ProtoField.uint8("netdam.region.rights", "Rights", base.HEX))
+field("region_label", ProtoField.string("netdam.region.label", "Label"))
+field("region_way", ProtoField.bytes("netdam.region.way", "Way"))
+field("way_node", ProtoField.uint32("netdam.region.way.node", "Node rank", base.DEC))
+field("way_local", ProtoField.uint64("netdam.region.way.local", "Local address", base.HEX))
+field("way_size", ProtoField.uint64("netdam.region.way.size", "Backing bytes", base.DEC))
 -- INFO, SPEC.md 6.4
 field("info_version", ProtoField.uint32("netdam.info.version", "Protocol version", base.DEC))
 field("info_mtu", ProtoField.uint32("netdam.info.mtu", "MTU", base.DEC))
@@ -708,6 +735,39 @@ local function dissect_payload(tree, tvb, pinfo, name, poff, size)
     elseif name == "DEREGISTER" then
         ptree:add_le(F.dereg_rkey, tvb(poff, 4))
         ptree:add_le(F.dereg_reserved, tvb(poff + 4, 4))
+    elseif name == "ALLOC" and size == 40 then
+        ptree:set_text("ALLOC request (40 bytes)")
+        ptree:add_le(F.alloc_size, tvb(poff, 8))
+        ptree:add_le(F.alloc_credential, tvb(poff + 8, 8))
+        ptree:add_le(F.alloc_stride, tvb(poff + 16, 4))
+        ptree:add_le(F.alloc_ways, tvb(poff + 20, 2))
+        ptree:add_le(F.alloc_rights, tvb(poff + 22, 1))
+        ptree:add_le(F.alloc_reserved, tvb(poff + 23, 1))
+        ptree:add(F.alloc_label, tvb(poff + 24, 16), tvb(poff + 24, 16):stringz())
+    elseif (name == "FREE" or name == "QUERY") and size == 8 then
+        ptree:add_le(F.pool_credential, tvb(poff, 8))
+    elseif name == "ACK" and size >= 56 and (size - 56) % 24 == 0
+        and tvb(poff, 8):le_uint64() == tvb(32, 8):uint64()
+        and tvb(poff + 24, 4):le_uint() == tvb(24, 4):uint() then
+        -- The region record of an ALLOC/FREE/QUERY answer: its gaddr and rkey are the header's.
+        local ways = tvb(poff + 32, 2):le_uint()
+        ptree:set_text(string.format("Region record (%d ways)", ways))
+        ptree:add_le(F.region_gaddr, tvb(poff, 8))
+        ptree:add_le(F.region_size, tvb(poff + 8, 8))
+        ptree:add_le(F.region_credential, tvb(poff + 16, 8))
+        ptree:add_le(F.region_rkey, tvb(poff + 24, 4))
+        ptree:add_le(F.region_stride, tvb(poff + 28, 4))
+        ptree:add_le(F.region_ways, tvb(poff + 32, 2))
+        ptree:add_le(F.region_rights, tvb(poff + 34, 1))
+        ptree:add(F.region_label, tvb(poff + 40, 16), tvb(poff + 40, 16):stringz())
+        for k = 0, math.min(ways, math.floor((size - 56) / 24)) - 1 do
+            local w = poff + 56 + 24 * k
+            local wt = ptree:add(F.region_way, tvb(w, 24))
+            wt:set_text(string.format("Way %d", k))
+            wt:add_le(F.way_node, tvb(w, 4))
+            wt:add_le(F.way_local, tvb(w + 8, 8))
+            wt:add_le(F.way_size, tvb(w + 16, 8))
+        end
     elseif name == "FETCH_ADD" then
         ptree:add_le(F.addend, tvb(poff, 8))
     elseif name == "CAS" then

@@ -1,0 +1,222 @@
+"""Pool control on the wire (SPEC.md 11.9): ALLOC, FREE and QUERY as datagrams to the VIP of a
+real switch process, tenant credentials, and every malformed request answered as documented."""
+
+from __future__ import annotations
+
+import socket
+import stat
+import struct
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from netdam.cluster.launch import LocalCluster, SwitchHandle, start_pool_cluster
+from netdam.protocol.constants import Opcode, Status
+from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.payloads import (
+    AllocRequest,
+    RegionInfo,
+    pack_credential,
+    unpack_region_info,
+)
+from netdam.switch.controller import ControllerError, PoolController, credential_digest
+from netdam.switch.state import load_state
+
+KiB = 1024
+
+
+class Wire:
+    """A bare UDP client of the VIP: one datagram out, the reply with its txn id back."""
+
+    def __init__(self, cluster: LocalCluster, switch: SwitchHandle) -> None:
+        self.cluster, self.switch = cluster, switch
+        self.admin = cluster.info.admin_key
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(3.0)
+        self.txn = 100
+
+    def raw(self, data: bytes, to: tuple[str, int] | None = None) -> Packet:
+        self.sock.sendto(data, to or self.switch.vip)
+        txn = int.from_bytes(data[12:16], "big")
+        while True:
+            reply = decode_packet(self.sock.recvfrom(65536)[0])
+            if reply.txn_id == txn:
+                return reply
+
+    def send(self, opcode: Opcode, payload: bytes, *, rkey: int = 0, addr: int = 0, txn: int | None = None,
+             to: tuple[str, int] | None = None) -> Packet:  # fmt: skip
+        if txn is None:
+            self.txn += 1
+            txn = self.txn
+        packet = Packet(opcode, client_id=77, txn_id=txn, rkey=rkey, addr=addr, length=len(payload),
+                        payload=payload)  # fmt: skip
+        return self.raw(encode_packet(packet), to)
+
+    def alloc(self, size: int, credential: int = 0, *, rkey: int | None = None, **kw: int) -> Packet:
+        key = self.admin if rkey is None and credential == 0 else (rkey or 0)
+        return self.send(Opcode.ALLOC, AllocRequest(size, credential, **kw).encode(), rkey=key)  # type: ignore[arg-type]
+
+    def region(self, reply: Packet) -> RegionInfo:
+        assert reply.opcode == Opcode.ACK, (reply.status.name, reply.payload)
+        return unpack_region_info(reply.payload)
+
+
+def nack(reply: Packet, status: Status) -> None:
+    assert reply.opcode == Opcode.NACK, reply
+    assert reply.status == status, (reply.status.name, reply.payload)
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
+    path = tmp_path_factory.mktemp("poolwire") / "c.toml"
+    cluster, switch = start_pool_cluster(2, memory=1 << 20, cluster_path=path)
+    w = Wire(cluster, switch)
+    try:
+        yield w
+    finally:
+        w.sock.close()
+        switch.stop()
+        cluster.stop()
+
+
+def test_alloc_use_query_free_round_trip(wire: Wire) -> None:
+    reply = wire.alloc(20 * KiB, stride=8192, rights=7, label="t1")  # type: ignore[arg-type]
+    region = wire.region(reply)
+    assert reply.rkey == region.rkey and reply.addr == region.gaddr and region.credential != 0
+    assert region.size == 20 * KiB and region.stride == 8192 and len(region.ways) == 2 and region.label == "t1"
+    # The state file (0600) keeps the region, owned by the credential's digest, not the credential.
+    state_path = Path(wire.switch.entry.state_file)
+    assert stat.S_IMODE(state_path.stat().st_mode) == 0o600
+    text = state_path.read_text()
+    assert f"{region.credential}" not in text and credential_digest(region.credential) in text
+    assert any(r.gaddr == region.gaddr and r.rkey == region.rkey for r in load_state(state_path).regions)
+    # The switch serves it at once: WRITE and READ through the VIP with the rkey.
+    data = bytes(range(200))
+    ack = wire.raw(encode_packet(Packet(Opcode.WRITE, flags=1, client_id=77, txn_id=5000, rkey=region.rkey,
+                                        addr=region.gaddr + 8192, length=200, payload=data)))  # fmt: skip
+    assert ack.opcode == Opcode.ACK
+    back = wire.raw(encode_packet(Packet(Opcode.READ, client_id=77, txn_id=5001, rkey=region.rkey,
+                                         addr=region.gaddr + 8192, length=200)))  # fmt: skip
+    assert back.payload == data
+    # QUERY with the credential alone, then FREE with it.
+    queried = wire.region(wire.send(Opcode.QUERY, pack_credential(region.credential), addr=region.gaddr))
+    assert queried.gaddr == region.gaddr and queried.rkey == region.rkey and queried.credential == 0
+    freed = wire.send(Opcode.FREE, pack_credential(region.credential), addr=region.gaddr, txn=7000)
+    assert wire.region(freed).gaddr == region.gaddr
+    # A retry of the FREE (same txn) gets the same ACK; nothing is freed twice.
+    again = wire.send(Opcode.FREE, pack_credential(region.credential), addr=region.gaddr, txn=7000)
+    assert encode_packet(again) == encode_packet(freed)
+    nack(wire.send(Opcode.QUERY, pack_credential(region.credential), addr=region.gaddr), Status.NO_ROUTE)
+    nack(wire.raw(encode_packet(Packet(Opcode.READ, client_id=77, txn_id=5002, rkey=region.rkey,
+                                       addr=region.gaddr, length=8))), Status.NO_ROUTE)  # fmt: skip
+    # The backing is gone from the nodes too.
+    gone = wire.raw(encode_packet(Packet(Opcode.READ, client_id=77, txn_id=5003, rkey=region.rkey,
+                                         addr=region.ways[0].local, length=8)), wire.cluster.endpoints[0])  # fmt: skip
+    nack(gone, Status.BAD_RKEY)
+
+
+def test_alloc_retry_allocates_once(wire: Wire) -> None:
+    first = wire.region(wire.alloc(4 * KiB))
+    wire.txn -= 1  # the same txn id again: a retry of the ALLOC
+    second = wire.region(wire.alloc(4 * KiB))
+    assert second == first
+    regions = [r for r in load_state(Path(wire.switch.entry.state_file)).regions if r.owner == credential_digest(first.credential)]
+    assert [r.gaddr for r in regions] == [first.gaddr]
+    wire.send(Opcode.FREE, pack_credential(first.credential), addr=first.gaddr)
+
+
+def test_tenants_cannot_free_or_query_each_other(wire: Wire) -> None:
+    a = wire.region(wire.alloc(8 * KiB, label="a"))  # type: ignore[arg-type]
+    b = wire.region(wire.alloc(8 * KiB, label="b"))  # type: ignore[arg-type]
+    assert a.credential != b.credential
+    # B allocates a second region with its credential alone (rkey 0).
+    b2 = wire.region(wire.alloc(4 * KiB, b.credential))
+    assert b2.credential == b.credential and b2.gaddr > a.gaddr
+    cb = pack_credential(b.credential)
+    # B cannot free A's region, nor see it: NO_ROUTE, as for an unmapped address.
+    nack(wire.send(Opcode.FREE, cb, addr=a.gaddr), Status.NO_ROUTE)
+    seen = []
+    addr = 0
+    while (reply := wire.send(Opcode.QUERY, cb, addr=addr)).opcode == Opcode.ACK:
+        seen.append(unpack_region_info(reply.payload))
+        addr = seen[-1].gaddr + 1
+    nack(reply, Status.NO_ROUTE)
+    assert [r.gaddr for r in seen] == [b.gaddr, b2.gaddr]
+    assert a.rkey not in {r.rkey for r in seen}
+    # Wrong keys: an unknown credential, a wrong admin key, a new tenant without the admin key.
+    nack(wire.send(Opcode.FREE, pack_credential(b.credential ^ 1), addr=b.gaddr), Status.UNAUTHORIZED)
+    nack(wire.send(Opcode.QUERY, pack_credential(0), addr=0), Status.UNAUTHORIZED)
+    nack(wire.send(Opcode.FREE, pack_credential(0), addr=a.gaddr, rkey=wire.admin ^ 4), Status.UNAUTHORIZED)
+    nack(wire.alloc(4 * KiB, rkey=0), Status.UNAUTHORIZED)
+    nack(wire.alloc(4 * KiB, 12345), Status.UNAUTHORIZED)
+    # A's region is untouched and still A's; the admin key sees and frees everything.
+    assert wire.region(wire.send(Opcode.QUERY, pack_credential(a.credential), addr=a.gaddr)).rkey == a.rkey
+    for r in (a, b, b2):
+        wire.region(wire.send(Opcode.FREE, pack_credential(0), addr=r.gaddr, rkey=wire.admin))
+
+
+def _alloc_bytes(size: int = 4096, credential: int = 0, stride: int = 0, ways: int = 0, rights: int = 7,
+                 reserved: int = 0) -> bytes:  # fmt: skip
+    return struct.pack("<QQIHBB16s", size, credential, stride, ways, rights, reserved, b"")
+
+
+def test_malformed_pool_requests_are_nacked_as_documented(wire: Wire) -> None:
+    admin = wire.admin
+    alloc = encode_packet(Packet(Opcode.ALLOC, client_id=77, txn_id=9000, rkey=admin, length=40,
+                                 payload=_alloc_bytes()))  # fmt: skip
+
+    def patched(offset: int, new: bytes, txn: int) -> bytes:
+        data = alloc[:offset] + new + alloc[offset + len(new) :]
+        return data[:12] + txn.to_bytes(4, "big") + data[16:]
+
+    cases = [  # (datagram, status): SPEC.md 11.9's order of checks
+        (patched(28, (39).to_bytes(4, "big"), 9001), Status.BAD_LENGTH),  # length field
+        (patched(0, b"", 9002)[:96], Status.BAD_LENGTH),  # payload cut short
+        (patched(64 + 23, b"\x01", 9003), Status.BAD_FIELD),  # reserved byte
+        (patched(24, (admin ^ 1).to_bytes(4, "big"), 9004), Status.UNAUTHORIZED),  # wrong admin key
+        (patched(64, bytes(8), 9005), Status.BAD_FIELD),  # size 0
+        (patched(64 + 22, b"\x00", 9006), Status.BAD_FIELD),  # rights 0
+        (patched(64 + 22, b"\x08", 9007), Status.BAD_FIELD),  # undefined right
+        (patched(64 + 16, struct.pack("<I", 12), 9008), Status.BAD_FIELD),  # stride not a multiple of 8
+        (patched(64 + 16, struct.pack("<IH", 8192, 3), 9009), Status.BAD_FIELD),  # 3 ways of 2 nodes
+        (patched(64 + 20, struct.pack("<H", 1), 9010), Status.BAD_FIELD),  # ways without a stride
+        (patched(64, struct.pack("<Q", 1 << 40), 9011), Status.NO_SPACE),  # no room
+        (patched(52, b"\x01\x00\x01", 9012) + bytes(8), Status.BAD_SEGMENT),  # an SR list
+    ]
+    for data, status in cases:
+        nack(wire.raw(data), status)
+    for k, opcode in enumerate((Opcode.FREE, Opcode.QUERY)):
+        good = encode_packet(Packet(opcode, client_id=77, txn_id=9100 + k, rkey=admin, length=8,
+                                    payload=pack_credential(0)))  # fmt: skip
+        nack(wire.raw(good + bytes(8)), Status.BAD_LENGTH)  # 16 payload bytes
+        nack(wire.raw(good[:64]), Status.BAD_LENGTH)  # none
+    nack(wire.send(Opcode.FREE, pack_credential(0), rkey=admin, addr=1 << 32 | 5), Status.NO_ROUTE)
+    nack(wire.send(Opcode.QUERY, pack_credential(0), rkey=admin, addr=1 << 62), Status.NO_ROUTE)
+    # A NACK from the allocator says why in UTF-8; a node answers pool opcodes BAD_FIELD.
+    assert wire.raw(cases[4][0]).payload.decode().startswith("size must be")
+    nack(wire.send(Opcode.ALLOC, _alloc_bytes(), rkey=admin, to=wire.cluster.endpoints[0]), Status.BAD_FIELD)
+    # Nothing was allocated and the switch still answers.
+    assert wire.send(Opcode.PING, b"").opcode == Opcode.INFO
+    assert load_state(Path(wire.switch.entry.state_file)).regions == []
+
+
+def test_controller_uses_the_wire(wire: Wire) -> None:
+    admin = PoolController(wire.cluster.path)
+    region = admin.alloc(16 * KiB, interleave=8192, tenant="ctl")
+    credential = int(region.extra["credential"])  # type: ignore[call-overload]
+    tenant = PoolController(wire.cluster.path, credential=credential)
+    assert [r.gaddr for r in tenant.regions()] == [region.gaddr]
+    mine = tenant.alloc(4 * KiB)
+    assert {r.gaddr for r in tenant.regions()} == {region.gaddr, mine.gaddr}
+    other = PoolController(wire.cluster.path, credential=credential ^ 0xFF)
+    with pytest.raises(ControllerError, match="UNAUTHORIZED"):
+        other.free(region.gaddr)
+    tenant.free(mine.gaddr)
+    with pytest.raises(ControllerError, match="no region at"):
+        tenant.free(mine.gaddr)
+    admin.free(region.gaddr)
+    assert admin.regions() == []
+    _ = replace, endpoint_to_u64  # imported for readers of the datagrams above
