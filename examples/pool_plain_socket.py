@@ -5,7 +5,7 @@ IP. Written from protocol/SPEC.md alone (no netdam imports).
     netdam up --nodes 2 --switch --detach --cluster c.toml
     python examples/pool_plain_socket.py --cluster c.toml
 
-The cluster file (SPEC.md 12) gives the VIP and the admin key; ALLOC with the admin key creates
+The cluster file (SPEC.md 8.1) gives the VIP and the admin key; ALLOC with the admin key creates
 a tenant and hands back its credential (SPEC.md 11.9), which alone then queries and frees the
 region. Requests go to the VIP; READ/WRITE/atomic replies come straight from the node that holds
 the data (the switch wrote our address into the return segment), so the socket is not connected.
@@ -40,8 +40,8 @@ class Refused(Exception):
         self.status = status
 
 
-def header(opcode, txn, rkey=0, addr=0, length=0, dtype=RAW, flags=0):
-    return HEADER.pack(1, opcode, flags, 0, CLIENT_ID, txn, 0, 0, rkey, length, addr, 0,
+def header(opcode, txn, rkey=0, addr=0, length=0, dtype=RAW, flags=0, aux=0):
+    return HEADER.pack(1, opcode, flags, 0, CLIENT_ID, txn, 0, 0, rkey, length, addr, aux,
                        dtype, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
@@ -55,7 +55,7 @@ class Client:
     def call(self, opcode, payload=b"", timeout=0.5, tries=8, **fields):
         """Send to the VIP, wait for the reply with our txn id from whoever answers. Re-sending
         the same txn id is safe: nodes and the switch's allocator execute it at most once
-        (SPEC 7, 11.9); the wait doubles on each try (SPEC 12.4)."""
+        (SPEC 7, 11.9); the wait doubles on each try, as SPEC 7 advises clients of a shared network."""
         self.txn += 1
         datagram = header(opcode, self.txn, length=fields.pop("length", len(payload)), **fields) + payload
         for _ in range(tries):
@@ -101,7 +101,10 @@ def main():
     vip = (cluster["switch"]["address"], cluster["switch"]["port"])
     client = Client(vip)
 
-    _, info, _ = client.call(PING)
+    # PING: INFO tells the MTU, and its aux_addr is our address-validation token (SPEC.md 12.4):
+    # READs answered with more than 3x their size must carry it.
+    fields, info, _ = client.call(PING)
+    token = fields[11]
     version, mtu, mapped, max_payload, _, rank, nodes = INFO_PAYLOAD.unpack(info)
     print(f"switch {vip[0]}:{vip[1]}: version {version}, MTU {mtu}, {nodes} nodes, largest payload {max_payload}")
 
@@ -119,7 +122,7 @@ def main():
     back = bytearray()
     relayed = True
     for addr, _, step in pieces(gaddr, 0, len(data), stride, max_payload):
-        got, chunk, _ = client.call(READ, rkey=rkey, addr=addr, length=step)
+        got, chunk, _ = client.call(READ, rkey=rkey, addr=addr, length=step, aux=token)
         relayed &= bool(got[2] & RELAYED)
         back += chunk
     print(f"wrote and read back {len(back)} bytes, relayed: {relayed}")

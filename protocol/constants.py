@@ -46,6 +46,25 @@ DUP_WINDOW_CLIENTS = 256
 #: Largest reply cached for duplicate replay (header + an 8-byte atomic result fits).
 DUP_REPLY_BYTES = 128
 
+# Source guard (SPEC.md 12): lockout of key guessers and the anti-amplification limit.
+#: Failed authentications a source may make at once (token bucket size).
+LOCKOUT_BURST = 32
+#: Failed authentications per second the bucket refills (sustained, never locked out).
+LOCKOUT_RATE_PER_S = 4.0
+#: First lockout, seconds; doubled with every further lockout of the same address ...
+LOCKOUT_FIRST_S = 1.0
+#: ... up to this (one hour).
+LOCKOUT_MAX_S = 3600.0
+#: The doubling restarts after this long without a lockout (one hour).
+LOCKOUT_FORGET_S = 3600.0
+#: Sources of one IPv4 address (any ports) tracked at once: one set of the source table.
+WAYS_PER_ADDRESS = 8
+#: Sets of the source table (so 8192 sources tracked).
+LOCKOUT_SETS = 1024
+#: Until a source proved it receives at its address, a reply is at most this many times the
+#: request (QUIC, RFC 9000 section 8.1).
+AMPLIFICATION_FACTOR = 3
+
 
 class Opcode(IntEnum):
     """Instruction codes, SPEC.md section "Opcodes"."""

@@ -34,6 +34,10 @@ RCVBUF_BYTES = 20  # gauge: receive buffer the kernel granted (SO_RCVBUF as gets
 SNDBUF_BYTES = 21  # gauge: send buffer the kernel granted
 DROP_COLL_EARLY = 22  # all-gather data for a collective not started here yet (READ repairs it)
 SEND_DROPS = 23  # datagrams the kernel refused to send (EMSGSIZE over the MTU, ...), I/O shell
+DROP_LOCKOUT = 24  # datagrams from a locked-out source, dropped (SPEC.md 12.3)
+AUTH_FAILURES = 25  # BAD_RKEY / UNAUTHORIZED NACKs to non-members (the lockout's input)
+LOCKOUTS = 26  # times a source (or a set of sources) was locked out
+DROP_AMPLIFICATION = 27  # READs dropped: no address-validation token, answer over 3x (SPEC.md 12.4)
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64
@@ -67,6 +71,10 @@ _SCALAR_NAMES = {
     SNDBUF_BYTES: "sndbuf_bytes",
     DROP_COLL_EARLY: "drop_coll_early",
     SEND_DROPS: "send_drops",
+    DROP_LOCKOUT: "drop_lockout",
+    AUTH_FAILURES: "auth_failures",
+    LOCKOUTS: "lockouts",
+    DROP_AMPLIFICATION: "drop_amplification",
 }
 
 

@@ -28,6 +28,9 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
                         "'node0:tx:loss=0.1,dup=0.05;client:rx:kth=FETCH_ADD@3'")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of every fault decision")
     parser.add_argument("--die-with-parent", action="store_true", help="exit when the launcher dies")
+    parser.add_argument("--no-guard", action="store_true",
+                        help="no lockout of key guessers, no anti-amplification limit for clients "
+                        "(SPEC.md 12): for fuzzing only")  # fmt: skip
 
 
 def run_switch(args: argparse.Namespace) -> int:
@@ -47,6 +50,7 @@ def run_switch(args: argparse.Namespace) -> int:
     config = SwitchProcessConfig(
         vip=args.vip, cluster_file=args.cluster, state_file=args.state or state_path_for(args.cluster),
         mtu=args.mtu, faults=faults, seed=args.seed, die_with_parent=args.die_with_parent,
+        guard=not args.no_guard,
     )  # fmt: skip
     return int(main(config))
 

@@ -20,8 +20,10 @@ import numpy as np
 
 from netdam.core.base import CoreBase, check_batch
 from netdam.core.faults import FaultSpec
+from netdam.core.guard import GuardConfig
 from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import switch_path as K
+from netdam.kernels.guard import G_NOW, address_token, record_failure
 from netdam.kernels.state import (
     Groups,
     HoldTable,
@@ -103,6 +105,8 @@ class SwitchConfig:
     #: Seed of every fault decision.
     seed: int = 0
     tx_slots: int = 256
+    #: Lockout and anti-amplification for clients (SPEC.md 12); the switch process turns it on.
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class SwitchCore(CoreBase):
         self._node_port = (order + 1).astype(np.int64)
         self._trusted = set(nodes_u64.tolist())
         self.counters = C.new_counters()
+        self.guard = config.guard.build()
         self.sw = np.zeros(K.SW_LEN, np.uint64)
         self.sw[K.SW_NODES] = len(config.nodes)
         self.port_ctr = np.zeros((n_ports, K.PORT_FIELDS), np.uint64)
@@ -309,6 +314,7 @@ class SwitchCore(CoreBase):
             LinkFaults(self.fcfg, self.fkeys, self.fclock, self.fstate, self.ftab_key, self.ftab_count,
                        self.kctr, HoldTable(self.hold_buf, self.hold_len, self.hold_ep, self.hold_dir,
                                             self.hold_time, self.hold_gen)),
+            self.guard,
         )  # fmt: skip
 
     @property
@@ -362,6 +368,7 @@ class SwitchCore(CoreBase):
         if self._punt.shape[0] < lens.shape[0]:
             self._punt = np.zeros(lens.shape[0], np.int32)
         self.fclock[0] = now
+        self.guard.cfg[G_NOW] = now
         tx_n, n_punt = K.switch_round(RxBatch(buf, offs, lens, srcs), n, self.max_datagram, self.switch_state(),
                                       self.tx_bundle(), int(self._txq[1]), self._punt)  # fmt: skip
         self._txq[1] = tx_n
@@ -434,13 +441,15 @@ class SwitchCore(CoreBase):
             mapped = sum(r.size for r in self.regions)
             info = INFO.pack(PROTOCOL_VERSION, self.config.mtu, mapped, max_payload(self.config.mtu),
                                     MAX_SEGMENTS, SWITCH_RANK, len(self.config.nodes))  # fmt: skip
-            self._reply(packet, src, Opcode.INFO, payload=info)
+            # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
+            self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
             return
         if packet.opcode in POOL_OPCODES:
             self._pool_request(packet, src)
             return
         if packet.rkey != self.config.admin_key:
             self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED)
+            self._failed(src)
             return
         if packet.opcode == Opcode.COUNTERS:
             self._reply(packet, src, Opcode.ACK, payload=self.counters_payload(packet.addr))
@@ -460,12 +469,19 @@ class SwitchCore(CoreBase):
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
 
 
+    def _failed(self, src: int) -> None:
+        """A failed authentication by *src* (nodes are trusted): the lockout counts it."""
+        if src not in self._trusted:
+            record_failure(self.guard, src, self.counters)
+
     def _pool_request(self, packet: Packet, src: int) -> None:
         if self.pool is None:
             text = b"this switch runs without a pool controller (start it with --cluster and --state)"
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
             return
         answer = self.pool.handle(packet, src)
+        if answer.status == Status.UNAUTHORIZED:
+            self._failed(src)
         reply = packet if answer.addr is None else replace(packet, addr=answer.addr)
         payload = answer.payload if answer.status == Status.OK else answer.text.encode()[:MAX_NACK_TEXT]
         self._reply(reply, src, answer.opcode, answer.status, payload=payload, rkey=answer.rkey)

@@ -8,6 +8,7 @@ management port beside the VIP answers COUNTERS/PING/JOIN even while the VIP is 
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.core.faults import FaultSpec
+from netdam.core.guard import GuardConfig
 from netdam.kernels import switch_serve
 from netdam.kernels.state import RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES
@@ -57,6 +59,8 @@ class SwitchProcessConfig:
     seed: int = 0
     rcvbuf: int = 64 << 20
     die_with_parent: bool = False
+    #: Lockout and anti-amplification for clients (SPEC.md 12); --no-guard turns both off.
+    guard: bool = True
 
 
 #: The last bytes of every node's memory the pool never hands out: node-local scratch for clients
@@ -81,9 +85,13 @@ def open_state(cluster: ClusterFile, path: Path) -> PoolState:
     with locked(path):
         if file_stamp(path) is None:
             state = initial_state(cluster)
+            state.token_key = secrets.token_hex(16)
             save_state(path, state)
             return state
         state = load_state(path)
+        if not state.token_key:  # a state file from before address validation
+            state.token_key = secrets.token_hex(16)
+            save_state(path, state)
     have = [n.endpoint for n in state.nodes]
     want = [n.endpoint for n in cluster.nodes]
     if have != want:
@@ -109,10 +117,13 @@ class SwitchProcess(ServeLoop):
         self.control_port = int(self.ctrl_sock.getsockname()[1])
         self.core = SwitchCore(
             SwitchConfig(vip=self.vip, nodes=tuple(cluster.endpoints), admin_key=cluster.admin_key,
-                         mtu=config.mtu, seed=config.seed, tx_slots=4 * ROUND_DATAGRAMS),
+                         mtu=config.mtu, seed=config.seed, tx_slots=4 * ROUND_DATAGRAMS,
+                         guard=GuardConfig.on() if config.guard else GuardConfig()),
             state.regions, state.generation,
         )  # fmt: skip
         self.core.set_groups(state.groups)
+        key = bytes.fromhex(state.token_key)
+        self.core.guard.key[:] = [int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")]
         self.agent = UdpNodeAgent(cluster.admin_key)
         self.core.pool = PoolService(cluster, config.state_file, self.agent, self._map_changed)
         for port, direction, spec in config.faults:

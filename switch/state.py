@@ -65,6 +65,9 @@ class PoolState:
     groups: dict[Endpoint, list[Endpoint]] = field(default_factory=dict)
     #: Tenants: SHA-256 (hex) of the credential -> label.
     tenants: dict[str, str] = field(default_factory=dict)
+    #: The switch's address-validation key (32 hex digits, SPEC.md 12.4): kept here so that a
+    #: restarted switch accepts the tokens its clients already hold. "": not drawn yet.
+    token_key: str = ""
     generation: int = 0
     next_gaddr: int = GLOBAL_BASE
 
@@ -88,6 +91,7 @@ def state_to_json(state: PoolState) -> str:
         "regions": [region_to_json(r) for r in state.regions],
         "groups": {f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()},
         "tenants": dict(state.tenants),
+        "token_key": state.token_key,
     }
     return json.dumps(data, indent=1)
 
@@ -103,6 +107,7 @@ def state_from_json(text: str, where: str = "state") -> PoolState:
             regions=[region_from_json(r) for r in data["regions"]],
             groups={_ep(g): [_ep(m) for m in ms] for g, ms in data.get("groups", {}).items()},
             tenants={str(k): str(v) for k, v in data.get("tenants", {}).items()},
+            token_key=str(data.get("token_key", "")),
             generation=int(data["generation"]),
             next_gaddr=int(data["next_gaddr"]),
         )

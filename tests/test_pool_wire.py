@@ -98,8 +98,9 @@ def test_alloc_use_query_free_round_trip(wire: Wire) -> None:
     ack = wire.raw(encode_packet(Packet(Opcode.WRITE, flags=1, client_id=77, txn_id=5000, rkey=region.rkey,
                                         addr=region.gaddr + 8192, length=200, payload=data)))  # fmt: skip
     assert ack.opcode == Opcode.ACK
+    token = wire.send(Opcode.PING, b"").aux_addr  # a READ over 3x its size needs it (SPEC.md 12.4)
     back = wire.raw(encode_packet(Packet(Opcode.READ, client_id=77, txn_id=5001, rkey=region.rkey,
-                                         addr=region.gaddr + 8192, length=200)))  # fmt: skip
+                                         addr=region.gaddr + 8192, length=200, aux_addr=token)))  # fmt: skip
     assert back.payload == data
     # QUERY with the credential alone, then FREE with it.
     queried = wire.region(wire.send(Opcode.QUERY, pack_credential(region.credential), addr=region.gaddr))

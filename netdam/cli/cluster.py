@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from netdam.cli.common import (
     CommandError,
@@ -130,6 +130,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                       default=300.0, help="seconds rank 0 waits for every rank (default 300)")  # fmt: skip
     node.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU, help="IP MTU (default 9000)")
     node.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
+    node.add_argument("--no-guard", action="store_true",
+                      help="no lockout of key guessers, no anti-amplification limit (SPEC.md 12): "
+                      "for fuzzing that sends wrong keys on purpose, never for a shared network")  # fmt: skip
     add_fault_args(node)
     node.set_defaults(func=run_node)
 
@@ -200,6 +203,14 @@ def _admin_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _guard(args: argparse.Namespace) -> Any:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the
+    # light commands need not pay for.
+    from netdam.core.guard import GuardConfig
+
+    return GuardConfig() if getattr(args, "no_guard", False) else GuardConfig.on()
+
+
 def run_node(args: argparse.Namespace) -> int:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.node_process import NodeProcessConfig, main
@@ -217,7 +228,7 @@ def run_node(args: argparse.Namespace) -> int:
         name=args.name or "netdam-node", admin_key=args.admin_key, members=args.members, mtu=args.mtu,
         rank=args.rank if args.rank is not None else 0,
         world_size=args.world_size if args.world_size is not None else 1,
-        faults=faults_from(args), die_with_parent=args.die_with_parent,
+        faults=faults_from(args), die_with_parent=args.die_with_parent, guard=_guard(args),
     )  # fmt: skip
     return main(config)
 
@@ -241,7 +252,7 @@ def _run_launched_node(args: argparse.Namespace) -> int:
     config = NodeProcessConfig(
         bind=bind, memory_bytes=args.memory, shm_dir=args.shm_dir, name=name, admin_key=args.admin_key,
         mtu=args.mtu, rank=spec.rank, world_size=spec.world_size, faults=faults_from(args),
-        die_with_parent=args.die_with_parent,
+        die_with_parent=args.die_with_parent, guard=_guard(args),
     )  # fmt: skip
     try:
         return run_launched_node(config, spec, cluster_path=args.cluster, timeout=args.rendezvous_timeout,

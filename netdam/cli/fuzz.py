@@ -128,7 +128,9 @@ def run_fuzz(config: FuzzConfig) -> dict[str, Any]:
     if config.memory < NODE_PLAN_BYTES:
         raise CommandError(f"node memory {config.memory} is too small: give at least {NODE_PLAN_BYTES}", ExitCode.USAGE)
     try:
-        cluster = start_cluster(config.nodes, memory=config.memory, mtu=config.mtu, switch=config.target == "switch")
+        # --no-guard: the fuzzer sends wrong keys and unvalidated READs on purpose (SPEC.md 12).
+        cluster = start_cluster(config.nodes, memory=config.memory, mtu=config.mtu, switch=config.target == "switch",
+                                guard=False)  # fmt: skip
     except (ClusterStartError, ValueError) as exc:
         raise CommandError(f"could not start the fuzz cluster: {exc}", ExitCode.RUN_FAILED) from None
     with cluster:

@@ -66,6 +66,10 @@ class AsyncPoolClient:
         self._progress = asyncio.Event()
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         self.retransmits = 0
+        #: The switch's address-validation token for this socket (SPEC.md 12.4), from a PING
+        #: before the first READ; READs carry it in aux_addr. None: not asked yet.
+        self.token: int | None = None
+        self._token_lock = asyncio.Lock()
 
     @classmethod
     async def open(cls, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
@@ -119,7 +123,14 @@ class AsyncPoolClient:
     # ------------------------------------------------------------------ one request
 
     async def request(self, packet: Packet) -> Packet:
-        """Send *packet* (ids replaced) and return its reply; retries on timeout, NACK raises."""
+        """Send *packet* (ids replaced) and return its reply; retries on timeout, NACK raises.
+        A READ carries the address-validation token (asked for once, with a PING)."""
+        if packet.opcode == Opcode.READ and packet.aux_addr == 0:
+            if self.token is None:
+                async with self._token_lock:
+                    if self.token is None:
+                        self.token = (await self.request(Packet(Opcode.PING))).aux_addr
+            packet = replace(packet, aux_addr=self.token)
         async with self._window:
             while self._open and self._next - min(self._open) >= TXN_SPAN:
                 self._progress.clear()

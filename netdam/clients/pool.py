@@ -110,6 +110,9 @@ class PoolClient:
         self._next_txn = int.from_bytes(os.urandom(3), "big") + 1
         #: Requests re-sent after a timeout (all operations so far).
         self.retransmits = 0
+        #: The switch's address-validation token for this socket (SPEC.md 12.4), from a PING
+        #: before the first READ; READs carry it in aux_addr. None: not asked yet.
+        self.token: int | None = None
 
     def close(self) -> None:
         self.sock.close()
@@ -169,6 +172,8 @@ class PoolClient:
         """Send every request (client and txn ids replaced), ``window`` in flight; return the
         replies in request order. A NACK raises PoolError; no answer after every retry raises
         PoolTimeout. Requests still in flight then are abandoned (their late replies ignored)."""
+        if self.token is None and any(p.opcode == Opcode.READ for p in packets):
+            self.token = self.execute([Packet(Opcode.PING)])[0].aux_addr
         replies: list[Packet | None] = [None] * len(packets)
         flight: dict[int, _Flight] = {}
         nxt = 0
@@ -179,7 +184,10 @@ class PoolClient:
                 seq = self._next_txn
                 self._next_txn += 1
                 txn = seq & 0xFFFFFFFF
-                data = encode_packet(replace(packets[nxt], client_id=self.client_id, txn_id=txn))
+                packet = packets[nxt]
+                if packet.opcode == Opcode.READ and packet.aux_addr == 0 and self.token:
+                    packet = replace(packet, aux_addr=self.token)
+                data = encode_packet(replace(packet, client_id=self.client_id, txn_id=txn))
                 self._send(data)
                 flight[txn] = _Flight(nxt, seq, data, now + self.timeout, 0)
                 nxt += 1

@@ -41,6 +41,8 @@ class ControlClient:
         # Random ids: clients rarely share a duplicate-window slot (client_id mod 256).
         self.client_id = client_id if client_id is not None else int.from_bytes(os.urandom(4), "big") | 1
         self._txn = itertools.count(int.from_bytes(os.urandom(2), "big") + 1)
+        #: Address-validation tokens by endpoint (SPEC.md 12.4): INFO's aux_addr, sent in READs.
+        self.tokens: dict[Endpoint, int] = {}
 
     def close(self) -> None:
         self.sock.close()
@@ -108,7 +110,11 @@ class ControlClient:
                                   dtype=dtype, length=len(data), payload=data))  # fmt: skip
 
     def read(self, node: Endpoint, rkey: int, addr: int, length: int) -> bytes:
-        reply = self.request(node, Packet(Opcode.READ, rkey=rkey, addr=addr, length=length))
+        """READ; the first READ to *node* asks it for an address-validation token (a PING)."""
+        if node not in self.tokens:
+            self.tokens[node] = self.request(node, Packet(Opcode.PING)).aux_addr
+        reply = self.request(node, Packet(Opcode.READ, rkey=rkey, addr=addr, length=length,
+                                          aux_addr=self.tokens[node]))  # fmt: skip
         return bytes(reply.payload)
 
 

@@ -206,6 +206,7 @@ def _start_cluster(
     switch: bool = False,
     switch_faults: str = "",
     switch_seed: int = 0,
+    guard: bool = True,
 ) -> LocalCluster:
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
@@ -220,7 +221,7 @@ def _start_cluster(
         extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
     start = time.monotonic()
-    spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach)
+    spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach, guard)
     procs, control_ports = _spawn_nodes(spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)])
     info = ClusterFile(
         name=name,
@@ -240,7 +241,8 @@ def _start_cluster(
     cluster = LocalCluster(info, path, procs, time.monotonic() - start)
     if vip is not None:
         try:
-            cluster.switch = start_switch(cluster, vip, faults=switch_faults, seed=switch_seed, detach=detach)
+            cluster.switch = start_switch(cluster, vip, faults=switch_faults, seed=switch_seed, detach=detach,
+                                          guard=guard)  # fmt: skip
         except BaseException:
             cluster.stop()
             raise
@@ -259,6 +261,8 @@ class _NodeSpec:
     mtu: int
     faults: FaultSpec
     detach: bool
+    #: Lockout and anti-amplification on (False: --no-guard, for fuzzing).
+    guard: bool = True
 
     def memory_file(self, rank: int) -> Path:
         return self.shm_dir / f"{self.name}-{rank}.mem"
@@ -277,6 +281,8 @@ def _spawn_nodes(
         key_fd = key_pipe(spec.admin_key)
         cmd = node_command(bind, f"{spec.name}-{rank}", memory, key_fd, spec.members, rank,
                            spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+        if not spec.guard:
+            cmd.append("--no-guard")
         if logging.getLogger().isEnabledFor(logging.INFO):
             cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
         # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
@@ -611,7 +617,7 @@ def pick_vip(address: str = "127.0.0.1") -> Endpoint:
 
 
 def switch_command(cluster_path: Path, vip: Endpoint, state_file: Path, mtu: int, faults: str,
-                   seed: int, die_with_parent: bool) -> list[str]:  # fmt: skip
+                   seed: int, die_with_parent: bool, guard: bool = True) -> list[str]:  # fmt: skip
     cmd = [*netdam_python("netdam.switch"), "--cluster", str(cluster_path),
            "--vip", f"{vip[0]}:{vip[1]}", "--state", str(state_file), "--mtu", str(mtu),
            "--seed", str(seed)]  # fmt: skip
@@ -619,6 +625,8 @@ def switch_command(cluster_path: Path, vip: Endpoint, state_file: Path, mtu: int
         cmd += ["--faults", faults]
     if die_with_parent:
         cmd.append("--die-with-parent")
+    if not guard:
+        cmd.append("--no-guard")
     if logging.getLogger().isEnabledFor(logging.INFO):  # the launcher's -v reaches the switch's log
         cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
     return cmd
@@ -632,13 +640,14 @@ def start_switch(
     faults: str = "",
     seed: int = 0,
     detach: bool = False,
+    guard: bool = True,
 ) -> SwitchHandle:
     """Start the switch of *cluster* on *vip* (which the nodes were started to trust), wait
     until it serves, and add ``[switch]`` to the cluster file."""
     state = state_file or state_path_for(cluster.path)
     log = switch_log(cluster.path)
     start = time.monotonic()
-    cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach)
+    cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach, guard)
     progress.status("starting the switch")
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
@@ -663,7 +672,8 @@ def start_pool_cluster(nodes: int, *, faults: str = "", seed: int = 0, state_fil
     cluster = start_cluster(nodes, extra_members=(vip,), **cluster_kwargs)  # type: ignore[arg-type]
     try:
         handle = start_switch(cluster, vip, state_file=state_file, faults=faults, seed=seed,
-                              detach=bool(cluster_kwargs.get("detach", False)))  # fmt: skip
+                              detach=bool(cluster_kwargs.get("detach", False)),
+                              guard=bool(cluster_kwargs.get("guard", True)))  # fmt: skip
     except BaseException:
         cluster.stop()
         raise

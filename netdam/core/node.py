@@ -30,9 +30,11 @@ from netdam.core.events import (
     RegionRegistered,
     ReplyReceived,
 )
+from netdam.core.guard import GuardConfig
 from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
+from netdam.kernels.guard import G_NOW, address_token, record_failure
 from netdam.kernels.state import DupWindow, NodeState, Regions, RxBatch
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
@@ -90,6 +92,8 @@ class NodeConfig:
     world_size: int = 1
     #: Initial send-queue slots (grows up to MAX_TX_QUEUE).
     tx_slots: int = 256
+    #: Lockout and anti-amplification (SPEC.md 12); off unless the owner asks (processes do).
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 class NodeCore(CoreBase):
@@ -125,6 +129,7 @@ class NodeCore(CoreBase):
         self._w_state = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint8)
         self._w_len = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.int32)
         self._w_reply = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW, DUP_REPLY_BYTES), np.uint8)
+        self.guard = config.guard.build()
         self.collective = CollectiveEngine()
         self.sendq = SendQueue(config.tx_slots, self.counters)
         self._punt = np.zeros(0, np.int32)
@@ -156,6 +161,7 @@ class NodeCore(CoreBase):
         if n == 0:
             return
         self._reserve_tx(n)
+        self.guard.cfg[G_NOW] = now
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath.process_batch(RxBatch(buf, offs, lens, srcs), n, self.max_datagram,
@@ -176,6 +182,7 @@ class NodeCore(CoreBase):
             self._dup_window(),
             self.collective.state(),
             self.counters,
+            self.guard,
         )
 
     def _dup_window(self) -> DupWindow:
@@ -258,6 +265,8 @@ class NodeCore(CoreBase):
             return
         if packet.opcode != Opcode.PING and packet.rkey != self.config.admin_key:
             self._nack(packet, src, Status.UNAUTHORIZED)
+            if src not in self._trusted:
+                record_failure(self.guard, src, self.counters)
             return
         handler(packet, src)
 
@@ -287,7 +296,8 @@ class NodeCore(CoreBase):
             self.config.rank,
             self.config.world_size,
         )
-        self._reply(packet, src, Opcode.INFO, payload=info)
+        # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
+        self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
 
     def _windowed(
         self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int | None]]

@@ -33,6 +33,7 @@ from netdam.kernels.collective import (
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
+from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _account, _locked, _validated
 from netdam.kernels.state import DupWindow, NodeState, RxBatch, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
@@ -66,6 +67,7 @@ from netdam.kernels.wire import (
     _copy,
     _credit,
     _emit_nack,
+    _is_member,
     _le64,
     _put_le64,
     _rd16,
@@ -177,10 +179,7 @@ def _process_batch(rx, n, max_len, node, tx, tx_n, punt):  # type: ignore[no-unt
     packed back to back so runs to one destination can leave as one GSO send; tx_off[tx_n] is
     the next free byte). Returns (tx_n, n_punt)."""
     rx_buf, rx_off, rx_len, rx_src = rx
-    mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions
-    _co_cfg, _co_done, _co_acked = coll.cfg, coll.done, coll.acked
-    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply = window
+    members, counters, guard = node.members, node.counters, node.guard
     tx_buf, tx_off, tx_len, tx_dst = tx
     n_punt = 0
     cap = tx_len.shape[0]
@@ -197,41 +196,57 @@ def _process_batch(rx, n, max_len, node, tx, tx_n, punt):  # type: ignore[no-unt
         if tx_n >= cap or tx_off[tx_n] + _SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
-        status = _check_packet(b, ln)
-        op = np.int64(b[1]) if ln > 1 else 0
-        if status == DROP_SILENTLY:
-            counters[C.DROP_TRUNCATED] += 1
+        guarded = guard.cfg[G_LOCKOUT] != 0.0 and not _is_member(members, src)
+        if guarded and _locked(guard, src):
+            counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
             continue
-        if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, 16) != 0:
-            counters[C.OPCODE_BASE + op] += 1
-            if _coll_reply(b, ln, src, op, node):
-                continue  # consumed by the collective engine, in the datapath
-            punt[n_punt] = i
-            n_punt += 1
-            counters[C.PUNTED] += 1
-            continue
-        if status == PUNT or (status == 0 and _PUNTED_OPS[op] == 1):
-            if status == 0:
-                counters[C.OPCODE_BASE + op] += 1
-            punt[n_punt] = i
-            n_punt += 1
-            counters[C.PUNTED] += 1
-            continue
-        if status != 0:
-            if op < 64 and _IS_REPLY[op] == 1:
-                counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
-                continue
-            tx_n = _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-            continue
+        first = tx_n
+        tx_n, n_punt = _datagram(b, ln, i, src, max_len, node, tx, tx_n, punt, n_punt)
+        if guarded and tx_n > first:
+            _account(guard, src, tx_buf, tx_off, tx_dst, first, tx_n, counters)
+    return tx_n, n_punt
+
+
+@njit(cache=True, nogil=True)
+def _datagram(b, ln, i, src, max_len, node, tx, tx_n, punt, n_punt):  # type: ignore[no-untyped-def]
+    """Validate and execute one datagram b[:ln] (batch index *i*) from *src*; (tx_n, n_punt)."""
+    members, counters = node.members, node.counters
+    tx_buf, tx_off, tx_len, tx_dst = tx
+    status = _check_packet(b, ln)
+    op = np.int64(b[1]) if ln > 1 else 0
+    if status == DROP_SILENTLY:
+        counters[C.DROP_TRUNCATED] += 1
+        return tx_n, n_punt
+    if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, 16) != 0:
         counters[C.OPCODE_BASE + op] += 1
-        if op == _OP_CHAIN_ADD:
-            tx_n = _chain_add(b, ln, src, node, tx, tx_n)
-        elif op == _OP_READ:
-            tx_n = _read(b, src, node, tx, tx_n, max_len)
-        elif op == _OP_ALL_WRITE:
-            tx_n = _all_write(b, ln, src, node, tx, tx_n)
-        else:
-            tx_n = _mutate(b, ln, src, op, node, tx, tx_n)
+        if _coll_reply(b, ln, src, op, node):
+            return tx_n, n_punt  # consumed by the collective engine, in the datapath
+        punt[n_punt] = i
+        n_punt += 1
+        counters[C.PUNTED] += 1
+        return tx_n, n_punt
+    if status == PUNT or (status == 0 and _PUNTED_OPS[op] == 1):
+        if status == 0:
+            counters[C.OPCODE_BASE + op] += 1
+        punt[n_punt] = i
+        n_punt += 1
+        counters[C.PUNTED] += 1
+        return tx_n, n_punt
+    if status != 0:
+        if op < 64 and _IS_REPLY[op] == 1:
+            counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
+            return tx_n, n_punt
+        tx_n = _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return tx_n, n_punt
+    counters[C.OPCODE_BASE + op] += 1
+    if op == _OP_CHAIN_ADD:
+        tx_n = _chain_add(b, ln, src, node, tx, tx_n)
+    elif op == _OP_READ:
+        tx_n = _read(b, src, node, tx, tx_n, max_len)
+    elif op == _OP_ALL_WRITE:
+        tx_n = _all_write(b, ln, src, node, tx, tx_n)
+    else:
+        tx_n = _mutate(b, ln, src, op, node, tx, tx_n)
     return tx_n, n_punt
 
 
@@ -240,13 +255,20 @@ def _read(b, src, node, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
     """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final.
     A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _guard = node
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, 28)
     if _HDR + length > max_len:
         return _emit_nack(b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    factor = _guard.cfg[G_FACTOR]
+    if factor > 0.0 and _HDR + length > factor * _HDR and not _is_member(members, src):
+        # More than 3x the request back to an address that has not proven it receives there
+        # (no token in aux_addr): a reflection amplifier. Dropped, before any other check.
+        if not _validated(_guard, src, _rd64(b, 40)):
+            counters[C.DROP_AMPLIFICATION] += 1
+            return tx_n
     addr = _rd64(b, 32)
     esize = _ESIZE[np.int64(b[48])]
     coll = _rd32(b, 16)
@@ -279,7 +301,7 @@ def _read(b, src, node, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, txn id)."""
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _guard = node
     rk_key, rk_base, rk_len, rk_rights = regions
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply = window
     tx_buf, tx_off, tx_len, tx_dst = tx

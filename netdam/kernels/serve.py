@@ -15,6 +15,7 @@ from netdam.kernels import signatures as S
 from netdam.kernels.collective import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE, _coll_tick
 from netdam.kernels.datapath import _process_batch
 from netdam.kernels.faults import _apply_faults
+from netdam.kernels.guard import G_NOW
 from netdam.kernels.state import FaultState, NodeState, RxBatch, ServeIO, TxQueue
 from netdam.kernels.udp_io import (
     _POLLIN,
@@ -104,7 +105,7 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg
     hold_len = faults.hold.len
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _guard = node
     co_cfg = coll.cfg
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
@@ -159,6 +160,7 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
             if budget_ns == 0:
                 break  # a call with no time to wait: one look only
             continue
+        _guard.cfg[G_NOW] = _now_ns() * 1e-9  # the lockout clock: one reading per batch
         tx_n, n_punt = _process_batch(rx, n, max_len, node, tx, txq[1], punt)
         txq[1] = tx_n
         if n_punt > 0:

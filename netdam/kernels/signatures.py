@@ -18,6 +18,7 @@ from netdam.kernels.state import (
     DupWindow,
     FaultState,
     Groups,
+    Guard,
     HoldTable,
     LinkFaults,
     NodeState,
@@ -40,12 +41,13 @@ u8, u32, u64, i32, i64, f64 = np.uint8, np.uint32, np.uint64, np.int32, np.int64
 
 RX_BATCH = typeof(RxBatch(_a(u8), _a(i64), _a(i32), _a(u64)))
 TX_QUEUE = typeof(TxQueue(_a(u8), _a(i64), _a(i32), _a(u64)))
+GUARD = Guard(_a(f64), _a(u64), _a(u64), _a(f64), _a(f64), _a(f64), _a(f64), _a(i64), _a(f64))
 COLL_STATE = typeof(CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)))
 NODE_STATE = typeof(NodeState(
     _a(u8), Regions(_a(u32), _a(i64), _a(i64), _a(u8)), _a(u64),
     DupWindow(_a(u64), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
     CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)),
-    _a(u64),
+    _a(u64), GUARD,
 ))  # fmt: skip
 HOLD_TABLE = HoldTable(_a(u8, 2), _a(i32), _a(u64), _a(i64), _a(f64), _a(i64))
 FAULT_STATE = typeof(FaultState(_a(f64), _a(u64), _a(u64), _a(u32), HOLD_TABLE))
@@ -56,6 +58,7 @@ SWITCH_STATE = typeof(SwitchState(
     Groups(_a(u64), _a(i64), _a(i64), _a(u64)),
     SwitchCounters(_a(u64), _a(u64), _a(u64, 2), _a(u64, 2)),
     LinkFaults(_a(f64, 3), _a(u64), _a(f64), _a(i64), _a(u64), _a(u32), _a(i64, 3), HOLD_TABLE),
+    GUARD,
 ))  # fmt: skip
 PUNT = typeof(_a(i32))
 TXQ = typeof(_a(i64))

@@ -68,6 +68,20 @@ class CollState(NamedTuple):
     agsent: np.ndarray  # uint8 all-gather sent per chunk
 
 
+class Guard(NamedTuple):
+    """Source guard of a node or switch (netdam.kernels.guard): lockout table and token key."""
+
+    cfg: np.ndarray  # float64 G_* words: now, lockout on, burst, rate, t0, tmax, forget, factor
+    key: np.ndarray  # uint64 [2]: SipHash key of address-validation tokens
+    ep: np.ndarray  # uint64 per entry: source endpoint (0 = free)
+    tokens: np.ndarray  # float64 per entry: failures left in the bucket
+    seen: np.ndarray  # float64 per entry: time of the last failure
+    until: np.ndarray  # float64 per entry: locked out until
+    set_until: np.ndarray  # float64 per set: the whole set locked until
+    set_strikes: np.ndarray  # int64 per set: lockouts since the set was last quiet
+    set_last: np.ndarray  # float64 per set: end of the last lockout
+
+
 class NodeState(NamedTuple):
     """Everything a node's datapath reads or changes besides the batches."""
 
@@ -77,6 +91,7 @@ class NodeState(NamedTuple):
     window: DupWindow
     coll: CollState
     counters: np.ndarray  # uint64 (protocol/counters.py)
+    guard: Guard
 
 
 class HoldTable(NamedTuple):
@@ -178,6 +193,7 @@ class SwitchState(NamedTuple):
     groups: Groups
     ctrs: SwitchCounters
     faults: LinkFaults
+    guard: Guard
 
 
 class TimeWindow(NamedTuple):

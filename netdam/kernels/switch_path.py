@@ -32,6 +32,7 @@ from netdam.kernels.fault_hash import (
     _packet_id,
 )
 from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
+from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated
 from netdam.kernels.state import RxBatch, SwitchState, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
@@ -56,6 +57,7 @@ _HDR = 64
 _F_MCAST = int(Flags.MCAST)
 _F_SPARSE = int(Flags.SPARSE)
 _F_RELAYED = int(Flags.RELAYED)
+_F_ACK_REQ = int(Flags.ACK_REQ)
 _R_READ = int(Rights.READ)
 _R_WRITE = int(Rights.WRITE)
 _R_ATOMIC = int(Rights.ATOMIC)
@@ -182,6 +184,8 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
     reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local = st.regions
     grp_key, grp_first, grp_count, grp_member = st.groups
     counters, sw, port_ctr, reg_ctr = st.ctrs
+    guard = st.guard
+    factor = guard.cfg[G_FACTOR]
     tx_buf, tx_off, tx_len, tx_dst = tx
     n_punt = 0
     cap = tx_len.shape[0]
@@ -202,6 +206,10 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
         b = rx_buf[off : off + ln]
         if tx_n + fanout > cap or tx_off[tx_n] + fanout * _SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
+            continue
+        guarded = not from_node and guard.cfg[G_LOCKOUT] != 0.0
+        if guarded and _locked(guard, src):
+            counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
             continue
         status = _check_packet(b, ln)
         op = np.int64(b[1]) if ln > 1 else 0
@@ -240,6 +248,9 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
                 continue
             first = grp_first[g]
+            if factor > 0.0 and not from_node and _rd16(b, 2) & _F_ACK_REQ and _HDR * grp_count[g] > factor * ln:
+                counters[C.DROP_AMPLIFICATION] += 1  # one ACK per member back to an unproven source
+                continue
             for k in range(grp_count[g]):
                 member = grp_member[first + k]
                 if member == src:
@@ -258,7 +269,15 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
             need, align = _R_ATOMIC, 8
         else:
             need, align = _R_WRITE, _ESIZE[dtype]
+        if op == _OP_READ and factor > 0.0 and not from_node and _HDR + length > factor * ln:
+            # The node would answer the client with more than 3x the request: only for a client
+            # that proved it receives at its address (the switch's token in aux_addr).
+            if not _validated(guard, src, _rd64(b, 40)):
+                counters[C.DROP_AMPLIFICATION] += 1
+                continue
         status, r, node, local = _lookup(addr, length, _rd32(b, 24), need, align, st.regions)
+        if status == _S_BAD_RKEY and guarded:
+            _fail(guard, src, counters)
         if status != 0:
             if r >= 0:
                 reg_ctr[r, R_NACKS] += 1

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
+from netdam.kernels.guard import G_NOW
 from netdam.kernels.serve import _flush  # one flush for node and switch
 from netdam.kernels.state import RxBatch, ServeIO, SwitchState, TxQueue
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
@@ -72,6 +73,7 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):  # type: ignore[no-untyp
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
         fclock[0] = _now_ns() * 1e-9
+        st.guard.cfg[G_NOW] = fclock[0]  # the lockout's clock
         tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, txq[1], punt)
         txq[1] = tx_n
         if n_punt > 0:

@@ -16,6 +16,7 @@ import numpy as np
 
 from netdam.core.events import GroupJoined, GroupLeft
 from netdam.core.faults import FaultSpec
+from netdam.core.guard import GuardConfig
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
@@ -66,6 +67,8 @@ class NodeProcessConfig:
     faults: FaultSpec = field(default_factory=FaultSpec)
     #: Die with the parent (netdam up in the foreground): no orphans.
     die_with_parent: bool = False
+    #: Lockout and anti-amplification (SPEC.md 12); --no-guard turns both off.
+    guard: GuardConfig = field(default_factory=GuardConfig.on)
 
 
 class NodeProcess(ServeLoop):
@@ -92,7 +95,7 @@ class NodeProcess(ServeLoop):
             NodeConfig(endpoint=self.endpoint, memory_bytes=config.memory_bytes,
                        admin_key=config.admin_key or NodeConfig(endpoint=self.endpoint).admin_key,
                        members=members, mtu=config.mtu, rank=config.rank,
-                       world_size=config.world_size, tx_slots=4 * ROUND_DATAGRAMS),
+                       world_size=config.world_size, tx_slots=4 * ROUND_DATAGRAMS, guard=config.guard),
             memory=self.memory.array,
         )  # fmt: skip
         record_socket_buffers(self.sock, self.core.counters)

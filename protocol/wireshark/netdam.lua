@@ -188,6 +188,10 @@ local COUNTER = {
     [21] = "sndbuf_bytes",
     [22] = "drop_coll_early",
     [23] = "send_drops",
+    [24] = "drop_lockout",
+    [25] = "auth_failures",
+    [26] = "lockouts",
+    [27] = "drop_amplification",
 }
 local COUNTER_OPCODE_BASE = 32
 local COUNTER_NACK_BASE = 96
