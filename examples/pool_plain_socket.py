@@ -41,8 +41,31 @@ class Refused(Exception):
 
 
 def header(opcode, txn, rkey=0, addr=0, length=0, dtype=RAW, flags=0, aux=0):
-    return HEADER.pack(1, opcode, flags, 0, CLIENT_ID, txn, 0, 0, rkey, length, addr, aux,
-                       dtype, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    return HEADER.pack(
+        1,
+        opcode,
+        flags,
+        0,
+        CLIENT_ID,
+        txn,
+        0,
+        0,
+        rkey,
+        length,
+        addr,
+        aux,
+        dtype,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 class Client:
@@ -55,9 +78,11 @@ class Client:
     def call(self, opcode, payload=b"", timeout=0.5, tries=8, **fields):
         """Send to the VIP, wait for the reply with our txn id from whoever answers. Re-sending
         the same txn id is safe: nodes and the switch's allocator execute it at most once
-        (SPEC 7, 11.9); the wait doubles on each try, as SPEC 7 advises clients of a shared network."""
+        (SPEC 7, 11.9); the wait doubles on each try (any schedule within the window is correct, SPEC 7)."""
         self.txn += 1
-        datagram = header(opcode, self.txn, length=fields.pop("length", len(payload)), **fields) + payload
+        datagram = (
+            header(opcode, self.txn, length=fields.pop("length", len(payload)), **fields) + payload
+        )
         for _ in range(tries):
             self.sock.sendto(datagram, self.vip)
             self.sock.settimeout(timeout)
@@ -78,8 +103,16 @@ class Client:
 def region_record(body):
     gaddr, size, credential, rkey, stride, ways, rights, _, _, label = REGION.unpack_from(body)
     backing = [WAY.unpack_from(body, REGION.size + k * WAY.size) for k in range(ways)]
-    return {"gaddr": gaddr, "size": size, "credential": credential, "rkey": rkey, "stride": stride,
-            "rights": rights, "label": label.rstrip(b"\0").decode(), "ways": [(n, local, sz) for n, _, local, sz in backing]}
+    return {
+        "gaddr": gaddr,
+        "size": size,
+        "credential": credential,
+        "rkey": rkey,
+        "stride": stride,
+        "rights": rights,
+        "label": label.rstrip(b"\0").decode(),
+        "ways": [(n, local, sz) for n, _, local, sz in backing],
+    }
 
 
 def pieces(gaddr, offset, length, stride, limit):
@@ -106,15 +139,24 @@ def main():
     fields, info, _ = client.call(PING)
     token = fields[11]
     version, mtu, mapped, max_payload, _, rank, nodes = INFO_PAYLOAD.unpack(info)
-    print(f"switch {vip[0]}:{vip[1]}: version {version}, MTU {mtu}, {nodes} nodes, largest payload {max_payload}")
+    print(
+        f"switch {vip[0]}:{vip[1]}: version {version}, MTU {mtu}, {nodes} nodes, largest payload {max_payload}"
+    )
 
     # ALLOC 64 KiB interleaved with stride 8 KiB over every node, all rights, for a new tenant.
     request = ALLOC_REQUEST.pack(64 << 10, 0, 8192, 0, 7, 0, b"plain-socket".ljust(16, b"\0"))
     fields, body, _ = client.call(ALLOC, request, rkey=admin_key)
     region = region_record(body)
-    gaddr, rkey, credential, stride = region["gaddr"], region["rkey"], region["credential"], region["stride"]
+    gaddr, rkey, credential, stride = (
+        region["gaddr"],
+        region["rkey"],
+        region["credential"],
+        region["stride"],
+    )
     assert fields[10] == gaddr and fields[8] == rkey, "ACK header names the region"
-    print(f"ALLOC: gaddr 0x{gaddr:x} rkey 0x{rkey:08x} ways {len(region['ways'])} credential 0x{credential:016x}")
+    print(
+        f"ALLOC: gaddr 0x{gaddr:x} rkey 0x{rkey:08x} ways {len(region['ways'])} credential 0x{credential:016x}"
+    )
 
     data = bytes((7 * k) % 251 for k in range(20000))
     for addr, offset, step in pieces(gaddr, 0, len(data), stride, max_payload):
@@ -130,8 +172,15 @@ def main():
         sys.exit("READ returned different bytes")
 
     counter = gaddr + 8192 + 64  # on the second way when there are two nodes
-    olds = [struct.unpack("<Q", client.call(FETCH_ADD, struct.pack("<Q", 5), rkey=rkey, addr=counter,
-                                            length=8, dtype=U64)[1])[0] for _ in range(2)]
+    olds = [
+        struct.unpack(
+            "<Q",
+            client.call(
+                FETCH_ADD, struct.pack("<Q", 5), rkey=rkey, addr=counter, length=8, dtype=U64
+            )[1],
+        )[0]
+        for _ in range(2)
+    ]
     print(f"FETCH_ADD 5 twice -> old values {olds}")
     if olds[1] != olds[0] + 5:
         sys.exit("FETCH_ADD did not add")

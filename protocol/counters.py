@@ -92,7 +92,8 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
     result["nacks"] = {
         st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
     }
-    result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY, SEND_DROPS))
+    result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY, SEND_DROPS,
+                                                    DROP_LOCKOUT, DROP_AMPLIFICATION))  # fmt: skip
     return result
 
 

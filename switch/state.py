@@ -89,7 +89,9 @@ def state_to_json(state: PoolState) -> str:
         "next_gaddr": state.next_gaddr,
         "nodes": [vars(n) for n in state.nodes],
         "regions": [region_to_json(r) for r in state.regions],
-        "groups": {f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()},
+        "groups": {
+            f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()
+        },
         "tenants": dict(state.tenants),
         "token_key": state.token_key,
     }
@@ -122,14 +124,15 @@ def load_state(path: Path) -> PoolState:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise ValueError(f"pool state file {path} not found: start the pool with `netdam up --switch`") from None
+        raise ValueError(
+            f"pool state file {path} not found: start the pool with `netdam up --switch`"
+        ) from None
     return state_from_json(text, str(path))
 
 
 def save_state(path: Path, state: PoolState) -> None:
     """Write atomically: readers (the switch) never see half a file."""
     write_private(path, state_to_json(state))  # mode 0600: it holds every region's rkey
-
 
 
 @contextlib.contextmanager

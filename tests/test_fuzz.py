@@ -10,10 +10,13 @@ adds up). With real processes: short `netdam fuzz` runs against nodes and agains
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
+import tempfile
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +26,7 @@ from hypothesis import strategies as st
 
 from netdam.cli import main as cli
 from netdam.cli.fuzz import FuzzConfig, run_fuzz
+from netdam.cluster.clusterfile import ClusterFile, NodeEntry
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.kernels import switch_path as K
 from netdam.protocol import counters as C
@@ -37,7 +41,9 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.switch.controller import PoolService, credential_digest
 from netdam.switch.core import SwitchConfig, SwitchCore
+from netdam.switch.state import NodeHeap, PoolState, save_state
 from netdam.tools.fuzz.generator import (
     EV_NACK,
     MUTATIONS,
@@ -130,7 +136,9 @@ class World:
             p = self.layout.processes.index(src)
             self.traffic[p].replies_received += 1
             if packet.opcode == Opcode.READ_RESP and p < len(self.layout.nodes):
-                assert self.guard.read_matches(p, packet.addr, packet.payload) is not False, data.hex()
+                assert self.guard.read_matches(p, packet.addr, packet.payload) is not False, (
+                    data.hex()
+                )
             if packet.opcode == Opcode.NACK:
                 self.traffic[p].nacks_received[int(packet.status)] += 1
                 self.statuses[int(packet.status)] += 1
@@ -149,7 +157,9 @@ class World:
                   if isinstance(core, SwitchCore) else np.zeros(0, np.int64) for core in self.cores]  # fmt: skip
         checks = counter_checks(self.layout, self.expect, deltas, extras, self.traffic, slack=0)
         assert len(checks) > 10
-        return [f"{c.name}: counted {c.counted}, expected {c.low}..{c.high}" for c in checks if not c.ok]
+        return [
+            f"{c.name}: counted {c.counted}, expected {c.low}..{c.high}" for c in checks if not c.ok
+        ]
 
     def reached(self) -> dict[str, list[str]]:
         ops: Counter[int] = Counter()
@@ -177,6 +187,35 @@ def node_world() -> World:
     return World(layout, cores, Net(dict(zip(NODES, cores, strict=True))))
 
 
+class _NoAllocation:
+    """The nodes as the allocator would reach them: the fuzzer holds neither the admin key nor a
+    tenant credential, so no ALLOC of it may ever get as far as registering a backing."""
+
+    def register(self, node: Endpoint, base: int, size: int, rights: int, rkey: int) -> Status:
+        raise AssertionError(f"a fuzzed ALLOC passed the allocator's checks: REGISTER on {node}")
+
+    def deregister(self, node: Endpoint, rkey: int) -> Status:
+        raise AssertionError(f"a fuzzed FREE passed the allocator's checks: DEREGISTER on {node}")
+
+
+@functools.cache
+def _pool_state_file() -> Path:
+    """One state file for every switch world: the fuzzer never changes it (no key, no tenant)."""
+    return Path(tempfile.mkdtemp(prefix="netdam-fuzz-")) / "pool.json"
+
+
+def _pool_service() -> PoolService:
+    """The allocator the switch process attaches (ALLOC, FREE, QUERY; SPEC.md 11.9), on a state
+    file with one tenant the fuzzer does not know."""
+    path = _pool_state_file()
+    heaps = [NodeHeap(ip, port, MEMORY, MEMORY // 2, MEMORY) for ip, port in NODES]
+    save_state(path, PoolState(nodes=heaps, tenants={credential_digest(0x7E4A47): "tenant"}))
+    entries = tuple(NodeEntry(rank=r, address=ip, port=port) for r, (ip, port) in enumerate(NODES))
+    return PoolService(
+        ClusterFile(name="fuzz", admin_key=ADMIN, mtu=9000, nodes=entries), path, _NoAllocation()
+    )
+
+
 def switch_world() -> World:
     pool = plan_pool(NODES, MEMORY, seed=6)
     per_node = node_regions_of_pool(pool, len(NODES))
@@ -189,6 +228,7 @@ def switch_world() -> World:
         _canary(core.memory, rank)
         cores.append(core)
     switch = SwitchCore(SwitchConfig(vip=VIP, nodes=NODES, admin_key=ADMIN), pool, generation=1)
+    switch.pool = _pool_service()
     switch.set_groups({GROUP: list(NODES)})
     cores.append(switch)
     layout = Layout("switch", NODES, per_node, MEMORY, vip=VIP, pool=pool, group=GROUP,
@@ -219,7 +259,11 @@ _CODEC_LAYOUT = Layout("node", NODES, (_PLAN, _PLAN), MEMORY, third_party=THIRD)
 
 
 @settings(max_examples=150, deadline=None)
-@given(valid_packets(), st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=4), st.integers(0, 2**32 - 1))
+@given(
+    valid_packets(),
+    st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=4),
+    st.integers(0, 2**32 - 1),
+)
 def test_codec_under_structured_mutations(packet: Packet, names: list[str], seed: int) -> None:
     """Only RemoteProtocolError (with a status and a message) escapes; what decodes re-encodes
     to the same bytes."""
@@ -238,7 +282,10 @@ def test_codec_under_structured_mutations(packet: Packet, names: list[str], seed
 # ---------------------------------------------------------------- the cores, hypothesis
 
 
-_STEP = st.tuples(st.sampled_from(["valid", "mutated", "random"]), st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3))
+_STEP = st.tuples(
+    st.sampled_from(["valid", "mutated", "random"]),
+    st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=3),
+)
 
 
 def _drive(world: World, seed: int, steps: list[tuple[str, list[str]]]) -> None:
@@ -258,7 +305,9 @@ _SWITCH_WORLD: list[World] = []
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.lists(_STEP, min_size=1, max_size=25))
-def test_node_core_under_structured_mutations(seed: int, steps: list[tuple[str, list[str]]]) -> None:
+def test_node_core_under_structured_mutations(
+    seed: int, steps: list[tuple[str, list[str]]]
+) -> None:
     if not _NODE_WORLD:  # one world for every example: state carries over, as in life
         _NODE_WORLD.append(node_world())
     world = _NODE_WORLD[0]
@@ -268,7 +317,9 @@ def test_node_core_under_structured_mutations(seed: int, steps: list[tuple[str, 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.lists(_STEP, min_size=1, max_size=25))
-def test_switch_core_under_structured_mutations(seed: int, steps: list[tuple[str, list[str]]]) -> None:
+def test_switch_core_under_structured_mutations(
+    seed: int, steps: list[tuple[str, list[str]]]
+) -> None:
     if not _SWITCH_WORLD:
         _SWITCH_WORLD.append(switch_world())
     world = _SWITCH_WORLD[0]
@@ -304,7 +355,9 @@ def test_checks_can_fail() -> None:
     assert any("node0: NACK BAD_RKEY" in line for line in world.failed_checks())
     # A READ outside every region: the oracle says OUT_OF_BOUNDS, not ACK.
     region = world.layout.node_regions[0][0]
-    read = header(Opcode.READ, rkey=region.rkey, addr=region.end - 4, length=8, dtype=int(DType.RAW))
+    read = header(
+        Opcode.READ, rkey=region.rkey, addr=region.end - 4, length=8, dtype=int(DType.RAW)
+    )
     assert world.oracle.outcome(read, 0).status == Status.OUT_OF_BOUNDS
 
 
@@ -330,7 +383,10 @@ def test_sparse_flag_refused_where_there_is_no_sparse_form(opcode: Opcode) -> No
     with SPARSE: BAD_FIELD)". (Found by the fuzzer: the codec and the datapath checked it only
     for ADD and READ_RESP, so READ, FETCH_ADD, CAS, PING and control opcodes took the flag.)
     The node, through the datapath, answers the same."""
-    fields = {Opcode.READ: dict(length=8), Opcode.FETCH_ADD: dict(length=8, dtype=DType.U64, payload=bytes(8))}
+    fields = {
+        Opcode.READ: dict(length=8),
+        Opcode.FETCH_ADD: dict(length=8, dtype=DType.U64, payload=bytes(8)),
+    }
     data = bytearray(encode_packet(Packet(opcode, **fields.get(opcode, {}))))  # type: ignore[arg-type]
     data[3] |= Flags.SPARSE
     with pytest.raises(RemoteProtocolError) as info:
@@ -353,18 +409,38 @@ def test_relay_never_forwards_what_the_next_hop_refuses() -> None:
                   addr=region.base, aux=region.base + 64, length=0, dtype=int(DType.F32),
                   segments=[endpoint_to_u64(NODES[0]), endpoint_to_u64(NODES[1])], left=1) + sparse_encode(b"", 4, [])  # fmt: skip
     replies = [(decode_packet(d), src) for d, src in world.net.send(data, NODES[0])]
-    assert [(r.opcode, r.status, src) for r, src in replies] == [(Opcode.NACK, Status.BAD_LENGTH, NODES[0])]
+    assert [(r.opcode, r.status, src) for r, src in replies] == [
+        (Opcode.NACK, Status.BAD_LENGTH, NODES[0])
+    ]
 
 
 # ---------------------------------------------------------------- real processes
 
 
 def test_fuzz_command_against_a_node_process(capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["fuzz", "--target", "node", "--datagrams", "15000", "--seed", "1", "--nodes", "1", "--json"])
+    code = cli.main(
+        [
+            "fuzz",
+            "--target",
+            "node",
+            "--datagrams",
+            "15000",
+            "--seed",
+            "1",
+            "--nodes",
+            "1",
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert code == 0, result.get("error")
     assert result["ok"] and result["sent"] == 15000 and result["mix"]["mutated"] >= 7500
-    assert (result["crashes"], result["memory_violations"], result["misdirected"], result["bad_replies"]) == (0, 0, 0, 0)
+    assert (
+        result["crashes"],
+        result["memory_violations"],
+        result["misdirected"],
+        result["bad_replies"],
+    ) == (0, 0, 0, 0)
     assert result["counters_add_up"] and result["counter_checks_failed"] == []
     assert result["unreached"] == {"opcodes": [], "statuses": []}
     assert result["accepted"] + result["nacks"] + result["drops"] == result["sent"]

@@ -39,7 +39,9 @@ def test_siphash_matches_the_reference_vector() -> None:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, SwitchHandle]]:
-    cluster, switch = start_pool_cluster(2, memory=1 << 20, cluster_path=tmp_path_factory.mktemp("guard") / "c.toml")
+    cluster, switch = start_pool_cluster(
+        2, memory=1 << 20, cluster_path=tmp_path_factory.mktemp("guard") / "c.toml"
+    )
     try:
         with ControlClient(admin_key=cluster.info.admin_key) as admin:
             for ep in cluster.endpoints:
@@ -94,7 +96,9 @@ def _counters(cluster: LocalCluster, ep: Endpoint) -> dict[str, object]:
         return C.counters_to_dict(admin.counters(ep))
 
 
-def test_guessing_campaign_is_locked_out_and_others_are_served(pool: tuple[LocalCluster, SwitchHandle]) -> None:
+def test_guessing_campaign_is_locked_out_and_others_are_served(
+    pool: tuple[LocalCluster, SwitchHandle],
+) -> None:
     cluster, _ = pool
     node = cluster.endpoints[0]
     attacker, legit = _socket("127.0.0.2"), _socket("127.0.0.1")
@@ -113,8 +117,10 @@ def test_guessing_campaign_is_locked_out_and_others_are_served(pool: tuple[Local
     # at 3 s, ... (the k-th lockout ends at 2^k - 1 seconds).
     bursts = sum(1 for k in range(20) if 2**k - 1 < elapsed)
     bound = bursts * LOCKOUT_BURST + LOCKOUT_RATE_PER_S * elapsed + 2
-    print(f"\nguessing campaign, one endpoint: {sent} READs with random rkeys in {elapsed:.2f} s, "
-          f"{answered} answered ({answered / elapsed:.1f} per second; bound {bound:.0f})")
+    print(
+        f"\nguessing campaign, one endpoint: {sent} READs with random rkeys in {elapsed:.2f} s, "
+        f"{answered} answered ({answered / elapsed:.1f} per second; bound {bound:.0f})"
+    )
     assert sent > 10_000 and answered <= bound
     assert served == 3  # the legitimate source was never slowed
     # Locked out: the right key from the attacker is dropped too.
@@ -127,7 +133,9 @@ def test_guessing_campaign_is_locked_out_and_others_are_served(pool: tuple[Local
     assert after["auth_failures"] - before["auth_failures"] == answered  # type: ignore[operator]
 
 
-def test_many_ports_of_one_address_share_its_budget(pool: tuple[LocalCluster, SwitchHandle]) -> None:
+def test_many_ports_of_one_address_share_its_budget(
+    pool: tuple[LocalCluster, SwitchHandle],
+) -> None:
     cluster, _ = pool
     node = cluster.endpoints[1]
     socks = [_socket("127.0.0.3") for _ in range(24)]
@@ -137,7 +145,9 @@ def test_many_ports_of_one_address_share_its_budget(pool: tuple[LocalCluster, Sw
     # Every port of one address draws from the address's one bucket: bursts at 0 s and 1 s.
     bursts = sum(1 for k in range(20) if 2**k - 1 < elapsed)
     bound = bursts * LOCKOUT_BURST + LOCKOUT_RATE_PER_S * elapsed + 24
-    print(f"\n24 ports of one address: {sent} guesses in {elapsed:.2f} s, {answered} answered (bound {bound:.0f})")
+    print(
+        f"\n24 ports of one address: {sent} guesses in {elapsed:.2f} s, {answered} answered (bound {bound:.0f})"
+    )
     assert answered <= bound
     legit = _socket("127.0.0.1")
     legit.sendto(_read(7, RKEY), node)
@@ -165,7 +175,9 @@ def test_switch_locks_out_guessers_of_pool_rkeys(pool: tuple[LocalCluster, Switc
     assert counters["drop_lockout"] >= 1 and counters["lockouts"] >= 1  # type: ignore[operator]
 
 
-def _amplification(sock: socket.socket, target: Endpoint, datagrams: list[bytes]) -> tuple[int, int]:
+def _amplification(
+    sock: socket.socket, target: Endpoint, datagrams: list[bytes]
+) -> tuple[int, int]:
     """Send *datagrams* one by one; (bytes sent, bytes received back)."""
     out = back = 0
     for data in datagrams:
@@ -177,7 +189,9 @@ def _amplification(sock: socket.socket, target: Endpoint, datagrams: list[bytes]
     return out, back + sum(len(r) for r in _drain(sock))
 
 
-def test_unvalidated_sources_get_at_most_three_times_their_bytes(pool: tuple[LocalCluster, SwitchHandle]) -> None:
+def test_unvalidated_sources_get_at_most_three_times_their_bytes(
+    pool: tuple[LocalCluster, SwitchHandle],
+) -> None:
     """A spoofed source never sees the token INFO carries: its READs (here: a client that never
     PINGs) bring back at most 3x their bytes, at a node and through the VIP; with the token the
     same READs run at full size."""
@@ -190,7 +204,9 @@ def test_unvalidated_sources_get_at_most_three_times_their_bytes(pool: tuple[Loc
         big = [_read(k, rkey, 8192, addr) for k in range(200)]
         out, back = _amplification(victim, target, big)
         factor = back / out
-        print(f"\nunvalidated 8 KiB READs to {target}: {out} bytes out, {back} back: factor {factor:.2f}")
+        print(
+            f"\nunvalidated 8 KiB READs to {target}: {out} bytes out, {back} back: factor {factor:.2f}"
+        )
         assert factor <= AMPLIFICATION_FACTOR
         small = [_read(1000 + k, rkey, 128, addr) for k in range(50)]  # 192-byte answers: 3x
         out, back = _amplification(victim, target, small)
@@ -200,7 +216,9 @@ def test_unvalidated_sources_get_at_most_three_times_their_bytes(pool: tuple[Loc
         time.sleep(0.1)
         token = decode_packet(_drain(victim)[0]).aux_addr
         assert token != 0
-        out, back = _amplification(victim, target, [_read(2000 + k, rkey, 8192, addr, token) for k in range(20)])
+        out, back = _amplification(
+            victim, target, [_read(2000 + k, rkey, 8192, addr, token) for k in range(20)]
+        )
         assert back == 20 * (64 + 8192)
         # Another address cannot use that token.
         thief = _socket("127.0.0.6")
@@ -221,7 +239,9 @@ def test_lockout_backoff_on_a_synthetic_clock() -> None:
     from netdam.core.node import NodeConfig, NodeCore
 
     me = ("10.0.0.1", 7744)
-    core = NodeCore(NodeConfig(endpoint=me, memory_bytes=1 << 16, admin_key=0xAD, guard=GuardConfig.on()))
+    core = NodeCore(
+        NodeConfig(endpoint=me, memory_bytes=1 << 16, admin_key=0xAD, guard=GuardConfig.on())
+    )
     core.register_region(0, 4096, Rights.READ, rkey=RKEY)
     guesser = ("10.9.9.9", 5000)
     other_port = ("10.9.9.9", 5001)
@@ -232,7 +252,9 @@ def test_lockout_backoff_on_a_synthetic_clock() -> None:
 
     answered = sum(len(guess(0.0)) for _ in range(LOCKOUT_BURST + 5))
     assert answered == LOCKOUT_BURST + 1  # the 33rd failure is answered, then locked out
-    assert guess(0.5, rkey=RKEY) == [] and guess(0.5, other_port) == []  # right key, other port: dropped
+    assert (
+        guess(0.5, rkey=RKEY) == [] and guess(0.5, other_port) == []
+    )  # right key, other port: dropped
     assert [p.opcode for p in guess(0.6, ("10.9.9.8", 1))] == [Opcode.NACK]  # another address
     ends = []
     now = 0.0
@@ -262,3 +284,52 @@ def _locked_at(core: object, src: Endpoint, now: float) -> bool:
     guard = core.guard  # type: ignore[attr-defined]
     guard.cfg[G_NOW] = now
     return is_locked(guard, endpoint_to_u64(src))
+
+
+def _raw_udp(src: Endpoint, dst: Endpoint, payload: bytes) -> bytes:
+    """An IPv4/UDP datagram claiming *src*: the kernel fills in the IP checksum and total length
+    (raw(7), IP_HDRINCL); a UDP checksum of 0 means none (RFC 768)."""
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 0, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
+                     socket.inet_aton(src[0]), socket.inet_aton(dst[0]))  # fmt: skip
+    udp = struct.pack("!HHHH", src[1], dst[1], 8 + len(payload), 0)
+    return ip + udp + payload
+
+
+def test_forged_source_reads_bring_the_victim_at_most_three_times(
+    pool: tuple[LocalCluster, SwitchHandle],
+) -> None:
+    """The reflection attack itself: a raw socket sends 8 KiB READs with a right key whose IP
+    source is a victim's address and port; the victim (a socket bound there, which never sent a
+    thing) counts what it receives, against the bytes the attacker put on the wire."""
+    try:
+        raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    except PermissionError:
+        pytest.skip("forging a source address needs CAP_NET_RAW (run as root)")
+    cluster, switch = pool
+    region = PoolController(cluster.path).alloc(64 << 10, interleave=8192)
+    with raw:
+        for target, rkey, addr in [
+            (cluster.endpoints[1], RKEY, BASE),
+            (switch.vip, region.rkey, region.gaddr),
+        ]:
+            victim = _socket("127.0.0.9")
+            src = victim.getsockname()
+            out = 0
+            for k in range(200):
+                raw.sendto(_raw_udp(src, target, _read(k, rkey, 8192, addr)), (target[0], 0))
+                out += 64
+                time.sleep(0.0005)
+            time.sleep(0.2)
+            back = sum(len(r) for r in _drain(victim))
+            print(f"\nforged-source 8 KiB READs to {target}: {out} bytes sent, {back} reached the victim "
+                  f"(factor {back / out:.2f}; 129 without validation)")  # fmt: skip
+            assert back <= AMPLIFICATION_FACTOR * out
+            # The same datagrams with the victim's own token (which a forger never sees) would be
+            # answered in full: the drop above is the validation, not a lost datagram.
+            victim.sendto(encode_packet(Packet(Opcode.PING, client_id=3, txn_id=7000)), target)
+            time.sleep(0.1)
+            token = decode_packet(_drain(victim)[0]).aux_addr
+            raw.sendto(_raw_udp(src, target, _read(7001, rkey, 8192, addr, token)), (target[0], 0))
+            time.sleep(0.1)
+            assert [len(r) for r in _drain(victim)] == [64 + 8192]
+            victim.close()

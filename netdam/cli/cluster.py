@@ -47,7 +47,9 @@ def endpoint_arg(text: str) -> Endpoint:
     """argparse type for ``IP:PORT``."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not host or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"invalid address {text!r}: write IP:PORT, e.g. 127.0.0.1:7744")
+        raise argparse.ArgumentTypeError(
+            f"invalid address {text!r}: write IP:PORT, e.g. 127.0.0.1:7744"
+        )
     return host, int(port)
 
 
@@ -59,9 +61,13 @@ def mtu_arg(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid MTU {text!r}: give an integer, e.g. 9000") from None
+        raise argparse.ArgumentTypeError(
+            f"invalid MTU {text!r}: give an integer, e.g. 9000"
+        ) from None
     if not MIN_MTU <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"--mtu {value} out of range: NetDAM needs {MIN_MTU}..65535")
+        raise argparse.ArgumentTypeError(
+            f"--mtu {value} out of range: NetDAM needs {MIN_MTU}..65535"
+        )
     return value
 
 
@@ -69,7 +75,9 @@ def probability(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid probability {text!r}: give a number 0..1") from None
+        raise argparse.ArgumentTypeError(
+            f"invalid probability {text!r}: give a number 0..1"
+        ) from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not a probability between 0 and 1")
     return value
@@ -81,8 +89,12 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dup", type=probability, default=0.0, help="duplicate probability")
     group.add_argument("--reorder", type=probability, default=0.0, help="reorder probability")
     group.add_argument("--delay", type=probability, default=0.0, help="probability of a delay")
-    group.add_argument("--delay-ms", type=bounded_milliseconds(0.0, 60000.0, low_inclusive=True), default=0.0,
-                       help="the delay, milliseconds (0..60000)")
+    group.add_argument(
+        "--delay-ms",
+        type=bounded_milliseconds(0.0, 60000.0, low_inclusive=True),
+        default=0.0,
+        help="the delay, milliseconds (0..60000)",
+    )
     group.add_argument("--seed", type=int, default=0, help="seed of every fault decision")
 
 
@@ -95,7 +107,6 @@ def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-
     node = subparsers.add_parser("node", help="run one emulated NIC (a node process)",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="Run one node: memory in a file under --shm-dir, a UDP "
@@ -105,8 +116,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                  "itself (see below).", epilog=LAUNCHER_HELP)  # fmt: skip
     node.add_argument("--bind", type=endpoint_arg, default=None,
                       help="IP:PORT (default 127.0.0.1:7744; under a launcher auto:7744, see below)")  # fmt: skip
-    node.add_argument("--memory", type=size_arg, default=64 << 20, help="node memory (default 64MiB)")
-    node.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"), help="where the memory file lives")
+    node.add_argument(
+        "--memory", type=size_arg, default=64 << 20, help="node memory (default 64MiB)"
+    )
+    node.add_argument(
+        "--shm-dir", type=Path, default=Path("/dev/shm"), help="where the memory file lives"
+    )
     node.add_argument("--name", default=None,
                       help="memory file is NAME.mem (default netdam-node; under a launcher "
                       "netdam-rRANK-PID, or NAME-RANK when given)")  # fmt: skip
@@ -114,12 +129,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     keys.add_argument("--admin-key-file", type=Path, default=None,
                       help="file holding the key for control opcodes, mode 0600 (default: a random "
                       "key; under a launcher rank 0's)")  # fmt: skip
-    keys.add_argument("--admin-key-fd", type=bounded_int(0, 1 << 20), default=None,
-                      help="inherited descriptor to read the key from (a pipe from the launching process)")
+    keys.add_argument(
+        "--admin-key-fd",
+        type=bounded_int(0, 1 << 20),
+        default=None,
+        help="inherited descriptor to read the key from (a pipe from the launching process)",
+    )
     keys.add_argument("--admin-key", default=None, help=argparse.SUPPRESS)
     node.add_argument("--members", type=endpoints_arg, default=(),
                       help="IP:PORT,... of the cluster (given: no rendezvous, launcher variables ignored)")  # fmt: skip
-    node.add_argument("--rank", type=bounded_int(0, 4095), default=None, help="rank (default 0, or the launcher's)")
+    node.add_argument(
+        "--rank",
+        type=bounded_int(0, 4095),
+        default=None,
+        help="rank (default 0, or the launcher's)",
+    )
     node.add_argument("--world-size", type=bounded_int(1, 4096), default=None,
                       help="number of nodes (default 1, or the launcher's)")  # fmt: skip
     node.add_argument("--master", default=None, metavar="HOST[:PORT]",
@@ -129,7 +153,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     node.add_argument("--rendezvous-timeout", type=bounded_seconds(0.0, 86400.0, low_inclusive=False),
                       default=300.0, help="seconds rank 0 waits for every rank (default 300)")  # fmt: skip
     node.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU, help="IP MTU (default 9000)")
-    node.add_argument("--die-with-parent", action="store_true", help="exit when the launching process dies")
+    node.add_argument(
+        "--die-with-parent", action="store_true", help="exit when the launching process dies"
+    )
     node.add_argument("--no-guard", action="store_true",
                       help="no lockout of key guessers, no anti-amplification limit (SPEC.md 12): "
                       "for fuzzing that sends wrong keys on purpose, never for a shared network")  # fmt: skip
@@ -151,9 +177,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     help=f"node processes, 1..{MAX_UP_NODES} (default 4; not with an existing --cluster FILE)")  # fmt: skip
     up.add_argument("--memory", type=size_arg, default=64 << 20,
                     help="memory per node (default 64MiB; a file's memory_bytes wins)")  # fmt: skip
-    up.add_argument("--base-port", type=port_arg, default=None, help="first node's UDP port (default: free ports)")
+    up.add_argument(
+        "--base-port",
+        type=port_arg,
+        default=None,
+        help="first node's UDP port (default: free ports)",
+    )
     up.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
-    up.add_argument("--mtu", type=mtu_arg, default=None, help="IP MTU (default 9000, or the file's)")
+    up.add_argument(
+        "--mtu", type=mtu_arg, default=None, help="IP MTU (default 9000, or the file's)"
+    )
     up.add_argument("--cluster", type=new_or_file, default=None,
                     help="cluster file: start this host's nodes from it when it lists [[nodes]], "
                     "else write the new cluster's file there")  # fmt: skip
@@ -180,7 +213,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     target = ping.add_mutually_exclusive_group(required=True)
     target.add_argument("--cluster", type=cluster_file)
     target.add_argument("--node", type=endpoint_arg, help="IP:PORT of one node")
-    ping.add_argument("--count", type=bounded_int(1, 100000), default=3, help="PINGs per node (default 3)")
+    ping.add_argument(
+        "--count", type=bounded_int(1, 100000), default=3, help="PINGs per node (default 3)"
+    )
     ping.add_argument("--timeout", type=bounded_seconds(0.0, 600.0, low_inclusive=False), default=1.0,
                       help="seconds per PING (default 1)")  # fmt: skip
     ping.add_argument("--json", action="store_true")
@@ -219,7 +254,10 @@ def run_node(args: argparse.Namespace) -> int:
 
     if wants_rendezvous(os.environ, args.master, bool(args.members)):
         return _run_launched_node(args)
-    for flag, value in (("--cluster", args.cluster), ("--bind auto", args.bind and args.bind[0] == "auto")):
+    for flag, value in (
+        ("--cluster", args.cluster),
+        ("--bind auto", args.bind and args.bind[0] == "auto"),
+    ):
         if value:
             raise CommandError(f"{flag} needs a rendezvous: run under torchrun, mpirun or srun, or pass "
                                "--master HOST:PORT with --rank and --world-size", ExitCode.USAGE)  # fmt: skip
@@ -239,13 +277,19 @@ def _run_launched_node(args: argparse.Namespace) -> int:
     from netdam.shell.node_process import NodeProcessConfig
 
     try:
-        spec = resolve_launch(os.environ, rank=args.rank, world_size=args.world_size, master=args.master)
+        spec = resolve_launch(
+            os.environ, rank=args.rank, world_size=args.world_size, master=args.master
+        )
         bind = resolve_bind(node_bind(args.bind, spec.local_rank), spec.master)
     except LaunchError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     except RendezvousError as exc:
         raise CommandError(str(exc), ExitCode(exc.code)) from None
-    master = f"{spec.master[0]}:{spec.master[1]} ({spec.master_source})" if spec.master else "none (world of one)"
+    master = (
+        f"{spec.master[0]}:{spec.master[1]} ({spec.master_source})"
+        if spec.master
+        else "none (world of one)"
+    )
     print(f"netdam node: rank {spec.rank} of {spec.world_size} from {spec.source}, local rank "
           f"{spec.local_rank}; rendezvous {master}; binding {bind[0]}:{bind[1]}", file=sys.stderr, flush=True)  # fmt: skip
     name = f"{args.name}-{spec.rank}" if args.name else f"netdam-r{spec.rank}-{os.getpid()}"
@@ -278,7 +322,10 @@ def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
         raise CommandError(f"--mtu {mtu} is too small for a collective over {nodes} nodes (the start packet "
                            f"names every node): give at least {min_mtu(nodes)}", ExitCode.USAGE)  # fmt: skip
     if not args.shm_dir.is_dir():
-        raise CommandError(f"--shm-dir {args.shm_dir} is not a directory: create it or pass another", ExitCode.USAGE)
+        raise CommandError(
+            f"--shm-dir {args.shm_dir} is not a directory: create it or pass another",
+            ExitCode.USAGE,
+        )
     try:
         fs = os.statvfs(args.shm_dir)
     except OSError:
@@ -338,13 +385,19 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
     from netdam.cluster.launch import node_log
 
     path = cluster.path
-    lines = [str(path), "", f"{'rank':>4}  {'endpoint':<21} {'control':>7} {'pid':>8}  {'memory':>9}  memory file"]
+    lines = [
+        str(path),
+        "",
+        f"{'rank':>4}  {'endpoint':<21} {'control':>7} {'pid':>8}  {'memory':>9}  memory file",
+    ]
     for n in _started(cluster):
         lines.append(f"{n.rank:>4}  {n.address + ':' + str(n.port):<21} {n.control_port:>7} {n.pid:>8}  "
                      f"{format_size(n.memory_bytes):>9}  {n.memory_file}")  # fmt: skip
     if cluster.switch is not None:
         vip = cluster.switch.vip
-        lines.append(f"switch: VIP {vip[0]}:{vip[1]} (pid {cluster.switch.process.pid}); pool clients send there")
+        lines.append(
+            f"switch: VIP {vip[0]}:{vip[1]} (pid {cluster.switch.process.pid}); pool clients send there"
+        )
     logs = node_log(cluster.info.name, 0)
     where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log"
     if cluster.switch is not None:
@@ -383,13 +436,18 @@ def _supervise(cluster: LocalCluster) -> int:
     dead = None
     try:
         while not stopping and dead is None:
-            procs = cluster.processes + ([cluster.switch.process] if cluster.switch is not None else [])
+            procs = cluster.processes + (
+                [cluster.switch.process] if cluster.switch is not None else []
+            )
             dead = next((p for p in procs if p.poll() is not None), None)
             time.sleep(0.1)
     finally:
         cluster.stop()
     if dead is not None:
-        print(f"error: node pid {dead.pid} exited (code {dead.returncode}); cluster stopped", file=sys.stderr)
+        print(
+            f"error: node pid {dead.pid} exited (code {dead.returncode}); cluster stopped",
+            file=sys.stderr,
+        )
         return ExitCode.RUN_FAILED
     return ExitCode.OK
 
@@ -448,13 +506,24 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def _stats_table(nodes: list[dict[str, object]]) -> str:
-    cols = ("rx_packets", "tx_packets", "forwarded", "stored", "drops", "kernel_drops", "rcvbuf_bytes")
+    cols = (
+        "rx_packets",
+        "tx_packets",
+        "forwarded",
+        "stored",
+        "drops",
+        "kernel_drops",
+        "drop_lockout",
+        "rcvbuf_bytes",
+    )
     lines = [f"{'rank':>4} {'address':<21} " + " ".join(f"{c:>13}" for c in cols)]
     for node in nodes:
         if "error" in node:
             lines.append(f"{node['rank']:>4} {node['address']:<21} {node['error']}")
             continue
-        lines.append(f"{node['rank']:>4} {node['address']:<21} " + " ".join(f"{node[c]!s:>13}" for c in cols))
+        lines.append(
+            f"{node['rank']:>4} {node['address']:<21} " + " ".join(f"{node[c]!s:>13}" for c in cols)
+        )
     return "\n".join(lines)
 
 

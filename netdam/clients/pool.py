@@ -58,7 +58,9 @@ class PoolTimeout(PoolError):
     """No answer after every retry."""
 
 
-def split(addr: int, length: int, stride: int = 0, limit: int = MAX_PAYLOAD_BYTES) -> list[tuple[int, int]]:
+def split(
+    addr: int, length: int, stride: int = 0, limit: int = MAX_PAYLOAD_BYTES
+) -> list[tuple[int, int]]:
     """(address, length) pieces of [addr, addr+length): at most *limit* bytes, never across a
     multiple of *stride* (interleaved regions; the switch answers SPANS_NODES otherwise)."""
     pieces = []
@@ -82,7 +84,7 @@ class _Flight:
 
 
 def random_client_id() -> int:
-    """A random non-zero client id (distinct ids mod 256 keep duplicate windows apart)."""
+    """A random non-zero client id (the duplicate window keys on (client id, requester))."""
     return int.from_bytes(os.urandom(4), "big") | 1
 
 
@@ -137,7 +139,9 @@ class PoolClient:
     def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
         """*length* bytes from global address *addr* (split into requests as needed)."""
         pieces = split(addr, length, stride, self.max_payload)
-        replies = self.execute([Packet(Opcode.READ, rkey=rkey, addr=a, length=n) for a, n in pieces])
+        replies = self.execute(
+            [Packet(Opcode.READ, rkey=rkey, addr=a, length=n) for a, n in pieces]
+        )
         return b"".join(r.payload for r in replies)
 
     def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
@@ -158,7 +162,9 @@ class PoolClient:
 
     def read_many(self, requests: Sequence[tuple[int, int, int]]) -> list[bytes]:
         """[(addr, length <= 8192, rkey)] -> their bytes, all pipelined."""
-        replies = self.execute([Packet(Opcode.READ, rkey=k, addr=a, length=n) for a, n, k in requests])
+        replies = self.execute(
+            [Packet(Opcode.READ, rkey=k, addr=a, length=n) for a, n, k in requests]
+        )
         return [r.payload for r in replies]
 
     def write_many(self, requests: Sequence[tuple[int, bytes, int]]) -> None:
@@ -180,7 +186,11 @@ class PoolClient:
         while nxt < len(packets) or flight:
             now = time.monotonic()
             oldest = min((f.seq for f in flight.values()), default=self._next_txn)
-            while nxt < len(packets) and len(flight) < self.window and self._next_txn - oldest < TXN_SPAN:
+            while (
+                nxt < len(packets)
+                and len(flight) < self.window
+                and self._next_txn - oldest < TXN_SPAN
+            ):
                 seq = self._next_txn
                 self._next_txn += 1
                 txn = seq & 0xFFFFFFFF

@@ -20,7 +20,15 @@ from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights
 
-INFO_FIELDS = ("version", "mtu", "memory_bytes", "max_payload", "max_segments", "rank", "world_size")
+INFO_FIELDS = (
+    "version",
+    "mtu",
+    "memory_bytes",
+    "max_payload",
+    "max_segments",
+    "rank",
+    "world_size",
+)
 
 
 class ControlError(NetdamError):
@@ -34,12 +42,16 @@ class ControlError(NetdamError):
 class ControlClient:
     """Requests to nodes over UDP, matched to replies by transaction id."""
 
-    def __init__(self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0") -> None:
+    def __init__(
+        self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0"
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((bind, 0))
         self.admin_key = admin_key
-        # Random ids: clients rarely share a duplicate-window slot (client_id mod 256).
-        self.client_id = client_id if client_id is not None else int.from_bytes(os.urandom(4), "big") | 1
+        # Random ids; the duplicate window keys on (client id, requester) anyway (SPEC.md 7).
+        self.client_id = (
+            client_id if client_id is not None else int.from_bytes(os.urandom(4), "big") | 1
+        )
         self._txn = itertools.count(int.from_bytes(os.urandom(2), "big") + 1)
         #: Address-validation tokens by endpoint (SPEC.md 12.4): INFO's aux_addr, sent in READs.
         self.tokens: dict[Endpoint, int] = {}
@@ -53,7 +65,9 @@ class ControlClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, node: Endpoint, packet: Packet, timeout: float = 1.0, retries: int = 2) -> Packet:
+    def request(
+        self, node: Endpoint, packet: Packet, timeout: float = 1.0, retries: int = 2
+    ) -> Packet:
         """Send *packet* (its txn_id replaced), wait for the reply with the same txn id.
 
         Retries re-send the same txn id, so a mutating request applies at most once.
@@ -95,7 +109,9 @@ class ControlClient:
         reply = self.request(node, Packet(Opcode.COUNTERS, rkey=self.admin_key), timeout=timeout)
         values = np.frombuffer(reply.payload, "<u8").astype(np.uint64)
         if values.shape[0] < C.NUM_COUNTERS:
-            raise ControlError(f"COUNTERS reply from {node[0]}:{node[1]} has {values.shape[0]} values")
+            raise ControlError(
+                f"COUNTERS reply from {node[0]}:{node[1]} has {values.shape[0]} values"
+            )
         return values[: C.NUM_COUNTERS]  # a switch's reply goes on with its own sections
 
     def register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
@@ -104,8 +120,9 @@ class ControlClient:
                                           aux_addr=size, length=8, payload=payload))  # fmt: skip
         return int(reply.rkey)
 
-    def write(self, node: Endpoint, rkey: int, addr: int, data: bytes, dtype: DType = DType.RAW) -> None:
-
+    def write(
+        self, node: Endpoint, rkey: int, addr: int, data: bytes, dtype: DType = DType.RAW
+    ) -> None:
         self.request(node, Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=addr,
                                   dtype=dtype, length=len(data), payload=data))  # fmt: skip
 

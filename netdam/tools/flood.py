@@ -9,6 +9,8 @@ per-request state at all. What does not fit is dropped and counted: by the kerne
 socket's receive buffer is full (``kernel_drops``, from SO_RXQ_OVFL), by the node when its send
 queue is full (``drop_tx_full``). Nothing waits for a sender to slow down: on UDP, as on a NIC,
 backpressure is loss, and the protocol's retries (pool client, collectives) recover from it.
+The mix's wrong keys get the flooding address locked out after its first bursts (SPEC.md 12.3):
+from then on the target drops its datagrams at the cost of one table lookup (``drop_lockout``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_
 from netdam.protocol.payloads import pack_key_rights, pack_u64
 from netdam.shell.udp import open_udp_socket
 
+#: The flooders' source address (a loopback address of its own, see _sender).
+FLOOD_SOURCE = "127.0.0.2"
 #: Datagrams in the sender's cycle; sent again and again, batch by batch.
 MIX_SIZE = 4096
 FEED_BATCH = 64
@@ -76,7 +80,9 @@ def build_mix(target: Target, seed: int, count: int = MIX_SIZE) -> list[bytes]:
         addr = target.addr + int(rng.integers(0, (target.size - length) // 8 + 1)) * 8
         ids = {"client_id": int(rng.integers(1, 2**32)), "txn_id": i}
         if kind <= 1:
-            p = Packet(Opcode.READ, rkey=target.rkey, addr=addr, length=length, dtype=DType.RAW, **ids)
+            p = Packet(
+                Opcode.READ, rkey=target.rkey, addr=addr, length=length, dtype=DType.RAW, **ids
+            )
         elif kind == 2:
             p = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=target.rkey, addr=addr, length=length,
                        dtype=DType.RAW, payload=bytes(length), **ids)  # fmt: skip
@@ -94,7 +100,9 @@ def build_mix(target: Target, seed: int, count: int = MIX_SIZE) -> list[bytes]:
                        dtype=DType.F32, reduce_op=ReduceOp.SUM, segments=segs,
                        segments_left=len(segs) - 1, payload=bytes(1024), **ids)  # fmt: skip
         elif kind == 7:
-            op = [Opcode.REGISTER, Opcode.COUNTERS, Opcode.JOIN, Opcode.START_COLL][int(rng.integers(0, 4))]
+            op = [Opcode.REGISTER, Opcode.COUNTERS, Opcode.JOIN, Opcode.START_COLL][
+                int(rng.integers(0, 4))
+            ]
             payload = pack_key_rights(0, int(Rights.READ)) if op == Opcode.REGISTER else b""
             payload = bytes(64) if op == Opcode.START_COLL else payload
             p = Packet(op, rkey=int(rng.integers(1, 2**32)), length=len(payload), payload=payload,
@@ -113,7 +121,9 @@ def _sender(conn: Connection, mix: list[bytes], dst: Endpoint) -> None:
     """Spawned child: send the mix round and round with sendmmsg until the time it is told."""
 
     try:
-        sock = open_udp_socket(("127.0.0.1", 0), rcvbuf=1 << 16, gro=False)
+        # Another loopback address than the operator's (127.0.0.1): the mix's wrong keys get the
+        # flooder locked out (SPEC.md 12.3), as they would another host, never the stats client.
+        sock = open_udp_socket((FLOOD_SOURCE, 0), rcvbuf=1 << 16, gro=False)
         slot = max(len(d) for d in mix)
         buf = np.zeros(len(mix) * slot, np.uint8)
         for i, data in enumerate(mix):
@@ -151,7 +161,9 @@ def _setup(cfg: FloodConfig, workdir: Path) -> tuple[Any, Any, Target, int, Endp
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import PoolController
 
-    cluster, switch = start_pool_cluster(cfg.nodes, memory=8 << 20, cluster_path=workdir / "flood.toml")
+    cluster, switch = start_pool_cluster(
+        cfg.nodes, memory=8 << 20, cluster_path=workdir / "flood.toml"
+    )
     region = PoolController(cluster.path).alloc(64 << 10)
     node_rank, local = region.locate(0)
     peers = tuple(ep for i, ep in enumerate(cluster.endpoints) if i != node_rank)
@@ -174,7 +186,9 @@ def run_flood(cfg: FloodConfig) -> dict[str, Any]:
             cluster.stop()
 
 
-def _flood(cfg: FloodConfig, cluster: Any, target: Target, pid: int, control: Endpoint) -> dict[str, Any]:
+def _flood(
+    cfg: FloodConfig, cluster: Any, target: Target, pid: int, control: Endpoint
+) -> dict[str, Any]:
     admin = cluster.info.admin_key
     ctx = multiprocessing.get_context("spawn")
     children = []
@@ -223,7 +237,9 @@ def _flood(cfg: FloodConfig, cluster: Any, target: Target, pid: int, control: En
             after = client.counters(control)
         except ControlError:
             alive, after = False, before
-    result = _report(cfg, samples, stats_latency, stats_failures, flood_seconds, before, after, alive)
+    result = _report(
+        cfg, samples, stats_latency, stats_failures, flood_seconds, before, after, alive
+    )
     result["sent"] = sent
     result["sent_per_second"] = round(sent / max(flood_seconds, 1e-9))
     return result
@@ -252,7 +268,9 @@ def _report(cfg: FloodConfig, samples: list[dict[str, float]], latency: list[flo
         "rss_anon_mib_max": round(max(anon) / 2**20, 2) if anon else None,
         "rss_anon_growth_mib": round(growth / 2**20, 3),
         "flat_limit_mib": FLAT_LIMIT_BYTES / 2**20,
-        "rss_anon_mib_series": [[round(s["t"], 1), round(s["RssAnon"] / 2**20, 2)] for s in samples],
+        "rss_anon_mib_series": [
+            [round(s["t"], 1), round(s["RssAnon"] / 2**20, 2)] for s in samples
+        ],
         "memory_flat": flat,
         "stats_answered": len(latency),
         "stats_failed": failures,

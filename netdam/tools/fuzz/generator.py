@@ -205,7 +205,9 @@ def node_region_plan(memory_bytes: int, seed: int) -> tuple[NodeRegion, ...]:
     read-only; write-only; atomic-only; read-write of an odd size; a tiny one at an odd base.
     Every other byte of memory is registered nowhere, so nothing may ever change it."""
     if memory_bytes < NODE_PLAN_BYTES:
-        raise ValueError(f"node memory of {memory_bytes} bytes is too small for the fuzz regions: give at least {NODE_PLAN_BYTES}")
+        raise ValueError(
+            f"node memory of {memory_bytes} bytes is too small for the fuzz regions: give at least {NODE_PLAN_BYTES}"
+        )
     all_rights = int(Rights.READ | Rights.WRITE | Rights.ATOMIC)
     spans = [
         (0x01000, 0x10000, all_rights),
@@ -216,14 +218,22 @@ def node_region_plan(memory_bytes: int, seed: int) -> tuple[NodeRegion, ...]:
         (0x50003, 13, all_rights),
     ]
     keys = fuzz_rkeys(seed, len(spans))
-    return tuple(NodeRegion(k, base, size, rights) for k, (base, size, rights) in zip(keys, spans, strict=True))
+    return tuple(
+        NodeRegion(k, base, size, rights)
+        for k, (base, size, rights) in zip(keys, spans, strict=True)
+    )
 
 
 def node_regions_of_pool(pool: Sequence[Region], nodes: int) -> tuple[tuple[NodeRegion, ...], ...]:
     """What the pool controller registers on each node: every way's backing under the region's
     rkey and rights (SPEC.md 11.2)."""
     return tuple(
-        tuple(NodeRegion(r.rkey, w.local, w.size, r.rights) for r in pool for w in r.ways if w.node == rank)
+        tuple(
+            NodeRegion(r.rkey, w.local, w.size, r.rights)
+            for r in pool
+            for w in r.ways
+            if w.node == rank
+        )
         for rank in range(nodes)
     )
 
@@ -235,7 +245,9 @@ def plan_pool(nodes: Sequence[Endpoint], memory_bytes: int, seed: int) -> tuple[
     from netdam.switch.controller import plan_region
 
     state = PoolState(nodes=[NodeHeap(ep[0], ep[1], memory_bytes, 0, memory_bytes) for ep in nodes])
-    for rkey, (size, stride, rights) in zip(fuzz_rkeys(seed, len(POOL_PLAN)), POOL_PLAN, strict=True):
+    for rkey, (size, stride, rights) in zip(
+        fuzz_rkeys(seed, len(POOL_PLAN)), POOL_PLAN, strict=True
+    ):
         region = plan_region(state, size, stride or None, None, rights, rkey, "fuzz")
         state.regions.append(region)
         state.next_gaddr = region.gaddr + -(-region.size // (1 << 20)) * (1 << 20)
@@ -358,7 +370,12 @@ class DatagramGenerator:
     ``mix`` sets the shares (valid, mutated, repeated, random); mutations of valid packets are
     always at least half."""
 
-    def __init__(self, layout: Layout, seed: int, mix: tuple[float, float, float, float] = (0.33, 0.55, 0.02, 0.10)) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        seed: int,
+        mix: tuple[float, float, float, float] = (0.33, 0.55, 0.02, 0.10),
+    ) -> None:
         if mix[1] < 0.5:
             raise ValueError("at least half of the datagrams must be mutations of valid packets")
         self.layout = layout
@@ -368,7 +385,11 @@ class DatagramGenerator:
         self._third = endpoint_to_u64(layout.third_party)
         # In layout order, not by value: the pool's rkeys are random per cluster, and the
         # datagrams' structure must depend on the seed alone.
-        self._rkeys = list(dict.fromkeys([r.rkey for r in layout.pool] + [r.rkey for rs in layout.node_regions for r in rs]))
+        self._rkeys = list(
+            dict.fromkeys(
+                [r.rkey for r in layout.pool] + [r.rkey for rs in layout.node_regions for r in rs]
+            )
+        )
         # Clients of the duplicate window: anonymous, and three ids with their own txn counters.
         self._clients = [0] + [self.d.u32() | 1 for _ in range(3)]
         self._txn = {c: self.d.u32() for c in self._clients}
@@ -430,15 +451,21 @@ class DatagramGenerator:
             # ALL_WRITE to the group: node-local address and rkey of a way of a pool region.
             region = self.layout.pool[d.below(len(self.layout.pool))]
             way = region.ways[d.below(len(region.ways))]
-            data, shape = self._data_packet(Opcode.ALL_WRITE, region.rkey, way.local, way.local + way.size, 0, mcast=True)
+            data, shape = self._data_packet(
+                Opcode.ALL_WRITE, region.rkey, way.local, way.local + way.size, 0, mcast=True
+            )
             return data, 0, shape
         if what in ("READ", "WRITE", "ADD", "ALL_WRITE", "FETCH_ADD", "CAS"):
             region = self._region_for(Opcode[what], self.layout.pool)
-            data, shape = self._data_packet(Opcode[what], region.rkey, region.gaddr, region.end, region.stride)
+            data, shape = self._data_packet(
+                Opcode[what], region.rkey, region.gaddr, region.end, region.stride
+            )
             return data, 0, shape
         if what == "CHAIN_ADD":
             region = self.layout.pool[d.below(len(self.layout.pool))]
-            data, shape = self._data_packet(Opcode.CHAIN_ADD, region.rkey, region.gaddr, region.end, region.stride)
+            data, shape = self._data_packet(
+                Opcode.CHAIN_ADD, region.rkey, region.gaddr, region.end, region.stride
+            )
             return data, 0, shape
         data, shape = self._other_packet(what)
         return data, 0, shape
@@ -479,7 +506,15 @@ class DatagramGenerator:
 
     def _elements(self, esize: int, segments: int) -> int:
         d = self.d
-        room = int(min(MAX_PAYLOAD_BYTES, self.layout.max_datagram - HEADER_SIZE - SEGMENT_SIZE * segments)) // esize
+        room = (
+            int(
+                min(
+                    MAX_PAYLOAD_BYTES,
+                    self.layout.max_datagram - HEADER_SIZE - SEGMENT_SIZE * segments,
+                )
+            )
+            // esize
+        )
         roll = d.below(100)
         if roll < 70:
             n = d.between(1, 16)
@@ -522,13 +557,19 @@ class DatagramGenerator:
             addr -= (addr - (lo if stride else 0)) % align  # keep element alignment
         return max(0, min(addr, (1 << 64) - 1))
 
-    def _data_packet(self, op: Opcode, rkey: int, lo: int, hi: int, stride: int, mcast: bool = False) -> tuple[bytes, Shape]:
+    def _data_packet(
+        self, op: Opcode, rkey: int, lo: int, hi: int, stride: int, mcast: bool = False
+    ) -> tuple[bytes, Shape]:
         d = self.d
         segments: list[int] = []
         if op == Opcode.CHAIN_ADD:
             count = d.between(1, 4) if d.chance(0.97) else d.between(5, MAX_SEGMENTS)
             for _ in range(count):
-                segments.append(self._third if d.chance(0.05) else self._nodes_u64[d.below(len(self._nodes_u64))])
+                segments.append(
+                    self._third
+                    if d.chance(0.05)
+                    else self._nodes_u64[d.below(len(self._nodes_u64))]
+                )
         if op in (Opcode.FETCH_ADD, Opcode.CAS):
             dtype, nbytes, align = int(DType.U64), 8, 8
         else:
@@ -544,7 +585,9 @@ class DatagramGenerator:
         aux = self._aim(lo, hi, nbytes, align, stride) if op == Opcode.CHAIN_ADD else 0
         if d.chance(0.06):
             rkey = self._other_rkey(rkey)
-        client, txn = self._client_txn() if op in _WINDOWED else (self._clients[d.below(4)], d.u32())
+        client, txn = (
+            self._client_txn() if op in _WINDOWED else (self._clients[d.below(4)], d.u32())
+        )
         flags = self._flags(op)
         coll = d.between(1, 3) if d.chance(0.03) else 0
         payload = b""
@@ -559,14 +602,22 @@ class DatagramGenerator:
             if op in _SPARSE_OPCODES and d.chance(0.2) and nbytes // align <= 0xFFFF:
                 elements = nbytes // align
                 picks = d.below(min(elements, 64) + 1) if d.chance(0.8) else elements
-                keep = sorted({d.below(elements) for _ in range(picks)}) if picks < elements else list(range(elements))
+                keep = (
+                    sorted({d.below(elements) for _ in range(picks)})
+                    if picks < elements
+                    else list(range(elements))
+                )
                 payload = sparse_encode(payload, align, keep)
                 flags |= Flags.SPARSE
                 sparse = True
         if mcast:
             flags |= Flags.MCAST
             assert self.layout.group is not None
-            aux = endpoint_to_u64(self.layout.group) if d.chance(0.9) else (0xEF4D0000 + d.below(256)) << 16 | 7744
+            aux = (
+                endpoint_to_u64(self.layout.group)
+                if d.chance(0.9)
+                else (0xEF4D0000 + d.below(256)) << 16 | 7744
+            )
         left = d.below(len(segments)) if segments else 0
         data = header(op, flags=flags, seq=d.u32() if coll else d.below(1 << 16), client=client,
                       txn=txn, coll=coll, epoch=d.u32() if coll else 0, rkey=rkey, length=length,
@@ -612,7 +663,9 @@ class DatagramGenerator:
             return header(op, coll=coll, status=status, dtype=dtype, length=len(payload), rkey=rkey,
                           addr=d.u64(), client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
         if op in (Opcode.REGISTER, Opcode.DEREGISTER):
-            payload = pack_key_rights(int(d.pick(self._rkeys)) if d.chance(0.5) else d.u32(), d.below(8))
+            payload = pack_key_rights(
+                int(d.pick(self._rkeys)) if d.chance(0.5) else d.u32(), d.below(8)
+            )
             return header(op, rkey=rkey, length=8, addr=d.below(self.layout.memory_bytes),
                           aux=d.below(1 << 16), client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
         if op in (Opcode.JOIN, Opcode.LEAVE):
@@ -623,7 +676,26 @@ class DatagramGenerator:
             ring = [int(d.pick(self._nodes_u64)) for _ in range(d.between(1, 4))]
             return header(op, rkey=rkey, length=64, coll=d.between(1, 5), dtype=d.between(0, 6),
                           segments=ring, client=client, txn=txn, ret=ret, flags=flags) + d.blob(64), Shape(len(ring))  # fmt: skip
-        return header(Opcode.COUNTERS, rkey=rkey, addr=d.below(4), client=client, txn=txn, ret=ret, flags=flags), Shape()
+        if (
+            op == Opcode.ALLOC
+        ):  # pool control (SPEC.md 11.9): rkey 0 half the time, credentials made up
+            payload = struct.pack("<QQIHBB16s", d.u64(), d.u64() if d.chance(0.7) else 0, d.pick([0, 8192, 12]),
+                                  d.below(4), d.below(9), d.pick([0, 0, 0, 1]), d.blob(16))  # fmt: skip
+            return header(op, rkey=0 if d.chance(0.5) else rkey, length=40, client=client, txn=txn, ret=ret,
+                          flags=flags) + payload, Shape()  # fmt: skip
+        if op in (Opcode.FREE, Opcode.QUERY):
+            payload = struct.pack("<Q", d.u64() if d.chance(0.8) else 0)
+            return header(op, rkey=0 if d.chance(0.5) else rkey, length=8, addr=GLOBAL_BASE + d.below(1 << 24),
+                          client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
+        return header(
+            Opcode.COUNTERS,
+            rkey=rkey,
+            addr=d.below(4),
+            client=client,
+            txn=txn,
+            ret=ret,
+            flags=flags,
+        ), Shape()
 
     # ------------------------------------------------------------ mutations
 
@@ -661,7 +733,11 @@ class DatagramGenerator:
 
     def _m_opcode(self, b: bytearray, shape: Shape) -> bytearray:
         d = self.d
-        b[O_OPCODE] = d.pick(_ALL_OPCODES) if d.chance(0.6) else (d.pick(_ODD_OPCODES) if d.chance(0.5) else d.below(256))
+        b[O_OPCODE] = (
+            d.pick(_ALL_OPCODES)
+            if d.chance(0.6)
+            else (d.pick(_ODD_OPCODES) if d.chance(0.5) else d.below(256))
+        )
         return b
 
     def _m_flags(self, b: bytearray, shape: Shape) -> bytearray:
@@ -748,7 +824,9 @@ class DatagramGenerator:
         count = b[O_COUNT]
         roll = d.below(7)
         if roll == 0:
-            b[O_COUNT] = d.pick([count + 1, count - 1, 0, MAX_SEGMENTS, MAX_SEGMENTS + 1, 255]) & 0xFF
+            b[O_COUNT] = (
+                d.pick([count + 1, count - 1, 0, MAX_SEGMENTS, MAX_SEGMENTS + 1, 255]) & 0xFF
+            )
         elif roll == 1:
             b[O_SEG_TYPE] = d.pick([0, 1, 2, 3, 255])
         elif roll == 2:
@@ -823,7 +901,12 @@ class DatagramGenerator:
         (txn,) = struct.unpack_from("!I", b, O_TXN)
         if d.chance(0.5):
             struct.pack_into("!I", b, O_CLIENT, d.pick(self._clients))
-        struct.pack_into("!I", b, O_TXN, d.pick([txn + 1, txn - 256, txn + 256, txn ^ 0x80000000, d.u32()]) & 0xFFFFFFFF)
+        struct.pack_into(
+            "!I",
+            b,
+            O_TXN,
+            d.pick([txn + 1, txn - 256, txn + 256, txn ^ 0x80000000, d.u32()]) & 0xFFFFFFFF,
+        )
         return b
 
     def _m_ret(self, b: bytearray, shape: Shape) -> bytearray:
@@ -835,7 +918,11 @@ class DatagramGenerator:
         """Header of this packet, tail of another valid one."""
         other, _, _ = self.valid()
         cut = self.d.below(len(other) + 1)
-        return b[: HEADER_SIZE] + bytearray(other[cut:]) if self.d.chance(0.5) else bytearray(other[:HEADER_SIZE]) + b[HEADER_SIZE:]
+        return (
+            b[:HEADER_SIZE] + bytearray(other[cut:])
+            if self.d.chance(0.5)
+            else bytearray(other[:HEADER_SIZE]) + b[HEADER_SIZE:]
+        )
 
     # ------------------------------------------------------------ random bytes
 
@@ -875,12 +962,13 @@ _VALID_NODE: list[tuple[str, int]] = [
     ("READ", 13), ("WRITE", 13), ("ADD", 9), ("CHAIN_ADD", 11), ("ALL_WRITE", 6), ("FETCH_ADD", 8),
     ("CAS", 6), ("PING", 3), ("READ_RESP", 2), ("ACK", 2), ("NACK", 2), ("INFO", 1),
     ("REGISTER", 1), ("DEREGISTER", 1), ("JOIN", 1), ("LEAVE", 1), ("START_COLL", 1), ("COUNTERS", 1),
+    ("ALLOC", 1), ("FREE", 1), ("QUERY", 1),
 ]  # fmt: skip
 _VALID_SWITCH: list[tuple[str, int]] = [
     ("READ", 14), ("WRITE", 14), ("ADD", 9), ("FETCH_ADD", 8), ("CAS", 6), ("ALL_WRITE", 5),
     ("MCAST", 7), ("CHAIN_ADD", 3), ("PING", 3), ("READ_RESP", 1), ("ACK", 1), ("NACK", 1),
     ("INFO", 1), ("REGISTER", 1), ("DEREGISTER", 1), ("JOIN", 1), ("LEAVE", 1), ("START_COLL", 1),
-    ("COUNTERS", 1),
+    ("COUNTERS", 1), ("ALLOC", 1), ("FREE", 1), ("QUERY", 1),
 ]  # fmt: skip
 _MUTATIONS: list[tuple[str, int]] = [
     ("bitflip", 14), ("byte", 8), ("opcode", 8), ("flags", 8), ("length", 10), ("addr", 10),

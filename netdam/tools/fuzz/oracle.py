@@ -23,6 +23,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     CONTROL_OPCODES,
     HEADER_SIZE,
+    POOL_OPCODES,
     REPLY_OPCODES,
     Flags,
     Opcode,
@@ -105,7 +106,9 @@ class Oracle:
 
     # ------------------------------------------------------------ structure (the codec)
 
-    def _structure(self, process: int, data: bytes, out: Outcome, count: bool = True) -> Packet | None:
+    def _structure(
+        self, process: int, data: bytes, out: Outcome, count: bool = True
+    ) -> Packet | None:
         """Counters and verdict of the checks of SPEC.md 5 up to "payload size"; the packet
         when it passes (counted as received per opcode unless *count* is False)."""
         out.events.append((process, EV_RX, 0))
@@ -155,6 +158,9 @@ class Oracle:
         if op in CONTROL_OPCODES:
             out.nack(node, Status.UNAUTHORIZED)  # the fuzzer never holds the admin key
             return
+        if op in POOL_OPCODES:
+            out.nack(node, Status.BAD_FIELD)  # pool control goes to a switch (SPEC.md 11.9)
+            return
         if op == Opcode.CHAIN_ADD:
             self._chain(node, packet, out)
             return
@@ -196,7 +202,9 @@ class Oracle:
         while True:
             status = self.access(node, packet.rkey, packet.addr, packet.length, Rights.READ, esize)
             if status == 0 and left == 0:
-                status = self.access(node, packet.rkey, packet.aux_addr, packet.length, Rights.WRITE, esize)
+                status = self.access(
+                    node, packet.rkey, packet.aux_addr, packet.length, Rights.WRITE, esize
+                )
             nxt = -1
             if status == 0 and left > 0:
                 nxt = self._node_index.get(hops[len(hops) - left], -1)
@@ -242,6 +250,14 @@ class Oracle:
         if op in CONTROL_OPCODES:
             out.nack(sw, Status.UNAUTHORIZED)
             return
+        if op in POOL_OPCODES:
+            # SPEC.md 11.9's order: a wrong admin key, ALLOC's reserved byte, then the caller,
+            # who never holds the admin key nor a tenant's credential here.
+            if packet.rkey == 0 and op == Opcode.ALLOC and packet.payload[23] != 0:
+                out.nack(sw, Status.BAD_FIELD)
+            else:
+                out.nack(sw, Status.UNAUTHORIZED)
+            return
         if op == Opcode.CHAIN_ADD:
             out.nack(sw, Status.NO_ROUTE)
             return
@@ -283,7 +299,10 @@ class Oracle:
             return Status.OUT_OF_BOUNDS, -1, -1
         if offset % align:
             return Status.MISALIGNED, -1, -1
-        if region.stride and offset // region.stride != (offset + packet.length - 1) // region.stride:
+        if (
+            region.stride
+            and offset // region.stride != (offset + packet.length - 1) // region.stride
+        ):
             return Status.SPANS_NODES, -1, -1
         node, local = region.locate(offset)
         return 0, node, local
@@ -330,7 +349,12 @@ class CounterCheck:
         return self.low <= self.counted <= self.high
 
     def as_dict(self) -> dict[str, object]:
-        return {"name": self.name, "counted": self.counted, "expected": [self.low, self.high] if self.low != self.high else self.low, "ok": self.ok}
+        return {
+            "name": self.name,
+            "counted": self.counted,
+            "expected": [self.low, self.high] if self.low != self.high else self.low,
+            "ok": self.ok,
+        }
 
 
 @dataclass
@@ -360,12 +384,20 @@ def counter_checks(
         name = layout.process_name(p)
 
         def add(what: str, counted: int, want: int, uncertain: int = 0, name: str = name) -> None:
-            checks.append(CounterCheck(f"{name}: {what}", int(counted), want - slack, want + uncertain + slack))
+            checks.append(
+                CounterCheck(
+                    f"{name}: {what}", int(counted), want - slack, want + uncertain + slack
+                )
+            )
 
         o = [int(v) for v in t.overhead]
         add("rx_packets", d[C.RX_PACKETS], expect.count(p, EV_RX) + t.pings + o[C.RX_PACKETS])
         for op in Opcode:
-            want = expect.count(p, EV_OP, op) + (t.pings if op == Opcode.PING else 0) + o[C.OPCODE_BASE + op]
+            want = (
+                expect.count(p, EV_OP, op)
+                + (t.pings if op == Opcode.PING else 0)
+                + o[C.OPCODE_BASE + op]
+            )
             if want or d[C.OPCODE_BASE + op]:
                 add(f"received {op.name}", d[C.OPCODE_BASE + op], want)
         windowed = expect.count(p, EV_WINDOW)
@@ -390,11 +422,17 @@ def counter_checks(
             add("replicated by the switch", replicated, expect.count(p, EV_REPL))
             sent_elsewhere = forwarded + replicated
         # Every other datagram a process sent went to the fuzzer: nothing to third parties.
-        add("replies received by the fuzzer", t.replies_received, int(d[C.TX_PACKETS]) - sent_elsewhere - o[C.TX_PACKETS])
+        add(
+            "replies received by the fuzzer",
+            t.replies_received,
+            int(d[C.TX_PACKETS]) - sent_elsewhere - o[C.TX_PACKETS],
+        )
     return checks
 
 
-def unreached(target: str, reached_opcodes: Counter[int], nack_statuses: Counter[int]) -> dict[str, list[str]]:
+def unreached(
+    target: str, reached_opcodes: Counter[int], nack_statuses: Counter[int]
+) -> dict[str, list[str]]:
     """Opcodes and NACK statuses the run was expected to reach but did not."""
     return {
         "opcodes": [op.name for op in expected_opcodes(target) if not reached_opcodes[int(op)]],
@@ -433,7 +471,9 @@ class MemoryGuard:
         """Count bytes changed outside the authorized ones since the last check (each byte
         once: the snapshot takes the new value); return the new ones."""
         found = 0
-        for node, (memory, snap, mask) in enumerate(zip(memories, self.snapshots, self.masks, strict=True)):
+        for node, (memory, snap, mask) in enumerate(
+            zip(memories, self.snapshots, self.masks, strict=True)
+        ):
             current = np.asarray(memory)
             bad = np.flatnonzero((current != snap) & ~mask)
             if bad.size == 0:
