@@ -165,7 +165,8 @@ class NodeCore(CoreBase):
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath.process_batch(RxBatch(buf, offs, lens, srcs), n, self.max_datagram,
-                                              self.node_state(), self.tx_bundle(), int(self._txq[1]), self._punt)  # fmt: skip
+                                              self.node_state(), self.guard, self.tx_bundle(), int(self._txq[1]),
+                                              self._punt)  # fmt: skip
         self._txq[1] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 
@@ -182,7 +183,6 @@ class NodeCore(CoreBase):
             self._dup_window(),
             self.collective.state(),
             self.counters,
-            self.guard,
         )
 
     def _dup_window(self) -> DupWindow:

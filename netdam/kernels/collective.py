@@ -673,7 +673,7 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
-    mem, regions, members, window, coll, counters, _guard = node
+    mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
@@ -719,7 +719,7 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
 def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
-    mem, regions, members, window, coll, counters, _guard = node
+    mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
@@ -893,7 +893,7 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
     """Replies of the running collective, handled here so no reply costs Python: chain ACKs
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
-    mem, regions, members, window, coll, counters, _guard = node
+    mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not _is_member(members, src):

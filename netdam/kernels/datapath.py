@@ -33,8 +33,8 @@ from netdam.kernels.collective import (
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
-from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _account, _locked, _validated
-from netdam.kernels.state import DupWindow, NodeState, RxBatch, TxQueue
+from netdam.kernels.guard import G_CFG_LEN, G_FACTOR, G_LOCKOUT, _account, _locked, _validated
+from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
     _F_ACK_REQ,
@@ -158,8 +158,8 @@ def _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):
         w_reply[c, w, k] = reply[k]
 
 
-def process_batch(rx: RxBatch, n: int, max_len: int, node: NodeState, tx: TxQueue, tx_n: int,
-                  punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+def process_batch(rx: RxBatch, n: int, max_len: int, node: NodeState, guard: Guard, tx: TxQueue,
+                  tx_n: int, punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
     """Checked entry to the datapath (numba checks no bounds): execute rx[0:n] against *node*,
     append answers to *tx* from *tx_n*; returns (tx_n, n_punt), punted indices in *punt*."""
     if not 0 <= n <= min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]):
@@ -168,21 +168,26 @@ def process_batch(rx: RxBatch, n: int, max_len: int, node: NodeState, tx: TxQueu
         raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
     if node.mem.dtype != np.uint8 or node.counters.shape[0] < C.NUM_COUNTERS:
         raise ValueError("node state: memory must be uint8 and counters full size")
-    tx_n, n_punt = _process_batch(rx, n, max_len, node, tx, tx_n, punt)
+    if guard.ep.shape[0] != guard.tokens.shape[0] or guard.cfg.shape[0] < G_CFG_LEN or guard.key.shape[0] != 2:
+        raise ValueError("guard arrays of inconsistent sizes")
+    tx_n, n_punt = _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt)
     return int(tx_n), int(n_punt)
 
 
 @njit(cache=True, nogil=True)
-def _process_batch(rx, n, max_len, node, tx, tx_n, punt):  # type: ignore[no-untyped-def]
+def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore[no-untyped-def]
     """Execute datagrams rx_buf[rx_off[i] : rx_off[i] + rx_len[i]] for i < n; append replies and
     forwards to the send queue from tx_n (packet k at tx_buf[tx_off[k] : tx_off[k] + tx_len[k]],
     packed back to back so runs to one destination can leave as one GSO send; tx_off[tx_n] is
     the next free byte). Returns (tx_n, n_punt)."""
     rx_buf, rx_off, rx_len, rx_src = rx
-    members, counters, guard = node.members, node.counters, node.guard
+    members, counters = node.members, node.counters
     tx_buf, tx_off, tx_len, tx_dst = tx
     n_punt = 0
     cap = tx_len.shape[0]
+    # The guard's verdict on the last source seen (GRO runs come from one source): a source that
+    # was not locked stays unlocked within a batch (one clock reading) unless it fails a key.
+    open_src, open_guarded = np.uint64(0), False
     for i in range(n):
         ln = np.int64(rx_len[i])
         off = rx_off[i]
@@ -196,77 +201,77 @@ def _process_batch(rx, n, max_len, node, tx, tx_n, punt):  # type: ignore[no-unt
         if tx_n >= cap or tx_off[tx_n] + _SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
-        guarded = guard.cfg[G_LOCKOUT] != 0.0 and not _is_member(members, src)
-        if guarded and _locked(guard, src):
-            counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
-            continue
+        guarded = False
+        if guard.cfg[G_LOCKOUT] != 0.0:
+            if src == open_src:
+                guarded = open_guarded  # as the last datagram of this source in the batch
+            else:
+                guarded = not _is_member(members, src)
+                if guarded and _locked(guard, src):
+                    counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
+                    continue
+                open_src, open_guarded = src, guarded
         first = tx_n
-        tx_n, n_punt = _datagram(b, ln, i, src, max_len, node, tx, tx_n, punt, n_punt)
-        if guarded and tx_n > first:
-            _account(guard, src, tx_buf, tx_off, tx_dst, first, tx_n, counters)
-    return tx_n, n_punt
-
-
-@njit(cache=True, nogil=True)
-def _datagram(b, ln, i, src, max_len, node, tx, tx_n, punt, n_punt):  # type: ignore[no-untyped-def]
-    """Validate and execute one datagram b[:ln] (batch index *i*) from *src*; (tx_n, n_punt)."""
-    members, counters = node.members, node.counters
-    tx_buf, tx_off, tx_len, tx_dst = tx
-    status = _check_packet(b, ln)
-    op = np.int64(b[1]) if ln > 1 else 0
-    if status == DROP_SILENTLY:
-        counters[C.DROP_TRUNCATED] += 1
-        return tx_n, n_punt
-    if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, 16) != 0:
-        counters[C.OPCODE_BASE + op] += 1
-        if _coll_reply(b, ln, src, op, node):
-            return tx_n, n_punt  # consumed by the collective engine, in the datapath
-        punt[n_punt] = i
-        n_punt += 1
-        counters[C.PUNTED] += 1
-        return tx_n, n_punt
-    if status == PUNT or (status == 0 and _PUNTED_OPS[op] == 1):
-        if status == 0:
+        status = _check_packet(b, ln)
+        op = np.int64(b[1]) if ln > 1 else 0
+        if status == DROP_SILENTLY:
+            counters[C.DROP_TRUNCATED] += 1
+            continue
+        if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, 16) != 0:
             counters[C.OPCODE_BASE + op] += 1
-        punt[n_punt] = i
-        n_punt += 1
-        counters[C.PUNTED] += 1
-        return tx_n, n_punt
-    if status != 0:
-        if op < 64 and _IS_REPLY[op] == 1:
-            counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
-            return tx_n, n_punt
-        tx_n = _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-        return tx_n, n_punt
-    counters[C.OPCODE_BASE + op] += 1
-    if op == _OP_CHAIN_ADD:
-        tx_n = _chain_add(b, ln, src, node, tx, tx_n)
-    elif op == _OP_READ:
-        tx_n = _read(b, src, node, tx, tx_n, max_len)
-    elif op == _OP_ALL_WRITE:
-        tx_n = _all_write(b, ln, src, node, tx, tx_n)
-    else:
-        tx_n = _mutate(b, ln, src, op, node, tx, tx_n)
+            if _coll_reply(b, ln, src, op, node):
+                continue  # consumed by the collective engine, in the datapath
+            punt[n_punt] = i
+            n_punt += 1
+            counters[C.PUNTED] += 1
+            continue
+        if status == PUNT or (status == 0 and _PUNTED_OPS[op] == 1):
+            if status == 0:
+                counters[C.OPCODE_BASE + op] += 1
+            punt[n_punt] = i
+            n_punt += 1
+            counters[C.PUNTED] += 1
+            continue
+        if status != 0:
+            if op < 64 and _IS_REPLY[op] == 1:
+                counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
+                continue
+            tx_n = _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        else:
+            counters[C.OPCODE_BASE + op] += 1
+            if op == _OP_CHAIN_ADD:
+                tx_n = _chain_add(b, ln, src, node, tx, tx_n)
+            elif op == _OP_READ:
+                tx_n = _read(b, src, node, guard, tx, tx_n, max_len)
+            elif op == _OP_ALL_WRITE:
+                tx_n = _all_write(b, ln, src, node, tx, tx_n)
+            else:
+                tx_n = _mutate(b, ln, src, op, node, tx, tx_n)
+        if guarded and tx_n > first:
+            # Failed authentications are the NACKs BAD_RKEY/UNAUTHORIZED just queued for src;
+            # one may have locked it out, so its next datagram is looked up again.
+            if _account(guard, src, tx_buf, tx_off, tx_dst, first, tx_n, counters) > 0:
+                open_src = np.uint64(0)
     return tx_n, n_punt
 
 
 @njit(cache=True, nogil=True)
-def _read(b, src, node, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
+def _read(b, src, node, guard, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
     """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final.
     A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
-    mem, regions, members, window, coll, counters, _guard = node
+    mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, 28)
     if _HDR + length > max_len:
         return _emit_nack(b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    factor = _guard.cfg[G_FACTOR]
+    factor = guard.cfg[G_FACTOR]
     if factor > 0.0 and _HDR + length > factor * _HDR and not _is_member(members, src):
         # More than 3x the request back to an address that has not proven it receives there
         # (no token in aux_addr): a reflection amplifier. Dropped, before any other check.
-        if not _validated(_guard, src, _rd64(b, 40)):
+        if not _validated(guard, src, _rd64(b, 40)):
             counters[C.DROP_AMPLIFICATION] += 1
             return tx_n
     addr = _rd64(b, 32)
@@ -301,7 +306,7 @@ def _read(b, src, node, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, txn id)."""
-    mem, regions, members, window, coll, counters, _guard = node
+    mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply = window
     tx_buf, tx_off, tx_len, tx_dst = tx

@@ -189,13 +189,17 @@ def _fail(g, src, counters):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def _account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):  # type: ignore[no-untyped-def]
     """After a datagram from *src* (not a member) was handled: the replies queued in
-    [first, last) that NACK it BAD_RKEY or UNAUTHORIZED are failed authentications."""
+    [first, last) that NACK it BAD_RKEY or UNAUTHORIZED are failed authentications. Returns
+    how many."""
+    failed = 0
     for k in range(first, last):
         o = tx_off[k]
         if tx_dst[k] == src and tx_buf[o + 1] == _OP_NACK:
             st = tx_buf[o + 50]
             if st == _S_BAD_RKEY or st == _S_UNAUTHORIZED:
                 _fail(g, src, counters)
+                failed += 1
+    return failed
 
 
 # ---------------------------------------------------------------- checked entries (Python)

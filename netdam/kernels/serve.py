@@ -16,7 +16,7 @@ from netdam.kernels.collective import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE, _col
 from netdam.kernels.datapath import _process_batch
 from netdam.kernels.faults import _apply_faults
 from netdam.kernels.guard import G_NOW
-from netdam.kernels.state import FaultState, NodeState, RxBatch, ServeIO, TxQueue
+from netdam.kernels.state import FaultState, Guard, NodeState, RxBatch, ServeIO, TxQueue
 from netdam.kernels.udp_io import (
     _POLLIN,
     ST_KERNEL_DROPS,
@@ -75,7 +75,7 @@ def _wait_any(fd, mfd, cfd, timeout_ms):  # type: ignore[no-untyped-def]
     return ready
 
 
-def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, tx: TxQueue,
+def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, guard: Guard, tx: TxQueue,
           txq: np.ndarray, punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
     """Checked entry to the node's compiled loop; returns (reason, n_punt)."""
     room = 2 * io.max_n + faults.hold.len.shape[0]
@@ -85,12 +85,14 @@ def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, tx: TxQ
         raise ValueError(f"recv_bytes {io.recv_bytes} outside the receive buffer")
     if txq.shape[0] != 2 or not 0 <= txq[0] <= txq[1] < tx.len.shape[0]:
         raise ValueError("send queue [head, tail] outside its slots")
-    reason, n_punt = _serve(io, rx, faults, node, tx, txq, punt)
+    if guard.ep.shape[0] != guard.tokens.shape[0] or guard.key.shape[0] != 2:
+        raise ValueError("guard arrays of inconsistent sizes")
+    reason, n_punt = _serve(io, rx, faults, node, guard, tx, txq, punt)
     return int(reason), int(n_punt)
 
 
 @njit(cache=True, nogil=True)
-def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
+def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyped-def]
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
     while waiting, control traffic there ends the call at once, so stats never wait for it.
@@ -105,7 +107,7 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg
     hold_len = faults.hold.len
-    mem, regions, members, window, coll, counters, _guard = node
+    mem, regions, members, window, coll, counters = node
     co_cfg = coll.cfg
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
@@ -160,8 +162,8 @@ def _serve(io, rx, faults, node, tx, txq, punt):  # type: ignore[no-untyped-def]
             if budget_ns == 0:
                 break  # a call with no time to wait: one look only
             continue
-        _guard.cfg[G_NOW] = _now_ns() * 1e-9  # the lockout clock: one reading per batch
-        tx_n, n_punt = _process_batch(rx, n, max_len, node, tx, txq[1], punt)
+        guard.cfg[G_NOW] = _now_ns() * 1e-9  # the lockout clock: one reading per batch
+        tx_n, n_punt = _process_batch(rx, n, max_len, node, guard, tx, txq[1], punt)
         txq[1] = tx_n
         if n_punt > 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)

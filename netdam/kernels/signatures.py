@@ -42,12 +42,15 @@ u8, u32, u64, i32, i64, f64 = np.uint8, np.uint32, np.uint64, np.int32, np.int64
 RX_BATCH = typeof(RxBatch(_a(u8), _a(i64), _a(i32), _a(u64)))
 TX_QUEUE = typeof(TxQueue(_a(u8), _a(i64), _a(i32), _a(u64)))
 GUARD = Guard(_a(f64), _a(u64), _a(u64), _a(f64), _a(f64), _a(f64), _a(f64), _a(i64), _a(f64))
+#: The node's guard travels beside NodeState, not in it: every per-datagram call passes the node
+#: tuple, and each array in it costs a reference count.
+GUARD_STATE = typeof(GUARD)
 COLL_STATE = typeof(CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)))
 NODE_STATE = typeof(NodeState(
     _a(u8), Regions(_a(u32), _a(i64), _a(i64), _a(u8)), _a(u64),
     DupWindow(_a(u64), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
     CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)),
-    _a(u64), GUARD,
+    _a(u64),
 ))  # fmt: skip
 HOLD_TABLE = HoldTable(_a(u8, 2), _a(i32), _a(u64), _a(i64), _a(f64), _a(i64))
 FAULT_STATE = typeof(FaultState(_a(f64), _a(u64), _a(u64), _a(u32), HOLD_TABLE))
@@ -65,10 +68,10 @@ TXQ = typeof(_a(i64))
 COUNTERS = typeof(_a(u64))
 MEMORY = typeof(_a(u8))
 
-#: _process_batch(rx, n, max_len, node, tx, tx_n, punt)
-PROCESS_BATCH = (RX_BATCH, types.int64, types.int64, NODE_STATE, TX_QUEUE, types.int64, PUNT)
-#: _serve(io, rx, faults, node, tx, txq, punt)
-SERVE = (SERVE_IO, RX_BATCH, FAULT_STATE, NODE_STATE, TX_QUEUE, TXQ, PUNT)
+#: _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt)
+PROCESS_BATCH = (RX_BATCH, types.int64, types.int64, NODE_STATE, GUARD_STATE, TX_QUEUE, types.int64, PUNT)
+#: _serve(io, rx, faults, node, guard, tx, txq, punt)
+SERVE = (SERVE_IO, RX_BATCH, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ, PUNT)
 #: _coll_tick(now, coll, mem, counters, tx, tx_n)
 COLL_TICK = (types.float64, COLL_STATE, MEMORY, COUNTERS, TX_QUEUE, types.int64)
 #: _switch_round(rx, n, max_len, st, tx, tx_n, punt)

@@ -91,7 +91,6 @@ class NodeState(NamedTuple):
     window: DupWindow
     coll: CollState
     counters: np.ndarray  # uint64 (protocol/counters.py)
-    guard: Guard
 
 
 class HoldTable(NamedTuple):

@@ -190,6 +190,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
     n_punt = 0
     cap = tx_len.shape[0]
     fanout = np.int64(cfg[CFG_FANOUT])
+    open_src = np.uint64(0)  # the last client source found not locked out in this batch
     for i in range(n):
         ln = np.int64(rx_len[i])
         off = rx_off[i]
@@ -208,9 +209,11 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
             counters[C.DROP_TX_FULL] += 1
             continue
         guarded = not from_node and guard.cfg[G_LOCKOUT] != 0.0
-        if guarded and _locked(guard, src):
-            counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
-            continue
+        if guarded and src != open_src:
+            if _locked(guard, src):
+                counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
+                continue
+            open_src = src  # not locked: stays so within this batch unless it fails a key
         status = _check_packet(b, ln)
         op = np.int64(b[1]) if ln > 1 else 0
         if status == DROP_SILENTLY:
@@ -278,6 +281,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
         status, r, node, local = _lookup(addr, length, _rd32(b, 24), need, align, st.regions)
         if status == _S_BAD_RKEY and guarded:
             _fail(guard, src, counters)
+            open_src = np.uint64(0)  # may be locked out now: look its next datagram up again
         if status != 0:
             if r >= 0:
                 reg_ctr[r, R_NACKS] += 1

@@ -127,8 +127,8 @@ class NodeProcess(ServeLoop):
         mfd = self.group_sock.fileno() if self.group_sock is not None else -1
         io = ServeIO(self.sock.fileno(), mfd, self.ctrl_sock.fileno(), RECV_RUNS * RUN_BYTES, ROUND_DATAGRAMS,
                      self.core.max_datagram, timeout_ms, ROUNDS_PER_CALL, self.io_state, self.scratch)  # fmt: skip
-        reason, n_punt = serve.serve(io, self.rx, self.faults, self.core.node_state(), self.core.tx_bundle(),
-                                     self.core.tx_queue, self.punt)  # fmt: skip
+        reason, n_punt = serve.serve(io, self.rx, self.faults, self.core.node_state(), self.core.guard,
+                                     self.core.tx_bundle(), self.core.tx_queue, self.punt)  # fmt: skip
         if n_punt:
             self.core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
         self._serve_control()
