@@ -221,3 +221,38 @@ def test_controller_uses_the_wire(wire: Wire) -> None:
     admin.free(region.gaddr)
     assert admin.regions() == []
     _ = replace, endpoint_to_u64  # imported for readers of the datagrams above
+
+
+def test_cli_keeps_tenant_credentials_off_the_command_line(
+    wire: Wire, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`netdam pool alloc --save-credential F` writes the new tenant's credential to F, mode 0600;
+    query and free take it back with --credential-file (a file others can read is refused with
+    the fix), so the credential never has to appear in argv, where `ps` shows it."""
+    import json
+
+    from netdam.cli.main import main as netdam
+
+    path = str(wire.cluster.path)
+    key = tmp_path / "tenant.key"
+    assert netdam(["pool", "alloc", "--cluster", path, "--size", "16KiB", "--save-credential", str(key), "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert int(key.read_text(), 16) == int(made["credential"], 16)
+    gaddr = made["gaddr_hex"]
+    assert netdam(["pool", "query", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gaddr_hex"] == gaddr
+    key.chmod(0o644)
+    assert netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key)]) == 2
+    assert "chmod 600" in capsys.readouterr().err
+    key.chmod(0o600)
+    assert netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key)]) == 0
+    capsys.readouterr()
+    # Another tenant's credential file frees nothing of this tenant's (NO_ROUTE, SPEC.md 11.9).
+    other = tmp_path / "other.key"
+    assert netdam(["pool", "alloc", "--cluster", path, "--size", "8KiB", "--save-credential", str(other)]) == 0
+    capsys.readouterr()
+    assert netdam(["pool", "alloc", "--cluster", path, "--size", "8KiB", "--credential-file", str(key), "--json"]) == 0
+    mine = json.loads(capsys.readouterr().out)["gaddr_hex"]
+    assert netdam(["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(other)]) == 3
+    assert netdam(["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(key)]) == 0

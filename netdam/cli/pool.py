@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from netdam.cli.common import (
@@ -21,6 +22,7 @@ from netdam.cli.common import (
 from netdam.clients.pool import PoolClient, PoolError
 from netdam.cluster.clusterfile import load_cluster
 from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.secrets_io import KeyFileError, read_key_file, write_private
 from netdam.protocol.constants import Opcode
 from netdam.protocol.packet import Packet
 from netdam.switch.addrmap import region_to_json
@@ -51,6 +53,25 @@ def _credential(text: str) -> int:
     return value
 
 
+def _credential_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--credential", type=_credential, default=None,
+                       help=f"{what}; on a command line every local user sees it (ps): prefer --credential-file")
+    given.add_argument("--credential-file", type=Path, default=None, metavar="FILE",
+                       help="read the credential from FILE (mode 0600; alloc --save-credential writes one)")  # fmt: skip
+
+
+def _credential_of(args: argparse.Namespace) -> int | None:
+    """The tenant credential of --credential or --credential-file (None: the admin key)."""
+    path = getattr(args, "credential_file", None)
+    if path is None:
+        return getattr(args, "credential", None)
+    try:
+        return read_key_file(path, what="tenant credential", bits=64)
+    except KeyFileError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     sw = subparsers.add_parser("switch", help="run one pool switch (VIP, address map, multicast)",
@@ -79,23 +100,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="nodes to interleave over, at most the cluster's (default all)")
     alloc.add_argument("--rights", type=_rights, default=7, help="r, w, a letters (default rwa)")
     alloc.add_argument("--tenant", default="", help="a label stored with the region (at most 16 bytes)")
-    alloc.add_argument("--credential", type=_credential, default=None,
-                       help="allocate for the tenant of this credential (default: a new tenant, "
-                       "with the cluster file's admin key); printed by every alloc")  # fmt: skip
+    _credential_arguments(alloc, "allocate for the tenant of this credential (default: a new tenant, "
+                          "with the cluster file's admin key)")  # fmt: skip
+    alloc.add_argument("--save-credential", type=Path, default=None, metavar="FILE",
+                       help="write the tenant's credential to FILE, mode 0600, for --credential-file")
     alloc.set_defaults(func=run_alloc)
 
     free = cmds.add_parser("free", help="free a region")
     common(free)
     free.add_argument("--gaddr", type=_int, required=True, help="the region's global address")
-    free.add_argument("--credential", type=_credential, default=None,
-                      help="the tenant credential alloc printed (default: the admin key)")
+    _credential_arguments(free, "the tenant credential alloc printed (default: the admin key)")
     free.set_defaults(func=run_free)
 
     query = cmds.add_parser("query", help="describe a region (QUERY on the wire)")
     common(query)
     query.add_argument("--gaddr", type=_int, required=True, help="the first region at or after this address")
-    query.add_argument("--credential", type=_credential, default=None,
-                       help="the tenant credential alloc printed (default: the admin key)")
+    _credential_arguments(query, "the tenant credential alloc printed (default: the admin key)")
     query.set_defaults(func=run_query)
 
     write = cmds.add_parser("write", help="write bytes at a global address")
@@ -129,7 +149,7 @@ def _controller(args: argparse.Namespace) -> Any:
     from netdam.switch.controller import ControllerError, PoolController
 
     try:
-        return PoolController(args.cluster, credential=getattr(args, "credential", None))
+        return PoolController(args.cluster, credential=_credential_of(args))
     except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
@@ -163,6 +183,14 @@ def run_alloc(args: argparse.Namespace) -> int:
     except ControllerError as exc:
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     vip = ctl.switch.vip
+    credential = int(region.extra.get("credential", 0))
+    if args.save_credential is not None and credential:
+        try:
+            write_private(args.save_credential, f"0x{credential:016x}\n")
+        except OSError as exc:
+            raise CommandError(f"--save-credential {args.save_credential}: {exc.strerror}: the region "
+                               f"0x{region.gaddr:x} is allocated; its credential is 0x{credential:016x}",
+                               ExitCode.RUN_FAILED) from None  # fmt: skip
     text = (f"gaddr 0x{region.gaddr:x} rkey 0x{region.rkey:08x} size {region.size} "
             f"stride {region.stride} ways {len(region.ways)} vip {vip[0]}:{vip[1]} "
             f"credential 0x{region.extra.get('credential', 0):016x}")  # fmt: skip

@@ -23,30 +23,31 @@ class KeyFileError(NetdamError, ValueError):
     """A key file or descriptor that cannot be used; the message names the fix."""
 
 
-def parse_key(text: str, where: str) -> int:
-    """A 32-bit key written as hex (0x...) or decimal, surrounding whitespace ignored."""
+def parse_key(text: str, where: str, bits: int = 32) -> int:
+    """A *bits*-bit key written as hex (0x...) or decimal, surrounding whitespace ignored."""
     value = text.strip()
     try:
         key = int(value, 0)
     except ValueError:
         raise KeyFileError(f"{where} holds {value[:20]!r}, not a key: write one number, e.g. 0x1a2b3c4d") from None
-    if not 0 < key < 1 << 32:
-        raise KeyFileError(f"{where} holds {key}: a key is 1..2^32-1")
+    if not 0 < key < 1 << bits:
+        raise KeyFileError(f"{where} holds {key}: a key is 1..2^{bits}-1")
     return key
 
 
-def read_key_file(path: Path) -> int:
-    """The key in *path*, which must be a regular file no one but its owner can read."""
+def read_key_file(path: Path, what: str = "admin key", bits: int = 32) -> int:
+    """The key in *path*, which must be a regular file no one but its owner can read (*what*
+    names the key in errors: the admin key, 32 bits; a pool tenant credential, 64)."""
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise KeyFileError(f"admin key file {path} not found: write the key there (mode 0600)") from None
+        raise KeyFileError(f"{what} file {path} not found: write the key there (mode 0600)") from None
     if not stat.S_ISREG(info.st_mode):
-        raise KeyFileError(f"admin key file {path} is not a regular file")
+        raise KeyFileError(f"{what} file {path} is not a regular file")
     if info.st_mode & _NOT_OWNER:
-        raise KeyFileError(f"admin key file {path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}): "
+        raise KeyFileError(f"{what} file {path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}): "
                            f"run `chmod 600 {path}`")  # fmt: skip
-    return parse_key(path.read_text(), f"admin key file {path}")
+    return parse_key(path.read_text(), f"{what} file {path}", bits)
 
 
 def read_key_fd(fd: int) -> int:
