@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
@@ -77,8 +78,10 @@ class ReduceOp(IntEnum):
     """torch.distributed's reduce operations. SUM, MIN and MAX run in the NICs (their values are
     the wire's, SPEC.md: a protocol ReduceOp passes as well). AVG is SUM in the NICs, then each
     host divides by the world size (floating dtypes only: every rank divides the same bits by
-    the same number, so ranks stay bitwise identical). PRODUCT has no operation on the wire:
-    the NIC's datapath only adds, takes minima and maxima (refused, naming the alternative)."""
+    the same number, so ranks stay bitwise identical). PRODUCT has no operation on the wire
+    (the NIC's datapath adds, takes minima and maxima): the NICs all-gather every rank's tensor
+    and each host multiplies them in rank order, so every rank computes the same bits; it moves
+    world_size times the bytes of a SUM (numeric dtypes)."""
 
     SUM = int(WireOp.SUM)
     MIN = int(WireOp.MIN)
@@ -95,12 +98,13 @@ def _wire_op(op: int, array: np.ndarray) -> WireOp:
                              "integers is not an integer (reduce with SUM and divide yourself)")  # fmt: skip
         return WireOp.SUM
     if op == ReduceOp.PRODUCT:
-        raise ValueError("ReduceOp.PRODUCT: the NICs' datapath has no multiply (SPEC.md: SUM, MIN, MAX); "
-                         "gather the tensors (all_gather) and take numpy.prod on the host")  # fmt: skip
+        if array.dtype.kind not in "fiu":
+            raise ValueError(f"ReduceOp.PRODUCT needs a numeric dtype, not {array.dtype}")
+        return WireOp.SUM  # never sent: PRODUCT runs as an all-gather (_product_of_ranks)
     try:
         return WireOp(int(op))
     except ValueError:
-        raise ValueError(f"unknown reduce op {op!r}: use netdam.ReduceOp.SUM, MIN, MAX or AVG") from None
+        raise ValueError(f"unknown reduce op {op!r}: use netdam.ReduceOp.SUM, MIN, MAX, AVG or PRODUCT") from None
 
 
 def _as_array(tensor: Any, name: str) -> np.ndarray:
@@ -476,6 +480,8 @@ def all_reduce(buf: Any, op: int = ReduceOp.SUM, group: ProcessGroup | None = No
     average = op == ReduceOp.AVG
     wire = _wire_op(op, buf)
     g = _group(group)
+    if op == ReduceOp.PRODUCT:
+        return _product_of_ranks(buf, g, async_op, lambda product: np.copyto(buf, product.reshape(buf.shape)))
     t_stage = time.perf_counter()
     addr = g._stage(buf, buf.nbytes)
     stage_in_s = time.perf_counter() - t_stage
@@ -501,6 +507,9 @@ def reduce_scatter_tensor(output: Any, input: Any, op: int = ReduceOp.SUM,
     lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
     if output.size != hi - lo:
         raise ValueError(f"output has {output.size} elements; rank {g.rank}'s block has {hi - lo}")
+    if op == ReduceOp.PRODUCT:
+        return _product_of_ranks(input, g, async_op, lambda product: output.reshape(-1).__setitem__(
+            slice(None), product[lo:hi]))  # fmt: skip
     addr = g._stage(input, input.nbytes)
     work = g.start(Algo.REDUCE_SCATTER, input, wire, addr, addr, count)
     esize = input.itemsize
@@ -509,6 +518,27 @@ def reduce_scatter_tensor(output: Any, input: Any, op: int = ReduceOp.SUM,
     if average:
         world = g.world_size
         work._finish.append(lambda: np.divide(output, world, out=output, casting="unsafe"))
+    return _run(work, async_op)
+
+
+def _product_of_ranks(tensor: np.ndarray, g: ProcessGroup, async_op: bool,
+                      deliver: Callable[[np.ndarray], None]) -> Work | None:
+    """ReduceOp.PRODUCT: all-gather every rank's *tensor*, multiply the world_size vectors in
+    rank order on this host (the same operations on the same bits on every rank: identical
+    results) and hand the product to *deliver*."""
+    mine = np.ascontiguousarray(tensor).reshape(-1)
+    gathered = np.empty(mine.size * g.world_size, mine.dtype)
+    work = all_gather_into_tensor(gathered, mine, g, async_op=True)
+    assert work is not None
+
+    def multiply() -> None:
+        rows = gathered.reshape(g.world_size, mine.size)
+        product = rows[0].copy()
+        for row in rows[1:]:
+            np.multiply(product, row, out=product)
+        deliver(product)
+
+    work._finish.append(multiply)
     return _run(work, async_op)
 
 

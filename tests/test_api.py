@@ -1,6 +1,6 @@
 """The host API in torch.distributed's words (issue 17): init_process_group (env:// and
-file://), is_initialized, the flat *_tensor forms and the list forms, ReduceOp.AVG (and
-PRODUCT refused with the reason), barrier(async_op=), CPU torch tensors in place of numpy
+file://), is_initialized, the flat *_tensor forms and the list forms, ReduceOp.AVG and
+PRODUCT, barrier(async_op=), CPU torch tensors in place of numpy
 arrays. Every result against a numpy oracle; all ranks live in this process, so each call is
 started on every rank (async) before any is waited on."""
 
@@ -52,12 +52,34 @@ def test_avg_is_the_sum_divided_bitwise_identical(groups: list[api.ProcessGroup]
         assert buf.tobytes() == expected.astype(np.float32).tobytes()
 
 
-def test_avg_of_integers_and_product_are_refused_with_the_reason(groups: list[api.ProcessGroup]) -> None:
+def test_avg_of_integers_is_refused_with_the_reason(groups: list[api.ProcessGroup]) -> None:
     with pytest.raises(ValueError, match="floating dtype"):
         api.all_reduce(np.ones(4, np.int32), op=api.ReduceOp.AVG, group=groups[0])
-    with pytest.raises(ValueError, match="no multiply"):
-        api.all_reduce(np.ones(4, np.float32), op=api.ReduceOp.PRODUCT, group=groups[0])
     assert int(api.ReduceOp.SUM) == int(WireOp.SUM) and int(api.ReduceOp.MAX) == int(WireOp.MAX)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.int64])
+def test_product_is_the_rank_order_product_bitwise_identical(groups: list[api.ProcessGroup], dtype: type) -> None:
+    """PRODUCT (no multiply on the wire): an all-gather, then every host multiplies in rank
+    order; all_reduce and reduce_scatter_tensor against numpy, integers wrapping as numpy's do."""
+    rng = np.random.default_rng(7)
+    n = 3001  # blocks of unequal size in reduce_scatter
+    if np.dtype(dtype).kind == "f":
+        inputs = [rng.uniform(0.5, 1.5, n).astype(dtype) for _ in range(WORLD)]
+    else:
+        inputs = [rng.integers(-50_000, 50_000, n).astype(dtype) for _ in range(WORLD)]
+    expected = inputs[0].copy()
+    for x in inputs[1:]:
+        expected = expected * x  # rank order, as the hosts do
+    bufs = [x.copy() for x in inputs]
+    on_every_rank(groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.PRODUCT, group=g, async_op=True))
+    for buf in bufs:
+        assert buf.tobytes() == expected.tobytes()
+    outs = [np.empty((r + 1) * n // WORLD - r * n // WORLD, dtype) for r in range(WORLD)]
+    on_every_rank(groups, lambda g, r: api.reduce_scatter_tensor(outs[r], inputs[r], op=api.ReduceOp.PRODUCT,
+                                                                 group=g, async_op=True))  # fmt: skip
+    for r, out in enumerate(outs):
+        assert out.tobytes() == expected[r * n // WORLD : (r + 1) * n // WORLD].tobytes()
 
 
 def test_flat_and_list_forms(groups: list[api.ProcessGroup]) -> None:
