@@ -340,7 +340,10 @@ class NetnsCluster:
             if proc is None or proc.poll() is None:
                 continue
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            tail = " | ".join(err.strip().splitlines()[-8:])
+            lines = err.strip().splitlines()
+            # A crash in a kernel: faulthandler's first line names it, its stack follows.
+            fatal = [line for line in lines if line.startswith("Fatal Python error")]
+            tail = " | ".join(fatal[:1] + lines[-12:])
             dead.append(f"node rank {entry.rank} exited {proc.returncode}: {tail}")
         return dead
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import gc
+import io
 import logging
 import os
 import signal
@@ -121,6 +123,11 @@ def serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_par
     parent, create (exit 2 with the message on ValueError), warm up, announce, serve."""
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    # A crash inside a compiled kernel (numba checks no bounds) kills the process without a
+    # Python traceback; this prints the Python stack that called it to stderr instead (when
+    # stderr is a file: run in-process under a capturing test harness it is not).
+    with contextlib.suppress(io.UnsupportedOperation, ValueError):
+        faulthandler.enable()
     if with_parent:
         die_with_parent()
     log.info("starting (pid %d)", os.getpid())
