@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from netdam.cluster.launch import start_cluster
+from netdam.protocol.constants import Opcode
+from netdam.protocol.packet import Packet, encode_packet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,16 +39,22 @@ def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
 
     with start_cluster(3, memory=8 << 20, cluster_path=tmp_path / "c.toml") as cluster:
         ports = cluster_ports(cluster.path)
-        started = threading.Event()
+        started, stop = threading.Event(), threading.Event()
         frames: list[Any] = []
         sniffer = threading.Thread(target=lambda: frames.extend(
-            capture("lo", ports, seconds=8.0, started=started)))  # fmt: skip
+            capture("lo", ports, seconds=60.0, started=started, stop=stop)))  # fmt: skip
         sniffer.start()
         assert started.wait(10), "the capture socket did not open"
         run = subprocess.run([sys.executable, "-m", "netdam", "allreduce", "--cluster", str(cluster.path),
                               "--size", "1MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)  # fmt: skip
+        # The run is over: one more datagram to a node ends the capture (the stop check runs
+        # per frame), a PING, which the node answers.
+        stop.set()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as poke:
+            poke.sendto(encode_packet(Packet(Opcode.PING, client_id=1, txn_id=1)), cluster.endpoints[0])
         sniffer.join(30)
+        assert not sniffer.is_alive(), "the capture did not stop"
         assert json.loads(run.stdout)["ok"], run.stderr
     pcap = tmp_path / "x.pcap"
     wrpcap(str(pcap), frames)

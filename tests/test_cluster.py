@@ -159,7 +159,9 @@ def test_faults_injected_on_receive() -> None:
             answered = 0
             for _ in range(60):
                 try:
-                    client.request(ep, Packet(Opcode.PING), timeout=0.2, retries=0)
+                    # 50 ms is hundreds of loopback round trips: a PING lost to the fault
+                    # injection, not a slow one (was 0.2 s: 6 s of waiting for nothing).
+                    client.request(ep, Packet(Opcode.PING), timeout=0.05, retries=0)
                     answered += 1
                 except ControlError:
                     pass

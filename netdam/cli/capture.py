@@ -79,9 +79,10 @@ def _counter() -> Any:
 
 
 def capture(iface: str, ports: set[int], *, seconds: float | None = None, count: int | None = None,
-            on_frame: Any = None, started: Any = None) -> list[Any]:  # fmt: skip
+            on_frame: Any = None, started: Any = None, stop: Any = None) -> list[Any]:  # fmt: skip
     """Frames on *iface* to or from *ports* or a NetDAM multicast group. *started* (an Event)
-    is set once the capture socket is open, so a caller can start traffic after it."""
+    is set once the capture socket is open, so a caller can start traffic after it; once *stop*
+    (an Event) is set, the next frame ends the capture."""
 
     try:
         # Imported here: an optional or heavy dependency (scapy), loaded only by the commands that use it.
@@ -119,7 +120,8 @@ def capture(iface: str, ports: set[int], *, seconds: float | None = None, count:
                            ExitCode.RUN_FAILED) from None  # fmt: skip
     try:
         found = sniff(opened_socket=sock, lfilter=ours, prn=on_frame, store=True, timeout=seconds,
-                      count=count or 0, started_callback=started.set if started else None)  # fmt: skip
+                      count=count or 0, started_callback=started.set if started else None,
+                      stop_filter=(lambda _frame: stop.is_set()) if stop is not None else None)  # fmt: skip
     finally:
         sock.close()
     return list(found)
