@@ -464,8 +464,8 @@ class SwitchCore(CoreBase):
             else:
                 self._reply(packet, src, Opcode.NACK, status)
         else:
-            text = (f"{packet.opcode.name} goes to a node, not to the switch: pool regions are "
-                    "allocated by the controller (netdam pool alloc)").encode()  # fmt: skip
+            text = (f"{packet.opcode.name} goes to a node, not to the switch: a pool region "
+                    "comes from ALLOC to the VIP (SPEC.md 11.9; netdam pool alloc sends it)").encode()  # fmt: skip
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
 
 
