@@ -33,7 +33,7 @@ from netdam.kernels.collective import (
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
-from netdam.kernels.guard import G_CFG_LEN, G_FACTOR, G_LOCKOUT, _account, _locked, _validated
+from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _account, _locked, _validated, check_guard
 from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
@@ -168,8 +168,7 @@ def process_batch(rx: RxBatch, n: int, max_len: int, node: NodeState, guard: Gua
         raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
     if node.mem.dtype != np.uint8 or node.counters.shape[0] < C.NUM_COUNTERS:
         raise ValueError("node state: memory must be uint8 and counters full size")
-    if guard.ep.shape[0] != guard.tokens.shape[0] or guard.cfg.shape[0] < G_CFG_LEN or guard.key.shape[0] != 2:
-        raise ValueError("guard arrays of inconsistent sizes")
+    check_guard(guard)
     tx_n, n_punt = _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt)
     return int(tx_n), int(n_punt)
 

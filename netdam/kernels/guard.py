@@ -205,6 +205,16 @@ def _account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):  # type: ig
 # ---------------------------------------------------------------- checked entries (Python)
 
 
+def check_guard(g: Guard) -> None:
+    """What the kernels take on trust: the cfg words, a two-word key, one table entry per way of
+    every set, and the per-entry and per-set arrays of equal length."""
+    entries = g.set_until.shape[0] * WAYS
+    if (g.cfg.shape[0] < G_CFG_LEN or g.key.shape[0] != 2
+            or not g.ep.shape[0] == g.tokens.shape[0] == g.seen.shape[0] == g.until.shape[0] == entries
+            or not g.set_until.shape[0] == g.set_strikes.shape[0] == g.set_last.shape[0]):  # fmt: skip
+        raise ValueError("guard arrays of inconsistent sizes (make them with new_guard)")
+
+
 def address_token(g: Guard, endpoint: int) -> int:
     """The token INFO carries for *endpoint* (ip << 16 | port)."""
     if g.key.shape[0] != 2:
@@ -216,8 +226,9 @@ def record_failure(g: Guard, endpoint: int, counters: np.ndarray) -> None:
     """A failed authentication seen by the control plane (UNAUTHORIZED from Python)."""
     if g.cfg[G_LOCKOUT] == 0.0:
         return
-    if counters.shape[0] < C.NUM_COUNTERS or g.ep.shape[0] != g.set_until.shape[0] * WAYS:
-        raise ValueError("guard or counters arrays of the wrong size")
+    check_guard(g)
+    if counters.shape[0] < C.NUM_COUNTERS:
+        raise ValueError("counters array of the wrong size")
     _fail(g, np.uint64(endpoint), counters)
 
 

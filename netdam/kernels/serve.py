@@ -15,7 +15,7 @@ from netdam.kernels import signatures as S
 from netdam.kernels.collective import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE, _coll_tick
 from netdam.kernels.datapath import _process_batch
 from netdam.kernels.faults import _apply_faults
-from netdam.kernels.guard import G_NOW
+from netdam.kernels.guard import G_NOW, check_guard
 from netdam.kernels.state import FaultState, Guard, NodeState, RxBatch, ServeIO, TxQueue
 from netdam.kernels.udp_io import (
     _POLLIN,
@@ -85,8 +85,7 @@ def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, guard: 
         raise ValueError(f"recv_bytes {io.recv_bytes} outside the receive buffer")
     if txq.shape[0] != 2 or not 0 <= txq[0] <= txq[1] < tx.len.shape[0]:
         raise ValueError("send queue [head, tail] outside its slots")
-    if guard.ep.shape[0] != guard.tokens.shape[0] or guard.key.shape[0] != 2:
-        raise ValueError("guard arrays of inconsistent sizes")
+    check_guard(guard)
     reason, n_punt = _serve(io, rx, faults, node, guard, tx, txq, punt)
     return int(reason), int(n_punt)
 

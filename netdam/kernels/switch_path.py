@@ -32,7 +32,7 @@ from netdam.kernels.fault_hash import (
     _packet_id,
 )
 from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
-from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated
+from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated, check_guard
 from netdam.kernels.state import RxBatch, SwitchState, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
@@ -463,6 +463,7 @@ def switch_round(rx: RxBatch, n: int, max_len: int, st: SwitchState, tx: TxQueue
         raise ValueError(f"batch of {n} does not fit its arrays")
     if not 0 <= tx_n < tx.len.shape[0] or tx.off.shape[0] != tx.len.shape[0] + 1:
         raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
+    check_guard(st.guard)
     tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, tx_n, punt)
     return int(tx_n), int(n_punt)
 

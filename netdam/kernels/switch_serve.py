@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
-from netdam.kernels.guard import G_NOW
+from netdam.kernels.guard import G_NOW, check_guard
 from netdam.kernels.serve import _flush  # one flush for node and switch
 from netdam.kernels.state import RxBatch, ServeIO, SwitchState, TxQueue
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
@@ -38,6 +38,7 @@ def switch_serve(io: ServeIO, rx: RxBatch, room_per: int, st: SwitchState, tx: T
         raise ValueError(f"recv_bytes {io.recv_bytes} outside the receive buffer")
     if txq.shape[0] != 2 or not 0 <= txq[0] <= txq[1] < tx.len.shape[0]:
         raise ValueError("send queue [head, tail] outside its slots")
+    check_guard(st.guard)
     reason, n_punt = _switch_serve(io, rx, room_per, st, tx, txq, punt)
     return int(reason), int(n_punt)
 
