@@ -8,7 +8,10 @@ the same job costs on a real NetDAM card and on a RoCE host:
 - ``pipeline``: per-packet stage costs shared by both models;
 - ``analytic``: closed-form latency breakdowns and line rate;
 - ``des``: discrete-event model (queues, backpressure, jitter, incast);
-- ``collectives``: all-reduce time of NetDAM chain, RoCE ring, halving-doubling, ideal.
+- ``collectives``: all-reduce time of NetDAM chain, RoCE (hardware bound and MPI library as
+  run), halving-doubling, ideal;
+- ``validation``: the RoCE models against published host all-reduce measurements
+  (``measurements/``).
 
 ``estimate_allreduce_seconds(nodes, nbytes, link_gbps=100.0, algo="netdam-chain",
 dtype_bytes=4)`` is the stable entry point the emulator's collectives call.

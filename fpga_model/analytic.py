@@ -229,3 +229,15 @@ def describe_system(p: NicParams) -> str:
         return f"RoCE host {p.name}: {p.link_gbps:g} Gb/s, PCIe Gen{p.pcie_gen} x16"
     return (f"NetDAM {p.name}: {p.link_gbps:g} Gb/s, {p.bus_bytes * 8}-bit @ "
             f"{p.clock_hz / 1e6:g} MHz, {p.mem_kind}")
+
+
+def fit_roce_sw_message(p: RoceParams, mpi_one_way_s: float = 1.67e-6,
+                        data_bytes: int = 1) -> float:
+    """Software per message that makes an MPI one-way latency of *mpi_one_way_s*.
+
+    How ``sw_message_s`` of the RoCE presets was fitted: ``osu_latency`` of 1 B between two
+    hosts (one rank each) on a 100 Gb/s RoCE v2 cluster network, Open MPI 5.0.8 over UCX,
+    1.67 us (OCI HPC tutorials, "OSU Micro-Benchmarks: BM.Optimized3.36"): the MPI latency
+    less the verbs one-way latency through one switch that the rest of the model gives.
+    """
+    return mpi_one_way_s - roce_one_way_s(p, data_bytes, switched=True)

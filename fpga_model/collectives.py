@@ -6,23 +6,25 @@ Algorithms (p nodes, n bytes per node):
   in flight, the last stores), then all-gather by multicast writes (design notes 4.1-4.3).
   Every node receives (p-1)/p n in each phase at the rate of its NIC pipeline for ADD and
   WRITE packets (analytic.py), plus the fill latency of one chain and one multicast hop.
-- ``roce-ideal``: the hardware bound of a RoCE host all-reduce: no software cost, and the
-  reduction of each step fully overlapped with its transfer (an infinitely fine pipeline).
-  The better of a ring, Thakur, Rabenseifner & Gropp 2005,
-  2(p-1) a + (p-1)/p n (max(b_rs, g) + b_ag), and recursive doubling, log2(p) steps of
-  a + n max(b_rs, g) (two more steps when p is not a power of two), where a is the RDMA
-  one-way latency (PCIe doorbell + NIC + wire + NIC + DMA write), b the per-byte cost of
-  the slowest of link, PCIe and host DRAM (with DDIO misses, design notes 8.2), g one
-  core's reduction cost. No library can beat it: ``roce-ring`` >= ``roce-ideal`` for every
-  size, node count and preset.
-- ``roce-ring``: RoCE as people run it, an MPI library over verbs (OpenMPI coll/tuned
-  decision): recursive doubling below ``small_allreduce_bytes``, ring up to p segments of
-  ``ring_segment_bytes``, segmented ring above. Each message pays software (verbs post + CQ
-  poll), each step the progress engine; eager messages pay copies through bounce buffers,
-  rendezvous messages an RTS/CTS round trip and the PCIe read round trip of the RDMA read.
-  A plain ring step serializes receive and reduce; the segmented ring overlaps the transfer
-  of one segment with the reduction of the previous one. With every software cost zero, no
-  small-size or segment switch and a free reduction this reduces exactly to ``roce-ideal``.
+- ``roce-ideal``: the hardware bound of a RoCE host all-reduce: no software cost, no copies,
+  and the reduction of each step fully overlapped with its transfer (an infinitely fine
+  pipeline). The best of a ring, Thakur, Rabenseifner & Gropp 2005,
+  2(p-1) a + (p-1)/p n (max(b_rs, g) + b_ag), recursive doubling, log2(p) steps of
+  a + n max(b_rs, g), and Rabenseifner's halving-doubling (off powers of two both fold the
+  extra ranks first), where a is the RDMA one-way latency (PCIe doorbell + NIC + wire +
+  NIC + DMA write), b the per-byte cost of the slowest of link, PCIe and host DRAM (with
+  DDIO misses, design notes 8.2), g one core's reduction cost. No library can beat it:
+  ``roce-ring`` >= ``roce-ideal`` for every size, node count and preset.
+- ``roce-ring``: RoCE as people run it, Open MPI over verbs with one rank per host: the
+  algorithm its coll/tuned table picks (``openmpi_allreduce_algorithm``: Open MPI >= 4.1 by
+  default, recursive doubling, ring or Rabenseifner; the older 4.0 rule on request), each
+  step as coll/base runs it (receive into a temporary buffer, then reduce into the local one
+  on one core, serialized; extra ranks folded in first off powers of two), the send buffer
+  copied into the working buffer first, software per message and per step, eager copies
+  below the eager limit and a rendezvous (RTS/CTS round trip, PCIe read round trip) above.
+  Validated against two published host measurement sets (validation.py). With every
+  software cost and copy zero and a free reduction, the best of its algorithms, forced, is
+  exactly ``roce-ideal``.
 - ``halving-doubling``: Rabenseifner (same paper): 2 log2(p) a + 2(p-1)/p n b + (p-1)/p n g
   for powers of two; otherwise the p - p' extra ranks first fold into a partner and get the
   result back at the end (a + n b + n g, then a + n b).
@@ -69,6 +71,7 @@ class AllreduceEstimate:
     bottleneck: str
     terms: dict[str, float]
     params: str
+    algorithm: str = ""  # the host library's algorithm (roce-ring), else empty
 
     @property
     def algbw_gbps(self) -> float:
@@ -90,6 +93,7 @@ class AllreduceEstimate:
             "bottleneck": self.bottleneck,
             "terms_seconds": self.terms,
             "params": self.params,
+            "host_algorithm": self.algorithm or None,
         }
 
 
@@ -189,28 +193,38 @@ def _host_estimate(algo: str, p: RoceParams, nodes: int, nbytes: int, steps: flo
 
 
 def roce_ideal(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
-    """Hardware bound of a RoCE host all-reduce (module docstring): the better of a ring and
-    recursive doubling, no software, each step's reduction hidden behind its transfer where
-    the transfer is the slower (and the transfer behind the reduction where that is)."""
+    """Hardware bound of a RoCE host all-reduce (module docstring): the best of a ring,
+    recursive doubling and Rabenseifner's halving-doubling, no software, no copies, each
+    step's reduction hidden behind its transfer where the transfer is the slower (and the
+    transfer behind the reduction where that is)."""
     _check(nodes, nbytes, dtype_bytes)
     c = _host_costs(p)
+    rs = max(c.beta_rs, c.gamma)  # per byte of a reducing step: the slower of the two
+
+    def steps(count: float, reduced: float, gathered: float) -> dict[str, float]:
+        return {"latency": count * c.alpha,
+                "transfer": reduced * c.beta_rs + gathered * c.beta_ag,
+                "cpu_reduce": reduced * (rs - c.beta_rs)}
+
     frac = (nodes - 1) / nodes
-    rs = max(c.beta_rs, c.gamma)  # per byte of a reduce-scatter step: the slower of the two
-    ring = {"latency": 2.0 * (nodes - 1) * c.alpha,
-            "transfer": frac * nbytes * (min(c.beta_rs, rs) + c.beta_ag),
-            "cpu_reduce": frac * nbytes * (rs - c.beta_rs)}
     pow2 = 1 << (nodes.bit_length() - 1)
-    steps = math.log2(pow2) + (2 if pow2 != nodes else 0)
-    doubling = {"latency": steps * c.alpha, "transfer": steps * nbytes * c.beta_rs,
-                "cpu_reduce": steps * nbytes * (rs - c.beta_rs)}
-    terms = min(ring, doubling, key=lambda t: sum(t.values()))
+    fold = nbytes if pow2 != nodes else 0.0  # whole vector in and (result) back out
+    hops = 2 if pow2 != nodes else 0
+    log = math.log2(pow2)
+    candidates = [
+        steps(2.0 * (nodes - 1), frac * nbytes, frac * nbytes),  # ring
+        steps(log + hops, log * nbytes + fold, fold),  # recursive doubling
+        steps(2.0 * log + hops, (pow2 - 1) / pow2 * nbytes + fold,  # Rabenseifner
+              (pow2 - 1) / pow2 * nbytes + fold),
+    ]
+    terms = min(candidates, key=lambda t: sum(t.values()))
     worst = max(terms, key=lambda k: terms[k])
     bottleneck = c.limiter_rs if worst == "transfer" else worst
     return AllreduceEstimate("roce-ideal", nodes, nbytes, p.link_gbps, sum(terms.values()),
                              bottleneck, terms, p.name)
 
 
-def _message_overhead_s(p: RoceParams, c: _HostCosts, nbytes: int) -> tuple[float, float]:
+def _message_overhead_s(p: RoceParams, c: _HostCosts, nbytes: float) -> tuple[float, float]:
     """(seconds per message, seconds per byte) of software for one point-to-point message."""
     if nbytes <= p.eager_limit_bytes:
         # Eager: copy into a registered bounce buffer, copy out at the receiver.
@@ -221,49 +235,155 @@ def _message_overhead_s(p: RoceParams, c: _HostCosts, nbytes: int) -> tuple[floa
     return p.sw_message_s + handshake + p.pcie_read_s(32), 0.0
 
 
-def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
-    """MPI-library all-reduce over RoCE as OpenMPI's tuned component runs it (module docstring)."""
-    _check(nodes, nbytes, dtype_bytes)
-    c = _host_costs(p)
-    if nbytes < p.small_allreduce_bytes:
-        # Recursive doubling: log2(p') exchanges of the whole vector, each received into a
-        # temporary buffer then reduced into the local one (serialized: progress only in calls).
-        pow2 = 1 << (nodes.bit_length() - 1)
-        steps = int(math.log2(pow2)) + (2 if pow2 != nodes else 0)
-        lat, per = _message_overhead_s(p, c, nbytes)
-        comm = steps * (c.alpha + lat + p.sw_step_s)
-        xfer = steps * nbytes * (c.beta_rs + per)
-        red = steps * nbytes * c.gamma
-        terms = {"latency": comm, "transfer": xfer, "cpu_reduce": red}
-    else:
-        block = math.ceil(nbytes / nodes)
-        seg = min(block, p.ring_segment_bytes) if nbytes > nodes * p.ring_segment_bytes else block
-        nseg = math.ceil(block / seg)
-        lat, per = _message_overhead_s(p, c, seg)
-        # Per segment: communication (wire/PCIe/DRAM bound + software) and the reduction of
-        # the received temporary into the local block (reduce-scatter only).
-        comm_rs = c.alpha + lat + seg * (c.beta_rs + per)
-        comm_ag = c.alpha + lat + seg * (c.beta_ag + per)
-        red = seg * c.gamma
-        steps = nodes - 1
-        if nseg == 1:
-            rs_step = comm_rs + red  # receive then reduce, serialized
-            ag_step = comm_ag
+ROCE_RING_ALGORITHMS = ("recursive_doubling", "ring", "segmented_ring", "rabenseifner",
+                        "nonoverlapping")
+
+
+def openmpi_allreduce_algorithm(p: RoceParams, nodes: int, nbytes: int) -> str:
+    """The algorithm Open MPI's coll/tuned picks for a commutative all-reduce (MPI_SUM).
+
+    ``openmpi-4.1``: ``ompi_coll_tuned_allreduce_intra_dec_fixed`` of Open MPI >= 4.1.0
+    (coll_tuned_decision_fixed.c, commutative branch, switch points from the
+    ompi-collectives-tuning measurements). Its algorithm 5 (segmented ring) runs with
+    segment size 0, which ``ompi_coll_base_allreduce_intra_ring_segmented`` turns into the
+    plain ring, so it is reported as ``ring``. ``openmpi-4.0``: the older fixed rule,
+    recursive doubling below ``small_allreduce_bytes``, ring up to p segments of
+    ``ring_segment_bytes``, segmented ring above.
+    """
+    if p.coll_decision == "openmpi-4.0":
+        if nbytes < p.small_allreduce_bytes:
+            return "recursive_doubling"
+        return "ring" if nodes * p.ring_segment_bytes >= nbytes else "segmented_ring"
+    n = nbytes
+    if nodes < 4:
+        if n < 8 or 4096 <= n < 8192 or 16384 <= n < 262144:
+            return "ring"
+        return "recursive_doubling" if n < 16384 else "rabenseifner"
+    if nodes < 8:
+        return "ring" if n < 16 else "recursive_doubling" if n < 8192 else "rabenseifner"
+    if nodes < 16:
+        return "recursive_doubling" if n < 8192 else "rabenseifner"
+    if nodes < 32:
+        return "ring" if n < 64 else "recursive_doubling" if n < 4096 else "rabenseifner"
+    if nodes < 64:
+        return "ring" if n < 128 else "rabenseifner"
+    if nodes < 128:
+        return "recursive_doubling" if n < 262144 else "rabenseifner"
+    if nodes < 256:
+        return "nonoverlapping" if n < 131072 else "recursive_doubling" if n < 262144 \
+            else "rabenseifner"
+    if nodes < 512:
+        return "nonoverlapping" if n < 4096 else "rabenseifner"
+    if nodes < 2048:
+        return "nonoverlapping" if n < 2048 else "recursive_doubling" if n < 16384 \
+            else "rabenseifner"
+    if nodes < 4096:
+        return "nonoverlapping" if n < 2048 else "ring" if n < 4096 \
+            else "recursive_doubling" if n < 16384 else "rabenseifner"
+    return "nonoverlapping" if n < 2048 else "ring" if n < 16384 \
+        else "recursive_doubling" if n < 32768 else "rabenseifner"
+
+
+class _Steps:
+    """Adds up the steps of one host-library algorithm, term by term."""
+
+    def __init__(self, p: RoceParams, c: _HostCosts) -> None:
+        self.p, self.c = p, c
+        self.terms = {"latency": 0.0, "transfer": 0.0, "cpu_reduce": 0.0, "copies": 0.0}
+
+    def copy(self, nbytes: float) -> None:
+        """The library copies *nbytes* on the host (send buffer into its working buffer)."""
+        self.terms["copies"] += nbytes / self.p.cpu_memcpy_bytes_per_s
+
+    def exchange(self, nbytes: float, reduce: bool, times: int = 1) -> None:
+        """*times* algorithm steps: send and receive *nbytes* with one peer, then (reduce)
+        fold the received temporary into the local buffer; progress only inside the call,
+        so the reduction follows the transfer."""
+        lat, per = _message_overhead_s(self.p, self.c, nbytes)
+        beta = self.c.beta_rs if reduce else self.c.beta_ag
+        self.terms["latency"] += times * (self.c.alpha + lat + self.p.sw_step_s)
+        self.terms["transfer"] += times * nbytes * (beta + per)
+        if reduce:
+            self.terms["cpu_reduce"] += times * nbytes * self.c.gamma
+
+    def pipelined(self, nseg: int, seg: float, reduce: bool, times: int) -> None:
+        """*times* steps of *nseg* segments: segment k+1 travels while segment k is reduced."""
+        lat, per = _message_overhead_s(self.p, self.c, seg)
+        beta = self.c.beta_rs if reduce else self.c.beta_ag
+        comm_fixed = self.c.alpha + lat
+        comm = comm_fixed + seg * (beta + per)
+        red = seg * self.c.gamma if reduce else 0.0
+        step = nseg * max(comm, red) + min(comm, red)
+        self.terms["latency"] += times * (nseg * comm_fixed + self.p.sw_step_s)
+        self.terms["transfer"] += times * nseg * seg * (beta + per)
+        self.terms["cpu_reduce"] += times * (step - nseg * comm)
+
+
+def _fold(s: _Steps, nodes: int, nbytes: int, halves: bool) -> tuple[int, bool]:
+    """Open MPI's non-power-of-two handling: the first 2r ranks pair up and one of each pair
+    leaves the algorithm, its partner holding the pair's sum (and sending the result back
+    at the end). Recursive doubling sends the whole vector one way and reduces it;
+    Rabenseifner (*halves*) exchanges halves, reduces one each and sends that half back.
+    Returns (p', folded)."""
+    pow2 = 1 << (nodes.bit_length() - 1)
+    if pow2 != nodes:
+        if halves:
+            s.exchange(nbytes / 2, reduce=True)
+            s.exchange(nbytes / 2, reduce=False)
         else:
-            # Segmented ring: segment k+1 travels while segment k is reduced.
-            rs_step = nseg * max(comm_rs, red) + min(comm_rs, red)
-            ag_step = nseg * comm_ag
-        sw = 2.0 * steps * p.sw_step_s
-        lat_total = 2.0 * steps * nseg * (c.alpha + lat)
-        total = steps * (rs_step + ag_step) + sw
-        red_total = steps * (rs_step - nseg * comm_rs) if nseg == 1 else \
-            steps * max(0.0, rs_step - nseg * comm_rs)
-        terms = {"latency": lat_total + sw, "transfer": total - lat_total - sw - red_total,
-                 "cpu_reduce": red_total}
+            s.exchange(nbytes, reduce=True)
+    return pow2, pow2 != nodes
+
+
+def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4,
+              algorithm: str | None = None) -> AllreduceEstimate:
+    """MPI-library all-reduce over RoCE as Open MPI's coll/tuned runs it (module docstring).
+
+    *algorithm* forces one of ROCE_RING_ALGORITHMS instead of the library's choice.
+    """
+    _check(nodes, nbytes, dtype_bytes)
+    algo = algorithm or openmpi_allreduce_algorithm(p, nodes, nbytes)
+    if algo == "ring" and nbytes // dtype_bytes < nodes:
+        algo = "recursive_doubling"  # ompi_coll_base_allreduce_intra_ring: count < size
+    if algo not in ROCE_RING_ALGORITHMS:
+        raise ValueError(f"unknown host algorithm {algo!r}; choose one of "
+                         f"{', '.join(ROCE_RING_ALGORITHMS)}")
+    c = _host_costs(p)
+    s = _Steps(p, c)
+    s.copy(p.send_buffer_copies * nbytes)
+    if algo in ("recursive_doubling", "rabenseifner"):
+        pow2, folded = _fold(s, nodes, nbytes, halves=algo == "rabenseifner")
+        steps = int(math.log2(pow2))
+        if algo == "recursive_doubling":
+            s.exchange(nbytes, reduce=True, times=steps)
+        else:
+            # Recursive halving (reduce-scatter), then recursive doubling (all-gather).
+            for k in range(1, steps + 1):
+                s.exchange(nbytes / (1 << k), reduce=True)
+            for k in range(steps, 0, -1):
+                s.exchange(nbytes / (1 << k), reduce=False)
+        if folded:
+            s.exchange(nbytes, reduce=False)
+    elif algo == "nonoverlapping":
+        # Reduce to a root then broadcast it (binomial trees of whole vectors).
+        depth = math.ceil(math.log2(nodes))
+        s.exchange(nbytes, reduce=True, times=depth)
+        s.exchange(nbytes, reduce=False, times=depth)
+    else:
+        block = nbytes / nodes  # Open MPI splits into early and late blocks one element apart
+        if algo == "segmented_ring":
+            seg = min(block, p.ring_segment_bytes)
+            nseg = math.ceil(block / seg)
+            s.pipelined(nseg, seg, reduce=True, times=nodes - 1)
+            s.pipelined(nseg, seg, reduce=False, times=nodes - 1)
+        else:
+            s.exchange(block, reduce=True, times=nodes - 1)
+            s.exchange(block, reduce=False, times=nodes - 1)
+    terms = s.terms
     worst = max(terms, key=lambda k: terms[k])
     bottleneck = c.limiter_rs if worst == "transfer" else worst
     return AllreduceEstimate("roce-ring", nodes, nbytes, p.link_gbps, sum(terms.values()),
-                             bottleneck, terms, p.name)
+                             bottleneck, terms, p.name, algorithm=algo)
 
 
 def halving_doubling(p: RoceParams, nodes: int, nbytes: int,

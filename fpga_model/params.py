@@ -26,6 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 fallback
     import tomli as tomllib
 
+COLL_DECISIONS = ("openmpi-4.1", "openmpi-4.0")
 STATUSES = ("sourced", "derived", "fitted", "assumed", "override")
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 
@@ -129,8 +130,14 @@ class RoceParams:
     sw_step_s: float = _p("MPI progress engine per algorithm step (matching, requests)", "s")
     eager_limit_bytes: int = _p("largest message sent eagerly; above it rendezvous", "B")
     eager_copies: int = _p("memory copies per eager byte (into and out of bounce buffers)", "")
-    small_allreduce_bytes: int = _p("below this vector size recursive doubling, else ring", "B")
-    ring_segment_bytes: int = _p("segment of the segmented ring (comm/reduce pipelined)", "B")
+    coll_decision: str = _p("the library's algorithm choice: openmpi-4.1 (coll/tuned table of "
+                            "Open MPI >= 4.1) or openmpi-4.0 (its older fixed rule)", "")
+    send_buffer_copies: int = _p("whole-vector copies before the algorithm starts (send buffer "
+                                 "into receive buffer when not in place)", "")
+    small_allreduce_bytes: int = _p("openmpi-4.0: below this vector size recursive doubling, "
+                                    "else ring", "B")
+    ring_segment_bytes: int = _p("openmpi-4.0: segment of the segmented ring (comm/reduce "
+                                 "pipelined)", "B")
     provenance: tuple[tuple[str, Provenance], ...] = field(
         default=(), compare=False, repr=False, metadata={"doc": "", "unit": ""}
     )
@@ -139,6 +146,9 @@ class RoceParams:
         _check_positive(self)
         if not 0.0 <= self.ddio_hit_rate <= 1.0:
             raise ValueError(f"ddio_hit_rate must be in [0, 1], got {self.ddio_hit_rate}")
+        if self.coll_decision not in COLL_DECISIONS:
+            raise ValueError(f"coll_decision must be one of {', '.join(COLL_DECISIONS)}, "
+                             f"got {self.coll_decision!r}")
 
     @property
     def pcie_half_rtt_s(self) -> float:
@@ -162,7 +172,7 @@ _CLASSES: dict[str, type[NetdamParams] | type[RoceParams]] = {
 _ALLOW_ZERO = {"mem_jitter_s", "mem_jitter_max_s", "ddio_hit_rate", "propagation_s",
                "switch_latency_s", "parse_cycles", "reply_cycles", "alu_latency_cycles",
                "pcie_read_per_byte_s", "sw_message_s", "sw_step_s", "eager_limit_bytes",
-               "eager_copies", "small_allreduce_bytes"}
+               "eager_copies", "small_allreduce_bytes", "send_buffer_copies"}
 
 
 def _check_positive(params: NetdamParams | RoceParams) -> None:

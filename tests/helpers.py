@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from netdam.cli import bench as cli_bench
 from netdam.cli import common as cliutil
+from netdam.cli import model as cli_model
 from netdam.cli.common import NetdamArgumentParser
 from netdam.core.fabric import Fabric
 from netdam.core.faults import FaultSpec
@@ -179,3 +180,14 @@ def run_bench_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[
         cliutil.JSON_REQUESTED[0] = False
     out = capsys.readouterr().out
     return code, json.loads(out)
+
+
+def run_model_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, Any]:
+    """Run `netdam model ...` in-process (the parser of netdam/cli/model.py alone); returns the
+    exit code and the JSON object printed (with --json) or the text."""
+    parser = NetdamArgumentParser(prog="netdam")
+    cli_model.register(parser.add_subparsers(dest="command", parser_class=NetdamArgumentParser))
+    args = parser.parse_args(argv)
+    rc = args.func(args)
+    out = capsys.readouterr().out
+    return rc, json.loads(out) if "--json" in argv else out

@@ -1,9 +1,10 @@
 """``netdam model``: the FPGA cycle model from the command line (fpga_model/README.md).
 
 Subcommands: ``op`` (latency breakdown of one instruction), ``line-rate`` (packets/s and
-goodput against packet size), ``allreduce`` (modelled all-reduce time of one algorithm) and
-``sweep`` (every algorithm against size and node count, optionally plotted). Every one takes
-``--json`` and ``--params FILE.toml``.
+goodput against packet size), ``allreduce`` (modelled all-reduce time of one algorithm),
+``sweep`` (every algorithm against size and node count, optionally plotted) and ``validate``
+(the RoCE models against published host all-reduce measurements). Every one takes
+``--json``; all but ``validate`` (whose sets carry their own hosts) take ``--params FILE.toml``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from netdam.fpga_model.params import (
     with_link,
 )
 from netdam.fpga_model.pipeline import NETDAM_OPS
+from netdam.fpga_model.validation import (
+    BOUNDS,
+    SetComparison,
+    compare_set,
+    load_sets,
+)
 from netdam.tools import plot as plotting
 from netdam.units import format_size
 
@@ -197,6 +204,22 @@ def register(subparsers: Any) -> None:
     sw.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     _common(sw, "100")
     sw.set_defaults(func=cmd_sweep)
+
+    va = sub.add_parser(
+        "validate",
+        help="the RoCE models against published host all-reduce measurements",
+        description="Run roce-ring (the MPI library as run) and roce-ideal (the hardware "
+        "bound) on every row of the published sets in fpga_model/measurements/, each with "
+        "the parameters of its own hosts, and print model / measured with its geometric "
+        f"mean (issue bound [{BOUNDS[0]}, {BOUNDS[1]}] for roce-ring).",
+    )
+    va.add_argument("--set", dest="set_key", metavar="KEY",
+                    help="only this set (default: every set)")  # fmt: skip
+    va.add_argument("--plot", metavar="FILE.png",
+                    help="draw measured against modelled time and their ratio (needs the "
+                    "[plot] extra: matplotlib)")  # fmt: skip
+    va.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    va.set_defaults(func=cmd_validate)
 
 
 # --- parameter resolution ---------------------------------------------------------------
@@ -394,6 +417,8 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
                         "bottleneck": e.bottleneck} for a, e in side.items()},
     }
     terms = "\n".join(f"  {k}: {v * 1e6:.2f} us" for k, v in est.terms.items())
+    if est.algorithm:
+        terms = f"  host algorithm: {est.algorithm} ({ro.coll_decision})\n" + terms
     text = (
         f"{est.algo}, {args.nodes} nodes, {format_size(args.size)} per node at "
         f"{est.link_gbps:g} Gb/s ({est.params})\n"
@@ -502,6 +527,87 @@ def _plot(
     axes[1][0].set(xlabel="nodes", ylabel="time (us)", title=f"time, {format_size(size)} per node")
     axes[1][1].set(xlabel="nodes", ylabel="busbw (GB/s)", title=f"busbw, {format_size(size)} per node")
     plotting.finish(fig, path, f"Modelled all-reduce, {link:g} Gb/s links (netdam fpga_model)")
+
+
+# --- validate -------------------------------------------------------------------------
+@_guard
+def cmd_validate(args: argparse.Namespace) -> int:
+    """The RoCE models against published host all-reduce measurements."""
+    plt: Any = plotting.pyplot() if args.plot else None
+    try:
+        sets = load_sets()
+    except (OSError, ValueError, KeyError) as exc:
+        raise CommandError(f"cannot read the measurement sets: {exc}", ExitCode.RUN_FAILED) from None
+    if args.set_key is not None:
+        sets = [s for s in sets if s.key == args.set_key]
+        if not sets:
+            known = ", ".join(s.key for s in load_sets())
+            raise CommandError(f"no measurement set {args.set_key!r}; known: {known}",
+                               ExitCode.USAGE)
+    ring = [compare_set(s, "roce-ring") for s in sets]
+    ideal = [compare_set(s, "roce-ideal") for s in sets]
+    out: dict[str, Any] = {"ok": True, "bounds": list(BOUNDS), "sets": []}
+    text: list[str] = []
+    for r, i in zip(ring, ideal):
+        m = r.measured
+        out["sets"].append({"key": m.key, "title": m.title, "citation": m.citation,
+                            "library": m.library, "hosts": m.hosts, "metric": m.metric,
+                            "roce_ring": r.as_dict(), "roce_ideal": i.as_dict()})
+        rows = [[str(a.point.nodes), format_size(a.point.nbytes),
+                 f"{a.point.seconds * 1e6:.1f}", f"{a.model_seconds * 1e6:.1f}",
+                 f"{a.ratio:.2f}", f"{b.ratio:.2f}", a.algorithm]
+                for a, b in zip(r.rows, i.rows) if a.point.nbytes >= m.validate_from_bytes]
+        by_nodes = ", ".join(f"{n}: {g:.2f}" for n, g in r.geomean_by_nodes().items())
+        text.append(
+            f"{m.key}: {m.title}\n  source: {m.citation}\n  hosts: {m.hosts}; library: "
+            f"{m.library}; measured: {m.metric}; model parameters: {m.params.name}\n\n"
+            + _table(["nodes", "size", "measured us", "roce-ring us", "ring/meas",
+                      "ideal/meas", "host algorithm"], rows)
+            + f"\n\n  geometric mean from {format_size(m.validate_from_bytes)} up: roce-ring "
+            f"{r.geomean:.2f} (by nodes {by_nodes}), roce-ideal {i.geomean:.2f}; bound "
+            f"[{BOUNDS[0]}, {BOUNDS[1]}]: {'within' if BOUNDS[0] <= r.geomean <= BOUNDS[1] else 'OUTSIDE'}")
+    if plt is not None:
+        _plot_validation(plt, ring, ideal, args.plot)
+        out["plot"] = args.plot
+        text.append(f"plot written to {args.plot}")
+    emit(out, args.json, "\n\n".join(text))
+    return int(ExitCode.OK)
+
+
+def _plot_validation(plt: Any, ring: list[SetComparison], ideal: list[SetComparison],
+                     path: str) -> None:
+    """Per set: measured times (markers) against roce-ring (lines) for a few node counts,
+    and model / measured for every node count with the issue's bounds shaded."""
+    fig, axes = plt.subplots(2, len(ring), figsize=(5.5 * len(ring), 8), squeeze=False)
+    for col, (r, i) in enumerate(zip(ring, ideal)):
+        top, bottom = axes[0][col], axes[1][col]
+        nodes = sorted({a.point.nodes for a in r.rows})
+        shown = [n for n in nodes if n in (2, 4, 8)] or nodes
+        for n, style in zip(shown, plotting.styles()):
+            pts = sorted((a.point.nbytes, a) for a in r.rows if a.point.nodes == n)
+            ids = sorted((b.point.nbytes, b) for b in i.rows if b.point.nodes == n)
+            xs = [x for x, _ in pts]
+            line = top.plot(xs, [a.model_seconds * 1e6 for _, a in pts],
+                            label=f"{n} nodes: roce-ring", linestyle=style["linestyle"])[0]
+            top.plot(xs, [a.point.seconds * 1e6 for _, a in pts], linestyle="none",
+                     marker=style["marker"], color=line.get_color(), label=f"{n} nodes: measured")
+            top.plot(xs, [b.model_seconds * 1e6 for _, b in ids], linestyle=":",
+                     linewidth=1, color=line.get_color(), label=f"{n} nodes: roce-ideal")
+        for n, style in zip(nodes, plotting.styles()):
+            pts = sorted((a.point.nbytes, a) for a in r.rows if a.point.nodes == n)
+            bottom.plot([x for x, _ in pts], [a.ratio for _, a in pts], label=f"{n} nodes",
+                        **style)
+        bottom.axhspan(BOUNDS[0], BOUNDS[1], color="0.9", zorder=0)
+        bottom.axhline(1.0, color="grey", linewidth=0.8)
+        bottom.axvline(r.measured.validate_from_bytes, color="grey", linewidth=0.8,
+                       linestyle="--")
+        for ax in (top, bottom):
+            plotting.size_axis(ax)
+        top.set_yscale("log")
+        top.set(ylabel="time (us)", title=r.measured.key)
+        bottom.set(ylabel="roce-ring / measured",
+                   title=f"geometric mean {r.geomean:.2f} (roce-ideal {i.geomean:.2f})")
+    plotting.finish(fig, path, "roce-ring against published host all-reduce times")
 
 
 def _plot_allreduce(plt: Any, args: argparse.Namespace, nd: Any, ro: Any, dtype: Any) -> None:
