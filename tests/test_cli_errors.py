@@ -167,7 +167,17 @@ def test_sigint_exits_130(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "netdam", "ping", "--node", "127.0.0.1:9",
                              "--count", "100000", "--timeout", "0.5"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(2.0)
+    # Interrupt it inside its loop, once its UDP socket is open (not during imports).
+    fds = Path(f"/proc/{proc.pid}/fd")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if any(os.readlink(fd).startswith("socket:") for fd in fds.iterdir()):
+                break
+        except OSError:
+            pass
+        time.sleep(0.05)
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, (proc.returncode, err)

@@ -160,7 +160,8 @@ def test_flood_keeps_node_alive_answering_and_flat(capsys: pytest.CaptureFixture
 
     from netdam.cli.main import main
 
-    code = main(["flood", "--target", "node", "--seconds", "4", "--json"])
+    # 3 s: the 1 s warm-up, then 5 memory samples (one per 0.5 s) for the flatness check.
+    code = main(["flood", "--target", "node", "--seconds", "3", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0, result
     assert result["alive"] and result["memory_flat"] and result["stats_failed"] == 0
