@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -49,11 +48,9 @@ from netdam.switch.addrmap import (
     Way,
     backing_per_way,
 )
-from netdam.switch.core import PoolReply, counters_from_payload
+from netdam.switch.core import PoolReply
 from netdam.switch.state import PoolState, load_state, locked, save_state, state_path_for
 
-#: How long alloc/free wait for the switch to load the new map.
-SWITCH_SYNC_TIMEOUT_S = 5.0
 #: The switch's wait for one node's answer to REGISTER/DEREGISTER, and its retries: ALLOC and
 #: FREE stall the switch's datapath for these round trips (SPEC.md 11.9).
 NODE_TIMEOUT_S = 0.2
@@ -388,44 +385,24 @@ class PoolController:
         return region_from_info(unpack_region_info(reply.payload))
 
     def region(self, gaddr: int) -> Region:
-        for r in self.regions():
-            if r.gaddr == gaddr:
-                return r
+        """The visible region that starts at *gaddr* (one QUERY)."""
+        try:
+            found = self.query(gaddr)
+        except ControllerError as exc:
+            if exc.status != Status.NO_ROUTE:
+                raise
+        else:
+            if found.gaddr == gaddr:
+                return found
         raise ControllerError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them",
                               Status.NO_ROUTE)  # fmt: skip
 
-    def switch_generation(self) -> int:
-        """Map generation the switch serves (COUNTERS on its management port)."""
-        switch = self.switch
-        with ControlClient(admin_key=self.cluster.admin_key) as client:
-            try:
-                reply = client.request(switch.control_endpoint,
-                                       Packet(Opcode.COUNTERS, rkey=self.cluster.admin_key),
-                                       timeout=self.timeout / 4, retries=3)  # fmt: skip
-            except ControlError as exc:
-                raise ControllerError(f"switch {switch.address}:{switch.port}: {exc}") from None
-        values = counters_from_payload(reply.payload)["switch"]
-        return int(values["map_generation"])  # type: ignore[index]
-
-    def wait_for_switch(self, generation: int) -> None:
-        deadline = time.monotonic() + SWITCH_SYNC_TIMEOUT_S
-        while True:
-            if self.switch_generation() >= generation:
-                return
-            if time.monotonic() > deadline:
-                raise ControllerError(f"the switch at {self.switch.address}:{self.switch.port} did not load "
-                                f"map generation {generation} within {SWITCH_SYNC_TIMEOUT_S:.0f} s: "
-                                f"is it running with --state {self.state_path}?")  # fmt: skip
-            time.sleep(0.01)
-
-    # ------------------------------------------------------------------ changes
-
     def alloc(self, size: int, interleave: int | None = None, *, ways: int | None = None,
-              rights: int = int(RIGHTS_ALL), tenant: str = "", wait: bool = True) -> Region:  # fmt: skip
+              rights: int = int(RIGHTS_ALL), tenant: str = "") -> Region:  # fmt: skip
         """Allocate *size* bytes: range-mapped on one node, or interleaved with stride
         *interleave* over *ways* nodes (default all). Returns the region (gaddr, rkey, ...;
         ``extra["credential"]``: the tenant credential that frees and queries it). The switch
-        answers once it serves the new map, so *wait* has nothing left to wait for."""
+        answers once it serves the new map."""
         if rights == 0 or rights & ~int(RIGHTS_ALL):
             raise ControllerError(f"rights {rights} must combine READ (1), WRITE (2), ATOMIC (4)")
         if size <= 0 or size >= 1 << 64:
@@ -438,7 +415,7 @@ class PoolController:
         reply = self._request(Opcode.ALLOC, 0, request.encode())
         return region_from_info(unpack_region_info(reply.payload))
 
-    def free(self, gaddr: int, *, wait: bool = True) -> Region:
+    def free(self, gaddr: int) -> Region:
         """Free the region at *gaddr*: the switch removes it from the map, then deregisters its
         backing on the nodes. Returns what was freed."""
         reply = self._request(Opcode.FREE, gaddr, pack_credential(self.credential or 0))

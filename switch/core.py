@@ -132,6 +132,7 @@ class PoolReply:
     def opcode(self) -> Opcode:
         return Opcode.ACK if self.status == Status.OK else Opcode.NACK
 
+
 class PoolHandler(Protocol):
     """The switch's allocator (``netdam.switch.controller.PoolService``): answers ALLOC, FREE
     and QUERY (SPEC.md 11.9)."""
@@ -467,7 +468,6 @@ class SwitchCore(CoreBase):
             text = (f"{packet.opcode.name} goes to a node, not to the switch: a pool region "
                     "comes from ALLOC to the VIP (SPEC.md 11.9; netdam pool alloc sends it)").encode()  # fmt: skip
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
-
 
     def _failed(self, src: int) -> None:
         """A failed authentication by *src* (nodes are trusted): the lockout counts it."""

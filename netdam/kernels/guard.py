@@ -30,6 +30,7 @@ from numba import njit
 
 from netdam.kernels.fault_hash import _mix
 from netdam.kernels.state import Guard
+from netdam.kernels.wire import _OP_NACK
 from netdam.protocol import counters as C
 from netdam.protocol.constants import LOCKOUT_SETS, WAYS_PER_ADDRESS, Status
 
@@ -41,7 +42,6 @@ G_NOW, G_LOCKOUT, G_BURST, G_RATE, G_T0, G_TMAX, G_FORGET, G_FACTOR = range(8)
 G_CFG_LEN = 8
 _S_BAD_RKEY = int(Status.BAD_RKEY)
 _S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
-_OP_NACK = 0x0C
 _SALT_SET = 0x2545F4914F6CDD1D
 
 

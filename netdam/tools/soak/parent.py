@@ -172,16 +172,14 @@ def _allocate(controller: PoolController, config: SoakConfig, nodes: int, alloca
     rng = seeded(config.seed, 0xA110C)
     ids = client_ids(config.seed, config.clients + 1)
     try:
-        counter = controller.alloc(COUNTER_REGION, 8 * KiB if nodes > 1 else None, tenant="soak-counter", wait=False)
+        counter = controller.alloc(COUNTER_REGION, 8 * KiB if nodes > 1 else None, tenant="soak-counter")
         allocated.append(counter)
         regions = []
         for k in range(config.clients):
             size, stride, ways = draw_region(rng, nodes)
-            region = controller.alloc(size, stride or None, ways=ways if stride else None, tenant=f"soak-{k}",
-                                      wait=False)  # fmt: skip
+            region = controller.alloc(size, stride or None, ways=ways if stride else None, tenant=f"soak-{k}")
             allocated.append(region)
             regions.append(region)
-        controller.wait_for_switch(controller.state().generation)
     except AllocError as exc:
         raise SoakFailure(f"could not allocate the soak's regions: {exc}") from None
     counter_addr = counter.gaddr + 8 * int(rng.integers(0, COUNTER_REGION // 8))
