@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,12 @@ from netdam.switch.state import state_path_for
 
 #: First node's port when not chosen: next to the protocol's default 7744.
 DEFAULT_BASE_PORT = 17744
-START_TIMEOUT_S = 120.0  # a cold numba cache compiles for ~10 s on 2 cores; CI machines vary
+#: A starting process may take as long as it keeps working: its start-up fails only once it has
+#: used no CPU for STALL_S (hung, or waiting on something that never comes). A fixed deadline
+#: failed a first run on a busy 2-core machine, where one compile took 77 s (issue 23).
+STALL_S = 30.0
+#: ... and in any case after START_LIMIT_S (a compile that spins this long is a bug).
+START_LIMIT_S = 1800.0
 
 
 class ClusterStartError(NetdamError, RuntimeError):
@@ -160,24 +166,11 @@ def warm_node_kernels() -> None:
     starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
     long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
 
-    start = time.monotonic()
-    done = threading.Event()
-    noted = threading.Event()
+    def build() -> None:
+        # Imported here: the node process pulls in every kernel module (numba), which commands
+        # that only read or stop clusters should not pay for.
+        from netdam.shell.node_process import NodeProcess, NodeProcessConfig
 
-    def tell() -> None:
-        # Loading from the cache takes well under a second; still busy after one, it compiles.
-        if not done.wait(1.0):
-            noted.set()
-            progress.note("first run: compiling the node kernels once (about 40 s on 2 cores; numba "
-                          "caches them, later runs start in seconds)")  # fmt: skip
-            progress.status("compiling kernels (once)")
-
-    threading.Thread(target=tell, name="netdam-compile-note", daemon=True).start()
-    # Imported here: the node process pulls in every kernel module (numba), which commands that
-    # only read or stop clusters should not pay for.
-    from netdam.shell.node_process import NodeProcess, NodeProcessConfig
-
-    try:
         proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
                                              name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
         try:
@@ -185,10 +178,57 @@ def warm_node_kernels() -> None:
             proc.core.handle_timer(0.0)
         finally:
             proc.close()
+
+    _warm("node", build)
+
+
+def warm_switch_kernels() -> None:
+    """As warm_node_kernels, for the switch's kernels: compiled here, with progress, before the
+    switch process starts (it then loads them from the cache in a second)."""
+
+    def build() -> None:
+        from netdam.switch.process import SwitchProcess, SwitchProcessConfig
+
+        with tempfile.TemporaryDirectory(prefix="netdam-warm-") as tmp:
+            node = NodeEntry(rank=0, address="127.0.0.1", port=_free_port_block("127.0.0.1", 1),
+                             memory_bytes=1 << 16)  # fmt: skip
+            path = Path(tmp) / "warm.toml"
+            write_cluster(ClusterFile(name="netdam-warm", admin_key=1, mtu=9000, created="",
+                                      supervisor_pid=0, nodes=(node,)), path)  # fmt: skip
+            proc = SwitchProcess(SwitchProcessConfig(vip=("127.0.0.1", 0), cluster_file=path,
+                                                     state_file=Path(tmp) / "warm.pool.json"))  # fmt: skip
+            try:
+                proc.warm_up()
+            finally:
+                proc.close()
+
+    _warm("switch", build)
+
+
+def _warm(what: str, build: Callable[[], None]) -> None:
+    """Run *build* (a warm-up that compiles or loads *what*'s kernels) and, when it is still
+    busy after a second (loading from the cache takes less: it compiles), say so once and how
+    long it took. No deadline: compiling takes what the machine gives it, and Ctrl-C stops it."""
+    from netdam.kernels.cache_dir import kernel_cache_dir
+
+    start = time.monotonic()
+    done = threading.Event()
+    noted = threading.Event()
+
+    def tell() -> None:
+        if not done.wait(1.0):
+            noted.set()
+            progress.note(f"first run: compiling the {what} kernels once (1-2 min on 2 cores, longer on "
+                          f"a busy machine; cached in {kernel_cache_dir()} for later runs)")  # fmt: skip
+            progress.status(f"compiling the {what} kernels (once)")
+
+    threading.Thread(target=tell, name="netdam-compile-note", daemon=True).start()
+    try:
+        build()
     finally:
         done.set()
     if noted.is_set():
-        progress.note(f"kernels compiled in {time.monotonic() - start:.0f} s (cached from now on)")
+        progress.note(f"{what} kernels compiled in {time.monotonic() - start:.0f} s (cached from now on)")
 
 
 def _start_cluster(
@@ -448,10 +488,13 @@ def _free_port_block(address: str, count: int) -> int:
 
 def _wait_ready(
     procs: list[subprocess.Popen[bytes]], endpoints: list[Endpoint], logs: list[Path],
-    ranks: list[int] | None = None,
+    ranks: list[int] | None = None, what: str = "node",
 ) -> list[int]:  # fmt: skip
-    """Wait for every node's ``ready`` line; return their control ports. *ranks* names the
-    processes in messages (default: their positions)."""
+    """Wait for every process's ``ready`` line (its kernels loaded, its sockets bound); return
+    their control ports. *ranks* names the processes in messages (default: their positions).
+
+    No fixed deadline: a process may take as long as it keeps using CPU (loading or compiling
+    kernels on a busy machine), and fails once it has used none for STALL_S."""
     names = ranks if ranks is not None else list(range(len(procs)))
     control_ports = [0] * len(procs)
     selector = selectors.DefaultSelector()
@@ -460,15 +503,21 @@ def _wait_ready(
         assert proc.stdout is not None
         selector.register(proc.stdout, selectors.EVENT_READ, rank)
         waiting[rank] = proc
-    deadline = time.monotonic() + START_TIMEOUT_S
+    start = time.monotonic()
+    watch = {rank: _CpuWatch(proc.pid) for rank, proc in waiting.items()}
     while waiting:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            pending = ", ".join(f"{endpoints[r][0]}:{endpoints[r][1]} (rank {names[r]}, log {logs[r]})"
-                                for r in waiting)  # fmt: skip
-            raise ClusterStartError(f"nodes not ready after {START_TIMEOUT_S:.0f} s: {pending}; "
-                                    "their logs say why")  # fmt: skip
-        for key, _ in selector.select(timeout=min(left, 0.5)):
+        now = time.monotonic()
+        stalled = [r for r in waiting if watch[r].idle_for(now) > STALL_S]
+        if stalled or now - start > START_LIMIT_S:
+            late = stalled or list(waiting)
+            pending = ", ".join(f"{_label(what, names[r])} at {endpoints[r][0]}:{endpoints[r][1]} (log {logs[r]})"
+                                for r in late)  # fmt: skip
+            why = f"used no CPU for {STALL_S:.0f} s" if stalled else f"still starting after {START_LIMIT_S:.0f} s"
+            raise ClusterStartError(f"not ready, {why}: {pending}; its log says where it stopped")
+        progress.status(f"waiting for {len(waiting)} of {len(procs)} {what} processes to load their "
+                        f"kernels ({', '.join(_label(what, names[r]) for r in sorted(waiting)[:4])}"
+                        f"{', ...' if len(waiting) > 4 else ''})")  # fmt: skip
+        for key, _ in selector.select(timeout=0.5):
             rank = key.data
             line = key.fileobj.readline()  # type: ignore[union-attr]
             if line.startswith(b"ready"):
@@ -478,17 +527,40 @@ def _wait_ready(
                 selector.unregister(key.fileobj)
                 key.fileobj.close()  # type: ignore[union-attr]
                 del waiting[rank]
-                progress.status(f"{len(procs) - len(waiting)}/{len(procs)} processes ready")
             elif not line:
                 selector.unregister(key.fileobj)
                 waiting.pop(rank)
                 err = logs[rank].read_text(errors="replace").strip() if logs[rank].exists() else ""
                 raise ClusterStartError(
-                    f"node rank {names[rank]} ({endpoints[rank][0]}:{endpoints[rank][1]}) exited "
+                    f"{_label(what, names[rank])} ({endpoints[rank][0]}:{endpoints[rank][1]}) exited "
                     f"during start-up: {_last_error(err)} (full log: {logs[rank]})"
                 )
     selector.close()
     return control_ports
+
+
+def _label(what: str, rank: int) -> str:
+    return f"node rank {rank}" if what == "node" else what
+
+
+class _CpuWatch:
+    """When a process last used CPU (utime + stime in /proc/PID/stat), to tell a slow start
+    from a hung one. Without /proc every process counts as busy."""
+
+    def __init__(self, pid: int) -> None:
+        self.path = Path(f"/proc/{pid}/stat")
+        self.ticks = -1
+        self.changed = time.monotonic()
+
+    def idle_for(self, now: float) -> float:
+        try:
+            fields = self.path.read_text().rsplit(")", 1)[1].split()
+            ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+        except (OSError, IndexError, ValueError):
+            return 0.0
+        if ticks != self.ticks:
+            self.ticks, self.changed = ticks, now
+        return now - self.changed
 
 
 def _last_error(log: str) -> str:
@@ -647,15 +719,16 @@ def start_switch(
     state = state_file or state_path_for(cluster.path)
     log = switch_log(cluster.path)
     start = time.monotonic()
+    warm_switch_kernels()
     cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach, guard)
     progress.status("starting the switch")
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
     try:
-        [control_port] = _wait_ready([proc], [vip], [log])
-    except ClusterStartError as exc:
+        [control_port] = _wait_ready([proc], [vip], [log], what="switch")
+    except ClusterStartError:
         stop_pids([proc.pid], 3.0, processes=[proc])
-        raise ClusterStartError(str(exc).replace("node rank 0", "switch")) from None
+        raise
     except BaseException:
         stop_pids([proc.pid], 3.0, processes=[proc])
         raise

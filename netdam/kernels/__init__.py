@@ -1,39 +1,14 @@
 """Every numba kernel of the project (the only package that imports numba).
 
-numba's on-disk cache (``cache=True``) is keyed by each function's own source file, not by the
-files it calls: after an upgrade that changes ``collective.py`` but not ``serve.py``, the cached
-``serve._serve`` would still run the old engine. So the cache is tied to all kernel sources at
-once: when their combined hash changes, this package's cache files are removed before any
-kernel loads.
+Importing this package first points numba's on-disk cache (``cache=True``) for the kernels
+here at a per-user directory outside the installed package (netdam.kernels.cache_dir): an
+install never holds compiled code that an uninstall would leave behind, and that directory's
+name carries a hash of all kernel sources, since numba keys its cache by each function's own
+file, not by the files it calls.
 """
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
+from netdam.kernels.cache_dir import install_cache_locator
 
-_HERE = Path(__file__).resolve().parent
-
-
-def _invalidate_stale_cache() -> None:
-    digest = hashlib.sha256()
-    for source in sorted(_HERE.glob("*.py")):
-        digest.update(source.name.encode())
-        digest.update(source.read_bytes())
-    stamp = _HERE / "__pycache__" / "kernels.sources.sha256"
-    current = digest.hexdigest()
-    try:
-        if stamp.read_text() == current:
-            return
-    except OSError:
-        pass
-    try:
-        stamp.parent.mkdir(exist_ok=True)
-        for cached in stamp.parent.glob("*.nb[ic]"):
-            cached.unlink(missing_ok=True)
-        stamp.write_text(current)
-    except OSError:
-        pass  # a read-only install: numba then falls back to compiling in memory
-
-
-_invalidate_stale_cache()
+install_cache_locator()

@@ -407,8 +407,10 @@ def drain(tx: TxQueue, start: int, count: int, out: TxQueue) -> int:
 def window_check(window: DupWindow, client: int, requester: int, txn: int, stamp: int) -> tuple[int, int, int]:
     """The duplicate window's verdict for (client, requester, txn): (0 new | 1 duplicate | 2 stale,
     client slot, window slot)."""
+    # Plain ints whatever the caller holds (a numpy u64 source, a Python int): one specialization,
+    # compiled before the node says it is ready (netdam.core.rehearsal), never a new one later.
     verdict, c, w = _window_check(window.cl_id, window.cl_hi, window.cl_used, window.txn, window.state,
-                                  client, requester, txn, stamp)  # fmt: skip
+                                  int(client), int(requester), int(txn), int(stamp))  # fmt: skip
     return int(verdict), int(c), int(w)
 
 
@@ -418,7 +420,8 @@ def window_record(window: DupWindow, c: int, w: int, txn: int, reply: np.ndarray
         raise ValueError(f"window slot ({c}, {w}) outside the window")
     if reply.shape[0] > window.reply.shape[2]:
         raise ValueError(f"reply of {reply.shape[0]} bytes longer than the window keeps")
-    _window_record(window.txn, window.state, window.len, window.reply, c, w, txn, reply, reply.shape[0])
+    _window_record(window.txn, window.state, window.len, window.reply, int(c), int(w), int(txn), reply,
+                   reply.shape[0])  # fmt: skip
 
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at

@@ -18,6 +18,7 @@ from netdam.core.events import GroupJoined, GroupLeft
 from netdam.core.faults import FaultSpec
 from netdam.core.guard import GuardConfig
 from netdam.core.node import NodeConfig, NodeCore
+from netdam.core.rehearsal import rehearse_control_paths
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
 from netdam.kernels.state import FaultState, HoldTable, RxBatch, ServeIO
@@ -164,8 +165,10 @@ class NodeProcess(ServeLoop):
 
     def warm_up(self) -> None:
         """Compile (or load from cache) every kernel and make every queue and table resident
-        before announcing readiness."""
+        before announcing readiness: the serve loop's, and those the control opcodes reach from
+        Python (rehearsed on scratch cores, netdam.core.rehearsal)."""
         self.serve_once(0)
+        rehearse_control_paths()
         core = self.core
         prefault(self, core, core.sendq, core.collective, skip=(core.memory,))
 

@@ -1,0 +1,65 @@
+"""A dress rehearsal of the paths a node runs in Python between compiled calls.
+
+numba compiles a kernel for each new combination of argument types. The serve loop's kernels
+have one, compiled by ``warm_up``; but the control opcodes (REGISTER, DEREGISTER, the
+duplicate window, PING's address token) reach a few kernels from Python, with Python integers,
+and each of those needs a specialization of its own. A node that met its first REGISTER before
+they existed compiled them then: seconds on a busy machine, while the switch that sent the
+REGISTER gave up after 0.6 s and refused the pool's first ALLOC (issue 23).
+
+``rehearse_control_paths()`` runs those paths once on two scratch cores on the in-memory fabric
+(none of the caller's state is touched), so that a process is ready before it says so. The test
+``test_ready`` checks that nothing a node or switch does afterwards needs another one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from netdam.core.fabric import Fabric
+from netdam.core.node import NodeConfig, NodeCore
+from netdam.protocol.constants import DType, Flags, Opcode, Rights
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import pack_key_rights
+
+_ADMIN_KEY = 0x5EED1
+_NODES: tuple[Endpoint, ...] = (("127.0.0.1", 1), ("127.0.0.1", 2))
+_CLIENT: Endpoint = ("127.0.0.1", 3)
+_MEMORY = 1 << 16
+
+
+def rehearse_control_paths() -> None:
+    """REGISTER, a retried REGISTER, WRITE, READ, FETCH_ADD, PING, COUNTERS and DEREGISTER,
+    over the wire with the admin key, on scratch cores."""
+    fabric = Fabric()
+    cores = []
+    for rank, endpoint in enumerate(_NODES):
+        core = NodeCore(NodeConfig(endpoint=endpoint, memory_bytes=_MEMORY, admin_key=_ADMIN_KEY,
+                                   members=_NODES, rank=rank, world_size=len(_NODES)))  # fmt: skip
+        fabric.add_core(endpoint, core)
+        cores.append(core)
+    fabric.add_endpoint(_CLIENT)
+    register = Packet(Opcode.REGISTER, rkey=_ADMIN_KEY, addr=0, aux_addr=4096, length=8, client_id=1,
+                      txn_id=1, payload=pack_key_rights(0, int(Rights.READ | Rights.WRITE | Rights.ATOMIC)))  # fmt: skip
+    rkey = 0
+    for _attempt in range(2):  # the retry is answered from the duplicate window
+        for reply in _exchange(fabric, register):
+            rkey = reply.rkey
+    requests = [
+        Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=64, length=8, client_id=1, txn_id=2, payload=bytes(8)),
+        Packet(Opcode.READ, rkey=rkey, addr=64, length=8, client_id=1, txn_id=3),
+        Packet(Opcode.FETCH_ADD, rkey=rkey, addr=64, length=8, dtype=DType.U64, client_id=1, txn_id=4,
+               payload=np.uint64(1).tobytes()),  # fmt: skip
+        Packet(Opcode.PING, client_id=1, txn_id=5),
+        Packet(Opcode.COUNTERS, rkey=_ADMIN_KEY, client_id=1, txn_id=6),
+        Packet(Opcode.DEREGISTER, rkey=_ADMIN_KEY, length=8, client_id=1, txn_id=7,
+               payload=pack_key_rights(rkey, 0)),  # fmt: skip
+    ]
+    for request in requests:
+        _exchange(fabric, request)
+
+
+def _exchange(fabric: Fabric, packet: Packet) -> list[Packet]:
+    fabric.send(_CLIENT, _NODES[0], encode_packet(packet))
+    fabric.run_until_idle()
+    return [decode_packet(data) for data, _ in fabric.receive(_CLIENT)]

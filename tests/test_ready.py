@@ -1,0 +1,115 @@
+"""Ready means ready (issue 23): a process that says ``ready`` compiles nothing afterwards, a
+slow start is waited for while it works and given up once it stalls, and compiled kernels live
+in a per-user cache outside the installed package."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from netdam.cluster import launch
+from netdam.cluster.launch import ClusterStartError
+from netdam.kernels import cache_dir
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_nothing_compiles_after_a_process_is_ready() -> None:
+    """After the launcher's warm-up (what every node and switch process also runs before its
+    ``ready`` line), every opcode and status of the fuzzer's worlds, the node tests' control
+    exchanges and collectives of every dtype need no new kernel specialization: a node that
+    compiled one on its first REGISTER answered after the switch had given up (ALLOC refused
+    with TIMEOUT on a busy machine)."""
+    out = subprocess.run([sys.executable, str(TESTS / "late_specializations.py")], cwd=TESTS,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def _sleeper(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+
+
+def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A process busy for longer than the stall limit (a compile on a loaded machine) is waited
+    for, not declared failed."""
+    monkeypatch.setattr(launch, "STALL_S", 0.6)
+    proc = _sleeper("import time\nend = time.monotonic() + 2.0\nwhile time.monotonic() < end: pass\n"
+                    "print('ready control_port=4242', flush=True)\ntime.sleep(30)")  # fmt: skip
+    try:
+        start = time.monotonic()
+        assert launch._wait_ready([proc], [("127.0.0.1", 1)], [tmp_path / "log"]) == [4242]
+        assert time.monotonic() - start >= 1.5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_start_gives_up_on_a_process_that_stalls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A process that uses no CPU and says nothing fails the start, named, after the stall limit."""
+    monkeypatch.setattr(launch, "STALL_S", 1.0)
+    proc = _sleeper("import time; time.sleep(60)")
+    try:
+        start = time.monotonic()
+        with pytest.raises(ClusterStartError, match=r"used no CPU for 1 s: node rank 0 at 127.0.0.1:1 "):
+            launch._wait_ready([proc], [("127.0.0.1", 1)], [tmp_path / "log"])
+        assert time.monotonic() - start < 10
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_kernel_cache_is_outside_the_package() -> None:
+    folder = cache_dir.kernel_cache_dir()
+    package = Path(cache_dir.__file__).resolve().parent
+    assert package not in folder.parents
+    assert not list(package.glob("__pycache__/*.nb[ic]")), "numba wrote cache files into the package"
+    assert list(folder.glob("*.nbi")), f"no cache index in {folder}"
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
+
+
+def _cache_dir_in_child(env: dict[str, str]) -> tuple[str, str]:
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr)\n"
+            "from netdam.kernels import cache_dir; print(cache_dir.kernel_cache_dir())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    return out.stdout.strip(), out.stderr
+
+
+def test_cache_root_follows_netdam_cache_dir_and_keys_by_sources(tmp_path: Path) -> None:
+    where, _ = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(tmp_path / "c")})
+    path = Path(where)
+    assert path.parent == tmp_path / "c"
+    assert path.name.startswith("kernels-") and cache_dir.sources_digest() in path.name
+    assert stat.S_IMODE((tmp_path / "c").stat().st_mode) == 0o700
+
+
+def test_cache_dir_others_can_write_is_not_loaded(tmp_path: Path) -> None:
+    """numba's cache files are pickles it runs: a folder another user can write is refused, with
+    one warning naming the fix, and this process compiles into a private folder instead."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    where, err = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(shared)})
+    assert Path(where).parent != shared and "netdam-kernels-" in where
+    assert "others may write to it" in err and "NETDAM_CACHE_DIR" in err
+    assert not any(shared.iterdir())
+
+
+def test_older_caches_of_this_install_are_removed(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    first, _ = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(root)})
+    stale = Path(first).with_name(Path(first).name.replace(cache_dir.sources_digest(), "0" * 16))
+    stale.mkdir(mode=0o700)
+    other_install = root / "kernels-0.0.1-1111111111111111-ffffffff"
+    other_install.mkdir(mode=0o700)
+    second, _ = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(root)})
+    assert second == first
+    assert not stale.exists() and other_install.exists()
