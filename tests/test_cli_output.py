@@ -86,3 +86,37 @@ def test_pool_read_json_keeps_hex(fake_pool: list[str], capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as usage:
         main([*fake_pool, "--format", "base64"])
     assert usage.value.code == 2
+
+
+# ---------------------------------------------------------------- -v / -vv
+
+
+#: After netdam's own set-up (the CLI's or the switch's), compile a fresh numba function: at
+#: DEBUG numba logs every bytecode and SSA step of it (megabytes for the node kernels).
+_COMPILE_AND_LOG = """
+import logging, numba
+numba.njit(lambda x: x * 3 + 1)(2)
+logging.getLogger("netdam.cluster").debug("netdam debug line")
+logging.getLogger("netdam.cluster").info("netdam info line")
+print("launcher passes -vv on:", logging.getLogger().isEnabledFor(logging.DEBUG))
+"""
+
+_SETUPS = {
+    "cli": "from netdam.cli.main import main\nmain(['-vv', 'decode', '0109'])\n",
+    "switch": ("import netdam.switch.cli as s\ns.run_switch = lambda args: 0\n"
+               "s.main(['--cluster', 'c.toml', '--vip', '127.0.0.1:9', '-vv'])\n"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("process", sorted(_SETUPS))
+def test_vv_shows_netdam_logs_not_numba(process: str, tmp_path: Path) -> None:
+    """-vv of the CLI (and so of node processes, which run `netdam node`) and of the switch:
+    netdam's DEBUG lines show, numba's do not, and the root level still tells the launcher to
+    pass -vv to the processes it starts."""
+    done = subprocess.run([sys.executable, "-c", _SETUPS[process] + _COMPILE_AND_LOG], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "launcher passes -vv on: True" in done.stdout, done.stderr[-2000:]
+    assert "netdam.cluster DEBUG netdam debug line" in done.stderr
+    assert "netdam.cluster INFO netdam info line" in done.stderr
+    assert "numba" not in done.stderr
+    assert len(done.stderr) < 4000, done.stderr[:2000]
