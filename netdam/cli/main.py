@@ -75,7 +75,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
                             help="no progress or notes on stderr (errors still print)")  # fmt: skip
     if "-v" not in taken:
         parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                            help="log more (node and switch processes log to their log files)")  # fmt: skip
+                            help="log more of netdam's own lines, -vv debug (libraries stay at warnings); "
+                            "node and switch processes log to their log files")  # fmt: skip
 
 
 def _report(message: str, code: int, as_json: bool) -> int:
