@@ -38,7 +38,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     pps = BATCH * ROUNDS / seconds
     print(f"CHAIN_ADD forward, 2048 f32, batches of {BATCH}: {pps / 1e3:.0f} k packets/s, "
-          f"{pps * 8192 / 1e9:.2f} GB/s of payload")  # fmt: skip
+          f"{pps * 8192 * 8 / 1e9:.2f} Gb/s of payload")  # fmt: skip
 
 
 if __name__ == "__main__":

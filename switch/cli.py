@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from netdam.cli.cluster import endpoint_arg, mtu_arg
-from netdam.cli.common import NetdamArgumentParser
+from netdam.cli.common import NetdamArgumentParser, configure_logging
 from netdam.cluster.clusterfile import load_cluster
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.switch.state import state_path_for
@@ -62,6 +61,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="log more (to stderr: the log file when `netdam up --switch` starts it)")  # fmt: skip
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)  # fmt: skip
+    configure_logging(args.verbose)
     return run_switch(args)

@@ -89,7 +89,9 @@ def test_stdin(argv: list[str], monkeypatch: pytest.MonkeyPatch,
 def test_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     code, result = run_json(["decode", CHAIN_ADD_HEX], capsys)
     assert code == 0
-    assert list(result) == ["ok", "packets"] and result["ok"] is True
+    assert list(result) == ["ok", "summary", "packets"] and result["ok"] is True
+    assert result["summary"] == {"frames": 1, "datagrams": 1, "by_opcode": {"CHAIN_ADD": 1},
+                                 "skipped_frames": 0, "malformed": 0}  # fmt: skip
     (packet,) = result["packets"]
     assert packet == {
         "size": 104, "ok": True, "version": 1, "opcode": "CHAIN_ADD", "flags": ["ACK_REQ"],
@@ -248,6 +250,35 @@ def test_pcap_with_a_malformed_datagram(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 1
     assert (result["ok"], result["error"], result["status"]) == (False, "SR list truncated (2 of 3 segments)", "TRUNCATED")  # fmt: skip
     assert [p["ok"] for p in result["packets"]] == [True, False]
+
+
+def test_pcap_summary_counts_frames_opcodes_skips_and_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A capture's text output ends with the counts (a real one runs to thousands of lines);
+    --json carries the same counts as 'summary'."""
+    pytest.importorskip("scapy")
+    from scapy.layers.inet import ICMP, IP, UDP
+    from scapy.layers.l2 import Ether
+    from scapy.packet import Raw
+    from scapy.utils import wrpcap
+
+    path = tmp_path / "mixed.pcap"
+    netdam = [load_fixture("read"), load_fixture("read_resp"), load_fixture("read"), load_fixture("ping"),
+              load_fixture("chain_add")[:80]]  # fmt: skip
+    frames = [Ether() / IP() / UDP(sport=50000, dport=7744) / Raw(d) for d in netdam]
+    frames += [Ether() / IP() / UDP(sport=53, dport=53) / Raw(b"dns"), Ether() / IP() / ICMP()]
+    wrpcap(str(path), frames)
+    expected = {"frames": 7, "datagrams": 5, "by_opcode": {"READ": 2, "READ_RESP": 1, "PING": 1},
+                "skipped_frames": 2, "malformed": 1}  # fmt: skip
+    code, result = run_json(["decode", "--pcap", str(path)], capsys)
+    assert code == 1 and result["summary"] == expected
+    assert run(["decode", "--pcap", str(path)]) == 1
+    tail = capsys.readouterr().out.rstrip("\n").splitlines()[-2:]
+    assert tail == [
+        "summary: 7 frames read, 5 NetDAM datagrams, 2 other frames skipped, 1 malformed",
+        "  by opcode: READ 2, READ_RESP 1, PING 1",
+    ]
 
 
 def test_scapy_view(capsys: pytest.CaptureFixture[str]) -> None:

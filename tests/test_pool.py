@@ -231,6 +231,9 @@ def test_pool_cli(pool: Pool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", hex(region["gaddr"] + 8190), "--length", "4B", "--json"],
                     monkeypatch) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["hex"] == "78787878"  # split at the stride by the CLI
+    assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", gaddr, "--length", "3B", "--format", "text"],
+                    monkeypatch) == 0  # fmt: skip
+    assert capsys.readouterr().out == "xxx\n"
     assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", gaddr, "--length", "8B", "--rkey", "1", "--json"],
                     monkeypatch) == 1  # fmt: skip
     assert "BAD_RKEY" in json.loads(capsys.readouterr().out)["error"]

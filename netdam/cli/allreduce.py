@@ -110,7 +110,7 @@ def _text(r: dict[str, object]) -> str:
     verdict = "OK" if r["ok"] else f"FAILED ({r.get('error')})"
     return (
         f"allreduce {r['algo']} {verdict}: {r['nodes']} nodes x {r['bytes']} B {r['dtype']} {r['op']} in "
-        f"{r['seconds']:.4f} s (algbw {float(r['algbw_gbps']) / 8:.3f} GB/s, busbw {float(r['busbw_gbps']) / 8:.3f} GB/s); "  # type: ignore[arg-type]
+        f"{r['seconds']:.4f} s (algbw {float(r['algbw_gbps']):.3f} Gb/s, busbw {float(r['busbw_gbps']):.3f} Gb/s); "  # type: ignore[arg-type]
         f"{r['packets']} packets, {r['retransmits']} retransmits, {r['kernel_drops']} kernel drops; "
         f"model of 100G NetDAM cards: {float(r['model_seconds_100g']) * 1e3:.3f} ms"  # type: ignore[arg-type]
         + (f"\n  sparse (density {r['density']}): {r['wire_bytes_sparse']} wire bytes in {r['seconds']:.4f} s; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -67,6 +68,21 @@ def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:
         sys.stdout.write(
             f"{key}: {json.dumps(value) if isinstance(value, (dict, list)) else value}\n"
         )
+
+
+#: Libraries whose loggers stay at WARNING whatever -v says: at DEBUG numba alone writes tens of
+#: megabytes of bytecode and SSA dumps per compile, drowning netdam's own lines.
+QUIET_LOGGERS = ("numba", "llvmlite", "scapy", "matplotlib", "PIL", "asyncio")
+
+
+def configure_logging(verbose: int) -> None:
+    """The one logging set-up of every netdam process (the CLI, node and switch processes):
+    -v INFO, -vv DEBUG for netdam's loggers (the root logger, which the launcher also reads to
+    pass -v on to the processes it starts), WARNING for the QUIET_LOGGERS libraries."""
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)  # fmt: skip
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def size_arg(text: str) -> int:

@@ -59,6 +59,18 @@ class Datagram:
     segment: int | None = None
 
 
+@dataclass
+class Input:
+    """What the input held: the datagrams to decode and, for a pcap, how many frames it had."""
+
+    datagrams: list[Datagram]
+    #: Frames read (a pcap's frames; hex input counts as one).
+    frames: int = 1
+    #: Frames that carried no datagram to or from the NetDAM ports (other traffic, no UDP).
+    skipped: int = 0
+    pcap: bool = False
+
+
 def register(subparsers: Any) -> None:
     """Add ``netdam decode`` to the ``netdam`` command."""
     parser = subparsers.add_parser(
@@ -66,7 +78,9 @@ def register(subparsers: Any) -> None:
         help="decode NetDAM datagrams from hex or a pcap file",
         description="Decode NetDAM datagrams (protocol/SPEC.md): one given as hex (argument, "
         "--hex-file, or '-' for stdin; whitespace and '#' comment lines allowed) or every UDP "
-        "datagram to or from the NetDAM port in a pcap file. Exit 0 when all decode, 1 when one "
+        "datagram to or from the NetDAM port in a pcap file; a pcap's text output ends with a "
+        "summary (frames read, datagrams by opcode, other frames skipped, malformed), --json "
+        "gives it as 'summary'. Exit 0 when all decode, 1 when one "
         "is malformed (the error is the one a node reports), 2 on unreadable input.",
     )
     parser.add_argument(
@@ -94,9 +108,10 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``netdam decode``; returns the exit code."""
     try:
-        datagrams = _read_input(args)
+        given = _read_input(args)
     except UsageProblem as exc:
         return _fail({"ok": False, "error": str(exc)}, args.json, ExitCode.USAGE)
+    datagrams = given.datagrams
     if not datagrams:
         ports = ",".join(str(p) for p in sorted(_ports(args)))
         message = (f"no UDP datagrams to or from port {ports} in {args.pcap}; pick the ports with "
@@ -104,23 +119,52 @@ def run(args: argparse.Namespace) -> int:
         return _fail({"ok": False, "error": message}, args.json, ExitCode.CHECK_FAILED)
     results = [_decode_one(d, args.scapy) for d in datagrams]
     failed = [r for r in results if not r["ok"]]
-    summary: dict[str, Any] = {"ok": not failed}
+    report: dict[str, Any] = {"ok": not failed}
     if failed:
         # The first failure names the error, as a single-datagram failure would.
-        summary.update(error=failed[0]["error"], status=failed[0]["status"])
-    summary["packets"] = results
+        report.update(error=failed[0]["error"], status=failed[0]["status"])
+    report["summary"] = tally(given, results)
+    report["packets"] = results
     if args.json:
         for result in results:
             # Long payloads: the hex says it all; a list of 4096 numbers helps nobody.
             if len(result.get("elements", ())) > JSON_MAX_ELEMENTS:
                 del result["elements"]
-        sys.stdout.write(dumps_json(summary) + "\n")
+        sys.stdout.write(dumps_json(report) + "\n")
     else:
         sys.stdout.write(_render_text(results))
+        if given.pcap:  # a single hex datagram needs no count; a capture of thousands does
+            sys.stdout.write("\n" + summary_text(report["summary"]) + "\n")
         for result in failed:
             where = f"frame {result['frame']}{_segment(result)}: " if "frame" in result else ""
             print(f"error: {where}{result['error']} (status {result['status']})", file=sys.stderr)
     return int(ExitCode.CHECK_FAILED if failed else ExitCode.OK)
+
+
+def tally(given: Input, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The counts that end the output: frames read, NetDAM datagrams by opcode (in opcode
+    order), frames skipped as other traffic, datagrams that did not decode."""
+    by_opcode = {op.name: 0 for op in Opcode}
+    for result in results:
+        if result["ok"]:
+            by_opcode[result["opcode"]] += 1
+    return {
+        "frames": given.frames,
+        "datagrams": len(results),
+        "by_opcode": {name: n for name, n in by_opcode.items() if n},
+        "skipped_frames": given.skipped,
+        "malformed": sum(1 for r in results if not r["ok"]),
+    }
+
+
+def summary_text(counts: dict[str, Any]) -> str:
+    """The summary block of the text output (one line per kind of count)."""
+    opcodes = ", ".join(f"{name} {n}" for name, n in counts["by_opcode"].items()) or "none"
+    return "\n".join([
+        f"summary: {counts['frames']} frames read, {counts['datagrams']} NetDAM datagrams, "
+        f"{counts['skipped_frames']} other frames skipped, {counts['malformed']} malformed",
+        f"  by opcode: {opcodes}",
+    ])  # fmt: skip
 
 
 def _segment(result: dict[str, Any]) -> str:
@@ -140,7 +184,7 @@ def _fail(obj: dict[str, Any], as_json: bool, code: ExitCode) -> int:
 # Input
 
 
-def _read_input(args: argparse.Namespace) -> list[Datagram]:
+def _read_input(args: argparse.Namespace) -> Input:
     sources = [name for name, given in (("HEX", args.hex), ("--hex-file", args.hex_file),
                                         ("--pcap", args.pcap)) if given]  # fmt: skip
     if len(sources) != 1:
@@ -154,10 +198,10 @@ def _read_input(args: argparse.Namespace) -> list[Datagram]:
     if args.pcap:
         return _read_pcap(args.pcap, _ports(args), multicast=args.cluster is not None)
     if args.hex_file:
-        return [Datagram(parse_hex(_read_text(args.hex_file), args.hex_file))]
+        return Input([Datagram(parse_hex(_read_text(args.hex_file), args.hex_file))])
     if args.hex == ["-"]:
-        return [Datagram(parse_hex(sys.stdin.read(), "stdin"))]
-    return [Datagram(parse_hex(" ".join(args.hex), "the HEX argument"))]
+        return Input([Datagram(parse_hex(sys.stdin.read(), "stdin"))])
+    return Input([Datagram(parse_hex(" ".join(args.hex), "the HEX argument"))])
 
 
 def _read_text(path: str) -> str:
@@ -291,7 +335,7 @@ def _in_groups(address: str) -> bool:
         return False
 
 
-def _read_pcap(path: str, ports: set[int], multicast: bool = False) -> list[Datagram]:
+def _read_pcap(path: str, ports: set[int], multicast: bool = False) -> Input:
     # scapy is slow to import and only needed here and for --scapy.
     from scapy.error import Scapy_Exception
     from scapy.layers.inet import UDP
@@ -306,13 +350,16 @@ def _read_pcap(path: str, ports: set[int], multicast: bool = False) -> list[Data
             f"cannot read {path} as pcap ({exc}); give a pcap or pcapng file"
         ) from None
     datagrams = []
+    skipped = 0
     for number, frame in enumerate(frames, start=1):
         udp = frame.getlayer(UDP)
         if udp is None:
+            skipped += 1
             continue
         ip = udp.underlayer
         group = multicast and _in_groups(str(getattr(ip, "dst", "")))
         if udp.sport not in ports and udp.dport not in ports and not group:
+            skipped += 1
             continue
         # `original` is the exact bytes scapy dissected (UDP already cut Ethernet padding);
         # rebuilding with bytes() could normalize a malformed datagram.
@@ -324,7 +371,7 @@ def _read_pcap(path: str, ports: set[int], multicast: bool = False) -> list[Data
         for k, part in enumerate(parts, start=1):
             datagrams.append(Datagram(part, frame=number, src=src, dst=dst,
                                       segment=k if len(parts) > 1 else None))  # fmt: skip
-    return datagrams
+    return Input(datagrams, frames=len(frames), skipped=skipped, pcap=True)
 
 
 # ---------------------------------------------------------------------------------------------

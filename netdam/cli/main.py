@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import logging
 import os
 import sys
 import traceback
@@ -76,7 +75,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
                             help="no progress or notes on stderr (errors still print)")  # fmt: skip
     if "-v" not in taken:
         parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                            help="log more (node and switch processes log to their log files)")  # fmt: skip
+                            help="log more of netdam's own lines, -vv debug (libraries stay at warnings); "
+                            "node and switch processes log to their log files")  # fmt: skip
 
 
 def _report(message: str, code: int, as_json: bool) -> int:
@@ -105,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report("interrupted", ExitCode.INTERRUPTED, as_json)
     verbose = int(getattr(args, "verbose", 0) or 0)
     progress.configure(quiet=bool(getattr(args, "quiet", False)), json_output=as_json)
-    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)  # fmt: skip
+    cliutil.configure_logging(verbose)
     # One progress line per command (stderr, terminals only, after a second): the library names
     # its phases through progress.status(). Processes that serve until stopped draw none.
     line = progress.Progress(f"netdam {args.command}", delay=1.0)

@@ -151,8 +151,9 @@ def register(subparsers: Any) -> None:
         "allreduce",
         help="modelled all-reduce time of one algorithm",
         description="Modelled all-reduce of SIZE bytes per node. algbw = size / "
-        "seconds, busbw = algbw x 2(N-1)/N (nccl-tests): printed in GB/s as nccl-tests prints "
-        "them; *_gbps in --json are 10^9 bit/s. --plot draws time and busbw against size.",
+        "seconds, busbw = algbw x 2(N-1)/N (nccl-tests' definitions), printed and in --json "
+        "(*_gbps) in Gb/s, 10^9 bit/s like the link speed (nccl-tests prints GB/s: x 8). "
+        "--plot draws time and busbw against size.",
     )
     ar.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes (>= 2)")
     ar.add_argument(
@@ -422,11 +423,11 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
     text = (
         f"{est.algo}, {args.nodes} nodes, {format_size(args.size)} per node at "
         f"{est.link_gbps:g} Gb/s ({est.params})\n"
-        f"time {est.seconds * 1e6:.2f} us, algbw {plotting.gbytes_per_s(est.algbw_gbps):.2f} GB/s, "
-        f"busbw {plotting.gbytes_per_s(est.busbw_gbps):.2f} GB/s, bottleneck {est.bottleneck}, "
+        f"time {est.seconds * 1e6:.2f} us, algbw {est.algbw_gbps:.2f} Gb/s, "
+        f"busbw {est.busbw_gbps:.2f} Gb/s, bottleneck {est.bottleneck}, "
         f"{out['ratio_vs_chain']:.2f}x netdam-chain\n{terms}\n"
         + "\n".join(f"  vs {a}: {e.seconds * 1e6:.2f} us, busbw "
-                    f"{plotting.gbytes_per_s(e.busbw_gbps):.2f} GB/s ({e.bottleneck})"
+                    f"{e.busbw_gbps:.2f} Gb/s ({e.bottleneck})"
                     for a, e in side.items())
     )
     if plt is not None:
@@ -489,7 +490,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     pick = [r for r in rows if r["nodes"] == args.plot_nodes and r["bytes"] in args.sizes]
     by_size: dict[int, dict[str, float]] = {}
     for r in pick:
-        by_size.setdefault(r["bytes"], {})[r["algo"]] = plotting.gbytes_per_s(r["busbw_gbps"])
+        by_size.setdefault(r["bytes"], {})[r["algo"]] = r["busbw_gbps"]
     table = _table(
         ["size"] + [f"{a} busbw" for a in ALGOS],
         [
@@ -498,7 +499,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         ],
     )
     text = (
-        f"all-reduce busbw in GB/s (nccl-tests' unit), {args.plot_nodes} nodes, {nd.link_gbps:g} Gb/s links "
+        f"all-reduce busbw in Gb/s (10^9 bit/s, as the links), {args.plot_nodes} nodes, {nd.link_gbps:g} Gb/s links "
         f"({nd.name} / {ro.name})\n\n{table}"
         + (f"\n\nplot written to {args.plot}" if args.plot else "")
     )
@@ -509,24 +510,28 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def _plot(
     plt: Any, rows: list[dict[str, Any]], path: str, nodes: int, size: int, link: float
 ) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for algo, style in zip(ALGOS, plotting.styles()):
+    """Four questions, four panels: time and busbw against size (at *nodes*) and against node
+    count (at *size*); one colour and marker per algorithm, dashed as every model line."""
+    fig, axes = plotting.figure(plt, 2, 2)
+    for index, algo in enumerate(ALGOS):
+        style = plotting.series_style(index, algo, model=True)
         by_size = sorted((r["bytes"], r) for r in rows if r["algo"] == algo and r["nodes"] == nodes)
         by_nodes = sorted((r["nodes"], r) for r in rows if r["algo"] == algo and r["bytes"] == size)
-        xs = [b for b, _ in by_size]
-        axes[0][0].plot(xs, [r["seconds"] * 1e6 for _, r in by_size], label=algo, **style)
-        axes[0][1].plot(xs, [plotting.gbytes_per_s(r["busbw_gbps"]) for _, r in by_size], label=algo, **style)
-        ns = [n for n, _ in by_nodes]
-        axes[1][0].plot(ns, [r["seconds"] * 1e6 for _, r in by_nodes], label=algo, **style)
-        axes[1][1].plot(ns, [plotting.gbytes_per_s(r["busbw_gbps"]) for _, r in by_nodes], label=algo, **style)
-    for ax in axes[0]:
+        for ax, points, key, scale in ((axes[0], by_size, "seconds", 1e6), (axes[1], by_size, "busbw_gbps", 1.0),
+                                       (axes[2], by_nodes, "seconds", 1e6), (axes[3], by_nodes, "busbw_gbps", 1.0)):  # fmt: skip
+            ax.plot([x for x, _ in points], [r[key] * scale for _, r in points], **style)
+    for ax in axes[:2]:
         plotting.size_axis(ax)
-    axes[0][0].set_yscale("log")
-    axes[0][0].set(ylabel="time (us)", title=f"time, {nodes} nodes")
-    axes[0][1].set(ylabel="busbw (GB/s)", title=f"busbw, {nodes} nodes")
-    axes[1][0].set(xlabel="nodes", ylabel="time (us)", title=f"time, {format_size(size)} per node")
-    axes[1][1].set(xlabel="nodes", ylabel="busbw (GB/s)", title=f"busbw, {format_size(size)} per node")
-    plotting.finish(fig, path, f"Modelled all-reduce, {link:g} Gb/s links (netdam fpga_model)")
+    for ax in axes[2:]:
+        plotting.nodes_axis(ax, sorted({r["nodes"] for r in rows if r["bytes"] == size}))
+    for ax in (axes[0], axes[2]):
+        ax.set_yscale("log")
+    axes[0].set(ylabel="time (us)", title=f"time against size, {nodes} nodes")
+    axes[1].set(ylabel="busbw (Gb/s)", title=f"busbw against size, {nodes} nodes")
+    axes[2].set(ylabel="time (us)", title=f"time against nodes, {format_size(size)} per node")
+    axes[3].set(ylabel="busbw (Gb/s)", title=f"busbw against nodes, {format_size(size)} per node")
+    plotting.finish(fig, path, f"Modelled all-reduce, {link:g} Gb/s links (netdam fpga_model)",
+                    plotting.Key().colors(ALGOS).sources(None, "model"))
 
 
 # --- validate -------------------------------------------------------------------------
@@ -576,59 +581,66 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _plot_validation(plt: Any, ring: list[SetComparison], ideal: list[SetComparison],
                      path: str) -> None:
-    """Per set: measured times (markers) against roce-ring (lines) for a few node counts,
-    and model / measured for every node count with the issue's bounds shaded."""
-    fig, axes = plt.subplots(2, len(ring), figsize=(5.5 * len(ring), 8), squeeze=False)
-    for col, (r, i) in enumerate(zip(ring, ideal)):
-        top, bottom = axes[0][col], axes[1][col]
+    """Per set: measured times (solid) against roce-ring (dashed) and roce-ideal (dotted) for a
+    few node counts, and roce-ring / measured for every node count with the issue's bounds
+    shaded; one colour per node count across the figure."""
+    fig, axes = plotting.figure(plt, 2, len(ring))
+    tops, bottoms = axes[: len(ring)], axes[len(ring) :]
+    every = sorted({a.point.nodes for r in ring for a in r.rows})
+    labels = [f"{n} nodes" for n in every]
+    for top, bottom, r, i in zip(tops, bottoms, ring, ideal):
         nodes = sorted({a.point.nodes for a in r.rows})
         shown = [n for n in nodes if n in (2, 4, 8)] or nodes
-        for n, style in zip(shown, plotting.styles()):
+        for n in nodes:
+            index, label = every.index(n), f"{n} nodes"
+            measured = plotting.series_style(index, label, order=labels)
             pts = sorted((a.point.nbytes, a) for a in r.rows if a.point.nodes == n)
-            ids = sorted((b.point.nbytes, b) for b in i.rows if b.point.nodes == n)
             xs = [x for x, _ in pts]
-            line = top.plot(xs, [a.model_seconds * 1e6 for _, a in pts],
-                            label=f"{n} nodes: roce-ring", linestyle=style["linestyle"])[0]
-            top.plot(xs, [a.point.seconds * 1e6 for _, a in pts], linestyle="none",
-                     marker=style["marker"], color=line.get_color(), label=f"{n} nodes: measured")
-            top.plot(xs, [b.model_seconds * 1e6 for _, b in ids], linestyle=":",
-                     linewidth=1, color=line.get_color(), label=f"{n} nodes: roce-ideal")
-        for n, style in zip(nodes, plotting.styles()):
-            pts = sorted((a.point.nbytes, a) for a in r.rows if a.point.nodes == n)
-            bottom.plot([x for x, _ in pts], [a.ratio for _, a in pts], label=f"{n} nodes",
-                        **style)
+            bottom.plot(xs, [a.ratio for _, a in pts], **measured)
+            if n not in shown:
+                continue
+            ids = sorted((b.point.nbytes, b) for b in i.rows if b.point.nodes == n)
+            top.plot(xs, [a.point.seconds * 1e6 for _, a in pts], **measured)
+            top.plot(xs, [a.model_seconds * 1e6 for _, a in pts], **plotting.series_style(index, label, model=True, order=labels))
+            top.plot([x for x, _ in ids], [b.model_seconds * 1e6 for _, b in ids], color=measured["color"],
+                     linestyle=":", linewidth=1.2)  # fmt: skip
         bottom.axhspan(BOUNDS[0], BOUNDS[1], color="0.9", zorder=0)
-        bottom.axhline(1.0, color="grey", linewidth=0.8)
-        bottom.axvline(r.measured.validate_from_bytes, color="grey", linewidth=0.8,
-                       linestyle="--")
+        bottom.axhline(1.0, color="black", linewidth=0.8)
+        bottom.axvline(r.measured.validate_from_bytes, color="0.5", linewidth=1.0)
         for ax in (top, bottom):
             plotting.size_axis(ax)
         top.set_yscale("log")
-        top.set(ylabel="time (us)", title=r.measured.key)
+        top.set(ylabel="time (us)", title=f"{r.measured.key}: time against size")
         bottom.set(ylabel="roce-ring / measured",
                    title=f"geometric mean {r.geomean:.2f} (roce-ideal {i.geomean:.2f})")
-    plotting.finish(fig, path, "roce-ring against published host all-reduce times")
+    key = (plotting.Key().colors(labels, labels).sources("measured", "roce-ring model")
+           .line("roce-ideal model", linestyle=":")
+           .patch(f"issue bound [{BOUNDS[0]}, {BOUNDS[1]}]", facecolor="0.9", edgecolor="0.9")
+           .line("first validated size", color="0.5", linewidth=1.0))  # fmt: skip
+    plotting.finish(fig, path, "roce-ring against published host all-reduce times", key)
 
 
 def _plot_allreduce(plt: Any, args: argparse.Namespace, nd: Any, ro: Any, dtype: Any) -> None:
     """`model allreduce --plot`: the algorithm (and netdam-chain beside it) against size, from
-    4 KiB to 4 x --size, the asked size marked."""
+    4 KiB to 4 x --size; the asked size is a grey line the legend names (a label in the panel
+    would sit on the curves)."""
     top = max(4 * args.size, 1 << 20)
     sizes = [1 << k for k in range(12, top.bit_length()) if 1 << k <= top]
     algos = [args.algo] + (["netdam-chain"] if args.algo != "netdam-chain" else [])
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for algo, style in zip(algos, plotting.styles()):
+    fig, (ax_t, ax_b) = plotting.figure(plt, 1, 2)
+    for index, algo in enumerate(algos):
+        style = plotting.series_style(index, algo, model=True)
         ests = [allreduce(algo, args.nodes, s, nd, ro, dtype) for s in sizes]
-        ax_t.plot(sizes, [e.seconds * 1e6 for e in ests], label=algo, **style)
-        ax_b.plot(sizes, [plotting.gbytes_per_s(e.busbw_gbps) for e in ests], label=algo, **style)
+        ax_t.plot(sizes, [e.seconds * 1e6 for e in ests], **style)
+        ax_b.plot(sizes, [e.busbw_gbps for e in ests], **style)
     asked = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype)
-    ax_t.axvline(args.size, color="grey", linewidth=0.8)
-    ax_b.axvline(args.size, color="grey", linewidth=0.8)
-    ax_t.annotate(f"{format_size(args.size)}: {asked.seconds * 1e6:.1f} us", (args.size, asked.seconds * 1e6),
-                  fontsize=8)  # fmt: skip
     for ax in (ax_t, ax_b):
+        ax.axvline(args.size, color="0.5", linewidth=1.0, zorder=1)
         plotting.size_axis(ax)
     ax_t.set_yscale("log")
-    ax_t.set(ylabel="time (us)", title="time")
-    ax_b.set(ylabel="busbw (GB/s)", title="busbw (nccl-tests' definition)")
-    plotting.finish(fig, args.plot, f"Modelled all-reduce, {args.nodes} nodes, {nd.link_gbps:g} Gb/s links")
+    ax_t.set(ylabel="time (us)", title="time against size")
+    ax_b.set(ylabel="busbw (Gb/s)", title="busbw against size (nccl-tests' definition)")
+    key = plotting.Key().colors(algos).sources(None, "model").line(
+        f"asked: {format_size(args.size)}, {args.algo} {asked.seconds * 1e6:.1f} us, "
+        f"busbw {asked.busbw_gbps:.1f} Gb/s", color="0.5", linewidth=1.0)
+    plotting.finish(fig, args.plot, f"Modelled all-reduce, {args.nodes} nodes, {nd.link_gbps:g} Gb/s links", key)

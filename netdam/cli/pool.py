@@ -28,6 +28,9 @@ from netdam.protocol.packet import Packet
 from netdam.switch.addrmap import region_to_json
 from netdam.switch.cli import add_switch_arguments, run_switch
 
+#: What `pool read --format` offers (the first is the default).
+READ_FORMATS = ("hex", "text", "raw")
+
 
 def _int(text: str) -> int:
     try:
@@ -133,6 +136,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     read.add_argument("--gaddr", type=_int, required=True)
     read.add_argument("--length", type=size_arg, required=True)
     read.add_argument("--rkey", type=_int, default=None, help="default: the region's, from the state file")
+    read.add_argument("--format", choices=READ_FORMATS, default=None,
+                      help="hex (default): the bytes as hex digits; text: decoded as UTF-8, undecodable "
+                      "bytes and control characters as \\xNN, a backslash as \\\\; raw: the exact bytes, "
+                      "nothing else (for a pipe or a file). Not with --json, which always gives hex")  # fmt: skip
     read.set_defaults(func=run_read)
 
     listing = cmds.add_parser("list", help="regions and groups of the pool")
@@ -258,8 +265,42 @@ def run_write(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def escape_text(data: bytes) -> str:
+    """*data* as UTF-8 text a terminal shows safely and unambiguously: a byte that is no UTF-8
+    becomes ``\\xNN``, a control character (NUL of unwritten memory, ESC of a terminal sequence)
+    ``\\xNN`` below 0x80 and ``\\uNNNN`` above (so an escape never reads as both), a literal
+    backslash two; newlines and tabs stay."""
+    out = []
+    for char in data.decode("utf-8", errors="surrogateescape"):
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:  # surrogateescape's stand-in for undecodable byte code - 0xdc00
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif char == "\\":
+            out.append("\\\\")
+        elif char in "\n\t" or char.isprintable():
+            out.append(char)
+        else:
+            out.append(f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "".join(out)
+
+
+def write_read_result(data: bytes, form: str) -> None:
+    """Print the bytes `pool read` got in format *form* (one of READ_FORMATS) on stdout."""
+    if form == "raw":
+        # The exact bytes and nothing else: no newline, no encoding by the text layer.
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
+    text = escape_text(data) if form == "text" else data.hex()
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
 def run_read(args: argparse.Namespace) -> int:
 
+    if args.json and args.format is not None:
+        raise CommandError("--format chooses the text output; --json always gives the bytes as "
+                           "'hex': drop one of them", ExitCode.USAGE)  # fmt: skip
     ctl, rkey, stride = _target(args)
     try:
         with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu) as client:
@@ -270,7 +311,7 @@ def run_read(args: argparse.Namespace) -> int:
     if args.json:
         emit({"ok": True, "gaddr": args.gaddr, "bytes": len(data), "hex": data.hex()}, True)
     else:
-        sys.stdout.write(data.hex() + "\n")
+        write_read_result(data, args.format or READ_FORMATS[0])
     return ExitCode.OK
 
 

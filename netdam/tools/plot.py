@@ -1,19 +1,22 @@
-"""What every ``--plot FILE`` shares: matplotlib on demand, units, and lines that stay visible.
+"""What every ``--plot FILE`` shares: matplotlib on demand, units, colours, line styles, legend.
 
 - matplotlib comes from the light ``[plot]`` extra (``pip install 'netdam[plot]'``); without it
   ``--plot`` is a usage error naming that command, checked before any work starts.
 - Units as the text output gives them: sizes in KiB/MiB/GiB (axis ticks on powers of two),
-  bandwidths in GB/s (10^9 bytes/s, as nccl-tests prints algbw and busbw; our JSON keeps
-  ``*_gbps`` in 10^9 bits/s, BRIEF section 7), times in us.
-- Two algorithms whose curves coincide (the model gives some the same time) must both stay
-  visible: every series gets its own marker and line style, drawn thinner and with smaller
-  markers the later it comes, so the one below shows around the one on top.
+  rates in Gb/s (10^9 bits/s, the JSON's ``*_gbps`` and the model's link speeds), times in us
+  or seconds as the axis says.
+- One colour per algorithm or peer, the same in every figure (chain is blue in the benchmark
+  and in the model); the line style says where a number comes from: measured solid, model
+  dashed. Coincident curves stay visible: each series gets its own marker, drawn thinner and
+  smaller the later it comes, so the one below shows around the one on top.
+- One compact legend for the whole figure, outside the axes (below them): a key of colours,
+  markers and line styles, never one entry per line, never over the data.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from netdam.cli.common import CommandError, ExitCode
@@ -21,9 +24,31 @@ from netdam.units import format_size
 
 PLOT_HINT = "--plot needs matplotlib: pip install 'netdam[plot]' (or drop --plot)"
 
-#: (marker, line style) per series, in order: distinct in both, so coincident lines stay visible.
-_STYLES = (("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1))), ("x", (0, (3, 1, 1, 1))),
-           ("P", (0, (1, 1))), ("*", "-"))  # fmt: skip
+#: Line styles by where the numbers come from.
+MEASURED = "-"
+MODEL = "--"
+#: Markers in order for series a colour does not tell apart (node counts, several curves).
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+#: Fixed colours (matplotlib's tab10) of the algorithms and peers every figure draws, so one name
+#: has one colour everywhere; a model algorithm takes the colour of what it models.
+_NAMED_COLORS = {
+    "chain": "C0", "netdam-chain": "C0", "netdam": "C0",
+    "chain-resident": "C4",
+    "ring-host": "C1", "roce-ring": "C1",
+    "gloo": "C2",
+    "mpi": "C3", "memcached": "C3",
+    "roce-ideal": "C5", "halving-doubling": "C6", "ideal": "C8",
+    "echo": "C7",
+}  # fmt: skip
+
+
+def color(name: str, order: Sequence[str] = ()) -> str:
+    """The colour of algorithm or peer *name*; other names (node counts) take matplotlib's
+    colour cycle by their place in *order*."""
+    if name in _NAMED_COLORS:
+        return _NAMED_COLORS[name]
+    return f"C{order.index(name) % 10}" if name in order else "C9"
 
 
 def pyplot() -> Any:
@@ -41,13 +66,57 @@ def pyplot() -> Any:
     return plt
 
 
-def styles() -> Iterator[dict[str, Any]]:
-    """Keyword arguments for successive ``ax.plot`` calls (see the module docstring)."""
-    for index, (marker, line) in enumerate(itertools.cycle(_STYLES)):
-        shrink = min(index, 6)
-        yield {"marker": marker, "linestyle": line, "markersize": 7 - 0.6 * shrink,
-               "linewidth": 2.2 - 0.2 * shrink, "markerfacecolor": "none" if index % 2 else None,
-               "zorder": 10 - shrink}  # fmt: skip
+def figure(plt: Any, rows: int, cols: int, *, width: float = 5.2, height: float = 3.9) -> tuple[Any, list[Any]]:
+    """A figure of rows x cols panels (in reading order) with room for the legend below them:
+    constrained layout places a legend given as ``loc="outside ..."`` outside every axes."""
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.6), layout="constrained",
+                             squeeze=False)  # fmt: skip
+    return fig, list(axes.flat)
+
+
+def series_style(index: int, name: str, *, model: bool = False, order: Sequence[str] = ()) -> dict[str, Any]:
+    """``ax.plot`` keywords of the index-th series of algorithm *name*: its colour, measured
+    solid or model dashed, marker index (see the module docstring)."""
+    shrink = min(index, 6)
+    return {"color": color(name, order), "linestyle": MODEL if model else MEASURED,
+            "marker": MARKERS[index % len(MARKERS)], "markersize": 6.5 - 0.5 * shrink,
+            "linewidth": 2.0 - 0.2 * shrink, "markerfacecolor": "none" if model else None,
+            "zorder": 10 - shrink}  # fmt: skip
+
+
+@dataclass
+class Key:
+    """The figure's legend: what each colour, marker and line style means, one entry each."""
+
+    #: (label, style, is_patch): a line/marker sample, or a filled patch for bar charts.
+    entries: list[tuple[str, dict[str, Any], bool]] = field(default_factory=list)
+
+    def colors(self, names: Iterable[str], order: Sequence[str] = ()) -> Key:
+        for name in names:
+            self.entries.append((name, {"color": color(name, order), "linewidth": 6}, False))
+        return self
+
+    def markers(self, labels: Iterable[str]) -> Key:
+        for index, label in enumerate(labels):
+            self.entries.append((label, {"color": "0.3", "linestyle": "none", "marker": MARKERS[index % len(MARKERS)]}, False))
+        return self
+
+    def line(self, label: str, **style: Any) -> Key:
+        self.entries.append((label, {"color": "0.3", **style}, False))
+        return self
+
+    def patch(self, label: str, **style: Any) -> Key:
+        """A bar sample (e.g. hatched for p99)."""
+        self.entries.append((label, {"facecolor": "0.6", "edgecolor": "0.3", **style}, True))
+        return self
+
+    def sources(self, measured: str | None = "measured", model: str | None = "model") -> Key:
+        """The line styles: measured solid, model dashed (either left out with None)."""
+        if measured:
+            self.line(measured, linestyle=MEASURED)
+        if model:
+            self.line(model, linestyle=MODEL)
+        return self
 
 
 def size_axis(ax: Any, label: str = "bytes per node") -> None:
@@ -61,16 +130,33 @@ def size_axis(ax: Any, label: str = "bytes per node") -> None:
     ax.set_xlabel(label)
 
 
-def gbytes_per_s(gbps: float) -> float:
-    """10^9 bits/s (our JSON) to GB/s (10^9 bytes/s, nccl-tests' unit)."""
-    return gbps / 8.0
+def nodes_axis(ax: Any, nodes: Sequence[int]) -> None:
+    """Log-2 x axis of node counts, a tick at each count that ran."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(nodes), [str(n) for n in nodes])
+    ax.minorticks_off()
+    ax.set_xlabel("nodes")
 
 
-def finish(fig: Any, path: str, title: str) -> None:
-    fig.suptitle(title)
+def finish(fig: Any, path: Any, title: str, key: Key) -> None:
+    """Title, grids, the one legend below the panels, then write *path* and free the figure."""
+    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    fig.suptitle(title, fontsize=10)
     for ax in fig.axes:
         ax.grid(True, which="both", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
+    if key.entries:
+        handles = [Patch(**style) if is_patch else Line2D([], [], **style) for _, style, is_patch in key.entries]
+        labels = [label for label, _, _ in key.entries]
+        # One row when it fits the figure's width (about 14 characters per inch at this font
+        # size, with the handle), else as few rows as fit: matplotlib fills columns first.
+        width = fig.get_figwidth() * 14
+        chars = sum(len(label) + 8 for label in labels)
+        rows = max(1, -(-chars // int(width)))
+        fig.legend(handles, labels, loc="outside lower center", ncol=-(-len(labels) // rows), fontsize=8,
+                   frameon=False)  # fmt: skip
     fig.savefig(path, dpi=110)
+    plt.close(fig)

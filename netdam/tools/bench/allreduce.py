@@ -57,6 +57,7 @@ from netdam.cli.common import (
     size_range_arg,
 )
 from netdam.fpga_model import estimate_allreduce_seconds
+from netdam.tools import plot as plotting
 from netdam.units import format_size
 
 #: Every algorithm a row can carry, in the order tables and plots list them.
@@ -681,127 +682,71 @@ def plot_unavailable() -> str | None:
     return None
 
 
-def _model_label(algo: str) -> str:
-    return "netdam-chain" if algo.startswith("chain") else "roce-ring (ring-host, gloo, mpi)"
+def _busbw_gbps(nbytes: int, seconds: float, nodes: int) -> float:
+    """nccl-tests' busbw in 10^9 bits/s: algbw x 2(N-1)/N."""
+    return nbytes * 8 / seconds / 1e9 * 2 * (nodes - 1) / nodes
 
 
 def write_plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Time and busbw against size (log-log), measured solid and modelled dashed, for every
-    algorithm and node count; a busbw-vs-nodes panel at the largest size when several node
-    counts ran."""
-    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
-    import matplotlib
-
-    matplotlib.use("Agg")
-    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
-    import matplotlib.pyplot as plt
-
+    """Time and busbw against size (log-log) and, when several node counts ran, busbw against
+    nodes at the largest size. Colour: the algorithm; marker: the node count; measured solid,
+    the 100G model dashed (drawn once per model: ring-host, gloo and mpi share roce-ring)."""
+    plt = plotting.pyplot()
     node_counts = sorted({r["nodes"] for r in results})
-    panels = 3 if len(node_counts) > 1 else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.5))
-    colors = {"chain": "C0", "chain-resident": "C4", "ring-host": "C1", "gloo": "C2", "mpi": "C3"}
-    markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
+    algos = [a for a in ALGOS if any(r["algo"] == a for r in results)]
+    # Each model line in the colour of the first algorithm it models.
+    modelled: dict[str, list[str]] = {}
+    for algo in algos:
+        modelled.setdefault(MODEL_ALGO[algo], []).append(algo)
+    drawn_model = {group[0] for group in modelled.values()}
+    several = len(node_counts) > 1
+    fig, axes = plotting.figure(plt, 1, 3 if several else 2)
 
-    def busbw(nbytes: int, seconds: float, nodes: int) -> float:
-        return nbytes * 8 / seconds / 1e9 * 2 * (nodes - 1) / nodes
+    def rows_of(algo: str, key: str, value: int, order: str) -> list[dict[str, Any]]:
+        return sorted((r for r in results if r["algo"] == algo and r[key] == value), key=lambda r: r[order])
 
-    for algo in ALGOS:
+    for algo in algos:
         for k, nodes in enumerate(node_counts):
-            rows = sorted(
-                (r for r in results if r["algo"] == algo and r["nodes"] == nodes),
-                key=lambda r: r["bytes"],
-            )
-            if not rows:
-                continue
-            mk = markers[k % len(markers)]
-            label = f"{algo} ({nodes} nodes)" if len(node_counts) > 1 else algo
+            rows = rows_of(algo, "nodes", nodes, "bytes")
             meas = [r for r in rows if r["seconds_median"] is not None]
+            style = plotting.series_style(k, algo)
+            axes[0].plot([r["bytes"] for r in meas], [r["seconds_median"] for r in meas], **style)
+            axes[1].plot([r["bytes"] for r in meas], [r["busbw_gbps"] for r in meas], **style)
             model = [r for r in rows if r["model_seconds_100g"] is not None]
-            if meas:
-                x = [r["bytes"] for r in meas]
-                axes[0].plot(
-                    x,
-                    [r["seconds_median"] for r in meas],
-                    "-",
-                    marker=mk,
-                    color=colors[algo],
-                    label=label,
-                )
-                axes[1].plot(
-                    x,
-                    [r["busbw_gbps"] for r in meas],
-                    "-",
-                    marker=mk,
-                    color=colors[algo],
-                    label=label,
-                )
-            if model and (algo in ("chain", "gloo") or "gloo" not in {r["algo"] for r in results}):
-                # ring-host, gloo and mpi share the RoCE-ring model: draw it once.
-                x = [r["bytes"] for r in model]
-                lab = f"model 100G {_model_label(algo)}" + (
-                    f" ({nodes} nodes)" if len(node_counts) > 1 else ""
-                )
-                axes[0].plot(x, [r["model_seconds_100g"] for r in model], "--", marker=mk,
-                             color=colors[algo], alpha=0.6, label=lab)  # fmt: skip
-                axes[1].plot(x, [busbw(r["bytes"], r["model_seconds_100g"], nodes) for r in model], "--",
-                             marker=mk, color=colors[algo], alpha=0.6, label=lab)  # fmt: skip
-    # Imported here: an optional or heavy dependency (matplotlib), loaded only by the commands that use it.
-    from matplotlib.ticker import FuncFormatter
-
-    for ax, ylabel, title in (
-        (axes[0], "seconds (median)", "all-reduce time vs size"),
-        (axes[1], "busbw (Gb/s)", "bus bandwidth vs size"),
-    ):
-        ax.set_xscale("log", base=2)
+            if algo in drawn_model and model:
+                style = plotting.series_style(k, algo, model=True)
+                axes[0].plot([r["bytes"] for r in model], [r["model_seconds_100g"] for r in model], **style)
+                axes[1].plot([r["bytes"] for r in model],
+                             [_busbw_gbps(r["bytes"], r["model_seconds_100g"], nodes) for r in model], **style)  # fmt: skip
+    for ax, ylabel, title in ((axes[0], "seconds (median)", "all-reduce time vs size"),
+                              (axes[1], "busbw (Gb/s)", "bus bandwidth vs size")):  # fmt: skip
+        plotting.size_axis(ax, f"bytes per rank ({DTYPE})")
         ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: format_size(int(round(v)))))
-        ax.set_xlabel(f"bytes per rank ({DTYPE})")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    legend_rows = math.ceil(len(labels) / 4)
-    fig.set_size_inches(5.5 * panels, 4.5 + 0.22 * legend_rows)
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    if panels == 3:
+        ax.set(ylabel=ylabel, title=title)
+    if several:
         big = max(r["bytes"] for r in results)
-        ax = axes[2]
-        for algo in ALGOS:
-            rows = sorted(
-                (r for r in results if r["algo"] == algo and r["bytes"] == big),
-                key=lambda r: r["nodes"],
-            )
+        for algo in algos:
+            rows = rows_of(algo, "bytes", big, "nodes")
             meas = [r for r in rows if r["busbw_gbps"] is not None]
-            if meas:
-                ax.plot(
-                    [r["nodes"] for r in meas],
-                    [r["busbw_gbps"] for r in meas],
-                    "-o",
-                    color=colors[algo],
-                    label=algo,
-                )
+            axes[2].plot([r["nodes"] for r in meas], [r["busbw_gbps"] for r in meas], **plotting.series_style(0, algo))
             model = [r for r in rows if r["model_seconds_100g"] is not None]
-            if model and algo in ("chain", "gloo"):
-                ax.plot([r["nodes"] for r in model],
-                        [busbw(big, r["model_seconds_100g"], r["nodes"]) for r in model], "--o",
-                        color=colors[algo], alpha=0.6, label=f"model 100G {_model_label(algo)}")  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(node_counts, [str(n) for n in node_counts])
-        ax.set_xlabel("nodes")
-        ax.set_ylabel("busbw (Gb/s)")
-        ax.set_title(f"busbw vs nodes at {format_size(big)}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+            if algo in drawn_model and model:
+                axes[2].plot([r["nodes"] for r in model],
+                             [_busbw_gbps(big, r["model_seconds_100g"], r["nodes"]) for r in model],
+                             **plotting.series_style(0, algo, model=True))  # fmt: skip
+        plotting.nodes_axis(axes[2], node_counts)
+        axes[2].set_yscale("log")
+        axes[2].set(ylabel="busbw (Gb/s)", title=f"busbw vs nodes at {format_size(big)}")
+    key = plotting.Key().colors(algos)
+    if several:
+        key.markers(f"{n} nodes" for n in node_counts)
+    key.sources("measured", "model of 100G cards")
+    models = "; ".join(f"{m} for {', '.join(group)}" for m, group in modelled.items())
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    fig.suptitle(
-        f"netdam bench allreduce, {os.cpu_count()} cores, loopback, {stamp}: measured solid, model dashed",
-        fontsize=9,
-    )
-    fig.tight_layout(rect=(0.0, 0.22 * legend_rows / (4.5 + 0.22 * legend_rows) + 0.01, 1.0, 0.96))
+    nodes_text = "" if several else f", {node_counts[0]} nodes"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.finish(fig, path, f"netdam bench allreduce{nodes_text}, {os.cpu_count()} cores, loopback, {stamp}\n"
+                    f"model (dashed, in the colour of the first algorithm it models): {models}", key)  # fmt: skip
 
 
 # ---------------------------------------------------------------- CLI

@@ -464,25 +464,33 @@ def run_async(args: Any) -> int:
     return code
 
 
+def _peer(phase: str) -> str:
+    """Whose server a phase measures: netdam's pool, memcached, or the null echo server."""
+    return "echo" if phase == "echo" else "memcached" if phase.startswith("memcached") else "netdam"
+
+
 def plot_pool(plt: Any, res: dict[str, Any], path: str) -> None:
-    """Ops/s per phase (the echo server is the generators' ceiling) and p50/p99 latency in us."""
+    """Ops/s per phase (the echo server is the generators' ceiling) and p50/p99 latency in us,
+    bars coloured by the server measured."""
 
     names = list(res["results"])
-    ops = [res["results"][n]["ops"] for n in names]
-    fig, (ax_ops, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.5))
-    colors = ["#888888" if n == "echo" else "#d62728" if n.startswith("memcached") else "#1f77b4" for n in names]
-    ax_ops.bar(names, ops, color=colors)
-    for x, value in enumerate(ops):
-        ax_ops.annotate(f"{value / 1e3:,.0f}k", (x, value), ha="center", va="bottom", fontsize=8)
+    colors = [plotting.color(_peer(n)) for n in names]
+    fig, (ax_ops, ax_lat) = plotting.figure(plt, 1, 2, width=5.6)
+    ops = ax_ops.bar(names, [res["results"][n]["ops"] for n in names], color=colors)
+    ax_ops.bar_label(ops, labels=[f"{res['results'][n]['ops'] / 1e3:,.0f}k" for n in names], fontsize=8, padding=2)
+    ax_ops.margins(y=0.12)  # room for the labels above the tallest bar
     ax_ops.set(ylabel="ops/s", title=f"throughput, window {res['window']}")
-    for (label, key), style in zip((("p50", "p50_us"), ("p99", "p99_us")), plotting.styles()):
+    # p50 and p99 side by side per phase: bars, not a line, since phases are categories.
+    xs = range(len(names))
+    for offset, key, hatch in ((-0.2, "p50_us", None), (0.2, "p99_us", "//")):
         values = [res["results"][n][key] for n in names]
-        xs = [i for i, v in enumerate(values) if v is not None]
-        ax_lat.plot(xs, [values[i] for i in xs], label=label, **style)
-    ax_lat.set_xticks(range(len(names)), names)
+        ax_lat.bar([x + offset for x in xs], [0 if v is None else v for v in values], width=0.4, color=colors,
+                   hatch=hatch, edgecolor="white" if hatch else None)  # fmt: skip
     ax_lat.set(ylabel="latency (us)", title="latency per request")
-    for ax in (ax_ops, ax_lat):
-        ax.tick_params(axis="x", labelrotation=30)
+    for ax in (ax_ops, ax_lat):  # rotated, each name ends under its bars
+        ax.set_xticks(list(xs), names, rotation=30, ha="right", rotation_mode="anchor")
+    peers = [p for p in ("netdam", "memcached", "echo") if p in map(_peer, names)]
+    legend = plotting.Key().colors(peers).patch("p50").patch("p99", hatch="//", facecolor="0.6", edgecolor="white")
     ratio = "-" if res["ratio"] is None else f"{res['ratio']:.2f}"
     plotting.finish(fig, path, f"netdam bench pool: {res['nodes']} nodes + switch vs memcached "
-                    f"(READ 64 B / GET 64 B = {ratio})")  # fmt: skip
+                    f"(READ 64 B / GET 64 B = {ratio})", legend)  # fmt: skip
