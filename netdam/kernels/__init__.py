@@ -9,6 +9,9 @@ file, not by the files it calls.
 
 from __future__ import annotations
 
-from netdam.kernels.cache_dir import install_cache_locator
+from netdam.kernels.cache_dir import announce_cold_cache, install_cache_locator
 
 install_cache_locator()
+# The kernel modules compile their typed signatures as they are imported: on a first run that
+# is most of the compile, and the user should hear why nothing happens before it starts.
+announce_cold_cache()

@@ -32,12 +32,14 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from numba.core import caching
 
 import netdam
+from netdam import progress
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ _CacheLocator: Any = caching._CacheLocator
 _SourceBacked: Any = caching._SourceFileBackedLocatorMixin
 
 _chosen: Path | None = None
+#: When this process first found its cache empty and said so (monotonic seconds), else None.
+cold_since: float | None = None
 
 
 def cache_root() -> Path:
@@ -148,6 +152,17 @@ class _KernelCacheLocator(_SourceBacked, _CacheLocator):  # type: ignore[misc]
         if Path(py_file).resolve().parent != _KERNELS:
             return None
         return super().from_function(py_func, py_file)
+
+
+def announce_cold_cache() -> None:
+    """Say once, on stderr, that this run compiles the kernels (its cache holds none yet)."""
+    global cold_since
+    folder = kernel_cache_dir()
+    if cold_since is None and not any(folder.glob("*.nbi")):
+        cold_since = time.monotonic()
+        progress.note(f"first run: compiling the kernels once (1-3 min on 2 cores, longer on a busy "
+                      f"machine; cached in {folder} for later runs)")  # fmt: skip
+        progress.status("compiling the kernels (once)")
 
 
 def install_cache_locator() -> None:
