@@ -1,6 +1,7 @@
 """What every ``--plot FILE`` shares: matplotlib on demand, units, and lines that stay visible.
 
-- matplotlib comes from the light ``[plot]`` extra (``pip install 'netdam[plot]'``); without it
+- matplotlib comes from ``pip install matplotlib`` (or the checkout's ``[plot]`` extra: netdam is
+  not on the package index, so ``'netdam[plot]'`` resolves nothing there); without it
   ``--plot`` is a usage error naming that command, checked before any work starts.
 - Units as the text output gives them: sizes in KiB/MiB/GiB (axis ticks on powers of two),
   bandwidths in GB/s (10^9 bytes/s, as nccl-tests prints algbw and busbw; our JSON keeps
@@ -19,7 +20,8 @@ from typing import Any
 from netdam.cli.common import CommandError, ExitCode
 from netdam.units import format_size
 
-PLOT_HINT = "--plot needs matplotlib: pip install 'netdam[plot]' (or drop --plot)"
+PLOT_HINT = ("--plot needs matplotlib: pip install matplotlib (from a netdam checkout: pip install '.[plot]'), "
+             "or drop --plot")
 
 #: (marker, line style) per series, in order: distinct in both, so coincident lines stay visible.
 _STYLES = (("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", (0, (5, 1))), ("x", (0, (3, 1, 1, 1))),
