@@ -50,6 +50,7 @@ from netdam.switch.addrmap import (
 )
 from netdam.switch.core import PoolReply
 from netdam.switch.state import PoolState, load_state, locked, save_state, state_path_for
+from netdam.units import format_size
 
 #: The switch's wait for one node's answer to REGISTER/DEREGISTER, and its retries: ALLOC and
 #: FREE stall the switch's datapath for these round trips (SPEC.md 11.9).
@@ -127,12 +128,44 @@ def plan_region(state: PoolState, size: int, interleave: int | None, ways: int |
         if len(chosen) == count:
             break
     if len(chosen) < count:
-        hint = "use --interleave to spread it over nodes, or free regions" if not interleave else "free regions or add nodes"
-        raise ControllerError(f"no room for {size} bytes: {count} node(s) need {per} free bytes each; {hint}",
-                              Status.NO_SPACE)  # fmt: skip
+        raise ControllerError(f"no room for {size} bytes: {count} node(s) need {per} free bytes each; "
+                              f"{room_hint(state, size, interleave)}", Status.NO_SPACE)  # fmt: skip
     chosen.sort(key=lambda w: w.node)
     gaddr = _round_up(state.next_gaddr, GLOBAL_ALIGN)
     return Region(gaddr, size, rkey, rights, stride, tuple(chosen), tenant, owner=owner)
+
+
+#: The stride a hint suggests (the CLI's example): any multiple of STRIDE_ALIGN works.
+HINT_STRIDE = max(8192, STRIDE_ALIGN)
+
+
+def _fits(state: PoolState, size: int, stride: int, count: int) -> bool:
+    """Whether plan_region would place *size* bytes in *count* ways of *stride* now."""
+    per = backing_per_way(size, stride, count)
+    return sum(first_fit(state, rank, per) is not None for rank in range(len(state.nodes))) >= count
+
+
+def room_hint(state: PoolState, size: int, interleave: int | None) -> str:
+    """What the pool has free for a region of *size* bytes that found no room, and only the
+    steps that would really help (each checked against *state*, none guessed)."""
+    nodes = len(state.nodes)
+    ranges = [(_round_up(s, LOCAL_ALIGN), e) for r in range(nodes) for s, e in free_ranges(state, r)]
+    total = sum(max(e - s, 0) for s, e in ranges)
+    largest = max((e - s for s, e in ranges), default=0)
+    steps = []
+    if not interleave and nodes > 1 and _fits(state, size, HINT_STRIDE, nodes):
+        steps.append(f"--interleave {format_size(HINT_STRIDE)} spreads it over the {nodes} nodes")
+    if largest > 0:
+        steps.append(f"a --size of at most {largest}B fits on one node")
+    if state.regions:
+        steps.append("free regions (`netdam pool list` shows them, `netdam pool free` frees one)")
+    steps.append("or start the cluster with more memory per node (`netdam up --switch --memory SIZE`)")
+    return (f"the pool has {_bytes(total)} free over {nodes} node(s), at most {_bytes(largest)} in one "
+            "piece: " + "; ".join(steps))
+
+
+def _bytes(n: int) -> str:
+    return f"{n} B ({n / (1 << 20):.1f} MiB)"
 
 
 def credential_digest(credential: int) -> str:
@@ -460,7 +493,7 @@ def _explain(opcode: Opcode, addr: int, exc: ControlError) -> str:
     hint = {
         Status.NO_ROUTE: (f"no region at 0x{addr:x}: `netdam pool list --cluster FILE` shows them"
                           if opcode == Opcode.FREE else "no region there"),
-        Status.NO_SPACE: "no room for the region: use --interleave to spread it over nodes, or free regions",
+        Status.NO_SPACE: "no room for the region in the pool",
         Status.UNAUTHORIZED: "the switch refused the key: pass the cluster file's admin key or the "
                              "tenant credential that ALLOC returned",
         Status.BAD_FIELD: "the switch refused the request's fields (size, stride, ways or rights)",

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,9 +70,32 @@ CASES: list[tuple[list[str], int, str]] = [
     (["model", "allreduce", "--nodes", "1", "--size", "1MiB"], USAGE, "2 nodes"),
     (["bench", "datapath", "--mtu", "50"], USAGE, "--mtu"),
     (["flood", "--senders", "9"], USAGE, "--senders"),
+    # Outputs that could not be written: refused before any work (capture used to fail only
+    # after capturing, up after starting its nodes).
+    (["up", "--detach", "--nodes", "2", "--cluster", "/nonexistent-netdam-dir/c.toml"], USAGE, "mkdir -p"),
+    (["up", "--detach", "--nodes", "2", "--cluster", "README.md/c.toml"], USAGE, "not a directory"),
+    (["capture", "--cluster", "CLUSTER2", "-o", "/nonexistent-netdam-dir/x.pcap"], USAGE, "does not exist"),
+    (["model", "allreduce", "--nodes", "4", "--size", "1MiB", "--plot", "/nonexistent-netdam-dir/p.png"], USAGE, "--plot"),
+    (["model", "sweep", "--plot", "README.md/p.png"], USAGE, "not a directory"),
+    (["bench", "allreduce", "--plot", "/nonexistent-netdam-dir/p.png"], USAGE, "does not exist"),
+    (["bench", "pool", "--plot", "/nonexistent-netdam-dir/p.png"], USAGE, "does not exist"),
+    # More node memory than /dev/shm holds: name --size (allreduce has no --memory), before any node starts.
+    (["allreduce", "--size", "1024GiB"], USAGE, "--size"),
+    # --nodes beside a cluster file of another size: refused, not silently replaced by the file's.
+    (["allreduce", "--nodes", "3", "--cluster", "CLUSTER2"], USAGE, "--nodes 3 but"),
+    # A stale cluster file (its processes are gone): exit 2 naming `netdam down`, not exit 3.
+    (["allreduce", "--cluster", "STALE"], USAGE, "netdam down --cluster"),
+    (["ping", "--cluster", "STALE"], USAGE, "netdam down --cluster"),
+    (["pool", "list", "--cluster", "STALE"], USAGE, "netdam down --cluster"),
+    (["capture", "--cluster", "STALE", "-o", "x.pcap"], USAGE, "netdam down --cluster"),
+    (["soak", "--cluster", "STALE", "--seconds", "1"], USAGE, "netdam down --cluster"),
     (["nosuchcommand"], USAGE, "nosuchcommand"),
     (["allreduce", "--no-such-flag"], USAGE, "--no-such-flag"),
 ]
+
+
+#: A pid no process has: above Linux's largest pid_max (2^22).
+GONE_PID = (1 << 22) + 7
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +139,10 @@ def test_bad_input_is_one_line(argv: list[str], code: int, word: str, cluster2: 
                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     small = cluster2.with_name("two-mtu150.toml")
     small.write_text(cluster2.read_text().replace("mtu = 9000", "mtu = 150"))
-    files = {"CLUSTER2": str(cluster2), "CLUSTER2_MTU150": str(small)}
+    stale = cluster2.with_name("stale.toml")
+    stale.write_text(cluster2.read_text().replace("port = 40001\n", f"port = 40001\npid = {GONE_PID}\n")
+                     .replace("port = 40002\n", f"port = 40002\npid = {GONE_PID + 1}\n"))  # fmt: skip
+    files = {"CLUSTER2": str(cluster2), "CLUSTER2_MTU150": str(small), "STALE": str(stale)}
     argv = [files.get(a, a) for a in argv]
     _check(argv, code, word, *_main(argv, capsys))
     _check_json(code, word, *_main([*argv, "--json"], capsys))
@@ -183,3 +210,139 @@ def test_sigint_exits_130(tmp_path: Path) -> None:
     assert proc.returncode == 130, (proc.returncode, err)
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not cluster.exists()
+
+
+# ---------------------------------------------------------------- outputs checked before work
+
+
+def test_unwritable_or_full_output_directory_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only directory (root ignores modes, so only as another user) and a full one: one
+    line naming the directory and the fix, from a real probe write (os.access says yes to root)."""
+    import errno
+
+    from netdam.cli import common
+    from netdam.cli.common import CommandError, check_writable_output
+
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        with pytest.raises(CommandError) as denied:
+            check_writable_output(ro / "c.toml", "--cluster")
+        assert denied.value.code == USAGE and "not writable" in str(denied.value)
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(common.os, "write", full)
+    with pytest.raises(CommandError) as no_room:
+        check_writable_output(tmp_path / "c.toml", "--cluster")
+    monkeypatch.undo()
+    message = str(no_room.value)
+    assert no_room.value.code == USAGE and f"{tmp_path} is full" in message and "\n" not in message
+    assert not list(tmp_path.iterdir())  # the probe is gone
+
+
+def test_up_leaves_nothing_behind_when_the_cluster_file_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The disk fills between the early check and the write: `up --detach` stops the nodes it
+    started and removes their memory and log files (nothing else could: `down` needs the file)."""
+    import errno
+
+    from netdam.cluster import launch
+    from netdam.cluster.launch import node_log
+
+    started: list[tuple[str, list[subprocess.Popen[bytes]]]] = []
+    spawn = launch._spawn_nodes
+
+    def recording(spec: launch._NodeSpec, nodes: list[tuple[int, tuple[str, int], int]]
+                  ) -> tuple[list[subprocess.Popen[bytes]], list[int]]:  # fmt: skip
+        procs, ports = spawn(spec, nodes)
+        started.append((spec.name, procs))
+        return procs, ports
+
+    def no_space(info: object, path: Path) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(launch, "_spawn_nodes", recording)
+    monkeypatch.setattr(launch, "write_cluster", no_space)
+    path = tmp_path / "c.toml"
+    code, out, err = _main(["up", "--detach", "--nodes", "2", "--cluster", str(path)], capsys)
+    assert code == USAGE, err
+    assert len(err.strip().splitlines()) == 1 and "cannot write the cluster file" in err, err
+    assert "please report" not in err and "--cluster" in err
+    [(name, procs)] = started
+    assert all(p.poll() is not None for p in procs)
+    assert not list(Path("/dev/shm").glob(f"{name}-*"))
+    assert not any(node_log(name, rank).exists() for rank in range(2))
+    assert not path.exists()
+
+
+# ---------------------------------------------------------------- a running cluster, edited
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A detached 2-node cluster with the switch, default memory (64 MiB per node)."""
+    path = tmp_path_factory.mktemp("running") / "c.toml"
+    up = _run(["up", "--detach", "--nodes", "2", "--switch", "--cluster", str(path), "--json"])
+    assert up.returncode == 0, up.stderr
+    yield path
+    _run(["down", "--cluster", str(path)])
+
+
+def _wrong_port(path: Path) -> Path:
+    """The cluster file with rank 1's data port edited by hand to one nothing listens on."""
+    from netdam.cluster.clusterfile import load_cluster
+
+    port = load_cluster(path).nodes[1].port
+    bad = path.with_name("wrong-port.toml")
+    bad.write_text(path.read_text().replace(f"port = {port}\n", f"port = {port + 1000}\n"))
+    return bad
+
+
+def test_stats_names_a_rank_whose_port_is_wrong(running: Path) -> None:
+    """Before: exit 0, rank 1 listed as healthy (its control port answered)."""
+    bad = _wrong_port(running)
+    out = _run(["stats", "--cluster", str(bad), "--json"])
+    result = json.loads(out.stdout)
+    assert out.returncode == USAGE, out.stderr
+    assert result["ok"] is False and "rank 1" in result["error"] and "set port =" in result["error"]
+    assert "error" in result["nodes"][1] and "error" not in result["nodes"][0]
+
+
+def test_allreduce_names_a_rank_whose_port_is_wrong(running: Path) -> None:
+    """Before: exit 3, `failed on rank 1: BAD_SEGMENT`."""
+    bad = _wrong_port(running)
+    out = _run(["allreduce", "--cluster", str(bad), "--size", "4KiB"])
+    _check(["allreduce"], USAGE, "rank 1 (127.0.0.1:", out.returncode, out.stdout, out.stderr)
+    assert "does not match the running nodes" in out.stderr and "netdam up" in out.stderr
+
+
+def test_allreduce_bigger_than_node_memory_names_the_memory_to_start_with(running: Path) -> None:
+    """Before: exit 3, `MemoryError: ... start nodes with more --memory ... please report it`."""
+    out = _run(["allreduce", "--cluster", str(running), "--size", "64MiB"])
+    _check(["allreduce"], USAGE, "netdam up --memory 128MiB", out.returncode, out.stdout, out.stderr)
+    assert "--size 32MiB or less" in out.stderr and "please report" not in out.stderr
+
+
+def test_pool_alloc_without_room_says_what_is_free(running: Path) -> None:
+    """Before: exit 3, `use --interleave`, which cannot make 100 GiB fit in 128 MiB."""
+    out = _run(["pool", "alloc", "--cluster", str(running), "--size", "100GiB"])
+    _check(["pool"], USAGE, "free over 2 node(s)", out.returncode, out.stdout, out.stderr)
+    assert "--interleave" not in out.stderr and "--memory" in out.stderr
+    # 100 MiB does not fit one node's 64 MiB but does fit interleaved: then say so.
+    out = _run(["pool", "alloc", "--cluster", str(running), "--size", "100MiB"])
+    _check(["pool"], USAGE, "--interleave 8KiB", out.returncode, out.stdout, out.stderr)
+
+
+# ---------------------------------------------------------------- hints name what really helps
+
+
+def test_hints_name_what_installs_and_options_the_command_has(capsys: pytest.CaptureFixture[str]) -> None:
+    from netdam.tools.plot import PLOT_HINT
+
+    # netdam is not on the package index: 'netdam[plot]' resolves nothing there.
+    assert "pip install matplotlib" in PLOT_HINT and "netdam[" not in PLOT_HINT
+    code, _, err = _main(["allreduce", "--size", "1024GiB"], capsys)
+    assert code == USAGE and "--memory" not in err and "--size" in err  # allreduce has no --memory

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from netdam.cli.cluster import add_fault_args, faults_from
@@ -18,6 +21,7 @@ from netdam.cli.common import (
 from netdam.cluster.clusterfile import load_cluster
 from netdam.core.chunk_plan import min_mtu
 from netdam.protocol.constants import ELEMENT_SIZE, DType, ReduceOp
+from netdam.units import format_size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -28,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "NICs (chained reduce-scatter + multicast all-gather), read every rank's result back and "
         "compare it bitwise with a numpy reference summed in chain order.",
     )
-    parser.add_argument("--nodes", type=bounded_int(2, 64), default=4,
-                        help="node processes, 2..64 (default 4; with --cluster, the file's)")
+    parser.add_argument("--nodes", type=bounded_int(2, 64), default=None,
+                        help="node processes, 2..64 (default 4; with --cluster, the file's: a "
+                        "different count is refused)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--size", type=size_arg, help="bytes per rank (default 4MiB)")
     size.add_argument("--count", type=bounded_int(1, 1 << 40), help="elements per rank instead of bytes")
@@ -75,10 +80,13 @@ def run(args: argparse.Namespace) -> int:
                            "netdam.empty arrays may hold a running cluster's memory", ExitCode.USAGE)  # fmt: skip
     if args.sparse and args.algo != "chain":
         raise CommandError("--sparse needs --algo chain", ExitCode.USAGE)
+    nbytes = count * ELEMENT_SIZE[dtype]
     if args.cluster is not None:
-        _check_cluster_mtu(args.cluster)
+        _check_cluster(args, nbytes)
+    else:
+        _check_private_memory(args.nodes or 4, nbytes)
     config = AllReduceConfig(
-        nodes=args.nodes, count=count, dtype=dtype, op=ReduceOp[args.op.upper()],
+        nodes=args.nodes or 4, count=count, dtype=dtype, op=ReduceOp[args.op.upper()],
         faults=faults_from(args), timeout_s=args.timeout,
         cluster=Path(args.cluster) if args.cluster else None, seed=args.seed, repeat=args.repeat,
         algo=args.algo, sparse=args.sparse, density=density, resident=args.resident,
@@ -89,19 +97,88 @@ def run(args: argparse.Namespace) -> int:
     return int(code)
 
 
-def _check_cluster_mtu(path: object) -> None:
-    """A cluster started with a small --mtu cannot carry a collective over all its nodes: say so
-    now, not after a watchdog period of silence."""
+def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
+    """What a running cluster must offer, checked before the first packet: the node count asked
+    for, an MTU that carries a collective over all its nodes, nodes answering where the file
+    says, and node memory for the buffer. Otherwise each shows up late and cryptically (a
+    watchdog timeout, BAD_SEGMENT, a MemoryError)."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s) only when a node is silent.
+    from netdam.cli.running import check_running
+    from netdam.tools.allreduce import node_memory_needed
 
-
+    path = Path(args.cluster)
     try:
-        info = load_cluster(Path(str(path)))
+        info = load_cluster(path)
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     world = len(info.nodes)
+    # Refused rather than served by a subset: the collective's segment list, multicast group
+    # and keys cover every node of the file, and a silently smaller (or larger) run would
+    # report numbers for a cluster the user did not ask for.
+    if args.nodes is not None and args.nodes != world:
+        raise CommandError(f"--nodes {args.nodes} but {path} has {world} nodes: drop --nodes (the file "
+                           f"decides), or start a cluster of {args.nodes} with `netdam up --nodes {args.nodes}`",
+                           ExitCode.USAGE)  # fmt: skip
     if info.mtu < min_mtu(world):
         raise CommandError(f"{path} runs at MTU {info.mtu}, too small for a collective over {world} nodes: "
                            f"restart it with `netdam up --mtu {min_mtu(world)}` or more", ExitCode.USAGE)  # fmt: skip
+    answers = check_running(path, info)
+    needed = node_memory_needed(nbytes, args.algo)
+    for node in info.nodes:
+        memory = answers.get(node.rank, {}).get("memory_bytes") or node.memory_bytes
+        if memory and memory < needed:
+            fits = _largest_fitting(partial(_fits_node, algo=args.algo, memory=memory), nbytes)
+            smaller = f", or give --size {format_size(fits)} or less" if fits else ""
+            raise CommandError(f"{format_size(nbytes)} per rank needs {format_size(_mib(needed))} of node memory "
+                               f"(the host stages the buffer in its upper half) but rank {node.rank} "
+                               f"({node.address}:{node.port}) of {path} has {format_size(memory)}: restart the "
+                               f"cluster with more (`netdam down --cluster {path}`, then `netdam up --memory "
+                               f"{format_size(_mib(needed))}`){smaller}", ExitCode.USAGE)  # fmt: skip
+
+
+def _fits_node(nbytes: int, *, algo: str, memory: int) -> bool:
+    from netdam.tools.allreduce import node_memory_needed
+
+    return node_memory_needed(nbytes, algo) <= memory
+
+
+def _check_private_memory(nodes: int, nbytes: int) -> None:
+    """A private cluster's node memory lives in /dev/shm: a size it cannot hold is the user's to
+    change (--size, --nodes), named before any node starts. (The node would say "lower
+    --memory", an option this command does not take.)"""
+    from netdam.shell.shm import DEFAULT_SHM_DIR
+    from netdam.tools.allreduce import private_node_memory
+
+    try:
+        fs = os.statvfs(DEFAULT_SHM_DIR)
+    except OSError:
+        return  # no such directory: the node names it
+    free = fs.f_bavail * fs.f_frsize
+    if nodes * private_node_memory(nbytes) <= free:
+        return
+    fits = _largest_fitting(lambda n: nodes * private_node_memory(n) <= free, nbytes)
+    fewer = next((k for k in range(nodes - 1, 1, -1) if k * private_node_memory(nbytes) <= free), None)
+    steps = [f"give --size {format_size(fits)} or less"] if fits else []
+    if fewer is not None:
+        steps.append(f"--nodes {fewer}")
+    steps.append(f"free space in {DEFAULT_SHM_DIR}")
+    raise CommandError(f"{format_size(nbytes)} per rank needs {private_node_memory(nbytes) / (1 << 30):.1f} GiB of node "
+                       f"memory on each of {nodes} nodes, but {DEFAULT_SHM_DIR} (where node memory lives) has "
+                       f"{free / (1 << 30):.1f} GiB free: {', or '.join(steps)}", ExitCode.USAGE)  # fmt: skip
+
+
+def _largest_fitting(fits: Callable[[int], bool], below: int) -> int:
+    """The largest power of two under *below* bytes for which *fits* holds (0: none): a --size
+    to suggest that certainly works."""
+    size = 1 << max(below.bit_length() - 1, 0)
+    while size >= 1 and not (size < below and fits(size)):
+        size >>= 1
+    return size
+
+
+def _mib(nbytes: int) -> int:
+    """*nbytes* rounded up to whole MiB: a --memory to suggest."""
+    return -(-nbytes // (1 << 20)) * (1 << 20)
 
 
 def _text(r: dict[str, object]) -> str:

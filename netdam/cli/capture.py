@@ -19,7 +19,7 @@ from netdam.cli.common import (
     bounded_seconds,
     cluster_file,
     emit,
-    output_file,
+    writable_output,
 )
 from netdam.cli.decode import cluster_ports
 from netdam.protocol.constants import MULTICAST_PREFIX
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "protocol/wireshark/netdam.lua. Needs CAP_NET_RAW (root).",
     )
     parser.add_argument("--cluster", type=cluster_file, required=True, help="the cluster file (netdam up)")
-    parser.add_argument("-o", "--output", type=output_file, required=True, metavar="FILE.pcap",
+    parser.add_argument("-o", "--output", type=writable_output("-o"), required=True, metavar="FILE.pcap",
                         help="pcap file to write")  # fmt: skip
     parser.add_argument("--seconds", type=bounded_seconds(0.0, 86400.0, low_inclusive=False), default=None,
                         help="stop after this long (default: at Ctrl-C or --count)")  # fmt: skip
@@ -49,8 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
 
+    # Imported here: it loads numba's compiled kernels (~0.7 s) only when a pid is gone.
+    from netdam.cli.running import check_not_stale
+    from netdam.cluster.clusterfile import load_cluster
+
     try:
         ports = cluster_ports(args.cluster)
+        # A stale file's ports carry no traffic: the capture would wait for nothing.
+        check_not_stale(args.cluster, load_cluster(args.cluster))
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     frames = capture(args.iface, ports, seconds=args.seconds, count=args.count, on_frame=_counter())

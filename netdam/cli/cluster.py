@@ -16,6 +16,7 @@ from netdam.cli.common import (
     bounded_int,
     bounded_milliseconds,
     bounded_seconds,
+    check_writable_output,
     cluster_file,
     emit,
     new_or_file,
@@ -339,25 +340,33 @@ def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
-    from netdam.cluster.launch import ClusterStartError, start_cluster, start_from_file
+    from netdam.cluster.launch import (
+        ClusterFileError,
+        ClusterStartError,
+        start_cluster,
+        start_from_file,
+    )
 
-    if args.cluster is None or not lists_nodes(args.cluster):
+    path = args.cluster or Path.cwd() / f"netdam-cluster-{os.getpid()}.toml"
+    # Before any node starts: nodes whose file cannot be written are nodes nobody can stop.
+    check_writable_output(path, "--cluster" if args.cluster else "cluster file (choose with --cluster)")
+    from_file = args.cluster is not None and lists_nodes(args.cluster)
+    if not from_file:
         _check_up_flags(args, args.nodes if args.nodes is not None else 4)
     try:
-        if args.cluster is not None and lists_nodes(args.cluster):
+        if from_file:
             _check_file_flags(args)
             cluster = start_from_file(args.cluster, memory=args.memory, shm_dir=args.shm_dir,
                                       faults=faults_from(args), detach=args.detach, mtu=args.mtu)  # fmt: skip
         else:
             cluster = start_cluster(args.nodes if args.nodes is not None else 4, memory=args.memory,
                                     base_port=args.base_port or 0, shm_dir=args.shm_dir,
-                                    mtu=args.mtu or DEFAULT_MTU,
-                                    cluster_path=args.cluster or Path.cwd() / f"netdam-cluster-{os.getpid()}.toml",
+                                    mtu=args.mtu or DEFAULT_MTU, cluster_path=path,
                                     faults=faults_from(args), detach=args.detach,
                                     switch=args.switch)  # fmt: skip
     except (ValueError, ClusterStartError) as exc:
-        code = ExitCode.USAGE if isinstance(exc, ValueError) else ExitCode.RUN_FAILED
-        raise CommandError(str(exc), code) from None
+        usage = isinstance(exc, (ValueError, ClusterFileError))
+        raise CommandError(str(exc), ExitCode.USAGE if usage else ExitCode.RUN_FAILED) from None
     summary: dict[str, object] = {"ok": True, "cluster": str(cluster.path), "nodes": len(cluster.processes),
                                   "startup_seconds": cluster.startup_seconds, "detached": args.detach}  # fmt: skip
     if cluster.owned is not None:
@@ -481,11 +490,22 @@ def _load(path: Path):  # type: ignore[no-untyped-def]
 
 def run_stats(args: argparse.Namespace) -> int:
 
+    # Imported here: it loads numba's compiled kernels (~0.7 s) only when a node is silent.
+    from netdam.cli.running import diagnose, summarize
+
     info = _load(args.cluster)
     nodes = []
     errors = []
+    # The data port the file names is what every other command uses: a node that answers only
+    # on its control port would look healthy here and fail everywhere else.
+    _, faults = diagnose(args.cluster, info, timeout=min(args.timeout, 0.5))
+    faulty = {f.rank: f for f in faults}
     with ControlClient(admin_key=info.admin_key) as client:
         for node in info.nodes:
+            if node.rank in faulty:
+                nodes.append({"rank": node.rank, "address": f"{node.address}:{node.port}",
+                              "error": faulty[node.rank].message})  # fmt: skip
+                continue
             start = time.perf_counter()
             try:
                 values = client.counters(node.control_endpoint, timeout=args.timeout)
@@ -498,11 +518,19 @@ def run_stats(args: argparse.Namespace) -> int:
             named.update(rank=node.rank, address=f"{node.address}:{node.port}",
                          answer_seconds=time.perf_counter() - start)  # fmt: skip
             nodes.append(named)
-    result = {"ok": not errors, "cluster": str(args.cluster), "nodes": nodes}
+    result = {"ok": not errors and not faults, "cluster": str(args.cluster), "nodes": nodes}
+    code = ExitCode.OK
+    if faults:
+        message, code = summarize(args.cluster, info, faults)
+        errors.insert(0, message)
+    elif errors:
+        code = ExitCode.RUN_FAILED
     if errors:
         result["error"] = "; ".join(errors)
     emit(result, args.json, text=_stats_table(nodes))
-    return ExitCode.OK if not errors else ExitCode.RUN_FAILED
+    if errors:
+        print(f"error: {errors[0]}", file=sys.stderr)  # the table went to stdout: say why it failed
+    return code
 
 
 def _stats_table(nodes: list[dict[str, object]]) -> str:
@@ -529,7 +557,14 @@ def _stats_table(nodes: list[dict[str, object]]) -> str:
 
 def run_ping(args: argparse.Namespace) -> int:
 
-    targets = [n.endpoint for n in _load(args.cluster).nodes] if args.cluster else [args.node]
+    targets = [args.node]
+    if args.cluster:
+        # Imported here: it loads numba's compiled kernels (~0.7 s) only when a pid is gone.
+        from netdam.cli.running import check_not_stale
+
+        listed = _load(args.cluster)
+        check_not_stale(args.cluster, listed)
+        targets = [n.endpoint for n in listed.nodes]
     results = []
     failed = False
     with ControlClient() as client:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -135,13 +136,73 @@ def new_or_file(text: str) -> Path:
     return path
 
 
-def output_file(text: str) -> Path:
-    """argparse type for a file a command writes: not a directory, in an existing directory."""
-    path = new_or_file(text)
+#: Bytes a probe writes to show an output directory takes data: more than any cluster file or
+#: credential, and enough that a full file system refuses it (an empty file may still fit).
+OUTPUT_PROBE_BYTES = 64 << 10
+
+
+def check_writable_output(path: Path, option: str, *, room: int = OUTPUT_PROBE_BYTES) -> None:
+    """Refuse (exit 2, one line) an output path the command could not write, before any work:
+    its directory is missing, not a directory, read-only, not ours to write or full.
+
+    os.access alone is not enough: root passes every mode check yet still fails on a read-only
+    or full file system, so the directory gets a real probe write of *room* bytes."""
+    if path.is_dir():
+        raise CommandError(f"{option} {path} is a directory: give a file path", ExitCode.USAGE)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: directory {parent} does not exist: create it first")
-    return path
+        # The nearest ancestor that exists says which: a missing directory, or a file in the way.
+        existing = next(p for p in (parent, *parent.parents) if p.exists())
+        if not existing.is_dir():
+            raise CommandError(f"{option} {path}: {existing} is not a directory: give a path in a directory",
+                               ExitCode.USAGE)  # fmt: skip
+        raise CommandError(f"{option} {path}: directory {parent} does not exist: create it (mkdir -p {parent}) "
+                           "or give another path", ExitCode.USAGE)  # fmt: skip
+    if path.exists() and not os.access(path, os.W_OK):
+        raise CommandError(f"{option} {path} exists and is not writable: fix its permissions or give "
+                           "another path", ExitCode.USAGE)  # fmt: skip
+    probe = parent / f".{path.name}.{os.getpid()}.probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if os.write(fd, bytes(room)) < room:  # a short write: the file system filled up
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        raise CommandError(f"{option} {path}: {_why_unwritable(parent, exc)}", ExitCode.USAGE) from None
+
+
+def _why_unwritable(directory: Path, exc: OSError) -> str:
+    """What a failed probe write in *directory* means, and what to do about it."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            fs = os.statvfs(directory)
+            free = f" ({fs.f_bavail * fs.f_frsize} B free)"
+        except OSError:
+            free = ""
+        return f"{directory} is full{free}: free some space there or give a path on another file system"
+    if exc.errno == errno.EROFS:
+        return f"{directory} is on a read-only file system: give a path in a writable directory"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"directory {directory} is not writable (permission denied): give a path in a writable directory"
+    return f"cannot write in {directory} ({exc.strerror}): give a path in a writable directory"
+
+
+def writable_output(option: str) -> Callable[[str], Path]:
+    """argparse type for an output file checked with check_writable_output at parse time."""
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        try:
+            check_writable_output(path, option)
+        except CommandError as exc:
+            # argparse prefixes "argument OPTION:" itself.
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{option} ")) from None
+        return path
+
+    return parse
 
 
 def size_range_arg(text: str) -> list[int]:

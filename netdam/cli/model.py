@@ -22,6 +22,7 @@ from netdam.cli.common import (
     emit,
     size_arg,
     size_range_arg,
+    writable_output,
 )
 from netdam.fpga_model import des, wire
 from netdam.fpga_model.analytic import (
@@ -163,7 +164,7 @@ def register(subparsers: Any) -> None:
         "--algo", choices=ALGOS, default="netdam-chain", help="algorithm (default netdam-chain)"
     )
     ar.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
-    ar.add_argument("--plot", metavar="FILE.png",
+    ar.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
                     help="also draw time and busbw against size, 4KiB up to 4 x SIZE (needs the "
                     "[plot] extra: matplotlib)")  # fmt: skip
     _common(ar, "100")
@@ -201,7 +202,7 @@ def register(subparsers: Any) -> None:
         metavar="SIZE",
         help="size of the against-nodes panels (default 256MiB)",
     )
-    sw.add_argument("--plot", metavar="FILE.png", help="write a figure (needs the [plot] extra: matplotlib)")
+    sw.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"), help="write a figure (needs the [plot] extra: matplotlib)")
     sw.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     _common(sw, "100")
     sw.set_defaults(func=cmd_sweep)
@@ -216,7 +217,7 @@ def register(subparsers: Any) -> None:
     )
     va.add_argument("--set", dest="set_key", metavar="KEY",
                     help="only this set (default: every set)")  # fmt: skip
-    va.add_argument("--plot", metavar="FILE.png",
+    va.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
                     help="draw measured against modelled time and their ratio (needs the "
                     "[plot] extra: matplotlib)")  # fmt: skip
     va.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -432,7 +433,7 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
     )
     if plt is not None:
         _plot_allreduce(plt, args, nd, ro, dtype)
-        out["plot"] = args.plot
+        out["plot"] = str(args.plot)
         text += f"\n\nplot written to {args.plot}"
     emit(out, args.json, text)
     return int(ExitCode.OK)
@@ -573,7 +574,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"[{BOUNDS[0]}, {BOUNDS[1]}]: {'within' if BOUNDS[0] <= r.geomean <= BOUNDS[1] else 'OUTSIDE'}")
     if plt is not None:
         _plot_validation(plt, ring, ideal, args.plot)
-        out["plot"] = args.plot
+        out["plot"] = str(args.plot)
         text.append(f"plot written to {args.plot}")
     emit(out, args.json, "\n\n".join(text))
     return int(ExitCode.OK)

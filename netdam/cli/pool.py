@@ -23,10 +23,11 @@ from netdam.clients.pool import PoolClient, PoolError
 from netdam.cluster.clusterfile import load_cluster
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.secrets_io import KeyFileError, read_key_file, write_private
-from netdam.protocol.constants import Opcode
+from netdam.protocol.constants import Opcode, Status
 from netdam.protocol.packet import Packet
 from netdam.switch.addrmap import region_to_json
 from netdam.switch.cli import add_switch_arguments, run_switch
+from netdam.units import format_size
 
 #: What `pool read --format` offers (the first is the default).
 READ_FORMATS = ("hex", "text", "raw")
@@ -153,11 +154,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def _controller(args: argparse.Namespace) -> Any:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
+    from netdam.cli.running import check_not_stale
     from netdam.switch.controller import ControllerError, PoolController
 
     try:
+        check_not_stale(args.cluster, load_cluster(args.cluster))
         return PoolController(args.cluster, credential=_credential_of(args))
-    except ControllerError as exc:
+    except (ControllerError, ValueError) as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
@@ -188,6 +191,8 @@ def run_alloc(args: argparse.Namespace) -> int:
     try:
         region = ctl.alloc(args.size, args.interleave, ways=args.ways, rights=args.rights, tenant=args.tenant)
     except ControllerError as exc:
+        if exc.status == Status.NO_SPACE:
+            raise CommandError(_no_room(ctl, args), ExitCode.USAGE) from None
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     vip = ctl.switch.vip
     credential = int(region.extra.get("credential", 0))
@@ -203,6 +208,20 @@ def run_alloc(args: argparse.Namespace) -> int:
             f"credential 0x{region.extra.get('credential', 0):016x}")  # fmt: skip
     emit({"ok": True, **_region_json(region), "vip": f"{vip[0]}:{vip[1]}"}, args.json, text=text)
     return ExitCode.OK
+
+
+def _no_room(ctl: Any, args: argparse.Namespace) -> str:
+    """ALLOC refused for room: what the pool has free and what really helps (the switch's NACK
+    carries only the status; its state file has the map)."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
+    from netdam.switch.controller import ControllerError, room_hint
+
+    head = f"no room for {format_size(args.size)} in the pool of {args.cluster}"
+    try:
+        return f"{head}: {room_hint(ctl.state(), args.size, args.interleave)}"
+    except (ControllerError, OSError):  # no readable state file: say what is certain
+        return (f"{head}: free regions (`netdam pool list` shows them), or start the cluster with more "
+                "memory per node (`netdam up --switch --memory SIZE`)")
 
 
 def run_free(args: argparse.Namespace) -> int:

@@ -77,6 +77,15 @@ def run(args: argparse.Namespace) -> int:
     from netdam.tools.soak.plan import SoakConfig
 
     progress.describe(f"{args.seconds:g} s, {args.clients} clients")
+    if args.cluster is not None:
+        # Imported here: it loads numba's compiled kernels (~0.7 s) only when a pid is gone.
+        from netdam.cli.running import check_not_stale
+        from netdam.cluster.clusterfile import load_cluster
+
+        try:
+            check_not_stale(args.cluster, load_cluster(args.cluster))
+        except ValueError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
 
     try:
         config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes, loss=args.loss,

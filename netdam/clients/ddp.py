@@ -55,8 +55,8 @@ try:
     import torch.distributed as dist
 except ImportError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError(
-        "netdam.clients.ddp needs PyTorch: pip install 'netdam[torch]' (pins torch==2.13.0, the CPU build "
-        "on the project's machines; elsewhere install PyTorch's CPU wheel first: an unpinned "
+        "netdam.clients.ddp needs PyTorch: pip install torch==2.13.0 (the CPU build on the "
+        "project's machines; from a netdam checkout pip install '.[torch]' pins it; elsewhere install PyTorch's CPU wheel first: an unpinned "
         "`pip install torch` on Linux pulls a CUDA build of several GB)"
     ) from exc
 

@@ -14,6 +14,7 @@ likewise only stops this host's nodes.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import logging
 import os
@@ -64,6 +65,11 @@ START_LIMIT_S = 1800.0
 
 class ClusterStartError(NetdamError, RuntimeError):
     """A node did not come up; the message names it and quotes its error."""
+
+
+class ClusterFileError(ClusterStartError):
+    """The nodes came up but their cluster file could not be written (they were stopped): the
+    file's place is the user's to fix, not a failed run."""
 
 
 @dataclass
@@ -286,7 +292,21 @@ def _start_cluster(
     )  # fmt: skip
     # Private clusters (demo, benchmarks) keep their files out of the user's directory.
     path = cluster_path or Path(tempfile.gettempdir()) / f"{name}.toml"
-    write_cluster(info, path)
+    try:
+        write_cluster(info, path)
+    except BaseException as exc:
+        # Without the file nothing could find these nodes to stop them (`netdam down` reads it):
+        # stop them and remove their memory and log files before reporting.
+        stop_pids([p.pid for p in procs], 3.0, processes=procs)
+        _remove_node_files(name, list(info.nodes))
+        if isinstance(exc, OSError):
+            elsewhere = ("give --cluster a path in a writable directory" if cluster_path is not None
+                         else "point TMPDIR at a writable directory")  # fmt: skip
+            fix = (f"free space in {path.parent} or {elsewhere}" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                   else elsewhere)  # fmt: skip
+            raise ClusterFileError(f"cannot write the cluster file {path} ({exc.strerror or exc}); its "
+                                   f"{nodes} nodes were stopped: {fix}") from None  # fmt: skip
+        raise
     cluster = LocalCluster(info, path, procs, time.monotonic() - start)
     if vip is not None:
         try:
@@ -742,7 +762,12 @@ def start_switch(
         stop_pids([proc.pid], 3.0, processes=[proc])
         raise
     entry = SwitchEntry(vip[0], vip[1], control_port, proc.pid, str(state))
-    write_switch_entry(cluster.path, entry)
+    try:
+        write_switch_entry(cluster.path, entry)
+    except BaseException:
+        stop_pids([proc.pid], 3.0, processes=[proc])  # not in the file: nothing else would stop it
+        log.unlink(missing_ok=True)
+        raise
     return SwitchHandle(entry, proc, cluster.path, time.monotonic() - start)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from netdam import progress
 from netdam.api import CollectiveError, ProcessGroup, Work
 from netdam.api import all_reduce as api_all_reduce
+from netdam.clients.ring_host import _ALIGN as RING_ALIGN  # its receive area's alignment
 from netdam.clients.ring_host import ring_all_reduce
 from netdam.cluster.clusterfile import load_cluster
 from netdam.cluster.control import ControlClient, ControlError
@@ -30,6 +31,23 @@ from netdam.protocol.payloads import NO_PHASE_US
 
 #: Node memory for a private cluster: the API stages inputs in the upper half.
 MIN_NODE_MEMORY = 16 << 20
+
+
+def node_memory_needed(nbytes: int, algo: str) -> int:
+    """Node memory one rank needs for *nbytes* per rank on a running cluster: the host API
+    stages the buffer in the upper half (api.ProcessGroup._stage), and ring-host also lands the
+    previous host's WRITEs there, past the buffer (clients/ring_host.py)."""
+    if algo == "ring-host":
+        return 2 * (-(-nbytes // RING_ALIGN) * RING_ALIGN + nbytes)
+    return 2 * nbytes
+
+
+def private_node_memory(nbytes: int) -> int:
+    """Node memory of a private cluster: room for the staged buffer, ring-host's receive area
+    and --resident arrays (the lower half) alike."""
+    return max(MIN_NODE_MEMORY, 4 * nbytes + (1 << 20))
+
+
 #: From this many bytes per rank every rank's host runs in its own thread, as one process per
 #: rank would (numpy's copies release the GIL, so stagings overlap); below it one thread starts
 #: every rank in turn, cheaper than a thread hand-off (~50 us) when a call takes ~1-3 ms.
@@ -113,8 +131,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         if config.cluster is not None:
             info = load_cluster(config.cluster)
         else:
-            memory = max(MIN_NODE_MEMORY, 4 * nbytes + (1 << 20))
-            cluster = start_cluster(config.nodes, memory=memory, faults=config.faults)
+            cluster = start_cluster(config.nodes, memory=private_node_memory(nbytes), faults=config.faults)
             info = cluster.info
         world = len(info.nodes)
         result["nodes"] = world

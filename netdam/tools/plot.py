@@ -1,6 +1,7 @@
 """What every ``--plot FILE`` shares: matplotlib on demand, units, colours, line styles, legend.
 
-- matplotlib comes from the light ``[plot]`` extra (``pip install 'netdam[plot]'``); without it
+- matplotlib comes from ``pip install matplotlib`` (or the checkout's ``[plot]`` extra: netdam is
+  not on the package index, so ``'netdam[plot]'`` resolves nothing there); without it
   ``--plot`` is a usage error naming that command, checked before any work starts.
 - Units as the text output gives them: sizes in KiB/MiB/GiB (axis ticks on powers of two),
   rates in Gb/s (10^9 bits/s, the JSON's ``*_gbps`` and the model's link speeds), times in us
@@ -22,7 +23,8 @@ from typing import Any
 from netdam.cli.common import CommandError, ExitCode
 from netdam.units import format_size
 
-PLOT_HINT = "--plot needs matplotlib: pip install 'netdam[plot]' (or drop --plot)"
+PLOT_HINT = ("--plot needs matplotlib: pip install matplotlib (from a netdam checkout: pip install '.[plot]'), "
+             "or drop --plot")
 
 #: Line styles by where the numbers come from.
 MEASURED = "-"

@@ -55,6 +55,7 @@ from netdam.cli.common import (
     emit,
     size_arg,
     size_range_arg,
+    writable_output,
 )
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.tools import plot as plotting
@@ -71,7 +72,9 @@ ELEMENT_BYTES = 4
 MAX_NODES = 64
 #: Printed by the peer scripts in front of their one JSON line.
 RESULT_TAG = "NETDAM_BENCH_RESULT "
-INSTALL_BENCH = "pip install 'netdam[bench]'"
+#: netdam is not on the package index: 'netdam[bench]' installs nothing from there, the
+#: checkout's extra does.
+INSTALL_BENCH = "from a netdam checkout: pip install '.[bench]'"
 INSTALL_MPI = "apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py"
 #: Cycle-model algorithm behind each row's model_seconds_100g.
 MODEL_ALGO = {
@@ -179,7 +182,7 @@ def _version(dist: str) -> str | None:
 def gloo_unavailable() -> str | None:
     """Why the Gloo peer cannot run here, or None."""
     if util.find_spec("torch") is None:
-        return f"torch not installed: {INSTALL_BENCH} (pins torch==2.13.0, the CPU build)"
+        return f"torch not installed: pip install torch==2.13.0 (the CPU build here), or {INSTALL_BENCH}"
     return None
 
 
@@ -678,7 +681,7 @@ def format_table(res: dict[str, Any]) -> str:
 
 def plot_unavailable() -> str | None:
     if util.find_spec("matplotlib") is None:
-        return f"--plot needs matplotlib: {INSTALL_BENCH} (or pip install matplotlib)"
+        return plotting.PLOT_HINT
     return None
 
 
@@ -780,7 +783,7 @@ def register_allreduce_bench(benches: Any) -> None:
     parser.add_argument("--timeout", type=bounded_seconds(0, 86400, low_inclusive=False), default=600.0,
                         help="wall-clock limit of one gloo/mpi run in seconds (600)")  # fmt: skip
     parser.add_argument(
-        "--plot", type=Path, default=None, help="write a PNG figure (needs matplotlib)"
+        "--plot", type=writable_output("--plot"), default=None, help="write a PNG figure (needs matplotlib)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from netdam.cli.common import CommandError, ExitCode, emit, size_arg
+from netdam.cli.common import CommandError, ExitCode, emit, size_arg, writable_output
 from netdam.kernels import pool_gen as G
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import GenPlan, RxBatch, TimeWindow
@@ -412,7 +412,7 @@ def register_pool_bench(benches: Any) -> None:
     parser.add_argument("--generators", type=int, default=1, help="generator processes to start with")
     parser.add_argument("--max-generators", type=int, default=4, help="most generator processes (4)")
     parser.add_argument("--memcached", default=None, help="memcached binary (default: from PATH)")
-    parser.add_argument("--plot", metavar="FILE.png",
+    parser.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
                         help="draw ops/s and latency per phase, netdam beside memcached (needs the "
                         "[plot] extra: matplotlib)")  # fmt: skip
     parser.add_argument("--async", dest="async_mode", action="store_true",
@@ -435,7 +435,7 @@ def register_pool_bench(benches: Any) -> None:
         text = format_text(result)
         if plt is not None and result["results"]:
             plot_pool(plt, result, args.plot)
-            result["plot"] = args.plot
+            result["plot"] = str(args.plot)
             text += f"\n  plot written to {args.plot}"
         emit(result, args.json, text=text)
         return code
