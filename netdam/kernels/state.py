@@ -210,6 +210,7 @@ class SinkCheck(NamedTuple):
     pkt_len: int
     payload_off: int
     verify: bool
+    tag: int  # the phase's seq tag (udp_io.SEQ_TAG_SHIFT); earlier tags are stale, not wrong
 
 
 class GenPlan(NamedTuple):

@@ -585,6 +585,11 @@ SINK_VERIFIED_IN_WINDOW = 1
 SINK_MISMATCHES = 2
 SINK_RX_TOTAL = 3
 SINK_VERIFIED_TOTAL = 4
+SINK_STALE = 5  # datagrams of an earlier phase (their seq tag is older): neither good nor bad
+#: The benchmark's CHAIN_ADD seq is ``tag << SEQ_TAG_SHIFT | packet``: the tag names the phase
+#: that sent it, so a sink can tell a late datagram of the previous phase (still queued in a
+#: socket or in the loopback backlog when the next phase starts) from a wrong one.
+SEQ_TAG_SHIFT = 24
 COUNTS_LEN = 8
 
 
@@ -657,16 +662,20 @@ def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_st
 @njit(cache=True, nogil=True)
 def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # type: ignore[no-untyped-def]
     """Count datagrams until *t_stop*; with *verify*, a datagram counts as verified when it is
-    *pkt_len* bytes and its payload equals row ``seq`` (header bytes 4..8, big-endian) of
-    *expect64* bitwise. *buf64* is *buf* viewed as uint64; payloads must be 8-aligned in buf
-    (runs start at 64 KiB boundaries; pkt_len and payload_off are multiples of 8).
+    *pkt_len* bytes, its seq (header bytes 4..8, big-endian) carries *tag* above
+    ``SEQ_TAG_SHIFT`` and its payload equals row ``seq & row mask`` of *expect64* bitwise.
+    A datagram tagged with an earlier phase (1 <= its tag < *tag*) is counted as stale: it was
+    sent before this phase began, so it says nothing about this phase's sums. Every other
+    datagram is a mismatch. *buf64* is *buf* viewed as uint64; payloads must be 8-aligned in
+    buf (runs start at 64 KiB boundaries; pkt_len and payload_off are multiples of 8).
     ``progress[0]`` (shared memory) gets the running count of received datagrams, for a
     window-paced feeder."""
     buf, offs, lens, srcs = rx
-    expect64, pkt_len, payload_off, verify = check
+    expect64, pkt_len, payload_off, verify, tag = check
     t_start, t_end, t_stop = phase
     words = expect64.shape[1]
     rows = expect64.shape[0]
+    row_mask = (np.int64(1) << SEQ_TAG_SHIFT) - 1
     while True:
         now = _now_ns()
         if now >= t_stop:
@@ -681,18 +690,25 @@ def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # t
             if not verify:
                 continue
             o = offs[k]
-            ok = lens[k] == pkt_len and (o + payload_off) % 8 == 0
-            if ok:
+            seq = np.int64(-1)
+            if lens[k] >= 8:
                 seq = (
                     (np.int64(buf[o + 4]) << 24) | (np.int64(buf[o + 5]) << 16)
                     | (np.int64(buf[o + 6]) << 8) | np.int64(buf[o + 7])
                 )  # fmt: skip
-                if seq >= rows:
+                seq_tag = seq >> SEQ_TAG_SHIFT
+                if seq_tag >= 1 and seq_tag < tag:
+                    counts[SINK_STALE] += 1
+                    continue
+            ok = lens[k] == pkt_len and (o + payload_off) % 8 == 0 and (seq >> SEQ_TAG_SHIFT) == tag
+            if ok:
+                row = seq & row_mask
+                if row >= rows:
                     ok = False
                 else:
                     w0 = (o + payload_off) // 8
                     for w in range(words):
-                        if buf64[w0 + w] != expect64[seq, w]:
+                        if buf64[w0 + w] != expect64[row, w]:
                             ok = False
                             break
             if ok:

@@ -73,6 +73,7 @@ from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights
 from netdam.shell.udp import (
+    SO_RXQ_OVFL,
     SOL_UDP,
     UDP_GRO,
     UDP_SEGMENT,
@@ -148,13 +149,17 @@ def _workload(seed: int, packets: int, mtu: int) -> _Workload:
     return _Workload(elements, payloads, operands, sums)
 
 
-def _chain_packet(k: int, w: _Workload, node: tuple[str, int], sink: tuple[str, int]) -> bytes:
-    """CHAIN_ADD k: at the node (segments_left 1) add operand k and forward to the sink."""
+def _chain_packet(
+    k: int, w: _Workload, node: tuple[str, int], sink: tuple[str, int], tag: int = 1
+) -> bytes:
+    """CHAIN_ADD k: at the node (segments_left 1) add operand k and forward to the sink. Its
+    seq is ``tag << SEQ_TAG_SHIFT | k``: the sink finds row k by it and, by the tag, which
+    phase sent it (udp_io._sink_run)."""
     nbytes = w.payload_bytes
     data: bytes = encode_packet(
         Packet(
             opcode=Opcode.CHAIN_ADD,
-            seq=k,
+            seq=tag << U.SEQ_TAG_SHIFT | k,
             rkey=BENCH_RKEY,
             length=nbytes,
             addr=k * nbytes,
@@ -211,7 +216,7 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
             pass  # plain Python: nothing to compile
         else:
             U.sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
-                        SinkCheck(expect["raw"], 0, 0, False), TimeWindow(0, 0, 0), counts, progress)  # fmt: skip
+                        SinkCheck(expect["raw"], 0, 0, False, 1), TimeWindow(0, 0, 0), counts, progress)  # fmt: skip
         conn.send(
             (
                 "ready",
@@ -237,7 +242,8 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 first_hop = (LOOPBACK, int(cmd["first_hop"]))
                 node_ep = (LOOPBACK, int(cmd["node"]))
                 sink_ep = (LOOPBACK, int(cmd["sink"]))
-                pkt = [_chain_packet(k, w, node_ep, sink_ep) for k in range(params["packets"])]
+                tag = int(cmd["tag"])
+                pkt = [_chain_packet(k, w, node_ep, sink_ep, tag) for k in range(params["packets"])]
                 size = len(pkt[0])
                 fbuf = np.frombuffer(b"".join(pkt), np.uint8).copy()
                 n = len(pkt)
@@ -283,7 +289,8 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 for until in (t_start, t_end, t_stop):
                     cpu.append(_cpu_now())
                     U.sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
-                                SinkCheck(table, size, HEADER_SIZE + 2 * SEGMENT_SIZE, mode != "null"),
+                                SinkCheck(table, size, HEADER_SIZE + 2 * SEGMENT_SIZE, mode != "null",
+                                          int(cmd["tag"])),
                                 TimeWindow(t_start, t_end, until), counts, progress)  # fmt: skip
                 cpu.append(_cpu_now())
             conn.send(
@@ -303,8 +310,11 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
             conn.send(("error", f"{role}: {type(exc).__name__}: {exc}"))
 
 
-#: Ancillary space for one UDP_GRO control message (an int) on recvmsg.
-_GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
+#: Ancillary space on recvmsg for both control messages the socket may get, each an int:
+#: SO_RXQ_OVFL (open_udp_socket turns it on; the kernel adds it, first, once the socket has
+#: dropped anything) and UDP_GRO. Room for one only truncates UDP_GRO away after the first
+#: drop (MSG_CTRUNC), and the relay then took a run of 7 datagrams for one 57904-byte datagram.
+_RECV_CMSG_SPACE = 2 * socket.CMSG_SPACE(4)
 
 
 def py_relay_run(sock: socket.socket, dst: tuple[str, int], until_ns: int, state: np.ndarray) -> int:
@@ -318,14 +328,21 @@ def py_relay_run(sock: socket.socket, dst: tuple[str, int], until_ns: int, state
     sent = 0
     while time.monotonic_ns() < until_ns:
         try:
-            data, ancdata, _flags, _addr = sock.recvmsg(1 << 16, _GRO_CMSG_SPACE)
+            data, ancdata, flags, _addr = sock.recvmsg(1 << 16, _RECV_CMSG_SPACE)
         except (TimeoutError, BlockingIOError, InterruptedError):
             continue
         state[U.ST_RECV_CALLS] += 1
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            # Without the whole run or its UDP_GRO size the datagram boundaries are unknown:
+            # dropped (and counted) rather than forwarded as one merged datagram.
+            state[U.ST_TRUNCATED] += 1
+            continue
         segment = len(data)
         for level, kind, value in ancdata:
             if level == SOL_UDP and kind == UDP_GRO and len(value) >= 4:
                 segment = int.from_bytes(value[:4], sys.byteorder)
+            elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(value) >= 4:
+                state[U.ST_KERNEL_DROPS] = int.from_bytes(value[:4], sys.byteorder)
         n = -(-len(data) // segment) if segment else 0
         state[U.ST_RX_DATAGRAMS] += n
         try:
@@ -636,12 +653,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+#: Each phase's seq tag (udp_io.SEQ_TAG_SHIFT), increasing in the order the phases run: a sink
+#: counts a datagram with an earlier phase's tag as stale, not as a mismatch.
+PHASE_TAGS = {"feeder": 1, "raw": 2, "py_relay": 3, "node": 4}
+
+
 def _phase(
     run: _Run, name: str, first_hop: int, node_port: int, sink_mode: str, relay_dst: int | None,
     relay_role: str = "relay",
 ) -> dict[str, Any]:
     """Run one phase: every involved process gets the same window; return their reports, and
-    record in ``cpu`` how busy each was inside the window."""
+    record in ``cpu`` how busy each was inside the window, and the sink's mismatches and stale
+    datagrams in ``mismatches_by_phase`` and ``stale_datagrams``."""
     cfg = run.cfg
     feeder, sink = run.children["feeder"], run.children["sink"]
     sink_port = sink.info["port"]
@@ -651,7 +674,8 @@ def _phase(
     t_stop = t_end + int(SINK_TAIL_SECONDS * 1e9)
     window = {"t_start": t_start, "t_end": t_end, "t_stop": t_stop}
     budget = (t_stop - now) / 1e9 + PHASE_GRACE_SECONDS
-    sink.send(("run", {"mode": sink_mode, **window}))
+    tag = PHASE_TAGS[name]
+    sink.send(("run", {"mode": sink_mode, "tag": tag, **window}))
     relay = run.children.get(relay_role) if relay_dst is not None else None
     if relay is not None:
         relay.send(("run", {"dst": relay_dst, **window}))
@@ -663,6 +687,7 @@ def _phase(
                 "node": node_port,
                 "sink": sink_port,
                 "window": cfg.window,
+                "tag": tag,
                 **window,
             },
         )
@@ -681,6 +706,11 @@ def _phase(
     if node_cpu is not None:
         cpu_window["node"] = node_cpu
     run.result["cpu"][name] = {role: round(v, 3) for role, v in cpu_window.items()}
+    sink_counts = reports["sink"]["counts"]
+    if sink_mode != "null":
+        run.result["mismatches_by_phase"][name] = int(sink_counts[U.SINK_MISMATCHES])
+        run.result["mismatches"] += int(sink_counts[U.SINK_MISMATCHES])
+    run.result["stale_datagrams"] += int(sink_counts[U.SINK_STALE])
     return {"name": name, "cpu_window": cpu_window, **reports}
 
 
@@ -730,6 +760,8 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
 
     if cfg.packets % FEED_BATCH or cfg.packets <= 0:
         raise ValueError(f"--packets must be a positive multiple of {FEED_BATCH}")
+    if cfg.packets > 1 << U.SEQ_TAG_SHIFT:  # the packet index shares seq with the phase tag
+        raise ValueError(f"--packets must be at most {1 << U.SEQ_TAG_SHIFT}")
     if cfg.window != 0 and cfg.window < FEED_BATCH:
         raise ValueError(
             f"--window {cfg.window} is smaller than one feeder batch: give 0 (unpaced) or at "
@@ -751,6 +783,7 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
         )
     res: dict[str, Any] = {
         "ok": False,
+        "error": None,
         "raw_pps": None,
         "node_pps": None,
         "feeder_pps": None,
@@ -761,6 +794,8 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
         "verified": None,
         "verified_datagrams": 0,
         "mismatches": 0,
+        "mismatches_by_phase": {},
+        "stale_datagrams": 0,
         "node_counters": None,
         "kernel_drops": 0,
         "kernel_drops_by_process": {},
@@ -842,7 +877,6 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 raw_n = p2["sink"]["counts"][U.SINK_VERIFIED_IN_WINDOW]
                 res["raw_pps"] = raw_n / cfg.seconds
                 res["raw_offered_pps"] = p2["feeder"]["counts"][U.FEED_SENT_IN_WINDOW] / cfg.seconds
-                res["mismatches"] = p2["sink"]["counts"][U.SINK_MISMATCHES]
                 drops["relay"] = _new_drops(U, p2["relay"])
                 drops["raw_sink"] = _new_drops(U, p2["sink"])
                 res["relay_io"] = _state_dict(U, p2["relay"]["state"])
@@ -852,7 +886,7 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 p2b = _phase(run, "py_relay", py_port, py_port, "raw", sink_port, "pyrelay")
                 py_n = p2b["sink"]["counts"][U.SINK_VERIFIED_IN_WINDOW]
                 res["py_relay_pps"] = py_n / cfg.seconds
-                res["mismatches"] += p2b["sink"]["counts"][U.SINK_MISMATCHES]
+                drops["py_relay"] = _new_drops(U, p2b["relay"])
                 drops["py_relay_sink"] = _new_drops(U, p2b["sink"])
                 res["py_relay_io"] = _state_dict(U, p2b["relay"]["state"])
                 _device_cpu(res, "py_relay", "py_relay", p2b["cpu_window"]["relay"], py_n, cfg.seconds)
@@ -867,13 +901,12 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                         p3["feeder"]["counts"][U.FEED_SENT_IN_WINDOW] / cfg.seconds
                     )
                     res["verified_datagrams"] = p3["sink"]["counts"][U.SINK_VERIFIED_TOTAL]
-                    node_mismatches = p3["sink"]["counts"][U.SINK_MISMATCHES]
-                    res["mismatches"] += node_mismatches
                     after = run.node.counters()
                     res["node_counters"] = C.counters_to_dict(after)
                     drops["node"] = int(after[C.KERNEL_DROPS]) - int(before[C.KERNEL_DROPS])
                     drops["node_sink"] = _new_drops(U, p3["sink"])
-                    res["verified"] = node_mismatches == 0 and res["verified_datagrams"] > 0
+                    # Mismatches (of any phase) turn this to False in _verdict.
+                    res["verified"] = res["verified_datagrams"] > 0
                     _device_cpu(res, "node", "node", p3["cpu_window"]["node"], node_n, cfg.seconds)
                     relay_us = res["cpu_us_per_datagram"].get("relay")
                     node_us = res["cpu_us_per_datagram"].get("node")
@@ -899,10 +932,38 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
         res["error"] = f"cannot set up the benchmark: {exc}"
         code = ExitCode.RUN_FAILED
     _finish(res)
-    if code == ExitCode.OK and res["mismatches"]:
-        code = ExitCode.CHECK_FAILED
+    return res, int(_verdict(res, code))
+
+
+def _verdict(res: dict[str, Any], code: ExitCode) -> ExitCode:
+    """Make ``ok``, ``verified``, ``error`` and the exit code say one thing (BRIEF section 7).
+
+    Any mismatch, in any phase, is a wrong result: a relay phase's sink checks that the relay
+    delivered each payload unchanged, the node phase's sink that each sum is bitwise right, so
+    ``verified`` is False, ``error`` says how many failed where, and the exit code is 1 (3 stays
+    3: the run failed as well). A node that delivered nothing checkable verified nothing: the
+    run failed (3). ``ok`` is True exactly when the exit code is 0."""
+    mismatches = int(res["mismatches"])
+    reasons: list[str] = []
+    if mismatches:
+        by_phase = ", ".join(
+            f"{phase} {n}" for phase, n in res.get("mismatches_by_phase", {}).items() if n
+        )
+        reasons.append(
+            f"{mismatches} datagrams failed the sink's bitwise check ({by_phase}): wrong sums "
+            "or payloads changed on the way"
+        )
+        res["verified"] = False
+        if code == ExitCode.OK:
+            code = ExitCode.CHECK_FAILED
+    elif res.get("verified") is False and not res.get("error"):
+        reasons.append("the sink verified no datagram from the node: it forwarded nothing")
+        if code == ExitCode.OK:
+            code = ExitCode.RUN_FAILED
+    if reasons:
+        res["error"] = "; ".join(([res["error"]] if res.get("error") else []) + reasons)
     res["ok"] = code == ExitCode.OK
-    return res, int(code)
+    return code
 
 
 def _new_drops(U: Any, report: dict[str, Any]) -> int:
@@ -960,6 +1021,10 @@ def _finish(res: dict[str, Any]) -> None:
         res[f"{key}_gbps"] = None if pps is None else pps * res["datagram_bytes"] * 8 / 1e9
 
 
+def _yes_no(flag: bool | None) -> str:
+    return "-" if flag is None else "yes" if flag else "NO"
+
+
 def format_text(res: dict[str, Any]) -> str:
     """The small table ``netdam bench datapath`` prints without --json."""
 
@@ -983,8 +1048,9 @@ def format_text(res: dict[str, Any]) -> str:
     py_ratio = "-" if res.get("ratio_vs_py_relay") is None else f"{res['ratio_vs_py_relay']:.3f}"
     lines.append(
         f"  ratio node/raw {ratio}, node/Python relay {py_ratio}; valid {'yes' if res['valid'] else 'NO'}; "
-        f"sums verified {res['verified']} ({res['verified_datagrams']} datagrams, "
-        f"{res['mismatches']} mismatches); kernel drops {res['kernel_drops']}"
+        f"sums verified {_yes_no(res['verified'])} ({res['verified_datagrams']} datagrams, "
+        f"{res['mismatches']} mismatches, {res.get('stale_datagrams', 0)} stale); "
+        f"kernel drops {res['kernel_drops']}"
     )
     cost = res.get("cpu_us_per_datagram") or {}
     if cost:
