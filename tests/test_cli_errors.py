@@ -83,6 +83,7 @@ CASES: list[tuple[list[str], int, str]] = [
     (["allreduce", "--size", "1024GiB"], USAGE, "--size"),
     # --nodes beside a cluster file of another size: refused, not silently replaced by the file's.
     (["allreduce", "--nodes", "3", "--cluster", "CLUSTER2"], USAGE, "--nodes 3 but"),
+    (["soak", "--nodes", "3", "--cluster", "CLUSTER2", "--seconds", "1"], USAGE, "--nodes 3 but"),
     # A stale cluster file (its processes are gone): exit 2 naming `netdam down`, not exit 3.
     (["allreduce", "--cluster", "STALE"], USAGE, "netdam down --cluster"),
     (["ping", "--cluster", "STALE"], USAGE, "netdam down --cluster"),

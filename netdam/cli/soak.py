@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--clients", type=bounded_int(1, 64), default=8, help="client processes (default 8)")
     parser.add_argument("--seconds", type=bounded_seconds(0.0, 86400.0, low_inclusive=False), default=60.0,
                         help="length of the timed phase (default 60)")  # fmt: skip
-    parser.add_argument("--nodes", type=bounded_int(1, 16), default=3, help="node processes of the private cluster (default 3)")
+    parser.add_argument("--nodes", type=bounded_int(1, 16), default=None,
+                        help="node processes of the private cluster (default 3; with --cluster the file decides)")  # fmt: skip
     parser.add_argument("--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up --switch)")
     parser.add_argument("--pipeline", type=bounded_int(1, 32), default=8,
                         help="operations per pipelined batch of a client (default 8)")  # fmt: skip
@@ -83,12 +84,17 @@ def run(args: argparse.Namespace) -> int:
         from netdam.cluster.clusterfile import load_cluster
 
         try:
-            check_not_stale(args.cluster, load_cluster(args.cluster))
+            info = load_cluster(args.cluster)
+            check_not_stale(args.cluster, info)
         except ValueError as exc:
             raise CommandError(str(exc), ExitCode.USAGE) from None
+        # Refused, as allreduce does: the soak runs over every node of the file.
+        if args.nodes is not None and args.nodes != len(info.nodes):
+            raise CommandError(f"--nodes {args.nodes} but {args.cluster} has {len(info.nodes)} nodes: drop --nodes "
+                               "(the file decides)", ExitCode.USAGE)  # fmt: skip
 
     try:
-        config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes, loss=args.loss,
+        config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes or 3, loss=args.loss,
                             dup=args.dup, reorder=args.reorder, delay_ms=args.delay, delay_prob=args.delay_prob,
                             seed=args.seed, pipeline=args.pipeline, timeout_ms=args.timeout_ms,
                             retries=args.retries, cluster=args.cluster, fault_site=args.fault_site)  # fmt: skip
