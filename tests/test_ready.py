@@ -17,6 +17,7 @@ import pytest
 from netdam.cluster import launch
 from netdam.cluster.launch import ClusterStartError
 from netdam.kernels import cache_dir
+from netdam.shell import startup
 
 TESTS = Path(__file__).resolve().parent
 
@@ -40,7 +41,7 @@ def _sleeper(code: str) -> subprocess.Popen[bytes]:
 def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A process busy for longer than the stall limit (a compile on a loaded machine) is waited
     for, not declared failed."""
-    monkeypatch.setattr(launch, "STALL_S", 0.6)
+    monkeypatch.setattr(startup, "STALL_S", 0.6)
     proc = _sleeper("import time\nend = time.monotonic() + 2.0\nwhile time.monotonic() < end: pass\n"
                     "print('ready control_port=4242', flush=True)\ntime.sleep(30)")  # fmt: skip
     try:
@@ -54,7 +55,7 @@ def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.Monkey
 
 def test_start_gives_up_on_a_process_that_stalls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A process that uses no CPU and says nothing fails the start, named, after the stall limit."""
-    monkeypatch.setattr(launch, "STALL_S", 1.0)
+    monkeypatch.setattr(startup, "STALL_S", 1.0)
     proc = _sleeper("import time; time.sleep(60)")
     try:
         start = time.monotonic()

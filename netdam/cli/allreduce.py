@@ -137,6 +137,7 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
 
 
 def _fits_node(nbytes: int, *, algo: str, memory: int) -> bool:
+    # Imported here: netdam.tools loads numba's compiled kernels (~0.7 s), which --help skips.
     from netdam.tools.allreduce import node_memory_needed
 
     return node_memory_needed(nbytes, algo) <= memory
@@ -146,6 +147,7 @@ def _check_private_memory(nodes: int, nbytes: int) -> None:
     """A private cluster's node memory lives in /dev/shm: a size it cannot hold is the user's to
     change (--size, --nodes), named before any node starts. (The node would say "lower
     --memory", an option this command does not take.)"""
+    # Imported here, as above: numba's start-up cost only for a run.
     from netdam.shell.shm import DEFAULT_SHM_DIR
     from netdam.tools.allreduce import private_node_memory
 

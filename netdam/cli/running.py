@@ -133,9 +133,9 @@ def _why_silent(path: Path, node: NodeEntry, client: ControlClient, timeout: flo
 
 
 def _local(node: NodeEntry) -> bool:
-    # Imported here: launch loads numba's compiled kernels (~0.7 s); loopback needs no probe.
-    if node.address.startswith("127."):
+    if node.address.startswith("127."):  # loopback needs no probe
         return True
+    # Imported here: launch loads numba's compiled kernels (~0.7 s).
     from netdam.cluster.launch import is_local_address
 
     return is_local_address(node.address)

@@ -51,16 +51,11 @@ from netdam.core.faults import FaultSpec
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
 from netdam.shell.shm import DEFAULT_SHM_DIR
+from netdam.shell.startup import CpuWatch, stall_reason
 from netdam.switch.state import state_path_for
 
 #: First node's port when not chosen: next to the protocol's default 7744.
 DEFAULT_BASE_PORT = 17744
-#: A starting process may take as long as it keeps working: its start-up fails only once it has
-#: used no CPU for STALL_S (hung, or waiting on something that never comes). A fixed deadline
-#: failed a first run on a busy 2-core machine, where one compile took 77 s (issue 23).
-STALL_S = 30.0
-#: ... and in any case after START_LIMIT_S (a compile that spins this long is a bug).
-START_LIMIT_S = 1800.0
 
 
 class ClusterStartError(NetdamError, RuntimeError):
@@ -533,16 +528,15 @@ def _wait_ready(
         selector.register(proc.stdout, selectors.EVENT_READ, rank)
         waiting[rank] = proc
     start = time.monotonic()
-    watch = {rank: _CpuWatch(proc.pid) for rank, proc in waiting.items()}
+    watch = {rank: CpuWatch(proc.pid) for rank, proc in waiting.items()}
     while waiting:
         now = time.monotonic()
-        stalled = [r for r in waiting if watch[r].idle_for(now) > STALL_S]
-        if stalled or now - start > START_LIMIT_S:
-            late = stalled or list(waiting)
+        reasons = {r: reason for r in waiting if (reason := stall_reason(watch[r], start, now)) is not None}
+        if reasons:
             pending = ", ".join(f"{_label(what, names[r])} at {endpoints[r][0]}:{endpoints[r][1]} (log {logs[r]})"
-                                for r in late)  # fmt: skip
-            why = f"used no CPU for {STALL_S:.0f} s" if stalled else f"still starting after {START_LIMIT_S:.0f} s"
-            raise ClusterStartError(f"not ready, {why}: {pending}; its log says where it stopped")
+                                for r in reasons)  # fmt: skip
+            raise ClusterStartError(f"not ready, {next(iter(reasons.values()))}: {pending}; "
+                                    "its log says where it stopped")  # fmt: skip
         progress.status(f"waiting for {len(waiting)} of {len(procs)} {what} processes to load their "
                         f"kernels ({', '.join(_label(what, names[r]) for r in sorted(waiting)[:4])}"
                         f"{', ...' if len(waiting) > 4 else ''})")  # fmt: skip
@@ -570,26 +564,6 @@ def _wait_ready(
 
 def _label(what: str, rank: int) -> str:
     return f"node rank {rank}" if what == "node" else what
-
-
-class _CpuWatch:
-    """When a process last used CPU (utime + stime in /proc/PID/stat), to tell a slow start
-    from a hung one. Without /proc every process counts as busy."""
-
-    def __init__(self, pid: int) -> None:
-        self.path = Path(f"/proc/{pid}/stat")
-        self.ticks = -1
-        self.changed = time.monotonic()
-
-    def idle_for(self, now: float) -> float:
-        try:
-            fields = self.path.read_text().rsplit(")", 1)[1].split()
-            ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
-        except (OSError, IndexError, ValueError):
-            return 0.0
-        if ticks != self.ticks:
-            self.ticks, self.changed = ticks, now
-        return now - self.changed
 
 
 def _last_error(log: str) -> str:

@@ -33,6 +33,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights
 from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights, pack_u64
+from netdam.shell.startup import wait_while_working
 from netdam.shell.udp import open_udp_socket
 
 #: The flooders' source address (a loopback address of its own, see _sender).
@@ -198,8 +199,10 @@ def _flood(
                            daemon=True)  # fmt: skip
         proc.start()
         children.append((proc, parent_end))
-    for _, conn in children:
-        kind, body = conn.recv() if conn.poll(60) else ("error", "sender did not start in 60 s")
+    for proc, conn in children:
+        # As long as the sender works (its first run compiles; netdam.shell.startup).
+        wait_while_working(proc.pid or 0, conn.poll, "flood sender")
+        kind, body = conn.recv()
         if kind != "ready":
             raise RuntimeError(str(body))
     t_end = time.monotonic_ns() + int(cfg.seconds * 1e9)

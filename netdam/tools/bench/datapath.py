@@ -72,6 +72,7 @@ from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, DType, Flags, O
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights
+from netdam.shell.startup import CpuWatch, StartStalled, stall_reason, wait_while_working
 from netdam.shell.udp import (
     SO_RXQ_OVFL,
     SOL_UDP,
@@ -111,7 +112,6 @@ class DatapathBenchConfig:
     seed: int = 1
     #: Command that starts one node process; None: this Python's ``-m netdam node``.
     node_cmd: list[str] | None = None
-    startup_timeout: float = 90.0
     #: Node memory (bytes): must hold ``packets`` operands.
     node_memory: int = 16 << 20
     #: Feeder pacing: at most this many datagrams in flight (sent, not yet counted by the
@@ -399,6 +399,16 @@ class _Child:
         child_conn.close()
         self.info: dict[str, Any] = {}
 
+    def wait_ready(self) -> dict[str, Any]:
+        """The child's ready message, waited for as long as the child works (a first run
+        compiles its kernels; netdam.shell.startup)."""
+        assert self.proc.pid is not None
+        try:
+            wait_while_working(self.proc.pid, self.conn.poll, f"{self.role} process")
+        except StartStalled as exc:
+            raise _BenchFailure(str(exc)) from None
+        return self.expect("ready", 0)
+
     def expect(self, kind: str, timeout: float) -> dict[str, Any]:
         """The child's next message, which must be *kind*; raises _BenchFailure otherwise."""
         if not self.conn.poll(timeout):
@@ -474,16 +484,19 @@ class _NodeProcess:
         self._ctl.bind((LOOPBACK, 0))
         self._txn = 0
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self) -> None:
+        """Its ``ready`` line, waited for as long as the node works (netdam.shell.startup)."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
+        watch = CpuWatch(self.proc.pid)
+        started = time.monotonic()
         data = b""
         while b"\n" not in data:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _BenchFailure(f"node process printed no 'ready' line within {timeout:.0f} s")
-            ready, _, _ = select.select([fd], [], [], left)
+            reason = stall_reason(watch, started, time.monotonic())
+            if reason is not None:
+                raise _BenchFailure(f"node process (pid {self.proc.pid}) {reason} before its 'ready' line; "
+                                    f"its stderr ends: {self.stderr_tail()}")  # fmt: skip
+            ready, _, _ = select.select([fd], [], [], 0.5)
             if ready:
                 chunk = os.read(fd, 4096)
                 if not chunk:
@@ -844,7 +857,7 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 for role in ("sink", "relay", "pyrelay", "feeder"):
                     run.children[role] = _Child(ctx, role, params)
                 for role, child in run.children.items():
-                    child.info = child.expect("ready", cfg.startup_timeout)
+                    child.info = child.wait_ready()
                     res["buffers"][role] = list(child.info["buffers"])
                 sink_port = run.children["sink"].info["port"]
                 if "skipped" not in res:
@@ -855,7 +868,7 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                         cfg.node_memory,
                         shm_dir,
                     )
-                    run.node.wait_ready(cfg.startup_timeout)
+                    run.node.wait_ready()
                     if "node" in pin:
                         _pin_process(run.node.proc.pid, pin["node"])
                 res["startup_seconds"] = round(time.monotonic() - t0, 3)

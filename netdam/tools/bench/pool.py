@@ -43,6 +43,7 @@ from netdam.kernels.state import GenPlan, RxBatch, TimeWindow
 from netdam.protocol.constants import DType, Flags, Opcode
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
+from netdam.shell.startup import StartStalled, wait_while_working
 from netdam.shell.udp import open_udp_socket
 from netdam.tools import plot as plotting
 from netdam.tools.bench.datapath import machine_info
@@ -68,7 +69,6 @@ class PoolBenchConfig:
     max_generators: int = 4
     timeout_ms: float = 50.0
     memcached: str | None = None  # path; None: look on PATH
-    startup_timeout: float = 120.0
 
 
 class _Failure(NetdamError):
@@ -138,6 +138,15 @@ class _Child:
         self.proc.start()
         child.close()
         self.info: dict[str, Any] = {}
+
+    def wait_ready(self) -> dict[str, Any]:
+        """The child's ready message, waited for as long as the child works (a first run
+        compiles its kernels; netdam.shell.startup)."""
+        try:
+            wait_while_working(self.proc.pid, self.conn.poll, f"{self.role} process")
+        except StartStalled as exc:
+            raise _Failure(str(exc)) from None
+        return self.expect("ready", 0)
 
     def expect(self, kind: str, timeout: float) -> dict[str, Any]:
         if not self.conn.poll(timeout):
@@ -269,7 +278,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
             gens = [_Child(ctx, "gen") for _ in range(cfg.max_generators)]
             children += gens
             for child in children:
-                child.info = child.expect("ready", cfg.startup_timeout)
+                child.info = child.wait_ready()
             mc_port = None
             if memcached is not None:
                 mc_proc, mc_port = _start_memcached(memcached)

@@ -62,6 +62,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import Opcode, Status
 from netdam.protocol.packet import Endpoint, Packet
 from netdam.shell.shm import attach
+from netdam.shell.startup import CpuWatch, stall_reason
 from netdam.tools.soak.client import ClientReport, client_main
 from netdam.tools.soak.plan import (
     COUNTER_REGION,
@@ -70,7 +71,6 @@ from netdam.tools.soak.plan import (
     KINDS,
     NODE_MEMORY,
     OK,
-    READY_TIMEOUT_S,
     SNAPSHOT_KEYS,
     VERIFY_BATCH,
     BlockBook,
@@ -206,16 +206,22 @@ class _Children:
             self.procs.append(proc)
             self.conns.append(parent)
 
-    def expect(self, index: int, tag: str, timeout: float) -> Any:
+    def expect(self, index: int, tag: str, timeout: float | None) -> Any:
+        """Client *index*'s next message, which must be *tag*: within *timeout* seconds, or with
+        None (start-up) for as long as the client keeps working (netdam.shell.startup)."""
         conn, proc = self.conns[index], self.procs[index]
-        deadline = time.monotonic() + timeout
+        watch = CpuWatch(proc.pid or 0)
+        started = time.monotonic()
         while not conn.poll(0.2):
             if not proc.is_alive() and not conn.poll(0):
                 raise SoakFailure(f"client {index} (pid {proc.pid}) exited with code {proc.exitcode} "
                                   f"before reporting {tag!r}")  # fmt: skip
-            if time.monotonic() > deadline:
-                raise SoakFailure(f"client {index} (pid {proc.pid}) did not report {tag!r} within "
-                                  f"{timeout:.0f} s: the machine may be overloaded; try fewer --clients")  # fmt: skip
+            now = time.monotonic()
+            reason = stall_reason(watch, started, now) if timeout is None else None
+            if reason is not None or (timeout is not None and now - started > timeout):
+                why = reason or f"did not report it within {timeout:.0f} s"
+                raise SoakFailure(f"client {index} (pid {proc.pid}) {why} before reporting {tag!r}: the "
+                                  "machine may be overloaded; try fewer --clients")  # fmt: skip
         try:
             got, body = conn.recv()
         except EOFError:
@@ -247,7 +253,7 @@ def _run_clients(children: _Children, layout: SoakLayout, settings: ClientSettin
     for plan in layout.plans:
         children.send(plan.index, ("plan", (plan, settings)))
     for plan in layout.plans:
-        children.expect(plan.index, "ready", READY_TIMEOUT_S)
+        children.expect(plan.index, "ready", None)
     phases["go"] = time.monotonic()
     for plan in layout.plans:
         children.send(plan.index, ("go", phases["go"] + seconds))

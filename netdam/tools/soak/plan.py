@@ -32,7 +32,6 @@ MIX = (0.4, 0.4, 0.2)
 KINDS = (Opcode.WRITE, Opcode.READ, Opcode.FETCH_ADD)
 FILL_BATCH = 64
 VERIFY_BATCH = 64
-READY_TIMEOUT_S = 120.0  # spawn + imports + numba cache load, on a loaded 2-core machine
 DONE_GRACE_S = 60.0
 #: A reordered reply is released after the next one, or after this long if none comes.
 REORDER_HOLD_S = 0.002
