@@ -20,6 +20,7 @@ from netdam.cli.main import main
 from netdam.cluster.launch import start_cluster
 
 
+@pytest.mark.slow
 def test_allreduce_command_clean_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["allreduce", "--nodes", "3", "--count", "100003", "--repeat", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -30,12 +31,14 @@ def test_allreduce_command_clean_run(capsys: pytest.CaptureFixture[str]) -> None
     assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 4 / 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,op", [("f16", "max"), ("i64", "min"), ("f64", "sum")])
 def test_allreduce_command_dtypes(dtype: str, op: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["allreduce", "--nodes", "2", "--count", "9001", "--dtype", dtype, "--op", op, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["equals_reference"] is True
 
 
+@pytest.mark.slow
 def test_allreduce_command_under_loss(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["allreduce", "--nodes", "3", "--count", "50000", "--loss", "0.05", "--dup", "0.05",
             "--reorder", "0.05", "--seed", "4", "--json"]  # fmt: skip
@@ -44,6 +47,7 @@ def test_allreduce_command_under_loss(capsys: pytest.CaptureFixture[str]) -> Non
     assert r["ok"] is True and r["retransmits"] > 0
 
 
+@pytest.mark.slow
 def test_allreduce_command_sparse(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["allreduce", "--nodes", "3", "--count", "60000", "--sparse", "--density", "0.05", "--json"]
     assert main(argv) == 0
@@ -80,6 +84,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_host_api_from_separate_host_processes(tmp_path: Path) -> None:
     with start_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
         hosts = [subprocess.Popen([sys.executable, "-c", HOST, str(cluster.path), str(rank)],
@@ -99,6 +104,7 @@ def test_host_api_from_separate_host_processes(tmp_path: Path) -> None:
     assert r["reduce_scatter"] == [3.0] * 3
 
 
+@pytest.mark.slow
 def test_dead_node_is_named_within_5_seconds(tmp_path: Path) -> None:
     with start_cluster(3, memory=1 << 22, cluster_path=tmp_path / "c.toml") as cluster:
         groups = [ProcessGroup(cluster.info, rank) for rank in range(3)]
@@ -126,6 +132,7 @@ def test_dead_node_is_named_within_5_seconds(tmp_path: Path) -> None:
             group.close()
 
 
+@pytest.mark.slow
 def test_ring_host_baseline_matches_chain_bitwise(capsys: pytest.CaptureFixture[str]) -> None:
     """The RoCE way (NICs move data, hosts reduce in the memory the NIC wrote) folds blocks in
     the chain's order, so both algorithms give the same bits; the only host copy besides the
@@ -136,6 +143,7 @@ def test_ring_host_baseline_matches_chain_bitwise(capsys: pytest.CaptureFixture[
     assert r["host_copy_bytes"] == 30001 * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes,count", [(2, 1), (4, 3), (4, 2_500_001)])
 def test_ring_host_pipelined_segments_and_tiny_counts(nodes: int, count: int, capsys: pytest.CaptureFixture[str]) -> None:
     """Blocks of several 1 MiB segments (pipelined), and counts below the number of ranks (empty

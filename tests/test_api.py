@@ -42,6 +42,7 @@ def on_every_rank(groups: list[api.ProcessGroup], call: Callable[[api.ProcessGro
         work.wait()
 
 
+@pytest.mark.slow
 def test_avg_is_the_sum_divided_bitwise_identical(groups: list[api.ProcessGroup]) -> None:
     rng = np.random.default_rng(1)
     inputs = [rng.standard_normal(5000).astype(np.float32) for _ in range(WORLD)]

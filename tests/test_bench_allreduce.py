@@ -42,6 +42,7 @@ def fake_runner(
     return B._Outcome(times=[base * (1 + 0.01 * i) for i in range(repeat)], ok=True)
 
 
+@pytest.mark.slow
 def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None:
     code, res = run_cli(
         ["bench", "allreduce", "--nodes", "2", "--size", "64KiB", "--repeat", "1",

@@ -43,6 +43,7 @@ KEYS = {
 
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not node_command_available(), reason="`netdam node` is not registered yet")
 def test_short_run_reports_every_key_with_verified_sums(capsys) -> None:
     code, res = run_cli(
@@ -69,6 +70,7 @@ def test_short_run_reports_every_key_with_verified_sums(capsys) -> None:
     assert res["startup_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_a_node_that_dies_gives_exit_3_and_json(capsys) -> None:
     dead = shlex.join([sys.executable, "-c", "import sys; sys.exit(7)"])
     code, res = run_cli(

@@ -9,6 +9,7 @@ from helpers import run_bench_cli as run_cli
 from netdam.tools.bench import pool_async as A
 
 
+@pytest.mark.slow
 def test_async_clients_in_one_loop_read_what_was_written(capsys: pytest.CaptureFixture[str]) -> None:
     code, res = run_cli(["bench", "pool", "--async", "--clients", "4", "--seconds", "0.3",
                          "--warmup", "0", "--json"], capsys)  # fmt: skip

@@ -74,6 +74,7 @@ def run_frozen(n: int, order: tuple[int, ...], gap_steps: int, count: int, multi
     return {"finals": finals, "cluster": cluster, "inputs": inputs, "busy": busy}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("multicast", [False, True])
 def test_every_start_order_completes_without_a_timer(n: int, multicast: bool) -> None:

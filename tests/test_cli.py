@@ -34,6 +34,7 @@ def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str]) -> None:
         assert "usage: netdam " + " ".join(path) in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--nodes", "3", "--count", "5003", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -45,12 +46,14 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 # One non-f32 dtype through the whole demo; every dtype goes through `netdam allreduce` in
 # tests/test_allreduce.py (the suite keeps under 5 minutes on 2 cores).
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f16"])
 def test_demo_dtypes(dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--nodes", "2", "--count", "4099", "--dtype", dtype, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["allreduce"]["equals_reference"] is True
 
 
+@pytest.mark.slow
 def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--nodes", "2", "--size", "64KiB"]) == 0
     out = capsys.readouterr().out

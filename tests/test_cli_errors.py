@@ -135,6 +135,7 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("argv", "code", "word"), CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_bad_input_is_one_line(argv: list[str], code: int, word: str, cluster2: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
@@ -166,6 +167,7 @@ def _check_json(code: int, word: str, got: int, out: str, err: str) -> None:
     assert isinstance(obj, dict) and obj["ok"] is False and word in obj["error"], obj
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 2, 16])
 def test_as_a_real_process(index: int) -> None:
     argv, code, word = CASES[index]
@@ -175,16 +177,19 @@ def test_as_a_real_process(index: int) -> None:
     _check_json(code, word, as_json.returncode, as_json.stdout, as_json.stderr)
 
 
+@pytest.mark.slow
 def test_version() -> None:
     out = _run(["--version"])
     assert out.returncode == 0 and out.stdout.startswith("netdam "), out
 
 
+@pytest.mark.slow
 def test_timeout_help_states_the_real_default() -> None:
     out = _run(["allreduce", "--help"])
     assert "default 2.5" in " ".join(out.stdout.split())
 
 
+@pytest.mark.slow
 def test_sigint_exits_130(tmp_path: Path) -> None:
     """Ctrl-C during a run: exit 130, one line, no traceback (`up` in the foreground waits)."""
     import signal
@@ -243,6 +248,7 @@ def test_unwritable_or_full_output_directory_is_named(tmp_path: Path, monkeypatc
     assert not list(tmp_path.iterdir())  # the probe is gone
 
 
+@pytest.mark.slow
 def test_up_leaves_nothing_behind_when_the_cluster_file_cannot_be_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -302,6 +308,7 @@ def _wrong_port(path: Path) -> Path:
     return bad
 
 
+@pytest.mark.slow
 def test_stats_names_a_rank_whose_port_is_wrong(running: Path) -> None:
     """Before: exit 0, rank 1 listed as healthy (its control port answered)."""
     bad = _wrong_port(running)
@@ -312,6 +319,7 @@ def test_stats_names_a_rank_whose_port_is_wrong(running: Path) -> None:
     assert "error" in result["nodes"][1] and "error" not in result["nodes"][0]
 
 
+@pytest.mark.slow
 def test_allreduce_names_a_rank_whose_port_is_wrong(running: Path) -> None:
     """Before: exit 3, `failed on rank 1: BAD_SEGMENT`."""
     bad = _wrong_port(running)
@@ -327,6 +335,7 @@ def test_allreduce_bigger_than_node_memory_names_the_memory_to_start_with(runnin
     assert "--size 32MiB or less" in out.stderr and "please report" not in out.stderr
 
 
+@pytest.mark.slow
 def test_pool_alloc_without_room_says_what_is_free(running: Path) -> None:
     """Before: exit 3, `use --interleave`, which cannot make 100 GiB fit in 128 MiB."""
     out = _run(["pool", "alloc", "--cluster", str(running), "--size", "100GiB"])

@@ -33,6 +33,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
         yield running  # type: ignore[misc]
 
 
+@pytest.mark.slow
 def test_cluster_file_and_ping(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     info = load_cluster(cluster.path)
     assert [n.rank for n in info.nodes] == [0, 1] and all(alive(n.pid) for n in info.nodes)
@@ -129,6 +130,7 @@ print(sent, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_stats_answers_within_100ms_under_full_load(cluster: LocalCluster) -> None:
     ep = cluster.endpoints[1]
     with ControlClient(admin_key=cluster.info.admin_key) as client:
@@ -153,6 +155,7 @@ def test_stats_answers_within_100ms_under_full_load(cluster: LocalCluster) -> No
     assert max(latencies) < 0.1, latencies
 
 
+@pytest.mark.slow
 def test_faults_injected_on_receive() -> None:
     with start_cluster(1, memory=1 << 16, faults=FaultSpec(loss=0.5, dup=0.2, seed=3)) as running:
         ep = running.endpoints[0]
@@ -171,6 +174,7 @@ def test_faults_injected_on_receive() -> None:
         assert 10 < answered < 55 and counts[C.DROP_FAULT] > 10
 
 
+@pytest.mark.slow
 def test_detach_down_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.toml"
     assert main(["up", "--nodes", "2", "--memory", "64KiB", "--detach", "--cluster", str(path), "--json"]) == 0
@@ -182,6 +186,7 @@ def test_detach_down_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert not any(Path(n.memory_file).exists() for n in info.nodes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 def test_foreground_up_leaves_no_orphans(tmp_path: Path, how: signal.Signals) -> None:
     path = tmp_path / "c.toml"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import pytest
 from helpers import valid_packets
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -157,6 +158,7 @@ def test_datapath_matches_codec_on_targeted_mutations() -> None:
     assert node.counters[C.NACK_BASE + Status.OUT_OF_BOUNDS] > 0
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(valid_packets(), st.lists(st.tuples(st.integers(0, 700), st.integers(0, 255)), max_size=3))
 def test_datapath_matches_codec_hypothesis(

@@ -35,6 +35,7 @@ def wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+@pytest.mark.slow
 def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) -> None:
     count = 4 << 20  # 16 MiB of f32: long enough to kill a node while chunks are in flight
     with start_cluster(3, memory=1 << 26, cluster_path=tmp_path / "c.toml") as cluster:
@@ -69,6 +70,7 @@ def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) 
     assert not any(Path(f).exists() for f in files)
 
 
+@pytest.mark.slow
 def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
     cluster, switch = start_pool_cluster(3, memory=1 << 20, cluster_path=tmp_path / "c.toml")
     try:
@@ -137,6 +139,7 @@ def _start_up(path: Path) -> subprocess.Popen[str]:
 
 
 # SIGKILL of `netdam up` is the death of the nodes' and the switch's parent: they must notice.
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])  # SIGINT: test_cluster.py
 def test_up_with_switch_leaves_nothing_behind(tmp_path: Path, how: signal.Signals) -> None:
     path = tmp_path / "c.toml"
@@ -152,6 +155,7 @@ def test_up_with_switch_leaves_nothing_behind(tmp_path: Path, how: signal.Signal
     assert not any(Path(f).exists() for f in files), f"memory files left after {how.name}"
 
 
+@pytest.mark.slow
 def test_flood_keeps_node_alive_answering_and_flat(capsys: pytest.CaptureFixture[str]) -> None:
     """A short `netdam flood` (the 60 s runs are in the README): the node under a seeded mix of
     valid and malformed datagrams stays alive, answers every stats request, keeps its anonymous
@@ -171,6 +175,7 @@ def test_flood_keeps_node_alive_answering_and_flat(capsys: pytest.CaptureFixture
     assert counters["drops"] >= counters["kernel_drops"] + counters["drop_truncated"]
 
 
+@pytest.mark.slow
 def test_late_rank_slows_the_others_instead_of_failing_them(tmp_path: Path) -> None:
     """A host that joins half a second late (its group rkey not yet registered on its node):
     the others' chunks get BUSY, not BAD_RKEY, and every rank ends with the right sum."""
@@ -189,6 +194,7 @@ def test_late_rank_slows_the_others_instead_of_failing_them(tmp_path: Path) -> N
             group.close()
 
 
+@pytest.mark.slow
 def test_a_new_group_never_reruns_an_old_epoch(tmp_path: Path) -> None:
     """Two process groups one after the other on one cluster: the second counts from epoch 1
     again, the nodes answer STALE_EPOCH with their epoch, and it moves past it instead of being

@@ -47,7 +47,7 @@ def cpu_hogs(count: int) -> Iterator[None]:
 
 
 def test_quick_start_in_a_fresh_venv_with_a_cold_cache_under_load(tmp_path: Path) -> None:
-    source = tmp_path / "netdam"
+    source = tmp_path / "checkout"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info",
                                                                 ".venv", "*.whl"))  # fmt: skip
     venv = tmp_path / "venv"
@@ -77,7 +77,7 @@ def test_install_then_editable_install_in_one_venv(tmp_path: Path) -> None:
     """The README's quick start and test commands in one venv, in that order: the first left
     numba's cache in site-packages/netdam, which hid the editable install (``netdam --version``
     crashed with AttributeError: __version__)."""
-    source = tmp_path / "netdam"
+    source = tmp_path / "checkout"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info",
                                                                 ".venv", "*.whl"))  # fmt: skip
     venv = tmp_path / "venv"

@@ -417,6 +417,7 @@ def test_relay_never_forwards_what_the_next_hop_refuses() -> None:
 # ---------------------------------------------------------------- real processes
 
 
+@pytest.mark.slow
 def test_fuzz_command_against_a_node_process(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(
         [
@@ -448,6 +449,7 @@ def test_fuzz_command_against_a_node_process(capsys: pytest.CaptureFixture[str])
     assert all(row["reached"] > 0 for row in result["by_opcode"].values())
 
 
+@pytest.mark.slow
 def test_fuzz_against_the_switch_processes() -> None:
     result = run_fuzz(FuzzConfig(target="switch", datagrams=15000, seed=2, nodes=1, progress=False))
     assert result["ok"], (result.get("error"), result["counter_checks_failed"][:5])

@@ -96,6 +96,7 @@ def _counters(cluster: LocalCluster, ep: Endpoint) -> dict[str, object]:
         return C.counters_to_dict(admin.counters(ep))
 
 
+@pytest.mark.slow
 def test_guessing_campaign_is_locked_out_and_others_are_served(
     pool: tuple[LocalCluster, SwitchHandle],
 ) -> None:
@@ -133,6 +134,7 @@ def test_guessing_campaign_is_locked_out_and_others_are_served(
     assert after["auth_failures"] - before["auth_failures"] == answered  # type: ignore[operator]
 
 
+@pytest.mark.slow
 def test_many_ports_of_one_address_share_its_budget(
     pool: tuple[LocalCluster, SwitchHandle],
 ) -> None:
@@ -189,6 +191,7 @@ def _amplification(
     return out, back + sum(len(r) for r in _drain(sock))
 
 
+@pytest.mark.slow
 def test_unvalidated_sources_get_at_most_three_times_their_bytes(
     pool: tuple[LocalCluster, SwitchHandle],
 ) -> None:

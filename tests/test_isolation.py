@@ -249,6 +249,7 @@ def tenancy() -> Tenancy:
     return make_tenancy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_cross_tenant_attempts_all_fail(tenancy: Tenancy, kind: str) -> None:
     t = tenancy
@@ -320,6 +321,7 @@ def test_victim_unaffected_after_campaign(tenancy: Tenancy) -> None:
     assert resp.opcode == Opcode.READ_RESP and resp.payload == data
 
 
+@pytest.mark.slow
 def test_real_node_relays_to_members_only(tmp_path: Path) -> None:
     """On a node process: a chain whose next segment is not a member is NACKed NOT_MEMBER and
     nothing reaches that endpoint; a return segment naming a third party is ignored."""

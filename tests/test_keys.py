@@ -29,6 +29,7 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
+@pytest.mark.slow
 def test_launched_nodes_get_the_key_through_a_pipe_not_argv() -> None:
     with start_cluster(2, memory=1 << 20) as cluster:
         key = cluster.info.admin_key
@@ -77,6 +78,7 @@ def test_key_files_and_descriptors(tmp_path: Path) -> None:
         (["--admin-key-file", "{key}"], 0o644, "chmod 600"),
     ],
 )
+@pytest.mark.slow
 def test_node_refuses_keys_others_can_read(tmp_path: Path, extra: list[str], mode: int | None, message: str) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("0x1234\n")
@@ -88,6 +90,7 @@ def test_node_refuses_keys_others_can_read(tmp_path: Path, extra: list[str], mod
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_node_reads_its_key_from_a_private_file(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("0x5eed\n")

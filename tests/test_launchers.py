@@ -381,6 +381,7 @@ def _stop(procs: list[subprocess.Popen[str]]) -> list[int]:
     return [proc.wait(timeout=20) for proc in procs]
 
 
+@pytest.mark.slow
 def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> None:
     """Three `netdam node` with torchrun's variables (rank 0 last, so the others wait for it);
     rank 0 writes the cluster file; a host all-reduces through it, checked against numpy."""
@@ -423,6 +424,7 @@ def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> N
     assert not any(Path(n.memory_file).exists() for n in info.nodes)
 
 
+@pytest.mark.slow
 def test_a_missing_rank_fails_the_node_with_exit_3(tmp_path: Path) -> None:
     """Rank 0 of 2 alone (mpirun-style variables, --master): it names rank 1, exits 3, and leaves
     no memory file behind."""
@@ -485,6 +487,7 @@ port = {ports[1]}
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(is_local_address(REMOTE), reason=f"{REMOTE} is an address of this host")
 def test_up_starts_exactly_the_local_nodes_of_a_hand_written_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert is_local_address("127.0.0.1")

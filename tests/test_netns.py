@@ -245,6 +245,7 @@ def test_fabric_leaves_nothing_behind() -> None:
     assert dead not in list_netns()
 
 
+@pytest.mark.slow
 def test_links_and_namespaces(site: Site) -> None:
     mtus = link_mtus(site.fabric)
     assert len(mtus) == 1 + 2 * len(site.fabric.hosts)  # bridge, its ports, every host's nd0
@@ -391,6 +392,7 @@ def test_pool_requests_shrink_to_the_mtu(site: Site) -> None:
     assert max(f.datagram_bytes for f in writes) == IP_UDP_OVERHEAD + HEADER_SIZE + largest
 
 
+@pytest.mark.slow
 def test_netdam_ping_from_another_host(site: Site) -> None:
     """The CLI's control client reaches nodes on other hosts (it binds the wildcard)."""
     done = site.fabric.run("cl", [sys.executable, "-m", "netdam", "ping", "--cluster", str(site.cluster.path),

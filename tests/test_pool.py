@@ -55,6 +55,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_cluster_file_names_the_switch(pool: Pool) -> None:
     entry = load_switch_entry(pool.cluster.path)
     assert entry is not None and entry.vip == pool.switch.vip and entry.pid == pool.switch.process.pid
@@ -146,6 +147,7 @@ def test_multicast_through_the_switch(pool: Pool) -> None:
     assert pool.switch_counters()["switch"]["replicated"] >= 2  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_restart_keeps_map_rkeys_and_groups(pool: Pool) -> None:
     region = pool.controller.alloc(24 * KiB, interleave=8 * KiB)
     pool.controller.join(("239.77.0.9", 7744), pool.cluster.endpoints[2])
@@ -162,6 +164,7 @@ def test_restart_keeps_map_rkeys_and_groups(pool: Pool) -> None:
     pool.controller.free(region.gaddr)
 
 
+@pytest.mark.slow
 def test_retries_under_injected_loss_never_apply_twice(pool: Pool) -> None:
     region = pool.controller.alloc(16 * KiB, interleave=8 * KiB)
     # Requests are lost, duplicated and delayed past the client's timeout on every link.

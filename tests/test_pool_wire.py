@@ -82,6 +82,7 @@ def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_alloc_use_query_free_round_trip(wire: Wire) -> None:
     reply = wire.alloc(20 * KiB, stride=8192, rights=7, label="t1")  # type: ignore[arg-type]
     region = wire.region(reply)

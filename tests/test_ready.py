@@ -22,6 +22,7 @@ from netdam.shell import startup
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 def test_nothing_compiles_after_a_process_is_ready() -> None:
     """After the launcher's warm-up (what every node and switch process also runs before its
     ``ready`` line), every opcode and status of the fuzzer's worlds, the node tests' control
@@ -38,6 +39,7 @@ def _sleeper(code: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A process busy for longer than the stall limit (a compile on a loaded machine) is waited
     for, not declared failed."""
@@ -53,6 +55,7 @@ def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.Monkey
         proc.wait()
 
 
+@pytest.mark.slow
 def test_start_gives_up_on_a_process_that_stalls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A process that uses no CPU and says nothing fails the start, named, after the stall limit."""
     monkeypatch.setattr(startup, "STALL_S", 1.0)

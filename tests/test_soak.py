@@ -183,6 +183,7 @@ def test_probe_socket_times_requests_and_delays_replies(pair: tuple[socket.socke
 # ---------------------------------------------------------------- real runs
 
 
+@pytest.mark.slow
 def test_soak_under_loss_dup_reorder_delay_is_all_zero(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["soak", "--clients", "3", "--seconds", "2", "--nodes", "2", "--loss", "0.02", "--dup", "0.02",
                      "--reorder", "0.05", "--delay", "60", "--delay-prob", "0.01", "--fault-site", "nodes",
@@ -206,6 +207,7 @@ def test_soak_under_loss_dup_reorder_delay_is_all_zero(capsys: pytest.CaptureFix
     assert result["faults"]["links"] == ["node0:recv", "node1:recv", "client:recv"]
 
 
+@pytest.mark.slow
 def test_soak_detects_corruption_and_phantom_increments() -> None:
     """The checker can fail: after the clients stop, one byte of a block is flipped in node
     memory and the counter is bumped out of band (host stores through netdam.shell.shm.attach).

@@ -298,6 +298,7 @@ def test_now_ns_is_the_monotonic_clock() -> None:
     assert before <= now <= time.monotonic_ns()
 
 
+@pytest.mark.slow
 def test_kernels_load_from_cache_in_a_new_process() -> None:
     """cache=True really works (libc is called by symbol, not by a baked-in pointer): a fresh
     process loads every I/O kernel from the cache without compiling."""
