@@ -64,6 +64,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from netdam.kernels.wire import _rd32
+from netdam.protocol.layout import H_SEQ
+
 #: numba versions these intrinsics are known to work with: [low, high) (pyproject pins the same
 #: range; tests/test_numba_version.py fails, naming it, on anything else).
 NUMBA_TESTED = ((0, 59), (0, 69))
@@ -657,7 +660,7 @@ def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_st
 @njit(cache=True, nogil=True)
 def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # type: ignore[no-untyped-def]
     """Count datagrams until *t_stop*; with *verify*, a datagram counts as verified when it is
-    *pkt_len* bytes and its payload equals row ``seq`` (header bytes 4..8, big-endian) of
+    *pkt_len* bytes and its payload equals row ``seq`` (the header's, big-endian) of
     *expect64* bitwise. *buf64* is *buf* viewed as uint64; payloads must be 8-aligned in buf
     (runs start at 64 KiB boundaries; pkt_len and payload_off are multiples of 8).
     ``progress[0]`` (shared memory) gets the running count of received datagrams, for a
@@ -683,10 +686,7 @@ def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # t
             o = offs[k]
             ok = lens[k] == pkt_len and (o + payload_off) % 8 == 0
             if ok:
-                seq = (
-                    (np.int64(buf[o + 4]) << 24) | (np.int64(buf[o + 5]) << 16)
-                    | (np.int64(buf[o + 6]) << 8) | np.int64(buf[o + 7])
-                )  # fmt: skip
+                seq = _rd32(buf, o + H_SEQ)
                 if seq >= rows:
                     ok = False
                 else:
