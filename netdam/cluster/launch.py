@@ -187,6 +187,7 @@ def warm_switch_kernels() -> None:
     switch process starts (it then loads them from the cache in a second)."""
 
     def build() -> None:
+        # Imported here: the switch process pulls in the switch's kernel modules (numba).
         from netdam.switch.process import SwitchProcess, SwitchProcessConfig
 
         with tempfile.TemporaryDirectory(prefix="netdam-warm-") as tmp:
@@ -209,6 +210,7 @@ def _warm(what: str, build: Callable[[], None]) -> None:
     """Run *build* (a warm-up that compiles or loads *what*'s kernels) and, when it is still
     busy after a second (loading from the cache takes less: it compiles), say so once and how
     long it took. No deadline: compiling takes what the machine gives it, and Ctrl-C stops it."""
+    # Imported here: the kernels package loads numba, which commands that never warm up skip.
     from netdam.kernels.cache_dir import kernel_cache_dir
 
     start = time.monotonic()
