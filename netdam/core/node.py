@@ -35,7 +35,7 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.guard import G_NOW, address_token, record_failure
-from netdam.kernels.state import DupWindow, NodeState, Regions, RxBatch
+from netdam.kernels.state import TXQ_TAIL, DupWindow, NodeState, Regions, RxBatch
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DEFAULT_MTU,
@@ -180,9 +180,9 @@ class NodeCore(CoreBase):
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath.process_batch(RxBatch(buf, offs, lens, srcs), n, self.max_datagram,
-                                              self.node_state(), self.guard, self.tx_bundle(), int(self._txq[1]),
+                                              self.node_state(), self.guard, self.tx_bundle(), int(self._txq[TXQ_TAIL]),
                                               self._punt)  # fmt: skip
-        self._txq[1] = tx_n
+        self._txq[TXQ_TAIL] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 
     def node_state(self) -> NodeState:
@@ -225,8 +225,8 @@ class NodeCore(CoreBase):
         if not self.collective.needs_tick:
             return
         self._reserve_tx(2 * self.collective.cfg[coll_kernels.CFG_WINDOW] * max(1, int(self.collective.cfg[coll_kernels.CFG_WORLD])))
-        self._txq[1] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
-                                              self.tx_bundle(), int(self._txq[1]))  # fmt: skip
+        self._txq[TXQ_TAIL] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
+                                              self.tx_bundle(), int(self._txq[TXQ_TAIL]))  # fmt: skip
 
     # ------------------------------------------------------------------ one-datagram helpers
 

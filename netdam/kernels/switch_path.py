@@ -33,7 +33,7 @@ from netdam.kernels.fault_hash import (
 )
 from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
 from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated, check_guard
-from netdam.kernels.state import RxBatch, SwitchState, TxQueue
+from netdam.kernels.state import FCLOCK_GEN, FCLOCK_NOW, FK_SEED, RxBatch, SwitchState, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
     _IS_REPLY,
@@ -133,7 +133,7 @@ DIR_TX = 1
 # ``fstate`` (int64): [rx faults configured, tx faults configured, held rx, held tx]
 FS_RX_ACTIVE, FS_TX_ACTIVE, FS_HELD_RX, FS_HELD_TX = 0, 1, 2, 3
 FSTATE_LEN = 4
-# ``fclock`` (float64): [now seconds, batch generation]
+# ``fclock`` (float64): [now seconds, batch generation] (state.FCLOCK_*)
 
 # ``cfg`` (uint64): [vip endpoint, fan-out bound (largest group, at least 1)]
 CFG_VIP, CFG_FANOUT = 0, 1
@@ -345,10 +345,10 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
     counters, sw, port_ctr, reg_ctr = st.ctrs
     fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
     hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
-    seed = fkeys[0]
+    seed = fkeys[FK_SEED]
     vip = cfg[CFG_VIP]
-    now = fclock[0]
-    gen = np.int64(fclock[1])
+    now = fclock[FCLOCK_NOW]
+    gen = np.int64(fclock[FCLOCK_GEN])
     m_cap = 2 * n + hold_len.shape[0]
     out_off = np.empty(m_cap, np.int64)
     out_len = np.empty(m_cap, np.int32)
@@ -402,10 +402,10 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
     fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
     hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
     tx_buf, tx_off, tx_len, tx_dst = tx
-    seed = fkeys[0]
+    seed = fkeys[FK_SEED]
     vip = cfg[CFG_VIP]
-    now = fclock[0]
-    gen = np.int64(fclock[1])
+    now = fclock[FCLOCK_NOW]
+    gen = np.int64(fclock[FCLOCK_GEN])
     count = tx_n - start
     base = tx_off[start]
     total = tx_off[tx_n] - base
@@ -493,7 +493,7 @@ def _switch_round(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
     tx_n, n_punt = _switch_batch(rx, n, max_len, st, tx, tx_n, punt)
     if fstate[FS_TX_ACTIVE] != 0 or fstate[FS_HELD_TX] > 0:
         tx_n = _tx_faults(start, tx_n, st, tx)
-    fclock[1] += 1.0
+    fclock[FCLOCK_GEN] += 1.0
     return tx_n, n_punt
 
 
