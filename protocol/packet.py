@@ -1,9 +1,9 @@
 """Codec of NetDAM v1 datagrams: ``encode_packet(Packet) -> bytes``, ``decode_packet(bytes)``.
 
 Rules of this file:
-1. The byte layout is protocol/SPEC.md section "Header"; the struct formats below are the
-   only place the layout is written in Python (the numba datapath mirrors it in
-   netdam/kernels/datapath.py, and tests hold the two to the same verdicts).
+1. The byte layout is protocol/SPEC.md section "Header", declared once in layout.py; the struct
+   formats below derive from that table, as do the named offsets the numba datapath reads
+   with (netdam/kernels/wire.py; tests hold the two to the same verdicts).
 2. Every malformed input raises RemoteProtocolError with the status a node NACKs with and an
    exact message that the tests assert. Structural checks live here; checks that need node state
    (rkeys, bounds, alignment) live in the node.
@@ -34,16 +34,17 @@ from netdam.protocol.constants import (
     Status,
 )
 from netdam.protocol.errors import LocalProtocolError, RemoteProtocolError
+from netdam.protocol.layout import H_CLIENT_ID, HEADER, SEGMENT
+from netdam.protocol.layout import SPARSE_PREFIX as _SPARSE_PREFIX_LAYOUT
 
-#: The fixed header, network byte order. Offsets are in SPEC.md.
-HEADER_STRUCT = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
-#: client_id and txn_id, bytes 8..15 of the header: what a client matches a reply by without
+#: The fixed header, network byte order, built from the table in layout.py (SPEC.md 2.1).
+HEADER_STRUCT: struct.Struct = HEADER.struct
+#: client_id and txn_id, adjacent in the header: what a client matches a reply by without
 #: decoding it (SPEC.md 2.1).
-REPLY_IDS = struct.Struct("!II")
-REPLY_IDS_OFFSET = 8
+REPLY_IDS: struct.Struct = HEADER.part("client_id", "txn_id")
+REPLY_IDS_OFFSET = H_CLIENT_ID
 #: One SR segment: IPv4, port, reserved.
-SEGMENT_STRUCT = struct.Struct("!IHH")
-assert HEADER_STRUCT.size == HEADER_SIZE and SEGMENT_STRUCT.size == SEGMENT_SIZE
+SEGMENT_STRUCT: struct.Struct = SEGMENT.struct
 
 Endpoint = tuple[str, int]
 NO_ENDPOINT: Endpoint = ("0.0.0.0", 0)
@@ -382,7 +383,7 @@ def _check_multiple(length: int, dtype: DType) -> None:
         )
 
 
-SPARSE_PREFIX = struct.Struct("<II")
+SPARSE_PREFIX: struct.Struct = _SPARSE_PREFIX_LAYOUT.struct
 
 
 def sparse_payload_size(nnz: int, dtype: DType) -> int:
@@ -418,6 +419,13 @@ def check_sparse_payload(payload: bytes, length: int, dtype: DType) -> None:
         raise RemoteProtocolError(
             Status.BAD_FIELD, f"sparse indices must increase strictly and stay below {elements}"
         )
+
+
+def with_retry_flag(data: bytes) -> bytes:
+    """Encoded datagram *data* with flag RETRY set (a client's retransmission, SPEC.md 2.3)."""
+    out = bytearray(data)
+    HEADER.write(out, "flags", HEADER.read(out, "flags") | Flags.RETRY)
+    return bytes(out)
 
 
 def reply_to(

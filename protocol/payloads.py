@@ -1,4 +1,5 @@
-"""Payload structs of NetDAM v1 (protocol/SPEC.md): every fixed layout a payload carries.
+"""Payload structs of NetDAM v1 (protocol/SPEC.md): every fixed layout a payload carries, built
+from the tables of layout.py.
 
 The header and the SR list are the codec's (``packet.py``); this module owns what sits behind
 them. Payload fields are little-endian like the element data (SPEC.md section 2), unlike the
@@ -12,6 +13,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from netdam.protocol import layout as L
 from netdam.protocol.constants import Status
 from netdam.protocol.errors import RemoteProtocolError
 
@@ -20,34 +22,34 @@ from netdam.protocol.packet import SPARSE_PREFIX, Endpoint, endpoint_to_u64
 
 #: INFO (reply to PING, SPEC.md 6.4): version, mtu, memory bytes, max payload, max segments,
 #: rank, world size.
-INFO = struct.Struct("<IIQIIII")
+INFO: struct.Struct = L.INFO.struct
 #: REGISTER request (requested rkey, rights), its ACK (granted rkey, rights) and DEREGISTER
 #: (rkey, 0): SPEC.md 6.1 and 6.2.
-KEY_RIGHTS = struct.Struct("<II")
+KEY_RIGHTS: struct.Struct = L.REGISTER.struct
 #: START_COLL descriptor, 64 bytes (SPEC.md 6.5).
-DESCRIPTOR = struct.Struct("<BBHIQQQIIQQII")
+DESCRIPTOR: struct.Struct = L.DESCRIPTOR.struct
 #: Completion of a collective (ACK with aux_addr 1: retransmits, repair reads) and its failure
 #: (NACK with aux_addr 1: first and last chunk still missing), SPEC.md 6.5.
-COMPLETION = struct.Struct("<QQ")
+COMPLETION: struct.Struct = L.COMPLETION.part("chains_resent", "repair_reads")
 #: FETCH_ADD operand, and the old value every atomic answers with (SPEC.md 5.4).
-U64 = struct.Struct("<Q")
+U64: struct.Struct = L.FETCH_ADD.struct
 #: CAS operands: compare, swap (SPEC.md 5.5).
-CAS_OPERANDS = struct.Struct("<QQ")
+CAS_OPERANDS: struct.Struct = L.CAS.struct
 
 assert DESCRIPTOR.size == 64
 
 #: ALLOC request (SPEC.md 11.9): size, tenant credential (0: a new tenant, admin key required),
 #: stride (0: one node), ways (0: every node), rights, reserved, label (UTF-8, zero padded).
-ALLOC_REQUEST = struct.Struct("<QQIHBB16s")
+ALLOC_REQUEST: struct.Struct = L.ALLOC.struct
 #: FREE and QUERY requests: the tenant credential (0 with the admin key).
-CREDENTIAL = struct.Struct("<Q")
+CREDENTIAL: struct.Struct = L.CREDENTIAL.struct
 #: A region as ALLOC's and QUERY's ACK describe it: gaddr, size, credential (ALLOC only, else 0),
 #: rkey, stride, ways W, rights, reserved, reserved, label; then W x REGION_WAY.
-REGION_INFO = struct.Struct("<QQQIIHBBI16s")
+REGION_INFO: struct.Struct = L.REGION_INFO.struct
 #: One way of a region: node rank, reserved, local address, backing bytes.
-REGION_WAY = struct.Struct("<IIQQ")
+REGION_WAY: struct.Struct = L.REGION_WAY.struct
 #: Bytes of the label field of ALLOC and of the region record.
-LABEL_BYTES = 16
+LABEL_BYTES: int = L.ALLOC["label"].width
 
 assert ALLOC_REQUEST.size == 40 and REGION_INFO.size == 56 and REGION_WAY.size == 24
 
@@ -168,7 +170,7 @@ class CompletionPhases:
 
 
 #: A completion ACK's phases, after its two u64 counters: u64 start (ns), u32 x 3 (us), u32 0.
-COMPLETION_PHASES = struct.Struct("<QIIII")
+COMPLETION_PHASES: struct.Struct = L.COMPLETION.part("start_ns", "reserved")
 #: A phase's microseconds when it never ended.
 NO_PHASE_US = 0xFFFFFFFF
 

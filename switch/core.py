@@ -25,6 +25,8 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import switch_path as K
 from netdam.kernels.guard import G_NOW, address_token, record_failure
 from netdam.kernels.state import (
+    FCLOCK_NOW,
+    TXQ_TAIL,
     Groups,
     HoldTable,
     LinkFaults,
@@ -368,11 +370,11 @@ class SwitchCore(CoreBase):
         self.reserve(max(n, 1))
         if self._punt.shape[0] < lens.shape[0]:
             self._punt = np.zeros(lens.shape[0], np.int32)
-        self.fclock[0] = now
+        self.fclock[FCLOCK_NOW] = now
         self.guard.cfg[G_NOW] = now
         tx_n, n_punt = K.switch_round(RxBatch(buf, offs, lens, srcs), n, self.max_datagram, self.switch_state(),
-                                      self.tx_bundle(), int(self._txq[1]), self._punt)  # fmt: skip
-        self._txq[1] = tx_n
+                                      self.tx_bundle(), int(self._txq[TXQ_TAIL]), self._punt)  # fmt: skip
+        self._txq[TXQ_TAIL] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 
     def get_timer(self) -> float | None:

@@ -225,3 +225,66 @@ def test_private_kernels_only_through_wrappers() -> None:
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in kernel_aliases:
                 name = node.attr
                 assert not (name.startswith("_") and not name[1:].isupper()), (path.relative_to(ROOT), f"{node.value.id}.{name}")
+
+
+# ---------------------------------------------------------------- datagram offsets have names
+
+#: Variables that hold datagram bytes, as the code outside protocol/ names them: a request (b),
+#: a reply or outgoing datagram (t, d, header), a batch's buffer (buf, rx, rx_buf, tx_buf), a
+#: header template, and the Python side's bytes (data, datagram).
+DATAGRAM_NAMES = {"b", "t", "d", "buf", "rx", "rx_buf", "tx_buf", "header", "template", "data", "datagram"}
+#: Byte readers and writers whose second argument is an offset into a datagram.
+OFFSET_CALLS = re.compile(r"_(rd|wr|le|put_le)\d+$")
+#: The byte primitives themselves (netdam/kernels/wire.py): `b[o + 1]` there is the second byte
+#: of whatever field `o` names, not a datagram offset.
+PRIMITIVES = {"_rd16", "_rd32", "_rd64", "_wr8", "_wr16", "_wr32", "_wr64", "_le16", "_le32", "_le64",
+              "_put_le32", "_put_le64"}  # fmt: skip
+
+
+def _literal_terms(node: ast.AST | None) -> list[int]:
+    """Integer literals added or subtracted at the top of an index expression: ``b[28]``,
+    ``b[o + 6]``, ``b[p + 8 + 2 * k]`` (8); not ``b[2 * k]`` nor ``b[H_SEQ]``. A literal 0 is
+    let through: ``x[0]`` of a datagram is also no offset when 0 is a loop's start, and every
+    field at 0 (version, a payload's first field) is read through its name anyway."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return [node.value] if node.value != 0 else []
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+        return _literal_terms(node.left) + _literal_terms(node.right)
+    if isinstance(node, ast.Slice):
+        return _literal_terms(node.lower) + _literal_terms(node.upper)
+    return []
+
+
+def literal_datagram_offsets(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every integer-literal offset into a datagram in *source*."""
+    tree = ast.parse(source)
+    exempt: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name in PRIMITIVES:
+            exempt |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in DATAGRAM_NAMES:
+            offset: ast.AST | None = node.slice
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and OFFSET_CALLS.search(node.func.id)
+              and len(node.args) >= 2):  # fmt: skip
+            offset = node.args[1]
+        else:
+            continue
+        if node.lineno not in exempt and _literal_terms(offset):
+            hits.append((node.lineno, ast.unparse(node)))
+    return hits
+
+
+def test_datagram_offsets_have_names() -> None:
+    """A field is read and written by its name from protocol/layout.py (H_SEQ, SEG_PORT,
+    CPL_START_NS ...), never by a number: a field that moves is one line of layout.py."""
+    found = {}
+    for path in our_modules().values():
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(("protocol/", "netdam/tools/fuzz/")):
+            continue  # the fuzzer corrupts single bytes of fields on purpose (its offsets are layout's)
+        hits = literal_datagram_offsets(path.read_text())
+        if hits:
+            found[rel] = hits
+    assert not found, found

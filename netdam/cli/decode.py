@@ -31,6 +31,7 @@ from netdam.protocol.constants import (
     Opcode,
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
+from netdam.protocol.layout import H_OPCODE, H_SEG_COUNT, H_VERSION, HEADER
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
 from netdam.protocol.payloads import INFO, SPARSE_PREFIX, unpack_key_rights
 
@@ -298,7 +299,7 @@ def split_gso(data: bytes) -> list[bytes]:
         pass
     if len(data) < 2 * HEADER_SIZE:
         return [data]
-    seg_count, length = data[54], int.from_bytes(data[28:32], "big")
+    seg_count, length = data[H_SEG_COUNT], HEADER.read(data, "length")
     dense = HEADER_SIZE + SEGMENT_SIZE * seg_count + length
     candidates = [dense] + [s for s in range(HEADER_SIZE, len(data)) if _header_at(data, s)]
     for size in candidates:
@@ -311,7 +312,8 @@ def split_gso(data: bytes) -> list[bytes]:
 def _header_at(data: bytes, offset: int) -> bool:
     """Whether a v1 header with a known opcode could start at *offset* (a node's GSO send may
     batch different packets of one size to one destination: a READ_RESP, then an ACK)."""
-    return data[offset] == data[0] and offset + 1 < len(data) and data[offset + 1] in _OPCODES
+    return (data[offset + H_VERSION] == data[H_VERSION] and offset + H_OPCODE < len(data)
+            and data[offset + H_OPCODE] in _OPCODES)  # fmt: skip
 
 
 _OPCODES = frozenset(int(op) for op in Opcode)

@@ -63,6 +63,8 @@ from netdam.tools.fuzz.oracle import (
 
 #: Node memory of a fuzz cluster: small, so a snapshot comparison per round costs ~1 ms.
 FUZZ_MEMORY = 1 << 20
+#: Bytes of a bad reply quoted in the report: its header and the start of its payload.
+_QUOTED = 96
 #: How long a barrier waits for every process's INFO before re-sending the PING, and how many
 #: times it re-sends before declaring a process unresponsive.
 BARRIER_TIMEOUT_S = 1.0
@@ -396,18 +398,18 @@ class FuzzRunner:
             reply = decode_packet(data)
         except RemoteProtocolError as exc:
             if len(self.bad_replies) < 8:
-                self.bad_replies.append(f"{self.layout.process_name(p)}: {exc}: {data[:96].hex()}")
+                self.bad_replies.append(f"{self.layout.process_name(p)}: {exc}: {data[:_QUOTED].hex()}")
             return
         if reply.opcode not in REPLY_OPCODES:
             if len(self.bad_replies) < 8:
-                self.bad_replies.append(f"{self.layout.process_name(p)}: sent {reply.opcode.name}, not a reply: {data[:96].hex()}")
+                self.bad_replies.append(f"{self.layout.process_name(p)}: sent {reply.opcode.name}, not a reply: {data[:_QUOTED].hex()}")
             return
         self.reply_ops[int(reply.opcode)] += 1
         if reply.opcode == Opcode.READ_RESP and p < len(self.layout.nodes):
             if self.guard.read_matches(p, reply.addr, reply.payload) is False:
                 self.read_mismatches += 1
                 if len(self.bad_replies) < 8:
-                    self.bad_replies.append(f"{self.layout.process_name(p)}: READ_RESP of bytes nobody wrote differs from memory: {data[:96].hex()}")
+                    self.bad_replies.append(f"{self.layout.process_name(p)}: READ_RESP of bytes nobody wrote differs from memory: {data[:_QUOTED].hex()}")
         if reply.opcode == Opcode.NACK:
             self.traffic[p].nacks_received[int(reply.status)] += 1
             self.nack_statuses[int(reply.status)] += 1

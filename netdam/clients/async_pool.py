@@ -44,6 +44,7 @@ from netdam.protocol.packet import (
     Packet,
     decode_packet,
     encode_packet,
+    with_retry_flag,
 )
 from netdam.protocol.payloads import unpack_u64
 
@@ -145,8 +146,7 @@ class AsyncPoolClient:
             try:
                 for attempt in range(self.retries + 1):
                     if attempt == 1:
-                        flags = int.from_bytes(data[2:4], "big") | int(Flags.RETRY)
-                        data = data[:2] + flags.to_bytes(2, "big") + data[4:]
+                        data = with_retry_flag(data)
                     if attempt:
                         self.retransmits += 1
                     await self._stream.send(data, self.vip)

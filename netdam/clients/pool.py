@@ -38,6 +38,7 @@ from netdam.protocol.packet import (
     Packet,
     decode_packet,
     encode_packet,
+    with_retry_flag,
 )
 from netdam.protocol.payloads import pack_cas, pack_u64, unpack_u64
 from netdam.shell.udp import IP_MTU_DISCOVER, IP_PMTUDISC_DO
@@ -246,8 +247,7 @@ class PoolClient:
                                   f"after {entry.tries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
                                   "switch running (netdam up --switch)?")  # fmt: skip
             if entry.tries == 0:
-                flags = int.from_bytes(entry.data[2:4], "big") | int(Flags.RETRY)
-                entry.data = entry.data[:2] + flags.to_bytes(2, "big") + entry.data[4:]
+                entry.data = with_retry_flag(entry.data)
             entry.tries += 1
             entry.deadline = now + self.timeout
             self.retransmits += 1

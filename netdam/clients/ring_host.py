@@ -57,8 +57,9 @@ from netdam.protocol.constants import (
     ReduceOp,
     max_elements,
 )
+from netdam.protocol.layout import H_OPCODE, H_STATUS
 from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_u64
-from netdam.protocol.payloads import pack_ring_step, unpack_ring_step
+from netdam.protocol.payloads import RING_STEP, pack_ring_step, unpack_ring_step
 
 #: Segment of the pipelined ring: OpenMPI's segmented ring uses 1 MiB segments for large
 #: messages (coll_tuned's allreduce decision, ``segsize`` 1 << 20).
@@ -249,8 +250,8 @@ class _RingHost:
         for k in self.others[:n_others]:
             start = int(self.rx_off[k])
             datagram = self.rx[start : start + self.rx_len[k]]
-            signal = unpack_ring_step(bytes(datagram[:8]))
+            signal = unpack_ring_step(bytes(datagram[: RING_STEP.size]))
             if signal is not None:
                 self.heard.add(signal)
-            elif datagram.shape[0] >= HEADER_SIZE and datagram[1] == Opcode.NACK:
-                raise RuntimeError(f"rank {self.rank}: a WRITE was refused (status {int(datagram[50])})")
+            elif datagram.shape[0] >= HEADER_SIZE and datagram[H_OPCODE] == Opcode.NACK:
+                raise RuntimeError(f"rank {self.rank}: a WRITE was refused (status {int(datagram[H_STATUS])})")

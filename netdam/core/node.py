@@ -35,7 +35,7 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.guard import G_NOW, address_token, record_failure
-from netdam.kernels.state import DupWindow, NodeState, Regions, RxBatch
+from netdam.kernels.state import TXQ_TAIL, DupWindow, NodeState, Regions, RxBatch
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DEFAULT_MTU,
@@ -50,12 +50,27 @@ from netdam.protocol.constants import (
     PROTOCOL_VERSION,
     REPLY_OPCODES,
     SEGMENT_SIZE,
+    DType,
+    Flags,
     Opcode,
+    ReduceOp,
     Rights,
     Status,
     max_payload,
 )
 from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.layout import (
+    H_DTYPE,
+    H_OPCODE,
+    H_REDUCE_OP,
+    H_RESERVED1,
+    H_SEG_COUNT,
+    H_SEG_TYPE,
+    H_SEGMENTS_LEFT,
+    H_STATUS,
+    H_VERSION,
+    HEADER,
+)
 from netdam.protocol.packet import (
     Endpoint,
     Packet,
@@ -165,9 +180,9 @@ class NodeCore(CoreBase):
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath.process_batch(RxBatch(buf, offs, lens, srcs), n, self.max_datagram,
-                                              self.node_state(), self.guard, self.tx_bundle(), int(self._txq[1]),
+                                              self.node_state(), self.guard, self.tx_bundle(), int(self._txq[TXQ_TAIL]),
                                               self._punt)  # fmt: skip
-        self._txq[1] = tx_n
+        self._txq[TXQ_TAIL] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 
     def node_state(self) -> NodeState:
@@ -210,8 +225,8 @@ class NodeCore(CoreBase):
         if not self.collective.needs_tick:
             return
         self._reserve_tx(2 * self.collective.cfg[coll_kernels.CFG_WINDOW] * max(1, int(self.collective.cfg[coll_kernels.CFG_WORLD])))
-        self._txq[1] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
-                                              self.tx_bundle(), int(self._txq[1]))  # fmt: skip
+        self._txq[TXQ_TAIL] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
+                                              self.tx_bundle(), int(self._txq[TXQ_TAIL]))  # fmt: skip
 
     # ------------------------------------------------------------------ one-datagram helpers
 
@@ -247,7 +262,7 @@ class NodeCore(CoreBase):
         except RemoteProtocolError as exc:
             # The datapath validates what it punts; should anything reach here unvalidated,
             # answer as the datapath would.
-            if data[1] in REPLY_OPCODES:
+            if data[H_OPCODE] in REPLY_OPCODES:
                 self.counters[C.DROP_BAD_REPLY] += 1
                 return
             self._nack_raw(data, src, exc.status)
@@ -273,16 +288,17 @@ class NodeCore(CoreBase):
     def _nack_raw(self, data: bytes, src: int, status: Status) -> None:
         """NACK a packet the codec refused: echo its fixed header as the datapath does."""
         header = bytearray(data[:HEADER_SIZE])
-        header[0] = 1
-        header[1] = Opcode.NACK
-        header[48] = header[48] if header[48] <= 6 else 0
-        header[49] = header[49] if header[49] <= 2 else 0
-        header[55] = header[62] = header[63] = 0
-        header[2:4] = (int.from_bytes(header[2:4], "big") & 0x000C).to_bytes(2, "big")
-        header[28:32] = b"\x00\x00\x00\x00"
-        header[50] = status
-        header[52:55] = b"\x00\x00\x00"
-        ret = int.from_bytes(header[56:60], "big") << 16 | int.from_bytes(header[60:62], "big")
+        header[H_VERSION] = PROTOCOL_VERSION
+        header[H_OPCODE] = Opcode.NACK
+        header[H_DTYPE] = header[H_DTYPE] if header[H_DTYPE] in DType._value2member_map_ else 0
+        header[H_REDUCE_OP] = header[H_REDUCE_OP] if header[H_REDUCE_OP] in ReduceOp._value2member_map_ else 0
+        header[H_RESERVED1] = 0
+        HEADER.write(header, "reserved2", 0)
+        HEADER.write(header, "flags", HEADER.read(header, "flags") & (Flags.RELAYED | Flags.MCAST))
+        HEADER.write(header, "length", 0)
+        header[H_STATUS] = status
+        header[H_SEG_TYPE] = header[H_SEGMENTS_LEFT] = header[H_SEG_COUNT] = 0
+        ret = HEADER.read(header, "ret_ip") << 16 | HEADER.read(header, "ret_port")
         self._push(bytes(header), ret if ret and src in self._trusted else src)
         self.counters[C.NACK_BASE + status] += 1
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from netdam.kernels.datapath import drain
-from netdam.kernels.state import TxQueue
+from netdam.kernels.state import TXQ_HEAD, TXQ_TAIL, TxQueue
 from netdam.protocol import counters as C
 
 #: Room one outgoing datagram may need: header, full SR list, largest payload (protocol/SPEC.md).
@@ -49,11 +49,11 @@ class SendQueue:
 
     def pending(self) -> int:
         """Datagrams waiting."""
-        return int(self.q[1] - self.q[0])
+        return int(self.q[TXQ_TAIL] - self.q[TXQ_HEAD])
 
     def reserve(self, n: int) -> None:
         """Make room for n more datagrams: compact the queue, then grow up to MAX_TX_QUEUE."""
-        head, tail = int(self.q[0]), int(self.q[1])
+        head, tail = int(self.q[TXQ_HEAD]), int(self.q[TXQ_TAIL])
         if head:
             live, base, end = tail - head, int(self.off[head]), int(self.off[tail])
             self.buf[: end - base] = self.buf[base:end]
@@ -79,7 +79,7 @@ class SendQueue:
             self.captured.append((data, dst))
             return True
         self.reserve(1)
-        tail = int(self.q[1])
+        tail = int(self.q[TXQ_TAIL])
         start = int(self.off[tail])
         if tail >= self.len.shape[0] or start + len(data) > self.buf.shape[0]:
             self.counters[C.DROP_TX_FULL] += 1
@@ -88,7 +88,7 @@ class SendQueue:
         self.len[tail] = len(data)
         self.dst[tail] = dst
         self.off[tail + 1] = start + len(data)
-        self.q[1] = tail + 1
+        self.q[TXQ_TAIL] = tail + 1
         return True
 
     def bundle(self) -> TxQueue:
@@ -97,7 +97,7 @@ class SendQueue:
 
     def fill(self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray) -> int:
         """Copy pending datagrams into a caller's batch (back to back, as many as fit)."""
-        head, tail = int(self.q[0]), int(self.q[1])
+        head, tail = int(self.q[TXQ_HEAD]), int(self.q[TXQ_TAIL])
         count = drain(self.bundle(), head, tail - head, TxQueue(out, out_offs, out_lens, out_dsts))
         self.sent(count)
         return count
@@ -105,11 +105,11 @@ class SendQueue:
     def sent(self, count: int) -> None:
         """The *count* oldest datagrams left: count them and free their room."""
         if count:
-            head = int(self.q[0])
+            head = int(self.q[TXQ_HEAD])
             self.counters[C.TX_PACKETS] += count
             self.counters[C.TX_BYTES] += int(self.len[head : head + count].sum())
-            self.q[0] = head + count
-        if self.q[0] == self.q[1]:
+            self.q[TXQ_HEAD] = head + count
+        if self.q[TXQ_HEAD] == self.q[TXQ_TAIL]:
             self.q[:] = 0
             self.off[0] = 0
 

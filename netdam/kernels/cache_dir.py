@@ -39,11 +39,17 @@ from typing import Any
 from numba.core import caching
 
 import netdam
+import netdam.protocol.layout
 from netdam import progress
 
 log = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).resolve().parent
+#: Protocol modules whose module-level ints the kernels compile in as constants (field offsets,
+#: opcodes, statuses, counter indices): a change there must not run kernels cached with the old
+#: values, so they count as kernel sources.
+_PROTOCOL = Path(netdam.protocol.layout.__file__).resolve().parent
+_PROTOCOL_INPUTS = ("layout.py", "constants.py", "counters.py")
 
 # numba >= 0.61 made these names public; the tested range starts at 0.59 (udp_io.NUMBA_TESTED).
 _CacheImpl: Any = getattr(caching, "CacheImpl", None) or caching._CacheImpl
@@ -75,9 +81,10 @@ def cache_root() -> Path:
 
 
 def sources_digest() -> str:
-    """A hash of every kernel source file (name and bytes)."""
+    """A hash of every kernel source file and of the protocol modules they compile in (name and
+    bytes)."""
     digest = hashlib.sha256()
-    for source in sorted(_KERNELS.glob("*.py")):
+    for source in sorted(_KERNELS.glob("*.py")) + [_PROTOCOL / name for name in _PROTOCOL_INPUTS]:
         digest.update(source.name.encode())
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]

@@ -58,9 +58,46 @@ from netdam.kernels.wire import (
     _sparse_expand,
     _wr16,
     _wr32,
+    _wr64,
 )
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags
+from netdam.protocol.layout import (
+    COMPLETION_BYTES,
+    COMPLETION_FAILURE_BYTES,
+    CPL_CHAINS_RESENT,
+    CPL_CHAINS_US,
+    CPL_CHUNKS_US,
+    CPL_DONE_US,
+    CPL_FIRST_MISSING,
+    CPL_LAST_MISSING,
+    CPL_REPAIR_READS,
+    CPL_RESERVED,
+    CPL_START_NS,
+    H_ADDR,
+    H_AUX_ADDR,
+    H_CLIENT_ID,
+    H_COLL_ID,
+    H_DTYPE,
+    H_EPOCH,
+    H_FLAGS,
+    H_LENGTH,
+    H_OPCODE,
+    H_REDUCE_OP,
+    H_RET_IP,
+    H_RET_PORT,
+    H_RKEY,
+    H_SEG_COUNT,
+    H_SEG_TYPE,
+    H_SEGMENTS_LEFT,
+    H_SEQ,
+    H_STATUS,
+    H_TXN_ID,
+    H_VERSION,
+    SEG_IP,
+    SEG_PORT,
+    SEG_RESERVED,
+)
 from netdam.protocol.payloads import NO_PHASE_US, Algo
 
 # ---------------------------------------------------------------- layout of the engine's state arrays
@@ -174,25 +211,23 @@ _F_RETRY = int(Flags.RETRY)
 @njit(cache=True, nogil=True)
 def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):  # type: ignore[no-untyped-def]
     """Write a v1 header for this collective into t (segs: SR entries that follow)."""
-    t[:64] = 0
-    t[0] = 1
-    t[1] = opcode
-    _wr16(t, 2, flags)
-    _wr32(t, 4, seq)
-    _wr32(t, 16, cfg[CFG_COLL])
-    _wr32(t, 20, cfg[CFG_EPOCH])
-    _wr32(t, 24, cfg[CFG_RKEY])
-    _wr32(t, 28, length)
-    _wr32(t, 32, np.int64(addr >> 32))
-    _wr32(t, 36, addr & 0xFFFFFFFF)
-    _wr32(t, 40, np.int64(aux >> 32))
-    _wr32(t, 44, aux & 0xFFFFFFFF)
-    t[48] = cfg[CFG_DTYPE]
-    t[49] = cfg[CFG_OP]
+    t[:_HDR] = 0
+    t[H_VERSION] = 1
+    t[H_OPCODE] = opcode
+    _wr16(t, H_FLAGS, flags)
+    _wr32(t, H_SEQ, seq)
+    _wr32(t, H_COLL_ID, cfg[CFG_COLL])
+    _wr32(t, H_EPOCH, cfg[CFG_EPOCH])
+    _wr32(t, H_RKEY, cfg[CFG_RKEY])
+    _wr32(t, H_LENGTH, length)
+    _wr64(t, H_ADDR, addr)
+    _wr64(t, H_AUX_ADDR, aux)
+    t[H_DTYPE] = cfg[CFG_DTYPE]
+    t[H_REDUCE_OP] = cfg[CFG_OP]
     if segs > 0:
-        t[52] = 1
-        t[53] = segs - 1
-        t[54] = segs
+        t[H_SEG_TYPE] = 1
+        t[H_SEGMENTS_LEFT] = segs - 1
+        t[H_SEG_COUNT] = segs
 
 
 @njit(cache=True, nogil=True)
@@ -243,16 +278,15 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
     _header(t, _OP_CHAIN_ADD, flags, c, cfg, nbytes, src_addr, cfg[CFG_OUT] + first * esize, hops)
     for h in range(hops):
         ep = ring[(rank + 1 + h) % world]
-        o = 64 + 8 * h
-        _wr32(t, o, np.int64(ep >> np.uint64(16)))
-        _wr16(t, o + 4, np.int64(ep & np.uint64(0xFFFF)))
-        t[o + 6] = 0
-        t[o + 7] = 0
-    p = 64 + 8 * hops
+        o = _HDR + _SEG * h
+        _wr32(t, o + SEG_IP, np.int64(ep >> np.uint64(16)))
+        _wr16(t, o + SEG_PORT, np.int64(ep & np.uint64(0xFFFF)))
+        _wr16(t, o + SEG_RESERVED, 0)
+    p = _HDR + _SEG * hops
     if cfg[CFG_SPARSE] != 0:
         size, sparse = _encode_payload(t, np.int64(p), mem, np.int64(src_addr), np.int64(nbytes), esize)
         if sparse:
-            _wr16(t, 2, flags | _F_SPARSE)
+            _wr16(t, H_FLAGS, flags | _F_SPARSE)
         return _commit(tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world])
     _copy(t, p, mem, src_addr, nbytes)
     return _commit(tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
@@ -269,12 +303,12 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_
     flags = _F_MCAST if cfg[CFG_GROUP] != 0 else 0
     _header(t, _OP_ALL_WRITE, flags, c, cfg, nbytes, addr, 0, 0)
     if cfg[CFG_SPARSE] != 0:
-        size, sparse = _encode_payload(t, np.int64(64), mem, np.int64(addr), np.int64(nbytes), esize)
+        size, sparse = _encode_payload(t, np.int64(_HDR), mem, np.int64(addr), np.int64(nbytes), esize)
         if sparse:
-            _wr16(t, 2, flags | _F_SPARSE)
-        return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + size, dst)
-    _copy(t, 64, mem, addr, nbytes)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + nbytes, dst)
+            _wr16(t, H_FLAGS, flags | _F_SPARSE)
+        return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + size, dst)
+    _copy(t, _HDR, mem, addr, nbytes)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -285,7 +319,7 @@ def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
     addr = cfg[CFG_OUT] + first * esize
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _header(t, _OP_READ, 0, c, cfg, count * esize, addr, 0, 0)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, 64, ring[j])
+    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR, ring[j])
 
 
 @njit(cache=True, nogil=True)
@@ -296,12 +330,12 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # t
     phases (SPEC.md 4.1): u64 engine clock at the start (ns), u32 microseconds from the start to
     the end of each phase (chains ACKed, chunks here, DONEs here), u32 0."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    length = 40 if status == 0 else 16
+    length = COMPLETION_BYTES if status == 0 else COMPLETION_FAILURE_BYTES
     _header(t, _OP_ACK if status == 0 else _OP_NACK, 0, 0, cfg, length, 0, 1, 0)
-    t[24:28] = 0  # no key in a reply to the host
-    _wr32(t, 8, cfg[CFG_CLIENT])
-    _wr32(t, 12, cfg[CFG_TXN])
-    t[50] = status
+    _wr32(t, H_RKEY, 0)  # no key in a reply to the host
+    _wr32(t, H_CLIENT_ID, cfg[CFG_CLIENT])
+    _wr32(t, H_TXN_ID, cfg[CFG_TXN])
+    t[H_STATUS] = status
     first = np.int64(-1)
     last = np.int64(-1)
     if status == 0:
@@ -313,16 +347,19 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # t
                 if first < 0:
                     first = c
                 last = c
+    o_first = _HDR + (CPL_CHAINS_RESENT if status == 0 else CPL_FIRST_MISSING)
+    o_last = _HDR + (CPL_REPAIR_READS if status == 0 else CPL_LAST_MISSING)
     for k in range(8):
-        t[64 + k] = np.uint8((first >> (8 * k)) & 0xFF)
-        t[72 + k] = np.uint8((last >> (8 * k)) & 0xFF)
+        t[o_first + k] = np.uint8((first >> (8 * k)) & 0xFF)
+        t[o_last + k] = np.uint8((last >> (8 * k)) & 0xFF)
     if status != 0:
-        return _commit(tx_off, tx_len, tx_dst, tx_n, 80, np.uint64(cfg[CFG_HOST]))
-    _put_le64(t, 80, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
-    for i in range(3):
-        _put_le32(t, 88 + 4 * i, _phase_us(fcfg, F_T_CHAINS + i))
-    _put_le32(t, 100, 0)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, 104, np.uint64(cfg[CFG_HOST]))
+        return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_FAILURE_BYTES, np.uint64(cfg[CFG_HOST]))
+    _put_le64(t, _HDR + CPL_START_NS, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
+    _put_le32(t, _HDR + CPL_CHAINS_US, _phase_us(fcfg, F_T_CHAINS))
+    _put_le32(t, _HDR + CPL_CHUNKS_US, _phase_us(fcfg, F_T_CHUNKS))
+    _put_le32(t, _HDR + CPL_DONE_US, _phase_us(fcfg, F_T_DONE))
+    _put_le32(t, _HDR + CPL_RESERVED, 0)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST]))
 
 
 @njit(cache=True, nogil=True)
@@ -537,9 +574,9 @@ def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):  
     no ping-pong between finished nodes)."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
-    _wr32(t, 12, 1 if answer else 0)
-    _wr32(t, 20, epoch)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, 64, dst)
+    _wr32(t, H_TXN_ID, 1 if answer else 0)
+    _wr32(t, H_EPOCH, epoch)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -554,7 +591,7 @@ def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no
                 break  # the originator's BUSY backoff asks again anyway
             t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
             _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
-            tx_n = _commit(tx_off, tx_len, tx_dst, tx_n, 64, np.uint64(cfg[CFG_REFUSED_BASE + k]))
+            tx_n = _commit(tx_off, tx_len, tx_dst, tx_n, _HDR, np.uint64(cfg[CFG_REFUSED_BASE + k]))
     cfg[CFG_REFUSED_N] = 0
     return tx_n
 
@@ -622,9 +659,9 @@ def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
     nbytes = (cfg[CFG_CHUNKS] + 7) // 8
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
-    _wr32(t, 12, answer)
-    _copy(t, 64, done, BM_BASE, nbytes)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, 64 + nbytes, dst)
+    _wr32(t, H_TXN_ID, answer)
+    _copy(t, _HDR, done, BM_BASE, nbytes)
+    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -677,21 +714,21 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, 28)
-    addr = _rd64(b, 32)
-    esize = _ESIZE[np.int64(b[48])]
-    coll = _rd32(b, 16)
-    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+    length = _rd32(b, H_LENGTH)
+    addr = _rd64(b, H_ADDR)
+    esize = _ESIZE[np.int64(b[H_DTYPE])]
+    coll = _rd32(b, H_COLL_ID)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
         counters[C.DROP_COLL_EARLY] += 1  # before the rkey check: it may not be registered yet
         return tx_n  # fetched again by READ repair once started
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     if coll != 0:
-        seq = _rd32(b, 4)
-        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        seq = _rd32(b, H_SEQ)
+        phase = _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH))
         if phase != _PHASE_RUNNING or seq >= co_cfg[CFG_CHUNKS]:
             counters[C.DROP_STALE_EPOCH if phase == _PHASE_STALE else C.DROP_COLL_EARLY] += 1
             return tx_n  # an early one is fetched again by READ repair once started
@@ -701,11 +738,11 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
         co_done[seq] = 1
         co_cfg[CFG_DONE_COUNT] += 1
     a = np.int64(addr)
-    if _rd16(b, 2) & _F_SPARSE:
+    if _rd16(b, H_FLAGS) & _F_SPARSE:
         _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), esize)  # the rest zeroed
     else:
         _copy(mem, a, b, _HDR, length)
-    if _rd16(b, 2) & _F_ACK_REQ:
+    if _rd16(b, H_FLAGS) & _F_ACK_REQ:
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
         tx_len[tx_n] = _HDR
@@ -723,22 +760,22 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, 28)
-    addr = _rd64(b, 32)
-    store_addr = _rd64(b, 40)
-    dtype = np.int64(b[48])
-    op = np.int64(b[49])
+    length = _rd32(b, H_LENGTH)
+    addr = _rd64(b, H_ADDR)
+    store_addr = _rd64(b, H_AUX_ADDR)
+    dtype = np.int64(b[H_DTYPE])
+    op = np.int64(b[H_REDUCE_OP])
     esize = _ESIZE[dtype]
-    rkey = _rd32(b, 24)
-    left = np.int64(b[53])
-    count = np.int64(b[54])
-    coll = _rd32(b, 16)
-    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+    rkey = _rd32(b, H_RKEY)
+    left = np.int64(b[H_SEGMENTS_LEFT])
+    count = np.int64(b[H_SEG_COUNT])
+    coll = _rd32(b, H_COLL_ID)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
         # This node's host has not started the collective (nor, maybe, registered its key):
         # BUSY, before the rkey check, so the sender backs off instead of failing; RESUME
         # tells it when to ask again.
         if _is_member(members, src):
-            _note_refusal(co_cfg, coll, _rd32(b, 20), _reply_dst(b, src, members))
+            _note_refusal(co_cfg, coll, _rd32(b, H_EPOCH), _reply_dst(b, src, members))
         return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
     status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize)
@@ -749,13 +786,13 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     nxt = np.uint64(0)
     if status == 0 and left > 0:
         o = _HDR + _SEG * (count - left)
-        nxt = np.uint64((_rd32(b, o) << 16) | _rd16(b, o + 4))
+        nxt = np.uint64((_rd32(b, o + SEG_IP) << 16) | _rd16(b, o + SEG_PORT))
         if not _is_member(members, nxt):
             status = _S_NOT_MEMBER  # nodes relay only inside their cluster
-    seq = _rd32(b, 4)
+    seq = _rd32(b, H_SEQ)
     guarded = False
     if status == 0 and coll != 0:
-        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        phase = _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH))
         if phase == _PHASE_STALE:
             counters[C.DROP_STALE_EPOCH] += 1
             return tx_n
@@ -769,18 +806,18 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     payload_off = _HDR + _SEG * count
     a = np.int64(addr)
-    sparse_in = (_rd16(b, 2) & _F_SPARSE) != 0
+    sparse_in = (_rd16(b, H_FLAGS) & _F_SPARSE) != 0
     sparse_mode = guarded and co_cfg[CFG_SPARSE] != 0
     if left > 0:
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         for k in range(payload_off):
             t[k] = b[k]
-        t[53] = left - 1
-        if (_rd32(b, 56) == 0 and _rd16(b, 60) == 0) or not _is_member(members, src):
+        t[H_SEGMENTS_LEFT] = left - 1
+        if (_rd32(b, H_RET_IP) == 0 and _rd16(b, H_RET_PORT) == 0) or not _is_member(members, src):
             # First relay of a chain: record the originator so the last hop can ACK it. A
             # return segment written by a non-member is replaced: replies never go to a third party.
-            _wr32(t, 56, np.int64(src >> np.uint64(16)))
-            _wr16(t, 60, np.int64(src & np.uint64(0xFFFF)))
+            _wr32(t, H_RET_IP, np.int64(src >> np.uint64(16)))
+            _wr16(t, H_RET_PORT, np.int64(src & np.uint64(0xFFFF)))
         nbytes = np.int64(length)
         if sparse_in or sparse_mode:
             # Dense running value in a scratch (the next send slot when free), combined there,
@@ -792,8 +829,8 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
                 _copy(x, 0, b, payload_off, length)
             _combine_bytes(x, np.int64(0), x, np.int64(0), mem, a, nbytes, dtype, op)
             nbytes, sparse_out = _encode_payload(t, np.int64(payload_off), x, np.int64(0), nbytes, esize)
-            flags = _rd16(b, 2) & ~_F_SPARSE
-            _wr16(t, 2, flags | (_F_SPARSE if sparse_out else 0))
+            flags = _rd16(b, H_FLAGS) & ~_F_SPARSE
+            _wr16(t, H_FLAGS, flags | (_F_SPARSE if sparse_out else 0))
         else:
             _combine_bytes(
                 t, np.int64(payload_off), b, np.int64(payload_off), mem, a, nbytes, dtype, op
@@ -826,7 +863,7 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
         if guarded:
             co_done[seq] = 1
             co_cfg[CFG_DONE_COUNT] += 1
-    if _rd16(b, 2) & _F_ACK_REQ:
+    if _rd16(b, H_FLAGS) & _F_ACK_REQ:
         t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
         tx_len[tx_n] = _HDR
@@ -841,11 +878,11 @@ def _coll_done_msg(b, src, co_cfg):  # type: ignore[no-untyped-def]
     """A member's DONE: for this epoch, note it; for the previous epoch (that member may have
     lost this node's DONE while this node moved on), ask the engine to repeat it."""
     world = co_cfg[CFG_WORLD]
-    rank = _rd32(b, 4)  # DONE carries the sender's rank in seq
+    rank = _rd32(b, H_SEQ)  # DONE carries the sender's rank in seq
     if co_cfg[CFG_STATE] == 0 or rank >= world:
         return True
-    epoch = _rd32(b, 20)
-    asks = _rd32(b, 12) == 0  # txn_id 1 marks an answer, which is never answered
+    epoch = _rd32(b, H_EPOCH)
+    asks = _rd32(b, H_TXN_ID) == 0  # txn_id 1 marks an answer, which is never answered
     if epoch == co_cfg[CFG_EPOCH]:
         co_cfg[CFG_PEERS_DONE] |= np.int64(1) << rank
         ready = (co_cfg[CFG_PEERS_DONE] >> co_cfg[CFG_RANK]) & 1
@@ -863,14 +900,14 @@ def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyp
     """A member's per-chunk non-zero bitmap (sparse mode, SPEC.md 4.1): OR it in once; a request
     (txn_id 0) is answered with ours by the next tick, an answer (txn_id 1) proves the member
     holds ours. Dropped unless this node runs that very collective and epoch."""
-    rank = _rd32(b, 4)
-    nbytes = _rd32(b, 28)
+    rank = _rd32(b, H_SEQ)
+    nbytes = _rd32(b, H_LENGTH)
     chunks = co_cfg[CFG_CHUNKS]
     if (
         co_cfg[CFG_STATE] != 1
         or co_cfg[CFG_SPARSE] == 0
-        or _rd32(b, 16) != co_cfg[CFG_COLL]
-        or _rd32(b, 20) != co_cfg[CFG_EPOCH]
+        or _rd32(b, H_COLL_ID) != co_cfg[CFG_COLL]
+        or _rd32(b, H_EPOCH) != co_cfg[CFG_EPOCH]
         or rank >= co_cfg[CFG_WORLD]
         or nbytes != (chunks + 7) // 8
     ):
@@ -882,7 +919,7 @@ def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyp
             if (b[_HDR + (c >> 3)] >> (c & 7)) & 1:
                 co_done[NZ_BASE + c] = 1
         co_cfg[CFG_BM_GOT] |= bit
-    if _rd32(b, 12) == 1:
+    if _rd32(b, H_TXN_ID) == 1:
         co_cfg[CFG_BM_HAS] |= bit
     else:
         co_cfg[CFG_BM_ASK] |= bit
@@ -898,21 +935,21 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not _is_member(members, src):
         return False
-    if op == _OP_ACK and _rd64(b, 40) == AUX_DONE and _rd32(b, 16) == co_cfg[CFG_COLL]:
+    if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_DONE and _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL]:
         return _coll_done_msg(b, src, co_cfg)
-    if op == _OP_ACK and _rd64(b, 40) == AUX_BITMAP:
+    if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_BITMAP:
         _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
         return True
-    if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, 16), _rd32(b, 20)) != _PHASE_RUNNING:
-        return op == _OP_ACK and _rd64(b, 40) == AUX_RESUME  # of another collective: consumed
-    if op == _OP_ACK and _rd64(b, 40) == AUX_RESUME:
+    if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)) != _PHASE_RUNNING:
+        return op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME  # of another collective: consumed
+    if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME:
         # A hop that answered BUSY has started: the chains waiting on it go again at the next
         # tick instead of after their backoff.
         for c in range(co_cfg[CFG_LOW_UNACKED], co_cfg[CFG_NEXT_SEND]):
             if co_acked[c] == 2:
                 coll.sent[c] = -1.0
         return True
-    seq = _rd32(b, 4)
+    seq = _rd32(b, H_SEQ)
     if seq >= co_cfg[CFG_CHUNKS]:
         return False
     if op == _OP_ACK:
@@ -922,7 +959,7 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
             co_cfg[CFG_INFLIGHT] -= 1
         return True
     if op == _OP_NACK:
-        status = np.int64(b[50])
+        status = np.int64(b[H_STATUS])
         if status == _S_BUSY:
             if co_acked[seq] == 0:
                 co_acked[seq] = 2  # a hop has not started yet: flow control, not loss
@@ -930,11 +967,11 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
             co_cfg[CFG_FATAL] = status
         return True
     if op == _OP_READ_RESP:
-        length = _rd32(b, 28)
-        addr = _rd64(b, 32)
-        esize = _ESIZE[np.int64(b[48])]
+        length = _rd32(b, H_LENGTH)
+        addr = _rd64(b, H_ADDR)
+        esize = _ESIZE[np.int64(b[H_DTYPE])]
         # The answer lands in this node's memory: this node's rights on that range apply.
-        if _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_WRITE, esize) != 0:
+        if _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize) != 0:
             return True
         if co_done[seq] == 0:
             a = np.int64(addr)

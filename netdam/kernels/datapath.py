@@ -78,6 +78,24 @@ from netdam.kernels.wire import (
     _sparse_expand,
 )
 from netdam.protocol import counters as C
+from netdam.protocol.layout import (
+    CAS_COMPARE,
+    CAS_SWAP,
+    FA_ADDEND,
+    H_ADDR,
+    H_AUX_ADDR,
+    H_CLIENT_ID,
+    H_COLL_ID,
+    H_DTYPE,
+    H_EPOCH,
+    H_FLAGS,
+    H_LENGTH,
+    H_OPCODE,
+    H_REDUCE_OP,
+    H_RKEY,
+    H_SEQ,
+    H_TXN_ID,
+)
 
 # Duplicate-window verdicts.
 _WIN_NEW, _WIN_DUP, _WIN_STALE, _WIN_OFF = 0, 1, 2, 3
@@ -212,11 +230,11 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
                 open_src, open_guarded = src, guarded
         first = tx_n
         status = _check_packet(b, ln)
-        op = np.int64(b[1]) if ln > 1 else 0
+        op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
             continue
-        if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, 16) != 0:
+        if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, H_COLL_ID) != 0:
             counters[C.OPCODE_BASE + op] += 1
             if _coll_reply(b, ln, src, op, node):
                 continue  # consumed by the collective engine, in the datapath
@@ -263,28 +281,28 @@ def _read(b, src, node, guard, tx, tx_n, max_len):  # type: ignore[no-untyped-de
     rk_key, rk_base, rk_len, rk_rights = regions
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, 28)
+    length = _rd32(b, H_LENGTH)
     if _HDR + length > max_len:
         return _emit_nack(b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     factor = guard.cfg[G_FACTOR]
     if factor > 0.0 and _HDR + length > factor * _HDR and not _is_member(members, src):
         # More than 3x the request back to an address that has not proven it receives there
         # (no token in aux_addr): a reflection amplifier. Dropped, before any other check.
-        if not _validated(guard, src, _rd64(b, 40)):
+        if not _validated(guard, src, _rd64(b, H_AUX_ADDR)):
             counters[C.DROP_AMPLIFICATION] += 1
             return tx_n
-    addr = _rd64(b, 32)
-    esize = _ESIZE[np.int64(b[48])]
-    coll = _rd32(b, 16)
-    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, 20)) == _PHASE_NOT_STARTED:
+    addr = _rd64(b, H_ADDR)
+    esize = _ESIZE[np.int64(b[H_DTYPE])]
+    coll = _rd32(b, H_COLL_ID)
+    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
         # Before the rkey check: the host may not have registered the group's key here yet.
         return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, _R_READ, esize
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_READ, esize
     )
     if status == 0 and coll != 0:
-        seq = _rd32(b, 4)
-        phase = _coll_phase(co_cfg, coll, _rd32(b, 20))
+        seq = _rd32(b, H_SEQ)
+        phase = _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH))
         if phase == _PHASE_STALE:
             counters[C.DROP_STALE_EPOCH] += 1
             return tx_n
@@ -309,9 +327,9 @@ def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
     rk_key, rk_base, rk_len, rk_rights = regions
     cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply = window
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, 28)
-    addr = _rd64(b, 32)
-    dtype = np.int64(b[48])
+    length = _rd32(b, H_LENGTH)
+    addr = _rd64(b, H_ADDR)
+    dtype = np.int64(b[H_DTYPE])
     if op == _OP_WRITE:
         need, align = _R_WRITE, _ESIZE[dtype]
     elif op == _OP_ADD:
@@ -319,12 +337,12 @@ def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
     else:
         need, align = _R_ATOMIC, 8
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, 24), addr, length, need, align
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, need, align
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    client = _rd32(b, 8)
-    txn = _rd32(b, 12)
+    client = _rd32(b, H_CLIENT_ID)
+    txn = _rd32(b, H_TXN_ID)
     dst = _reply_dst(b, src, members)
     stamp = np.int64(counters[C.RX_PACKETS]) + 1
     verdict, c, w = _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, dst, txn, stamp)
@@ -347,26 +365,26 @@ def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
     reply_len = 0
     if op == _OP_WRITE or op == _OP_ADD:
         if op == _OP_WRITE:
-            if _rd16(b, 2) & _F_SPARSE:
+            if _rd16(b, H_FLAGS) & _F_SPARSE:
                 _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), _ESIZE[dtype])
             else:
                 _copy(mem, a, b, _HDR, length)
         else:
             _combine_bytes(
-                mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[49])
+                mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[H_REDUCE_OP])
             )
             counters[C.BYTES_COMBINED] += length
-        if _rd16(b, 2) & _F_ACK_REQ:
+        if _rd16(b, H_FLAGS) & _F_ACK_REQ:
             _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
             reply_len = _HDR
     else:
         old = _le64(mem, a)
         if op == _OP_FETCH_ADD:
-            _put_le64(mem, a, old + _le64(b, _HDR))  # u64 wraps, as the hardware adder would
-        elif old == _le64(b, _HDR):
-            _put_le64(mem, a, _le64(b, _HDR + 8))
+            _put_le64(mem, a, old + _le64(b, _HDR + FA_ADDEND))  # u64 wraps, as the hardware adder would
+        elif old == _le64(b, _HDR + CAS_COMPARE):
+            _put_le64(mem, a, _le64(b, _HDR + CAS_SWAP))
         _reply_header(t, b, _OP_ACK, 0, 8, _credit(tx_n, tx_len.shape[0]))
-        _put_le64(t, _HDR, old)
+        _put_le64(t, _HDR + FA_ADDEND, old)  # the old value, where FETCH_ADD's addend was
         reply_len = _HDR + 8
     if verdict == _WIN_NEW:
         _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, t, reply_len)

@@ -6,6 +6,7 @@ import numpy as np
 from numba import njit
 
 from netdam.protocol.constants import HEADER_SIZE
+from netdam.protocol.layout import H_DTYPE, H_OPCODE, H_SEGMENTS_LEFT, H_SEQ
 
 # Salts separating the decision streams of one packet.
 _SALT_DROP = 0x9E3779B97F4A7C15
@@ -41,10 +42,10 @@ def _packet_id(b, n):  # type: ignore[no-untyped-def]
         for k in range(n):
             h = _mix(h ^ np.uint64(b[k]))
         return h
-    h = np.uint64(b[1])
-    for k in range(4, 48):
+    h = np.uint64(b[H_OPCODE])
+    for k in range(H_SEQ, H_DTYPE):  # seq .. aux_addr
         h = _mix(h ^ (np.uint64(b[k]) << np.uint64(8 * (k % 8))))
-    return _mix(h ^ np.uint64(b[53]))
+    return _mix(h ^ np.uint64(b[H_SEGMENTS_LEFT]))
 
 
 def fault_draws(seed: int, src: int, dst: int, pid: int, attempt: int) -> tuple[float, float, float, float]:

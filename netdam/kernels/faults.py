@@ -29,6 +29,7 @@ from netdam.kernels.fault_hash import (
     _mix,
     _packet_id,
 )
+from netdam.kernels.state import FC_DELAY_S, FC_GEN, FC_LOSS, FC_NOW, FK_ME, FK_SEED
 from netdam.kernels.wire import _copy
 from netdam.protocol import counters as C
 
@@ -64,21 +65,26 @@ def _attempt(table_key, table_count, key):  # type: ignore[no-untyped-def]
     return count
 
 
+#: Indices of the rates vector _decide takes (a node's cfg[FC_LOSS:], a switch link's row
+#: [F_LOSS:]): drop, duplicate, reorder and delay probabilities, then the delay in seconds.
+P_LOSS, P_DUP, P_REORDER, P_DELAY, P_DELAY_S = range(5)
+
+
 @njit(cache=True, nogil=True)
 def _decide(probs, seed, a, b, pid, attempt):  # type: ignore[no-untyped-def]
     """The fate of one datagram from *a* to *b*: (drop, copies, held, delay_s). *probs* is
     (loss, dup, reorder, delay, delay_s); reorder holds the datagram to the next batch, delay
     holds it delay_s longer. The same draws as core.faults.decide (fault_draws)."""
-    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DROP)) < probs[0]:
+    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DROP)) < probs[P_LOSS]:
         return True, 0, False, 0.0
-    copies = 2 if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DUP)) < probs[1] else 1
+    copies = 2 if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DUP)) < probs[P_DUP] else 1
     held = False
     delay = 0.0
-    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_REORDER)) < probs[2]:
+    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_REORDER)) < probs[P_REORDER]:
         held = True
-    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DELAY)) < probs[3]:
+    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DELAY)) < probs[P_DELAY]:
         held = True
-        delay = probs[4]
+        delay = probs[P_DELAY_S]
     return False, copies, held, delay
 
 
@@ -129,8 +135,8 @@ def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
     rx_buf, rx_off, rx_len, rx_src = rx
     cfg, keys, table_key, table_count, hold = faults
     hold_len = hold.len
-    seed = keys[0]
-    me = keys[1]
+    seed = keys[FK_SEED]
+    me = keys[FK_ME]
     out_off = np.empty(2 * n + hold_len.shape[0], np.int64)
     out_len = np.empty(2 * n + hold_len.shape[0], np.int32)
     out_src = np.empty(2 * n + hold_len.shape[0], np.uint64)
@@ -143,11 +149,11 @@ def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
         end = max(end, off + ln)
         pid = _packet_id(rx_buf[off : off + ln], ln)
         attempt = _attempt(table_key, table_count, _mix(src ^ _mix(pid)) | np.uint64(1))
-        drop, copies, held, delay = _decide(cfg[1:6], seed, src, me, pid, attempt)
+        drop, copies, held, delay = _decide(cfg[FC_LOSS : FC_DELAY_S + 1], seed, src, me, pid, attempt)
         if drop:
             counters[C.DROP_FAULT] += 1
             continue
-        if held and _hold(rx_buf[off : off + ln], ln, src, 0, cfg[6] + delay, np.int64(cfg[7]), hold):
+        if held and _hold(rx_buf[off : off + ln], ln, src, 0, cfg[FC_NOW] + delay, np.int64(cfg[FC_GEN]), hold):
             copies -= 1  # one copy waits aside; a duplicate still goes now
         for _ in range(copies):
             out_off[m] = off
@@ -155,7 +161,7 @@ def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
             out_src[m] = src
             m += 1
     # Release held datagrams whose time has come and that were held in an earlier batch.
-    m, end, _ = _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, 0, np.int64(cfg[7]), cfg[6])
+    m, end, _ = _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, 0, np.int64(cfg[FC_GEN]), cfg[FC_NOW])
     m = min(m, rx_off.shape[0])
     rx_off[:m] = out_off[:m]
     rx_len[:m] = out_len[:m]

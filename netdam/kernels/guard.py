@@ -33,6 +33,7 @@ from netdam.kernels.state import Guard
 from netdam.kernels.wire import _OP_NACK
 from netdam.protocol import counters as C
 from netdam.protocol.constants import LOCKOUT_SETS, WAYS_PER_ADDRESS, Status
+from netdam.protocol.layout import H_OPCODE, H_STATUS
 
 #: Sets and ways of the source table (8192 entries).
 SETS = LOCKOUT_SETS
@@ -194,8 +195,8 @@ def _account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):  # type: ig
     failed = 0
     for k in range(first, last):
         o = tx_off[k]
-        if tx_dst[k] == src and tx_buf[o + 1] == _OP_NACK:
-            st = tx_buf[o + 50]
+        if tx_dst[k] == src and tx_buf[o + H_OPCODE] == _OP_NACK:
+            st = tx_buf[o + H_STATUS]
             if st == _S_BAD_RKEY or st == _S_UNAUTHORIZED:
                 _fail(g, src, counters)
                 failed += 1

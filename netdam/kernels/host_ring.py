@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.wire import _HDR, _OP_ACK, _copy, _wr32
+from netdam.kernels.wire import _HDR, _OP_ACK, _copy, _wr32, _wr64
+from netdam.protocol.layout import H_ADDR, H_LENGTH, H_OPCODE, H_TXN_ID
 
 
 @njit(cache=True, nogil=True)
@@ -23,11 +24,9 @@ def _write_packets(template, mem, src, dst_addr, nbytes, per_packet, txn0, out, 
     while done < nbytes:
         length = min(per_packet, nbytes - done)
         _copy(out, pos, template, 0, _HDR)
-        _wr32(out[pos:], 12, (txn0 + n) & 0xFFFFFFFF)
-        _wr32(out[pos:], 28, length)
-        addr = dst_addr + done
-        _wr32(out[pos:], 32, (addr >> 32) & 0xFFFFFFFF)
-        _wr32(out[pos:], 36, addr & 0xFFFFFFFF)
+        _wr32(out[pos:], H_TXN_ID, (txn0 + n) & 0xFFFFFFFF)
+        _wr32(out[pos:], H_LENGTH, length)
+        _wr64(out[pos:], H_ADDR, dst_addr + done)
         _copy(out, pos + _HDR, mem, src + done, length)
         out_off[n] = pos
         out_len[n] = _HDR + length
@@ -62,7 +61,7 @@ def _sort_replies(rx_len, n, rx, rx_off, others):  # type: ignore[no-untyped-def
     acks = 0
     m = 0
     for k in range(n):
-        if rx_len[k] >= _HDR and rx[rx_off[k] + 1] == _OP_ACK:
+        if rx_len[k] >= _HDR and rx[rx_off[k] + H_OPCODE] == _OP_ACK:
             acks += 1
         else:
             others[m] = k

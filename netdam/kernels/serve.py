@@ -16,7 +16,19 @@ from netdam.kernels.collective import CFG_CUR_ASK, CFG_PREV_ASK, CFG_STATE, _col
 from netdam.kernels.datapath import _process_batch
 from netdam.kernels.faults import _apply_faults
 from netdam.kernels.guard import G_NOW, check_guard
-from netdam.kernels.state import FaultState, Guard, NodeState, RxBatch, ServeIO, TxQueue
+from netdam.kernels.state import (
+    FC_ACTIVE,
+    FC_GEN,
+    FC_NOW,
+    TXQ_HEAD,
+    TXQ_TAIL,
+    FaultState,
+    Guard,
+    NodeState,
+    RxBatch,
+    ServeIO,
+    TxQueue,
+)
 from netdam.kernels.udp_io import (
     _POLLIN,
     ST_KERNEL_DROPS,
@@ -39,8 +51,8 @@ RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
 @njit(cache=True, nogil=True)
 def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):  # type: ignore[no-untyped-def]
     """Send the pending queue; account for what left. Returns True when everything went."""
-    head = txq[0]
-    tail = txq[1]
+    head = txq[TXQ_HEAD]
+    tail = txq[TXQ_TAIL]
     if tail <= head:
         return True
     sent = _send_batch(
@@ -50,10 +62,10 @@ def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
         counters[C.TX_PACKETS] += 1
         counters[C.TX_BYTES] += tx_len[k]
     counters[C.SEND_DROPS] = io_state[ST_SEND_DROPPED]  # of those, refused by the kernel
-    txq[0] = head + sent
-    if txq[0] == tail:
-        txq[0] = 0
-        txq[1] = 0
+    txq[TXQ_HEAD] = head + sent
+    if txq[TXQ_HEAD] == tail:
+        txq[TXQ_HEAD] = 0
+        txq[TXQ_TAIL] = 0
         tx_off[0] = 0
         return True
     return False
@@ -83,7 +95,7 @@ def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, guard: 
         raise ValueError(f"receive arrays need {room} entries (2 x max_n + held datagrams)")
     if not 0 < io.recv_bytes <= rx.buf.shape[0]:
         raise ValueError(f"recv_bytes {io.recv_bytes} outside the receive buffer")
-    if txq.shape[0] != 2 or not 0 <= txq[0] <= txq[1] < tx.len.shape[0]:
+    if txq.shape[0] != 2 or not 0 <= txq[TXQ_HEAD] <= txq[TXQ_TAIL] < tx.len.shape[0]:
         raise ValueError("send queue [head, tail] outside its slots")
     check_guard(guard)
     reason, n_punt = _serve(io, rx, faults, node, guard, tx, txq, punt)
@@ -101,7 +113,7 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyp
     1 ms while a collective runs, for its clock), so a node forwarding a chain never passes
     through Python between packets (each return cost ~50-100 us of Python and numba dispatch
     per wake-up). When fault injection holds datagrams aside, a quiet round still releases
-    those that are due; the fault clock (faults.cfg[6]) follows CLOCK_MONOTONIC every round."""
+    those that are due; the fault clock (faults.cfg[FC_NOW]) follows CLOCK_MONOTONIC every round."""
     fd, mfd, cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg
@@ -114,16 +126,16 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyp
     budget_ns = np.int64(timeout_ms) * 1_000_000
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
     for _round in range(max_rounds):
-        if fault_cfg[0] != 0.0:
-            fault_cfg[6] = _now_ns() * 1e-9  # time.monotonic(): what the held datagrams use
+        if fault_cfg[FC_ACTIVE] != 0.0:
+            fault_cfg[FC_NOW] = _now_ns() * 1e-9  # time.monotonic(): what the held datagrams use
         if co_cfg[CFG_STATE] == 1 or co_cfg[CFG_PREV_ASK] != 0 or co_cfg[CFG_CUR_ASK] != 0:
             # The collective engine's clock runs every round (and answers late DONE requests).
-            tx_n = _coll_tick(_now_ns() * 1e-9, coll, mem, counters, tx, txq[1])
-            txq[1] = tx_n
+            tx_n = _coll_tick(_now_ns() * 1e-9, coll, mem, counters, tx, txq[TXQ_TAIL])
+            txq[TXQ_TAIL] = tx_n
         if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
-            if txq[0] > 0:
+            if txq[TXQ_HEAD] > 0:
                 return RETURN_QUEUE, 0  # partial send: compact before receiving more
-        tail = txq[1]
+        tail = txq[TXQ_TAIL]
         room = 2 * max_n + hold_len.shape[0] + 1  # duplicates and released datagrams too
         if tail + room > cap or tx_off[tail] + room * _SLOT > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
@@ -153,17 +165,17 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyp
                 rx_off[k] += half
             n += m
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
-        if fault_cfg[0] != 0.0:
+        if fault_cfg[FC_ACTIVE] != 0.0:
             n = _apply_faults(rx, n, faults, counters)
-            fault_cfg[7] += 1.0  # batch generation: held datagrams wait at least one batch
+            fault_cfg[FC_GEN] += 1.0  # batch generation: held datagrams wait at least one batch
         got = n
         if n == 0:
             if budget_ns == 0:
                 break  # a call with no time to wait: one look only
             continue
         guard.cfg[G_NOW] = _now_ns() * 1e-9  # the lockout clock: one reading per batch
-        tx_n, n_punt = _process_batch(rx, n, max_len, node, guard, tx, txq[1], punt)
-        txq[1] = tx_n
+        tx_n, n_punt = _process_batch(rx, n, max_len, node, guard, tx, txq[TXQ_TAIL], punt)
+        txq[TXQ_TAIL] = tx_n
         if n_punt > 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_PUNT, n_punt

@@ -104,12 +104,24 @@ class HoldTable(NamedTuple):
     gen: np.ndarray  # int64 batch generation it was held in
 
 
+#: FaultState.cfg (float64) indices; cfg[FC_LOSS : FC_DELAY_S + 1] is the rates vector that
+#: faults._decide takes (its P_* order).
+FC_ACTIVE, FC_LOSS, FC_DUP, FC_REORDER, FC_DELAY, FC_DELAY_S, FC_NOW, FC_GEN = range(8)
+FC_LEN = 8
+#: FaultState.keys (uint64) and LinkFaults.fkeys indices: the seed, then the own endpoint.
+FK_SEED, FK_ME = 0, 1
+#: LinkFaults.fclock (float64) indices: the clock (s) and the batch generation.
+FCLOCK_NOW, FCLOCK_GEN = 0, 1
+#: The send queue's cursor (int64[2], beside a TxQueue): datagrams TXQ_HEAD .. TXQ_TAIL - 1 wait.
+TXQ_HEAD, TXQ_TAIL = 0, 1
+
+
 class FaultState(NamedTuple):
     """Receive-side fault injection of a node process (netdam.kernels.faults): the spec as
     floats, the (seed, own endpoint) keys, the attempt-count table and the held datagrams."""
 
-    cfg: np.ndarray  # float64: active, loss, dup, reorder, delay, delay_s, now, generation
-    keys: np.ndarray  # uint64: seed, own endpoint
+    cfg: np.ndarray  # float64 FC_*: active, loss, dup, reorder, delay, delay_s, now, generation
+    keys: np.ndarray  # uint64 FK_*: seed, own endpoint
     table_key: np.ndarray  # uint64
     table_count: np.ndarray  # uint32
     hold: HoldTable
@@ -175,8 +187,8 @@ class LinkFaults(NamedTuple):
     """Per-link, per-direction fault injection of the switch and its held datagrams."""
 
     fcfg: np.ndarray  # float64 (ports, 2, F_*)
-    fkeys: np.ndarray  # uint64 seed, VIP
-    fclock: np.ndarray  # float64 now, generation
+    fkeys: np.ndarray  # uint64 FK_*: seed, VIP
+    fclock: np.ndarray  # float64 FCLOCK_*: now, generation
     fstate: np.ndarray  # int64 FS_* flags and held counts
     ftab_key: np.ndarray
     ftab_count: np.ndarray

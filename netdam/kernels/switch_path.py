@@ -33,7 +33,7 @@ from netdam.kernels.fault_hash import (
 )
 from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
 from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated, check_guard
-from netdam.kernels.state import RxBatch, SwitchState, TxQueue
+from netdam.kernels.state import FCLOCK_GEN, FCLOCK_NOW, FK_SEED, RxBatch, SwitchState, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
     _IS_REPLY,
@@ -49,9 +49,22 @@ from netdam.kernels.wire import (
     _rd64,
     _wr16,
     _wr32,
+    _wr64,
 )
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags, Opcode, Rights, Status
+from netdam.protocol.layout import (
+    H_ADDR,
+    H_AUX_ADDR,
+    H_CLIENT_ID,
+    H_DTYPE,
+    H_FLAGS,
+    H_LENGTH,
+    H_OPCODE,
+    H_RET_IP,
+    H_RET_PORT,
+    H_RKEY,
+)
 
 _HDR = 64
 _F_MCAST = int(Flags.MCAST)
@@ -120,7 +133,7 @@ DIR_TX = 1
 # ``fstate`` (int64): [rx faults configured, tx faults configured, held rx, held tx]
 FS_RX_ACTIVE, FS_TX_ACTIVE, FS_HELD_RX, FS_HELD_TX = 0, 1, 2, 3
 FSTATE_LEN = 4
-# ``fclock`` (float64): [now seconds, batch generation]
+# ``fclock`` (float64): [now seconds, batch generation] (state.FCLOCK_*)
 
 # ``cfg`` (uint64): [vip endpoint, fan-out bound (largest group, at least 1)]
 CFG_VIP, CFG_FANOUT = 0, 1
@@ -159,14 +172,14 @@ def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_of
     """Queue a copy of b[:ln] to *dst* with the return segment, RELAYED and client id written."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _copy(t, 0, b, 0, ln)
-    ret_set = _rd32(b, 56) != 0 or _rd16(b, 60) != 0
+    ret_set = _rd32(b, H_RET_IP) != 0 or _rd16(b, H_RET_PORT) != 0
     if not (from_node and ret_set):
         # A client's return segment is always replaced: replies never go to a third party.
-        _wr32(t, 56, np.int64(src >> np.uint64(16)))
-        _wr16(t, 60, np.int64(src & np.uint64(0xFFFF)))
-    _wr16(t, 2, _rd16(b, 2) | _F_RELAYED)
-    if _rd32(b, 8) == 0:
-        _wr32(t, 8, _client_id_of(src))
+        _wr32(t, H_RET_IP, np.int64(src >> np.uint64(16)))
+        _wr16(t, H_RET_PORT, np.int64(src & np.uint64(0xFFFF)))
+    _wr16(t, H_FLAGS, _rd16(b, H_FLAGS) | _F_RELAYED)
+    if _rd32(b, H_CLIENT_ID) == 0:
+        _wr32(t, H_CLIENT_ID, _client_id_of(src))
         sw[SW_IDS_FILLED] += 1
     tx_len[tx_n] = ln
     tx_off[tx_n + 1] = tx_off[tx_n] + ln
@@ -215,7 +228,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 continue
             open_src = src  # not locked: stays so within this batch unless it fails a key
         status = _check_packet(b, ln)
-        op = np.int64(b[1]) if ln > 1 else 0
+        op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
             continue
@@ -227,7 +240,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 continue
             tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
-        if _rd16(b, 2) & _F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
+        if _rd16(b, H_FLAGS) & _F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
             tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
         counters[C.OPCODE_BASE + op] += 1
@@ -240,18 +253,18 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
             # SR chains name their nodes themselves: send them to the first hop, not the VIP.
             tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
-        flags = _rd16(b, 2)
+        flags = _rd16(b, H_FLAGS)
         if flags & _F_MCAST:
             if op != _OP_ALL_WRITE:
                 tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
                 continue
-            group = _rd64(b, 40)
+            group = _rd64(b, H_AUX_ADDR)
             g = np.searchsorted(grp_key, group)
             if g >= grp_key.shape[0] or grp_key[g] != group:
                 tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
                 continue
             first = grp_first[g]
-            if factor > 0.0 and not from_node and _rd16(b, 2) & _F_ACK_REQ and _HDR * grp_count[g] > factor * ln:
+            if factor > 0.0 and not from_node and _rd16(b, H_FLAGS) & _F_ACK_REQ and _HDR * grp_count[g] > factor * ln:
                 counters[C.DROP_AMPLIFICATION] += 1  # one ACK per member back to an unproven source
                 continue
             for k in range(grp_count[g]):
@@ -263,9 +276,9 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 sw[SW_REPLICATED] += 1
             continue
         # A pool request: global address -> (node, local address).
-        addr = _rd64(b, 32)
-        length = _rd32(b, 28)
-        dtype = np.int64(b[48])
+        addr = _rd64(b, H_ADDR)
+        length = _rd32(b, H_LENGTH)
+        dtype = np.int64(b[H_DTYPE])
         if op == _OP_READ:
             need, align = _R_READ, _ESIZE[dtype]
         elif op == _OP_FETCH_ADD or op == _OP_CAS:
@@ -275,10 +288,10 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
         if op == _OP_READ and factor > 0.0 and not from_node and _HDR + length > factor * ln:
             # The node would answer the client with more than 3x the request: only for a client
             # that proved it receives at its address (the switch's token in aux_addr).
-            if not _validated(guard, src, _rd64(b, 40)):
+            if not _validated(guard, src, _rd64(b, H_AUX_ADDR)):
                 counters[C.DROP_AMPLIFICATION] += 1
                 continue
-        status, r, node, local = _lookup(addr, length, _rd32(b, 24), need, align, st.regions)
+        status, r, node, local = _lookup(addr, length, _rd32(b, H_RKEY), need, align, st.regions)
         if status == _S_BAD_RKEY and guarded:
             _fail(guard, src, counters)
             open_src = np.uint64(0)  # may be locked out now: look its next datagram up again
@@ -292,8 +305,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
         t0 = tx_n
         tx_n = _emit_copy(b, ln, src, from_node, nodes_ep[node], node + 1, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n)
         t = tx_buf[tx_off[t0] : tx_off[t0] + _HDR]
-        _wr32(t, 32, (local >> 32) & 0xFFFFFFFF)
-        _wr32(t, 36, local & 0xFFFFFFFF)
+        _wr64(t, H_ADDR, local)
         sw[SW_FORWARDED] += 1
         reg_ctr[r, R_FORWARDED] += 1
         reg_ctr[r, R_BYTES] += length
@@ -333,10 +345,10 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
     counters, sw, port_ctr, reg_ctr = st.ctrs
     fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
     hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
-    seed = fkeys[0]
+    seed = fkeys[FK_SEED]
     vip = cfg[CFG_VIP]
-    now = fclock[0]
-    gen = np.int64(fclock[1])
+    now = fclock[FCLOCK_NOW]
+    gen = np.int64(fclock[FCLOCK_GEN])
     m_cap = 2 * n + hold_len.shape[0]
     out_off = np.empty(m_cap, np.int64)
     out_len = np.empty(m_cap, np.int32)
@@ -352,7 +364,7 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
         b = rx_buf[off : off + ln]
         pid = _packet_id(b, ln)
         attempt = _attempt(ftab_key, ftab_count, _mix(src ^ _mix(pid)) | np.uint64(1))
-        op = np.int64(b[1]) if ln > 1 else 64
+        op = np.int64(b[H_OPCODE]) if ln > 1 else 64
         drop, kth, copies, held, delay = _link_decide(fcfg, port, DIR_RX, seed, src, vip, pid, attempt, op, kctr)
         if drop:
             counters[C.DROP_FAULT] += 1
@@ -390,10 +402,10 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
     fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
     hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
     tx_buf, tx_off, tx_len, tx_dst = tx
-    seed = fkeys[0]
+    seed = fkeys[FK_SEED]
     vip = cfg[CFG_VIP]
-    now = fclock[0]
-    gen = np.int64(fclock[1])
+    now = fclock[FCLOCK_NOW]
+    gen = np.int64(fclock[FCLOCK_GEN])
     count = tx_n - start
     base = tx_off[start]
     total = tx_off[tx_n] - base
@@ -415,7 +427,7 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
         port = _port_of(node_sorted, node_port, dst)
         pid = _packet_id(d, ln)
         attempt = _attempt(ftab_key, ftab_count, _mix(dst ^ _mix(pid ^ np.uint64(_SALT_TX))) | np.uint64(1))
-        op = np.int64(d[1]) if ln > 1 else 64
+        op = np.int64(d[H_OPCODE]) if ln > 1 else 64
         drop, kth, copies, held, delay = _link_decide(fcfg, port, DIR_TX, seed, vip, dst, pid, attempt, op, kctr)
         if drop:
             counters[C.DROP_FAULT] += 1
@@ -481,7 +493,7 @@ def _switch_round(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
     tx_n, n_punt = _switch_batch(rx, n, max_len, st, tx, tx_n, punt)
     if fstate[FS_TX_ACTIVE] != 0 or fstate[FS_HELD_TX] > 0:
         tx_n = _tx_faults(start, tx_n, st, tx)
-    fclock[1] += 1.0
+    fclock[FCLOCK_GEN] += 1.0
     return tx_n, n_punt
 
 

@@ -14,7 +14,15 @@ from numba import njit
 from netdam.kernels import signatures as S
 from netdam.kernels.guard import G_NOW, check_guard
 from netdam.kernels.serve import _flush  # one flush for node and switch
-from netdam.kernels.state import RxBatch, ServeIO, SwitchState, TxQueue
+from netdam.kernels.state import (
+    FCLOCK_NOW,
+    TXQ_HEAD,
+    TXQ_TAIL,
+    RxBatch,
+    ServeIO,
+    SwitchState,
+    TxQueue,
+)
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
 from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch
 from netdam.kernels.wire import _SLOT
@@ -36,7 +44,7 @@ def switch_serve(io: ServeIO, rx: RxBatch, room_per: int, st: SwitchState, tx: T
         raise ValueError(f"receive arrays need {room} entries (2 x max_n + held datagrams)")
     if not 0 < io.recv_bytes <= rx.buf.shape[0]:
         raise ValueError(f"recv_bytes {io.recv_bytes} outside the receive buffer")
-    if txq.shape[0] != 2 or not 0 <= txq[0] <= txq[1] < tx.len.shape[0]:
+    if txq.shape[0] != 2 or not 0 <= txq[TXQ_HEAD] <= txq[TXQ_TAIL] < tx.len.shape[0]:
         raise ValueError("send queue [head, tail] outside its slots")
     check_guard(st.guard)
     reason, n_punt = _switch_serve(io, rx, room_per, st, tx, txq, punt)
@@ -56,9 +64,9 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):  # type: ignore[no-untyp
     t0 = _now_ns()
     for _round in range(max_rounds):
         if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
-            if txq[0] > 0:
+            if txq[TXQ_HEAD] > 0:
                 return RETURN_QUEUE, 0
-        tail = txq[1]
+        tail = txq[TXQ_TAIL]
         room = room_per * max_n + hold_len.shape[0] + 1
         if tail + room > cap or tx_off[tail] + room * _SLOT > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
@@ -73,10 +81,10 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):  # type: ignore[no-untyp
         if n == 0 and held == 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
-        fclock[0] = _now_ns() * 1e-9
-        st.guard.cfg[G_NOW] = fclock[0]  # the lockout's clock
-        tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, txq[1], punt)
-        txq[1] = tx_n
+        fclock[FCLOCK_NOW] = _now_ns() * 1e-9
+        st.guard.cfg[G_NOW] = fclock[FCLOCK_NOW]  # the lockout's clock
+        tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, txq[TXQ_TAIL], punt)
+        txq[TXQ_TAIL] = tx_n
         if n_punt > 0:
             _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_PUNT, n_punt

@@ -64,6 +64,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from netdam.kernels.wire import _rd32
+from netdam.protocol.layout import H_SEQ
+
 #: numba versions these intrinsics are known to work with: [low, high) (pyproject pins the same
 #: range; tests/test_numba_version.py fails, naming it, on anything else).
 NUMBA_TESTED = ((0, 59), (0, 69))
@@ -662,7 +665,7 @@ def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_st
 @njit(cache=True, nogil=True)
 def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # type: ignore[no-untyped-def]
     """Count datagrams until *t_stop*; with *verify*, a datagram counts as verified when it is
-    *pkt_len* bytes, its seq (header bytes 4..8, big-endian) carries *tag* above
+    *pkt_len* bytes, its seq (the header's, big-endian) carries *tag* above
     ``SEQ_TAG_SHIFT`` and its payload equals row ``seq & row mask`` of *expect64* bitwise.
     A datagram tagged with an earlier phase (1 <= its tag < *tag*) is counted as stale: it was
     sent before this phase began, so it says nothing about this phase's sums. Every other
@@ -691,11 +694,8 @@ def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # t
                 continue
             o = offs[k]
             seq = np.int64(-1)
-            if lens[k] >= 8:
-                seq = (
-                    (np.int64(buf[o + 4]) << 24) | (np.int64(buf[o + 5]) << 16)
-                    | (np.int64(buf[o + 6]) << 8) | np.int64(buf[o + 7])
-                )  # fmt: skip
+            if lens[k] >= H_SEQ + 4:
+                seq = np.int64(_rd32(buf, o + H_SEQ))
                 seq_tag = seq >> SEQ_TAG_SHIFT
                 if seq_tag >= 1 and seq_tag < tag:
                     counts[SINK_STALE] += 1

@@ -1,6 +1,7 @@
 """The bytes of a NetDAM datagram as the kernels see them: field readers and writers, the
 checks (in decode_packet's order), access rules, ACK/NACK emitters, the sparse codec and the
-opcode tables every kernel dispatches on."""
+opcode tables every kernel dispatches on. Fields are read and written at the offsets
+protocol/layout.py names (H_SEQ, SEG_PORT, SP_NNZ ...): numba compiles them as constants."""
 
 from __future__ import annotations
 
@@ -23,6 +24,27 @@ from netdam.protocol.constants import (
     Opcode,
     Rights,
     Status,
+)
+from netdam.protocol.layout import (
+    H_CREDIT,
+    H_DTYPE,
+    H_FLAGS,
+    H_LENGTH,
+    H_OPCODE,
+    H_REDUCE_OP,
+    H_RESERVED1,
+    H_RESERVED2,
+    H_RET_IP,
+    H_RET_PORT,
+    H_SEG_COUNT,
+    H_SEG_TYPE,
+    H_SEGMENTS_LEFT,
+    H_STATUS,
+    H_VERSION,
+    SEG_RESERVED,
+    SP_INDICES,
+    SP_NNZ,
+    SP_RESERVED,
 )
 
 # numba freezes module-level ints and arrays at compile time: plain copies of the wire constants.
@@ -291,6 +313,13 @@ def _rd64(b, o):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _wr64(b, o, v):  # type: ignore[no-untyped-def]
+    w = np.uint64(v)
+    _wr32(b, o, np.int64(w >> np.uint64(32)))
+    _wr32(b, o + 4, np.int64(w & np.uint64(0xFFFFFFFF)))
+
+
+@njit(cache=True, nogil=True)
 def _wr8(b, o, v):  # type: ignore[no-untyped-def]
     b[o] = np.uint8(v & 0xFF)
 
@@ -332,22 +361,22 @@ def _check_packet(b, n):  # type: ignore[no-untyped-def]
     """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status."""
     if n < _HDR:
         return DROP_SILENTLY
-    if b[0] != 1:
+    if b[H_VERSION] != 1:
         return _S_BAD_VERSION
-    op = np.int64(b[1])
+    op = np.int64(b[H_OPCODE])
     if op >= 64 or _KIND[op] == 0:
         return _S_BAD_OPCODE
-    if b[55] != 0 or b[62] != 0 or b[63] != 0:
+    if b[H_RESERVED1] != 0 or _rd16(b, H_RESERVED2) != 0:
         return _S_BAD_FIELD
-    flags = _rd16(b, 2)
+    flags = _rd16(b, H_FLAGS)
     if flags & ~_FLAGS_MASK:
         return _S_BAD_FIELD
-    dtype = np.int64(b[48])
+    dtype = np.int64(b[H_DTYPE])
     if dtype > 6:
         return _S_BAD_DTYPE
-    if b[49] > 2:
+    if b[H_REDUCE_OP] > 2:
         return _S_BAD_OP
-    if b[50] > _MAX_STATUS:
+    if b[H_STATUS] > _MAX_STATUS:
         return _S_BAD_FIELD
     status = _check_segments(b, n)
     if status != 0:
@@ -357,9 +386,9 @@ def _check_packet(b, n):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def _check_segments(b, n):  # type: ignore[no-untyped-def]
-    seg_type = np.int64(b[52])
-    left = np.int64(b[53])
-    count = np.int64(b[54])
+    seg_type = np.int64(b[H_SEG_TYPE])
+    left = np.int64(b[H_SEGMENTS_LEFT])
+    count = np.int64(b[H_SEG_COUNT])
     if seg_type > 1 or count > _MAXSEG:
         return _S_BAD_SEGMENT
     if (seg_type == 0) != (count == 0):
@@ -369,15 +398,15 @@ def _check_segments(b, n):  # type: ignore[no-untyped-def]
     if (n - _HDR) // _SEG < count:
         return _S_TRUNCATED
     for i in range(count):
-        if b[_HDR + _SEG * i + 6] != 0 or b[_HDR + _SEG * i + 7] != 0:
+        if _rd16(b, _HDR + _SEG * i + SEG_RESERVED) != 0:
             return _S_BAD_SEGMENT
     return 0
 
 
 @njit(cache=True, nogil=True)
 def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
-    count = np.int64(b[54])
-    length = _rd32(b, 28)
+    count = np.int64(b[H_SEG_COUNT])
+    length = _rd32(b, H_LENGTH)
     size = n - _HDR - _SEG * count
     esize = _ESIZE[dtype]
     if count > 0 and _TAKES_SR[op] == 0:
@@ -413,34 +442,39 @@ def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _le16(b, o):  # type: ignore[no-untyped-def]
+    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
+
+
+@njit(cache=True, nogil=True)
 def _le32(b, o):  # type: ignore[no-untyped-def]
     return np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16) | (np.int64(b[o + 3]) << 24)
 
 
 @njit(cache=True, nogil=True)
 def _sparse_size(nnz, esize):  # type: ignore[no-untyped-def]
-    return 8 + (2 * nnz + 7) // 8 * 8 + nnz * esize
+    return SP_INDICES + (2 * nnz + 7) // 8 * 8 + nnz * esize
 
 
 @njit(cache=True, nogil=True)
 def _check_sparse(b, p, size, length, esize):  # type: ignore[no-untyped-def]
     """Mirrors protocol.packet.check_sparse_payload on the payload b[p : p + size]."""
-    if size < 8:
+    if size < SP_INDICES:
         return _S_TRUNCATED
-    if _le32(b, p + 4) != 0:
+    if _le32(b, p + SP_RESERVED) != 0:
         return _S_BAD_FIELD
-    nnz = _le32(b, p)
+    nnz = _le32(b, p + SP_NNZ)
     elements = length // esize
     if nnz > elements:
         return _S_BAD_LENGTH
     if size != _sparse_size(nnz, esize):
         return _S_BAD_LENGTH
-    for k in range(p + 8 + 2 * nnz, p + 8 + (2 * nnz + 7) // 8 * 8):
+    for k in range(p + SP_INDICES + 2 * nnz, p + SP_INDICES + (2 * nnz + 7) // 8 * 8):
         if b[k] != 0:
             return _S_BAD_FIELD
     prev = np.int64(-1)
     for k in range(nnz):
-        index = np.int64(b[p + 8 + 2 * k]) | (np.int64(b[p + 9 + 2 * k]) << 8)
+        index = _le16(b, p + SP_INDICES + 2 * k)
         if index <= prev:
             return _S_BAD_FIELD
         prev = index
@@ -500,12 +534,12 @@ def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):  # type: ignore[
     dst[d_off:] (must not overlap src); returns its size in bytes. Little-endian host."""
     pad = (2 * nnz + 7) // 8 * 8
     for k in range(4):
-        dst[d_off + k] = np.uint8((nnz >> (8 * k)) & 0xFF)
-        dst[d_off + 4 + k] = 0
+        dst[d_off + SP_NNZ + k] = np.uint8((nnz >> (8 * k)) & 0xFF)
+        dst[d_off + SP_RESERVED + k] = 0
     for k in range(2 * nnz, pad):
-        dst[d_off + 8 + k] = 0
-    idx = dst[d_off + 8 : d_off + 8 + 2 * nnz].view(np.uint16)
-    v = d_off + 8 + pad
+        dst[d_off + SP_INDICES + k] = 0
+    idx = dst[d_off + SP_INDICES : d_off + SP_INDICES + 2 * nnz].view(np.uint16)
+    v = d_off + SP_INDICES + pad
     s = src[s_off : s_off + nbytes]
     vals = dst[v : v + nnz * esize]
     if esize == 2:
@@ -516,16 +550,16 @@ def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):  # type: ignore[
         _encode_typed(s.view(np.uint64), idx, vals.view(np.uint64))
     else:
         _encode_typed(s, idx, vals)
-    return 8 + pad + nnz * esize
+    return SP_INDICES + pad + nnz * esize
 
 
 @njit(cache=True, nogil=True)
 def _sparse_expand(dst, d_off, b, p, nbytes, esize):  # type: ignore[no-untyped-def]
     """Dense form of the (validated) sparse payload at b[p:] into dst[d_off : d_off + nbytes]:
     listed elements get their value, all others all-zero bits."""
-    nnz = _le32(b, p)
-    idx = b[p + 8 : p + 8 + 2 * nnz].view(np.uint16)
-    v = p + 8 + (2 * nnz + 7) // 8 * 8
+    nnz = _le32(b, p + SP_NNZ)
+    idx = b[p + SP_INDICES : p + SP_INDICES + 2 * nnz].view(np.uint16)
+    v = p + SP_INDICES + (2 * nnz + 7) // 8 * 8
     vals = b[v : v + nnz * esize]
     w = dst[d_off : d_off + nbytes]
     if esize == 2:
@@ -595,7 +629,7 @@ def _is_member(members, endpoint):  # type: ignore[no-untyped-def]
 def _reply_dst(b, src, members):  # type: ignore[no-untyped-def]
     """Where replies go: the return segment when a cluster member (switch, chain hop) wrote it,
     else the UDP source. A client cannot aim replies at a third party (SPEC.md "Rights")."""
-    ret = np.uint64((_rd32(b, 56) << 16) | _rd16(b, 60))
+    ret = np.uint64((_rd32(b, H_RET_IP) << 16) | _rd16(b, H_RET_PORT))
     if ret != 0 and _is_member(members, src):
         return ret
     return src
@@ -608,22 +642,21 @@ def _reply_header(t, b, opcode, status, length, credit):  # type: ignore[no-unty
         t[k] = b[k]
     # A reply is always a valid v1 header, even when it NACKs an invalid one: fields that
     # failed validation are not echoed (SPEC.md section 3).
-    t[0] = 1
-    t[1] = opcode
-    if t[48] > 6:
-        t[48] = 0
-    if t[49] > 2:
-        t[49] = 0
-    t[55] = 0
-    t[62] = 0
-    t[63] = 0
-    _wr16(t, 2, _rd16(b, 2) & _F_KEEP_IN_REPLY)
-    _wr32(t, 28, length)
-    t[50] = status
-    t[51] = credit
-    t[52] = 0
-    t[53] = 0
-    t[54] = 0
+    t[H_VERSION] = 1
+    t[H_OPCODE] = opcode
+    if t[H_DTYPE] > 6:
+        t[H_DTYPE] = 0
+    if t[H_REDUCE_OP] > 2:
+        t[H_REDUCE_OP] = 0
+    t[H_RESERVED1] = 0
+    _wr16(t, H_RESERVED2, 0)
+    _wr16(t, H_FLAGS, _rd16(b, H_FLAGS) & _F_KEEP_IN_REPLY)
+    _wr32(t, H_LENGTH, length)
+    t[H_STATUS] = status
+    t[H_CREDIT] = credit
+    t[H_SEG_TYPE] = 0
+    t[H_SEGMENTS_LEFT] = 0
+    t[H_SEG_COUNT] = 0
 
 
 @njit(cache=True, nogil=True)

@@ -21,7 +21,7 @@ from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.rehearsal import rehearse_control_paths
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
-from netdam.kernels.state import FaultState, HoldTable, RxBatch, ServeIO
+from netdam.kernels.state import FC_NOW, FaultState, HoldTable, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
@@ -105,6 +105,7 @@ class NodeProcess(ServeLoop):
         self.group_sock: socket.socket | None = None
         self.group: Endpoint | None = None
         spec = config.faults
+        # FC_ACTIVE, FC_LOSS, FC_DUP, FC_REORDER, FC_DELAY, FC_DELAY_S, FC_NOW, FC_GEN
         self.fault_cfg = np.array([float(spec.active), spec.loss, spec.dup, spec.reorder,
                                    spec.delay, spec.delay_s, 0.0, 0.0], np.float64)  # fmt: skip
         self.fault_keys = np.array([spec.seed & (2**64 - 1), endpoint_to_u64(self.endpoint)], np.uint64)
@@ -124,7 +125,7 @@ class NodeProcess(ServeLoop):
     def serve_once(self, timeout_ms: int) -> int:
         """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""
         self.core.reserve(2 * ROUND_DATAGRAMS + HOLD_SLOTS + 1)
-        self.fault_cfg[6] = time.monotonic()
+        self.fault_cfg[FC_NOW] = time.monotonic()
         mfd = self.group_sock.fileno() if self.group_sock is not None else -1
         io = ServeIO(self.sock.fileno(), mfd, self.ctrl_sock.fileno(), RECV_RUNS * RUN_BYTES, ROUND_DATAGRAMS,
                      self.core.max_datagram, timeout_ms, ROUNDS_PER_CALL, self.io_state, self.scratch)  # fmt: skip

@@ -21,6 +21,9 @@
 --    recognises a plausible v1 header (local clusters use free ports).
 -- 4. A loopback capture holds a UDP-GSO send as one super-frame (several datagrams of one size,
 --    the last maybe shorter); it is split as netdam.cli.decode.split_gso splits it.
+-- 5. Field offsets are written as `tvb(<offset>, <width>)` (header), `tvb(poff + <offset>, <width>)`
+--    (payload), `tvb(off + ...)` (SR segment) and `tvb(w + ...)` (region way): tests/test_layout.py
+--    parses them and holds each F.<field> to the table of protocol/layout.py.
 -- Written for Wireshark 3.6 and later (Lua 5.2 up to 5.4); tested with tshark 4.0.
 
 local netdam = Proto("netdam", "NetDAM v1")

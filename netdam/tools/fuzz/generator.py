@@ -43,6 +43,31 @@ from netdam.protocol.constants import (
     Rights,
     Status,
 )
+from netdam.protocol.layout import (
+    H_ADDR,
+    H_AUX_ADDR,
+    H_CLIENT_ID,
+    H_COLL_ID,
+    H_CREDIT,
+    H_DTYPE,
+    H_EPOCH,
+    H_FLAGS,
+    H_LENGTH,
+    H_OPCODE,
+    H_REDUCE_OP,
+    H_RESERVED1,
+    H_RESERVED2,
+    H_RET_IP,
+    H_RET_PORT,
+    H_RKEY,
+    H_SEG_COUNT,
+    H_SEG_TYPE,
+    H_SEGMENTS_LEFT,
+    H_SEQ,
+    H_STATUS,
+    H_TXN_ID,
+    H_VERSION,
+)
 from netdam.protocol.packet import (
     HEADER_STRUCT,
     SEGMENT_STRUCT,
@@ -57,11 +82,12 @@ TARGETS = ("node", "switch")
 _T = TypeVar("_T")
 _R = TypeVar("_R", "NodeRegion", Region)
 
-# Header field offsets (SPEC.md 2.1).
-O_VERSION, O_OPCODE, O_FLAGS, O_SEQ, O_CLIENT, O_TXN = 0, 1, 2, 4, 8, 12
-O_COLL, O_EPOCH, O_RKEY, O_LENGTH, O_ADDR, O_AUX = 16, 20, 24, 28, 32, 40
-O_DTYPE, O_OP, O_STATUS, O_CREDIT, O_SEG_TYPE, O_LEFT, O_COUNT = 48, 49, 50, 51, 52, 53, 54
-O_RES1, O_RET_IP, O_RET_PORT, O_RES2 = 55, 56, 60, 62
+# Header field offsets (SPEC.md 2.1, protocol/layout.py).
+O_VERSION, O_OPCODE, O_FLAGS, O_SEQ, O_CLIENT, O_TXN = H_VERSION, H_OPCODE, H_FLAGS, H_SEQ, H_CLIENT_ID, H_TXN_ID
+O_COLL, O_EPOCH, O_RKEY, O_LENGTH, O_ADDR, O_AUX = H_COLL_ID, H_EPOCH, H_RKEY, H_LENGTH, H_ADDR, H_AUX_ADDR
+O_DTYPE, O_OP, O_STATUS, O_CREDIT = H_DTYPE, H_REDUCE_OP, H_STATUS, H_CREDIT
+O_SEG_TYPE, O_LEFT, O_COUNT = H_SEG_TYPE, H_SEGMENTS_LEFT, H_SEG_COUNT
+O_RES1, O_RET_IP, O_RET_PORT, O_RES2 = H_RESERVED1, H_RET_IP, H_RET_PORT, H_RESERVED2
 
 # Event codes of an Outcome: (process, code, value).
 EV_RX = 0  # a datagram arrived (value unused)

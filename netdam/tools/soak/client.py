@@ -20,6 +20,7 @@ import numpy as np
 from netdam.clients.pool import PoolClient, PoolError, fetch_add_packet
 from netdam.core.faults import FaultSpec, decide, packet_id
 from netdam.protocol.constants import Flags, Opcode
+from netdam.protocol.layout import H_OPCODE, HEADER
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 from netdam.protocol.payloads import unpack_u64
 from netdam.tools.soak.plan import (
@@ -80,11 +81,11 @@ class ProbeSocket:
         self._sock.close()
 
     def sendto(self, data: bytes, address: Endpoint) -> int:
-        txn = int.from_bytes(data[12:16], "big")
+        txn = HEADER.read(data, "txn_id")
         sent = self._sent.get(txn)
         if sent is None:
-            self._sent[txn] = _Sent(time.monotonic(), data[1], int.from_bytes(data[32:40], "big"),
-                                    int.from_bytes(data[28:32], "big"))  # fmt: skip
+            self._sent[txn] = _Sent(time.monotonic(), data[H_OPCODE], HEADER.read(data, "addr"),
+                                    HEADER.read(data, "length"))  # fmt: skip
             if len(self._sent) > 8192:
                 self._prune()
         else:
@@ -166,8 +167,8 @@ class ProbeSocket:
         # Reordered datagrams go out after this one: they were overtaken.
         self._ready.extend((d, s) for _, d, s in self._reordered)
         self._reordered.clear()
-        if len(data) >= 16:
-            sent = self._sent.pop(int.from_bytes(data[12:16], "big"), None)
+        if len(data) >= HEADER["txn_id"].end:
+            sent = self._sent.pop(HEADER.read(data, "txn_id"), None)
             if sent is not None and sent.opcode in self.latency_us:
                 self.latency_us[sent.opcode].append((now - sent.first) * 1e6)
         return item
