@@ -42,18 +42,26 @@ def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
         ports = cluster_ports(cluster.path)
         started, stop = threading.Event(), threading.Event()
         frames: list[Any] = []
+        # The capture ends at the PING sent after the run, not at whatever frame comes next:
+        # under load the sniffer lags behind the traffic, and "the next frame" was one of the
+        # pre-run PINGs, which ended the capture before the all-reduce's frames were read.
+        poke = encode_packet(Packet(Opcode.PING, client_id=1, txn_id=0xC0FFEE))
+
+        def end_at_poke(frame: Any) -> None:
+            if bytes(frame.getlayer("UDP").payload) == poke:
+                stop.set()
+
         sniffer = threading.Thread(target=lambda: frames.extend(
-            capture("lo", ports, seconds=60.0, started=started, stop=stop)))  # fmt: skip
+            capture("lo", ports, seconds=60.0, on_frame=end_at_poke, started=started, stop=stop)))  # fmt: skip
         sniffer.start()
         assert started.wait(10), "the capture socket did not open"
         run = subprocess.run([sys.executable, "-m", "netdam", "allreduce", "--cluster", str(cluster.path),
                               "--size", "1MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)  # fmt: skip
-        # The run is over: one more datagram to a node ends the capture (the stop check runs
-        # per frame), a PING, which the node answers.
-        stop.set()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as poke:
-            poke.sendto(encode_packet(Packet(Opcode.PING, client_id=1, txn_id=1)), cluster.endpoints[0])
+        # The run is over: the poke, a PING to a node, ends the capture when the sniffer
+        # reaches it (every frame before it is kept).
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.sendto(poke, cluster.endpoints[0])
         sniffer.join(30)
         assert not sniffer.is_alive(), "the capture did not stop"
         assert json.loads(run.stdout)["ok"], run.stderr
