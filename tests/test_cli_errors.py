@@ -319,6 +319,16 @@ def test_stats_names_a_rank_whose_port_is_wrong(running: Path) -> None:
     assert "error" in result["nodes"][1] and "error" not in result["nodes"][0]
 
 
+def test_ping_names_a_rank_whose_port_is_wrong(running: Path) -> None:
+    """Before: exit 3, `no answer` for rank 1 and nothing about why."""
+    bad = _wrong_port(running)
+    out = _run(["ping", "--cluster", str(bad), "--count", "1", "--timeout", "0.2", "--json"])
+    result = json.loads(out.stdout)
+    assert out.returncode == USAGE, out.stderr
+    assert result["nodes"][0]["answered"] == 1 and result["nodes"][1]["answered"] == 0
+    assert "set port =" in result["nodes"][1]["error"] and "rank 1" in result["nodes"][1]["error"]
+
+
 @pytest.mark.slow
 def test_allreduce_names_a_rank_whose_port_is_wrong(running: Path) -> None:
     """Before: exit 3, `failed on rank 1: BAD_SEGMENT`."""

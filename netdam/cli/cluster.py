@@ -558,17 +558,20 @@ def _stats_table(nodes: list[dict[str, object]]) -> str:
 def run_ping(args: argparse.Namespace) -> int:
 
     targets = [args.node]
+    entries = []
     if args.cluster:
         # Imported here: it loads numba's compiled kernels (~0.7 s) only when a pid is gone.
-        from netdam.cli.running import check_not_stale
+        from netdam.cli.running import check_not_stale, why_silent
 
         listed = _load(args.cluster)
         check_not_stale(args.cluster, listed)
         targets = [n.endpoint for n in listed.nodes]
+        entries = list(listed.nodes)
     results = []
     failed = False
+    file_at_fault = []
     with ControlClient() as client:
-        for ep in targets:
+        for k, ep in enumerate(targets):
             rtts = []
             info: dict[str, int] = {}
             error = None
@@ -579,6 +582,10 @@ def run_ping(args: argparse.Namespace) -> int:
                 except (ControlError, OSError) as exc:
                     error = str(exc)
             failed |= not rtts
+            if not rtts and entries:  # name why, as stats does: a wrong port, a dead node
+                fault = why_silent(args.cluster, entries[k], timeout=args.timeout)
+                error = fault.message
+                file_at_fault.append(fault.code == ExitCode.USAGE)
             results.append({"address": f"{ep[0]}:{ep[1]}", "answered": len(rtts), "sent": args.count,
                             "rtt_seconds_min": min(rtts) if rtts else None, "info": info,
                             **({"error": error} if not rtts and error else {})})  # fmt: skip
@@ -589,4 +596,6 @@ def run_ping(args: argparse.Namespace) -> int:
         for r in results
     )  # fmt: skip
     emit({"ok": not failed, "nodes": results}, args.json, text=text)
+    if failed and file_at_fault and all(file_at_fault):
+        return ExitCode.USAGE  # the cluster file names ports its running nodes do not use
     return ExitCode.RUN_FAILED if failed else ExitCode.OK

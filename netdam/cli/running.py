@@ -108,6 +108,12 @@ def check_running(path: Path, info: ClusterFile) -> dict[int, dict[str, int]]:
     return answers
 
 
+def why_silent(path: Path, node: NodeEntry, timeout: float = PING_TIMEOUT_S) -> NodeFault:
+    """What is wrong with *node* of the file at *path*, which did not answer a PING."""
+    with ControlClient() as client:
+        return _why_silent(path, node, client, timeout)
+
+
 def _why_silent(path: Path, node: NodeEntry, client: ControlClient, timeout: float) -> NodeFault:
     where = f"rank {node.rank} ({node.address}:{node.port}) of {path}"
     if node.pid and _local(node):
