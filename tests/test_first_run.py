@@ -46,18 +46,24 @@ def cpu_hogs(count: int) -> Iterator[None]:
             hog.wait()
 
 
-def test_quick_start_in_a_fresh_venv_with_a_cold_cache_under_load(tmp_path: Path) -> None:
-    source = tmp_path / "checkout"
+def fresh_checkout_and_venv(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """A copy of the checkout (no build leftovers), a new venv, and the environment of a shell
+    that activated it with an empty kernel cache. The suite's own packages (numpy, numba, scapy)
+    are reused, so that nothing but pip's build requirements is downloaded; netdam itself
+    installs into the venv, as a user's does."""
+    source = tmp_path / "checkout"  # not "netdam": a folder of that name in cwd would shadow the package
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info",
                                                                 ".venv", "*.whl"))  # fmt: skip
     venv = tmp_path / "venv"
-    # The suite's own packages (numpy, numba, scapy) are reused so that the test needs no
-    # download beyond pip's build requirements; netdam itself installs into the venv, as a
-    # user's does.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
            "NETDAM_CACHE_DIR": str(tmp_path / "empty-cache")}  # fmt: skip
     env.pop("PYTHONPATH", None)
+    return source, venv, env
+
+
+def test_quick_start_in_a_fresh_venv_with_a_cold_cache_under_load(tmp_path: Path) -> None:
+    source, venv, env = fresh_checkout_and_venv(tmp_path)
     line = readme_command("quickstart-command")
     start = time.monotonic()
     with cpu_hogs(2 * (os.cpu_count() or 1)):
@@ -77,13 +83,7 @@ def test_install_then_editable_install_in_one_venv(tmp_path: Path) -> None:
     """The README's quick start and test commands in one venv, in that order: the first left
     numba's cache in site-packages/netdam, which hid the editable install (``netdam --version``
     crashed with AttributeError: __version__)."""
-    source = tmp_path / "checkout"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info",
-                                                                ".venv", "*.whl"))  # fmt: skip
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
-           "NETDAM_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    source, venv, env = fresh_checkout_and_venv(tmp_path)
     py = str(venv / "bin" / "python")
     steps = [
         [py, "-m", "pip", "install", "-q", "--no-deps", "."],
