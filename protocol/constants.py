@@ -155,6 +155,8 @@ class Status(IntEnum):
     STALE_EPOCH = 21
     BUSY = 22
     TIMEOUT = 23
+    IN_USE = 24
+    QUOTA = 25
 
 
 class DType(IntEnum):
@@ -215,9 +217,21 @@ class Rights(IntFlag):
     READ = 0x1
     WRITE = 0x2
     ATOMIC = 0x4
+    #: The rkey works only in datagrams from cluster members (a collective's key, SPEC.md 8):
+    #: a non-member that learns it is answered BAD_RKEY, as if the key named nothing.
+    MEMBERS = 0x8
 
 
+#: READ, WRITE and ATOMIC: every access right (MEMBERS restricts who, it grants nothing).
 RIGHTS_ALL = Rights.READ | Rights.WRITE | Rights.ATOMIC
+#: Every rights bit REGISTER accepts.
+RIGHTS_DEFINED = RIGHTS_ALL | Rights.MEMBERS
+
+#: REGISTER's ``addr`` asking the node to place the region itself (first fit, 4 KiB aligned);
+#: the ACK's ``addr`` carries where it went (SPEC.md 6.1).
+REGISTER_ANYWHERE = 0xFFFF_FFFF_FFFF_FFFF
+#: Alignment of a region the node places.
+REGISTER_ALIGN = 4096
 
 
 def max_payload(mtu: int) -> int:

@@ -96,6 +96,8 @@ local STATUS = {
     [21] = "STALE_EPOCH",
     [22] = "BUSY",
     [23] = "TIMEOUT",
+    [24] = "IN_USE",
+    [25] = "QUOTA",
 }
 
 -- DType (constants.DType)
