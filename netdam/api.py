@@ -649,11 +649,10 @@ def all_gather_into_tensor(output: Any, input: Any, group: ProcessGroup | None =
     lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
     if input.size != hi - lo:
         raise ValueError(f"input has {input.size} elements; rank {g.rank}'s block has {hi - lo}")
-    start = g.memory.shape[0] // 2
-    out_addr = start
-    in_addr = start + (output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    if in_addr + input.nbytes > g.memory.shape[0]:
-        raise MemoryError("all_gather does not fit the staging area: start nodes with more --memory")
+    out_addr = g.staging_base
+    in_addr = out_addr + (output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    if in_addr + input.nbytes > g.arena_end:
+        raise MemoryError("all_gather does not fit the staging half of the rank's arena: start nodes with more --memory")
     g.memory[in_addr : in_addr + input.nbytes] = np.ascontiguousarray(input).reshape(-1).view(np.uint8)
     work = g.start(Algo.ALL_GATHER, output, WireOp.SUM, in_addr, out_addr, count)
     work._finish.append(lambda: _copy_out(g, out_addr, output))

@@ -38,6 +38,7 @@ DROP_LOCKOUT = 24  # datagrams from a locked-out source, dropped (SPEC.md 12.3)
 AUTH_FAILURES = 25  # BAD_RKEY / UNAUTHORIZED NACKs to non-members (the lockout's input)
 LOCKOUTS = 26  # times a source (or a set of sources) was locked out
 DROP_AMPLIFICATION = 27  # READs dropped: no address-validation token, answer over 3x (SPEC.md 12.4)
+DROP_COLL_FORGED = 28  # a collective's replies and DONEs without its key, dropped (SPEC.md 4.1)
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64
@@ -75,6 +76,7 @@ _SCALAR_NAMES = {
     AUTH_FAILURES: "auth_failures",
     LOCKOUTS: "lockouts",
     DROP_AMPLIFICATION: "drop_amplification",
+    DROP_COLL_FORGED: "drop_coll_forged",
 }
 
 
@@ -93,7 +95,7 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
         st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
     }
     result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY, SEND_DROPS,
-                                                    DROP_LOCKOUT, DROP_AMPLIFICATION))  # fmt: skip
+                                                    DROP_LOCKOUT, DROP_AMPLIFICATION, DROP_COLL_FORGED))  # fmt: skip
     return result
 
 

@@ -341,8 +341,8 @@ def test_allreduce_names_a_rank_whose_port_is_wrong(running: Path) -> None:
 def test_allreduce_bigger_than_node_memory_names_the_memory_to_start_with(running: Path) -> None:
     """Before: exit 3, `MemoryError: ... start nodes with more --memory ... please report it`."""
     out = _run(["allreduce", "--cluster", str(running), "--size", "64MiB"])
-    _check(["allreduce"], USAGE, "netdam up --memory 128MiB", out.returncode, out.stdout, out.stderr)
-    assert "--size 32MiB or less" in out.stderr and "please report" not in out.stderr
+    _check(["allreduce"], USAGE, "netdam up --memory 256MiB", out.returncode, out.stdout, out.stderr)
+    assert "--size 16MiB or less" in out.stderr and "please report" not in out.stderr
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ def test_wire_operations_on_a_real_node(cluster: LocalCluster) -> None:
         assert info.value.status == Status.OUT_OF_BOUNDS
         with pytest.raises(ControlError, match="UNAUTHORIZED"):
             client.request(ep, Packet(Opcode.COUNTERS, rkey=123))
+        client.deregister(ep, rkey)  # one owner per byte: leave the memory to the module's next tests
 
 
 def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster) -> None:
@@ -80,9 +81,11 @@ def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster
         rkey = client.register(node.endpoint, 0, 4096, RIGHTS_ALL)
         assert client.read(node.endpoint, rkey, 100, 8) == bytes(range(1, 9))
         client.write(node.endpoint, rkey, 200, b"\xaa\xbb")
-    from netdam.shell.shm import attach
+        from netdam.shell.shm import attach
 
-    assert bytes(attach(node.memory_file)[200:202]) == b"\xaa\xbb"
+        assert bytes(attach(node.memory_file)[200:202]) == b"\xaa\xbb"
+        client.deregister(node.endpoint, rkey)  # which wipes the region: memory reaches the next owner zeroed
+        assert bytes(attach(node.memory_file)[0:4096]) == bytes(4096)
 
 
 def test_plain_socket_client_example(cluster: LocalCluster) -> None:

@@ -4,6 +4,7 @@ and reordering, with every single packet dropped in turn."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,9 +39,10 @@ def run(
     n: int, inputs: list[np.ndarray], algo: Algo = Algo.ALL_REDUCE, op: ReduceOp = ReduceOp.SUM,
     faults: FaultSpec | None = None, multicast: bool = False, in_place: bool = False,
     root: int = 0, out_count: int | None = None, epoch: int = 1, cluster: Cluster | None = None,
-    max_rounds: int = 20_000, flags: int = 0,
+    max_rounds: int = 20_000, flags: int = 0, on_round: Callable[[Cluster, int], None] | None = None,
 ) -> Outcome:  # fmt: skip
-    """Stage inputs by host store, START_COLL from every rank's host, run until every host heard."""
+    """Stage inputs by host store, START_COLL from every rank's host, run until every host heard.
+    *on_round(cluster, round)* runs before each fabric step (to inject datagrams)."""
     cluster = cluster or make_cluster(n, faults, memory=MEMORY)
     dtype = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items()}[inputs[0].dtype]
     count = out_count if out_count is not None else inputs[0].size
@@ -62,6 +64,8 @@ def run(
         starts.append(encode_packet(start))
     finals: dict[int, Packet] = {}
     for round_ in range(max_rounds):
+        if on_round is not None:
+            on_round(cluster, round_)
         if round_ % 200 == 0:  # hosts re-send START_COLL until they hear the completion
             for rank, host in enumerate(hosts(n)):
                 if rank not in finals:
@@ -81,6 +85,35 @@ def run(
     nbytes = count * inputs[0].itemsize
     outputs = [node.memory[out_addr : out_addr + nbytes].view(inputs[0].dtype).copy() for node in cluster.nodes]
     return Outcome(outputs, replies, cluster)
+
+
+def test_forged_replies_without_the_key_abort_nothing() -> None:
+    """Before: NACKs forged from a member's address, without any key, aborted 28 of 40
+    all-reduces. Replies and DONEs of a collective must carry its key: forged NACKs (every
+    fatal status), DONEs and READ_RESPs from members' addresses are dropped and counted, and
+    the result is exact."""
+    n, count = 3, 6000
+    rng = np.random.default_rng(11)
+    inputs = random_inputs(rng, n, count, np.float32)
+
+    def forge(cluster: Cluster, round_: int) -> None:
+        if round_ % 3 or round_ > 300:
+            return
+        for seq in range(4):
+            for victim in range(n):
+                forger = cluster.endpoints[(victim + 1) % n]  # a member's source address
+                for packet in (
+                    Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1),
+                    Packet(Opcode.ACK, seq=(victim + 1) % n, coll_id=3, epoch=1, rkey=0, aux_addr=2),
+                    Packet(Opcode.READ_RESP, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1, addr=OUT, length=8,
+                           dtype=DType.F32, payload=b"\xff" * 8),
+                ):  # fmt: skip
+                    cluster.fabric.send(forger, cluster.endpoints[victim], encode_packet(packet))
+
+    out = run(n, inputs, on_round=forge)
+    assert all(r.opcode == Opcode.ACK for r in out.replies), [r.status for r in out.replies]
+    assert_all_equal(out.outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert all(int(node.counters[C.DROP_COLL_FORGED]) > 0 for node in out.cluster.nodes)
 
 
 def chain_reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:

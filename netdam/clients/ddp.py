@@ -144,7 +144,7 @@ class NetdamHookState:
                     raise ValueError(f"epoch_base must be in [0, 2**31), got {epoch_base}")
                 group.epoch = epoch_base
             memory = group.memory.shape[0]
-            limit = max(64, memory // 4 // 64 * 64)  # leave room for the user's own netdam.empty
+            limit = max(64, group.arena_size // 4 // 64 * 64)  # half the arena's netdam.empty room: the rest is the user's
             self.chunk_bytes = min(int(chunk_bytes), limit) // 64 * 64
             if self.chunk_bytes < 64:
                 raise ValueError(f"chunk_bytes must be at least 64, got {chunk_bytes}")

@@ -164,9 +164,11 @@ class CollectiveEngine:
         prev_ask = cfg[L.CFG_PREV_ASK]
         # Chains refused BUSY before this start are told to come again (RESUME) by the first tick.
         refused = cfg[L.CFG_REFUSED_COLL :].copy()
+        prev_rkey = cfg[L.CFG_RKEY]  # the ending epoch's key: its late DONEs carry it
         cfg[:] = 0
         cfg[L.CFG_PREV_ASK] = prev_ask
         cfg[L.CFG_REFUSED_COLL :] = refused
+        cfg[L.CFG_PREV_RKEY] = prev_rkey
         packet_bytes = HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
         if not window:
             # Credit window: every node may hold N originators' windows in its receive queue;

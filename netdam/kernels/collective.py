@@ -149,7 +149,10 @@ CFG_BM_APPLIED = 39  # 1 once chunks zero everywhere were skipped
 CFG_REFUSED_COLL = 40
 CFG_REFUSED_EPOCH = 41
 CFG_REFUSED_N = 42
-CFG_REFUSED_BASE = 43  # REFUSED_SLOTS originator endpoints (u64 as int64) follow
+# The previous collective's key (kept across START_COLL, like the refusals): a member still on
+# that epoch sends its DONE under it, and this node answers such a DONE under it too.
+CFG_PREV_RKEY = 43
+CFG_REFUSED_BASE = 44  # REFUSED_SLOTS originator endpoints (u64 as int64) follow
 REFUSED_SLOTS = 16
 CFG_LEN = CFG_REFUSED_BASE + REFUSED_SLOTS
 
@@ -576,6 +579,8 @@ def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):  
     _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
     _wr32(t, H_TXN_ID, 1 if answer else 0)
     _wr32(t, H_EPOCH, epoch)
+    if epoch != cfg[CFG_EPOCH]:
+        _wr32(t, H_RKEY, cfg[CFG_PREV_RKEY])  # that epoch's key, which its members check
     return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR, dst)
 
 
@@ -950,6 +955,15 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not _is_member(members, src):
         return False
+    if _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != 0:
+        # Replies and DONEs of this collective carry its key (chain ACKs and NACKs echo the
+        # CHAIN_ADD's; DONE, RESUME and bitmaps are sent under it): a datagram forged with a
+        # member's source but without the key aborts, completes or fills nothing.
+        epoch = _rd32(b, H_EPOCH)
+        key = co_cfg[CFG_RKEY] if epoch == co_cfg[CFG_EPOCH] else co_cfg[CFG_PREV_RKEY]
+        if _rd32(b, H_RKEY) != key:
+            counters[C.DROP_COLL_FORGED] += 1
+            return True
     if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_DONE and _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL]:
         return _coll_done_msg(b, src, co_cfg)
     if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_BITMAP:

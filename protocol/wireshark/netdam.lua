@@ -150,6 +150,7 @@ local RIGHTS = {
     [0x1] = "READ",
     [0x2] = "WRITE",
     [0x4] = "ATOMIC",
+    [0x8] = "MEMBERS",
 }
 
 -- START_COLL descriptor byte 0 (netdam.core.collective.Algo)
@@ -197,6 +198,7 @@ local COUNTER = {
     [25] = "auth_failures",
     [26] = "lockouts",
     [27] = "drop_amplification",
+    [28] = "drop_coll_forged",
 }
 local COUNTER_OPCODE_BASE = 32
 local COUNTER_NACK_BASE = 96
