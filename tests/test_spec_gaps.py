@@ -170,3 +170,25 @@ def test_a_node_may_appear_in_an_sr_list_more_than_once(cluster: Cluster) -> Non
                    client_id=1, txn_id=40)  # fmt: skip
     assert answers(cluster, encode_packet(chain)) == [(Opcode.ACK, Status.OK)]
     assert cluster.nodes[0].memory[64:72].view(np.float32).tolist() == [113.0, 113.0]
+
+
+def test_read_over_the_mtu_is_too_large_before_the_amplification_drop() -> None:
+    """SPEC.md 5's order: a READ whose answer would not fit the MTU is TOO_LARGE (a 64-byte NACK,
+    so no amplifier) even from a sender without its token; one that fits but answers over 3x its
+    request without the token is dropped and counted (12.4); one within 3x is answered."""
+    from netdam.core.guard import GuardConfig
+    from netdam.core.node import NodeConfig, NodeCore
+    from netdam.protocol import counters as C
+
+    me, client = ("10.0.0.1", 7744), ("10.9.9.9", 5000)
+    core = NodeCore(NodeConfig(endpoint=me, memory_bytes=1 << 16, admin_key=ADMIN_KEY, mtu=1500,
+                               guard=GuardConfig.on()))  # fmt: skip
+    core.register_region(0, 1 << 16, Rights.READ, rkey=RKEY)
+
+    def ask(length: int) -> list[tuple[Opcode, Status]]:
+        core.receive_datagram(encode_packet(Packet(Opcode.READ, rkey=RKEY, addr=0, length=length)), client, 0.0)
+        return [(decode_packet(d).opcode, decode_packet(d).status) for d, _ in core.datagrams_to_send(0.0)]
+
+    assert ask(4096) == [(NACK, Status.TOO_LARGE)]  # 64 + 4096 > 1472
+    assert ask(1000) == [] and int(core.counters[C.DROP_AMPLIFICATION]) == 1
+    assert ask(128) == [(Opcode.READ_RESP, Status.OK)]

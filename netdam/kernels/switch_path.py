@@ -88,6 +88,7 @@ _S_OUT_OF_BOUNDS = int(Status.OUT_OF_BOUNDS)
 _S_MISALIGNED = int(Status.MISALIGNED)
 _S_SPANS_NODES = int(Status.SPANS_NODES)
 _S_NO_ROUTE = int(Status.NO_ROUTE)
+_S_TOO_LARGE = int(Status.TOO_LARGE)
 #: Salt of the client-id hash (a client that left client_id 0 gets a stable id per endpoint).
 _SALT_CLIENT = 0x5EC0DE5A17C11E47
 #: Salt separating the transmit direction's attempt counts from the receive direction's.
@@ -285,6 +286,11 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
             need, align = _R_ATOMIC, 8
         else:
             need, align = _R_WRITE, _ESIZE[dtype]
+        if op == _OP_READ and _HDR + length > max_len:
+            # The node's answer would not fit the MTU (the node answers the same): a 64-byte
+            # NACK, no amplification, so before the token check (SPEC.md 5's order).
+            tx_n = _nack(b, src, node_sorted, node_port, _S_TOO_LARGE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
         if op == _OP_READ and factor > 0.0 and not from_node and _HDR + length > factor * ln:
             # The node would answer the client with more than 3x the request: only for a client
             # that proved it receives at its address (the switch's token in aux_addr).
