@@ -363,7 +363,9 @@ class PoolService:
             self._undo(state, ways, rkey)
             if status == Status.EXISTS:
                 return None
-            raise _NodeRefused(status, f"node {rank} refused the backing of a new region: {status.name}")
+            # OUT_OF_BOUNDS: the size fits its memory, so the node took REGISTER_ANYWHERE for a base.
+            old = " (does it run a netdam without REGISTER_ANYWHERE, SPEC.md 6.1?)" if status == Status.OUT_OF_BOUNDS else ""
+            raise _NodeRefused(status, f"node {rank} refused the backing of a new region: {status.name}{old}")
         if len(ways) < count:
             self._undo(state, ways, rkey)
             return []
@@ -618,5 +620,7 @@ def _explain(opcode: Opcode, addr: int, exc: ControlError) -> str:
         Status.UNAUTHORIZED: "the switch refused the key: pass the cluster file's admin key or the "
                              "tenant credential that ALLOC returned",
         Status.BAD_FIELD: "the switch refused the request's fields (size, stride, ways or rights)",
+        Status.QUOTA: f"{exc.payload.decode(errors='replace')}: `netdam pool quota --cluster FILE` shows each "
+                      "tenant's quota and use; free regions of this tenant, or the admin raises its quota",
     }.get(Status(status), str(exc))  # fmt: skip
     return f"{opcode.name} refused ({Status(status).name}): {hint}"

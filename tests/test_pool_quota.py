@@ -31,7 +31,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import AllocRequest, pack_credential, unpack_region_info
-from netdam.switch.controller import PoolController, PoolService, credential_digest
+from netdam.switch.controller import ControllerError, PoolController, PoolService, credential_digest
 from netdam.switch.core import SwitchConfig, SwitchCore
 from netdam.switch.state import PoolNode, PoolState, Quota, load_state, save_state, set_quota
 
@@ -392,6 +392,9 @@ def test_quotas_on_a_running_pool(wire: Wire, capsys: pytest.CaptureFixture[str]
     code, shown = quota_cli(["--cluster", c, "--tenant", "tenant-a", "--regions", "4", "--bytes", "100%"], capsys)
     assert code == 0 and shown["tenants"][0]["own"] == {"percent": 100.0, "regions": 4}  # type: ignore[index]
     assert "region quota: tenant 'tenant-a' holds 5 of its 4" in refused(wire.alloc(4 * KiB, a), Status.QUOTA)
+    with PoolController(wire.cluster.path, credential=a) as tenant, pytest.raises(ControllerError) as info:
+        tenant.alloc(4 * KiB)
+    assert info.value.status == Status.QUOTA and "holds 5 of its 4 regions: `netdam pool quota" in str(info.value)
     ok(wire.free(admin.addr, a))
     ok(wire.free(held.pop(), a))
     ok(wire.alloc(4 * KiB, a))  # 4 regions again

@@ -222,6 +222,8 @@ def run_alloc(args: argparse.Namespace) -> int:
     except ControllerError as exc:
         if exc.status == Status.NO_SPACE:
             raise CommandError(_no_room(ctl, args), ExitCode.USAGE) from None
+        if exc.status == Status.QUOTA:  # as NO_SPACE: a request the pool will not grant as it is
+            raise CommandError(str(exc), ExitCode.USAGE) from None
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     vip = ctl.switch.vip
     credential = int(region.extra.get("credential", 0))
