@@ -29,9 +29,9 @@ from netdam.core.chunk_plan import block_bounds
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     NUMPY_DTYPE,
-    RIGHTS_ALL,
     DType,
     Opcode,
+    Rights,
     Status,
     max_elements,
 )
@@ -45,6 +45,7 @@ from netdam.protocol.payloads import (
     CompletionPhases,
     unpack_completion,
     unpack_completion_phases,
+    unpack_descriptor,
 )
 from netdam.shell.shm import attach
 
@@ -150,9 +151,38 @@ def _wire_dtype(array: np.ndarray) -> DType:
         raise TypeError(f"dtype {array.dtype} is not supported: use float32, float16, int32, int64 or float64") from None
 
 
+def group_secret(cluster: ClusterFile) -> bytes:
+    """The collectives' secret: the cluster file's 128-bit ``group_key``. A hand-written file
+    without one falls back to a hash of the cluster's name and admin key, which is only as hard
+    to guess as the 32-bit admin key (SPEC.md 12.2)."""
+    if cluster.group_key:
+        return bytes.fromhex(cluster.group_key)
+    return hashlib.sha256(f"{cluster.name}:{cluster.admin_key}".encode()).digest()
+
+
+def derived_key(secret: bytes, *parts: int | str) -> int:
+    """A 32-bit key (never 0) derived from *secret* and *parts* (SHA-256, so one derived key,
+    seen on the wire, tells nothing of the secret or of any other)."""
+    text = ":".join(str(p) for p in parts).encode()
+    value = int.from_bytes(hashlib.sha256(secret + b"\x00" + text).digest()[:4], "big")
+    return value or 1
+
+
+def collective_key(secret: bytes, coll_id: int, epoch: int) -> int:
+    """The rkey of one collective (group *coll_id*, call *epoch*), the same on every rank: its
+    node installs it over that collective's buffers alone, for members only, until it ends
+    (SPEC.md 4.1)."""
+    return derived_key(secret, "collective", coll_id, epoch)
+
+
 @dataclass
 class ProcessGroup:
-    """One rank's view of the cluster: its node, its node's memory, the group's keys."""
+    """One rank's view of the cluster: its node, its memory there (the arena), the group's keys.
+
+    The arena is the part of node memory this rank owns (one REGISTER, placed by the node, so
+    it never overlaps a pool tenant's or another client's region): ``empty()`` arrays fill its
+    lower half, collectives stage their buffers in its upper half. Default size: half of node
+    memory (the rest stays free for pool regions and other clients); ``arena_bytes`` sets it."""
 
     cluster: ClusterFile
     rank: int
@@ -160,6 +190,7 @@ class ProcessGroup:
     #: Watchdog override, seconds without progress; None: DEFAULT_WATCHDOG_S.
     timeout_s: float | None = None
     epoch: int = 0
+    arena_bytes: int | None = None
     #: True once a START_COLL of this group was ACKed: its epochs follow the nodes'.
     _epoch_settled: bool = field(init=False, default=False)
     memory: np.ndarray = field(init=False, repr=False)
@@ -172,18 +203,55 @@ class ProcessGroup:
         node = self.cluster.nodes[self.rank]
         self.memory = attach(node.memory_file)
         self.client = ControlClient(admin_key=self.cluster.admin_key)
-        digest = hashlib.sha256(f"{self.cluster.name}:{self.cluster.admin_key}".encode()).digest()
-        # One key for the group's collectives on every node, derived from the cluster file.
-        self.rkey = int.from_bytes(digest[:4], "big") | 1
+        self._secret = group_secret(self.cluster)
+        digest = hashlib.sha256(self._secret + b"\x00multicast").digest()
         self.group: Endpoint = (f"239.77.{digest[4]}.{digest[5] or 1}", 40000 + int.from_bytes(digest[6:8], "big") % 20000)
-        try:
-            self.client.register(self.node, 0, self.memory.shape[0], RIGHTS_ALL, rkey=self.rkey)
-        except ControlError as exc:
-            if exc.status != Status.EXISTS:
-                raise
+        #: The arena's rkey on this rank's node; ring-host's WRITEs use the next rank's.
+        self.arena_rkey = self.arena_key_of(self.rank)
+        self.arena_base, self.arena_size = self._claim_arena()
         if self.multicast:
             self.client.request(self.node, Packet(Opcode.JOIN, rkey=self.cluster.admin_key,
                                                   addr=_endpoint_u64(self.group)))  # fmt: skip
+
+    def arena_key_of(self, rank: int) -> int:
+        return derived_key(self._secret, "arena", rank)
+
+    def _claim_arena(self) -> tuple[int, int]:
+        """REGISTER the arena wherever the node has room; a stale arena of this rank (a process
+        that died without closing) is given back first (the node zeroes it). Without
+        ``arena_bytes``: half of node memory, or a quarter or an eighth when other owners hold
+        more than half."""
+        total = self.memory.shape[0]
+        sizes = [self.arena_bytes] if self.arena_bytes else [total // 2, total // 4, total // 8]
+        rights = Rights.READ | Rights.WRITE
+        stale_cleared = False
+        for size in sizes:
+            while True:
+                try:
+                    _, base = self.client.register_anywhere(self.node, size, rights, rkey=self.arena_rkey)
+                    return base, size
+                except ControlError as exc:
+                    if exc.status == Status.EXISTS and not stale_cleared:
+                        self.client.deregister(self.node, self.arena_rkey)
+                        stale_cleared = True
+                        continue
+                    if exc.status != Status.NO_SPACE:
+                        raise
+                    break
+        node = self.cluster.nodes[self.rank]
+        raise MemoryError(
+            f"rank {self.rank}: node {node.address}:{node.port} has no free {sizes[-1]} bytes for this process "
+            "group (pool regions or other clients' registrations hold its memory): free them, pass a smaller "
+            "arena_bytes, or start nodes with more --memory")  # fmt: skip
+
+    @property
+    def arena_end(self) -> int:
+        return self.arena_base + self.arena_size
+
+    @property
+    def staging_base(self) -> int:
+        """Where collectives stage buffers that do not live in node memory: the arena's upper half."""
+        return self.arena_base + self.arena_size // 2 // _ALIGN * _ALIGN
 
     def watchdog_s(self, count: int, dtype: DType) -> float:
         """How long a collective may go without progress: --timeout, else DEFAULT_WATCHDOG_S.
@@ -215,12 +283,13 @@ class ProcessGroup:
         """An array in this rank's NIC memory: collectives on it need no staging copy."""
         dt = np.dtype(dtype)
         count = int(np.prod(shape))
-        start = (self._next_free + _ALIGN - 1) // _ALIGN * _ALIGN
+        start = self.arena_base + (self._next_free + _ALIGN - 1) // _ALIGN * _ALIGN
         end = start + count * dt.itemsize
-        if end > self.memory.shape[0] // 2:
-            raise MemoryError(f"node memory exhausted: {end} > {self.memory.shape[0] // 2} bytes for "
-                              "netdam.empty arrays (half is kept for staging); start nodes with more --memory")  # fmt: skip
-        self._next_free = end
+        if end > self.staging_base:
+            raise MemoryError(f"arena exhausted: {end - self.arena_base} > {self.staging_base - self.arena_base} "
+                              "bytes for netdam.empty arrays (the arena's upper half is kept for staging); "
+                              "start nodes with more --memory")  # fmt: skip
+        self._next_free = end - self.arena_base
         return self.memory[start:end].view(dt).reshape(shape)
 
     def _offset_of(self, array: np.ndarray) -> int | None:
@@ -236,10 +305,10 @@ class ProcessGroup:
         offset = self._offset_of(array)
         if offset is not None:
             return offset
-        start = self.memory.shape[0] // 2
-        if start + nbytes_needed > self.memory.shape[0]:
-            raise MemoryError(f"{nbytes_needed} bytes do not fit the staging area of node memory "
-                              f"({self.memory.shape[0] // 2} bytes): start nodes with more --memory")  # fmt: skip
+        start = self.staging_base
+        if start + nbytes_needed > self.arena_end:
+            raise MemoryError(f"{nbytes_needed} bytes do not fit the staging area of this rank's arena "
+                              f"({self.arena_end - start} bytes): start nodes with more --memory")  # fmt: skip
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self.memory[start : start + flat.shape[0]] = flat
         return int(start)
@@ -251,7 +320,8 @@ class ProcessGroup:
         self.epoch += 1
         dtype = _wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
-        desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr, self.rkey, root=root,
+        desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr,
+                                    collective_key(self._secret, WORLD_COLL_ID, self.epoch), root=root,
                                     group=self.group if self.multicast else None,
                                     timeout_ms=int(watchdog * 1000), flags=flags)  # fmt: skip
         packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=WORLD_COLL_ID,
@@ -267,7 +337,18 @@ class ProcessGroup:
             self._epoch_settled = work.started
         return work
 
+    def descriptor_for_epoch(self, packet: Packet, epoch: int) -> Packet:
+        """*packet* (a START_COLL of this group) moved to *epoch*, with that epoch's key."""
+        desc = unpack_descriptor(packet.payload)
+        key = collective_key(self._secret, packet.coll_id, epoch)
+        return replace(packet, epoch=epoch, payload=replace(desc, rkey=key).encode())
+
     def close(self) -> None:
+        """Give the arena back (the node zeroes it) and close the control socket."""
+        try:
+            self.client.deregister(self.node, self.arena_rkey)
+        except (ControlError, OSError):
+            pass  # the node is gone: nothing of this rank's is left to protect
         self.client.close()
 
 
@@ -381,7 +462,7 @@ class Work:
 
         epoch = max(self.group.epoch, node_epoch + 1)
         self.group.epoch = epoch
-        self.packet = replace(self.packet, epoch=epoch)
+        self.packet = self.group.descriptor_for_epoch(self.packet, epoch)
         self.send_start()
 
     def _fail(self, reply: Packet) -> None:

@@ -254,7 +254,9 @@ def test_bad_descriptors_are_refused() -> None:
     good = CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT, RKEY)
     assert start(good, rkey=1).status == Status.UNAUTHORIZED
     assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 1, 100, IN, OUT, RKEY)).status == Status.BAD_SEGMENT
-    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT, 0xBAD)).status == Status.BAD_RKEY
+    # A key no region has names this collective's own key (SPEC.md 4.1): its buffers must then
+    # lie in registered memory, and beyond it they do not.
+    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, MEMORY, MEMORY, 0xBAD)).status == Status.BAD_RKEY
     assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, MEMORY - 8, RKEY)).status == Status.OUT_OF_BOUNDS
     assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT + 2, RKEY)).status == Status.MISALIGNED
     assert start(good, dtype=DType.RAW).status == Status.BAD_DTYPE

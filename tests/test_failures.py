@@ -59,9 +59,9 @@ def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) 
         with ControlClient(admin_key=cluster.info.admin_key) as client:
             for node in (cluster.info.nodes[0], cluster.info.nodes[2]):
                 client.ping(node.control_endpoint)
-                rkey = client.register(node.endpoint, 1 << 20, 4096, RIGHTS_ALL)
-                client.write(node.endpoint, rkey, 1 << 20, b"survivor")
-                assert client.read(node.endpoint, rkey, 1 << 20, 8) == b"survivor"
+                rkey, base = client.register_anywhere(node.endpoint, 4096, RIGHTS_ALL)  # beside the arena
+                client.write(node.endpoint, rkey, base, b"survivor")
+                assert client.read(node.endpoint, rkey, base, 8) == b"survivor"
         for group in groups:
             group.close()
         pids = [n.pid for n in cluster.info.nodes]

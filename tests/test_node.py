@@ -16,6 +16,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DUP_WINDOW,
     DUP_WINDOW_CLIENTS,
+    RIGHTS_ALL,
     DType,
     Flags,
     Opcode,
@@ -199,10 +200,10 @@ def _clients_sharing_a_set(requester: Endpoint, count: int) -> list[int]:
     """Client ids whose window keys, for *requester*, fall in one set of the client table."""
     ways = datapath._WAYS
     sets = DUP_WINDOW_CLIENTS // ways
-    target = int(datapath._requester_key(1, endpoint_to_u64(requester))) % sets
+    target = int(datapath._requester_key(1, endpoint_to_u64(requester), RKEY)) % sets
     found = [
         c for c in range(1, 100_000)
-        if int(datapath._requester_key(c, endpoint_to_u64(requester))) % sets == target
+        if int(datapath._requester_key(c, endpoint_to_u64(requester), RKEY)) % sets == target
     ]  # fmt: skip
     assert len(found) >= count
     return found[:count]
@@ -246,6 +247,8 @@ def test_borrowed_client_id_neither_replays_nor_poisons(cluster: Cluster) -> Non
 def restricted() -> tuple[Cluster, int, int]:
     cluster = make_cluster(1)
     node = cluster.nodes[0]
+    node.deregister_region(RKEY)  # one owner per byte: RKEY keeps the memory above 16 KiB
+    node.register_region(16384, MEMORY - 16384, RIGHTS_ALL, rkey=RKEY)
     read_only = node.register_region(4096, 4096, Rights.READ)
     write_only = node.register_region(8192, 4096, Rights.WRITE)
     node.memory[:] = 0xAA
@@ -267,7 +270,7 @@ NACK_CASES = [
     ("huge address", lambda ro, wo: read(2**64 - 4, 8, rkey=ro), Status.OUT_OF_BOUNDS),
     ("write past region", lambda ro, wo: write(8192 + 4095, b"zz", rkey=wo), Status.OUT_OF_BOUNDS),
     ("misaligned f32", lambda ro, wo: read(4098, 8, rkey=ro, dtype=DType.F32), Status.MISALIGNED),
-    ("misaligned atomic", lambda ro, wo: atomic(Opcode.FETCH_ADD, 12, 1), Status.MISALIGNED),
+    ("misaligned atomic", lambda ro, wo: atomic(Opcode.FETCH_ADD, 16384 + 12, 1), Status.MISALIGNED),
     (
         "register without admin",
         lambda ro, wo: control(
@@ -345,6 +348,8 @@ def test_ping_info(cluster: Cluster) -> None:
 
 def test_register_deregister_over_the_wire(cluster: Cluster) -> None:
     node = cluster.nodes[0]
+    node.deregister_region(RKEY)  # free memory to register in (one owner per byte) ...
+    node.register_region(0, 4096, RIGHTS_ALL, rkey=RKEY)  # ... beside another region
     payload = struct.pack("<II", 0, int(Rights.READ | Rights.WRITE))
     ack = only(
         cluster.request(
@@ -625,7 +630,8 @@ def test_remaining_node_statuses_over_the_wire(cluster: Cluster) -> None:
     assert decode_packet(reply[0]).status == Status.TRUNCATED
     # NO_SPACE over the wire: fill the region table.
     node = cluster.nodes[1]
-    for i in range(511):
+    node.deregister_region(RKEY)
+    for i in range(512):
         node.register_region(i * 8, 8, Rights.READ)
     full = control(Opcode.REGISTER, addr=0, aux_addr=8, length=8, payload=struct.pack("<II", 0, 1), client_id=4, txn_id=1)
     assert only(cluster.request(1, full), Opcode.NACK).status == Status.NO_SPACE

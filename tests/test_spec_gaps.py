@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import ADMIN_KEY, CLIENT, RKEY, Cluster, make_cluster
+from helpers import ADMIN_KEY, CLIENT, MEMORY, RKEY, Cluster, make_cluster
 
 from netdam.clients.async_pool import AsyncPoolClient
 from netdam.clients.pool import TXN_SPAN, PoolClient
-from netdam.protocol.constants import DType, Flags, Opcode, Status
+from netdam.protocol.constants import REGISTER_ANYWHERE, DType, Flags, Opcode, Rights, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
 
 Mutation = Callable[[bytearray], None]
@@ -100,12 +100,56 @@ def register(size: int, rights: int, txn: int, addr: int = 0) -> bytes:
 def test_register_edge_cases(cluster: Cluster) -> None:
     assert answers(cluster, register(0, 1, 20)) == [(NACK, Status.OUT_OF_BOUNDS)]
     assert answers(cluster, register(4096, 0, 21)) == [(NACK, Status.BAD_FIELD)]
-    # Overlapping regions are allowed: each rkey answers for its own range and rights.
-    assert answers(cluster, register(4096, 1, 22)) == [(Opcode.ACK, Status.OK)]
-    assert answers(cluster, register(4096, 3, 23, addr=2048)) == [(Opcode.ACK, Status.OK)]
+    # MEMBERS alone grants nothing: BAD_FIELD, like rights 0.
+    assert answers(cluster, register(4096, int(Rights.MEMBERS), 25)) == [(NACK, Status.BAD_FIELD)]
     gone = encode_packet(Packet(Opcode.DEREGISTER, rkey=ADMIN_KEY, length=8, payload=struct.pack("<II", 0xBAD, 0),
                                 client_id=4, txn_id=24))  # fmt: skip
     assert answers(cluster, gone) == [(NACK, Status.BAD_RKEY)]
+
+
+def test_register_gives_every_byte_one_owner(cluster: Cluster) -> None:
+    """SPEC.md 6.1: a range overlapping a registered region is IN_USE, in every order; the node
+    places a REGISTER_ANYWHERE region in free memory and says where in the ACK's addr."""
+    node = cluster.nodes[0]
+    # RKEY holds all of node memory: any explicit range overlaps it.
+    assert answers(cluster, register(4096, 1, 30, addr=2048)) == [(NACK, Status.IN_USE)]
+    assert answers(cluster, register(4096, 1, 31, addr=MEMORY - 4096)) == [(NACK, Status.IN_USE)]
+    assert answers(cluster, register(8, 1, 32, addr=REGISTER_ANYWHERE)) == [(NACK, Status.NO_SPACE)]
+    node.deregister_region(RKEY)
+    first = decode_packet(_one(cluster, register(10000, 3, 33, addr=REGISTER_ANYWHERE)))
+    second = decode_packet(_one(cluster, register(4096, 1, 34, addr=REGISTER_ANYWHERE)))
+    assert (first.opcode, first.addr, second.opcode, second.addr) == (Opcode.ACK, 0, Opcode.ACK, 12288)
+    assert node.regions()[first.rkey] == (0, 10000, 3) and node.regions()[second.rkey] == (12288, 4096, 1)
+    for base, size in ((9999, 2), (12287, 2), (16383, 1), (0, MEMORY), (8192, 8192)):  # each overlaps
+        assert answers(cluster, register(size, 1, 35 + base % 97, addr=base)) == [(NACK, Status.IN_USE)]
+    assert answers(cluster, register(2288, 1, 40, addr=10000)) == [(Opcode.ACK, Status.OK)]  # the gap, exactly
+
+
+def test_deregistered_memory_reaches_the_next_owner_zeroed(cluster: Cluster) -> None:
+    """A region's bytes are wiped when it is deregistered: a new owner of the same range reads
+    zeros, never the previous owner's data."""
+    node = cluster.nodes[0]
+    node.deregister_region(RKEY)
+    first = decode_packet(_one(cluster, register(65536, 3, 50, addr=REGISTER_ANYWHERE)))
+    secret = bytes(range(256)) * 4
+    write = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=first.rkey, addr=first.addr, length=len(secret),
+                   payload=secret, client_id=4, txn_id=51)  # fmt: skip
+    assert answers(cluster, encode_packet(write)) == [(Opcode.ACK, Status.OK)]
+    gone = encode_packet(Packet(Opcode.DEREGISTER, rkey=ADMIN_KEY, length=8, payload=struct.pack("<II", first.rkey, 0),
+                                client_id=4, txn_id=52))  # fmt: skip
+    assert answers(cluster, gone) == [(Opcode.ACK, Status.OK)]
+    second = decode_packet(_one(cluster, register(65536, 1, 53, addr=REGISTER_ANYWHERE)))
+    assert second.addr == first.addr
+    read = Packet(Opcode.READ, rkey=second.rkey, addr=second.addr, length=len(secret), client_id=4, txn_id=54)
+    reply = decode_packet(_one(cluster, encode_packet(read)))
+    assert reply.opcode == Opcode.READ_RESP and reply.payload == bytes(len(secret))
+
+
+def _one(cluster: Cluster, data: bytes) -> bytes:
+    cluster.fabric.send(CLIENT, cluster.endpoints[0], data)
+    cluster.fabric.run_until_idle()
+    (reply,) = cluster.fabric.receive(CLIENT)
+    return bytes(reply[0])
 
 
 def test_the_shipped_clients_retry_as_spec_says() -> None:

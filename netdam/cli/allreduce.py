@@ -130,7 +130,7 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
             fits = _largest_fitting(partial(_fits_node, algo=args.algo, memory=memory), nbytes)
             smaller = f", or give --size {format_size(fits)} or less" if fits else ""
             raise CommandError(f"{format_size(nbytes)} per rank needs {format_size(_mib(needed))} of node memory "
-                               f"(the host stages the buffer in its upper half) but rank {node.rank} "
+                               f"(the host's arena is half of node memory and stages the buffer in its upper half) but rank {node.rank} "
                                f"({node.address}:{node.port}) of {path} has {format_size(memory)}: restart the "
                                f"cluster with more (`netdam down --cluster {path}`, then `netdam up --memory "
                                f"{format_size(_mib(needed))}`){smaller}", ExitCode.USAGE)  # fmt: skip

@@ -126,14 +126,14 @@ class _RingHost:
         self.nbytes = buf.nbytes
         resident = group._offset_of(buf)
         self.staged = resident is None
-        half = self.mem.shape[0] // 2
+        staging = group.staging_base
         #: Where this rank's buffer lives in node memory (the staging area when not resident).
-        self.out = resident if resident is not None else half
+        self.out = resident if resident is not None else staging
         #: Where the previous host's reduce-scatter WRITEs land.
-        self.recv = half + (self.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        if self.recv + self.nbytes > self.mem.shape[0]:
-            raise MemoryError(f"ring-host needs {2 * self.nbytes} bytes above half of node memory "
-                              f"({self.mem.shape[0]} bytes): start nodes with more --memory")  # fmt: skip
+        self.recv = staging + (self.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if self.recv + self.nbytes > group.arena_end:
+            raise MemoryError(f"ring-host needs {2 * self.nbytes} bytes in the staging half of the rank's arena "
+                              f"({group.arena_end - staging} bytes): start nodes with more --memory")  # fmt: skip
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         self.sock.bind(("127.0.0.1", 0))
@@ -146,7 +146,7 @@ class _RingHost:
         # The header every WRITE starts from (txn_id, length and addr are set per datagram).
         one = bytes(self.esize)
         self.template = np.frombuffer(encode_packet(Packet(
-            Opcode.WRITE, flags=Flags.ACK_REQ, rkey=group.rkey, dtype=self.dtype, length=len(one),
+            Opcode.WRITE, flags=Flags.ACK_REQ, rkey=group.arena_key_of((self.rank + 1) % world), dtype=self.dtype, length=len(one),
             payload=one)), np.uint8)[:HEADER_SIZE].copy()  # fmt: skip
         per_segment = -(-SEGMENT_BYTES // self.per_packet)
         self.tx = np.zeros(SEGMENT_BYTES + per_segment * HEADER_SIZE, np.uint8)

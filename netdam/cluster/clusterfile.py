@@ -4,6 +4,7 @@
 [cluster]
 name = "c1a2b3"
 admin_key = 3735928559
+group_key = "5b0c0d3e9a8f41c2b7e6d5c4b3a29180"  # the collectives' 128-bit secret
 mtu = 9000
 created = "2026-11-22T05:00:00Z"
 
@@ -86,13 +87,17 @@ class ClusterFile:
     #: Written by hand (or for several hosts): `netdam down` clears the running nodes' fields
     #: instead of deleting the file.
     keep_file: bool = False
+    #: The collectives' secret (32 hex digits, 128 bits from a CSPRNG): every collective's key
+    #: derives from it (netdam.api.collective_key), so a key seen on the wire gives nothing for
+    #: the next. "": a hand-written file without one; keys then derive from the admin key.
+    group_key: str = ""
 
     @property
     def endpoints(self) -> list[Endpoint]:
         return [n.endpoint for n in self.nodes]
 
 
-_CLUSTER_KEYS = ("name", "admin_key", "mtu", "created", "supervisor_pid", "keep_file")
+_CLUSTER_KEYS = ("name", "admin_key", "group_key", "mtu", "created", "supervisor_pid", "keep_file")
 _NODE_KEYS = ("rank", "address", "port", "control_port", "pid", "memory_file", "memory_bytes")
 
 
@@ -109,7 +114,7 @@ def dump_cluster(cluster: ClusterFile) -> str:
     """TOML text of *cluster* (stdlib has no TOML writer; the format is flat)."""
     lines = ["[cluster]"]
     for key in _CLUSTER_KEYS:
-        if key != "keep_file" or cluster.keep_file:
+        if (key != "keep_file" or cluster.keep_file) and (key != "group_key" or cluster.group_key):
             lines.append(f"{key} = {_toml_value(getattr(cluster, key))}")
     for node in cluster.nodes:
         lines += ["", "[[nodes]]"]
@@ -286,6 +291,11 @@ def _parse_head(data: Mapping[str, object], where: _Where, default_name: str) ->
         name = _str_field(head, key, "c1", default=default_name)
         key = "created"
         created = _str_field(head, key, "2026-11-22T05:00:00Z", default="")
+        key = "group_key"
+        group_key = _str_field(head, key, "3f2a...(32 hex digits)", default="")
+        if group_key and not re.fullmatch(r"[0-9a-f]{32}", group_key):
+            raise ValueError("`group_key` must be 32 lowercase hex digits (128 bits): "
+                             "`python -c 'import secrets; print(secrets.token_hex(16))'` makes one")  # fmt: skip
     except KeyError:
         raise where.error("[cluster]", start, None, _missing(key, "[cluster]")) from None
     except ValueError as exc:
@@ -294,7 +304,7 @@ def _parse_head(data: Mapping[str, object], where: _Where, default_name: str) ->
     if not isinstance(keep, bool):
         raise where.error("[cluster]", start, "keep_file", f"`keep_file = {keep!r}` must be true or false")
     return {"name": name, "admin_key": admin_key, "mtu": mtu, "supervisor_pid": supervisor,
-            "created": created, "keep_file": keep}  # fmt: skip
+            "created": created, "keep_file": keep, "group_key": group_key}  # fmt: skip
 
 
 def _parse_nodes(data: Mapping[str, object], where: _Where) -> tuple[NodeEntry, ...]:

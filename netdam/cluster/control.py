@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from netdam.protocol import counters as C
-from netdam.protocol.constants import DType, Flags, Opcode, Rights
+from netdam.protocol.constants import REGISTER_ANYWHERE, DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights
@@ -121,6 +121,18 @@ class ControlClient:
         reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=base,
                                           aux_addr=size, length=8, payload=payload))  # fmt: skip
         return int(reply.rkey)
+
+    def register_anywhere(self, node: Endpoint, size: int, rights: Rights, rkey: int = 0) -> tuple[int, int]:
+        """REGISTER *size* bytes wherever the node has room (SPEC.md 6.1); returns (rkey, base)."""
+        payload = pack_key_rights(rkey, int(rights))
+        reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=REGISTER_ANYWHERE,
+                                          aux_addr=size, length=8, payload=payload))  # fmt: skip
+        return int(reply.rkey), int(reply.addr)
+
+    def deregister(self, node: Endpoint, rkey: int) -> None:
+        """DEREGISTER *rkey* (the node zeroes its bytes)."""
+        self.request(node, Packet(Opcode.DEREGISTER, rkey=self.admin_key, length=8,
+                                  payload=pack_key_rights(rkey, 0)))  # fmt: skip
 
     def write(
         self, node: Endpoint, rkey: int, addr: int, data: bytes, dtype: DType = DType.RAW

@@ -274,6 +274,7 @@ def _start_cluster(
     info = ClusterFile(
         name=name,
         admin_key=admin_key,
+        group_key=secrets.token_hex(16),
         mtu=mtu,
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         supervisor_pid=0 if detach else os.getpid(),

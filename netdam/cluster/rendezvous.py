@@ -140,19 +140,21 @@ class Answer:
     admin_key: int
     mtu: int
     members: tuple[Member, ...]
+    #: The collectives' 128-bit secret, drawn by rank 0 (clusterfile.ClusterFile.group_key).
+    group_key: str = ""
 
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
         return tuple(m.endpoint for m in self.members)
 
     def cluster_file(self, created: str = "") -> ClusterFile:
-        return ClusterFile(name=self.name, admin_key=self.admin_key, mtu=self.mtu,
+        return ClusterFile(name=self.name, admin_key=self.admin_key, mtu=self.mtu, group_key=self.group_key,
                            nodes=tuple(m.entry() for m in self.members), created=created)  # fmt: skip
 
 
 def answer_message(answer: Answer) -> bytes:
     return encode_message({"ok": True, "name": answer.name, "admin_key": answer.admin_key, "mtu": answer.mtu,
-                           "members": [asdict(m) for m in answer.members]})  # fmt: skip
+                           "group_key": answer.group_key, "members": [asdict(m) for m in answer.members]})  # fmt: skip
 
 
 def error_message(text: str, code: int) -> bytes:
@@ -167,7 +169,8 @@ def parse_answer(line: bytes) -> Answer:
         raise error(f"rank 0 ended the rendezvous: {obj.get('error', 'no reason given')}")
     try:
         members = tuple(parse_member({"member": m}) for m in obj["members"])
-        return Answer(str(obj["name"]), int(obj["admin_key"]), int(obj["mtu"]), members)
+        return Answer(str(obj["name"]), int(obj["admin_key"]), int(obj["mtu"]), members,
+                      str(obj.get("group_key", "")))  # fmt: skip
     except (KeyError, TypeError, ValueError) as exc:
         raise RendezvousError(f"malformed answer from rank 0: {exc!r}") from None
 
@@ -260,7 +263,8 @@ class Gathering:
 
     def answer(self, name: str, admin_key: int) -> Answer:
         assert self.complete, self.missing()
-        return Answer(name, admin_key, self.mtu, tuple(self.members[r] for r in range(self.world_size)))
+        return Answer(name, admin_key, self.mtu, tuple(self.members[r] for r in range(self.world_size)),
+                      secrets.token_hex(16))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- TCP shell

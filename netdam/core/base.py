@@ -103,12 +103,15 @@ class CoreBase(QueueOwner):
         payload: bytes = b"",
         rkey: int | None = None,
         aux_addr: int | None = None,
+        addr: int | None = None,
     ) -> bytes:
         reply = reply_to(request, opcode, status, payload)
         if rkey is not None:
             reply = replace(reply, rkey=rkey)
         if aux_addr is not None:
             reply = replace(reply, aux_addr=aux_addr)
+        if addr is not None:
+            reply = replace(reply, addr=addr)
         data = encode_packet(reply)
         self._push(data, self._reply_dst(request, src))
         if status != Status.OK:

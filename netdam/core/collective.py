@@ -126,8 +126,7 @@ class CollectiveEngine:
         if flags & ~FLAG_SPARSE or (sparse and algo not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)):
             return Status.BAD_FIELD
         bounds = block_bounds(algo, count, world, root)
-        own_len = int(bounds[rank + 1] - bounds[rank])
-        in_len = own_len if algo == Algo.ALL_GATHER else (count if algo != Algo.BROADCAST or rank == root else 0)
+        in_len = _input_elements(algo, count, bounds, rank, root)
         status = _check_ranges(regions, rkey, in_addr, in_len * esize, out_addr, count * esize, esize)
         if status != Status.OK:
             return status
@@ -278,6 +277,32 @@ class CollectiveEngine:
             "acked": int(cfg[L.CFG_ACKED]), "retransmits": int(cfg[L.CFG_RETRANSMITS]),
             "reads": int(cfg[L.CFG_READS]), "fatal_status": int(cfg[L.CFG_FATAL]),
         }  # fmt: skip
+
+
+def collective_buffer_span(packet: Packet) -> tuple[int, int, int] | None:
+    """(rkey, lo, hi) of a START_COLL: the descriptor's key and the bytes its input and output
+    cover here, [lo, hi); None when the descriptor cannot be read or run (the engine answers)."""
+    try:
+        d = unpack_descriptor(packet.payload)
+    except RemoteProtocolError:
+        return None
+    world = len(packet.segments)
+    if d.algo not in Algo._value2member_map_ or not 0 <= d.rank < world or not 0 <= d.root < world or d.count <= 0:
+        return None
+    esize = ELEMENT_SIZE[packet.dtype]
+    bounds = block_bounds(d.algo, d.count, world, d.root)
+    in_bytes = _input_elements(d.algo, d.count, bounds, d.rank, d.root) * esize
+    ranges = [(d.in_addr, d.in_addr + in_bytes), (d.out_addr, d.out_addr + d.count * esize)]
+    used = [r for r in ranges if r[1] > r[0]]
+    return d.rkey, min(lo for lo, _ in used), max(hi for _, hi in used)
+
+
+def _input_elements(algo: int, count: int, bounds: np.ndarray, rank: int, root: int) -> int:
+    """Elements of the input a rank's node reads: its block (all-gather), nothing (a broadcast's
+    non-root), else the whole buffer."""
+    if algo == Algo.ALL_GATHER:
+        return int(bounds[rank + 1] - bounds[rank])
+    return count if algo != Algo.BROADCAST or rank == root else 0
 
 
 def _validate(algo: int, world: int, rank: int, ring: list[int], me: int, count: int,

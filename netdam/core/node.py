@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from netdam.core.base import CoreBase, check_batch
-from netdam.core.collective import CollectiveEngine
+from netdam.core.collective import CollectiveEngine, collective_buffer_span
 from netdam.core.events import (
     CollectiveStartRequested,
     Event,
@@ -48,7 +48,11 @@ from netdam.protocol.constants import (
     MAX_SEGMENTS,
     MIN_MTU,
     PROTOCOL_VERSION,
+    REGISTER_ALIGN,
+    REGISTER_ANYWHERE,
     REPLY_OPCODES,
+    RIGHTS_ALL,
+    RIGHTS_DEFINED,
     SEGMENT_SIZE,
     DType,
     Flags,
@@ -135,9 +139,16 @@ class NodeCore(CoreBase):
         self._rk_base = np.zeros(RKEY_SLOTS, np.int64)
         self._rk_len = np.zeros(RKEY_SLOTS, np.int64)
         self._rk_rights = np.zeros(RKEY_SLOTS, np.uint8)
+        #: rkey -> (base, size, rights) of every registered region: the owners of node memory,
+        #: which never overlap (SPEC.md 6.1).
         self._regions: dict[int, tuple[int, int, int]] = {}
-        # The at-most-once window's client table (SPEC section 7): key, highest txn, last use.
+        #: The current collective's own key (0: none) and its (base, size, rights): not an
+        #: owner, a members-only window on buffers inside one (SPEC.md 4.1).
+        self._coll_key = 0
+        self._coll_span = (0, 0, 0)
+        # The at-most-once window's client table (SPEC section 7): key, rkey, highest txn, last use.
         self._cl_id = np.zeros(DUP_WINDOW_CLIENTS, np.uint64)
+        self._cl_key = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
         self._cl_hi = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
         self._cl_used = np.zeros(DUP_WINDOW_CLIENTS, np.int64)
         self._w_txn = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.uint32)
@@ -184,6 +195,7 @@ class NodeCore(CoreBase):
                                               self._punt)  # fmt: skip
         self._txq[TXQ_TAIL] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
+        self.release_collective_key()
 
     def node_state(self) -> NodeState:
         """What the datapath reads and changes besides the batches (made here, and only here).
@@ -201,7 +213,7 @@ class NodeCore(CoreBase):
         )
 
     def _dup_window(self) -> DupWindow:
-        return DupWindow(self._cl_id, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
+        return DupWindow(self._cl_id, self._cl_key, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
                          self._w_reply)  # fmt: skip
 
     @property
@@ -227,6 +239,7 @@ class NodeCore(CoreBase):
         self._reserve_tx(2 * self.collective.cfg[coll_kernels.CFG_WINDOW] * max(1, int(self.collective.cfg[coll_kernels.CFG_WORLD])))
         self._txq[TXQ_TAIL] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
                                               self.tx_bundle(), int(self._txq[TXQ_TAIL]))  # fmt: skip
+        self.release_collective_key()
 
     # ------------------------------------------------------------------ one-datagram helpers
 
@@ -240,10 +253,10 @@ class NodeCore(CoreBase):
 
     def register_region(self, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
         """Make [base, base+size) reachable under an rkey (random when 0); return the rkey."""
-        status = self._register(base, size, int(rights), rkey, announce=False)
-        if isinstance(status, Status):
-            raise ValueError(f"cannot register region: {status.name}")
-        return status
+        result = self._register(base, size, int(rights), rkey, announce=False)
+        if isinstance(result, Status):
+            raise ValueError(f"cannot register region: {result.name}")
+        return result[0]
 
     def deregister_region(self, rkey: int) -> None:
         """Remove *rkey*; raises KeyError when unknown."""
@@ -315,79 +328,153 @@ class NodeCore(CoreBase):
         # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
         self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
 
-    def _windowed(
-        self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int | None]]
-    ) -> None:
-        """Run a mutating control opcode at most once per (client, txn), like the datapath."""
+    def _windowed(self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int, int]]) -> None:
+        """Run a mutating control opcode at most once per (client, txn), like the datapath.
+        *execute* returns (status, rkey, addr) for the ACK's header (addr: where REGISTER put
+        the region)."""
         verdict, c, w = datapath.window_check(self._dup_window(), packet.client_id, self._reply_dst(packet, src),
-                                              packet.txn_id, int(self.counters[C.RX_PACKETS]) + 1)  # fmt: skip
-        if verdict == 2:
+                                              packet.rkey, packet.txn_id, self._window_stamp())  # fmt: skip
+        if verdict == datapath.WIN_STALE:
             self._nack(packet, src, Status.STALE)
             return
-        if verdict == 1:
+        if verdict == datapath.WIN_BUSY:
+            self._nack(packet, src, Status.BUSY)
+            return
+        if verdict == datapath.WIN_DUP:
             length = int(self._w_len[c, w])
             self.counters[C.DUP_REPLAYS] += 1
             self._push(bytes(self._w_reply[c, w, :length]), self._reply_dst(packet, src))
             return
-        status, rkey = execute()
+        status, rkey, addr = execute()
         if status != Status.OK:
             self._nack(packet, src, status)
             return
-        reply = self._reply(packet, src, Opcode.ACK, rkey=rkey)
-        if verdict == 0:
+        reply = self._reply(packet, src, Opcode.ACK, rkey=rkey, addr=addr)
+        if verdict == datapath.WIN_NEW:
             datapath.window_record(self._dup_window(), c, w, packet.txn_id, np.frombuffer(reply, np.uint8))
+
+    def _window_stamp(self) -> int:
+        """The duplicate window's clock: microseconds of the batch's time, never 0."""
+        return int(self.guard.cfg[G_NOW] * 1e6) + 1
 
     def _on_register(self, packet: Packet, src: int) -> None:
         requested, rights = KEY_RIGHTS.unpack(packet.payload)
 
-        def execute() -> tuple[Status, int | None]:
+        def execute() -> tuple[Status, int, int]:
             result = self._register(packet.addr, packet.aux_addr, rights, requested)
             if isinstance(result, Status):
-                return result, None
-            return Status.OK, result
+                return result, packet.rkey, packet.addr
+            rkey, base = result
+            return Status.OK, rkey, base
 
         self._windowed(packet, src, execute)
 
     def _on_deregister(self, packet: Packet, src: int) -> None:
         rkey, _ = KEY_RIGHTS.unpack(packet.payload)
-        self._windowed(packet, src, lambda: (self._deregister(rkey), None))
+        self._windowed(packet, src, lambda: (self._deregister(rkey), packet.rkey, packet.addr))
 
     def _register(
         self, base: int, size: int, rights: int, rkey: int, announce: bool = True
-    ) -> int | Status:
-        if size <= 0 or base + size > self.memory.shape[0]:
+    ) -> tuple[int, int] | Status:
+        """Make [base, base+size) the region of a new rkey (base REGISTER_ANYWHERE: the node
+        picks); returns (rkey, base) or the status to NACK with (SPEC.md 6.1). One owner per
+        byte: a range overlapping a registered region is IN_USE."""
+        anywhere = base == REGISTER_ANYWHERE
+        if size <= 0 or size > self.memory.shape[0] or (not anywhere and base + size > self.memory.shape[0]):
             return Status.OUT_OF_BOUNDS
-        if rights == 0 or rights & ~int(Rights.READ | Rights.WRITE | Rights.ATOMIC):
+        if not rights & RIGHTS_ALL or rights & ~int(RIGHTS_DEFINED):
             return Status.BAD_FIELD
-        if rkey and rkey in self._regions:
+        if rkey and (rkey in self._regions or rkey == self._coll_key):
             return Status.EXISTS
         if len(self._regions) >= MAX_REGIONS:
             return Status.NO_SPACE
-        while rkey == 0 or rkey in self._regions:
+        if anywhere:
+            found = self._first_fit(size)
+            if found is None:
+                return Status.NO_SPACE
+            base = found
+        elif self._owner_overlapping(base, size) is not None:
+            return Status.IN_USE
+        while rkey == 0 or rkey in self._regions or rkey == self._coll_key:
             rkey = secrets.randbits(32)
-        slot = _probe_free(self._rk_key, rkey)
-        self._rk_key[slot] = rkey
-        self._rk_base[slot] = base
-        self._rk_len[slot] = size
-        self._rk_rights[slot] = rights
         self._regions[rkey] = (base, size, rights)
+        self._rebuild_rkeys()
         if announce:  # the host that called register_region knows already
             self._events.append(RegionRegistered(rkey, base, size, rights))
-        return rkey
+        return rkey, base
+
+    def _owner_overlapping(self, base: int, size: int) -> int | None:
+        """The rkey of a registered region that shares a byte with [base, base+size), if any."""
+        for key, (b, n, _) in self._regions.items():
+            if b < base + size and base < b + n:
+                return key
+        return None
+
+    def _owner_containing(self, base: int, size: int) -> tuple[int, int, int] | None:
+        """The registered region that holds all of [base, base+size), if any."""
+        for b, n, rights in self._regions.values():
+            if b <= base and base + size <= b + n:
+                return b, n, rights
+        return None
+
+    def _first_fit(self, size: int) -> int | None:
+        """The lowest REGISTER_ALIGN-aligned base where *size* bytes touch no region."""
+        candidate = 0
+        for b, n, _ in sorted(self._regions.values()):
+            if candidate + size <= b:
+                break
+            candidate = max(candidate, -(-(b + n) // REGISTER_ALIGN) * REGISTER_ALIGN)
+        return candidate if candidate + size <= self.memory.shape[0] else None
 
     def _deregister(self, rkey: int, announce: bool = True) -> Status:
         if rkey not in self._regions:
             return Status.BAD_RKEY
-        del self._regions[rkey]
-        # Rebuild the table: open addressing has no cheap delete, and deregistration is rare.
-        self._rk_key[:] = 0
-        for key, (base, size, rights) in self._regions.items():
-            slot = _probe_free(self._rk_key, key)
-            self._rk_key[slot], self._rk_base[slot] = key, base
-            self._rk_len[slot], self._rk_rights[slot] = size, rights
+        base, size, _ = self._regions.pop(rkey)
+        # Memory reaches its next owner zeroed: wiped the moment it has no owner.
+        self.memory[base : base + size] = 0
+        self._rebuild_rkeys()
         if announce:
             self._events.append(RegionDeregistered(rkey))
         return Status.OK
+
+    def _rebuild_rkeys(self) -> None:
+        """The datapath's rkey table from the registered regions and the collective's key.
+        Rebuilt whole: open addressing has no cheap delete, and registration is rare."""
+        self._rk_key[:] = 0
+        entries = list(self._regions.items())
+        if self._coll_key:
+            entries.append((self._coll_key, self._coll_span))
+        for key, (base, size, rights) in entries:
+            slot = _probe_free(self._rk_key, key)
+            self._rk_key[slot], self._rk_base[slot] = key, base
+            self._rk_len[slot], self._rk_rights[slot] = size, rights
+
+    # ------------------------------------------------------------------ a collective's key
+
+    def _scope_collective_key(self, packet: Packet) -> None:
+        """A START_COLL whose descriptor rkey is no registered region's names a key for this
+        collective alone (SPEC.md 4.1): it is installed over the collective's buffers, which
+        must lie in one registered region, usable only in datagrams from members, and removed
+        when the collective ends (release_collective_key)."""
+        span = collective_buffer_span(packet)
+        if span is None:
+            return
+        rkey, lo, hi = span
+        if rkey == 0 or rkey in self._regions or rkey == self._coll_key:
+            return  # v1 use: a registered region's key (checked by the engine), or a retry
+        owner = self._owner_containing(lo, hi - lo)
+        if owner is None:
+            return  # the engine answers BAD_RKEY: no registered memory holds the buffers
+        self._coll_key = rkey
+        self._coll_span = (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS))
+        self._rebuild_rkeys()
+
+    def release_collective_key(self) -> None:
+        """Remove the last collective's key once the collective is no longer running (called
+        after every serve round and tick: the key outlives its collective by one round)."""
+        if self._coll_key and not self.collective.running:
+            self._coll_key = 0
+            self._rebuild_rkeys()
 
     def _on_join(self, packet: Packet, src: int) -> None:
         group = u64_to_endpoint(packet.addr)
@@ -408,10 +495,18 @@ class NodeCore(CoreBase):
             # completion, so it gets it again (SPEC.md "START_COLL").
             self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1)
             return
+        self.release_collective_key()
+        if not self.collective.running:
+            self._scope_collective_key(packet)
+        keys = dict(self._regions)
+        if self._coll_key:
+            keys[self._coll_key] = self._coll_span
         status = self.collective.start(
-            packet, src, self.memory, self.config.mtu, self.endpoint_u64, self._regions,
+            packet, src, self.memory, self.config.mtu, self.endpoint_u64, keys,
             int(self.counters[C.RCVBUF_BYTES]),
         )  # fmt: skip
+        if status != Status.OK:
+            self.release_collective_key()
         if status == Status.OK:
             self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
             self._reply(packet, src, Opcode.ACK)

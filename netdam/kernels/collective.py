@@ -706,6 +706,14 @@ def _coll_phase(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def _coll_ended(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
+    """(coll, epoch) is this node's collective and it has ended (done or failed). Every member
+    then holds every chunk and every chain was ACKed (DONE, section 4.1), so a datagram of it is
+    a late duplicate: dropped before the rkey check, since the collective's key is gone."""
+    return co_cfg[CFG_STATE] > 1 and _coll_phase(co_cfg, coll, epoch) == _PHASE_RUNNING
+
+
+@njit(cache=True, nogil=True)
 def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
@@ -721,8 +729,11 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
         counters[C.DROP_COLL_EARLY] += 1  # before the rkey check: it may not be registered yet
         return tx_n  # fetched again by READ repair once started
+    if coll != 0 and _coll_ended(co_cfg, coll, _rd32(b, H_EPOCH)):
+        counters[C.DROP_STALE_EPOCH] += 1
+        return tx_n
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize, _is_member(members, src)
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
@@ -777,11 +788,15 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
         if _is_member(members, src):
             _note_refusal(co_cfg, coll, _rd32(b, H_EPOCH), _reply_dst(b, src, members))
         return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    if coll != 0 and _coll_ended(co_cfg, coll, _rd32(b, H_EPOCH)):
+        counters[C.DROP_STALE_EPOCH] += 1
+        return tx_n
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
-    status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize)
+    member = _is_member(members, src)
+    status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize, member)
     if status == 0 and left == 0:
         status = _check_access(
-            rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize
+            rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize, member
         )
     nxt = np.uint64(0)
     if status == 0 and left > 0:
@@ -960,6 +975,8 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
         return True
     if op == _OP_NACK:
         status = np.int64(b[H_STATUS])
+        if co_acked[seq] == 1:
+            return True  # a late answer to a chain already ACKed (a spurious resend): nothing to do
         if status == _S_BUSY:
             if co_acked[seq] == 0:
                 co_acked[seq] = 2  # a hop has not started yet: flow control, not loss
@@ -971,7 +988,7 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
         addr = _rd64(b, H_ADDR)
         esize = _ESIZE[np.int64(b[H_DTYPE])]
         # The answer lands in this node's memory: this node's rights on that range apply.
-        if _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize) != 0:
+        if _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize, True) != 0:
             return True
         if co_done[seq] == 0:
             a = np.int64(addr)

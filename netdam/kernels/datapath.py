@@ -28,12 +28,21 @@ from netdam.kernels.collective import (
     CFG_CHUNKS,
     _all_write,
     _chain_add,
+    _coll_ended,
     _coll_phase,
     _coll_reply,
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
-from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _account, _locked, _validated, check_guard
+from netdam.kernels.guard import (
+    G_FACTOR,
+    G_LOCKOUT,
+    G_NOW,
+    _account,
+    _locked,
+    _validated,
+    check_guard,
+)
 from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
 from netdam.kernels.wire import (
     _ESIZE,
@@ -98,37 +107,48 @@ from netdam.protocol.layout import (
 )
 
 # Duplicate-window verdicts.
-_WIN_NEW, _WIN_DUP, _WIN_STALE, _WIN_OFF = 0, 1, 2, 3
+_WIN_NEW, _WIN_DUP, _WIN_STALE, _WIN_OFF, _WIN_BUSY = 0, 1, 2, 3, 4
+WIN_NEW, WIN_DUP, WIN_STALE, WIN_OFF, WIN_BUSY = _WIN_NEW, _WIN_DUP, _WIN_STALE, _WIN_OFF, _WIN_BUSY
 
 
 #: Ways of the set-associative client table: clients whose keys share a set evict each other
 #: only when more than this many retry at once (a direct-mapped table evicted on any collision,
 #: and a hashed client id collides mod 256 for 8 clients about one time in ten).
 _WAYS = 4
+#: Microseconds a client's entry is kept from clients of other rkeys after its last request:
+#: longer than any retry schedule of the shipped clients (20 x 50 ms, SPEC.md 7).
+_HOLD_US = 2_000_000
 
 
 @njit(cache=True, nogil=True)
-def _requester_key(client, requester):  # type: ignore[no-untyped-def]
+def _requester_key(client, requester, rkey):  # type: ignore[no-untyped-def]
     """Window key of a request: the client id bound to where its reply goes (the return segment
-    from a member, else the UDP source), so nobody can replay into or poison another requester's
-    history by borrowing its client id: the cached reply would go to the victim, not to them."""
-    k = _mix(np.uint64(client) ^ _mix(np.uint64(requester) ^ np.uint64(0x5851F42D4C957F2D)))
+    from a member, else the UDP source) and to the rkey that authorised it. Nobody can replay
+    into or poison another client's history: without the victim's rkey a forged datagram lands
+    in an entry of its own, and with the victim's address but not its reply the cached answer
+    goes to the victim."""
+    k = _mix(np.uint64(client) ^ _mix(np.uint64(requester) ^ _mix(np.uint64(rkey) ^ np.uint64(0x5851F42D4C957F2D))))
     if k == 0:
         k = np.uint64(1)
     return k
 
 
 @njit(cache=True, nogil=True)
-def _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, requester, txn, stamp):  # type: ignore[no-untyped-def]
-    """At-most-once window (SPEC.md "Memory semantics"): NEW, DUP or STALE for (client, txn).
+def _window_check(window, client, requester, rkey, txn, stamp):  # type: ignore[no-untyped-def]
+    """At-most-once window (SPEC.md "Memory semantics"): NEW, DUP, STALE or BUSY for (client,
+    requester, rkey, txn); *stamp* is the time in microseconds (> 0).
 
-    Slots are keyed by (client id, requester) and set-associative (_WAYS per set); a new
-    requester takes a free way of its set, else evicts the least recently used one (*stamp*,
-    > 0, grows with every received packet). Client id 0 opts out (every request executes).
+    Slots are set-associative (_WAYS per set). A new client takes, in this order: a free way;
+    the least recently used way idle for _HOLD_US; the least recently used way of its own rkey.
+    Else BUSY (nothing executes; the client asks again): an entry its client may still retry
+    into is never taken by a client of another rkey. Client id 0 opts out (every request
+    executes).
     """
+    cl_id, cl_key, cl_hi, cl_used, w_txn, w_state = (
+        window.cl_id, window.cl_key, window.cl_hi, window.cl_used, window.txn, window.state)  # fmt: skip
     if client == 0:
         return _WIN_OFF, 0, 0
-    key = _requester_key(client, requester)
+    key = _requester_key(client, requester, rkey)
     first = np.int64(key % np.uint64(cl_id.shape[0] // _WAYS)) * _WAYS
     c = -1
     for j in range(first, first + _WAYS):
@@ -137,12 +157,27 @@ def _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, requester, txn,
             break
     w = txn % _W
     if c < 0:
-        c = first
+        free, own, idle = -1, -1, -1
         for j in range(first, first + _WAYS):
-            if cl_used[j] < cl_used[c]:
-                c = j  # a free way (0) or the least recently used
+            if cl_used[j] == 0:
+                if free < 0:
+                    free = j
+            elif cl_key[j] == rkey:
+                if own < 0 or cl_used[j] < cl_used[own]:
+                    own = j
+            elif stamp - cl_used[j] >= _HOLD_US and (idle < 0 or cl_used[j] < cl_used[idle]):
+                idle = j
+        if free >= 0:
+            c = free
+        elif idle >= 0:
+            c = idle
+        elif own >= 0:
+            c = own
+        else:
+            return _WIN_BUSY, 0, 0
         cl_used[c] = stamp
         cl_id[c] = key
+        cl_key[c] = rkey
         cl_hi[c] = txn
         w_state[c, :] = 0
         return _WIN_NEW, c, w
@@ -205,6 +240,8 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
     # The guard's verdict on the last source seen (GRO runs come from one source): a source that
     # was not locked stays unlocked within a batch (one clock reading) unless it fails a key.
     open_src, open_guarded = np.uint64(0), False
+    # The duplicate window's clock, microseconds (never 0: 0 marks a free slot).
+    stamp = np.int64(guard.cfg[G_NOW] * 1e6) + 1
     for i in range(n):
         ln = np.int64(rx_len[i])
         off = rx_off[i]
@@ -263,7 +300,7 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
             elif op == _OP_ALL_WRITE:
                 tx_n = _all_write(b, ln, src, node, tx, tx_n)
             else:
-                tx_n = _mutate(b, ln, src, op, node, tx, tx_n)
+                tx_n = _mutate(b, ln, src, op, node, tx, tx_n, stamp)
         if guarded and tx_n > first:
             # Failed authentications are the NACKs BAD_RKEY/UNAUTHORIZED just queued for src;
             # one may have locked it out, so its next datagram is looked up again.
@@ -297,8 +334,11 @@ def _read(b, src, node, guard, tx, tx_n, max_len):  # type: ignore[no-untyped-de
     if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
         # Before the rkey check: the host may not have registered the group's key here yet.
         return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    if coll != 0 and _coll_ended(co_cfg, coll, _rd32(b, H_EPOCH)):
+        counters[C.DROP_STALE_EPOCH] += 1
+        return tx_n
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_READ, esize
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_READ, esize, _is_member(members, src)
     )
     if status == 0 and coll != 0:
         seq = _rd32(b, H_SEQ)
@@ -321,11 +361,12 @@ def _read(b, src, node, guard, tx, tx_n, max_len):  # type: ignore[no-untyped-de
 
 
 @njit(cache=True, nogil=True)
-def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
-    """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, txn id)."""
+def _mutate(b, ln, src, op, node, tx, tx_n, stamp):  # type: ignore[no-untyped-def]
+    """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, reply address, rkey, txn id);
+    *stamp* is the batch's time in microseconds (the window's clock)."""
     mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions
-    cl_id, cl_hi, cl_used, w_txn, w_state, w_len, w_reply = window
+    w_txn, w_state, w_len, w_reply = window.txn, window.state, window.len, window.reply
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, H_LENGTH)
     addr = _rd64(b, H_ADDR)
@@ -337,17 +378,18 @@ def _mutate(b, ln, src, op, node, tx, tx_n):  # type: ignore[no-untyped-def]
     else:
         need, align = _R_ATOMIC, 8
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, need, align
+        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, need, align, _is_member(members, src)
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     client = _rd32(b, H_CLIENT_ID)
     txn = _rd32(b, H_TXN_ID)
     dst = _reply_dst(b, src, members)
-    stamp = np.int64(counters[C.RX_PACKETS]) + 1
-    verdict, c, w = _window_check(cl_id, cl_hi, cl_used, w_txn, w_state, client, dst, txn, stamp)
+    verdict, c, w = _window_check(window, client, dst, _rd32(b, H_RKEY), txn, stamp)
     if verdict == _WIN_STALE:
         return _emit_nack(b, src, members, _S_STALE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    if verdict == _WIN_BUSY:
+        return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     if verdict == _WIN_DUP:
         reply_len = np.int64(w_len[c, w])
         if reply_len == 0:
@@ -422,13 +464,15 @@ def drain(tx: TxQueue, start: int, count: int, out: TxQueue) -> int:
     return int(_drain(tx.buf, tx.off, tx.len, tx.dst, start, count, out.buf, out.off, out.len, out.dst))
 
 
-def window_check(window: DupWindow, client: int, requester: int, txn: int, stamp: int) -> tuple[int, int, int]:
-    """The duplicate window's verdict for (client, requester, txn): (0 new | 1 duplicate | 2 stale,
-    client slot, window slot)."""
+def window_check(window: DupWindow, client: int, requester: int, rkey: int, txn: int,
+                 stamp: int) -> tuple[int, int, int]:  # fmt: skip
+    """The duplicate window's verdict for (client, requester, rkey, txn) at *stamp* (us, > 0):
+    (WIN_NEW | WIN_DUP | WIN_STALE | WIN_OFF | WIN_BUSY, client slot, window slot)."""
+    if stamp <= 0:
+        raise ValueError(f"window stamp {stamp} must be > 0 (0 marks a free slot)")
     # Plain ints whatever the caller holds (a numpy u64 source, a Python int): one specialization,
     # compiled before the node says it is ready (netdam.core.rehearsal), never a new one later.
-    verdict, c, w = _window_check(window.cl_id, window.cl_hi, window.cl_used, window.txn, window.state,
-                                  int(client), int(requester), int(txn), int(stamp))  # fmt: skip
+    verdict, c, w = _window_check(window, int(client), int(requester), int(rkey), int(txn), int(stamp))
     return int(verdict), int(c), int(w)
 
 

@@ -48,7 +48,7 @@ GUARD_STATE = typeof(GUARD)
 COLL_STATE = typeof(CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)))
 NODE_STATE = typeof(NodeState(
     _a(u8), Regions(_a(u32), _a(i64), _a(i64), _a(u8)), _a(u64),
-    DupWindow(_a(u64), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
+    DupWindow(_a(u64), _a(u32), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
     CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)),
     _a(u64),
 ))  # fmt: skip

@@ -42,9 +42,10 @@ class Regions(NamedTuple):
 
 
 class DupWindow(NamedTuple):
-    """The at-most-once window per (client id, reply address) (SPEC.md section 7)."""
+    """The at-most-once window per (client id, reply address, rkey) (SPEC.md section 7)."""
 
     cl_id: np.ndarray
+    cl_key: np.ndarray  # u32 the rkey (the authority) each client slot belongs to
     cl_hi: np.ndarray
     cl_used: np.ndarray
     txn: np.ndarray

@@ -79,6 +79,7 @@ _R_WRITE = int(Rights.WRITE)
 
 
 _R_ATOMIC = int(Rights.ATOMIC)
+_R_MEMBERS = int(Rights.MEMBERS)
 
 
 _U64 = int(DType.U64)
@@ -601,10 +602,11 @@ def _find_rkey(rk_key, rkey):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align):  # type: ignore[no-untyped-def]
-    """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status."""
+def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align, member):  # type: ignore[no-untyped-def]
+    """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status.
+    A members-only key (a collective's) names nothing for a datagram from a non-member."""
     slot = _find_rkey(rk_key, rkey)
-    if slot < 0:
+    if slot < 0 or (rk_rights[slot] & _R_MEMBERS and not member):
         return _S_BAD_RKEY
     if (rk_rights[slot] & need) != need:
         return _S_NO_RIGHTS

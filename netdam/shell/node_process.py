@@ -133,6 +133,7 @@ class NodeProcess(ServeLoop):
                                      self.core.tx_bundle(), self.core.tx_queue, self.punt)  # fmt: skip
         if n_punt:
             self.core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
+        self.core.release_collective_key()
         self._serve_control()
         self._handle_events()
         return int(reason)

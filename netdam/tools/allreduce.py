@@ -34,12 +34,13 @@ MIN_NODE_MEMORY = 16 << 20
 
 
 def node_memory_needed(nbytes: int, algo: str) -> int:
-    """Node memory one rank needs for *nbytes* per rank on a running cluster: the host API
-    stages the buffer in the upper half (api.ProcessGroup._stage), and ring-host also lands the
+    """Node memory one rank needs for *nbytes* per rank on a running cluster: the host API's
+    arena is half of node memory (the rest is left to other clients and the pool) and stages
+    the buffer in the arena's upper half (api.ProcessGroup._stage); ring-host also lands the
     previous host's WRITEs there, past the buffer (clients/ring_host.py)."""
     if algo == "ring-host":
-        return 2 * (-(-nbytes // RING_ALIGN) * RING_ALIGN + nbytes)
-    return 2 * nbytes
+        return 4 * (-(-nbytes // RING_ALIGN) * RING_ALIGN + nbytes)
+    return 4 * nbytes
 
 
 def private_node_memory(nbytes: int) -> int:
@@ -136,7 +137,9 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         world = len(info.nodes)
         result["nodes"] = world
         timeout = config.timeout_s
-        groups = [ProcessGroup(info, rank, timeout_s=timeout) for rank in range(world)]
+        # A private cluster is this run's alone: its groups take all of node memory.
+        arena = None if cluster is None else info.nodes[0].memory_bytes
+        groups = [ProcessGroup(info, rank, timeout_s=timeout, arena_bytes=arena) for rank in range(world)]
         result["startup_seconds"] = time.monotonic() - start
         progress.status("warm-up all-reduce")
         _run_once(groups, [np.ones(1, np.float32) for _ in range(world)], ReduceOp.SUM)  # warm-up
