@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from netdam.cluster.clusterfile import ClusterFile, NodeEntry
-from netdam.cluster.control import ControlClient
+from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import LocalCluster, SwitchHandle, start_pool_cluster
 from netdam.core.fabric import Fabric
 from netdam.core.guard import GuardConfig
 from netdam.core.node import MAX_REGIONS
+from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     AMPLIFICATION_FACTOR,
-    REGISTER_ANYWHERE,
     Opcode,
     Rights,
     Status,
@@ -417,19 +417,24 @@ def test_pool_placement_beside_directly_registered_regions(wire: Wire) -> None:
     backing beside it (REGISTER_ANYWHERE), and a node whose region table others filled answers
     NO_SPACE and is skipped, though the switch's count gives it the most room."""
     node0, _ = wire.cluster.endpoints
-    admin_key = wire.cluster.info.admin_key
-    with ControlClient(admin_key=admin_key) as direct:
+    with ControlClient(admin_key=wire.cluster.info.admin_key) as direct:
         mine = [direct.register(node0, 0, 64 * KiB, Rights.READ | Rights.WRITE)]
         try:
             region = unpack_region_info(ok(wire.alloc(64 * KiB, admin=True)).payload)
             assert [(w.node, w.local) for w in region.ways] == [(0, 64 * KiB)]  # beside, not on it
             ok(wire.free(region.gaddr, region.credential))
-            mine += [direct.register(node0, REGISTER_ANYWHERE, 8, Rights.READ) for _ in range(MAX_REGIONS - 1)]
-            for _ in range(3):
+            while len(mine) <= MAX_REGIONS:  # fill node 0's table (the node says when it is full)
+                try:
+                    mine.append(direct.register_anywhere(node0, 8, Rights.READ)[0])
+                except ControlError as exc:
+                    assert exc.status == Status.NO_SPACE
+                    break
+            refusals = int(direct.counters(node0)[C.NACK_BASE + Status.NO_SPACE])
+            for _ in range(3):  # node 0 first (a tie by the switch's count: lower rank), then node 1
                 placed = unpack_region_info(ok(wire.alloc(8, admin=True)).payload)
                 assert [w.node for w in placed.ways] == [1]
                 ok(wire.free(placed.gaddr, placed.credential))
+            assert int(direct.counters(node0)[C.NACK_BASE + Status.NO_SPACE]) == refusals + 3
         finally:
             for rkey in mine:
-                direct.request(node0, Packet(Opcode.DEREGISTER, rkey=admin_key, length=8,
-                                             payload=struct.pack("<II", rkey, 0)))  # fmt: skip
+                direct.deregister(node0, rkey)
