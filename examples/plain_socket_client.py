@@ -6,9 +6,10 @@ back, FETCH_ADD a counter, DEREGISTER. Written from protocol/SPEC.md alone (no n
 The admin key is read from the cluster file ``netdam up`` writes (``admin_key = ...``, a file
 only its owner can read), never from the command line, where every local user would see it
 (``ps``). The region is the
-node's last 4 KiB page (node memory size from PING/INFO), which a pool switch never hands out,
-so the example never touches pool memory; it starts its counter at 0 and deregisters the region
-at the end, so it can run any number of times against the same node.
+node's last 4 KiB page (node memory size from PING/INFO): nodes place a pool switch's regions
+first fit from the bottom of memory, so that page is the last one the pool takes, and were it
+taken the node would answer IN_USE rather than share it. It starts its counter at 0 and
+deregisters the region at the end, so it can run any number of times against the same node.
 """
 
 import argparse
@@ -80,7 +81,7 @@ def main():
     # PING: INFO says how big node memory is (SPEC 6.4: memory bytes at payload offset 8).
     _, info = call(sock, node, header(PING, 1, 0, 0, 0), 1)
     memory = struct.unpack_from("<Q", info, 8)[0]
-    base = memory - PAGE  # the last page: never pool backing (see the docstring)
+    base = memory - PAGE  # the last page: the pool's last choice (see the docstring)
 
     # REGISTER [base, base + 4096) with READ|WRITE|ATOMIC; the node picks the rkey (SPEC 6.1).
     body = struct.pack("<II", 0, RIGHTS_RW_ATOMIC)

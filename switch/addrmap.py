@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from netdam.kernels.state import RegionTable
-from netdam.protocol.constants import ELEMENT_SIZE, DType, Opcode, Rights, Status
+from netdam.protocol.constants import ELEMENT_SIZE, REGISTER_ALIGN, DType, Opcode, Rights, Status
 
 #: First global address the controller hands out.
 GLOBAL_BASE = 1 << 32
 #: Every region starts on this boundary.
 GLOBAL_ALIGN = 1 << 20
-#: Local backing ranges start on this boundary in node memory.
-LOCAL_ALIGN = 4096
+#: Local backing ranges start on this boundary in node memory (the node's own placement
+#: granule, REGISTER_ALIGN: SPEC.md 6.1).
+LOCAL_ALIGN: int = REGISTER_ALIGN
 #: Interleave strides must be a multiple of this (so element alignment survives translation).
 STRIDE_ALIGN = 8
 
@@ -64,6 +65,11 @@ class Region:
     def end(self) -> int:
         return self.gaddr + self.size
 
+    @property
+    def footprint(self) -> int:
+        """Node memory the region takes: each way's backing in whole LOCAL_ALIGN pages."""
+        return sum(page_round(w.size) for w in self.ways)
+
     def locate(self, offset: int) -> tuple[int, int]:
         """(rank, local address) of byte *offset* of the region."""
         if not 0 <= offset < self.size:
@@ -87,6 +93,12 @@ class Region:
             pieces.append((self.gaddr + offset, step))
             offset += step
         return pieces
+
+
+def page_round(size: int) -> int:
+    """*size* rounded up to LOCAL_ALIGN: what a backing of *size* bytes takes of a node's memory
+    (nodes place regions at that alignment, SPEC.md 6.1)."""
+    return -(-size // LOCAL_ALIGN) * LOCAL_ALIGN
 
 
 def backing_per_way(size: int, stride: int, ways: int) -> int:

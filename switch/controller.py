@@ -2,11 +2,14 @@
 
 Two halves, one wire path (SPEC.md 11.9):
 
-- ``PoolService`` runs inside the switch process and answers the three opcodes. ALLOC picks a
-  global range, backing ranges on the nodes (first fit in each node's heap) and a random rkey,
-  REGISTERs every backing range on its node *under that same rkey* with the region's rights (so
-  the node enforces rights and bounds too), writes the state file and swaps the switch's map
-  before it answers. FREE removes the region from the map and the state file, then
+- ``PoolService`` runs inside the switch process and answers the three opcodes. ALLOC checks the
+  tenant's quota, picks a global range, the nodes of the ways (by the switch's count of the
+  bytes and region slots its regions take on each node, most free bytes first) and a random
+  rkey, REGISTERs every way's backing on its node *under that same rkey* with the region's
+  rights (so the node enforces rights and bounds too), letting the node place it
+  (REGISTER_ANYWHERE: other regions may live on a node besides the pool's) and moving on to the
+  next node when one refuses for room, writes the state file and swaps the switch's map before
+  it answers. FREE removes the region from the map and the state file, then
   DEREGISTERs the backing. A region belongs to the tenant whose credential (a 64-bit secret from
   ``secrets``, handed out in the ACK of the ALLOC that created the tenant) allocated it; FREE and
   QUERY see only the caller's regions (the admin key sees all). The state file keeps a SHA-256
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +31,20 @@ from typing import Protocol
 
 from netdam.cluster.clusterfile import ClusterFile, SwitchEntry, load_cluster, require_switch
 from netdam.cluster.control import ControlClient, ControlError
-from netdam.protocol.constants import RIGHTS_ALL, Opcode, Status
+from netdam.core.node import MAX_REGIONS
+from netdam.protocol.constants import (
+    AMPLIFICATION_FACTOR,
+    HEADER_SIZE,
+    REGISTER_ANYWHERE,
+    RIGHTS_ALL,
+    Opcode,
+    Status,
+)
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
+    REGION_INFO,
+    REGION_WAY,
     AllocRequest,
     RegionInfo,
     RegionWay,
@@ -47,9 +61,17 @@ from netdam.switch.addrmap import (
     Region,
     Way,
     backing_per_way,
+    page_round,
 )
 from netdam.switch.core import PoolReply
-from netdam.switch.state import PoolState, load_state, locked, save_state, state_path_for
+from netdam.switch.state import (
+    PoolState,
+    load_state,
+    locked,
+    save_state,
+    short_digest,
+    state_path_for,
+)
 from netdam.units import format_size
 
 #: The switch's wait for one node's answer to REGISTER/DEREGISTER, and its retries: ALLOC and
@@ -61,6 +83,8 @@ REPLY_CACHE = 4096
 #: How long a controller waits for the switch's answer to ALLOC/FREE/QUERY, and its retries.
 REQUEST_TIMEOUT_S = 2.0
 REQUEST_RETRIES = 2
+#: Regions one node's table holds (netdam.core.node): pool ways and direct registrations alike.
+NODE_REGION_SLOTS = MAX_REGIONS
 
 
 class ControllerError(NetdamError):
@@ -76,34 +100,23 @@ def _round_up(value: int, align: int) -> int:
     return -(-value // align) * align
 
 
-def free_ranges(state: PoolState, rank: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of node *rank*'s heap no region uses."""
-    heap = state.nodes[rank]
-    used = sorted((w.local, w.local + w.size) for r in state.regions for w in r.ways if w.node == rank)
-    gaps, pos = [], heap.heap_start
-    for start, end in used:
-        if start > pos:
-            gaps.append((pos, start))
-        pos = max(pos, end)
-    if pos < heap.heap_end:
-        gaps.append((pos, heap.heap_end))
-    return gaps
+def node_use(state: PoolState, rank: int) -> tuple[int, int]:
+    """(bytes, region slots) the pool's regions take on node *rank*, by the switch's own count:
+    each way's backing in whole pages, one slot of the node's region table per way. The node may
+    hold more (regions registered on it directly): it says so by refusing a REGISTER."""
+    ways = [w for r in state.regions for w in r.ways if w.node == rank]
+    return sum(page_round(w.size) for w in ways), len(ways)
 
 
-def first_fit(state: PoolState, rank: int, size: int) -> int | None:
-    for start, end in free_ranges(state, rank):
-        base = _round_up(start, LOCAL_ALIGN)
-        if base + size <= end:
-            return base
-    return None
+def node_room(state: PoolState, rank: int) -> int:
+    """Bytes of node *rank*'s memory the pool's regions leave, by the switch's count."""
+    return int(state.nodes[rank].memory_bytes) - node_use(state, rank)[0]
 
 
-def plan_region(state: PoolState, size: int, interleave: int | None, ways: int | None,
-                rights: int, rkey: int, tenant: str, owner: str = "") -> Region:  # fmt: skip
-    """Where a new region goes (pure: the caller registers and saves)."""
+def region_shape(nodes: int, size: int, interleave: int | None, ways: int | None) -> tuple[int, int, int]:
+    """(stride, ways, backing bytes per way) of a new region, checked (BAD_FIELD)."""
     if size <= 0:
         raise ControllerError(f"size {size} must be positive")
-    nodes = len(state.nodes)
     if ways is not None and not 1 <= ways <= nodes:
         raise ControllerError(f"--ways {ways} does not fit a pool of {nodes} nodes: give 1..{nodes}")
     if ways is not None and not interleave:
@@ -111,28 +124,26 @@ def plan_region(state: PoolState, size: int, interleave: int | None, ways: int |
     if interleave:
         if interleave % STRIDE_ALIGN or interleave < STRIDE_ALIGN:
             raise ControllerError(f"interleave stride {interleave} must be a positive multiple of {STRIDE_ALIGN} (e.g. 8KiB)")
-        count = min(ways or nodes, nodes)
-        if count < 1:
-            raise ControllerError(f"ways must be 1..{nodes}")
-        stride = interleave
+        count, stride = min(ways or nodes, nodes), interleave
     else:
         count, stride = 1, 0
-    per = backing_per_way(size, stride, count)
-    # Ways on the nodes with the most free bytes (ties: lower rank), one way per node.
-    by_room = sorted(range(nodes), key=lambda r: (-sum(e - s for s, e in free_ranges(state, r)), r))
-    chosen = []
-    for rank in by_room:
-        base = first_fit(state, rank, per)
-        if base is not None:
-            chosen.append(Way(rank, base, per))
-        if len(chosen) == count:
-            break
-    if len(chosen) < count:
-        raise ControllerError(f"no room for {size} bytes: {count} node(s) need {per} free bytes each; "
-                              f"{room_hint(state, size, interleave)}", Status.NO_SPACE)  # fmt: skip
-    chosen.sort(key=lambda w: w.node)
-    gaddr = _round_up(state.next_gaddr, GLOBAL_ALIGN)
-    return Region(gaddr, size, rkey, rights, stride, tuple(chosen), tenant, owner=owner)
+    return stride, count, backing_per_way(size, stride, count)
+
+
+def candidate_nodes(state: PoolState, per: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Nodes that can take a way of *per* bytes by the switch's count (the bytes and a free slot
+    of the region table), most free bytes first (ties: lower rank): the order ALLOC asks them."""
+    fits = []
+    for rank in range(len(state.nodes)):
+        used, slots = node_use(state, rank)
+        if rank not in exclude and slots < NODE_REGION_SLOTS and used + page_round(per) <= state.nodes[rank].memory_bytes:
+            fits.append(rank)
+    return sorted(fits, key=lambda r: (-node_room(state, r), r))
+
+
+def next_gaddr(state: PoolState) -> int:
+    """The global address of the next region (never one handed out before)."""
+    return _round_up(state.next_gaddr, GLOBAL_ALIGN)
 
 
 #: The stride a hint suggests (the CLI's example): any multiple of STRIDE_ALIGN works.
@@ -140,18 +151,18 @@ HINT_STRIDE = max(8192, STRIDE_ALIGN)
 
 
 def _fits(state: PoolState, size: int, stride: int, count: int) -> bool:
-    """Whether plan_region would place *size* bytes in *count* ways of *stride* now."""
-    per = backing_per_way(size, stride, count)
-    return sum(first_fit(state, rank, per) is not None for rank in range(len(state.nodes))) >= count
+    """Whether *count* nodes have room for ways of a region of *size* bytes and *stride*, by the
+    switch's count."""
+    return len(candidate_nodes(state, backing_per_way(size, stride, count))) >= count
 
 
 def room_hint(state: PoolState, size: int, interleave: int | None) -> str:
     """What the pool has free for a region of *size* bytes that found no room, and only the
     steps that would really help (each checked against *state*, none guessed)."""
     nodes = len(state.nodes)
-    ranges = [(_round_up(s, LOCAL_ALIGN), e) for r in range(nodes) for s, e in free_ranges(state, r)]
-    total = sum(max(e - s, 0) for s, e in ranges)
-    largest = max((e - s for s, e in ranges), default=0)
+    rooms = [node_room(state, r) if node_use(state, r)[1] < NODE_REGION_SLOTS else 0 for r in range(nodes)]
+    total = sum(max(room, 0) for room in rooms)
+    largest = max(rooms, default=0)
     steps = []
     if not interleave and nodes > 1 and _fits(state, size, HINT_STRIDE, nodes):
         steps.append(f"--interleave {format_size(HINT_STRIDE)} spreads it over the {nodes} nodes")
@@ -160,8 +171,8 @@ def room_hint(state: PoolState, size: int, interleave: int | None) -> str:
     if state.regions:
         steps.append("free regions (`netdam pool list` shows them, `netdam pool free` frees one)")
     steps.append("or start the cluster with more memory per node (`netdam up --switch --memory SIZE`)")
-    return (f"the pool has {_bytes(total)} free over {nodes} node(s), at most {_bytes(largest)} in one "
-            "piece: " + "; ".join(steps))
+    return (f"the pool has {_bytes(total)} free over {nodes} node(s), at most {_bytes(largest)} on one "
+            "node: " + "; ".join(steps))
 
 
 def _bytes(n: int) -> str:
@@ -180,17 +191,37 @@ def region_info(region: Region, credential: int = 0) -> RegionInfo:
                       region.tenant)  # fmt: skip
 
 
+def record_bytes(ways: int) -> int:
+    """Bytes of the ACK that carries the record of a region of *ways* ways (SPEC.md 11.9)."""
+    return int(HEADER_SIZE + REGION_INFO.size + ways * REGION_WAY.size)
+
+
 def region_from_info(info: RegionInfo) -> Region:
     extra: dict[str, object] = {"credential": info.credential} if info.credential else {}
     return Region(info.gaddr, info.size, info.rkey, info.rights, info.stride,
                   tuple(Way(w.node, w.local, w.size) for w in info.ways), info.label, extra=extra)  # fmt: skip
 
 
+def quota_check(state: PoolState, owner: str, footprint: int) -> str | None:
+    """Why the tenant *owner* may not take one more region of *footprint* bytes (None: it may)."""
+    held, regions = state.usage(owner)
+    quota = state.quota_of(owner)
+    label = state.tenants.get(owner, "") or short_digest(owner)
+    if quota.regions is not None and regions + 1 > quota.regions:
+        return f"region quota: tenant {label!r} holds {regions} of its {quota.regions} regions"
+    limit = state.byte_limit(owner)
+    if held + footprint > limit:
+        return f"byte quota: tenant {label!r} holds {held} of its {limit} B; this region takes {footprint} B"
+    return None
+
+
 class NodeAgent(Protocol):
     """How the pool service reaches the nodes (the switch process gives it a UDP client)."""
 
-    def register(self, node: tuple[str, int], base: int, size: int, rights: int, rkey: int) -> Status:
-        """REGISTER on *node*: OK, or the node's NACK status (TIMEOUT: no answer)."""
+    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int) -> tuple[Status, int]:
+        """REGISTER of *size* bytes under *rkey* on *node*, placed by the node itself
+        (REGISTER_ANYWHERE): (OK, the local base the node chose), or (its NACK status, 0);
+        TIMEOUT: no answer."""
         ...
 
     def deregister(self, node: tuple[str, int], rkey: int) -> Status:
@@ -198,7 +229,7 @@ class NodeAgent(Protocol):
 
 
 class PoolService:
-    """ALLOC, FREE and QUERY at the switch (SPEC.md 11.9): authorisation, allocation,
+    """ALLOC, FREE and QUERY at the switch (SPEC.md 11.9): authorisation, quotas, placement,
     registration on the nodes, persistence. ``on_change(state)`` is called after every change so
     the switch swaps its map before the ACK leaves."""
 
@@ -210,21 +241,26 @@ class PoolService:
         self.on_change = on_change
         self._replies: OrderedDict[tuple[int, int, int], PoolReply] = OrderedDict()
 
-    def handle(self, packet: Packet, src: int) -> PoolReply:
+    def handle(self, packet: Packet, src: int, proven: bool = True) -> PoolReply:
         """The answer to one ALLOC/FREE/QUERY from *src*; a retry of an ALLOC or FREE that
-        succeeded (same source, client id and txn id) gets the same answer and changes nothing."""
+        succeeded (same source, client id and txn id) gets the same answer and changes nothing.
+        *proven*: *src* showed it receives at its address (SPEC.md 12.4); else no answer exceeds
+        AMPLIFICATION_FACTOR times the request."""
         key = (src, packet.client_id, packet.txn_id)
         if packet.opcode != Opcode.QUERY and key in self._replies:
             self._replies.move_to_end(key)
             return self._replies[key]
+        # The most bytes an ACK to this sender may have (None: no limit).
+        room = None if proven else AMPLIFICATION_FACTOR * (HEADER_SIZE + packet.length)
         try:
             if packet.rkey not in (0, self.cluster.admin_key):
                 return PoolReply(Status.UNAUTHORIZED)
             admin = packet.rkey == self.cluster.admin_key
             if packet.opcode == Opcode.ALLOC:
-                reply = self._alloc(unpack_alloc(packet.payload), admin)
+                reply = self._alloc(unpack_alloc(packet.payload), admin, room)
             else:
-                reply = self._free_or_query(packet.opcode, packet.addr, unpack_credential(packet.payload), admin)
+                reply = self._free_or_query(packet.opcode, packet.addr, unpack_credential(packet.payload), admin,
+                                            room)  # fmt: skip
         except RemoteProtocolError as exc:
             return PoolReply(exc.status, text=str(exc))
         if reply.status == Status.OK and packet.opcode != Opcode.QUERY:
@@ -235,7 +271,7 @@ class PoolService:
 
     # ------------------------------------------------------------------ the three requests
 
-    def _alloc(self, req: AllocRequest, admin: bool) -> PoolReply:
+    def _alloc(self, req: AllocRequest, admin: bool, room: int | None) -> PoolReply:
         if req.reserved:
             return PoolReply(Status.BAD_FIELD, text="ALLOC reserved byte must be 0")
         with locked(self.state_path):
@@ -254,7 +290,17 @@ class PoolService:
             if req.size == 0 or req.rights == 0 or req.rights & ~int(RIGHTS_ALL):
                 return PoolReply(Status.BAD_FIELD, text="size must be > 0, rights 1..7")
             try:
-                region = self._place(state, req, owner)
+                stride, count, per = region_shape(len(state.nodes), req.size, req.stride or None, req.ways or None)
+            except ControllerError as exc:
+                return PoolReply(Status.BAD_FIELD, text=str(exc))
+            if room is not None and record_bytes(count) > room:
+                return _unproven(record_bytes(count))
+            if not admin:  # the admin's own ALLOCs are the operator's decision: never refused QUOTA
+                refused = quota_check(state, owner, count * page_round(per))
+                if refused is not None:
+                    return PoolReply(Status.QUOTA, text=refused)
+            try:
+                region = self._place(state, req, stride, count, per, owner)
             except ControllerError as exc:
                 return PoolReply(Status(exc.status or Status.BAD_FIELD), text=str(exc))
             except _NodeRefused as exc:
@@ -267,21 +313,69 @@ class PoolService:
         self.on_change(state)
         return PoolReply(Status.OK, region_info(region, credential).encode(), rkey=region.rkey, addr=region.gaddr)
 
-    def _place(self, state: PoolState, req: AllocRequest, owner: str) -> Region:
-        """Plan the region and register its backing on the nodes under a fresh rkey."""
+    def _place(self, state: PoolState, req: AllocRequest, stride: int, count: int, per: int, owner: str) -> Region:
+        """Register the region's ways on nodes that take them, under a fresh rkey: the nodes the
+        switch's count says have room, most free bytes first; a node that refuses for room
+        (NO_SPACE: its memory or region table is full of registrations the switch does not
+        count; IN_USE) is skipped for the next. The region once every way is registered;
+        NO_SPACE (nothing registered) when too few nodes took one."""
         used = {r.rkey for r in state.regions}
+        full: set[int] = set()
         for _attempt in range(8):
             rkey = secrets.randbits(32)
             if rkey == 0 or rkey in used:
                 continue
-            region = plan_region(state, req.size, req.stride or None, req.ways or None, req.rights, rkey,
-                                 req.label, owner)  # fmt: skip
-            if self._register(state, region) == Status.EXISTS:  # a node uses that rkey: pick another
+            ways = self._register_ways(state, per, count, req.rights, rkey, full)
+            if ways is None:  # a node uses that rkey: pick another
                 continue
-            return region
+            if len(ways) < count:
+                refused = f"; node(s) {sorted(full)} refused for room" if full else ""
+                raise ControllerError(f"no room for {req.size} bytes: {count} node(s) need {per} free bytes and "
+                                      f"a region slot each{refused}; {room_hint(state, req.size, stride or None)}",
+                                      Status.NO_SPACE)  # fmt: skip
+            ways.sort(key=lambda w: w.node)
+            return Region(next_gaddr(state), req.size, rkey, req.rights, stride, tuple(ways), req.label, owner=owner)
         raise ControllerError("could not find an rkey free on every node in 8 tries", Status.NO_SPACE)
 
-    def _free_or_query(self, opcode: Opcode, addr: int, credential: int, admin: bool) -> PoolReply:
+    def _register_ways(self, state: PoolState, per: int, count: int, rights: int, rkey: int,
+                       full: set[int]) -> list[Way] | None:  # fmt: skip
+        """Up to *count* ways of *per* bytes registered under *rkey*, one per node, on the
+        candidates in order; nodes that refuse for room join *full*. Fewer than *count* ways
+        (none registered any more) when the candidates ran out; None (likewise) when a node
+        holds *rkey* already (EXISTS)."""
+        ways: list[Way] = []
+        for rank in candidate_nodes(state, per, frozenset(full)):
+            if len(ways) == count:
+                break
+            node = self._endpoint(state, rank)
+            status, local = self.agent.register(node, per, rights, rkey)
+            if status == Status.OK and _placed_inside(local, per, state.nodes[rank].memory_bytes):
+                ways.append(Way(rank, local, per))
+                continue
+            if status == Status.OK:  # an answer no node of this protocol gives: take nothing from it
+                self.agent.deregister(node, rkey)
+                self._undo(state, ways, rkey)
+                raise _NodeRefused(Status.BAD_FIELD, f"node {rank} placed the backing at 0x{local:x}, outside its "
+                                   "memory: does it run a netdam without REGISTER_ANYWHERE (SPEC.md 6.1)?")  # fmt: skip
+            if status in (Status.NO_SPACE, Status.IN_USE):
+                full.add(rank)
+                continue
+            self._undo(state, ways, rkey)
+            if status == Status.EXISTS:
+                return None
+            # OUT_OF_BOUNDS: the size fits its memory, so the node took REGISTER_ANYWHERE for a base.
+            old = " (does it run a netdam without REGISTER_ANYWHERE, SPEC.md 6.1?)" if status == Status.OUT_OF_BOUNDS else ""
+            raise _NodeRefused(status, f"node {rank} refused the backing of a new region: {status.name}{old}")
+        if len(ways) < count:
+            self._undo(state, ways, rkey)
+            return []
+        return ways
+
+    def _undo(self, state: PoolState, ways: list[Way], rkey: int) -> None:
+        for way in ways:
+            self.agent.deregister(self._endpoint(state, way.node), rkey)
+
+    def _free_or_query(self, opcode: Opcode, addr: int, credential: int, admin: bool, room: int | None) -> PoolReply:
         owner = credential_digest(credential) if credential else ""
         with locked(self.state_path):
             state = load_state(self.state_path)
@@ -295,6 +389,8 @@ class PoolService:
             if not match:
                 return PoolReply(Status.NO_ROUTE, text=f"no region of yours at 0x{addr:x}")
             region = match[0]
+            if room is not None and record_bytes(len(region.ways)) > room:
+                return _unproven(record_bytes(len(region.ways)))
             if opcode == Opcode.FREE:
                 state.regions.remove(region)
                 state.generation += 1
@@ -307,27 +403,23 @@ class PoolService:
 
     # ------------------------------------------------------------------ nodes
 
-    def _register(self, state: PoolState, region: Region) -> Status:
-        done: list[Way] = []
-        for way in region.ways:
-            node = self._endpoint(state, way.node)
-            status = self.agent.register(node, way.local, way.size, region.rights, region.rkey)
-            if status != Status.OK:
-                for back in done:
-                    self.agent.deregister(self._endpoint(state, back.node), region.rkey)
-                if status == Status.EXISTS:
-                    return status
-                raise _NodeRefused(status, f"node {way.node} refused the backing of a new region: {status.name}")
-            done.append(way)
-        return Status.OK
-
     def _endpoint(self, state: PoolState, rank: int) -> tuple[str, int]:
-        heap = state.nodes[rank]
+        pooled = state.nodes[rank]
         entry = self.cluster.nodes[rank]
-        if entry.endpoint != heap.endpoint:
-            raise _NodeRefused(Status.BAD_FIELD, f"state file names node {rank} {heap.endpoint}, the cluster "
+        if entry.endpoint != pooled.endpoint:
+            raise _NodeRefused(Status.BAD_FIELD, f"state file names node {rank} {pooled.endpoint}, the cluster "
                                f"file {entry.endpoint}: they belong to different clusters")  # fmt: skip
         return (str(entry.address), int(entry.port))
+
+
+def _placed_inside(local: int, size: int, memory_bytes: int) -> bool:
+    return local % LOCAL_ALIGN == 0 and 0 <= local and local + size <= memory_bytes
+
+
+def _unproven(answer: int) -> PoolReply:
+    """The NACK to a sender without its address token whose ACK would be too big (SPEC.md 12.4)."""
+    return PoolReply(Status.BAD_FIELD, text=f"answer of {answer} B is over {AMPLIFICATION_FACTOR}x the request: "
+                     "PING the VIP, send its token in aux_addr (SPEC 12.4)")  # fmt: skip
 
 
 class _NodeRefused(Exception):
@@ -342,24 +434,29 @@ class UdpNodeAgent:
     def __init__(self, admin_key: int) -> None:
         self.client = ControlClient(admin_key=admin_key)
 
-    def register(self, node: tuple[str, int], base: int, size: int, rights: int, rkey: int) -> Status:
-        packet = Packet(Opcode.REGISTER, rkey=self.client.admin_key, addr=base, aux_addr=size, length=8,
-                        payload=pack_key_rights(rkey, rights))  # fmt: skip
-        return self._call(node, packet)
+    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int) -> tuple[Status, int]:
+        packet = Packet(Opcode.REGISTER, rkey=self.client.admin_key, addr=REGISTER_ANYWHERE, aux_addr=size,
+                        length=8, payload=pack_key_rights(rkey, rights))  # fmt: skip
+        try:
+            reply = self.client.request(node, packet, timeout=NODE_TIMEOUT_S, retries=NODE_RETRIES)
+        except ControlError as exc:
+            return _status_of(exc), 0
+        return Status.OK, int(reply.addr)  # the base the node chose (SPEC.md 6.1)
 
     def deregister(self, node: tuple[str, int], rkey: int) -> Status:
         packet = Packet(Opcode.DEREGISTER, rkey=self.client.admin_key, length=8, payload=pack_key_rights(rkey, 0))
-        return self._call(node, packet)
-
-    def _call(self, node: tuple[str, int], packet: Packet) -> Status:
         try:
             self.client.request(node, packet, timeout=NODE_TIMEOUT_S, retries=NODE_RETRIES)
         except ControlError as exc:
-            return Status(exc.status) if exc.status is not None else Status.TIMEOUT
+            return _status_of(exc)
         return Status.OK
 
     def close(self) -> None:
         self.client.close()
+
+
+def _status_of(exc: ControlError) -> Status:
+    return Status(exc.status) if exc.status is not None else Status.TIMEOUT
 
 
 class PoolController:
@@ -379,6 +476,7 @@ class PoolController:
         self.state_path = Path(state_path) if state_path else default
         self.timeout = timeout
         self.credential = credential
+        self._client: ControlClient | None = None
 
     @property
     def switch(self) -> SwitchEntry:
@@ -455,15 +553,40 @@ class PoolController:
         return region_from_info(unpack_region_info(reply.payload))
 
     def _request(self, opcode: Opcode, addr: int, payload: bytes) -> Packet:
-        """Send one pool request to the VIP (admin key unless a credential is set)."""
+        """Send one pool request to the VIP (admin key unless a credential is set), with this
+        socket's address-validation token in aux_addr: an answer over 3x the request (a region
+        record of many ways) needs it (SPEC.md 12.4). The first request PINGs for the token."""
         vip = self.switch.vip
         rkey = 0 if self.credential else self.cluster.admin_key
-        packet = Packet(opcode, rkey=rkey, addr=addr, length=len(payload), payload=payload)
-        with ControlClient() as client:
-            try:
-                return client.request(vip, packet, timeout=self.timeout, retries=REQUEST_RETRIES)
-            except ControlError as exc:
-                raise ControllerError(_explain(opcode, addr, exc), exc.status) from None
+        client = self._vip_client()
+        try:
+            if vip not in client.tokens:
+                client.tokens[vip] = client.request(vip, Packet(Opcode.PING), timeout=self.timeout,
+                                                    retries=REQUEST_RETRIES).aux_addr  # fmt: skip
+            packet = Packet(opcode, rkey=rkey, addr=addr, aux_addr=client.tokens[vip], length=len(payload),
+                            payload=payload)  # fmt: skip
+            return client.request(vip, packet, timeout=self.timeout, retries=REQUEST_RETRIES)
+        except ControlError as exc:
+            raise ControllerError(_explain(opcode, addr, exc), exc.status) from None
+
+    def _vip_client(self) -> ControlClient:
+        """One socket for every request of this controller: its token stays valid."""
+        if self._client is None:
+            self._client = ControlClient()
+            # Controllers are often dropped without close(): the socket goes with the object.
+            weakref.finalize(self, self._client.close)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> PoolController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ groups
 
@@ -497,5 +620,7 @@ def _explain(opcode: Opcode, addr: int, exc: ControlError) -> str:
         Status.UNAUTHORIZED: "the switch refused the key: pass the cluster file's admin key or the "
                              "tenant credential that ALLOC returned",
         Status.BAD_FIELD: "the switch refused the request's fields (size, stride, ways or rights)",
+        Status.QUOTA: f"{exc.payload.decode(errors='replace')}: `netdam pool quota --cluster FILE` shows each "
+                      "tenant's quota and use; free regions of this tenant, or the admin raises its quota",
     }.get(Status(status), str(exc))  # fmt: skip
     return f"{opcode.name} refused ({Status(status).name}): {hint}"

@@ -23,7 +23,7 @@ from netdam.core.faults import FaultSpec
 from netdam.core.guard import GuardConfig
 from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import switch_path as K
-from netdam.kernels.guard import G_NOW, address_token, record_failure
+from netdam.kernels.guard import G_FACTOR, G_NOW, address_token, record_failure
 from netdam.kernels.state import (
     FCLOCK_NOW,
     TXQ_TAIL,
@@ -37,7 +37,9 @@ from netdam.kernels.state import (
 )
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    AMPLIFICATION_FACTOR,
     DEFAULT_MTU,
+    HEADER_SIZE,
     IP_UDP_OVERHEAD,
     MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
@@ -109,6 +111,9 @@ class SwitchConfig:
     tx_slots: int = 256
     #: Lockout and anti-amplification for clients (SPEC.md 12); the switch process turns it on.
     guard: GuardConfig = field(default_factory=GuardConfig)
+    #: The pool's capacity, the sum of the nodes' memory: what INFO reports as memory (never
+    #: what the regions map, which would show every tenant the others' allocations).
+    pool_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ class PoolHandler(Protocol):
     """The switch's allocator (``netdam.switch.controller.PoolService``): answers ALLOC, FREE
     and QUERY (SPEC.md 11.9)."""
 
-    def handle(self, packet: Packet, src: int) -> PoolReply: ...
+    def handle(self, packet: Packet, src: int, proven: bool = True) -> PoolReply: ...
 
 
 @dataclass
@@ -441,9 +446,8 @@ class SwitchCore(CoreBase):
             self.counters[C.DROP_UNEXPECTED_REPLY] += 1  # the switch asks nobody anything
             return
         if packet.opcode == Opcode.PING:
-            mapped = sum(r.size for r in self.regions)
-            info = INFO.pack(PROTOCOL_VERSION, self.config.mtu, mapped, max_payload(self.config.mtu),
-                                    MAX_SEGMENTS, SWITCH_RANK, len(self.config.nodes))  # fmt: skip
+            info = INFO.pack(PROTOCOL_VERSION, self.config.mtu, self.config.pool_bytes, max_payload(self.config.mtu),
+                             MAX_SEGMENTS, SWITCH_RANK, len(self.config.nodes))  # fmt: skip
             # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
             self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
             return
@@ -481,12 +485,24 @@ class SwitchCore(CoreBase):
             text = b"this switch runs without a pool controller (start it with --cluster and --state)"
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
             return
-        answer = self.pool.handle(packet, src)
+        answer = self.pool.handle(packet, src, self._proven(packet, src))
         if answer.status == Status.UNAUTHORIZED:
             self._failed(src)
         reply = packet if answer.addr is None else replace(packet, addr=answer.addr)
-        payload = answer.payload if answer.status == Status.OK else answer.text.encode()[:MAX_NACK_TEXT]
+        if answer.status == Status.OK:
+            payload = answer.payload
+        else:  # even the explanation stays within 3x the request (SPEC.md 12.4)
+            room = min(MAX_NACK_TEXT, AMPLIFICATION_FACTOR * (HEADER_SIZE + packet.length) - HEADER_SIZE)
+            payload = answer.text.encode()[:room].decode(errors="ignore").encode()
         self._reply(reply, src, answer.opcode, answer.status, payload=payload, rkey=answer.rkey)
+
+    def _proven(self, packet: Packet, src: int) -> bool:
+        """Whether *src* may get answers over 3x its request: a member, a switch without the
+        anti-amplification limit, or a client whose aux_addr is its address token (SPEC.md 12.4)."""
+        if src in self._trusted or self.guard.cfg[G_FACTOR] == 0.0:
+            return True
+        token = int(packet.aux_addr)
+        return token != 0 and token == address_token(self.guard, src)
 
 
 def counters_from_payload(payload: bytes) -> dict[str, object]:

@@ -34,7 +34,7 @@ from netdam.shell.udp import open_control_socket, open_udp_socket
 from netdam.switch.controller import PoolService, UdpNodeAgent
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
 from netdam.switch.state import (
-    NodeHeap,
+    PoolNode,
     PoolState,
     file_stamp,
     load_state,
@@ -63,21 +63,9 @@ class SwitchProcessConfig:
     guard: bool = True
 
 
-#: The last bytes of every node's memory the pool never hands out: node-local scratch for clients
-#: that talk to a node directly (examples/plain_socket_client.py registers its region there), so
-#: they never alias pool memory. One 4 KiB page: the pool's allocation granule.
-NODE_LOCAL_RESERVE = 4096
-
-
 def initial_state(cluster: ClusterFile) -> PoolState:
-    """A fresh pool over every node's memory but its last NODE_LOCAL_RESERVE bytes."""
-    return PoolState(nodes=[NodeHeap(n.address, n.port, n.memory_bytes, 0, _heap_end(n.memory_bytes))
-                            for n in cluster.nodes])  # fmt: skip
-
-
-def _heap_end(memory_bytes: int) -> int:
-    # Tiny nodes (tests) keep their whole memory: a reserve bigger than half would leave no pool.
-    return memory_bytes - NODE_LOCAL_RESERVE if memory_bytes >= 4 * NODE_LOCAL_RESERVE else memory_bytes
+    """A fresh pool over the cluster's nodes (each places the backing of its ways itself)."""
+    return PoolState(nodes=[PoolNode(n.address, n.port, n.memory_bytes) for n in cluster.nodes])
 
 
 def open_state(cluster: ClusterFile, path: Path) -> PoolState:
@@ -118,7 +106,7 @@ class SwitchProcess(ServeLoop):
         self.core = SwitchCore(
             SwitchConfig(vip=self.vip, nodes=tuple(cluster.endpoints), admin_key=cluster.admin_key,
                          mtu=config.mtu, seed=config.seed, tx_slots=4 * ROUND_DATAGRAMS,
-                         guard=GuardConfig.on() if config.guard else GuardConfig()),
+                         guard=GuardConfig.on() if config.guard else GuardConfig(), pool_bytes=state.capacity),
             state.regions, state.generation,
         )  # fmt: skip
         self.core.set_groups(state.groups)

@@ -43,7 +43,7 @@ from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.switch.controller import PoolService, credential_digest
 from netdam.switch.core import SwitchConfig, SwitchCore
-from netdam.switch.state import NodeHeap, PoolState, save_state
+from netdam.switch.state import PoolNode, PoolState, save_state
 from netdam.tools.fuzz.generator import (
     EV_NACK,
     MUTATIONS,
@@ -191,7 +191,7 @@ class _NoAllocation:
     """The nodes as the allocator would reach them: the fuzzer holds neither the admin key nor a
     tenant credential, so no ALLOC of it may ever get as far as registering a backing."""
 
-    def register(self, node: Endpoint, base: int, size: int, rights: int, rkey: int) -> Status:
+    def register(self, node: Endpoint, size: int, rights: int, rkey: int) -> tuple[Status, int]:
         raise AssertionError(f"a fuzzed ALLOC passed the allocator's checks: REGISTER on {node}")
 
     def deregister(self, node: Endpoint, rkey: int) -> Status:
@@ -208,8 +208,8 @@ def _pool_service() -> PoolService:
     """The allocator the switch process attaches (ALLOC, FREE, QUERY; SPEC.md 11.9), on a state
     file with one tenant the fuzzer does not know."""
     path = _pool_state_file()
-    heaps = [NodeHeap(ip, port, MEMORY, MEMORY // 2, MEMORY) for ip, port in NODES]
-    save_state(path, PoolState(nodes=heaps, tenants={credential_digest(0x7E4A47): "tenant"}))
+    pooled = [PoolNode(ip, port, MEMORY) for ip, port in NODES]
+    save_state(path, PoolState(nodes=pooled, tenants={credential_digest(0x7E4A47): "tenant"}))
     entries = tuple(NodeEntry(rank=r, address=ip, port=port) for r, (ip, port) in enumerate(NODES))
     return PoolService(
         ClusterFile(name="fuzz", admin_key=ADMIN, mtu=9000, nodes=entries), path, _NoAllocation()

@@ -66,8 +66,8 @@ def make_pool(faults: FaultSpec | None = None, seed: int = 0) -> Pool:
     for region in (inter, ranged):  # what the controller does: same rkey, exact backing range
         for way in region.ways:
             nodes[way.node].register_region(way.local, way.size, Rights(region.rights), rkey=region.rkey)
-    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=seed),
-                        [inter, ranged], generation=1)  # fmt: skip
+    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=seed,
+                                     pool_bytes=3 << 20), [inter, ranged], generation=1)  # fmt: skip
     fabric.add_core(VIP, switch)
     fabric.add_endpoint(CLIENT)
     fabric.add_endpoint(OTHER)
@@ -199,8 +199,8 @@ def test_multicast_fan_out_and_membership(pool: Pool) -> None:
 def test_control_at_the_switch(pool: Pool) -> None:
     [(info, src)] = pool.request(Packet(Opcode.PING))
     assert info.opcode == Opcode.INFO and src == VIP
-    version, mtu, mapped, _, _, rank, world = struct.unpack("<IIQIIII", info.payload)
-    assert (version, rank, world, mapped) == (1, 0xFFFFFFFF, 3, pool.inter.size + pool.ranged.size)
+    version, mtu, memory, _, _, rank, world = struct.unpack("<IIQIIII", info.payload)
+    assert (version, rank, world, memory) == (1, 0xFFFFFFFF, 3, 3 << 20)  # the capacity, not what is mapped
     [(nack, _)] = pool.request(Packet(Opcode.REGISTER, rkey=ADMIN, length=8, aux_addr=64, payload=bytes(8)))
     assert nack.status == Status.BAD_FIELD and b"netdam pool alloc" in nack.payload
     pool.fabric.send(CLIENT, VIP, b"\x01\x01" + bytes(20))  # shorter than a header: dropped

@@ -1,4 +1,4 @@
-"""``netdam pool alloc|free|query|write|read|list|stats`` and ``netdam switch``: the memory pool.
+"""``netdam pool alloc|free|query|write|read|list|stats|quota`` and ``netdam switch``: the memory pool.
 
 alloc, free, query and list talk to the switch's VIP with ALLOC, FREE and QUERY (SPEC.md 11.9),
 the datagrams any client may send."""
@@ -55,6 +55,19 @@ def _credential(text: str) -> int:
     if not 0 < value < 1 << 64:
         raise argparse.ArgumentTypeError(f"credential {text!r} must be a non-zero 64-bit number")
     return value
+
+
+def _quota_bytes(text: str) -> tuple[int | None, float | None]:
+    """--bytes: (bytes, None) for a size, (None, percent) for PCT%."""
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid share {text!r}: give a percent, e.g. 25%") from None
+        if not 0 <= percent <= 100:
+            raise argparse.ArgumentTypeError(f"share {text!r} must be 0%..100%")
+        return None, percent
+    return size_arg(text), None
 
 
 def _credential_arguments(parser: argparse.ArgumentParser, what: str) -> None:
@@ -151,6 +164,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     common(stats)
     stats.set_defaults(func=run_stats)
 
+    quota = cmds.add_parser("quota", help="tenants' quotas and use; set the default or a tenant's",
+                            description="What a tenant may hold of the pool: bytes and regions "
+                            "(SPEC.md 11.9). Without --bytes or --regions: print every quota and "
+                            "each tenant's use. The admin key's own ALLOCs are never limited. "
+                            "Writes the pool state file (run it where the switch's state file is).")  # fmt: skip
+    common(quota)
+    who = quota.add_mutually_exclusive_group()
+    who.add_argument("--default", action="store_true", help="the quota of tenants without their own")
+    who.add_argument("--tenant", metavar="LABEL_OR_DIGEST_PREFIX", default=None,
+                     help="one tenant: its label, or the start of its credential's digest (quota shows them)")
+    quota.add_argument("--bytes", type=_quota_bytes, default=None, metavar="SIZE|PCT%",
+                       help="bytes the tenant may hold: a size (e.g. 64MiB) or a share of the pool (e.g. 25%%)")
+    quota.add_argument("--regions", type=bounded_int(0, 1 << 31), default=None, metavar="N",
+                       help="regions the tenant may hold")
+    quota.set_defaults(func=run_quota)
+
 
 def _controller(args: argparse.Namespace) -> Any:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
@@ -193,6 +222,8 @@ def run_alloc(args: argparse.Namespace) -> int:
     except ControllerError as exc:
         if exc.status == Status.NO_SPACE:
             raise CommandError(_no_room(ctl, args), ExitCode.USAGE) from None
+        if exc.status == Status.QUOTA:  # as NO_SPACE: a request the pool will not grant as it is
+            raise CommandError(str(exc), ExitCode.USAGE) from None
         raise CommandError(str(exc), ExitCode.RUN_FAILED) from None
     vip = ctl.switch.vip
     credential = int(region.extra.get("credential", 0))
@@ -375,3 +406,51 @@ def run_stats(args: argparse.Namespace) -> int:
                      f"writes {r['writes']}, atomics {r['atomics']}, nacks {r['nacks']}")  # fmt: skip
     emit({"ok": True, **values}, args.json, text="\n".join(lines))
     return ExitCode.OK
+
+
+def run_quota(args: argparse.Namespace) -> int:
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
+    from netdam.switch.controller import ControllerError, PoolController
+    from netdam.switch.state import (
+        BUILTIN_QUOTA,
+        Quota,
+        find_tenant,
+        load_state,
+        set_quota,
+        short_digest,
+    )
+
+    setting = args.bytes is not None or args.regions is not None
+    if setting and not (args.default or args.tenant):
+        raise CommandError("--bytes and --regions set a quota: say whose, --default or --tenant LABEL", ExitCode.USAGE)
+    try:
+        path = PoolController(args.cluster).state_path
+        state = load_state(path)
+        owner = find_tenant(state, args.tenant) if args.tenant else None
+        if setting:
+            size, percent = args.bytes if args.bytes is not None else (None, None)
+            state = set_quota(path, owner, Quota(size, percent, args.regions))
+    except (ControllerError, ValueError, OSError) as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    shown = [owner] if owner else sorted(state.tenants, key=lambda d: (state.tenants[d], d))
+    rows = []
+    for digest in shown:
+        held, regions = state.usage(digest)
+        rows.append({"tenant": state.tenants[digest], "digest": digest, "bytes": held,
+                     "bytes_quota": state.byte_limit(digest), "regions": regions,
+                     "regions_quota": state.quota_of(digest).regions,
+                     "own": state.quotas.get(digest, Quota()).to_json()})  # fmt: skip
+    default = BUILTIN_QUOTA.merged(state.default_quota)
+    lines = [f"pool {format_size(state.capacity)}; default quota {_quota_text(default, state.capacity)}"]
+    lines += [f"{r['tenant'] or '-':<16} {short_digest(r['digest'])}  bytes {format_size(r['bytes'])} of "
+              f"{format_size(r['bytes_quota'])}, regions {r['regions']} of {r['regions_quota']}"
+              f"{' (own quota)' if r['own'] else ''}" for r in rows]  # fmt: skip
+    emit({"ok": True, "capacity": state.capacity, "default": default.to_json(), "tenants": rows}, args.json,
+         text="\n".join(lines))  # fmt: skip
+    return ExitCode.OK
+
+
+def _quota_text(quota: Any, capacity: int) -> str:
+    share = f"{quota.percent:g}% ({format_size(int(capacity * quota.percent / 100))})" if quota.percent is not None \
+        else format_size(quota.bytes)
+    return f"{share}, {quota.regions} regions"

@@ -32,11 +32,13 @@ INFO_FIELDS = (
 
 
 class ControlError(NetdamError):
-    """A control request failed: timeout (``status`` None) or NACK (``status`` set)."""
+    """A control request failed: timeout (``status`` None) or NACK (``status`` set; ``payload``:
+    the NACK's, e.g. the switch allocator's UTF-8 explanation, SPEC.md 11.9)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, payload: bytes = b"") -> None:
         super().__init__(message)
         self.status = status
+        self.payload = payload
 
 
 class ControlClient:
@@ -91,7 +93,7 @@ class ControlClient:
                     if reply.opcode == Opcode.NACK:
                         raise ControlError(
                             f"{packet.opcode.name} to {node[0]}:{node[1]} refused: {reply.status.name}",
-                            int(reply.status),
+                            int(reply.status), bytes(reply.payload),
                         )
                     return reply
         raise ControlError(f"no answer from {node[0]}:{node[1]} to {packet.opcode.name} "

@@ -75,8 +75,8 @@ from netdam.protocol.packet import (
     endpoint_to_u64,
 )
 from netdam.protocol.payloads import pack_key_rights, pack_sparse_prefix
-from netdam.switch.addrmap import GLOBAL_BASE, Region
-from netdam.switch.state import NodeHeap, PoolState
+from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, page_round
+from netdam.switch.state import PoolNode, PoolState
 
 TARGETS = ("node", "switch")
 _T = TypeVar("_T")
@@ -265,18 +265,25 @@ def node_regions_of_pool(pool: Sequence[Region], nodes: int) -> tuple[tuple[Node
 
 
 def plan_pool(nodes: Sequence[Endpoint], memory_bytes: int, seed: int) -> tuple[Region, ...]:
-    """The regions of POOL_PLAN placed as the pool controller places them (its pure planner),
-    with rkeys from *seed*: for tests that run the switch in memory."""
+    """The regions of POOL_PLAN on the nodes the pool controller picks (its pure choice), each
+    way's backing where a node with nothing else registered puts it (first fit, page-aligned:
+    SPEC.md 6.1), with rkeys from *seed*: for tests that run the switch in memory."""
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
-    from netdam.switch.controller import plan_region
+    from netdam.switch.controller import candidate_nodes, next_gaddr, region_shape
 
-    state = PoolState(nodes=[NodeHeap(ep[0], ep[1], memory_bytes, 0, memory_bytes) for ep in nodes])
-    for rkey, (size, stride, rights) in zip(
+    state = PoolState(nodes=[PoolNode(ep[0], ep[1], memory_bytes) for ep in nodes])
+    tops = [0] * len(nodes)  # each node's first free byte: the pool's regions are all it holds
+    for rkey, (size, interleave, rights) in zip(
         fuzz_rkeys(seed, len(POOL_PLAN)), POOL_PLAN, strict=True
     ):
-        region = plan_region(state, size, stride or None, None, rights, rkey, "fuzz")
+        stride, count, per = region_shape(len(nodes), size, interleave or None, None)
+        ways = []
+        for rank in sorted(candidate_nodes(state, per)[:count]):
+            ways.append(Way(rank, tops[rank], per))
+            tops[rank] += page_round(per)
+        region = Region(next_gaddr(state), size, rkey, rights, stride, tuple(ways), "fuzz")
         state.regions.append(region)
-        state.next_gaddr = region.gaddr + -(-region.size // (1 << 20)) * (1 << 20)
+        state.next_gaddr = region.end
     return tuple(state.regions)
 
 
