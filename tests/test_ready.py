@@ -117,3 +117,24 @@ def test_older_caches_of_this_install_are_removed(tmp_path: Path) -> None:
     second, _ = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(root)})
     assert second == first
     assert not stale.exists() and other_install.exists()
+
+
+@pytest.mark.slow
+def test_a_node_answers_the_first_register_sent_the_moment_its_cluster_file_exists(tmp_path: Path) -> None:
+    """SPEC.md 8.1, "When a node answers": before, a first REGISTER right after start got no
+    reply within a 1 s retry budget. The file is written once every node is ready: one try of
+    50 ms is enough, at the data port and at the management port."""
+    from netdam.cluster.control import ControlClient
+    from netdam.protocol.constants import REGISTER_ANYWHERE, Opcode, Rights
+    from netdam.protocol.packet import Packet
+    from netdam.protocol.payloads import pack_key_rights
+
+    with launch.start_cluster(1, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        node = cluster.info.nodes[0]
+        with ControlClient(admin_key=cluster.info.admin_key) as client:
+            for endpoint in (node.endpoint, node.control_endpoint):
+                register = Packet(Opcode.REGISTER, rkey=cluster.info.admin_key, addr=REGISTER_ANYWHERE,
+                                  aux_addr=4096, length=8, payload=pack_key_rights(0, int(Rights.READ)))  # fmt: skip
+                reply = client.request(endpoint, register, timeout=0.05, retries=0)
+                assert reply.opcode == Opcode.ACK and reply.addr == 0
+                client.deregister(endpoint, reply.rkey)

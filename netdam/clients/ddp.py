@@ -143,7 +143,6 @@ class NetdamHookState:
                 if not 0 <= epoch_base < 1 << 31:
                     raise ValueError(f"epoch_base must be in [0, 2**31), got {epoch_base}")
                 group.epoch = epoch_base
-            memory = group.memory.shape[0]
             limit = max(64, group.arena_size // 4 // 64 * 64)  # half the arena's netdam.empty room: the rest is the user's
             self.chunk_bytes = min(int(chunk_bytes), limit) // 64 * 64
             if self.chunk_bytes < 64:
