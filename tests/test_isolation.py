@@ -41,6 +41,10 @@ STRIDE = 8192
 ALL = int(Rights.READ | Rights.WRITE | Rights.ATOMIC)
 VICTIM_RKEY = 0xA11CE
 ATTACKER_RKEY = 0xB0B
+#: A collective's key (members only, SPEC.md 4.1) over each node's collective buffer: the
+#: attacker knows it, as if sniffed from the all-gather's multicast group.
+COLL_RKEY = 0xC011
+COLL_BASE, COLL_SIZE = 0x80000, 0x10000
 ATTEMPTS = 10_000
 #: Datagrams sent before the fabric runs to idle: keeps every NACK (no send queue overflow).
 BURST = 256
@@ -53,6 +57,12 @@ class Tenancy:
     endpoints: list[Endpoint]
     victim: Region
     attacker: Region
+
+    def secrets(self) -> list[tuple[int, int, int]]:
+        """(node, lo, hi) of every byte the attacker must never see: the victim's backing and
+        the collective's buffers."""
+        ways = [(w.node, w.local, w.local + w.size) for w in self.victim.ways]
+        return ways + [(n, COLL_BASE, COLL_BASE + COLL_SIZE) for n in range(NODES)]
 
     def own_ranges(self) -> dict[int, list[tuple[int, int]]]:
         """Node -> [lo, hi) ranges the attacker may legitimately write."""
@@ -80,6 +90,8 @@ def make_tenancy() -> Tenancy:
     for region in (victim, attacker):
         for way in region.ways:
             nodes[way.node].register_region(way.local, way.size, Rights(region.rights), rkey=region.rkey)
+    for node in nodes:
+        node.register_region(COLL_BASE, COLL_SIZE, Rights(ALL) | Rights.MEMBERS, rkey=COLL_RKEY)
     switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=0),
                         [victim, attacker], generation=1)  # fmt: skip
     fabric.add_core(VIP, switch)
@@ -206,6 +218,20 @@ def _reply_to_third_party(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoin
                        ret=BYSTANDER if rng.random() < 0.5 else t.endpoints[0])  # fmt: skip
 
 
+def _sniffed_collective_key(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """The collective's key, straight at a node: READ, WRITE, FETCH_ADD and ALL_WRITE of its
+    buffer (the attacker is no member, so the key names nothing for it)."""
+    node = int(rng.integers(0, NODES))
+    addr = COLL_BASE + int(rng.integers(0, COLL_SIZE // 8 - 8)) * 8
+    opcode = [Opcode.READ, Opcode.WRITE, Opcode.FETCH_ADD, Opcode.ALL_WRITE][int(rng.integers(0, 4))]
+    length = 8 if opcode == Opcode.FETCH_ADD else 64
+    payload = b"" if opcode == Opcode.READ else bytes(length)
+    return t.endpoints[node], Packet(opcode, flags=Flags.ACK_REQ if opcode != Opcode.READ else Flags.NONE,
+                                     rkey=COLL_RKEY, addr=addr, length=length,
+                                     dtype=DType.U64 if opcode == Opcode.FETCH_ADD else DType.RAW,
+                                     payload=payload, **_ids(rng))  # fmt: skip
+
+
 KINDS: dict[str, Attack] = {
     "read via switch": _data_op(Opcode.READ, True),
     "write via switch": _data_op(Opcode.WRITE, True),
@@ -222,6 +248,7 @@ KINDS: dict[str, Attack] = {
     "multicast write": _multicast_write,
     "control with guessed key": _control,
     "reply to third party": _reply_to_third_party,
+    "sniffed collective key": _sniffed_collective_key,
 }
 
 
@@ -254,7 +281,7 @@ def tenancy() -> Tenancy:
 def test_cross_tenant_attempts_all_fail(tenancy: Tenancy, kind: str) -> None:
     t = tenancy
     before = _snapshot(t)
-    secret = [bytes(before[w.node][w.local : w.local + w.size]) for w in t.victim.ways]
+    secret = [bytes(before[node][lo:hi]) for node, lo, hi in t.secrets()]
     node0_rx = int(t.nodes[0].counters[C.RX_PACKETS])
     replies = _run_kind(t, KINDS[kind], seed=sum(map(ord, kind)))
 

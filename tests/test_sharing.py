@@ -6,9 +6,15 @@ processes, a switch and plain sockets, as an unprivileged local user would."""
 
 from __future__ import annotations
 
-import socket
+import json
+import os
+import pwd
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,6 +36,7 @@ from netdam.protocol.constants import (
     Rights,
     Status,
 )
+from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.switch.controller import PoolController
 
@@ -113,28 +120,96 @@ def test_a_members_only_key_names_nothing_for_anyone_else() -> None:
     assert [e.packet.opcode for e in events if isinstance(e, ReplyReceived)] == [Opcode.READ_RESP]
 
 
-def _sniffer(group: Endpoint) -> socket.socket:
-    """A plain socket of an unprivileged user, joined to a collective's multicast group."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("", group[1]))
-    membership = socket.inet_aton(group[0]) + socket.inet_aton("127.0.0.1")
-    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
-    sock.setblocking(False)
-    return sock
+#: The attacker: an unprivileged local user with nothing but the standard library. It joins the
+#: collective's multicast group, waits for an ALL_WRITE, then uses the key it carried to READ a
+#: direct client's secret and the collective's buffer and to WRITE over the secret, and sends
+#: ALL_WRITEs of the next epoch (the sniffed key, and the key + 1) to the group and the node.
+#: argv: a JSON object with the addresses, the header's field offsets and the opcodes to use.
+ATTACKER_SCRIPT = r"""
+import json, socket, struct, sys, time
+a = json.loads(sys.argv[1])
+o = a["offsets"]
+sniff = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+sniff.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sniff.bind(("", a["group"][1]))
+sniff.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                 socket.inet_aton(a["group"][0]) + socket.inet_aton("127.0.0.1"))
+sniff.settimeout(0.2)
+print("ready", flush=True)
+seen, deadline = None, time.monotonic() + 60
+while seen is None and time.monotonic() < deadline:
+    try:
+        data = sniff.recv(65536)
+    except socket.timeout:
+        continue
+    if len(data) > 64 and data[o["opcode"]] == a["ALL_WRITE"]:
+        seen = bytearray(data)
+if seen is None:
+    print(json.dumps({"sniffed": False}), flush=True)
+    sys.exit(0)
+u32 = lambda b, f: struct.unpack_from("!I", b, o[f])[0]
+result = {"sniffed": True, "rkey": u32(seen, "rkey"), "coll_id": u32(seen, "coll_id"), "epoch": u32(seen, "epoch")}
+node = tuple(a["node"])
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.bind(("127.0.0.1", 0))
+probe.settimeout(1.0)
+
+def ask(opcode, addr, length, payload=b"", flags=0):
+    h = bytearray(seen[:64])
+    h[o["opcode"]] = opcode
+    for f in ("seq", "coll_id", "epoch", "ret_ip"):
+        struct.pack_into("!I", h, o[f], 0)
+    struct.pack_into("!H", h, o["flags"], flags)
+    struct.pack_into("!I", h, o["client_id"], 9)
+    struct.pack_into("!I", h, o["txn_id"], 1)
+    struct.pack_into("!I", h, o["length"], length)
+    struct.pack_into("!Q", h, o["addr"], addr)
+    struct.pack_into("!Q", h, o["aux_addr"], 0)
+    h[o["dtype"]] = 0
+    probe.sendto(bytes(h) + payload, node)
+    try:
+        reply = probe.recv(65536)
+    except socket.timeout:
+        return ["silence", 0]
+    return [reply[o["opcode"]], reply[o["status"]]]
+
+result["read_secret"] = ask(a["READ"], a["secret_at"], 64)
+result["read_buffer"] = ask(a["READ"], struct.unpack_from("!Q", seen, o["addr"])[0], 64)
+result["write_secret"] = ask(a["WRITE"], a["secret_at"], 8, b"owned!!!", flags=1)
+length = struct.unpack_from("!I", seen, o["length"])[0]
+for rkey in (result["rkey"], (result["rkey"] + 1) & 0xFFFFFFFF):
+    forged = bytearray(seen[:64]) + b"\xff" * length
+    struct.pack_into("!I", forged, o["epoch"], result["epoch"] + 1)
+    struct.pack_into("!I", forged, o["rkey"], rkey)
+    for _ in range(50):
+        probe.sendto(bytes(forged), tuple(a["group"]))
+        probe.sendto(bytes(forged), node)
+print(json.dumps(result), flush=True)
+"""
 
 
-def _sniffed(sock: socket.socket) -> list[Packet]:
-    packets = []
-    while True:
-        try:
-            data = sock.recv(65536)
-        except BlockingIOError:
-            return packets
-        try:
-            packets.append(decode_packet(data))
-        except Exception:  # noqa: BLE001 - anything on the group that is not NetDAM is skipped
-            continue
+def _attacker_command(script: str, arg: str) -> tuple[list[str], dict[str, Any]]:
+    """The command and Popen arguments that run *script* (standard library only) as the
+    unprivileged user `nobody` when the tests run as root (the local attacker of SPEC.md 12.1),
+    with an interpreter `nobody` may run; as the test user, unprivileged already, otherwise."""
+    if os.geteuid() != 0:
+        return [sys.executable, "-c", script, arg], {}
+    nobody = pwd.getpwnam("nobody")
+    runnable = [p for p in (sys.executable, shutil.which("python3") or "", "/usr/bin/python3")
+                if p and _runs_as(p, nobody.pw_uid, nobody.pw_gid)]  # fmt: skip
+    if not runnable:
+        pytest.skip("no Python interpreter the user nobody may run: the attacker must be unprivileged")
+    return [runnable[0], "-c", script, arg], {"user": nobody.pw_uid, "group": nobody.pw_gid,
+                                              "extra_groups": [], "cwd": "/"}  # fmt: skip
+
+
+def _runs_as(python: str, uid: int, gid: int) -> bool:
+    try:
+        probe = subprocess.run([python, "-c", "pass"], user=uid, group=gid, extra_groups=[], cwd="/",
+                               capture_output=True, check=False)  # fmt: skip
+    except OSError:  # not executable by that user (e.g. under root's home)
+        return False
+    return probe.returncode == 0
 
 
 @pytest.mark.slow
@@ -142,48 +217,45 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
     """Before: an all-gather's ALL_WRITEs carried one key for all node memory, valid forever;
     with it a local user read and overwrote a tenant's secret, and forged next-epoch
     ALL_WRITEs made 33 of 100 all-reduces wrong with no error. Now a collective's key is its
-    own (derived per epoch from the cluster's 128-bit group key), covers only its buffers,
-    works only from members, and is gone when it ends."""
+    own (derived per call from the cluster's 128-bit group key), covers only its buffers, works
+    only from members, and is gone when the call ends. The attacker runs as `nobody` (as the
+    test user when that is not root) with a plain socket."""
     with start_cluster(2, memory=4 << 20, cluster_path=tmp_path / "c.toml") as cluster:
         groups = [ProcessGroup(cluster.info, rank) for rank in range(2)]
-        sniffer = _sniffer(groups[0].group)
         node = cluster.info.nodes[0].endpoint
         with ControlClient(admin_key=cluster.info.admin_key) as admin:  # a direct client's secret
             secret_key, secret_at = admin.register_anywhere(node, 4096, Rights.READ | Rights.WRITE)
             admin.write(node, secret_key, secret_at, b"tenant secret!!!" * 256)
-        inputs = [np.arange(16384, dtype=np.float32) * (r + 1) for r in range(2)]
+        names = ("opcode", "flags", "seq", "client_id", "txn_id", "coll_id", "epoch", "rkey", "length",
+                 "addr", "aux_addr", "dtype", "status", "ret_ip")  # fmt: skip
+        args = {"group": list(groups[0].group), "node": list(node), "secret_at": secret_at,
+                "offsets": {f: HEADER.at(f) for f in names},
+                "READ": int(Opcode.READ), "WRITE": int(Opcode.WRITE), "ALL_WRITE": int(Opcode.ALL_WRITE)}  # fmt: skip
+        command, as_user = _attacker_command(ATTACKER_SCRIPT, json.dumps(args))
+        attacker = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **as_user)
+        try:
+            assert attacker.stdout is not None and attacker.stdout.readline().strip() == "ready"
+            inputs = [np.arange(1 << 16, dtype=np.float32) * (r + 1) for r in range(2)]
+            for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
+                w.wait()  # type: ignore[union-attr]
+            result = json.loads(attacker.stdout.readline())
+            assert attacker.wait(timeout=30) == 0
+        finally:
+            attacker.kill()
+        assert result["sniffed"], "the attacker saw no ALL_WRITE: the test would prove nothing"
+        assert result["rkey"] == collective_key(group_secret(cluster.info), result["coll_id"], result["epoch"])
+        for probe in ("read_secret", "read_buffer", "write_secret"):
+            assert result[probe] == [int(Opcode.NACK), int(Status.BAD_RKEY)], (probe, result[probe])
+        # The forged ALL_WRITEs of the next epoch: the next all-reduce is exact on every rank,
+        # and the secret is intact.
+        inputs = [np.arange(1 << 16, dtype=np.float32) * (r + 3) for r in range(2)]
         for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
             w.wait()  # type: ignore[union-attr]
-        sniffed = [p for p in _sniffed(sniffer) if p.opcode == Opcode.ALL_WRITE]
-        assert sniffed, "the sniffer saw no ALL_WRITE: the test would prove nothing"
-        seen = sniffed[0]
-        assert seen.rkey == collective_key(group_secret(cluster.info), seen.coll_id, seen.epoch)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
-            attacker.bind(("127.0.0.1", 0))
-            attacker.settimeout(1.0)
-            for probe in (Packet(Opcode.READ, rkey=seen.rkey, addr=secret_at, length=64),
-                          Packet(Opcode.READ, rkey=seen.rkey, addr=seen.addr, length=64),
-                          _write(secret_at, b"owned!!!", txn=1, client=9, rkey=seen.rkey)):  # fmt: skip
-                attacker.sendto(encode_packet(probe), node)
-                reply = decode_packet(attacker.recv(65536))
-                assert reply.opcode == Opcode.NACK and reply.status == Status.BAD_RKEY
-            # Forged ALL_WRITEs of the next epoch under the sniffed key and under the next
-            # epoch's key guessed the old way: the next all-reduce is still exact.
-            for rkey in (seen.rkey, seen.rkey + 1):
-                forged = Packet(Opcode.ALL_WRITE, flags=Flags.MCAST, coll_id=seen.coll_id, epoch=seen.epoch + 1,
-                                seq=0, rkey=rkey, addr=seen.addr, length=seen.length, dtype=seen.dtype,
-                                payload=b"\xff" * seen.length)  # fmt: skip
-                attacker.sendto(encode_packet(forged), groups[0].group)
-                attacker.sendto(encode_packet(forged), node)
-        inputs = [np.arange(16384, dtype=np.float32) * (r + 3) for r in range(2)]
-        for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
-            w.wait()  # type: ignore[union-attr]
-        expected = np.arange(16384, dtype=np.float32) * 3 + np.arange(16384, dtype=np.float32) * 4
+        expected = np.arange(1 << 16, dtype=np.float32) * 3 + np.arange(1 << 16, dtype=np.float32) * 4
         for b in inputs:
             np.testing.assert_array_equal(b, expected)
         with ControlClient(admin_key=cluster.info.admin_key) as admin:
             assert admin.read(node, secret_key, secret_at, 4096) == b"tenant secret!!!" * 256
-        sniffer.close()
         for g in groups:
             g.close()
 
