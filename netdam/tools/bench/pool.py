@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -41,12 +42,20 @@ from netdam.kernels import pool_gen as G
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import GenPlan, RxBatch, TimeWindow
 from netdam.protocol.constants import DType, Flags, Opcode
-from netdam.protocol.errors import NetdamError
-from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
+from netdam.protocol.errors import NetdamError, RemoteProtocolError
+from netdam.protocol.layout import HEADER
+from netdam.protocol.packet import (
+    Packet,
+    decode_packet,
+    encode_packet,
+    endpoint_to_u64,
+    u64_to_endpoint,
+)
 from netdam.shell.startup import StartStalled, wait_while_working
 from netdam.shell.udp import open_udp_socket
 from netdam.tools import plot as plotting
 from netdam.tools.bench.datapath import machine_info
+from netdam.units import format_size
 
 LOOPBACK = "127.0.0.1"
 TEMPLATES = 64
@@ -109,6 +118,8 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
             hist[:] = 0
             if role == "gen":
                 rows = cmd["templates"]
+                if cmd.get("token_from"):
+                    rows = _with_token(rows, _validation_token(sock, int(cmd["token_from"])))
                 width = max(len(r) for r in rows)
                 templates = np.zeros((len(rows), width), np.uint8)
                 t_len = np.zeros(len(rows), np.int64)
@@ -127,6 +138,36 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
     except BaseException as exc:
         with contextlib.suppress(Exception):
             conn.send(("error", f"{role}: {type(exc).__name__}: {exc}"))
+
+
+def _validation_token(sock: socket.socket, dst: int) -> int:
+    """PING *dst* from *sock* and return the address-validation token its INFO carries: READs
+    answered with more than 3 times their size need it (SPEC.md 12.4)."""
+    ping = encode_packet(Packet(Opcode.PING, client_id=0x70C, txn_id=0x70C))
+    for _ in range(10):
+        sock.sendto(ping, u64_to_endpoint(dst))
+        deadline = time.monotonic() + 0.2
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([sock], [], [], left)[0]:
+                break
+            try:
+                reply = decode_packet(sock.recv(65536))
+            except (BlockingIOError, RemoteProtocolError):
+                continue  # a late answer of the last phase, or not ours
+            if reply.opcode == Opcode.INFO and reply.txn_id == 0x70C:
+                return int(reply.aux_addr)
+    raise _Failure(f"no INFO from {u64_to_endpoint(dst)} in 2 s: cannot validate the generator's address")
+
+
+def _with_token(rows: list[bytes], token: int) -> list[bytes]:
+    """*rows* with *token* in every READ's aux_addr."""
+    out = []
+    for row in rows:
+        data = bytearray(row)
+        if HEADER.read(data, "opcode") == Opcode.READ:
+            HEADER.write(data, "aux_addr", token)
+        out.append(bytes(data))
+    return out
 
 
 class _Child:
@@ -287,7 +328,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
             echo_ep = endpoint_to_u64((LOOPBACK, echo.info["port"]))
 
             def phase(name: str, n_gens: int, rows_for: Any, dst: int, id_off: int, id_bytes: int,
-                      ok_off: int, ok_byte: int) -> dict[str, Any]:  # fmt: skip
+                      ok_off: int, ok_byte: int, validate: bool = False) -> dict[str, Any]:  # fmt: skip
                 now = time.monotonic_ns()
                 t_start = now + int(0.1e9) + int(cfg.warmup * 1e9)
                 t_end = t_start + int(cfg.seconds * 1e9)
@@ -300,6 +341,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                         "templates": rows_for(g), "window": per, "dst": dst, "id_off": id_off,
                         "id_bytes": id_bytes, "ok_off": ok_off, "ok_byte": ok_byte, "t_start": t_start,
                         "t_end": t_end, "t_stop": t_stop, "timeout_ns": cfg.timeout_ms * 1e6,
+                        "token_from": dst if validate else 0,
                     }))  # fmt: skip
                 budget = (t_stop - now) / 1e9 + PHASE_GRACE_S
                 reports = [gens[g].expect("done", budget) for g in range(n_gens)]
@@ -326,8 +368,10 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                     return lambda g: _netdam_templates(op, size, region.gaddr, region.rkey, region.size, base + g)
 
                 results["echo"] = phase("echo", n_gens, nd(Opcode.READ, 64, 1), echo_ep, 12, 4, -1, 0)
-                results["read_64"] = phase("read_64", n_gens, nd(Opcode.READ, 64, 2), vip, 12, 4, 1, int(Opcode.READ_RESP))
-                results["read_4096"] = phase("read_4096", n_gens, nd(Opcode.READ, 4096, 3), vip, 12, 4, 1, int(Opcode.READ_RESP))
+                results["read_64"] = phase("read_64", n_gens, nd(Opcode.READ, 64, 2), vip, 12, 4, 1,
+                                           int(Opcode.READ_RESP), validate=True)  # fmt: skip
+                results["read_4096"] = phase("read_4096", n_gens, nd(Opcode.READ, 4096, 3), vip, 12, 4, 1,
+                                             int(Opcode.READ_RESP), validate=True)  # fmt: skip
                 results["write_64"] = phase("write_64", n_gens, nd(Opcode.WRITE, 64, 4), vip, 12, 4, 1, int(Opcode.ACK))
                 results["write_4096"] = phase("write_4096", n_gens, nd(Opcode.WRITE, 4096, 5), vip, 12, 4, 1, int(Opcode.ACK))
                 if mc_port is not None:
@@ -353,8 +397,14 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                 res["invalid_reason"] = (f"the generators drove {gen_ops:,.0f} ops/s at the echo server, "
                                          f"less than 1.5 x {max(served):,.0f}: more generator processes "
                                          f"(--max-generators) or more cores are needed")  # fmt: skip
+            res["free"] = _time_alloc_free(PoolController(pool.path), cfg.interleave)
             errors = sum(r["errors"] for r in results.values())
-            if errors:
+            silent = [name for name, r in results.items() if r["ops"] == 0]
+            if silent:
+                res["error"] = (f"no request of phase {', '.join(silent)} was answered "
+                                f"({sum(results[n]['timeouts'] for n in silent)} timeouts): its figures time nothing")  # fmt: skip
+                code = ExitCode.CHECK_FAILED
+            elif errors:
                 res["error"] = f"{errors} requests were answered with an error (NACK or memcached error)"
                 code = ExitCode.CHECK_FAILED
         except (_Failure, OSError, ValueError) as exc:
@@ -380,6 +430,29 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
     return res, int(code)
 
 
+#: Region sizes whose ALLOC and FREE the bench times: a page and 8 MiB. FREE deregisters every
+#: way and each node zeroes the way's bytes before it answers (SPEC.md 6.1), so the difference
+#: between the two is what wiping freed memory costs.
+FREE_SIZES = (4096, 8 << 20)
+FREE_REPEAT = 5
+
+
+def _time_alloc_free(controller: Any, interleave: int) -> dict[str, Any]:
+    """Median seconds of ALLOC and of FREE (which zeroes the backing) per size in FREE_SIZES."""
+    rows = {}
+    for size in FREE_SIZES:
+        allocs, frees = [], []
+        for _ in range(FREE_REPEAT):
+            start = time.perf_counter()
+            region = controller.alloc(size, interleave=interleave)
+            allocs.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            controller.free(region.gaddr)
+            frees.append(time.perf_counter() - start)
+        rows[str(size)] = {"alloc_seconds": float(np.median(allocs)), "free_seconds": float(np.median(frees))}
+    return {"repeat": FREE_REPEAT, "sizes": rows}
+
+
 def phase_table(results: dict[str, dict[str, Any]], wrong: bool = False) -> list[str]:
     """Header and one line per phase: ops/s, p50/p99 us, timeouts (and wrong READs)."""
     lines = [f"  {'phase':<20}{'ops/s':>12}{'p50 us':>9}{'p99 us':>9}{'timeouts':>10}" + (f"{'wrong':>7}" if wrong else "")]
@@ -397,6 +470,11 @@ def format_text(res: dict[str, Any]) -> str:
     lines += phase_table(res["results"])
     ratio = "-" if res["ratio"] is None else f"{res['ratio']:.3f}"
     lines.append(f"  ratio netdam READ 64 / memcached GET 64: {ratio}; valid {'yes' if res['valid'] else 'NO'}")
+    if res.get("free"):
+        sizes = res["free"]["sizes"]
+        shown = ", ".join(f"{format_size(int(k))} {v['alloc_seconds'] * 1e3:.1f} / {v['free_seconds'] * 1e3:.1f} ms"
+                          for k, v in sizes.items())  # fmt: skip
+        lines.append(f"  ALLOC / FREE (FREE zeroes the backing), median of {res['free']['repeat']}: {shown}")
     for key in ("memcached_skipped", "invalid_reason", "error"):
         if res.get(key):
             lines.append(f"  {key}: {res[key]}")
