@@ -160,12 +160,15 @@ def group_secret(cluster: ClusterFile) -> bytes:
     return hashlib.sha256(f"{cluster.name}:{cluster.admin_key}".encode()).digest()
 
 
+def _derive(secret: bytes, *parts: int | str) -> bytes:
+    """SHA-256 of *secret*, a zero byte and *parts* joined by ":" (so one derived value, seen on
+    the wire, tells nothing of the secret or of any other)."""
+    return hashlib.sha256(secret + b"\x00" + ":".join(str(p) for p in parts).encode()).digest()
+
+
 def derived_key(secret: bytes, *parts: int | str) -> int:
-    """A 32-bit key (never 0) derived from *secret* and *parts* (SHA-256, so one derived key,
-    seen on the wire, tells nothing of the secret or of any other)."""
-    text = ":".join(str(p) for p in parts).encode()
-    value = int.from_bytes(hashlib.sha256(secret + b"\x00" + text).digest()[:4], "big")
-    return value or 1
+    """A 32-bit key (never 0) derived from *secret* and *parts*."""
+    return int.from_bytes(_derive(secret, *parts)[:4], "big") or 1
 
 
 def collective_key(secret: bytes, coll_id: int, epoch: int) -> int:
@@ -204,7 +207,7 @@ class ProcessGroup:
         self.memory = attach(node.memory_file)
         self.client = ControlClient(admin_key=self.cluster.admin_key)
         self._secret = group_secret(self.cluster)
-        digest = hashlib.sha256(self._secret + b"\x00multicast").digest()
+        digest = _derive(self._secret, "multicast")
         self.group: Endpoint = (f"239.77.{digest[4]}.{digest[5] or 1}", 40000 + int.from_bytes(digest[6:8], "big") % 20000)
         #: The arena's rkey on this rank's node; ring-host's WRITEs use the next rank's.
         self.arena_rkey = self.arena_key_of(self.rank)
@@ -217,32 +220,34 @@ class ProcessGroup:
         return derived_key(self._secret, "arena", rank)
 
     def _claim_arena(self) -> tuple[int, int]:
-        """REGISTER the arena wherever the node has room; a stale arena of this rank (a process
-        that died without closing) is given back first (the node zeroes it). Without
+        """(base, size) of the arena, REGISTERed wherever the node has room. Without
         ``arena_bytes``: half of node memory, or a quarter or an eighth when other owners hold
         more than half."""
         total = self.memory.shape[0]
         sizes = [self.arena_bytes] if self.arena_bytes else [total // 2, total // 4, total // 8]
-        rights = Rights.READ | Rights.WRITE
-        stale_cleared = False
         for size in sizes:
-            while True:
-                try:
-                    _, base = self.client.register_anywhere(self.node, size, rights, rkey=self.arena_rkey)
-                    return base, size
-                except ControlError as exc:
-                    if exc.status == Status.EXISTS and not stale_cleared:
-                        self.client.deregister(self.node, self.arena_rkey)
-                        stale_cleared = True
-                        continue
-                    if exc.status != Status.NO_SPACE:
-                        raise
-                    break
+            try:
+                return self._register_arena(size), size
+            except ControlError as exc:
+                if exc.status != Status.NO_SPACE:
+                    raise
         node = self.cluster.nodes[self.rank]
         raise MemoryError(
             f"rank {self.rank}: node {node.address}:{node.port} has no free {sizes[-1]} bytes for this process "
             "group (pool regions or other clients' registrations hold its memory): free them, pass a smaller "
             "arena_bytes, or start nodes with more --memory")  # fmt: skip
+
+    def _register_arena(self, size: int) -> int:
+        """The base of a *size*-byte arena under this rank's arena key. A stale arena of this
+        rank (a process that died without closing) is given back first (the node zeroes it)."""
+        rights = Rights.READ | Rights.WRITE
+        try:
+            return self.client.register_anywhere(self.node, size, rights, rkey=self.arena_rkey)[1]
+        except ControlError as exc:
+            if exc.status != Status.EXISTS:
+                raise
+        self.client.deregister(self.node, self.arena_rkey)
+        return self.client.register_anywhere(self.node, size, rights, rkey=self.arena_rkey)[1]
 
     @property
     def arena_end(self) -> int:

@@ -133,12 +133,12 @@ def region_shape(nodes: int, size: int, interleave: int | None, ways: int | None
 def candidate_nodes(state: PoolState, per: int, exclude: frozenset[int] = frozenset()) -> list[int]:
     """Nodes that can take a way of *per* bytes by the switch's count (the bytes and a free slot
     of the region table), most free bytes first (ties: lower rank): the order ALLOC asks them."""
-    fits = []
+    room = {}
     for rank in range(len(state.nodes)):
         used, slots = node_use(state, rank)
         if rank not in exclude and slots < NODE_REGION_SLOTS and used + page_round(per) <= state.nodes[rank].memory_bytes:
-            fits.append(rank)
-    return sorted(fits, key=lambda r: (-node_room(state, r), r))
+            room[rank] = state.nodes[rank].memory_bytes - used
+    return sorted(room, key=lambda r: (-room[r], r))
 
 
 def next_gaddr(state: PoolState) -> int:

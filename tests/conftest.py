@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
-from helpers import Cluster, make_cluster
+from helpers import Cluster, VipWire, make_cluster
 
 
 @pytest.fixture
@@ -24,3 +26,18 @@ def compiled_kernels() -> None:
     from netdam.cluster.launch import warm_node_kernels
 
     warm_node_kernels()
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VipWire]:
+    """A running pool (2 nodes of 1 MiB and a switch) and a bare UDP client of its VIP, per module."""
+    from netdam.cluster.launch import start_pool_cluster
+
+    cluster, switch = start_pool_cluster(2, memory=1 << 20, cluster_path=tmp_path_factory.mktemp("pool") / "c.toml")
+    w = VipWire(cluster, switch)
+    try:
+        yield w
+    finally:
+        w.close()
+        switch.stop()
+        cluster.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from netdam.cli import bench as cli_bench
 from netdam.cli import common as cliutil
 from netdam.cli import model as cli_model
 from netdam.cli.common import NetdamArgumentParser
+from netdam.cluster.launch import LocalCluster, SwitchHandle
 from netdam.core.fabric import Fabric
 from netdam.core.faults import FaultSpec
 from netdam.core.node import NodeConfig, NodeCore
@@ -25,7 +27,9 @@ from netdam.protocol.constants import (
     ReduceOp,
     Status,
 )
+from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import AllocRequest, RegionInfo, pack_credential, unpack_region_info
 
 CLIENT: Endpoint = ("127.0.0.1", 9001)
 ADMIN_KEY = 0x5EC12E7
@@ -76,6 +80,51 @@ def make_cluster(n: int = 3, faults: FaultSpec | None = None, memory: int = MEMO
         nodes.append(core)
     fabric.add_endpoint(CLIENT)
     return Cluster(fabric, nodes, endpoints)
+
+
+class VipWire:
+    """A bare UDP client of a running pool's VIP: one datagram out, the reply with its txn id
+    back (the `wire` fixture of conftest.py gives each module one)."""
+
+    def __init__(self, cluster: LocalCluster, switch: SwitchHandle) -> None:
+        self.cluster, self.switch = cluster, switch
+        self.admin = cluster.info.admin_key
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(3.0)
+        self.txn = 100
+
+    def raw(self, data: bytes, to: tuple[str, int] | None = None) -> Packet:
+        self.sock.sendto(data, to or self.switch.vip)
+        txn = HEADER.read(data, "txn_id")
+        while True:
+            reply = decode_packet(self.sock.recvfrom(65536)[0])
+            if reply.txn_id == txn:
+                return reply
+
+    def send(self, opcode: Opcode, payload: bytes, *, rkey: int = 0, addr: int = 0, txn: int | None = None,
+             to: tuple[str, int] | None = None) -> Packet:  # fmt: skip
+        if txn is None:
+            self.txn += 1
+            txn = self.txn
+        packet = Packet(opcode, client_id=77, txn_id=txn, rkey=rkey, addr=addr, length=len(payload),
+                        payload=payload)  # fmt: skip
+        return self.raw(encode_packet(packet), to)
+
+    def alloc(self, size: int, credential: int = 0, *, rkey: int | None = None, **kw: Any) -> Packet:
+        """ALLOC; with the admin key unless a tenant's *credential* (or *rkey*) is given."""
+        key = self.admin if rkey is None and credential == 0 else (rkey or 0)
+        return self.send(Opcode.ALLOC, AllocRequest(size, credential, **kw).encode(), rkey=key)
+
+    def free(self, gaddr: int, credential: int) -> Packet:
+        return self.send(Opcode.FREE, pack_credential(credential), addr=gaddr)
+
+    def region(self, reply: Packet) -> RegionInfo:
+        assert reply.opcode == Opcode.ACK, (reply.status.name, reply.payload)
+        return unpack_region_info(reply.payload)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def only(replies: list[Packet], opcode: Opcode) -> Packet:

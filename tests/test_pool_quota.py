@@ -9,16 +9,14 @@ as SPEC.md 6.1 tells the allocator (fast, exact numbers); then a real switch and
 from __future__ import annotations
 
 import json
-import socket
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import VipWire
 
 from netdam.cluster.clusterfile import ClusterFile, NodeEntry
 from netdam.cluster.control import ControlClient, ControlError
-from netdam.cluster.launch import LocalCluster, SwitchHandle, start_pool_cluster
 from netdam.core.fabric import Fabric
 from netdam.core.guard import GuardConfig
 from netdam.core.node import MAX_REGIONS
@@ -315,47 +313,6 @@ def switch_state(pool: Allocator) -> list[object]:
 # ------------------------------------------------------------------ a real switch and nodes
 
 
-class Wire:
-    """A bare UDP client of the VIP (as tests/test_pool_wire.py's)."""
-
-    def __init__(self, cluster: LocalCluster, switch: SwitchHandle) -> None:
-        self.cluster, self.switch = cluster, switch
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(5.0)
-        self.txn = 100
-
-    def send(self, packet: Packet) -> Packet:
-        self.txn += 1
-        self.sock.sendto(encode_packet(Packet(**{**packet.__dict__, "client_id": 78, "txn_id": self.txn})),
-                         self.switch.vip)  # fmt: skip
-        while True:
-            reply = decode_packet(self.sock.recvfrom(65536)[0])
-            if reply.txn_id == self.txn:
-                return reply
-
-    def alloc(self, size: int, credential: int = 0, admin: bool = False, label: str = "") -> Packet:
-        payload = AllocRequest(size, credential, 0, 0, 7, label).encode()
-        key = self.cluster.info.admin_key if admin or credential == 0 else 0
-        return self.send(Packet(Opcode.ALLOC, rkey=key, length=len(payload), payload=payload))
-
-    def free(self, gaddr: int, credential: int) -> Packet:
-        return self.send(Packet(Opcode.FREE, addr=gaddr, length=8, payload=pack_credential(credential)))
-
-
-@pytest.fixture(scope="module")
-def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
-    path = tmp_path_factory.mktemp("quota") / "c.toml"
-    cluster, switch = start_pool_cluster(2, memory=1 << 20, cluster_path=path)
-    w = Wire(cluster, switch)
-    try:
-        yield w
-    finally:
-        w.sock.close()
-        switch.stop()
-        cluster.stop()
-
-
 def quota_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, object]]:
     from netdam.cli.main import main as netdam
 
@@ -363,14 +320,14 @@ def quota_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
     return code, json.loads(capsys.readouterr().out)
 
 
-def free_all(wire: Wire) -> None:
+def free_all(wire: VipWire) -> None:
     """Free every region of the pool with the admin key (each test leaves the pool empty)."""
     with PoolController(wire.cluster.path) as admin:
         for region in admin.regions():
             admin.free(region.gaddr)
 
 
-def test_quotas_on_a_running_pool(wire: Wire, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quotas_on_a_running_pool(wire: VipWire, capsys: pytest.CaptureFixture[str]) -> None:
     """Tenant a fills its byte quota (half of the 2 MiB pool); b and the admin still allocate; the
     admin gives a a region quota with `netdam pool quota`; at it a gets QUOTA; a frees and
     allocates again."""
@@ -383,7 +340,7 @@ def test_quotas_on_a_running_pool(wire: Wire, capsys: pytest.CaptureFixture[str]
     assert "byte quota" in refused(reply, Status.QUOTA) and len(held) == 4
     b = unpack_region_info(ok(wire.alloc(256 * KiB, label="tenant-b")).payload)
     ok(wire.alloc(64 * KiB, b.credential))
-    admin = ok(wire.alloc(256 * KiB, a, admin=True))  # over a's quota, by the admin
+    admin = ok(wire.alloc(256 * KiB, a, rkey=wire.admin))  # over a's quota, by the admin
     code, shown = quota_cli(["--cluster", c], capsys)
     rows = {r["tenant"]: r for r in shown["tenants"]}  # type: ignore[attr-defined]
     assert code == 0 and shown["capacity"] == 2 << 20
@@ -404,15 +361,15 @@ def test_quotas_on_a_running_pool(wire: Wire, capsys: pytest.CaptureFixture[str]
     free_all(wire)
 
 
-def test_ping_at_a_running_switch_reports_capacity(wire: Wire) -> None:
-    before = wire.send(Packet(Opcode.PING))
+def test_ping_at_a_running_switch_reports_capacity(wire: VipWire) -> None:
+    before = wire.send(Opcode.PING, b"")
     region = unpack_region_info(ok(wire.alloc(12_345)).payload)
-    after = wire.send(Packet(Opcode.PING))
+    after = wire.send(Opcode.PING, b"")
     assert struct.unpack_from("<IIQ", before.payload)[2] == struct.unpack_from("<IIQ", after.payload)[2] == 2 << 20
     ok(wire.free(region.gaddr, region.credential))
 
 
-def test_pool_placement_beside_directly_registered_regions(wire: Wire) -> None:
+def test_pool_placement_beside_directly_registered_regions(wire: VipWire) -> None:
     """Memory a direct client registered on a node is not the pool's: the node places a region's
     backing beside it (REGISTER_ANYWHERE), and a node whose region table others filled answers
     NO_SPACE and is skipped, though the switch's count gives it the most room."""
@@ -420,7 +377,7 @@ def test_pool_placement_beside_directly_registered_regions(wire: Wire) -> None:
     with ControlClient(admin_key=wire.cluster.info.admin_key) as direct:
         mine = [direct.register(node0, 0, 64 * KiB, Rights.READ | Rights.WRITE)]
         try:
-            region = unpack_region_info(ok(wire.alloc(64 * KiB, admin=True)).payload)
+            region = unpack_region_info(ok(wire.alloc(64 * KiB)).payload)
             assert [(w.node, w.local) for w in region.ways] == [(0, 64 * KiB)]  # beside, not on it
             ok(wire.free(region.gaddr, region.credential))
             while len(mine) <= MAX_REGIONS:  # fill node 0's table (the node says when it is full)
@@ -431,7 +388,7 @@ def test_pool_placement_beside_directly_registered_regions(wire: Wire) -> None:
                     break
             refusals = int(direct.counters(node0)[C.NACK_BASE + Status.NO_SPACE])
             for _ in range(3):  # node 0 first (a tie by the switch's count: lower rank), then node 1
-                placed = unpack_region_info(ok(wire.alloc(8, admin=True)).payload)
+                placed = unpack_region_info(ok(wire.alloc(8)).payload)
                 assert [w.node for w in placed.ways] == [1]
                 ok(wire.free(placed.gaddr, placed.credential))
             assert int(direct.counters(node0)[C.NACK_BASE + Status.NO_SPACE]) == refusals + 3

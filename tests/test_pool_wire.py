@@ -3,21 +3,17 @@ real switch process, tenant credentials, and every malformed request answered as
 
 from __future__ import annotations
 
-import socket
 import stat
 import struct
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import VipWire
 
-from netdam.cluster.launch import LocalCluster, SwitchHandle, start_pool_cluster
 from netdam.protocol.constants import Opcode, Status
-from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import (
-    AllocRequest,
-    RegionInfo,
     pack_credential,
     unpack_region_info,
 )
@@ -27,64 +23,14 @@ from netdam.switch.state import load_state
 KiB = 1024
 
 
-class Wire:
-    """A bare UDP client of the VIP: one datagram out, the reply with its txn id back."""
-
-    def __init__(self, cluster: LocalCluster, switch: SwitchHandle) -> None:
-        self.cluster, self.switch = cluster, switch
-        self.admin = cluster.info.admin_key
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(3.0)
-        self.txn = 100
-
-    def raw(self, data: bytes, to: tuple[str, int] | None = None) -> Packet:
-        self.sock.sendto(data, to or self.switch.vip)
-        txn = int.from_bytes(data[12:16], "big")
-        while True:
-            reply = decode_packet(self.sock.recvfrom(65536)[0])
-            if reply.txn_id == txn:
-                return reply
-
-    def send(self, opcode: Opcode, payload: bytes, *, rkey: int = 0, addr: int = 0, txn: int | None = None,
-             to: tuple[str, int] | None = None) -> Packet:  # fmt: skip
-        if txn is None:
-            self.txn += 1
-            txn = self.txn
-        packet = Packet(opcode, client_id=77, txn_id=txn, rkey=rkey, addr=addr, length=len(payload),
-                        payload=payload)  # fmt: skip
-        return self.raw(encode_packet(packet), to)
-
-    def alloc(self, size: int, credential: int = 0, *, rkey: int | None = None, **kw: int) -> Packet:
-        key = self.admin if rkey is None and credential == 0 else (rkey or 0)
-        return self.send(Opcode.ALLOC, AllocRequest(size, credential, **kw).encode(), rkey=key)  # type: ignore[arg-type]
-
-    def region(self, reply: Packet) -> RegionInfo:
-        assert reply.opcode == Opcode.ACK, (reply.status.name, reply.payload)
-        return unpack_region_info(reply.payload)
-
-
 def nack(reply: Packet, status: Status) -> None:
     assert reply.opcode == Opcode.NACK, reply
     assert reply.status == status, (reply.status.name, reply.payload)
 
 
-@pytest.fixture(scope="module")
-def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wire]:
-    path = tmp_path_factory.mktemp("poolwire") / "c.toml"
-    cluster, switch = start_pool_cluster(2, memory=1 << 20, cluster_path=path)
-    w = Wire(cluster, switch)
-    try:
-        yield w
-    finally:
-        w.sock.close()
-        switch.stop()
-        cluster.stop()
-
-
 @pytest.mark.slow
-def test_alloc_use_query_free_round_trip(wire: Wire) -> None:
-    reply = wire.alloc(20 * KiB, stride=8192, rights=7, label="t1")  # type: ignore[arg-type]
+def test_alloc_use_query_free_round_trip(wire: VipWire) -> None:
+    reply = wire.alloc(20 * KiB, stride=8192, rights=7, label="t1")
     region = wire.region(reply)
     assert reply.rkey == region.rkey and reply.addr == region.gaddr and region.credential != 0
     assert region.size == 20 * KiB and region.stride == 8192 and len(region.ways) == 2 and region.label == "t1"
@@ -120,7 +66,7 @@ def test_alloc_use_query_free_round_trip(wire: Wire) -> None:
     nack(gone, Status.BAD_RKEY)
 
 
-def test_alloc_retry_allocates_once(wire: Wire) -> None:
+def test_alloc_retry_allocates_once(wire: VipWire) -> None:
     first = wire.region(wire.alloc(4 * KiB))
     wire.txn -= 1  # the same txn id again: a retry of the ALLOC
     second = wire.region(wire.alloc(4 * KiB))
@@ -130,9 +76,9 @@ def test_alloc_retry_allocates_once(wire: Wire) -> None:
     wire.send(Opcode.FREE, pack_credential(first.credential), addr=first.gaddr)
 
 
-def test_tenants_cannot_free_or_query_each_other(wire: Wire) -> None:
-    a = wire.region(wire.alloc(8 * KiB, label="a"))  # type: ignore[arg-type]
-    b = wire.region(wire.alloc(8 * KiB, label="b"))  # type: ignore[arg-type]
+def test_tenants_cannot_free_or_query_each_other(wire: VipWire) -> None:
+    a = wire.region(wire.alloc(8 * KiB, label="a"))
+    b = wire.region(wire.alloc(8 * KiB, label="b"))
     assert a.credential != b.credential
     # B allocates a second region with its credential alone (rkey 0).
     b2 = wire.region(wire.alloc(4 * KiB, b.credential))
@@ -165,7 +111,7 @@ def _alloc_bytes(size: int = 4096, credential: int = 0, stride: int = 0, ways: i
     return struct.pack("<QQIHBB16s", size, credential, stride, ways, rights, reserved, b"")
 
 
-def test_malformed_pool_requests_are_nacked_as_documented(wire: Wire) -> None:
+def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None:
     admin = wire.admin
     alloc = encode_packet(Packet(Opcode.ALLOC, client_id=77, txn_id=9000, rkey=admin, length=40,
                                  payload=_alloc_bytes()))  # fmt: skip
@@ -205,7 +151,7 @@ def test_malformed_pool_requests_are_nacked_as_documented(wire: Wire) -> None:
     assert load_state(Path(wire.switch.entry.state_file)).regions == []
 
 
-def test_controller_uses_the_wire(wire: Wire) -> None:
+def test_controller_uses_the_wire(wire: VipWire) -> None:
     admin = PoolController(wire.cluster.path)
     region = admin.alloc(16 * KiB, interleave=8192, tenant="ctl")
     credential = int(region.extra["credential"])  # type: ignore[call-overload]
@@ -225,7 +171,7 @@ def test_controller_uses_the_wire(wire: Wire) -> None:
 
 
 def test_cli_keeps_tenant_credentials_off_the_command_line(
-    wire: Wire, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    wire: VipWire, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`netdam pool alloc --save-credential F` writes the new tenant's credential to F, mode 0600;
     query and free take it back with --credential-file (a file others can read is refused with

@@ -384,7 +384,7 @@ class NodeCore(CoreBase):
             return Status.OUT_OF_BOUNDS
         if not rights & RIGHTS_ALL or rights & ~int(RIGHTS_DEFINED):
             return Status.BAD_FIELD
-        if rkey and (rkey in self._regions or rkey == self._coll_key):
+        if rkey and rkey in self._keys():
             return Status.EXISTS
         if len(self._regions) >= MAX_REGIONS:
             return Status.NO_SPACE
@@ -393,9 +393,9 @@ class NodeCore(CoreBase):
             if found is None:
                 return Status.NO_SPACE
             base = found
-        elif self._owner_overlapping(base, size) is not None:
+        elif self._overlaps(base, size):
             return Status.IN_USE
-        while rkey == 0 or rkey in self._regions or rkey == self._coll_key:
+        while rkey == 0 or rkey in self._keys():
             rkey = secrets.randbits(32)
         self._regions[rkey] = (base, size, rights)
         self._rebuild_rkeys()
@@ -403,12 +403,9 @@ class NodeCore(CoreBase):
             self._events.append(RegionRegistered(rkey, base, size, rights))
         return rkey, base
 
-    def _owner_overlapping(self, base: int, size: int) -> int | None:
-        """The rkey of a registered region that shares a byte with [base, base+size), if any."""
-        for key, (b, n, _) in self._regions.items():
-            if b < base + size and base < b + n:
-                return key
-        return None
+    def _overlaps(self, base: int, size: int) -> bool:
+        """Whether a registered region shares a byte with [base, base+size)."""
+        return any(b < base + size and base < b + n for b, n, _ in self._regions.values())
 
     def _owner_containing(self, base: int, size: int) -> tuple[int, int, int] | None:
         """The registered region that holds all of [base, base+size), if any."""
@@ -437,14 +434,19 @@ class NodeCore(CoreBase):
             self._events.append(RegionDeregistered(rkey))
         return Status.OK
 
+    def _keys(self) -> dict[int, tuple[int, int, int]]:
+        """Every rkey the node answers to -> (base, size, rights): the registered regions and
+        the current collective's key."""
+        keys = dict(self._regions)
+        if self._coll_key:
+            keys[self._coll_key] = self._coll_span
+        return keys
+
     def _rebuild_rkeys(self) -> None:
         """The datapath's rkey table from the registered regions and the collective's key.
         Rebuilt whole: open addressing has no cheap delete, and registration is rare."""
         self._rk_key[:] = 0
-        entries = list(self._regions.items())
-        if self._coll_key:
-            entries.append((self._coll_key, self._coll_span))
-        for key, (base, size, rights) in entries:
+        for key, (base, size, rights) in self._keys().items():
             slot = _probe_free(self._rk_key, key)
             self._rk_key[slot], self._rk_base[slot] = key, base
             self._rk_len[slot], self._rk_rights[slot] = size, rights
@@ -460,7 +462,7 @@ class NodeCore(CoreBase):
         if span is None:
             return
         rkey, lo, hi = span
-        if rkey == 0 or rkey in self._regions or rkey == self._coll_key:
+        if rkey == 0 or rkey in self._keys():
             return  # v1 use: a registered region's key (checked by the engine), or a retry
         owner = self._owner_containing(lo, hi - lo)
         if owner is None:
@@ -498,11 +500,8 @@ class NodeCore(CoreBase):
         self.release_collective_key()
         if not self.collective.running:
             self._scope_collective_key(packet)
-        keys = dict(self._regions)
-        if self._coll_key:
-            keys[self._coll_key] = self._coll_span
         status = self.collective.start(
-            packet, src, self.memory, self.config.mtu, self.endpoint_u64, keys,
+            packet, src, self.memory, self.config.mtu, self.endpoint_u64, self._keys(),
             int(self.counters[C.RCVBUF_BYTES]),
         )  # fmt: skip
         if status != Status.OK:
