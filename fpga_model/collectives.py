@@ -55,7 +55,16 @@ from .params import (
 )
 from .pipeline import netdam_shape, netdam_stages
 
-ALGOS = ("netdam-chain", "roce-ideal", "roce-ring", "halving-doubling", "ideal")
+ALGOS = ("netdam-chain", "netdam-chain-2d", "roce-ideal", "roce-ring", "halving-doubling", "ideal")
+#: Most NICs one chain visits: an SR list names at most 64 hops (protocol/SPEC.md, MAX_SEGMENTS),
+#: so a chain spans at most 65 nodes; netdam-chain-2d groups nodes by 64.
+CHAIN_GROUP = 64
+#: Published SHARP (InfiniBand switch aggregation) MPI_Allreduce latencies on 128 hosts, with
+#: and without SHARP: (bytes per node) -> (seconds with SHARP, seconds host-based). As quoted
+#: by the project's scale issue from the SHARP evaluations (Bloch et al., "Towards a Data Centric
+#: System Architecture: SHARP", Supercomputing Frontiers and Innovations 4(4), 2017,
+#: doi:10.14529/jsfi170401); a reference row beside the model, not a model.
+SHARP_128_HOSTS = {8: (2.83e-6, 6.01e-6), 4096: (14.5e-6, 46.9e-6)}
 _LINK_STAGES = {"wire_in": "link", "wire_out": "link"}
 
 
@@ -146,6 +155,32 @@ def netdam_chain(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4)
     return AllreduceEstimate(
         "netdam-chain", nodes, nbytes, p.link_gbps, total, bottleneck,
         {"reduce_scatter": rs_bw, "all_gather": ag_bw, "latency": fill}, p.name)
+
+
+def netdam_chain_2d(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+    """Chains past one SR list: nodes in groups of CHAIN_GROUP (the last may be smaller, every
+    group gets ceil(nodes / groups)); a chained reduce-scatter inside each group leaves each
+    member 1/g of its group's sum, the members holding the same block index all-reduce it over
+    the groups (a chain again, 2-D recursively past CHAIN_GROUP groups: a torus of chains, one
+    dimension after another), then a multicast all-gather inside each group. At most
+    CHAIN_GROUP + 1 nodes it is netdam-chain itself."""
+    _check(nodes, nbytes, dtype_bytes)
+    if nodes <= CHAIN_GROUP + 1:
+        flat = netdam_chain(p, nodes, nbytes, dtype_bytes)
+        return AllreduceEstimate("netdam-chain-2d", nodes, nbytes, p.link_gbps, flat.seconds, flat.bottleneck,
+                                 flat.terms, p.name)  # fmt: skip
+    groups = math.ceil(nodes / CHAIN_GROUP)
+    size = math.ceil(nodes / groups)
+    inner = netdam_chain(p, size, nbytes, dtype_bytes)
+    block = max(dtype_bytes, math.ceil(math.ceil(nbytes / size) / dtype_bytes) * dtype_bytes)
+    outer = netdam_chain_2d(p, groups, block, dtype_bytes) if groups >= 2 else None
+    # The inner chain's latency term is its chain fill plus its multicast hop: both phases pay it.
+    terms = {"reduce_scatter": inner.terms["reduce_scatter"], "all_gather": inner.terms["all_gather"],
+             "latency": inner.terms["latency"], "across_groups": outer.seconds if outer else 0.0}  # fmt: skip
+    total = sum(terms.values())
+    bottleneck = max(terms, key=lambda k: terms[k])
+    return AllreduceEstimate("netdam-chain-2d", nodes, nbytes, p.link_gbps, total,
+                             "latency" if bottleneck == "latency" else inner.bottleneck, terms, p.name)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -413,6 +448,8 @@ def allreduce(algo: str, nodes: int, nbytes: int, netdam: NetdamParams, roce: Ro
     """Dispatch to one algorithm; the link speed comes from the parameters it uses."""
     if algo == "netdam-chain":
         return netdam_chain(netdam, nodes, nbytes, dtype_bytes)
+    if algo == "netdam-chain-2d":
+        return netdam_chain_2d(netdam, nodes, nbytes, dtype_bytes)
     if algo == "roce-ideal":
         return roce_ideal(roce, nodes, nbytes, dtype_bytes)
     if algo == "roce-ring":

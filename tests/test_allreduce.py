@@ -106,13 +106,13 @@ def test_host_api_from_separate_host_processes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_dead_node_is_named_within_5_seconds(tmp_path: Path) -> None:
-    with start_cluster(3, memory=1 << 22, cluster_path=tmp_path / "c.toml") as cluster:
+    with start_cluster(3, memory=1 << 22, cluster_path=tmp_path / "c.toml", nics_per_process=1) as cluster:
         groups = [ProcessGroup(cluster.info, rank) for rank in range(3)]
         warm = [np.ones(4, np.float32) for _ in range(3)]
         for work in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(warm, groups)]:
             work.wait()  # type: ignore[union-attr]
         os.kill(cluster.info.nodes[2].pid, signal.SIGKILL)
-        cluster.processes[2].wait(timeout=10)
+        cluster.process_of(2).wait(timeout=10)
         start = time.monotonic()
         works = [api_all_reduce(np.ones(200_000, np.float32), group=g, async_op=True) for g in groups[:2]]
         with pytest.raises(CollectiveError) as info:

@@ -262,11 +262,11 @@ def test_up_leaves_nothing_behind_when_the_cluster_file_cannot_be_written(
     started: list[tuple[str, list[subprocess.Popen[bytes]]]] = []
     spawn = launch._spawn_nodes
 
-    def recording(spec: launch._NodeSpec, nodes: list[tuple[int, tuple[str, int], int]]
-                  ) -> tuple[list[subprocess.Popen[bytes]], list[int]]:  # fmt: skip
-        procs, ports = spawn(spec, nodes)
+    def recording(spec: launch._NodeSpec, nodes: list[tuple[int, tuple[str, int], int]], per: int | None
+                  ) -> tuple[list[subprocess.Popen[bytes]], dict[int, tuple[int, int]]]:  # fmt: skip
+        procs, started_nics = spawn(spec, nodes, per)
         started.append((spec.name, procs))
-        return procs, ports
+        return procs, started_nics
 
     def no_space(info: object, path: Path) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

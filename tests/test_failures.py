@@ -38,7 +38,8 @@ def wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
 @pytest.mark.slow
 def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) -> None:
     count = 4 << 20  # 16 MiB of f32: long enough to kill a node while chunks are in flight
-    with start_cluster(3, memory=1 << 26, cluster_path=tmp_path / "c.toml") as cluster:
+    # A process per NIC: the kill takes rank 1 alone (test_nic_host kills a process of several).
+    with start_cluster(3, memory=1 << 26, cluster_path=tmp_path / "c.toml", nics_per_process=1) as cluster:
         groups = [ProcessGroup(cluster.info, rank) for rank in range(3)]
         buffers = [np.full(count, rank + 1, np.float32) for rank in range(3)]
         # A group's first collective returns once its node ACKed START_COLL: every node runs.

@@ -470,3 +470,36 @@ def test_roce_ring_send_buffer_copy() -> None:
     diff = roce_ring(ro, 4, n).seconds - roce_ring(inplace, 4, n).seconds
     assert diff == pytest.approx(n / ro.cpu_memcpy_bytes_per_s, rel=1e-9)
     assert roce_ring(ro, 4, n).terms["copies"] == pytest.approx(diff, rel=1e-9)
+
+
+# ---------------------------------------------------------------- past one SR list
+
+
+def test_chain_2d_is_the_chain_up_to_one_sr_list_and_scales_past_it() -> None:
+    from netdam.fpga_model.collectives import CHAIN_GROUP, allreduce, default_params
+
+    nd, ro = default_params(100.0)
+    for nodes in (2, 17, CHAIN_GROUP + 1):
+        flat = allreduce("netdam-chain", nodes, 1 << 20, nd, ro)
+        assert allreduce("netdam-chain-2d", nodes, 1 << 20, nd, ro).seconds == flat.seconds
+    # 128 nodes: two chains of 64 and a 2-node chain across them beat one 127-hop list on
+    # latency (each hop costs a pipeline fill), and 4096 nodes (no single list fits) still cost.
+    small = [allreduce(a, 128, 8, nd, ro).seconds for a in ("netdam-chain", "netdam-chain-2d")]
+    assert small[1] < small[0]
+    huge = allreduce("netdam-chain-2d", 4096, 4096, nd, ro)
+    assert huge.terms["across_groups"] > 0 and huge.seconds > allreduce("netdam-chain-2d", 64, 4096, nd, ro).seconds
+    with pytest.raises(ValueError, match="SR segments"):
+        allreduce("netdam-chain", 4096, 4096, nd, ro)
+
+
+def test_model_allreduce_at_4096_nodes_and_the_sharp_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    from netdam.cli.main import main
+
+    assert main(["model", "allreduce", "--nodes", "4096", "--size", "4KiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["algo"] == out["chain_algo"] == "netdam-chain-2d" and "reference_sharp" not in out
+    assert set(out["compare"]) == {"netdam-chain-2d", "roce-ideal", "roce-ring"}
+    assert main(["model", "allreduce", "--nodes", "128", "--size", "8B", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["reference_sharp"] == {"seconds": 2.83e-6, "seconds_host_based": 6.01e-6}
+    assert "netdam-chain-2d" in out["compare"]

@@ -48,7 +48,7 @@ def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.Monkey
                     "print('ready control_port=4242', flush=True)\ntime.sleep(30)")  # fmt: skip
     try:
         start = time.monotonic()
-        assert launch._wait_ready([proc], [("127.0.0.1", 1)], [tmp_path / "log"]) == [4242]
+        assert launch._wait_ready([proc], [[(0, ("127.0.0.1", 1))]], [tmp_path / "log"]) == {0: 4242}
         assert time.monotonic() - start >= 1.5
     finally:
         proc.kill()
@@ -63,7 +63,7 @@ def test_start_gives_up_on_a_process_that_stalls(monkeypatch: pytest.MonkeyPatch
     try:
         start = time.monotonic()
         with pytest.raises(ClusterStartError, match=r"used no CPU for 1 s: node rank 0 at 127.0.0.1:1 "):
-            launch._wait_ready([proc], [("127.0.0.1", 1)], [tmp_path / "log"])
+            launch._wait_ready([proc], [[(0, ("127.0.0.1", 1))]], [tmp_path / "log"])
         assert time.monotonic() - start < 10
     finally:
         proc.kill()

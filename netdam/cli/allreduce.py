@@ -8,7 +8,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from netdam.cli.cluster import add_fault_args, faults_from
+from netdam.cli.cluster import add_fault_args, add_nics_per_process, faults_from
 from netdam.cli.common import (
     CommandError,
     ExitCode,
@@ -58,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="watchdog: seconds a collective may go without progress before it "
                         "fails naming the dead node (default 2.5)")
     parser.add_argument("--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up)")
+    add_nics_per_process(parser)
     parser.add_argument("--json", action="store_true")
     add_fault_args(parser)
     parser.set_defaults(func=run)
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         faults=faults_from(args), timeout_s=args.timeout,
         cluster=Path(args.cluster) if args.cluster else None, seed=args.seed, repeat=args.repeat,
         algo=args.algo, sparse=args.sparse, density=density, resident=args.resident,
+        nics_per_process=args.nics_per_process,
     )  # fmt: skip
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -58,6 +59,16 @@ def endpoints_arg(text: str) -> tuple[Endpoint, ...]:
     return tuple(endpoint_arg(part) for part in text.split(",") if part)
 
 
+def nic_arg(text: str) -> tuple[int, Endpoint, int | None]:
+    """argparse type for ``RANK@IP:PORT[/SIZE]``: one NIC of a node process hosting several."""
+    rank_text, at, rest = text.partition("@")
+    address, slash, size_text = rest.partition("/")
+    if not at or not rank_text.isdigit() or int(rank_text) > 4095:
+        raise argparse.ArgumentTypeError(f"invalid NIC {text!r}: write RANK@IP:PORT[/SIZE] with a rank "
+                                         "0..4095, e.g. 0@127.0.0.1:17744 or 1@127.0.0.1:17745/1MiB")  # fmt: skip
+    return int(rank_text), endpoint_arg(address), size_arg(size_text) if slash else None
+
+
 def mtu_arg(text: str) -> int:
     try:
         value = int(text)
@@ -99,6 +110,12 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed of every fault decision")
 
 
+def add_nics_per_process(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nics-per-process", type=bounded_int(1, 4096), default=None, metavar="K",
+                        help="emulated NICs each node process hosts (default: the NICs spread over one "
+                        "process per core; 1: a process per NIC)")  # fmt: skip
+
+
 def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.core.faults import FaultSpec
@@ -117,6 +134,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                  "itself (see below).", epilog=LAUNCHER_HELP)  # fmt: skip
     node.add_argument("--bind", type=endpoint_arg, default=None,
                       help="IP:PORT (default 127.0.0.1:7744; under a launcher auto:7744, see below)")  # fmt: skip
+    node.add_argument("--nic", type=nic_arg, action="append", default=[], metavar="RANK@IP:PORT[/SIZE]",
+                      help="host this NIC (repeat: one process serves them all, sharing its loaded "
+                      "kernels); memory file NAME-RANK.mem, SIZE defaults to --memory; not with "
+                      "--bind or --rank")  # fmt: skip
     node.add_argument(
         "--memory", type=size_arg, default=64 << 20, help="node memory (default 64MiB)"
     )
@@ -194,6 +215,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument("--detach", action="store_true", help="start, print, return")
     up.add_argument("--switch", action="store_true",
                     help="also start the pool switch (its VIP goes into the cluster file)")  # fmt: skip
+    add_nics_per_process(up)
     up.add_argument("--json", action="store_true")
     add_fault_args(up)
     up.set_defaults(func=run_up)
@@ -253,6 +275,8 @@ def run_node(args: argparse.Namespace) -> int:
 
     args.admin_key = _admin_key(args)
 
+    if args.nic:
+        return _run_nics(args)
     if wants_rendezvous(os.environ, args.master, bool(args.members)):
         return _run_launched_node(args)
     for flag, value in (
@@ -270,6 +294,32 @@ def run_node(args: argparse.Namespace) -> int:
         faults=faults_from(args), die_with_parent=args.die_with_parent, guard=_guard(args),
     )  # fmt: skip
     return main(config)
+
+
+def _run_nics(args: argparse.Namespace) -> int:
+    """``netdam node --nic ... --nic ...``: one process hosting several NICs."""
+    # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
+    from netdam.shell.nic_host import main
+    from netdam.shell.node_process import NodeProcessConfig
+
+    for flag, given in (("--bind", args.bind is not None), ("--rank", args.rank is not None)):
+        if given:
+            raise CommandError(f"{flag} conflicts with --nic, which gives each NIC's rank and address: "
+                               f"drop {flag}", ExitCode.USAGE)  # fmt: skip
+    ranks = [rank for rank, _, _ in args.nic]
+    if len(set(ranks)) != len(ranks):
+        raise CommandError(f"--nic names a rank twice ({', '.join(map(str, ranks))}): give each NIC its own rank",
+                           ExitCode.USAGE)  # fmt: skip
+    name, faults, guard = args.name or "netdam-node", faults_from(args), _guard(args)
+    admin_key = args.admin_key or secrets.randbits(32) | 1  # one key for the NICs of one process
+    configs = [
+        NodeProcessConfig(bind=bind, memory_bytes=size or args.memory, shm_dir=args.shm_dir, name=f"{name}-{rank}",
+                          admin_key=admin_key, members=args.members, mtu=args.mtu, rank=rank,
+                          world_size=args.world_size if args.world_size is not None else len(args.nic),
+                          faults=faults, die_with_parent=args.die_with_parent, guard=guard)
+        for rank, bind, size in args.nic
+    ]  # fmt: skip
+    return main(configs)
 
 
 def _run_launched_node(args: argparse.Namespace) -> int:
@@ -357,17 +407,19 @@ def run_up(args: argparse.Namespace) -> int:
         if from_file:
             _check_file_flags(args)
             cluster = start_from_file(args.cluster, memory=args.memory, shm_dir=args.shm_dir,
-                                      faults=faults_from(args), detach=args.detach, mtu=args.mtu)  # fmt: skip
+                                      faults=faults_from(args), detach=args.detach, mtu=args.mtu,
+                                      nics_per_process=args.nics_per_process)  # fmt: skip
         else:
             cluster = start_cluster(args.nodes if args.nodes is not None else 4, memory=args.memory,
                                     base_port=args.base_port or 0, shm_dir=args.shm_dir,
                                     mtu=args.mtu or DEFAULT_MTU, cluster_path=path,
                                     faults=faults_from(args), detach=args.detach,
-                                    switch=args.switch)  # fmt: skip
+                                    switch=args.switch, nics_per_process=args.nics_per_process)  # fmt: skip
     except (ValueError, ClusterStartError) as exc:
         usage = isinstance(exc, (ValueError, ClusterFileError))
         raise CommandError(str(exc), ExitCode.USAGE if usage else ExitCode.RUN_FAILED) from None
-    summary: dict[str, object] = {"ok": True, "cluster": str(cluster.path), "nodes": len(cluster.processes),
+    summary: dict[str, object] = {"ok": True, "cluster": str(cluster.path), "nodes": len(_started(cluster)),
+                                  "processes": len(cluster.processes),
                                   "startup_seconds": cluster.startup_seconds, "detached": args.detach}  # fmt: skip
     if cluster.owned is not None:
         summary["ranks"] = list(cluster.owned)
@@ -408,7 +460,7 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
             f"switch: VIP {vip[0]}:{vip[1]} (pid {cluster.switch.process.pid}); pool clients send there"
         )
     logs = node_log(cluster.info.name, 0)
-    where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log"
+    where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log (RANK: the first NIC each process hosts)"
     if cluster.switch is not None:
         # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
         from netdam.cluster.launch import switch_log
@@ -453,12 +505,18 @@ def _supervise(cluster: LocalCluster) -> int:
     finally:
         cluster.stop()
     if dead is not None:
-        print(
-            f"error: node pid {dead.pid} exited (code {dead.returncode}); cluster stopped",
-            file=sys.stderr,
-        )
+        print(f"error: {dead_process_message(cluster, dead.pid, dead.returncode)}; cluster stopped", file=sys.stderr)
         return ExitCode.RUN_FAILED
     return ExitCode.OK
+
+
+def dead_process_message(cluster: LocalCluster, pid: int, code: int | None) -> str:
+    """Who went with a process that exited: every NIC it hosted, by rank and address."""
+    hosted = [n for n in cluster.info.nodes if n.pid == pid]
+    if not hosted:
+        return f"switch pid {pid} exited (code {code})"
+    nics = ", ".join(f"rank {n.rank} ({n.address}:{n.port})" for n in hosted)
+    return f"node process pid {pid} exited (code {code}), taking {len(hosted)} NIC{'s' * (len(hosted) > 1)} with it: {nics}"
 
 
 def run_down(args: argparse.Namespace) -> int:

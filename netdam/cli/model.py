@@ -31,7 +31,13 @@ from netdam.fpga_model.analytic import (
     line_rate_stages,
     op_breakdown,
 )
-from netdam.fpga_model.collectives import ALGOS, allreduce
+from netdam.fpga_model.collectives import (
+    ALGOS,
+    CHAIN_GROUP,
+    SHARP_128_HOSTS,
+    AllreduceEstimate,
+    allreduce,
+)
 from netdam.fpga_model.params import (
     NetdamParams,
     NicParams,
@@ -160,9 +166,9 @@ def register(subparsers: Any) -> None:
     ar.add_argument(
         "--size", type=size_arg, required=True, metavar="SIZE", help="bytes per node (e.g. 64MiB)"
     )
-    ar.add_argument(
-        "--algo", choices=ALGOS, default="netdam-chain", help="algorithm (default netdam-chain)"
-    )
+    ar.add_argument("--algo", choices=ALGOS, default=None,
+                    help="algorithm (default netdam-chain, or netdam-chain-2d where one SR list "
+                    "cannot name every hop)")  # fmt: skip
     ar.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     ar.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
                     help="also draw time and busbw against size, 4KiB up to 4 x SIZE (needs the "
@@ -403,11 +409,13 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     plt = plotting.pyplot() if args.plot else None  # before the work: a missing extra is usage
     try:
-        est = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype)
-        chain = allreduce("netdam-chain", args.nodes, args.size, nd, ro, dtype)
+        chain = _chain(args.nodes, args.size, nd, ro, dtype)
+        est = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype) if args.algo else chain
         # NetDAM beside both RoCE baselines: the hardware bound and the MPI-library model.
-        side = {a: allreduce(a, args.nodes, args.size, nd, ro, dtype)
-                for a in ("netdam-chain", "roce-ideal", "roce-ring")}
+        # Past one SR list's 64 hops both ways of scaling a chain: the longer list, the 2-D chains.
+        scaled = ("netdam-chain-2d",) if args.nodes > CHAIN_GROUP + 1 and chain.algo == "netdam-chain" else ()
+        side = {chain.algo: chain, **{a: allreduce(a, args.nodes, args.size, nd, ro, dtype)
+                                      for a in (*scaled, "roce-ideal", "roce-ring")}}  # fmt: skip
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     out: dict[str, Any] = {
@@ -415,6 +423,7 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
         **est.as_dict(),
         "dtype": args.dtype,
         "ratio_vs_chain": est.seconds / chain.seconds,
+        "chain_algo": chain.algo,
         "compare": {a: {"seconds": e.seconds, "busbw_gbps": e.busbw_gbps,
                         "bottleneck": e.bottleneck} for a, e in side.items()},
     }
@@ -426,17 +435,31 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
         f"{est.link_gbps:g} Gb/s ({est.params})\n"
         f"time {est.seconds * 1e6:.2f} us, algbw {est.algbw_gbps:.2f} Gb/s, "
         f"busbw {est.busbw_gbps:.2f} Gb/s, bottleneck {est.bottleneck}, "
-        f"{out['ratio_vs_chain']:.2f}x netdam-chain\n{terms}\n"
+        f"{out['ratio_vs_chain']:.2f}x {chain.algo}\n{terms}\n"
         + "\n".join(f"  vs {a}: {e.seconds * 1e6:.2f} us, busbw "
                     f"{e.busbw_gbps:.2f} Gb/s ({e.bottleneck})"
                     for a, e in side.items())
     )
+    sharp = SHARP_128_HOSTS.get(args.size) if args.nodes == 128 else None
+    if sharp is not None:
+        out["reference_sharp"] = {"seconds": sharp[0], "seconds_host_based": sharp[1]}
+        text += (f"\n  published, InfiniBand SHARP on 128 hosts: {sharp[0] * 1e6:.2f} us, host-based "
+                 f"{sharp[1] * 1e6:.2f} us (measured hardware, not this model)")
     if plt is not None:
         _plot_allreduce(plt, args, nd, ro, dtype)
         out["plot"] = str(args.plot)
         text += f"\n\nplot written to {args.plot}"
     emit(out, args.json, text)
     return int(ExitCode.OK)
+
+
+def _chain(nodes: int, size: int, nd: NetdamParams, ro: RoceParams, dtype: int) -> AllreduceEstimate:
+    """NetDAM's chain for this job: one SR list over every node where it fits in a packet with
+    room for data, else the chains of netdam-chain-2d."""
+    try:
+        return allreduce("netdam-chain", nodes, size, nd, ro, dtype)
+    except ValueError:
+        return allreduce("netdam-chain-2d", nodes, size, nd, ro, dtype)
 
 
 # --- sweep ---------------------------------------------------------------------------

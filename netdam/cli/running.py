@@ -120,11 +120,13 @@ def _why_silent(path: Path, node: NodeEntry, client: ControlClient, timeout: flo
         if not _runs_node(node.pid):
             return NodeFault(node.rank, f"{where} no longer runs (pid {node.pid} is gone): {restart_hint(path)}",
                              ExitCode.RUN_FAILED, gone=True)  # fmt: skip
-        bound = _bound_port(node.pid)
-        if bound is not None and bound != node.port:
-            return NodeFault(node.rank, f"{where} does not answer: its node (pid {node.pid}) listens on port "
-                             f"{bound}, the file does not match the running nodes: set port = {bound} for rank "
-                             f"{node.rank} in {path}, or {restart_hint(path)}", ExitCode.USAGE)  # fmt: skip
+        bound = _bound_ports(node.pid)
+        if bound and node.port not in bound:
+            ports = ", ".join(map(str, sorted(bound)))
+            fix = f"set port = {bound[0]} for rank {node.rank}" if len(bound) == 1 else "fix its port"
+            return NodeFault(node.rank, f"{where} does not answer: its node process (pid {node.pid}) listens on "
+                             f"port {ports}, the file does not match the running nodes: {fix} in {path}, or "
+                             f"{restart_hint(path)}", ExitCode.USAGE)  # fmt: skip
     if node.control_port and node.control_port != node.port:
         try:
             client.ping(node.control_endpoint, timeout=timeout)
@@ -155,15 +157,18 @@ def _runs_node(pid: int) -> bool:
     return _is_node_process(pid)
 
 
-def _bound_port(pid: int) -> int | None:
-    """The UDP port a local node process was started on: its command line's ``--bind`` (as
-    launch.node_command writes it). None when unknown."""
+def _bound_ports(pid: int) -> list[int]:
+    """The UDP ports a local node process was started on: its command line's ``--bind`` or
+    ``--nic RANK@IP:PORT[/SIZE]`` values (as launch.node_command and nics_command write them).
+    Empty when unknown."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return None
+        return []
+    ports = []
     for flag, value in zip(argv, argv[1:]):
-        if flag == b"--bind":
-            port = value.rpartition(b":")[2]
-            return int(port) if port.isdigit() else None
-    return None
+        if flag in (b"--bind", b"--nic"):
+            port = value.partition(b"/")[0].rpartition(b":")[2]
+            if port.isdigit():
+                ports.append(int(port))
+    return ports

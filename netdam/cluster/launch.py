@@ -89,6 +89,15 @@ class LocalCluster:
     def endpoints(self) -> list[Endpoint]:
         return self.info.endpoints
 
+    def process_of(self, rank: int) -> subprocess.Popen[bytes]:
+        """The process hosting *rank*'s NIC (it may host others: the cluster file's pid says)."""
+        pid = next(n.pid for n in self.info.nodes if n.rank == rank)
+        return next(p for p in self.processes if p.pid == pid)
+
+    def ranks_of(self, pid: int) -> list[int]:
+        """The ranks whose NICs process *pid* hosts."""
+        return [n.rank for n in self.info.nodes if n.pid == pid]
+
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM every node, wait, SIGKILL stragglers, remove memory files and the cluster file."""
         if self.switch is not None:
@@ -131,13 +140,31 @@ def node_command(
     bind: Endpoint, name: str, memory: int, key_fd: int, members: list[Endpoint], rank: int,
     world: int, shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
 ) -> list[str]:  # fmt: skip
-    """The node's argv; the admin key comes through inherited descriptor *key_fd* (a pipe,
-    secrets_io.key_pipe), never on the command line every local user reads."""
+    """The argv of a node process with one NIC; the admin key comes through inherited
+    descriptor *key_fd* (a pipe, secrets_io.key_pipe), never on the command line every local
+    user reads."""
+    cmd = [*netdam_python(), "node", "--bind", f"{bind[0]}:{bind[1]}", "--name", name, "--memory", f"{memory}B",
+           "--rank", str(rank)]  # fmt: skip
+    return cmd + _node_flags(key_fd, members, world, shm_dir, mtu, faults, die_with_parent)
+
+
+def nics_command(
+    nics: list[tuple[int, Endpoint, int]], name: str, key_fd: int, members: list[Endpoint], world: int,
+    shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
+) -> list[str]:  # fmt: skip
+    """The argv of a node process hosting the NICs (rank, bind, memory bytes) *nics*; memory
+    files NAME-RANK.mem, the key as in node_command."""
+    cmd = [*netdam_python(), "node", "--name", name]
+    for rank, bind, memory in nics:
+        cmd += ["--nic", f"{rank}@{bind[0]}:{bind[1]}/{memory}B"]
+    return cmd + _node_flags(key_fd, members, world, shm_dir, mtu, faults, die_with_parent)
+
+
+def _node_flags(key_fd: int, members: list[Endpoint], world: int, shm_dir: Path, mtu: int, faults: FaultSpec,
+                die_with_parent: bool) -> list[str]:  # fmt: skip
+    """What every NIC of a cluster is started with, whatever process hosts it."""
     cmd = [
-        *netdam_python(), "node",
-        "--bind", f"{bind[0]}:{bind[1]}", "--name", name, "--memory", f"{memory}B",
-        "--admin-key-fd", str(key_fd), "--rank", str(rank), "--world-size", str(world),
-        "--shm-dir", str(shm_dir), "--mtu", str(mtu),
+        "--admin-key-fd", str(key_fd), "--world-size", str(world), "--shm-dir", str(shm_dir), "--mtu", str(mtu),
         "--members", ",".join(f"{ip}:{port}" for ip, port in members),
     ]  # fmt: skip
     if faults.active:
@@ -255,6 +282,7 @@ def _start_cluster(
     switch_faults: str = "",
     switch_seed: int = 0,
     guard: bool = True,
+    nics_per_process: int | None = None,
 ) -> LocalCluster:
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
@@ -270,7 +298,7 @@ def _start_cluster(
     members = endpoints + list(extra_members)
     start = time.monotonic()
     spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach, guard)
-    procs, control_ports = _spawn_nodes(spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)])
+    procs, started = _spawn_nodes(spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)], nics_per_process)
     info = ClusterFile(
         name=name,
         admin_key=admin_key,
@@ -279,9 +307,9 @@ def _start_cluster(
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         supervisor_pid=0 if detach else os.getpid(),
         nodes=tuple(
-            NodeEntry(rank=r, address=ep[0], port=ep[1], pid=p.pid, control_port=control_ports[r],
-                      memory_file=str(shm_dir / f"{name}-{r}.mem"), memory_bytes=memory)
-            for r, (ep, p) in enumerate(zip(endpoints, procs, strict=True))
+            NodeEntry(rank=r, address=ep[0], port=ep[1], pid=started[r][0], control_port=started[r][1],
+                      memory_file=str(spec.memory_file(r)), memory_bytes=memory)
+            for r, ep in enumerate(endpoints)
         ),
     )  # fmt: skip
     # Private clusters (demo, benchmarks) keep their files out of the user's directory.
@@ -331,19 +359,39 @@ class _NodeSpec:
         return self.shm_dir / f"{self.name}-{rank}.mem"
 
 
+def placement(nodes: int, nics_per_process: int | None = None) -> int:
+    """NICs per node process: *nics_per_process* when given, else the NICs spread over one
+    process per core (each process loads the kernels once; more processes than cores only
+    compete for them)."""
+    if nics_per_process is not None:
+        if nics_per_process < 1:
+            raise ValueError(f"--nics-per-process {nics_per_process}: give at least 1")
+        return nics_per_process
+    processes = max(1, min(nodes, os.cpu_count() or 1))
+    return -(-nodes // processes)
+
+
 def _spawn_nodes(
-    spec: _NodeSpec, nodes: list[tuple[int, Endpoint, int]]
-) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
-    """Start one node process per (rank, bind, memory bytes), wait until all are ready; their
-    processes and control ports. On failure every started node is stopped and cleaned up."""
+    spec: _NodeSpec, nodes: list[tuple[int, Endpoint, int]], nics_per_process: int | None = None
+) -> tuple[list[subprocess.Popen[bytes]], dict[int, tuple[int, int]]]:
+    """Start node processes hosting one NIC per (rank, bind, memory bytes), *nics_per_process*
+    each (default: placement), wait until every NIC is ready; the processes and, by rank, the
+    (pid, control port) of each NIC. On failure every started process is stopped and cleaned up."""
     warm_node_kernels()
-    progress.status(f"starting {len(nodes)} node processes")
+    per = placement(len(nodes), nics_per_process)
+    hosted = [nodes[k : k + per] for k in range(0, len(nodes), per)]
+    progress.status(f"starting {len(nodes)} NICs in {len(hosted)} node processes")
     procs: list[subprocess.Popen[bytes]] = []
-    logs = [node_log(spec.name, rank) for rank, _, _ in nodes]
-    for (rank, bind, memory), log_path in zip(nodes, logs, strict=True):
+    logs = [node_log(spec.name, nics[0][0]) for nics in hosted]
+    for nics, log_path in zip(hosted, logs, strict=True):
         key_fd = key_pipe(spec.admin_key)
-        cmd = node_command(bind, f"{spec.name}-{rank}", memory, key_fd, spec.members, rank,
-                           spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+        if len(nics) == 1:
+            [(rank, bind, memory)] = nics
+            cmd = node_command(bind, f"{spec.name}-{rank}", memory, key_fd, spec.members, rank,
+                               spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+        else:
+            cmd = nics_command(nics, spec.name, key_fd, spec.members, spec.world, spec.shm_dir, spec.mtu, spec.faults,
+                               die_with_parent=not spec.detach)  # fmt: skip
         if not spec.guard:
             cmd.append("--no-guard")
         if logging.getLogger().isEnabledFor(logging.INFO):
@@ -356,13 +404,14 @@ def _spawn_nodes(
         finally:
             os.close(key_fd)  # the child holds its own copy
     try:
-        control_ports = _wait_ready(procs, [bind for _, bind, _ in nodes], logs, [rank for rank, _, _ in nodes])
+        ports = _wait_ready(procs, [[(rank, bind) for rank, bind, _ in nics] for nics in hosted], logs)
     except BaseException:
         stop_pids([p.pid for p in procs], 3.0, processes=procs)
         for rank, _, _ in nodes:
             spec.memory_file(rank).unlink(missing_ok=True)
         raise
-    return procs, control_ports
+    by_rank = {rank: (proc.pid, ports[rank]) for proc, nics in zip(procs, hosted, strict=True) for rank, _, _ in nics}
+    return procs, by_rank
 
 
 def is_local_address(address: str) -> bool:
@@ -407,8 +456,8 @@ def _interface_addresses() -> set[str]:
 
 
 def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAULT_SHM_DIR,
-                    faults: FaultSpec | None = None, detach: bool = False,
-                    mtu: int | None = None) -> LocalCluster:  # fmt: skip
+                    faults: FaultSpec | None = None, detach: bool = False, mtu: int | None = None,
+                    nics_per_process: int | None = None) -> LocalCluster:  # fmt: skip
     """``netdam up --cluster FILE`` with a FILE that lists nodes (hand-written, maybe for several
     hosts): start exactly the nodes whose address is an address of this host, with the file's
     ranks, ports, admin key and MTU (memory: the entry's ``memory_bytes``, else *memory*), every
@@ -430,11 +479,11 @@ def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAU
     spec = _NodeSpec(info.name, info.admin_key, info.endpoints, len(info.nodes), shm_dir, info.mtu,
                      faults or FaultSpec(), detach)  # fmt: skip
     sizes = {n.rank: n.memory_bytes or memory for n in local}
-    procs, control_ports = _spawn_nodes(spec, [(n.rank, n.endpoint, sizes[n.rank]) for n in local])
+    procs, started = _spawn_nodes(spec, [(n.rank, n.endpoint, sizes[n.rank]) for n in local], nics_per_process)
     entries = {
-        n.rank: replace(n, pid=p.pid, control_port=port, memory_file=str(spec.memory_file(n.rank)),
-                        memory_bytes=sizes[n.rank])
-        for n, p, port in zip(local, procs, control_ports, strict=True)
+        n.rank: replace(n, pid=started[n.rank][0], control_port=started[n.rank][1],
+                        memory_file=str(spec.memory_file(n.rank)), memory_bytes=sizes[n.rank])
+        for n in local
     }  # fmt: skip
     all_local = len(local) == len(info.nodes)
 
@@ -510,55 +559,70 @@ def _free_port_block(address: str, count: int) -> int:
 
 
 def _wait_ready(
-    procs: list[subprocess.Popen[bytes]], endpoints: list[Endpoint], logs: list[Path],
-    ranks: list[int] | None = None, what: str = "node",
-) -> list[int]:  # fmt: skip
-    """Wait for every process's ``ready`` line (its kernels loaded, its sockets bound); return
-    their control ports. *ranks* names the processes in messages (default: their positions).
+    procs: list[subprocess.Popen[bytes]], hosted: list[list[tuple[int, Endpoint]]], logs: list[Path],
+    what: str = "node",
+) -> dict[int, int]:  # fmt: skip
+    """Wait for the ``ready`` line of every (rank, endpoint) that each process hosts (its
+    kernels loaded, its sockets bound); return each rank's control port.
 
     No fixed deadline: a process may take as long as it keeps using CPU (loading or compiling
     kernels on a busy machine), and fails once it has used none for STALL_S."""
-    names = ranks if ranks is not None else list(range(len(procs)))
-    control_ports = [0] * len(procs)
+    control_ports: dict[int, int] = {}
     selector = selectors.DefaultSelector()
-    waiting = {}
-    for rank, proc in enumerate(procs):
+    waiting: dict[int, dict[Endpoint, int]] = {}
+    pending = [b""] * len(procs)  # each process's output after its last newline
+    for k, proc in enumerate(procs):
         assert proc.stdout is not None
-        selector.register(proc.stdout, selectors.EVENT_READ, rank)
-        waiting[rank] = proc
+        selector.register(proc.stdout, selectors.EVENT_READ, k)
+        waiting[k] = {endpoint: rank for rank, endpoint in hosted[k]}
     start = time.monotonic()
-    watch = {rank: CpuWatch(proc.pid) for rank, proc in waiting.items()}
+    watch = {k: CpuWatch(proc.pid) for k, proc in enumerate(procs)}
+
+    def named(k: int) -> str:
+        return ", ".join(f"{_label(what, rank)} at {ep[0]}:{ep[1]}" for ep, rank in waiting[k].items())
+
     while waiting:
         now = time.monotonic()
-        reasons = {r: reason for r in waiting if (reason := stall_reason(watch[r], start, now)) is not None}
+        reasons = {k: reason for k in waiting if (reason := stall_reason(watch[k], start, now)) is not None}
         if reasons:
-            pending = ", ".join(f"{_label(what, names[r])} at {endpoints[r][0]}:{endpoints[r][1]} (log {logs[r]})"
-                                for r in reasons)  # fmt: skip
-            raise ClusterStartError(f"not ready, {next(iter(reasons.values()))}: {pending}; "
+            stalled = ", ".join(f"{named(k)} (log {logs[k]})" for k in reasons)
+            raise ClusterStartError(f"not ready, {next(iter(reasons.values()))}: {stalled}; "
                                     "its log says where it stopped")  # fmt: skip
+        left = sorted(rank for nics in waiting.values() for rank in nics.values())
         progress.status(f"waiting for {len(waiting)} of {len(procs)} {what} processes to load their "
-                        f"kernels ({', '.join(_label(what, names[r]) for r in sorted(waiting)[:4])}"
-                        f"{', ...' if len(waiting) > 4 else ''})")  # fmt: skip
+                        f"kernels ({', '.join(_label(what, r) for r in left[:4])}{', ...' if len(left) > 4 else ''})")  # fmt: skip
         for key, _ in selector.select(timeout=0.5):
-            rank = key.data
-            line = key.fileobj.readline()  # type: ignore[union-attr]
-            if line.startswith(b"ready"):
-                for word in line.split():
+            k = key.data
+            # Raw reads: a process hosting several NICs writes their lines at once, and a
+            # buffered readline would leave all but the first where select cannot see them.
+            data = os.read(key.fd, 65536)
+            if not data:
+                selector.unregister(key.fileobj)
+                err = logs[k].read_text(errors="replace").strip() if logs[k].exists() else ""
+                raise ClusterStartError(f"{named(k)} exited during start-up: {_last_error(err)} (full log: {logs[k]})")
+            *lines, pending[k] = (pending[k] + data).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"ready") or not waiting[k]:
+                    continue
+                words = line.split()
+                rank = waiting[k].pop(_ready_endpoint(words), None)
+                if rank is None:  # bound elsewhere than asked (port 0): the next one it hosts
+                    rank = waiting[k].pop(next(iter(waiting[k])))
+                for word in words:
                     if word.startswith(b"control_port="):
                         control_ports[rank] = int(word.split(b"=")[1])
+            if not waiting[k]:
                 selector.unregister(key.fileobj)
                 key.fileobj.close()  # type: ignore[union-attr]
-                del waiting[rank]
-            elif not line:
-                selector.unregister(key.fileobj)
-                waiting.pop(rank)
-                err = logs[rank].read_text(errors="replace").strip() if logs[rank].exists() else ""
-                raise ClusterStartError(
-                    f"{_label(what, names[rank])} ({endpoints[rank][0]}:{endpoints[rank][1]}) exited "
-                    f"during start-up: {_last_error(err)} (full log: {logs[rank]})"
-                )
+                del waiting[k]
     selector.close()
     return control_ports
+
+
+def _ready_endpoint(words: list[bytes]) -> Endpoint | None:
+    """The IP:PORT a ``ready`` line names (its second word), None when it names none."""
+    host, _, port = (words[1] if len(words) > 1 else b"").decode(errors="replace").rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
 
 
 def _label(what: str, rank: int) -> str:
@@ -578,7 +642,9 @@ def _last_error(log: str) -> str:
 
 
 def stop_pids(pids: list[int], timeout: float, processes: list[subprocess.Popen[bytes]] | None = None) -> None:
-    """SIGTERM, wait up to *timeout*, then SIGKILL; reaps our own children."""
+    """SIGTERM, wait up to *timeout*, then SIGKILL; reaps our own children. A pid listed twice
+    (a process hosting several NICs) is signalled once."""
+    pids = list(dict.fromkeys(pids))
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -727,7 +793,7 @@ def start_switch(
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
     try:
-        [control_port] = _wait_ready([proc], [vip], [log], what="switch")
+        control_port = _wait_ready([proc], [[(0, vip)]], [log], what="switch")[0]
     except ClusterStartError:
         stop_pids([proc.pid], 3.0, processes=[proc])
         raise

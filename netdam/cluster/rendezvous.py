@@ -497,8 +497,7 @@ def run_launched_node(config: NodeProcessConfig, spec: LaunchSpec, *, cluster_pa
         return proc
 
     def ready(proc: NodeProcess) -> str:
-        return (f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} control_port={proc.control_port} "
-                f"admin_key={proc.core.config.admin_key} rank={spec.rank} world_size={spec.world_size}")  # fmt: skip
+        return f"{proc.ready_line()} rank={spec.rank} world_size={spec.world_size}"
 
     return serve_main(create, ready, config.die_with_parent)
 

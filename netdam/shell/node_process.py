@@ -20,9 +20,10 @@ from netdam.core.guard import GuardConfig
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.rehearsal import rehearse_control_paths
 from netdam.core.sendqueue import SLOT_BYTES
+from netdam.kernels import collective as coll_kernels
 from netdam.kernels import serve
-from netdam.kernels.state import FC_NOW, FaultState, HoldTable, RxBatch, ServeIO
-from netdam.kernels.udp_io import RUN_BYTES
+from netdam.kernels.state import FC_ACTIVE, FC_NOW, FaultState, HoldTable, RxBatch, ServeIO
+from netdam.kernels.udp_io import RUN_BYTES, STATE_LEN
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
 from netdam.shell.process import (
@@ -72,10 +73,30 @@ class NodeProcessConfig:
     guard: GuardConfig = field(default_factory=GuardConfig.on)
 
 
-class NodeProcess(ServeLoop):
-    """Owns the socket, the memory file and the core; ``run`` serves until stopped."""
+@dataclass
+class ServeBuffers:
+    """What a compiled serve call receives into and sends with (netdam.shell.process.serve_buffers).
+    One NIC's call finishes, punted datagrams included, before the next NIC's starts, so the
+    NICs of one process share one set (netdam.shell.nic_host)."""
 
-    def __init__(self, config: NodeProcessConfig) -> None:
+    rx_buf: np.ndarray
+    rx_off: np.ndarray
+    rx_len: np.ndarray
+    rx_src: np.ndarray
+    punt: np.ndarray
+    scratch: np.ndarray
+
+    @classmethod
+    def new(cls) -> ServeBuffers:
+        rx_buf, rx_off, rx_len, rx_src, punt, _, scratch = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)
+        return cls(rx_buf, rx_off, rx_len, rx_src, punt, scratch)
+
+
+class NodeProcess(ServeLoop):
+    """One NIC: owns its sockets, memory file and core; ``run`` serves it until stopped (a
+    process hosting several NICs serves them with ``netdam.shell.nic_host.NicHost``)."""
+
+    def __init__(self, config: NodeProcessConfig, buffers: ServeBuffers | None = None) -> None:
         self.config = config
         self.stop = False
         self.memory = create_memory(config.shm_dir, f"{config.name}.mem", config.memory_bytes)
@@ -100,8 +121,13 @@ class NodeProcess(ServeLoop):
             memory=self.memory.array,
         )  # fmt: skip
         record_socket_buffers(self.sock, self.core.counters)
-        (self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, self.io_state,
-         self.scratch) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
+        #: Shared with the other NICs of the process when given (their own arrays are not this
+        #: NIC's to prefault).
+        self.buffers = buffers or ServeBuffers.new()
+        self.owns_buffers = buffers is None
+        self.rx_buf, self.rx_off, self.rx_len = self.buffers.rx_buf, self.buffers.rx_off, self.buffers.rx_len
+        self.rx_src, self.punt, self.scratch = self.buffers.rx_src, self.buffers.punt, self.buffers.scratch
+        self.io_state = np.zeros(STATE_LEN, np.int64)  # this socket's I/O statistics
         self.group_sock: socket.socket | None = None
         self.group: Endpoint | None = None
         spec = config.faults
@@ -109,14 +135,17 @@ class NodeProcess(ServeLoop):
         self.fault_cfg = np.array([float(spec.active), spec.loss, spec.dup, spec.reorder,
                                    spec.delay, spec.delay_s, 0.0, 0.0], np.float64)  # fmt: skip
         self.fault_keys = np.array([spec.seed & (2**64 - 1), endpoint_to_u64(self.endpoint)], np.uint64)
-        self.fault_table_key = np.zeros(FAULT_TABLE, np.uint64)
-        self.fault_table_count = np.zeros(FAULT_TABLE, np.uint32)
-        self.hold_buf = np.zeros((HOLD_SLOTS, SLOT_BYTES), np.uint8)
-        self.hold_len = np.zeros(HOLD_SLOTS, np.int32)
-        self.hold_src = np.zeros(HOLD_SLOTS, np.uint64)
-        self.hold_time = np.zeros(HOLD_SLOTS, np.float64)
-        self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
-        self.hold = HoldTable(self.hold_buf, self.hold_len, self.hold_src, np.zeros(HOLD_SLOTS, np.int64),
+        # Without fault injection nothing is ever held or counted: one slot each, not 2.6 MiB
+        # per NIC (a process may host hundreds).
+        table, held = (FAULT_TABLE, HOLD_SLOTS) if spec.active else (1, 1)
+        self.fault_table_key = np.zeros(table, np.uint64)
+        self.fault_table_count = np.zeros(table, np.uint32)
+        self.hold_buf = np.zeros((held, SLOT_BYTES), np.uint8)
+        self.hold_len = np.zeros(held, np.int32)
+        self.hold_src = np.zeros(held, np.uint64)
+        self.hold_time = np.zeros(held, np.float64)
+        self.hold_gen = np.zeros(held, np.int64)
+        self.hold = HoldTable(self.hold_buf, self.hold_len, self.hold_src, np.zeros(held, np.int64),
                               self.hold_time, self.hold_gen)  # fmt: skip
         self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
         self.faults = FaultState(self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
@@ -124,7 +153,7 @@ class NodeProcess(ServeLoop):
 
     def serve_once(self, timeout_ms: int) -> int:
         """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""
-        self.core.reserve(2 * ROUND_DATAGRAMS + HOLD_SLOTS + 1)
+        self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
         self.fault_cfg[FC_NOW] = time.monotonic()
         mfd = self.group_sock.fileno() if self.group_sock is not None else -1
         io = ServeIO(self.sock.fileno(), mfd, self.ctrl_sock.fileno(), RECV_RUNS * RUN_BYTES, ROUND_DATAGRAMS,
@@ -165,14 +194,36 @@ class NodeProcess(ServeLoop):
         pin_multicast_sender(self.sock, interface)
         self.group_sock, self.group = sock, group
 
-    def warm_up(self) -> None:
-        """Compile (or load from cache) every kernel and make every queue and table resident
-        before announcing readiness: the serve loop's, and those the control opcodes reach from
-        Python (rehearsed on scratch cores, netdam.core.rehearsal)."""
+    def ready_line(self) -> str:
+        """What the NIC prints once it serves: address, memory file, management port, key (the
+        launcher reads it from the process's stdout, a pipe)."""
+        return (f"ready {self.endpoint[0]}:{self.endpoint[1]} {self.memory.path} control_port={self.control_port} "
+                f"admin_key={self.core.config.admin_key}")  # fmt: skip
+
+    def fds(self) -> tuple[int, ...]:
+        """The sockets whose traffic this NIC serves: data, management, joined group."""
+        group = (self.group_sock.fileno(),) if self.group_sock is not None else ()
+        return (self.sock.fileno(), self.ctrl_sock.fileno(), *group)
+
+    def wants_clock(self) -> bool:
+        """Whether the NIC must be served again soon without traffic: a collective's clock
+        runs, a late DONE request waits, sends wait for room, or faults hold datagrams."""
+        coll = self.core.collective.cfg
+        return bool(coll[coll_kernels.CFG_STATE] == 1 or coll[coll_kernels.CFG_PREV_ASK] or coll[coll_kernels.CFG_CUR_ASK]
+                    or self.core.sendq.pending() or (self.fault_cfg[FC_ACTIVE] and self.hold_len.any()))  # fmt: skip
+
+    def warm_up(self, resident: bool = True) -> None:
+        """Compile (or load from cache) every kernel and, when *resident*, make every queue and
+        table resident before announcing readiness: the serve loop's, and those the control
+        opcodes reach from Python (rehearsed on scratch cores, netdam.core.rehearsal). A process
+        hosting many NICs warms the kernels once and leaves its NICs' pages to first use."""
         self.serve_once(0)
+        if not resident:
+            return
         rehearse_control_paths()
         core = self.core
-        prefault(self, core, core.sendq, core.collective, skip=(core.memory,))
+        owners = (self, core, core.sendq, core.collective) + ((self.buffers,) if self.owns_buffers else ())
+        prefault(*owners, skip=(core.memory,))
 
     def close(self) -> None:
         self.sock.close()
@@ -184,9 +235,4 @@ class NodeProcess(ServeLoop):
 
 
 def main(config: NodeProcessConfig) -> int:
-    return serve_main(
-        lambda: NodeProcess(config),
-        lambda proc: f"ready {proc.endpoint[0]}:{proc.endpoint[1]} {proc.memory.path} "
-        f"control_port={proc.control_port} admin_key={proc.core.config.admin_key}",
-        config.die_with_parent,
-    )
+    return serve_main(lambda: NodeProcess(config), NodeProcess.ready_line, config.die_with_parent)

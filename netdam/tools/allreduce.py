@@ -71,6 +71,8 @@ class AllReduceConfig:
     density: float = 1.0  # fraction of input elements kept non-zero (the rest exactly +0)
     #: Buffers in NIC memory (netdam.empty): no staging copy in or out (chain only).
     resident: bool = False
+    #: NICs per node process of a private cluster (None: one process per core).
+    nics_per_process: int | None = None
 
 
 def reference_chain_allreduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
@@ -132,7 +134,8 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         if config.cluster is not None:
             info = load_cluster(config.cluster)
         else:
-            cluster = start_cluster(config.nodes, memory=private_node_memory(nbytes), faults=config.faults)
+            cluster = start_cluster(config.nodes, memory=private_node_memory(nbytes), faults=config.faults,
+                                    nics_per_process=config.nics_per_process)  # fmt: skip
             info = cluster.info
         world = len(info.nodes)
         result["nodes"] = world

@@ -1,0 +1,116 @@
+"""A node process hosting several emulated NICs: one set of loaded kernels, one event loop.
+
+Each NIC is a ``NodeProcess`` (its own UDP endpoint, management port, memory file, core,
+counters and fault settings); to clients, switches and peers nothing tells it from a NIC alone
+in its process. What the NICs share is what costs a process its start-up and its resident
+size: numba and the compiled kernels (loaded once, ~1.5 s of CPU and ~200 MB per process), and
+the receive buffers of the serve call (one NIC's call, punted datagrams included, ends before
+the next NIC's begins).
+
+The loop: epoll(7) over every NIC's sockets; each NIC with traffic, or with a clock to run (a
+collective, held datagrams, sends waiting for room) gets one compiled serve call that takes
+nothing but what is already queued (timeout 0: it drains up to ROUNDS_PER_CALL rounds of
+batches, then returns), then its control plane. A process with one NIC runs that NIC's own
+blocking loop instead (``NodeProcess.run``): nothing changes for ``--nics-per-process 1``.
+"""
+
+from __future__ import annotations
+
+import resource
+import select
+
+from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
+from netdam.shell.process import ServeLoop, serve_main
+
+#: Longest wait for traffic while some NIC runs a clock: a collective's engine ticks at least
+#: every millisecond (netdam.kernels.serve waits at most 1 ms while one runs, likewise).
+CLOCK_WAIT_MS = 1
+
+
+class NicHost(ServeLoop):
+    """Serves the NICs of one process until SIGTERM/SIGINT or ``stop``."""
+
+    def __init__(self, configs: list[NodeProcessConfig]) -> None:
+        if not configs:
+            raise ValueError("a node process needs at least one NIC")
+        _raise_fd_limit(4 * len(configs) + 64)  # data, management and group socket, memory file
+        self.buffers = ServeBuffers.new()
+        self.nics: list[NodeProcess] = []
+        try:
+            for config in configs:
+                self.nics.append(NodeProcess(config, self.buffers))
+        except BaseException:
+            self.close()
+            raise
+        self._poll = select.epoll()
+        self._owner: dict[int, int] = {}
+        self._fds: list[tuple[int, ...]] = [() for _ in self.nics]
+        for k in range(len(self.nics)):
+            self._watch(k)
+
+    @property
+    def single(self) -> NodeProcess | None:
+        """The NIC, when the process hosts exactly one (it then runs its own loop)."""
+        return self.nics[0] if len(self.nics) == 1 else None
+
+    def _watch(self, k: int) -> None:
+        """Keep epoll's set equal to NIC *k*'s sockets (a JOIN or LEAVE changes its group socket)."""
+        fds = self.nics[k].fds()
+        if fds == self._fds[k]:
+            return
+        for fd in set(self._fds[k]) - set(fds):
+            self._poll.unregister(fd)
+            self._owner.pop(fd, None)
+        for fd in set(fds) - set(self._fds[k]):
+            self._poll.register(fd, select.EPOLLIN)
+            self._owner[fd] = k
+        self._fds[k] = fds
+
+    def serve_once(self, timeout_ms: int) -> int:
+        single = self.single
+        if single is not None:
+            reason = single.serve_once(timeout_ms)
+            return reason
+        clocked = [k for k, nic in enumerate(self.nics) if nic.wants_clock()]
+        wait = min(timeout_ms, CLOCK_WAIT_MS) if clocked else timeout_ms
+        due = set(clocked)
+        for fd, _ in self._poll.poll(wait / 1000.0):
+            owner = self._owner.get(fd)
+            if owner is not None:
+                due.add(owner)
+        for k in sorted(due):
+            self.nics[k].serve_once(0)
+            self._watch(k)
+        return len(due)
+
+    def warm_up(self) -> None:
+        """Load the kernels once (the first NIC, made resident as a lone NIC's are); the other
+        NICs' pages come with their first use, so each costs its memory and sockets only."""
+        self.nics[0].warm_up(resident=True)
+        for nic in self.nics[1:]:
+            nic.serve_once(0)
+
+    def ready_lines(self) -> str:
+        """One ``ready`` line per NIC, in the order of the configs (the launcher reads them)."""
+        return "\n".join(nic.ready_line() for nic in self.nics)
+
+    def close(self) -> None:
+        poll = getattr(self, "_poll", None)
+        if poll is not None:
+            poll.close()
+        for nic in self.nics:
+            nic.close()
+
+
+def _raise_fd_limit(need: int) -> None:
+    """Lift the soft limit of open files toward the hard one when *need* descriptors would
+    exceed it (a process hosting 256 NICs holds ~770 sockets; many systems start at 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def main(configs: list[NodeProcessConfig]) -> int:
+    """The life of a node process hosting *configs* (one NIC each)."""
+    return serve_main(lambda: NicHost(configs), NicHost.ready_lines, any(c.die_with_parent for c in configs))

@@ -1,0 +1,147 @@
+"""Many emulated NICs per node process (netdam.shell.nic_host): each NIC is what it is alone in
+its process (own address, memory, keys, counters), the collectives over them are exact, and a
+dead process is named with every NIC it took with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netdam.api import CollectiveError, ProcessGroup
+from netdam.api import all_reduce as api_all_reduce
+from netdam.cli.main import main
+from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import placement, start_cluster
+from netdam.protocol import counters as C
+from netdam.protocol.constants import ReduceOp
+from netdam.tools.allreduce import reference_chain_allreduce
+
+
+def _all_reduce(groups: list[ProcessGroup], inputs: list[np.ndarray]) -> list[np.ndarray]:
+    buffers = [x.copy() for x in inputs]
+    works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups, strict=True)]
+    for work in works:
+        work.wait()  # type: ignore[union-attr]
+    return buffers
+
+
+def test_placement_spreads_nics_over_one_process_per_core() -> None:
+    cores = os.cpu_count() or 1
+    assert placement(1) == 1
+    assert placement(4 * cores) == 4
+    assert placement(4 * cores + 1) == 5
+    assert placement(256, 1) == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        placement(4, 0)
+
+
+@pytest.mark.parametrize("per", [4, 1])
+def test_nics_in_one_process_are_separate_nics(per: int, tmp_path: Path) -> None:
+    """Whatever the placement: each NIC answers on its own address with its own rank and memory
+    size, keeps its own counters, and the all-reduce over them equals its numpy reference
+    bitwise on every rank."""
+    with start_cluster(8, memory=1 << 20, nics_per_process=per, cluster_path=tmp_path / "c.toml") as cluster:
+        nodes = cluster.info.nodes
+        assert len(cluster.processes) == 8 // per
+        assert len({n.pid for n in nodes}) == 8 // per
+        assert sorted(cluster.ranks_of(nodes[0].pid)) == list(range(per))
+        assert len({n.memory_file for n in nodes}) == 8 and all(Path(n.memory_file).exists() for n in nodes)
+        with ControlClient(admin_key=cluster.info.admin_key) as client:
+            for node in nodes:
+                info, _ = client.ping(node.endpoint)
+                assert info["rank"] == node.rank and info["memory_bytes"] == 1 << 20
+            before = [client.counters(n.control_endpoint) for n in nodes]
+            client.ping(nodes[1].endpoint)  # one NIC's traffic shows on that NIC alone
+            after = [client.counters(n.control_endpoint) for n in nodes]
+        grew = [k for k in range(8) if after[k][C.TX_PACKETS] > before[k][C.TX_PACKETS]]
+        assert grew == [1]
+        groups = [ProcessGroup(cluster.info, rank) for rank in range(8)]
+        rng = np.random.default_rng(27)
+        inputs = [rng.standard_normal(50_001).astype(np.float32) for _ in range(8)]
+        results = _all_reduce(groups, inputs)
+        expected = reference_chain_allreduce(inputs, ReduceOp.SUM)
+        for out in results:
+            assert out.tobytes() == expected.tobytes()
+        for group in groups:
+            group.close()
+
+
+def test_a_dead_process_is_named_with_every_nic_it_hosted(tmp_path: Path) -> None:
+    """Killing the process that hosts ranks 2 and 3: the survivors' collective fails within its
+    watchdog naming both NICs, not only the first."""
+    with start_cluster(4, memory=1 << 22, nics_per_process=2, cluster_path=tmp_path / "c.toml") as cluster:
+        groups = [ProcessGroup(cluster.info, rank) for rank in range(4)]
+        _all_reduce(groups, [np.ones(4, np.float32) for _ in range(4)])
+        victim = cluster.process_of(2)
+        assert cluster.ranks_of(victim.pid) == [2, 3]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        works = [api_all_reduce(np.ones(1000, np.float32), group=g, async_op=True) for g in groups[:2]]
+        with pytest.raises(CollectiveError) as info:
+            for work in works:
+                work.wait()  # type: ignore[union-attr]
+        for rank in (2, 3):
+            node = cluster.info.nodes[rank]
+            assert f"rank {rank} ({node.address}:{node.port})" in str(info.value)
+
+
+@pytest.mark.slow
+def test_up_names_every_nic_of_a_process_that_died(tmp_path: Path) -> None:
+    """`netdam up` in the foreground watches its node processes: when one dies it stops the
+    cluster and its one error line names every NIC that process hosted."""
+    path = tmp_path / "c.toml"
+    up = subprocess.Popen([sys.executable, "-m", "netdam", "up", "--nodes", "4", "--nics-per-process", "2",
+                           "--memory", "1MiB", "--cluster", str(path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert up.stdout is not None and up.stdout.readline().strip() == str(path)
+        from netdam.cluster.clusterfile import load_cluster
+
+        info = load_cluster(path)
+        victim = info.nodes[3].pid
+        assert [n.rank for n in info.nodes if n.pid == victim] == [2, 3]
+        os.kill(victim, signal.SIGKILL)
+        _, err = up.communicate(timeout=30)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode != 0
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert f"pid {victim}" in line and "2 NICs" in line
+    for node in info.nodes[2:]:
+        assert f"rank {node.rank} ({node.address}:{node.port})" in line
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--nic", "0@127.0.0.1:1", "--bind", "127.0.0.1:2"], "--bind conflicts with --nic"),
+    (["--nic", "0@127.0.0.1:1", "--nic", "0@127.0.0.1:2"], "names a rank twice"),
+    (["--nic", "127.0.0.1:1"], "write RANK@IP:PORT"),
+])  # fmt: skip
+def test_node_nic_flag_errors_name_the_fix(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(["node", *argv])
+    except SystemExit as exc:  # argparse's own errors exit
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_stop_signals_a_shared_process_once(tmp_path: Path) -> None:
+    """Stopping a cluster whose NICs share processes leaves nothing behind: no process, no
+    memory file."""
+    cluster = start_cluster(3, memory=1 << 20, nics_per_process=3, cluster_path=tmp_path / "c.toml")
+    [proc] = cluster.processes
+    files = [Path(n.memory_file) for n in cluster.info.nodes]
+    start = time.monotonic()
+    cluster.stop()
+    assert proc.poll() is not None and time.monotonic() - start < 5
+    assert not any(f.exists() for f in files)
