@@ -28,6 +28,7 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.chunk_plan import block_bounds
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
+    MAX_SEGMENTS,
     NUMPY_DTYPE,
     DType,
     Opcode,
@@ -203,6 +204,11 @@ class ProcessGroup:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.cluster.nodes):
             raise ValueError(f"rank {self.rank} out of range: the cluster has {len(self.cluster.nodes)} nodes")
+        if len(self.cluster.nodes) > MAX_SEGMENTS:
+            raise ValueError(f"a collective spans at most {MAX_SEGMENTS} NICs (one SR list, SPEC.md 4) and this "
+                             f"cluster has {len(self.cluster.nodes)}: start at most {MAX_SEGMENTS} for collectives "
+                             "(larger clusters serve the pool; chains over groups are modelled, `netdam model "
+                             "allreduce --algo netdam-chain-2d`, not emulated yet)")  # fmt: skip
         node = self.cluster.nodes[self.rank]
         self.memory = attach(node.memory_file)
         self.client = ControlClient(admin_key=self.cluster.admin_key)

@@ -35,8 +35,8 @@ def dispatchers() -> dict[str, object]:
 
 
 def main() -> int:
-    warm_node_kernels()
-    warm_switch_kernels()
+    warm_node_kernels(force=True)  # into this process, as a launcher with a cold cache does
+    warm_switch_kernels(force=True)
     kernels = dispatchers()
     before = {name: len(d.overloads) for name, d in kernels.items()}  # type: ignore[attr-defined]
 

@@ -39,7 +39,7 @@ CASES: list[tuple[list[str], int, str]] = [
     (["allreduce", "--sparse", "--algo", "ring-host"], USAGE, "--sparse"),
     (["demo", "--size", "0"], USAGE, "--size"),
     (["demo", "--nodes", "1"], USAGE, "2..64"),
-    (["up", "--nodes", "100000"], USAGE, "1..64"),
+    (["up", "--nodes", "100000"], USAGE, "1..1024"),
     (["up", "--nodes", "0"], USAGE, "--nodes"),
     (["up", "--base-port", "70000"], USAGE, "65535"),
     (["up", "--base-port", "0"], USAGE, "65535"),

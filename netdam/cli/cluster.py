@@ -196,7 +196,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                "keep_file, so netdam down clears those fields instead of deleting "
                                "it). Run it on every host of the file.")  # fmt: skip
     up.add_argument("--nodes", type=bounded_int(1, MAX_UP_NODES), default=None,
-                    help=f"node processes, 1..{MAX_UP_NODES} (default 4; not with an existing --cluster FILE)")  # fmt: skip
+                    help=f"emulated NICs, 1..{MAX_UP_NODES}; a collective spans at most 64 (default 4; not with an existing --cluster FILE)")  # fmt: skip
     up.add_argument("--memory", type=size_arg, default=64 << 20,
                     help="memory per node (default 64MiB; a file's memory_bytes wins)")  # fmt: skip
     up.add_argument(
@@ -356,9 +356,10 @@ def _run_launched_node(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), ExitCode(exc.code)) from None
 
 
-#: Most nodes `netdam up` starts on one machine: a collective's SR list names at most 64 hops
-#: (protocol/constants.py MAX_SEGMENTS), and every node is a process with its own memory.
-MAX_UP_NODES = 64
+#: Most NICs `netdam up` starts on one machine: processes host many each (netdam.shell.nic_host),
+#: ~1 MiB of resident state per NIC beside its memory. A collective spans at most 64 of them
+#: (one SR list, protocol/constants.py MAX_SEGMENTS; ProcessGroup says so); a pool uses them all.
+MAX_UP_NODES = 1024
 
 
 def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:

@@ -13,11 +13,13 @@ likewise only stops this host's nodes.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
 import logging
 import os
+import random
 import secrets
 import selectors
 import signal
@@ -189,7 +191,7 @@ def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:  # type: ignore
     raise AssertionError("unreachable")
 
 
-def warm_node_kernels() -> None:
+def warm_node_kernels(force: bool = False) -> None:
     """Compile (or load from numba's cache) the node's kernels once, in this process, before
     starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
     long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
@@ -207,10 +209,10 @@ def warm_node_kernels() -> None:
         finally:
             proc.close()
 
-    _warm("node", build)
+    _warm("node", build, force)
 
 
-def warm_switch_kernels() -> None:
+def warm_switch_kernels(force: bool = False) -> None:
     """As warm_node_kernels, for the switch's kernels: compiled here, with progress, before the
     switch process starts (it then loads them from the cache in a second)."""
 
@@ -231,16 +233,28 @@ def warm_switch_kernels() -> None:
             finally:
                 proc.close()
 
-    _warm("switch", build)
+    _warm("switch", build, force)
 
 
-def _warm(what: str, build: Callable[[], None]) -> None:
+#: Kernels this process has built or found built ("node", "switch").
+_WARMED: set[str] = set()
+
+
+def _warm(what: str, build: Callable[[], None], force: bool = False) -> None:
     """Run *build* (a warm-up that compiles or loads *what*'s kernels) and, when it is still
     busy after a second (loading from the cache takes less: it compiles), say so once and how
-    long it took. No deadline: compiling takes what the machine gives it, and Ctrl-C stops it."""
+    long it took. No deadline: compiling takes what the machine gives it, and Ctrl-C stops it.
+    Skipped when they were built before, unless *force* (to load them into this process)."""
     # Imported here: netdam.kernels loads numba, which commands that only read clusters skip.
     from netdam.kernels import cache_dir
 
+    # Once built (this process, or any since the cache was made: its folder is named by the
+    # sources' digest, so a marker there is never stale) a node loads its kernels itself in
+    # a second; building them again here cost every start 0.5 s for nothing.
+    marker = cache_dir.kernel_cache_dir() / f"{what}-kernels.built"
+    if not force and (what in _WARMED or marker.exists()):
+        _WARMED.add(what)
+        return
     start = time.monotonic()
     done = threading.Event()
     noted = threading.Event()
@@ -258,6 +272,9 @@ def _warm(what: str, build: Callable[[], None]) -> None:
         build()
     finally:
         done.set()
+    _WARMED.add(what)
+    with contextlib.suppress(OSError):  # a read-only cache: the next start builds again, no harm
+        marker.touch()
     if noted.is_set():
         # Counted from when compiling began: on a cold cache that is the import, which compiles
         # the typed kernels before any warm-up runs (the user saw "compiled in 16 s" after 77 s).
@@ -534,13 +551,21 @@ def _clear_entries(path: Path, ranks: list[int]) -> None:
 
 
 def _free_port_block(address: str, count: int) -> int:
-    """A base port with *count* consecutive free UDP ports (checked by binding them)."""
-
+    """A base port with *count* consecutive free UDP ports (checked by binding them), below the
+    kernel's ephemeral range when there is room: every socket bound to port 0 (a node's
+    management port, any client) takes its port from that range, so none can take a node's port
+    between this probe and the node's own bind (with 256 NICs starting at once, one in three
+    starts collided when the block came from the ephemeral range)."""
+    low = _ephemeral_range()[0]
+    below = low - count > DEFAULT_BASE_PORT
+    rng = random.SystemRandom()
     for _ in range(50):
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        probe.bind((address, 0))
-        base = probe.getsockname()[1]
-        probe.close()
+        if below:
+            base = rng.randrange(DEFAULT_BASE_PORT, low - count)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.bind((address, 0))
+                base = probe.getsockname()[1]
         if base + count >= 65535:
             continue
         socks = []
@@ -556,6 +581,15 @@ def _free_port_block(address: str, count: int) -> int:
             for s in socks:
                 s.close()
     raise ClusterStartError(f"no block of {count} free UDP ports on {address}: pass --base-port")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to sockets bound to port 0 (ip(7) ip_local_port_range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def _wait_ready(
