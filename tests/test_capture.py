@@ -56,7 +56,7 @@ def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
         sniffer.start()
         assert started.wait(10), "the capture socket did not open"
         run = subprocess.run([sys.executable, "-m", "netdam", "allreduce", "--cluster", str(cluster.path),
-                              "--size", "1MiB", "--json"], cwd=ROOT, capture_output=True, text=True,
+                              "--size", "256KiB", "--json"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)  # fmt: skip
         # The run is over: the poke, a PING to a node, ends the capture when the sniffer
         # reaches it (every frame before it is kept).

@@ -1,6 +1,7 @@
 """Many emulated NICs per node process (netdam.shell.nic_host): each NIC is what it is alone in
 its process (own address, memory, keys, counters), the collectives over them are exact, and a
-dead process is named with every NIC it took with it."""
+dead process is named with every NIC it took with it (the collectives' watchdog naming them:
+test_allreduce.test_dead_node_process_is_named_within_5_seconds_with_every_nic)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from netdam.api import CollectiveError, ProcessGroup
+from netdam.api import ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
 from netdam.cli.main import main
 from netdam.cluster.control import ControlClient
@@ -42,17 +43,17 @@ def test_placement_spreads_nics_over_one_process_per_core() -> None:
         placement(4, 0)
 
 
-@pytest.mark.parametrize("per", [4, 1])
+@pytest.mark.parametrize("per", [3, 1])
 def test_nics_in_one_process_are_separate_nics(per: int, tmp_path: Path) -> None:
     """Whatever the placement: each NIC answers on its own address with its own rank and memory
     size, keeps its own counters, and the all-reduce over them equals its numpy reference
     bitwise on every rank."""
-    with start_cluster(8, memory=1 << 20, nics_per_process=per, cluster_path=tmp_path / "c.toml") as cluster:
+    with start_cluster(3, memory=1 << 20, nics_per_process=per, cluster_path=tmp_path / "c.toml") as cluster:
         nodes = cluster.info.nodes
-        assert len(cluster.processes) == 8 // per
-        assert len({n.pid for n in nodes}) == 8 // per
+        assert len(cluster.processes) == 3 // per
+        assert len({n.pid for n in nodes}) == 3 // per
         assert sorted(cluster.ranks_of(nodes[0].pid)) == list(range(per))
-        assert len({n.memory_file for n in nodes}) == 8 and all(Path(n.memory_file).exists() for n in nodes)
+        assert len({n.memory_file for n in nodes}) == 3 and all(Path(n.memory_file).exists() for n in nodes)
         with ControlClient(admin_key=cluster.info.admin_key) as client:
             for node in nodes:
                 info, _ = client.ping(node.endpoint)
@@ -60,36 +61,17 @@ def test_nics_in_one_process_are_separate_nics(per: int, tmp_path: Path) -> None
             before = [client.counters(n.control_endpoint) for n in nodes]
             client.ping(nodes[1].endpoint)  # one NIC's traffic shows on that NIC alone
             after = [client.counters(n.control_endpoint) for n in nodes]
-        grew = [k for k in range(8) if after[k][C.TX_PACKETS] > before[k][C.TX_PACKETS]]
+        grew = [k for k in range(3) if after[k][C.TX_PACKETS] > before[k][C.TX_PACKETS]]
         assert grew == [1]
-        groups = [ProcessGroup(cluster.info, rank) for rank in range(8)]
+        groups = [ProcessGroup(cluster.info, rank) for rank in range(3)]
         rng = np.random.default_rng(27)
-        inputs = [rng.standard_normal(50_001).astype(np.float32) for _ in range(8)]
+        inputs = [rng.standard_normal(50_001).astype(np.float32) for _ in range(3)]
         results = _all_reduce(groups, inputs)
         expected = reference_chain_allreduce(inputs, ReduceOp.SUM)
         for out in results:
             assert out.tobytes() == expected.tobytes()
         for group in groups:
             group.close()
-
-
-def test_a_dead_process_is_named_with_every_nic_it_hosted(tmp_path: Path) -> None:
-    """Killing the process that hosts ranks 2 and 3: the survivors' collective fails within its
-    watchdog naming both NICs, not only the first."""
-    with start_cluster(4, memory=1 << 22, nics_per_process=2, cluster_path=tmp_path / "c.toml") as cluster:
-        groups = [ProcessGroup(cluster.info, rank) for rank in range(4)]
-        _all_reduce(groups, [np.ones(4, np.float32) for _ in range(4)])
-        victim = cluster.process_of(2)
-        assert cluster.ranks_of(victim.pid) == [2, 3]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait(timeout=10)
-        works = [api_all_reduce(np.ones(1000, np.float32), group=g, async_op=True) for g in groups[:2]]
-        with pytest.raises(CollectiveError) as info:
-            for work in works:
-                work.wait()  # type: ignore[union-attr]
-        for rank in (2, 3):
-            node = cluster.info.nodes[rank]
-            assert f"rank {rank} ({node.address}:{node.port})" in str(info.value)
 
 
 @pytest.mark.slow

@@ -151,13 +151,13 @@ class NodeProcess(ServeLoop):
         self.faults = FaultState(self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
                                  self.hold)  # fmt: skip
 
-    def serve_once(self, timeout_ms: int) -> int:
-        """One compiled call (up to ROUNDS_PER_CALL rounds), then the slow path. Returns why."""
+    def serve_once(self, timeout_ms: int, rounds: int = ROUNDS_PER_CALL) -> int:
+        """One compiled call (up to *rounds* rounds), then the slow path. Returns why."""
         self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
         self.fault_cfg[FC_NOW] = time.monotonic()
         mfd = self.group_sock.fileno() if self.group_sock is not None else -1
         io = ServeIO(self.sock.fileno(), mfd, self.ctrl_sock.fileno(), RECV_RUNS * RUN_BYTES, ROUND_DATAGRAMS,
-                     self.core.max_datagram, timeout_ms, ROUNDS_PER_CALL, self.io_state, self.scratch)  # fmt: skip
+                     self.core.max_datagram, timeout_ms, rounds, self.io_state, self.scratch)  # fmt: skip
         reason, n_punt = serve.serve(io, self.rx, self.faults, self.core.node_state(), self.core.guard,
                                      self.core.tx_bundle(), self.core.tx_queue, self.punt)  # fmt: skip
         if n_punt:
