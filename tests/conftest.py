@@ -23,9 +23,13 @@ def rng() -> np.random.Generator:
 def compiled_kernels() -> None:
     """Compile (or load) the node's kernels once, in this process, before tests start node
     processes: otherwise several processes compile the same kernels at once on 2 cores."""
-    from netdam.cluster.launch import warm_node_kernels
+    from netdam.cluster.launch import fork_node_processes
 
-    warm_node_kernels()
+    # The suite starts clusters one after the other: it loads the node's kernels once, here,
+    # and forks its node processes from itself (netdam.cluster.forked) instead of paying
+    # ~1.5 s of CPU per started `netdam node` process. `netdam up` in a subprocess, detached
+    # clusters and the tests that read a node's command line still start real ones.
+    fork_node_processes()
 
 
 @pytest.fixture(scope="module")

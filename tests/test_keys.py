@@ -30,8 +30,12 @@ def _mode(path: Path) -> int:
 
 
 @pytest.mark.slow
-def test_launched_nodes_get_the_key_through_a_pipe_not_argv() -> None:
-    with start_cluster(2, memory=1 << 20) as cluster:
+def test_launched_nodes_get_the_key_through_a_pipe_not_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started node processes (not forked ones: the suite forks, launch.fork_node_processes)."""
+    from netdam.cluster import launch
+
+    monkeypatch.setattr(launch, "_FORK", [False])
+    with start_cluster(2, memory=1 << 20, nics_per_process=1) as cluster:
         key = cluster.info.admin_key
         for proc in cluster.processes:
             argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")

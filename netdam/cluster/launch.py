@@ -48,6 +48,7 @@ from netdam.cluster.clusterfile import (
     write_cluster,
     write_switch_entry,
 )
+from netdam.cluster.forked import ForkedProcess, fork_node_process
 from netdam.cluster.secrets_io import key_pipe
 from netdam.core.faults import FaultSpec
 from netdam.protocol.errors import NetdamError
@@ -55,6 +56,9 @@ from netdam.protocol.packet import Endpoint
 from netdam.shell.shm import DEFAULT_SHM_DIR
 from netdam.shell.startup import CpuWatch, stall_reason
 from netdam.switch.state import state_path_for
+
+#: A node process: started (``netdam node``) or forked (fork_node_processes).
+NodeHandle = subprocess.Popen[bytes] | ForkedProcess
 
 #: First node's port when not chosen: next to the protocol's default 7744.
 DEFAULT_BASE_PORT = 17744
@@ -75,7 +79,7 @@ class LocalCluster:
 
     info: ClusterFile
     path: Path
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    processes: list[NodeHandle] = field(default_factory=list)
     startup_seconds: float = 0.0
     #: The pool switch (SwitchHandle) when started with switch=True.
     switch: Any = None
@@ -91,7 +95,7 @@ class LocalCluster:
     def endpoints(self) -> list[Endpoint]:
         return self.info.endpoints
 
-    def process_of(self, rank: int) -> subprocess.Popen[bytes]:
+    def process_of(self, rank: int) -> NodeHandle:
         """The process hosting *rank*'s NIC (it may host others: the cluster file's pid says)."""
         pid = next(n.pid for n in self.info.nodes if n.rank == rank)
         return next(p for p in self.processes if p.pid == pid)
@@ -191,25 +195,27 @@ def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:  # type: ignore
     raise AssertionError("unreachable")
 
 
+def build_node_kernels() -> None:
+    """Compile (or load) into this process every kernel a node reaches: its serve loop, its
+    control paths, its collective clock (a scratch node, warmed up and closed)."""
+    # Imported here: the node process pulls in every kernel module (numba), which commands
+    # that only read or stop clusters should not pay for.
+    from netdam.shell.node_process import NodeProcess, NodeProcessConfig
+
+    proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
+                                         name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
+    try:
+        proc.warm_up()
+        proc.core.handle_timer(0.0)
+    finally:
+        proc.close()
+
+
 def warm_node_kernels(force: bool = False) -> None:
     """Compile (or load from numba's cache) the node's kernels once, in this process, before
     starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
     long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
-
-    def build() -> None:
-        # Imported here: the node process pulls in every kernel module (numba), which commands
-        # that only read or stop clusters should not pay for.
-        from netdam.shell.node_process import NodeProcess, NodeProcessConfig
-
-        proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
-                                             name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
-        try:
-            proc.warm_up()
-            proc.core.handle_timer(0.0)
-        finally:
-            proc.close()
-
-    _warm("node", build, force)
+    _warm("node", build_node_kernels, force)
 
 
 def warm_switch_kernels(force: bool = False) -> None:
@@ -390,7 +396,7 @@ def placement(nodes: int, nics_per_process: int | None = None) -> int:
 
 def _spawn_nodes(
     spec: _NodeSpec, nodes: list[tuple[int, Endpoint, int]], nics_per_process: int | None = None
-) -> tuple[list[subprocess.Popen[bytes]], dict[int, tuple[int, int]]]:
+) -> tuple[list[NodeHandle], dict[int, tuple[int, int]]]:
     """Start node processes hosting one NIC per (rank, bind, memory bytes), *nics_per_process*
     each (default: placement), wait until every NIC is ready; the processes and, by rank, the
     (pid, control port) of each NIC. On failure every started process is stopped and cleaned up."""
@@ -398,26 +404,18 @@ def _spawn_nodes(
     per = placement(len(nodes), nics_per_process)
     hosted = [nodes[k : k + per] for k in range(0, len(nodes), per)]
     progress.status(f"starting {len(nodes)} NICs in {len(hosted)} node processes")
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[NodeHandle] = []
     logs = [node_log(spec.name, nics[0][0]) for nics in hosted]
     for nics, log_path in zip(hosted, logs, strict=True):
+        if _FORK[0] and not spec.detach:
+            procs.append(fork_node_process(_host_configs(spec, nics), log_path, _verbosity()))
+            continue
         key_fd = key_pipe(spec.admin_key)
-        if len(nics) == 1:
-            [(rank, bind, memory)] = nics
-            cmd = node_command(bind, f"{spec.name}-{rank}", memory, key_fd, spec.members, rank,
-                               spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
-        else:
-            cmd = nics_command(nics, spec.name, key_fd, spec.members, spec.world, spec.shm_dir, spec.mtu, spec.faults,
-                               die_with_parent=not spec.detach)  # fmt: skip
-        if not spec.guard:
-            cmd.append("--no-guard")
-        if logging.getLogger().isEnabledFor(logging.INFO):
-            cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
-        # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
         try:
+            # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
             with open(log_path, "wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, pass_fds=(key_fd,),
-                                              start_new_session=spec.detach))  # fmt: skip
+                procs.append(subprocess.Popen(_host_command(spec, nics, key_fd), stdout=subprocess.PIPE, stderr=log,
+                                              pass_fds=(key_fd,), start_new_session=spec.detach))  # fmt: skip
         finally:
             os.close(key_fd)  # the child holds its own copy
     try:
@@ -429,6 +427,55 @@ def _spawn_nodes(
         raise
     by_rank = {rank: (proc.pid, ports[rank]) for proc, nics in zip(procs, hosted, strict=True) for rank, _, _ in nics}
     return procs, by_rank
+
+
+def _host_command(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]], key_fd: int) -> list[str]:
+    """The argv of the process hosting *nics*, its key on the inherited descriptor *key_fd*."""
+    if len(nics) == 1:
+        [(rank, bind, memory)] = nics
+        cmd = node_command(bind, f"{spec.name}-{rank}", memory, key_fd, spec.members, rank,
+                           spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+    else:
+        cmd = nics_command(nics, spec.name, key_fd, spec.members, spec.world, spec.shm_dir, spec.mtu, spec.faults,
+                           die_with_parent=not spec.detach)  # fmt: skip
+    if not spec.guard:
+        cmd.append("--no-guard")
+    if logging.getLogger().isEnabledFor(logging.INFO):
+        cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
+    return cmd
+
+
+#: Whether this process forks its (non-detached) node processes (fork_node_processes).
+_FORK = [False]
+
+
+def fork_node_processes(enabled: bool = True) -> None:
+    """Start this process's non-detached node processes by forking it (netdam.cluster.forked)
+    instead of starting ``netdam node``: a process that starts cluster after cluster (a test
+    session, a benchmark sweep) loads the kernels once, here, and each start costs milliseconds
+    of CPU instead of ~1.5 s per node process. Loads the node's kernels into this process now."""
+    if enabled:
+        warm_node_kernels(force=True)
+    _FORK[0] = enabled
+
+
+def _host_configs(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]]) -> list[Any]:
+    """What `netdam node` would make of _host_command's arguments, for a forked node process."""
+    # Imported here: it loads numba's compiled kernels, which fork_node_processes loaded already.
+    from netdam.core.guard import GuardConfig
+    from netdam.shell.node_process import NodeProcessConfig
+
+    return [NodeProcessConfig(bind=bind, memory_bytes=memory, shm_dir=spec.shm_dir, name=f"{spec.name}-{rank}",
+                              admin_key=spec.admin_key, members=tuple(spec.members), mtu=spec.mtu, rank=rank,
+                              world_size=spec.world, faults=spec.faults, die_with_parent=True,
+                              guard=GuardConfig.on() if spec.guard else GuardConfig())
+            for rank, bind, memory in nics]  # fmt: skip
+
+
+def _verbosity() -> int:
+    """The launcher's -v count, which its node processes get too."""
+    root = logging.getLogger()
+    return 2 if root.isEnabledFor(logging.DEBUG) else 1 if root.isEnabledFor(logging.INFO) else 0
 
 
 def is_local_address(address: str) -> bool:
@@ -522,7 +569,8 @@ def _is_node_process(pid: int) -> bool:
     if not _alive(pid, None):
         return False
     try:
-        return b"netdam" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        # A forked node (netdam.cluster.forked) has its launcher's command line and its own name.
+        return b"netdam" in Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/comm").read_bytes()
     except OSError:
         return True  # no /proc: trust the file
 
@@ -593,7 +641,7 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def _wait_ready(
-    procs: list[subprocess.Popen[bytes]], hosted: list[list[tuple[int, Endpoint]]], logs: list[Path],
+    procs: list[NodeHandle], hosted: list[list[tuple[int, Endpoint]]], logs: list[Path],
     what: str = "node",
 ) -> dict[int, int]:  # fmt: skip
     """Wait for the ``ready`` line of every (rank, endpoint) that each process hosts (its
@@ -675,7 +723,7 @@ def _last_error(log: str) -> str:
     return lines[-1]
 
 
-def stop_pids(pids: list[int], timeout: float, processes: list[subprocess.Popen[bytes]] | None = None) -> None:
+def stop_pids(pids: list[int], timeout: float, processes: list[NodeHandle] | None = None) -> None:
     """SIGTERM, wait up to *timeout*, then SIGKILL; reaps our own children. A pid listed twice
     (a process hosting several NICs) is signalled once."""
     pids = list(dict.fromkeys(pids))
@@ -699,7 +747,7 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _alive(pid: int, proc: subprocess.Popen[bytes] | None) -> bool:
+def _alive(pid: int, proc: NodeHandle | None) -> bool:
     if proc is not None:
         return proc.poll() is None
     return process_alive(pid)
