@@ -25,16 +25,16 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from netdam.shell.node_process import NodeProcessConfig
+    from netdam.switch.process import SwitchProcessConfig
 
 #: prctl(2): set the calling thread's name (/proc/PID/comm), what `_is_node_process` also reads.
 PR_SET_NAME = 15
-#: The forked child's name in /proc/PID/comm (15 bytes at most).
-COMM = b"netdam-node"
 
 
 class ForkedProcess:
@@ -77,6 +77,23 @@ class ForkedProcess:
 def fork_node_process(configs: list[NodeProcessConfig], log: Path, verbose: int = 0) -> ForkedProcess:
     """Fork a child that hosts the NICs *configs* (netdam.shell.nic_host), its ready lines on
     the returned process's stdout, its stderr in *log*."""
+    # Imported here: the launcher that forks has loaded the kernels already (the point of it).
+    from netdam.shell.nic_host import main
+
+    return fork_process(lambda: main(configs), log, verbose, b"netdam-node")
+
+
+def fork_switch_process(config: SwitchProcessConfig, log: Path, verbose: int = 0) -> ForkedProcess:
+    """As fork_node_process, for the pool switch of a local cluster."""
+    # Imported here: the launcher that forks has loaded the switch's kernels already.
+    from netdam.switch.process import main
+
+    return fork_process(lambda: main(config), log, verbose, b"netdam-switch")
+
+
+def fork_process(run: Callable[[], int], log: Path, verbose: int, name: bytes) -> ForkedProcess:
+    """Fork a child that runs *run* (a process's main) and exits with its code; its stdout is
+    the returned process's, its stderr goes to *log*, /proc/PID/comm says *name*."""
     read_end, write_end = os.pipe()
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     sys.stdout.flush()
@@ -85,7 +102,7 @@ def fork_node_process(configs: list[NodeProcessConfig], log: Path, verbose: int 
     if pid == 0:  # the child: never returns
         code = 3
         try:
-            code = _child(configs, read_end, write_end, log_fd, verbose)
+            code = _child(run, read_end, write_end, log_fd, verbose, name)
         except BaseException:  # reported in the node's log, as a started node's traceback would be
             with contextlib.suppress(Exception):
                 os.write(2, traceback.format_exc().encode(errors="replace"))
@@ -96,8 +113,8 @@ def fork_node_process(configs: list[NodeProcessConfig], log: Path, verbose: int 
     return ForkedProcess(pid, os.fdopen(read_end, "rb", buffering=0))
 
 
-def _child(configs: list[NodeProcessConfig], read_end: int, write_end: int, log_fd: int, verbose: int) -> int:
-    """The forked node: its own stdout, stderr, name and signal handlers, then the NICs."""
+def _child(run: Callable[[], int], read_end: int, write_end: int, log_fd: int, verbose: int, name: bytes) -> int:
+    """The forked process: its own stdout, stderr, name and signal handlers, then *run*."""
     # Everything the launcher allocated stays untouched here: frozen, never collected (a
     # collected socket object of the launcher's would close a descriptor number this node may
     # have reused for one of its own sockets).
@@ -113,11 +130,8 @@ def _child(configs: list[NodeProcessConfig], read_end: int, write_end: int, log_
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(COMM), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
     root = logging.getLogger()
     root.handlers = [logging.StreamHandler(sys.stderr)]
     root.setLevel(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
-    # Imported here: the child of a launcher that loaded the kernels (the point of forking).
-    from netdam.shell.nic_host import main
-
-    return main(configs)
+    return run()

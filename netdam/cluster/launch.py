@@ -48,7 +48,7 @@ from netdam.cluster.clusterfile import (
     write_cluster,
     write_switch_entry,
 )
-from netdam.cluster.forked import ForkedProcess, fork_node_process
+from netdam.cluster.forked import ForkedProcess, fork_node_process, fork_switch_process
 from netdam.cluster.secrets_io import key_pipe
 from netdam.core.faults import FaultSpec
 from netdam.protocol.errors import NetdamError
@@ -456,6 +456,7 @@ def fork_node_processes(enabled: bool = True) -> None:
     of CPU instead of ~1.5 s per node process. Loads the node's kernels into this process now."""
     if enabled:
         warm_node_kernels(force=True)
+        warm_switch_kernels(force=True)
     _FORK[0] = enabled
 
 
@@ -809,7 +810,7 @@ class SwitchHandle:
     """A running switch process."""
 
     entry: SwitchEntry
-    process: subprocess.Popen[bytes]
+    process: NodeHandle
     cluster_path: Path
     startup_seconds: float = 0.0
 
@@ -870,10 +871,14 @@ def start_switch(
     log = switch_log(cluster.path)
     start = time.monotonic()
     warm_switch_kernels()
-    cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach, guard)
     progress.status("starting the switch")
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
+    proc: NodeHandle
+    if _FORK[0] and not detach:
+        proc = fork_switch_process(_switch_config(cluster, vip, state, faults, seed, guard), log, _verbosity())
+    else:
+        cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach, guard)
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
     try:
         control_port = _wait_ready([proc], [[(0, vip)]], [log], what="switch")[0]
     except ClusterStartError:
@@ -890,6 +895,17 @@ def start_switch(
         log.unlink(missing_ok=True)
         raise
     return SwitchHandle(entry, proc, cluster.path, time.monotonic() - start)
+
+
+def _switch_config(cluster: LocalCluster, vip: Endpoint, state: Path, faults: str, seed: int, guard: bool) -> Any:
+    """What `python -m netdam.switch` would make of switch_command's arguments, for a forked switch."""
+    # Imported here: they load the switch's kernels, which fork_node_processes loaded already.
+    from netdam.switch.faults import parse_faults
+    from netdam.switch.process import SwitchProcessConfig
+
+    return SwitchProcessConfig(vip=vip, cluster_file=cluster.path, state_file=state, mtu=cluster.info.mtu,
+                               faults=parse_faults(faults, len(cluster.info.nodes)), seed=seed, die_with_parent=True,
+                               guard=guard)  # fmt: skip
 
 
 def start_pool_cluster(nodes: int, *, faults: str = "", seed: int = 0, state_file: Path | None = None,
