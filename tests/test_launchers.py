@@ -447,6 +447,7 @@ def test_launcher_examples_parse(script: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (OpenMPI) is not installed: apt-get install openmpi-bin")
 def test_mpirun_example(tmp_path: Path) -> None:
     env = clean_env(NETDAM=f"{sys.executable} -m netdam", RDV_PORT=str(free_port()), NODES="3", TMPDIR=str(tmp_path))

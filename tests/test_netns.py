@@ -263,6 +263,7 @@ def test_links_and_namespaces(site: Site) -> None:
 # ------------------------------------------------------------------------------ collectives
 
 
+@pytest.mark.slow
 def test_all_reduce_is_the_reference_on_every_rank(site: Site) -> None:
     ranks = ok_ranks(site)
     reference = reference_chain_allreduce(

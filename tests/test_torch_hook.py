@@ -134,6 +134,7 @@ def test_unsupported_dtype_is_refused(two_nodes: LocalCluster) -> None:
         assert state.collectives == 0
 
 
+@pytest.mark.slow
 def test_failed_allreduce_surfaces_through_the_future_and_ddp(tmp_path: Path) -> None:
     """A dead node: the hook's future raises, DDP's backward raises with the same message, and
     later buckets fail at once (the ranks are out of step)."""
@@ -190,6 +191,7 @@ def test_example_comparison_fails_on_a_wrong_loss() -> None:
     assert compare(nan, 1e-5, 1e-7)["ok"] is False
 
 
+@pytest.mark.slow
 def test_ddp_example_two_ranks_losses_agree_with_gloo() -> None:
     argv = [sys.executable, str(EXAMPLE), "--ranks", "2", "--steps", "4", "--hidden", "32",
             "--chunk-bytes", "4096", "--json"]  # fmt: skip
