@@ -127,3 +127,21 @@ def test_stop_signals_a_shared_process_once(tmp_path: Path) -> None:
     cluster.stop()
     assert proc.poll() is not None and time.monotonic() - start < 5
     assert not any(f.exists() for f in files)
+
+
+@pytest.mark.slow
+def test_a_collective_over_the_most_nics_one_sr_list_names_is_exact(tmp_path: Path) -> None:
+    """64 NICs, the longest chain an SR list names (MAX_SEGMENTS): before, the DONE set of 64
+    members was computed as (1 << 64) - 1, which LLVM makes 0, and every such collective
+    failed on its watchdog after its data had all arrived."""
+    from netdam.protocol.constants import MAX_SEGMENTS
+
+    with start_cluster(MAX_SEGMENTS, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        groups = [ProcessGroup(cluster.info, rank) for rank in range(MAX_SEGMENTS)]
+        rng = np.random.default_rng(64)
+        inputs = [rng.standard_normal(64 * 257).astype(np.float32) for _ in range(MAX_SEGMENTS)]
+        results = _all_reduce(groups, inputs)
+        expected = reference_chain_allreduce(inputs, ReduceOp.SUM)
+        assert all(out.tobytes() == expected.tobytes() for out in results)
+        for group in groups:
+            group.close()

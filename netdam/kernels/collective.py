@@ -547,7 +547,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
                 # ready: it gets ours now as the answer, packet-driven, not after its RTO.
                 tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], have_theirs != 0,
                                   tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
-        all_ranks = (np.int64(1) << world) - 1
+        all_ranks = _all_ranks(world)
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
             cfg[CFG_STATE] = 2
             fcfg[F_T_DONE] = now
@@ -621,6 +621,14 @@ def _note_refusal(co_cfg, coll, epoch, originator):  # type: ignore[no-untyped-d
 
 
 @njit(cache=True, nogil=True)
+def _all_ranks(world):  # type: ignore[no-untyped-def]
+    """The rank bit set of a world of *world* (<= 64) members. Not (1 << world) - 1: a shift by
+    64 is undefined in LLVM (x86 takes the count mod 64: 1 << 64 == 1), which made it 0 at 64
+    members, and a 64-node collective waited for its DONEs until the watchdog fired."""
+    return np.int64(-1) if world >= 64 else (np.int64(1) << world) - 1
+
+
+@njit(cache=True, nogil=True)
 def _rtt_sample(fcfg, sample):  # type: ignore[no-untyped-def]
     """RFC 6298 smoothing; RTO clamped to [RTO_MIN_S, RTO_MAX_S]."""
     if fcfg[F_SRTT] == 0.0:
@@ -644,7 +652,7 @@ def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_ds
         if cfg[CFG_BM_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
             tx_n = _send_bitmap(cfg, 1, ring[peer], done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
             cfg[CFG_BM_ASK] &= ~bit
-    all_ranks = (np.int64(1) << world) - 1
+    all_ranks = _all_ranks(world)
     base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
     if cfg[CFG_BM_HAS] != all_ranks and (fcfg[F_BM_SENT] == 0.0 or now - fcfg[F_BM_SENT] > base_rto):
         fcfg[F_BM_SENT] = now
