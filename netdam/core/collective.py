@@ -55,6 +55,15 @@ TOTAL_IN_FLIGHT = 512
 #: collective runs on it until then, and ranks that start a few ms apart otherwise waited 200 ms
 #: (measured: 2 nodes, 20 KiB, 2-50 ms skew: ~205 ms extra at 0.2 s, ~55 ms at 0.05 s).
 INITIAL_RTO_S = 0.05
+#: ...plus this much per hop of a chain past 25: before the first sample the RTO must cover a
+#: whole chain, and on 2 cores each hop waits its turn (64 NICs x 1 MiB, all of it in the first
+#: window: 656-710 chains re-sent at 50 ms).
+RTO_PER_HOP_S = 0.002
+
+
+def initial_rto(world: int) -> float:
+    """The RTO before the first ACK sample of a collective over *world* members."""
+    return max(INITIAL_RTO_S, RTO_PER_HOP_S * (world - 1))
 
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -196,8 +205,7 @@ class CollectiveEngine:
         cfg[L.CFG_NEEDED] = int(cb[rank + 1] - cb[rank]) if algo == Algo.REDUCE_SCATTER else n_chunks
         fcfg = self.fcfg
         fcfg[:] = 0.0
-        fcfg[L.F_RTO] = INITIAL_RTO_S
-        fcfg[L.F_BASE_RTO] = INITIAL_RTO_S
+        fcfg[L.F_RTO] = fcfg[L.F_BASE_RTO] = initial_rto(world)
         fcfg[L.F_START] = -1.0  # the first tick stamps the start
         fcfg[L.F_T_CHAINS : L.F_T_DONE + 1] = -1.0  # phases not ended yet
         fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall
