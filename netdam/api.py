@@ -12,6 +12,7 @@ group), as with torch.distributed and MPI.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import hashlib
 import os
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from netdam.cluster.clusterfile import ClusterFile, load_cluster
+from netdam.cluster.clusterfile import ClusterFile, NodeEntry, load_cluster
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.chunk_plan import block_bounds
 from netdam.protocol.constants import (
@@ -44,10 +45,12 @@ from netdam.protocol.payloads import (
     Algo,
     CollectiveDescriptor,
     CompletionPhases,
+    descriptor_tag_key,
     unpack_completion,
     unpack_completion_phases,
     unpack_descriptor,
 )
+from netdam.protocol.tag import verify as tag_verify
 from netdam.shell.shm import attach
 
 __all__ = [
@@ -172,11 +175,69 @@ def derived_key(secret: bytes, *parts: int | str) -> int:
     return int.from_bytes(_derive(secret, *parts)[:4], "big") or 1
 
 
+def collective_tag_key(secret: bytes, coll_id: int, epoch: int) -> bytes:
+    """The 128-bit tag key of one collective (SPEC.md 2.6), the same on every rank: its members'
+    datagrams carry SipHash tags under it, which nobody without it can make."""
+    return _derive(secret, "collective-tag", coll_id, epoch)[:16]
+
+
 def collective_key(secret: bytes, coll_id: int, epoch: int) -> int:
     """The rkey of one collective (group *coll_id*, call *epoch*), the same on every rank: its
     node installs it over that collective's buffers alone, for members only, until it ends
     (SPEC.md 4.1)."""
     return derived_key(secret, "collective", coll_id, epoch)
+
+
+class ArenaInUseError(NetdamError, RuntimeError):
+    """Another live process (another job on the same cluster file) holds this rank's arena."""
+
+
+def arena_lock_path(node: NodeEntry) -> Path:
+    """The lock file of rank *node*'s arena: beside its memory file, on the host that runs it."""
+    return Path(f"{node.memory_file}.arena.lock")
+
+
+#: The arena locks this process holds: lock file -> [open file, groups using it]. A process
+#: is one job: its groups of one rank share the lock (the newest takes the arena, as before).
+_ARENA_LOCKS: dict[Path, list[Any]] = {}
+
+
+def _hold_arena_lock(node: NodeEntry, rank: int) -> Path:
+    """An exclusive flock on the arena's lock file, held until the last group of this process
+    for that rank closes (the kernel drops it when the process dies, so a crashed job's arena
+    is taken back as before). The holder's pid is written in it, for the error another job
+    gets. Returns the lock file, for _release_arena_lock."""
+    path = arena_lock_path(node)
+    held = _ARENA_LOCKS.get(path)
+    if held is not None:
+        held[1] += 1
+        return path
+    lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ArenaInUseError(
+            f"rank {rank}: another process (pid {holder}) runs this rank on node {node.address}:{node.port} "
+            "(another job on the same cluster file): one job per cluster file at a time; start a cluster "
+            "of its own for the second job (`netdam up --cluster other.toml`) or wait for the first to end"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _ARENA_LOCKS[path] = [lock, 1]
+    return path
+
+
+def _release_arena_lock(path: Path) -> None:
+    held = _ARENA_LOCKS.get(path)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        del _ARENA_LOCKS[path]
+        held[0].close()  # releases the flock
 
 
 @dataclass
@@ -211,6 +272,9 @@ class ProcessGroup:
                              "allreduce --algo netdam-chain-2d`, not emulated yet)")  # fmt: skip
         node = self.cluster.nodes[self.rank]
         self.memory = attach(node.memory_file)
+        # One job's rank at a time owns this rank's arena: a second one gets an error here,
+        # where it used to take (and wipe) the first one's arena.
+        self._arena_lock: Path | None = _hold_arena_lock(node, self.rank)
         self.client = ControlClient(admin_key=self.cluster.admin_key)
         self._secret = group_secret(self.cluster)
         digest = _derive(self._secret, "multicast")
@@ -334,10 +398,11 @@ class ProcessGroup:
         desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr,
                                     collective_key(self._secret, WORLD_COLL_ID, self.epoch), root=root,
                                     group=self.group if self.multicast else None,
-                                    timeout_ms=int(watchdog * 1000), flags=flags)  # fmt: skip
+                                    timeout_ms=int(watchdog * 1000), flags=flags,
+                                    tag_key=collective_tag_key(self._secret, WORLD_COLL_ID, self.epoch))  # fmt: skip
         packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=WORLD_COLL_ID,
                         epoch=self.epoch, dtype=dtype, reduce_op=op,
-                        segments=tuple(self.cluster.endpoints), length=64, payload=desc.encode())  # fmt: skip
+                        segments=tuple(self.cluster.endpoints)).with_payload(desc.encode())  # fmt: skip
         work = Work(self, packet, algo, count, dtype, watchdog)
         work.send_start()
         if not self._epoch_settled:
@@ -352,15 +417,20 @@ class ProcessGroup:
         """*packet* (a START_COLL of this group) moved to *epoch*, with that epoch's key."""
         desc = unpack_descriptor(packet.payload)
         key = collective_key(self._secret, packet.coll_id, epoch)
-        return replace(packet, epoch=epoch, payload=replace(desc, rkey=key).encode())
+        tag_key = collective_tag_key(self._secret, packet.coll_id, epoch)
+        return replace(packet, epoch=epoch, payload=replace(desc, rkey=key, tag_key=tag_key).encode())
 
     def close(self) -> None:
-        """Give the arena back (the node zeroes it) and close the control socket."""
+        """Give the arena back (the node zeroes it), close the control socket, and let the
+        next job's rank have the arena."""
         try:
             self.client.deregister(self.node, self.arena_rkey)
         except (ControlError, OSError):
             pass  # the node is gone: nothing of this rank's is left to protect
         self.client.close()
+        if self._arena_lock is not None:
+            _release_arena_lock(self._arena_lock)
+            self._arena_lock = None
 
 
 class Work:
@@ -378,6 +448,8 @@ class Work:
         #: The node ACKed START_COLL (running), as opposed to hearing nothing yet.
         self.started = False
         self.stats: dict[str, int] = {}
+        #: Answers dropped for a missing or wrong tag (forged, SPEC.md 2.6).
+        self.forged = 0
         self._txn = 0
         self._heard = time.monotonic()
         self._finish: list[object] = []
@@ -441,6 +513,14 @@ class Work:
             except RemoteProtocolError:
                 continue
             if reply.txn_id != self._txn or reply.client_id != self.group.client.client_id:
+                continue
+            # What can end or fail the wait (a completion, a NACK) must carry this call's tag
+            # (SPEC.md 2.6); a plain "started" ACK only keeps the wait alive, so it is not
+            # checked (a host's SipHash in Python costs ~50 us).
+            key = descriptor_tag_key(self.packet.payload)
+            decides = reply.opcode == Opcode.NACK or reply.aux_addr != 0
+            if key and decides and not tag_verify(key, data):
+                self.forged += 1  # not from a holder of this collective's key
                 continue
             self._heard = time.monotonic()
             if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:

@@ -122,10 +122,14 @@ class Flags(IntFlag):
     MCAST = 0x0004  # sent to a multicast group
     RELAYED = 0x0008  # set by a switch that wrote the return segment
     RETRY = 0x0010  # a retransmission (informational; counted)
+    TAGGED = 0x0020  # an 8-byte tag follows the payload: SipHash-2-4 of header and SR list (2.6)
 
 
 #: All flag bits v1 defines.
-FLAGS_V1_MASK = 0x001F
+FLAGS_V1_MASK = 0x003F
+
+#: The tag trailer of a TAGGED datagram, bytes (SPEC.md 2.6): one SipHash-2-4 output.
+TAG_SIZE = 8
 
 
 class Status(IntEnum):

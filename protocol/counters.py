@@ -38,7 +38,7 @@ DROP_LOCKOUT = 24  # datagrams from a locked-out source, dropped (SPEC.md 12.3)
 AUTH_FAILURES = 25  # BAD_RKEY / UNAUTHORIZED NACKs to non-members (the lockout's input)
 LOCKOUTS = 26  # times a source (or a set of sources) was locked out
 DROP_AMPLIFICATION = 27  # READs dropped: no address-validation token, answer over 3x (SPEC.md 12.4)
-DROP_COLL_FORGED = 28  # a collective's replies and DONEs without its key, dropped (SPEC.md 4.1)
+DROP_COLL_FORGED = 28  # a collective's datagrams without its key or tag, dropped (SPEC.md 4.1, 2.6)
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64

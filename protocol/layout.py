@@ -180,6 +180,11 @@ DESCRIPTOR = Layout("descriptor", "<", [
     _f("reserved", 60, 4, "u32", "0"),
 ], spec="6.5 START_COLL descriptor")  # fmt: skip
 
+DESCRIPTOR_TAG_KEY = Layout("descriptor_tag_key", "<", [
+    _f("tag_k0", 0, 8, "u64", "key bytes 0-7: SipHash k0"),
+    _f("tag_k1", 8, 8, "u64", "key bytes 8-15: SipHash k1"),
+], spec="**Tag key**")  # fmt: skip
+
 COMPLETION = Layout("completion", "<", [
     _f("chains_resent", 0, 8, "u64", "chains re-sent"),
     _f("repair_reads", 8, 8, "u64", "repair READs"),
@@ -239,7 +244,7 @@ REGION_WAY = Layout("region_way", "<", [
 ], spec="**Region way**")  # fmt: skip
 
 #: Every table, for tests and tools that walk them.
-LAYOUTS = (HEADER, SEGMENT, SPARSE_PREFIX, REGISTER, DEREGISTER, INFO, DESCRIPTOR, COMPLETION,
+LAYOUTS = (HEADER, SEGMENT, SPARSE_PREFIX, REGISTER, DEREGISTER, INFO, DESCRIPTOR, DESCRIPTOR_TAG_KEY, COMPLETION,
            COMPLETION_FAILURE, FETCH_ADD, CAS, ALLOC, CREDENTIAL, REGION_INFO, REGION_WAY)  # fmt: skip
 
 # ---------------------------------------------------------------- named offsets

@@ -26,6 +26,7 @@ from netdam.protocol.constants import (
     MAX_SEGMENTS,
     PROTOCOL_VERSION,
     SEGMENT_SIZE,
+    TAG_SIZE,
     DType,
     Flags,
     Opcode,
@@ -97,6 +98,8 @@ class Packet:
     ret: Endpoint = NO_ENDPOINT
     payload: bytes = field(default=b"", repr=False)
     version: int = PROTOCOL_VERSION
+    #: The trailer of a TAGGED datagram (SPEC.md 2.6), as read; protocol.tag.seal writes it.
+    tag: int = 0
 
     @property
     def seg_type(self) -> SegmentType:
@@ -169,7 +172,8 @@ def _pack(packet: Packet) -> bytes:
         0,
     )
     segments = b"".join(SEGMENT_STRUCT.pack(ip_to_int(ip), port, 0) for ip, port in packet.segments)
-    return header + segments + packet.payload
+    trailer = packet.tag.to_bytes(TAG_SIZE, "little") if packet.flags & Flags.TAGGED else b""
+    return header + segments + packet.payload + trailer
 
 
 def _check_encodable(packet: Packet) -> None:
@@ -227,6 +231,12 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
     status_enum = _enum(Status, status, Status.BAD_FIELD, "status")
     segments = _pull_segments(view, seg_type, segments_left, seg_count)
     offset = HEADER_SIZE + SEGMENT_SIZE * seg_count
+    end, tag = len(view), 0
+    if flags & Flags.TAGGED:
+        if end < offset + TAG_SIZE:
+            raise RemoteProtocolError(Status.TRUNCATED, f"TAGGED datagram without its {TAG_SIZE}-byte tag")
+        end -= TAG_SIZE
+        tag = int.from_bytes(view[end:], "little")
     packet = Packet(
         opcode=Opcode(opcode),
         flags=Flags(flags),
@@ -246,7 +256,8 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
         segments_left=segments_left,
         segments=segments,
         ret=(int_to_ip(ret_ip), ret_port),
-        payload=bytes(view[offset:]),
+        payload=bytes(view[offset:end]),
+        tag=tag,
     )
     check_fields(packet)
     return packet

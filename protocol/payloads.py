@@ -10,7 +10,7 @@ nodes, the switch, clients, the decoder and the fixtures write and read the same
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 from netdam.protocol import layout as L
@@ -26,8 +26,10 @@ INFO: struct.Struct = L.INFO.struct
 #: REGISTER request (requested rkey, rights), its ACK (granted rkey, rights) and DEREGISTER
 #: (rkey, 0): SPEC.md 6.1 and 6.2.
 KEY_RIGHTS: struct.Struct = L.REGISTER.struct
-#: START_COLL descriptor, 64 bytes (SPEC.md 6.5).
+#: START_COLL descriptor, 64 bytes (SPEC.md 6.5), optionally followed by the collective's
+#: 16-byte tag key (then its datagrams are TAGGED, SPEC.md 2.6).
 DESCRIPTOR: struct.Struct = L.DESCRIPTOR.struct
+TAG_KEY: struct.Struct = L.DESCRIPTOR_TAG_KEY.struct
 #: Completion of a collective (ACK with aux_addr 1: retransmits, repair reads) and its failure
 #: (NACK with aux_addr 1: first and last chunk still missing), SPEC.md 6.5.
 COMPLETION: struct.Struct = L.COMPLETION.part("chains_resent", "repair_reads")
@@ -119,11 +121,13 @@ class Descriptor:
     host: int
     timeout_ms: int
     reserved: int = 0
+    #: The collective's tag key (16 bytes), or b"": an untagged (v1) collective.
+    tag_key: bytes = field(default=b"", kw_only=True)
 
     def encode(self) -> bytes:
         return DESCRIPTOR.pack(self.algo, self.flags, self.window, self.rank, self.count,
                                self.in_addr, self.out_addr, self.rkey, self.root, self.group,
-                               self.host, self.timeout_ms, self.reserved)  # fmt: skip
+                               self.host, self.timeout_ms, self.reserved) + self.tag_key  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -142,17 +146,36 @@ class CollectiveDescriptor:
     host: Endpoint | None = None  # where the completion goes; None: the START_COLL sender
     timeout_ms: int = 0
     flags: int = 0
+    #: 16 bytes: the collective's datagrams carry tags under this key (SPEC.md 2.6); b"": none.
+    tag_key: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.tag_key and (len(self.tag_key) != TAG_KEY.size or not any(self.tag_key)):
+            raise ValueError(f"a tag key is {TAG_KEY.size} bytes, not all zero")
 
     def encode(self) -> bytes:
         return Descriptor(
             self.algo, self.flags, self.window, self.rank, self.count, self.in_addr, self.out_addr,
             self.rkey, self.root, endpoint_to_u64(self.group) if self.group else 0,
-            endpoint_to_u64(self.host) if self.host else 0, self.timeout_ms,
+            endpoint_to_u64(self.host) if self.host else 0, self.timeout_ms, tag_key=self.tag_key,
         ).encode()  # fmt: skip
 
 
+def descriptor_tag_key(payload: bytes) -> bytes:
+    """The tag key of a START_COLL payload, b"" when it has none (64 bytes, or malformed)."""
+    if len(payload) != DESCRIPTOR.size + TAG_KEY.size or not any(payload[DESCRIPTOR.size :]):
+        return b""
+    return bytes(payload[DESCRIPTOR.size :])
+
+
 def unpack_descriptor(payload: bytes) -> Descriptor:
-    """ValueError (a RemoteProtocolError) when the size is wrong."""
+    """ValueError (a RemoteProtocolError) when the size is wrong: 64 bytes, or 80 with a tag
+    key (a key of all zeros is no key: BAD_FIELD)."""
+    if len(payload) == DESCRIPTOR.size + TAG_KEY.size:
+        key = bytes(payload[DESCRIPTOR.size :])
+        if not any(key):
+            raise RemoteProtocolError(Status.BAD_FIELD, "START_COLL tag key is all zeros")
+        return Descriptor(*_unpack(DESCRIPTOR, payload[: DESCRIPTOR.size], "START_COLL descriptor"), tag_key=key)
     return Descriptor(*_unpack(DESCRIPTOR, payload, "START_COLL descriptor"))
 
 

@@ -41,7 +41,7 @@ from scapy.fields import (
     XLongField,
 )
 from scapy.layers.inet import UDP
-from scapy.packet import Packet, bind_bottom_up, bind_top_down
+from scapy.packet import Packet, Padding, bind_bottom_up, bind_top_down
 
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
@@ -50,6 +50,7 @@ from netdam.protocol.constants import (
     POOL_OPCODES,
     PROTOCOL_VERSION,
     REPLY_OPCODES,
+    TAG_SIZE,
     DType,
     Flags,
     Opcode,
@@ -137,8 +138,17 @@ class NetDAM(Packet):  # type: ignore[misc]
             seg_type = SegmentType.IPV4 if self.segments else SegmentType.NONE
             pkt = pkt[:_SEG_TYPE_OFFSET] + struct.pack("!B", seg_type) + pkt[_SEG_TYPE_OFFSET + 1 :]
         if self.length is None:
-            pkt = pkt[:_LENGTH_OFFSET] + struct.pack("!I", len(pay)) + pkt[_LENGTH_OFFSET + 4 :]
+            # A TAGGED datagram's last 8 bytes are its tag, not payload (SPEC.md 2.6).
+            size = len(pay) - (TAG_SIZE if int(self.flags or 0) & Flags.TAGGED else 0)
+            pkt = pkt[:_LENGTH_OFFSET] + struct.pack("!I", size) + pkt[_LENGTH_OFFSET + 4 :]
         return pkt + pay
+
+    # A TAGGED datagram ends with its 8-byte tag (SPEC.md 2.6): split off as padding, so the
+    # payload above (Raw) is the operand alone; ``packet_tag`` reads it.
+    def extract_padding(self, s: bytes) -> tuple[bytes, bytes]:
+        if self.flags is not None and int(self.flags) & Flags.TAGGED and len(s) >= TAG_SIZE:
+            return s[:-TAG_SIZE], s[-TAG_SIZE:]
+        return s, b""
 
     # sr()/sr1() pairing: a reply echoes client_id, txn_id and seq of its request (SPEC.md 3).
     def hashret(self) -> bytes:
@@ -170,6 +180,19 @@ bind_bottom_up(UDP, NetDAM, sport=NETDAM_UDP_PORT)
 bind_top_down(UDP, NetDAM, sport=NETDAM_UDP_PORT, dport=NETDAM_UDP_PORT)
 
 
+def packet_tag(pkt: Any) -> int | None:
+    """The tag of a TAGGED datagram (SPEC.md 2.6) as a u64, None when it carries none."""
+    layer = pkt.getlayer(NetDAM)
+    if layer is None:
+        raise ValueError("packet has no NetDAM layer")
+    if not int(layer.flags) & Flags.TAGGED:
+        return None
+    pad = layer.getlayer(Padding)
+    if pad is None or len(bytes(pad.load)) < TAG_SIZE:
+        raise ValueError("TAGGED datagram without its 8-byte tag")
+    return int.from_bytes(bytes(pad.load)[:TAG_SIZE], "little")
+
+
 def payload_elements(pkt: Any) -> np.ndarray[Any, Any]:
     """The payload after the header and SR list, as little-endian elements of the packet's dtype.
 
@@ -180,6 +203,8 @@ def payload_elements(pkt: Any) -> np.ndarray[Any, Any]:
     if layer is None:
         raise ValueError("packet has no NetDAM layer")
     data = bytes(layer.payload)
+    if int(layer.flags) & Flags.TAGGED:
+        data = data[:-TAG_SIZE]  # the tag (SPEC.md 2.6), which scapy keeps as Padding
     if layer.dtype not in DType._value2member_map_:
         raise ValueError(f"unknown dtype {layer.dtype}")
     dtype = DType(layer.dtype)

@@ -95,3 +95,16 @@ def reference_chain(blocks: Sequence[np.ndarray], op_code: int) -> np.ndarray:
             raise ValueError("reference_chain: blocks differ in dtype or shape")
         acc = reference_combine(acc, block, codes[0], op_code)
     return acc
+
+
+def all_reduce_reference(inputs: Sequence[np.ndarray], op_code: int = 0) -> np.ndarray:
+    """The exact result of the NICs' all-reduce (SPEC.md 4.1): block j folds ranks j+1, j+2,
+    ..., j (its owner last), in chain order, as the chains do."""
+    n, count = len(inputs), inputs[0].size
+    expected = np.empty_like(inputs[0])
+    for j in range(n):
+        lo, hi = j * count // n, (j + 1) * count // n
+        order = [(j + 1 + k) % n for k in range(n)]
+        if hi > lo:
+            expected[lo:hi] = reference_chain([inputs[r][lo:hi] for r in order], int(op_code))
+    return expected

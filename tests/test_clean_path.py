@@ -14,7 +14,8 @@ import itertools
 import numpy as np
 import pytest
 from helpers import ADMIN_KEY, RKEY, make_cluster
-from test_collectives import chain_reference, hosts
+from reference import all_reduce_reference
+from test_collectives import hosts
 
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Opcode, ReduceOp, Status
@@ -88,7 +89,7 @@ def test_every_start_order_completes_without_a_timer(n: int, multicast: bool) ->
             assert isinstance(finals, dict)
             assert sorted(finals) == list(range(n)), f"order {order}, gap {gap}: ranks {sorted(finals)} completed"
             assert all(reply.opcode == Opcode.ACK for reply in finals.values())
-            expected = chain_reference(out["inputs"], ReduceOp.SUM)  # type: ignore[arg-type]
+            expected = all_reduce_reference(out["inputs"], ReduceOp.SUM)  # type: ignore[arg-type]
             for node in out["cluster"].nodes:  # type: ignore[attr-defined]
                 got = node.memory[OUT : OUT + count * 4].view(np.float32)
                 assert got.tobytes() == expected.tobytes()

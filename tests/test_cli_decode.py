@@ -108,8 +108,12 @@ def test_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
 def test_every_fixture_decodes(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, result = run_json(["decode", load_fixture(name).hex()], capsys)
     assert code == 0
-    # A fixture is named after its opcode, except an ACK that answers another request.
-    assert result["packets"][0]["opcode"] == {"alloc_ack": "ACK"}.get(name, name.upper())
+    # A fixture is named after its opcode, but for an ACK that answers another request and the
+    # tagged example, whose tag is shown.
+    named = {"alloc_ack": "ACK", "all_write_tagged": "ALL_WRITE"}
+    assert result["packets"][0]["opcode"] == named.get(name, name.upper())
+    if name == "all_write_tagged":
+        assert result["packets"][0]["tag"] == "0xfa019ae1fe937bca"
 
 
 def test_special_payloads(capsys: pytest.CaptureFixture[str]) -> None:

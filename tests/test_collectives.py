@@ -5,23 +5,26 @@ and reordering, with every single packet dropped in turn."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 from helpers import ADMIN_KEY, RKEY, Cluster, make_cluster
-from reference import reference_chain
+from reference import all_reduce_reference
 
 from netdam.core.faults import FaultSpec
 from netdam.kernels import collective as L
 from netdam.protocol import counters as C
-from netdam.protocol.constants import NUMPY_DTYPE, DType, Opcode, ReduceOp, Status
+from netdam.protocol.constants import NUMPY_DTYPE, DType, Flags, Opcode, ReduceOp, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import Algo, CollectiveDescriptor
+from netdam.protocol.tag import verify as tag_verify
 
 IN, OUT = 0, 1 << 19
 MEMORY = 1 << 20
 GROUP = ("239.77.0.2", 7744)
+#: The collectives here are tagged (SPEC.md 2.6) unless a test passes tag_key=b"" (v1).
+TAG_KEY = bytes(range(1, 17))
 
 
 @dataclass
@@ -40,6 +43,7 @@ def run(
     faults: FaultSpec | None = None, multicast: bool = False, in_place: bool = False,
     root: int = 0, out_count: int | None = None, epoch: int = 1, cluster: Cluster | None = None,
     max_rounds: int = 20_000, flags: int = 0, on_round: Callable[[Cluster, int], None] | None = None,
+    tag_key: bytes = TAG_KEY,
 ) -> Outcome:  # fmt: skip
     """Stage inputs by host store, START_COLL from every rank's host, run until every host heard.
     *on_round(cluster, round)* runs before each fabric step (to inject datagrams)."""
@@ -57,10 +61,10 @@ def run(
         cluster.fabric.add_endpoint(host)
         desc = CollectiveDescriptor(algo, rank, count, IN, out_addr, RKEY, root=root,
                                     group=GROUP if multicast else None, timeout_ms=30_000,
-                                    flags=flags)  # fmt: skip
+                                    flags=flags, tag_key=tag_key)  # fmt: skip
         start = Packet(Opcode.START_COLL, rkey=ADMIN_KEY, client_id=50 + rank, txn_id=epoch,
                        coll_id=3, epoch=epoch, dtype=dtype, reduce_op=op,
-                       segments=tuple(cluster.endpoints), payload=desc.encode(), length=64)  # fmt: skip
+                       segments=tuple(cluster.endpoints)).with_payload(desc.encode())  # fmt: skip
         starts.append(encode_packet(start))
     finals: dict[int, Packet] = {}
     for round_ in range(max_rounds):
@@ -87,14 +91,14 @@ def run(
     return Outcome(outputs, replies, cluster)
 
 
-def test_forged_replies_without_the_key_abort_nothing() -> None:
-    """Before: NACKs forged from a member's address, without any key, aborted 28 of 40
-    all-reduces. Replies and DONEs of a collective must carry its key: forged NACKs (every
-    fatal status), DONEs and READ_RESPs from members' addresses are dropped and counted, and
-    the result is exact."""
-    n, count = 3, 6000
-    rng = np.random.default_rng(11)
-    inputs = random_inputs(rng, n, count, np.float32)
+def run_under_forgery(seed: int, forged: Callable[[int, int], list[Packet]], made_up_tags: bool = False) -> None:
+    """A 3-rank all-reduce while, every third round of the first 300, each node gets
+    forged(seq, victim) for seq 0-3 from another member's address (and, with *made_up_tags*, each
+    also flagged TAGGED with a random tag): every rank's result is exact and every node counted
+    forgeries."""
+    n = 3
+    rng = np.random.default_rng(seed)
+    inputs = random_inputs(rng, n, 6000, np.float32)
 
     def forge(cluster: Cluster, round_: int) -> None:
         if round_ % 3 or round_ > 300:
@@ -102,30 +106,72 @@ def test_forged_replies_without_the_key_abort_nothing() -> None:
         for seq in range(4):
             for victim in range(n):
                 forger = cluster.endpoints[(victim + 1) % n]  # a member's source address
-                for packet in (
-                    Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1),
-                    Packet(Opcode.ACK, seq=(victim + 1) % n, coll_id=3, epoch=1, rkey=0, aux_addr=2),
-                    Packet(Opcode.READ_RESP, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1, addr=OUT, length=8,
-                           dtype=DType.F32, payload=b"\xff" * 8),
-                ):  # fmt: skip
+                for packet in forged(seq, victim):
                     cluster.fabric.send(forger, cluster.endpoints[victim], encode_packet(packet))
+                    if made_up_tags:
+                        made_up = replace(packet, flags=packet.flags | Flags.TAGGED, tag=int(rng.integers(1, 2**63)))
+                        cluster.fabric.send(forger, cluster.endpoints[victim], encode_packet(made_up))
 
     out = run(n, inputs, on_round=forge)
     assert all(r.opcode == Opcode.ACK for r in out.replies), [r.status for r in out.replies]
-    assert_all_equal(out.outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
     assert all(int(node.counters[C.DROP_COLL_FORGED]) > 0 for node in out.cluster.nodes)
 
 
-def chain_reference(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
-    """Block j folds ranks j+1, j+2, ..., j (its owner last), as the chains do."""
-    n, count = len(inputs), inputs[0].size
-    expected = np.empty_like(inputs[0])
-    for j in range(n):
-        lo, hi = j * count // n, (j + 1) * count // n
-        order = [(j + 1 + k) % n for k in range(n)]
-        if hi > lo:
-            expected[lo:hi] = reference_chain([inputs[r][lo:hi] for r in order], int(op))
-    return expected
+def test_forged_replies_without_the_key_abort_nothing() -> None:
+    """Before: NACKs forged from a member's address, without any key, aborted 28 of 40
+    all-reduces. Replies and DONEs of a collective must carry its key: forged NACKs (every
+    fatal status), DONEs and READ_RESPs from members' addresses are dropped and counted, and
+    the result is exact."""
+
+    def forged(seq: int, victim: int) -> list[Packet]:
+        return [
+            Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1),
+            Packet(Opcode.ACK, seq=(victim + 1) % 3, coll_id=3, epoch=1, rkey=0, aux_addr=2),
+            Packet(Opcode.READ_RESP, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1, addr=OUT, length=8,
+                   dtype=DType.F32, payload=b"\xff" * 8),
+        ]  # fmt: skip
+
+    run_under_forgery(11, forged)
+
+
+def test_forged_datagrams_with_the_live_key_change_nothing() -> None:
+    """A forger that saw a running collective's key on the wire (its rkey, coll_id and epoch are
+    in every datagram; a local user reads them from the all-gather's multicast group) and sends
+    from members' addresses: fatal NACKs, DONEs, READ_RESPs, ALL_WRITEs and CHAIN_ADDs of that
+    very collective, WRITEs into its output under its key, and the same datagrams flagged TAGGED
+    with made-up tags. Untagged (v1) collectives took them: the NACKs aborted, the ALL_WRITEs and
+    READ_RESPs wrote the result. A tagged collective takes none (SPEC.md 2.6)."""
+    garbage = b"\xff" * 64
+
+    def forged(seq: int, victim: int) -> list[Packet]:
+        ids = {"coll_id": 3, "epoch": 1, "rkey": RKEY}
+        return [
+            Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=seq, **ids),
+            Packet(Opcode.ACK, seq=(victim + 1) % 3, aux_addr=2, **ids),
+            Packet(Opcode.READ_RESP, seq=seq, addr=OUT, dtype=DType.F32, **ids).with_payload(garbage),
+            Packet(Opcode.ALL_WRITE, seq=seq, addr=OUT + 4 * 16 * seq, dtype=DType.F32, **ids).with_payload(garbage),
+            Packet(Opcode.WRITE, rkey=RKEY, addr=OUT + 64 * seq).with_payload(garbage),
+            Packet(Opcode.CHAIN_ADD, seq=seq, addr=IN, aux_addr=OUT, dtype=DType.F32, segments=(GROUP,),
+                   **ids).with_payload(garbage),
+        ]  # fmt: skip
+
+    run_under_forgery(12, forged, made_up_tags=True)
+
+
+@pytest.mark.parametrize("tag_key", [TAG_KEY, b""], ids=["tagged", "untagged"])
+def test_a_collectives_answers_carry_its_tag_or_none(tag_key: bytes) -> None:
+    """A tagged collective's completion is sealed under its key (SPEC.md 2.6); a START_COLL
+    with a 64-byte descriptor (no tag key) runs untagged, as before tags."""
+    rng = np.random.default_rng(13)
+    inputs = random_inputs(rng, 3, 5003, np.float32)
+    out = run(3, inputs, tag_key=tag_key)
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    for reply in out.replies:
+        data = encode_packet(reply)
+        assert reply.opcode == Opcode.ACK and bool(reply.flags & Flags.TAGGED) == bool(tag_key)
+        assert not tag_verify(bytes(16), data)
+        assert tag_verify(tag_key, data) if tag_key else reply.tag == 0
 
 
 def random_inputs(rng: np.random.Generator, n: int, count: int, dtype: type) -> list[np.ndarray]:
@@ -145,32 +191,32 @@ def test_all_reduce_every_dtype_and_op(dtype: type, op: ReduceOp, rng: np.random
     inputs = random_inputs(rng, 4, 5003, dtype)
     outcome = run(4, inputs, op=op)
     assert all(r.opcode == Opcode.ACK and r.status == Status.OK for r in outcome.replies)
-    assert_all_equal(outcome.outputs, chain_reference(inputs, op))
+    assert_all_equal(outcome.outputs, all_reduce_reference(inputs, op))
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 7, 2049, 6151])
 def test_all_reduce_any_count(count: int, rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, 3, count, np.float32)
-    assert_all_equal(run(3, inputs).outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert_all_equal(run(3, inputs).outputs, all_reduce_reference(inputs, ReduceOp.SUM))
 
 
 def test_all_reduce_special_values(rng: np.random.Generator) -> None:
     special = np.array([np.nan, -0.0, 0.0, np.inf, -np.inf, 1e-45, -1e-45, 3.4e38], np.float32)
     inputs = [np.resize(np.roll(special, r), 4099) for r in range(4)]
     for op in ReduceOp:
-        assert_all_equal(run(4, inputs, op=op).outputs, chain_reference(inputs, op))
+        assert_all_equal(run(4, inputs, op=op).outputs, all_reduce_reference(inputs, op))
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_all_reduce_node_counts(n: int, rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, n, 3 * 2048 + 17, np.float32)
-    assert_all_equal(run(n, inputs).outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert_all_equal(run(n, inputs).outputs, all_reduce_reference(inputs, ReduceOp.SUM))
 
 
 def test_all_reduce_in_place_with_multicast(rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, 4, 20_000, np.float32)
     outcome = run(4, inputs, multicast=True, in_place=True)
-    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert_all_equal(outcome.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
     totals = np.sum([node.counters for node in outcome.cluster.nodes], axis=0)
     assert totals[C.RETRANSMITS] == 0  # a clean run needs no recovery
 
@@ -178,7 +224,7 @@ def test_all_reduce_in_place_with_multicast(rng: np.random.Generator) -> None:
 def test_reduce_scatter(rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, 4, 10_001, np.float32)
     outcome = run(4, inputs, algo=Algo.REDUCE_SCATTER)
-    expected = chain_reference(inputs, ReduceOp.SUM)
+    expected = all_reduce_reference(inputs, ReduceOp.SUM)
     for rank, out in enumerate(outcome.outputs):
         lo, hi = rank * 10_001 // 4, (rank + 1) * 10_001 // 4
         assert out[lo:hi].tobytes() == expected[lo:hi].tobytes()
@@ -216,7 +262,7 @@ def test_all_reduce_under_loss_dup_reorder(seed: int, rate: float, rng: np.rando
     faults = FaultSpec(loss=rate, dup=rate, reorder=rate, seed=seed)
     outcome = run(4, inputs, faults=faults, multicast=seed % 2 == 1)
     assert all(r.status == Status.OK for r in outcome.replies)
-    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert_all_equal(outcome.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
     totals = np.sum([node.counters for node in outcome.cluster.nodes], axis=0)
     assert totals[C.RETRANSMITS] > 0
 
@@ -224,7 +270,7 @@ def test_all_reduce_under_loss_dup_reorder(seed: int, rate: float, rng: np.rando
 def test_every_single_packet_dropped_in_turn(rng: np.random.Generator) -> None:
     """Drop the k-th datagram the fabric delivers, for every k of a clean run: always exact."""
     inputs = random_inputs(rng, 3, 3 * 2048, np.float32)
-    expected = chain_reference(inputs, ReduceOp.SUM)
+    expected = all_reduce_reference(inputs, ReduceOp.SUM)
     clean = run(3, inputs)
     total = clean.cluster.fabric.stats["delivered"]
     for k in range(total):
@@ -239,7 +285,7 @@ def test_duplicate_chains_after_ack_and_resend_after_gather(rng: np.random.Gener
     started: the guard re-ACKs, nothing is added twice."""
     inputs = random_inputs(rng, 4, 12_000, np.float32)
     outcome = run(4, inputs, faults=FaultSpec(dup=1.0, seed=9), multicast=True)
-    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert_all_equal(outcome.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
     cluster = outcome.cluster
     # Re-send every chain of the finished epoch by hand: re-ACKed, memory unchanged.
     before = [n.memory.copy() for n in cluster.nodes]
@@ -308,7 +354,7 @@ def run_both(n: int, inputs: list[np.ndarray], **kwargs: object) -> tuple[Outcom
     """The same inputs dense and sparse; both bitwise equal the chain-order reference."""
     op = kwargs.get("op", ReduceOp.SUM)
     assert isinstance(op, ReduceOp)
-    expected = chain_reference(inputs, op)
+    expected = all_reduce_reference(inputs, op)
     dense = run(n, inputs, **kwargs)  # type: ignore[arg-type]
     sparse = run(n, inputs, flags=1, **kwargs)  # type: ignore[arg-type]
     for outcome in (dense, sparse):
@@ -358,7 +404,7 @@ def test_sparse_reduce_scatter(rng: np.random.Generator) -> None:
     inputs = sparse_inputs(rng, 4, 9000, np.int32, 0.1)
     for x in inputs:
         x[:2500] = 0
-    expected = chain_reference(inputs, ReduceOp.SUM)
+    expected = all_reduce_reference(inputs, ReduceOp.SUM)
     outcome = run(4, inputs, algo=Algo.REDUCE_SCATTER, flags=1)
     for rank, out in enumerate(outcome.outputs):
         lo, hi = rank * 9000 // 4, (rank + 1) * 9000 // 4
@@ -372,7 +418,7 @@ def test_sparse_under_loss_duplication_and_reordering(multicast: bool, rng: np.r
         x[:5000] = 0.0
     faults = FaultSpec(seed=7, loss=0.2, dup=0.2, reorder=0.2)
     outcome = run(4, inputs, faults=faults, multicast=multicast, flags=1)
-    assert_all_equal(outcome.outputs, chain_reference(inputs, ReduceOp.SUM))
+    assert_all_equal(outcome.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
 
 
 def test_sparse_flag_rejected_for_gathers() -> None:
@@ -395,7 +441,7 @@ def test_sparse_flag_rejected_for_gathers() -> None:
 def test_reduce_scatter_every_dtype_and_op(dtype: type, op: ReduceOp, rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, 3, 4099, dtype)
     outcome = run(3, inputs, algo=Algo.REDUCE_SCATTER, op=op)
-    expected = chain_reference(inputs, op)
+    expected = all_reduce_reference(inputs, op)
     for rank, out in enumerate(outcome.outputs):
         lo, hi = rank * 4099 // 3, (rank + 1) * 4099 // 3
         assert out[lo:hi].tobytes() == expected[lo:hi].tobytes()

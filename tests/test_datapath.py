@@ -67,6 +67,8 @@ def verdict_of_node(node: NodeCore, data: bytes) -> list[Packet]:
 def check_parity(node: NodeCore, data: bytes) -> None:
     before_trunc = int(node.counters[C.DROP_TRUNCATED])
     before_bad_reply = int(node.counters[C.DROP_BAD_REPLY])
+    tag_drops = (C.DROP_COLL_FORGED, C.DROP_COLL_EARLY, C.DROP_TRUNCATED)
+    before_tagged = sum(int(node.counters[c]) for c in tag_drops)
     replies = verdict_of_node(node, data)
     try:
         decode_packet(data)
@@ -80,6 +82,10 @@ def check_parity(node: NodeCore, data: bytes) -> None:
         assert replies == [] and node.counters[C.DROP_TRUNCATED] == before_trunc + 1
     elif data[1] in REPLY_OPCODES:
         assert replies == [] and node.counters[C.DROP_BAD_REPLY] == before_bad_reply + 1
+    elif int.from_bytes(data[2:4], "big") & Flags.TAGGED and not replies:
+        # A tag of no collective held here, or no room for one: dropped and counted, never
+        # answered (SPEC.md 2.6).
+        assert sum(int(node.counters[c]) for c in tag_drops) == before_tagged + 1, data.hex()
     else:
         assert [n.status for n in nacks] == [codec_status], (data.hex(), codec_status, replies)
         assert len(replies) == 1

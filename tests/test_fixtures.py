@@ -81,6 +81,9 @@ EXPECTED: dict[str, dict[str, Any]] = {
                  payload=CREDENTIAL.to_bytes(8, "little")),
     "query": dict(opcode=Opcode.QUERY, rkey=0, txn_id=118, length=8, addr=1 << 32,
                   payload=CREDENTIAL.to_bytes(8, "little")),
+    "all_write_tagged": dict(opcode=Opcode.ALL_WRITE, flags=Flags.MCAST | Flags.TAGGED, seq=5, txn_id=105,
+                             coll_id=9, epoch=2, rkey=RKEY, addr=0x3_0000, dtype=DType.F16, length=8,
+                             tag=0xFA019AE1FE937BCA),
 }  # fmt: skip
 
 
@@ -100,8 +103,9 @@ def test_fixture_decodes_to_expected_fields(name: str) -> None:
     # Only CHAIN_ADD and START_COLL carry an SR list (SPEC.md 2.2).
     if packet.segments:
         assert packet.opcode in (Opcode.CHAIN_ADD, Opcode.START_COLL)
-    # The payload starts at 64 + 8 * seg_count (SPEC.md 2).
-    assert len(data) == 64 + 8 * len(packet.segments) + len(packet.payload)
+    # The payload starts at 64 + 8 * seg_count (SPEC.md 2); a tag follows it (2.6).
+    tag = 8 if packet.flags & Flags.TAGGED else 0
+    assert len(data) == 64 + 8 * len(packet.segments) + len(packet.payload) + tag
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

@@ -14,7 +14,7 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -232,6 +232,26 @@ def _sniffed_collective_key(rng: np.random.Generator, t: Tenancy) -> tuple[Endpo
                                      payload=payload, **_ids(rng))  # fmt: skip
 
 
+def _made_up_tag(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """A tagged collective's datagrams (SPEC.md 2.6) with a tag the attacker made up: ALL_WRITE,
+    CHAIN_ADD and READ of the collective's buffer under its key, and WRITE of the victim's
+    region; without the tag key none is executed."""
+    node = int(rng.integers(0, NODES))
+    addr = COLL_BASE + int(rng.integers(0, COLL_SIZE // 8 - 8)) * 8
+    opcode = [Opcode.READ, Opcode.ALL_WRITE, Opcode.CHAIN_ADD, Opcode.WRITE][int(rng.integers(0, 4))]
+    packet = Packet(opcode, flags=Flags.TAGGED | Flags.ACK_REQ, rkey=COLL_RKEY, addr=addr,
+                    coll_id=int(rng.integers(0, 3)), epoch=int(rng.integers(0, 3)), dtype=DType.F32,
+                    tag=int(rng.integers(0, 2**63)), **_ids(rng))  # fmt: skip
+    if opcode == Opcode.READ:
+        return t.endpoints[node], replace(packet, length=64)
+    if opcode == Opcode.WRITE:
+        victim_node, local = _victim_local(rng, t, 64)
+        packet = replace(packet, rkey=VICTIM_RKEY, addr=local, coll_id=0)
+        return t.endpoints[victim_node], packet.with_payload(bytes(64))
+    segments = (t.endpoints[node],) if opcode == Opcode.CHAIN_ADD else ()
+    return t.endpoints[node], replace(packet, segments=segments, aux_addr=addr).with_payload(bytes(64))
+
+
 KINDS: dict[str, Attack] = {
     "read via switch": _data_op(Opcode.READ, True),
     "write via switch": _data_op(Opcode.WRITE, True),
@@ -249,6 +269,7 @@ KINDS: dict[str, Attack] = {
     "control with guessed key": _control,
     "reply to third party": _reply_to_third_party,
     "sniffed collective key": _sniffed_collective_key,
+    "made-up tag": _made_up_tag,
 }
 
 

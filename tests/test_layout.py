@@ -123,6 +123,7 @@ LUA_FIELDS: dict[str, tuple[L.Layout, str, bool]] = {
     "sparse_nnz": (L.SPARSE_PREFIX, "nnz", True), "sparse_reserved": (L.SPARSE_PREFIX, "reserved", True),
     **{f"d_{f.name}": (L.DESCRIPTOR, f.name, True) for f in L.DESCRIPTOR.fields if f.name != "timeout_ms"},
     "d_timeout": (L.DESCRIPTOR, "timeout_ms", True), "d_sparse": (L.DESCRIPTOR, "flags", True),
+    "d_tag_k0": (L.DESCRIPTOR_TAG_KEY, "tag_k0", True), "d_tag_k1": (L.DESCRIPTOR_TAG_KEY, "tag_k1", True),
     **{f"info_{f.name}": (L.INFO, f.name, True) for f in L.INFO.fields if f.name not in ("memory_bytes", "world_size")},
     "info_memory": (L.INFO, "memory_bytes", True), "info_world": (L.INFO, "world_size", True),
     "reg_rkey": (L.REGISTER, "rkey", True), "reg_rights": (L.REGISTER, "rights", True),

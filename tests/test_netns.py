@@ -44,6 +44,7 @@ from netdam.protocol.constants import (
     IP_UDP_OVERHEAD,
     MAX_PAYLOAD_BYTES,
     SEGMENT_SIZE,
+    TAG_SIZE,
     DType,
     Opcode,
     ReduceOp,
@@ -294,8 +295,9 @@ def test_chains_cross_the_bridge_in_datagrams_that_fit_the_mtu(site: Site) -> No
     world = len(site.cluster.nodes)
     frames = frames_from(site.frames)
     assert_fits(frames, site.mtu)
-    per_packet = max_elements(site.mtu, DType.F32, segments=world - 1)
-    full = IP_UDP_OVERHEAD + HEADER_SIZE + SEGMENT_SIZE * (world - 1) + 4 * per_packet
+    # The host's collectives are tagged: each datagram ends with its tag (SPEC.md 2.6).
+    per_packet = max_elements(site.mtu - TAG_SIZE, DType.F32, segments=world - 1)
+    full = IP_UDP_OVERHEAD + HEADER_SIZE + SEGMENT_SIZE * (world - 1) + 4 * per_packet + TAG_SIZE
     chains = [f for f in frames if f.opcode == Opcode.CHAIN_ADD]
     assert chains, "no CHAIN_ADD crossed the bridge"
     assert max(f.datagram_bytes for f in chains) == full <= site.mtu

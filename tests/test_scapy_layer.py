@@ -13,11 +13,11 @@ pytest.importorskip("scapy")
 from scapy.layers.inet import IP, UDP  # noqa: E402
 from scapy.packet import NoPayload, Raw  # noqa: E402
 
-from netdam.protocol.constants import NETDAM_UDP_PORT, Opcode, Status  # noqa: E402
+from netdam.protocol.constants import NETDAM_UDP_PORT, TAG_SIZE, Flags, Opcode, Status  # noqa: E402
 from netdam.protocol.errors import RemoteProtocolError  # noqa: E402
 from netdam.protocol.fixtures import FIXTURE_NAMES, load_fixture  # noqa: E402
 from netdam.protocol.packet import Packet, decode_packet, encode_packet  # noqa: E402
-from netdam.protocol.scapy_layer import NetDAM, NetDAMSegment, payload_elements  # noqa: E402
+from netdam.protocol.scapy_layer import NetDAM, NetDAMSegment, packet_tag, payload_elements  # noqa: E402
 
 CLIENT, NODE = "10.0.0.100", "10.0.0.1"
 
@@ -33,30 +33,34 @@ def codec_fields(packet: Packet) -> dict[str, Any]:
         "status": int(packet.status), "credit": packet.credit, "seg_type": int(packet.seg_type),
         "segments_left": packet.segments_left, "seg_count": len(packet.segments),
         "reserved1": 0, "ret_ip": packet.ret[0], "ret_port": packet.ret[1], "reserved2": 0,
-        "segments": list(packet.segments), "payload": packet.payload,
+        "segments": list(packet.segments), "payload": packet.payload, "tag": packet.tag,
     }  # fmt: skip
 
 
 def scapy_fields(layer: NetDAM) -> dict[str, Any]:
     fields = {name: layer.getfieldval(name) for name in codec_fields(Packet(Opcode.PING))
-              if name not in ("segments", "payload")}  # fmt: skip
+              if name not in ("segments", "payload", "tag")}  # fmt: skip
     fields["flags"] = int(fields["flags"])
     fields["segments"] = [(s.ip, s.port) for s in layer.segments]
     assert all(s.reserved == 0 for s in layer.segments)
     fields["payload"] = bytes(layer.payload)
+    fields["tag"] = packet_tag(layer) or 0
+    if fields["flags"] & Flags.TAGGED:
+        fields["payload"] = fields["payload"][:-TAG_SIZE]  # the tag (SPEC.md 2.6), kept as Padding
     return fields
 
 
 def build_from_codec(packet: Packet) -> NetDAM:
     """A scapy packet with the codec's values; seg_count, seg_type and length left to post_build."""
     kwargs = codec_fields(packet)
-    for computed in ("seg_count", "seg_type", "length", "segments", "payload"):
+    for computed in ("seg_count", "seg_type", "length", "segments", "payload", "tag"):
         del kwargs[computed]
     if packet.length != len(packet.payload):  # READ: length is the size asked for, not sent
         kwargs["length"] = packet.length
     segments = [NetDAMSegment(ip=ip, port=port) for ip, port in packet.segments]
     layer = NetDAM(segments=segments, **kwargs)
-    return layer / Raw(packet.payload) if packet.payload else layer
+    trailer = packet.tag.to_bytes(TAG_SIZE, "little") if packet.flags & Flags.TAGGED else b""
+    return layer / Raw(packet.payload + trailer) if packet.payload or trailer else layer
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)

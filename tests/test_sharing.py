@@ -10,15 +10,19 @@ import json
 import os
 import pwd
 import shutil
+import socket
 import struct
 import subprocess
 import sys
+import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from helpers import CLIENT, RKEY, Cluster, make_cluster, only
+from reference import all_reduce_reference
 
 from netdam.api import ProcessGroup, collective_key, group_secret
 from netdam.api import all_reduce as api_all_reduce
@@ -27,6 +31,7 @@ from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import start_cluster, start_pool_cluster
 from netdam.core.events import ReplyReceived
 from netdam.kernels import datapath
+from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DUP_WINDOW_CLIENTS,
     RIGHTS_ALL,
@@ -258,6 +263,129 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
             assert admin.read(node, secret_key, secret_at, 4096) == b"tenant secret!!!" * 256
         for g in groups:
             g.close()
+
+
+def _spoofed(src: Endpoint, dst: Endpoint, payload: bytes) -> bytes:
+    """An IPv4/UDP datagram from *src* (any address: a forged source) to *dst*, for a raw
+    socket with IP_HDRINCL (the kernel fills the IP checksum; UDP checksum 0: none)."""
+    udp = struct.pack("!HHHH", src[1], dst[1], 8 + len(payload), 0) + payload
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, socket.IPPROTO_UDP, 0,
+                     socket.inet_aton(src[0]), socket.inet_aton(dst[0]))  # fmt: skip
+    return ip + udp
+
+
+class _Forger(threading.Thread):
+    """Sniffs the all-gather's multicast group and, for every ALL_WRITE seen, forges that live
+    collective's datagrams from a member's address (raw socket): the ALL_WRITE again with
+    another payload and no tag, the same with the TAGGED flag and a made-up tag, a fatal NACK
+    under its key, and a WRITE under its key into its buffer."""
+
+    def __init__(self, group: Endpoint, nodes: list[Endpoint]) -> None:
+        super().__init__(daemon=True)
+        self.nodes, self.sent, self.seen = nodes, 0, 0
+        self.stop = threading.Event()
+        self.sniff = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+        self.sniff.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sniff.bind(("", group[1]))
+        self.sniff.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                              socket.inet_aton(group[0]) + socket.inet_aton("127.0.0.1"))  # fmt: skip
+        self.sniff.settimeout(0.05)
+        self.raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                data = self.sniff.recv(65536)
+            except TimeoutError:
+                continue
+            packet = decode_packet(data)
+            if packet.opcode != Opcode.ALL_WRITE:
+                continue
+            self.seen += 1
+            garbage = b"\xff" * len(packet.payload)
+            bare = replace(packet, flags=packet.flags & ~Flags.TAGGED, tag=0)
+            forged = [
+                replace(bare, payload=garbage), replace(packet, payload=garbage, tag=packet.tag ^ 1),
+                Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=packet.seq, coll_id=packet.coll_id,
+                       epoch=packet.epoch, rkey=packet.rkey),
+                Packet(Opcode.WRITE, rkey=packet.rkey, addr=packet.addr).with_payload(garbage),
+            ]  # fmt: skip
+            for victim, node in enumerate(self.nodes):
+                member = self.nodes[(victim + 1) % len(self.nodes)]
+                for p in forged:
+                    self.raw.sendto(_spoofed(member, node, encode_packet(p)), (node[0], 0))
+                    self.sent += 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="forging a source address takes a raw socket (root)")
+def test_a_forger_with_a_members_address_and_the_live_key_changes_no_result(tmp_path: Path) -> None:
+    """The residual of SPEC v1's threat model: a sender that forges a member's source address
+    and has the running collective's key (here sniffed from the multicast group, as any local
+    user can) aborted all-reduces or changed their result. Collectives are tagged now (SPEC.md
+    2.6): 20 all-reduces under a forger that answers every ALL_WRITE it sees with forged
+    datagrams of that very collective are all exact, and every node counts the forgeries."""
+    with start_cluster(3, memory=8 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        groups = [ProcessGroup(cluster.info, rank) for rank in range(3)]
+        nodes = [node.endpoint for node in cluster.info.nodes]
+        forger = _Forger(groups[0].group, nodes)
+        forger.start()
+        try:
+            rng = np.random.default_rng(21)
+            for call in range(20):
+                inputs = [rng.standard_normal(1 << 15).astype(np.float32) for _ in range(3)]
+                expected = all_reduce_reference(inputs)
+                for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
+                    w.wait()  # type: ignore[union-attr]
+                for rank, b in enumerate(inputs):
+                    assert b.tobytes() == expected.tobytes(), (call, rank)
+        finally:
+            forger.stop.set()
+            forger.join()
+        assert forger.seen > 0 and forger.sent > 0, "nothing sniffed or forged: the test would prove nothing"
+        with ControlClient(admin_key=cluster.info.admin_key) as admin:
+            for node in nodes:
+                assert int(admin.counters(node)[C.DROP_COLL_FORGED]) > 0, node
+        for g in groups:
+            g.close()
+
+
+#: A second job's rank 0, in a process of its own: prints what opening its group gave.
+SECOND_JOB = """
+import sys
+from netdam.api import ArenaInUseError, ProcessGroup
+from netdam.cluster.clusterfile import load_cluster
+try:
+    ProcessGroup(load_cluster(sys.argv[1]), 0).close()
+    print("opened")
+except ArenaInUseError as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.slow
+def test_a_second_job_on_the_cluster_file_cannot_take_a_running_jobs_arena(tmp_path: Path) -> None:
+    """Before: every job on a cluster file derived the same arena key for a rank, and a second
+    job's init took the first one's arena (DEREGISTER, which zeroes it, then REGISTER): the
+    first job's staged data was gone. Now the second job's rank gets ArenaInUseError naming the
+    holder, the first job's arena keeps every byte, and once the first job closes the rank is
+    free again."""
+    path = tmp_path / "c.toml"
+    with start_cluster(2, memory=4 << 20, cluster_path=path) as cluster:
+        first = ProcessGroup(cluster.info, 0)
+        first.memory[first.arena_base : first.arena_base + 4096] = 0x5A
+
+        def second_job() -> str:
+            run = subprocess.run([sys.executable, "-c", SECOND_JOB, str(path)], capture_output=True, text=True,
+                                 timeout=60, check=True)  # fmt: skip
+            return run.stdout.strip()
+
+        assert second_job().startswith(f"refused: rank 0: another process (pid {os.getpid()})")
+        assert (first.memory[first.arena_base : first.arena_base + 4096] == 0x5A).all()
+        with ControlClient(admin_key=cluster.info.admin_key) as admin:  # still registered
+            assert admin.read(cluster.info.nodes[0].endpoint, first.arena_rkey, first.arena_base, 8) == b"\x5a" * 8
+        first.close()
+        assert second_job() == "opened"
 
 
 @pytest.mark.slow

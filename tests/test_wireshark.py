@@ -161,7 +161,7 @@ def test_lua_tables_match_constants() -> None:
     [
         ('[0x05] = "CHAIN_ADD",', '[0x15] = "CHAIN_ADD",'),  # a changed number
         ('    [23] = "TIMEOUT",\n', ""),  # a status missing
-        ('[0x0010] = "RETRY",', '[0x0010] = "RETRY",\n    [0x0020] = "EXTRA",'),  # one too many
+        ('[0x0020] = "TAGGED",', '[0x0020] = "TAGGED",\n    [0x0040] = "EXTRA",'),  # one too many
         ('[5] = "U64",', '[5] = "UINT64",'),  # a renamed dtype
         ("local MAX_PAYLOAD_BYTES = 8192", "local MAX_PAYLOAD_BYTES = 9000"),
         ('"ADD", "CHAIN_ADD" }', '"ADD" }'),  # an opcode class
@@ -298,7 +298,7 @@ PAYLOAD_FIELDS = (
     *(f"rights.{str(r.name).lower()}" for r in Rights if r),
     *(f"data.{d.name.lower()}" for d in DType if d != DType.RAW),
     *(f"info.{name}" for name in INFO_FIELDS),
-    *(f"desc.{name}" for name in DESCRIPTOR_FIELDS),
+    *(f"desc.{name}" for name in DESCRIPTOR_FIELDS), "desc.tag_k0", "desc.tag_k1", "tag",
 )  # fmt: skip
 ALL_FIELDS = (*HEADER_FIELDS, *FLAG_FIELDS, *PAYLOAD_FIELDS)
 
@@ -339,6 +339,8 @@ def check_like_codec(row: dict[str, list[str]], packet: Packet) -> None:
         "segments_left": packet.segments_left, "seg_count": len(packet.segments),
         "reserved1": 0, "ret_port": packet.ret[1], "reserved2": 0,
     }  # fmt: skip
+    if packet.flags & Flags.TAGGED:
+        expected["tag"] = packet.tag  # the trailer (SPEC.md 2.6), not part of the payload
     got = {name: _num(row[name][0]) for name in expected if len(row[name]) == 1}
     assert got == expected, (packet.opcode.name, row)
     assert row["ret_ip"] == [packet.ret[0]]
@@ -401,7 +403,9 @@ def check_payload(row: dict[str, list[str]], packet: Packet) -> None:
     elif op == Opcode.START_COLL:
         descriptor = astuple(unpack_descriptor(payload))
         got = [_num(row[f"desc.{name}"][0]) for name in DESCRIPTOR_FIELDS]
-        assert got == list(descriptor)
+        assert got == list(descriptor[: len(DESCRIPTOR_FIELDS)])
+        if len(payload) == 80:  # the tag key (SPEC.md 6.5)
+            assert [_num(row[f"desc.tag_k{k}"][0]) for k in (0, 1)] == list(struct.unpack_from("<QQ", payload, 64))
         group, host = u64_to_endpoint(descriptor[9]), u64_to_endpoint(descriptor[10])
         assert (row["desc.group.ip"][0], _num(row["desc.group.port"][0])) == group
         assert (row["desc.host.ip"][0], _num(row["desc.host.port"][0])) == host

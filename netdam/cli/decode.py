@@ -431,6 +431,8 @@ def packet_fields(packet: Packet) -> dict[str, Any]:
         "ret": f"{packet.ret[0]}:{packet.ret[1]}",
         "payload": packet.payload.hex(),
     }
+    if packet.flags & Flags.TAGGED:
+        fields["tag"] = f"0x{packet.tag:016x}"  # the trailer (SPEC.md 2.6)
     fields.update(_payload_meaning(packet))
     return fields
 

@@ -580,6 +580,7 @@ def _remove_node_files(cluster_name: str, nodes: list[NodeEntry]) -> None:
     for node in nodes:
         if node.memory_file:
             Path(node.memory_file).unlink(missing_ok=True)
+            Path(f"{node.memory_file}.arena.lock").unlink(missing_ok=True)  # api.arena_lock_path
         node_log(cluster_name, node.rank).unlink(missing_ok=True)
 
 

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from netdam.core.sendqueue import SLOT_BYTES, QueueOwner
+from netdam.kernels.tag import seal
 from netdam.protocol import counters as C
-from netdam.protocol.constants import Opcode, Status
+from netdam.protocol.constants import TAG_SIZE, Opcode, Status
 from netdam.protocol.packet import (
     Endpoint,
     Packet,
@@ -104,7 +105,9 @@ class CoreBase(QueueOwner):
         rkey: int | None = None,
         aux_addr: int | None = None,
         addr: int | None = None,
+        tag_key: bytes = b"",
     ) -> bytes:
+        """Queue the reply to *request*; sealed under *tag_key* (a collective's, SPEC.md 2.6)."""
         reply = reply_to(request, opcode, status, payload)
         if rkey is not None:
             reply = replace(reply, rkey=rkey)
@@ -113,13 +116,22 @@ class CoreBase(QueueOwner):
         if addr is not None:
             reply = replace(reply, addr=addr)
         data = encode_packet(reply)
+        if tag_key:
+            data = sealed(data, tag_key)
         self._push(data, self._reply_dst(request, src))
         if status != Status.OK:
             self.counters[C.NACK_BASE + status] += 1
         return bytes(data)
 
-    def _nack(self, request: Packet, src: int, status: Status) -> None:
-        self._reply(request, src, Opcode.NACK, status)
+    def _nack(self, request: Packet, src: int, status: Status, tag_key: bytes = b"") -> None:
+        self._reply(request, src, Opcode.NACK, status, tag_key=tag_key)
+
+
+def sealed(datagram: bytes, tag_key: bytes) -> bytes:
+    """*datagram* with the TAGGED flag and its tag under *tag_key* (compiled SipHash)."""
+    buf = np.zeros(len(datagram) + TAG_SIZE, np.uint8)
+    buf[: len(datagram)] = np.frombuffer(datagram, np.uint8)
+    return buf[: seal(buf, len(datagram), tag_key)].tobytes()
 
 
 def check_batch(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:

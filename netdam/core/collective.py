@@ -26,6 +26,7 @@ from netdam.protocol.constants import (
     HEADER_SIZE,
     MAX_SEGMENTS,
     SEGMENT_SIZE,
+    TAG_SIZE,
     DType,
     Opcode,
     Rights,
@@ -139,6 +140,8 @@ class CollectiveEngine:
         status = _check_ranges(regions, rkey, in_addr, in_len * esize, out_addr, count * esize, esize)
         if status != Status.OK:
             return status
+        # A tagged collective's datagrams end with the tag: its payloads are that much smaller.
+        mtu -= TAG_SIZE if d.tag_key else 0
         per_packet = max_elements(mtu, dtype, segments=max(world - 1, 0))
         chunks = [(int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)]
         cb = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
@@ -148,7 +151,7 @@ class CollectiveEngine:
         if sparse and (n_chunks + 7) // 8 > max_elements(mtu, DType.RAW):
             return Status.TOO_LARGE  # the bitmap must fit one datagram
         self._setup(packet, src, algo, world, rank, count, in_addr, out_addr, rkey, window, root,
-                    group, host, timeout_ms, ring, bounds, cb, per_packet, rcvbuf)  # fmt: skip
+                    group, host, timeout_ms, ring, bounds, cb, per_packet, rcvbuf, d.tag_key)  # fmt: skip
         self._local_part(memory, algo, world, rank, root, esize)
         if sparse and world > 1:
             self._local_bitmap(memory, in_addr, count, esize)
@@ -157,7 +160,7 @@ class CollectiveEngine:
     def _setup(self, packet: Packet, src: int, algo: int, world: int, rank: int, count: int,
                in_addr: int, out_addr: int, rkey: int, window: int, root: int, group: int,
                host: int, timeout_ms: int, ring: list[int], bounds: np.ndarray, cb: np.ndarray,
-               per_packet: int, rcvbuf: int) -> None:  # fmt: skip
+               per_packet: int, rcvbuf: int, tag_key: bytes) -> None:  # fmt: skip
         n_chunks = int(cb[-1])
         self.started_by = (src, packet.client_id)
         for array in (self.acked, self.tries, self.agsent, self.done):
@@ -173,11 +176,15 @@ class CollectiveEngine:
         prev_ask = cfg[L.CFG_PREV_ASK]
         # Chains refused BUSY before this start are told to come again (RESUME) by the first tick.
         refused = cfg[L.CFG_REFUSED_COLL :].copy()
-        prev_rkey = cfg[L.CFG_RKEY]  # the ending epoch's key: its late DONEs carry it
+        # The ending epoch's keys: its late DONEs carry its rkey and its tags.
+        prev_rkey, prev_epoch = cfg[L.CFG_RKEY], cfg[L.CFG_EPOCH]
+        prev_tag = cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].copy()
         cfg[:] = 0
         cfg[L.CFG_PREV_ASK] = prev_ask
         cfg[L.CFG_REFUSED_COLL :] = refused
-        cfg[L.CFG_PREV_RKEY] = prev_rkey
+        cfg[L.CFG_PREV_RKEY], cfg[L.CFG_PREV_EPOCH] = prev_rkey, prev_epoch
+        cfg[L.CFG_PREV_TAG_K0 : L.CFG_PREV_TAG_K1 + 1] = prev_tag
+        cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1] = np.frombuffer(tag_key or bytes(16), "<i8")
         packet_bytes = HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
         if not window:
             # Credit window: every node may hold N originators' windows in its receive queue;

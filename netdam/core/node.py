@@ -31,7 +31,7 @@ from netdam.core.events import (
     ReplyReceived,
 )
 from netdam.core.guard import GuardConfig
-from netdam.core.sendqueue import SLOT_BYTES, SendQueue
+from netdam.core.sendqueue import SendQueue
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.guard import G_NOW, address_token, record_failure
@@ -44,7 +44,6 @@ from netdam.protocol.constants import (
     DUP_WINDOW_CLIENTS,
     HEADER_SIZE,
     IP_UDP_OVERHEAD,
-    MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
     MIN_MTU,
     PROTOCOL_VERSION,
@@ -53,7 +52,6 @@ from netdam.protocol.constants import (
     REPLY_OPCODES,
     RIGHTS_ALL,
     RIGHTS_DEFINED,
-    SEGMENT_SIZE,
     DType,
     Flags,
     Opcode,
@@ -82,9 +80,8 @@ from netdam.protocol.packet import (
     endpoint_to_u64,
     u64_to_endpoint,
 )
-from netdam.protocol.payloads import INFO, KEY_RIGHTS
+from netdam.protocol.payloads import INFO, KEY_RIGHTS, descriptor_tag_key
 
-assert SLOT_BYTES == HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
 RKEY_SLOTS = 1024
 MAX_REGIONS = RKEY_SLOTS // 2
@@ -491,11 +488,14 @@ class NodeCore(CoreBase):
         self._reply(packet, src, Opcode.ACK)
 
     def _on_start_collective(self, packet: Packet, src: int) -> None:
+        # Every answer to a tagged START_COLL carries a tag under its key: the host takes no
+        # other, so nobody without the key can end or fail its wait (SPEC.md 2.6).
+        key = descriptor_tag_key(packet.payload)
         final = self.collective.final_reply(packet, src)
         if final is not None:
             # A retried START_COLL of a finished collective: the host may have lost the
             # completion, so it gets it again (SPEC.md "START_COLL").
-            self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1)
+            self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1, tag_key=key)
             return
         self.release_collective_key()
         if not self.collective.running:
@@ -508,11 +508,12 @@ class NodeCore(CoreBase):
             self.release_collective_key()
         if status == Status.OK:
             self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
-            self._reply(packet, src, Opcode.ACK)
+            self._reply(packet, src, Opcode.ACK, tag_key=key)
         elif status == Status.STALE_EPOCH:  # aux_addr: this node's epoch, the host's next is above
-            self._reply(packet, src, Opcode.NACK, status, aux_addr=int(self.collective.cfg[coll_kernels.CFG_EPOCH]))
+            epoch = int(self.collective.cfg[coll_kernels.CFG_EPOCH])
+            self._reply(packet, src, Opcode.NACK, status, aux_addr=epoch, tag_key=key)
         else:
-            self._nack(packet, src, status)
+            self._nack(packet, src, status, tag_key=key)
 
     def _on_counters(self, packet: Packet, src: int) -> None:
         self._reply(packet, src, Opcode.ACK, payload=self.counters.astype("<u8").tobytes())

@@ -20,7 +20,7 @@ from netdam.core.fabric import Fabric
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.protocol.constants import DType, Flags, Opcode, Rights
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import pack_key_rights
+from netdam.protocol.payloads import Algo, CollectiveDescriptor, pack_key_rights
 
 _ADMIN_KEY = 0x5EED1
 _NODES: tuple[Endpoint, ...] = (("127.0.0.1", 1), ("127.0.0.1", 2))
@@ -29,8 +29,8 @@ _MEMORY = 1 << 16
 
 
 def rehearse_control_paths() -> None:
-    """REGISTER, a retried REGISTER, WRITE, READ, FETCH_ADD, PING, COUNTERS and DEREGISTER,
-    over the wire with the admin key, on scratch cores."""
+    """REGISTER, a retried REGISTER, WRITE, READ, FETCH_ADD, PING, COUNTERS, DEREGISTER and a
+    tagged START_COLL, over the wire with the admin key, on scratch cores."""
     fabric = Fabric()
     cores = []
     for rank, endpoint in enumerate(_NODES):
@@ -57,6 +57,11 @@ def rehearse_control_paths() -> None:
     ]
     for request in requests:
         _exchange(fabric, request)
+    # A tagged START_COLL whose buffers no region holds: its NACK is sealed (SPEC.md 2.6), which
+    # is the Python path's one call of the compiled seal.
+    descriptor = CollectiveDescriptor(Algo.ALL_REDUCE, 0, 16, 0, 64, 0x7A9, tag_key=bytes(range(1, 17)))
+    _exchange(fabric, Packet(Opcode.START_COLL, rkey=_ADMIN_KEY, coll_id=1, epoch=1, dtype=DType.F32,
+                             segments=_NODES, client_id=1, txn_id=8).with_payload(descriptor.encode()))  # fmt: skip
 
 
 def _exchange(fabric: Fabric, packet: Packet) -> list[Packet]:

@@ -16,9 +16,16 @@ import numpy as np
 from netdam.kernels.datapath import drain
 from netdam.kernels.state import TXQ_HEAD, TXQ_TAIL, TxQueue
 from netdam.protocol import counters as C
+from netdam.protocol.constants import (
+    HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
+    MAX_SEGMENTS,
+    SEGMENT_SIZE,
+    TAG_SIZE,
+)
 
-#: Room one outgoing datagram may need: header, full SR list, largest payload (protocol/SPEC.md).
-SLOT_BYTES = 64 + 64 * 8 + 8192
+#: Room one outgoing datagram may need: header, full SR list, largest payload, tag (SPEC.md 2).
+SLOT_BYTES = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES + TAG_SIZE
 #: Bound of the queue: beyond it the datapath drops and counts (DROP_TX_FULL).
 MAX_TX_QUEUE = 1 << 15
 

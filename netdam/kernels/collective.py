@@ -20,11 +20,13 @@ from numba import njit
 from netdam.kernels import signatures as S
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.state import CollState, TxQueue
+from netdam.kernels.tag import TAG, _put_tag, _seal, _tag_ok
 from netdam.kernels.wire import (
     _ESIZE,
     _F_ACK_REQ,
     _F_SPARSE,
     _HDR,
+    _IS_CONTROL,
     _OP_ACK,
     _OP_ALL_WRITE,
     _OP_CHAIN_ADD,
@@ -152,7 +154,15 @@ CFG_REFUSED_N = 42
 # The previous collective's key (kept across START_COLL, like the refusals): a member still on
 # that epoch sends its DONE under it, and this node answers such a DONE under it too.
 CFG_PREV_RKEY = 43
-CFG_REFUSED_BASE = 44  # REFUSED_SLOTS originator endpoints (u64 as int64) follow
+# Tag keys (SPEC.md 2.6): the current collective's 128-bit key as SipHash's (k0, k1), u64 bit
+# patterns in int64, both 0 for an untagged (v1) collective; and the previous epoch's, kept
+# across START_COLL with that epoch, so its late DONEs are checked and answered under it.
+CFG_TAG_K0 = 44
+CFG_TAG_K1 = 45
+CFG_PREV_TAG_K0 = 46
+CFG_PREV_TAG_K1 = 47
+CFG_PREV_EPOCH = 48
+CFG_REFUSED_BASE = 49  # REFUSED_SLOTS originator endpoints (u64 as int64) follow
 REFUSED_SLOTS = 16
 CFG_LEN = CFG_REFUSED_BASE + REFUSED_SLOTS
 
@@ -245,11 +255,109 @@ def _room_for(tx_buf, tx_off, tx_len, tx_n, k):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _commit(tx_off, tx_len, tx_dst, tx_n, length, dst):  # type: ignore[no-untyped-def]
+def _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, length, dst):  # type: ignore[no-untyped-def]
+    """Queue the datagram built at the tail, sealed (SPEC.md 2.6) when this node holds the tag
+    key of its collective and epoch: every datagram the engine sends goes through here."""
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    k0, k1 = _coll_tag_key(cfg, _rd32(t, H_COLL_ID), _rd32(t, H_EPOCH))
+    if k0 | k1:
+        length = _seal(t, length, k0, k1)
     tx_len[tx_n] = length
     tx_dst[tx_n] = dst
     tx_off[tx_n + 1] = tx_off[tx_n] + length
     return tx_n + 1
+
+
+@njit(cache=True, nogil=True)
+def _coll_tag_key(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
+    """(k0, k1): the tag key of collective (coll, epoch) on this node, its current epoch's or
+    the previous one's; (0, 0) when it holds none (untagged, or not started here)."""
+    zero = np.uint64(0)
+    if coll == 0 or coll != co_cfg[CFG_COLL] or co_cfg[CFG_STATE] == 0:
+        return zero, zero
+    if epoch == co_cfg[CFG_EPOCH]:
+        return np.uint64(co_cfg[CFG_TAG_K0]), np.uint64(co_cfg[CFG_TAG_K1])
+    if epoch == co_cfg[CFG_PREV_EPOCH]:
+        return np.uint64(co_cfg[CFG_PREV_TAG_K0]), np.uint64(co_cfg[CFG_PREV_TAG_K1])
+    return zero, zero
+
+
+@njit(cache=True, nogil=True)
+def _needs_tag(co_cfg, b):  # type: ignore[no-untyped-def]
+    """An untagged datagram that names a tagged collective held here (its coll_id and epoch,
+    or its rkey) is not that collective's: dropped as forged. Only NACK BUSY may come
+    untagged: a hop that has not started the collective holds no key to tag it with, and
+    a forged BUSY only delays a chain by one retry. Control opcodes (START_COLL among them)
+    answer to the admin key instead."""
+    op = np.int64(b[H_OPCODE])
+    if (op == _OP_NACK and b[H_STATUS] == _S_BUSY) or op >= 64 or _IS_CONTROL[op] == 1:
+        return False
+    coll, epoch = _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)
+    k0, k1 = _coll_tag_key(co_cfg, coll, epoch)
+    if k0 | k1:
+        return True
+    if coll != 0 and _coll_phase(co_cfg, coll, epoch) == _PHASE_STALE:
+        return False  # an earlier epoch's: dropped as stale, never executed (4.1)
+    rkey = _rd32(b, H_RKEY)
+    if rkey != 0 and rkey == co_cfg[CFG_RKEY] and co_cfg[CFG_STATE] != 0 and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0:
+        return True
+    return rkey != 0 and rkey == co_cfg[CFG_PREV_RKEY] and (co_cfg[CFG_PREV_TAG_K0] | co_cfg[CFG_PREV_TAG_K1]) != 0
+
+
+@njit(cache=True, nogil=True)
+def _open_tagged(co_cfg, b, ln, counters):  # type: ignore[no-untyped-def]
+    """Check the tag of datagram b[:ln] (TAGGED set). Returns (verdict, k0, k1): verdict 1 and
+    the key when the tag is right (the caller strips it and seals what it answers); 2 for an
+    early datagram of a collective not started here, which holds no key yet: stripped and
+    handled as any early one (BUSY or dropped, never executed); 0 dropped and counted (early,
+    stale, or forged: a tag that does not verify)."""
+    coll, epoch = _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)
+    k0, k1 = _coll_tag_key(co_cfg, coll, epoch)
+    if k0 | k1:
+        if _tag_ok(b, ln, k0, k1):
+            return 1, k0, k1
+        counters[C.DROP_COLL_FORGED] += 1
+        return 0, k0, k1
+    if coll == 0:
+        counters[C.DROP_COLL_FORGED] += 1  # tags belong to collectives
+        return 0, k0, k1
+    phase = _coll_phase(co_cfg, coll, epoch)
+    if phase == _PHASE_NOT_STARTED:
+        op = b[H_OPCODE]
+        if op == _OP_CHAIN_ADD or op == _OP_ALL_WRITE or op == _OP_READ:
+            return 2, k0, k1
+        counters[C.DROP_COLL_EARLY] += 1
+        return 0, k0, k1
+    counters[C.DROP_STALE_EPOCH if phase == _PHASE_STALE else C.DROP_COLL_FORGED] += 1
+    return 0, k0, k1
+
+
+@njit(cache=True, nogil=True)
+def _seal_replies(tx_buf, tx_off, tx_len, first, last, k0, k1, flags_in, tag_in):  # type: ignore[no-untyped-def]
+    """Seal the datagrams queued at first..last-1 (what the datapath answered or forwarded for
+    one tagged datagram with flags *flags_in* and tag *tag_in*: one as a rule), each moved right
+    to make room for the tags before it. A forwarded CHAIN_ADD with the same flags keeps the tag
+    it came with (a hop rewrites only what the tag does not cover). False (nothing sealed) when
+    the queue lacks the room."""
+    if last == first:
+        return True
+    grow = (last - first) * TAG
+    if tx_off[last] + grow > tx_buf.shape[0]:
+        return False
+    for k in range(last - 1, first - 1, -1):
+        shift = (k - first) * TAG
+        o, n = tx_off[k], tx_len[k]
+        if shift:
+            for i in range(n - 1, -1, -1):
+                tx_buf[o + shift + i] = tx_buf[o + i]
+            tx_off[k] = o + shift
+        t = tx_buf[o + shift : o + shift + n + TAG]
+        if t[H_OPCODE] == _OP_CHAIN_ADD and _rd16(t, H_FLAGS) == flags_in:
+            tx_len[k] = _put_tag(t, n, tag_in)
+        else:
+            tx_len[k] = _seal(t, n, k0, k1)
+    tx_off[last] = tx_off[last - 1] + tx_len[last - 1]
+    return True
 
 
 @njit(cache=True, nogil=True)
@@ -290,9 +398,9 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
         size, sparse = _encode_payload(t, np.int64(p), mem, np.int64(src_addr), np.int64(nbytes), esize)
         if sparse:
             _wr16(t, H_FLAGS, flags | _F_SPARSE)
-        return _commit(tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world])
+        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world])
     _copy(t, p, mem, src_addr, nbytes)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
 
 
 @njit(cache=True, nogil=True)
@@ -309,9 +417,9 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_
         size, sparse = _encode_payload(t, np.int64(_HDR), mem, np.int64(addr), np.int64(nbytes), esize)
         if sparse:
             _wr16(t, H_FLAGS, flags | _F_SPARSE)
-        return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + size, dst)
+        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + size, dst)
     _copy(t, _HDR, mem, addr, nbytes)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -322,7 +430,7 @@ def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
     addr = cfg[CFG_OUT] + first * esize
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _header(t, _OP_READ, 0, c, cfg, count * esize, addr, 0, 0)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR, ring[j])
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR, ring[j])
 
 
 @njit(cache=True, nogil=True)
@@ -356,13 +464,13 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # t
         t[o_first + k] = np.uint8((first >> (8 * k)) & 0xFF)
         t[o_last + k] = np.uint8((last >> (8 * k)) & 0xFF)
     if status != 0:
-        return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_FAILURE_BYTES, np.uint64(cfg[CFG_HOST]))
+        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_FAILURE_BYTES, np.uint64(cfg[CFG_HOST]))
     _put_le64(t, _HDR + CPL_START_NS, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
     _put_le32(t, _HDR + CPL_CHAINS_US, _phase_us(fcfg, F_T_CHAINS))
     _put_le32(t, _HDR + CPL_CHUNKS_US, _phase_us(fcfg, F_T_CHUNKS))
     _put_le32(t, _HDR + CPL_DONE_US, _phase_us(fcfg, F_T_DONE))
     _put_le32(t, _HDR + CPL_RESERVED, 0)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST]))
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST]))
 
 
 @njit(cache=True, nogil=True)
@@ -581,7 +689,7 @@ def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):  
     _wr32(t, H_EPOCH, epoch)
     if epoch != cfg[CFG_EPOCH]:
         _wr32(t, H_RKEY, cfg[CFG_PREV_RKEY])  # that epoch's key, which its members check
-    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR, dst)
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -596,7 +704,7 @@ def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no
                 break  # the originator's BUSY backoff asks again anyway
             t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
             _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
-            tx_n = _commit(tx_off, tx_len, tx_dst, tx_n, _HDR, np.uint64(cfg[CFG_REFUSED_BASE + k]))
+            tx_n = _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR, np.uint64(cfg[CFG_REFUSED_BASE + k]))
     cfg[CFG_REFUSED_N] = 0
     return tx_n
 
@@ -674,7 +782,7 @@ def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
     _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
     _wr32(t, H_TXN_ID, answer)
     _copy(t, _HDR, done, BM_BASE, nbytes)
-    return _commit(tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)

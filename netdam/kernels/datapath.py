@@ -31,6 +31,9 @@ from netdam.kernels.collective import (
     _coll_ended,
     _coll_phase,
     _coll_reply,
+    _needs_tag,
+    _open_tagged,
+    _seal_replies,
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
@@ -44,6 +47,7 @@ from netdam.kernels.guard import (
     check_guard,
 )
 from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
+from netdam.kernels.tag import _tagged_length, _trailer
 from netdam.kernels.wire import (
     _ESIZE,
     _F_ACK_REQ,
@@ -266,6 +270,27 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
                     continue
                 open_src, open_guarded = src, guarded
         first = tx_n
+        # A collective's datagrams carry tags when it is tagged (SPEC.md 2.6): checked, and the
+        # trailer cut off, before anything else reads the datagram; what it brings back is
+        # sealed under the same key below.
+        sealed, k0, k1 = 0, np.uint64(0), np.uint64(0)
+        tagged = _tagged_length(b, ln)
+        if tagged < 0:
+            counters[C.DROP_TRUNCATED] += 1
+            continue
+        flags_in, tag_in = 0, np.uint64(0)
+        if tagged < ln:
+            sealed, k0, k1 = _open_tagged(node.coll.cfg, b, ln, counters)
+            if sealed == 0:
+                continue
+            flags_in, tag_in = _rd16(b, H_FLAGS), _trailer(b, ln)
+            ln = tagged
+            b = b[:ln]
+        elif ln >= _HDR and _is_member(members, src) and _needs_tag(node.coll.cfg, b):
+            # From a member's address but untagged: forged (a non-member's is refused by the
+            # members-only checks further on, with its NACK, as in v1).
+            counters[C.DROP_COLL_FORGED] += 1
+            continue
         status = _check_packet(b, ln)
         op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
@@ -301,6 +326,9 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
                 tx_n = _all_write(b, ln, src, node, tx, tx_n)
             else:
                 tx_n = _mutate(b, ln, src, op, node, tx, tx_n, stamp)
+        if sealed == 1 and not _seal_replies(tx_buf, tx_off, tx_len, first, tx_n, k0, k1, flags_in, tag_in):
+            counters[C.DROP_TX_FULL] += tx_n - first
+            tx_n = first
         if guarded and tx_n > first:
             # Failed authentications are the NACKs BAD_RKEY/UNAUTHORIZED just queued for src;
             # one may have locked it out, so its next datagram is looked up again.

@@ -78,26 +78,39 @@ def _sipround(v0, v1, v2, v3):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _siphash_u64(k0, k1, m):  # type: ignore[no-untyped-def]
-    """SipHash-2-4 (Aumasson, Bernstein 2012) of the 8 bytes of *m* (little-endian) under the
-    key (k0, k1): a keyed PRF, so tokens of other addresses cannot be derived from one's own."""
-    v0 = k0 ^ np.uint64(0x736F6D6570736575)
-    v1 = k1 ^ np.uint64(0x646F72616E646F6D)
-    v2 = k0 ^ np.uint64(0x6C7967656E657261)
-    v3 = k1 ^ np.uint64(0x7465646279746573)
+def _sip_init(k0, k1):  # type: ignore[no-untyped-def]
+    """SipHash's state for the key (k0, k1)."""
+    return (k0 ^ np.uint64(0x736F6D6570736575), k1 ^ np.uint64(0x646F72616E646F6D),
+            k0 ^ np.uint64(0x6C7967656E657261), k1 ^ np.uint64(0x7465646279746573))  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def _sip_absorb(v0, v1, v2, v3, m):  # type: ignore[no-untyped-def]
+    """SipHash-2-4's compression of one message word m."""
     v3 ^= m
-    for _ in range(2):
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    v0 ^= m
-    b = np.uint64(8) << np.uint64(56)
-    v3 ^= b
-    for _ in range(2):
-        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
-    v0 ^= b
+    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
+    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
+    return v0 ^ m, v1, v2, v3
+
+
+@njit(cache=True, nogil=True)
+def _sip_final(v0, v1, v2, v3, nbytes):  # type: ignore[no-untyped-def]
+    """The last block of a message of *nbytes*, a multiple of 8 (its length byte alone), and
+    SipHash-2-4's finalization: the 64-bit output."""
+    v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, np.uint64(nbytes & 0xFF) << np.uint64(56))
     v2 ^= np.uint64(0xFF)
     for _ in range(4):
         v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
     return v0 ^ v1 ^ v2 ^ v3
+
+
+@njit(cache=True, nogil=True)
+def _siphash_u64(k0, k1, m):  # type: ignore[no-untyped-def]
+    """SipHash-2-4 (Aumasson, Bernstein 2012) of the 8 bytes of *m* (little-endian) under the
+    key (k0, k1): a keyed PRF, so tokens of other addresses cannot be derived from one's own."""
+    v0, v1, v2, v3 = _sip_init(k0, k1)
+    v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, m)
+    return _sip_final(v0, v1, v2, v3, 8)
 
 
 @njit(cache=True, nogil=True)

@@ -34,6 +34,7 @@ from netdam.kernels.fault_hash import (
 from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
 from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated, check_guard
 from netdam.kernels.state import FCLOCK_GEN, FCLOCK_NOW, FK_SEED, RxBatch, SwitchState, TxQueue
+from netdam.kernels.tag import _F_TAGGED, _tagged_length
 from netdam.kernels.wire import (
     _ESIZE,
     _IS_REPLY,
@@ -222,6 +223,15 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
         if tx_n + fanout > cap or tx_off[tx_n] + fanout * _SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
+        # Tags belong to collectives between nodes (SPEC.md 2.6): the switch checks a TAGGED
+        # datagram's structure without its trailer, then refuses it (below).
+        tagged = _tagged_length(b, ln)
+        if tagged < 0:
+            counters[C.DROP_TRUNCATED] += 1
+            continue
+        if tagged < ln:
+            ln = tagged
+            b = b[:ln]
         guarded = not from_node and guard.cfg[G_LOCKOUT] != 0.0
         if guarded and src != open_src:
             if _locked(guard, src):
@@ -240,6 +250,12 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
             tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
+        if _rd16(b, H_FLAGS) & _F_TAGGED:
+            if _IS_REPLY[op] == 1:
+                counters[C.DROP_BAD_REPLY] += 1
+                continue
+            tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
         if _rd16(b, H_FLAGS) & _F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
             tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)

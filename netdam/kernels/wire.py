@@ -19,6 +19,7 @@ from netdam.protocol.constants import (
     POOL_OPCODES,
     REPLY_OPCODES,
     SEGMENT_SIZE,
+    TAG_SIZE,
     DType,
     Flags,
     Opcode,
@@ -94,8 +95,8 @@ _W = DUP_WINDOW
 _REPLY_MAX = DUP_REPLY_BYTES
 
 
-#: Room one outgoing datagram may need: header, full SR list, largest payload.
-_SLOT = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES
+#: Room one outgoing datagram may need: header, full SR list, largest payload, tag.
+_SLOT = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES + TAG_SIZE
 
 
 #: Verdict of _check_packet for a datagram too short to answer: count and drop.

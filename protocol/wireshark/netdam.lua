@@ -43,7 +43,9 @@ local HEADER_SIZE = 64
 local SEGMENT_SIZE = 8
 local MAX_SEGMENTS = 64
 local MAX_PAYLOAD_BYTES = 8192
-local FLAGS_V1_MASK = 0x001F
+local FLAGS_V1_MASK = 0x003F
+local TAG_SIZE = 8 -- SPEC.md 2.6: the trailer of a TAGGED datagram
+local FLAG_TAGGED = 0x0020
 
 -- Opcode (constants.Opcode)
 local OPCODE = {
@@ -136,6 +138,7 @@ local FLAGS = {
     [0x0004] = "MCAST",
     [0x0008] = "RELAYED",
     [0x0010] = "RETRY",
+    [0x0020] = "TAGGED",
 }
 
 -- SegmentType (constants.SegmentType)
@@ -297,6 +300,7 @@ field("seg_reserved", ProtoField.uint16("netdam.seg.reserved", "Reserved", base.
 
 -- Payload
 field("payload", ProtoField.bytes("netdam.payload", "Payload"))
+field("tag", ProtoField.uint64("netdam.tag", "Tag (SipHash-2-4 of header and SR list)", base.HEX))
 field("elements", ProtoField.uint32("netdam.elements", "Elements", base.DEC))
 field("f32", ProtoField.float("netdam.data.f32", "f32"))
 field("f16", ProtoField.float("netdam.data.f16", "f16"))
@@ -390,6 +394,9 @@ field("d_host_ip", ProtoField.ipv4("netdam.desc.host.ip", "Host IPv4"))
 field("d_host_port", ProtoField.uint16("netdam.desc.host.port", "Host port", base.DEC))
 field("d_timeout", ProtoField.uint32("netdam.desc.timeout_ms", "Watchdog (ms)", base.DEC))
 field("d_reserved", ProtoField.uint32("netdam.desc.reserved", "Reserved", base.HEX))
+-- its tag key (80-byte descriptors, SPEC.md 6.5 "Tag key")
+field("d_tag_k0", ProtoField.uint64("netdam.desc.tag_k0", "Tag key k0", base.HEX))
+field("d_tag_k1", ProtoField.uint64("netdam.desc.tag_k1", "Tag key k1", base.HEX))
 -- Verdict of the codec's checks (generated)
 field("error_status", ProtoField.uint8("netdam.error.status", "NACK status", base.DEC, STATUS))
 field("error_text", ProtoField.string("netdam.error.text", "Error"))
@@ -608,6 +615,13 @@ local function validate(tvb)
     local length = tvb(28, 4):uint()
     local poff = HEADER_SIZE + SEGMENT_SIZE * seg_count
     local size = total - poff
+    if btest(flags, FLAG_TAGGED) then
+        if size < TAG_SIZE then
+            return fail("TRUNCATED", string.format("TAGGED datagram without its %d-byte tag", TAG_SIZE),
+                poff, size)
+        end
+        size = size - TAG_SIZE
+    end
     if seg_count > 0 and not SR_OPCODES[name] then
         return fail("BAD_SEGMENT", string.format("%s does not take an SR list", name), 52, 3)
     end
@@ -712,8 +726,8 @@ local function dissect_payload(tree, tvb, pinfo, name, poff, size)
     local aux_hi, coll_id = tvb(40, 4):uint(), tvb(16, 4):uint()
     local prange = tvb(poff, size)
     local ptree = tree:add(F.payload, prange)
-    if name == "START_COLL" and size == 64 then
-        ptree:set_text("START_COLL descriptor (64 bytes)")
+    if name == "START_COLL" and (size == 64 or size == 80) then
+        ptree:set_text(string.format("START_COLL descriptor (%d bytes)", size))
         ptree:add_le(F.d_algo, tvb(poff, 1))
         local fl = ptree:add_le(F.d_flags, tvb(poff + 1, 1))
         fl:add(F.d_sparse, tvb(poff + 1, 1))
@@ -730,6 +744,11 @@ local function dissect_payload(tree, tvb, pinfo, name, poff, size)
         add_endpoint_u64_le(h, tvb, poff + 48, F.d_host_ip, F.d_host_port)
         ptree:add_le(F.d_timeout, tvb(poff + 56, 4))
         ptree:add_le(F.d_reserved, tvb(poff + 60, 4))
+        if size == 80 then
+            local key = poff + 64 -- the tag key block follows the 64-byte descriptor
+            ptree:add_le(F.d_tag_k0, tvb(key, 8))
+            ptree:add_le(F.d_tag_k1, tvb(key + 8, 8))
+        end
     elseif name == "INFO" and size == 32 then
         ptree:set_text("INFO (32 bytes)")
         ptree:add_le(F.info_version, tvb(poff, 4))
@@ -935,10 +954,15 @@ local function dissect(tvb, pinfo, tree)
     end
 
     local poff = HEADER_SIZE + SEGMENT_SIZE * seg_count
-    if problem == nil and total > poff then
-        dissect_payload(root, tvb, pinfo, name, poff, total - poff)
-    elseif problem ~= nil and total > poff then
-        root:add(F.payload, tvb(poff, total - poff))
+    local pend = total
+    if btest(flags, FLAG_TAGGED) and total >= poff + TAG_SIZE then
+        pend = total - TAG_SIZE
+        root:add_le(F.tag, tvb(pend, TAG_SIZE))
+    end
+    if problem == nil and pend > poff then
+        dissect_payload(root, tvb, pinfo, name, poff, pend - poff)
+    elseif problem ~= nil and pend > poff then
+        root:add(F.payload, tvb(poff, pend - poff))
     end
 
     local status = tvb(50, 1):uint()

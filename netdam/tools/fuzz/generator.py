@@ -102,7 +102,7 @@ EV_WINDOW = 7  # went through the duplicate window: executes, replays, or NACK S
 #: Drop counters the oracle predicts (every other drop counter must stay 0).
 DROP_COUNTERS = (
     C.DROP_TRUNCATED, C.DROP_BAD_REPLY, C.DROP_STALE_EPOCH, C.DROP_TX_FULL, C.DROP_OVERSIZE,
-    C.DROP_UNEXPECTED_REPLY, C.DROP_FAULT, C.DROP_COLL_EARLY,
+    C.DROP_UNEXPECTED_REPLY, C.DROP_FAULT, C.DROP_COLL_EARLY, C.DROP_COLL_FORGED,
 )  # fmt: skip
 
 _DATA_OPCODES = (Opcode.READ, Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE,

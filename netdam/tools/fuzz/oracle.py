@@ -25,12 +25,15 @@ from netdam.protocol.constants import (
     HEADER_SIZE,
     POOL_OPCODES,
     REPLY_OPCODES,
+    SEGMENT_SIZE,
+    TAG_SIZE,
     Flags,
     Opcode,
     Rights,
     Status,
 )
 from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.layout import H_SEG_COUNT, HEADER
 from netdam.protocol.packet import (
     Packet,
     decode_packet,
@@ -118,6 +121,8 @@ class Oracle:
         if len(data) < HEADER_SIZE:
             out.drop(process, C.DROP_TRUNCATED)
             return None
+        if HEADER.read(data, "flags") & Flags.TAGGED and not self._tag_checks(process, data, out):
+            return None
         try:
             packet = decode_packet(data)
         except RemoteProtocolError as exc:
@@ -129,6 +134,24 @@ class Oracle:
         if count:
             out.events.append((process, EV_OP, int(packet.opcode)))
         return packet
+
+    def _tag_checks(self, process: int, data: bytes, out: Outcome) -> bool:
+        """SPEC.md 2.6 for a TAGGED datagram from the fuzzer, which holds no collective's key:
+        too short for its tag, dropped as truncated; at a node, one of no collective is dropped
+        as forged, and one of a collective not started there (none ever is, here) goes on
+        only as CHAIN_ADD, ALL_WRITE or READ (BUSY or dropped: never executed). True: go on."""
+        if len(data) < HEADER_SIZE + SEGMENT_SIZE * data[H_SEG_COUNT] + TAG_SIZE:
+            out.drop(process, C.DROP_TRUNCATED)
+            return False
+        if self.layout.target == "switch":
+            return True  # structure first, then refused (_at_switch)
+        if HEADER.read(data, "coll_id") == 0:
+            out.drop(process, C.DROP_COLL_FORGED)
+            return False
+        if data[O_OPCODE] not in (Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ):
+            out.drop(process, C.DROP_COLL_EARLY)
+            return False
+        return True
 
     # ------------------------------------------------------------ a node
 
@@ -236,6 +259,13 @@ class Oracle:
         if packet is None:
             return
         op = packet.opcode
+        if packet.flags & Flags.TAGGED:
+            # SPEC.md 11.3: tags belong to collectives between nodes; the switch relays none.
+            if op in REPLY_OPCODES:
+                out.drop(sw, C.DROP_BAD_REPLY)
+            else:
+                out.nack(sw, Status.BAD_FIELD)
+            return
         if packet.flags & Flags.SPARSE:
             # SPEC.md 11.3: v1 switches do not relay sparse payloads; refused before the
             # by-opcode table (not counted per opcode).
