@@ -298,7 +298,7 @@ def test_duplicate_chains_after_ack_and_resend_after_gather(rng: np.random.Gener
         engine.sent[first:last] = 0.0
         engine.cfg[L.CFG_ACKED] -= last - first
         engine.cfg[L.CFG_LOW_UNACKED] = first
-        engine.cfg[L.CFG_STATE] = 1
+        engine.cfg[L.CFG_STATE] = L.STATE_RUNNING
     cluster.fabric.run_until_idle()
     for node, snapshot in zip(cluster.nodes, before, strict=True):
         np.testing.assert_array_equal(node.memory, snapshot)

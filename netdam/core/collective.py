@@ -90,7 +90,7 @@ class CollectiveEngine:
 
     @property
     def running(self) -> bool:
-        return bool(self.cfg[L.CFG_STATE] == 1)
+        return bool(self.cfg[L.CFG_STATE] == L.STATE_RUNNING)
 
     @property
     def needs_tick(self) -> bool:
@@ -115,7 +115,7 @@ class CollectiveEngine:
         algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host, timeout_ms = (
             d.algo, d.flags, d.window, d.rank, d.count, d.in_addr, d.out_addr, d.rkey, d.root,
             d.group, d.host, d.timeout_ms)  # fmt: skip
-        if self.cfg[L.CFG_STATE] != 0 and self.cfg[L.CFG_COLL] == packet.coll_id:
+        if self.cfg[L.CFG_STATE] != L.STATE_IDLE and self.cfg[L.CFG_COLL] == packet.coll_id:
             if self.cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id):
                 return Status.OK  # a retried START_COLL: already running or finished
             if (int(self.cfg[L.CFG_EPOCH]) - packet.epoch) & 0xFFFFFFFF < 0x80000000:
@@ -217,7 +217,7 @@ class CollectiveEngine:
         fcfg[L.F_T_CHAINS : L.F_T_DONE + 1] = -1.0  # phases not ended yet
         fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall
         fcfg[L.F_LAST_COUNT] = -1.0
-        cfg[L.CFG_STATE] = 1
+        cfg[L.CFG_STATE] = L.STATE_RUNNING
 
     def _local_bitmap(self, memory: np.ndarray, in_addr: int, count: int, esize: int) -> None:
         """Sparse mode: which chunks of this node's input hold a non-zero element (any bit set:
@@ -257,11 +257,11 @@ class CollectiveEngine:
     def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
         """The completion to repeat for a START_COLL of the collective that already ended here."""
         cfg = self.cfg
-        if cfg[L.CFG_STATE] < 2 or cfg[L.CFG_COLL] != packet.coll_id or cfg[L.CFG_EPOCH] != packet.epoch:
+        if cfg[L.CFG_STATE] < L.STATE_DONE or cfg[L.CFG_COLL] != packet.coll_id or cfg[L.CFG_EPOCH] != packet.epoch:
             return None
         if self.started_by != (src, packet.client_id):
             return None  # someone else's collective: start() answers STALE_EPOCH
-        if cfg[L.CFG_STATE] == 2:
+        if cfg[L.CFG_STATE] == L.STATE_DONE:
             stats = pack_completion(int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
             return Opcode.ACK, Status.OK, stats + pack_completion_phases(self.phases())
         missing = np.flatnonzero(self.done[: int(cfg[L.CFG_CHUNKS])] == 0)
@@ -286,7 +286,7 @@ class CollectiveEngine:
         n = int(cfg[L.CFG_CHUNKS])
         missing = np.flatnonzero(self.done[:n] == 0)
         return {
-            "state": ("idle", "running", "done", "failed")[int(cfg[L.CFG_STATE])],
+            "state": L.EngineState(int(cfg[L.CFG_STATE])).name.lower(),
             "coll_id": int(cfg[L.CFG_COLL]), "epoch": int(cfg[L.CFG_EPOCH]),
             "chunks": n, "done": int(cfg[L.CFG_DONE_COUNT]), "needed": int(cfg[L.CFG_NEEDED]),
             "missing_first": int(missing[0]) if missing.size else None,

@@ -14,6 +14,8 @@ The per-packet side (``_chain_add``: combine in flight and store at the last hop
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 from numba import njit
 
@@ -103,8 +105,25 @@ from netdam.protocol.layout import (
 from netdam.protocol.payloads import NO_PHASE_US, Algo
 
 # ---------------------------------------------------------------- layout of the engine's state arrays
+
+
+class EngineState(IntEnum):
+    """What cfg[CFG_STATE] holds: where this node's collective is."""
+
+    IDLE = 0  # no collective since the node started
+    RUNNING = 1
+    DONE = 2  # ended with every chunk here and every member's DONE in
+    FAILED = 3  # ended by a fatal NACK or the watchdog
+
+
+# The kernels compare plain ints (numba freezes module-level ints at compile time).
+STATE_IDLE = int(EngineState.IDLE)
+STATE_RUNNING = int(EngineState.RUNNING)
+STATE_DONE = int(EngineState.DONE)
+STATE_FAILED = int(EngineState.FAILED)
+
 # cfg indices
-CFG_STATE = 0  # 0 idle, 1 running, 2 done, 3 failed
+CFG_STATE = 0  # an EngineState
 CFG_COLL = 1
 CFG_EPOCH = 2
 CFG_RANK = 3
@@ -273,7 +292,7 @@ def _coll_tag_key(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
     """(k0, k1): the tag key of collective (coll, epoch) on this node, its current epoch's or
     the previous one's; (0, 0) when it holds none (untagged, or not started here)."""
     zero = np.uint64(0)
-    if coll == 0 or coll != co_cfg[CFG_COLL] or co_cfg[CFG_STATE] == 0:
+    if coll == 0 or coll != co_cfg[CFG_COLL] or co_cfg[CFG_STATE] == STATE_IDLE:
         return zero, zero
     if epoch == co_cfg[CFG_EPOCH]:
         return np.uint64(co_cfg[CFG_TAG_K0]), np.uint64(co_cfg[CFG_TAG_K1])
@@ -299,7 +318,7 @@ def _needs_tag(co_cfg, b):  # type: ignore[no-untyped-def]
     if coll != 0 and _coll_phase(co_cfg, coll, epoch) == _PHASE_STALE:
         return False  # an earlier epoch's: dropped as stale, never executed (4.1)
     rkey = _rd32(b, H_RKEY)
-    if rkey != 0 and rkey == co_cfg[CFG_RKEY] and co_cfg[CFG_STATE] != 0 and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0:
+    if rkey != 0 and rkey == co_cfg[CFG_RKEY] and co_cfg[CFG_STATE] != STATE_IDLE and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0:
         return True
     return rkey != 0 and rkey == co_cfg[CFG_PREV_RKEY] and (co_cfg[CFG_PREV_TAG_K0] | co_cfg[CFG_PREV_TAG_K1]) != 0
 
@@ -500,7 +519,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
     tx_buf, tx_off, tx_len, tx_dst = tx
     if cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0:
         tx_n = _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n)
-    if cfg[CFG_STATE] != 1:
+    if cfg[CFG_STATE] != STATE_RUNNING:
         return tx_n
     fcfg[F_NOW] = now
     if fcfg[F_START] < 0.0:  # first tick after START_COLL: the clock starts now
@@ -516,7 +535,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
     if cfg[CFG_FATAL] != 0 or now - fcfg[F_LAST_ADVANCE] > fcfg[F_DEADLINE]:
-        cfg[CFG_STATE] = 3
+        cfg[CFG_STATE] = STATE_FAILED
         if _room(tx_buf, tx_off, tx_len, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
             tx_n = _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
@@ -657,7 +676,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
                                   tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
         all_ranks = _all_ranks(world)
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
-            cfg[CFG_STATE] = 2
+            cfg[CFG_STATE] = STATE_DONE
             fcfg[F_T_DONE] = now
             tx_n = _notify(cfg, fcfg, 0, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
@@ -817,7 +836,7 @@ def _coll_phase(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
     """RUNNING when (coll, epoch) is this node's current collective (running or finished),
     STALE for an earlier epoch of it, NOT_STARTED otherwise (the host has not started it here
     yet: its input may not be staged, so nothing of it may be read or written)."""
-    if co_cfg[CFG_STATE] != 0 and coll == co_cfg[CFG_COLL]:
+    if co_cfg[CFG_STATE] != STATE_IDLE and coll == co_cfg[CFG_COLL]:
         behind = (co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF
         if behind == 0:
             return _PHASE_RUNNING
@@ -831,7 +850,7 @@ def _coll_ended(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
     """(coll, epoch) is this node's collective and it has ended (done or failed). Every member
     then holds every chunk and every chain was ACKed (DONE, section 4.1), so a datagram of it is
     a late duplicate: dropped before the rkey check, since the collective's key is gone."""
-    return co_cfg[CFG_STATE] > 1 and _coll_phase(co_cfg, coll, epoch) == _PHASE_RUNNING
+    return co_cfg[CFG_STATE] >= STATE_DONE and _coll_phase(co_cfg, coll, epoch) == _PHASE_RUNNING
 
 
 @njit(cache=True, nogil=True)
@@ -1015,14 +1034,14 @@ def _coll_done_msg(b, src, co_cfg):  # type: ignore[no-untyped-def]
     lost this node's DONE while this node moved on), ask the engine to repeat it."""
     world = co_cfg[CFG_WORLD]
     rank = _rd32(b, H_SEQ)  # DONE carries the sender's rank in seq
-    if co_cfg[CFG_STATE] == 0 or rank >= world:
+    if co_cfg[CFG_STATE] == STATE_IDLE or rank >= world:
         return True
     epoch = _rd32(b, H_EPOCH)
     asks = _rd32(b, H_TXN_ID) == 0  # txn_id 1 marks an answer, which is never answered
     if epoch == co_cfg[CFG_EPOCH]:
         co_cfg[CFG_PEERS_DONE] |= np.int64(1) << rank
         ready = (co_cfg[CFG_PEERS_DONE] >> co_cfg[CFG_RANK]) & 1
-        if asks and (co_cfg[CFG_STATE] != 1 or ready):
+        if asks and (co_cfg[CFG_STATE] != STATE_RUNNING or ready):
             # This node is ready (or finished): answer at once, so a member that started late
             # need not wait a retransmission timeout for the DONE it missed.
             co_cfg[CFG_CUR_ASK] |= np.int64(1) << rank
@@ -1040,7 +1059,7 @@ def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyp
     nbytes = _rd32(b, H_LENGTH)
     chunks = co_cfg[CFG_CHUNKS]
     if (
-        co_cfg[CFG_STATE] != 1
+        co_cfg[CFG_STATE] != STATE_RUNNING
         or co_cfg[CFG_SPARSE] == 0
         or _rd32(b, H_COLL_ID) != co_cfg[CFG_COLL]
         or _rd32(b, H_EPOCH) != co_cfg[CFG_EPOCH]
@@ -1071,7 +1090,7 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not _is_member(members, src):
         return False
-    if _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != 0:
+    if _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != STATE_IDLE:
         # Replies and DONEs of this collective carry its key (chain ACKs and NACKs echo the
         # CHAIN_ADD's; DONE, RESUME and bitmaps are sent under it): a datagram forged with a
         # member's source but without the key aborts, completes or fills nothing.
@@ -1085,7 +1104,7 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
     if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_BITMAP:
         _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
         return True
-    if co_cfg[CFG_STATE] != 1 or _coll_phase(co_cfg, _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)) != _PHASE_RUNNING:
+    if co_cfg[CFG_STATE] != STATE_RUNNING or _coll_phase(co_cfg, _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)) != _PHASE_RUNNING:
         return op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME  # of another collective: consumed
     if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME:
         # A hop that answered BUSY has started: the chains waiting on it go again at the next

@@ -209,7 +209,7 @@ class NodeProcess(ServeLoop):
         """Whether the NIC must be served again soon without traffic: a collective's clock
         runs, a late DONE request waits, sends wait for room, or faults hold datagrams."""
         coll = self.core.collective.cfg
-        return bool(coll[coll_kernels.CFG_STATE] == 1 or coll[coll_kernels.CFG_PREV_ASK] or coll[coll_kernels.CFG_CUR_ASK]
+        return bool(coll[coll_kernels.CFG_STATE] == coll_kernels.STATE_RUNNING or coll[coll_kernels.CFG_PREV_ASK] or coll[coll_kernels.CFG_CUR_ASK]
                     or self.core.sendq.pending() or (self.fault_cfg[FC_ACTIVE] and self.hold_len.any()))  # fmt: skip
 
     def warm_up(self, resident: bool = True) -> None:
