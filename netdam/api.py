@@ -448,8 +448,6 @@ class Work:
         #: The node ACKed START_COLL (running), as opposed to hearing nothing yet.
         self.started = False
         self.stats: dict[str, int] = {}
-        #: Answers dropped for a missing or wrong tag (forged, SPEC.md 2.6).
-        self.forged = 0
         self._txn = 0
         self._heard = time.monotonic()
         self._finish: list[object] = []
@@ -517,11 +515,10 @@ class Work:
             # What can end or fail the wait (a completion, a NACK) must carry this call's tag
             # (SPEC.md 2.6); a plain "started" ACK only keeps the wait alive, so it is not
             # checked (a host's SipHash in Python costs ~50 us).
-            key = descriptor_tag_key(self.packet.payload)
             decides = reply.opcode == Opcode.NACK or reply.aux_addr != 0
-            if key and decides and not tag_verify(key, data):
-                self.forged += 1  # not from a holder of this collective's key
-                continue
+            key = descriptor_tag_key(self.packet.payload) if decides else b""
+            if key and not tag_verify(key, data):
+                continue  # not from a holder of this collective's key: the nodes count those
             self._heard = time.monotonic()
             if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
                 self._rebase(reply.aux_addr)
