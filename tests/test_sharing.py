@@ -381,6 +381,9 @@ def test_a_second_job_on_the_cluster_file_cannot_take_a_running_jobs_arena(tmp_p
             return run.stdout.strip()
 
         assert second_job().startswith(f"refused: rank 0: another process (pid {os.getpid()})")
+        cli = subprocess.run([sys.executable, "-m", "netdam", "allreduce", "--cluster", str(path), "--size", "4KiB",
+                              "--json"], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert cli.returncode == 3 and "another process" in json.loads(cli.stdout)["error"], cli.stderr
         assert (first.memory[first.arena_base : first.arena_base + 4096] == 0x5A).all()
         with ControlClient(admin_key=cluster.info.admin_key) as admin:  # still registered
             assert admin.read(cluster.info.nodes[0].endpoint, first.arena_rkey, first.arena_base, 8) == b"\x5a" * 8

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from netdam import progress
-from netdam.api import CollectiveError, ProcessGroup, Work
+from netdam.api import ArenaInUseError, CollectiveError, ProcessGroup, Work
 from netdam.api import all_reduce as api_all_reduce
 from netdam.clients.ring_host import _ALIGN as RING_ALIGN  # its receive area's alignment
 from netdam.clients.ring_host import ring_all_reduce
@@ -218,7 +218,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             group.close()
     except CollectiveError as exc:
         result.update(error=str(exc), waiting_for=exc.waiting_for, exit_code=3)
-    except (ClusterStartError, ControlError) as exc:
+    except (ClusterStartError, ControlError, ArenaInUseError) as exc:
         result.update(error=str(exc), exit_code=3)
     finally:
         if cluster is not None:
