@@ -238,10 +238,11 @@ REGISTER_ANYWHERE = 0xFFFF_FFFF_FFFF_FFFF
 REGISTER_ALIGN = 4096
 
 
-def max_payload(mtu: int) -> int:
+def max_payload(mtu: int, tagged: bool = False) -> int:
     """Largest data payload (READ length, WRITE payload) one datagram carries at *mtu*, no SR list:
-    min(MTU - 28 - header, MAX_PAYLOAD_BYTES). What INFO advertises and pool clients split at."""
-    return max(0, min(mtu - IP_UDP_OVERHEAD - HEADER_SIZE, MAX_PAYLOAD_BYTES))
+    min(MTU - 28 - header, MAX_PAYLOAD_BYTES). What INFO advertises and pool clients split at;
+    *tagged*: 8 bytes less below the cap, the room of the tag (SPEC.md 2.6)."""
+    return max(0, min(mtu - IP_UDP_OVERHEAD - HEADER_SIZE - (TAG_SIZE if tagged else 0), MAX_PAYLOAD_BYTES))
 
 
 def max_elements(mtu: int, dtype: DType, segments: int = 0) -> int:

@@ -39,6 +39,7 @@ AUTH_FAILURES = 25  # BAD_RKEY / UNAUTHORIZED NACKs to non-members (the lockout'
 LOCKOUTS = 26  # times a source (or a set of sources) was locked out
 DROP_AMPLIFICATION = 27  # READs dropped: no address-validation token, answer over 3x (SPEC.md 12.4)
 DROP_COLL_FORGED = 28  # a collective's datagrams without its key or tag, dropped (SPEC.md 4.1, 2.6)
+DROP_REGION_FORGED = 29  # datagrams naming a tagged region with a wrong tag, dropped (SPEC.md 2.6)
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64
@@ -77,6 +78,7 @@ _SCALAR_NAMES = {
     LOCKOUTS: "lockouts",
     DROP_AMPLIFICATION: "drop_amplification",
     DROP_COLL_FORGED: "drop_coll_forged",
+    DROP_REGION_FORGED: "drop_region_forged",
 }
 
 
@@ -95,7 +97,8 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
         st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
     }
     result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY, SEND_DROPS,
-                                                    DROP_LOCKOUT, DROP_AMPLIFICATION, DROP_COLL_FORGED))  # fmt: skip
+                                                    DROP_LOCKOUT, DROP_AMPLIFICATION, DROP_COLL_FORGED,
+                                                    DROP_REGION_FORGED))  # fmt: skip
     return result
 
 

@@ -215,7 +215,7 @@ ALLOC = Layout("alloc", "<", [
     _f("stride", 16, 4, "u32", "0: one node; else the interleave stride"),
     _f("ways", 20, 2, "u16", "nodes to interleave over (0: all)"),
     _f("rights", 22, 1, "u8", "bit 0 READ, bit 1 WRITE, bit 2 ATOMIC"),
-    _f("reserved", 23, 1, "u8", "0"),
+    _f("flags", 23, 1, "u8", "bit 0 TAGGED: a tagged region (its record carries the tag key)"),
     _f("label", 24, 16, "bytes", "UTF-8, zero padded"),
 ], spec="**ALLOC (0x26).**")  # fmt: skip
 
@@ -231,8 +231,8 @@ REGION_INFO = Layout("region_info", "<", [
     _f("stride", 28, 4, "u32", "stride (0: range-mapped)"),
     _f("ways", 32, 2, "u16", "ways W"),
     _f("rights", 34, 1, "u8", "rights"),
-    _f("reserved1", 35, 1, "u8", "0"),
-    _f("reserved2", 36, 4, "u32", "0"),
+    _f("flags", 35, 1, "u8", "bit 0 TAGGED: the tag key follows the ways"),
+    _f("reserved", 36, 4, "u32", "0"),
     _f("label", 40, 16, "bytes", "label"),
 ], spec="**Region record**")  # fmt: skip
 

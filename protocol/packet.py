@@ -70,6 +70,8 @@ _FIXED_PAYLOAD = {
     Opcode.FREE: (8, 8),  # tenant credential, u64 LE
     Opcode.QUERY: (8, 8),  # tenant credential, u64 LE
 }
+# A second size some fixed payloads may have: REGISTER with a region's tag key (SPEC.md 6.1).
+_FIXED_PAYLOAD_ALT = {Opcode.REGISTER: (24, 24)}
 # Only SR-routed opcodes may carry an SR list.
 _SR_OPCODES = frozenset({Opcode.CHAIN_ADD, Opcode.START_COLL})
 
@@ -346,6 +348,8 @@ def check_fields(packet: Packet) -> None:
             )
     else:
         want_length, want_size = _FIXED_PAYLOAD[opcode]
+        if (length, size) == _FIXED_PAYLOAD_ALT.get(opcode):
+            return
         if length != want_length or size != want_size:
             raise RemoteProtocolError(
                 Status.BAD_LENGTH,

@@ -50,6 +50,8 @@ CREDENTIAL: struct.Struct = L.CREDENTIAL.struct
 REGION_INFO: struct.Struct = L.REGION_INFO.struct
 #: One way of a region: node rank, reserved, local address, backing bytes.
 REGION_WAY: struct.Struct = L.REGION_WAY.struct
+#: ALLOC's and the region record's flag bit 0: a tagged region (SPEC.md 11.9).
+ALLOC_TAGGED = 0x01
 #: Bytes of the label field of ALLOC and of the region record.
 LABEL_BYTES: int = L.ALLOC["label"].width
 
@@ -102,6 +104,26 @@ def pack_key_rights(rkey: int, rights: int) -> bytes:
 def unpack_key_rights(payload: bytes) -> tuple[int, int]:
     rkey, rights = _unpack(KEY_RIGHTS, payload, "REGISTER/DEREGISTER")
     return int(rkey), int(rights)
+
+
+#: A tag key's size: SipHash-2-4's 128 bits (SPEC.md 2.6, table "Tag key").
+TAG_KEY_SIZE = TAG_KEY.size
+
+
+def pack_register(rkey: int, rights: int, tag_key: bytes = b"") -> bytes:
+    """A REGISTER payload (SPEC.md 6.1): 8 bytes, or 24 with the tag key of a tagged region."""
+    if tag_key and (len(tag_key) != TAG_KEY_SIZE or not any(tag_key)):
+        raise ValueError(f"a tag key is {TAG_KEY_SIZE} bytes, not all zeros")
+    return KEY_RIGHTS.pack(rkey, rights) + bytes(tag_key)
+
+
+def unpack_register(payload: bytes) -> tuple[int, int, bytes]:
+    """(requested rkey, rights, tag key or b"") of a REGISTER payload of 8 or 24 bytes."""
+    if len(payload) == KEY_RIGHTS.size + TAG_KEY_SIZE:
+        rkey, rights = unpack_key_rights(payload[: KEY_RIGHTS.size])
+        return rkey, rights, bytes(payload[KEY_RIGHTS.size :])
+    rkey, rights = unpack_key_rights(payload)
+    return rkey, rights, b""
 
 
 @dataclass(frozen=True)
@@ -264,11 +286,12 @@ class AllocRequest:
     ways: int = 0
     rights: int = 7
     label: str = ""
-    reserved: int = 0
+    #: ALLOC_TAGGED asks for a tagged region (SPEC.md 11.9); other bits are refused.
+    flags: int = 0
 
     def encode(self) -> bytes:
         return ALLOC_REQUEST.pack(self.size, self.credential, self.stride, self.ways, self.rights,
-                                  self.reserved, encode_label(self.label))  # fmt: skip
+                                  self.flags, encode_label(self.label))  # fmt: skip
 
 
 def encode_label(label: str) -> bytes:
@@ -288,8 +311,8 @@ def decode_label(field: bytes) -> str:
 
 
 def unpack_alloc(payload: bytes) -> AllocRequest:
-    size, credential, stride, ways, rights, reserved, label = _unpack(ALLOC_REQUEST, payload, "ALLOC")
-    return AllocRequest(size, credential, stride, ways, rights, decode_label(label), reserved)  # type: ignore[arg-type]
+    size, credential, stride, ways, rights, flags, label = _unpack(ALLOC_REQUEST, payload, "ALLOC")
+    return AllocRequest(size, credential, stride, ways, rights, decode_label(label), flags)  # type: ignore[arg-type]
 
 
 def pack_credential(credential: int) -> bytes:
@@ -319,25 +342,36 @@ class RegionInfo:
     ways: tuple[RegionWay, ...]
     credential: int = 0
     label: str = ""
+    #: A tagged region's 16-byte tag key (SPEC.md 2.6), b"": untagged. The record carries it
+    #: after the ways, with flag ALLOC_TAGGED.
+    tag_key: bytes = b""
 
     def encode(self) -> bytes:
+        flags = ALLOC_TAGGED if self.tag_key else 0
         head = REGION_INFO.pack(self.gaddr, self.size, self.credential, self.rkey, self.stride, len(self.ways),
-                                self.rights, 0, 0, encode_label(self.label))  # fmt: skip
-        return head + b"".join(REGION_WAY.pack(w.node, 0, w.local, w.size) for w in self.ways)
+                                self.rights, flags, 0, encode_label(self.label))  # fmt: skip
+        return head + b"".join(REGION_WAY.pack(w.node, 0, w.local, w.size) for w in self.ways) + self.tag_key
+
+
+def region_info_size(ways: int, tagged: bool) -> int:
+    """Bytes of a region record of *ways* ways (SPEC.md 11.9)."""
+    return REGION_INFO.size + ways * REGION_WAY.size + (TAG_KEY_SIZE if tagged else 0)
 
 
 def unpack_region_info(payload: bytes) -> RegionInfo:
-    """RemoteProtocolError BAD_LENGTH when the size disagrees with the ways count."""
+    """RemoteProtocolError BAD_LENGTH when the size disagrees with the ways count and flags."""
     _at_least(REGION_INFO, payload, "region record")
-    gaddr, size, credential, rkey, stride, count, rights, _r1, _r2, label = REGION_INFO.unpack_from(payload)
-    want = REGION_INFO.size + count * REGION_WAY.size
+    gaddr, size, credential, rkey, stride, count, rights, flags, _r, label = REGION_INFO.unpack_from(payload)
+    tagged = bool(flags & ALLOC_TAGGED)
+    want = region_info_size(count, tagged)
     if len(payload) != want:
-        raise RemoteProtocolError(Status.BAD_LENGTH,
-                                  f"region record with {count} ways must be {want} bytes, got {len(payload)}")  # fmt: skip
+        raise RemoteProtocolError(Status.BAD_LENGTH, f"region record with {count} ways{' and a tag key' * tagged} "
+                                                     f"must be {want} bytes, got {len(payload)}")  # fmt: skip
     ways = tuple(RegionWay(int(n), int(local), int(sz)) for n, _r, local, sz in
                  (REGION_WAY.unpack_from(payload, REGION_INFO.size + k * REGION_WAY.size) for k in range(count)))  # fmt: skip
+    key = bytes(payload[want - TAG_KEY_SIZE :]) if tagged else b""
     return RegionInfo(int(gaddr), int(size), int(rkey), int(stride), int(rights), ways, int(credential),
-                      decode_label(label))  # fmt: skip
+                      decode_label(label), key)  # fmt: skip
 
 
 def pack_ring_step(step: int, segment: int = 0) -> bytes:

@@ -25,6 +25,7 @@ import numpy as np
 from scapy.fields import (
     ByteEnumField,
     ByteField,
+    ConditionalField,
     FieldLenField,
     FlagsField,
     IntField,
@@ -234,7 +235,7 @@ class NetDAMAlloc(Packet):  # type: ignore[misc]
         LEIntField("stride", 0),
         LEShortField("ways", 0),
         FlagsField("rights", 7, 8, ["READ", "WRITE", "ATOMIC"]),
-        ByteField("reserved", 0),
+        FlagsField("flags", 0, 8, ["TAGGED"]),
         StrFixedLenField("label", b"", 16),
     ]
 
@@ -256,7 +257,8 @@ class NetDAMRegionWay(Packet):  # type: ignore[misc]
 
 
 class NetDAMRegion(Packet):  # type: ignore[misc]
-    """The region record of ALLOC's, FREE's and QUERY's ACK (56 bytes + 24 per way)."""
+    """The region record of ALLOC's, FREE's and QUERY's ACK (56 bytes + 24 per way, + the
+    16-byte tag key of a tagged region)."""
 
     name = "NetDAM region"
     fields_desc = [
@@ -267,10 +269,11 @@ class NetDAMRegion(Packet):  # type: ignore[misc]
         LEIntField("stride", 0),
         FieldLenField("ways", None, count_of="way_list", fmt="<H"),
         FlagsField("rights", 7, 8, ["READ", "WRITE", "ATOMIC"]),
-        ByteField("reserved1", 0),
-        LEIntField("reserved2", 0),
+        FlagsField("flags", 0, 8, ["TAGGED"]),
+        LEIntField("reserved", 0),
         StrFixedLenField("label", b"", 16),
         PacketListField("way_list", [], NetDAMRegionWay, count_from=lambda pkt: pkt.ways),
+        ConditionalField(StrFixedLenField("tag_key", b"\0" * 16, 16), lambda pkt: pkt.flags & 1),
     ]
 
 
@@ -287,6 +290,6 @@ def pool_payload(pkt: Any, request: Any = None) -> Packet:
     if layer.opcode in (Opcode.FREE, Opcode.QUERY):
         return NetDAMCredential(data)
     answers_pool = request is None or request.getlayer(NetDAM).opcode in POOL_OPCODES
-    if layer.opcode == Opcode.ACK and answers_pool and len(data) >= 56 and (len(data) - 56) % 24 == 0:
+    if layer.opcode == Opcode.ACK and answers_pool and len(data) >= 56 and (len(data) - 56) % 24 in (0, 16):
         return NetDAMRegion(data)
     raise ValueError(f"{_OPCODES.get(layer.opcode, layer.opcode)} carries no pool-control payload")

@@ -59,6 +59,9 @@ class Region:
     tenant: str = ""  # a label, not an identity
     #: SHA-256 (hex) of the credential of the tenant that owns the region ("": the admin's).
     owner: str = ""
+    #: A tagged region's 16-byte tag key (SPEC.md 2.6): clients seal their requests under it,
+    #: the switch checks and re-seals them, the nodes hold it too. b"": untagged.
+    tag_key: bytes = b""
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     @property
@@ -168,11 +171,12 @@ class MapTables:
     reg_way0: np.ndarray  # int64: index of the region's first way
     way_node: np.ndarray  # int64: rank
     way_local: np.ndarray  # int64
+    reg_tag: np.ndarray  # uint64 (regions, 2): tag key (k0, k1), zeros when untagged
 
     def bundle(self) -> RegionTable:
         """The table as the switch's kernels take it (netdam.kernels.state.RegionTable)."""
         return RegionTable(self.reg_base, self.reg_end, self.reg_rkey, self.reg_rights, self.reg_stride,
-                           self.reg_ways, self.reg_way0, self.way_node, self.way_local)  # fmt: skip
+                           self.reg_ways, self.reg_way0, self.way_node, self.way_local, self.reg_tag)  # fmt: skip
 
 
 def check_regions(regions: Sequence[Region], nodes: int) -> None:
@@ -189,6 +193,8 @@ def check_regions(regions: Sequence[Region], nodes: int) -> None:
             raise ValueError(f"{where}: size {r.size} is not positive or leaves the address space")
         if not 0 < r.rkey < 1 << 32:
             raise ValueError(f"{where}: rkey {r.rkey} is not a non-zero u32")
+        if r.tag_key and (len(r.tag_key) != 16 or not any(r.tag_key)):
+            raise ValueError(f"{where}: a tag key is 16 bytes, not all zeros")
         if not r.ways or (r.stride == 0 and len(r.ways) != 1):
             raise ValueError(f"{where}: {len(r.ways)} ways (range-mapped regions have exactly 1)")
         if r.stride < 0 or r.stride % STRIDE_ALIGN:
@@ -223,6 +229,7 @@ def build_tables(regions: Sequence[Region], nodes: int) -> MapTables:
         reg_way0=way0,
         way_node=np.array(ways_node or [0], np.int64),
         way_local=np.array(ways_local or [0], np.int64),
+        reg_tag=np.array([np.frombuffer(r.tag_key or bytes(16), "<u8") for r in ordered], np.uint64).reshape(count, 2),
     )
 
 
@@ -231,6 +238,7 @@ def region_to_json(region: Region) -> dict[str, object]:
         "gaddr": region.gaddr, "size": region.size, "rkey": region.rkey, "rights": region.rights,
         "stride": region.stride, "tenant": region.tenant, "owner": region.owner,
         "ways": [{"node": w.node, "local": w.local, "size": w.size} for w in region.ways],
+        **({"tag_key": region.tag_key.hex()} if region.tag_key else {}),
     }  # fmt: skip
 
 
@@ -247,4 +255,5 @@ def region_from_json(data: dict[str, object]) -> Region:
         ways=tuple(Way(int(w["node"]), int(w["local"]), int(w["size"])) for w in ways),
         tenant=str(data.get("tenant", "")),
         owner=str(data.get("owner", "")),
+        tag_key=bytes.fromhex(str(data.get("tag_key", ""))),
     )

@@ -43,13 +43,15 @@ from netdam.protocol.constants import (
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
-    REGION_INFO,
-    REGION_WAY,
+    ALLOC_TAGGED,
+    TAG_KEY_SIZE,
     AllocRequest,
     RegionInfo,
     RegionWay,
     pack_credential,
     pack_key_rights,
+    pack_register,
+    region_info_size,
     unpack_alloc,
     unpack_credential,
     unpack_region_info,
@@ -188,18 +190,19 @@ def region_info(region: Region, credential: int = 0) -> RegionInfo:
     """The wire record of *region* (SPEC.md 11.9)."""
     return RegionInfo(region.gaddr, region.size, region.rkey, region.stride, region.rights,
                       tuple(RegionWay(w.node, w.local, w.size) for w in region.ways), credential,
-                      region.tenant)  # fmt: skip
+                      region.tenant, region.tag_key)  # fmt: skip
 
 
-def record_bytes(ways: int) -> int:
+def record_bytes(ways: int, tagged: bool = False) -> int:
     """Bytes of the ACK that carries the record of a region of *ways* ways (SPEC.md 11.9)."""
-    return int(HEADER_SIZE + REGION_INFO.size + ways * REGION_WAY.size)
+    return int(HEADER_SIZE + region_info_size(ways, tagged))
 
 
 def region_from_info(info: RegionInfo) -> Region:
     extra: dict[str, object] = {"credential": info.credential} if info.credential else {}
     return Region(info.gaddr, info.size, info.rkey, info.rights, info.stride,
-                  tuple(Way(w.node, w.local, w.size) for w in info.ways), info.label, extra=extra)  # fmt: skip
+                  tuple(Way(w.node, w.local, w.size) for w in info.ways), info.label, tag_key=info.tag_key,
+                  extra=extra)  # fmt: skip
 
 
 def quota_check(state: PoolState, owner: str, footprint: int) -> str | None:
@@ -218,10 +221,11 @@ def quota_check(state: PoolState, owner: str, footprint: int) -> str | None:
 class NodeAgent(Protocol):
     """How the pool service reaches the nodes (the switch process gives it a UDP client)."""
 
-    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int) -> tuple[Status, int]:
-        """REGISTER of *size* bytes under *rkey* on *node*, placed by the node itself
-        (REGISTER_ANYWHERE): (OK, the local base the node chose), or (its NACK status, 0);
-        TIMEOUT: no answer."""
+    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int,
+                 tag_key: bytes = b"") -> tuple[Status, int]:  # fmt: skip
+        """REGISTER of *size* bytes under *rkey* (tagged under *tag_key* when given) on *node*,
+        placed by the node itself (REGISTER_ANYWHERE): (OK, the local base the node chose), or
+        (its NACK status, 0); TIMEOUT: no answer."""
         ...
 
     def deregister(self, node: tuple[str, int], rkey: int) -> Status:
@@ -272,8 +276,9 @@ class PoolService:
     # ------------------------------------------------------------------ the three requests
 
     def _alloc(self, req: AllocRequest, admin: bool, room: int | None) -> PoolReply:
-        if req.reserved:
-            return PoolReply(Status.BAD_FIELD, text="ALLOC reserved byte must be 0")
+        if req.flags & ~ALLOC_TAGGED:
+            return PoolReply(Status.BAD_FIELD, text=f"ALLOC flags 0x{req.flags:02x}: only bit 0 (TAGGED) is defined")
+        tagged = bool(req.flags & ALLOC_TAGGED)
         with locked(self.state_path):
             state = load_state(self.state_path)
             credential = req.credential
@@ -293,8 +298,8 @@ class PoolService:
                 stride, count, per = region_shape(len(state.nodes), req.size, req.stride or None, req.ways or None)
             except ControllerError as exc:
                 return PoolReply(Status.BAD_FIELD, text=str(exc))
-            if room is not None and record_bytes(count) > room:
-                return _unproven(record_bytes(count))
+            if room is not None and record_bytes(count, tagged) > room:
+                return _unproven(record_bytes(count, tagged))
             if not admin:  # the admin's own ALLOCs are the operator's decision: never refused QUOTA
                 refused = quota_check(state, owner, count * page_round(per))
                 if refused is not None:
@@ -321,11 +326,16 @@ class PoolService:
         NO_SPACE (nothing registered) when too few nodes took one."""
         used = {r.rkey for r in state.regions}
         full: set[int] = set()
+        # A tagged region's key, drawn here and handed to its nodes in REGISTER and to its
+        # tenant in the ACK (SPEC.md 11.9); never all zeros (that is "no key").
+        tag_key = b""
+        while req.flags & ALLOC_TAGGED and not any(tag_key):
+            tag_key = secrets.token_bytes(TAG_KEY_SIZE)
         for _attempt in range(8):
             rkey = secrets.randbits(32)
             if rkey == 0 or rkey in used:
                 continue
-            ways = self._register_ways(state, per, count, req.rights, rkey, full)
+            ways = self._register_ways(state, per, count, req.rights, rkey, full, tag_key)
             if ways is None:  # a node uses that rkey: pick another
                 continue
             if len(ways) < count:
@@ -334,11 +344,12 @@ class PoolService:
                                       f"a region slot each{refused}; {room_hint(state, req.size, stride or None)}",
                                       Status.NO_SPACE)  # fmt: skip
             ways.sort(key=lambda w: w.node)
-            return Region(next_gaddr(state), req.size, rkey, req.rights, stride, tuple(ways), req.label, owner=owner)
+            return Region(next_gaddr(state), req.size, rkey, req.rights, stride, tuple(ways), req.label, owner=owner,
+                          tag_key=tag_key)  # fmt: skip
         raise ControllerError("could not find an rkey free on every node in 8 tries", Status.NO_SPACE)
 
     def _register_ways(self, state: PoolState, per: int, count: int, rights: int, rkey: int,
-                       full: set[int]) -> list[Way] | None:  # fmt: skip
+                       full: set[int], tag_key: bytes) -> list[Way] | None:  # fmt: skip
         """Up to *count* ways of *per* bytes registered under *rkey*, one per node, on the
         candidates in order; nodes that refuse for room join *full*. Fewer than *count* ways
         (none registered any more) when the candidates ran out; None (likewise) when a node
@@ -348,7 +359,7 @@ class PoolService:
             if len(ways) == count:
                 break
             node = self._endpoint(state, rank)
-            status, local = self.agent.register(node, per, rights, rkey)
+            status, local = self.agent.register(node, per, rights, rkey, tag_key)
             if status == Status.OK and _placed_inside(local, per, state.nodes[rank].memory_bytes):
                 ways.append(Way(rank, local, per))
                 continue
@@ -389,8 +400,9 @@ class PoolService:
             if not match:
                 return PoolReply(Status.NO_ROUTE, text=f"no region of yours at 0x{addr:x}")
             region = match[0]
-            if room is not None and record_bytes(len(region.ways)) > room:
-                return _unproven(record_bytes(len(region.ways)))
+            answer = record_bytes(len(region.ways), bool(region.tag_key))
+            if room is not None and answer > room:
+                return _unproven(answer)
             if opcode == Opcode.FREE:
                 state.regions.remove(region)
                 state.generation += 1
@@ -434,9 +446,11 @@ class UdpNodeAgent:
     def __init__(self, admin_key: int) -> None:
         self.client = ControlClient(admin_key=admin_key)
 
-    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int) -> tuple[Status, int]:
+    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int,
+                 tag_key: bytes = b"") -> tuple[Status, int]:  # fmt: skip
+        payload = pack_register(rkey, rights, tag_key)
         packet = Packet(Opcode.REGISTER, rkey=self.client.admin_key, addr=REGISTER_ANYWHERE, aux_addr=size,
-                        length=8, payload=pack_key_rights(rkey, rights))  # fmt: skip
+                        length=len(payload), payload=payload)  # fmt: skip
         try:
             reply = self.client.request(node, packet, timeout=NODE_TIMEOUT_S, retries=NODE_RETRIES)
         except ControlError as exc:
@@ -529,11 +543,12 @@ class PoolController:
                               Status.NO_ROUTE)  # fmt: skip
 
     def alloc(self, size: int, interleave: int | None = None, *, ways: int | None = None,
-              rights: int = int(RIGHTS_ALL), tenant: str = "") -> Region:  # fmt: skip
+              rights: int = int(RIGHTS_ALL), tenant: str = "", tagged: bool = True) -> Region:  # fmt: skip
         """Allocate *size* bytes: range-mapped on one node, or interleaved with stride
         *interleave* over *ways* nodes (default all). Returns the region (gaddr, rkey, ...;
-        ``extra["credential"]``: the tenant credential that frees and queries it). The switch
-        answers once it serves the new map."""
+        ``extra["credential"]``: the tenant credential that frees and queries it; ``tag_key``:
+        the key its requests are sealed under, SPEC.md 2.6, unless *tagged* is False, for
+        clients of SPEC v1 before tags). The switch answers once it serves the new map."""
         if rights == 0 or rights & ~int(RIGHTS_ALL):
             raise ControllerError(f"rights {rights} must combine READ (1), WRITE (2), ATOMIC (4)")
         if size <= 0 or size >= 1 << 64:
@@ -542,7 +557,8 @@ class PoolController:
             raise ControllerError(f"interleave stride {interleave} must be 1..{(1 << 32) - 1} bytes")
         if ways is not None and not 0 < ways < 1 << 16:
             raise ControllerError(f"ways {ways} must be 1..65535")
-        request = AllocRequest(size, self.credential or 0, interleave or 0, ways or 0, rights, tenant)
+        request = AllocRequest(size, self.credential or 0, interleave or 0, ways or 0, rights, tenant,
+                               ALLOC_TAGGED if tagged else 0)  # fmt: skip
         reply = self._request(Opcode.ALLOC, 0, request.encode())
         return region_from_info(unpack_region_info(reply.payload))
 

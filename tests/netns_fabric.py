@@ -582,7 +582,8 @@ def _alloc_main(args: list[str]) -> int:
     try:
         region = PoolController(Path(opts.cluster)).alloc(64 << 10, interleave=8192)
         result: dict[str, object] = {"gaddr": region.gaddr, "rkey": region.rkey, "stride": region.stride,
-                                     "size": region.size, "ways": len(region.ways)}  # fmt: skip
+                                     "size": region.size, "ways": len(region.ways),
+                                     "tag_key": region.tag_key.hex()}  # fmt: skip
     except Exception as exc:  # reported to the test as JSON
         result = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(result))
@@ -625,7 +626,8 @@ def _client_main(args: list[str]) -> int:
     for mode, piece in (("fitted", opts.piece), ("default", 0)):
         run: dict[str, object] = {"ok": False}
         try:
-            with PoolClient(vip, bind=opts.bind, timeout=0.05, retries=8, mtu=mtu) as pool:
+            with PoolClient(vip, bind=opts.bind, timeout=0.05, retries=8, mtu=mtu,
+                            tag_keys={rkey: bytes.fromhex(opts.region.get("tag_key", ""))}) as pool:
                 run["port"] = pool.sock.getsockname()[1]
                 if piece:
                     pieces = split(gaddr, len(data), stride, limit=piece)

@@ -49,7 +49,7 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
         switch = type("S", (), {"vip": ("127.0.0.1", 1)})()
         cluster = type("C", (), {"mtu": 9000})()
 
-    monkeypatch.setattr(pool_cli, "_target", lambda args: (Ctl(), 0x1234, 0))
+    monkeypatch.setattr(pool_cli, "_target", lambda args: (Ctl(), 0x1234, 0, {}))
     monkeypatch.setattr(pool_cli, "PoolClient", _FakeClient)
     cluster = tmp_path / "c.toml"
     cluster.write_text("")  # --cluster must name a readable file; _target is faked

@@ -17,7 +17,7 @@ import pytest
 
 from netdam.api import CollectiveError, ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
-from netdam.clients.pool import PoolClient, PoolError
+from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
 from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import process_alive as alive
@@ -79,14 +79,14 @@ def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
         region = controller.alloc(24 * KiB, interleave=8 * KiB)
         counter = controller.alloc(8)
         pattern = bytes(range(256)) * 96
-        with PoolClient(switch.vip, timeout=0.02, retries=3) as client:
+        with PoolClient(switch.vip, timeout=0.02, retries=3, tag_keys=tag_keys_of(region, counter)) as client:
             client.write(region.gaddr, pattern, region.rkey, stride=region.stride)
         log: list[tuple[float, str]] = []
         acked = [0]
         stop = threading.Event()
 
         def traffic() -> None:
-            with PoolClient(switch.vip, timeout=0.02, retries=3) as c:
+            with PoolClient(switch.vip, timeout=0.02, retries=3, tag_keys=tag_keys_of(region, counter)) as c:
                 while not stop.is_set():
                     try:
                         c.fetch_add(counter.gaddr, 1, counter.rkey)
@@ -116,7 +116,7 @@ def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
         assert after and set(after) == {"ok"}, after[:5]  # recovered: same VIP, regions, rkeys
         assert [k for t, k in log if t < killed_at][-1] == "ok"
         # The restarted switch reloaded the map: the old rkeys still work and nothing was lost.
-        with PoolClient(switch.vip) as client:
+        with PoolClient(switch.vip, tag_keys=tag_keys_of(region, counter)) as client:
             assert client.read(region.gaddr, len(pattern), region.rkey, stride=region.stride) == pattern
             final = client.fetch_add(counter.gaddr, 0, counter.rkey)
         # Every acknowledged increment landed; an unacknowledged one may or may not have.

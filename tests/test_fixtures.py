@@ -84,6 +84,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "all_write_tagged": dict(opcode=Opcode.ALL_WRITE, flags=Flags.MCAST | Flags.TAGGED, seq=5, txn_id=105,
                              coll_id=9, epoch=2, rkey=RKEY, addr=0x3_0000, dtype=DType.F16, length=8,
                              tag=0xFA019AE1FE937BCA),
+    "read_tagged": dict(opcode=Opcode.READ, flags=Flags.TAGGED, client_id=7, txn_id=101, rkey=RKEY, length=16,
+                        addr=0x1000, dtype=DType.F32, payload=b"", tag=0x344F9D27B315EA12),
 }  # fmt: skip
 
 

@@ -191,7 +191,7 @@ class _NoAllocation:
     """The nodes as the allocator would reach them: the fuzzer holds neither the admin key nor a
     tenant credential, so no ALLOC of it may ever get as far as registering a backing."""
 
-    def register(self, node: Endpoint, size: int, rights: int, rkey: int) -> tuple[Status, int]:
+    def register(self, node: Endpoint, size: int, rights: int, rkey: int, tag_key: bytes = b"") -> tuple[Status, int]:
         raise AssertionError(f"a fuzzed ALLOC passed the allocator's checks: REGISTER on {node}")
 
     def deregister(self, node: Endpoint, rkey: int) -> Status:

@@ -159,7 +159,7 @@ def test_many_ports_of_one_address_share_its_budget(
 
 def test_switch_locks_out_guessers_of_pool_rkeys(pool: tuple[LocalCluster, SwitchHandle]) -> None:
     cluster, switch = pool
-    region = PoolController(cluster.path).alloc(8192)
+    region = PoolController(cluster.path).alloc(8192, tagged=False)  # its rkey alone opens it (SPEC v1)
     attacker = _socket("127.0.0.4")
     rng = random.Random(1)
     for k in range(LOCKOUT_BURST + 40):
@@ -199,7 +199,8 @@ def test_unvalidated_sources_get_at_most_three_times_their_bytes(
     PINGs) bring back at most 3x their bytes, at a node and through the VIP; with the token the
     same READs run at full size."""
     cluster, switch = pool
-    region = PoolController(cluster.path).alloc(64 << 10, interleave=8192)
+    # Untagged (SPEC v1): what is measured is the rkey's READs, with and without a token.
+    region = PoolController(cluster.path).alloc(64 << 10, interleave=8192, tagged=False)
     node = cluster.endpoints[0]
     cases = [(node, RKEY, BASE), (switch.vip, region.rkey, region.gaddr)]
     for target, rkey, addr in cases:
@@ -309,7 +310,8 @@ def test_forged_source_reads_bring_the_victim_at_most_three_times(
     except PermissionError:
         pytest.skip("forging a source address needs CAP_NET_RAW (run as root)")
     cluster, switch = pool
-    region = PoolController(cluster.path).alloc(64 << 10, interleave=8192)
+    # Untagged (SPEC v1): the reflection needs only the rkey, which is what is measured here.
+    region = PoolController(cluster.path).alloc(64 << 10, interleave=8192, tagged=False)
     with raw:
         for target, rkey, addr in [
             (cluster.endpoints[1], RKEY, BASE),

@@ -44,6 +44,9 @@ ATTACKER_RKEY = 0xB0B
 #: A collective's key (members only, SPEC.md 4.1) over each node's collective buffer: the
 #: attacker knows it, as if sniffed from the all-gather's multicast group.
 COLL_RKEY = 0xC011
+#: A tagged region (SPEC.md 2.6) on node 2, whose rkey the attacker knows but not its tag key.
+TAGGED_RKEY, TAGGED_KEY = 0x7A66ED, bytes(range(16, 32))
+TAGGED_LOCAL, TAGGED_SIZE = 0x40000, 4096
 COLL_BASE, COLL_SIZE = 0x80000, 0x10000
 ATTEMPTS = 10_000
 #: Datagrams sent before the fabric runs to idle: keeps every NACK (no send queue overflow).
@@ -62,7 +65,8 @@ class Tenancy:
         """(node, lo, hi) of every byte the attacker must never see: the victim's backing and
         the collective's buffers."""
         ways = [(w.node, w.local, w.local + w.size) for w in self.victim.ways]
-        return ways + [(n, COLL_BASE, COLL_BASE + COLL_SIZE) for n in range(NODES)]
+        tagged = [(2, TAGGED_LOCAL, TAGGED_LOCAL + TAGGED_SIZE)]
+        return ways + tagged + [(n, COLL_BASE, COLL_BASE + COLL_SIZE) for n in range(NODES)]
 
     def own_ranges(self) -> dict[int, list[tuple[int, int]]]:
         """Node -> [lo, hi) ranges the attacker may legitimately write."""
@@ -87,13 +91,16 @@ def make_tenancy() -> Tenancy:
     # The attacker's region sits right behind the victim's backing on node 1 and in the pool.
     attacker = Region(GLOBAL_BASE + (1 << 20), 4096, ATTACKER_RKEY, ALL, 0,
                       (Way(1, 0x10000 + backing_per_way(size, STRIDE, NODES), 4096),))  # fmt: skip
-    for region in (victim, attacker):
+    tagged = Region(GLOBAL_BASE + (2 << 20), TAGGED_SIZE, TAGGED_RKEY, ALL, 0, (Way(2, TAGGED_LOCAL, TAGGED_SIZE),),
+                    tag_key=TAGGED_KEY)  # fmt: skip
+    for region in (victim, attacker, tagged):
         for way in region.ways:
-            nodes[way.node].register_region(way.local, way.size, Rights(region.rights), rkey=region.rkey)
+            nodes[way.node].register_region(way.local, way.size, Rights(region.rights), rkey=region.rkey,
+                                            tag_key=region.tag_key)  # fmt: skip
     for node in nodes:
         node.register_region(COLL_BASE, COLL_SIZE, Rights(ALL) | Rights.MEMBERS, rkey=COLL_RKEY)
     switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=0),
-                        [victim, attacker], generation=1)  # fmt: skip
+                        [victim, attacker, tagged], generation=1)  # fmt: skip
     fabric.add_core(VIP, switch)
     for ep in (VICTIM, ATTACKER, BYSTANDER):
         fabric.add_endpoint(ep)
@@ -252,6 +259,24 @@ def _made_up_tag(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet
     return t.endpoints[node], replace(packet, segments=segments, aux_addr=addr).with_payload(bytes(64))
 
 
+def _tagged_region_rkey(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """A tagged region's rkey, sniffed: READ, WRITE, FETCH_ADD, CAS through the switch and at
+    its node, without a tag or with a made-up one; without the region's tag key none executes."""
+    opcode = [Opcode.READ, Opcode.WRITE, Opcode.FETCH_ADD, Opcode.CAS][int(rng.integers(0, 4))]
+    atomic = opcode in (Opcode.FETCH_ADD, Opcode.CAS)
+    length = 8 if atomic else 64
+    offset = int(rng.integers(0, (TAGGED_SIZE - length) // 8)) * 8
+    via_switch = rng.random() < 0.5
+    dst, addr = (VIP, GLOBAL_BASE + (2 << 20) + offset) if via_switch else (t.endpoints[2], TAGGED_LOCAL + offset)
+    payload = b"" if opcode == Opcode.READ else bytes(16 if opcode == Opcode.CAS else length)
+    made_up = rng.random() < 0.5
+    packet = Packet(opcode, flags=(Flags.TAGGED if made_up else Flags.NONE) | (Flags.NONE if atomic or opcode == Opcode.READ
+                                                                             else Flags.ACK_REQ),
+                    rkey=TAGGED_RKEY, addr=addr, length=length, dtype=DType.U64 if atomic else DType.RAW,
+                    payload=payload, tag=int(rng.integers(0, 2**63)) if made_up else 0, **_ids(rng))  # fmt: skip
+    return dst, packet
+
+
 KINDS: dict[str, Attack] = {
     "read via switch": _data_op(Opcode.READ, True),
     "write via switch": _data_op(Opcode.WRITE, True),
@@ -270,6 +295,7 @@ KINDS: dict[str, Attack] = {
     "reply to third party": _reply_to_third_party,
     "sniffed collective key": _sniffed_collective_key,
     "made-up tag": _made_up_tag,
+    "tagged region's rkey": _tagged_region_rkey,
 }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from netdam.clients.async_pool import AsyncPoolClient
-from netdam.clients.pool import PoolClient, PoolError
+from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
 from netdam.cluster.clusterfile import load_switch_entry
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import LocalCluster, SwitchHandle, start_pool_cluster, start_switch
@@ -65,14 +65,15 @@ def test_cluster_file_names_the_switch(pool: Pool) -> None:
 def test_alloc_write_read_free_blocking(pool: Pool) -> None:
     ctl = pool.controller
     inter = ctl.alloc(100 * KiB + 40, interleave=8 * KiB)
-    ranged = ctl.alloc(20 * KiB, rights=int(Rights.READ | Rights.WRITE), tenant="b")
+    # Untagged (SPEC v1): its backing is read directly at the node below, by rkey alone.
+    ranged = ctl.alloc(20 * KiB, rights=int(Rights.READ | Rights.WRITE), tenant="b", tagged=False)
     assert len(inter.ways) == 3 and inter.rkey != ranged.rkey
     assert inter.end <= ranged.gaddr  # tenants never overlap, globally ...
     local = [(w.node, w.local, w.local + w.size) for r in ctl.regions() for w in r.ways]
     for i, (n1, s1, e1) in enumerate(local):  # ... nor in node memory
         assert all(n1 != n2 or e1 <= s2 or e2 <= s1 for n2, s2, e2 in local[i + 1 :])
     data = bytes((k * 7) % 251 for k in range(inter.size))
-    with PoolClient(pool.switch.vip, window=16) as client:
+    with PoolClient(pool.switch.vip, window=16, tag_keys=tag_keys_of(inter, ranged)) as client:
         client.write(inter.gaddr, data, inter.rkey, stride=inter.stride)
         assert client.read(inter.gaddr, inter.size, inter.rkey, stride=inter.stride) == data
         client.write(ranged.gaddr, b"x" * 9000, ranged.rkey)
@@ -104,7 +105,7 @@ def test_asyncio_client_concurrent_atomics(pool: Pool) -> None:
     region = pool.controller.alloc(16 * KiB, interleave=8 * KiB)
 
     async def run() -> tuple[int, list[int], int, bytes]:
-        async with await AsyncPoolClient.open(pool.switch.vip, window=16) as client:
+        async with await AsyncPoolClient.open(pool.switch.vip, window=16, tag_keys=tag_keys_of(region)) as client:
             olds = await asyncio.gather(*(client.fetch_add(region.gaddr + 8 * KiB, 3, region.rkey) for _ in range(50)))
             await client.write(region.gaddr, b"a" * 10000, region.rkey, stride=region.stride)
             first = await client.cas(region.gaddr + 16, 0, 42, region.rkey)
@@ -151,12 +152,12 @@ def test_multicast_through_the_switch(pool: Pool) -> None:
 def test_restart_keeps_map_rkeys_and_groups(pool: Pool) -> None:
     region = pool.controller.alloc(24 * KiB, interleave=8 * KiB)
     pool.controller.join(("239.77.0.9", 7744), pool.cluster.endpoints[2])
-    with PoolClient(pool.switch.vip) as client:
+    with PoolClient(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
         client.write(region.gaddr, b"persist!" * 3000, region.rkey, stride=region.stride)
     old_pid = pool.switch.process.pid
     pool.restart_switch()
     assert pool.switch.process.pid != old_pid
-    with PoolClient(pool.switch.vip) as client:
+    with PoolClient(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
         assert client.read(region.gaddr, 24000, region.rkey, stride=region.stride) == b"persist!" * 3000
     counters = pool.switch_counters()
     assert counters["switch"]["groups"] >= 1 and counters["switch"]["regions"] >= 1  # type: ignore[index]
@@ -171,7 +172,7 @@ def test_retries_under_injected_loss_never_apply_twice(pool: Pool) -> None:
     pool.restart_switch(faults="client:rx:loss=0.2;node0:tx:dup=0.3,delay=0.3,delay_ms=30;"
                                "node1:tx:dup=0.3,delay=0.3,delay_ms=30;node2:tx:loss=0.2", seed=7)  # fmt: skip
     try:
-        with PoolClient(pool.switch.vip, timeout=0.01, retries=50, window=8) as client:
+        with PoolClient(pool.switch.vip, timeout=0.01, retries=50, window=8, tag_keys=tag_keys_of(region)) as client:
             for offset in (0, 8 * KiB):
                 olds = [client.fetch_add(region.gaddr + offset, 1, region.rkey) for _ in range(30)]
                 assert [v - olds[0] for v in olds] == list(range(30))
@@ -246,3 +247,43 @@ def test_pool_cli(pool: Pool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     capsys.readouterr()
     assert pool_cli(["pool", "free", "--cluster", c, "--gaddr", gaddr, "--json"], monkeypatch) == 3
     assert "no region at" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_a_tagged_region_through_the_vip_takes_only_sealed_requests(pool: Pool) -> None:
+    """SPEC.md 2.6 and 11.3: the pool's regions are tagged by default. The switch checks the
+    client's tag, rewrites the address and seals anew for the node, which checks it again and
+    seals its answer; the rkey alone opens nothing, at the switch or at the node."""
+    ctl = pool.controller
+    region = ctl.alloc(16 * KiB, interleave=8 * KiB)
+    assert len(region.tag_key) == 16 and any(region.tag_key)
+    assert ctl.query(region.gaddr).tag_key == region.tag_key  # the owner may ask again
+    data = bytes(range(256)) * 64
+    with PoolClient(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
+        client.write(region.gaddr, data, region.rkey, stride=region.stride)
+        assert client.read(region.gaddr, len(data), region.rkey, stride=region.stride) == data
+        assert client.fetch_add(region.gaddr + 8 * KiB, 5, region.rkey) == int.from_bytes(data[8 * KiB : 8 * KiB + 8], "little")
+        assert client.unsealed == 0
+    with PoolClient(pool.switch.vip, timeout=0.05, retries=1) as keyless:
+        with pytest.raises(PoolError, match="BAD_RKEY"):
+            keyless.write(region.gaddr, b"\0" * 64, region.rkey)
+        with pytest.raises(PoolError, match="BAD_RKEY"):
+            keyless.read(region.gaddr, 64, region.rkey)
+    wrong = bytes(16 - k for k in range(16))
+    with PoolClient(pool.switch.vip, timeout=0.05, retries=1, tag_keys={region.rkey: wrong}) as forger:
+        with pytest.raises(PoolError, match="no answer"):
+            forger.write(region.gaddr, b"\0" * 64, region.rkey)
+    way = region.ways[0]
+    with ControlClient() as direct, pytest.raises(ControlError, match="BAD_RKEY"):
+        direct.read(pool.cluster.endpoints[way.node], region.rkey, way.local, 8)
+    with PoolClient(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
+        added = (int.from_bytes(data[8 * KiB : 8 * KiB + 8], "little") + 5).to_bytes(8, "little")
+        after = data[: 8 * KiB] + added + data[8 * KiB + 8 :]  # the FETCH_ADD, and no forged WRITE
+        assert client.read(region.gaddr, len(data), region.rkey, stride=region.stride) == after
+    assert pool.switch_counters()["drop_region_forged"] >= 1  # type: ignore[operator]
+    ctl.free(region.gaddr)
+    untagged = ctl.alloc(4 * KiB, tagged=False)  # SPEC v1's region: its rkey alone opens it
+    assert untagged.tag_key == b""
+    with PoolClient(pool.switch.vip) as plain:
+        plain.write(untagged.gaddr, b"v1 client", untagged.rkey)
+        assert plain.read(untagged.gaddr, 9, untagged.rkey) == b"v1 client"
+    ctl.free(untagged.gaddr)

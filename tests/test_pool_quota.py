@@ -48,7 +48,7 @@ class SpecNodes:
         self.tables: dict[Endpoint, dict[int, tuple[int, int]]] = {ep: {} for ep in memory}
         self.asked: list[Endpoint] = []
 
-    def register(self, node: Endpoint, size: int, rights: int, rkey: int) -> tuple[Status, int]:
+    def register(self, node: Endpoint, size: int, rights: int, rkey: int, tag_key: bytes = b"") -> tuple[Status, int]:
         self.asked.append(node)
         table = self.tables[node]
         if rkey in table:

@@ -123,7 +123,7 @@ def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None
     cases = [  # (datagram, status): SPEC.md 11.9's order of checks
         (patched(28, (39).to_bytes(4, "big"), 9001), Status.BAD_LENGTH),  # length field
         (patched(0, b"", 9002)[:96], Status.BAD_LENGTH),  # payload cut short
-        (patched(64 + 23, b"\x01", 9003), Status.BAD_FIELD),  # reserved byte
+        (patched(64 + 23, b"\x02", 9003), Status.BAD_FIELD),  # an undefined flag (bit 0 is TAGGED)
         (patched(24, (admin ^ 1).to_bytes(4, "big"), 9004), Status.UNAUTHORIZED),  # wrong admin key
         (patched(64, bytes(8), 9005), Status.BAD_FIELD),  # size 0
         (patched(64 + 22, b"\x00", 9006), Status.BAD_FIELD),  # rights 0
@@ -203,3 +203,41 @@ def test_cli_keeps_tenant_credentials_off_the_command_line(
     mine = json.loads(capsys.readouterr().out)["gaddr_hex"]
     assert netdam(["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(other)]) == 3
     assert netdam(["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(key)]) == 0
+
+
+def test_cli_allocates_tagged_regions_and_keeps_their_keys_in_0600_files(
+    wire: VipWire, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`netdam pool alloc` makes a tagged region (SPEC.md 2.6) and prints no key; with
+    --save-tag-key the key goes to a 0600 file, which read and write take with --tag-key-file.
+    A wrong key gets no answer it could trust (a timeout naming what was ignored); --untagged
+    makes a region of SPEC v1 before tags."""
+    import json
+
+    from netdam.cli.main import main as netdam
+
+    path = str(wire.cluster.path)
+    key = tmp_path / "region.tag"
+    assert netdam(["pool", "alloc", "--cluster", path, "--size", "8KiB", "--save-tag-key", str(key), "--json"]) == 0
+    out = capsys.readouterr().out
+    made = json.loads(out)
+    assert made["tagged"] is True and "tag_key" not in made
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert key.read_text().strip()[2:] not in out  # the key is in the file only
+    gaddr, rkey = made["gaddr_hex"], made["rkey_hex"]
+    common = ["--cluster", path, "--gaddr", gaddr, "--rkey", rkey, "--tag-key-file", str(key)]
+    assert netdam(["pool", "write", *common, "--data", "sealed"]) == 0
+    assert netdam(["pool", "read", *common, "--length", "6B", "--format", "text"]) == 0
+    assert capsys.readouterr().out.endswith("sealed\n")
+    wrong = tmp_path / "wrong.tag"
+    wrong.write_text("0x" + "11" * 16 + "\n")
+    wrong.chmod(0o600)
+    bad = ["--cluster", path, "--gaddr", gaddr, "--rkey", rkey, "--tag-key-file", str(wrong)]
+    assert netdam(["pool", "write", *bad, "--data", "forged"]) == 3
+    assert "no answer" in capsys.readouterr().err
+    assert netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr]) == 0
+    capsys.readouterr()
+    assert netdam(["pool", "alloc", "--cluster", path, "--size", "4KiB", "--untagged", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["tagged"] is False
+    assert netdam(["pool", "free", "--cluster", path, "--gaddr", plain["gaddr_hex"]]) == 0

@@ -26,7 +26,7 @@ from reference import all_reduce_reference
 
 from netdam.api import ProcessGroup, collective_key, group_secret
 from netdam.api import all_reduce as api_all_reduce
-from netdam.clients.pool import PoolClient
+from netdam.clients.pool import PoolClient, tag_keys_of
 from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import start_cluster, start_pool_cluster
 from netdam.core.events import ReplyReceived
@@ -401,7 +401,7 @@ def test_collectives_leave_pool_tenants_memory_alone(tmp_path: Path) -> None:
         controller = PoolController(cluster.path)
         region = controller.alloc(1 << 20, interleave=8 * KiB)
         pattern = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
-        with PoolClient(switch.vip) as client:
+        with PoolClient(switch.vip, tag_keys=tag_keys_of(region)) as client:
             client.write(region.gaddr, pattern, region.rkey, stride=region.stride)
         info = cluster.info
         groups = [ProcessGroup(info, rank) for rank in range(2)]
@@ -410,7 +410,7 @@ def test_collectives_leave_pool_tenants_memory_alone(tmp_path: Path) -> None:
             for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(bufs, groups)]:
                 w.wait()  # type: ignore[union-attr]
             assert all((b == 3.0).all() for b in bufs)
-        with PoolClient(switch.vip) as client:
+        with PoolClient(switch.vip, tag_keys=tag_keys_of(region)) as client:
             assert client.read(region.gaddr, len(pattern), region.rkey, stride=region.stride) == pattern
         for g in groups:
             assert not any(g.arena_base < w.local + w.size and w.local < g.arena_end
@@ -429,12 +429,12 @@ def test_alloc_returns_zeroed_memory(tmp_path: Path) -> None:
     try:
         admin = PoolController(cluster.path)
         first = admin.alloc(64 * KiB)
-        with PoolClient(switch.vip) as client:
+        with PoolClient(switch.vip, tag_keys=tag_keys_of(first)) as client:
             client.write(first.gaddr, b"A's data" * (8 * KiB), first.rkey)
         admin.free(first.gaddr)
         second = admin.alloc(64 * KiB)
         assert {(w.node, w.local) for w in second.ways} == {(w.node, w.local) for w in first.ways}
-        with PoolClient(switch.vip) as client:
+        with PoolClient(switch.vip, tag_keys=tag_keys_of(second)) as client:
             assert client.read(second.gaddr, 64 * KiB, second.rkey) == bytes(64 * KiB)
     finally:
         switch.stop()

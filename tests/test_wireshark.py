@@ -143,12 +143,10 @@ def drift(text: str) -> list[str]:
                           ("OPAQUE_OPCODES", codec._OPAQUE_OPCODES),
                           ("EMPTY_OPCODES", codec._EMPTY_OPCODES), ("SR_OPCODES", codec._SR_OPCODES)):  # fmt: skip
         same(name, lua_names(text, name), {op.name for op in opcodes})
-    fixed = dict(re.findall(r"^\s+([A-Z_]+) = \{(\d+, \d+)\},$", text, re.M))
-    same(
-        "FIXED_PAYLOAD",
-        fixed,
-        {op.name: f"{a}, {b}" for op, (a, b) in codec._FIXED_PAYLOAD.items()},
-    )
+    for name, table in (("FIXED_PAYLOAD", codec._FIXED_PAYLOAD), ("FIXED_PAYLOAD_ALT", codec._FIXED_PAYLOAD_ALT)):
+        block = text.split(f"local {name} = {{\n", 1)[1].split("\n}", 1)[0]
+        fixed = dict(re.findall(r"^\s+([A-Z_]+) = \{(\d+, \d+)\},$", block, re.M))
+        same(name, fixed, {op.name: f"{a}, {b}" for op, (a, b) in table.items()})
     return problems
 
 
@@ -286,7 +284,7 @@ FLAG_FIELDS = tuple(f"flags.{str(f.name).lower()}" for f in Flags if f)
 DESCRIPTOR_FIELDS = ("algo", "flags", "window", "rank", "count", "in_addr", "out_addr", "rkey",
                      "root", "group", "host", "timeout_ms", "reserved")  # fmt: skip
 INFO_FIELDS = ("version", "mtu", "memory", "max_payload", "max_segments", "rank", "world")
-ALLOC_FIELDS = ("size", "credential", "stride", "ways", "rights", "reserved", "label")
+ALLOC_FIELDS = ("size", "credential", "stride", "ways", "rights", "flags", "label")
 REGION_FIELDS = ("gaddr", "size", "credential", "rkey", "stride", "ways", "rights", "label")
 PAYLOAD_FIELDS = (
     "payload", "seg.ip", "seg.port", "seg.reserved", "group.ip", "group.port", "error.status",
@@ -381,7 +379,7 @@ def check_payload(row: dict[str, list[str]], packet: Packet) -> None:
     elif op == Opcode.ALLOC:
         alloc = unpack_alloc(payload)
         got = [_num(row[f"alloc.{n}"][0]) for n in ALLOC_FIELDS[:-1]]
-        assert got == [alloc.size, alloc.credential, alloc.stride, alloc.ways, alloc.rights, alloc.reserved]
+        assert got == [alloc.size, alloc.credential, alloc.stride, alloc.ways, alloc.rights, alloc.flags]
         assert row["alloc.label"] == [alloc.label]
     elif op in (Opcode.FREE, Opcode.QUERY):
         assert [_num(v) for v in row["pool.credential"]] == u64

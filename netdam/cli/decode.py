@@ -33,7 +33,7 @@ from netdam.protocol.constants import (
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.layout import H_OPCODE, H_SEG_COUNT, H_VERSION, HEADER
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
-from netdam.protocol.payloads import INFO, SPARSE_PREFIX, unpack_key_rights
+from netdam.protocol.payloads import INFO, SPARSE_PREFIX, unpack_key_rights, unpack_register
 
 #: Payload elements listed in --json output; larger payloads give only the hex.
 JSON_MAX_ELEMENTS = 256
@@ -447,8 +447,8 @@ def _payload_meaning(packet: Packet) -> dict[str, Any]:
         names = ("version", "mtu", "memory_bytes", "max_payload", "max_segments", "rank", "world")
         return {"info": dict(zip(names, INFO.unpack(payload)))}
     if opcode == Opcode.REGISTER:
-        rkey, rights = unpack_key_rights(payload)
-        return {"requested_rkey": rkey, "rights": rights}
+        rkey, rights, tag_key = unpack_register(payload)
+        return {"requested_rkey": rkey, "rights": rights, "tagged": bool(tag_key)}
     if opcode == Opcode.DEREGISTER:
         return {"remove_rkey": unpack_key_rights(payload)[0]}
     if packet.flags & Flags.SPARSE and packet.dtype != DType.RAW:

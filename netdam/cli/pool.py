@@ -19,10 +19,16 @@ from netdam.cli.common import (
     readable_file,
     size_arg,
 )
-from netdam.clients.pool import PoolClient, PoolError
+from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
 from netdam.cluster.clusterfile import load_cluster
 from netdam.cluster.control import ControlClient, ControlError
-from netdam.cluster.secrets_io import KeyFileError, read_key_file, write_private
+from netdam.cluster.secrets_io import (
+    KeyFileError,
+    read_key_file,
+    read_tag_key_file,
+    tag_key_text,
+    write_private,
+)
 from netdam.protocol.constants import Opcode, Status
 from netdam.protocol.packet import Packet
 from netdam.switch.addrmap import region_to_json
@@ -121,6 +127,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                           "with the cluster file's admin key)")  # fmt: skip
     alloc.add_argument("--save-credential", type=Path, default=None, metavar="FILE",
                        help="write the tenant's credential to FILE, mode 0600, for --credential-file")
+    alloc.add_argument("--save-tag-key", type=Path, default=None, metavar="FILE",
+                       help="write the region's tag key (32 hex digits) to FILE, mode 0600: its requests are "
+                       "sealed under it (SPEC 2.6); read and write take it with --tag-key-file")  # fmt: skip
+    alloc.add_argument("--untagged", action="store_true",
+                       help="a region its rkey alone opens, for clients of SPEC v1 before tags (2.6): "
+                       "whoever sees one of its datagrams can use it")  # fmt: skip
     alloc.set_defaults(func=run_alloc)
 
     free = cmds.add_parser("free", help="free a region")
@@ -139,6 +151,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     common(write)
     write.add_argument("--gaddr", type=_int, required=True)
     write.add_argument("--rkey", type=_int, default=None, help="default: the region's, from the state file")
+    write.add_argument("--tag-key-file", type=Path, default=None, metavar="FILE",
+                       help="the region's tag key (alloc --save-tag-key); default: from the state file")
     source = write.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="UTF-8 text to write")
     source.add_argument("--hex", help="hex bytes to write")
@@ -150,6 +164,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     read.add_argument("--gaddr", type=_int, required=True)
     read.add_argument("--length", type=size_arg, required=True)
     read.add_argument("--rkey", type=_int, default=None, help="default: the region's, from the state file")
+    read.add_argument("--tag-key-file", type=Path, default=None, metavar="FILE",
+                      help="the region's tag key (alloc --save-tag-key); default: from the state file")
     read.add_argument("--format", choices=READ_FORMATS, default=None,
                       help="hex (default): the bytes as hex digits; text: decoded as UTF-8, undecodable "
                       "bytes and control characters as \\xNN, a backslash as \\\\; raw: the exact bytes, "
@@ -197,6 +213,9 @@ def _region_json(region: Any) -> dict[str, Any]:
 
     data: dict[str, Any] = dict(region_to_json(region))
     data.pop("owner", None)
+    # A tagged region's key stays in the 0600 state file and the tenant's ALLOC answer: never
+    # printed (a terminal, a CI log and `ps` of a pipe are not key stores).
+    data["tagged"] = bool(data.pop("tag_key", ""))
     data["gaddr_hex"] = f"0x{region.gaddr:x}"
     data["rkey_hex"] = f"0x{region.rkey:08x}"
     if region.extra.get("credential"):
@@ -218,7 +237,8 @@ def run_alloc(args: argparse.Namespace) -> int:
         raise CommandError("--ways needs --interleave STRIDE (without it a region lives on one node)", ExitCode.USAGE)
     ctl = _controller(args)
     try:
-        region = ctl.alloc(args.size, args.interleave, ways=args.ways, rights=args.rights, tenant=args.tenant)
+        region = ctl.alloc(args.size, args.interleave, ways=args.ways, rights=args.rights, tenant=args.tenant,
+                           tagged=not args.untagged)  # fmt: skip
     except ControllerError as exc:
         if exc.status == Status.NO_SPACE:
             raise CommandError(_no_room(ctl, args), ExitCode.USAGE) from None
@@ -233,6 +253,13 @@ def run_alloc(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise CommandError(f"--save-credential {args.save_credential}: {exc.strerror}: the region "
                                f"0x{region.gaddr:x} is allocated; its credential is 0x{credential:016x}",
+                               ExitCode.RUN_FAILED) from None  # fmt: skip
+    if args.save_tag_key is not None and region.tag_key:
+        try:
+            write_private(args.save_tag_key, tag_key_text(region.tag_key))
+        except OSError as exc:
+            raise CommandError(f"--save-tag-key {args.save_tag_key}: {exc.strerror}: the region 0x{region.gaddr:x} "
+                               "is allocated; `netdam pool read/write` find its key in the state file",
                                ExitCode.RUN_FAILED) from None  # fmt: skip
     text = (f"gaddr 0x{region.gaddr:x} rkey 0x{region.rkey:08x} size {region.size} "
             f"stride {region.stride} ways {len(region.ways)} vip {vip[0]}:{vip[1]} "
@@ -281,20 +308,27 @@ def run_query(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _target(args: argparse.Namespace) -> tuple[Any, int, int]:
-    """(controller, rkey, stride) for args.gaddr."""
+def _target(args: argparse.Namespace) -> tuple[Any, int, int, dict[int, bytes]]:
+    """(controller, rkey, stride, tag keys) for args.gaddr: a tagged region's key comes from
+    the state file with the rest of the region (SPEC.md 2.6)."""
     ctl = _controller(args)
     region = next((r for r in ctl.regions() if r.gaddr <= args.gaddr < r.end), None)
     rkey = args.rkey if args.rkey is not None else (region.rkey if region else None)
     if rkey is None:
         raise CommandError(f"0x{args.gaddr:x} is in no region of this pool: pass --rkey, or "
                            "allocate with `netdam pool alloc`", ExitCode.USAGE)  # fmt: skip
-    return ctl, rkey, region.stride if region else 0
+    keys = tag_keys_of(region) if region else {}
+    if args.tag_key_file is not None:
+        try:
+            keys = {rkey: read_tag_key_file(args.tag_key_file)}
+        except KeyFileError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
+    return ctl, rkey, region.stride if region else 0, keys
 
 
 def run_write(args: argparse.Namespace) -> int:
 
-    ctl, rkey, stride = _target(args)
+    ctl, rkey, stride, keys = _target(args)
     if args.data is not None:
         data = args.data.encode()
     elif args.hex is not None:
@@ -305,7 +339,7 @@ def run_write(args: argparse.Namespace) -> int:
     else:
         data = args.file.read_bytes()
     try:
-        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu) as client:
+        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu, tag_keys=keys) as client:
             client.write(args.gaddr, data, rkey, stride=stride)
     except PoolError as exc:
         code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED
@@ -351,9 +385,9 @@ def run_read(args: argparse.Namespace) -> int:
     if args.json and args.format is not None:
         raise CommandError("--format chooses the text output; --json always gives the bytes as "
                            "'hex': drop one of them", ExitCode.USAGE)  # fmt: skip
-    ctl, rkey, stride = _target(args)
+    ctl, rkey, stride, keys = _target(args)
     try:
-        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu) as client:
+        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu, tag_keys=keys) as client:
             data = client.read(args.gaddr, args.length, rkey, stride=stride)
     except PoolError as exc:
         code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED

@@ -4,7 +4,8 @@ One unconnected datagram socket (replies come from the nodes, not from the VIP);
 matches replies to waiting requests by transaction id. Every coroutine may run concurrently:
 at most ``window`` requests are in flight, retries re-send the same transaction id (at most
 once per node, SPEC.md section 7), and transaction ids stay within 192 of the oldest
-unanswered one.
+unanswered one. Tagged regions as in PoolClient: requests under an rkey of ``tag_keys`` are
+sealed, and only replies sealed under the same key are taken.
 
     async with await AsyncPoolClient.open(vip) as pool:
         await pool.write(gaddr, b"hello", rkey)
@@ -14,7 +15,7 @@ unanswered one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import asyncio_dgram
@@ -23,11 +24,14 @@ from netdam.clients.pool import (
     TXN_SPAN,
     PoolError,
     PoolTimeout,
+    TaggedRegion,
     cas_packet,
     fetch_add_packet,
+    needs_token,
     random_client_id,
     split,
 )
+from netdam.kernels.tag import seal_bytes, verify_bytes
 from netdam.protocol.constants import (
     DEFAULT_MTU,
     HEADER_SIZE,
@@ -57,6 +61,7 @@ class AsyncPoolClient:
         self.vip = vip
         self.client_id = client_id
         self.max_payload = MAX_PAYLOAD_BYTES
+        self.tagged_payload = MAX_PAYLOAD_BYTES  # a tagged region's pieces: room for the tag
         self.timeout = timeout
         self.retries = retries
         self._stream = stream
@@ -71,15 +76,28 @@ class AsyncPoolClient:
         #: before the first READ; READs carry it in aux_addr. None: not asked yet.
         self.token: int | None = None
         self._token_lock = asyncio.Lock()
+        #: rkey -> tag key of each tagged region this client uses (SPEC.md 2.6).
+        self.tag_keys: dict[int, bytes] = {}
+        self._keys: dict[int, bytes] = {}  # txn -> the key its reply must be sealed under
+        #: Answers to sealed requests that were not sealed under their key: ignored.
+        self.unsealed = 0
+
+    def add_region(self, region: TaggedRegion) -> None:
+        """Use *region*'s tag key for its rkey (nothing for an untagged region)."""
+        if region.tag_key:
+            self.tag_keys[region.rkey] = region.tag_key
 
     @classmethod
     async def open(cls, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
                    retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
-                   mtu: int = DEFAULT_MTU) -> AsyncPoolClient:  # fmt: skip
-        """*mtu*: the cluster's (its file's `mtu`); reads and writes are split to fit it."""
+                   mtu: int = DEFAULT_MTU, tag_keys: Mapping[int, bytes] | None = None) -> AsyncPoolClient:  # fmt: skip
+        """*mtu*: the cluster's (its file's `mtu`); reads and writes are split to fit it.
+        *tag_keys*: rkey -> tag key of the tagged regions it uses."""
         stream = await asyncio_dgram.bind((bind, 0))
         client = cls(stream, vip, client_id or random_client_id(), timeout, retries, window)
         client.max_payload = max_payload(mtu)
+        client.tagged_payload = max_payload(mtu, tagged=True)
+        client.tag_keys.update(tag_keys or {})
         return client
 
     async def close(self) -> None:
@@ -100,13 +118,16 @@ class AsyncPoolClient:
 
     async def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
         replies = await asyncio.gather(*(self.request(Packet(Opcode.READ, rkey=rkey, addr=a, length=n))
-                                         for a, n in split(addr, length, stride, self.max_payload)))  # fmt: skip
+                                         for a, n in split(addr, length, stride, self._limit(rkey))))  # fmt: skip
         return b"".join(r.payload for r in replies)
 
     async def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
         await asyncio.gather(*(self.request(Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a,
                                                    length=n, payload=data[a - addr : a - addr + n]))
-                               for a, n in split(addr, len(data), stride, self.max_payload)))  # fmt: skip
+                               for a, n in split(addr, len(data), stride, self._limit(rkey))))  # fmt: skip
+
+    def _limit(self, rkey: int) -> int:
+        return int(min(self.max_payload, self.tagged_payload) if rkey in self.tag_keys else self.max_payload)
 
     async def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
         reply = await self.request(fetch_add_packet(addr, addend, rkey))
@@ -126,7 +147,7 @@ class AsyncPoolClient:
     async def request(self, packet: Packet) -> Packet:
         """Send *packet* (ids replaced) and return its reply; retries on timeout, NACK raises.
         A READ carries the address-validation token (asked for once, with a PING)."""
-        if packet.opcode == Opcode.READ and packet.aux_addr == 0:
+        if needs_token(packet) and packet.aux_addr == 0:
             if self.token is None:
                 async with self._token_lock:
                     if self.token is None:
@@ -140,8 +161,11 @@ class AsyncPoolClient:
             self._next += 1
             txn = seq & 0xFFFFFFFF
             data = encode_packet(replace(packet, client_id=self.client_id, txn_id=txn))
+            key = self.tag_keys.get(packet.rkey, b"") if packet.opcode != Opcode.PING else b""
             future: asyncio.Future[Packet] = asyncio.get_running_loop().create_future()
             self._waiting[txn] = future
+            if key:
+                self._keys[txn] = key
             self._open.add(seq)
             try:
                 for attempt in range(self.retries + 1):
@@ -149,7 +173,7 @@ class AsyncPoolClient:
                         data = with_retry_flag(data)
                     if attempt:
                         self.retransmits += 1
-                    await self._stream.send(data, self.vip)
+                    await self._stream.send(seal_bytes(key, data) if key else data, self.vip)
                     try:
                         reply = await asyncio.wait_for(asyncio.shield(future), self.timeout)
                     except asyncio.TimeoutError:
@@ -164,6 +188,7 @@ class AsyncPoolClient:
                                   "switch running (netdam up --switch)?")  # fmt: skip
             finally:
                 self._waiting.pop(txn, None)
+                self._keys.pop(txn, None)
                 self._open.discard(seq)
                 self._progress.set()
 
@@ -175,6 +200,10 @@ class AsyncPoolClient:
             client, txn = REPLY_IDS.unpack_from(data, REPLY_IDS_OFFSET)
             future = self._waiting.get(txn)
             if client != self.client_id or future is None or future.done():
+                continue
+            key = self._keys.get(txn)
+            if key and not verify_bytes(key, data):
+                self.unsealed += 1  # not from a holder of the region's key: not taken
                 continue
             try:
                 future.set_result(decode_packet(data))

@@ -9,6 +9,12 @@ the same node every time, so the retry meets the same duplicate window.
 
 Transaction ids stay within 192 of the oldest unanswered one, well inside the node's window of
 256, so a retried request is never answered STALE.
+
+Tagged regions (SPEC.md 2.6, the pool's default): give the client each region's tag key
+(``tag_keys={rkey: key}``, or ``add_region``). A request under such an rkey is sealed, and only
+a reply sealed under the same key is taken: an unsealed answer (a forger's, or a NACK from
+whoever does not hold the key, such as the switch's NO_ROUTE for a freed region) is ignored,
+and named in the timeout's message if nothing else came.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import errno
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
+from netdam.kernels.tag import seal_bytes, verify_bytes
 from netdam.protocol.constants import (
+    AMPLIFICATION_FACTOR,
     DEFAULT_MTU,
     HEADER_SIZE,
     MAX_PAYLOAD_BYTES,
@@ -79,9 +88,30 @@ def split(
 class _Flight:
     index: int
     seq: int  # the transaction id before wrapping to u32
-    data: bytes
+    data: bytes  # as sent, unsealed (a retry sets RETRY, which the tag covers, and seals anew)
     deadline: float
     tries: int
+    key: bytes = b""  # the region's tag key, b"": untagged
+
+
+class TaggedRegion(Protocol):
+    """What add_region reads of a region (netdam.switch.addrmap.Region, payloads.RegionInfo)."""
+
+    rkey: int
+    tag_key: bytes
+
+
+def needs_token(packet: Packet) -> bool:
+    """A READ answered with more than 3 times its request's bytes: it needs this socket's
+    address-validation token (SPEC.md 12.4), which a PING asks for once. Smaller READs,
+    WRITEs and atomics need none, so a client that has not PINGed yet (or cannot: its address
+    is locked out by a guesser that shares it, 12.3) still does them."""
+    return bool(packet.opcode == Opcode.READ and HEADER_SIZE + packet.length > AMPLIFICATION_FACTOR * HEADER_SIZE)
+
+
+def tag_keys_of(*regions: TaggedRegion) -> dict[int, bytes]:
+    """rkey -> tag key of the tagged ones among *regions* (PoolClient's ``tag_keys``)."""
+    return {r.rkey: r.tag_key for r in regions if r.tag_key}
 
 
 def random_client_id() -> int:
@@ -94,12 +124,14 @@ class PoolClient:
 
     def __init__(self, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
                  retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
-                 mtu: int = DEFAULT_MTU) -> None:  # fmt: skip
+                 mtu: int = DEFAULT_MTU, tag_keys: Mapping[int, bytes] | None = None) -> None:  # fmt: skip
         if not 1 <= window <= 128:
             raise ValueError(f"window {window} must be 1..128")
         #: Largest READ/WRITE piece: what one datagram carries at the cluster's MTU (the cluster
-        #: file's `mtu`); requests are split to fit, as a NIC splits a transfer into frames.
+        #: file's `mtu`); requests are split to fit, as a NIC splits a transfer into frames. A
+        #: tagged region's pieces leave room for the tag (piece_limit).
         self.max_payload = max_payload(mtu)
+        self._tagged_payload = max_payload(mtu, tagged=True)
         self.vip = vip
         self.client_id = client_id or random_client_id()
         self.timeout = timeout
@@ -116,6 +148,20 @@ class PoolClient:
         #: The switch's address-validation token for this socket (SPEC.md 12.4), from a PING
         #: before the first READ; READs carry it in aux_addr. None: not asked yet.
         self.token: int | None = None
+        #: rkey -> tag key of each tagged region this client uses (SPEC.md 2.6).
+        self.tag_keys: dict[int, bytes] = dict(tag_keys or {})
+        #: Answers to sealed requests that were not sealed under their key: ignored.
+        self.unsealed = 0
+        self._unsealed_seen = ""
+
+    def add_region(self, region: TaggedRegion) -> None:
+        """Use *region*'s tag key for its rkey (nothing for an untagged region)."""
+        if region.tag_key:
+            self.tag_keys[region.rkey] = region.tag_key
+
+    def piece_limit(self, rkey: int) -> int:
+        """Largest READ/WRITE piece under *rkey*: max_payload, less the tag's room when tagged."""
+        return int(min(self.max_payload, self._tagged_payload) if rkey in self.tag_keys else self.max_payload)
 
     def close(self) -> None:
         self.sock.close()
@@ -139,7 +185,7 @@ class PoolClient:
 
     def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
         """*length* bytes from global address *addr* (split into requests as needed)."""
-        pieces = split(addr, length, stride, self.max_payload)
+        pieces = split(addr, length, stride, self.piece_limit(rkey))
         replies = self.execute(
             [Packet(Opcode.READ, rkey=rkey, addr=a, length=n) for a, n in pieces]
         )
@@ -147,7 +193,7 @@ class PoolClient:
 
     def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
         """Write *data* at *addr*; returns when every piece is ACKed."""
-        pieces = split(addr, len(data), stride, self.max_payload)
+        pieces = split(addr, len(data), stride, self.piece_limit(rkey))
         self.execute([Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a, length=n,
                              payload=data[a - addr : a - addr + n]) for a, n in pieces])  # fmt: skip
 
@@ -179,7 +225,7 @@ class PoolClient:
         """Send every request (client and txn ids replaced), ``window`` in flight; return the
         replies in request order. A NACK raises PoolError; no answer after every retry raises
         PoolTimeout. Requests still in flight then are abandoned (their late replies ignored)."""
-        if self.token is None and any(p.opcode == Opcode.READ for p in packets):
+        if self.token is None and any(needs_token(p) for p in packets):
             self.token = self.execute([Packet(Opcode.PING)])[0].aux_addr
         replies: list[Packet | None] = [None] * len(packets)
         flight: dict[int, _Flight] = {}
@@ -199,8 +245,9 @@ class PoolClient:
                 if packet.opcode == Opcode.READ and packet.aux_addr == 0 and self.token:
                     packet = replace(packet, aux_addr=self.token)
                 data = encode_packet(replace(packet, client_id=self.client_id, txn_id=txn))
-                self._send(data)
-                flight[txn] = _Flight(nxt, seq, data, now + self.timeout, 0)
+                key = self.tag_keys.get(packet.rkey, b"") if packet.opcode != Opcode.PING else b""
+                self._send(seal_bytes(key, data) if key else data)
+                flight[txn] = _Flight(nxt, seq, data, now + self.timeout, 0, key)
                 nxt += 1
             if not flight:
                 continue
@@ -225,6 +272,16 @@ class PoolClient:
         entry = flight.get(txn)
         if client != self.client_id or entry is None:
             return  # a late duplicate, or someone else's
+        if entry.key and not verify_bytes(entry.key, data):
+            # Not from a holder of the region's key: a forger, or a NACK of the switch that
+            # cannot seal (NO_ROUTE, BAD_RKEY). Not taken; the timeout names it.
+            self.unsealed += 1
+            try:
+                seen = decode_packet(data)
+                self._unsealed_seen = f"{seen.opcode.name} {seen.status.name}"
+            except RemoteProtocolError:
+                self._unsealed_seen = "a malformed datagram"
+            return
         try:
             reply = decode_packet(data)
         except RemoteProtocolError:
@@ -243,15 +300,22 @@ class PoolClient:
             if entry.deadline > now:
                 continue
             if entry.tries >= self.retries:
+                if self._unsealed_seen:
+                    raise PoolTimeout(f"no sealed answer from the pool at {self.vip[0]}:{self.vip[1]} to txn {txn} "
+                                      f"after {entry.tries + 1} tries; {self.unsealed} unsealed answer(s) were "
+                                      f"ignored, the last {self._unsealed_seen}: is the region freed, or its "
+                                      "tag key (PoolClient tag_keys) wrong?")  # fmt: skip
+                sealed = (", and is the region's tag key right (a request with a wrong tag is dropped "
+                          "unanswered, SPEC 2.6)") if entry.key else ""  # fmt: skip
                 raise PoolTimeout(f"no answer from the pool at {self.vip[0]}:{self.vip[1]} to txn {txn} "
                                   f"after {entry.tries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
-                                  "switch running (netdam up --switch)?")  # fmt: skip
+                                  f"switch running (netdam up --switch){sealed}?")  # fmt: skip
             if entry.tries == 0:
                 entry.data = with_retry_flag(entry.data)
             entry.tries += 1
             entry.deadline = now + self.timeout
             self.retransmits += 1
-            self._send(entry.data)
+            self._send(seal_bytes(entry.key, entry.data) if entry.key else entry.data)
 
 
 def fetch_add_packet(addr: int, addend: int, rkey: int) -> Packet:

@@ -18,7 +18,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import REGISTER_ANYWHERE, DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import INFO, pack_key_rights
+from netdam.protocol.payloads import INFO, pack_key_rights, pack_register
 
 INFO_FIELDS = (
     "version",
@@ -116,17 +116,22 @@ class ControlClient:
             )
         return values[: C.NUM_COUNTERS]  # a switch's reply goes on with its own sections
 
-    def register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
-        payload = pack_key_rights(rkey, int(rights))
-        reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=base,
-                                          aux_addr=size, length=8, payload=payload))  # fmt: skip
-        return int(reply.rkey)
+    def register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int = 0,
+                 tag_key: bytes = b"") -> int:  # fmt: skip
+        """REGISTER [base, base+size) (SPEC.md 6.1); returns the rkey. With a 16-byte *tag_key*
+        the region is tagged: it takes only datagrams sealed under that key (2.6)."""
+        return self._register(node, base, size, rights, rkey, tag_key)[0]
 
-    def register_anywhere(self, node: Endpoint, size: int, rights: Rights, rkey: int = 0) -> tuple[int, int]:
+    def register_anywhere(self, node: Endpoint, size: int, rights: Rights, rkey: int = 0,
+                          tag_key: bytes = b"") -> tuple[int, int]:  # fmt: skip
         """REGISTER *size* bytes wherever the node has room (SPEC.md 6.1); returns (rkey, base)."""
-        payload = pack_key_rights(rkey, int(rights))
-        reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=REGISTER_ANYWHERE,
-                                          aux_addr=size, length=8, payload=payload))  # fmt: skip
+        return self._register(node, REGISTER_ANYWHERE, size, rights, rkey, tag_key)
+
+    def _register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int,
+                  tag_key: bytes) -> tuple[int, int]:  # fmt: skip
+        payload = pack_register(rkey, int(rights), tag_key)
+        reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=base,
+                                          aux_addr=size, length=len(payload), payload=payload))  # fmt: skip
         return int(reply.rkey), int(reply.addr)
 
     def deregister(self, node: Endpoint, rkey: int) -> None:

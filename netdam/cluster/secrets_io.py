@@ -92,3 +92,14 @@ def write_private(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_tag_key_file(path: Path) -> bytes:
+    """A tagged region's 16-byte tag key from *path* (0600), written as 0x and 32 hex digits,
+    the key's bytes in order (`netdam pool alloc --save-tag-key` writes one)."""
+    return read_key_file(path, what="tag key", bits=128).to_bytes(16, "big")
+
+
+def tag_key_text(key: bytes) -> str:
+    """What read_tag_key_file reads back as *key*."""
+    return f"0x{key.hex()}\n"

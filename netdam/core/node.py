@@ -80,7 +80,13 @@ from netdam.protocol.packet import (
     endpoint_to_u64,
     u64_to_endpoint,
 )
-from netdam.protocol.payloads import INFO, KEY_RIGHTS, descriptor_tag_key
+from netdam.protocol.payloads import (
+    INFO,
+    KEY_RIGHTS,
+    TAG_KEY_SIZE,
+    descriptor_tag_key,
+    unpack_register,
+)
 
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
 RKEY_SLOTS = 1024
@@ -136,6 +142,9 @@ class NodeCore(CoreBase):
         self._rk_base = np.zeros(RKEY_SLOTS, np.int64)
         self._rk_len = np.zeros(RKEY_SLOTS, np.int64)
         self._rk_rights = np.zeros(RKEY_SLOTS, np.uint8)
+        self._rk_tag = np.zeros((RKEY_SLOTS, 2), np.uint64)
+        #: rkey -> 16-byte tag key of every tagged region (SPEC.md 2.6, "Region tags").
+        self._tag_keys: dict[int, bytes] = {}
         #: rkey -> (base, size, rights) of every registered region: the owners of node memory,
         #: which never overlap (SPEC.md 6.1).
         self._regions: dict[int, tuple[int, int, int]] = {}
@@ -202,7 +211,7 @@ class NodeCore(CoreBase):
         for each call: registering a region replaces the rkey table's arrays."""
         return NodeState(
             self.memory,
-            Regions(self._rk_key, self._rk_base, self._rk_len, self._rk_rights),
+            Regions(self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._rk_tag),
             self._members,
             self._dup_window(),
             self.collective.state(),
@@ -248,9 +257,10 @@ class NodeCore(CoreBase):
         self._members = np.array(sorted(values), dtype=np.uint64)
         self._trusted = values
 
-    def register_region(self, base: int, size: int, rights: Rights, rkey: int = 0) -> int:
-        """Make [base, base+size) reachable under an rkey (random when 0); return the rkey."""
-        result = self._register(base, size, int(rights), rkey, announce=False)
+    def register_region(self, base: int, size: int, rights: Rights, rkey: int = 0, tag_key: bytes = b"") -> int:
+        """Make [base, base+size) reachable under an rkey (random when 0); return the rkey.
+        With a 16-byte *tag_key* the region is tagged: it takes only datagrams sealed under it."""
+        result = self._register(base, size, int(rights), rkey, announce=False, tag_key=tag_key)
         if isinstance(result, Status):
             raise ValueError(f"cannot register region: {result.name}")
         return result[0]
@@ -355,10 +365,10 @@ class NodeCore(CoreBase):
         return int(self.guard.cfg[G_NOW] * 1e6) + 1
 
     def _on_register(self, packet: Packet, src: int) -> None:
-        requested, rights = KEY_RIGHTS.unpack(packet.payload)
+        requested, rights, tag_key = unpack_register(packet.payload)
 
         def execute() -> tuple[Status, int, int]:
-            result = self._register(packet.addr, packet.aux_addr, rights, requested)
+            result = self._register(packet.addr, packet.aux_addr, rights, requested, tag_key=tag_key)
             if isinstance(result, Status):
                 return result, packet.rkey, packet.addr
             rkey, base = result
@@ -371,15 +381,18 @@ class NodeCore(CoreBase):
         self._windowed(packet, src, lambda: (self._deregister(rkey), packet.rkey, packet.addr))
 
     def _register(
-        self, base: int, size: int, rights: int, rkey: int, announce: bool = True
+        self, base: int, size: int, rights: int, rkey: int, announce: bool = True, tag_key: bytes = b""
     ) -> tuple[int, int] | Status:
         """Make [base, base+size) the region of a new rkey (base REGISTER_ANYWHERE: the node
         picks); returns (rkey, base) or the status to NACK with (SPEC.md 6.1). One owner per
-        byte: a range overlapping a registered region is IN_USE."""
+        byte: a range overlapping a registered region is IN_USE. A *tag_key* (16 bytes, not
+        all zeros) makes the region tagged (SPEC.md 2.6)."""
         anywhere = base == REGISTER_ANYWHERE
         if size <= 0 or size > self.memory.shape[0] or (not anywhere and base + size > self.memory.shape[0]):
             return Status.OUT_OF_BOUNDS
         if not rights & RIGHTS_ALL or rights & ~int(RIGHTS_DEFINED):
+            return Status.BAD_FIELD
+        if tag_key and (len(tag_key) != TAG_KEY_SIZE or not any(tag_key) or rights & Rights.MEMBERS):
             return Status.BAD_FIELD
         if rkey and rkey in self._keys():
             return Status.EXISTS
@@ -395,6 +408,8 @@ class NodeCore(CoreBase):
         while rkey == 0 or rkey in self._keys():
             rkey = secrets.randbits(32)
         self._regions[rkey] = (base, size, rights)
+        if tag_key:
+            self._tag_keys[rkey] = bytes(tag_key)
         self._rebuild_rkeys()
         if announce:  # the host that called register_region knows already
             self._events.append(RegionRegistered(rkey, base, size, rights))
@@ -424,6 +439,7 @@ class NodeCore(CoreBase):
         if rkey not in self._regions:
             return Status.BAD_RKEY
         base, size, _ = self._regions.pop(rkey)
+        self._tag_keys.pop(rkey, None)
         # Memory reaches its next owner zeroed: wiped the moment it has no owner.
         self.memory[base : base + size] = 0
         self._rebuild_rkeys()
@@ -443,10 +459,13 @@ class NodeCore(CoreBase):
         """The datapath's rkey table from the registered regions and the collective's key.
         Rebuilt whole: open addressing has no cheap delete, and registration is rare."""
         self._rk_key[:] = 0
+        self._rk_tag[:] = 0
         for key, (base, size, rights) in self._keys().items():
             slot = _probe_free(self._rk_key, key)
             self._rk_key[slot], self._rk_base[slot] = key, base
             self._rk_len[slot], self._rk_rights[slot] = size, rights
+            if key in self._tag_keys:
+                self._rk_tag[slot] = np.frombuffer(self._tag_keys[key], "<u8")
 
     # ------------------------------------------------------------------ a collective's key
 

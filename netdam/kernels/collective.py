@@ -22,7 +22,7 @@ from numba import njit
 from netdam.kernels import signatures as S
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.state import CollState, TxQueue
-from netdam.kernels.tag import TAG, _put_tag, _seal, _tag_ok
+from netdam.kernels.tag import _seal, _tag_ok
 from netdam.kernels.wire import (
     _ESIZE,
     _F_ACK_REQ,
@@ -349,34 +349,6 @@ def _open_tagged(co_cfg, b, ln, counters):  # type: ignore[no-untyped-def]
         return 0, k0, k1
     counters[C.DROP_STALE_EPOCH if phase == _PHASE_STALE else C.DROP_COLL_FORGED] += 1
     return 0, k0, k1
-
-
-@njit(cache=True, nogil=True)
-def _seal_replies(tx_buf, tx_off, tx_len, first, last, k0, k1, flags_in, tag_in):  # type: ignore[no-untyped-def]
-    """Seal the datagrams queued at first..last-1 (what the datapath answered or forwarded for
-    one tagged datagram with flags *flags_in* and tag *tag_in*: one as a rule), each moved right
-    to make room for the tags before it. A forwarded CHAIN_ADD with the same flags keeps the tag
-    it came with (a hop rewrites only what the tag does not cover). False (nothing sealed) when
-    the queue lacks the room."""
-    if last == first:
-        return True
-    grow = (last - first) * TAG
-    if tx_off[last] + grow > tx_buf.shape[0]:
-        return False
-    for k in range(last - 1, first - 1, -1):
-        shift = (k - first) * TAG
-        o, n = tx_off[k], tx_len[k]
-        if shift:
-            for i in range(n - 1, -1, -1):
-                tx_buf[o + shift + i] = tx_buf[o + i]
-            tx_off[k] = o + shift
-        t = tx_buf[o + shift : o + shift + n + TAG]
-        if t[H_OPCODE] == _OP_CHAIN_ADD and _rd16(t, H_FLAGS) == flags_in:
-            tx_len[k] = _put_tag(t, n, tag_in)
-        else:
-            tx_len[k] = _seal(t, n, k0, k1)
-    tx_off[last] = tx_off[last - 1] + tx_len[last - 1]
-    return True
 
 
 @njit(cache=True, nogil=True)
@@ -859,7 +831,7 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions
+    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, H_LENGTH)
@@ -908,7 +880,7 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions
+    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, H_LENGTH)
@@ -1086,7 +1058,7 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions
+    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not _is_member(members, src):
         return False

@@ -33,7 +33,6 @@ from netdam.kernels.collective import (
     _coll_reply,
     _needs_tag,
     _open_tagged,
-    _seal_replies,
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
@@ -47,7 +46,17 @@ from netdam.kernels.guard import (
     check_guard,
 )
 from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
-from netdam.kernels.tag import _tagged_length, _trailer
+from netdam.kernels.tag import (
+    _F_TAGGED,
+    REGION_TAG_NO_REGION,
+    REGION_TAG_OK,
+    TAG,
+    _open_region_tagged,
+    _region_key,
+    _seal_replies,
+    _tagged_length,
+    _trailer,
+)
 from netdam.kernels.wire import (
     _ESIZE,
     _F_ACK_REQ,
@@ -68,6 +77,7 @@ from netdam.kernels.wire import (
     _R_ATOMIC,
     _R_READ,
     _R_WRITE,
+    _S_BAD_RKEY,
     _S_BUSY,
     _S_STALE,
     _S_TOO_LARGE,
@@ -260,19 +270,26 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
             counters[C.DROP_TX_FULL] += 1
             continue
         guarded = False
+        # A locked-out source's TAGGED datagram is taken when its tag verifies (SPEC.md 12.3):
+        # a tag proves its sender holds the key, so a guesser sharing the address (or forging
+        # it) cannot lock that sender out.
+        locked_tagged = False
         if guard.cfg[G_LOCKOUT] != 0.0:
             if src == open_src:
                 guarded = open_guarded  # as the last datagram of this source in the batch
             else:
                 guarded = not _is_member(members, src)
                 if guarded and _locked(guard, src):
-                    counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
-                    continue
-                open_src, open_guarded = src, guarded
+                    if ln < _HDR or (_rd16(b, H_FLAGS) & _F_TAGGED) == 0:
+                        counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
+                        continue
+                    locked_tagged = True
+                else:
+                    open_src, open_guarded = src, guarded
         first = tx_n
-        # A collective's datagrams carry tags when it is tagged (SPEC.md 2.6): checked, and the
-        # trailer cut off, before anything else reads the datagram; what it brings back is
-        # sealed under the same key below.
+        # Datagrams of a tagged collective or a tagged region carry tags (SPEC.md 2.6): checked,
+        # and the trailer cut off, before anything else reads the datagram; what it brings back
+        # is sealed under the same key below.
         sealed, k0, k1 = 0, np.uint64(0), np.uint64(0)
         tagged = _tagged_length(b, ln)
         if tagged < 0:
@@ -280,7 +297,10 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
             continue
         flags_in, tag_in = 0, np.uint64(0)
         if tagged < ln:
-            sealed, k0, k1 = _open_tagged(node.coll.cfg, b, ln, counters)
+            if _rd32(b, H_COLL_ID) == 0:
+                sealed, k0, k1 = _open_region_tagged(node.regions, b, ln, counters)
+            else:
+                sealed, k0, k1 = _open_tagged(node.coll.cfg, b, ln, counters)
             if sealed == 0:
                 continue
             flags_in, tag_in = _rd16(b, H_FLAGS), _trailer(b, ln)
@@ -291,11 +311,22 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
             # members-only checks further on, with its NACK, as in v1).
             counters[C.DROP_COLL_FORGED] += 1
             continue
+        if locked_tagged and sealed != REGION_TAG_OK:
+            counters[C.DROP_LOCKOUT] += 1  # a tag that proves nothing: the lockout holds
+            continue
         status = _check_packet(b, ln)
         op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
             continue
+        if sealed == REGION_TAG_NO_REGION:
+            # TAGGED under no tagged region's rkey: a wrong key, never executed nor punted.
+            if status == 0 or status == PUNT:
+                status = _S_BAD_RKEY
+        elif status == 0 and sealed == 0 and _IS_REPLY[op] == 0 and _PUNTED_OPS[op] == 0:
+            rk0, rk1 = _region_key(node.regions, _rd32(b, H_RKEY))
+            if rk0 | rk1:
+                status = _S_BAD_RKEY  # a tagged region takes nothing without its tag
         if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, H_COLL_ID) != 0:
             counters[C.OPCODE_BASE + op] += 1
             if _coll_reply(b, ln, src, op, node):
@@ -321,7 +352,8 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
             if op == _OP_CHAIN_ADD:
                 tx_n = _chain_add(b, ln, src, node, tx, tx_n)
             elif op == _OP_READ:
-                tx_n = _read(b, src, node, guard, tx, tx_n, max_len)
+                # A sealed answer carries its tag too: it must fit the MTU with it.
+                tx_n = _read(b, src, node, guard, tx, tx_n, max_len - TAG if sealed == 1 else max_len)
             elif op == _OP_ALL_WRITE:
                 tx_n = _all_write(b, ln, src, node, tx, tx_n)
             else:
@@ -343,7 +375,7 @@ def _read(b, src, node, guard, tx, tx_n, max_len):  # type: ignore[no-untyped-de
     A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions
+    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, H_LENGTH)
@@ -393,7 +425,7 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):  # type: ignore[no-untyped-d
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, reply address, rkey, txn id);
     *stamp* is the batch's time in microseconds (the window's clock)."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions
+    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     w_txn, w_state, w_len, w_reply = window.txn, window.state, window.len, window.reply
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, H_LENGTH)

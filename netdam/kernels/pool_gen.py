@@ -6,6 +6,8 @@ big-endian: the NetDAM txn id at offset 12, memcached's UDP request id at offset
 matched by the id it echoes (slot = id mod window), its latency recorded, and the slot sends its
 next request at once. A slot unanswered for ``timeout_ns`` gets a fresh id and is re-sent
 (counted). Ids stay within a few windows of the newest, so a NetDAM node never answers STALE.
+With a tag key (a tagged region, SPEC.md 2.6) each request is sealed after its id is written,
+as a client must, and a reply counts as good only with its tag.
 Times are CLOCK_MONOTONIC ns, shared by every process, so the parent hands all children one
 measurement window.
 """
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from netdam.kernels.tag import TAG, _seal, _tag_ok
 from netdam.kernels.udp_io import _now_ns, _recv_batch, _send_batch
 from netdam.kernels.wire import _copy
 
@@ -50,7 +53,9 @@ def _get_id(buf, off, nbytes):  # type: ignore[no-untyped-def]
 def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):  # type: ignore[no-untyped-def]
     """Closed loop until *t_stop*; ops and latencies count inside [t_start, t_end). A reply is
     good when ``reply[ok_off] == ok_byte`` (ok_off < 0: any reply)."""
-    templates, t_len, n_templates, window, dst, id_off, id_bytes, ok_off, ok_byte, timeout_ns = plan
+    templates, t_len, n_templates, window, dst, id_off, id_bytes, ok_off, ok_byte, timeout_ns, tag = plan
+    k0, k1 = tag[0], tag[1]
+    sealed = (k0 | k1) != 0
     t_start, t_end, t_stop = phase
     rx_buf, rx_off, rx_len, rx_src = rx
     slot_bytes = templates.shape[1]
@@ -82,6 +87,8 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):  # type:
             _put_id(sbuf, s * slot_bytes + id_off, id_bytes, cur[s] % id_mod)
             s_off[k] = s * slot_bytes
             s_len[k] = t_len[t]
+            if sealed:
+                s_len[k] = _seal(sbuf[s * slot_bytes : (s + 1) * slot_bytes], t_len[t], k0, k1)
             s_dst[k] = dst
             sent_at[s] = now
             live[s] = 1
@@ -104,6 +111,8 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):  # type:
             live[s] = 0
             counts[G_OPS_TOTAL] += 1
             good = ok_off < 0 or (rx_len[i] > ok_off and rx_buf[o + ok_off] == ok_byte)
+            if good and sealed:
+                good = _tag_ok(rx_buf[o : o + rx_len[i]], np.int64(rx_len[i]), k0, k1)
             if inside:
                 if good:
                     counts[G_OPS_IN_WINDOW] += 1
@@ -144,8 +153,11 @@ def gen_run(fd: int, plan: Any, phase: Any, rx: Any, max_n: int, scratch: np.nda
     """Closed-loop request generator (see _gen_run): *plan* a GenPlan, *phase* a TimeWindow."""
     if plan.templates.ndim != 2 or plan.t_len.shape[0] < plan.n_templates or plan.window < 1:
         raise ValueError("gen_run: templates must be (n, width) with n >= n_templates, window >= 1")
-    if int(plan.t_len[: plan.n_templates].max()) > plan.templates.shape[1]:
-        raise ValueError("gen_run: a template is longer than its row")
+    room = TAG if plan.tag.any() else 0
+    if int(plan.t_len[: plan.n_templates].max()) + room > plan.templates.shape[1]:
+        raise ValueError("gen_run: a template (and its tag) is longer than its row")
+    if plan.tag.shape != (2,) or plan.tag.dtype != np.uint64:
+        raise ValueError("gen_run: the tag key is two uint64 words")
     if counts.shape[0] < G_COUNTS or hist.shape[0] < HIST_BINS:
         raise ValueError("gen_run: counts or histogram too short")
     _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist)

@@ -47,7 +47,7 @@ GUARD = Guard(_a(f64), _a(u64), _a(u64), _a(f64), _a(f64), _a(f64), _a(f64), _a(
 GUARD_STATE = typeof(GUARD)
 COLL_STATE = typeof(CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)))
 NODE_STATE = typeof(NodeState(
-    _a(u8), Regions(_a(u32), _a(i64), _a(i64), _a(u8)), _a(u64),
+    _a(u8), Regions(_a(u32), _a(i64), _a(i64), _a(u8), _a(u64, 2)), _a(u64),
     DupWindow(_a(u64), _a(u32), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
     CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)),
     _a(u64),
@@ -57,7 +57,7 @@ FAULT_STATE = typeof(FaultState(_a(f64), _a(u64), _a(u64), _a(u32), HOLD_TABLE))
 SERVE_IO = typeof(ServeIO(0, 0, 0, 0, 0, 0, 0, 0, _a(i64), _a(i64)))
 SWITCH_STATE = typeof(SwitchState(
     SwitchPorts(_a(u64), _a(u64), _a(u64), _a(i64)),
-    RegionTable(_a(u64), _a(u64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64)),
+    RegionTable(_a(u64), _a(u64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(u64, 2)),
     Groups(_a(u64), _a(i64), _a(i64), _a(u64)),
     SwitchCounters(_a(u64), _a(u64), _a(u64, 2), _a(u64, 2)),
     LinkFaults(_a(f64, 3), _a(u64), _a(f64), _a(i64), _a(u64), _a(u32), _a(i64, 3), HOLD_TABLE),

@@ -39,6 +39,7 @@ class Regions(NamedTuple):
     base: np.ndarray  # int64
     len: np.ndarray  # int64
     rights: np.ndarray  # uint8
+    tag: np.ndarray  # uint64 (slots, 2): the region's tag key (k0, k1), zeros when untagged (SPEC.md 2.6)
 
 
 class DupWindow(NamedTuple):
@@ -164,6 +165,7 @@ class RegionTable(NamedTuple):
     way0: np.ndarray
     way_node: np.ndarray
     way_local: np.ndarray
+    tag: np.ndarray  # uint64 (regions, 2): a tagged region's key (k0, k1), zeros when untagged
 
 
 class Groups(NamedTuple):
@@ -239,3 +241,4 @@ class GenPlan(NamedTuple):
     ok_off: int  # a reply is good when reply[ok_off] == ok_byte (ok_off < 0: any reply)
     ok_byte: int
     timeout_ns: int
+    tag: np.ndarray  # uint64 [2]: the region's tag key (k0, k1); zeros: requests go unsealed

@@ -34,7 +34,7 @@ from netdam.kernels.fault_hash import (
 from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
 from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated, check_guard
 from netdam.kernels.state import FCLOCK_GEN, FCLOCK_NOW, FK_SEED, RxBatch, SwitchState, TxQueue
-from netdam.kernels.tag import _F_TAGGED, _tagged_length
+from netdam.kernels.tag import TAG, _seal_replies, _tag_ok, _tagged_length
 from netdam.kernels.wire import (
     _ESIZE,
     _IS_REPLY,
@@ -196,7 +196,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
     """Translate/replicate datagrams rx[0:n] into the send queue from tx_n; (tx_n, n_punt)."""
     rx_buf, rx_off, rx_len, rx_src = rx
     cfg, nodes_ep, node_sorted, node_port = st.ports
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local = st.regions
+    reg_tag = st.regions.tag
     grp_key, grp_first, grp_count, grp_member = st.groups
     counters, sw, port_ctr, reg_ctr = st.ctrs
     guard = st.guard
@@ -223,21 +223,30 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
         if tx_n + fanout > cap or tx_off[tx_n] + fanout * _SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
-        # Tags belong to collectives between nodes (SPEC.md 2.6): the switch checks a TAGGED
-        # datagram's structure without its trailer, then refuses it (below).
+        # A TAGGED datagram (SPEC.md 2.6) is checked without its trailer; a pool request to a
+        # tagged region is taken when its tag verifies under the region's key (below), and is
+        # forwarded sealed anew (the switch rewrites its address); any other is refused.
+        full, full_ln = b, ln
         tagged = _tagged_length(b, ln)
         if tagged < 0:
             counters[C.DROP_TRUNCATED] += 1
             continue
-        if tagged < ln:
+        was_tagged = tagged < ln
+        if was_tagged:
             ln = tagged
             b = b[:ln]
         guarded = not from_node and guard.cfg[G_LOCKOUT] != 0.0
+        # A locked-out source's TAGGED pool request is taken when its tag verifies (SPEC.md
+        # 12.3): a guesser sharing (or forging) the address cannot lock out a key holder.
+        locked_tagged = False
         if guarded and src != open_src:
             if _locked(guard, src):
-                counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
-                continue
-            open_src = src  # not locked: stays so within this batch unless it fails a key
+                if not was_tagged:
+                    counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
+                    continue
+                locked_tagged = True
+            else:
+                open_src = src  # not locked: stays so within this batch unless it fails a key
         status = _check_packet(b, ln)
         op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
@@ -251,11 +260,19 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 continue
             tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
-        if _rd16(b, H_FLAGS) & _F_TAGGED:
+        if was_tagged and (_IS_REPLY[op] == 1 or _PUNTED_OPS[op] == 1 or op == _OP_CHAIN_ADD
+                           or _rd16(b, H_FLAGS) & _F_MCAST):  # fmt: skip
+            # Tags here belong to pool requests; a collective's run between nodes.
+            if locked_tagged:
+                counters[C.DROP_LOCKOUT] += 1
+                continue
             if _IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
             tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
+        if locked_tagged and _IS_REPLY[op] == 1:
+            counters[C.DROP_LOCKOUT] += 1
             continue
         if _rd16(b, H_FLAGS) & _F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
             tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
@@ -302,7 +319,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
             need, align = _R_ATOMIC, 8
         else:
             need, align = _R_WRITE, _ESIZE[dtype]
-        if op == _OP_READ and _HDR + length > max_len:
+        if op == _OP_READ and _HDR + length + (TAG if was_tagged else 0) > max_len:
             # The node's answer would not fit the MTU (the node answers the same): a 64-byte
             # NACK, no amplification, so before the token check (SPEC.md 5's order).
             tx_n = _nack(b, src, node_sorted, node_port, _S_TOO_LARGE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
@@ -314,6 +331,24 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 counters[C.DROP_AMPLIFICATION] += 1
                 continue
         status, r, node, local = _lookup(addr, length, _rd32(b, H_RKEY), need, align, st.regions)
+        # A tagged region takes only requests sealed under its key; a tag under any other rkey
+        # proves nothing (BAD_RKEY, as at a node). A wrong tag is dropped without an answer.
+        k0, k1, proven = np.uint64(0), np.uint64(0), False
+        if r >= 0 and status != _S_BAD_RKEY:
+            k0, k1 = reg_tag[r, 0], reg_tag[r, 1]
+            if (k0 | k1) == 0:
+                if was_tagged:
+                    status = _S_BAD_RKEY
+            elif not was_tagged:
+                status = _S_BAD_RKEY
+            elif _tag_ok(full, full_ln, k0, k1):
+                proven = True
+            else:
+                counters[C.DROP_REGION_FORGED] += 1
+                continue
+        if locked_tagged and not proven:
+            counters[C.DROP_LOCKOUT] += 1  # a tag that proves nothing: the lockout holds
+            continue
         if status == _S_BAD_RKEY and guarded:
             _fail(guard, src, counters)
             open_src = np.uint64(0)  # may be locked out now: look its next datagram up again
@@ -322,12 +357,19 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 reg_ctr[r, R_NACKS] += 1
                 if status == _S_SPANS_NODES:
                     reg_ctr[r, R_SPANS] += 1
+            t0 = tx_n
             tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            if proven:
+                _seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
             continue
         t0 = tx_n
         tx_n = _emit_copy(b, ln, src, from_node, nodes_ep[node], node + 1, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n)
         t = tx_buf[tx_off[t0] : tx_off[t0] + _HDR]
         _wr64(t, H_ADDR, local)
+        if proven:
+            # The address is covered: sealed anew under the region's key, which the node holds.
+            _seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
+            port_ctr[node + 1, P_TX_BYTES] += TAG
         sw[SW_FORWARDED] += 1
         reg_ctr[r, R_FORWARDED] += 1
         reg_ctr[r, R_BYTES] += length
@@ -526,7 +568,8 @@ def _lookup(addr, length, rkey, need, align, regions):  # type: ignore[no-untype
     Checks in order: mapped (NO_ROUTE), rkey of that region (BAD_RKEY), rights (NO_RIGHTS),
     region end (OUT_OF_BOUNDS), alignment of the offset (MISALIGNED), stride boundary
     (SPANS_NODES). region is -1 when unmapped; node and local are -1 on any failure."""
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride, reg_ways, reg_way0, way_node, way_local = regions
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride = regions.base, regions.end, regions.rkey, regions.rights, regions.stride
+    reg_ways, reg_way0, way_node, way_local = regions.ways, regions.way0, regions.way_node, regions.way_local
     r = np.int64(np.searchsorted(reg_base, addr, side="right")) - 1
     if r < 0 or r >= reg_base.shape[0] or addr >= reg_end[r]:
         return _S_NO_ROUTE, np.int64(-1), np.int64(-1), np.int64(-1)

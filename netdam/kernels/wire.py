@@ -120,6 +120,12 @@ _FIXED_LENGTH = np.zeros(64, dtype=np.int64)
 _FIXED_SIZE = np.zeros(64, dtype=np.int64)
 
 
+#: A second length (= payload size) a fixed payload may have, 0: none. REGISTER with a region's
+#: tag key (SPEC.md 6.1); protocol/packet.py's _FIXED_PAYLOAD_ALT declares the same.
+_FIXED_ALT = np.zeros(64, dtype=np.int64)
+_FIXED_ALT[Opcode.REGISTER] = 24
+
+
 _IS_REPLY = np.zeros(64, dtype=np.int64)
 
 
@@ -439,7 +445,8 @@ def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
         if length != 0 or size != 0:
             return _S_BAD_LENGTH
     elif length != _FIXED_LENGTH[op] or size != _FIXED_SIZE[op]:
-        return _S_BAD_LENGTH
+        if _FIXED_ALT[op] == 0 or length != _FIXED_ALT[op] or size != _FIXED_ALT[op]:
+            return _S_BAD_LENGTH
     return 0
 
 

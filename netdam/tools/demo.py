@@ -24,7 +24,7 @@ import numpy as np
 from netdam import progress
 from netdam.api import ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
-from netdam.clients.pool import PoolClient
+from netdam.clients.pool import PoolClient, tag_keys_of
 from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.fpga_model import estimate_allreduce_seconds
@@ -107,7 +107,8 @@ def _pool_traffic(cluster: LocalCluster, config: DemoConfig) -> dict[str, object
     size = _round_up(64 * (config.pool_ops + 1), STRIDE)
     region = controller.alloc(size, interleave=STRIDE)
     rng = np.random.default_rng(config.seed)
-    clients = [PoolClient(cluster.switch.vip, mtu=cluster.info.mtu) for _ in range(config.clients)]
+    clients = [PoolClient(cluster.switch.vip, mtu=cluster.info.mtu, tag_keys=tag_keys_of(region))
+               for _ in range(config.clients)]
     counter_addr = region.gaddr
     blocks = [rng.integers(0, 256, 64, dtype=np.uint8).tobytes() for _ in range(config.pool_ops)]
     addrs = [region.gaddr + 64 * (k + 1) for k in range(config.pool_ops)]

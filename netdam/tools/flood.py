@@ -165,7 +165,9 @@ def _setup(cfg: FloodConfig, workdir: Path) -> tuple[Any, Any, Target, int, Endp
     cluster, switch = start_pool_cluster(
         cfg.nodes, memory=8 << 20, cluster_path=workdir / "flood.toml"
     )
-    region = PoolController(cluster.path).alloc(64 << 10)
+    # Untagged (SPEC v1): the flood's valid datagrams name the region by its rkey alone, as any
+    # v1 client's would; a tagged region would refuse them all BAD_RKEY.
+    region = PoolController(cluster.path).alloc(64 << 10, tagged=False)
     node_rank, local = region.locate(0)
     peers = tuple(ep for i, ep in enumerate(cluster.endpoints) if i != node_rank)
     if cfg.target == "switch":

@@ -202,6 +202,7 @@ local COUNTER = {
     [26] = "lockouts",
     [27] = "drop_amplification",
     [28] = "drop_coll_forged",
+    [29] = "drop_region_forged",
 }
 local COUNTER_OPCODE_BASE = 32
 local COUNTER_NACK_BASE = 96
@@ -231,6 +232,10 @@ local FIXED_PAYLOAD = {
     ALLOC = {40, 40},
     FREE = {8, 8},
     QUERY = {8, 8},
+}
+-- A second size a fixed payload may have: REGISTER with a region's tag key (SPEC.md 6.1).
+local FIXED_PAYLOAD_ALT = {
+    REGISTER = {24, 24},
 }
 
 local STATUS_CODE = {}
@@ -335,7 +340,7 @@ field("alloc_credential", ProtoField.uint64("netdam.alloc.credential", "Tenant c
 field("alloc_stride", ProtoField.uint32("netdam.alloc.stride", "Stride", base.DEC))
 field("alloc_ways", ProtoField.uint16("netdam.alloc.ways", "Ways", base.DEC))
 field("alloc_rights", ProtoField.uint8("netdam.alloc.rights", "Rights", base.HEX))
-field("alloc_reserved", ProtoField.uint8("netdam.alloc.reserved", "Reserved", base.HEX))
+field("alloc_flags", ProtoField.uint8("netdam.alloc.flags", "Flags (bit 0 TAGGED)", base.HEX))
 field("alloc_label", ProtoField.string("netdam.alloc.label", "Label"))
 field("pool_credential", ProtoField.uint64("netdam.pool.credential", "Tenant credential", base.HEX))
 field("region_gaddr", ProtoField.uint64("netdam.region.gaddr", "Global address", base.HEX))
@@ -345,7 +350,12 @@ field("region_rkey", ProtoField.uint32("netdam.region.rkey", "Rkey", base.HEX))
 field("region_stride", ProtoField.uint32("netdam.region.stride", "Stride", base.DEC))
 field("region_ways", ProtoField.uint16("netdam.region.ways", "Ways", base.DEC))
 field("region_rights", ProtoField.uint8("netdam.region.rights", "Rights", base.HEX))
+field("region_flags", ProtoField.uint8("netdam.region.flags", "Flags (bit 0 TAGGED)", base.HEX))
 field("region_label", ProtoField.string("netdam.region.label", "Label"))
+field("region_tag_k0", ProtoField.uint64("netdam.region.tag_k0", "Tag key k0", base.HEX))
+field("region_tag_k1", ProtoField.uint64("netdam.region.tag_k1", "Tag key k1", base.HEX))
+field("reg_tag_k0", ProtoField.uint64("netdam.register.tag_k0", "Tag key k0", base.HEX))
+field("reg_tag_k1", ProtoField.uint64("netdam.register.tag_k1", "Tag key k1", base.HEX))
 field("region_way", ProtoField.bytes("netdam.region.way", "Way"))
 field("way_node", ProtoField.uint32("netdam.region.way.node", "Node rank", base.DEC))
 field("way_local", ProtoField.uint64("netdam.region.way.local", "Local address", base.HEX))
@@ -663,7 +673,8 @@ local function validate(tvb)
         end
     else
         local want = FIXED_PAYLOAD[name]
-        if length ~= want[1] or size ~= want[2] then
+        local alt = FIXED_PAYLOAD_ALT[name]
+        if (length ~= want[1] or size ~= want[2]) and not (alt and length == alt[1] and size == alt[2]) then
             return fail("BAD_LENGTH", string.format(
                 "%s needs length %d and a payload of %d bytes (got length %d, %d bytes)",
                 name, want[1], want[2], length, size), 28, 4)
@@ -762,6 +773,11 @@ local function dissect_payload(tree, tvb, pinfo, name, poff, size)
         ptree:add_le(F.reg_rkey, tvb(poff, 4))
         local r = ptree:add_le(F.reg_rights, tvb(poff + 4, 4))
         for _, f in ipairs(RIGHT_FIELDS) do r:add_le(f, tvb(poff + 4, 4)) end
+        if size == 24 then
+            local key = poff + 8 -- a tagged region's key (SPEC.md 6.1)
+            ptree:add_le(F.reg_tag_k0, tvb(key, 8))
+            ptree:add_le(F.reg_tag_k1, tvb(key + 8, 8))
+        end
     elseif name == "DEREGISTER" then
         ptree:add_le(F.dereg_rkey, tvb(poff, 4))
         ptree:add_le(F.dereg_reserved, tvb(poff + 4, 4))
@@ -772,11 +788,11 @@ local function dissect_payload(tree, tvb, pinfo, name, poff, size)
         ptree:add_le(F.alloc_stride, tvb(poff + 16, 4))
         ptree:add_le(F.alloc_ways, tvb(poff + 20, 2))
         ptree:add_le(F.alloc_rights, tvb(poff + 22, 1))
-        ptree:add_le(F.alloc_reserved, tvb(poff + 23, 1))
+        ptree:add_le(F.alloc_flags, tvb(poff + 23, 1))
         ptree:add(F.alloc_label, tvb(poff + 24, 16), tvb(poff + 24, 16):stringz())
     elseif (name == "FREE" or name == "QUERY") and size == 8 then
         ptree:add_le(F.pool_credential, tvb(poff, 8))
-    elseif name == "ACK" and size >= 56 and (size - 56) % 24 == 0
+    elseif name == "ACK" and size >= 56 and ((size - 56) % 24 == 0 or (size - 72) % 24 == 0)
         and tvb(poff, 8):le_uint64() == tvb(32, 8):uint64()
         and tvb(poff + 24, 4):le_uint() == tvb(24, 4):uint() then
         -- The region record of an ALLOC/FREE/QUERY answer: its gaddr and rkey are the header's.
@@ -789,7 +805,14 @@ local function dissect_payload(tree, tvb, pinfo, name, poff, size)
         ptree:add_le(F.region_stride, tvb(poff + 28, 4))
         ptree:add_le(F.region_ways, tvb(poff + 32, 2))
         ptree:add_le(F.region_rights, tvb(poff + 34, 1))
+        ptree:add_le(F.region_flags, tvb(poff + 35, 1))
         ptree:add(F.region_label, tvb(poff + 40, 16), tvb(poff + 40, 16):stringz())
+        local tagged = band(tvb(poff + 35, 1):uint(), 1) == 1
+        if tagged and size >= 72 + 24 * ways then
+            local key = poff + 56 + 24 * ways -- the tag key follows the ways
+            ptree:add_le(F.region_tag_k0, tvb(key, 8))
+            ptree:add_le(F.region_tag_k1, tvb(key + 8, 8))
+        end
         for k = 0, math.min(ways, math.floor((size - 56) / 24)) - 1 do
             local w = poff + 56 + 24 * k
             local wt = ptree:add(F.region_way, tvb(w, 24))

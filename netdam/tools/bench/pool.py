@@ -41,7 +41,7 @@ from netdam.cli.common import CommandError, ExitCode, emit, size_arg, writable_o
 from netdam.kernels import pool_gen as G
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import GenPlan, RxBatch, TimeWindow
-from netdam.protocol.constants import DType, Flags, Opcode
+from netdam.protocol.constants import TAG_SIZE, DType, Flags, Opcode
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import (
@@ -78,6 +78,8 @@ class PoolBenchConfig:
     max_generators: int = 4
     timeout_ms: float = 50.0
     memcached: str | None = None  # path; None: look on PATH
+    #: A region of SPEC v1 before tags (its rkey alone opens it): what tags cost, by difference.
+    untagged: bool = False
 
 
 class _Failure(NetdamError):
@@ -102,7 +104,8 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
         hist = np.zeros(G.HIST_BINS, np.int64)
         templates = np.zeros((1, 128), np.uint8)
         if role == "gen":
-            G.gen_run(fd, GenPlan(templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0, 1),
+            G.gen_run(fd, GenPlan(templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0, 1,
+                                  np.zeros(2, np.uint64)),
                        TimeWindow(0, 0, 0), RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts,
                        hist)  # fmt: skip
         else:
@@ -120,14 +123,17 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
                 rows = cmd["templates"]
                 if cmd.get("token_from"):
                     rows = _with_token(rows, _validation_token(sock, int(cmd["token_from"])))
-                width = max(len(r) for r in rows)
+                tag = np.frombuffer(bytes.fromhex(cmd.get("tag_key", "")) or bytes(16), "<u8").copy()
+                # Room for the tag only when sealing: slots as long as their datagrams lie back to
+                # back, which lets a batch to one destination leave as one GSO send.
+                width = max(len(r) for r in rows) + (TAG_SIZE if tag.any() else 0)
                 templates = np.zeros((len(rows), width), np.uint8)
                 t_len = np.zeros(len(rows), np.int64)
                 for k, r in enumerate(rows):
                     templates[k, : len(r)] = np.frombuffer(r, np.uint8)
                     t_len[k] = len(r)
                 plan = GenPlan(templates, t_len, len(rows), cmd["window"], np.uint64(cmd["dst"]), cmd["id_off"],
-                               cmd["id_bytes"], cmd["ok_off"], cmd["ok_byte"], int(cmd["timeout_ns"]))  # fmt: skip
+                               cmd["id_bytes"], cmd["ok_off"], cmd["ok_byte"], int(cmd["timeout_ns"]), tag)  # fmt: skip
                 G.gen_run(fd, plan, TimeWindow(cmd["t_start"], cmd["t_end"], cmd["t_stop"]),
                            RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts, hist)  # fmt: skip
                 nz = np.nonzero(hist)[0]
@@ -293,6 +299,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
         "ok": False, "netdam_ops": None, "memcached_ops": None, "ratio": None, "generator_ops": None,
         "generators": None, "window": cfg.window, "seconds": cfg.seconds, "warmup_seconds": cfg.warmup,
         "nodes": cfg.nodes, "interleave_bytes": cfg.interleave, "valid": False, "results": {},
+        "tagged": not cfg.untagged,
         "startup_seconds": None, "machine": machine_info(),
     }  # fmt: skip
     memcached = cfg.memcached or shutil.which("memcached")
@@ -313,7 +320,8 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
             from netdam.switch.controller import PoolController
 
             pool, switch = start_pool_cluster(cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml")
-            region = PoolController(pool.path).alloc(4 << 20, interleave=cfg.interleave)
+            region = PoolController(pool.path).alloc(4 << 20, interleave=cfg.interleave, tagged=not cfg.untagged)
+            key = region.tag_key
             echo = _Child(ctx, "echo")
             children.append(echo)
             gens = [_Child(ctx, "gen") for _ in range(cfg.max_generators)]
@@ -328,7 +336,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
             echo_ep = endpoint_to_u64((LOOPBACK, echo.info["port"]))
 
             def phase(name: str, n_gens: int, rows_for: Any, dst: int, id_off: int, id_bytes: int,
-                      ok_off: int, ok_byte: int, validate: bool = False) -> dict[str, Any]:  # fmt: skip
+                      ok_off: int, ok_byte: int, validate: bool = False, tag_key: bytes = b"") -> dict[str, Any]:  # fmt: skip
                 now = time.monotonic_ns()
                 t_start = now + int(0.1e9) + int(cfg.warmup * 1e9)
                 t_end = t_start + int(cfg.seconds * 1e9)
@@ -341,7 +349,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                         "templates": rows_for(g), "window": per, "dst": dst, "id_off": id_off,
                         "id_bytes": id_bytes, "ok_off": ok_off, "ok_byte": ok_byte, "t_start": t_start,
                         "t_end": t_end, "t_stop": t_stop, "timeout_ns": cfg.timeout_ms * 1e6,
-                        "token_from": dst if validate else 0,
+                        "token_from": dst if validate else 0, "tag_key": tag_key.hex(),
                     }))  # fmt: skip
                 budget = (t_stop - now) / 1e9 + PHASE_GRACE_S
                 reports = [gens[g].expect("done", budget) for g in range(n_gens)]
@@ -367,13 +375,15 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                     base = 0x7E570000 + (attempt << 12) + (phase_no << 4)
                     return lambda g: _netdam_templates(op, size, region.gaddr, region.rkey, region.size, base + g)
 
-                results["echo"] = phase("echo", n_gens, nd(Opcode.READ, 64, 1), echo_ep, 12, 4, -1, 0)
+                results["echo"] = phase("echo", n_gens, nd(Opcode.READ, 64, 1), echo_ep, 12, 4, -1, 0, tag_key=key)
                 results["read_64"] = phase("read_64", n_gens, nd(Opcode.READ, 64, 2), vip, 12, 4, 1,
-                                           int(Opcode.READ_RESP), validate=True)  # fmt: skip
+                                           int(Opcode.READ_RESP), validate=True, tag_key=key)  # fmt: skip
                 results["read_4096"] = phase("read_4096", n_gens, nd(Opcode.READ, 4096, 3), vip, 12, 4, 1,
-                                             int(Opcode.READ_RESP), validate=True)  # fmt: skip
-                results["write_64"] = phase("write_64", n_gens, nd(Opcode.WRITE, 64, 4), vip, 12, 4, 1, int(Opcode.ACK))
-                results["write_4096"] = phase("write_4096", n_gens, nd(Opcode.WRITE, 4096, 5), vip, 12, 4, 1, int(Opcode.ACK))
+                                             int(Opcode.READ_RESP), validate=True, tag_key=key)  # fmt: skip
+                results["write_64"] = phase("write_64", n_gens, nd(Opcode.WRITE, 64, 4), vip, 12, 4, 1, int(Opcode.ACK),
+                                            tag_key=key)  # fmt: skip
+                results["write_4096"] = phase("write_4096", n_gens, nd(Opcode.WRITE, 4096, 5), vip, 12, 4, 1,
+                                              int(Opcode.ACK), tag_key=key)  # fmt: skip
                 if mc_port is not None:
                     results["memcached_get_64"] = phase("memcached", n_gens, lambda g: _memcached_get(),
                                                         endpoint_to_u64((LOOPBACK, mc_port)), 0, 2, 8, ord("V"))  # fmt: skip
@@ -466,7 +476,8 @@ def phase_table(results: dict[str, dict[str, Any]], wrong: bool = False) -> list
 
 def format_text(res: dict[str, Any]) -> str:
     lines = [f"netdam bench pool: {res['seconds']} s per phase, window {res['window']}, "
-             f"{res['generators']} generator process(es), {res['nodes']} nodes + switch"]  # fmt: skip
+             f"{res['generators']} generator process(es), {res['nodes']} nodes + switch, "
+             f"{'tagged' if res['tagged'] else 'untagged'} region"]  # fmt: skip
     lines += phase_table(res["results"])
     ratio = "-" if res["ratio"] is None else f"{res['ratio']:.3f}"
     lines.append(f"  ratio netdam READ 64 / memcached GET 64: {ratio}; valid {'yes' if res['valid'] else 'NO'}")
@@ -499,6 +510,9 @@ def register_pool_bench(benches: Any) -> None:
     parser.add_argument("--generators", type=int, default=1, help="generator processes to start with")
     parser.add_argument("--max-generators", type=int, default=4, help="most generator processes (4)")
     parser.add_argument("--memcached", default=None, help="memcached binary (default: from PATH)")
+    parser.add_argument("--untagged", action="store_true",
+                        help="an untagged region (SPEC v1): requests and replies go unsealed, to measure "
+                        "what tags cost (SPEC 2.6)")  # fmt: skip
     parser.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
                         help="draw ops/s and latency per phase, netdam beside memcached (needs the "
                         "[plot] extra: matplotlib)")  # fmt: skip
@@ -514,7 +528,8 @@ def register_pool_bench(benches: Any) -> None:
         plt = plotting.pyplot() if args.plot else None  # before the run: a missing extra is usage
         cfg = PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
                               nodes=args.nodes, interleave=args.interleave, generators=args.generators,
-                              max_generators=args.max_generators, memcached=args.memcached)  # fmt: skip
+                              max_generators=args.max_generators, memcached=args.memcached,
+                              untagged=args.untagged)  # fmt: skip
         try:
             result, code = run_pool_bench(cfg)
         except ValueError as exc:

@@ -87,12 +87,13 @@ async def _client_phase(pool: Any, client: int, base: int, slots: int, rkey: int
         slot = (slot + 1) % slots
 
 
-async def _run(cfg: AsyncPoolBenchConfig, vip: tuple[str, int], gaddr: int, rkey: int) -> dict[str, Any]:
+async def _run(cfg: AsyncPoolBenchConfig, vip: tuple[str, int], gaddr: int, rkey: int,
+               tag_key: bytes) -> dict[str, Any]:  # fmt: skip
     # Imported here: asyncio-dgram, loaded only by the asyncio benchmark.
     from netdam.clients.async_pool import AsyncPoolClient
 
     slots = cfg.slice_bytes // 4096
-    pools = [await AsyncPoolClient.open(vip, window=1) for _ in range(cfg.clients)]
+    pools = [await AsyncPoolClient.open(vip, window=1, tag_keys={rkey: tag_key}) for _ in range(cfg.clients)]
     try:
         # The patterns every READ is checked against, written once (not timed).
         await asyncio.gather(*(
@@ -143,7 +144,7 @@ def run_async_pool_bench(cfg: AsyncPoolBenchConfig) -> tuple[dict[str, Any], int
             pool, switch = start_pool_cluster(cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml")
             region = PoolController(pool.path).alloc(cfg.clients * cfg.slice_bytes, interleave=cfg.interleave)
             res["startup_seconds"] = round(time.monotonic() - t0, 3)
-            res["results"] = asyncio.run(_run(cfg, switch.vip, region.gaddr, region.rkey))
+            res["results"] = asyncio.run(_run(cfg, switch.vip, region.gaddr, region.rkey, region.tag_key))
         except (OSError, RuntimeError, ValueError) as exc:
             res["error"] = f"{type(exc).__name__}: {exc}"
             return res, 3

@@ -33,12 +33,13 @@ from netdam.protocol.constants import (
     Status,
 )
 from netdam.protocol.errors import RemoteProtocolError
-from netdam.protocol.layout import H_SEG_COUNT, HEADER
+from netdam.protocol.layout import ALLOC, H_SEG_COUNT, HEADER
 from netdam.protocol.packet import (
     Packet,
     decode_packet,
     endpoint_to_u64,
 )
+from netdam.protocol.payloads import ALLOC_TAGGED
 from netdam.tools.fuzz.generator import (
     _ESIZE,
     _WINDOWED,
@@ -131,23 +132,32 @@ class Oracle:
             else:
                 out.nack(process, int(exc.status))
             return None
+        if packet.flags & Flags.TAGGED and not packet.coll_id and self.layout.target != "switch":
+            # Under no tagged region's rkey (the fuzzer's regions are untagged): a wrong key,
+            # never executed; a reply is never answered.
+            if packet.opcode in REPLY_OPCODES:
+                out.drop(process, C.DROP_BAD_REPLY)
+            else:
+                out.nack(process, Status.BAD_RKEY)
+            return None
         if count:
             out.events.append((process, EV_OP, int(packet.opcode)))
         return packet
 
     def _tag_checks(self, process: int, data: bytes, out: Outcome) -> bool:
         """SPEC.md 2.6 for a TAGGED datagram from the fuzzer, which holds no collective's key:
-        too short for its tag, dropped as truncated; at a node, one of no collective is dropped
-        as forged, and one of a collective not started there (none ever is, here) goes on
-        only as CHAIN_ADD, ALL_WRITE or READ (BUSY or dropped: never executed). True: go on."""
+        too short for its tag, dropped as truncated; at a node, one of no collective goes on to
+        the structural checks and is then refused BAD_RKEY (it names no tagged region: the
+        fuzzer's are untagged), and one of a collective not started there (none ever is, here)
+        goes on only as CHAIN_ADD, ALL_WRITE or READ (BUSY or dropped: never executed). True:
+        go on."""
         if len(data) < HEADER_SIZE + SEGMENT_SIZE * data[H_SEG_COUNT] + TAG_SIZE:
             out.drop(process, C.DROP_TRUNCATED)
             return False
         if self.layout.target == "switch":
             return True  # structure first, then refused (_at_switch)
         if HEADER.read(data, "coll_id") == 0:
-            out.drop(process, C.DROP_COLL_FORGED)
-            return False
+            return True
         if data[O_OPCODE] not in (Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ):
             out.drop(process, C.DROP_COLL_EARLY)
             return False
@@ -281,9 +291,9 @@ class Oracle:
             out.nack(sw, Status.UNAUTHORIZED)
             return
         if op in POOL_OPCODES:
-            # SPEC.md 11.9's order: a wrong admin key, ALLOC's reserved byte, then the caller,
-            # who never holds the admin key nor a tenant's credential here.
-            if packet.rkey == 0 and op == Opcode.ALLOC and packet.payload[23] != 0:
+            # SPEC.md 11.9's order: a wrong admin key, ALLOC's undefined flags, then the
+            # caller, who never holds the admin key nor a tenant's credential here.
+            if packet.rkey == 0 and op == Opcode.ALLOC and ALLOC.read(packet.payload, "flags") & ~ALLOC_TAGGED:
                 out.nack(sw, Status.BAD_FIELD)
             else:
                 out.nack(sw, Status.UNAUTHORIZED)

@@ -212,7 +212,7 @@ class SoakClient:
         self.settings = settings
         self.rng = seeded(plan.seed, plan.index, 0x50A4)
         self.pool = PoolClient(settings.vip, client_id=plan.client_id, timeout=settings.timeout_s,
-                               retries=settings.retries, window=32)  # fmt: skip
+                               retries=settings.retries, window=32, tag_keys=plan.tag_keys())  # fmt: skip
         self.probe = ProbeSocket(self.pool.sock, settings.reply_faults)
         self.pool.sock = cast(socket.socket, self.probe)
         self.book = BlockBook(len(plan.blocks))

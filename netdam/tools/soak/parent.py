@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from netdam.clients.pool import PoolClient, PoolError
+from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
 from netdam.cluster.clusterfile import load_cluster, require_switch
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.faults import FaultSpec
@@ -186,7 +186,7 @@ def _allocate(controller: PoolController, config: SoakConfig, nodes: int, alloca
     counter_node = counter.locate(counter_addr - counter.gaddr)[0]
     plans = [ClientPlan(k, ids[k], config.seed, r.gaddr, r.rkey, r.size, r.stride, len(r.ways),
                         tuple(layout_blocks(r.size, r.stride, rng)), counter_addr, counter.rkey,
-                        tuple(w.node for w in r.ways), counter_node)
+                        tuple(w.node for w in r.ways), counter_node, r.tag_key, counter.tag_key)
              for k, r in enumerate(regions)]  # fmt: skip
     return SoakLayout(plans, regions, counter, counter_addr)
 
@@ -276,7 +276,7 @@ def _verify(pool: _Pool, layout: SoakLayout, reports: list[ClientReport], settin
     """Read every block back (checked into each client's book), then the counter."""
     check = FinalCheck()
     with PoolClient(pool.vip, client_id=verifier_id, timeout=settings.timeout_s, retries=settings.retries,
-                    window=32) as client:  # fmt: skip
+                    window=32, tag_keys=tag_keys_of(*layout.regions, layout.counter_region)) as client:  # fmt: skip
         for plan, report in zip(layout.plans, reports, strict=True):
             _verify_region(client, plan, report.book, check)
         try:
@@ -341,7 +341,8 @@ def _settings(config: SoakConfig, vip: Endpoint) -> ClientSettings:
 
 
 def _reset_counter(pool: _Pool, layout: SoakLayout, settings: ClientSettings, verifier_id: int) -> int:
-    with PoolClient(pool.vip, client_id=verifier_id, timeout=settings.timeout_s, retries=settings.retries) as client:
+    with PoolClient(pool.vip, client_id=verifier_id, timeout=settings.timeout_s, retries=settings.retries,
+                    tag_keys=tag_keys_of(layout.counter_region)) as client:  # fmt: skip
         try:
             client.write(layout.counter_addr, bytes(8), layout.counter_region.rkey)
             return int.from_bytes(client.read(layout.counter_addr, 8, layout.counter_region.rkey), "little")

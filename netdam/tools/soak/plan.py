@@ -118,6 +118,14 @@ class ClientPlan:
     counter_rkey: int
     way_nodes: tuple[int, ...] = ()  # rank of each way of the region
     counter_node: int = -1
+    #: Tag keys of the region and of the counter's (SPEC.md 2.6), b"": untagged.
+    tag_key: bytes = b""
+    counter_tag_key: bytes = b""
+
+    def tag_keys(self) -> dict[int, bytes]:
+        """rkey -> tag key, for the client's PoolClient."""
+        keys = {self.rkey: self.tag_key, self.counter_rkey: self.counter_tag_key}
+        return {rkey: key for rkey, key in keys.items() if key}
 
     def node_of(self, addr: int) -> int:
         """Rank of the node holding global address *addr* (-1: unknown)."""

@@ -1,0 +1,227 @@
+"""Tagged regions (SPEC.md 2.6, "Region tags"): a region registered with a tag key takes only
+datagrams sealed under it, seals what it answers, and a guesser cannot lock its users out.
+
+On one node core with a hand clock: every request here is one datagram in, its answers out.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
+from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import start_pool_cluster
+from netdam.core.guard import GuardConfig
+from netdam.core.node import NodeConfig, NodeCore
+from netdam.protocol import counters as C
+from netdam.protocol.constants import (
+    LOCKOUT_BURST,
+    RIGHTS_ALL,
+    DType,
+    Flags,
+    Opcode,
+    Rights,
+    Status,
+)
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.payloads import pack_register, pack_u64, unpack_u64
+from netdam.protocol.tag import seal, verify
+from netdam.switch.controller import PoolController
+
+ME: Endpoint = ("10.0.0.1", 7000)
+CLIENT: Endpoint = ("10.0.0.9", 5000)
+ADMIN = 0xAD
+KEY = bytes(range(16))
+RKEY = 0x600D_F00D
+KiB = 1024
+
+
+def tagged_node(guard: bool = False) -> NodeCore:
+    core = NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN,
+                               guard=GuardConfig.on() if guard else GuardConfig()))  # fmt: skip
+    core.register_region(0, 4096, RIGHTS_ALL, rkey=RKEY, tag_key=KEY)
+    return core
+
+
+def exchange(core: NodeCore, data: bytes, src: Endpoint = CLIENT, now: float = 0.0) -> list[bytes]:
+    core.receive_datagram(data, src, now)
+    return [d for d, _ in core.datagrams_to_send(now)]
+
+
+def write(addr: int, data: bytes, txn: int = 1, rkey: int = RKEY) -> Packet:
+    return Packet(Opcode.WRITE, flags=Flags.ACK_REQ, client_id=7, txn_id=txn, rkey=rkey, addr=addr,
+                  length=len(data), payload=data)  # fmt: skip
+
+
+def read(addr: int, length: int, txn: int = 1, rkey: int = RKEY) -> Packet:
+    return Packet(Opcode.READ, client_id=7, txn_id=txn, rkey=rkey, addr=addr, length=length)
+
+
+def test_a_tagged_region_executes_sealed_requests_and_seals_its_answers() -> None:
+    core = tagged_node()
+    [ack] = exchange(core, seal(KEY, encode_packet(write(64, b"\x11" * 32, txn=1))))
+    assert verify(KEY, ack) and decode_packet(ack).opcode == Opcode.ACK
+    [resp] = exchange(core, seal(KEY, encode_packet(read(64, 32, txn=2))))
+    assert verify(KEY, resp) and decode_packet(resp).payload == b"\x11" * 32
+    fa = Packet(Opcode.FETCH_ADD, client_id=7, txn_id=3, rkey=RKEY, addr=128, length=8, dtype=DType.U64,
+                payload=pack_u64(5))  # fmt: skip
+    [old] = exchange(core, seal(KEY, encode_packet(fa)))
+    assert verify(KEY, old) and unpack_u64(decode_packet(old).payload) == 0
+    # A retry is answered from the duplicate window, sealed again, and not executed twice.
+    [again] = exchange(core, seal(KEY, encode_packet(fa)))
+    assert verify(KEY, again) and int(np.frombuffer(core.memory[128:136], "<u8")[0]) == 5
+
+
+def test_the_rkey_alone_no_longer_reads_or_writes_a_tagged_region() -> None:
+    core = tagged_node()
+    core.memory[:32] = 0x42
+    [nack] = exchange(core, encode_packet(write(0, b"\x00" * 32)))
+    assert decode_packet(nack).status == Status.BAD_RKEY and bytes(core.memory[:32]) == b"\x42" * 32
+    [nack] = exchange(core, encode_packet(read(0, 32, txn=2)))
+    assert decode_packet(nack).status == Status.BAD_RKEY
+
+
+def test_a_made_up_tag_is_dropped_and_counted() -> None:
+    core = tagged_node()
+    core.memory[:32] = 0x42
+    wrong = bytes(16 - i for i in range(16))
+    assert exchange(core, seal(wrong, encode_packet(write(0, b"\x00" * 32)))) == []
+    assert exchange(core, seal(wrong, encode_packet(read(0, 32, txn=2)))) == []
+    assert bytes(core.memory[:32]) == b"\x42" * 32
+    assert C.counters_to_dict(core.counters)["drop_region_forged"] == 2
+
+
+def test_a_tag_under_no_tagged_regions_rkey_is_a_wrong_key() -> None:
+    """TAGGED naming an untagged region (or none) executes nothing: BAD_RKEY, unsealed."""
+    core = tagged_node()
+    core.register_region(4096, 4096, RIGHTS_ALL, rkey=0x0BAD)
+    core.memory[4096:4128] = 0x42
+    for rkey in (0x0BAD, 0x7777):
+        [nack] = exchange(core, seal(KEY, encode_packet(write(4096, b"\x00" * 32, rkey=rkey))))
+        assert decode_packet(nack).status == Status.BAD_RKEY and not decode_packet(nack).flags & Flags.TAGGED
+    assert bytes(core.memory[4096:4128]) == b"\x42" * 32
+
+
+def test_a_tag_covers_the_address_and_the_transaction() -> None:
+    """A sealed request with its address or txn id changed afterwards is dropped."""
+    core = tagged_node()
+    sealed = bytearray(seal(KEY, encode_packet(write(64, b"\x11" * 32))))
+    moved = bytearray(sealed)
+    moved[39] ^= 0x40  # addr's low byte (big-endian u64 at 32)
+    assert exchange(core, bytes(moved)) == []
+    sealed[15] ^= 1  # txn_id's low byte
+    assert exchange(core, bytes(sealed)) == []
+    assert not core.memory[:4096].any()
+
+
+def test_register_takes_a_tag_key_over_the_wire_and_deregister_drops_it() -> None:
+    core = NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN))
+    admin: Endpoint = ("10.0.0.2", 6000)
+    payload = pack_register(0, int(RIGHTS_ALL), KEY)
+    [ack] = exchange(core, encode_packet(Packet(Opcode.REGISTER, rkey=ADMIN, addr=0, aux_addr=4096,
+                                                length=len(payload), payload=payload)), admin)  # fmt: skip
+    rkey = decode_packet(ack).rkey
+    [nack] = exchange(core, encode_packet(read(0, 8, rkey=rkey)))
+    assert decode_packet(nack).status == Status.BAD_RKEY
+    [resp] = exchange(core, seal(KEY, encode_packet(read(0, 8, txn=2, rkey=rkey))))
+    assert verify(KEY, resp) and decode_packet(resp).opcode == Opcode.READ_RESP
+    zero_key = pack_register(0, int(RIGHTS_ALL)) + bytes(16)  # all zeros is no key
+    [nack] = exchange(core, encode_packet(Packet(Opcode.REGISTER, rkey=ADMIN, addr=8192, aux_addr=4096, txn_id=9,
+                                                 length=len(zero_key), payload=zero_key)), admin)  # fmt: skip
+    assert decode_packet(nack).status == Status.BAD_FIELD
+    core.deregister_region(rkey)
+    core.register_region(0, 4096, RIGHTS_ALL, rkey=rkey)  # the same rkey, untagged now
+    [resp] = exchange(core, encode_packet(read(0, 8, txn=3, rkey=rkey)))
+    assert decode_packet(resp).opcode == Opcode.READ_RESP
+
+
+def test_a_members_only_region_takes_no_tag_key() -> None:
+    core = NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN))
+    with pytest.raises(ValueError, match="BAD_FIELD"):
+        core.register_region(0, 4096, Rights.READ | Rights.MEMBERS, tag_key=KEY)
+
+
+def test_a_guesser_on_the_same_address_cannot_lock_a_tagged_client_out() -> None:
+    """SPEC.md 12.3: the lockout holds every untagged datagram of the address, and a tagged one
+    whose tag is wrong; a right tag proves the key, so its sender goes on."""
+    core = tagged_node(guard=True)
+    guesser: Endpoint = (CLIENT[0], 5999)  # another socket of the same address
+    for k in range(LOCKOUT_BURST + 5):
+        exchange(core, encode_packet(read(0, 8, txn=k, rkey=RKEY ^ 1)), guesser)
+    assert exchange(core, encode_packet(read(0, 8, txn=1, rkey=RKEY ^ 1)), guesser) == []  # locked out
+    for txn in range(2, 22):
+        [ack] = exchange(core, seal(KEY, encode_packet(write(0, txn.to_bytes(8, "little"), txn=txn))), CLIENT, 0.1)
+        assert verify(KEY, ack) and decode_packet(ack).opcode == Opcode.ACK
+    assert exchange(core, seal(bytes(16), encode_packet(read(0, 8, txn=40))), CLIENT, 0.1) == []
+    assert exchange(core, encode_packet(read(0, 8, txn=41)), CLIENT, 0.1) == []
+    counters = C.counters_to_dict(core.counters)
+    assert counters["lockouts"] == 1 and counters["drop_lockout"] >= 3  # type: ignore[operator]
+
+
+@pytest.mark.slow
+def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_path: Path) -> None:
+    """Issue "lockout is a weapon": every local client sends from 127.0.0.1, so wrong keys from
+    any socket locked every other local client out. A tagged client goes on at >= 99% during the
+    flood (at the switch and at a node); an untagged one on the same address is locked out, as
+    SPEC 12.3 says it still is."""
+    cluster, switch = start_pool_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml")
+    try:
+        ctl = PoolController(cluster.path)
+        tagged = ctl.alloc(16 * KiB, interleave=8 * KiB)
+        untagged = ctl.alloc(4 * KiB, tagged=False)
+        stop = threading.Event()
+        sent = [0]
+
+        def flood() -> None:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                targets = [switch.vip, *cluster.endpoints]
+                k = 0
+                while not stop.is_set():
+                    guess = encode_packet(Packet(Opcode.READ, client_id=1, txn_id=k, rkey=(k * 2654435761) & 0xFFFFFFFF | 1,
+                                                 addr=tagged.gaddr, length=8))  # fmt: skip
+                    sock.sendto(guess, targets[k % len(targets)])
+                    k += 1
+                sent[0] = k
+
+        attacker = threading.Thread(target=flood, daemon=True)
+        attacker.start()
+        time.sleep(0.3)  # the address is locked out by now
+        done = failed = 0
+        with PoolClient(switch.vip, timeout=0.05, retries=20, tag_keys=tag_keys_of(tagged)) as client:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                payload = done.to_bytes(8, "little")
+                try:
+                    client.write(tagged.gaddr + 8 * (done % 512), payload, tagged.rkey, stride=tagged.stride)
+                    ok = client.read(tagged.gaddr + 8 * (done % 512), 8, tagged.rkey, stride=tagged.stride) == payload
+                except PoolError:
+                    ok = False
+                done += 1
+                failed += not ok
+        with PoolClient(switch.vip, timeout=0.05, retries=2) as plain:
+            locked = 0
+            for k in range(10):
+                try:
+                    plain.write(untagged.gaddr, k.to_bytes(8, "little"), untagged.rkey)
+                except PoolError:
+                    locked += 1
+        stop.set()
+        attacker.join()
+        assert sent[0] > 5000, sent  # a real flood
+        assert done > 100 and failed <= done // 100, (done, failed)
+        assert locked >= 8, locked  # the untagged client on the same address: locked out
+        # The admin's control opcodes keep the per-address lockout (SPEC 12.3): ask from another
+        # loopback address while 127.0.0.1 is still locked out.
+        with ControlClient(admin_key=cluster.info.admin_key, bind="127.0.0.3") as admin:
+            switch_ctr = C.counters_to_dict(admin.counters(switch.entry.control_endpoint))
+        assert switch_ctr["lockouts"] >= 1 and switch_ctr["drop_lockout"] > 100  # type: ignore[operator]
+    finally:
+        switch.stop()
+        cluster.stop()
