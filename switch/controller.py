@@ -434,7 +434,9 @@ def _unproven(answer: int) -> PoolReply:
                      "PING the VIP, send its token in aux_addr (SPEC 12.4)")  # fmt: skip
 
 
-class _NodeRefused(Exception):
+class _NodeRefused(NetdamError):
+    """A node refused (or could not take) a region's backing: the ALLOC is NACKed with *status*."""
+
     def __init__(self, status: Status, message: str) -> None:
         super().__init__(message)
         self.status = status

@@ -272,6 +272,18 @@ def test_a_tagged_region_through_the_vip_takes_only_sealed_requests(pool: Pool) 
     with PoolClient(pool.switch.vip, timeout=0.05, retries=1, tag_keys={region.rkey: wrong}) as forger:
         with pytest.raises(PoolError, match="no answer"):
             forger.write(region.gaddr, b"\0" * 64, region.rkey)
+
+    async def asyncio_clients() -> None:
+        async with await AsyncPoolClient.open(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
+            assert await client.read(region.gaddr, 64, region.rkey) == data[:64]
+        async with await AsyncPoolClient.open(pool.switch.vip, retries=1) as keyless:
+            with pytest.raises(PoolError, match="BAD_RKEY"):
+                await keyless.read(region.gaddr, 64, region.rkey)
+        async with await AsyncPoolClient.open(pool.switch.vip, retries=1, tag_keys={region.rkey: wrong}) as forger:
+            with pytest.raises(PoolError, match="tag key"):
+                await forger.write(region.gaddr, b"\0" * 64, region.rkey)
+
+    asyncio.run(asyncio_clients())
     way = region.ways[0]
     with ControlClient() as direct, pytest.raises(ControlError, match="BAD_RKEY"):
         direct.read(pool.cluster.endpoints[way.node], region.rkey, way.local, 8)

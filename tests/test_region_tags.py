@@ -32,7 +32,9 @@ from netdam.protocol.constants import (
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import pack_register, pack_u64, unpack_u64
 from netdam.protocol.tag import seal, verify
+from netdam.switch.addrmap import GLOBAL_BASE, Region, Way
 from netdam.switch.controller import PoolController
+from netdam.switch.core import SwitchConfig, SwitchCore
 
 ME: Endpoint = ("10.0.0.1", 7000)
 CLIENT: Endpoint = ("10.0.0.9", 5000)
@@ -225,3 +227,41 @@ def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_
     finally:
         switch.stop()
         cluster.stop()
+
+
+def test_a_sealed_answer_fits_the_mtu_with_its_tag() -> None:
+    """A READ whose sealed answer would pass the MTU is TOO_LARGE (sealed), not sent and lost
+    (EMSGSIZE): at MTU 1500 a tagged region answers 1400 bytes, not 1408 (SPEC.md 2.6)."""
+    core = NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN, mtu=1500))
+    core.register_region(0, 4096, RIGHTS_ALL, rkey=RKEY, tag_key=KEY)
+    [resp] = exchange(core, seal(KEY, encode_packet(read(0, 1400, txn=1))))
+    assert verify(KEY, resp) and len(resp) == 1500 - 28 and decode_packet(resp).opcode == Opcode.READ_RESP
+    [nack] = exchange(core, seal(KEY, encode_packet(read(0, 1408, txn=2))))
+    assert verify(KEY, nack) and decode_packet(nack).status == Status.TOO_LARGE
+
+
+def test_the_switch_forwards_a_proven_request_of_a_locked_out_address_and_nothing_else() -> None:
+    """At the switch (SPEC.md 11.3, 12.3): once an address is locked out, only its requests whose
+    tag is right under a tagged region's key go on (sealed anew, to the node); an untagged one, a
+    made-up tag and a malformed TAGGED datagram from it get nothing."""
+    vip: Endpoint = ("10.0.0.100", 7744)
+    node: Endpoint = ("10.0.0.1", 7000)
+    region = Region(GLOBAL_BASE, 4096, RKEY, int(RIGHTS_ALL), 0, (Way(0, 0, 4096),), tag_key=KEY)
+    switch = SwitchCore(SwitchConfig(vip=vip, nodes=(node,), admin_key=ADMIN, guard=GuardConfig.on()), [region])
+    guesser: Endpoint = (CLIENT[0], 5999)
+
+    def send(data: bytes, src: Endpoint = CLIENT) -> list[tuple[bytes, Endpoint]]:
+        switch.receive_datagram(data, src, 0.1)
+        return switch.datagrams_to_send(0.1)
+
+    for k in range(LOCKOUT_BURST + 5):
+        send(encode_packet(read(GLOBAL_BASE, 8, txn=k, rkey=RKEY ^ 1)), guesser)
+    assert send(encode_packet(read(GLOBAL_BASE, 8, txn=50))) == []  # the address is locked out
+    [(forwarded, to)] = send(seal(KEY, encode_packet(read(GLOBAL_BASE + 64, 8, txn=51))))
+    assert to == node and verify(KEY, forwarded) and decode_packet(forwarded).addr == 64
+    assert send(seal(bytes(range(1, 17)), encode_packet(read(GLOBAL_BASE, 8, txn=52)))) == []
+    malformed = bytearray(seal(KEY, encode_packet(read(GLOBAL_BASE, 8, txn=53))))
+    malformed[1] = 0x3F  # no such opcode: a NACK BAD_OPCODE would answer a locked-out address
+    assert send(bytes(malformed)) == []
+    counters = C.counters_to_dict(switch.counters)
+    assert counters["drop_lockout"] >= 3 and counters["lockouts"] == 1  # type: ignore[operator]

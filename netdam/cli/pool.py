@@ -412,7 +412,8 @@ def run_list(args: argparse.Namespace) -> int:
     regions = [_region_json(r) for r in listed]
     groups = {f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()}
     lines = [f"0x{r.gaddr:x} size {r.size} rkey 0x{r.rkey:08x} stride {r.stride} ways "
-             f"{[w.node for w in r.ways]} {r.tenant}".rstrip() for r in listed]  # fmt: skip
+             f"{[w.node for w in r.ways]} {'tagged' if r.tag_key else 'untagged'} {r.tenant}".rstrip()
+             for r in listed]  # fmt: skip
     lines += [f"group {g}: {', '.join(ms)}" for g, ms in groups.items()]
     emit({"ok": True, "generation": state.generation, "regions": regions, "groups": groups}, args.json,
          text="\n".join(lines) or "no regions")  # fmt: skip

@@ -81,6 +81,7 @@ class AsyncPoolClient:
         self._keys: dict[int, bytes] = {}  # txn -> the key its reply must be sealed under
         #: Answers to sealed requests that were not sealed under their key: ignored.
         self.unsealed = 0
+        self._unsealed_seen = ""
 
     def add_region(self, region: TaggedRegion) -> None:
         """Use *region*'s tag key for its rkey (nothing for an untagged region)."""
@@ -183,9 +184,16 @@ class AsyncPoolClient:
                         raise PoolError(f"{packet.opcode.name} at 0x{packet.addr:x} refused: "
                                         f"{reply.status.name}{text}", reply.status)  # fmt: skip
                     return reply
+                if key and self._unsealed_seen:
+                    raise PoolTimeout(f"no sealed answer from the pool at {self.vip[0]}:{self.vip[1]} after "
+                                      f"{self.retries + 1} tries; {self.unsealed} unsealed answer(s) were ignored, "
+                                      f"the last {self._unsealed_seen}: is the region freed, or its tag key "
+                                      "wrong?")  # fmt: skip
+                sealed = (", and is the region's tag key right (a request with a wrong tag is dropped "
+                          "unanswered, SPEC 2.6)") if key else ""  # fmt: skip
                 raise PoolTimeout(f"no answer from the pool at {self.vip[0]}:{self.vip[1]} after "
                                   f"{self.retries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
-                                  "switch running (netdam up --switch)?")  # fmt: skip
+                                  f"switch running (netdam up --switch){sealed}?")  # fmt: skip
             finally:
                 self._waiting.pop(txn, None)
                 self._keys.pop(txn, None)
@@ -204,6 +212,11 @@ class AsyncPoolClient:
             key = self._keys.get(txn)
             if key and not verify_bytes(key, data):
                 self.unsealed += 1  # not from a holder of the region's key: not taken
+                try:
+                    seen = decode_packet(data)
+                    self._unsealed_seen = f"{seen.opcode.name} {seen.status.name}"
+                except RemoteProtocolError:
+                    self._unsealed_seen = "a malformed datagram"
                 continue
             try:
                 future.set_result(decode_packet(data))

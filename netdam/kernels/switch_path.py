@@ -254,6 +254,9 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
             continue
         if status == PUNT:
             status = _S_BAD_FIELD  # v1 switches do not relay sparse payloads
+        if status != 0 and locked_tagged:
+            counters[C.DROP_LOCKOUT] += 1  # no tag was proven: a locked-out source gets nothing
+            continue
         if status != 0:
             if op < 64 and _IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
@@ -322,6 +325,9 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
         if op == _OP_READ and _HDR + length + (TAG if was_tagged else 0) > max_len:
             # The node's answer would not fit the MTU (the node answers the same): a 64-byte
             # NACK, no amplification, so before the token check (SPEC.md 5's order).
+            if locked_tagged:
+                counters[C.DROP_LOCKOUT] += 1
+                continue
             tx_n = _nack(b, src, node_sorted, node_port, _S_TOO_LARGE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
         if op == _OP_READ and factor > 0.0 and not from_node and _HDR + length > factor * ln:

@@ -40,6 +40,7 @@ from netdam.protocol.packet import (
     endpoint_to_u64,
 )
 from netdam.protocol.payloads import ALLOC_TAGGED
+from netdam.switch.addrmap import Region
 from netdam.tools.fuzz.generator import (
     _ESIZE,
     _WINDOWED,
@@ -269,8 +270,10 @@ class Oracle:
         if packet is None:
             return
         op = packet.opcode
-        if packet.flags & Flags.TAGGED:
-            # SPEC.md 11.3: tags belong to collectives between nodes; the switch relays none.
+        tagged = bool(packet.flags & Flags.TAGGED)
+        punted = op in REPLY_OPCODES or op in CONTROL_OPCODES or op in POOL_OPCODES or op == Opcode.PING
+        if tagged and (punted or op == Opcode.CHAIN_ADD or packet.flags & Flags.MCAST):
+            # SPEC.md 11.3: only a pool request may carry a tag; a collective's run between nodes.
             if op in REPLY_OPCODES:
                 out.drop(sw, C.DROP_BAD_REPLY)
             else:
@@ -312,11 +315,25 @@ class Oracle:
                     self._forwarded(member, packet, packet.addr, out)
             return
         status, node, local = self.translate(packet)
+        region = self._region_of(packet.addr)
+        if region is not None and status != Status.BAD_RKEY:
+            # SPEC.md 11.3's tags, once the rkey is the region's: a tagged region needs a tag
+            # under its key, which the fuzzer never holds (made up: dropped); an untagged one
+            # takes no tag.
+            if region.tag_key and tagged:
+                out.drop(sw, C.DROP_REGION_FORGED)
+                return
+            if bool(region.tag_key) != tagged:
+                status = Status.BAD_RKEY
         if status:
             out.nack(sw, status)
             return
         out.events.append((sw, EV_FWD, 0))
         self._forwarded(node, packet, local, out)
+
+    def _region_of(self, addr: int) -> Region | None:
+        k = bisect.bisect_right(self._pool_starts, addr) - 1
+        return self._pool[k] if k >= 0 and addr < self._pool[k].end else None
 
     def translate(self, packet: Packet) -> tuple[int, int, int]:
         """SPEC.md 11.2-11.3 checks of a pool request, in order: (status, node, local)."""
