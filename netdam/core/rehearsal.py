@@ -18,9 +18,10 @@ import numpy as np
 
 from netdam.core.fabric import Fabric
 from netdam.core.node import NodeConfig, NodeCore
+from netdam.kernels.tag import seal_bytes, verify_bytes
 from netdam.protocol.constants import DType, Flags, Opcode, Rights
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import Algo, CollectiveDescriptor, pack_key_rights
+from netdam.protocol.payloads import Algo, CollectiveDescriptor, pack_key_rights, pack_register
 
 _ADMIN_KEY = 0x5EED1
 _NODES: tuple[Endpoint, ...] = (("127.0.0.1", 1), ("127.0.0.1", 2))
@@ -29,8 +30,9 @@ _MEMORY = 1 << 16
 
 
 def rehearse_control_paths() -> None:
-    """REGISTER, a retried REGISTER, WRITE, READ, FETCH_ADD, PING, COUNTERS, DEREGISTER and a
-    tagged START_COLL, over the wire with the admin key, on scratch cores."""
+    """REGISTER, a retried REGISTER, WRITE, READ, FETCH_ADD, PING, COUNTERS, DEREGISTER, a
+    tagged START_COLL and a tagged region's REGISTER and sealed WRITE, over the wire with the
+    admin key, on scratch cores."""
     fabric = Fabric()
     cores = []
     for rank, endpoint in enumerate(_NODES):
@@ -62,6 +64,19 @@ def rehearse_control_paths() -> None:
     descriptor = CollectiveDescriptor(Algo.ALL_REDUCE, 0, 16, 0, 64, 0x7A9, tag_key=bytes(range(1, 17)))
     _exchange(fabric, Packet(Opcode.START_COLL, rkey=_ADMIN_KEY, coll_id=1, epoch=1, dtype=DType.F32,
                              segments=_NODES, client_id=1, txn_id=8).with_payload(descriptor.encode()))  # fmt: skip
+    # A tagged region (SPEC.md 2.6): its REGISTER, and a WRITE sealed and answered as a pool
+    # client seals and checks, so the clients' compiled seal and check (kernels.tag.seal_bytes,
+    # verify_bytes) are in this install's cache before any client of it runs.
+    key = bytes(range(2, 18))
+    payload = pack_register(0, int(Rights.READ | Rights.WRITE), key)
+    [registered] = _exchange(fabric, Packet(Opcode.REGISTER, rkey=_ADMIN_KEY, addr=8192, aux_addr=4096,
+                                            length=len(payload), client_id=1, txn_id=9, payload=payload))  # fmt: skip
+    write = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=registered.rkey, addr=8192, length=8, client_id=1,
+                   txn_id=10, payload=bytes(8))  # fmt: skip
+    fabric.send(_CLIENT, _NODES[0], seal_bytes(key, encode_packet(write)))
+    fabric.run_until_idle()
+    for data, _ in fabric.receive(_CLIENT):
+        verify_bytes(key, data)
 
 
 def _exchange(fabric: Fabric, packet: Packet) -> list[Packet]:

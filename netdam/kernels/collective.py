@@ -338,7 +338,9 @@ def _open_tagged(co_cfg, b, ln, counters):  # type: ignore[no-untyped-def]
         counters[C.DROP_COLL_FORGED] += 1
         return 0, k0, k1
     if coll == 0:
-        counters[C.DROP_COLL_FORGED] += 1  # tags belong to collectives
+        # The datapath sends coll_id 0 to region tags (tag._open_region_tagged); should one
+        # come here, it is no collective's, and forged.
+        counters[C.DROP_COLL_FORGED] += 1
         return 0, k0, k1
     phase = _coll_phase(co_cfg, coll, epoch)
     if phase == _PHASE_NOT_STARTED:
