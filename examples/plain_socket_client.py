@@ -1,11 +1,13 @@
 """A NetDAM client with nothing but ``socket`` and ``struct``: REGISTER a region, WRITE, READ it
-back, FETCH_ADD a counter, DEREGISTER. Written from protocol/SPEC.md alone (no netdam imports).
+back, FETCH_ADD a counter, DEREGISTER. Written from protocol/SPEC.md alone (no netdam imports;
+SipHash and the control tag are in netdam_tags.py beside it).
 
     python examples/plain_socket_client.py --node 127.0.0.1:17744 --cluster /tmp/netdam/cluster.toml
 
-The admin key is read from the cluster file ``netdam up`` writes (``admin_key = ...``, a file
-only its owner can read), never from the command line, where every local user would see it
-(``ps``). The region is the
+REGISTER and DEREGISTER are the admin's: they carry a control tag under the cluster's admin
+tag key (SPEC.md 2.6, "Control tags"), derived from the cluster file ``netdam up`` writes (a
+file only its owner can read), never from the command line, where every local user would see it
+(``ps``); only answers sealed under the same key are taken. The region is the
 node's last 4 KiB page (node memory size from PING/INFO): nodes place a pool switch's regions
 first fit from the bottom of memory, so that page is the last one the pool takes, and were it
 taken the node would answer IN_USE rather than share it. It starts its counter at 0 and
@@ -19,6 +21,7 @@ import struct
 import sys
 
 import tomllib
+from netdam_tags import admin_tag_key, seal_control, sealed_by_control
 
 # SPEC.md 2.1: the 64-byte header, network byte order.
 HEADER = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
@@ -44,8 +47,11 @@ def header(opcode, txn, rkey, addr, length, dtype=RAW, flags=0, aux=0):
                        dtype, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
-def call(sock, node, datagram, txn):
-    """Send, wait for the reply with our txn id (re-sending the same txn id is safe: SPEC 7)."""
+def call(sock, node, datagram, txn, admin=None):
+    """Send, wait for the reply with our txn id (re-sending the same txn id is safe: SPEC 7).
+    With the *admin* tag key the request is sealed and only a sealed answer is taken."""
+    if admin is not None:
+        datagram = seal_control(admin, datagram)
     for _ in range(5):
         sock.sendto(datagram, node)
         try:
@@ -53,6 +59,8 @@ def call(sock, node, datagram, txn):
                 reply, _ = sock.recvfrom(65536)
                 fields = HEADER.unpack_from(reply)
                 if fields[4] == CLIENT_ID and fields[5] == txn:
+                    if admin is not None and not sealed_by_control(admin, reply):
+                        continue  # not from a holder of the key: never taken
                     opcode, status, length = fields[1], fields[14], fields[9]
                     if opcode == NACK:
                         name = STATUS[status] if status < len(STATUS) else f"status {status}"
@@ -66,13 +74,13 @@ def call(sock, node, datagram, txn):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--node", required=True, help="IP:PORT")
-    parser.add_argument("--cluster", required=True, help="the cluster file (TOML) that holds admin_key")
+    parser.add_argument("--cluster", required=True, help="the cluster file (TOML) `netdam up` wrote")
     args = parser.parse_args()
     try:
         with open(args.cluster, "rb") as f:
-            args.admin_key = int(tomllib.load(f)["cluster"]["admin_key"])
+            admin = admin_tag_key(tomllib.load(f))
     except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError) as exc:
-        sys.exit(f"cannot read admin_key from {args.cluster}: {exc}")
+        sys.exit(f"cannot read the cluster's keys from {args.cluster}: {exc}")
     host, port = args.node.rsplit(":", 1)
     node = (host, int(port))
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -85,7 +93,7 @@ def main():
 
     # REGISTER [base, base + 4096) with READ|WRITE|ATOMIC; the node picks the rkey (SPEC 6.1).
     body = struct.pack("<II", 0, RIGHTS_RW_ATOMIC)
-    fields, _ = call(sock, node, header(REGISTER, 2, args.admin_key, base, 8, aux=PAGE) + body, 2)
+    fields, _ = call(sock, node, header(REGISTER, 2, 0, base, 8, aux=PAGE) + body, 2, admin)
     rkey = fields[8]
     print(f"registered [0x{base:x}, 0x{base + PAGE:x}) as rkey 0x{rkey:08x}")
     try:
@@ -108,7 +116,7 @@ def main():
                 sys.exit(f"FETCH_ADD returned {value}, expected {expected}")
     finally:
         # DEREGISTER (SPEC 6.2): the rkey stops working; the node forgets the region.
-        call(sock, node, header(DEREGISTER, 8, args.admin_key, 0, 8) + struct.pack("<II", rkey, 0), 8)
+        call(sock, node, header(DEREGISTER, 8, 0, 0, 8) + struct.pack("<II", rkey, 0), 8, admin)
     print("deregistered; ok")
 
 

@@ -5,14 +5,15 @@ IP. Written from protocol/SPEC.md alone (no netdam imports).
     netdam up --nodes 2 --switch --detach --cluster c.toml
     python examples/pool_plain_socket.py --cluster c.toml
 
-The cluster file (SPEC.md 8.1) gives the VIP and the admin key; ALLOC with the admin key creates
+The cluster file (SPEC.md 8.1) gives the VIP and the group key; ALLOC as the admin creates
 a tenant and hands back its credential (SPEC.md 11.9), which alone then queries and frees the
 region. Requests go to the VIP; READ/WRITE/atomic replies come straight from the node that holds
 the data (the switch wrote our address into the return segment), so the socket is not connected.
 
 The region is tagged (SPEC.md 2.6): every request carries SipHash-2-4 of its header under the
 region's 128-bit key, which ALLOC's answer hands back, and only answers sealed under it are
-taken. SipHash is the 30 lines below (the reference of Aumasson and Bernstein).
+taken. The admin's ALLOC carries a control tag under the cluster's admin tag key instead of
+the admin key. SipHash and both tags are in netdam_tags.py beside this file.
 """
 
 import argparse
@@ -22,12 +23,13 @@ import struct
 import sys
 
 import tomllib
+from netdam_tags import admin_tag_key, seal, seal_control, sealed_by, sealed_by_control
 
 # SPEC.md 2.1: the 64-byte header, network byte order.
 HEADER = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
 READ, WRITE, FETCH_ADD, PING, INFO, ACK, NACK = 0x01, 0x03, 0x07, 0x09, 0x0A, 0x0B, 0x0C
 ALLOC, FREE, QUERY = 0x26, 0x27, 0x28
-ACK_REQ, RELAYED, TAGGED = 0x0001, 0x0008, 0x0020
+ACK_REQ, RELAYED = 0x0001, 0x0008
 RAW, U64 = 0, 5
 BAD_RKEY, NO_ROUTE = 8, 20
 ALLOC_TAGGED = 0x01  # SPEC.md 11.9: ALLOC's flags, bit 0
@@ -37,57 +39,6 @@ ALLOC_REQUEST = struct.Struct("<QQIHBB16s")
 REGION = struct.Struct("<QQQIIHBBI16s")
 WAY = struct.Struct("<IIQQ")
 CLIENT_ID = int.from_bytes(os.urandom(4), "big") | 1
-MASK = (1 << 64) - 1
-
-
-def siphash24(key, data):
-    """SipHash-2-4 of *data* under the 16-byte *key*, as an int (SPEC.md 2.6)."""
-    k0, k1 = struct.unpack("<QQ", key)
-    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
-
-    def rounds(n):
-        for _ in range(n):
-            v[0] = (v[0] + v[1]) & MASK
-            v[1] = ((v[1] << 13) | (v[1] >> 51)) & MASK ^ v[0]
-            v[0] = ((v[0] << 32) | (v[0] >> 32)) & MASK
-            v[2] = (v[2] + v[3]) & MASK
-            v[3] = ((v[3] << 16) | (v[3] >> 48)) & MASK ^ v[2]
-            v[0] = (v[0] + v[3]) & MASK
-            v[3] = ((v[3] << 21) | (v[3] >> 43)) & MASK ^ v[0]
-            v[2] = (v[2] + v[1]) & MASK
-            v[1] = ((v[1] << 17) | (v[1] >> 47)) & MASK ^ v[2]
-            v[2] = ((v[2] << 32) | (v[2] >> 32)) & MASK
-
-    tail = len(data) % 8
-    last = (len(data) & 0xFF) << 56 | int.from_bytes(data[len(data) - tail :], "little")
-    for m in [*struct.unpack_from(f"<{len(data) // 8}Q", data), last]:
-        v[3] ^= m
-        rounds(2)
-        v[0] ^= m
-    v[2] ^= 0xFF
-    rounds(4)
-    return v[0] ^ v[1] ^ v[2] ^ v[3]
-
-
-def tag_of(key, datagram):
-    """SPEC.md 2.6: the tag covers the header and SR list (none here), with segments_left
-    (byte 53) and bytes 56-63 (the return segment a relay rewrites) taken as zero."""
-    covered = bytearray(datagram[:64])
-    covered[53] = 0
-    covered[56:64] = bytes(8)
-    return siphash24(key, bytes(covered)).to_bytes(8, "little")
-
-
-def seal(key, datagram):
-    """Set TAGGED and append the tag."""
-    flagged = datagram[:2] + struct.pack("!H", struct.unpack_from("!H", datagram, 2)[0] | TAGGED) + datagram[4:]
-    return flagged + tag_of(key, flagged)
-
-
-def sealed_by(key, datagram):
-    return len(datagram) >= 72 and datagram[-8:] == tag_of(key, datagram[:-8])
-
-
 class Refused(Exception):
     def __init__(self, status, text):
         super().__init__(f"NACK status {status} {text!r}")
@@ -129,17 +80,20 @@ class Client:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("0.0.0.0", 0))
 
-    def call(self, opcode, payload=b"", timeout=0.5, tries=8, key=None, **fields):
+    def call(self, opcode, payload=b"", timeout=0.5, tries=8, key=None, admin=None, **fields):
         """Send to the VIP, wait for the reply with our txn id from whoever answers. Re-sending
         the same txn id is safe: nodes and the switch's allocator execute it at most once
         (SPEC 7, 11.9); the wait doubles on each try (any schedule within the window is correct, SPEC 7).
-        With a region's tag *key* the request is sealed and only a sealed answer is taken."""
+        With a region's tag *key* the request is sealed and only a sealed answer is taken; with
+        the *admin* tag key, the same with a control tag."""
         self.txn += 1
         datagram = (
             header(opcode, self.txn, length=fields.pop("length", len(payload)), **fields) + payload
         )
         if key is not None:
             datagram = seal(key, datagram)
+        if admin is not None:
+            datagram = seal_control(admin, datagram)
         for _ in range(tries):
             self.sock.sendto(datagram, self.vip)
             self.sock.settimeout(timeout)
@@ -150,6 +104,8 @@ class Client:
                     if got[4] == CLIENT_ID and got[5] == self.txn:
                         if key is not None and not sealed_by(key, reply):
                             continue  # not from a holder of the key: never taken
+                        if admin is not None and not sealed_by_control(admin, reply):
+                            continue
                         body = reply[64 : 64 + got[9]]
                         if got[1] == NACK:
                             raise Refused(got[14], body.decode(errors="replace"))
@@ -191,7 +147,7 @@ def main():
     args = parser.parse_args()
     with open(args.cluster, "rb") as f:
         cluster = tomllib.load(f)
-    admin_key = cluster["cluster"]["admin_key"]
+    admin = admin_tag_key(cluster)
     vip = (cluster["switch"]["address"], cluster["switch"]["port"])
     client = Client(vip)
 
@@ -207,7 +163,7 @@ def main():
     # ALLOC 64 KiB interleaved with stride 8 KiB over every node, all rights, tagged, for a new
     # tenant.
     request = ALLOC_REQUEST.pack(64 << 10, 0, 8192, 0, 7, ALLOC_TAGGED, b"plain-socket".ljust(16, b"\0"))
-    fields, body, _ = client.call(ALLOC, request, rkey=admin_key)
+    fields, body, _ = client.call(ALLOC, request, admin=admin)
     region = region_record(body)
     gaddr, rkey, credential, stride, key = (
         region["gaddr"],

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import fcntl
-import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -24,7 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from netdam.cluster.clusterfile import ClusterFile, NodeEntry, load_cluster
+from netdam.cluster.clusterfile import (
+    ClusterFile,
+    NodeEntry,
+    derive,
+    derived_key,
+    group_secret,
+    load_cluster,
+)
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.chunk_plan import block_bounds
 from netdam.protocol.constants import (
@@ -39,7 +45,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
-from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64
 from netdam.protocol.payloads import (
     FLAG_SPARSE,
     Algo,
@@ -155,30 +161,10 @@ def _wire_dtype(array: np.ndarray) -> DType:
         raise TypeError(f"dtype {array.dtype} is not supported: use float32, float16, int32, int64 or float64") from None
 
 
-def group_secret(cluster: ClusterFile) -> bytes:
-    """The collectives' secret: the cluster file's 128-bit ``group_key``. A hand-written file
-    without one falls back to a hash of the cluster's name and admin key, which is only as hard
-    to guess as the 32-bit admin key (SPEC.md 12.2)."""
-    if cluster.group_key:
-        return bytes.fromhex(cluster.group_key)
-    return hashlib.sha256(f"{cluster.name}:{cluster.admin_key}".encode()).digest()
-
-
-def _derive(secret: bytes, *parts: int | str) -> bytes:
-    """SHA-256 of *secret*, a zero byte and *parts* joined by ":" (so one derived value, seen on
-    the wire, tells nothing of the secret or of any other)."""
-    return hashlib.sha256(secret + b"\x00" + ":".join(str(p) for p in parts).encode()).digest()
-
-
-def derived_key(secret: bytes, *parts: int | str) -> int:
-    """A 32-bit key (never 0) derived from *secret* and *parts*."""
-    return int.from_bytes(_derive(secret, *parts)[:4], "big") or 1
-
-
 def collective_tag_key(secret: bytes, coll_id: int, epoch: int) -> bytes:
     """The 128-bit tag key of one collective (SPEC.md 2.6), the same on every rank: its members'
     datagrams carry SipHash tags under it, which nobody without it can make."""
-    return _derive(secret, "collective-tag", coll_id, epoch)[:16]
+    return derive(secret, "collective-tag", coll_id, epoch)[:16]
 
 
 def collective_key(secret: bytes, coll_id: int, epoch: int) -> int:
@@ -275,9 +261,9 @@ class ProcessGroup:
         # One job's rank at a time owns this rank's arena: a second one gets an error here,
         # where it used to take (and wipe) the first one's arena.
         self._arena_lock: Path | None = _hold_arena_lock(node, self.rank)
-        self.client = ControlClient(admin_key=self.cluster.admin_key)
+        self.client = ControlClient.for_cluster(self.cluster)
         self._secret = group_secret(self.cluster)
-        digest = _derive(self._secret, "multicast")
+        digest = derive(self._secret, "multicast")
         self.group: Endpoint = (f"239.77.{digest[4]}.{digest[5] or 1}", 40000 + int.from_bytes(digest[6:8], "big") % 20000)
         #: The arena's rkey on this rank's node; ring-host's WRITEs use the next rank's.
         self.arena_rkey = self.arena_key_of(self.rank)
@@ -464,7 +450,7 @@ class Work:
     def send_start(self) -> None:
         client = self.group.client
         self._txn = (self.packet.epoch * 7919 + self.group.rank) & 0xFFFFFFFF
-        data = encode_packet(_with(self.packet, client.client_id, self._txn))
+        data = client.encode(_with(self.packet, client.client_id, self._txn))
         client.sock.sendto(data, self.group.node)
         self._sent_at = time.monotonic()
         if not self.sent_at:

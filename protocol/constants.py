@@ -111,6 +111,9 @@ CONTROL_OPCODES = frozenset(
 
 #: Pool control opcodes, served by the switch (SPEC.md 11.9).
 POOL_OPCODES = frozenset({Opcode.ALLOC, Opcode.FREE, Opcode.QUERY})
+#: The range of control and pool opcodes: TAGGED, they carry a control tag under the cluster's
+#: admin tag key over the whole datagram (SPEC.md 2.6, "Control tags").
+CONTROL_FIRST, CONTROL_LAST = int(Opcode.REGISTER), int(Opcode.QUERY)
 
 
 class Flags(IntFlag):

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import struct
 
-from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, TAG_SIZE, Flags
+from netdam.protocol.constants import (
+    CONTROL_FIRST,
+    CONTROL_LAST,
+    HEADER_SIZE,
+    SEGMENT_SIZE,
+    TAG_SIZE,
+    Flags,
+)
 from netdam.protocol.layout import HEADER
 
 _MASK = (1 << 64) - 1
@@ -76,6 +83,36 @@ def tag_input(datagram: bytes | bytearray | memoryview) -> bytes:
     for name in NOT_COVERED:
         covered[HEADER.span(name)] = bytes(HEADER[name].width)
     return bytes(covered)
+
+
+def control_tag_input(body: bytes | bytearray | memoryview) -> bytes:
+    """What a control tag covers (SPEC.md 2.6, "Control tags"): the whole datagram *body* (no
+    trailer), header, SR list and payload, with the same fields taken as zero."""
+    covered = bytearray(body)
+    for name in NOT_COVERED:
+        covered[HEADER.span(name)] = bytes(HEADER[name].width)
+    return bytes(covered)
+
+
+def is_control(opcode: int) -> bool:
+    """Opcodes whose tag is a control tag, under the admin tag key: 0x20-0x28."""
+    return bool(CONTROL_FIRST <= opcode <= CONTROL_LAST)
+
+
+def seal_control(key: bytes, datagram: bytes) -> bytes:
+    """*datagram* (without a trailer) with TAGGED set and its control tag under the admin tag
+    *key* appended: a control request, or the answer to one."""
+    out = bytearray(datagram)
+    out[_FLAGS] = (int.from_bytes(out[_FLAGS], "big") | Flags.TAGGED).to_bytes(2, "big")
+    return bytes(out) + siphash24(key, control_tag_input(out)).to_bytes(TAG_SIZE, "little")
+
+
+def verify_control(key: bytes, datagram: bytes | bytearray | memoryview) -> bool:
+    """True when *datagram* is TAGGED and ends with its control tag under *key*."""
+    if len(datagram) < HEADER_SIZE + TAG_SIZE or not int.from_bytes(datagram[_FLAGS], "big") & Flags.TAGGED:
+        return False
+    body = datagram[:-TAG_SIZE]
+    return int.from_bytes(datagram[-TAG_SIZE:], "little") == siphash24(key, control_tag_input(body))
 
 
 def tag_of(key: bytes, datagram: bytes | bytearray | memoryview) -> int:

@@ -1,6 +1,6 @@
 """The pool's address map: regions of the global address space and their backing on nodes.
 
-Layout (switch/SPEC_SWITCH.md "Address map"):
+Layout (protocol/SPEC.md 11.2 "Address map"):
 
 - Global addresses start at ``GLOBAL_BASE`` (4 GiB, so a small integer is never a valid pool
   address); every region starts on a ``GLOBAL_ALIGN`` (1 MiB) boundary and the allocator never

@@ -245,11 +245,13 @@ class PoolService:
         self.on_change = on_change
         self._replies: OrderedDict[tuple[int, int, int], PoolReply] = OrderedDict()
 
-    def handle(self, packet: Packet, src: int, proven: bool = True) -> PoolReply:
+    def handle(self, packet: Packet, src: int, proven: bool, admin: bool) -> PoolReply:
         """The answer to one ALLOC/FREE/QUERY from *src*; a retry of an ALLOC or FREE that
         succeeded (same source, client id and txn id) gets the same answer and changes nothing.
         *proven*: *src* showed it receives at its address (SPEC.md 12.4); else no answer exceeds
-        AMPLIFICATION_FACTOR times the request."""
+        AMPLIFICATION_FACTOR times the request. *admin*: the switch found the admin's authority
+        on it (its control tag, or the admin key where no tag is required: core/authority.py);
+        else the payload's tenant credential is all it has."""
         key = (src, packet.client_id, packet.txn_id)
         if packet.opcode != Opcode.QUERY and key in self._replies:
             self._replies.move_to_end(key)
@@ -257,9 +259,6 @@ class PoolService:
         # The most bytes an ACK to this sender may have (None: no limit).
         room = None if proven else AMPLIFICATION_FACTOR * (HEADER_SIZE + packet.length)
         try:
-            if packet.rkey not in (0, self.cluster.admin_key):
-                return PoolReply(Status.UNAUTHORIZED)
-            admin = packet.rkey == self.cluster.admin_key
             if packet.opcode == Opcode.ALLOC:
                 reply = self._alloc(unpack_alloc(packet.payload), admin, room)
             else:
@@ -445,8 +444,8 @@ class _NodeRefused(NetdamError):
 class UdpNodeAgent:
     """REGISTER/DEREGISTER over UDP with the admin key (the switch process's agent)."""
 
-    def __init__(self, admin_key: int) -> None:
-        self.client = ControlClient(admin_key=admin_key)
+    def __init__(self, admin_key: int, admin_tag_key: bytes = b"") -> None:
+        self.client = ControlClient(admin_key=admin_key, admin_tag_key=admin_tag_key)
 
     def register(self, node: tuple[str, int], size: int, rights: int, rkey: int,
                  tag_key: bytes = b"") -> tuple[Status, int]:  # fmt: skip
@@ -590,7 +589,9 @@ class PoolController:
     def _vip_client(self) -> ControlClient:
         """One socket for every request of this controller: its token stays valid."""
         if self._client is None:
-            self._client = ControlClient()
+            # The admin's requests are sealed with their control tag; a tenant's carry its
+            # credential and no tag (SPEC.md 11.9).
+            self._client = ControlClient() if self.credential else ControlClient.for_cluster(self.cluster)
             # Controllers are often dropped without close(): the socket goes with the object.
             weakref.finalize(self, self._client.close)
         return self._client
@@ -617,7 +618,7 @@ class PoolController:
 
     def _group_op(self, opcode: Opcode, group: tuple[str, int], member: tuple[str, int]) -> None:
 
-        with ControlClient(admin_key=self.cluster.admin_key) as client:
+        with ControlClient.for_cluster(self.cluster) as client:
             try:
                 client.request(self.switch.control_endpoint,
                                Packet(opcode, rkey=self.cluster.admin_key, addr=endpoint_to_u64(group),

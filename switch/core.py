@@ -18,9 +18,10 @@ from typing import Protocol
 
 import numpy as np
 
+from netdam.core.authority import ControlProof, control_authority, refusal_text
 from netdam.core.base import CoreBase, check_batch
 from netdam.core.faults import FaultSpec
-from netdam.core.guard import GuardConfig
+from netdam.core.guard import GuardConfig, set_admin_tag_key
 from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels import switch_path as K
 from netdam.kernels.guard import G_FACTOR, G_NOW, address_token, record_failure
@@ -77,7 +78,7 @@ GROUP_NET = ipaddress.IPv4Network("239.0.0.0/8")
 MAX_NACK_TEXT = 160
 #: INFO's rank field at a switch (nodes have 0..N-1).
 SWITCH_RANK = 0xFFFFFFFF
-#: COUNTERS payload: 128 node-layout values, then the switch section (SPEC_SWITCH.md).
+#: COUNTERS payload: 128 node-layout values, then the switch section (protocol/SPEC.md 11.7).
 SECTION_LEN = 16
 REGION_ROW = 2 + K.REGION_FIELDS
 MAX_COUNTER_WORDS = MAX_PAYLOAD_BYTES // 8
@@ -105,6 +106,9 @@ class SwitchConfig:
     nodes: tuple[Endpoint, ...]
     #: Key authorising control opcodes at the switch (the cluster's admin key).
     admin_key: int
+    #: The cluster's admin tag key (SPEC.md 2.6, "Control tags"): given one, the switch takes
+    #: the admin's control opcodes only with their control tag.
+    admin_tag_key: bytes = b""
     mtu: int = DEFAULT_MTU
     #: Seed of every fault decision.
     seed: int = 0
@@ -144,7 +148,7 @@ class PoolHandler(Protocol):
     """The switch's allocator (``netdam.switch.controller.PoolService``): answers ALLOC, FREE
     and QUERY (SPEC.md 11.9)."""
 
-    def handle(self, packet: Packet, src: int, proven: bool = True) -> PoolReply: ...
+    def handle(self, packet: Packet, src: int, proven: bool, admin: bool) -> PoolReply: ...
 
 
 @dataclass
@@ -180,6 +184,7 @@ class SwitchCore(CoreBase):
         self._trusted = set(nodes_u64.tolist())
         self.counters = C.new_counters()
         self.guard = config.guard.build()
+        set_admin_tag_key(self.guard, config.admin_tag_key)
         self.sw = np.zeros(K.SW_LEN, np.uint64)
         self.sw[K.SW_NODES] = len(config.nodes)
         self.port_ctr = np.zeros((n_ports, K.PORT_FIELDS), np.uint64)
@@ -424,6 +429,7 @@ class SwitchCore(CoreBase):
     # ------------------------------------------------------------------ internals
 
     def _push(self, data: bytes, dst: int) -> None:
+        data = self._outgoing(data)
         if not self.sendq.push(data, dst):
             return
         port = self._port(dst)
@@ -451,12 +457,25 @@ class SwitchCore(CoreBase):
             # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
             self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
             return
-        if packet.opcode in POOL_OPCODES:
-            self._pool_request(packet, src)
+        proof = control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
+        if proof is ControlProof.FORGED:
+            self.counters[C.DROP_CONTROL_FORGED] += 1  # the datapath drops these before us
             return
-        if packet.rkey != self.config.admin_key:
-            self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED)
+        if proof is ControlProof.REFUSED or (proof is ControlProof.NONE and packet.opcode not in POOL_OPCODES):
+            self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=refusal_text(self.config.admin_tag_key))
             self._failed(src)
+            return
+        self._seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
+        try:
+            self._control(packet, src, admin=proof in (ControlProof.TAG, ControlProof.KEY))
+        finally:
+            self._seal_key = b""
+
+    def _control(self, packet: Packet, src: int, admin: bool) -> None:
+        """A control or pool request with its authority established (*admin*, or a tenant's
+        pool request)."""
+        if packet.opcode in POOL_OPCODES:
+            self._pool_request(packet, src, admin)
             return
         if packet.opcode == Opcode.COUNTERS:
             self._reply(packet, src, Opcode.ACK, payload=self.counters_payload(packet.addr))
@@ -480,12 +499,12 @@ class SwitchCore(CoreBase):
         if src not in self._trusted:
             record_failure(self.guard, src, self.counters)
 
-    def _pool_request(self, packet: Packet, src: int) -> None:
+    def _pool_request(self, packet: Packet, src: int, admin: bool) -> None:
         if self.pool is None:
             text = b"this switch runs without a pool controller (start it with --cluster and --state)"
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
             return
-        answer = self.pool.handle(packet, src, self._proven(packet, src))
+        answer = self.pool.handle(packet, src, self._proven(packet, src), admin)
         if answer.status == Status.UNAUTHORIZED:
             self._failed(src)
         reply = packet if answer.addr is None else replace(packet, addr=answer.addr)
@@ -506,7 +525,7 @@ class SwitchCore(CoreBase):
 
 
 def counters_from_payload(payload: bytes) -> dict[str, object]:
-    """Name the values of a switch's COUNTERS reply (SPEC_SWITCH.md layout)."""
+    """Name the values of a switch's COUNTERS reply (protocol/SPEC.md 11.7 layout)."""
     words = np.frombuffer(payload, "<u8").astype(np.uint64)
     if words.shape[0] < C.NUM_COUNTERS + SECTION_LEN:
         raise ValueError(f"switch COUNTERS payload has {words.shape[0]} values, expected at least "

@@ -1,4 +1,4 @@
-"""Fault injection per switch link and direction (switch/SPEC_SWITCH.md "Fault injection").
+"""Fault injection per switch link and direction (protocol/SPEC.md 11.6 "Fault injection").
 
 Links are the switch's ports: ``client`` (port 0: every endpoint that is not a cluster node) and
 ``node<R>`` (port 1 + R). Directions: ``rx`` (into the switch from that link) and ``tx`` (out of

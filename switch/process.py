@@ -16,7 +16,7 @@ from pathlib import Path
 
 from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.core.faults import FaultSpec
-from netdam.core.guard import GuardConfig
+from netdam.core.guard import GuardConfig, set_token_key
 from netdam.kernels import switch_serve
 from netdam.kernels.state import RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES
@@ -105,14 +105,14 @@ class SwitchProcess(ServeLoop):
         self.control_port = int(self.ctrl_sock.getsockname()[1])
         self.core = SwitchCore(
             SwitchConfig(vip=self.vip, nodes=tuple(cluster.endpoints), admin_key=cluster.admin_key,
+                         admin_tag_key=cluster.admin_tag_key,
                          mtu=config.mtu, seed=config.seed, tx_slots=4 * ROUND_DATAGRAMS,
                          guard=GuardConfig.on() if config.guard else GuardConfig(), pool_bytes=state.capacity),
             state.regions, state.generation,
         )  # fmt: skip
         self.core.set_groups(state.groups)
-        key = bytes.fromhex(state.token_key)
-        self.core.guard.key[:] = [int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")]
-        self.agent = UdpNodeAgent(cluster.admin_key)
+        set_token_key(self.core.guard, bytes.fromhex(state.token_key))
+        self.agent = UdpNodeAgent(cluster.admin_key, cluster.admin_tag_key)
         self.core.pool = PoolService(cluster, config.state_file, self.agent, self._map_changed)
         for port, direction, spec in config.faults:
             self.core.set_link_faults(port, direction, spec)

@@ -30,6 +30,7 @@ from netdam.protocol.constants import (
 from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import AllocRequest, RegionInfo, pack_credential, unpack_region_info
+from netdam.protocol.tag import seal_control
 
 CLIENT: Endpoint = ("127.0.0.1", 9001)
 ADMIN_KEY = 0x5EC12E7
@@ -109,10 +110,18 @@ class VipWire:
             txn = self.txn
         packet = Packet(opcode, client_id=77, txn_id=txn, rkey=rkey, addr=addr, length=len(payload),
                         payload=payload)  # fmt: skip
-        return self.raw(encode_packet(packet), to)
+        data = encode_packet(packet)
+        return self.raw(self.sealed(data) if rkey == self.admin else data, to)
+
+    def sealed(self, data: bytes) -> bytes:
+        """*data* as the admin sends it (SPEC.md 2.6, "Control tags"): rkey 0 and its control
+        tag under the cluster's admin tag key."""
+        body = bytearray(data)
+        HEADER.write(body, "rkey", 0)
+        return seal_control(self.cluster.info.admin_tag_key, bytes(body))
 
     def alloc(self, size: int, credential: int = 0, *, rkey: int | None = None, **kw: Any) -> Packet:
-        """ALLOC; with the admin key unless a tenant's *credential* (or *rkey*) is given."""
+        """ALLOC; as the admin (sealed) unless a tenant's *credential* (or *rkey*) is given."""
         key = self.admin if rkey is None and credential == 0 else (rkey or 0)
         return self.send(Opcode.ALLOC, AllocRequest(size, credential, **kw).encode(), rkey=key)
 

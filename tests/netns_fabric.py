@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import os
 import random
+import secrets
 import selectors
 import shutil
 import signal
@@ -358,6 +359,7 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
         ClusterFile,
         NodeEntry,
         SwitchEntry,
+        admin_tag_key,
         write_cluster,
         write_switch_entry,
     )
@@ -368,6 +370,8 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
 
     warm_node_kernels()  # compile once here, not in every node at once
     admin_key = random.getrandbits(32) | 1
+    group_key = secrets.token_hex(16)
+    tag_key = admin_tag_key(bytes.fromhex(group_key))
     endpoints = [(fabric.host(n).ip, port) for n in nodes]
     vip = (fabric.host(switch).ip, port) if switch else None
     members = endpoints + ([vip] if vip else [])
@@ -375,7 +379,7 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
     shm = Path("/dev/shm")
     procs = []
     for rank, host in enumerate(nodes):
-        key_fd = key_pipe(admin_key)  # through `ip netns exec` too: an inherited descriptor
+        key_fd = key_pipe(admin_key, tag_key)  # through `ip netns exec` too: an inherited descriptor
         cmd = node_command(endpoints[rank], f"{name}{rank}", memory, key_fd, members, rank, len(nodes),
                            shm, fabric.mtu, FaultSpec(), die_with_parent=True)  # fmt: skip
         try:
@@ -383,7 +387,7 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
         finally:
             os.close(key_fd)
     ports = wait_ready(procs, [f"node {n} ({ip}:{p})" for n, (ip, p) in zip(nodes, endpoints)])
-    info = ClusterFile(name=name, admin_key=admin_key, mtu=fabric.mtu, nodes=tuple(
+    info = ClusterFile(name=name, admin_key=admin_key, group_key=group_key, mtu=fabric.mtu, nodes=tuple(
         NodeEntry(rank=r, address=ep[0], port=ep[1], pid=p.pid, control_port=ports[r],
                   memory_file=str(shm / f"{name}{r}.mem"), memory_bytes=memory)
         for r, (ep, p) in enumerate(zip(endpoints, procs))))  # fmt: skip

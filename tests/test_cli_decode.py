@@ -110,12 +110,15 @@ def test_every_fixture_decodes(name: str, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     # A fixture is named after its opcode, but for an ACK that answers another request and the
     # tagged example, whose tag is shown.
-    named = {"alloc_ack": "ACK", "all_write_tagged": "ALL_WRITE", "read_tagged": "READ"}
+    named = {"alloc_ack": "ACK", "all_write_tagged": "ALL_WRITE", "read_tagged": "READ",
+             "register_sealed": "REGISTER"}  # fmt: skip
     assert result["packets"][0]["opcode"] == named.get(name, name.upper())
     if name == "all_write_tagged":
         assert result["packets"][0]["tag"] == "0xfa019ae1fe937bca"
     if name == "read_tagged":
         assert result["packets"][0]["tag"] == "0x344f9d27b315ea12"
+    if name == "register_sealed":
+        assert result["packets"][0]["tag"] == "0xd8f2554dd655b550"
 
 
 def test_special_payloads(capsys: pytest.CaptureFixture[str]) -> None:

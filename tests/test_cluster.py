@@ -55,7 +55,7 @@ def test_stats_json(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -
 
 def test_wire_operations_on_a_real_node(cluster: LocalCluster) -> None:
     ep = cluster.endpoints[0]
-    with ControlClient(admin_key=cluster.info.admin_key) as client:
+    with ControlClient.for_cluster(cluster.info) as client:
         rkey = client.register(ep, 4096, 4096, RIGHTS_ALL)
         client.write(ep, rkey, 4096, b"abcdefgh")
         assert client.read(ep, rkey, 4096, 8) == b"abcdefgh"
@@ -77,7 +77,7 @@ def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster
     out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[1, 2, 3, 4, 5, 6, 7, 8]"
     # The node itself sees the host's stores (same pages).
-    with ControlClient(admin_key=cluster.info.admin_key) as client:
+    with ControlClient.for_cluster(cluster.info) as client:
         rkey = client.register(node.endpoint, 0, 4096, RIGHTS_ALL)
         assert client.read(node.endpoint, rkey, 100, 8) == bytes(range(1, 9))
         client.write(node.endpoint, rkey, 200, b"\xaa\xbb")
@@ -136,7 +136,7 @@ print(sent, flush=True)
 @pytest.mark.slow
 def test_stats_answers_within_100ms_under_full_load(cluster: LocalCluster) -> None:
     ep = cluster.endpoints[1]
-    with ControlClient(admin_key=cluster.info.admin_key) as client:
+    with ControlClient.for_cluster(cluster.info) as client:
         rkey = client.register(ep, 0, 1 << 20, RIGHTS_ALL)
         before = client.counters(ep)
         flood = subprocess.Popen([sys.executable, "-c", FLOOD, ep[0], str(ep[1]), str(rkey), "4"],
@@ -162,7 +162,7 @@ def test_stats_answers_within_100ms_under_full_load(cluster: LocalCluster) -> No
 def test_faults_injected_on_receive() -> None:
     with start_cluster(1, memory=1 << 16, faults=FaultSpec(loss=0.5, dup=0.2, seed=3)) as running:
         ep = running.endpoints[0]
-        with ControlClient(admin_key=running.info.admin_key) as client:
+        with ControlClient.for_cluster(running.info) as client:
             answered = 0
             for _ in range(60):
                 try:
@@ -222,7 +222,7 @@ def test_unknown_cluster_file_is_a_usage_error(tmp_path: Path, capsys: pytest.Ca
 
 def test_fetch_add_counter_shared_by_processes(cluster: LocalCluster) -> None:
     ep = cluster.endpoints[0]
-    with ControlClient(admin_key=cluster.info.admin_key) as a, ControlClient() as b:
+    with ControlClient.for_cluster(cluster.info) as a, ControlClient() as b:
         rkey = a.register(ep, 8192, 64, RIGHTS_ALL)
         for client in (a, b, a, b):
             client.request(ep, Packet(Opcode.FETCH_ADD, rkey=rkey, addr=8192, dtype=5, length=8,  # type: ignore[arg-type]

@@ -57,7 +57,7 @@ def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) 
         dead = f"rank 1 ({cluster.info.nodes[1].address}:{cluster.info.nodes[1].port})"
         assert all(dead in str(e) for e in errors), [str(e) for e in errors]
         # The survivors answer and serve plain memory traffic.
-        with ControlClient(admin_key=cluster.info.admin_key) as client:
+        with ControlClient.for_cluster(cluster.info) as client:
             for node in (cluster.info.nodes[0], cluster.info.nodes[2]):
                 client.ping(node.control_endpoint)
                 rkey, base = client.register_anywhere(node.endpoint, 4096, RIGHTS_ALL)  # beside the arena

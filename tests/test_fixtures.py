@@ -17,6 +17,7 @@ from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, SegmentTyp
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.fixtures import FIXTURE_NAMES, generate, load_fixture, parse_hex_dump
 from netdam.protocol.packet import decode_packet, encode_packet
+from netdam.protocol.tag import verify, verify_control
 
 RKEY = 0x1234_5678
 ADMIN = 0x05EC_12E7
@@ -86,7 +87,16 @@ EXPECTED: dict[str, dict[str, Any]] = {
                              tag=0xFA019AE1FE937BCA),
     "read_tagged": dict(opcode=Opcode.READ, flags=Flags.TAGGED, client_id=7, txn_id=101, rkey=RKEY, length=16,
                         addr=0x1000, dtype=DType.F32, payload=b"", tag=0x344F9D27B315EA12),
+    "register_sealed": dict(opcode=Opcode.REGISTER, flags=Flags.TAGGED, client_id=7, txn_id=110, rkey=0, length=8,
+                            addr=0x10_0000, aux_addr=0x10_0000, payload=struct.pack("<II", 0xC0FFEE01, 3),
+                            tag=0xD8F2554DD655B550),
 }  # fmt: skip
+
+
+def test_the_sealed_register_carries_its_control_tag() -> None:
+    """Worked example 10.25 checks out with the plain-Python control tag (SPEC.md 2.6)."""
+    data = load_fixture("register_sealed")
+    assert verify_control(bytes(range(16)), data) and not verify(bytes(range(16)), data)
 
 
 def test_every_opcode_has_a_fixture() -> None:

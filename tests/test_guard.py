@@ -43,7 +43,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluste
         2, memory=1 << 20, cluster_path=tmp_path_factory.mktemp("guard") / "c.toml"
     )
     try:
-        with ControlClient(admin_key=cluster.info.admin_key) as admin:
+        with ControlClient.for_cluster(cluster.info) as admin:
             for ep in cluster.endpoints:
                 admin.register(ep, BASE, 0x10000, Rights.READ | Rights.WRITE, rkey=RKEY)
         yield cluster, switch
@@ -92,7 +92,7 @@ def _campaign(socks: list[socket.socket], target: Endpoint, seconds: float) -> t
 
 
 def _counters(cluster: LocalCluster, ep: Endpoint) -> dict[str, object]:
-    with ControlClient(admin_key=cluster.info.admin_key) as admin:
+    with ControlClient.for_cluster(cluster.info) as admin:
         return C.counters_to_dict(admin.counters(ep))
 
 
@@ -172,7 +172,7 @@ def test_switch_locks_out_guessers_of_pool_rkeys(pool: tuple[LocalCluster, Switc
     attacker.sendto(_read(10_000, region.rkey, addr=region.gaddr), switch.vip)  # the right key
     time.sleep(0.1)
     assert _drain(attacker) == []
-    with ControlClient(admin_key=cluster.info.admin_key) as admin:
+    with ControlClient.for_cluster(cluster.info) as admin:
         counters = C.counters_to_dict(admin.counters(switch.entry.control_endpoint))
     assert counters["drop_lockout"] >= 1 and counters["lockouts"] >= 1  # type: ignore[operator]
 
@@ -229,7 +229,7 @@ def test_unvalidated_sources_get_at_most_three_times_their_bytes(
         out, back = _amplification(thief, target, [_read(3000, rkey, 8192, addr, token)])
         assert back == 0
     _ = struct
-    with ControlClient(admin_key=cluster.info.admin_key) as admin:
+    with ControlClient.for_cluster(cluster.info) as admin:
         node_ctr = C.counters_to_dict(admin.counters(node))
         switch_ctr = C.counters_to_dict(admin.counters(switch.entry.control_endpoint))
     assert node_ctr["drop_amplification"] >= 200 and switch_ctr["drop_amplification"] >= 200  # type: ignore[operator]

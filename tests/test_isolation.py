@@ -27,6 +27,7 @@ from netdam.core.node import NodeConfig, NodeCore
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights, Status
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.tag import seal_control
 from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, backing_per_way
 from netdam.switch.core import SwitchConfig, SwitchCore
 
@@ -36,6 +37,7 @@ ATTACKER: Endpoint = ("127.0.0.1", 9666)
 BYSTANDER: Endpoint = ("127.0.0.1", 9777)
 GROUP: Endpoint = ("239.77.0.9", 7744)
 ADMIN = 0x5EC12E7
+ADMIN_TAG_KEY = bytes(range(200, 216))
 NODES = 3
 STRIDE = 8192
 ALL = int(Rights.READ | Rights.WRITE | Rights.ATOMIC)
@@ -81,7 +83,7 @@ def make_tenancy() -> Tenancy:
     endpoints = [("127.0.0.1", 7001 + i) for i in range(NODES)]
     nodes = []
     for rank, ep in enumerate(endpoints):
-        core = NodeCore(NodeConfig(endpoint=ep, memory_bytes=1 << 20, admin_key=ADMIN,
+        core = NodeCore(NodeConfig(endpoint=ep, memory_bytes=1 << 20, admin_key=ADMIN, admin_tag_key=ADMIN_TAG_KEY,
                                    members=tuple(endpoints) + (VIP,), rank=rank, world_size=NODES))  # fmt: skip
         fabric.add_core(ep, core)
         nodes.append(core)
@@ -99,7 +101,8 @@ def make_tenancy() -> Tenancy:
                                             tag_key=region.tag_key)  # fmt: skip
     for node in nodes:
         node.register_region(COLL_BASE, COLL_SIZE, Rights(ALL) | Rights.MEMBERS, rkey=COLL_RKEY)
-    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=0),
+    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, admin_tag_key=ADMIN_TAG_KEY,
+                                     seed=0),
                         [victim, attacker, tagged], generation=1)  # fmt: skip
     fabric.add_core(VIP, switch)
     for ep in (VICTIM, ATTACKER, BYSTANDER):
@@ -108,8 +111,8 @@ def make_tenancy() -> Tenancy:
     for node in nodes:  # the victim's data: a secret pattern, everything else random
         node.memory[:] = rng.integers(0, 256, node.memory.shape[0], dtype=np.uint8)
     for ep in endpoints:  # a multicast group of all nodes, set up by the admin
-        join = Packet(Opcode.JOIN, rkey=ADMIN, addr=endpoint_to_u64(GROUP), aux_addr=endpoint_to_u64(ep))
-        fabric.send(VICTIM, VIP, encode_packet(join))
+        join = Packet(Opcode.JOIN, addr=endpoint_to_u64(GROUP), aux_addr=endpoint_to_u64(ep))
+        fabric.send(VICTIM, VIP, seal_control(ADMIN_TAG_KEY, encode_packet(join)))
     fabric.run_until_idle()
     assert all(decode_packet(d).opcode == Opcode.ACK for d, _ in fabric.receive(VICTIM))
     return Tenancy(fabric, nodes, endpoints, victim, attacker)
@@ -217,6 +220,16 @@ def _control(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
                        coll_id=1 if opcode == Opcode.START_COLL else 0, **_ids(rng))  # fmt: skip
 
 
+def _admin_key_without_control_tag(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """The same control opcodes with the real admin key (sniffed, or guessed at last) but no
+    control tag, or with a made-up control tag: where the admin tag key is set, neither is the
+    admin's authority (SPEC.md 2.6, "Control tags")."""
+    dst, packet = _control(rng, t)
+    if rng.random() < 0.5:
+        return dst, replace(packet, rkey=ADMIN)
+    return dst, replace(packet, rkey=0, flags=Flags.TAGGED, tag=int(rng.integers(0, 2**63)))
+
+
 def _reply_to_third_party(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
     """A legitimate READ of the attacker's own memory asking for the reply to go elsewhere."""
     way = t.attacker.ways[0]
@@ -292,6 +305,7 @@ KINDS: dict[str, Attack] = {
     "chain through victim": _chain_through_victim,
     "multicast write": _multicast_write,
     "control with guessed key": _control,
+    "admin key without control tag": _admin_key_without_control_tag,
     "reply to third party": _reply_to_third_party,
     "sniffed collective key": _sniffed_collective_key,
     "made-up tag": _made_up_tag,
@@ -403,7 +417,7 @@ def test_real_node_relays_to_members_only(tmp_path: Path) -> None:
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker, \
             socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as bystander:  # fmt: skip
         node = cluster.info.nodes[0].endpoint
-        with ControlClient(admin_key=cluster.info.admin_key) as admin:
+        with ControlClient.for_cluster(cluster.info) as admin:
             rkey = admin.register(node, 0, 4096, Rights.READ | Rights.WRITE)
             admin.write(node, rkey, 0, b"secret!!" * 8)
         for s in (attacker, bystander):

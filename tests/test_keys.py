@@ -16,7 +16,9 @@ from netdam.cluster.launch import start_cluster
 from netdam.cluster.secrets_io import (
     KeyFileError,
     key_pipe,
+    parse_admin_keys,
     parse_key,
+    read_admin_key_file,
     read_key_fd,
     read_key_file,
     write_private,
@@ -69,7 +71,17 @@ def test_key_files_and_descriptors(tmp_path: Path) -> None:
         read_key_file(key_file)
     with pytest.raises(KeyFileError, match="not found"):
         read_key_file(tmp_path / "missing")
-    assert read_key_fd(key_pipe(0xDEADBEEF)) == 0xDEADBEEF
+    assert read_key_fd(key_pipe(0xDEADBEEF)) == (0xDEADBEEF, b"")
+    # The admin tag key travels beside the admin key (SPEC.md 2.6, "Control tags").
+    tag_key = bytes(range(1, 17))
+    assert read_key_fd(key_pipe(0xDEADBEEF, tag_key)) == (0xDEADBEEF, tag_key)
+    key_file.write_text(f"0x5eed {tag_key.hex()}\n")
+    key_file.chmod(0o600)
+    assert read_admin_key_file(key_file) == (0x5EED, tag_key)
+    for bad, message in ((f"0x5eed {bytes(16).hex()}", "not all zero"), ("0x5eed abc", "32 hex digits"),
+                         ("1 2 3", "3 words")):  # fmt: skip
+        with pytest.raises(KeyFileError, match=message):
+            parse_admin_keys(bad, "test")
     for bad, message in (("zero", "not a key"), ("0", "1..2\\^32-1"), (str(1 << 32), "1..2\\^32-1")):
         with pytest.raises(KeyFileError, match=message):
             parse_key(bad, "test")

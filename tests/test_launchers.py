@@ -396,7 +396,7 @@ def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> N
         assert [n.rank for n in info.nodes] == [0, 1, 2]
         assert {n.pid for n in info.nodes} == {p.pid for p in procs}
         assert all(Path(n.memory_file).exists() and n.control_port for n in info.nodes)
-        with ControlClient(admin_key=info.admin_key) as client:
+        with ControlClient.for_cluster(info) as client:
             for node in info.nodes:
                 client.counters(node.control_endpoint)  # one admin key on every node: rank 0's
             pings = [client.ping(n.endpoint)[0] for n in info.nodes]
@@ -505,7 +505,7 @@ def test_up_starts_exactly_the_local_nodes_of_a_hand_written_file(tmp_path: Path
         assert all(Path(n.memory_file).stat().st_size == 256 << 10 for n in local)
         assert info.nodes[1].pid == 0 and info.nodes[1].memory_file == "" and info.nodes[1].memory_bytes == 1 << 20
         assert info.keep_file and info.admin_key == 0x1234567
-        with ControlClient(admin_key=info.admin_key) as client:
+        with ControlClient.for_cluster(info) as client:
             pings = [client.ping(n.endpoint)[0] for n in local]
             client.counters(local[1].control_endpoint)  # the file's admin key works
         assert [(p["rank"], p["world_size"]) for p in pings] == [(0, 3), (2, 3)]

@@ -54,7 +54,7 @@ def test_nics_in_one_process_are_separate_nics(per: int, tmp_path: Path) -> None
         assert len({n.pid for n in nodes}) == 3 // per
         assert sorted(cluster.ranks_of(nodes[0].pid)) == list(range(per))
         assert len({n.memory_file for n in nodes}) == 3 and all(Path(n.memory_file).exists() for n in nodes)
-        with ControlClient(admin_key=cluster.info.admin_key) as client:
+        with ControlClient.for_cluster(cluster.info) as client:
             for node in nodes:
                 info, _ = client.ping(node.endpoint)
                 assert info["rank"] == node.rank and info["memory_bytes"] == 1 << 20

@@ -37,7 +37,7 @@ class Pool:
         self.switch = start_switch(self.cluster, self.switch.vip, faults=faults, seed=seed)
 
     def switch_counters(self) -> dict[str, object]:
-        with ControlClient(admin_key=self.cluster.info.admin_key) as client:
+        with ControlClient.for_cluster(self.cluster.info) as client:
             reply = client.request(self.switch.entry.control_endpoint,
                                    Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key))  # fmt: skip
         return counters_from_payload(reply.payload)
@@ -124,7 +124,7 @@ def test_multicast_through_the_switch(pool: Pool) -> None:
     group = ("239.77.0.5", 7744)
     rkey = 0x6C0FFEE
     nodes = pool.cluster.endpoints
-    with ControlClient(admin_key=pool.cluster.info.admin_key) as admin:
+    with ControlClient.for_cluster(pool.cluster.info) as admin:
         for ep in nodes:
             admin.register(ep, 1000 * KiB, 4 * KiB, Rights.READ | Rights.WRITE, rkey=rkey)
     for ep in nodes[:2]:
@@ -185,7 +185,7 @@ def test_retries_under_injected_loss_never_apply_twice(pool: Pool) -> None:
         counters = pool.switch_counters()
         ports = {p["port"]: p for p in counters["ports"]}  # type: ignore[union-attr]
         assert ports["client"]["fault_drops_rx"] > 0 and ports["node0"]["fault_dups"] > 0  # type: ignore[index]
-        with ControlClient(admin_key=pool.cluster.info.admin_key) as admin:
+        with ControlClient.for_cluster(pool.cluster.info) as admin:
             replays = sum(int(admin.counters(ep)[C.DUP_REPLAYS]) for ep in pool.cluster.endpoints)
         assert replays > 0  # duplicates reached nodes and were answered from the window
     finally:
@@ -207,7 +207,7 @@ def test_plain_socket_example(pool: Pool) -> None:
 
 
 def test_switch_nacks_control_it_does_not_serve(pool: Pool) -> None:
-    with ControlClient(admin_key=pool.cluster.info.admin_key) as admin:
+    with ControlClient.for_cluster(pool.cluster.info) as admin:
         with pytest.raises(ControlError, match="BAD_FIELD") as info:
             admin.register(pool.switch.vip, 0, 64, Rights.READ)
         assert info.value.status == Status.BAD_FIELD

@@ -93,7 +93,8 @@ class Allocator:
         """The answer as the switch sends it (header fields as in SwitchCore._pool_request)."""
         self.txn += 1
         reply = self.service.handle(Packet(opcode, client_id=5, txn_id=self.txn, rkey=rkey, addr=addr,
-                                           length=len(payload), payload=payload), 0x7F00000190000, proven)  # fmt: skip
+                                           length=len(payload), payload=payload), 0x7F00000190000, proven,
+                                   admin=rkey == ADMIN)  # fmt: skip
         return Packet(reply.opcode, status=reply.status, rkey=reply.rkey or 0, addr=reply.addr or 0,
                       length=len(reply.payload or reply.text.encode()), payload=reply.payload or reply.text.encode())
 
@@ -374,7 +375,7 @@ def test_pool_placement_beside_directly_registered_regions(wire: VipWire) -> Non
     backing beside it (REGISTER_ANYWHERE), and a node whose region table others filled answers
     NO_SPACE and is skipped, though the switch's count gives it the most room."""
     node0, _ = wire.cluster.endpoints
-    with ControlClient(admin_key=wire.cluster.info.admin_key) as direct:
+    with ControlClient.for_cluster(wire.cluster.info) as direct:
         mine = [direct.register(node0, 0, 64 * KiB, Rights.READ | Rights.WRITE)]
         try:
             region = unpack_region_info(ok(wire.alloc(64 * KiB)).payload)

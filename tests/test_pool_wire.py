@@ -113,18 +113,16 @@ def _alloc_bytes(size: int = 4096, credential: int = 0, stride: int = 0, ways: i
 
 def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None:
     admin = wire.admin
-    alloc = encode_packet(Packet(Opcode.ALLOC, client_id=77, txn_id=9000, rkey=admin, length=40,
-                                 payload=_alloc_bytes()))  # fmt: skip
+    alloc = encode_packet(Packet(Opcode.ALLOC, client_id=77, txn_id=9000, length=40, payload=_alloc_bytes()))
 
     def patched(offset: int, new: bytes, txn: int) -> bytes:
         data = alloc[:offset] + new + alloc[offset + len(new) :]
         return data[:12] + txn.to_bytes(4, "big") + data[16:]
 
-    cases = [  # (datagram, status): SPEC.md 11.9's order of checks
+    cases = [  # (datagram, status): SPEC.md 11.9's order of checks, each sealed as the admin's
         (patched(28, (39).to_bytes(4, "big"), 9001), Status.BAD_LENGTH),  # length field
         (patched(0, b"", 9002)[:96], Status.BAD_LENGTH),  # payload cut short
         (patched(64 + 23, b"\x02", 9003), Status.BAD_FIELD),  # an undefined flag (bit 0 is TAGGED)
-        (patched(24, (admin ^ 1).to_bytes(4, "big"), 9004), Status.UNAUTHORIZED),  # wrong admin key
         (patched(64, bytes(8), 9005), Status.BAD_FIELD),  # size 0
         (patched(64 + 22, b"\x00", 9006), Status.BAD_FIELD),  # rights 0
         (patched(64 + 22, b"\x08", 9007), Status.BAD_FIELD),  # undefined right
@@ -135,16 +133,17 @@ def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None
         (patched(52, b"\x01\x00\x01", 9012) + bytes(8), Status.BAD_SEGMENT),  # an SR list
     ]
     for data, status in cases:
-        nack(wire.raw(data), status)
+        nack(wire.raw(wire.sealed(data)), status)
+    # The admin key alone, unsealed, is refused: the switch takes the admin's control tag only.
+    nack(wire.raw(patched(24, admin.to_bytes(4, "big"), 9004)), Status.UNAUTHORIZED)
     for k, opcode in enumerate((Opcode.FREE, Opcode.QUERY)):
-        good = encode_packet(Packet(opcode, client_id=77, txn_id=9100 + k, rkey=admin, length=8,
-                                    payload=pack_credential(0)))  # fmt: skip
-        nack(wire.raw(good + bytes(8)), Status.BAD_LENGTH)  # 16 payload bytes
-        nack(wire.raw(good[:64]), Status.BAD_LENGTH)  # none
+        good = encode_packet(Packet(opcode, client_id=77, txn_id=9100 + k, length=8, payload=pack_credential(0)))
+        nack(wire.raw(wire.sealed(good + bytes(8))), Status.BAD_LENGTH)  # 16 payload bytes
+        nack(wire.raw(wire.sealed(good[:64])), Status.BAD_LENGTH)  # none
     nack(wire.send(Opcode.FREE, pack_credential(0), rkey=admin, addr=1 << 32 | 5), Status.NO_ROUTE)
     nack(wire.send(Opcode.QUERY, pack_credential(0), rkey=admin, addr=1 << 62), Status.NO_ROUTE)
     # A NACK from the allocator says why in UTF-8; a node answers pool opcodes BAD_FIELD.
-    assert wire.raw(cases[4][0]).payload.decode().startswith("size must be")
+    assert wire.raw(wire.sealed(cases[3][0])).payload.decode().startswith("size must be")
     nack(wire.send(Opcode.ALLOC, _alloc_bytes(), rkey=admin, to=wire.cluster.endpoints[0]), Status.BAD_FIELD)
     # Nothing was allocated and the switch still answers.
     assert wire.send(Opcode.PING, b"").opcode == Opcode.INFO

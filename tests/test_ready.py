@@ -131,7 +131,7 @@ def test_a_node_answers_the_first_register_sent_the_moment_its_cluster_file_exis
 
     with launch.start_cluster(1, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
         node = cluster.info.nodes[0]
-        with ControlClient(admin_key=cluster.info.admin_key) as client:
+        with ControlClient.for_cluster(cluster.info) as client:
             for endpoint in (node.endpoint, node.control_endpoint):
                 register = Packet(Opcode.REGISTER, rkey=cluster.info.admin_key, addr=REGISTER_ANYWHERE,
                                   aux_addr=4096, length=8, payload=pack_key_rights(0, int(Rights.READ)))  # fmt: skip

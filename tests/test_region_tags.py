@@ -226,7 +226,7 @@ def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_
         assert locked >= 6, locked  # the untagged client on the same address: locked out
         # The admin's control opcodes keep the per-address lockout (SPEC 12.3): ask from another
         # loopback address while 127.0.0.1 is still locked out.
-        with ControlClient(admin_key=cluster.info.admin_key, bind="127.0.0.3") as admin:
+        with ControlClient.for_cluster(cluster.info, bind="127.0.0.3") as admin:
             switch_ctr = C.counters_to_dict(admin.counters(switch.entry.control_endpoint))
         assert switch_ctr["lockouts"] >= 1 and switch_ctr["drop_lockout"] > 100  # type: ignore[operator]
     finally:

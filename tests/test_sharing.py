@@ -228,7 +228,7 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
     with start_cluster(2, memory=4 << 20, cluster_path=tmp_path / "c.toml") as cluster:
         groups = [ProcessGroup(cluster.info, rank) for rank in range(2)]
         node = cluster.info.nodes[0].endpoint
-        with ControlClient(admin_key=cluster.info.admin_key) as admin:  # a direct client's secret
+        with ControlClient.for_cluster(cluster.info) as admin:  # a direct client's secret
             secret_key, secret_at = admin.register_anywhere(node, 4096, Rights.READ | Rights.WRITE)
             admin.write(node, secret_key, secret_at, b"tenant secret!!!" * 256)
         names = ("opcode", "flags", "seq", "client_id", "txn_id", "coll_id", "epoch", "rkey", "length",
@@ -259,7 +259,7 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
         expected = np.arange(1 << 16, dtype=np.float32) * 3 + np.arange(1 << 16, dtype=np.float32) * 4
         for b in inputs:
             np.testing.assert_array_equal(b, expected)
-        with ControlClient(admin_key=cluster.info.admin_key) as admin:
+        with ControlClient.for_cluster(cluster.info) as admin:
             assert admin.read(node, secret_key, secret_at, 4096) == b"tenant secret!!!" * 256
         for g in groups:
             g.close()
@@ -343,7 +343,7 @@ def test_a_forger_with_a_members_address_and_the_live_key_changes_no_result(tmp_
             forger.stop.set()
             forger.join()
         assert forger.seen > 0 and forger.sent > 0, "nothing sniffed or forged: the test would prove nothing"
-        with ControlClient(admin_key=cluster.info.admin_key) as admin:
+        with ControlClient.for_cluster(cluster.info) as admin:
             for node in nodes:
                 assert int(admin.counters(node)[C.DROP_COLL_FORGED]) > 0, node
         for g in groups:
@@ -385,7 +385,7 @@ def test_a_second_job_on_the_cluster_file_cannot_take_a_running_jobs_arena(tmp_p
                               "--json"], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
         assert cli.returncode == 3 and "another process" in json.loads(cli.stdout)["error"], cli.stderr
         assert (first.memory[first.arena_base : first.arena_base + 4096] == 0x5A).all()
-        with ControlClient(admin_key=cluster.info.admin_key) as admin:  # still registered
+        with ControlClient.for_cluster(cluster.info) as admin:  # still registered
             assert admin.read(cluster.info.nodes[0].endpoint, first.arena_rkey, first.arena_base, 8) == b"\x5a" * 8
         first.close()
         assert second_job() == "opened"

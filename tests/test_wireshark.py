@@ -59,6 +59,7 @@ from netdam.protocol.payloads import (
     unpack_descriptor,
     unpack_region_info,
 )
+from netdam.protocol.tag import seal_control
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = ROOT / "protocol" / "wireshark" / "netdam.lua"
@@ -659,9 +660,12 @@ class Recorder:
         self.log: list[Datagram] = []
         self.txn = 0
 
-    def ask(self, node: Endpoint, packet: Packet) -> Packet:
+    def ask(self, node: Endpoint, packet: Packet, seal_key: bytes = b"") -> Packet:
+        """*packet* to *node* (sealed with its control tag under *seal_key* when given), and its answer."""
         self.txn += 1
         data = encode_packet(replace(packet, client_id=7, txn_id=self.txn))
+        if seal_key:
+            data = seal_control(seal_key, data)
         self.sock.sendto(data, node)
         self.log.append(Datagram(data, self.me, node))
         while True:
@@ -675,16 +679,17 @@ class Recorder:
         self.sock.close()
 
 
-def real_traffic(client: Recorder, nodes: list[Endpoint], admin_key: int) -> None:
-    """One of each kind of request (and so of reply), plus a two-hop CHAIN_ADD."""
+def real_traffic(client: Recorder, nodes: list[Endpoint], admin_tag_key: bytes) -> None:
+    """One of each kind of request (and so of reply), plus a two-hop CHAIN_ADD; the control
+    opcodes sealed under the cluster's admin tag key (SPEC.md 2.6, "Control tags")."""
     rkey, base = 0xC0FFEE01, 0x1000
     f32 = np.array([0.5, 1.0, -3.25, 8.0], "<f4").tobytes()
     u64 = struct.Struct("<Q")
     assert client.ask(nodes[0], Packet(Opcode.PING)).opcode == Opcode.INFO
     for node in nodes:
-        reply = client.ask(node, Packet(Opcode.REGISTER, rkey=admin_key, addr=base,
-                                        aux_addr=0x10000, length=8,
-                                        payload=struct.pack("<II", rkey, int(RIGHTS_ALL))))  # fmt: skip
+        reply = client.ask(node, Packet(Opcode.REGISTER, addr=base, aux_addr=0x10000, length=8,
+                                        payload=struct.pack("<II", rkey, int(RIGHTS_ALL))),
+                           seal_key=admin_tag_key)  # fmt: skip
         assert (reply.opcode, reply.rkey) == (Opcode.ACK, rkey)
         client.ask(node, Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=base,
                                 dtype=DType.F32).with_payload(f32))  # fmt: skip
@@ -702,7 +707,7 @@ def real_traffic(client: Recorder, nodes: list[Endpoint], admin_key: int) -> Non
                    aux_addr=base + 0x800, dtype=DType.F32, segments=tuple(nodes),
                    segments_left=len(nodes) - 1).with_payload(f32)  # fmt: skip
     assert client.ask(nodes[0], chain).opcode == Opcode.ACK
-    assert len(client.ask(nodes[0], Packet(Opcode.COUNTERS, rkey=admin_key)).payload) == 1024
+    assert len(client.ask(nodes[0], Packet(Opcode.COUNTERS), seal_key=admin_tag_key).payload) == 1024
 
 
 @dataclass
@@ -778,7 +783,7 @@ def test_live_capture_of_a_real_cluster(tshark_env: dict[str, str], tmp_path: Pa
                         return bool(capture.ports())
 
                     capture.wait(beacon_seen, "no beacon captured")
-                real_traffic(client, nodes, cluster.info.admin_key)
+                real_traffic(client, nodes, cluster.info.admin_tag_key)
                 if live:  # everything the client saw, and the relayed CHAIN_ADD
                     want = len(client.log) + 1
                     capture.wait(

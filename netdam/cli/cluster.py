@@ -34,7 +34,7 @@ from netdam.cluster.launcher_env import (
     wants_rendezvous,
 )
 from netdam.cluster.rendezvous import RendezvousError, resolve_bind, run_launched_node
-from netdam.cluster.secrets_io import KeyFileError, read_key_fd, read_key_file
+from netdam.cluster.secrets_io import KeyFileError, check_private, read_admin_key_file, read_key_fd
 from netdam.core.chunk_plan import min_mtu
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
@@ -149,8 +149,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                       "netdam-rRANK-PID, or NAME-RANK when given)")  # fmt: skip
     keys = node.add_mutually_exclusive_group()
     keys.add_argument("--admin-key-file", type=Path, default=None,
-                      help="file holding the key for control opcodes, mode 0600 (default: a random "
-                      "key; under a launcher rank 0's)")  # fmt: skip
+                      help="file holding the admin key, optionally followed by the admin tag key (32 hex "
+                      "digits), or the cluster file (*.toml) whose keys to take; mode 0600 (default: a "
+                      "random key; under a launcher rank 0's)")  # fmt: skip
     keys.add_argument(
         "--admin-key-fd",
         type=bounded_int(0, 1 << 20),
@@ -245,20 +246,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ping.set_defaults(func=run_ping)
 
 
-def _admin_key(args: argparse.Namespace) -> int:
-    """The node's admin key from --admin-key-file or --admin-key-fd; 0 (random) without."""
+def _admin_keys(args: argparse.Namespace) -> tuple[int, bytes]:
+    """The node's admin key and admin tag key from --admin-key-file or --admin-key-fd; (0, b"")
+    without (a random key, no control tags)."""
     if args.admin_key is not None:
         raise CommandError("--admin-key would show the key to every local user (ps): write it to a file "
                            "with mode 0600 and pass --admin-key-file FILE, or hand it over a pipe with "
                            "--admin-key-fd N", ExitCode.USAGE)  # fmt: skip
     try:
+        if args.admin_key_file is not None and args.admin_key_file.suffix == ".toml":
+            # The cluster file itself (0600): its admin key and the admin tag key of its group key.
+            check_private(args.admin_key_file, "cluster")
+            try:
+                info = load_cluster(args.admin_key_file)
+            except ValueError as exc:
+                raise KeyFileError(f"--admin-key-file {args.admin_key_file}: {exc}") from None
+            return info.admin_key, info.admin_tag_key
         if args.admin_key_file is not None:
-            return read_key_file(args.admin_key_file)
+            return read_admin_key_file(args.admin_key_file)
         if args.admin_key_fd is not None:
             return read_key_fd(args.admin_key_fd)
     except KeyFileError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
-    return 0
+    return 0, b""
 
 
 def _guard(args: argparse.Namespace) -> Any:
@@ -273,7 +283,7 @@ def run_node(args: argparse.Namespace) -> int:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.node_process import NodeProcessConfig, main
 
-    args.admin_key = _admin_key(args)
+    args.admin_key, args.admin_tag_key = _admin_keys(args)
 
     if args.nic:
         return _run_nics(args)
@@ -288,7 +298,8 @@ def run_node(args: argparse.Namespace) -> int:
                                "--master HOST:PORT with --rank and --world-size", ExitCode.USAGE)  # fmt: skip
     config = NodeProcessConfig(
         bind=args.bind or ("127.0.0.1", 7744), memory_bytes=args.memory, shm_dir=args.shm_dir,
-        name=args.name or "netdam-node", admin_key=args.admin_key, members=args.members, mtu=args.mtu,
+        name=args.name or "netdam-node", admin_key=args.admin_key, admin_tag_key=args.admin_tag_key,
+        members=args.members, mtu=args.mtu,
         rank=args.rank if args.rank is not None else 0,
         world_size=args.world_size if args.world_size is not None else 1,
         faults=faults_from(args), die_with_parent=args.die_with_parent, guard=_guard(args),
@@ -314,7 +325,8 @@ def _run_nics(args: argparse.Namespace) -> int:
     admin_key = args.admin_key or secrets.randbits(32) | 1  # one key for the NICs of one process
     configs = [
         NodeProcessConfig(bind=bind, memory_bytes=size or args.memory, shm_dir=args.shm_dir, name=f"{name}-{rank}",
-                          admin_key=admin_key, members=args.members, mtu=args.mtu, rank=rank,
+                          admin_key=admin_key, admin_tag_key=args.admin_tag_key, members=args.members, mtu=args.mtu,
+                          rank=rank,
                           world_size=args.world_size if args.world_size is not None else len(args.nic),
                           faults=faults, die_with_parent=args.die_with_parent, guard=guard)
         for rank, bind, size in args.nic
@@ -346,7 +358,7 @@ def _run_launched_node(args: argparse.Namespace) -> int:
     name = f"{args.name}-{spec.rank}" if args.name else f"netdam-r{spec.rank}-{os.getpid()}"
     config = NodeProcessConfig(
         bind=bind, memory_bytes=args.memory, shm_dir=args.shm_dir, name=name, admin_key=args.admin_key,
-        mtu=args.mtu, rank=spec.rank, world_size=spec.world_size, faults=faults_from(args),
+        admin_tag_key=args.admin_tag_key, mtu=args.mtu, rank=spec.rank, world_size=spec.world_size, faults=faults_from(args),
         die_with_parent=args.die_with_parent, guard=_guard(args),
     )  # fmt: skip
     try:
@@ -559,7 +571,7 @@ def run_stats(args: argparse.Namespace) -> int:
     # on its control port would look healthy here and fail everywhere else.
     _, faults = diagnose(args.cluster, info, timeout=min(args.timeout, 0.5))
     faulty = {f.rank: f for f in faults}
-    with ControlClient(admin_key=info.admin_key) as client:
+    with ControlClient.for_cluster(info) as client:
         for node in info.nodes:
             if node.rank in faulty:
                 nodes.append({"rank": node.rank, "address": f"{node.address}:{node.port}",

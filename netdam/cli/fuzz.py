@@ -160,7 +160,7 @@ class FuzzRunner:
     def __init__(self, config: FuzzConfig, cluster: LocalCluster) -> None:
         self.config = config
         self.cluster = cluster
-        self.admin = ControlClient(admin_key=cluster.info.admin_key)
+        self.admin = ControlClient.for_cluster(cluster.info)
         self.sock = open_udp_socket(("127.0.0.1", 0))
         self.third = open_udp_socket(("127.0.0.1", 0), gro=False)
         self.third.setblocking(False)
@@ -197,7 +197,7 @@ class FuzzRunner:
                     for region in plan:
                         self.admin.register(node, region.base, region.size, Rights(region.rights), rkey=region.rkey)
                 return Layout("node", nodes, tuple(plan for _ in nodes), self.config.memory, self.config.mtu,
-                              third_party=third_ep)  # fmt: skip
+                              third_party=third_ep, admin_tagged=True)  # fmt: skip
             return self._setup_pool(nodes, third_ep)
         except ControlError as exc:
             raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
@@ -221,7 +221,7 @@ class FuzzRunner:
             raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
         return Layout("switch", nodes, node_regions_of_pool(pool, len(nodes)), self.config.memory,
                       self.config.mtu, vip=self.cluster.switch.vip, pool=pool, group=group,
-                      group_members=tuple(range(len(nodes))), third_party=third)  # fmt: skip
+                      group_members=tuple(range(len(nodes))), third_party=third, admin_tagged=True)  # fmt: skip
 
     # ------------------------------------------------------------ counters
 

@@ -427,7 +427,7 @@ def run_stats(args: argparse.Namespace) -> int:
     ctl = _controller(args)
     entry = ctl.switch
     try:
-        with ControlClient(admin_key=ctl.cluster.admin_key) as client:
+        with ControlClient.for_cluster(ctl.cluster) as client:
             reply = client.request(entry.control_endpoint, Packet(Opcode.COUNTERS, rkey=ctl.cluster.admin_key))
     except ControlError as exc:
         raise CommandError(f"switch {entry.address}:{entry.port}: {exc}", ExitCode.RUN_FAILED) from None

@@ -67,7 +67,7 @@ def diagnose(path: Path, info: ClusterFile, timeout: float = PING_TIMEOUT_S
     answer (by rank), and what is wrong with the others."""
     answers: dict[int, dict[str, int]] = {}
     faults: list[NodeFault] = []
-    with ControlClient(admin_key=info.admin_key) as client:
+    with ControlClient.for_cluster(info) as client:
         for node in info.nodes:
             try:
                 fields, _ = client.ping(node.endpoint, timeout=timeout)

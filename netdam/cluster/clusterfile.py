@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import difflib
 import fcntl
+import hashlib
 import ipaddress
 import os
 import re
@@ -95,6 +96,13 @@ class ClusterFile:
     @property
     def endpoints(self) -> list[Endpoint]:
         return [n.endpoint for n in self.nodes]
+
+    @property
+    def admin_tag_key(self) -> bytes:
+        """The 128-bit key of the control tags (SPEC.md 2.6, "Control tags"), derived from the
+        group key: every node and the switch of this cluster take control opcodes only sealed
+        under it, and the admin's tools seal them."""
+        return admin_tag_key(group_secret(self))
 
 
 _CLUSTER_KEYS = ("name", "admin_key", "group_key", "mtu", "created", "supervisor_pid", "keep_file")
@@ -432,3 +440,28 @@ def require_switch(cluster_path: Path) -> SwitchEntry:
         raise ValueError(f"cluster file {cluster_path} has no [switch]: start the cluster with "
                          "`netdam up --switch`")  # fmt: skip
     return entry
+
+
+def group_secret(cluster: ClusterFile) -> bytes:
+    """The collectives' secret: the cluster file's 128-bit ``group_key``. A hand-written file
+    without one falls back to a hash of the cluster's name and admin key, which is only as hard
+    to guess as the 32-bit admin key (SPEC.md 12.2)."""
+    if cluster.group_key:
+        return bytes.fromhex(cluster.group_key)
+    return hashlib.sha256(f"{cluster.name}:{cluster.admin_key}".encode()).digest()
+
+
+def derive(secret: bytes, *parts: int | str) -> bytes:
+    """SHA-256 of *secret*, a zero byte and *parts* joined by ":" (so one derived value, seen on
+    the wire, tells nothing of the secret or of any other)."""
+    return hashlib.sha256(secret + b"\x00" + ":".join(str(p) for p in parts).encode()).digest()
+
+
+def derived_key(secret: bytes, *parts: int | str) -> int:
+    """A 32-bit key (never 0) derived from *secret* and *parts*."""
+    return int.from_bytes(derive(secret, *parts)[:4], "big") or 1
+
+
+def admin_tag_key(secret: bytes) -> bytes:
+    """The admin tag key of the cluster whose group secret is *secret* (ClusterFile.admin_tag_key)."""
+    return derive(secret, "admin-tag")[:16]

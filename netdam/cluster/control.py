@@ -14,11 +14,14 @@ from dataclasses import replace
 
 import numpy as np
 
+from netdam.cluster.clusterfile import ClusterFile
+from netdam.kernels.tag import seal_control_bytes, verify_control_bytes
 from netdam.protocol import counters as C
 from netdam.protocol.constants import REGISTER_ANYWHERE, DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights, pack_register
+from netdam.protocol.tag import is_control
 
 INFO_FIELDS = (
     "version",
@@ -45,11 +48,20 @@ class ControlClient:
     """Requests to nodes over UDP, matched to replies by transaction id."""
 
     def __init__(
-        self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0"
+        self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0", admin_tag_key: bytes = b""
     ) -> None:
+        if admin_tag_key and len(admin_tag_key) != 16:
+            raise ValueError(f"the admin tag key is 16 bytes, not {len(admin_tag_key)}")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((bind, 0))
         self.admin_key = admin_key
+        #: The cluster's admin tag key (SPEC.md 2.6, "Control tags"): with it, every control
+        #: opcode that names the admin key leaves sealed with its control tag instead (rkey 0),
+        #: and only answers sealed under the same key are taken.
+        self.admin_tag_key = admin_tag_key
+        #: Answers to sealed requests that were not sealed (a forger, or a process that does
+        #: not hold the key): ignored, counted here and named when the request times out.
+        self.unsealed = 0
         # Random ids; the duplicate window keys on (client id, requester) anyway (SPEC.md 7).
         self.client_id = (
             client_id if client_id is not None else int.from_bytes(os.urandom(4), "big") | 1
@@ -58,8 +70,26 @@ class ControlClient:
         #: Address-validation tokens by endpoint (SPEC.md 12.4): INFO's aux_addr, sent in READs.
         self.tokens: dict[Endpoint, int] = {}
 
+    @classmethod
+    def for_cluster(cls, cluster: ClusterFile, client_id: int | None = None, bind: str = "0.0.0.0") -> ControlClient:
+        """A client with *cluster*'s admin key and admin tag key: the admin's."""
+        return cls(admin_key=cluster.admin_key, client_id=client_id, bind=bind, admin_tag_key=cluster.admin_tag_key)
+
     def close(self) -> None:
         self.sock.close()
+
+    def seals(self, packet: Packet) -> bool:
+        """Whether *packet* leaves with a control tag: a control opcode naming the admin key,
+        from a client that holds the admin tag key."""
+        return bool(self.admin_tag_key) and is_control(packet.opcode) and packet.rkey == self.admin_key != 0
+
+    def encode(self, packet: Packet) -> bytes:
+        """*packet* as this client sends it: sealed with its control tag when ``seals`` says so
+        (the admin key then stays off the wire: rkey 0), else as it is."""
+        if self.seals(packet):
+            return seal_control_bytes(self.admin_tag_key, encode_packet(replace(packet, rkey=0)))
+        data: bytes = encode_packet(packet)
+        return data
 
     def __enter__(self) -> ControlClient:
         return self
@@ -75,7 +105,9 @@ class ControlClient:
         Retries re-send the same txn id, so a mutating request applies at most once.
         """
         txn = next(self._txn) & 0xFFFFFFFF
-        data = encode_packet(_with_ids(packet, self.client_id, txn))
+        sealed = self.seals(packet)
+        data = self.encode(_with_ids(packet, self.client_id, txn))
+        unsealed = self.unsealed
         for _attempt in range(retries + 1):
             self.sock.sendto(data, node)
             deadline = time.monotonic() + timeout
@@ -90,14 +122,20 @@ class ControlClient:
                 except RemoteProtocolError:
                     continue
                 if reply.txn_id == txn and reply.client_id == self.client_id:
+                    if sealed and not verify_control_bytes(self.admin_tag_key, reply_bytes):
+                        self.unsealed += 1
+                        continue
                     if reply.opcode == Opcode.NACK:
                         raise ControlError(
                             f"{packet.opcode.name} to {node[0]}:{node[1]} refused: {reply.status.name}",
                             int(reply.status), bytes(reply.payload),
                         )
                     return reply
+        ignored = self.unsealed - unsealed
+        why = (f" ({ignored} unsealed answers ignored: does it hold this cluster's admin tag key?)"
+               if ignored else "")  # fmt: skip
         raise ControlError(f"no answer from {node[0]}:{node[1]} to {packet.opcode.name} "
-                           f"within {timeout * (retries + 1):.1f} s: is the node running?")  # fmt: skip
+                           f"within {timeout * (retries + 1):.1f} s{why}: is the node running?")  # fmt: skip
 
     def ping(self, node: Endpoint, timeout: float = 1.0) -> tuple[dict[str, int], float]:
         """INFO fields of *node* and the round-trip time in seconds."""

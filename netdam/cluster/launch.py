@@ -41,6 +41,7 @@ from netdam.cluster.clusterfile import (
     ClusterFile,
     NodeEntry,
     SwitchEntry,
+    admin_tag_key,
     load_cluster,
     load_switch_entry,
     update_cluster_file,
@@ -313,6 +314,7 @@ def _start_cluster(
     base = base_port or _free_port_block(address, nodes)
     endpoints = [(address, base + rank) for rank in range(nodes)]
     admin_key = secrets.randbits(32) | 1
+    group_key = secrets.token_hex(16)
     faults = faults or FaultSpec()
     vip = None
     if switch:
@@ -320,12 +322,13 @@ def _start_cluster(
         extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
     start = time.monotonic()
-    spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach, guard)
+    spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach, guard,
+                     admin_tag_key=admin_tag_key(bytes.fromhex(group_key)))  # fmt: skip
     procs, started = _spawn_nodes(spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)], nics_per_process)
     info = ClusterFile(
         name=name,
         admin_key=admin_key,
-        group_key=secrets.token_hex(16),
+        group_key=group_key,
         mtu=mtu,
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         supervisor_pid=0 if detach else os.getpid(),
@@ -377,6 +380,9 @@ class _NodeSpec:
     detach: bool
     #: Lockout and anti-amplification on (False: --no-guard, for fuzzing).
     guard: bool = True
+    #: The cluster's admin tag key (ClusterFile.admin_tag_key): the nodes take control
+    #: opcodes only with their control tag (SPEC.md 2.6).
+    admin_tag_key: bytes = b""
 
     def memory_file(self, rank: int) -> Path:
         return self.shm_dir / f"{self.name}-{rank}.mem"
@@ -410,7 +416,7 @@ def _spawn_nodes(
         if _FORK[0] and not spec.detach:
             procs.append(fork_node_process(_host_configs(spec, nics), log_path, _verbosity()))
             continue
-        key_fd = key_pipe(spec.admin_key)
+        key_fd = key_pipe(spec.admin_key, spec.admin_tag_key)
         try:
             # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
             with open(log_path, "wb") as log:
@@ -467,7 +473,8 @@ def _host_configs(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]]) -> lis
     from netdam.shell.node_process import NodeProcessConfig
 
     return [NodeProcessConfig(bind=bind, memory_bytes=memory, shm_dir=spec.shm_dir, name=f"{spec.name}-{rank}",
-                              admin_key=spec.admin_key, members=tuple(spec.members), mtu=spec.mtu, rank=rank,
+                              admin_key=spec.admin_key, admin_tag_key=spec.admin_tag_key,
+                              members=tuple(spec.members), mtu=spec.mtu, rank=rank,
                               world_size=spec.world, faults=spec.faults, die_with_parent=True,
                               guard=GuardConfig.on() if spec.guard else GuardConfig())
             for rank, bind, memory in nics]  # fmt: skip
@@ -542,7 +549,7 @@ def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAU
                              f"{node.pid}: stop it first with `netdam down --cluster {path}`")  # fmt: skip
     start = time.monotonic()
     spec = _NodeSpec(info.name, info.admin_key, info.endpoints, len(info.nodes), shm_dir, info.mtu,
-                     faults or FaultSpec(), detach)  # fmt: skip
+                     faults or FaultSpec(), detach, admin_tag_key=info.admin_tag_key)  # fmt: skip
     sizes = {n.rank: n.memory_bytes or memory for n in local}
     procs, started = _spawn_nodes(spec, [(n.rank, n.endpoint, sizes[n.rank]) for n in local], nics_per_process)
     entries = {

@@ -458,11 +458,12 @@ def rendezvous(proc: NodeProcess, spec: LaunchSpec, timeout: float, admin_key: i
 
 
 def adopt(proc: NodeProcess, answer: Answer) -> None:
-    """Serve with the cluster's members and rank 0's admin key."""
+    """Serve with the cluster's members, rank 0's admin key and the admin tag key of rank 0's
+    group key (SPEC.md 2.6, "Control tags")."""
     members = answer.endpoints
     proc.config.members = members
     proc.core.config.members = members
-    proc.core.config.admin_key = answer.admin_key
+    proc.core.set_admin_keys(answer.admin_key, answer.cluster_file().admin_tag_key)
     proc.core.set_members(members)
 
 

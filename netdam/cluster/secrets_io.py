@@ -38,6 +38,12 @@ def parse_key(text: str, where: str, bits: int = 32) -> int:
 def read_key_file(path: Path, what: str = "admin key", bits: int = 32) -> int:
     """The key in *path*, which must be a regular file no one but its owner can read (*what*
     names the key in errors: the admin key, 32 bits; a pool tenant credential, 64)."""
+    check_private(path, what)
+    return parse_key(path.read_text(), f"{what} file {path}", bits)
+
+
+def check_private(path: Path, what: str) -> None:
+    """*path* is a regular file no one but its owner can read (*what* names it in errors)."""
     try:
         info = path.stat()
     except FileNotFoundError:
@@ -47,16 +53,42 @@ def read_key_file(path: Path, what: str = "admin key", bits: int = 32) -> int:
     if info.st_mode & _NOT_OWNER:
         raise KeyFileError(f"{what} file {path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}): "
                            f"run `chmod 600 {path}`")  # fmt: skip
-    return parse_key(path.read_text(), f"{what} file {path}", bits)
 
 
-def read_key_fd(fd: int) -> int:
-    """The key written into inherited descriptor *fd* (read to its end, then closed)."""
+def parse_admin_keys(text: str, where: str) -> tuple[int, bytes]:
+    """The admin key and, when given after it, the 128-bit admin tag key as 32 hex digits
+    (SPEC.md 2.6, "Control tags"; b"" without one): what ``--admin-key-file`` and
+    ``--admin-key-fd`` hold."""
+    words = text.split()
+    if len(words) not in (1, 2):
+        raise KeyFileError(f"{where} holds {len(words)} words: write the admin key, optionally followed by the "
+                           "admin tag key as 32 hex digits, e.g. `0x1a2b3c4d 00112233445566778899aabbccddeeff`")  # fmt: skip
+    key = parse_key(words[0], where)
+    if len(words) == 1:
+        return key, b""
+    try:
+        tag_key = bytes.fromhex(words[1])
+    except ValueError:
+        tag_key = b""
+    if len(tag_key) != 16 or not any(tag_key):
+        raise KeyFileError(f"{where}: the admin tag key after the admin key must be 32 hex digits, not all zero")
+    return key, tag_key
+
+
+def read_admin_key_file(path: Path) -> tuple[int, bytes]:
+    """The admin key and admin tag key (b"" when absent) of ``--admin-key-file`` *path*."""
+    check_private(path, "admin key")
+    return parse_admin_keys(path.read_text(), f"admin key file {path}")
+
+
+def read_key_fd(fd: int) -> tuple[int, bytes]:
+    """The admin key and admin tag key (b"" when absent) written into inherited descriptor
+    *fd* (read to its end, then closed)."""
     chunks = []
     try:
         while chunk := os.read(fd, 64):
             chunks.append(chunk)
-            if sum(map(len, chunks)) > 64:
+            if sum(map(len, chunks)) > 128:
                 break
     except OSError as exc:
         raise KeyFileError(f"--admin-key-fd {fd}: {exc.strerror}: pass a descriptor this process inherited") from None
@@ -65,15 +97,16 @@ def read_key_fd(fd: int) -> int:
             os.close(fd)
         except OSError:
             pass
-    return parse_key(b"".join(chunks).decode("ascii", "replace"), f"--admin-key-fd {fd}")
+    return parse_admin_keys(b"".join(chunks).decode("ascii", "replace"), f"--admin-key-fd {fd}")
 
 
-def key_pipe(key: int) -> int:
-    """A pipe whose read end holds *key* for a child (``pass_fds``); returns the read end. The
-    write end is closed once written: the child reads to the end of it."""
+def key_pipe(key: int, tag_key: bytes = b"") -> int:
+    """A pipe whose read end holds the admin *key* and admin *tag_key* for a child
+    (``pass_fds``); returns the read end. The write end is closed once written: the child reads
+    to the end of it."""
     read_end, write_end = os.pipe()
     try:
-        os.write(write_end, f"0x{key:08x}\n".encode())
+        os.write(write_end, f"0x{key:08x} {tag_key.hex()}\n".encode())
     finally:
         os.close(write_end)
     return read_end

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from netdam.core.sendqueue import SLOT_BYTES, QueueOwner
-from netdam.kernels.tag import seal
+from netdam.kernels.tag import seal_bytes, seal_control_bytes
 from netdam.protocol import counters as C
-from netdam.protocol.constants import TAG_SIZE, Opcode, Status
+from netdam.protocol.constants import Flags, Opcode, Status
+from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import (
     Endpoint,
     Packet,
@@ -34,6 +35,9 @@ class CoreBase(QueueOwner):
     counters: np.ndarray
     _events: deque[Any]
     _trusted: set[int]
+    #: While the control plane answers a request its control tag proved: the admin tag key
+    #: every answer is sealed under (SPEC.md 2.6, "Control tags"); b"" otherwise.
+    _seal_key: bytes = b""
 
     def receive_batch(self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
                       n: int, now: float) -> None:  # fmt: skip
@@ -88,7 +92,14 @@ class CoreBase(QueueOwner):
 
     def _push(self, data: bytes, dst: int) -> None:
         """Queue one datagram built by the control plane."""
-        self.sendq.push(data, dst)
+        self.sendq.push(self._outgoing(data), dst)
+
+    def _outgoing(self, data: bytes) -> bytes:
+        """*data* as it leaves: sealed under the admin tag key while answering a request that
+        carried a control tag, unless it is sealed already (a collective's answer)."""
+        if self._seal_key and not HEADER.read(data, "flags") & Flags.TAGGED:
+            return seal_control_bytes(self._seal_key, data)
+        return data
 
     def _reply_dst(self, packet: Packet, src: int) -> int:
         """Where a reply goes: the return segment when a trusted endpoint sent the request."""
@@ -117,7 +128,7 @@ class CoreBase(QueueOwner):
             reply = replace(reply, addr=addr)
         data = encode_packet(reply)
         if tag_key:
-            data = sealed(data, tag_key)
+            data = seal_bytes(tag_key, data)
         self._push(data, self._reply_dst(request, src))
         if status != Status.OK:
             self.counters[C.NACK_BASE + status] += 1
@@ -125,13 +136,6 @@ class CoreBase(QueueOwner):
 
     def _nack(self, request: Packet, src: int, status: Status, tag_key: bytes = b"") -> None:
         self._reply(request, src, Opcode.NACK, status, tag_key=tag_key)
-
-
-def sealed(datagram: bytes, tag_key: bytes) -> bytes:
-    """*datagram* with the TAGGED flag and its tag under *tag_key* (compiled SipHash)."""
-    buf = np.zeros(len(datagram) + TAG_SIZE, np.uint8)
-    buf[: len(datagram)] = np.frombuffer(datagram, np.uint8)
-    return buf[: seal(buf, len(datagram), tag_key)].tobytes()
 
 
 def check_batch(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:

@@ -29,7 +29,7 @@ class FaultSpec:
     delay: float = 0.0
     seed: int = 0
     #: Drop the kth_k-th packet (1-based) of opcode kth_opcode (0: off). Only the switch's links
-    #: count packets per opcode (switch/SPEC_SWITCH.md "Fault injection"); nodes reject it.
+    #: count packets per opcode (protocol/SPEC.md 11.6 "Fault injection"); nodes reject it.
     kth_opcode: int = 0
     kth_k: int = 0
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from netdam.kernels.guard import (
+    G_ADMIN_K0,
+    G_ADMIN_K1,
     G_BURST,
     G_FACTOR,
     G_FORGET,
@@ -61,5 +63,23 @@ class GuardConfig:
         guard.cfg[G_TMAX] = self.max_s
         guard.cfg[G_FORGET] = self.forget_s
         guard.cfg[G_FACTOR] = self.amplification_factor
-        guard.key[:] = np.array([secrets.randbits(64), secrets.randbits(64)], np.uint64)
+        set_token_key(guard, secrets.token_bytes(16))
         return guard
+
+
+def _words(key: bytes) -> np.ndarray:
+    if len(key) != 16:
+        raise ValueError(f"a 128-bit key is 16 bytes, not {len(key)}")
+    return np.frombuffer(key, "<u8").astype(np.uint64)
+
+
+def set_token_key(guard: Guard, key: bytes) -> None:
+    """The 16-byte SipHash key of the address-validation tokens (SPEC.md 12.4)."""
+    guard.key[0:2] = _words(key)
+
+
+def set_admin_tag_key(guard: Guard, key: bytes) -> None:
+    """The cluster's 16-byte admin tag key (SPEC.md 2.6, "Control tags"): the kernels take a
+    TAGGED control datagram, a locked-out source's too, when its tag verifies under it. b""
+    clears it (no control tags: the admin key in ``rkey`` authorises, as in v1)."""
+    guard.key[G_ADMIN_K0 : G_ADMIN_K1 + 1] = _words(key) if key else 0

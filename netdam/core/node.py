@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from netdam.core.authority import ControlProof, control_authority, refusal_text
 from netdam.core.base import CoreBase, check_batch
 from netdam.core.collective import CollectiveEngine, collective_buffer_span
 from netdam.core.events import (
@@ -30,7 +31,7 @@ from netdam.core.events import (
     RegionRegistered,
     ReplyReceived,
 )
-from netdam.core.guard import GuardConfig
+from netdam.core.guard import GuardConfig, set_admin_tag_key
 from netdam.core.sendqueue import SendQueue
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
@@ -106,6 +107,9 @@ class NodeConfig:
     memory_bytes: int = 64 << 20
     #: Key that authorises control opcodes (SPEC.md "Rights"). Random when not given.
     admin_key: int = field(default_factory=lambda: secrets.randbits(32) | 1)
+    #: The cluster's 128-bit admin tag key (SPEC.md 2.6, "Control tags"). Given one, the node
+    #: takes control opcodes only with their control tag, never on the 32-bit admin key alone.
+    admin_tag_key: bytes = b""
     #: Addresses this node may forward to and whose return segments it trusts (itself included).
     members: tuple[Endpoint, ...] = ()
     #: IP MTU; packets that would not fit are refused at the source.
@@ -162,6 +166,7 @@ class NodeCore(CoreBase):
         self._w_len = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW), np.int32)
         self._w_reply = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW, DUP_REPLY_BYTES), np.uint8)
         self.guard = config.guard.build()
+        set_admin_tag_key(self.guard, config.admin_tag_key)
         self.collective = CollectiveEngine()
         self.sendq = SendQueue(config.tx_slots, self.counters)
         self._punt = np.zeros(0, np.int32)
@@ -298,12 +303,30 @@ class NodeCore(CoreBase):
             # Data opcodes (the datapath executes them, sparse ones included) never get here.
             self._nack(packet, src, Status.BAD_FIELD)
             return
-        if packet.opcode != Opcode.PING and packet.rkey != self.config.admin_key:
-            self._nack(packet, src, Status.UNAUTHORIZED)
+        if packet.opcode == Opcode.PING:
+            handler(packet, src)
+            return
+        proof = control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
+        if proof is ControlProof.FORGED:
+            self.counters[C.DROP_CONTROL_FORGED] += 1  # the datapath drops these before us
+            return
+        if proof in (ControlProof.REFUSED, ControlProof.NONE):
+            self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=refusal_text(self.config.admin_tag_key))
             if src not in self._trusted:
                 record_failure(self.guard, src, self.counters)
             return
-        handler(packet, src)
+        self._seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
+        try:
+            handler(packet, src)
+        finally:
+            self._seal_key = b""
+
+    def set_admin_keys(self, admin_key: int, admin_tag_key: bytes) -> None:
+        """The cluster's admin key and admin tag key (a launcher's rendezvous hands them over
+        after start)."""
+        set_admin_tag_key(self.guard, admin_tag_key)
+        self.config.admin_key = admin_key
+        self.config.admin_tag_key = admin_tag_key
 
     def _nack_raw(self, data: bytes, src: int, status: Status) -> None:
         """NACK a packet the codec refused: echo its fixed header as the datapath does."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from netdam.core.fabric import Fabric
 from netdam.core.node import NodeConfig, NodeCore
-from netdam.kernels.tag import seal_bytes, verify_bytes
+from netdam.kernels.tag import seal_bytes, seal_control_bytes, verify_bytes, verify_control_bytes
 from netdam.protocol.constants import DType, Flags, Opcode, Rights
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import Algo, CollectiveDescriptor, pack_key_rights, pack_register
@@ -26,13 +26,14 @@ from netdam.protocol.payloads import Algo, CollectiveDescriptor, pack_key_rights
 _ADMIN_KEY = 0x5EED1
 _NODES: tuple[Endpoint, ...] = (("127.0.0.1", 1), ("127.0.0.1", 2))
 _CLIENT: Endpoint = ("127.0.0.1", 3)
+_SEALED: Endpoint = ("127.0.0.1", 4)
 _MEMORY = 1 << 16
 
 
 def rehearse_control_paths() -> None:
     """REGISTER, a retried REGISTER, WRITE, READ, FETCH_ADD, PING, COUNTERS, DEREGISTER, a
     tagged START_COLL and a tagged region's REGISTER and sealed WRITE, over the wire with the
-    admin key, on scratch cores."""
+    admin key, and a COUNTERS with the admin's control tag, on scratch cores."""
     fabric = Fabric()
     cores = []
     for rank, endpoint in enumerate(_NODES):
@@ -77,6 +78,17 @@ def rehearse_control_paths() -> None:
     fabric.run_until_idle()
     for data, _ in fabric.receive(_CLIENT):
         verify_bytes(key, data)
+    # The admin's control tag (SPEC.md 2.6, "Control tags"): a COUNTERS sealed as ControlClient
+    # seals it, to a core given an admin tag key, which checks it and seals its answer, checked
+    # as the client checks it (kernels.tag.seal_control_bytes, verify_control_bytes).
+    admin_tag_key = bytes(range(3, 19))
+    fabric.add_core(_SEALED, NodeCore(NodeConfig(endpoint=_SEALED, memory_bytes=_MEMORY, admin_key=_ADMIN_KEY,
+                                                 admin_tag_key=admin_tag_key)))  # fmt: skip
+    counters = encode_packet(Packet(Opcode.COUNTERS, client_id=1, txn_id=11))
+    fabric.send(_CLIENT, _SEALED, seal_control_bytes(admin_tag_key, counters))
+    fabric.run_until_idle()
+    for data, _ in fabric.receive(_CLIENT):
+        verify_control_bytes(admin_tag_key, data)
 
 
 def _exchange(fabric: Fabric, packet: Packet) -> list[Packet]:

@@ -48,9 +48,12 @@ from netdam.kernels.guard import (
 from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
 from netdam.kernels.tag import (
     _F_TAGGED,
+    CONTROL_TAG_NO_KEY,
     REGION_TAG_NO_REGION,
     REGION_TAG_OK,
     TAG,
+    _is_control,
+    _open_control_tagged,
     _open_region_tagged,
     _region_key,
     _seal_replies,
@@ -81,6 +84,7 @@ from netdam.kernels.wire import (
     _S_BUSY,
     _S_STALE,
     _S_TOO_LARGE,
+    _S_UNAUTHORIZED,
     _SLOT,
     _W,
     DROP_SILENTLY,
@@ -297,7 +301,11 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
             continue
         flags_in, tag_in = 0, np.uint64(0)
         if tagged < ln:
-            if _rd32(b, H_COLL_ID) == 0:
+            if _is_control(np.int64(b[H_OPCODE])):
+                # A control tag proves the admin tag key (SPEC.md 2.6, "Control tags"): punted,
+                # where the control plane checks it again and seals what it answers.
+                sealed, k0, k1 = _open_control_tagged(guard.key, b, ln, counters)
+            elif _rd32(b, H_COLL_ID) == 0:
                 sealed, k0, k1 = _open_region_tagged(node.regions, b, ln, counters)
             else:
                 sealed, k0, k1 = _open_tagged(node.coll.cfg, b, ln, counters)
@@ -319,7 +327,11 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
             continue
-        if sealed == REGION_TAG_NO_REGION:
+        if sealed == CONTROL_TAG_NO_KEY:
+            # A control tag where no admin tag key is set: it proves nothing.
+            if status == 0 or status == PUNT:
+                status = _S_UNAUTHORIZED
+        elif sealed == REGION_TAG_NO_REGION:
             # TAGGED under no tagged region's rkey: a wrong key, never executed nor punted.
             if status == 0 or status == PUNT:
                 status = _S_BAD_RKEY

@@ -41,6 +41,10 @@ WAYS = WAYS_PER_ADDRESS
 #: ``cfg`` words (float64).
 G_NOW, G_LOCKOUT, G_BURST, G_RATE, G_T0, G_TMAX, G_FORGET, G_FACTOR = range(8)
 G_CFG_LEN = 8
+#: ``key`` words: the address-validation token's SipHash key (0, 1), then the admin tag key of
+#: control datagrams (2, 3; zeros: none, SPEC.md 2.6 "Control tags").
+GUARD_KEY_WORDS = 4
+G_ADMIN_K0, G_ADMIN_K1 = 2, 3
 _S_BAD_RKEY = int(Status.BAD_RKEY)
 _S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
 _SALT_SET = 0x2545F4914F6CDD1D
@@ -49,7 +53,7 @@ _SALT_SET = 0x2545F4914F6CDD1D
 def new_guard(sets: int = SETS) -> Guard:
     """Empty guard arrays, everything off (the owner writes ``cfg`` and the key)."""
     n = sets * WAYS
-    return Guard(np.zeros(G_CFG_LEN, np.float64), np.zeros(2, np.uint64), np.zeros(n, np.uint64),
+    return Guard(np.zeros(G_CFG_LEN, np.float64), np.zeros(GUARD_KEY_WORDS, np.uint64), np.zeros(n, np.uint64),
                  np.zeros(n, np.float64), np.zeros(n, np.float64), np.zeros(n, np.float64),
                  np.zeros(sets, np.float64), np.zeros(sets, np.int64), np.zeros(sets, np.float64))  # fmt: skip
 
@@ -97,7 +101,14 @@ def _sip_absorb(v0, v1, v2, v3, m):  # type: ignore[no-untyped-def]
 def _sip_final(v0, v1, v2, v3, nbytes):  # type: ignore[no-untyped-def]
     """The last block of a message of *nbytes*, a multiple of 8 (its length byte alone), and
     SipHash-2-4's finalization: the 64-bit output."""
-    v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, np.uint64(nbytes & 0xFF) << np.uint64(56))
+    return _sip_finish(v0, v1, v2, v3, np.uint64(nbytes & 0xFF) << np.uint64(56))
+
+
+@njit(cache=True, nogil=True)
+def _sip_finish(v0, v1, v2, v3, last):  # type: ignore[no-untyped-def]
+    """SipHash-2-4's last block *last* (the message's 0-7 tail bytes, little-endian, under its
+    length mod 256 in the top byte) and its finalization: the 64-bit output."""
+    v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, last)
     v2 ^= np.uint64(0xFF)
     for _ in range(4):
         v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
@@ -220,10 +231,10 @@ def _account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):  # type: ig
 
 
 def check_guard(g: Guard) -> None:
-    """What the kernels take on trust: the cfg words, a two-word key, one table entry per way of
+    """What the kernels take on trust: the cfg words, a four-word key, one table entry per way of
     every set, and the per-entry and per-set arrays of equal length."""
     entries = g.set_until.shape[0] * WAYS
-    if (g.cfg.shape[0] < G_CFG_LEN or g.key.shape[0] != 2
+    if (g.cfg.shape[0] < G_CFG_LEN or g.key.shape[0] != GUARD_KEY_WORDS
             or not g.ep.shape[0] == g.tokens.shape[0] == g.seen.shape[0] == g.until.shape[0] == entries
             or not g.set_until.shape[0] == g.set_strikes.shape[0] == g.set_last.shape[0]):  # fmt: skip
         raise ValueError("guard arrays of inconsistent sizes (make them with new_guard)")
@@ -231,8 +242,8 @@ def check_guard(g: Guard) -> None:
 
 def address_token(g: Guard, endpoint: int) -> int:
     """The token INFO carries for *endpoint* (ip << 16 | port)."""
-    if g.key.shape[0] != 2:
-        raise ValueError("guard key must be two u64 words")
+    if g.key.shape[0] != GUARD_KEY_WORDS:
+        raise ValueError(f"guard key must be {GUARD_KEY_WORDS} u64 words")
     return int(_token(g.key, np.uint64(endpoint)))
 
 

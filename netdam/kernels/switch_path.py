@@ -1,6 +1,6 @@
 """The switch's fast path: one numba call translates, rewrites and replicates a batch.
 
-Per datagram (switch/SPEC_SWITCH.md is the contract):
+Per datagram (protocol/SPEC.md 11.3 is the contract):
 
 1. ``datapath._check_packet`` (the node's structural checks, same order, same statuses);
 2. replies, control opcodes and PING are *punted* to ``SwitchCore`` (Python);
@@ -34,7 +34,16 @@ from netdam.kernels.fault_hash import (
 from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
 from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated, check_guard
 from netdam.kernels.state import FCLOCK_GEN, FCLOCK_NOW, FK_SEED, RxBatch, SwitchState, TxQueue
-from netdam.kernels.tag import TAG, _seal_replies, _tag_ok, _tagged_length
+from netdam.kernels.tag import (
+    CONTROL_TAG_FORGED,
+    CONTROL_TAG_NO_KEY,
+    TAG,
+    _is_control,
+    _open_control_tagged,
+    _seal_replies,
+    _tag_ok,
+    _tagged_length,
+)
 from netdam.kernels.wire import (
     _ESIZE,
     _IS_REPLY,
@@ -90,12 +99,13 @@ _S_MISALIGNED = int(Status.MISALIGNED)
 _S_SPANS_NODES = int(Status.SPANS_NODES)
 _S_NO_ROUTE = int(Status.NO_ROUTE)
 _S_TOO_LARGE = int(Status.TOO_LARGE)
+_S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
 #: Salt of the client-id hash (a client that left client_id 0 gets a stable id per endpoint).
 _SALT_CLIENT = 0x5EC0DE5A17C11E47
 #: Salt separating the transmit direction's attempt counts from the receive direction's.
 _SALT_TX = 0x7A3B9C1D5E2F4A61
 
-# ---- switch counters (``sw``): switch/SPEC_SWITCH.md "COUNTERS at the switch"
+# ---- switch counters (``sw``): protocol/SPEC.md 11.7 "COUNTERS at the switch"
 SW_FORWARDED = 0  # pool requests translated and forwarded to a node
 SW_REPLICATED = 1  # multicast copies sent to group members
 SW_IDS_FILLED = 2  # requests whose client id 0 the switch filled
@@ -262,6 +272,27 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
             tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            continue
+        if was_tagged and _is_control(op):
+            # A control tag proves the cluster's admin tag key (SPEC.md 2.6, "Control tags"):
+            # punted, a locked-out source's too; the control plane checks it again and seals
+            # its answers. A wrong one is dropped without an answer.
+            verdict, _ak0, _ak1 = _open_control_tagged(guard.key, full, full_ln, counters)
+            if verdict == CONTROL_TAG_FORGED:
+                continue
+            if verdict == CONTROL_TAG_NO_KEY:
+                if locked_tagged:
+                    counters[C.DROP_LOCKOUT] += 1
+                    continue
+                tx_n = _nack(b, src, node_sorted, node_port, _S_UNAUTHORIZED, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+                if guarded:
+                    _fail(guard, src, counters)
+                    open_src = np.uint64(0)
+                continue
+            counters[C.OPCODE_BASE + op] += 1
+            punt[n_punt] = i
+            n_punt += 1
+            counters[C.PUNTED] += 1
             continue
         if was_tagged and (_IS_REPLY[op] == 1 or _PUNTED_OPS[op] == 1 or op == _OP_CHAIN_ADD
                            or _rd16(b, H_FLAGS) & _F_MCAST):  # fmt: skip

@@ -20,11 +20,32 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from netdam.kernels.guard import _sip_absorb, _sip_final, _sip_init
+from netdam.kernels.guard import (
+    G_ADMIN_K0,
+    G_ADMIN_K1,
+    _sip_absorb,
+    _sip_finish,
+    _sip_init,
+)
 from netdam.kernels.wire import _OP_CHAIN_ADD, _find_rkey, _rd16, _rd32, _wr16
 from netdam.protocol import counters as C
-from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, TAG_SIZE, Flags
-from netdam.protocol.layout import H_FLAGS, H_OPCODE, H_RET_IP, H_RKEY, H_SEG_COUNT, H_SEGMENTS_LEFT
+from netdam.protocol.constants import (
+    CONTROL_FIRST,
+    CONTROL_LAST,
+    HEADER_SIZE,
+    SEGMENT_SIZE,
+    TAG_SIZE,
+    Flags,
+)
+from netdam.protocol.layout import (
+    H_FLAGS,
+    H_OPCODE,
+    H_RET_IP,
+    H_RKEY,
+    H_SEG_COUNT,
+    H_SEGMENTS_LEFT,
+    HEADER,
+)
 
 _F_TAGGED = int(Flags.TAGGED)
 _HDR = HEADER_SIZE
@@ -57,24 +78,68 @@ assert sys.byteorder == "little", "the tag kernel loads little-endian words dire
 
 
 @njit(cache=True, nogil=True)
-def _siphash_tag_input(k0, k1, b, n):  # type: ignore[no-untyped-def]
-    """SipHash-2-4 of b[:n], n a multiple of 8 and at least 64, with the header's last two
-    words masked as the tag input says (segments_left, return segment: see above)."""
+def _siphash_masked(k0, k1, b, n):  # type: ignore[no-untyped-def]
+    """SipHash-2-4 of b[:n] (n >= 64) with the header's last two words masked as the tag input
+    says (segments_left, return segment: see above), its 0-7 tail bytes in the last block: a
+    tag over the header and SR list (n a multiple of 8), or a control tag over the whole
+    datagram (SPEC.md 2.6, "Control tags")."""
     v0, v1, v2, v3 = _sip_init(k0, k1)
-    for i in range(0, n, 8):
+    whole = n - n % 8
+    for i in range(0, whole, 8):
         m = _load_u64(b, np.int64(i))
         if i == _WORD_SEGMENTS_LEFT:
             m &= _KEEP_WORD_SEGMENTS_LEFT
         elif i == _WORD_RET:
             m = np.uint64(0)
         v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, m)
-    return _sip_final(v0, v1, v2, v3, n)
+    last = np.uint64(n & 0xFF) << np.uint64(56)
+    for j in range(n - whole):
+        last |= np.uint64(b[whole + j]) << np.uint64(8 * j)
+    return _sip_finish(v0, v1, v2, v3, last)
+
+
+@njit(cache=True, nogil=True)
+def _control_tag_ok(b, ln, k0, k1):  # type: ignore[no-untyped-def]
+    """Datagram b[:ln] (trailer included) ends with its control tag under (k0, k1)."""
+    return ln >= _HDR + TAG and _trailer(b, ln) == _siphash_masked(k0, k1, b, ln - TAG)
+
+
+@njit(cache=True, nogil=True)
+def _seal_control(t, n, k0, k1):  # type: ignore[no-untyped-def]
+    """Set TAGGED in datagram t[:n] and append its control tag; returns the new length."""
+    _wr16(t, H_FLAGS, _rd16(t, H_FLAGS) | _F_TAGGED)
+    return _put_tag(t, n, _siphash_masked(k0, k1, t, n))
+
+
+#: Verdicts of _open_control_tagged: the tag is right (punt it: the control plane acts as the
+#: admin); no admin tag key here (answered UNAUTHORIZED); dropped (a wrong tag).
+CONTROL_TAG_OK, CONTROL_TAG_NO_KEY, CONTROL_TAG_FORGED = 1, 4, 0
+
+
+@njit(cache=True, nogil=True)
+def _is_control(op):  # type: ignore[no-untyped-def]
+    return CONTROL_FIRST <= op <= CONTROL_LAST
+
+
+@njit(cache=True, nogil=True)
+def _open_control_tagged(guard_key, b, ln, counters):  # type: ignore[no-untyped-def]
+    """Check the control tag of TAGGED datagram b[:ln] (a control opcode) under the admin tag
+    key in the guard's key words. Returns (verdict, k0, k1): CONTROL_TAG_OK and the key;
+    CONTROL_TAG_NO_KEY when this process has none (the caller answers UNAUTHORIZED);
+    CONTROL_TAG_FORGED, counted: dropped without an answer."""
+    k0, k1 = guard_key[G_ADMIN_K0], guard_key[G_ADMIN_K1]
+    if (k0 | k1) == 0:
+        return CONTROL_TAG_NO_KEY, k0, k1
+    if _control_tag_ok(b, ln, k0, k1):
+        return CONTROL_TAG_OK, k0, k1
+    counters[C.DROP_CONTROL_FORGED] += 1
+    return CONTROL_TAG_FORGED, k0, k1
 
 
 @njit(cache=True, nogil=True)
 def _tag_of(b, k0, k1):  # type: ignore[no-untyped-def]
     """The tag of datagram b: over its fixed header and SR list."""
-    return _siphash_tag_input(k0, k1, b, _HDR + _SEG * np.int64(b[H_SEG_COUNT]))
+    return _siphash_masked(k0, k1, b, _HDR + _SEG * np.int64(b[H_SEG_COUNT]))
 
 
 @njit(cache=True, nogil=True)
@@ -185,6 +250,28 @@ def seal(datagram: np.ndarray, n: int, key: bytes) -> int:
         raise ValueError("seal: the datagram is shorter than its SR list")
     k0, k1 = np.frombuffer(key, "<u8")
     return int(_seal(datagram, np.int64(n), k0, k1))
+
+
+def seal_control_bytes(key: bytes, datagram: bytes) -> bytes:
+    """*datagram* (a control request or the answer to one) sealed with its control tag under
+    the 16-byte admin tag *key* (SPEC.md 2.6, "Control tags"), compiled."""
+    if len(key) != 16 or len(datagram) < _HDR:
+        raise ValueError("seal_control_bytes: a datagram of at least a header and a 16-byte key")
+    buf = np.empty(len(datagram) + TAG, np.uint8)
+    buf[: len(datagram)] = np.frombuffer(datagram, np.uint8)
+    k0, k1 = np.frombuffer(key, "<u8")
+    return bytes(buf[: _seal_control(buf, np.int64(len(datagram)), k0, k1)].tobytes())
+
+
+def verify_control_bytes(key: bytes, datagram: bytes) -> bool:
+    """*datagram* (trailer included) is TAGGED and ends with its control tag under *key*."""
+    if len(key) != 16:
+        raise ValueError("verify_control_bytes: a 16-byte key")
+    n = len(datagram)
+    if n < _HDR + TAG or not HEADER.read(datagram, "flags") & _F_TAGGED:
+        return False
+    k0, k1 = np.frombuffer(key, "<u8")
+    return bool(_control_tag_ok(np.frombuffer(datagram, np.uint8), np.int64(n), k0, k1))
 
 
 def tag_ok(datagram: np.ndarray, key: bytes) -> bool:

@@ -284,6 +284,7 @@ _S_BAD_FIELD = int(Status.BAD_FIELD)
 
 
 _S_BUSY = int(Status.BUSY)
+_S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
 
 
 # Where a collective packet stands on this node (see _coll_phase).

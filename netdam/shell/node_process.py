@@ -61,6 +61,8 @@ class NodeProcessConfig:
     shm_dir: Path = DEFAULT_SHM_DIR
     name: str = "netdam-node"
     admin_key: int = 0
+    #: The cluster's admin tag key (SPEC.md 2.6, "Control tags"); b"": none (v1 control).
+    admin_tag_key: bytes = b""
     members: tuple[Endpoint, ...] = ()
     mtu: int = DEFAULT_MTU
     rank: int = 0
@@ -116,6 +118,7 @@ class NodeProcess(ServeLoop):
         self.core = NodeCore(
             NodeConfig(endpoint=self.endpoint, memory_bytes=config.memory_bytes,
                        admin_key=config.admin_key or NodeConfig(endpoint=self.endpoint).admin_key,
+                       admin_tag_key=config.admin_tag_key,
                        members=members, mtu=config.mtu, rank=config.rank,
                        world_size=config.world_size, tx_slots=4 * ROUND_DATAGRAMS, guard=config.guard),
             memory=self.memory.array,

@@ -146,7 +146,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         result["startup_seconds"] = time.monotonic() - start
         progress.status("warm-up all-reduce")
         _run_once(groups, [np.ones(1, np.float32) for _ in range(world)], ReduceOp.SUM)  # warm-up
-        with ControlClient(admin_key=info.admin_key) as client:
+        with ControlClient.for_cluster(info) as client:
             inputs = _inputs(config, world)
             expected = reference_chain_allreduce(inputs, config.op)
             if config.sparse:

@@ -69,7 +69,7 @@ def run_demo(config: DemoConfig) -> dict[str, object]:
         progress.status("all-reduce in the NICs")
         allreduce = _allreduce(cluster, config)
         totals = np.zeros(C.NUM_COUNTERS, np.uint64)
-        with ControlClient(admin_key=cluster.info.admin_key) as client:
+        with ControlClient.for_cluster(cluster.info) as client:
             for ep in cluster.endpoints:
                 totals += client.counters(ep)
         startup = cluster.startup_seconds

@@ -192,7 +192,6 @@ def run_flood(cfg: FloodConfig) -> dict[str, Any]:
 def _flood(
     cfg: FloodConfig, cluster: Any, target: Target, pid: int, control: Endpoint
 ) -> dict[str, Any]:
-    admin = cluster.info.admin_key
     ctx = multiprocessing.get_context("spawn")
     children = []
     for k in range(cfg.senders):
@@ -214,7 +213,7 @@ def _flood(
     stats_latency: list[float] = []
     stats_failures = 0
     start = time.monotonic()
-    with ControlClient(admin_key=admin) as client:
+    with ControlClient.for_cluster(cluster.info) as client:
         before = client.counters(control)
         while time.monotonic() - start < cfg.seconds:
             time.sleep(SAMPLE_EVERY_S)

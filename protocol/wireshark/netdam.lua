@@ -203,6 +203,7 @@ local COUNTER = {
     [27] = "drop_amplification",
     [28] = "drop_coll_forged",
     [29] = "drop_region_forged",
+    [30] = "drop_control_forged",
 }
 local COUNTER_OPCODE_BASE = 32
 local COUNTER_NACK_BASE = 96

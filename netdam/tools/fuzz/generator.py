@@ -172,6 +172,9 @@ class Layout:
     group_members: tuple[int, ...] = ()
     #: An endpoint that must never receive a datagram (used as return segment and SR hop).
     third_party: Endpoint = ("127.0.0.1", 9)
+    #: The target processes hold the cluster's admin tag key (SPEC.md 2.6, "Control tags"),
+    #: as every process `netdam up` starts does; bare cores in tests hold none.
+    admin_tagged: bool = False
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -40,6 +40,7 @@ from netdam.protocol.packet import (
     endpoint_to_u64,
 )
 from netdam.protocol.payloads import ALLOC_TAGGED
+from netdam.protocol.tag import is_control
 from netdam.switch.addrmap import Region
 from netdam.tools.fuzz.generator import (
     _ESIZE,
@@ -133,6 +134,9 @@ class Oracle:
             else:
                 out.nack(process, int(exc.status))
             return None
+        if packet.flags & Flags.TAGGED and is_control(packet.opcode) and self.layout.target != "switch":
+            out.nack(process, Status.UNAUTHORIZED)  # a control tag where no admin tag key is set
+            return None
         if packet.flags & Flags.TAGGED and not packet.coll_id and self.layout.target != "switch":
             # Under no tagged region's rkey (the fuzzer's regions are untagged): a wrong key,
             # never executed; a reply is never answered.
@@ -157,6 +161,13 @@ class Oracle:
             return False
         if self.layout.target == "switch":
             return True  # structure first, then refused (_at_switch)
+        if is_control(data[O_OPCODE]):
+            # A control tag is checked under the admin tag key, which the fuzzer never holds:
+            # dropped as forged where the node has one; else refused after the structure.
+            if self.layout.admin_tagged:
+                out.drop(process, C.DROP_CONTROL_FORGED)
+                return False
+            return True
         if HEADER.read(data, "coll_id") == 0:
             return True
         if data[O_OPCODE] not in (Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ):
@@ -272,6 +283,13 @@ class Oracle:
         op = packet.opcode
         tagged = bool(packet.flags & Flags.TAGGED)
         punted = op in REPLY_OPCODES or op in CONTROL_OPCODES or op in POOL_OPCODES or op == Opcode.PING
+        if tagged and is_control(op):
+            # SPEC.md 2.6 "Control tags": under the admin tag key, which the fuzzer never holds.
+            if self.layout.admin_tagged:
+                out.drop(sw, C.DROP_CONTROL_FORGED)
+            else:
+                out.nack(sw, Status.UNAUTHORIZED)
+            return
         if tagged and (punted or op == Opcode.CHAIN_ADD or packet.flags & Flags.MCAST):
             # SPEC.md 11.3: only a pool request may carry a tag; a collective's run between nodes.
             if op in REPLY_OPCODES:

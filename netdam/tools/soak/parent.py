@@ -311,7 +311,7 @@ def _counter_snapshot(pool: _Pool) -> dict[str, int]:
     from netdam.switch.core import counters_from_payload
 
     out = dict.fromkeys(SNAPSHOT_KEYS, 0)
-    with ControlClient(admin_key=pool.info.admin_key) as admin:
+    with ControlClient.for_cluster(pool.info) as admin:
         try:
             reply = admin.request(pool.control, Packet(Opcode.COUNTERS, rkey=pool.info.admin_key))
             switch = counters_from_payload(reply.payload)
