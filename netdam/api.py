@@ -83,6 +83,9 @@ __all__ = [
 
 #: coll_id of the group of all ranks.
 WORLD_COLL_ID = 1
+#: Seconds per try (3 tries) of the DEREGISTER that gives a rank's arena back at close: a live
+#: node answers in well under a millisecond; the next job re-deregisters an arena left behind.
+DEREGISTER_TIMEOUT_S = 0.25
 
 
 class ReduceOp(IntEnum):
@@ -410,7 +413,9 @@ class ProcessGroup:
         """Give the arena back (the node zeroes it), close the control socket, and let the
         next job's rank have the arena."""
         try:
-            self.client.deregister(self.node, self.arena_rkey)
+            # Short: a live node answers in microseconds; a dead one would hold every close
+            # (and every test that kills a node) for the default 3 x 1 s.
+            self.client.deregister(self.node, self.arena_rkey, timeout=DEREGISTER_TIMEOUT_S)
         except (ControlError, OSError):
             pass  # the node is gone: nothing of this rank's is left to protect
         self.client.close()

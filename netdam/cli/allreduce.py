@@ -105,7 +105,7 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
     says, and node memory for the buffer. Otherwise each shows up late and cryptically (a
     watchdog timeout, BAD_SEGMENT, a MemoryError)."""
     # Imported here: it loads numba's compiled kernels (~0.7 s) only when a node is silent.
-    from netdam.cli.running import check_running
+    from netdam.cli.running import check_not_stale, check_running
     from netdam.tools.allreduce import node_memory_needed
 
     path = Path(args.cluster)
@@ -124,6 +124,7 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
     if info.mtu < min_mtu(world):
         raise CommandError(f"{path} runs at MTU {info.mtu}, too small for a collective over {world} nodes: "
                            f"restart it with `netdam up --mtu {min_mtu(world)}` or more", ExitCode.USAGE)  # fmt: skip
+    check_not_stale(path, info)  # a file whose nodes are gone says so at once, before any PING waits
     answers = check_running(path, info)
     needed = node_memory_needed(nbytes, args.algo)
     for node in info.nodes:

@@ -15,7 +15,6 @@ from dataclasses import replace
 import numpy as np
 
 from netdam.cluster.clusterfile import ClusterFile
-from netdam.kernels.tag import seal_control_bytes, verify_control_bytes
 from netdam.protocol import counters as C
 from netdam.protocol.constants import REGISTER_ANYWHERE, DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
@@ -87,6 +86,9 @@ class ControlClient:
         """*packet* as this client sends it: sealed with its control tag when ``seals`` says so
         (the admin key then stays off the wire: rkey 0), else as it is."""
         if self.seals(packet):
+            # Imported here: it loads numba (~0.7 s), which a PING or a READ need not pay for.
+            from netdam.kernels.tag import seal_control_bytes
+
             return seal_control_bytes(self.admin_tag_key, encode_packet(replace(packet, rkey=0)))
         data: bytes = encode_packet(packet)
         return data
@@ -122,7 +124,7 @@ class ControlClient:
                 except RemoteProtocolError:
                     continue
                 if reply.txn_id == txn and reply.client_id == self.client_id:
-                    if sealed and not verify_control_bytes(self.admin_tag_key, reply_bytes):
+                    if sealed and not _verify_control(self.admin_tag_key, reply_bytes):
                         self.unsealed += 1
                         continue
                     if reply.opcode == Opcode.NACK:
@@ -172,10 +174,10 @@ class ControlClient:
                                           aux_addr=size, length=len(payload), payload=payload))  # fmt: skip
         return int(reply.rkey), int(reply.addr)
 
-    def deregister(self, node: Endpoint, rkey: int) -> None:
+    def deregister(self, node: Endpoint, rkey: int, timeout: float = 1.0) -> None:
         """DEREGISTER *rkey* (the node zeroes its bytes)."""
         self.request(node, Packet(Opcode.DEREGISTER, rkey=self.admin_key, length=8,
-                                  payload=pack_key_rights(rkey, 0)))  # fmt: skip
+                                  payload=pack_key_rights(rkey, 0)), timeout=timeout)  # fmt: skip
 
     def write(
         self, node: Endpoint, rkey: int, addr: int, data: bytes, dtype: DType = DType.RAW
@@ -195,3 +197,10 @@ class ControlClient:
 def _with_ids(packet: Packet, client_id: int, txn: int) -> Packet:
 
     return replace(packet, client_id=client_id, txn_id=txn)
+
+
+def _verify_control(key: bytes, data: bytes) -> bool:
+    # Imported here, as in ControlClient.encode: only a sealed request's answer needs numba.
+    from netdam.kernels.tag import verify_control_bytes
+
+    return verify_control_bytes(key, data)
