@@ -465,11 +465,8 @@ class SwitchCore(CoreBase):
             self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=refusal_text(self.config.admin_tag_key))
             self._failed(src)
             return
-        self._seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
-        try:
-            self._control(packet, src, admin=proof in (ControlProof.TAG, ControlProof.KEY))
-        finally:
-            self._seal_key = b""
+        seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
+        self._answer(seal_key, lambda: self._control(packet, src, admin=proof in (ControlProof.TAG, ControlProof.KEY)))
 
     def _control(self, packet: Packet, src: int, admin: bool) -> None:
         """A control or pool request with its authority established (*admin*, or a tenant's

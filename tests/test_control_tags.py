@@ -106,6 +106,14 @@ def test_the_admin_key_alone_is_refused_where_control_tags_are_required() -> Non
     assert decode_packet(ack).opcode == Opcode.ACK
 
 
+def test_a_proven_request_hears_even_its_refusal_sealed() -> None:
+    """A sealed ALLOC sent to a node, not the VIP: BAD_FIELD (pool opcodes go to a switch),
+    sealed, so the admin's client takes it instead of timing out on an unsealed answer."""
+    alloc = Packet(Opcode.ALLOC, client_id=3, txn_id=4, length=40, payload=bytes(40))
+    [nack] = exchange(node(), seal_control(TAG_KEY, encode_packet(alloc)))
+    assert verify_control(TAG_KEY, nack) and decode_packet(nack).status == Status.BAD_FIELD
+
+
 def test_a_wrong_control_tag_is_dropped_and_counted_and_changes_nothing() -> None:
     core = node()
     rkey = core.register_region(0, 4096, RIGHTS_ALL)

@@ -9,6 +9,7 @@ nodes; SPEC.md 3.1). Subclasses implement ``receive_batch`` and ``_handle_punted
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -93,6 +94,15 @@ class CoreBase(QueueOwner):
     def _push(self, data: bytes, dst: int) -> None:
         """Queue one datagram built by the control plane."""
         self.sendq.push(self._outgoing(data), dst)
+
+    def _answer(self, seal_key: bytes, respond: Callable[[], None]) -> None:
+        """Run *respond*, every datagram it queues sealed under *seal_key* (the admin tag key,
+        for a request its control tag proved; b"": as built). SPEC.md 2.6, "Control tags"."""
+        self._seal_key = seal_key
+        try:
+            respond()
+        finally:
+            self._seal_key = b""
 
     def _outgoing(self, data: bytes) -> bytes:
         """*data* as it leaves: sealed under the admin tag key while answering a request that

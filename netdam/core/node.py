@@ -88,6 +88,7 @@ from netdam.protocol.payloads import (
     descriptor_tag_key,
     unpack_register,
 )
+from netdam.protocol.tag import is_control
 
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
 RKEY_SLOTS = 1024
@@ -298,28 +299,30 @@ class NodeCore(CoreBase):
                 return
             self._events.append(ReplyReceived(packet, u64_to_endpoint(src)))
             return
-        handler = self._handlers.get(packet.opcode)
-        if handler is None:
-            # Data opcodes (the datapath executes them, sparse ones included) never get here.
-            self._nack(packet, src, Status.BAD_FIELD)
-            return
         if packet.opcode == Opcode.PING:
-            handler(packet, src)
+            self._on_ping(packet, src)
             return
-        proof = control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
+        handler = self._handlers.get(packet.opcode)
+        proof = (control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
+                 if is_control(packet.opcode) else ControlProof.NONE)  # fmt: skip
         if proof is ControlProof.FORGED:
             self.counters[C.DROP_CONTROL_FORGED] += 1  # the datapath drops these before us
+            return
+        if handler is None:
+            # Pool opcodes go to a switch (SPEC.md 11.9), whoever asks (a proven request hears it
+            # sealed); data opcodes (the datapath executes them) never get here.
+            self._answer(self._seal_for(proof), lambda: self._nack(packet, src, Status.BAD_FIELD))
             return
         if proof in (ControlProof.REFUSED, ControlProof.NONE):
             self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=refusal_text(self.config.admin_tag_key))
             if src not in self._trusted:
                 record_failure(self.guard, src, self.counters)
             return
-        self._seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
-        try:
-            handler(packet, src)
-        finally:
-            self._seal_key = b""
+        self._answer(self._seal_for(proof), lambda: handler(packet, src))
+
+    def _seal_for(self, proof: ControlProof) -> bytes:
+        """The key answers to a request with *proof* are sealed under (b"": none)."""
+        return self.config.admin_tag_key if proof is ControlProof.TAG else b""
 
     def set_admin_keys(self, admin_key: int, admin_tag_key: bytes) -> None:
         """The cluster's admin key and admin tag key (a launcher's rendezvous hands them over
