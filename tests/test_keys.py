@@ -123,3 +123,23 @@ def test_node_reads_its_key_from_a_private_file(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_node_takes_both_keys_from_a_private_cluster_file(tmp_path: Path) -> None:
+    """`netdam node --admin-key-file c.toml` (README, several hosts): the admin key and the admin
+    tag key of the file's group key, from a file no one else can read."""
+    from argparse import Namespace
+
+    from netdam.cli.cluster import _admin_keys
+    from netdam.cli.common import CommandError
+    from netdam.cluster.clusterfile import ClusterFile, NodeEntry, write_cluster
+
+    path = tmp_path / "c.toml"
+    info = ClusterFile(name="nd", admin_key=0x5EED, mtu=9000, group_key="ab" * 16,
+                       nodes=(NodeEntry(rank=0, address="127.0.0.1", port=7744),))  # fmt: skip
+    write_cluster(info, path)
+    args = Namespace(admin_key=None, admin_key_file=path, admin_key_fd=None)
+    assert _admin_keys(args) == (0x5EED, info.admin_tag_key) and len(info.admin_tag_key) == 16
+    path.chmod(0o644)
+    with pytest.raises(CommandError, match="chmod 600"):
+        _admin_keys(args)
