@@ -79,10 +79,7 @@ def tag_input_size(datagram: bytes | bytearray | memoryview) -> int:
 def tag_input(datagram: bytes | bytearray | memoryview) -> bytes:
     """What the tag covers: the fixed header and the SR list, with the fields relays rewrite
     (``NOT_COVERED``) taken as zero."""
-    covered = bytearray(datagram[: tag_input_size(datagram)])
-    for name in NOT_COVERED:
-        covered[HEADER.span(name)] = bytes(HEADER[name].width)
-    return bytes(covered)
+    return control_tag_input(datagram[: tag_input_size(datagram)])
 
 
 def control_tag_input(body: bytes | bytearray | memoryview) -> bytes:
@@ -102,9 +99,8 @@ def is_control(opcode: int) -> bool:
 def seal_control(key: bytes, datagram: bytes) -> bytes:
     """*datagram* (without a trailer) with TAGGED set and its control tag under the admin tag
     *key* appended: a control request, or the answer to one."""
-    out = bytearray(datagram)
-    out[_FLAGS] = (int.from_bytes(out[_FLAGS], "big") | Flags.TAGGED).to_bytes(2, "big")
-    return bytes(out) + siphash24(key, control_tag_input(out)).to_bytes(TAG_SIZE, "little")
+    out = _flagged(datagram)
+    return out + siphash24(key, control_tag_input(out)).to_bytes(TAG_SIZE, "little")
 
 
 def verify_control(key: bytes, datagram: bytes | bytearray | memoryview) -> bool:
@@ -122,10 +118,15 @@ def tag_of(key: bytes, datagram: bytes | bytearray | memoryview) -> int:
 
 def seal(key: bytes, datagram: bytes) -> bytes:
     """*datagram* (without a trailer) with the TAGGED flag set and its tag appended."""
+    out = _flagged(datagram)
+    return out + tag_of(key, out).to_bytes(TAG_SIZE, "little")
+
+
+def _flagged(datagram: bytes) -> bytes:
+    """*datagram* with the TAGGED flag set."""
     out = bytearray(datagram)
-    flags = int.from_bytes(out[_FLAGS], "big") | Flags.TAGGED
-    out[_FLAGS] = flags.to_bytes(2, "big")
-    return bytes(out) + tag_of(key, out).to_bytes(TAG_SIZE, "little")
+    out[_FLAGS] = (int.from_bytes(out[_FLAGS], "big") | Flags.TAGGED).to_bytes(2, "big")
+    return bytes(out)
 
 
 def verify(key: bytes, datagram: bytes | bytearray | memoryview) -> bool:
