@@ -96,3 +96,14 @@ def admin_tag_key(cluster):
     else:
         secret = hashlib.sha256(f"{head['name']}:{head['admin_key']}".encode()).digest()
     return hashlib.sha256(secret + b"\x00" + b"admin-tag").digest()[:16]
+
+
+def tenant_keys(credential):
+    """A pool tenant's id and tag key (SPEC.md 11.9, "Tenant tags"), from its 64-bit credential:
+    with d = SHA-256 of the credential's 8 bytes (little-endian), the id is the first 4 bytes of
+    SHA-256(d, 0x00, "tenant-id") big-endian (0 counts as 1), the key the first 16 bytes of
+    SHA-256(d, 0x00, "tenant-tag"). A sealed request carries the id in rkey, the credential
+    nowhere."""
+    digest = hashlib.sha256(credential.to_bytes(8, "little")).digest()
+    tenant = int.from_bytes(hashlib.sha256(digest + b"\x00tenant-id").digest()[:4], "big") or 1
+    return tenant, hashlib.sha256(digest + b"\x00tenant-tag").digest()[:16]

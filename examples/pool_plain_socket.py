@@ -6,8 +6,9 @@ IP. Written from protocol/SPEC.md alone (no netdam imports).
     python examples/pool_plain_socket.py --cluster c.toml
 
 The cluster file (SPEC.md 8.1) gives the VIP and the group key; ALLOC as the admin creates
-a tenant and hands back its credential (SPEC.md 11.9), which alone then queries and frees the
-region. Requests go to the VIP; READ/WRITE/atomic replies come straight from the node that holds
+a tenant and hands back its credential (SPEC.md 11.9); the tenant then queries and frees the
+region with requests sealed under a key derived from the credential, which itself stays off the
+wire. Requests go to the VIP; READ/WRITE/atomic replies come straight from the node that holds
 the data (the switch wrote our address into the return segment), so the socket is not connected.
 
 The region is tagged (SPEC.md 2.6): every request carries SipHash-2-4 of its header under the
@@ -23,7 +24,7 @@ import struct
 import sys
 
 import tomllib
-from netdam_tags import admin_tag_key, seal, seal_control, sealed_by, sealed_by_control
+from netdam_tags import admin_tag_key, seal, seal_control, sealed_by, sealed_by_control, tenant_keys
 
 # SPEC.md 2.1: the 64-byte header, network byte order.
 HEADER = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
@@ -85,7 +86,8 @@ class Client:
         the same txn id is safe: nodes and the switch's allocator execute it at most once
         (SPEC 7, 11.9); the wait doubles on each try (any schedule within the window is correct, SPEC 7).
         With a region's tag *key* the request is sealed and only a sealed answer is taken; with
-        the *admin* tag key, the same with a control tag."""
+        a control tag key (*admin*: the admin tag key, or a tenant's), the same with a control
+        tag."""
         self.txn += 1
         datagram = (
             header(opcode, self.txn, length=fields.pop("length", len(payload)), **fields) + payload
@@ -213,11 +215,14 @@ def main():
             raise
     print("an unsealed READ with the right rkey: BAD_RKEY")
 
-    # The credential alone (rkey 0) queries and frees the tenant's region.
-    _, body, _ = client.call(QUERY, struct.pack("<Q", credential), addr=gaddr)
+    # The tenant queries and frees its region: rkey its id, credential 0 in the payload, a
+    # control tag under its tag key (SPEC.md 11.9, "Tenant tags").
+    tenant, tenant_key = tenant_keys(credential)
+    no_credential = struct.pack("<Q", 0)
+    _, body, _ = client.call(QUERY, no_credential, rkey=tenant, addr=gaddr, admin=tenant_key)
     if region_record(body)["rkey"] != rkey:
         sys.exit("QUERY described another region")
-    client.call(FREE, struct.pack("<Q", credential), addr=gaddr)
+    client.call(FREE, no_credential, rkey=tenant, addr=gaddr, admin=tenant_key)
     try:
         client.call(READ, rkey=rkey, addr=gaddr, length=8)
         sys.exit("READ after FREE succeeded")

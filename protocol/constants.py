@@ -114,6 +114,9 @@ POOL_OPCODES = frozenset({Opcode.ALLOC, Opcode.FREE, Opcode.QUERY})
 #: The range of control and pool opcodes: TAGGED, they carry a control tag under the cluster's
 #: admin tag key over the whole datagram (SPEC.md 2.6, "Control tags").
 CONTROL_FIRST, CONTROL_LAST = int(Opcode.REGISTER), int(Opcode.QUERY)
+#: The pool's own control opcodes, ALLOC..QUERY (a tenant seals them under its key, SPEC.md 11.9).
+POOL_FIRST = int(Opcode.ALLOC)
+assert POOL_OPCODES == {Opcode(op) for op in range(POOL_FIRST, CONTROL_LAST + 1)}
 
 
 class Flags(IntFlag):

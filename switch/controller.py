@@ -21,16 +21,17 @@ Two halves, one wire path (SPEC.md 11.9):
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from netdam.cluster.clusterfile import ClusterFile, SwitchEntry, load_cluster, require_switch
 from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.tenants import credential_digest, tenant_keys
 from netdam.core.node import MAX_REGIONS
 from netdam.protocol.constants import (
     AMPLIFICATION_FACTOR,
@@ -181,9 +182,26 @@ def _bytes(n: int) -> str:
     return f"{n} B ({n / (1 << 20):.1f} MiB)"
 
 
-def credential_digest(credential: int) -> str:
-    """What the state file keeps of a tenant credential: SHA-256 of its 8 bytes (LE), hex."""
-    return hashlib.sha256(credential.to_bytes(8, "little")).hexdigest()
+def new_credential(state: PoolState) -> tuple[int, str]:
+    """A new tenant's credential (64 bits from ``secrets``, never 0) and its digest, its id
+    (SPEC.md 11.9, "Tenant tags") distinct from every tenant's in *state*."""
+    taken = {tenant_keys(digest).id for digest in state.tenants}
+    while True:
+        credential = secrets.randbits(64)
+        digest = credential_digest(credential)
+        if credential and digest not in state.tenants and tenant_keys(digest).id not in taken:
+            return credential, digest
+
+
+def tenant_table(state: PoolState) -> dict[int, tuple[str, bytes]]:
+    """The switch's table of *state*'s tenants (SwitchCore.set_tenants): id -> (digest, tag key).
+    Ids are distinct (new_credential sees to it): on a collision in a hand-edited or merged file,
+    the tenant first in the file keeps its tag and the other asks with its credential (v1)."""
+    table: dict[int, tuple[str, bytes]] = {}
+    for digest in state.tenants:
+        keys = tenant_keys(digest)
+        table.setdefault(keys.id, (digest, keys.tag_key))
+    return table
 
 
 def region_info(region: Region, credential: int = 0) -> RegionInfo:
@@ -245,13 +263,14 @@ class PoolService:
         self.on_change = on_change
         self._replies: OrderedDict[tuple[int, int, int], PoolReply] = OrderedDict()
 
-    def handle(self, packet: Packet, src: int, proven: bool, admin: bool) -> PoolReply:
+    def handle(self, packet: Packet, src: int, proven: bool, admin: bool, tenant: str = "") -> PoolReply:
         """The answer to one ALLOC/FREE/QUERY from *src*; a retry of an ALLOC or FREE that
         succeeded (same source, client id and txn id) gets the same answer and changes nothing.
         *proven*: *src* showed it receives at its address (SPEC.md 12.4); else no answer exceeds
         AMPLIFICATION_FACTOR times the request. *admin*: the switch found the admin's authority
         on it (its control tag, or the admin key where no tag is required: core/authority.py);
-        else the payload's tenant credential is all it has."""
+        *tenant*: the credential digest of the tenant whose tag it carries (SPEC.md 11.9,
+        "Tenant tags"); else the payload's tenant credential is all it has."""
         key = (src, packet.client_id, packet.txn_id)
         if packet.opcode != Opcode.QUERY and key in self._replies:
             self._replies.move_to_end(key)
@@ -260,12 +279,20 @@ class PoolService:
         room = None if proven else AMPLIFICATION_FACTOR * (HEADER_SIZE + packet.length)
         try:
             if packet.opcode == Opcode.ALLOC:
-                reply = self._alloc(unpack_alloc(packet.payload), admin, room)
+                request = unpack_alloc(packet.payload)
+                credential = request.credential
             else:
-                reply = self._free_or_query(packet.opcode, packet.addr, unpack_credential(packet.payload), admin,
-                                            room)  # fmt: skip
+                credential = unpack_credential(packet.payload)
         except RemoteProtocolError as exc:
             return PoolReply(exc.status, text=str(exc))
+        if tenant and credential:
+            return PoolReply(Status.BAD_FIELD, text="a sealed tenant request carries credential 0: its tag proves "
+                                                    "the tenant, and the credential stays off the wire")  # fmt: skip
+        owner = tenant or (credential_digest(credential) if credential else "")
+        if packet.opcode == Opcode.ALLOC:
+            reply = self._alloc(request, admin, room, owner)
+        else:
+            reply = self._free_or_query(packet.opcode, packet.addr, owner, admin, room)
         if reply.status == Status.OK and packet.opcode != Opcode.QUERY:
             self._replies[key] = reply
             while len(self._replies) > REPLY_CACHE:
@@ -274,23 +301,23 @@ class PoolService:
 
     # ------------------------------------------------------------------ the three requests
 
-    def _alloc(self, req: AllocRequest, admin: bool, room: int | None) -> PoolReply:
+    def _alloc(self, req: AllocRequest, admin: bool, room: int | None, owner: str) -> PoolReply:
+        """ALLOC for *owner* (a credential digest; "" with the admin's authority: a new tenant)."""
         if req.flags & ~ALLOC_TAGGED:
             return PoolReply(Status.BAD_FIELD, text=f"ALLOC flags 0x{req.flags:02x}: only bit 0 (TAGGED) is defined")
         tagged = bool(req.flags & ALLOC_TAGGED)
         with locked(self.state_path):
             state = load_state(self.state_path)
+            # The ACK hands a new tenant its credential; a tenant that asked with its tag gets
+            # 0 there (it holds the credential, which stays off the wire), one with it in the
+            # payload (v1) or the admin acting for it gets it back.
             credential = req.credential
-            if credential == 0:
+            if not owner:
                 if not admin:
                     return PoolReply(Status.UNAUTHORIZED, text="a new tenant needs the admin key")
-                while credential == 0:
-                    credential = secrets.randbits(64)
-                owner = credential_digest(credential)
-            else:
-                owner = credential_digest(credential)
-                if owner not in state.tenants:
-                    return PoolReply(Status.UNAUTHORIZED, text="unknown tenant credential")
+                credential, owner = new_credential(state)
+            elif owner not in state.tenants:
+                return PoolReply(Status.UNAUTHORIZED, text="unknown tenant credential")
             if req.size == 0 or req.rights == 0 or req.rights & ~int(RIGHTS_ALL):
                 return PoolReply(Status.BAD_FIELD, text="size must be > 0, rights 1..7")
             try:
@@ -385,11 +412,10 @@ class PoolService:
         for way in ways:
             self.agent.deregister(self._endpoint(state, way.node), rkey)
 
-    def _free_or_query(self, opcode: Opcode, addr: int, credential: int, admin: bool, room: int | None) -> PoolReply:
-        owner = credential_digest(credential) if credential else ""
+    def _free_or_query(self, opcode: Opcode, addr: int, owner: str, admin: bool, room: int | None) -> PoolReply:
         with locked(self.state_path):
             state = load_state(self.state_path)
-            if not admin and (not credential or owner not in state.tenants):
+            if not admin and owner not in state.tenants:
                 return PoolReply(Status.UNAUTHORIZED, text="unknown tenant credential")
             visible = sorted((r for r in state.regions if admin or r.owner == owner), key=lambda r: r.gaddr)
             if opcode == Opcode.QUERY:
@@ -430,7 +456,11 @@ def _placed_inside(local: int, size: int, memory_bytes: int) -> bool:
 def _unproven(answer: int) -> PoolReply:
     """The NACK to a sender without its address token whose ACK would be too big (SPEC.md 12.4)."""
     return PoolReply(Status.BAD_FIELD, text=f"answer of {answer} B is over {AMPLIFICATION_FACTOR}x the request: "
-                     "PING the VIP, send its token in aux_addr (SPEC 12.4)")  # fmt: skip
+                     f"PING the VIP, {SEND_TOKEN} (SPEC 12.4)")  # fmt: skip
+
+
+#: What a NACK that wants the sender's address token says (PoolController then PINGs for it).
+SEND_TOKEN = "send its token in aux_addr"
 
 
 class _NodeRefused(NetdamError):
@@ -527,7 +557,7 @@ class PoolController:
 
     def query(self, addr: int) -> Region:
         """The first visible region at or after global address *addr* (NO_ROUTE: none)."""
-        reply = self._request(Opcode.QUERY, addr, pack_credential(self.credential or 0))
+        reply = self._request(Opcode.QUERY, addr, pack_credential(0))
         return region_from_info(unpack_region_info(reply.payload))
 
     def region(self, gaddr: int) -> Region:
@@ -558,40 +588,52 @@ class PoolController:
             raise ControllerError(f"interleave stride {interleave} must be 1..{(1 << 32) - 1} bytes")
         if ways is not None and not 0 < ways < 1 << 16:
             raise ControllerError(f"ways {ways} must be 1..65535")
-        request = AllocRequest(size, self.credential or 0, interleave or 0, ways or 0, rights, tenant,
-                               ALLOC_TAGGED if tagged else 0)  # fmt: skip
+        # A tenant's ALLOC names it by its tag, with credential 0 (SPEC.md 11.9): the ACK's
+        # record carries 0 too, and the region is given the credential here.
+        request = AllocRequest(size, 0, interleave or 0, ways or 0, rights, tenant, ALLOC_TAGGED if tagged else 0)
         reply = self._request(Opcode.ALLOC, 0, request.encode())
-        return region_from_info(unpack_region_info(reply.payload))
+        info = unpack_region_info(reply.payload)
+        return region_from_info(replace(info, credential=info.credential or self.credential or 0))
 
     def free(self, gaddr: int) -> Region:
         """Free the region at *gaddr*: the switch removes it from the map, then deregisters its
         backing on the nodes. Returns what was freed."""
-        reply = self._request(Opcode.FREE, gaddr, pack_credential(self.credential or 0))
+        reply = self._request(Opcode.FREE, gaddr, pack_credential(0))
         return region_from_info(unpack_region_info(reply.payload))
 
     def _request(self, opcode: Opcode, addr: int, payload: bytes) -> Packet:
         """Send one pool request to the VIP (admin key unless a credential is set), with this
-        socket's address-validation token in aux_addr: an answer over 3x the request (a region
-        record of many ways) needs it (SPEC.md 12.4). The first request PINGs for the token."""
+        socket's address-validation token in aux_addr once it has one: an answer over 3x the
+        request (a region record of many ways) needs it (SPEC.md 12.4), and the switch says so;
+        then this PINGs for the token and asks again. A request that needs no token goes first
+        without one: a sealed request is answered while a guesser holds the address locked out
+        (12.3), a PING is not."""
         vip = self.switch.vip
         rkey = 0 if self.credential else self.cluster.admin_key
         client = self._vip_client()
         try:
-            if vip not in client.tokens:
+            for _ in range(2):
+                token = client.tokens.get(vip, 0)
+                packet = Packet(opcode, rkey=rkey, addr=addr, aux_addr=token, length=len(payload), payload=payload)
+                try:
+                    return client.request(vip, packet, timeout=self.timeout, retries=REQUEST_RETRIES)
+                except ControlError as exc:
+                    if token or exc.status != Status.BAD_FIELD or SEND_TOKEN.encode() not in exc.payload:
+                        raise
                 client.tokens[vip] = client.request(vip, Packet(Opcode.PING), timeout=self.timeout,
                                                     retries=REQUEST_RETRIES).aux_addr  # fmt: skip
-            packet = Packet(opcode, rkey=rkey, addr=addr, aux_addr=client.tokens[vip], length=len(payload),
-                            payload=payload)  # fmt: skip
-            return client.request(vip, packet, timeout=self.timeout, retries=REQUEST_RETRIES)
+            raise ControlError(f"{opcode.name}: the VIP asks for an address token and refuses the one its PING "
+                               "gave: is another process bound to the VIP?", int(Status.BAD_FIELD))  # fmt: skip
         except ControlError as exc:
             raise ControllerError(_explain(opcode, addr, exc), exc.status) from None
 
     def _vip_client(self) -> ControlClient:
         """One socket for every request of this controller: its token stays valid."""
         if self._client is None:
-            # The admin's requests are sealed with their control tag; a tenant's carry its
-            # credential and no tag (SPEC.md 11.9).
-            self._client = ControlClient() if self.credential else ControlClient.for_cluster(self.cluster)
+            # The admin's requests are sealed under the admin tag key, a tenant's under its own
+            # (SPEC.md 11.9, "Tenant tags"): neither key nor credential goes on the wire.
+            self._client = (ControlClient.for_tenant(self.credential) if self.credential
+                            else ControlClient.for_cluster(self.cluster))  # fmt: skip
             # Controllers are often dropped without close(): the socket goes with the object.
             weakref.finalize(self, self._client.close)
         return self._client

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -35,7 +35,9 @@ from netdam.kernels.state import (
     SwitchCounters,
     SwitchPorts,
     SwitchState,
+    Tenants,
 )
+from netdam.kernels.tag import verify_control_bytes
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     AMPLIFICATION_FACTOR,
@@ -48,6 +50,7 @@ from netdam.protocol.constants import (
     POOL_OPCODES,
     PROTOCOL_VERSION,
     REPLY_OPCODES,
+    Flags,
     Opcode,
     Status,
     max_payload,
@@ -148,7 +151,7 @@ class PoolHandler(Protocol):
     """The switch's allocator (``netdam.switch.controller.PoolService``): answers ALLOC, FREE
     and QUERY (SPEC.md 11.9)."""
 
-    def handle(self, packet: Packet, src: int, proven: bool, admin: bool) -> PoolReply: ...
+    def handle(self, packet: Packet, src: int, proven: bool, admin: bool, tenant: str = "") -> PoolReply: ...
 
 
 @dataclass
@@ -213,6 +216,7 @@ class SwitchCore(CoreBase):
         #: The allocator answering ALLOC/FREE/QUERY (the switch process sets it; None: NACK).
         self.pool: PoolHandler | None = None
         self.set_regions(regions, generation)
+        self.set_tenants({})
 
     # ------------------------------------------------------------------ tables
 
@@ -230,6 +234,17 @@ class SwitchCore(CoreBase):
         self.reg_ctr = reg_ctr
         self.sw[K.SW_MAP_GENERATION] = generation
         self.sw[K.SW_REGIONS] = len(ordered)
+
+    def set_tenants(self, tenants: Mapping[int, tuple[str, bytes]]) -> None:
+        """Replace the pool's tenants: id -> (owner, the digest its regions name; tag key, 16
+        bytes), as netdam.cluster.tenants derives them. Their sealed ALLOC/FREE/QUERY carry the
+        id in rkey and a control tag under the key (SPEC.md 11.9, "Tenant tags")."""
+        ids = sorted(tenants)
+        if any(not 0 < t < 1 << 32 or len(tenants[t][1]) != 16 for t in ids):
+            raise ValueError("tenant ids are u32 above 0, their tag keys 16 bytes")
+        self._tenants = dict(tenants)
+        self._tenant_ids = np.array(ids, np.uint32)
+        self._tenant_keys = np.array([np.frombuffer(tenants[t][1], "<u8") for t in ids], np.uint64).reshape(-1, 2)
 
     @property
     def generation(self) -> int:
@@ -328,6 +343,7 @@ class SwitchCore(CoreBase):
                        self.kctr, HoldTable(self.hold_buf, self.hold_len, self.hold_ep, self.hold_dir,
                                             self.hold_time, self.hold_gen)),
             self.guard,
+            Tenants(self._tenant_ids, self._tenant_keys),
         )  # fmt: skip
 
     @property
@@ -457,6 +473,9 @@ class SwitchCore(CoreBase):
             # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
             self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
             return
+        if packet.flags & Flags.TAGGED and packet.opcode in POOL_OPCODES and packet.rkey:
+            self._tenant_request(packet, src, data)
+            return
         proof = control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
         if proof is ControlProof.FORGED:
             self.counters[C.DROP_CONTROL_FORGED] += 1  # the datapath drops these before us
@@ -467,6 +486,22 @@ class SwitchCore(CoreBase):
             return
         seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
         self._answer(seal_key, lambda: self._control(packet, src, admin=proof in (ControlProof.TAG, ControlProof.KEY)))
+
+    def _tenant_request(self, packet: Packet, src: int, data: bytes) -> None:
+        """A pool request sealed by a tenant: rkey its id, a control tag under its tag key
+        (SPEC.md 11.9, "Tenant tags"). The datapath checked the tag; checked again here, as a
+        punted datagram carries no verdict (and the table may have changed in between)."""
+        tenant = self._tenants.get(packet.rkey)
+        if tenant is None:
+            text = f"no tenant has id 0x{packet.rkey:08x} here: its credential is not this pool's (SPEC 11.9)"
+            self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=text.encode())
+            self._failed(src)
+            return
+        owner, key = tenant
+        if not verify_control_bytes(key, data):
+            self.counters[C.DROP_CONTROL_FORGED] += 1
+            return
+        self._answer(key, lambda: self._pool_request(packet, src, admin=False, tenant=owner))
 
     def _control(self, packet: Packet, src: int, admin: bool) -> None:
         """A control or pool request with its authority established (*admin*, or a tenant's
@@ -496,12 +531,12 @@ class SwitchCore(CoreBase):
         if src not in self._trusted:
             record_failure(self.guard, src, self.counters)
 
-    def _pool_request(self, packet: Packet, src: int, admin: bool) -> None:
+    def _pool_request(self, packet: Packet, src: int, admin: bool, tenant: str = "") -> None:
         if self.pool is None:
             text = b"this switch runs without a pool controller (start it with --cluster and --state)"
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
             return
-        answer = self.pool.handle(packet, src, self._proven(packet, src), admin)
+        answer = self.pool.handle(packet, src, self._proven(packet, src), admin, tenant)
         if answer.status == Status.UNAUTHORIZED:
             self._failed(src)
         reply = packet if answer.addr is None else replace(packet, addr=answer.addr)

@@ -31,7 +31,7 @@ from netdam.shell.process import (
 )
 from netdam.shell.shm import prefault
 from netdam.shell.udp import open_control_socket, open_udp_socket
-from netdam.switch.controller import PoolService, UdpNodeAgent
+from netdam.switch.controller import PoolService, UdpNodeAgent, tenant_table
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
 from netdam.switch.state import (
     PoolNode,
@@ -111,6 +111,7 @@ class SwitchProcess(ServeLoop):
             state.regions, state.generation,
         )  # fmt: skip
         self.core.set_groups(state.groups)
+        self.core.set_tenants(tenant_table(state))
         set_token_key(self.core.guard, bytes.fromhex(state.token_key))
         self.agent = UdpNodeAgent(cluster.admin_key, cluster.admin_tag_key)
         self.core.pool = PoolService(cluster, config.state_file, self.agent, self._map_changed)
@@ -151,14 +152,17 @@ class SwitchProcess(ServeLoop):
             state = load_state(self.config.state_file)
             self.core.set_regions(state.regions, state.generation)
             self.core.set_groups(state.groups)
+            self.core.set_tenants(tenant_table(state))
         except ValueError as exc:
             print(f"switch: keeping the old address map: {exc}", file=sys.stderr, flush=True)
             return False
         return True
 
     def _map_changed(self, state: PoolState) -> None:
-        """ALLOC or FREE changed the state file: serve the new map before the ACK leaves."""
+        """ALLOC or FREE changed the state file: serve the new map (and a new tenant's key)
+        before the ACK leaves."""
         self.core.set_regions(state.regions, state.generation)
+        self.core.set_tenants(tenant_table(state))
         self._stamp = file_stamp(self.config.state_file)
 
     def _serve_control(self) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
-from netdam.cluster.control import ControlClient
+from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import start_pool_cluster
 from netdam.core.guard import GuardConfig
 from netdam.core.node import NodeConfig, NodeCore
@@ -30,10 +30,10 @@ from netdam.protocol.constants import (
     Status,
 )
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import pack_register, pack_u64, unpack_u64
+from netdam.protocol.payloads import pack_credential, pack_register, pack_u64, unpack_u64
 from netdam.protocol.tag import seal, verify
 from netdam.switch.addrmap import GLOBAL_BASE, Region, Way
-from netdam.switch.controller import PoolController
+from netdam.switch.controller import ControllerError, PoolController
 from netdam.switch.core import SwitchConfig, SwitchCore
 
 ME: Endpoint = ("10.0.0.1", 7000)
@@ -198,7 +198,7 @@ def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_
         # The guesser is a process of its own (as an attacker is: no GIL shared with the clients),
         # sending READs with wrong rkeys from 127.0.0.1 to the VIP and both nodes for 4 s.
         targets = [switch.vip, *cluster.endpoints]
-        flooder = subprocess.Popen([sys.executable, "-c", FLOOD, repr(targets), str(tagged.gaddr), "4.0"],
+        flooder = subprocess.Popen([sys.executable, "-c", FLOOD, repr(targets), str(tagged.gaddr), "5.0"],
                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
         time.sleep(0.5)  # the address is locked out by now
         done = failed = 0
@@ -220,10 +220,31 @@ def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_
                     plain.write(untagged.gaddr, k.to_bytes(8, "little"), untagged.rkey)
                 except PoolError:
                     locked += 1
+        # The tenant's own requests (SPEC 11.9, "Tenant tags"), from a controller made during the
+        # flood (its first requests need no address token, so no PING that the lockout drops).
+        tenant = PoolController(cluster.path, credential=int(tagged.extra["credential"]), timeout=0.2)  # type: ignore[call-overload]
+        pool_ops = pool_failed = 0
+        for _ in range(10):
+            for op in ("alloc", "query", "free"):
+                pool_ops += 1
+                try:
+                    if op == "alloc":
+                        mine = tenant.alloc(4 * KiB)
+                    elif op == "query":
+                        assert tenant.query(mine.gaddr).gaddr == mine.gaddr
+                    else:
+                        tenant.free(mine.gaddr)
+                except ControllerError:
+                    pool_failed += 1
+        with ControlClient() as v1:  # the same tenant's v1 request (credential in the payload): locked out
+            query = Packet(Opcode.QUERY, length=8, payload=pack_credential(int(tagged.extra["credential"])))  # type: ignore[call-overload]
+            with pytest.raises(ControlError, match="no answer"):
+                v1.request(switch.vip, query, timeout=0.2, retries=0)
         sent = int(flooder.communicate(timeout=30)[0])
         assert sent > 20000, sent  # a real flood
         assert done > 100 and failed <= done // 100, (done, failed)
         assert locked >= 6, locked  # the untagged client on the same address: locked out
+        assert pool_failed == 0, (pool_ops, pool_failed)
         # The admin's control opcodes keep the per-address lockout (SPEC 12.3): ask from another
         # loopback address while 127.0.0.1 is still locked out.
         with ControlClient.for_cluster(cluster.info, bind="127.0.0.3") as admin:

@@ -15,8 +15,17 @@ from dataclasses import replace
 import numpy as np
 
 from netdam.cluster.clusterfile import ClusterFile
+from netdam.cluster.tenants import TenantKeys, tenant_keys_of
 from netdam.protocol import counters as C
-from netdam.protocol.constants import REGISTER_ANYWHERE, DType, Flags, Opcode, Rights
+from netdam.protocol.constants import (
+    POOL_OPCODES,
+    REGISTER_ANYWHERE,
+    DType,
+    Flags,
+    Opcode,
+    Rights,
+    Status,
+)
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights, pack_register
@@ -47,7 +56,8 @@ class ControlClient:
     """Requests to nodes over UDP, matched to replies by transaction id."""
 
     def __init__(
-        self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0", admin_tag_key: bytes = b""
+        self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0", admin_tag_key: bytes = b"",
+        tenant: TenantKeys | None = None,
     ) -> None:
         if admin_tag_key and len(admin_tag_key) != 16:
             raise ValueError(f"the admin tag key is 16 bytes, not {len(admin_tag_key)}")
@@ -58,6 +68,10 @@ class ControlClient:
         #: opcode that names the admin key leaves sealed with its control tag instead (rkey 0),
         #: and only answers sealed under the same key are taken.
         self.admin_tag_key = admin_tag_key
+        #: A pool tenant's id and tag key (SPEC.md 11.9, "Tenant tags"): with them, ALLOC, FREE
+        #: and QUERY without the admin key leave sealed under the tenant's key (rkey its id),
+        #: and only answers sealed under it are taken.
+        self.tenant = tenant
         #: Answers to sealed requests that were not sealed (a forger, or a process that does
         #: not hold the key): ignored, counted here and named when the request times out.
         self.unsealed = 0
@@ -74,22 +88,40 @@ class ControlClient:
         """A client with *cluster*'s admin key and admin tag key: the admin's."""
         return cls(admin_key=cluster.admin_key, client_id=client_id, bind=bind, admin_tag_key=cluster.admin_tag_key)
 
+    @classmethod
+    def for_tenant(cls, credential: int, bind: str = "0.0.0.0") -> ControlClient:
+        """A client of the pool tenant whose credential is *credential*: its ALLOC, FREE and
+        QUERY leave sealed under the tenant's tag key, and the credential never travels."""
+        return cls(bind=bind, tenant=tenant_keys_of(credential))
+
     def close(self) -> None:
         self.sock.close()
 
+    def sealing(self, packet: Packet) -> tuple[bytes, int] | None:
+        """The key *packet* leaves sealed under and the rkey it then carries, or None (sent as
+        it is): a control opcode naming the admin key, from a client that holds the admin tag
+        key, under that key with rkey 0 (SPEC.md 2.6, "Control tags"); a pool request without a
+        key, from a tenant's client, under the tenant's tag key with rkey its id (11.9)."""
+        if self.admin_tag_key and is_control(packet.opcode) and packet.rkey == self.admin_key != 0:
+            return self.admin_tag_key, 0
+        if self.tenant is not None and packet.opcode in POOL_OPCODES and packet.rkey == 0:
+            return self.tenant.tag_key, self.tenant.id
+        return None
+
     def seals(self, packet: Packet) -> bool:
-        """Whether *packet* leaves with a control tag: a control opcode naming the admin key,
-        from a client that holds the admin tag key."""
-        return bool(self.admin_tag_key) and is_control(packet.opcode) and packet.rkey == self.admin_key != 0
+        """Whether *packet* leaves with a control tag (``sealing``)."""
+        return self.sealing(packet) is not None
 
     def encode(self, packet: Packet) -> bytes:
-        """*packet* as this client sends it: sealed with its control tag when ``seals`` says so
-        (the admin key then stays off the wire: rkey 0), else as it is."""
-        if self.seals(packet):
+        """*packet* as this client sends it: sealed with its control tag when ``sealing`` names
+        a key (the admin key or the tenant's credential then stays off the wire), else as it is."""
+        sealing = self.sealing(packet)
+        if sealing is not None:
             # Imported here: it loads numba (~0.7 s), which a PING or a READ need not pay for.
             from netdam.kernels.tag import seal_control_bytes
 
-            return seal_control_bytes(self.admin_tag_key, encode_packet(replace(packet, rkey=0)))
+            key, rkey = sealing
+            return seal_control_bytes(key, encode_packet(replace(packet, rkey=rkey)))
         data: bytes = encode_packet(packet)
         return data
 
@@ -107,10 +139,14 @@ class ControlClient:
         Retries re-send the same txn id, so a mutating request applies at most once.
         """
         txn = next(self._txn) & 0xFFFFFFFF
-        sealed = self.seals(packet)
+        sealing = self.sealing(packet)
         data = self.encode(_with_ids(packet, self.client_id, txn))
         unsealed = self.unsealed
         for _attempt in range(retries + 1):
+            # A switch refuses a tenant id it does not know UNAUTHORIZED, unsealed (it has no
+            # key to seal with). Taken once this attempt's wait is over and no sealed answer
+            # came: a forged refusal cannot overtake the switch's real answer.
+            refused: Packet | None = None
             self.sock.sendto(data, node)
             deadline = time.monotonic() + timeout
             while (left := deadline - time.monotonic()) > 0:
@@ -124,8 +160,10 @@ class ControlClient:
                 except RemoteProtocolError:
                     continue
                 if reply.txn_id == txn and reply.client_id == self.client_id:
-                    if sealed and not _verify_control(self.admin_tag_key, reply_bytes):
+                    if sealing is not None and not _verify_control(sealing[0], reply_bytes):
                         self.unsealed += 1
+                        if sealing[1] and reply.opcode == Opcode.NACK and reply.status == Status.UNAUTHORIZED:
+                            refused = reply
                         continue
                     if reply.opcode == Opcode.NACK:
                         raise ControlError(
@@ -133,8 +171,14 @@ class ControlClient:
                             int(reply.status), bytes(reply.payload),
                         )
                     return reply
+            if refused is not None:
+                raise ControlError(
+                    f"{packet.opcode.name} to {node[0]}:{node[1]} refused: UNAUTHORIZED, unsealed: it knows no "
+                    "tenant with this credential", int(Status.UNAUTHORIZED), bytes(refused.payload),
+                )  # fmt: skip
         ignored = self.unsealed - unsealed
-        why = (f" ({ignored} unsealed answers ignored: does it hold this cluster's admin tag key?)"
+        holder = "the tenant's tag key" if sealing is not None and sealing[1] else "this cluster's admin tag key"
+        why = (f" ({ignored} unsealed answers ignored: does it hold {holder}?)"
                if ignored else "")  # fmt: skip
         raise ControlError(f"no answer from {node[0]}:{node[1]} to {packet.opcode.name} "
                            f"within {timeout * (retries + 1):.1f} s{why}: is the node running?")  # fmt: skip

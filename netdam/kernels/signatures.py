@@ -29,6 +29,7 @@ from netdam.kernels.state import (
     SwitchCounters,
     SwitchPorts,
     SwitchState,
+    Tenants,
     TxQueue,
 )
 
@@ -62,6 +63,7 @@ SWITCH_STATE = typeof(SwitchState(
     SwitchCounters(_a(u64), _a(u64), _a(u64, 2), _a(u64, 2)),
     LinkFaults(_a(f64, 3), _a(u64), _a(f64), _a(i64), _a(u64), _a(u32), _a(i64, 3), HOLD_TABLE),
     GUARD,
+    Tenants(_a(u32), _a(u64, 2)),
 ))  # fmt: skip
 PUNT = typeof(_a(i32))
 TXQ = typeof(_a(i64))

@@ -199,6 +199,14 @@ class LinkFaults(NamedTuple):
     hold: HoldTable
 
 
+class Tenants(NamedTuple):
+    """The pool's tenants as the switch's datapath checks their sealed ALLOC/FREE/QUERY
+    (SPEC.md 11.9, "Tenant tags"; netdam.cluster.tenants derives both)."""
+
+    ids: np.ndarray  # uint32, sorted: each tenant's id (the rkey of its sealed requests)
+    keys: np.ndarray  # uint64 (tenants, 2): its tag key (k0, k1), in the order of ids
+
+
 class SwitchState(NamedTuple):
     """Everything the switch's datapath reads or changes besides the batches."""
 
@@ -208,6 +216,7 @@ class SwitchState(NamedTuple):
     ctrs: SwitchCounters
     faults: LinkFaults
     guard: Guard
+    tenants: Tenants
 
 
 class TimeWindow(NamedTuple):

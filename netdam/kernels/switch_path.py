@@ -39,7 +39,9 @@ from netdam.kernels.tag import (
     CONTROL_TAG_NO_KEY,
     TAG,
     _is_control,
+    _is_tenant_request,
     _open_control_tagged,
+    _open_tenant_tagged,
     _seal_replies,
     _tag_ok,
     _tagged_length,
@@ -210,6 +212,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
     grp_key, grp_first, grp_count, grp_member = st.groups
     counters, sw, port_ctr, reg_ctr = st.ctrs
     guard = st.guard
+    tenant_ids, tenant_keys = st.tenants
     factor = guard.cfg[G_FACTOR]
     tx_buf, tx_off, tx_len, tx_dst = tx
     n_punt = 0
@@ -274,10 +277,14 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
             tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
             continue
         if was_tagged and _is_control(op):
-            # A control tag proves the cluster's admin tag key (SPEC.md 2.6, "Control tags"):
+            # A control tag proves the cluster's admin tag key (SPEC.md 2.6, "Control tags"), or
+            # a pool request's the key of the tenant its rkey names (11.9, "Tenant tags"):
             # punted, a locked-out source's too; the control plane checks it again and seals
             # its answers. A wrong one is dropped without an answer.
-            verdict, _ak0, _ak1 = _open_control_tagged(guard.key, full, full_ln, counters)
+            if _is_tenant_request(b, op):
+                verdict = _open_tenant_tagged(tenant_ids, tenant_keys, full, full_ln, counters)
+            else:
+                verdict, _ak0, _ak1 = _open_control_tagged(guard.key, full, full_ln, counters)
             if verdict == CONTROL_TAG_FORGED:
                 continue
             if verdict == CONTROL_TAG_NO_KEY:

@@ -33,6 +33,7 @@ from netdam.protocol.constants import (
     CONTROL_FIRST,
     CONTROL_LAST,
     HEADER_SIZE,
+    POOL_FIRST,
     SEGMENT_SIZE,
     TAG_SIZE,
     Flags,
@@ -134,6 +135,29 @@ def _open_control_tagged(guard_key, b, ln, counters):  # type: ignore[no-untyped
         return CONTROL_TAG_OK, k0, k1
     counters[C.DROP_CONTROL_FORGED] += 1
     return CONTROL_TAG_FORGED, k0, k1
+
+
+@njit(cache=True, nogil=True)
+def _is_tenant_request(b, op):  # type: ignore[no-untyped-def]
+    """A TAGGED ALLOC, FREE or QUERY whose rkey is non-zero names a tenant by its id: its
+    control tag is under that tenant's tag key (SPEC.md 11.9, "Tenant tags"), not the admin's."""
+    return POOL_FIRST <= op <= CONTROL_LAST and _rd32(b, H_RKEY) != 0
+
+
+@njit(cache=True, nogil=True)
+def _open_tenant_tagged(ids, keys, b, ln, counters):  # type: ignore[no-untyped-def]
+    """Check the control tag of TAGGED pool request b[:ln] under the tag key of the tenant its
+    rkey names (ids sorted, keys in their order). Returns CONTROL_TAG_OK; CONTROL_TAG_NO_KEY
+    when no tenant has that id (the caller answers UNAUTHORIZED, a failed authentication);
+    CONTROL_TAG_FORGED, counted: dropped without an answer."""
+    tenant = np.uint32(_rd32(b, H_RKEY))
+    i = np.searchsorted(ids, tenant)
+    if i >= ids.shape[0] or ids[i] != tenant:
+        return CONTROL_TAG_NO_KEY
+    if _control_tag_ok(b, ln, keys[i, 0], keys[i, 1]):
+        return CONTROL_TAG_OK
+    counters[C.DROP_CONTROL_FORGED] += 1
+    return CONTROL_TAG_FORGED
 
 
 @njit(cache=True, nogil=True)
