@@ -484,6 +484,8 @@ class SwitchCore(CoreBase):
             self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=refusal_text(self.config.admin_tag_key))
             self._failed(src)
             return
+        if proof is ControlProof.TAG and self._replayed(data, src):
+            return
         seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
         self._answer(seal_key, lambda: self._control(packet, src, admin=proof in (ControlProof.TAG, ControlProof.KEY)))
 
@@ -500,6 +502,8 @@ class SwitchCore(CoreBase):
         owner, key = tenant
         if not verify_control_bytes(key, data):
             self.counters[C.DROP_CONTROL_FORGED] += 1
+            return
+        if self._replayed(data, src):
             return
         self._answer(key, lambda: self._pool_request(packet, src, admin=False, tenant=owner))
 

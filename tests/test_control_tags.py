@@ -95,6 +95,22 @@ def test_a_sealed_register_is_the_admins_and_its_answer_is_sealed() -> None:
     assert verify_control(TAG_KEY, again) and len(core.regions()) == 1
 
 
+def test_a_sniffed_control_datagram_replayed_from_another_source_is_dropped() -> None:
+    """SPEC.md 2.6: a control tag covers the whole datagram, so whoever saw one (root, or on the
+    path) could only re-send it as it is; from another source it was taken again (a second admin
+    ALLOC allocated again, and its answer went to the replayer). Now the process remembers the
+    tags it took and drops the same datagram from another source, counted; a retry from the
+    admin's own source is still answered (from the duplicate window)."""
+    core = node()
+    request = seal_control(TAG_KEY, encode_packet(register(0, 4096)))
+    [ack] = exchange(core, request)
+    assert decode_packet(ack).opcode == Opcode.ACK
+    assert exchange(core, request, src=("10.0.0.66", 4000)) == []
+    assert int(core.counters[C.DROP_CONTROL_REPLAYED]) == 1
+    [again] = exchange(core, request)  # the admin's retry
+    assert decode_packet(again).opcode == Opcode.ACK and len(core.regions()) == 1
+
+
 def test_the_admin_key_alone_is_refused_where_control_tags_are_required() -> None:
     core = node()
     [nack] = exchange(core, encode_packet(register(0, 4096, rkey=ADMIN)))

@@ -22,11 +22,13 @@ import pytest
 
 from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import start_cluster
+from netdam.cluster.tenants import tenant_keys_of
 from netdam.core.fabric import Fabric
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights, Status
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.payloads import AllocRequest, pack_credential
 from netdam.protocol.tag import seal_control
 from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, backing_per_way
 from netdam.switch.core import SwitchConfig, SwitchCore
@@ -50,7 +52,9 @@ COLL_RKEY = 0xC011
 TAGGED_RKEY, TAGGED_KEY = 0x7A66ED, bytes(range(16, 32))
 TAGGED_LOCAL, TAGGED_SIZE = 0x40000, 4096
 COLL_BASE, COLL_SIZE = 0x80000, 0x10000
-ATTEMPTS = 2_500  # per kind: 19 kinds, 47,500 attempts (10,000 each took ~1.2 s per kind of the suite)
+ATTEMPTS = 2_500  # per kind: 21 kinds, 52,500 attempts (10,000 each took ~1.2 s per kind of the suite)
+#: A pool tenant of the switch (SPEC.md 11.9, "Tenant tags"): its id is public, its key is not.
+VICTIM_TENANT = tenant_keys_of(0x7E11A17)
 #: Datagrams sent before the fabric runs to idle: keeps every NACK (no send queue overflow).
 BURST = 256
 
@@ -62,6 +66,9 @@ class Tenancy:
     endpoints: list[Endpoint]
     victim: Region
     attacker: Region
+    switch: SwitchCore
+    #: The admin's sealed JOINs of the set-up, as a sniffer with root would have seen them.
+    sniffed: list[bytes]
 
     def secrets(self) -> list[tuple[int, int, int]]:
         """(node, lo, hi) of every byte the attacker must never see: the victim's backing and
@@ -104,18 +111,22 @@ def make_tenancy() -> Tenancy:
     switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, admin_tag_key=ADMIN_TAG_KEY,
                                      seed=0),
                         [victim, attacker, tagged], generation=1)  # fmt: skip
+    switch.set_tenants({VICTIM_TENANT.id: ("victim", VICTIM_TENANT.tag_key)})
     fabric.add_core(VIP, switch)
     for ep in (VICTIM, ATTACKER, BYSTANDER):
         fabric.add_endpoint(ep)
     rng = np.random.default_rng(7)
     for node in nodes:  # the victim's data: a secret pattern, everything else random
         node.memory[:] = rng.integers(0, 256, node.memory.shape[0], dtype=np.uint8)
-    for ep in endpoints:  # a multicast group of all nodes, set up by the admin
-        join = Packet(Opcode.JOIN, addr=endpoint_to_u64(GROUP), aux_addr=endpoint_to_u64(ep))
-        fabric.send(VICTIM, VIP, seal_control(ADMIN_TAG_KEY, encode_packet(join)))
+    sniffed = []
+    for k, ep in enumerate(endpoints):  # a multicast group of all nodes, set up by the admin
+        join = Packet(Opcode.JOIN, client_id=77, txn_id=k + 1, addr=endpoint_to_u64(GROUP),
+                      aux_addr=endpoint_to_u64(ep))  # fmt: skip
+        sniffed.append(seal_control(ADMIN_TAG_KEY, encode_packet(join)))
+        fabric.send(VICTIM, VIP, sniffed[-1])
     fabric.run_until_idle()
     assert all(decode_packet(d).opcode == Opcode.ACK for d, _ in fabric.receive(VICTIM))
-    return Tenancy(fabric, nodes, endpoints, victim, attacker)
+    return Tenancy(fabric, nodes, endpoints, victim, attacker, switch, sniffed)
 
 
 # ------------------------------------------------------------------------ attack generators
@@ -230,6 +241,22 @@ def _admin_key_without_control_tag(rng: np.random.Generator, t: Tenancy) -> tupl
     return dst, replace(packet, rkey=0, flags=Flags.TAGGED, tag=int(rng.integers(0, 2**63)))
 
 
+def _tenant_without_its_key(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """ALLOC, FREE (of the victim's region) and QUERY to the VIP naming the victim tenant's id
+    under a made-up tag, or an id no tenant has (SPEC.md 11.9, "Tenant tags")."""
+    opcode = [Opcode.ALLOC, Opcode.FREE, Opcode.QUERY][int(rng.integers(0, 3))]
+    payload = AllocRequest(4096, 0, 0, 0, ALL, "").encode() if opcode == Opcode.ALLOC else pack_credential(0)
+    tenant = VICTIM_TENANT.id if rng.random() < 0.5 else int(rng.integers(1, 2**32)) | 1
+    return VIP, Packet(opcode, rkey=tenant, addr=0 if opcode == Opcode.ALLOC else t.victim.gaddr, flags=Flags.TAGGED,
+                       tag=int(rng.integers(0, 2**63)), length=len(payload), payload=payload, **_ids(rng))  # fmt: skip
+
+
+def _replayed_control(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
+    """The admin's sealed JOINs, sniffed and re-sent as they were from the attacker's socket
+    (SPEC.md 2.6, "Control tags": a proven datagram from another source is a replay)."""
+    return VIP, decode_packet(t.sniffed[int(rng.integers(0, len(t.sniffed)))])
+
+
 def _reply_to_third_party(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
     """A legitimate READ of the attacker's own memory asking for the reply to go elsewhere."""
     way = t.attacker.ways[0]
@@ -310,6 +337,8 @@ KINDS: dict[str, Attack] = {
     "sniffed collective key": _sniffed_collective_key,
     "made-up tag": _made_up_tag,
     "tagged region's rkey": _tagged_region_rkey,
+    "tenant id without its key": _tenant_without_its_key,
+    "replayed control datagram": _replayed_control,
 }
 
 
@@ -344,7 +373,9 @@ def test_cross_tenant_attempts_all_fail(tenancy: Tenancy, kind: str) -> None:
     before = _snapshot(t)
     secret = [bytes(before[node][lo:hi]) for node, lo, hi in t.secrets()]
     node0_rx = int(t.nodes[0].counters[C.RX_PACKETS])
+    dropped_before = {c: int(t.switch.counters[c]) for c in (C.DROP_CONTROL_FORGED, C.DROP_CONTROL_REPLAYED)}
     replies = _run_kind(t, KINDS[kind], seed=sum(map(ord, kind)))
+    dropped = {c: int(t.switch.counters[c]) - n for c, n in dropped_before.items()}
 
     succeeded = [r for r in replies if r.opcode != Opcode.NACK]
     if kind == "reply to third party":
@@ -355,7 +386,13 @@ def test_cross_tenant_attempts_all_fail(tenancy: Tenancy, kind: str) -> None:
     else:
         assert succeeded == [], f"{kind}: {len(succeeded)} of {ATTEMPTS} succeeded, e.g. {succeeded[0]}"
     statuses = Counter(Status(r.status).name for r in replies if r.opcode == Opcode.NACK)
-    assert sum(statuses.values()) > 0 or kind == "reply to third party", kind
+    if kind == "replayed control datagram":  # none answered, every one counted
+        assert replies == [] and dropped[C.DROP_CONTROL_REPLAYED] == ATTEMPTS, dropped
+    elif kind == "tenant id without its key":  # unknown ids refused, the victim's id under a made-up tag dropped
+        assert set(statuses) == {"UNAUTHORIZED"}, statuses
+        assert statuses["UNAUTHORIZED"] + dropped[C.DROP_CONTROL_FORGED] == ATTEMPTS, (statuses, dropped)
+    else:
+        assert sum(statuses.values()) > 0 or kind == "reply to third party", kind
     assert t.fabric.receive(BYSTANDER) == [] and t.fabric.receive(VICTIM) == []
 
     # Nothing outside the attacker's own regions changed, not one byte.

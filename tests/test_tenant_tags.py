@@ -168,3 +168,16 @@ def test_tenant_ids_are_distinct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert controller.new_credential(state) == (fresh, credential_digest(fresh))
     table = controller.tenant_table(PoolState(nodes=[], tenants={credential_digest(first): "", credential_digest(clash): ""}))
     assert list(table.values()) == [(credential_digest(first), real(credential_digest(first)).tag_key)]
+
+
+def test_a_tenants_request_replayed_from_another_source_gets_nothing(tmp_path: Path) -> None:
+    """A sealed ALLOC seen on the path and re-sent from another source: the switch took it once;
+    the replay is dropped and counted (drop_control_replayed), allocates nothing and answers
+    nothing (the answer would hand the replayer the new region's tag key)."""
+    fabric, switch, pool = switch_with_pool(tmp_path, 2, GuardConfig.on())
+    credential = new_tenant(fabric)
+    alloc = sealed(credential, Opcode.ALLOC, AllocRequest(PAGE, 0, 0, 0, 7, "").encode(), txn=5)
+    ok(decode_packet(send(fabric, alloc)[0]))
+    regions = len(pool.state().regions)
+    assert send(fabric, alloc, GUESSER) == []
+    assert counters(switch)["drop_control_replayed"] == 1 and len(pool.state().regions) == regions

@@ -8,7 +8,7 @@ nodes; SPEC.md 3.1). Subclasses implement ``receive_batch`` and ``_handle_punted
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -18,7 +18,7 @@ import numpy as np
 from netdam.core.sendqueue import SLOT_BYTES, QueueOwner
 from netdam.kernels.tag import seal_bytes, seal_control_bytes
 from netdam.protocol import counters as C
-from netdam.protocol.constants import Flags, Opcode, Status
+from netdam.protocol.constants import TAG_SIZE, Flags, Opcode, Status
 from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import (
     Endpoint,
@@ -28,6 +28,10 @@ from netdam.protocol.packet import (
     reply_to,
     u64_to_endpoint,
 )
+
+#: How many proven control requests a process remembers to refuse their replays from another
+#: source (SPEC.md 2.6, "Control tags"): a tag and a source each, about 3 MB when full.
+REPLAY_WINDOW = 16_384
 
 
 class CoreBase(QueueOwner):
@@ -39,6 +43,8 @@ class CoreBase(QueueOwner):
     #: While the control plane answers a request its control tag proved: the admin tag key
     #: every answer is sealed under (SPEC.md 2.6, "Control tags"); b"" otherwise.
     _seal_key: bytes = b""
+    #: The control tags of the last REPLAY_WINDOW proven requests taken, with their source.
+    _taken_tags: OrderedDict[bytes, int] | None = None
 
     def receive_batch(self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
                       n: int, now: float) -> None:  # fmt: skip
@@ -103,6 +109,23 @@ class CoreBase(QueueOwner):
             respond()
         finally:
             self._seal_key = b""
+
+    def _replayed(self, data: bytes, src: int) -> bool:
+        """Whether *data*, a request its control tag proved, is a replay: the same datagram
+        (the same tag) taken before from another source, dropped and counted. A retry from its
+        own source goes on (the duplicate windows answer it). SPEC.md 2.6, "Control tags"."""
+        if self._taken_tags is None:
+            self._taken_tags = OrderedDict()
+        tag = data[-TAG_SIZE:]
+        first = self._taken_tags.get(tag)
+        if first is not None and first != src:
+            self.counters[C.DROP_CONTROL_REPLAYED] += 1
+            return True
+        self._taken_tags[tag] = src
+        self._taken_tags.move_to_end(tag)
+        if len(self._taken_tags) > REPLAY_WINDOW:
+            self._taken_tags.popitem(last=False)
+        return False
 
     def _outgoing(self, data: bytes) -> bytes:
         """*data* as it leaves: sealed under the admin tag key while answering a request that

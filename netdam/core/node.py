@@ -318,6 +318,8 @@ class NodeCore(CoreBase):
             if src not in self._trusted:
                 record_failure(self.guard, src, self.counters)
             return
+        if proof is ControlProof.TAG and self._replayed(data, src):
+            return
         self._answer(self._seal_for(proof), lambda: handler(packet, src))
 
     def _seal_for(self, proof: ControlProof) -> bytes:

@@ -204,6 +204,7 @@ local COUNTER = {
     [28] = "drop_coll_forged",
     [29] = "drop_region_forged",
     [30] = "drop_control_forged",
+    [31] = "drop_control_replayed",
 }
 local COUNTER_OPCODE_BASE = 32
 local COUNTER_NACK_BASE = 96
