@@ -81,7 +81,12 @@ def check_parity(node: NodeCore, data: bytes) -> None:
     elif len(data) < HEADER_SIZE:
         assert replies == [] and node.counters[C.DROP_TRUNCATED] == before_trunc + 1
     elif data[1] in REPLY_OPCODES:
-        assert replies == [] and node.counters[C.DROP_BAD_REPLY] == before_bad_reply + 1
+        # A malformed reply is dropped and counted; a TAGGED one without room for its tag is
+        # counted truncated first (SPEC.md 2.6), whatever its opcode.
+        tagged = int.from_bytes(data[2:4], "big") & Flags.TAGGED
+        counted = node.counters[C.DROP_BAD_REPLY] == before_bad_reply + 1 or (
+            tagged and sum(int(node.counters[c]) for c in tag_drops) == before_tagged + 1)
+        assert replies == [] and counted, data.hex()
     elif int.from_bytes(data[2:4], "big") & Flags.TAGGED and not replies:
         # A tag of no collective held here, or no room for one: dropped and counted, never
         # answered (SPEC.md 2.6).
@@ -165,7 +170,7 @@ def test_datapath_matches_codec_on_targeted_mutations() -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)  # 400 took 16 s of the suite; the seeded run above adds 4,000 more
 @given(valid_packets(), st.lists(st.tuples(st.integers(0, 700), st.integers(0, 255)), max_size=3))
 def test_datapath_matches_codec_hypothesis(
     packet: Packet, mutations: list[tuple[int, int]]
