@@ -284,8 +284,12 @@ class Oracle:
         tagged = bool(packet.flags & Flags.TAGGED)
         punted = op in REPLY_OPCODES or op in CONTROL_OPCODES or op in POOL_OPCODES or op == Opcode.PING
         if tagged and is_control(op):
-            # SPEC.md 2.6 "Control tags": under the admin tag key, which the fuzzer never holds.
-            if self.layout.admin_tagged:
+            # SPEC.md 2.6 "Control tags": under the admin tag key, which the fuzzer never holds;
+            # a pool request with an rkey names a tenant (11.9, "Tenant tags"), and the fuzzer's
+            # switch has none: UNAUTHORIZED.
+            if op in POOL_OPCODES and packet.rkey:
+                out.nack(sw, Status.UNAUTHORIZED)
+            elif self.layout.admin_tagged:
                 out.drop(sw, C.DROP_CONTROL_FORGED)
             else:
                 out.nack(sw, Status.UNAUTHORIZED)
