@@ -25,7 +25,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netdam.cli import main as cli
-from netdam.cli.fuzz import FuzzConfig, run_fuzz
 from netdam.cluster.clusterfile import ClusterFile, NodeEntry
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.kernels import switch_path as K
@@ -65,6 +64,7 @@ from netdam.tools.fuzz.oracle import (
     counter_checks,
     unreached,
 )
+from netdam.tools.fuzz.runner import FuzzConfig, run_fuzz
 
 CLIENT: Endpoint = ("127.0.0.1", 9001)
 THIRD: Endpoint = ("127.0.0.1", 9002)

@@ -850,7 +850,7 @@ def gso_frames() -> list[tuple[bytes, int]]:
 
 
 def test_decode_splits_gso_super_frames() -> None:
-    from netdam.cli.decode import split_gso
+    from netdam.protocol.pcap import split_gso
 
     for payload, count in gso_frames():
         parts = split_gso(payload)

@@ -2,7 +2,7 @@
 
 The pcap holds frames as the kernel hands them to a capture: on loopback, a node's UDP-GSO send
 is one super-frame of several datagrams, which ``netdam decode --pcap`` and the Wireshark
-dissector split again (see netdam.cli.decode.split_gso). Needs CAP_NET_RAW (root).
+dissector split again (see netdam.protocol.pcap.split_gso). Needs CAP_NET_RAW (root).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Conventions shared by every subcommand (BRIEF section 7): exit codes, JSON output, size flags."""
+"""Conventions shared by every subcommand (BRIEF section 7): exit codes (netdam.outcome), JSON
+output, size flags."""
 
 from __future__ import annotations
 
@@ -10,31 +11,13 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from enum import IntEnum
 from pathlib import Path
 from typing import Any, NoReturn
 
 from netdam import progress
-from netdam.protocol.errors import NetdamError
+from netdam.outcome import CommandError as CommandError  # re-exported: every command raises it
+from netdam.outcome import ExitCode as ExitCode
 from netdam.units import parse_size, parse_size_range
-
-
-class ExitCode(IntEnum):
-    """Process exit codes every command uses."""
-
-    OK = 0
-    CHECK_FAILED = 1  # wrong result or failed check
-    USAGE = 2  # usage error
-    RUN_FAILED = 3  # timeout, dead node, unreachable peer
-    INTERRUPTED = 130  # SIGINT (128 + 2), as shells report it
-
-
-class CommandError(NetdamError):
-    """A failure a command reports as ``error`` in its output, with the exit code to use."""
-
-    def __init__(self, message: str, code: ExitCode = ExitCode.RUN_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _clean(value: Any) -> Any:

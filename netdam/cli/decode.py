@@ -9,9 +9,7 @@ scapy layer's dissection as a second opinion. scapy is imported only when needed
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +19,16 @@ from netdam.cli.common import ExitCode, cluster_file, dumps_json
 from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
-    HEADER_SIZE,
-    MULTICAST_PREFIX,
     NETDAM_UDP_PORT,
     NUMPY_DTYPE,
-    SEGMENT_SIZE,
     DType,
     Flags,
     Opcode,
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
-from netdam.protocol.layout import H_OPCODE, H_SEG_COUNT, H_VERSION, HEADER
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
 from netdam.protocol.payloads import INFO, SPARSE_PREFIX, unpack_key_rights, unpack_register
+from netdam.protocol.pcap import Datagram, Input, PcapError, read_pcap
 
 #: Payload elements listed in --json output; larger payloads give only the hex.
 JSON_MAX_ELEMENTS = 256
@@ -45,31 +40,6 @@ TEXT_MAX_ELEMENTS = 16
 
 class UsageProblem(NetdamError):
     """Input the command cannot read: exit 2 with a message that names the fix."""
-
-
-@dataclass
-class Datagram:
-    """One UDP payload to decode, with where it came from."""
-
-    data: bytes
-    #: For pcap input: frame number (1-based, as Wireshark counts) and endpoints.
-    frame: int | None = None
-    src: str | None = None
-    dst: str | None = None
-    #: Datagram k (1-based) of a UDP-GSO super-frame that held several (None: a frame of one).
-    segment: int | None = None
-
-
-@dataclass
-class Input:
-    """What the input held: the datagrams to decode and, for a pcap, how many frames it had."""
-
-    datagrams: list[Datagram]
-    #: Frames read (a pcap's frames; hex input counts as one).
-    frames: int = 1
-    #: Frames that carried no datagram to or from the NetDAM ports (other traffic, no UDP).
-    skipped: int = 0
-    pcap: bool = False
 
 
 def register(subparsers: Any) -> None:
@@ -197,7 +167,10 @@ def _read_input(args: argparse.Namespace) -> Input:
         if getattr(args, flag) is not None and not args.pcap:
             raise UsageProblem(f"--{flag} applies to --pcap input only; drop it or add --pcap FILE")
     if args.pcap:
-        return _read_pcap(args.pcap, _ports(args), multicast=args.cluster is not None)
+        try:
+            return read_pcap(args.pcap, _ports(args), multicast=args.cluster is not None)
+        except PcapError as exc:
+            raise UsageProblem(str(exc)) from None
     if args.hex_file:
         return Input([Datagram(parse_hex(_read_text(args.hex_file), args.hex_file))])
     if args.hex == ["-"]:
@@ -279,101 +252,6 @@ def _ports(args: argparse.Namespace) -> set[int]:
         except ValueError as exc:
             raise UsageProblem(str(exc)) from None
     return set(args.port) if args.port else {NETDAM_UDP_PORT}
-
-
-def split_gso(data: bytes) -> list[bytes]:
-    """The datagrams of one captured UDP payload.
-
-    On loopback a capture sees a UDP-GSO send (udp(7) ``UDP_SEGMENT``) before segmentation: one
-    frame whose UDP payload is several datagrams of ``gso_size`` bytes laid back to back, the
-    last one possibly shorter. The header does not carry gso_size, so it is found from the
-    datagrams: the first datagram's size when its payload is dense (header + SR list +
-    ``length``), else the smallest size at which the first datagram decodes cleanly; a size is
-    taken only if every boundary it implies starts a header (version, known opcode: one GSO send
-    may carry different packets of one size, e.g. a READ_RESP then an ACK). A payload that is one datagram (or no such size fits) comes
-    back whole, so a truly malformed datagram still reports its own error."""
-    try:
-        decode_packet(data)
-        return [data]
-    except RemoteProtocolError:
-        pass
-    if len(data) < 2 * HEADER_SIZE:
-        return [data]
-    seg_count, length = data[H_SEG_COUNT], HEADER.read(data, "length")
-    dense = HEADER_SIZE + SEGMENT_SIZE * seg_count + length
-    candidates = [dense] + [s for s in range(HEADER_SIZE, len(data)) if _header_at(data, s)]
-    for size in candidates:
-        if not HEADER_SIZE <= size < len(data) or not _splits(data, size):
-            continue
-        return [data[i : i + size] for i in range(0, len(data), size)]
-    return [data]
-
-
-def _header_at(data: bytes, offset: int) -> bool:
-    """Whether a v1 header with a known opcode could start at *offset* (a node's GSO send may
-    batch different packets of one size to one destination: a READ_RESP, then an ACK)."""
-    return (data[offset + H_VERSION] == data[H_VERSION] and offset + H_OPCODE < len(data)
-            and data[offset + H_OPCODE] in _OPCODES)  # fmt: skip
-
-
-_OPCODES = frozenset(int(op) for op in Opcode)
-
-
-def _splits(data: bytes, size: int) -> bool:
-    if not all(_header_at(data, i) for i in range(size, len(data), size)):
-        return False
-    try:
-        decode_packet(data[:size])
-    except RemoteProtocolError:
-        return False
-    return True
-
-
-def _in_groups(address: str) -> bool:
-
-    try:
-        return ipaddress.ip_address(address) in ipaddress.ip_network(MULTICAST_PREFIX)
-    except ValueError:
-        return False
-
-
-def _read_pcap(path: str, ports: set[int], multicast: bool = False) -> Input:
-    # scapy is slow to import and only needed here and for --scapy.
-    from scapy.error import Scapy_Exception
-    from scapy.layers.inet import UDP
-    from scapy.utils import rdpcap
-
-    if not Path(path).is_file():
-        raise UsageProblem(f"pcap file {path} not found; give an existing capture file")
-    try:
-        frames = rdpcap(path)
-    except (Scapy_Exception, OSError, EOFError) as exc:
-        raise UsageProblem(
-            f"cannot read {path} as pcap ({exc}); give a pcap or pcapng file"
-        ) from None
-    datagrams = []
-    skipped = 0
-    for number, frame in enumerate(frames, start=1):
-        udp = frame.getlayer(UDP)
-        if udp is None:
-            skipped += 1
-            continue
-        ip = udp.underlayer
-        group = multicast and _in_groups(str(getattr(ip, "dst", "")))
-        if udp.sport not in ports and udp.dport not in ports and not group:
-            skipped += 1
-            continue
-        # `original` is the exact bytes scapy dissected (UDP already cut Ethernet padding);
-        # rebuilding with bytes() could normalize a malformed datagram.
-        payload = udp.payload
-        data = payload.original if payload.original is not None else bytes(payload)
-        src = f"{getattr(ip, 'src', '?')}:{udp.sport}"
-        dst = f"{getattr(ip, 'dst', '?')}:{udp.dport}"
-        parts = split_gso(bytes(data))
-        for k, part in enumerate(parts, start=1):
-            datagrams.append(Datagram(part, frame=number, src=src, dst=dst,
-                                      segment=k if len(parts) > 1 else None))  # fmt: skip
-    return Input(datagrams, frames=len(frames), skipped=skipped, pcap=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from netdam.cli.common import CommandError, ExitCode
+from netdam.outcome import CommandError, ExitCode
 from netdam.units import format_size
 
 PLOT_HINT = ("--plot needs matplotlib: pip install matplotlib (from a netdam checkout: pip install '.[plot]'), "

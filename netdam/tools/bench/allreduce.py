@@ -31,7 +31,6 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -41,11 +40,9 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata, util
+from importlib import util
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from netdam.cli.common import (
     CommandError,
@@ -59,6 +56,8 @@ from netdam.cli.common import (
 )
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.tools import plot as plotting
+from netdam.tools.bench import report
+from netdam.tools.bench.report import package_version
 from netdam.units import format_size
 
 #: Every algorithm a row can carry, in the order tables and plots list them.
@@ -172,13 +171,6 @@ def check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 # ---------------------------------------------------------------- peers: availability
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def gloo_unavailable() -> str | None:
     """Why the Gloo peer cannot run here, or None."""
     if util.find_spec("torch") is None:
@@ -209,19 +201,8 @@ def _mpi_library_version() -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """Where the numbers were measured: cores, kernel and every version that matters."""
-
-
-    return {
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": _version("numba"),
-        "torch": _version("torch"),
-        "mpi4py": _version("mpi4py"),
-        "mpi": _mpi_library_version(),
-        "netdam": _version("netdam"),
-    }
+    return {**report.machine_info(), "torch": package_version("torch"), "mpi4py": package_version("mpi4py"),
+            "mpi": _mpi_library_version(), "netdam": package_version("netdam")}  # fmt: skip
 
 
 # ---------------------------------------------------------------- peers: processes

@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import platform
 import secrets
 import select
 import shlex
@@ -56,17 +55,16 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from netdam.cli.common import ExitCode
 from netdam.cli.main import build_parser
 from netdam.cluster.secrets_io import key_pipe
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import RxBatch, SinkCheck, TimeWindow, TxQueue
+from netdam.outcome import ExitCode
 from netdam.protocol import counters as C
 from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, DType, Flags, Opcode, Rights
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
@@ -83,6 +81,7 @@ from netdam.shell.udp import (
     max_payload,
     open_udp_socket,
 )
+from netdam.tools.bench.report import machine_info
 
 LOOPBACK = "127.0.0.1"
 #: rkey of the benchmark's region on the node.
@@ -646,24 +645,6 @@ class _Run:
     result: dict[str, Any] = field(default_factory=dict)
     children: dict[str, _Child] = field(default_factory=dict)
     node: _NodeProcess | None = None
-
-
-def machine_info() -> dict[str, Any]:
-    """Where the numbers were measured."""
-    return {
-        "cores": os.cpu_count(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "numba": _version("numba"),
-    }
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 #: Each phase's seq tag (udp_io.SEQ_TAG_SHIFT), increasing in the order the phases run: a sink

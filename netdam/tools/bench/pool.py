@@ -54,7 +54,7 @@ from netdam.protocol.packet import (
 from netdam.shell.startup import StartStalled, wait_while_working
 from netdam.shell.udp import open_udp_socket
 from netdam.tools import plot as plotting
-from netdam.tools.bench.datapath import machine_info
+from netdam.tools.bench.report import machine_info, phase_table
 from netdam.units import format_size
 
 LOOPBACK = "127.0.0.1"
@@ -461,17 +461,6 @@ def _time_alloc_free(controller: Any, interleave: int) -> dict[str, Any]:
             frees.append(time.perf_counter() - start)
         rows[str(size)] = {"alloc_seconds": float(np.median(allocs)), "free_seconds": float(np.median(frees))}
     return {"repeat": FREE_REPEAT, "sizes": rows}
-
-
-def phase_table(results: dict[str, dict[str, Any]], wrong: bool = False) -> list[str]:
-    """Header and one line per phase: ops/s, p50/p99 us, timeouts (and wrong READs)."""
-    lines = [f"  {'phase':<20}{'ops/s':>12}{'p50 us':>9}{'p99 us':>9}{'timeouts':>10}" + (f"{'wrong':>7}" if wrong else "")]
-    for name, r in results.items():
-        p50 = "-" if r["p50_us"] is None else f"{r['p50_us']:.0f}"
-        p99 = "-" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
-        lines.append(f"  {name:<20}{r['ops']:>12,.0f}{p50:>9}{p99:>9}{r['timeouts']:>10}"
-                     + (f"{r['mismatches']:>7}" if wrong else ""))  # fmt: skip
-    return lines
 
 
 def format_text(res: dict[str, Any]) -> str:

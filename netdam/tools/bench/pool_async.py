@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 
 from netdam.clients.pool import PoolError, PoolTimeout
-from netdam.tools.bench.datapath import machine_info
-from netdam.tools.bench.pool import phase_table
+from netdam.tools.bench.report import machine_info, phase_table
 
 #: The phases, in order: (name, operation, bytes per request).
 PHASES = (("write_64", "write", 64), ("read_64", "read", 64), ("write_4096", "write", 4096),

@@ -1,6 +1,6 @@
 """Structured fuzzing of NetDAM nodes and switches, sans-I/O: the layout and the generator.
 
-The I/O shell (``netdam fuzz``, netdam/cli/fuzz.py) starts a cluster, sends what this module
+The I/O shell (``netdam fuzz``, runner.py beside this) starts a cluster, sends what this module
 generates and reads counters and memory; everything that decides lives here, so the tests drive
 the same code against ``NodeCore`` and ``SwitchCore`` in memory:
 
