@@ -20,7 +20,6 @@ from netdam.kernels.state import RxBatch, SinkCheck, TimeWindow
 from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE
 from netdam.shell.udp import SOL_UDP, UDP_SEGMENT, open_udp_socket
 from netdam.tools.bench import datapath as D
-from netdam.tools.bench.datapath import node_command_available
 
 KEYS = {
     "raw_pps",
@@ -44,7 +43,6 @@ KEYS = {
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not node_command_available(), reason="`netdam node` is not registered yet")
 def test_short_run_reports_every_key_with_verified_sums(capsys) -> None:
     code, res = run_cli(
         ["bench", "datapath", "--seconds", "0.3", "--warmup", "0.2", "--json"], capsys

@@ -136,6 +136,19 @@ def test_protocol_imports_nothing_of_ours_outside_protocol() -> None:
         assert all(m.startswith("netdam.protocol") for m in ours), (path, ours)
 
 
+#: Everything the CLI drives, below it (docs/ARCHITECTURE.md): none of it imports the CLI.
+BELOW_THE_CLI = ("netdam.tools", "netdam.clients", "netdam.cluster", "netdam.shell", "netdam.core",
+                 "netdam.kernels", "netdam.protocol", "netdam.fpga_model", "netdam.api", "netdam.outcome")  # fmt: skip
+
+
+def test_nothing_below_the_cli_imports_it() -> None:
+    """Engines (fuzz, benches, plots) raise netdam.outcome's errors; the CLI parses and prints."""
+    for name, path in our_modules().items():
+        if name.startswith(BELOW_THE_CLI):
+            ours = module_level_imports(path) | _function_imports(path)
+            assert not any(m == "netdam.cli" or m.startswith("netdam.cli.") for m in ours), (name, ours)
+
+
 def test_only_shells_touch_sockets_clocks_and_processes() -> None:
     for path in our_modules().values():
         rel = path.relative_to(ROOT).as_posix()

@@ -8,17 +8,23 @@ convention as the top-level subcommands, netdam/cli/main.py).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 from netdam.cli.common import (
     CommandError,
     ExitCode,
     NetdamArgumentParser,
+    bounded_int,
     bounded_seconds,
     emit,
     size_arg,
+    size_range_arg,
+    writable_output,
 )
-from netdam.tools.bench.allreduce import register_allreduce_bench
+from netdam.tools import plot
+from netdam.tools.bench import allreduce as allreduce_bench
+from netdam.tools.bench import pool as pool_bench
 from netdam.tools.bench.datapath import (
     FEED_BATCH,
     DatapathBenchConfig,
@@ -26,7 +32,6 @@ from netdam.tools.bench.datapath import (
     parse_node_cmd,
     run_datapath_bench,
 )
-from netdam.tools.bench.pool import register_pool_bench
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -122,15 +127,145 @@ def run_datapath(args: argparse.Namespace) -> int:
     return code
 
 
-#: Benchmarks under `netdam bench`, in the order --help lists them.
-def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+# ---------------------------------------------------------------- bench pool
 
-    register_pool_bench(benches)
+
+def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``netdam bench pool``: netdam/tools/bench/pool.py (and pool_async.py with --async)."""
+
+    parser = benches.add_parser(
+        "pool", help="pool READ/WRITE through the switch vs memcached GET (ratio = netdam / memcached)",
+        description="Pool READ and WRITE at 64 B and 4 KiB through the switch's VIP, memcached GET "
+        "64 B over UDP and a null echo server, all driven by the same numba generator processes "
+        "with a fixed window in flight. Keys: netdam_ops (READ 64 B), memcached_ops (GET 64 B), "
+        "ratio, generator_ops (echo). Exit 0 ok, 1 error replies, 3 a process failed.",
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per phase (2)")
+    parser.add_argument("--warmup", type=float, default=0.5, help="seconds before timing (0.5)")
+    parser.add_argument("--window", type=int, default=32, help="requests in flight in all (32)")
+    parser.add_argument("--nodes", type=int, default=2, help="node processes behind the switch (2)")
+    parser.add_argument("--interleave", type=size_arg, default=8192, help="stride of the region (8KiB)")
+    parser.add_argument("--generators", type=int, default=1, help="generator processes to start with")
+    parser.add_argument("--max-generators", type=int, default=4, help="most generator processes (4)")
+    parser.add_argument("--memcached", default=None, help="memcached binary (default: from PATH)")
+    parser.add_argument("--untagged", action="store_true",
+                        help="an untagged region (SPEC v1): requests and replies go unsealed, to measure "
+                        "what tags cost (SPEC 2.6)")  # fmt: skip
+    parser.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
+                        help="draw ops/s and latency per phase, netdam beside memcached (needs the "
+                        "[plot] extra: matplotlib)")  # fmt: skip
+    parser.add_argument("--async", dest="async_mode", action="store_true",
+                        help="instead: --clients asyncio clients (AsyncPoolClient) in one event loop, "
+                        "READ/WRITE 64 B and 4 KiB, every READ checked")  # fmt: skip
+    parser.add_argument("--clients", type=int, default=8, help="with --async: clients, 1..256 (8)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args: argparse.Namespace) -> int:
+        if args.async_mode:
+            return run_pool_async(args)
+        plt = plot.pyplot() if args.plot else None  # before the run: a missing extra is usage
+        cfg = pool_bench.PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
+                              nodes=args.nodes, interleave=args.interleave, generators=args.generators,
+                              max_generators=args.max_generators, memcached=args.memcached,
+                              untagged=args.untagged)  # fmt: skip
+        try:
+            result, code = pool_bench.run_pool_bench(cfg)
+        except ValueError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
+        text = pool_bench.format_text(result)
+        if plt is not None and result["results"]:
+            pool_bench.plot_pool(plt, result, args.plot)
+            result["plot"] = str(args.plot)
+            text += f"\n  plot written to {args.plot}"
+        emit(result, args.json, text=text)
+        return code
+
+    parser.set_defaults(func=run)
+
+
+def run_pool_async(args: argparse.Namespace) -> int:
+    """``netdam bench pool --async``: netdam/tools/bench/pool_async.py."""
+    # Imported here: the asyncio client and asyncio-dgram, which the generator benchmark does not use.
+    from netdam.tools.bench.pool_async import (
+        AsyncPoolBenchConfig,
+        format_async_text,
+        run_async_pool_bench,
+    )
+
+    if args.plot:
+        raise CommandError("--plot draws the generator phases: drop it with --async", ExitCode.USAGE)
+    cfg = AsyncPoolBenchConfig(clients=args.clients, seconds=args.seconds, warmup=args.warmup,
+                               nodes=args.nodes, interleave=args.interleave)  # fmt: skip
+    try:
+        result, code = run_async_pool_bench(cfg)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    emit(result, args.json, text=format_async_text(result))
+    return code
+
+
+# ---------------------------------------------------------------- bench allreduce
 
 
 def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``netdam bench allreduce``: netdam/tools/bench/allreduce.py."""
 
-    register_allreduce_bench(benches)
+    parser = benches.add_parser(
+        "allreduce",
+        help="chain all-reduce vs ring-host, Gloo and MPI in the same run (ratio_vs_chain)",
+        description="All-reduce of float32 tensors on N ranks: chain (always) and the peers of "
+        "--vs, each in its own processes as its users run it, warm-up then --repeat timed calls "
+        "(peers: barrier before each, slowest rank). Rows carry seconds_median/min/max, "
+        "algbw/busbw (Gb/s, busbw = algbw x 2(N-1)/N), ratio_vs_chain (algorithm / chain) and "
+        "model_seconds_100g. Missing peers are reported in `skipped`. Exit 0 ok, 1 a chain or "
+        "ring-host result was wrong, 2 usage, 3 a run failed.",
+    )
+    parser.add_argument("--nodes", default="4", help="ranks: N or a list like 2,4,8 (default 4)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--size", type=size_arg, default=None, help="bytes per rank (default 64MiB)")
+    sizes.add_argument(
+        "--sizes", type=size_range_arg, default=None, help="A..B: powers of two, e.g. 1KiB..256MiB"
+    )
+    parser.add_argument("--vs", default=",".join(allreduce_bench.PEERS),
+                        help="peers, comma-separated: chain-resident, ring-host, gloo, mpi, or none "
+                        "(default all)")  # fmt: skip
+    parser.add_argument("--repeat", type=bounded_int(1, 1000), default=None,
+                        help="timed calls per row (default 100 up to 64KiB, 20 up to 4MiB, 5 above)")
+    parser.add_argument("--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)")
+    parser.add_argument("--timeout", type=bounded_seconds(0, 86400, low_inclusive=False), default=600.0,
+                        help="wall-clock limit of one gloo/mpi run in seconds (600)")  # fmt: skip
+    parser.add_argument(
+        "--plot", type=writable_output("--plot"), default=None, help="write a PNG figure (needs matplotlib)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            nodes = allreduce_bench.parse_nodes(args.nodes)
+            peers = allreduce_bench.parse_peers(args.vs)
+            chosen = (
+                args.sizes
+                if args.sizes is not None
+                else [args.size if args.size is not None else 64 << 20]
+            )
+            size_list = allreduce_bench.check_sizes(chosen)
+        except ValueError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
+        if args.plot is not None:
+            if args.plot.suffix.lower() != ".png":
+                raise CommandError(f"--plot {args.plot}: give a .png file name", ExitCode.USAGE)
+            missing = allreduce_bench.plot_unavailable()
+            if missing is not None:
+                raise CommandError(missing, ExitCode.USAGE)
+        cfg = allreduce_bench.AllReduceBenchConfig(nodes=nodes, sizes=size_list, peers=peers, repeat=args.repeat,
+                                   warmup=args.warmup, timeout_s=args.timeout, plot=args.plot)  # fmt: skip
+        result, code = allreduce_bench.run_allreduce_bench(cfg)
+        if args.json:
+            sys.stderr.write(allreduce_bench.format_table(result) + "\n")
+        emit(result, args.json, text=allreduce_bench.format_table(result))
+        return code
+
+    parser.set_defaults(func=run)
 
 
 _BENCHMARKS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]

@@ -44,16 +44,6 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
-from netdam.cli.common import (
-    CommandError,
-    ExitCode,
-    bounded_int,
-    bounded_seconds,
-    emit,
-    size_arg,
-    size_range_arg,
-    writable_output,
-)
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.tools import plot as plotting
 from netdam.tools.bench import report
@@ -731,67 +721,3 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     plotting.finish(fig, path, f"netdam bench allreduce{nodes_text}, {os.cpu_count()} cores, loopback, {stamp}\n"
                     f"model (dashed, in the colour of the first algorithm it models): {models}", key)  # fmt: skip
-
-
-# ---------------------------------------------------------------- CLI
-
-
-def register_allreduce_bench(benches: Any) -> None:
-    """Add ``allreduce`` under ``netdam bench`` (netdam/cli/bench.py's _BENCHMARKS)."""
-
-    parser = benches.add_parser(
-        "allreduce",
-        help="chain all-reduce vs ring-host, Gloo and MPI in the same run (ratio_vs_chain)",
-        description="All-reduce of float32 tensors on N ranks: chain (always) and the peers of "
-        "--vs, each in its own processes as its users run it, warm-up then --repeat timed calls "
-        "(peers: barrier before each, slowest rank). Rows carry seconds_median/min/max, "
-        "algbw/busbw (Gb/s, busbw = algbw x 2(N-1)/N), ratio_vs_chain (algorithm / chain) and "
-        "model_seconds_100g. Missing peers are reported in `skipped`. Exit 0 ok, 1 a chain or "
-        "ring-host result was wrong, 2 usage, 3 a run failed.",
-    )
-    parser.add_argument("--nodes", default="4", help="ranks: N or a list like 2,4,8 (default 4)")
-    sizes = parser.add_mutually_exclusive_group()
-    sizes.add_argument("--size", type=size_arg, default=None, help="bytes per rank (default 64MiB)")
-    sizes.add_argument(
-        "--sizes", type=size_range_arg, default=None, help="A..B: powers of two, e.g. 1KiB..256MiB"
-    )
-    parser.add_argument("--vs", default=",".join(PEERS),
-                        help="peers, comma-separated: chain-resident, ring-host, gloo, mpi, or none "
-                        "(default all)")  # fmt: skip
-    parser.add_argument("--repeat", type=bounded_int(1, 1000), default=None,
-                        help="timed calls per row (default 100 up to 64KiB, 20 up to 4MiB, 5 above)")
-    parser.add_argument("--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)")
-    parser.add_argument("--timeout", type=bounded_seconds(0, 86400, low_inclusive=False), default=600.0,
-                        help="wall-clock limit of one gloo/mpi run in seconds (600)")  # fmt: skip
-    parser.add_argument(
-        "--plot", type=writable_output("--plot"), default=None, help="write a PNG figure (needs matplotlib)"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-    def run(args: Any) -> int:
-        try:
-            nodes = parse_nodes(args.nodes)
-            peers = parse_peers(args.vs)
-            chosen = (
-                args.sizes
-                if args.sizes is not None
-                else [args.size if args.size is not None else 64 << 20]
-            )
-            size_list = check_sizes(chosen)
-        except ValueError as exc:
-            raise CommandError(str(exc), ExitCode.USAGE) from None
-        if args.plot is not None:
-            if args.plot.suffix.lower() != ".png":
-                raise CommandError(f"--plot {args.plot}: give a .png file name", ExitCode.USAGE)
-            missing = plot_unavailable()
-            if missing is not None:
-                raise CommandError(missing, ExitCode.USAGE)
-        cfg = AllReduceBenchConfig(nodes=nodes, sizes=size_list, peers=peers, repeat=args.repeat,
-                                   warmup=args.warmup, timeout_s=args.timeout, plot=args.plot)  # fmt: skip
-        result, code = run_allreduce_bench(cfg)
-        if args.json:
-            sys.stderr.write(format_table(result) + "\n")
-        emit(result, args.json, text=format_table(result))
-        return code
-
-    parser.set_defaults(func=run)

@@ -60,7 +60,6 @@ from typing import Any
 
 import numpy as np
 
-from netdam.cli.main import build_parser
 from netdam.cluster.secrets_io import key_pipe
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import RxBatch, SinkCheck, TimeWindow, TxQueue
@@ -620,17 +619,6 @@ def default_node_cmd() -> list[str]:
     return [*netdam_python(), "node", "--die-with-parent"]
 
 
-def node_command_available() -> bool:
-    """Whether this installation has the ``netdam node`` subcommand."""
-
-    parser = build_parser()
-    for action in parser._actions:
-        choices = getattr(action, "choices", None)
-        if isinstance(choices, dict) and "node" in choices:
-            return True
-    return False
-
-
 def parse_node_cmd(text: str) -> list[str]:
     """--node-cmd: a shell-quoted command line."""
     return shlex.split(text)
@@ -813,8 +801,6 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
     }
     run = _Run(cfg, res)
     node_cmd = cfg.node_cmd
-    if node_cmd is None and not node_command_available():
-        res["skipped"] = "netdam node not available"
     pin = auto_pinning() if cfg.pin is None else dict(cfg.pin)
     res["pinning"] = pin
     code = ExitCode.OK

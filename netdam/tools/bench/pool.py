@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from netdam.cli.common import CommandError, ExitCode, emit, size_arg, writable_output
 from netdam.kernels import pool_gen as G
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import GenPlan, RxBatch, TimeWindow
+from netdam.outcome import ExitCode
 from netdam.protocol.constants import TAG_SIZE, DType, Flags, Opcode
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.layout import HEADER
@@ -479,80 +479,6 @@ def format_text(res: dict[str, Any]) -> str:
         if res.get(key):
             lines.append(f"  {key}: {res[key]}")
     return "\n".join(lines)
-
-
-def register_pool_bench(benches: Any) -> None:
-    """Add ``pool`` under ``netdam bench`` (netdam/cli/bench.py's _BENCHMARKS)."""
-
-    parser = benches.add_parser(
-        "pool", help="pool READ/WRITE through the switch vs memcached GET (ratio = netdam / memcached)",
-        description="Pool READ and WRITE at 64 B and 4 KiB through the switch's VIP, memcached GET "
-        "64 B over UDP and a null echo server, all driven by the same numba generator processes "
-        "with a fixed window in flight. Keys: netdam_ops (READ 64 B), memcached_ops (GET 64 B), "
-        "ratio, generator_ops (echo). Exit 0 ok, 1 error replies, 3 a process failed.",
-    )  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per phase (2)")
-    parser.add_argument("--warmup", type=float, default=0.5, help="seconds before timing (0.5)")
-    parser.add_argument("--window", type=int, default=32, help="requests in flight in all (32)")
-    parser.add_argument("--nodes", type=int, default=2, help="node processes behind the switch (2)")
-    parser.add_argument("--interleave", type=size_arg, default=8192, help="stride of the region (8KiB)")
-    parser.add_argument("--generators", type=int, default=1, help="generator processes to start with")
-    parser.add_argument("--max-generators", type=int, default=4, help="most generator processes (4)")
-    parser.add_argument("--memcached", default=None, help="memcached binary (default: from PATH)")
-    parser.add_argument("--untagged", action="store_true",
-                        help="an untagged region (SPEC v1): requests and replies go unsealed, to measure "
-                        "what tags cost (SPEC 2.6)")  # fmt: skip
-    parser.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
-                        help="draw ops/s and latency per phase, netdam beside memcached (needs the "
-                        "[plot] extra: matplotlib)")  # fmt: skip
-    parser.add_argument("--async", dest="async_mode", action="store_true",
-                        help="instead: --clients asyncio clients (AsyncPoolClient) in one event loop, "
-                        "READ/WRITE 64 B and 4 KiB, every READ checked")  # fmt: skip
-    parser.add_argument("--clients", type=int, default=8, help="with --async: clients, 1..256 (8)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-    def run(args: Any) -> int:
-        if args.async_mode:
-            return run_async(args)
-        plt = plotting.pyplot() if args.plot else None  # before the run: a missing extra is usage
-        cfg = PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
-                              nodes=args.nodes, interleave=args.interleave, generators=args.generators,
-                              max_generators=args.max_generators, memcached=args.memcached,
-                              untagged=args.untagged)  # fmt: skip
-        try:
-            result, code = run_pool_bench(cfg)
-        except ValueError as exc:
-            raise CommandError(str(exc), ExitCode.USAGE) from None
-        text = format_text(result)
-        if plt is not None and result["results"]:
-            plot_pool(plt, result, args.plot)
-            result["plot"] = str(args.plot)
-            text += f"\n  plot written to {args.plot}"
-        emit(result, args.json, text=text)
-        return code
-
-    parser.set_defaults(func=run)
-
-
-def run_async(args: Any) -> int:
-    """``netdam bench pool --async``: netdam/tools/bench/pool_async.py."""
-    # Imported here: the asyncio client and asyncio-dgram, which the generator benchmark does not use.
-    from netdam.tools.bench.pool_async import (
-        AsyncPoolBenchConfig,
-        format_async_text,
-        run_async_pool_bench,
-    )
-
-    if args.plot:
-        raise CommandError("--plot draws the generator phases: drop it with --async", ExitCode.USAGE)
-    cfg = AsyncPoolBenchConfig(clients=args.clients, seconds=args.seconds, warmup=args.warmup,
-                               nodes=args.nodes, interleave=args.interleave)  # fmt: skip
-    try:
-        result, code = run_async_pool_bench(cfg)
-    except ValueError as exc:
-        raise CommandError(str(exc), ExitCode.USAGE) from None
-    emit(result, args.json, text=format_async_text(result))
-    return code
 
 
 def _peer(phase: str) -> str:
