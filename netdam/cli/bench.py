@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from netdam.cli.common import (
     CommandError,
@@ -119,12 +120,17 @@ def run_datapath(args: argparse.Namespace) -> int:
         pin={} if args.no_pin else None,
         node_cmd=parse_node_cmd(args.node_cmd) if args.node_cmd else None,
     )
-    try:
-        result, code = run_datapath_bench(cfg)
-    except ValueError as exc:
-        raise CommandError(str(exc), ExitCode.USAGE) from None
+    result, code = _measured(run_datapath_bench, cfg)
     emit(result, args.json, text=format_text(result))
     return code
+
+
+def _measured(bench: Callable[[Any], tuple[dict[str, Any], int]], cfg: Any) -> tuple[dict[str, Any], int]:
+    """*bench*'s result and exit code for *cfg*; a configuration it refuses is a usage error."""
+    try:
+        return bench(cfg)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
 # ---------------------------------------------------------------- bench pool
@@ -165,13 +171,10 @@ def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[
             return run_pool_async(args)
         plt = plot.pyplot() if args.plot else None  # before the run: a missing extra is usage
         cfg = pool_bench.PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
-                              nodes=args.nodes, interleave=args.interleave, generators=args.generators,
-                              max_generators=args.max_generators, memcached=args.memcached,
-                              untagged=args.untagged)  # fmt: skip
-        try:
-            result, code = pool_bench.run_pool_bench(cfg)
-        except ValueError as exc:
-            raise CommandError(str(exc), ExitCode.USAGE) from None
+                                         nodes=args.nodes, interleave=args.interleave, generators=args.generators,
+                                         max_generators=args.max_generators, memcached=args.memcached,
+                                         untagged=args.untagged)  # fmt: skip
+        result, code = _measured(pool_bench.run_pool_bench, cfg)
         text = pool_bench.format_text(result)
         if plt is not None and result["results"]:
             pool_bench.plot_pool(plt, result, args.plot)
@@ -196,10 +199,7 @@ def run_pool_async(args: argparse.Namespace) -> int:
         raise CommandError("--plot draws the generator phases: drop it with --async", ExitCode.USAGE)
     cfg = AsyncPoolBenchConfig(clients=args.clients, seconds=args.seconds, warmup=args.warmup,
                                nodes=args.nodes, interleave=args.interleave)  # fmt: skip
-    try:
-        result, code = run_async_pool_bench(cfg)
-    except ValueError as exc:
-        raise CommandError(str(exc), ExitCode.USAGE) from None
+    result, code = _measured(run_async_pool_bench, cfg)
     emit(result, args.json, text=format_async_text(result))
     return code
 
@@ -258,7 +258,8 @@ def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ig
             if missing is not None:
                 raise CommandError(missing, ExitCode.USAGE)
         cfg = allreduce_bench.AllReduceBenchConfig(nodes=nodes, sizes=size_list, peers=peers, repeat=args.repeat,
-                                   warmup=args.warmup, timeout_s=args.timeout, plot=args.plot)  # fmt: skip
+                                                   warmup=args.warmup, timeout_s=args.timeout,
+                                                   plot=args.plot)  # fmt: skip
         result, code = allreduce_bench.run_allreduce_bench(cfg)
         if args.json:
             sys.stderr.write(allreduce_bench.format_table(result) + "\n")
