@@ -157,7 +157,8 @@ class CollectiveError(NetdamError, RuntimeError):
 _DTYPES = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items() if k != DType.RAW}
 
 
-def _wire_dtype(array: np.ndarray) -> DType:
+def wire_dtype(array: np.ndarray) -> DType:
+    """The NIC datatype of *array*'s elements (SPEC.md 2.4); TypeError for one the NIC lacks."""
     try:
         return _DTYPES[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
     except KeyError:
@@ -382,7 +383,7 @@ class ProcessGroup:
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
         *flags* is the descriptor's flags byte (bit 0: sparse mode, SPEC.md 4.1)."""
         self.epoch += 1
-        dtype = _wire_dtype(array)
+        dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
         desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr,
                                     collective_key(self._secret, WORLD_COLL_ID, self.epoch), root=root,

@@ -152,9 +152,9 @@ def _local(node: NodeEntry) -> bool:
 def _runs_node(pid: int) -> bool:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the
     # light commands need not pay for.
-    from netdam.cluster.launch import _is_node_process
+    from netdam.cluster.launch import is_node_process
 
-    return _is_node_process(pid)
+    return is_node_process(pid)
 
 
 def _bound_ports(pid: int) -> list[int]:

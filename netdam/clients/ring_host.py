@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from netdam.api import ProcessGroup, _wire_dtype
+from netdam.api import ProcessGroup, wire_dtype
 from netdam.kernels.combine import combine
 from netdam.kernels.host_ring import sort_replies, write_packets
 from netdam.kernels.udp_io import (
@@ -65,7 +65,7 @@ from netdam.protocol.payloads import RING_STEP, pack_ring_step, unpack_ring_step
 #: messages (coll_tuned's allreduce decision, ``segsize`` 1 << 20).
 SEGMENT_BYTES = 1 << 20
 #: Receive-area alignment in node memory.
-_ALIGN = 4096
+RECEIVE_ALIGN = 4096
 
 
 @dataclass
@@ -120,7 +120,7 @@ class _RingHost:
         self.buf = buf
         self.mem = group.memory
         self.op = int(op)
-        self.dtype = int(_wire_dtype(buf))
+        self.dtype = int(wire_dtype(buf))
         self.esize = ELEMENT_SIZE[self.dtype]
         self.count = buf.size
         self.nbytes = buf.nbytes
@@ -130,7 +130,7 @@ class _RingHost:
         #: Where this rank's buffer lives in node memory (the staging area when not resident).
         self.out = resident if resident is not None else staging
         #: Where the previous host's reduce-scatter WRITEs land.
-        self.recv = staging + (self.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.recv = staging + (self.nbytes + RECEIVE_ALIGN - 1) // RECEIVE_ALIGN * RECEIVE_ALIGN
         if self.recv + self.nbytes > group.arena_end:
             raise MemoryError(f"ring-host needs {2 * self.nbytes} bytes in the staging half of the rank's arena "
                               f"({group.arena_end - staging} bytes): start nodes with more --memory")  # fmt: skip

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from netdam.shell.node_process import NodeProcessConfig
     from netdam.switch.process import SwitchProcessConfig
 
-#: prctl(2): set the calling thread's name (/proc/PID/comm), what `_is_node_process` also reads.
+#: prctl(2): set the calling thread's name (/proc/PID/comm), what `is_node_process` also reads.
 PR_SET_NAME = 15
 
 

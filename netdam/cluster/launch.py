@@ -131,7 +131,7 @@ def netdam_python(module: str = "netdam") -> list[str]:
     source checkout the checkout's ``netdam/`` would hide the installed one (the issue-14 quick
     start failure), and two copies would also keep two numba caches. ``-c`` code that sets
     ``sys.path[0]`` to the directory holding our package avoids both; the word ``netdam`` stays
-    in the command line, which ``_is_node_process`` looks for."""
+    in the command line, which ``is_node_process`` looks for."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(netdam.__file__)))
     code = (f"import sys, runpy; sys.path[0] = {root!r}; "
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")  # fmt: skip
@@ -544,7 +544,7 @@ def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAU
         raise ValueError(f"no node of {path} has an address of this host (the file lists {addresses}): run "
                          "`netdam up --cluster FILE` on the hosts that own them, or fix `address`")  # fmt: skip
     for node in local:
-        if node.pid and _is_node_process(node.pid):
+        if node.pid and is_node_process(node.pid):
             raise ValueError(f"rank {node.rank} ({node.address}:{node.port}) of {path} already runs as pid "
                              f"{node.pid}: stop it first with `netdam down --cluster {path}`")  # fmt: skip
     start = time.monotonic()
@@ -572,7 +572,7 @@ def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAU
     return LocalCluster(updated, path, procs, time.monotonic() - start, owned=tuple(entries))
 
 
-def _is_node_process(pid: int) -> bool:
+def is_node_process(pid: int) -> bool:
     """Whether *pid* is alive and runs netdam (a stale file's pid may have been reused)."""
     if not _alive(pid, None):
         return False
@@ -786,7 +786,7 @@ def stop_cluster_file(path: Path, timeout: float = 5.0) -> ClusterFile:
     info = load_cluster(path)
     local = [n for n in info.nodes if is_local_address(n.address)]
     stop_switch_from_file(path, timeout)
-    stop_pids([n.pid for n in local if n.pid and _is_node_process(n.pid)], timeout)
+    stop_pids([n.pid for n in local if n.pid and is_node_process(n.pid)], timeout)
     _remove_node_files(info.name, local)
     if len(local) == len(info.nodes) and info.supervisor_pid and _alive(info.supervisor_pid, None):
         _signal(info.supervisor_pid, signal.SIGTERM)

@@ -18,7 +18,7 @@ import numpy as np
 from netdam import progress
 from netdam.api import ArenaInUseError, CollectiveError, ProcessGroup, Work
 from netdam.api import all_reduce as api_all_reduce
-from netdam.clients.ring_host import _ALIGN as RING_ALIGN  # its receive area's alignment
+from netdam.clients.ring_host import RECEIVE_ALIGN as RING_ALIGN
 from netdam.clients.ring_host import ring_all_reduce
 from netdam.cluster.clusterfile import load_cluster
 from netdam.cluster.control import ControlClient, ControlError

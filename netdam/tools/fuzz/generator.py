@@ -108,11 +108,13 @@ DROP_COUNTERS = (
 _DATA_OPCODES = (Opcode.READ, Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE,
                  Opcode.FETCH_ADD, Opcode.CAS)  # fmt: skip
 _SPARSE_OPCODES = (Opcode.WRITE, Opcode.ALL_WRITE, Opcode.CHAIN_ADD)
-_WINDOWED = (Opcode.WRITE, Opcode.ADD, Opcode.FETCH_ADD, Opcode.CAS)
+#: Opcodes a node's duplicate window remembers (SPEC.md 7): the oracle predicts their replays.
+WINDOWED_OPCODES = (Opcode.WRITE, Opcode.ADD, Opcode.FETCH_ADD, Opcode.CAS)
 _NEEDS = {Opcode.READ: int(Rights.READ), Opcode.CHAIN_ADD: int(Rights.READ | Rights.WRITE),
           Opcode.FETCH_ADD: int(Rights.ATOMIC), Opcode.CAS: int(Rights.ATOMIC), Opcode.WRITE: int(Rights.WRITE),
           Opcode.ADD: int(Rights.WRITE), Opcode.ALL_WRITE: int(Rights.WRITE)}  # fmt: skip
-_ESIZE = [ELEMENT_SIZE[DType(v)] for v in range(7)]
+#: Bytes per element by DType value (a list: the generator indexes it with raw field values).
+ELEMENT_BYTES = [ELEMENT_SIZE[DType(v)] for v in range(7)]
 _ALL_OPCODES = [int(op) for op in Opcode]
 #: Opcode values a mutation tries besides the defined ones: the edges of the free ranges.
 _ODD_OPCODES = [0x00, 0x0D, 0x1F, 0x26, 0x3F, 0x40, 0x7F, 0x80, 0xFF]
@@ -611,7 +613,7 @@ class DatagramGenerator:
         else:
             low = 1 if op in (Opcode.ADD, Opcode.CHAIN_ADD) else 0
             dtype = d.between(low, 6)
-            align = _ESIZE[dtype]
+            align = ELEMENT_BYTES[dtype]
             count = self._elements(align, len(segments))
             fits = (min(hi - lo, stride or hi - lo)) // align
             if count > fits >= 1 and d.chance(0.85):
@@ -622,7 +624,7 @@ class DatagramGenerator:
         if d.chance(0.06):
             rkey = self._other_rkey(rkey)
         client, txn = (
-            self._client_txn() if op in _WINDOWED else (self._clients[d.below(4)], d.u32())
+            self._client_txn() if op in WINDOWED_OPCODES else (self._clients[d.below(4)], d.u32())
         )
         flags = self._flags(op)
         coll = d.between(1, 3) if d.chance(0.03) else 0
@@ -692,7 +694,7 @@ class DatagramGenerator:
             status = d.between(1, 23) if op == Opcode.NACK else 0
             if op == Opcode.READ_RESP:
                 dtype = d.between(0, 6)
-                payload = d.blob(self._elements(_ESIZE[dtype], 0) * _ESIZE[dtype])
+                payload = d.blob(self._elements(ELEMENT_BYTES[dtype], 0) * ELEMENT_BYTES[dtype])
             else:
                 dtype = 0
                 payload = d.blob(32 if op == Opcode.INFO else d.pick([0, 8, 16]))

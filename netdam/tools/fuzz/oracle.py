@@ -43,9 +43,8 @@ from netdam.protocol.payloads import ALLOC_TAGGED
 from netdam.protocol.tag import is_control
 from netdam.switch.addrmap import Region
 from netdam.tools.fuzz.generator import (
-    _ESIZE,
-    _WINDOWED,
     DROP_COUNTERS,
+    ELEMENT_BYTES,
     EV_DROP,
     EV_FWD,
     EV_NACK,
@@ -55,6 +54,7 @@ from netdam.tools.fuzz.generator import (
     EV_STORED,
     EV_WINDOW,
     O_OPCODE,
+    WINDOWED_OPCODES,
     Layout,
     expected_opcodes,
     expected_statuses,
@@ -209,7 +209,7 @@ class Oracle:
         if op == Opcode.CHAIN_ADD:
             self._chain(node, packet, out)
             return
-        esize = _ESIZE[packet.dtype]
+        esize = ELEMENT_BYTES[packet.dtype]
         if packet.coll_id and op in (Opcode.READ, Opcode.ALL_WRITE):
             # SPEC.md 4.1 and 5: a collective this node has not started (none ever is, here) is
             # answered before the rkey check: a repair READ BUSY, all-gather data dropped.
@@ -231,14 +231,14 @@ class Oracle:
             out.nack(node, status)
             return
         out.writes.append((node, addr, addr + packet.length))
-        if op in _WINDOWED and windowed:
+        if op in WINDOWED_OPCODES and windowed:
             out.events.append((node, EV_WINDOW, 0))
             if out.kind == "accepted":
                 out.kind = "windowed"
 
     def _chain(self, node: int, packet: Packet, out: Outcome) -> None:
         """SPEC.md 4: READ on the operand at every hop, forward to members, store at the last."""
-        esize = _ESIZE[packet.dtype]
+        esize = ELEMENT_BYTES[packet.dtype]
         left = packet.segments_left
         hops = [endpoint_to_u64(ep) for ep in packet.segments]
         if packet.coll_id:
@@ -360,7 +360,7 @@ class Oracle:
     def translate(self, packet: Packet) -> tuple[int, int, int]:
         """SPEC.md 11.2-11.3 checks of a pool request, in order: (status, node, local)."""
         op = packet.opcode
-        need, align = int(Rights.WRITE), _ESIZE[packet.dtype]
+        need, align = int(Rights.WRITE), ELEMENT_BYTES[packet.dtype]
         if op == Opcode.READ:
             need = int(Rights.READ)
         elif op in (Opcode.FETCH_ADD, Opcode.CAS):
