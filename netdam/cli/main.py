@@ -30,6 +30,7 @@ _COMMAND_MODULES = (
     "netdam.cli.bench",
     "netdam.cli.pool",
     "netdam.cli.fuzz",
+    "netdam.cli.isolation",
     "netdam.cli.soak",
     "netdam.cli.flood",
 )
