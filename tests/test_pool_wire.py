@@ -240,3 +240,55 @@ def test_cli_allocates_tagged_regions_and_keeps_their_keys_in_0600_files(
     plain = json.loads(capsys.readouterr().out)
     assert plain["tagged"] is False
     assert netdam(["pool", "free", "--cluster", path, "--gaddr", plain["gaddr_hex"]]) == 0
+
+
+def test_top_shows_each_process_rates(wire: VipWire, capsys: pytest.CaptureFixture[str]) -> None:
+    """`netdam top --json`: one sample per line, per NIC and the switch. 300 PINGs sent to node 0
+    while it runs show as node 0's received packets (and its answers as sent ones), and not at
+    node 1."""
+    import json
+    import socket
+    import threading
+
+    from netdam.cli.main import main
+
+    node0 = wire.cluster.endpoints[0]
+
+    def ping_node0() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            for k in range(300):
+                s.sendto(encode_packet(Packet(Opcode.PING, txn_id=k)), node0)
+
+    top = ["top", "--cluster", str(wire.cluster.path), "--json", "--count"]
+    assert main([*top, "1", "--interval", "0.05"]) == 0  # imports done: the next run's baseline is at once
+    capsys.readouterr()
+    sender = threading.Timer(0.15, ping_node0)  # inside the first interval
+    sender.start()
+    assert main([*top, "2", "--interval", "0.5"]) == 0
+    sender.join()
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["name"] for row in first["processes"]] == ["rank 0", "rank 1", "switch"]
+    rank0, rank1 = first["processes"][0], first["processes"][1]
+    # Each COUNTERS answer is itself a datagram in and out: a few besides the PINGs.
+    assert 300 <= rank0["moved"]["rx_packets"] <= 310 and rank0["moved"]["tx_packets"] >= 300
+    assert rank0["ops"]["PING"] == 300 and "PING" not in rank1["ops"]
+    assert rank0["rx_pps"] == pytest.approx(rank0["moved"]["rx_packets"] / rank0["interval_s"])
+    assert second["sample"] == 2 and second["processes"][0]["moved"].get("rx_packets", 0) < 10
+
+
+def test_top_rates_are_deltas_over_time() -> None:
+    """rates(): counters wrap as u64 do, and a zero interval is refused."""
+    from netdam.protocol import counters as C
+    from netdam.tools.top import rates
+
+    before, after = C.new_counters(), C.new_counters()
+    before[C.RX_BYTES] = 2**64 - 500  # wraps to 1,000 bytes
+    after[C.RX_BYTES] = 500
+    after[C.RETRANSMITS] = 6
+    after[C.DROP_LOCKOUT] = 4
+    got = rates(before, after, 2.0)
+    assert got["rx_gbps"] == pytest.approx(1000 * 8 / 2.0 / 1e9)
+    assert got["retransmits_ps"] == 3.0 and got["drops_ps"] == 2.0 and got["moved"]["drop_lockout"] == 4
+    with pytest.raises(ValueError):
+        rates(before, after, 0.0)

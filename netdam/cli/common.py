@@ -33,9 +33,10 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def dumps_json(obj: dict[str, Any]) -> str:
-    """Serialize one result object with the project's JSON rules."""
-    return json.dumps(_clean(obj), indent=2, sort_keys=False, allow_nan=False)
+def dumps_json(obj: dict[str, Any], *, one_line: bool = False) -> str:
+    """Serialize one result object with the project's JSON rules (*one_line*: for a stream of
+    objects, one per line)."""
+    return json.dumps(_clean(obj), indent=None if one_line else 2, sort_keys=False, allow_nan=False)
 
 
 def emit(obj: dict[str, Any], as_json: bool, text: str | None = None) -> None:

@@ -31,6 +31,7 @@ _COMMAND_MODULES = (
     "netdam.cli.pool",
     "netdam.cli.fuzz",
     "netdam.cli.isolation",
+    "netdam.cli.top",
     "netdam.cli.soak",
     "netdam.cli.flood",
 )
