@@ -4,10 +4,19 @@ only in kernels, scapy only where dissection happens."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """*path* parsed once for all the rules here (every rule walks every module: parsing each
+    file again per rule took ~20 s of the suite)."""
+    return ast.parse(path.read_text())
+
 IO_MODULES = {"socket", "asyncio", "selectors", "threading", "time", "asyncio_dgram", "subprocess"}
 #: Sans-I/O cores: protocol logic that takes datagrams and `now` and returns datagrams and events.
 CORES = [
@@ -26,7 +35,7 @@ CORES = [
 
 
 def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -53,7 +62,7 @@ def test_scapy_imported_lazily() -> None:
     for path in list((ROOT / "netdam").rglob("*.py")) + list((ROOT / "protocol").rglob("*.py")) + list((ROOT / "switch").rglob("*.py")):
         if path.name == "scapy_layer.py":
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         top = {
             n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
         }
@@ -92,7 +101,7 @@ def our_modules() -> dict[str, Path]:
 def module_level_imports(path: Path) -> set[str]:
     """Dotted names imported at module level (outside functions; TYPE_CHECKING blocks excluded)."""
     names: set[str] = set()
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     todo: list[ast.stmt] = list(tree.body)
     while todo:
         node = todo.pop()
@@ -163,7 +172,7 @@ def test_every_error_derives_from_netdam_error() -> None:
     """A user catches NetdamError for anything we raise on purpose."""
     classes: dict[str, list[str]] = {}
     for path in our_modules().values():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ClassDef):
                 classes[node.name] = [ast.unparse(b).split(".")[-1] for b in node.bases]
 
@@ -198,7 +207,7 @@ def test_function_level_imports_say_why() -> None:
         if name == "netdam":
             continue  # the package's lazy attribute loader
         lines = path.read_text().split("\n")
-        tree = ast.parse("\n".join(lines))
+        tree = _tree(path)
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
@@ -213,7 +222,7 @@ def test_function_level_imports_say_why() -> None:
 
 def _function_imports(path: Path) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
         elif isinstance(node, ast.Import):
@@ -227,14 +236,14 @@ def test_private_kernels_only_through_wrappers() -> None:
     for path in our_modules().values():
         if "kernels" in path.parts:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("netdam.kernels"):
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.isupper()]
                 assert not private, (path.relative_to(ROOT), node.module, private)
-        kernel_aliases = {a.asname or a.name for node in ast.walk(ast.parse(path.read_text()))
+        kernel_aliases = {a.asname or a.name for node in ast.walk(_tree(path))
                           if isinstance(node, ast.ImportFrom) and node.module in ("netdam.kernels",)
                           for a in node.names}  # fmt: skip
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in kernel_aliases:
                 name = node.attr
                 assert not (name.startswith("_") and not name[1:].isupper()), (path.relative_to(ROOT), f"{node.value.id}.{name}")
@@ -268,9 +277,9 @@ def _literal_terms(node: ast.AST | None) -> list[int]:
     return []
 
 
-def literal_datagram_offsets(source: str) -> list[tuple[int, str]]:
-    """(line, code) of every integer-literal offset into a datagram in *source*."""
-    tree = ast.parse(source)
+def literal_datagram_offsets(source: str | ast.Module) -> list[tuple[int, str]]:
+    """(line, code) of every integer-literal offset into a datagram in *source* (text or tree)."""
+    tree = ast.parse(source) if isinstance(source, str) else source
     exempt: set[int] = set()
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef) and fn.name in PRIMITIVES:
@@ -297,7 +306,7 @@ def test_datagram_offsets_have_names() -> None:
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith(("protocol/", "netdam/tools/fuzz/")):
             continue  # the fuzzer corrupts single bytes of fields on purpose (its offsets are layout's)
-        hits = literal_datagram_offsets(path.read_text())
+        hits = literal_datagram_offsets(_tree(path))
         if hits:
             found[rel] = hits
     assert not found, found
