@@ -108,10 +108,6 @@ class ControlClient:
             return self.tenant.tag_key, self.tenant.id
         return None
 
-    def seals(self, packet: Packet) -> bool:
-        """Whether *packet* leaves with a control tag (``sealing``)."""
-        return self.sealing(packet) is not None
-
     def encode(self, packet: Packet) -> bytes:
         """*packet* as this client sends it: sealed with its control tag when ``sealing`` names
         a key (the admin key or the tenant's credential then stays off the wire), else as it is."""

@@ -10,6 +10,7 @@ key, tenants created before tags included, and a client computes them from its c
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ def credential_digest(credential: int) -> str:
     return hashlib.sha256(credential.to_bytes(8, "little")).hexdigest()
 
 
+@functools.cache  # the switch derives its whole tenant table again after every ALLOC and FREE
 def tenant_keys(digest: str) -> TenantKeys:
     """The keys of the tenant whose credential digest (hex) is *digest* (SPEC.md 8.1's
     derivation: SHA-256 of the digest, a zero byte and the label)."""
