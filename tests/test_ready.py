@@ -138,3 +138,50 @@ def test_a_node_answers_the_first_register_sent_the_moment_its_cluster_file_exis
                 reply = client.request(endpoint, register, timeout=0.05, retries=0)
                 assert reply.opcode == Opcode.ACK and reply.addr == 0
                 client.deregister(endpoint, reply.rkey)
+
+
+def test_switch_kernels_compile_aside_only_on_a_cold_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On a cold cache the switch's own kernels compile in a second process (on the other core)
+    while the launcher compiles the node's; the switch's warm-up waits for it. A cache that holds
+    them, or a second call, starts nothing."""
+    started: list[list[str]] = []
+
+    class FakeCompile:
+        def __init__(self, argv: list[str], **_: object) -> None:
+            started.append(argv)
+            self.waited = False
+
+        def wait(self) -> int:
+            self.waited = True
+            return 0
+
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeCompile)
+    monkeypatch.setattr(cache_dir, "kernel_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(launch, "_WARMED", set())
+    monkeypatch.setattr(launch, "_ASIDE", [])
+    launch.compile_switch_kernels_aside()
+    launch.compile_switch_kernels_aside()  # already compiling: not a second process
+    assert len(started) == 1 and started[0][0] == sys.executable
+    code = started[0][-1]
+    assert all(module in code for module in launch.SWITCH_ONLY_KERNELS)
+    # The node's compile chain is not imported aside: it would compile twice on 2 cores.
+    assert "netdam.kernels.serve" not in code and "netdam.shell.process" not in code
+    aside = launch._ASIDE[0]
+    launch._join_aside()
+    assert aside.waited and launch._ASIDE == []
+
+    (tmp_path / "switch_path._serve-1.py311.nbi").touch()  # cached now
+    launch.compile_switch_kernels_aside()
+    assert len(started) == 1
+
+
+def test_the_compile_aside_imports_no_node_kernel() -> None:
+    """What the second process imports compiles nothing of the node's chain (else both cores
+    compile the same kernels and nothing is won)."""
+    code = ("import json, sys; from netdam.shell.startup import die_with_parent; import "
+            + ", ".join(launch.SWITCH_ONLY_KERNELS)
+            + "; print(json.dumps(sorted(m for m in sys.modules if m.startswith('netdam.kernels.'))))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert not loaded & {"netdam.kernels.combine", "netdam.kernels.collective", "netdam.kernels.datapath",
+                         "netdam.kernels.serve"}, loaded  # fmt: skip

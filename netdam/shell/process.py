@@ -8,7 +8,6 @@ serve loop; everything else about being a process lives here.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import gc
 import io
@@ -27,10 +26,10 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
 from netdam.protocol import counters as C
 from netdam.protocol.packet import Endpoint, u64_to_endpoint
+from netdam.shell.startup import die_with_parent
 from netdam.shell.udp import granted_buffers
 
 #: prctl(2) option: signal to deliver when the parent dies.
-PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("netdam.process")
 
@@ -80,14 +79,6 @@ def serve_management_port(sock: socket.socket, core: ManagedCore) -> None:
         for reply, dst in replies:
             with contextlib.suppress(OSError):  # an unreachable operator loses its reply only
                 sock.sendto(reply, u64_to_endpoint(dst))
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent dies (prctl PR_SET_PDEATHSIG): no orphans."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 #: Set by SIGTERM/SIGINT from the very start of serve_main, so a signal that arrives while the

@@ -10,11 +10,17 @@ launcher imports it for commands that only read or stop clusters.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from netdam.protocol.errors import NetdamError
+
+#: prctl(2) option: the signal this process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 #: A start fails once the child has used no CPU for this long.
 STALL_S = 30.0
@@ -65,3 +71,11 @@ def wait_while_working(pid: int, arrived: Callable[[float], bool], what: str) ->
         reason = stall_reason(watch, started, time.monotonic())
         if reason is not None:
             raise StartStalled(f"{what} (pid {pid}) {reason} before it was ready")
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the parent dies (prctl PR_SET_PDEATHSIG): no orphans."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
