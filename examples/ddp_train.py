@@ -2,14 +2,16 @@
 in the emulated NICs (the ``netdam.clients.ddp`` communication hook), once with plain Gloo, and
 compare the loss curves.
 
-    python examples/ddp_train.py --ranks 2 --steps 20 [--json]
+    python examples/ddp_train.py --ranks 2 --steps 20 [--dtype bfloat16] [--json]
 
 Starts a local netdam cluster (one node per rank), spawns the ranks with
 torch.multiprocessing; every rank joins a Gloo process group (DDP needs it for its initial
 broadcast either way), then trains the same seeded model on the same seeded synthetic data,
 first with the hook, then without. The curves agree within float tolerance, not bitwise: the
 chain sums in another order than Gloo's ring, and DDP without a hook scales every gradient by
-1/world before the sum where the hook divides the sum. Exit 0 when every step's loss on every
+1/world before the sum where the hook divides the sum. ``--dtype bfloat16`` trains a bf16 model:
+its gradients cross the NICs as bf16 (2 bytes each), and every step's loss agrees within bf16's
+precision (default rtol 2e-2). Exit 0 when every step's loss on every
 rank agrees (|netdam - gloo| <= atol + rtol |gloo|) and the replicas stayed identical, 1
 otherwise, 2 on a usage error, 3 when the run failed. Needs torch (``pip install
 'netdam[torch]'``).
@@ -36,6 +38,10 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 MODES = ("netdam", "gloo")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Default relative tolerance on a loss: float32's after a few roundings in another order, and
+#: bf16's (8 significand bits: 2**-8 = 0.4% per rounding, over 20 steps of diverging order).
+DEFAULT_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def make_model(inputs: int, hidden: int) -> torch.nn.Module:
@@ -65,12 +71,14 @@ def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     steps, batch, inputs = options["steps"], options["batch"], options["inputs"]
+    dtype = DTYPES[options["dtype"]]
     x, y = make_data(options["seed"], steps, batch * world, inputs)
+    x, y = x.to(dtype), y.to(dtype)
     mine = slice(rank * batch, (rank + 1) * batch)
     out: dict[str, Any] = {"rank": rank}
     for mode in MODES:
         torch.manual_seed(options["seed"])
-        model = DDP(make_model(inputs, options["hidden"]), bucket_cap_mb=options["bucket_cap_mb"])
+        model = DDP(make_model(inputs, options["hidden"]).to(dtype), bucket_cap_mb=options["bucket_cap_mb"])
         state = None
         if mode == "netdam":
             state = NetdamHookState(cluster_path, rank, world, chunk_bytes=options["chunk_bytes"])
@@ -90,7 +98,7 @@ def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[
                 first_step_end = time.perf_counter()
         end = time.perf_counter()
         seconds = end - start
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()  # bf16 widens exactly
         out[mode] = {
             "losses": losses,
             "seconds": seconds,
@@ -166,10 +174,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="DDP bucket cap in MB; small so the MLP's gradients span several buckets (0.01)")  # fmt: skip
     parser.add_argument("--chunk-bytes", type=int, default=8 << 20,
                         help="largest piece of a bucket in one NIC all-reduce (8 MiB)")  # fmt: skip
-    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance on every loss (1e-5)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="the model's and its gradients' dtype (float32)")  # fmt: skip
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="relative tolerance on every loss (1e-5; 2e-2 for bfloat16)")  # fmt: skip
     parser.add_argument("--atol", type=float, default=1e-7, help="absolute tolerance on every loss (1e-7)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
+    if args.rtol is None:
+        args.rtol = DEFAULT_RTOL[args.dtype]
     if not 2 <= args.ranks <= 4:
         parser.error("--ranks must be 2..4")
     if args.steps < 1 or args.batch < 1 or args.hidden < 1 or args.inputs < 1:
@@ -184,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     from netdam.cluster.launch import start_cluster
 
-    result: dict[str, Any] = {"ok": False, "ranks": args.ranks, "steps": args.steps, "rtol": args.rtol,
+    result: dict[str, Any] = {"ok": False, "ranks": args.ranks, "steps": args.steps, "dtype": args.dtype, "rtol": args.rtol,
                               "atol": args.atol, "torch": torch.__version__}  # fmt: skip
-    options = {k: getattr(args, k) for k in ("steps", "batch", "hidden", "inputs", "lr", "seed", "bucket_cap_mb", "chunk_bytes")}
+    options = {k: getattr(args, k) for k in ("steps", "batch", "hidden", "inputs", "lr", "seed", "bucket_cap_mb", "chunk_bytes", "dtype")}
     t0 = time.perf_counter()
     try:
         with start_cluster(args.ranks, memory=16 << 20) as cluster, tempfile.TemporaryDirectory(prefix="netdam-ddp-") as tmp:

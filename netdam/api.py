@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import fcntl
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -44,6 +45,7 @@ from netdam.protocol.constants import (
     max_elements,
 )
 from netdam.protocol.constants import ReduceOp as WireOp
+from netdam.protocol.elements import BFLOAT16, bf16_round, bf16_values, is_bf16
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64
 from netdam.protocol.payloads import (
@@ -68,6 +70,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "barrier",
+    "bfloat16",
     "broadcast",
     "destroy_process_group",
     "empty",
@@ -107,7 +110,7 @@ class ReduceOp(IntEnum):
 def _wire_op(op: int, array: np.ndarray) -> WireOp:
     """The operation the NICs run for *op* on *array*'s dtype; ValueError when none can."""
     if op == ReduceOp.AVG:
-        if array.dtype.kind != "f":
+        if not _is_floating(array):
             raise ValueError(f"ReduceOp.AVG needs a floating dtype, not {array.dtype}: the average of "
                              "integers is not an integer (reduce with SUM and divide yourself)")  # fmt: skip
         return WireOp.SUM
@@ -134,6 +137,8 @@ def _as_array(tensor: Any, name: str) -> np.ndarray:
             raise ValueError(f"{name} is not contiguous: call .contiguous() first (results are written in place)")
         if tensor.requires_grad:
             tensor = tensor.detach()
+        if str(tensor.dtype) == "torch.bfloat16":  # numpy has no bfloat16: its bits, marked
+            return np.asarray(tensor.view(sys.modules["torch"].int16).numpy()).view(bfloat16)
         return np.asarray(tensor.numpy())
     raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, not {type(tensor).__name__}")
 _ALIGN = 64
@@ -154,15 +159,48 @@ class CollectiveError(NetdamError, RuntimeError):
         self.waiting_for = waiting_for
 
 
-_DTYPES = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items() if k != DType.RAW}
+# bf16's numpy stand-in is uint16, which must not reduce as bf16 unmarked: it is told apart below.
+_DTYPES = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items() if k not in (DType.RAW, DType.BF16)}
+
+#: bfloat16 for numpy, which has none: 16-bit patterns marked so the NICs reduce them as bf16
+#: (SPEC.md 2.4), e.g. ``netdam.empty(n, netdam.bfloat16)``. CPU ``torch.bfloat16`` tensors and
+#: ``ml_dtypes.bfloat16`` arrays are taken as they are.
+bfloat16 = BFLOAT16
+_is_bf16 = is_bf16
 
 
 def wire_dtype(array: np.ndarray) -> DType:
     """The NIC datatype of *array*'s elements (SPEC.md 2.4); TypeError for one the NIC lacks."""
+    if _is_bf16(array):
+        return DType.BF16
     try:
         return _DTYPES[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
     except KeyError:
-        raise TypeError(f"dtype {array.dtype} is not supported: use float32, float16, int32, int64 or float64") from None
+        raise TypeError(f"dtype {array.dtype} is not supported: use float32, float16, bfloat16 (netdam.bfloat16 "
+                        "for numpy), int32, int64 or float64") from None  # fmt: skip
+
+
+def _is_floating(array: np.ndarray) -> bool:
+    return array.dtype.kind == "f" or _is_bf16(array)
+
+
+def _divide(array: np.ndarray, divisor: int) -> None:
+    """*array* /= *divisor* in place; bf16 in float32, rounded once (as torch divides bf16)."""
+    if _is_bf16(array):
+        bits = array.view(np.uint16)
+        bits[...] = bf16_round(bf16_values(bits) / np.float32(divisor))
+    else:
+        np.divide(array, divisor, out=array, casting="unsafe")
+
+
+def _multiply(product: np.ndarray, factor: np.ndarray) -> None:
+    """*product* *= *factor* in place; bf16 in float32, rounded once per product."""
+    if _is_bf16(product):
+        bits = product.view(np.uint16)
+        with np.errstate(over="ignore", invalid="ignore"):
+            bits[...] = bf16_round(bf16_values(bits) * bf16_values(factor.view(np.uint16)))
+    else:
+        np.multiply(product, factor, out=product)
 
 
 def collective_tag_key(secret: bytes, coll_id: int, epoch: int) -> bytes:
@@ -652,7 +690,7 @@ def all_reduce(buf: Any, op: int = ReduceOp.SUM, group: ProcessGroup | None = No
         work._finish.append(lambda: _copy_out(g, addr, buf))
     if average:
         world = g.world_size
-        work._finish.append(lambda: np.divide(buf, world, out=buf, casting="unsafe"))
+        work._finish.append(lambda: _divide(buf, world))
     return _run(work, async_op)
 
 
@@ -678,7 +716,7 @@ def reduce_scatter_tensor(output: Any, input: Any, op: int = ReduceOp.SUM,
         slice(None), g.memory[addr + lo * esize : addr + hi * esize].view(output.dtype)))  # fmt: skip
     if average:
         world = g.world_size
-        work._finish.append(lambda: np.divide(output, world, out=output, casting="unsafe"))
+        work._finish.append(lambda: _divide(output, world))
     return _run(work, async_op)
 
 
@@ -696,7 +734,7 @@ def _product_of_ranks(tensor: np.ndarray, g: ProcessGroup, async_op: bool,
         rows = gathered.reshape(g.world_size, mine.size)
         product = rows[0].copy()
         for row in rows[1:]:
-            np.multiply(product, row, out=product)
+            _multiply(product, row)
         deliver(product)
 
     work._finish.append(multiply)

@@ -179,6 +179,7 @@ class DType(IntEnum):
     I64 = 4
     U64 = 5
     F64 = 6
+    BF16 = 7
 
 
 #: Bytes per element of each DType.
@@ -190,9 +191,11 @@ ELEMENT_SIZE = {
     DType.I64: 8,
     DType.U64: 8,
     DType.F64: 8,
+    DType.BF16: 2,
 }
 
-#: numpy dtype strings (little-endian) of each DType; f16 travels as IEEE binary16.
+#: numpy dtype strings (little-endian) of each DType; f16 travels as IEEE binary16. numpy has no
+#: bfloat16: bf16 elements are their 16-bit patterns (``bf16_values`` widens them to float32).
 NUMPY_DTYPE = {
     DType.RAW: "u1",
     DType.F32: "<f4",
@@ -201,6 +204,7 @@ NUMPY_DTYPE = {
     DType.I64: "<i8",
     DType.U64: "<u8",
     DType.F64: "<f8",
+    DType.BF16: "<u2",
 }
 
 

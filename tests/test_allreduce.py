@@ -32,7 +32,7 @@ def test_allreduce_command_clean_run(capsys: pytest.CaptureFixture[str]) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,op", [("f16", "max"), ("i64", "min"), ("f64", "sum")])
+@pytest.mark.parametrize("dtype,op", [("bf16", "max"), ("i64", "min"), ("f64", "sum")])
 def test_allreduce_command_dtypes(dtype: str, op: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["allreduce", "--nodes", "2", "--count", "9001", "--dtype", dtype, "--op", op, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["equals_reference"] is True

@@ -232,9 +232,9 @@ def test_typed_arrays_of_other_shapes_are_viewed_as_bytes() -> None:
 
 
 def test_element_size_tables() -> None:
-    assert kc.ELEMENT_SIZE == {0: 1, 1: 4, 2: 2, 3: 4, 4: 8, 5: 8, 6: 8}
+    assert kc.ELEMENT_SIZE == {0: 1, 1: 4, 2: 2, 3: 4, 4: 8, 5: 8, 6: 8, 7: 2}
     assert kc._ELEMENT_SIZE.dtype == np.int64
-    assert kc._ELEMENT_SIZE.tolist() == [kc.ELEMENT_SIZE[c] for c in range(7)]
+    assert kc._ELEMENT_SIZE.tolist() == [kc.ELEMENT_SIZE[c] for c in range(8)]
     for code, dt in NUMPY_DTYPES.items():
         assert kc.ELEMENT_SIZE[code] == np.dtype(dt).itemsize
 
@@ -259,7 +259,7 @@ def test_error_raw_dtype() -> None:
     with pytest.raises(ValueError) as info:
         combine(out, a, b, 0, SUM)
     assert str(info.value) == (
-        "combine: dtype code 0 (raw) cannot be combined; use f32, f16, i32, i64, u64 or f64"
+        "combine: dtype code 0 (raw) cannot be combined; use f32, f16, bf16, i32, i64, u64 or f64"
     )
 
 
@@ -267,16 +267,16 @@ def test_error_raw_dtype() -> None:
     ("dtype_code", "op_code", "message"),
     [
         (
-            7,
+            8,
             SUM,
-            "combine: unknown dtype code 7; expected 1 (f32), 2 (f16), 3 (i32), 4 (i64), "
-            "5 (u64) or 6 (f64)",
+            "combine: unknown dtype code 8; expected 1 (f32), 2 (f16), 3 (i32), 4 (i64), "
+            "5 (u64), 6 (f64) or 7 (bf16)",
         ),
         (
             -1,
             SUM,
             "combine: unknown dtype code -1; expected 1 (f32), 2 (f16), 3 (i32), 4 (i64), "
-            "5 (u64) or 6 (f64)",
+            "5 (u64), 6 (f64) or 7 (bf16)",
         ),
         (F32, 3, "combine: unknown op code 3; expected 0 (sum), 1 (min) or 2 (max)"),
         (1.0, SUM, "combine: dtype code must be an int, got float"),

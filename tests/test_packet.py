@@ -119,7 +119,7 @@ MALFORMED = [
     (_raw(chain(), {55: 1}), Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"),
     (_raw(chain(), {63: 1}), Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"),
     (_raw(chain(), {2: 0x01}), Status.BAD_FIELD, "undefined flag bits 0x0100 set"),
-    (_raw(chain(), {48: 7}), Status.BAD_DTYPE, "unknown dtype 7"),
+    (_raw(chain(), {48: 8}), Status.BAD_DTYPE, "unknown dtype 8"),
     (_raw(chain(), {49: 3}), Status.BAD_OP, "unknown reduce op 3"),
     (_raw(chain(), {50: 99}), Status.BAD_FIELD, "unknown status 99"),
     (_raw(chain(), {52: 2}), Status.BAD_SEGMENT, "segment type 2 (IPv6) is reserved in v1"),

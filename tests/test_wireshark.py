@@ -47,6 +47,7 @@ from netdam.protocol.constants import (
     SegmentType,
     Status,
 )
+from netdam.protocol.elements import element_values
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.fixtures import FIXTURE_NAMES, load_fixture
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, u64_to_endpoint
@@ -416,13 +417,13 @@ def check_payload(row: dict[str, list[str]], packet: Packet) -> None:
             indices = np.frombuffer(payload, "<u2", count=nnz, offset=8)
             assert [_num(v) for v in row["sparse.index"]] == indices.tolist()
             start = codec.sparse_payload_size(nnz, packet.dtype) - nnz * ELEMENT_SIZE[packet.dtype]
-            values = np.frombuffer(payload, NUMPY_DTYPE[packet.dtype], count=nnz, offset=start)
+            values = element_values(payload, packet.dtype, count=nnz, offset=start)
         else:
-            values = np.frombuffer(payload, NUMPY_DTYPE[packet.dtype])
+            values = element_values(payload, packet.dtype)
         if packet.dtype in (DType.I32, DType.I64, DType.U64):
             assert [int(v) for v in column] == values.tolist()
         else:
-            # tshark prints floats with 6 (f32, f16) or 15 (f64) significant digits.
+            # tshark prints floats with 6 (f32, f16, bf16) or 15 (f64) significant digits.
             rtol = 1e-14 if packet.dtype == DType.F64 else 1e-5
             np.testing.assert_allclose(_floats(column), values.astype(np.float64), rtol=rtol)
 
@@ -594,6 +595,9 @@ def _write_of(dtype: DType) -> Packet:
         payload = np.array(
             [info.min, -1 if info.min else 1, info.max], NUMPY_DTYPE[dtype]
         ).tobytes()
+    elif dtype == DType.BF16:
+        # The smallest normal and subnormal, -0, 1/3 rounded, infinities, -2.5.
+        payload = np.array([0x0080, 0x0001, 0x8000, 0x3EAB, 0x7F80, 0xFF80, 0xC020], "<u2").tobytes()
     else:
         values = [np.finfo(NUMPY_DTYPE[dtype]).tiny, -0.0, 1 / 3, np.inf, -np.inf, -2.5]
         payload = np.array(values, NUMPY_DTYPE[dtype]).tobytes()

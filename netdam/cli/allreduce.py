@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--size", type=size_arg, help="bytes per rank (default 4MiB)")
     size.add_argument("--count", type=bounded_int(1, 1 << 40), help="elements per rank instead of bytes")
-    parser.add_argument("--dtype", choices=["f32", "f16", "i32", "i64", "f64"], default="f32")
+    parser.add_argument("--dtype", choices=["f32", "f16", "bf16", "i32", "i64", "f64"], default="f32")
     parser.add_argument("--op", choices=["sum", "min", "max"], default="sum")
     parser.add_argument("--algo", choices=["chain", "ring-host"], default="chain",
                         help="chain: in the NICs (NetDAM); ring-host: the RoCE way, NICs move "

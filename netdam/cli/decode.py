@@ -20,11 +20,11 @@ from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     NETDAM_UDP_PORT,
-    NUMPY_DTYPE,
     DType,
     Flags,
     Opcode,
 )
+from netdam.protocol.elements import element_values
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
 from netdam.protocol.payloads import INFO, SPARSE_PREFIX, unpack_key_rights, unpack_register
@@ -333,7 +333,7 @@ def _payload_meaning(packet: Packet) -> dict[str, Any]:
         return {"sparse": _sparse(packet)}
     size = ELEMENT_SIZE[packet.dtype]
     if payload and packet.dtype != DType.RAW and len(payload) % size == 0:
-        return {"elements": np.frombuffer(payload, dtype=NUMPY_DTYPE[packet.dtype]).tolist()}
+        return {"elements": element_values(payload, packet.dtype).tolist()}
     return {}
 
 
@@ -342,7 +342,7 @@ def _sparse(packet: Packet) -> dict[str, Any]:
     nnz = SPARSE_PREFIX.unpack_from(packet.payload)[0]
     indices = np.frombuffer(packet.payload, dtype="<u2", count=nnz, offset=SPARSE_PREFIX.size)
     start = SPARSE_PREFIX.size + (2 * nnz + 7) // 8 * 8
-    values = np.frombuffer(packet.payload, dtype=NUMPY_DTYPE[packet.dtype], count=nnz, offset=start)
+    values = element_values(packet.payload, packet.dtype, count=nnz, offset=start)
     return {"nnz": nnz, "indices": indices.tolist(), "values": values.tolist()}
 
 

@@ -55,10 +55,12 @@ from netdam.fpga_model.validation import (
     compare_set,
     load_sets,
 )
+from netdam.protocol.constants import ELEMENT_SIZE, DType
 from netdam.tools import plot as plotting
 from netdam.units import format_size
 
-DTYPES = {"f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8}
+#: Element types a collective reduces, by name, and their bytes (u64 is the atomics' type).
+DTYPES = {d.name.lower(): ELEMENT_SIZE[d] for d in DType if d not in (DType.RAW, DType.U64)}
 
 
 def _common(p: argparse.ArgumentParser, link_default: str = "100 (from the preset)") -> None:

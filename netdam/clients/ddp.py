@@ -30,9 +30,9 @@ the NICs require). The hook returns a ``torch.futures.Future`` that the worker c
 the bucket, or with the exception (``netdam.api.CollectiveError`` for a failed collective);
 after a failure every later bucket of that state fails at once, since the ranks are out of step.
 
-Dtypes: float32 and float64 are reduced as they are; float16 too (the NICs add f16 natively,
-rounding at every hop as Gloo does); bfloat16 is not a NIC type, so it is widened to float32,
-reduced, and rounded back once. Results are bitwise identical on every rank (one chain order),
+Dtypes: float32 and float64 are reduced as they are; float16 and bfloat16 too, at 2 bytes an
+element on the wire (the NICs add both natively, rounding at every hop as Gloo does; bf16 by
+PyTorch's own rule, SPEC.md 2.4). Results are bitwise identical on every rank (one chain order),
 but not bitwise Gloo's: Gloo sums in another order and DDP without a hook scales each gradient
 by 1/world before the sum, this hook divides the sum.
 
@@ -60,7 +60,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
         "`pip install torch` on Linux pulls a CUDA build of several GB)"
     ) from exc
 
-from netdam.api import CollectiveError, ProcessGroup
+from netdam.api import CollectiveError, ProcessGroup, bfloat16
 from netdam.api import all_reduce as _api_all_reduce
 from netdam.cluster.clusterfile import ClusterFile, load_cluster
 
@@ -73,9 +73,8 @@ _NATIVE: dict[torch.dtype, np.dtype[Any]] = {
     torch.float32: np.dtype(np.float32),
     torch.float64: np.dtype(np.float64),
     torch.float16: np.dtype(np.float16),
+    torch.bfloat16: bfloat16,
 }
-#: Dtypes the NICs cannot add: reduced in float32 and rounded back once.
-_WIDENED = {torch.bfloat16: torch.float32}
 
 
 class NetdamHookState:
@@ -171,11 +170,6 @@ class NetdamHookState:
         if flat.device.type != "cpu":
             raise TypeError(f"netdam.clients.ddp reduces CPU tensors only (NIC memory is host shared "
                             f"memory), got a bucket on {flat.device}")  # fmt: skip
-        if flat.dtype in _WIDENED:
-            wide = flat.to(_WIDENED[flat.dtype])
-            self.reduce_(wide, index)
-            flat.copy_(wide)
-            return flat
         if flat.dtype not in _NATIVE:
             raise TypeError(f"netdam.clients.ddp cannot reduce {flat.dtype} gradients: use float32, float64, "
                             "float16 or bfloat16")  # fmt: skip
@@ -183,7 +177,8 @@ class NetdamHookState:
         np_dtype = _NATIVE[flat.dtype]
         per = self.chunk_bytes // np_dtype.itemsize
         nic_np = self._nic.view(np_dtype)
-        nic = torch.from_numpy(nic_np)
+        # torch.from_numpy knows no bfloat16 (numpy has none): the same bytes as int16, viewed.
+        nic = torch.from_numpy(nic_np) if flat.dtype != torch.bfloat16 else torch.from_numpy(self._nic.view(np.int16)).view(torch.bfloat16)
         total = work.numel()
         chunks = -(-total // per)
         for k in range(chunks):

@@ -22,6 +22,13 @@ returned by f32/f64 NaN + NaN:
   bits, so this double rounding equals a correctly rounded f16 addition). A NaN input gives that
   NaN quietened (bit 9 set, payload kept); when both are NaN numpy returns ``b`` quietened,
   which we match (the opposite of f32).
+* bf16 SUM (no numpy type; the rule of PyTorch's CPU bfloat16, ``c10::BFloat16``): both
+  operands widened to f32 exactly (a bf16 pattern is the upper half of an f32 one), added in
+  f32 and rounded once to bf16, to nearest with ties to even; any NaN result is the canonical
+  quiet NaN ``0x7FC0``. f32's 24 significand bits are >= 2*8 + 2, so this equals a correctly
+  rounded bf16 addition; every hop of a chain rounds so, as an in-flight adder would.
+* bf16 MIN/MAX: the f16 rule below with bf16's NaN bound (``a`` if ``a`` is NaN or ``a <= b``
+  (``>=``), else ``b``; ties keep ``a``, NaNs keep their bits; nothing is rounded).
 * f16 MIN/MAX: numpy's half rule, which differs from the f32 one on ties: ``a`` if ``a`` is
   NaN, else ``a`` if ``a <= b`` (``>=`` for MAX), else ``b``, returning the operand's original
   bits. So ``minimum(+0, -0) = +0`` for f16, and NaNs keep their exact bits. Compared as
@@ -40,6 +47,8 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels.f16 import _f16_bits_to_f32, _f32_bits_to_f16_bits
+from netdam.protocol.constants import ELEMENT_SIZE as _PROTOCOL_ELEMENT_SIZE
+from netdam.protocol.constants import DType, ReduceOp
 
 __all__ = [
     "DTYPE_RAW",
@@ -49,6 +58,7 @@ __all__ = [
     "DTYPE_I64",
     "DTYPE_U64",
     "DTYPE_F64",
+    "DTYPE_BF16",
     "OP_SUM",
     "OP_MIN",
     "OP_MAX",
@@ -58,41 +68,26 @@ __all__ = [
     "combine",
 ]
 
-# wire codes, protocol/SPEC.md
-DTYPE_RAW = 0
-DTYPE_F32 = 1
-DTYPE_F16 = 2
-DTYPE_I32 = 3
-DTYPE_I64 = 4
-DTYPE_U64 = 5
-DTYPE_F64 = 6
+# Wire codes and sizes, read from protocol/constants.py (SPEC.md 2.4), the one place they are
+# declared; module-level ints so the kernels compile them in as constants.
+DTYPE_RAW = int(DType.RAW)
+DTYPE_F32 = int(DType.F32)
+DTYPE_F16 = int(DType.F16)
+DTYPE_I32 = int(DType.I32)
+DTYPE_I64 = int(DType.I64)
+DTYPE_U64 = int(DType.U64)
+DTYPE_F64 = int(DType.F64)
+DTYPE_BF16 = int(DType.BF16)
 
-# wire codes, protocol/SPEC.md
-OP_SUM = 0
-OP_MIN = 1
-OP_MAX = 2
+OP_SUM = int(ReduceOp.SUM)
+OP_MIN = int(ReduceOp.MIN)
+OP_MAX = int(ReduceOp.MAX)
 
-DTYPE_NAMES: dict[int, str] = {
-    DTYPE_RAW: "raw",
-    DTYPE_F32: "f32",
-    DTYPE_F16: "f16",
-    DTYPE_I32: "i32",
-    DTYPE_I64: "i64",
-    DTYPE_U64: "u64",
-    DTYPE_F64: "f64",
-}
-OP_NAMES: dict[int, str] = {OP_SUM: "sum", OP_MIN: "min", OP_MAX: "max"}
+DTYPE_NAMES: dict[int, str] = {int(d): d.name.lower() for d in DType}
+OP_NAMES: dict[int, str] = {int(o): o.name.lower() for o in ReduceOp}
 
 #: Bytes per element of each dtype code (raw counts bytes).
-ELEMENT_SIZE: dict[int, int] = {
-    DTYPE_RAW: 1,
-    DTYPE_F32: 4,
-    DTYPE_F16: 2,
-    DTYPE_I32: 4,
-    DTYPE_I64: 8,
-    DTYPE_U64: 8,
-    DTYPE_F64: 8,
-}
+ELEMENT_SIZE: dict[int, int] = {int(d): size for d, size in _PROTOCOL_ELEMENT_SIZE.items()}
 # The same table indexed by code, for kernels (numba cannot read a Python dict).
 _ELEMENT_SIZE = np.array([ELEMENT_SIZE[code] for code in range(len(ELEMENT_SIZE))], np.int64)
 
@@ -151,32 +146,47 @@ def _sum_f16_loop(x, y):  # type: ignore[no-untyped-def]
 
 @njit("int64(uint16)", cache=True, nogil=True, fastmath=False)
 def _f16_order_key(h):  # type: ignore[no-untyped-def]
-    # For non-NaN f16, an integer with the same order as the value and -0 == +0, so MIN/MAX
+    # For non-NaN f16 (and bf16), an integer with the same order as the value and -0 == +0, so MIN/MAX
     # need no conversion (sign-magnitude to two's complement). 3.5x faster than via f32.
     mag = np.int64(h & 0x7FFF)
     return -mag if h & 0x8000 else mag
 
 
 @njit("void(uint16[::1], uint16[::1])", cache=True, nogil=True, fastmath=False)
-def _min_f16_loop(x, y):  # type: ignore[no-untyped-def]
+def _sum_bf16_loop(x, y):  # type: ignore[no-untyped-def]
+    for i in range(x.shape[0]):
+        s = np.float32(np.uint32(np.uint32(x[i]) << 16).view(np.float32) + np.uint32(np.uint32(y[i]) << 16).view(np.float32))
+        bits = np.uint32(s.view(np.uint32))
+        # Round to nearest, ties to even: add 0x7FFF plus the kept part's lowest bit, truncate
+        # (c10::BFloat16's round_to_nearest_even). A carry out rounds up to infinity, correctly.
+        r = np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
+        x[i] = np.uint16(0x7FC0) if s != s else r
+
+
+#: Magnitudes above these are NaN (all exponent bits set, a non-zero fraction).
+_F16_INF = 0x7C00
+_BF16_INF = 0x7F80
+
+
+@njit("void(uint16[::1], uint16[::1], int64)", cache=True, nogil=True, fastmath=False)
+def _min_half_loop(x, y, inf):  # type: ignore[no-untyped-def]
+    # MIN of 16-bit floats, f16 or bf16 (*inf*: their infinity's magnitude), by numpy's half
+    # rule, which keeps x on ties (unlike f32): x if x is NaN or x <= y, else y, bits unchanged.
+    # MIN and MAX stay two loops: one taking the direction as an argument ran 2x slower. `|`
+    # and `&`, not `or` and `and`: no branches in the loop body, so it vectorizes.
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
-        x_nan = (xi & 0x7FFF) > 0x7C00
-        y_nan = (yi & 0x7FFF) > 0x7C00
-        # numpy's half rule keeps x on ties (unlike f32): x if NaN or x <= y, else y.
-        keep = x_nan or (not y_nan and _f16_order_key(xi) <= _f16_order_key(yi))
+        keep = ((xi & 0x7FFF) > inf) | (((yi & 0x7FFF) <= inf) & (_f16_order_key(xi) <= _f16_order_key(yi)))
         x[i] = xi if keep else yi
 
 
-@njit("void(uint16[::1], uint16[::1])", cache=True, nogil=True, fastmath=False)
-def _max_f16_loop(x, y):  # type: ignore[no-untyped-def]
+@njit("void(uint16[::1], uint16[::1], int64)", cache=True, nogil=True, fastmath=False)
+def _max_half_loop(x, y, inf):  # type: ignore[no-untyped-def]
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
-        x_nan = (xi & 0x7FFF) > 0x7C00
-        y_nan = (yi & 0x7FFF) > 0x7C00
-        keep = x_nan or (not y_nan and _f16_order_key(xi) >= _f16_order_key(yi))
+        keep = ((xi & 0x7FFF) > inf) | (((yi & 0x7FFF) <= inf) & (_f16_order_key(xi) >= _f16_order_key(yi)))
         x[i] = xi if keep else yi
 
 
@@ -220,18 +230,23 @@ def _combine_bytes(out, out_off, a, a_off, b, b_off, nbytes, dtype, op):  # type
         _apply(o.view(np.int64), y.view(np.int64), op)
     elif dtype == DTYPE_U64:
         _apply(o.view(np.uint64), y.view(np.uint64), op)
-    elif dtype == DTYPE_F16:
-        if op == OP_SUM:
-            _sum_f16_loop(o.view(np.uint16), y.view(np.uint16))
-        elif op == OP_MIN:
-            _min_f16_loop(o.view(np.uint16), y.view(np.uint16))
+    elif dtype == DTYPE_F16 or dtype == DTYPE_BF16:
+        xh = o.view(np.uint16)
+        yh = y.view(np.uint16)
+        inf = _F16_INF if dtype == DTYPE_F16 else _BF16_INF
+        if op == OP_MIN:
+            _min_half_loop(xh, yh, inf)
+        elif op == OP_MAX:
+            _max_half_loop(xh, yh, inf)
+        elif dtype == DTYPE_F16:
+            _sum_f16_loop(xh, yh)
         else:
-            _max_f16_loop(o.view(np.uint16), y.view(np.uint16))
+            _sum_bf16_loop(xh, yh)
 
 
 # --- Python wrapper -------------------------------------------------------------------------
 
-_COMBINABLE = "f32, f16, i32, i64, u64 or f64"
+_COMBINABLE = "f32, f16, bf16, i32, i64, u64 or f64"
 
 
 def _as_bytes(name: str, arr: Any, writable: bool) -> np.ndarray:

@@ -12,6 +12,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DUP_REPLY_BYTES,
     DUP_WINDOW,
+    ELEMENT_SIZE,
     FLAGS_V1_MASK,
     HEADER_SIZE,
     MAX_PAYLOAD_BYTES,
@@ -87,6 +88,8 @@ _U64 = int(DType.U64)
 
 
 _MAX_STATUS = max(int(s) for s in Status)
+#: Highest dtype code a node knows (SPEC.md 2.4); a higher one is BAD_DTYPE.
+_MAX_DTYPE = max(int(d) for d in DType)
 
 
 _W = DUP_WINDOW
@@ -205,7 +208,7 @@ _COMBINES[Opcode.ADD] = _COMBINES[Opcode.CHAIN_ADD] = 1
 _ATOMIC[Opcode.FETCH_ADD] = _ATOMIC[Opcode.CAS] = 1
 
 
-_ESIZE = np.array([1, 4, 2, 4, 8, 8, 8], dtype=np.int64)  # by DType value
+_ESIZE = np.array([ELEMENT_SIZE[DType(code)] for code in range(len(DType))], dtype=np.int64)  # by DType value
 
 
 _OP_READ = int(Opcode.READ)
@@ -381,7 +384,7 @@ def _check_packet(b, n):  # type: ignore[no-untyped-def]
     if flags & ~_FLAGS_MASK:
         return _S_BAD_FIELD
     dtype = np.int64(b[H_DTYPE])
-    if dtype > 6:
+    if dtype > _MAX_DTYPE:
         return _S_BAD_DTYPE
     if b[H_REDUCE_OP] > 2:
         return _S_BAD_OP
@@ -655,7 +658,7 @@ def _reply_header(t, b, opcode, status, length, credit):  # type: ignore[no-unty
     # failed validation are not echoed (SPEC.md section 3).
     t[H_VERSION] = 1
     t[H_OPCODE] = opcode
-    if t[H_DTYPE] > 6:
+    if t[H_DTYPE] > _MAX_DTYPE:
         t[H_DTYPE] = 0
     if t[H_REDUCE_OP] > 2:
         t[H_REDUCE_OP] = 0

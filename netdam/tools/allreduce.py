@@ -9,6 +9,7 @@ chain order, bitwise. Counters come from the nodes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from netdam.core.faults import FaultSpec
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.protocol import counters as C
 from netdam.protocol.constants import ELEMENT_SIZE, IP_UDP_OVERHEAD, NUMPY_DTYPE, DType, ReduceOp
+from netdam.protocol.elements import BFLOAT16, bf16_combine, bf16_round, is_bf16
 from netdam.protocol.payloads import NO_PHASE_US
 
 #: Node memory for a private cluster: the API stages inputs in the upper half.
@@ -75,16 +77,31 @@ class AllReduceConfig:
     nics_per_process: int | None = None
 
 
+def _combiner(array: np.ndarray, op: ReduceOp) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """One hop's combine for *array*'s dtype, rounded to it (SPEC.md 2.4): numpy's ufunc, or the
+    bf16 rule for bf16 bit patterns."""
+    if is_bf16(array):
+        return lambda acc, block: bf16_combine(acc, block, int(op)).view(BFLOAT16)
+    ufunc = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
+
+    def hop(acc: np.ndarray, block: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):  # overflow to infinity and NaNs are results, as in the NICs
+            combined: np.ndarray = ufunc(acc, block).astype(acc.dtype)
+        return combined
+
+    return hop
+
+
 def reference_chain_allreduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     """Block j folds ranks j+1, j+2, ..., j (owner last), rounding after every hop."""
-    ufunc = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}[op]
+    combine = _combiner(inputs[0], op)
     n, count = len(inputs), inputs[0].size
     out = np.empty_like(inputs[0])
     for j in range(n):
         lo, hi = j * count // n, (j + 1) * count // n
         acc = inputs[(j + 1) % n][lo:hi].copy()
         for k in range(2, n + 1):
-            acc = ufunc(acc, inputs[(j + k) % n][lo:hi]).astype(acc.dtype)
+            acc = combine(acc, inputs[(j + k) % n][lo:hi])
         out[lo:hi] = acc
     return out
 
@@ -92,7 +109,9 @@ def reference_chain_allreduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndar
 def _inputs(config: AllReduceConfig, world: int) -> list[np.ndarray]:
     rng = np.random.default_rng(config.seed)
     dtype = np.dtype(NUMPY_DTYPE[config.dtype])
-    if dtype.kind == "f":
+    if config.dtype == DType.BF16:
+        inputs = [bf16_round(rng.standard_normal(config.count).astype(np.float32)).view(BFLOAT16) for _ in range(world)]
+    elif dtype.kind == "f":
         inputs = [rng.standard_normal(config.count).astype(dtype) for _ in range(world)]
     else:
         inputs = [rng.integers(-1000, 1000, config.count).astype(dtype) for _ in range(world)]

@@ -111,6 +111,7 @@ local DTYPE = {
     [4] = "I64",
     [5] = "U64",
     [6] = "F64",
+    [7] = "BF16",
 }
 
 -- Bytes per element (constants.ELEMENT_SIZE)
@@ -122,6 +123,7 @@ local ELEMENT_SIZE = {
     [4] = 8,
     [5] = 8,
     [6] = 8,
+    [7] = 2,
 }
 
 -- ReduceOp (constants.ReduceOp)
@@ -311,6 +313,7 @@ field("tag", ProtoField.uint64("netdam.tag", "Tag (SipHash-2-4 of header and SR 
 field("elements", ProtoField.uint32("netdam.elements", "Elements", base.DEC))
 field("f32", ProtoField.float("netdam.data.f32", "f32"))
 field("f16", ProtoField.float("netdam.data.f16", "f16"))
+field("bf16", ProtoField.float("netdam.data.bf16", "bf16"))
 field("i32", ProtoField.int32("netdam.data.i32", "i32", base.DEC))
 field("i64", ProtoField.int64("netdam.data.i64", "i64", base.DEC))
 field("u64", ProtoField.uint64("netdam.data.u64", "u64", base.DEC))
@@ -478,17 +481,20 @@ local function flag_names(flags)
     return #parts > 0 and table.concat(parts, "|") or "none"
 end
 
--- IEEE binary16 bits -> Lua number (exact: every f16 value is a double)
-local function half_to_number(bits)
+-- A 16-bit float's bits -> Lua number, exactly (every f16 and bf16 value is a double): sign,
+-- then *exponent_bits* of exponent and *fraction_bits* of fraction (f16: 5, 10; bf16: 8, 7).
+local function small_float_to_number(bits, exponent_bits, fraction_bits)
     local sign = btest(bits, 0x8000) and -1 or 1
-    local exponent = band(rshift(bits, 10), 0x1F)
-    local mantissa = band(bits, 0x3FF)
-    if exponent == 0 then return sign * mantissa * 2 ^ -24 end
-    if exponent == 31 then
-        if mantissa == 0 then return sign * math.huge end
+    local top = 2 ^ exponent_bits - 1
+    local bias = 2 ^ (exponent_bits - 1) - 1
+    local exponent = band(rshift(bits, fraction_bits), top)
+    local fraction = band(bits, 2 ^ fraction_bits - 1)
+    if exponent == 0 then return sign * fraction * 2 ^ (1 - bias - fraction_bits) end
+    if exponent == top then
+        if fraction == 0 then return sign * math.huge end
         return 0 / 0
     end
-    return sign * (1 + mantissa / 1024) * 2 ^ (exponent - 15)
+    return sign * (1 + fraction / 2 ^ fraction_bits) * 2 ^ (exponent - bias)
 end
 
 local function sparse_payload_size(nnz, size)
@@ -702,7 +708,11 @@ local function add_elements(tree, tvb, offset, count, dtype, indices)
         local item
         if dname == "f16" then
             local bits = range:le_uint()
-            item = tree:add(F.f16, range, half_to_number(bits))
+            item = tree:add(F.f16, range, small_float_to_number(bits, 5, 10))
+            item:append_text(string.format(" (0x%04x)", bits))
+        elseif dname == "bf16" then
+            local bits = range:le_uint()
+            item = tree:add(F.bf16, range, small_float_to_number(bits, 8, 7))
             item:append_text(string.format(" (0x%04x)", bits))
         else
             item = tree:add_le(F[dname], range)

@@ -114,7 +114,9 @@ _NEEDS = {Opcode.READ: int(Rights.READ), Opcode.CHAIN_ADD: int(Rights.READ | Rig
           Opcode.FETCH_ADD: int(Rights.ATOMIC), Opcode.CAS: int(Rights.ATOMIC), Opcode.WRITE: int(Rights.WRITE),
           Opcode.ADD: int(Rights.WRITE), Opcode.ALL_WRITE: int(Rights.WRITE)}  # fmt: skip
 #: Bytes per element by DType value (a list: the generator indexes it with raw field values).
-ELEMENT_BYTES = [ELEMENT_SIZE[DType(v)] for v in range(7)]
+ELEMENT_BYTES = [ELEMENT_SIZE[DType(v)] for v in range(len(DType))]
+#: The highest dtype code (SPEC.md 2.4); codes above it are BAD_DTYPE.
+MAX_DTYPE = max(DType)
 _ALL_OPCODES = [int(op) for op in Opcode]
 #: Opcode values a mutation tries besides the defined ones: the edges of the free ranges.
 _ODD_OPCODES = [0x00, 0x0D, 0x1F, 0x26, 0x3F, 0x40, 0x7F, 0x80, 0xFF]
@@ -612,7 +614,7 @@ class DatagramGenerator:
             dtype, nbytes, align = int(DType.U64), 8, 8
         else:
             low = 1 if op in (Opcode.ADD, Opcode.CHAIN_ADD) else 0
-            dtype = d.between(low, 6)
+            dtype = d.between(low, MAX_DTYPE)
             align = ELEMENT_BYTES[dtype]
             count = self._elements(align, len(segments))
             fits = (min(hi - lo, stride or hi - lo)) // align
@@ -693,7 +695,7 @@ class DatagramGenerator:
             coll = d.between(1, 3) if d.chance(0.1) else 0
             status = d.between(1, 23) if op == Opcode.NACK else 0
             if op == Opcode.READ_RESP:
-                dtype = d.between(0, 6)
+                dtype = d.between(0, MAX_DTYPE)
                 payload = d.blob(self._elements(ELEMENT_BYTES[dtype], 0) * ELEMENT_BYTES[dtype])
             else:
                 dtype = 0
@@ -712,7 +714,7 @@ class DatagramGenerator:
                           txn=txn, ret=ret, flags=flags), Shape()  # fmt: skip
         if op == Opcode.START_COLL:
             ring = [int(d.pick(self._nodes_u64)) for _ in range(d.between(1, 4))]
-            return header(op, rkey=rkey, length=64, coll=d.between(1, 5), dtype=d.between(0, 6),
+            return header(op, rkey=rkey, length=64, coll=d.between(1, 5), dtype=d.between(0, MAX_DTYPE),
                           segments=ring, client=client, txn=txn, ret=ret, flags=flags) + d.blob(64), Shape(len(ring))  # fmt: skip
         if (
             op == Opcode.ALLOC
@@ -833,7 +835,7 @@ class DatagramGenerator:
 
     def _m_dtype(self, b: bytearray, shape: Shape) -> bytearray:
         d = self.d
-        b[O_DTYPE] = d.between(0, 6) if d.chance(0.7) else d.pick([7, 8, 0x7F, 0xFF])
+        b[O_DTYPE] = d.between(0, MAX_DTYPE) if d.chance(0.7) else d.pick([MAX_DTYPE + 1, MAX_DTYPE + 2, 0x7F, 0xFF])
         return b
 
     def _m_reduce_op(self, b: bytearray, shape: Shape) -> bytearray:
@@ -985,7 +987,7 @@ class DatagramGenerator:
                 b[O_RES1] = b[O_RES2] = b[O_RES2 + 1] = 0
                 b[O_FLAGS] = 0
                 b[O_FLAGS + 1] &= FLAGS_V1_MASK
-                b[O_DTYPE] %= 7
+                b[O_DTYPE] %= MAX_DTYPE + 1
                 b[O_OP] %= 3
                 b[O_STATUS] %= 24
                 b[O_SEG_TYPE] = b[O_LEFT] = b[O_COUNT] = 0
