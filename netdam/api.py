@@ -11,10 +11,13 @@ group), as with torch.distributed and MPI.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import os
+import select
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -289,6 +292,20 @@ class ProcessGroup:
     memory: np.ndarray = field(init=False, repr=False)
     client: ControlClient = field(init=False, repr=False)
     _next_free: int = field(init=False, default=0)
+    #: Collectives started on this rank and not yet ended, in issue order. The node runs one
+    #: at a time (SPEC.md 4.1): only the first has been sent, and each next one is sent the
+    #: moment the one before it ends, so several can be in flight (async_op) without BUSY.
+    _issued: list[Work] = field(init=False, default_factory=list)
+    #: Staging room the next start() gives its Work, from _staging_room.
+    _pending_room: tuple[int, int] | None = field(init=False, default=None)
+    #: Works holding staging room until their results are copied out, in issue order.
+    _holding: list[Work] = field(init=False, default_factory=list)
+    #: Held by whoever reads this rank's control socket and moves _issued on: a wait() and
+    #: the progress thread, which sends each queued START_COLL when the one before it ended
+    #: even while this rank's host is busy elsewhere (its peers' chains would stall).
+    _lock: threading.RLock = field(init=False, default_factory=threading.RLock)
+    _progress: threading.Thread | None = field(init=False, default=None)
+    _closed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.cluster.nodes):
@@ -408,13 +425,29 @@ class ProcessGroup:
         offset = self._offset_of(array)
         if offset is not None:
             return offset
-        start = self.staging_base
-        if start + nbytes_needed > self.arena_end:
-            raise MemoryError(f"{nbytes_needed} bytes do not fit the staging area of this rank's arena "
-                              f"({self.arena_end - start} bytes): start nodes with more --memory")  # fmt: skip
+        start = self._staging_room(nbytes_needed)
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self.memory[start : start + flat.shape[0]] = flat
-        return int(start)
+        return start
+
+    def _staging_room(self, nbytes: int) -> int:
+        """Where the next collective stages *nbytes*: in the arena's upper half, clear of the
+        room of every collective still in flight (its input, then its result, live there until
+        its results are copied out). When none is clear, the oldest is completed first (its
+        results copied out): a wait, in issue order, never an overlap."""
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        if self.staging_base + size > self.arena_end:
+            raise MemoryError(f"{nbytes} bytes do not fit the staging area of this rank's arena "
+                              f"({self.arena_end - self.staging_base} bytes): start nodes with more --memory")  # fmt: skip
+        while True:
+            self._holding = held = [w for w in self._holding if not w.finished]
+            start = held[-1].room[1] if held and held[-1].room else self.staging_base
+            if start + size > self.arena_end:
+                start = self.staging_base
+            if all(w.room and (w.room[1] <= start or w.room[0] >= start + size) for w in held):
+                self._pending_room = (start, start + size)
+                return int(start)
+            held[0]._settle(None)
 
     def start(self, algo: Algo, array: np.ndarray, op: WireOp, in_addr: int, out_addr: int,
               count: int, root: int = 0, flags: int = 0) -> Work:  # fmt: skip
@@ -432,7 +465,21 @@ class ProcessGroup:
                         epoch=self.epoch, dtype=dtype, reduce_op=op,
                         segments=tuple(self.cluster.endpoints)).with_payload(desc.encode())  # fmt: skip
         work = Work(self, packet, algo, count, dtype, watchdog)
-        work.send_start()
+        with self._lock:
+            self._advance()
+            work.room, self._pending_room = self._pending_room, None
+            if work.room is not None:
+                self._holding.append(work)
+            self._issued.append(work)
+            if len(self._issued) > 1:
+                # Sent when the collectives before it have ended (_advance), by whichever
+                # thread sees that first.
+                if self._progress is None or not self._progress.is_alive():
+                    self._progress = threading.Thread(target=self._run_progress, daemon=True,
+                                                      name=f"netdam-progress-rank{self.rank}")  # fmt: skip
+                    self._progress.start()
+                return work
+            work.send_start()
         if not self._epoch_settled:
             # A new group counts from epoch 1; the node may answer STALE_EPOCH with the epoch it
             # is at. Settle that now, not in wait(): one process may start every rank's
@@ -440,6 +487,49 @@ class ProcessGroup:
             work.await_started(1.0)
             self._epoch_settled = work.started
         return work
+
+    def _run_progress(self) -> None:
+        """While collectives wait behind another, drive them (the progress thread)."""
+        while not self._closed:
+            if len(self._issued) > 1:
+                self._step(None, 0.05)
+            elif not self._issued:
+                return  # started again by the next start() that queues
+            else:
+                time.sleep(0.005)
+
+    def _step(self, timeout: float | None, wait_s: float) -> None:
+        """One turn of driving this rank's collectives: take the node's answers for up to
+        *wait_s* (each to its Work), re-send a START_COLL the node has not answered, fail the
+        head one whose node stayed silent past its watchdog (or *timeout*). The wait for an
+        answer holds no lock: a wait() and the progress thread both wake, one takes them."""
+        with contextlib.suppress(OSError, ValueError):  # a closed socket: nothing more to take
+            select.select([self.client.sock], [], [], wait_s)
+        with self._lock:
+            self._advance()
+            if not self._issued:
+                return
+            head = self._issued[0]
+            bound = timeout if timeout is not None else head.watchdog_s + 1.0
+            if time.monotonic() - head._heard > bound:
+                node = self.cluster.nodes[self.rank]
+                dead = self.dead_nodes()
+                head.error = CollectiveError(
+                    f"rank {self.rank}: no word from its node {node.address}:{node.port} for "
+                    f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
+                    {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.rank},
+                )
+                self._advance()
+            elif not head._poll(0.0) and time.monotonic() - head._sent_at > 0.5:
+                head.send_start()  # lost START_COLL or lost completion: the node answers again
+
+    def _advance(self) -> None:
+        """Drop the collectives at the head of the issue order that ended, and send the next
+        one's START_COLL (its node is free now)."""
+        while self._issued and self._issued[0].ended:
+            self._issued.pop(0)
+            if self._issued:
+                self._issued[0].send_start()
 
     def descriptor_for_epoch(self, packet: Packet, epoch: int) -> Packet:
         """*packet* (a START_COLL of this group) moved to *epoch*, with that epoch's key."""
@@ -451,6 +541,9 @@ class ProcessGroup:
     def close(self) -> None:
         """Give the arena back (the node zeroes it), close the control socket, and let the
         next job's rank have the arena."""
+        self._closed = True
+        if self._progress is not None:
+            self._progress.join(1.0)
         try:
             # Short: a live node answers in microseconds; a dead one would hold every close
             # (and every test that kills a node) for the default 3 x 1 s.
@@ -464,7 +557,12 @@ class ProcessGroup:
 
 
 class Work:
-    """A started collective (torch.distributed's Work): ``wait()`` blocks until it ends."""
+    """A started collective (torch.distributed's Work): ``wait()`` blocks until it ends.
+
+    Several may be in flight on one rank (``async_op=True``): the group sends each START_COLL
+    when the collective before it has ended (the node runs one at a time), answers are handed
+    to the Work they belong to whichever Work is being waited on, and each keeps its own
+    staging room until its results are copied out. They end in issue order."""
 
     def __init__(self, group: ProcessGroup, packet: Packet, algo: Algo, count: int, dtype: DType,
                  watchdog_s: float) -> None:  # fmt: skip
@@ -475,11 +573,18 @@ class Work:
         self.count = count
         self.dtype = dtype
         self.done = False
+        #: Why it failed (raised by wait()), once it has.
+        self.error: CollectiveError | None = None
+        #: Its results were copied out (the finish actions ran): its staging room is free.
+        self.finished = False
+        #: (start, end) of its staging room in node memory, if it has one.
+        self.room: tuple[int, int] | None = None
         #: The node ACKed START_COLL (running), as opposed to hearing nothing yet.
         self.started = False
         self.stats: dict[str, int] = {}
-        self._txn = 0
+        self._txn = (packet.epoch * 7919 + group.rank) & 0xFFFFFFFF
         self._heard = time.monotonic()
+        self._sent_at = 0.0
         self._finish: list[object] = []
         # Phases of the call, for benchmarks: the copy into node memory (0 for NIC-resident
         # buffers), when START_COLL left and when the completion arrived (time.monotonic(),
@@ -491,6 +596,10 @@ class Work:
         self.copy_out_s = 0.0
         self.node_phases: CompletionPhases | None = None
 
+    @property
+    def ended(self) -> bool:
+        return self.done or self.error is not None
+
     def send_start(self) -> None:
         client = self.group.client
         self._txn = (self.packet.epoch * 7919 + self.group.rank) & 0xFFFFFFFF
@@ -498,80 +607,90 @@ class Work:
         client.sock.sendto(data, self.group.node)
         self._sent_at = time.monotonic()
         if not self.sent_at:
-            self.sent_at = time.monotonic()
+            self.sent_at = self._heard = time.monotonic()
 
     def is_completed(self) -> bool:
-        return self.done or self._poll(0.0)
+        with self.group._lock:
+            if not self.ended and self.group._issued:
+                self.group._issued[0]._poll(0.0)
+        return self.ended
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the node reports the end of the collective; raise CollectiveError when it
         failed. The node answers every re-sent START_COLL (idempotent): "running" keeps the wait
         alive, silence for a whole watchdog period means the node is gone."""
-        bound = timeout if timeout is not None else self.watchdog_s + 1.0
+        self._settle(timeout)
+        if self.error is not None:
+            raise self.error
+
+    def _settle(self, timeout: float | None) -> None:
+        """Drive this rank's collectives, oldest first, until this one ended; then copy its
+        results out. Failures are kept in ``error``, not raised."""
         self._heard = time.monotonic()
-        while not self.done:
-            if time.monotonic() - self._heard > bound:
-                node = self.group.cluster.nodes[self.group.rank]
-                dead = self.group.dead_nodes()
-                raise CollectiveError(
-                    f"rank {self.group.rank}: no word from its node {node.address}:{node.port} for "
-                    f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
-                    {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.group.rank},
-                )
-            if not self._poll(0.2) and time.monotonic() - self._sent_at > 0.5:
-                self.send_start()  # lost START_COLL or lost completion: the node answers again
-        t_copy = time.perf_counter()
-        for action in self._finish:
-            action()  # type: ignore[operator]
-        self._finish.clear()
-        self.copy_out_s = time.perf_counter() - t_copy
+        while not self.ended:
+            self.group._step(timeout, 0.2)
+        if self.done and not self.finished:
+            t_copy = time.perf_counter()
+            for action in self._finish:
+                action()  # type: ignore[operator]
+            self._finish.clear()
+            self.copy_out_s = time.perf_counter() - t_copy
+        self.finished = True
 
     def _poll(self, timeout: float, until_started: bool = False) -> bool:
-        """Take the node's answers for up to *timeout* seconds; returns at once on completion
-        (and, with *until_started*, on the ACK that says the node runs it)."""
+        """Take the node's answers for up to *timeout* seconds, each to the Work of its txn;
+        returns at once when this one ends (and, with *until_started*, on the ACK that says the
+        node runs it)."""
         sock = self.group.client.sock
         sock.settimeout(timeout if timeout > 0 else 1e-6)
         while True:
             try:
                 data, _ = sock.recvfrom(65536)
             except (TimeoutError, BlockingIOError):
-                return self.done
+                return self.ended
             try:
                 reply = decode_packet(data)
             except RemoteProtocolError:
                 continue
-            if reply.txn_id != self._txn or reply.client_id != self.group.client.client_id:
+            if reply.client_id != self.group.client.client_id:
                 continue
-            # What can end or fail the wait (a completion, a NACK) must carry this call's tag
-            # (SPEC.md 2.6); a plain "started" ACK only keeps the wait alive, so it is not
-            # checked (a host's SipHash in Python costs ~50 us).
-            decides = reply.opcode == Opcode.NACK or reply.aux_addr != 0
-            key = descriptor_tag_key(self.packet.payload) if decides else b""
-            if key and not tag_verify(key, data):
-                continue  # not from a holder of this collective's key: the nodes count those
-            self._heard = time.monotonic()
-            if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
-                self._rebase(reply.aux_addr)
+            work = next((w for w in self.group._issued if w._txn == reply.txn_id and w._sent_at), None)
+            if work is None:
                 continue
-            if reply.opcode == Opcode.NACK:
-                self._fail(reply)
-            if reply.aux_addr == 0:
-                self.started = True
-                if until_started:
-                    return self.done
-            if reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
-                retransmits, reads = unpack_completion(reply.payload)
-                self.stats = {"retransmits": retransmits, "repair_reads": reads}
-                self.done = True
-                self.completed_at = time.monotonic()
-                self.node_phases = unpack_completion_phases(reply.payload)
-                return True
+            work._take(reply, data)
+            self.group._advance()
+            if self.ended or (until_started and self.started):
+                return self.ended
+
+    def _take(self, reply: Packet, data: bytes) -> None:
+        """One answer of this collective's node: started, ended, failed, or moved past."""
+        # What can end or fail the wait (a completion, a NACK) must carry this call's tag
+        # (SPEC.md 2.6); a plain "started" ACK only keeps the wait alive, so it is not
+        # checked (a host's SipHash in Python costs ~50 us).
+        decides = reply.opcode == Opcode.NACK or reply.aux_addr != 0
+        key = descriptor_tag_key(self.packet.payload) if decides else b""
+        if key and not tag_verify(key, data):
+            return  # not from a holder of this collective's key: the nodes count those
+        self._heard = time.monotonic()
+        if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
+            self._rebase(reply.aux_addr)
+        elif reply.opcode == Opcode.NACK:
+            self.error = self._failure(reply)
+        elif reply.aux_addr == 0:
+            self.started = True
+        elif reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
+            retransmits, reads = unpack_completion(reply.payload)
+            self.stats = {"retransmits": retransmits, "repair_reads": reads}
+            self.done = True
+            self.completed_at = time.monotonic()
+            self.node_phases = unpack_completion_phases(reply.payload)
 
     def await_started(self, timeout: float) -> None:
         """Poll until the node ACKs START_COLL (after moving past a STALE_EPOCH), or *timeout*."""
         deadline = time.monotonic() + timeout
-        while not (self.started or self.done) and time.monotonic() < deadline:
-            self._poll(0.02, until_started=True)
+        while not (self.started or self.ended) and time.monotonic() < deadline:
+            with self.group._lock:
+                self._poll(0.02, until_started=True)
 
     def _rebase(self, node_epoch: int) -> None:
         """The node already ran epoch *node_epoch* of this cluster's collectives (this group is
@@ -583,7 +702,7 @@ class Work:
         self.packet = self.group.descriptor_for_epoch(self.packet, epoch)
         self.send_start()
 
-    def _fail(self, reply: Packet) -> None:
+    def _failure(self, reply: Packet) -> CollectiveError:
         waiting = None
         if reply.aux_addr == 1 and len(reply.payload) >= 16:
             first, last = unpack_completion(reply.payload)
@@ -593,8 +712,8 @@ class Work:
             waiting["node"] = dead[0]
         where = f"; waiting for {waiting}" if waiting else ""
         where += f"; not answering: {', '.join(dead)}" if dead else ""
-        raise CollectiveError(f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
-                              f"{self.group.rank}: {reply.status.name}{where}", waiting)  # fmt: skip
+        return CollectiveError(f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
+                               f"{self.group.rank}: {reply.status.name}{where}", waiting)  # fmt: skip
 
     def _waiting_for(self, first: int, last: int) -> dict[str, object]:
         group = self.group
@@ -767,10 +886,8 @@ def all_gather_into_tensor(output: Any, input: Any, group: ProcessGroup | None =
     lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
     if input.size != hi - lo:
         raise ValueError(f"input has {input.size} elements; rank {g.rank}'s block has {hi - lo}")
-    out_addr = g.staging_base
+    out_addr = g._staging_room((output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN + input.nbytes)
     in_addr = out_addr + (output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    if in_addr + input.nbytes > g.arena_end:
-        raise MemoryError("all_gather does not fit the staging half of the rank's arena: start nodes with more --memory")
     g.memory[in_addr : in_addr + input.nbytes] = np.ascontiguousarray(input).reshape(-1).view(np.uint8)
     work = g.start(Algo.ALL_GATHER, output, WireOp.SUM, in_addr, out_addr, count)
     work._finish.append(lambda: _copy_out(g, out_addr, output))
