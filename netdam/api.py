@@ -12,14 +12,16 @@ group), as with torch.distributed and MPI.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import fcntl
+import hashlib
 import os
 import select
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
@@ -83,6 +85,8 @@ __all__ = [
     "init",
     "init_process_group",
     "is_initialized",
+    "new_group",
+    "NON_GROUP_MEMBER",
     "reduce_scatter",
     "reduce_scatter_tensor",
 ]
@@ -306,6 +310,18 @@ class ProcessGroup:
     _lock: threading.RLock = field(init=False, default_factory=threading.RLock)
     _progress: threading.Thread | None = field(init=False, default=None)
     _closed: bool = field(init=False, default=False)
+    #: The group's ranks, as ranks of the cluster (its default group), in group-rank order;
+    #: ``rank`` is this process's place among them and ``global_rank`` its place in the cluster.
+    members: tuple[int, ...] = field(init=False, default=())
+    global_rank: int = field(init=False, default=0)
+    #: The group's coll_id (SPEC.md 4.1): 1 for the default group, derived from the members
+    #: for a group new_group made (the same on every member, and in every collective's key).
+    coll_id: int = field(init=False, default=1)
+    #: The default group this one was made from (itself for the default group): it owns the
+    #: arena, the control socket and the issue order of every group of this rank.
+    _root: ProcessGroup | None = field(init=False, default=None, repr=False)
+    #: new_group was called on this rank (the default group): its staging region shrinks.
+    _made_groups: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.cluster.nodes):
@@ -316,6 +332,9 @@ class ProcessGroup:
                              "(larger clusters serve the pool; chains over groups are modelled, `netdam model "
                              "allreduce --algo netdam-chain-2d`, not emulated yet)")  # fmt: skip
         node = self.cluster.nodes[self.rank]
+        self.members = tuple(range(len(self.cluster.nodes)))
+        self.global_rank = self.rank
+        self._root = self
         self.memory = attach(node.memory_file)
         # One job's rank at a time owns this rank's arena: a second one gets an error here,
         # where it used to take (and wipe) the first one's arena.
@@ -392,15 +411,44 @@ class ProcessGroup:
 
     @property
     def world_size(self) -> int:
-        return len(self.cluster.nodes)
+        return len(self.members)
 
     @property
     def node(self) -> Endpoint:
         """Where control requests go: the node's management port."""
-        return self.cluster.nodes[self.rank].control_endpoint
+        return self.cluster.nodes[self.global_rank].control_endpoint
+
+    def new_group(self, ranks: Sequence[int]) -> ProcessGroup | NonGroupMember:
+        """torch.distributed.new_group: a group of the cluster ranks *ranks* (group rank k is
+        the k-th smallest). Every rank of the cluster calls it with the same ranks, in the same
+        order as its other collectives; a rank outside gets NON_GROUP_MEMBER. The group shares
+        this rank's arena and node, and its collectives take their turn on the node with every
+        other group's of this rank, in issue order. Its collectives have their own coll_id and
+        so their own keys; its all-gathers go by unicast."""
+        members = sorted({int(r) for r in ranks})
+        if len(members) != len(list(ranks)) or not members:
+            raise ValueError(f"new_group: ranks must be distinct and at least one, got {list(ranks)}")
+        if members[0] < 0 or members[-1] >= len(self.cluster.nodes):
+            raise ValueError(f"new_group: ranks must be 0..{len(self.cluster.nodes) - 1} (the cluster's), got {members}")
+        (self._root or self)._made_groups = True  # on every rank, members or not: the same regions
+        if self.global_rank not in members:
+            return NON_GROUP_MEMBER
+        group = copy.copy(self)  # shares the arena, socket, lock and issue order (the lists)
+        group.members = tuple(members)
+        group.rank = members.index(self.global_rank)
+        group.coll_id = group_coll_id(members)
+        group.epoch = 0
+        group._epoch_settled = False
+        group.multicast = False
+        group._progress = None
+        group._closed = False
+        group._pending_room = None
+        return group
 
     def empty(self, shape: int | tuple[int, ...], dtype: type | np.dtype = np.float32) -> np.ndarray:
         """An array in this rank's NIC memory: collectives on it need no staging copy."""
+        if self._root is not None and self._root is not self:
+            return self._root.empty(shape, dtype)  # one allocator per arena
         dt = np.dtype(dtype)
         count = int(np.prod(shape))
         start = self.arena_base + (self._next_free + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -425,25 +473,50 @@ class ProcessGroup:
         offset = self._offset_of(array)
         if offset is not None:
             return offset
+        self._settle_writers_of(array)
         start = self._staging_room(nbytes_needed)
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self.memory[start : start + flat.shape[0]] = flat
         return start
 
+    def _settle_writers_of(self, array: np.ndarray) -> None:
+        """Complete the calls in flight whose results land in *array* before a new call reads
+        it: calls on one buffer see each other's results in issue order, as on one CUDA stream
+        (a staged call reads its input when it is issued, not when its node starts it)."""
+        for work in list(self._holding):
+            if work.output is not None and not work.finished and np.may_share_memory(work.output, array):
+                work._settle(None)
+
+    def _staging_region(self) -> tuple[int, int]:
+        """The part of the arena's upper half this group stages in. A chain reads the same
+        address on every member's node, so a call must stage at the same address on every
+        rank: the default group's rooms follow from its own calls alone (every rank makes the
+        same ones), and once new_group was called, the groups it made share the last quarter."""
+        root = self._root or self
+        split = root.staging_base + (root.arena_end - root.staging_base) * 3 // 4 // _ALIGN * _ALIGN
+        if root is not self:
+            return split, root.arena_end
+        return root.staging_base, split if root._made_groups else root.arena_end
+
     def _staging_room(self, nbytes: int) -> int:
-        """Where the next collective stages *nbytes*: in the arena's upper half, clear of the
-        room of every collective still in flight (its input, then its result, live there until
-        its results are copied out). When none is clear, the oldest is completed first (its
-        results copied out): a wait, in issue order, never an overlap."""
+        """Where the next collective stages *nbytes*: in this group's staging region (above),
+        clear of the room of every collective of the region still in flight (its input, then
+        its result, live there until its results are copied out); the groups new_group made
+        take the region's start, one call at a time. When no room is clear, the oldest holder
+        is completed first (its results copied out): a wait, in issue order, never an overlap."""
+        lo, hi = self._staging_region()
         size = -(-nbytes // _ALIGN) * _ALIGN
-        if self.staging_base + size > self.arena_end:
-            raise MemoryError(f"{nbytes} bytes do not fit the staging area of this rank's arena "
-                              f"({self.arena_end - self.staging_base} bytes): start nodes with more --memory")  # fmt: skip
+        if lo + size > hi:
+            raise MemoryError(f"{nbytes} bytes do not fit this group's staging area of the rank's arena "
+                              f"({hi - lo} bytes): start nodes with more --memory")  # fmt: skip
         while True:
-            self._holding = held = [w for w in self._holding if not w.finished]
-            start = held[-1].room[1] if held and held[-1].room else self.staging_base
-            if start + size > self.arena_end:
-                start = self.staging_base
+            self._holding[:] = [w for w in self._holding if not w.finished]
+            held = [w for w in self._holding if w.group._staging_region() == (lo, hi)]
+            start = lo
+            if held and self._root is self:
+                start = held[-1].room[1] if held[-1].room else lo
+                if start + size > hi:
+                    start = lo
             if all(w.room and (w.room[1] <= start or w.room[0] >= start + size) for w in held):
                 self._pending_room = (start, start + size)
                 return int(start)
@@ -457,17 +530,18 @@ class ProcessGroup:
         dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
         desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr,
-                                    collective_key(self._secret, WORLD_COLL_ID, self.epoch), root=root,
+                                    collective_key(self._secret, self.coll_id, self.epoch), root=root,
                                     group=self.group if self.multicast else None,
                                     timeout_ms=int(watchdog * 1000), flags=flags,
-                                    tag_key=collective_tag_key(self._secret, WORLD_COLL_ID, self.epoch))  # fmt: skip
-        packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=WORLD_COLL_ID,
+                                    tag_key=collective_tag_key(self._secret, self.coll_id, self.epoch))  # fmt: skip
+        packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=self.coll_id,
                         epoch=self.epoch, dtype=dtype, reduce_op=op,
-                        segments=tuple(self.cluster.endpoints)).with_payload(desc.encode())  # fmt: skip
+                        segments=tuple(self.cluster.endpoints[r] for r in self.members)).with_payload(desc.encode())  # fmt: skip
         work = Work(self, packet, algo, count, dtype, watchdog)
         with self._lock:
             self._advance()
             work.room, self._pending_room = self._pending_room, None
+            work.output = array if work.room is not None else None
             if work.room is not None:
                 self._holding.append(work)
             self._issued.append(work)
@@ -490,9 +564,13 @@ class ProcessGroup:
 
     def _run_progress(self) -> None:
         """While collectives wait behind another, drive them (the progress thread)."""
-        while not self._closed:
+        root = self._root or self
+        while not (self._closed or root._closed):
             if len(self._issued) > 1:
-                self._step(None, 0.05)
+                try:
+                    self._step(None, 0.05)
+                except OSError:
+                    return  # the socket closed under it (the default group was closed)
             elif not self._issued:
                 return  # started again by the next start() that queues
             else:
@@ -512,12 +590,12 @@ class ProcessGroup:
             head = self._issued[0]
             bound = timeout if timeout is not None else head.watchdog_s + 1.0
             if time.monotonic() - head._heard > bound:
-                node = self.cluster.nodes[self.rank]
+                node = self.cluster.nodes[self.global_rank]
                 dead = self.dead_nodes()
                 head.error = CollectiveError(
-                    f"rank {self.rank}: no word from its node {node.address}:{node.port} for "
+                    f"rank {self.global_rank}: no word from its node {node.address}:{node.port} for "
                     f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
-                    {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.rank},
+                    {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.global_rank},
                 )
                 self._advance()
             elif not head._poll(0.0) and time.monotonic() - head._sent_at > 0.5:
@@ -540,10 +618,13 @@ class ProcessGroup:
 
     def close(self) -> None:
         """Give the arena back (the node zeroes it), close the control socket, and let the
-        next job's rank have the arena."""
+        next job's rank have the arena. A group new_group made only stops here: the arena,
+        the socket and the node belong to the default group."""
         self._closed = True
         if self._progress is not None:
             self._progress.join(1.0)
+        if self._root is not self:
+            return
         try:
             # Short: a live node answers in microseconds; a dead one would hold every close
             # (and every test that kills a node) for the default 3 x 1 s.
@@ -577,12 +658,14 @@ class Work:
         self.error: CollectiveError | None = None
         #: Its results were copied out (the finish actions ran): its staging room is free.
         self.finished = False
-        #: (start, end) of its staging room in node memory, if it has one.
+        #: (start, end) of its staging room in node memory, if it has one, and the caller's
+        #: array its results are copied into from there.
         self.room: tuple[int, int] | None = None
+        self.output: np.ndarray | None = None
         #: The node ACKed START_COLL (running), as opposed to hearing nothing yet.
         self.started = False
         self.stats: dict[str, int] = {}
-        self._txn = (packet.epoch * 7919 + group.rank) & 0xFFFFFFFF
+        self._txn = _txn_of(packet, group)
         self._heard = time.monotonic()
         self._sent_at = 0.0
         self._finish: list[object] = []
@@ -602,7 +685,7 @@ class Work:
 
     def send_start(self) -> None:
         client = self.group.client
-        self._txn = (self.packet.epoch * 7919 + self.group.rank) & 0xFFFFFFFF
+        self._txn = _txn_of(self.packet, self.group)
         data = client.encode(_with(self.packet, client.client_id, self._txn))
         client.sock.sendto(data, self.group.node)
         self._sent_at = time.monotonic()
@@ -726,9 +809,34 @@ class Work:
             return {"node": None, "rank": None, "block": None, "seq_range": None,
                     "detail": "every chunk is here: waiting for other members' DONE"}  # fmt: skip
         block = int(np.searchsorted(cb, first, side="right") - 1)
-        node = group.cluster.nodes[block]
-        return {"node": f"{node.address}:{node.port}", "rank": block, "block": block,
+        node = group.cluster.nodes[group.members[block]]
+        return {"node": f"{node.address}:{node.port}", "rank": group.members[block], "block": block,
                 "seq_range": [first, last]}  # fmt: skip
+
+
+def _txn_of(packet: Packet, group: ProcessGroup) -> int:
+    """The txn_id of one call's START_COLL: distinct for every group and epoch of this rank,
+    whose answers share one socket."""
+    return (int(packet.coll_id) * 1_000_003 + int(packet.epoch) * 7919 + group.rank) & 0xFFFFFFFF
+
+
+class NonGroupMember:
+    """What new_group gives a rank outside the group (torch's GroupMember.NON_GROUP_MEMBER):
+    collectives on it raise, get_rank is -1."""
+
+    def __repr__(self) -> str:
+        return "NON_GROUP_MEMBER"
+
+
+NON_GROUP_MEMBER = NonGroupMember()
+
+
+def group_coll_id(members: Sequence[int]) -> int:
+    """The coll_id of the group of cluster ranks *members*: the first 4 bytes of SHA-256 of
+    their list, never 0 (none) or 1 (the default group)."""
+    digest = hashlib.sha256(("group:" + ",".join(str(r) for r in sorted(members))).encode()).digest()
+    value = int.from_bytes(digest[:4], "big")
+    return value if value > WORLD_COLL_ID else value + 2
 
 
 def _with(packet: Packet, client_id: int, txn: int) -> Packet:
@@ -753,7 +861,10 @@ def init(cluster: str | Path, rank: int, *, multicast: bool = True, timeout: flo
     return _default
 
 
-def _group(group: ProcessGroup | None) -> ProcessGroup:
+def _group(group: ProcessGroup | NonGroupMember | None) -> ProcessGroup:
+    if isinstance(group, NonGroupMember):
+        raise ValueError("this rank is not a member of that group (new_group gave it NON_GROUP_MEMBER): "
+                         "call the collective on the ranks of the group only")  # fmt: skip
     if group is not None:
         return group
     if _default is None:
@@ -766,8 +877,22 @@ def get_default_group() -> ProcessGroup:
     return _group(None)
 
 
-def get_rank(group: ProcessGroup | None = None) -> int:
-    return _group(group).rank
+def get_rank(group: ProcessGroup | NonGroupMember | None = None) -> int:
+    """This process's rank in *group*; -1 outside it (as torch.distributed)."""
+    return -1 if isinstance(group, NonGroupMember) else _group(group).rank
+
+
+def new_group(ranks: Sequence[int] | None = None, timeout: float | None = None,
+              backend: str | None = None) -> ProcessGroup | NonGroupMember:  # fmt: skip
+    """torch.distributed.new_group on the default group: see ProcessGroup.new_group. *timeout*
+    is the new group's watchdog (seconds without progress); *backend* must be None or "netdam"."""
+    if backend not in (None, "netdam"):
+        raise ValueError(f"new_group: backend {backend!r}: netdam groups run on netdam (give None or 'netdam')")
+    parent = _group(None)
+    made = parent.new_group(range(parent.world_size) if ranks is None else list(ranks))
+    if timeout is not None and isinstance(made, ProcessGroup):
+        made.timeout_s = timeout
+    return made
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
@@ -828,8 +953,10 @@ def reduce_scatter_tensor(output: Any, input: Any, op: int = ReduceOp.SUM,
     if op == ReduceOp.PRODUCT:
         return _product_of_ranks(input, g, async_op, lambda product: output.reshape(-1).__setitem__(
             slice(None), product[lo:hi]))  # fmt: skip
+    g._settle_writers_of(output)
     addr = g._stage(input, input.nbytes)
     work = g.start(Algo.REDUCE_SCATTER, input, wire, addr, addr, count)
+    work.output = output if work.room is not None else None
     esize = input.itemsize
     work._finish.append(lambda: output.reshape(-1).__setitem__(
         slice(None), g.memory[addr + lo * esize : addr + hi * esize].view(output.dtype)))  # fmt: skip
@@ -886,6 +1013,8 @@ def all_gather_into_tensor(output: Any, input: Any, group: ProcessGroup | None =
     lo, hi = (g.rank * count // g.world_size, (g.rank + 1) * count // g.world_size)
     if input.size != hi - lo:
         raise ValueError(f"input has {input.size} elements; rank {g.rank}'s block has {hi - lo}")
+    g._settle_writers_of(input)
+    g._settle_writers_of(output)
     out_addr = g._staging_room((output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN + input.nbytes)
     in_addr = out_addr + (output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     g.memory[in_addr : in_addr + input.nbytes] = np.ascontiguousarray(input).reshape(-1).view(np.uint8)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,3 +251,36 @@ def run_model_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[
     rc = args.func(args)
     out = capsys.readouterr().out
     return rc, json.loads(out) if "--json" in argv else out
+
+
+
+@contextlib.contextmanager
+def every_rank(info: Any, world: int) -> Iterator[list[Any]]:
+    """One ProcessGroup per rank of the cluster *info*, all in this process (each call is then
+    started on every rank, async, before any is waited on); closed afterwards."""
+    from netdam.api import ProcessGroup
+
+    made = [ProcessGroup(info, rank) for rank in range(world)]
+    try:
+        yield made
+    finally:
+        for group in made:
+            group.close()
+
+
+def rank_fixtures(world: int) -> tuple[Any, Any]:
+    """Module fixtures (cluster, ranks): a running cluster of *world* nodes, and every_rank's
+    groups on it. Assign them in a test module: ``cluster, groups = rank_fixtures(3)``."""
+    from netdam.cluster.launch import start_cluster
+
+    @pytest.fixture(scope="module")
+    def cluster() -> Iterator[Any]:
+        with start_cluster(world, memory=4 << 20) as running:
+            yield running
+
+    @pytest.fixture(scope="module")
+    def ranks(cluster: Any) -> Iterator[list[Any]]:
+        with every_rank(cluster.info, world) as made:
+            yield made
+
+    return cluster, ranks

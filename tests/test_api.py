@@ -6,12 +6,13 @@ started on every rank (async) before any is waited on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import rank_fixtures
 
 import netdam
 from netdam import api
@@ -24,18 +25,7 @@ from netdam.tools.allreduce import reference_chain_allreduce
 WORLD = 3
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with start_cluster(WORLD, memory=4 << 20) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def groups(cluster: LocalCluster) -> Iterator[list[api.ProcessGroup]]:
-    made = [api.ProcessGroup(cluster.info, rank) for rank in range(WORLD)]
-    yield made
-    for group in made:
-        group.close()
+cluster, groups = rank_fixtures(WORLD)
 
 
 def on_every_rank(groups: list[api.ProcessGroup], call: Callable[[api.ProcessGroup, int], Any]) -> None:

@@ -16,6 +16,8 @@ Rules of this file:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from netdam.core.chunk_plan import block_bounds
@@ -49,6 +51,9 @@ from netdam.protocol.payloads import (
 MAX_CHUNKS = L.MAX_CHUNKS
 #: Watchdog: a collective fails after this long without progress (START_COLL may say less).
 DEFAULT_TIMEOUT_MS = 10_000
+#: coll_ids whose last epoch a node remembers (SPEC.md 6.5): a process's groups, and the groups
+#: of every job before it on these nodes, up to this many.
+EPOCHS_KEPT = 4096
 #: Credit window bounds, chunks in flight per originator.
 MIN_WINDOW, MAX_WINDOW, DEFAULT_WINDOW = 4, 128, 32
 TOTAL_IN_FLIGHT = 512
@@ -87,6 +92,14 @@ class CollectiveEngine:
         #: (UDP source, client id) of the START_COLL that began the current collective: only the
         #: same requester's START_COLL of the same (coll_id, epoch) is a retry.
         self.started_by: tuple[int, int] = (0, 0)
+        #: The last epoch started here of each coll_id (the EPOCHS_KEPT most recent): a group
+        #: can run between two calls of another, so the current collective alone cannot tell
+        #: that a (coll_id, epoch) was used before.
+        self.epochs: OrderedDict[int, int] = OrderedDict()
+
+    def stale_epoch_of(self, coll_id: int) -> int:
+        """The epoch a STALE_EPOCH answer names for *coll_id*: its last one started here."""
+        return self.epochs.get(coll_id, int(self.cfg[L.CFG_EPOCH]))
 
     @property
     def running(self) -> bool:
@@ -115,14 +128,15 @@ class CollectiveEngine:
         algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host, timeout_ms = (
             d.algo, d.flags, d.window, d.rank, d.count, d.in_addr, d.out_addr, d.rkey, d.root,
             d.group, d.host, d.timeout_ms)  # fmt: skip
-        if self.cfg[L.CFG_STATE] != L.STATE_IDLE and self.cfg[L.CFG_COLL] == packet.coll_id:
-            if self.cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id):
-                return Status.OK  # a retried START_COLL: already running or finished
-            if (int(self.cfg[L.CFG_EPOCH]) - packet.epoch) & 0xFFFFFFFF < 0x80000000:
-                # Not newer than this node's collective, from another requester (a new process
-                # group counts from epoch 1 again): never run it under a reused (coll_id, epoch),
-                # which peers would take for the old one. The NACK tells the current epoch.
-                return Status.STALE_EPOCH
+        if (self.cfg[L.CFG_STATE] != L.STATE_IDLE and self.cfg[L.CFG_COLL] == packet.coll_id
+                and self.cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id)):  # fmt: skip
+            return Status.OK  # a retried START_COLL: already running or finished
+        last = self.epochs.get(packet.coll_id)
+        if last is not None and (last - packet.epoch) & 0xFFFFFFFF < 0x80000000:
+            # Not newer than this coll_id's last collective here (a new process group counts
+            # from epoch 1 again): never run it under a reused (coll_id, epoch), which peers
+            # would take for the old one. The NACK tells that epoch (stale_epoch_of).
+            return Status.STALE_EPOCH
         if self.running:
             return Status.BUSY
         world = len(packet.segments)
@@ -163,6 +177,10 @@ class CollectiveEngine:
                per_packet: int, rcvbuf: int, tag_key: bytes) -> None:  # fmt: skip
         n_chunks = int(cb[-1])
         self.started_by = (src, packet.client_id)
+        self.epochs[packet.coll_id] = packet.epoch
+        self.epochs.move_to_end(packet.coll_id)
+        if len(self.epochs) > EPOCHS_KEPT:
+            self.epochs.popitem(last=False)
         for array in (self.acked, self.tries, self.agsent, self.done):
             array[:n_chunks] = 0
         self.done[L.NZ_BASE : L.NZ_BASE + n_chunks] = 0

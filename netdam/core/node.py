@@ -557,7 +557,7 @@ class NodeCore(CoreBase):
             self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
             self._reply(packet, src, Opcode.ACK, tag_key=key)
         elif status == Status.STALE_EPOCH:  # aux_addr: this node's epoch, the host's next is above
-            epoch = int(self.collective.cfg[coll_kernels.CFG_EPOCH])
+            epoch = self.collective.stale_epoch_of(packet.coll_id)
             self._reply(packet, src, Opcode.NACK, status, aux_addr=epoch, tag_key=key)
         else:
             self._nack(packet, src, status, tag_key=key)
