@@ -401,13 +401,8 @@ class ProcessGroup:
 
     def dead_nodes(self) -> list[str]:
         """Nodes that do not answer PING now (to name them when a collective fails)."""
-        dead = []
-        for node in self.cluster.nodes:
-            try:
-                self.client.request(node.control_endpoint, Packet(Opcode.PING), timeout=0.25, retries=1)
-            except ControlError:
-                dead.append(f"rank {node.rank} ({node.address}:{node.port})")
-        return dead
+        return [f"rank {node.rank} ({node.address}:{node.port})" for node in self.cluster.nodes
+                if not self._answers_ping(node.control_endpoint)]  # fmt: skip
 
     @property
     def world_size(self) -> int:
@@ -561,6 +556,27 @@ class ProcessGroup:
             work.await_started(1.0)
             self._epoch_settled = work.started
         return work
+
+    def shrink(self) -> ProcessGroup:
+        """The group of this group's ranks whose nodes answer PING now, made with new_group
+        (MPI_Comm_shrink, NCCL's communicator shrink): after a collective failed on a dead
+        node, every survivor calls it, and the next collective on the result runs without the
+        dead. Raises CollectiveError when this rank's own node is among them."""
+        dead = {r for r in self.members if not self._answers_ping(self.cluster.nodes[r].control_endpoint)}
+        if self.global_rank in dead:
+            node = self.cluster.nodes[self.global_rank]
+            raise CollectiveError(f"rank {self.global_rank}: its own node {node.address}:{node.port} does not answer: "
+                                  "this rank cannot go on", {"node": f"{node.address}:{node.port}", "rank": self.global_rank})  # fmt: skip
+        made = self.new_group([r for r in self.members if r not in dead])
+        assert isinstance(made, ProcessGroup)  # this rank is alive, so a member
+        return made
+
+    def _answers_ping(self, endpoint: Endpoint) -> bool:
+        try:
+            self.client.request(endpoint, Packet(Opcode.PING), timeout=0.25, retries=1)
+        except ControlError:
+            return False
+        return True
 
     def _run_progress(self) -> None:
         """While collectives wait behind another, drive them (the progress thread)."""
