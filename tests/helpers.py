@@ -284,3 +284,16 @@ def rank_fixtures(world: int) -> tuple[Any, Any]:
             yield made
 
     return cluster, ranks
+
+
+def load_example(name: str) -> Any:
+    """The module examples/<name>.py, imported from the checkout (examples are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -38,8 +38,10 @@ class Pool:
 
     def switch_counters(self) -> dict[str, object]:
         with ControlClient.for_cluster(self.cluster.info) as client:
+            # 6 tries: right after a run with injected faults the switch may still be draining
+            # delayed duplicates on a loaded machine (one suite run lost 3 tries in 3 s).
             reply = client.request(self.switch.entry.control_endpoint,
-                                   Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key))  # fmt: skip
+                                   Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key), retries=5)  # fmt: skip
         return counters_from_payload(reply.payload)
 
 

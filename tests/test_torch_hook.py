@@ -3,7 +3,6 @@ without torch (an optional extra)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -18,6 +17,8 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from helpers import load_example  # noqa: E402
 
 from netdam.api import CollectiveError  # noqa: E402
 from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook  # noqa: E402
@@ -163,10 +164,7 @@ def test_failed_allreduce_surfaces_through_the_future_and_ddp(tmp_path: Path) ->
 
 
 def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ddp_train", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module: ModuleType = load_example("ddp_train")
     return module
 
 
