@@ -4,6 +4,7 @@ the death of its parent, leaving no process and no /dev/shm file."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -207,5 +208,50 @@ def test_a_new_group_never_reruns_an_old_epoch(tmp_path: Path) -> None:
             expected = np.full(1000, 3 + 20 * attempt, np.float32)
             assert all(np.array_equal(b, expected) for b in buffers), (attempt, buffers[0][:3])
             assert groups[0].epoch == attempt + 1
+            for group in groups:
+                group.close()
+
+
+@pytest.mark.slow
+def test_a_10x_straggler_is_slow_not_dead(tmp_path: Path) -> None:
+    """A node given a tenth of the time (its process stopped 90 ms of every 100, SIGSTOP and
+    SIGCONT) under a 1 s watchdog: the all-reduce completes exact and no rank raises. The
+    watchdog is a stall timer (SPEC.md 4.1): a slow member still makes progress."""
+    with start_cluster(3, memory=1 << 25, cluster_path=tmp_path / "c.toml", nics_per_process=1) as cluster:
+        groups = [ProcessGroup(cluster.info, rank, timeout_s=1.0) for rank in range(3)]
+        try:
+            quick = [np.full(1 << 20, r + 1, np.float32) for r in range(3)]
+            started = time.monotonic()
+            for work in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(quick, groups)]:
+                work.wait()  # type: ignore[union-attr]
+            solo = time.monotonic() - started
+            stop = threading.Event()
+            pid = cluster.info.nodes[1].pid
+
+            def straggle() -> None:
+                while not stop.is_set():
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(0.09)
+                    os.kill(pid, signal.SIGCONT)
+                    time.sleep(0.01)
+
+            slowed = [np.full(1 << 20, r + 1, np.float32) for r in range(3)]
+            thread = threading.Thread(target=straggle)
+            thread.start()
+            try:
+                started = time.monotonic()
+                works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(slowed, groups)]
+                for work in works:
+                    work.wait()  # type: ignore[union-attr]
+                slow = time.monotonic() - started
+            finally:
+                stop.set()
+                thread.join()
+                os.kill(pid, signal.SIGCONT)
+            assert all(b.tolist() == quick[0].tolist() for b in slowed) and quick[0][0] == 6.0
+            # It really was slowed: 4-7x in wall time here (it catches up in batches while it
+            # runs, so 10% of the time is not 10x the duration).
+            assert slow > 3 * solo, (slow, solo)
+        finally:
             for group in groups:
                 group.close()
