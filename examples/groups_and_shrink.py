@@ -49,8 +49,9 @@ def two_groups_at_once(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
 
 
 def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, Any]:
-    """Step 2: rank 3's node dies during an all-reduce; when each survivor hears, and what."""
-    buffers = [np.full(2 << 20, r + 1, np.float32) for r in range(WORLD)]  # 8 MiB: in flight at the kill
+    """Step 2: the last rank's node dies during an all-reduce; when each survivor hears, and what."""
+    world = len(ranks)
+    buffers = [np.full(2 << 20, r + 1, np.float32) for r in range(world)]  # 8 MiB: in flight at the kill
     works = [api.all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, ranks)]
     heard: dict[int, tuple[float, str]] = {}
 
@@ -61,7 +62,7 @@ def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, An
         except api.CollectiveError as exc:
             heard[rank] = (time.monotonic(), str(exc))
 
-    threads = [threading.Thread(target=survivor, args=(r,)) for r in range(WORLD - 1)]
+    threads = [threading.Thread(target=survivor, args=(r,)) for r in range(world - 1)]
     for thread in threads:
         thread.start()
     os.kill(pid, signal.SIGKILL)
@@ -73,12 +74,14 @@ def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, An
 
 def shrink_and_go_on(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
     """Step 3: the survivors' group, and an exact all-reduce on it."""
-    shrunk = [ranks[r].shrink() for r in range(WORLD - 1)]
-    data = [np.full(1000, r + 1, np.int64) for r in range(WORLD - 1)]
+    survivors = len(ranks) - 1
+    shrunk = [ranks[r].shrink() for r in range(survivors)]
+    data = [np.full(1000, r + 1, np.int64) for r in range(survivors)]
     works = [api.all_reduce(x, group=g, async_op=True) for x, g in zip(data, shrunk)]
     for work in works:
         work.wait()  # type: ignore[union-attr]
-    return {"members": list(shrunk[0].members), "exact": all(x.tolist() == [6] * 1000 for x in data)}
+    total = survivors * (survivors + 1) // 2
+    return {"members": list(shrunk[0].members), "exact": all(x.tolist() == [total] * 1000 for x in data)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,8 @@ import contextlib
 import copy
 import datetime
 import fcntl
-import hashlib
 import os
+import re
 import select
 import sys
 import threading
@@ -91,8 +91,18 @@ __all__ = [
     "reduce_scatter_tensor",
 ]
 
-#: coll_id of the group of all ranks.
-WORLD_COLL_ID = 1
+#: Where a job's name comes from when init() is given none: two jobs on one cluster file
+#: (one process per rank each) run side by side when their names differ.
+ENV_JOB = "NETDAM_JOB"
+#: Issue lanes of a rank (each its own staging room): the default group's, and 3 that the
+#: groups new_group makes take in turn. A lane runs one collective at a time, in issue order;
+#: lanes run side by side on the node (4: its MAX_COLLECTIVES slots, SPEC.md 4.1).
+LANES = 4
+#: First and longest wait before asking again a node that answered START_COLL with BUSY (every
+#: slot of it runs a collective, likely another job's): doubled per refusal.
+BUSY_BACKOFF_S, BUSY_BACKOFF_MAX_S = 0.002, 0.05
+#: A START_COLL the node has not answered (or whose completion did not come) goes again after this.
+START_RESEND_S = 0.5
 #: Seconds per try (3 tries) of the DEREGISTER that gives a rank's arena back at close: a live
 #: node answers in well under a millisecond; the next job re-deregisters an arena left behind.
 DEREGISTER_TIMEOUT_S = 0.25
@@ -173,12 +183,11 @@ _DTYPES = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items() if k not in (DT
 #: (SPEC.md 2.4), e.g. ``netdam.empty(n, netdam.bfloat16)``. CPU ``torch.bfloat16`` tensors and
 #: ``ml_dtypes.bfloat16`` arrays are taken as they are.
 bfloat16 = BFLOAT16
-_is_bf16 = is_bf16
 
 
 def wire_dtype(array: np.ndarray) -> DType:
     """The NIC datatype of *array*'s elements (SPEC.md 2.4); TypeError for one the NIC lacks."""
-    if _is_bf16(array):
+    if is_bf16(array):
         return DType.BF16
     try:
         return _DTYPES[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
@@ -188,12 +197,12 @@ def wire_dtype(array: np.ndarray) -> DType:
 
 
 def _is_floating(array: np.ndarray) -> bool:
-    return array.dtype.kind == "f" or _is_bf16(array)
+    return array.dtype.kind == "f" or is_bf16(array)
 
 
 def _divide(array: np.ndarray, divisor: int) -> None:
     """*array* /= *divisor* in place; bf16 in float32, rounded once (as torch divides bf16)."""
-    if _is_bf16(array):
+    if is_bf16(array):
         bits = array.view(np.uint16)
         bits[...] = bf16_round(bf16_values(bits) / np.float32(divisor))
     else:
@@ -202,7 +211,7 @@ def _divide(array: np.ndarray, divisor: int) -> None:
 
 def _multiply(product: np.ndarray, factor: np.ndarray) -> None:
     """*product* *= *factor* in place; bf16 in float32, rounded once per product."""
-    if _is_bf16(product):
+    if is_bf16(product):
         bits = product.view(np.uint16)
         with np.errstate(over="ignore", invalid="ignore"):
             bits[...] = bf16_round(bf16_values(bits) * bf16_values(factor.view(np.uint16)))
@@ -227,9 +236,19 @@ class ArenaInUseError(NetdamError, RuntimeError):
     """Another live process (another job on the same cluster file) holds this rank's arena."""
 
 
-def arena_lock_path(node: NodeEntry) -> Path:
-    """The lock file of rank *node*'s arena: beside its memory file, on the host that runs it."""
-    return Path(f"{node.memory_file}.arena.lock")
+def arena_lock_path(node: NodeEntry, job: str = "") -> Path:
+    """The lock file of rank *node*'s arena of *job*: beside its memory file, on the host that
+    runs it (``netdam down`` removes every job's)."""
+    return Path(f"{node.memory_file}.arena.{job}.lock" if job else f"{node.memory_file}.arena.lock")
+
+
+def check_job_name(job: str) -> str:
+    """*job*, when it is a job name: up to 32 letters, digits, '-', '_' or '.' ('' is the
+    cluster file's default job)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{0,32}", job):
+        raise ValueError(f"job name {job!r}: use up to 32 letters, digits, '-', '_' or '.' "
+                         f"(init(..., job='b') or ${ENV_JOB}=b)")  # fmt: skip
+    return job
 
 
 #: The arena locks this process holds: lock file -> [open file, groups using it]. A process
@@ -237,12 +256,12 @@ def arena_lock_path(node: NodeEntry) -> Path:
 _ARENA_LOCKS: dict[Path, list[Any]] = {}
 
 
-def _hold_arena_lock(node: NodeEntry, rank: int) -> Path:
+def _hold_arena_lock(node: NodeEntry, rank: int, job: str) -> Path:
     """An exclusive flock on the arena's lock file, held until the last group of this process
     for that rank closes (the kernel drops it when the process dies, so a crashed job's arena
     is taken back as before). The holder's pid is written in it, for the error another job
     gets. Returns the lock file, for _release_arena_lock."""
-    path = arena_lock_path(node)
+    path = arena_lock_path(node, job)
     held = _ARENA_LOCKS.get(path)
     if held is not None:
         held[1] += 1
@@ -254,9 +273,9 @@ def _hold_arena_lock(node: NodeEntry, rank: int) -> Path:
         holder = lock.read().strip() or "unknown"
         lock.close()
         raise ArenaInUseError(
-            f"rank {rank}: another process (pid {holder}) runs this rank on node {node.address}:{node.port} "
-            "(another job on the same cluster file): one job per cluster file at a time; start a cluster "
-            "of its own for the second job (`netdam up --cluster other.toml`) or wait for the first to end"
+            f"rank {rank}: another process (pid {holder}) runs this rank of job {job or '(default)'!r} on node "
+            f"{node.address}:{node.port}: one process per rank and job; give the second job a name of its "
+            f"own (init(..., job='b') or ${ENV_JOB}=b) to run beside the first, or wait for it to end"
         ) from None
     lock.truncate(0)
     lock.write(f"{os.getpid()}\n")
@@ -291,15 +310,21 @@ class ProcessGroup:
     timeout_s: float | None = None
     epoch: int = 0
     arena_bytes: int | None = None
+    #: The job this process's ranks belong to ('' the default; ENV_JOB when not given): its
+    #: collectives have keys and coll_ids of their own, and its own arena on each node.
+    job: str | None = None
     #: True once a START_COLL of this group was ACKed: its epochs follow the nodes'.
     _epoch_settled: bool = field(init=False, default=False)
     memory: np.ndarray = field(init=False, repr=False)
     client: ControlClient = field(init=False, repr=False)
     _next_free: int = field(init=False, default=0)
-    #: Collectives started on this rank and not yet ended, in issue order. The node runs one
-    #: at a time (SPEC.md 4.1): only the first has been sent, and each next one is sent the
-    #: moment the one before it ends, so several can be in flight (async_op) without BUSY.
+    #: This group's lane (LANES): collectives started on it and not yet ended, in issue order.
+    #: A lane holds one node slot (SPEC.md 4.1): only its first has been sent, and each next
+    #: one is sent the moment the one before it ends, so several can be in flight (async_op).
     _issued: list[Work] = field(init=False, default_factory=list)
+    #: Every lane of this rank (the default group's list, shared by the groups new_group makes).
+    _lanes: list[list[Work]] = field(init=False, default_factory=list)
+    lane: int = field(init=False, default=0)
     #: Staging room the next start() gives its Work, from _staging_room.
     _pending_room: tuple[int, int] | None = field(init=False, default=None)
     #: Works holding staging room until their results are copied out, in issue order.
@@ -314,14 +339,15 @@ class ProcessGroup:
     #: ``rank`` is this process's place among them and ``global_rank`` its place in the cluster.
     members: tuple[int, ...] = field(init=False, default=())
     global_rank: int = field(init=False, default=0)
-    #: The group's coll_id (SPEC.md 4.1): 1 for the default group, derived from the members
-    #: for a group new_group made (the same on every member, and in every collective's key).
+    #: The group's coll_id (SPEC.md 4.1): derived from the job's secret, the members and the
+    #: group's number (group_coll_id): the same on every member, in every collective's key.
     coll_id: int = field(init=False, default=1)
     #: The default group this one was made from (itself for the default group): it owns the
-    #: arena, the control socket and the issue order of every group of this rank.
+    #: arena, the control socket and the lanes of every group of this rank.
     _root: ProcessGroup | None = field(init=False, default=None, repr=False)
-    #: new_group was called on this rank (the default group): its staging region shrinks.
-    _made_groups: bool = field(init=False, default=False)
+    #: Groups new_group made on this rank (the default group's count): the staging region
+    #: shrinks once there is one, and group n takes lane 1 + (n - 1) % (LANES - 1).
+    _made_groups: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.cluster.nodes):
@@ -338,11 +364,20 @@ class ProcessGroup:
         self.memory = attach(node.memory_file)
         # One job's rank at a time owns this rank's arena: a second one gets an error here,
         # where it used to take (and wipe) the first one's arena.
-        self._arena_lock: Path | None = _hold_arena_lock(node, self.rank)
+        self.job = check_job_name(os.environ.get(ENV_JOB, "") if self.job is None else self.job)
+        self._arena_lock: Path | None = _hold_arena_lock(node, self.rank, self.job)
         self.client = ControlClient.for_cluster(self.cluster)
         self._secret = group_secret(self.cluster)
+        # The multicast group is the cluster's, whatever the job: a node joins one group, and
+        # each datagram names its collective (every job's all-gathers reach the nodes).
         digest = derive(self._secret, "multicast")
         self.group: Endpoint = (f"239.77.{digest[4]}.{digest[5] or 1}", 40000 + int.from_bytes(digest[6:8], "big") % 20000)
+        if self.job:
+            # A named job's keys, coll_ids and arena keys are its own (SPEC.md 4.1, "Jobs").
+            self._secret = derive(self._secret, "job", self.job)[:16]
+        self.coll_id = group_coll_id(self._secret, self.members, 0)
+        self._lanes = [[] for _ in range(LANES)]
+        self._issued = self._lanes[0]
         #: The arena's rkey on this rank's node; ring-host's WRITEs use the next rank's.
         self.arena_rkey = self.arena_key_of(self.rank)
         self.arena_base, self.arena_size = self._claim_arena()
@@ -417,21 +452,26 @@ class ProcessGroup:
         """torch.distributed.new_group: a group of the cluster ranks *ranks* (group rank k is
         the k-th smallest). Every rank of the cluster calls it with the same ranks, in the same
         order as its other collectives; a rank outside gets NON_GROUP_MEMBER. The group shares
-        this rank's arena and node, and its collectives take their turn on the node with every
-        other group's of this rank, in issue order. Its collectives have their own coll_id and
-        so their own keys; its all-gathers go by unicast."""
+        this rank's arena and node; the k-th group made takes lane 1 + (k-1) % 3 (LANES), and
+        its collectives run in the node beside other lanes' and take their turn, in issue
+        order, with those of groups in its lane. Its collectives have their own coll_id and so
+        their own keys; its all-gathers go by unicast."""
         members = sorted({int(r) for r in ranks})
         if len(members) != len(list(ranks)) or not members:
             raise ValueError(f"new_group: ranks must be distinct and at least one, got {list(ranks)}")
         if members[0] < 0 or members[-1] >= len(self.cluster.nodes):
             raise ValueError(f"new_group: ranks must be 0..{len(self.cluster.nodes) - 1} (the cluster's), got {members}")
-        (self._root or self)._made_groups = True  # on every rank, members or not: the same regions
+        root = self._root or self
+        root._made_groups += 1  # on every rank, members or not: the same numbers, lanes and regions
+        number = root._made_groups
         if self.global_rank not in members:
             return NON_GROUP_MEMBER
-        group = copy.copy(self)  # shares the arena, socket, lock and issue order (the lists)
+        group = copy.copy(self)  # shares the arena, socket, lock and lanes (the lists)
         group.members = tuple(members)
         group.rank = members.index(self.global_rank)
-        group.coll_id = group_coll_id(members)
+        group.coll_id = group_coll_id(self._secret, members, number)
+        group.lane = 1 + (number - 1) % (LANES - 1)
+        group._issued = root._lanes[group.lane]
         group.epoch = 0
         group._epoch_settled = False
         group.multicast = False
@@ -483,21 +523,25 @@ class ProcessGroup:
                 work._settle(None)
 
     def _staging_region(self) -> tuple[int, int]:
-        """The part of the arena's upper half this group stages in. A chain reads the same
-        address on every member's node, so a call must stage at the same address on every
+        """The part of the arena's upper half this group's lane stages in. A chain reads the
+        same address on every member's node, so a call must stage at the same address on every
         rank: the default group's rooms follow from its own calls alone (every rank makes the
-        same ones), and once new_group was called, the groups it made share the last quarter."""
+        same ones), and once new_group was called, the last quarter is cut in one part per
+        lane of the groups it made (each group's lane follows from its number, the same on
+        every rank)."""
         root = self._root or self
         split = root.staging_base + (root.arena_end - root.staging_base) * 3 // 4 // _ALIGN * _ALIGN
         if root is not self:
-            return split, root.arena_end
+            part = (root.arena_end - split) // (LANES - 1) // _ALIGN * _ALIGN
+            lo = split + (self.lane - 1) * part
+            return lo, lo + part
         return root.staging_base, split if root._made_groups else root.arena_end
 
     def _staging_room(self, nbytes: int) -> int:
         """Where the next collective stages *nbytes*: in this group's staging region (above),
         clear of the room of every collective of the region still in flight (its input, then
         its result, live there until its results are copied out); the groups new_group made
-        take the region's start, one call at a time. When no room is clear, the oldest holder
+        take their lane's region start, one call of the lane at a time. When no room is clear, the oldest holder
         is completed first (its results copied out): a wait, in issue order, never an overlap."""
         lo, hi = self._staging_region()
         size = -(-nbytes // _ALIGN) * _ALIGN
@@ -541,12 +585,9 @@ class ProcessGroup:
                 self._holding.append(work)
             self._issued.append(work)
             if len(self._issued) > 1:
-                # Sent when the collectives before it have ended (_advance), by whichever
-                # thread sees that first.
-                if self._progress is None or not self._progress.is_alive():
-                    self._progress = threading.Thread(target=self._run_progress, daemon=True,
-                                                      name=f"netdam-progress-rank{self.rank}")  # fmt: skip
-                    self._progress.start()
+                # Sent when the collectives before it in its lane have ended (_advance), by
+                # whichever thread sees that first.
+                self._drive_in_background()
                 return work
             work.send_start()
         if not self._epoch_settled:
@@ -578,19 +619,27 @@ class ProcessGroup:
             return False
         return True
 
-    def _run_progress(self) -> None:
-        """While collectives wait behind another, drive them (the progress thread)."""
+    def _drive_in_background(self) -> None:
+        """Start this rank's progress thread unless it runs (call with _lock held)."""
         root = self._root or self
-        while not (self._closed or root._closed):
-            if len(self._issued) > 1:
-                try:
-                    self._step(None, 0.05)
-                except OSError:
-                    return  # the socket closed under it (the default group was closed)
-            elif not self._issued:
-                return  # started again by the next start() that queues
-            else:
-                time.sleep(0.005)
+        if root._progress is None or not root._progress.is_alive():
+            root._progress = threading.Thread(target=root._run_progress, daemon=True,
+                                              name=f"netdam-progress-rank{root.rank}")  # fmt: skip
+            root._progress.start()
+
+    def _run_progress(self) -> None:
+        """While collectives wait behind another in their lane, or for a node that answered
+        BUSY, drive them (the progress thread of the default group, for every lane). It ends
+        when no lane waits; the next start() or BUSY that needs it starts it again."""
+        while not self._closed:
+            with self._lock:
+                if not any(len(lane) > 1 or (lane and lane[0].refused) for lane in self._lanes):
+                    self._progress = None
+                    return
+            try:
+                self._step(None, 0.05)
+            except OSError:
+                return  # the socket closed under it (the default group was closed)
 
     def _step(self, timeout: float | None, wait_s: float) -> None:
         """One turn of driving this rank's collectives: take the node's answers for up to
@@ -601,29 +650,35 @@ class ProcessGroup:
             select.select([self.client.sock], [], [], wait_s)
         with self._lock:
             self._advance()
-            if not self._issued:
+            heads = [lane[0] for lane in self._lanes if lane]
+            if not heads:
                 return
-            head = self._issued[0]
-            bound = timeout if timeout is not None else head.watchdog_s + 1.0
-            if time.monotonic() - head._heard > bound:
-                node = self.cluster.nodes[self.global_rank]
-                dead = self.dead_nodes()
-                head.error = CollectiveError(
-                    f"rank {self.global_rank}: no word from its node {node.address}:{node.port} for "
-                    f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
-                    {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.global_rank},
-                )
-                self._advance()
-            elif not head._poll(0.0) and time.monotonic() - head._sent_at > 0.5:
-                head.send_start()  # lost START_COLL or lost completion: the node answers again
+            heads[0]._poll(0.0)
+            for head in heads:
+                if head.ended:
+                    continue
+                now = time.monotonic()
+                bound = timeout if timeout is not None else head.watchdog_s + 1.0
+                if now - head._heard > bound:
+                    node = self.cluster.nodes[self.global_rank]
+                    dead = self.dead_nodes()
+                    head.error = CollectiveError(
+                        f"rank {self.global_rank}: no word from its node {node.address}:{node.port} for "
+                        f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
+                        {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.global_rank},
+                    )
+                elif now >= head._resend_at:
+                    head.send_start()  # lost START_COLL, lost completion, or BUSY: the node answers again
+            self._advance()
 
     def _advance(self) -> None:
-        """Drop the collectives at the head of the issue order that ended, and send the next
-        one's START_COLL (its node is free now)."""
-        while self._issued and self._issued[0].ended:
-            self._issued.pop(0)
-            if self._issued:
-                self._issued[0].send_start()
+        """In every lane, drop the collectives at the head that ended, and send the next one's
+        START_COLL (the lane's slot on the node is free now)."""
+        for lane in self._lanes:
+            while lane and lane[0].ended:
+                lane.pop(0)
+                if lane:
+                    lane[0].send_start()
 
     def descriptor_for_epoch(self, packet: Packet, epoch: int) -> Packet:
         """*packet* (a START_COLL of this group) moved to *epoch*, with that epoch's key."""
@@ -657,9 +712,9 @@ class Work:
     """A started collective (torch.distributed's Work): ``wait()`` blocks until it ends.
 
     Several may be in flight on one rank (``async_op=True``): the group sends each START_COLL
-    when the collective before it has ended (the node runs one at a time), answers are handed
-    to the Work they belong to whichever Work is being waited on, and each keeps its own
-    staging room until its results are copied out. They end in issue order."""
+    when the call of its lane before it has ended (one call of a lane in the node), answers
+    are handed to the Work they belong to whichever Work is being waited on, and each keeps its
+    own staging room until its results are copied out. Those of one lane end in issue order."""
 
     def __init__(self, group: ProcessGroup, packet: Packet, algo: Algo, count: int, dtype: DType,
                  watchdog_s: float) -> None:  # fmt: skip
@@ -684,6 +739,14 @@ class Work:
         self._txn = _txn_of(packet, group)
         self._heard = time.monotonic()
         self._sent_at = 0.0
+        #: When START_COLL goes again unless the node answered by then (_step).
+        self._resend_at = 0.0
+        #: The node answered BUSY (every slot of it runs a collective): asked again at _resend_at.
+        self.refused = False
+        #: BUSY answers to its START_COLL, and when the node said it runs it (time.monotonic()).
+        self.busy_answers = 0
+        self.started_at: float | None = None
+        self._backoff_s = BUSY_BACKOFF_S
         self._finish: list[object] = []
         # Phases of the call, for benchmarks: the copy into node memory (0 for NIC-resident
         # buffers), when START_COLL left and when the completion arrived (time.monotonic(),
@@ -705,6 +768,7 @@ class Work:
         data = client.encode(_with(self.packet, client.client_id, self._txn))
         client.sock.sendto(data, self.group.node)
         self._sent_at = time.monotonic()
+        self._resend_at = self._sent_at + START_RESEND_S
         if not self.sent_at:
             self.sent_at = self._heard = time.monotonic()
 
@@ -712,6 +776,7 @@ class Work:
         with self.group._lock:
             if not self.ended and self.group._issued:
                 self.group._issued[0]._poll(0.0)
+                self.group._advance()
         return self.ended
 
     def wait(self, timeout: float | None = None) -> None:
@@ -753,7 +818,7 @@ class Work:
                 continue
             if reply.client_id != self.group.client.client_id:
                 continue
-            work = next((w for w in self.group._issued if w._txn == reply.txn_id and w._sent_at), None)
+            work = next((w for lane in self.group._lanes for w in lane if w._txn == reply.txn_id and w._sent_at), None)
             if work is None:
                 continue
             work._take(reply, data)
@@ -773,10 +838,20 @@ class Work:
         self._heard = time.monotonic()
         if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
             self._rebase(reply.aux_addr)
+        elif reply.opcode == Opcode.NACK and reply.status == Status.BUSY:
+            # Every slot of the node runs a collective (other jobs'): not a failure, ask again
+            # soon (the progress thread does, while nobody waits).
+            self.refused = True
+            self.busy_answers += 1
+            self._resend_at = time.monotonic() + self._backoff_s
+            self._backoff_s = min(2 * self._backoff_s, BUSY_BACKOFF_MAX_S)
+            self.group._drive_in_background()
         elif reply.opcode == Opcode.NACK:
             self.error = self._failure(reply)
         elif reply.aux_addr == 0:
             self.started = True
+            self.refused = False
+            self.started_at = self.started_at or time.monotonic()
         elif reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
             retransmits, reads = unpack_completion(reply.payload)
             self.stats = {"retransmits": retransmits, "repair_reads": reads}
@@ -847,12 +922,11 @@ class NonGroupMember:
 NON_GROUP_MEMBER = NonGroupMember()
 
 
-def group_coll_id(members: Sequence[int]) -> int:
-    """The coll_id of the group of cluster ranks *members*: the first 4 bytes of SHA-256 of
-    their list, never 0 (none) or 1 (the default group)."""
-    digest = hashlib.sha256(("group:" + ",".join(str(r) for r in sorted(members))).encode()).digest()
-    value = int.from_bytes(digest[:4], "big")
-    return value if value > WORLD_COLL_ID else value + 2
+def group_coll_id(secret: bytes, members: Sequence[int], number: int) -> int:
+    """The coll_id of group *number* (0: the default group; n: the n-th new_group) of cluster
+    ranks *members*, in the job whose secret is *secret*: 32 bits derived from all three,
+    never 0. Two groups of the same ranks, or two jobs' groups, meet on a node as two."""
+    return derived_key(secret, "group", number, ",".join(str(r) for r in sorted(members)))
 
 
 def _with(packet: Packet, client_id: int, txn: int) -> Packet:

@@ -291,7 +291,7 @@ def test_duplicate_chains_after_ack_and_resend_after_gather(rng: np.random.Gener
     before = [n.memory.copy() for n in cluster.nodes]
     reacks_before = sum(int(n.counters[C.CHAIN_REACKS]) for n in cluster.nodes)
     for node in cluster.nodes:  # every originator forgets its ACKs, as if all were lost
-        engine = node.collective
+        engine = node.collective.last_started()
         origin = int(engine.cfg[L.CFG_ORIG_BLOCK])
         first, last = int(engine.cb[origin]), int(engine.cb[origin + 1])
         engine.acked[first:last] = 0
@@ -303,7 +303,7 @@ def test_duplicate_chains_after_ack_and_resend_after_gather(rng: np.random.Gener
     for node, snapshot in zip(cluster.nodes, before, strict=True):
         np.testing.assert_array_equal(node.memory, snapshot)
     resent = sum(int(n.counters[C.CHAIN_REACKS]) for n in cluster.nodes) - reacks_before
-    assert resent >= sum(int(n.collective.cfg[L.CFG_CHUNKS]) for n in cluster.nodes[:1])
+    assert resent >= sum(int(n.collective.last_started().cfg[L.CFG_CHUNKS]) for n in cluster.nodes[:1])
 
 
 def test_stale_epoch_dropped(rng: np.random.Generator) -> None:

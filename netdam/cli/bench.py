@@ -25,6 +25,7 @@ from netdam.cli.common import (
 )
 from netdam.tools import plot
 from netdam.tools.bench import allreduce as allreduce_bench
+from netdam.tools.bench import jobs as jobs_bench
 from netdam.tools.bench import pool as pool_bench
 from netdam.tools.bench.datapath import (
     FEED_BATCH,
@@ -237,9 +238,15 @@ def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ig
     parser.add_argument(
         "--plot", type=writable_output("--plot"), default=None, help="write a PNG figure (needs matplotlib)"
     )
+    parser.add_argument("--jobs", type=bounded_int(1, 3), default=1, metavar="J",
+                        help="J > 1: J jobs' all-reduces on the same NICs at once against one job alone "
+                        "(each job its own process and keys; --size per rank, default 16MiB; one --nodes "
+                        "count; --vs is not run)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
+        if args.jobs > 1:
+            return _run_jobs(args)
         try:
             nodes = allreduce_bench.parse_nodes(args.nodes)
             peers = allreduce_bench.parse_peers(args.vs)
@@ -267,6 +274,26 @@ def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ig
         return code
 
     parser.set_defaults(func=run)
+
+
+def _run_jobs(args: argparse.Namespace) -> int:
+    """``netdam bench allreduce --jobs J`` (netdam/tools/bench/jobs.py)."""
+    try:
+        nodes = allreduce_bench.parse_nodes(args.nodes)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    if len(nodes) != 1 or args.sizes is not None:
+        raise CommandError("--jobs runs one node count and one size: give --nodes N and --size B", ExitCode.USAGE)
+    size = args.size if args.size is not None else 16 << 20
+    if size % 4 or size < jobs_bench.SMALL_BYTES:
+        raise CommandError(f"--size {size}: give a multiple of 4 bytes (int32 elements), at least "
+                           f"{jobs_bench.SMALL_BYTES}", ExitCode.USAGE)  # fmt: skip
+    result, code = jobs_bench.run_jobs_bench(nodes[0], size, args.jobs, timeout_s=args.timeout)
+    text = jobs_bench.format_jobs_table(result)
+    if args.json:
+        sys.stderr.write(text + "\n")
+    emit(result, args.json, text=text)
+    return code
 
 
 _BENCHMARKS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]

@@ -624,7 +624,8 @@ def _remove_node_files(cluster_name: str, nodes: list[NodeEntry]) -> None:
     for node in nodes:
         if node.memory_file:
             Path(node.memory_file).unlink(missing_ok=True)
-            Path(f"{node.memory_file}.arena.lock").unlink(missing_ok=True)  # api.arena_lock_path
+            for lock in Path(node.memory_file).parent.glob(f"{Path(node.memory_file).name}.arena.*lock"):
+                lock.unlink(missing_ok=True)  # every job's (api.arena_lock_path)
         node_log(cluster_name, node.rank).unlink(missing_ok=True)
 
 

@@ -11,7 +11,10 @@ Rules of this file:
    sum is folded in that order (tests/reference.py reproduces it). Blocks are cut into chunks
    of at most ``max_elements(mtu, dtype, N-1)`` elements; chunk ids (the ``seq`` field) number
    all chunks of all blocks in block order.
-3. One collective runs per node at a time (``coll_id`` names the group, ``epoch`` the call).
+3. A node holds MAX_COLLECTIVES collectives at once, one per slot (``CollectiveSlots``), each
+   of its own group (``coll_id`` names the group, ``epoch`` the call; a group's calls run one
+   after another, so a slot stays its group's while other groups come and go). A START_COLL
+   when every slot runs is answered NACK BUSY: the host asks again, nothing queues here.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 
 from netdam.core.chunk_plan import block_bounds
 from netdam.kernels import collective as L
-from netdam.kernels.state import CollState
+from netdam.kernels.state import CollSlots, CollState
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -49,6 +52,8 @@ from netdam.protocol.payloads import (
 
 #: Chunks one collective may have (chunk ids index per-chunk state arrays).
 MAX_CHUNKS = L.MAX_CHUNKS
+#: Collectives a node holds at once (SPEC.md 4.1).
+MAX_COLLECTIVES = L.MAX_COLLECTIVES
 #: Watchdog: a collective fails after this long without progress (START_COLL may say less).
 DEFAULT_TIMEOUT_MS = 10_000
 #: coll_ids whose last epoch a node remembers (SPEC.md 6.5): a process's groups, and the groups
@@ -75,31 +80,132 @@ def initial_rto(world: int) -> float:
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-class CollectiveEngine:
-    """Per-node collective state (arrays shared with the kernels) and START_COLL handling."""
+class CollectiveSlots:
+    """The node's collective slots: the arrays the kernels take (one row per slot, and the spare
+    row, netdam.kernels.collective.SPARE_SLOT), a CollectiveEngine over each slot's rows, and
+    the epochs every START_COLL is checked against."""
 
     def __init__(self) -> None:
-        self.cfg = np.zeros(L.CFG_LEN, np.int64)
-        self.fcfg = np.zeros(L.F_LEN, np.float64)
-        self.ring = np.zeros(MAX_SEGMENTS, np.uint64)
-        self.bounds = np.zeros(MAX_SEGMENTS + 1, np.int64)
-        self.cb = np.zeros(MAX_SEGMENTS + 1, np.int64)
-        self.acked = np.zeros(MAX_CHUNKS, np.uint8)
-        self.sent = np.zeros(MAX_CHUNKS, np.float64)
-        self.tries = np.zeros(MAX_CHUNKS, np.uint8)
-        self.agsent = np.zeros(MAX_CHUNKS, np.uint8)
-        self.done = np.zeros(L.DONE_LEN, np.uint8)  # + sparse tables, coll_layout
-        #: (UDP source, client id) of the START_COLL that began the current collective: only the
-        #: same requester's START_COLL of the same (coll_id, epoch) is a retry.
-        self.started_by: tuple[int, int] = (0, 0)
+        rows = L.SLOT_ROWS
+        self.cfg = np.zeros((rows, L.CFG_LEN), np.int64)
+        self.fcfg = np.zeros((rows, L.F_LEN), np.float64)
+        self.ring = np.zeros((rows, MAX_SEGMENTS), np.uint64)
+        self.bounds = np.zeros((rows, MAX_SEGMENTS + 1), np.int64)
+        self.cb = np.zeros((rows, MAX_SEGMENTS + 1), np.int64)
+        self.acked = np.zeros((rows, MAX_CHUNKS), np.uint8)
+        self.sent = np.zeros((rows, MAX_CHUNKS), np.float64)
+        self.tries = np.zeros((rows, MAX_CHUNKS), np.uint8)
+        self.agsent = np.zeros((rows, MAX_CHUNKS), np.uint8)
+        self.done = np.zeros((rows, L.DONE_LEN), np.uint8)  # + sparse tables, coll_layout
         #: The last epoch started here of each coll_id (the EPOCHS_KEPT most recent): a group
-        #: can run between two calls of another, so the current collective alone cannot tell
-        #: that a (coll_id, epoch) was used before.
+        #: can run between two calls of another, so the collectives held cannot tell that a
+        #: (coll_id, epoch) was used before.
         self.epochs: OrderedDict[int, int] = OrderedDict()
+        self.engines = [CollectiveEngine(self, s) for s in range(MAX_COLLECTIVES)]
+        self._starts = 0  # START_COLLs set up here: each engine keeps the count of its last
+
+    def state(self) -> CollSlots:
+        """The slots' arrays as the kernels take them (made here, and only here)."""
+        return CollSlots(self.cfg, self.done, self.acked, self.fcfg, self.ring, self.bounds, self.cb,
+                         self.sent, self.tries, self.agsent)  # fmt: skip
+
+    def engine_of(self, coll_id: int) -> CollectiveEngine | None:
+        """The slot holding *coll_id* (running, or its last collective here ended in it)."""
+        for engine in self.engines:
+            if engine.cfg[L.CFG_STATE] != L.STATE_IDLE and engine.cfg[L.CFG_COLL] == coll_id:
+                return engine
+        return None
+
+    def last_started(self) -> CollectiveEngine:
+        """The slot of the collective started here last."""
+        return max(self.engines, key=lambda e: e.started)
+
+    @property
+    def running(self) -> bool:
+        return any(engine.running for engine in self.engines)
+
+    @property
+    def needs_tick(self) -> bool:
+        return any(engine.needs_tick for engine in self.engines)
+
+    def ticking(self) -> list[CollectiveEngine]:
+        return [engine for engine in self.engines if engine.needs_tick]
 
     def stale_epoch_of(self, coll_id: int) -> int:
         """The epoch a STALE_EPOCH answer names for *coll_id*: its last one started here."""
-        return self.epochs.get(coll_id, int(self.cfg[L.CFG_EPOCH]))
+        return self.epochs.get(coll_id, 0)
+
+    def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
+        engine = self.engine_of(packet.coll_id)
+        return engine.final_reply(packet, src) if engine is not None else None
+
+    def start(
+        self, packet: Packet, src: int, memory: np.ndarray, mtu: int, self_endpoint: int,
+        regions: dict[int, tuple[int, int, int]], rcvbuf: int,
+    ) -> Status:  # fmt: skip
+        """Set up the collective *packet* describes in its group's slot, or a free one; returns
+        the status to answer with (BUSY: its group's last call still runs here, or every slot
+        runs a collective)."""
+        held = self.engine_of(packet.coll_id)
+        if held is not None and held.is_retry(packet, src):
+            return Status.OK  # a retried START_COLL: already running or finished
+        last = self.epochs.get(packet.coll_id)
+        if last is not None and (last - packet.epoch) & 0xFFFFFFFF < 0x80000000:
+            # Not newer than this coll_id's last collective here (a new process group counts
+            # from epoch 1 again): never run it under a reused (coll_id, epoch), which peers
+            # would take for the old one. The NACK tells that epoch (stale_epoch_of).
+            return Status.STALE_EPOCH
+        engine = held if held is not None else self._free_slot()
+        if engine is None or engine.running:
+            return Status.BUSY
+        status = engine.start(packet, src, memory, mtu, self_endpoint, regions, rcvbuf)
+        if status == Status.OK:
+            self._starts += 1
+            engine.started = self._starts
+            self.epochs[packet.coll_id] = packet.epoch
+            self.epochs.move_to_end(packet.coll_id)
+            if len(self.epochs) > EPOCHS_KEPT:
+                self.epochs.popitem(last=False)
+        return status
+
+    def _free_slot(self) -> CollectiveEngine | None:
+        """A slot for a group no slot holds: a never used one, else the one whose collective
+        ended longest ago, preferring one no member waits on for a repeated DONE."""
+        ended = [e for e in self.engines if not e.running]
+        if not ended:
+            return None
+        return min(ended, key=lambda e: (e.cfg[L.CFG_STATE] != L.STATE_IDLE, e.needs_tick, e.started))
+
+    def take_refusals(self, cfg: np.ndarray) -> None:
+        """Move the spare row's BUSY refusals of collective *cfg* names into *cfg*: its chains
+        refused before any slot held it are told to come again (RESUME) by its first tick."""
+        spare = self.cfg[L.SPARE_SLOT]
+        if spare[L.CFG_REFUSED_COLL] == cfg[L.CFG_COLL] and spare[L.CFG_REFUSED_EPOCH] == cfg[L.CFG_EPOCH]:
+            for lo, hi in ((L.CFG_REFUSED_COLL, L.CFG_REFUSED_N + 1), (L.CFG_REFUSED_BASE, L.CFG_LEN)):
+                cfg[lo:hi] = spare[lo:hi]
+            spare[L.CFG_REFUSED_N] = 0
+
+    def status(self) -> list[dict[str, object]]:
+        """Each used slot's collective (running, or the last one ended there)."""
+        return [engine.status() for engine in self.engines if engine.cfg[L.CFG_STATE] != L.STATE_IDLE]
+
+
+class CollectiveEngine:
+    """One slot of the node's collective engine: one collective at a time, its state in row
+    *slot* of the CollectiveSlots arrays (views: the kernels change them in place)."""
+
+    def __init__(self, slots: CollectiveSlots, slot: int) -> None:
+        self.slots = slots
+        self.slot = slot
+        self.cfg, self.fcfg, self.ring = slots.cfg[slot], slots.fcfg[slot], slots.ring[slot]
+        self.bounds, self.cb, self.acked = slots.bounds[slot], slots.cb[slot], slots.acked[slot]
+        self.sent, self.tries, self.agsent = slots.sent[slot], slots.tries[slot], slots.agsent[slot]
+        self.done = slots.done[slot]
+        #: (UDP source, client id) of the START_COLL that began the current collective: only the
+        #: same requester's START_COLL of the same (coll_id, epoch) is a retry.
+        self.started_by: tuple[int, int] = (0, 0)
+        #: Which START_COLL set this slot up last (CollectiveSlots' count): the oldest goes first.
+        self.started = 0
 
     @property
     def running(self) -> bool:
@@ -110,8 +216,14 @@ class CollectiveEngine:
         """Running, or owing a member a repeated DONE."""
         return bool(self.running or self.cfg[L.CFG_PREV_ASK] or self.cfg[L.CFG_CUR_ASK])
 
+    def is_retry(self, packet: Packet, src: int) -> bool:
+        """*packet* is a repeat of the START_COLL that set this slot's collective up."""
+        cfg = self.cfg
+        return bool(cfg[L.CFG_STATE] != L.STATE_IDLE and cfg[L.CFG_COLL] == packet.coll_id
+                    and cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id))  # fmt: skip
+
     def state(self) -> CollState:
-        """The engine's arrays as the kernels take them (made here, and only here)."""
+        """This slot's arrays as one collective's CollState."""
         return CollState(self.cfg, self.done, self.acked, self.fcfg, self.ring, self.bounds, self.cb,
                          self.sent, self.tries, self.agsent)  # fmt: skip
 
@@ -119,7 +231,8 @@ class CollectiveEngine:
         self, packet: Packet, src: int, memory: np.ndarray, mtu: int, self_endpoint: int,
         regions: dict[int, tuple[int, int, int]], rcvbuf: int,
     ) -> Status:  # fmt: skip
-        """Set up the collective *packet* describes; returns the status to answer with."""
+        """Set up the collective *packet* describes in this slot (CollectiveSlots.start checked
+        it is free and the epoch new); returns the status to answer with."""
         try:
             d = unpack_descriptor(packet.payload)
         except RemoteProtocolError:
@@ -128,17 +241,6 @@ class CollectiveEngine:
         algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host, timeout_ms = (
             d.algo, d.flags, d.window, d.rank, d.count, d.in_addr, d.out_addr, d.rkey, d.root,
             d.group, d.host, d.timeout_ms)  # fmt: skip
-        if (self.cfg[L.CFG_STATE] != L.STATE_IDLE and self.cfg[L.CFG_COLL] == packet.coll_id
-                and self.cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id)):  # fmt: skip
-            return Status.OK  # a retried START_COLL: already running or finished
-        last = self.epochs.get(packet.coll_id)
-        if last is not None and (last - packet.epoch) & 0xFFFFFFFF < 0x80000000:
-            # Not newer than this coll_id's last collective here (a new process group counts
-            # from epoch 1 again): never run it under a reused (coll_id, epoch), which peers
-            # would take for the old one. The NACK tells that epoch (stale_epoch_of).
-            return Status.STALE_EPOCH
-        if self.running:
-            return Status.BUSY
         world = len(packet.segments)
         ring = [endpoint_to_u64(ep) for ep in packet.segments]
         dtype = packet.dtype
@@ -177,10 +279,9 @@ class CollectiveEngine:
                per_packet: int, rcvbuf: int, tag_key: bytes) -> None:  # fmt: skip
         n_chunks = int(cb[-1])
         self.started_by = (src, packet.client_id)
-        self.epochs[packet.coll_id] = packet.epoch
-        self.epochs.move_to_end(packet.coll_id)
-        if len(self.epochs) > EPOCHS_KEPT:
-            self.epochs.popitem(last=False)
+        cfg = self.cfg
+        if cfg[L.CFG_COLL] != packet.coll_id:
+            cfg[:] = 0  # a slot another group held: nothing of its collectives carries over
         for array in (self.acked, self.tries, self.agsent, self.done):
             array[:n_chunks] = 0
         self.done[L.NZ_BASE : L.NZ_BASE + n_chunks] = 0
@@ -188,7 +289,6 @@ class CollectiveEngine:
         self.ring[:world] = ring
         self.bounds[: world + 1] = bounds
         self.cb[: world + 1] = cb
-        cfg = self.cfg
         # A member may still ask for this node's DONE of the epoch that just ended.
         cfg[L.CFG_PREV_ASK] |= cfg[L.CFG_CUR_ASK]
         prev_ask = cfg[L.CFG_PREV_ASK]
@@ -235,6 +335,7 @@ class CollectiveEngine:
         fcfg[L.F_T_CHAINS : L.F_T_DONE + 1] = -1.0  # phases not ended yet
         fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall
         fcfg[L.F_LAST_COUNT] = -1.0
+        self.slots.take_refusals(cfg)
         cfg[L.CFG_STATE] = L.STATE_RUNNING
 
     def _local_bitmap(self, memory: np.ndarray, in_addr: int, count: int, esize: int) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from netdam.core.authority import ControlProof, control_authority, refusal_text
 from netdam.core.base import CoreBase, check_batch
-from netdam.core.collective import CollectiveEngine, collective_buffer_span
+from netdam.core.collective import CollectiveSlots, collective_buffer_span
 from netdam.core.events import (
     CollectiveStartRequested,
     Event,
@@ -153,10 +153,9 @@ class NodeCore(CoreBase):
         #: rkey -> (base, size, rights) of every registered region: the owners of node memory,
         #: which never overlap (SPEC.md 6.1).
         self._regions: dict[int, tuple[int, int, int]] = {}
-        #: The current collective's own key (0: none) and its (base, size, rights): not an
-        #: owner, a members-only window on buffers inside one (SPEC.md 4.1).
-        self._coll_key = 0
-        self._coll_span = (0, 0, 0)
+        #: coll_id -> the own key of its running collective and the (base, size, rights) it
+        #: opens: not an owner, a members-only window on buffers inside one (SPEC.md 4.1).
+        self._coll_keys: dict[int, tuple[int, tuple[int, int, int]]] = {}
         # The at-most-once window's client table (SPEC section 7): key, rkey, highest txn, last use.
         self._cl_id = np.zeros(DUP_WINDOW_CLIENTS, np.uint64)
         self._cl_key = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
@@ -168,7 +167,8 @@ class NodeCore(CoreBase):
         self._w_reply = np.zeros((DUP_WINDOW_CLIENTS, DUP_WINDOW, DUP_REPLY_BYTES), np.uint8)
         self.guard = config.guard.build()
         set_admin_tag_key(self.guard, config.admin_tag_key)
-        self.collective = CollectiveEngine()
+        self.collective = CollectiveSlots()
+        self._ticks = 0  # clock calls: which slot's clock goes first (coll_kernels.coll_tick)
         self.sendq = SendQueue(config.tx_slots, self.counters)
         self._punt = np.zeros(0, np.int32)
         self._events: deque[Event] = deque()
@@ -239,18 +239,21 @@ class NodeCore(CoreBase):
 
     def get_timer(self) -> float | None:
         """When the collective engine wants its next tick (None: no collective running)."""
-        if not self.collective.needs_tick:
+        ticking = self.collective.ticking()
+        if not ticking:
             return None
-        fcfg = self.collective.fcfg
-        return float(fcfg[coll_kernels.F_NOW] + min(fcfg[coll_kernels.F_RTO] / 4.0, 0.001))
+        return min(float(e.fcfg[coll_kernels.F_NOW] + min(e.fcfg[coll_kernels.F_RTO] / 4.0, 0.001)) for e in ticking)
 
     def handle_timer(self, now: float) -> None:
         """Run the collective engine's clock: chain heads, retransmits, all-gather, repair."""
-        if not self.collective.needs_tick:
+        ticking = self.collective.ticking()
+        if not ticking:
             return
-        self._reserve_tx(2 * self.collective.cfg[coll_kernels.CFG_WINDOW] * max(1, int(self.collective.cfg[coll_kernels.CFG_WORLD])))
+        self._reserve_tx(sum(2 * int(e.cfg[coll_kernels.CFG_WINDOW]) * max(1, int(e.cfg[coll_kernels.CFG_WORLD]))
+                             for e in ticking))  # fmt: skip
+        self._ticks += 1  # each slot first in turn
         self._txq[TXQ_TAIL] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
-                                              self.tx_bundle(), int(self._txq[TXQ_TAIL]))  # fmt: skip
+                                              self.tx_bundle(), int(self._txq[TXQ_TAIL]), self._ticks)  # fmt: skip
         self.release_collective_key()
 
     # ------------------------------------------------------------------ one-datagram helpers
@@ -477,10 +480,10 @@ class NodeCore(CoreBase):
 
     def _keys(self) -> dict[int, tuple[int, int, int]]:
         """Every rkey the node answers to -> (base, size, rights): the registered regions and
-        the current collective's key."""
+        the keys of the collectives running here."""
         keys = dict(self._regions)
-        if self._coll_key:
-            keys[self._coll_key] = self._coll_span
+        for key, span in self._coll_keys.values():
+            keys[key] = span
         return keys
 
     def _rebuild_rkeys(self) -> None:
@@ -511,16 +514,23 @@ class NodeCore(CoreBase):
         owner = self._owner_containing(lo, hi - lo)
         if owner is None:
             return  # the engine answers BAD_RKEY: no registered memory holds the buffers
-        self._coll_key = rkey
-        self._coll_span = (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS))
+        self._coll_keys[packet.coll_id] = (rkey, (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS)))
         self._rebuild_rkeys()
 
     def release_collective_key(self) -> None:
-        """Remove the last collective's key once the collective is no longer running (called
-        after every serve round and tick: the key outlives its collective by one round)."""
-        if self._coll_key and not self.collective.running:
-            self._coll_key = 0
+        """Remove the key of every collective no longer running (called after every serve
+        round and tick: a key outlives its collective by one round)."""
+        if not self._coll_keys:
+            return
+        ended = [c for c in self._coll_keys if not self._runs(c)]
+        for coll_id in ended:
+            del self._coll_keys[coll_id]
+        if ended:
             self._rebuild_rkeys()
+
+    def _runs(self, coll_id: int) -> bool:
+        engine = self.collective.engine_of(coll_id)
+        return engine is not None and engine.running
 
     def _on_join(self, packet: Packet, src: int) -> None:
         group = u64_to_endpoint(packet.addr)
@@ -545,7 +555,7 @@ class NodeCore(CoreBase):
             self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1, tag_key=key)
             return
         self.release_collective_key()
-        if not self.collective.running:
+        if not self._runs(packet.coll_id):
             self._scope_collective_key(packet)
         status = self.collective.start(
             packet, src, self.memory, self.config.mtu, self.endpoint_u64, self._keys(),

@@ -21,7 +21,7 @@ from numba import njit
 
 from netdam.kernels import signatures as S
 from netdam.kernels.combine import _combine_bytes
-from netdam.kernels.state import CollState, TxQueue
+from netdam.kernels.state import CollSlots, CollState, NodeState, TxQueue
 from netdam.kernels.tag import _seal, _tag_ok
 from netdam.kernels.wire import (
     _ESIZE,
@@ -220,6 +220,19 @@ F_T_CHUNKS = 13  # every chunk this node needs is here (the all-gather, for this
 F_T_DONE = 14  # every member's DONE is here: the collective is complete
 F_LEN = 15
 
+#: Collectives one NIC holds at once (SPEC.md 4.1), one slot each: a START_COLL while every
+#: slot runs is answered NACK BUSY. 4: two jobs with two groups each, or DDP's buckets of one
+#: group behind another group's calls; each slot's state is ~1.7 MB, touched only when used.
+MAX_COLLECTIVES = 4
+#: The row after the slots: it never runs, and stands for every collective no slot holds (so
+#: its datagrams are answered as "not started here"); it keeps the BUSY refusals of the newest
+#: such collective, which its slot takes over when its host starts it (_send_resumes).
+SPARE_SLOT = MAX_COLLECTIVES
+#: The least credit window a collective keeps while it shares the node with others (the
+#: engine's own least window, netdam.core.collective.MIN_WINDOW).
+SHARED_WINDOW_MIN = 4
+SLOT_ROWS = MAX_COLLECTIVES + 1
+
 # algorithms (START_COLL descriptor byte 0; the wire's values, protocol/payloads.py)
 ALGO_ALL_REDUCE = int(Algo.ALL_REDUCE)
 ALGO_REDUCE_SCATTER = int(Algo.REDUCE_SCATTER)
@@ -302,25 +315,37 @@ def _coll_tag_key(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _needs_tag(co_cfg, b):  # type: ignore[no-untyped-def]
+def _needs_tag(slots, b):  # type: ignore[no-untyped-def]
     """An untagged datagram that names a tagged collective held here (its coll_id and epoch,
-    or its rkey) is not that collective's: dropped as forged. Only NACK BUSY may come
-    untagged: a hop that has not started the collective holds no key to tag it with, and
+    or its rkey, in any slot) is not that collective's: dropped as forged. Only NACK BUSY may
+    come untagged: a hop that has not started the collective holds no key to tag it with, and
     a forged BUSY only delays a chain by one retry. Control opcodes (START_COLL among them)
     answer to the admin key instead."""
     op = np.int64(b[H_OPCODE])
     if (op == _OP_NACK and b[H_STATUS] == _S_BUSY) or op >= 64 or _IS_CONTROL[op] == 1:
         return False
     coll, epoch = _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)
+    co_cfg = slots.cfg[_slot_of(slots, coll)]
     k0, k1 = _coll_tag_key(co_cfg, coll, epoch)
     if k0 | k1:
         return True
     if coll != 0 and _coll_phase(co_cfg, coll, epoch) == _PHASE_STALE:
         return False  # an earlier epoch's: dropped as stale, never executed (4.1)
     rkey = _rd32(b, H_RKEY)
-    if rkey != 0 and rkey == co_cfg[CFG_RKEY] and co_cfg[CFG_STATE] != STATE_IDLE and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0:
+    if rkey == 0:
+        return False
+    for s in range(MAX_COLLECTIVES):
+        if _tagged_key_of(slots.cfg[s], rkey):
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _tagged_key_of(co_cfg, rkey):  # type: ignore[no-untyped-def]
+    """*rkey* is the key of a tagged collective in this slot, of its current or previous epoch."""
+    if rkey == co_cfg[CFG_RKEY] and co_cfg[CFG_STATE] != STATE_IDLE and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0:
         return True
-    return rkey != 0 and rkey == co_cfg[CFG_PREV_RKEY] and (co_cfg[CFG_PREV_TAG_K0] | co_cfg[CFG_PREV_TAG_K1]) != 0
+    return rkey == co_cfg[CFG_PREV_RKEY] and (co_cfg[CFG_PREV_TAG_K0] | co_cfg[CFG_PREV_TAG_K1]) != 0
 
 
 @njit(cache=True, nogil=True)
@@ -476,19 +501,79 @@ def _phase_us(fcfg, slot):  # type: ignore[no-untyped-def]
 
 
 
-def coll_tick(now: float, coll: CollState, mem: np.ndarray, counters: np.ndarray, tx: TxQueue,
-              tx_n: int) -> int:  # fmt: skip
-    """Checked entry to the engine's clock: advance the collective at *now*; returns tx_n."""
+def coll_tick(now: float, slots: CollSlots, mem: np.ndarray, counters: np.ndarray, tx: TxQueue,
+              tx_n: int, first: int = 0) -> int:  # fmt: skip
+    """Checked entry to the engine's clock: advance every slot's collective at *now*, slot
+    *first* first; returns tx_n."""
     if not 0 <= tx_n < tx.len.shape[0]:
         raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
-    if coll.cfg.shape[0] < CFG_LEN or coll.f.shape[0] < F_LEN:
-        raise ValueError("collective state arrays are shorter than their layout")
-    return int(_coll_tick(now, coll, mem, counters, tx, tx_n))
+    if slots.cfg.shape[0] != SLOT_ROWS or slots.cfg.shape[1] < CFG_LEN or slots.f.shape[1] < F_LEN:
+        raise ValueError("collective slot arrays do not match their layout")
+    return int(_coll_ticks(now, slots, mem, counters, tx, tx_n, first % MAX_COLLECTIVES))
 
 
 @njit(cache=True, nogil=True)
-def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-def]
-    """Advance the running collective at time *now* (seconds); returns the new tx_n."""
+def _slot(slots, s):  # type: ignore[no-untyped-def]
+    """Slot *s* as one collective's CollState: row views, nothing copied."""
+    return CollState(slots.cfg[s], slots.done[s], slots.acked[s], slots.f[s], slots.ring[s], slots.bounds[s],
+                     slots.cb[s], slots.sent[s], slots.tries[s], slots.agsent[s])  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
+def _slot_of(slots, coll):  # type: ignore[no-untyped-def]
+    """The slot holding collective *coll* (running, or its last epoch here ended in it), else
+    SPARE_SLOT. netdam.core.collective gives one coll_id at most one slot."""
+    if coll != 0:
+        for s in range(MAX_COLLECTIVES):
+            if slots.cfg[s, CFG_COLL] == coll and slots.cfg[s, CFG_STATE] != STATE_IDLE:
+                return s
+    return SPARE_SLOT
+
+
+@njit(cache=True, nogil=True)
+def _for_collective(node, coll):  # type: ignore[no-untyped-def]
+    """*node* as the per-packet code sees it: the slot of collective *coll* in place of the slots."""
+    mem, regions, members, window, slots, counters = node
+    return NodeState(mem, regions, members, window, _slot(slots, _slot_of(slots, coll)), counters)
+
+
+@njit(cache=True, nogil=True)
+def _needs_clock(cfg):  # type: ignore[no-untyped-def]
+    """A slot's clock must run: its collective runs, or a member waits for a repeated DONE."""
+    return cfg[CFG_STATE] == STATE_RUNNING or cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0
+
+
+@njit(cache=True, nogil=True)
+def _any_slot(slots, running_only):  # type: ignore[no-untyped-def]
+    """Some slot runs a collective (*running_only*), or needs its clock."""
+    for s in range(MAX_COLLECTIVES):
+        cfg = slots.cfg[s]
+        if cfg[CFG_STATE] == STATE_RUNNING or (not running_only and _needs_clock(cfg)):
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _coll_ticks(now, slots, mem, counters, tx, tx_n, first):  # type: ignore[no-untyped-def]
+    """The clock of every slot that needs it, slot *first* first: callers turn *first* round,
+    so no collective always sends first into a send queue that may fill (a fair share each).
+    Running collectives share the credit window: each keeps 1/k of its window in flight while
+    k run here, so the hops' queues stay as deep as one collective's, and a small collective
+    beside a large one waits behind half as much (measured: SPEC.md 4.1, docs/PERFORMANCE.md)."""
+    running = 0
+    for s in range(MAX_COLLECTIVES):
+        running += slots.cfg[s, CFG_STATE] == STATE_RUNNING
+    for k in range(MAX_COLLECTIVES):
+        s = (first + k) % MAX_COLLECTIVES
+        if _needs_clock(slots.cfg[s]):
+            tx_n = _coll_tick(now, _slot(slots, s), mem, counters, tx, tx_n, max(running, 1))
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _coll_tick(now, coll, mem, counters, tx, tx_n, share):  # type: ignore[no-untyped-def]
+    """Advance the running collective at time *now* (seconds), one of *share* running here
+    (its window divided among them); returns the new tx_n."""
     cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
     tx_buf, tx_off, tx_len, tx_dst = tx
     if cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0:
@@ -501,7 +586,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n):  # type: ignore[no-untyped-d
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
         tx_n = _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n)
-    window = cfg[CFG_WINDOW]
+    window = max(cfg[CFG_WINDOW] // share, SHARED_WINDOW_MIN)
     # DONEs and (sparse mode) arriving bitmaps are progress too
     advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE] + cfg[CFG_BM_GOT]
     if advance != fcfg[F_LAST_COUNT]:
@@ -1124,5 +1209,5 @@ def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
 # the end of the module where every kernel it calls exists; no other signature compiles.
-_coll_tick.compile(S.COLL_TICK)
-_coll_tick.disable_compile()
+_coll_ticks.compile(S.COLL_TICKS)
+_coll_ticks.disable_compile()

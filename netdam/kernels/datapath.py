@@ -31,8 +31,10 @@ from netdam.kernels.collective import (
     _coll_ended,
     _coll_phase,
     _coll_reply,
+    _for_collective,
     _needs_tag,
     _open_tagged,
+    _slot_of,
 )
 from netdam.kernels.combine import _combine_bytes
 from netdam.kernels.fault_hash import _mix
@@ -308,13 +310,14 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
             elif _rd32(b, H_COLL_ID) == 0:
                 sealed, k0, k1 = _open_region_tagged(node.regions, b, ln, counters)
             else:
-                sealed, k0, k1 = _open_tagged(node.coll.cfg, b, ln, counters)
+                coll_cfg = node.coll.cfg[_slot_of(node.coll, _rd32(b, H_COLL_ID))]
+                sealed, k0, k1 = _open_tagged(coll_cfg, b, ln, counters)
             if sealed == 0:
                 continue
             flags_in, tag_in = _rd16(b, H_FLAGS), _trailer(b, ln)
             ln = tagged
             b = b[:ln]
-        elif ln >= _HDR and _is_member(members, src) and _needs_tag(node.coll.cfg, b):
+        elif ln >= _HDR and _is_member(members, src) and _needs_tag(node.coll, b):
             # From a member's address but untagged: forged (a non-member's is refused by the
             # members-only checks further on, with its NACK, as in v1).
             counters[C.DROP_COLL_FORGED] += 1
@@ -341,7 +344,7 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
                 status = _S_BAD_RKEY  # a tagged region takes nothing without its tag
         if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, H_COLL_ID) != 0:
             counters[C.OPCODE_BASE + op] += 1
-            if _coll_reply(b, ln, src, op, node):
+            if _coll_reply(b, ln, src, op, _for_collective(node, _rd32(b, H_COLL_ID))):
                 continue  # consumed by the collective engine, in the datapath
             punt[n_punt] = i
             n_punt += 1
@@ -362,12 +365,13 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
         else:
             counters[C.OPCODE_BASE + op] += 1
             if op == _OP_CHAIN_ADD:
-                tx_n = _chain_add(b, ln, src, node, tx, tx_n)
+                tx_n = _chain_add(b, ln, src, _for_collective(node, _rd32(b, H_COLL_ID)), tx, tx_n)
             elif op == _OP_READ:
                 # A sealed answer carries its tag too: it must fit the MTU with it.
-                tx_n = _read(b, src, node, guard, tx, tx_n, max_len - TAG if sealed == 1 else max_len)
+                tx_n = _read(b, src, _for_collective(node, _rd32(b, H_COLL_ID)), guard, tx, tx_n,
+                             max_len - TAG if sealed == 1 else max_len)  # fmt: skip
             elif op == _OP_ALL_WRITE:
-                tx_n = _all_write(b, ln, src, node, tx, tx_n)
+                tx_n = _all_write(b, ln, src, _for_collective(node, _rd32(b, H_COLL_ID)), tx, tx_n)
             else:
                 tx_n = _mutate(b, ln, src, op, node, tx, tx_n, stamp)
         if sealed == 1 and not _seal_replies(tx_buf, tx_off, tx_len, first, tx_n, k0, k1, flags_in, tag_in):

@@ -12,13 +12,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
-from netdam.kernels.collective import (
-    CFG_CUR_ASK,
-    CFG_PREV_ASK,
-    CFG_STATE,
-    STATE_RUNNING,
-    _coll_tick,
-)
+from netdam.kernels.collective import MAX_COLLECTIVES, _any_slot, _coll_ticks
 from netdam.kernels.datapath import _process_batch
 from netdam.kernels.faults import _apply_faults
 from netdam.kernels.guard import G_NOW, check_guard
@@ -125,7 +119,6 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyp
     fault_cfg = faults.cfg
     hold_len = faults.hold.len
     mem, regions, members, window, coll, counters = node
-    co_cfg = coll.cfg
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
     start_ns = _now_ns()
@@ -134,9 +127,11 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyp
     for _round in range(max_rounds):
         if fault_cfg[FC_ACTIVE] != 0.0:
             fault_cfg[FC_NOW] = _now_ns() * 1e-9  # time.monotonic(): what the held datagrams use
-        if co_cfg[CFG_STATE] == STATE_RUNNING or co_cfg[CFG_PREV_ASK] != 0 or co_cfg[CFG_CUR_ASK] != 0:
-            # The collective engine's clock runs every round (and answers late DONE requests).
-            tx_n = _coll_tick(_now_ns() * 1e-9, coll, mem, counters, tx, txq[TXQ_TAIL])
+        if _any_slot(coll, False):
+            # The collective engine's clock runs every round (and answers late DONE requests),
+            # each slot first in turn (by the microsecond: calls of a few rounds start alike).
+            now_ns = _now_ns()
+            tx_n = _coll_ticks(now_ns * 1e-9, coll, mem, counters, tx, txq[TXQ_TAIL], (now_ns // 1000) % MAX_COLLECTIVES)
             txq[TXQ_TAIL] = tx_n
         if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
             if txq[TXQ_HEAD] > 0:
@@ -152,7 +147,7 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyp
             left_ms = (budget_ns - (_now_ns() - start_ns)) // 1_000_000
             if _round > 0 and left_ms <= 0:
                 break  # the call's time is up: the control plane's turn
-            wait = min(left_ms, 1) if co_cfg[CFG_STATE] == STATE_RUNNING else left_ms
+            wait = min(left_ms, 1) if _any_slot(coll, True) else left_ms
         if wait > 0:
             ready = _wait_any(fd, mfd, cfd, wait)
             if ready & 4:

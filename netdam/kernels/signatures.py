@@ -14,7 +14,7 @@ import numpy as np
 from numba import typeof, types
 
 from netdam.kernels.state import (
-    CollState,
+    CollSlots,
     DupWindow,
     FaultState,
     Groups,
@@ -46,11 +46,13 @@ GUARD = Guard(_a(f64), _a(u64), _a(u64), _a(f64), _a(f64), _a(f64), _a(f64), _a(
 #: The node's guard travels beside NodeState, not in it: every per-datagram call passes the node
 #: tuple, and each array in it costs a reference count.
 GUARD_STATE = typeof(GUARD)
-COLL_STATE = typeof(CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)))
+COLL_SLOTS = typeof(CollSlots(_a(i64, 2), _a(u8, 2), _a(u8, 2), _a(f64, 2), _a(u64, 2), _a(i64, 2), _a(i64, 2),
+                              _a(f64, 2), _a(u8, 2), _a(u8, 2)))  # fmt: skip
 NODE_STATE = typeof(NodeState(
     _a(u8), Regions(_a(u32), _a(i64), _a(i64), _a(u8), _a(u64, 2)), _a(u64),
     DupWindow(_a(u64), _a(u32), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
-    CollState(_a(i64), _a(u8), _a(u8), _a(f64), _a(u64), _a(i64), _a(i64), _a(f64), _a(u8), _a(u8)),
+    CollSlots(_a(i64, 2), _a(u8, 2), _a(u8, 2), _a(f64, 2), _a(u64, 2), _a(i64, 2), _a(i64, 2), _a(f64, 2),
+              _a(u8, 2), _a(u8, 2)),
     _a(u64),
 ))  # fmt: skip
 HOLD_TABLE = HoldTable(_a(u8, 2), _a(i32), _a(u64), _a(i64), _a(f64), _a(i64))
@@ -74,8 +76,8 @@ MEMORY = typeof(_a(u8))
 PROCESS_BATCH = (RX_BATCH, types.int64, types.int64, NODE_STATE, GUARD_STATE, TX_QUEUE, types.int64, PUNT)
 #: _serve(io, rx, faults, node, guard, tx, txq, punt)
 SERVE = (SERVE_IO, RX_BATCH, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ, PUNT)
-#: _coll_tick(now, coll, mem, counters, tx, tx_n)
-COLL_TICK = (types.float64, COLL_STATE, MEMORY, COUNTERS, TX_QUEUE, types.int64)
+#: _coll_ticks(now, slots, mem, counters, tx, tx_n, first)
+COLL_TICKS = (types.float64, COLL_SLOTS, MEMORY, COUNTERS, TX_QUEUE, types.int64, types.int64)
 #: _switch_round(rx, n, max_len, st, tx, tx_n, punt)
 SWITCH_ROUND = (RX_BATCH, types.int64, types.int64, SWITCH_STATE, TX_QUEUE, types.int64, PUNT)
 #: _switch_serve(io, rx, room_per, st, tx, txq, punt)

@@ -70,6 +70,23 @@ class CollState(NamedTuple):
     agsent: np.ndarray  # uint8 all-gather sent per chunk
 
 
+class CollSlots(NamedTuple):
+    """The collective engine's slots (netdam.core.collective.CollectiveSlots): CollState's
+    arrays with one row per slot, MAX_COLLECTIVES slots and the spare row last
+    (netdam.kernels.collective); row s of every array is slot s's CollState."""
+
+    cfg: np.ndarray  # int64 (rows, CFG_LEN)
+    done: np.ndarray  # uint8 (rows, DONE_LEN)
+    acked: np.ndarray  # uint8 (rows, MAX_CHUNKS)
+    f: np.ndarray  # float64 (rows, F_LEN)
+    ring: np.ndarray  # uint64 (rows, MAX_SEGMENTS)
+    bounds: np.ndarray  # int64 (rows, MAX_SEGMENTS + 1)
+    cb: np.ndarray  # int64 (rows, MAX_SEGMENTS + 1)
+    sent: np.ndarray  # float64 (rows, MAX_CHUNKS)
+    tries: np.ndarray  # uint8 (rows, MAX_CHUNKS)
+    agsent: np.ndarray  # uint8 (rows, MAX_CHUNKS)
+
+
 class Guard(NamedTuple):
     """Source guard of a node or switch (netdam.kernels.guard): lockout table and token key."""
 
@@ -91,7 +108,7 @@ class NodeState(NamedTuple):
     regions: Regions
     members: np.ndarray  # uint64 sorted cluster members
     window: DupWindow
-    coll: CollState
+    coll: CollSlots  # the per-packet code gets one slot's CollState in its place (collective._for_collective)
     counters: np.ndarray  # uint64 (protocol/counters.py)
 
 

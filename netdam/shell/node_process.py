@@ -20,7 +20,6 @@ from netdam.core.guard import GuardConfig
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.rehearsal import rehearse_control_paths
 from netdam.core.sendqueue import SLOT_BYTES
-from netdam.kernels import collective as coll_kernels
 from netdam.kernels import serve
 from netdam.kernels.state import FC_ACTIVE, FC_NOW, FaultState, HoldTable, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES, STATE_LEN
@@ -211,9 +210,8 @@ class NodeProcess(ServeLoop):
     def wants_clock(self) -> bool:
         """Whether the NIC must be served again soon without traffic: a collective's clock
         runs, a late DONE request waits, sends wait for room, or faults hold datagrams."""
-        coll = self.core.collective.cfg
-        return bool(coll[coll_kernels.CFG_STATE] == coll_kernels.STATE_RUNNING or coll[coll_kernels.CFG_PREV_ASK] or coll[coll_kernels.CFG_CUR_ASK]
-                    or self.core.sendq.pending() or (self.fault_cfg[FC_ACTIVE] and self.hold_len.any()))  # fmt: skip
+        return bool(self.core.collective.needs_tick or self.core.sendq.pending()
+                    or (self.fault_cfg[FC_ACTIVE] and self.hold_len.any()))  # fmt: skip
 
     def warm_up(self, resident: bool = True) -> None:
         """Compile (or load from cache) every kernel and, when *resident*, make every queue and
