@@ -101,6 +101,8 @@ LANES = 4
 #: First and longest wait before asking again a node that answered START_COLL with BUSY (every
 #: slot of it runs a collective, likely another job's): doubled per refusal.
 BUSY_BACKOFF_S, BUSY_BACKOFF_MAX_S = 0.002, 0.05
+#: Seconds the progress thread stays after the last call of a rank ended (ProcessGroup._run_progress).
+PROGRESS_LINGER_S = 1.0
 #: A START_COLL the node has not answered (or whose completion did not come) goes again after this.
 START_RESEND_S = 0.5
 #: Seconds per try (3 tries) of the DEREGISTER that gives a rank's arena back at close: a live
@@ -584,11 +586,9 @@ class ProcessGroup:
             if work.room is not None:
                 self._holding.append(work)
             self._issued.append(work)
+            self._drive_in_background()  # re-sends it if lost, sends the next of its lane
             if len(self._issued) > 1:
-                # Sent when the collectives before it in its lane have ended (_advance), by
-                # whichever thread sees that first.
-                self._drive_in_background()
-                return work
+                return work  # sent when the calls before it in its lane have ended (_advance)
             work.send_start()
         if not self._epoch_settled:
             # A new group counts from epoch 1; the node may answer STALE_EPOCH with the epoch it
@@ -628,14 +628,24 @@ class ProcessGroup:
             root._progress.start()
 
     def _run_progress(self) -> None:
-        """While collectives wait behind another in their lane, or for a node that answered
-        BUSY, drive them (the progress thread of the default group, for every lane). It ends
-        when no lane waits; the next start() or BUSY that needs it starts it again."""
+        """While collectives wait behind another in their lane, or for a node that has not
+        said it runs them (a START_COLL lost, or answered BUSY), drive them (the progress
+        thread of the default group, for every lane): a rank that starts a call and computes
+        meanwhile must not leave its peers' chains waiting on a START_COLL lost on the way. It
+        lingers PROGRESS_LINGER_S after the last lane emptied (a loop of calls does not start a
+        thread per call); the next start() or BUSY after that starts it again."""
+        emptied = time.monotonic()
         while not self._closed:
             with self._lock:
-                if not any(len(lane) > 1 or (lane and lane[0].refused) for lane in self._lanes):
+                waits = any(len(lane) > 1 or (lane and not lane[0].started) for lane in self._lanes)
+                if any(self._lanes):
+                    emptied = time.monotonic()
+                elif time.monotonic() - emptied > PROGRESS_LINGER_S:
                     self._progress = None
                     return
+            if not waits:
+                time.sleep(0.005)
+                continue
             try:
                 self._step(None, 0.05)
             except OSError:
@@ -653,7 +663,7 @@ class ProcessGroup:
             heads = [lane[0] for lane in self._lanes if lane]
             if not heads:
                 return
-            heads[0]._poll(0.0)
+            heads[0]._poll(0.0, drain=True)
             for head in heads:
                 if head.ended:
                     continue
@@ -801,10 +811,11 @@ class Work:
             self.copy_out_s = time.perf_counter() - t_copy
         self.finished = True
 
-    def _poll(self, timeout: float, until_started: bool = False) -> bool:
+    def _poll(self, timeout: float, until_started: bool = False, drain: bool = False) -> bool:
         """Take the node's answers for up to *timeout* seconds, each to the Work of its txn;
         returns at once when this one ends (and, with *until_started*, on the ACK that says the
-        node runs it)."""
+        node runs it), unless *drain*: then every answer waiting is taken first, so no other
+        lane's Work is judged silent while its answers sit unread."""
         sock = self.group.client.sock
         sock.settimeout(timeout if timeout > 0 else 1e-6)
         while True:
@@ -823,7 +834,7 @@ class Work:
                 continue
             work._take(reply, data)
             self.group._advance()
-            if self.ended or (until_started and self.started):
+            if not drain and (self.ended or (until_started and self.started)):
                 return self.ended
 
     def _take(self, reply: Packet, data: bytes) -> None:

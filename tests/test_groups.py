@@ -5,11 +5,17 @@ is started on every member (async) before any is waited on, in one order on ever
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import numpy as np
 import pytest
 from helpers import rank_fixtures
 
 from netdam import api
+from netdam.api import DEFAULT_WATCHDOG_S
+from netdam.protocol.constants import Opcode
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.tools.allreduce import reference_chain_allreduce
 
@@ -89,3 +95,45 @@ def test_group_collectives_between_default_group_calls(ranks: list[api.ProcessGr
         work.wait()
     assert all(x.tolist() == [36.0 * WORLD] * 100 for x in world_in)
     assert all(x.tolist() == [70.0] * 50 for x in pair_in.values())
+
+
+class _LosesFirstStart:
+    """A rank's control socket whose first START_COLL never leaves (as if lost on the way)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.lost = 0
+
+    def sendto(self, data: bytes, where: object) -> int:
+        if data[1] == Opcode.START_COLL and not self.lost:
+            self.lost += 1
+            return len(data)
+        return self._sock.sendto(data, where)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def test_a_lost_start_coll_is_sent_again_while_its_host_computes(ranks: list[api.ProcessGroup]) -> None:
+    """Rank 5's START_COLL is lost and its host computes for longer than the watchdog before
+    it waits: the rank's progress thread sends it again, so its peers' nodes are not left
+    waiting on its node until they time out, and every rank's result is exact."""
+    quiet = ranks[5]
+    lossy = _LosesFirstStart(quiet.client.sock)
+    quiet.client.sock = lossy  # type: ignore[assignment]
+    try:
+        bufs = [np.full(4096, r + 1, np.int32) for r in range(WORLD)]
+        works = [api.all_reduce(bufs[r], group=ranks[r], async_op=True) for r in range(WORLD)]
+        peers = [threading.Thread(target=works[r].wait) for r in range(WORLD) if r != 5]  # type: ignore[union-attr]
+        for thread in peers:
+            thread.start()
+        time.sleep(DEFAULT_WATCHDOG_S + 0.5)  # rank 5's host is busy elsewhere
+        for thread in peers:
+            thread.join()
+        for work in works:
+            work.wait()  # type: ignore[union-attr]
+    finally:
+        quiet.client.sock = lossy._sock
+    assert lossy.lost == 1
+    total = WORLD * (WORLD + 1) // 2
+    assert all(buf.tolist() == [total] * 4096 for buf in bufs)
