@@ -636,15 +636,21 @@ class ProcessGroup:
         thread per call); the next start() or BUSY after that starts it again."""
         emptied = time.monotonic()
         while not self._closed:
+            now = time.monotonic()
             with self._lock:
-                waits = any(len(lane) > 1 or (lane and not lane[0].started) for lane in self._lanes)
-                if any(self._lanes):
-                    emptied = time.monotonic()
-                elif time.monotonic() - emptied > PROGRESS_LINGER_S:
+                heads = [lane[0] for lane in self._lanes if lane]
+                queued = any(len(lane) > 1 for lane in self._lanes)
+                if heads:
+                    emptied = now
+                elif now - emptied > PROGRESS_LINGER_S:
                     self._progress = None
                     return
-            if not waits:
-                time.sleep(0.005)
+                # A head the node has not answered yet is left to wait() until its re-send is
+                # due: most are answered in a millisecond, and a thread reading the socket
+                # beside wait() only trades the GIL back and forth.
+                due = min((h._resend_at for h in heads if not h.started or h.refused), default=now + 0.05)
+            if not queued and now < due:
+                time.sleep(min(due - now, 0.05))
                 continue
             try:
                 self._step(None, 0.05)

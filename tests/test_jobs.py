@@ -147,7 +147,7 @@ def test_two_jobs_groups_under_injected_loss_stay_exact(loss: float) -> None:
 @pytest.mark.slow
 def test_bench_allreduce_jobs_reports_each_job_against_solo(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "netdam", "bench", "allreduce", "--jobs", "2", "--nodes", "2",
-                          "--size", "64KiB", "--json"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+                          "--size", "64KiB", "--window", "0.5", "--json"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
     assert result["ok"] and result["jobs"] == 2 and result["solo"]["calls"] > 0

@@ -242,6 +242,8 @@ def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ig
                         help="J > 1: J jobs' all-reduces on the same NICs at once against one job alone "
                         "(each job its own process and keys; --size per rank, default 16MiB; one --nodes "
                         "count; --vs is not run)")  # fmt: skip
+    parser.add_argument("--window", type=bounded_seconds(0.1, 3600.0, low_inclusive=True), default=jobs_bench.WINDOW_S, metavar="SEC",
+                        help=f"with --jobs: seconds each job loops in a timed window ({jobs_bench.WINDOW_S:g})")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
@@ -288,7 +290,7 @@ def _run_jobs(args: argparse.Namespace) -> int:
     if size % 4 or size < jobs_bench.SMALL_BYTES:
         raise CommandError(f"--size {size}: give a multiple of 4 bytes (int32 elements), at least "
                            f"{jobs_bench.SMALL_BYTES}", ExitCode.USAGE)  # fmt: skip
-    result, code = jobs_bench.run_jobs_bench(nodes[0], size, args.jobs, timeout_s=args.timeout)
+    result, code = jobs_bench.run_jobs_bench(nodes[0], size, args.jobs, window_s=args.window, timeout_s=args.timeout)
     text = jobs_bench.format_jobs_table(result)
     if args.json:
         sys.stderr.write(text + "\n")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import select
 import subprocess
 import sys
 import time
@@ -45,53 +46,77 @@ SMALL_BYTES = 4096
 START_DELAY_S = 0.2
 
 
-def _worker(cluster: str, job: str, nbytes: int, window_s: float) -> dict[str, Any]:
-    """One job: all ranks of the cluster in this process, looping all-reduces in the window.
-    Says ``ready`` on stdout after its warm-up call, then reads the common start (time.time())
-    from stdin."""
-    # Here, not at the top: only the worker process loads the host API (and its kernels).
-    from netdam import api
-    from netdam.cluster.clusterfile import load_cluster
+class _Job:
+    """One job's ranks, all in the worker process, and its NIC-resident buffers by size."""
 
-    info = load_cluster(cluster)
-    world = len(info.nodes)
-    arena = info.nodes[0].memory_bytes // 4  # every job's arena: a quarter of node memory
-    groups = [api.ProcessGroup(info, r, job=job, arena_bytes=arena) for r in range(world)]
-    try:
-        count = nbytes // 4
-        bufs = [g.empty(count, np.int32) for g in groups]
-        rng = np.random.default_rng(int.from_bytes(job.encode(), "little") % (1 << 31))
-        for buf in bufs:
-            buf[...] = rng.integers(-1000, 1000, count, dtype=np.int32)
-        expected = np.sum(np.stack(bufs), axis=0, dtype=np.int32)
-        _all_reduce(api, groups, bufs)  # warm-up: every rank's node runs one of this job's calls
-        exact = all(np.array_equal(b, expected) for b in bufs)
-        print("ready", flush=True)
-        start_at = float(sys.stdin.readline() or 0.0)
-        time.sleep(max(0.0, start_at - time.time()))
+    def __init__(self, cluster: str, job: str) -> None:
+        # Here, not at the top: only the worker process loads the host API (and its kernels).
+        from netdam import api
+        from netdam.cluster.clusterfile import load_cluster
+
+        self.api, self.job = api, job
+        info = load_cluster(cluster)
+        self.world = len(info.nodes)
+        arena = info.nodes[0].memory_bytes // 4  # every job's arena: a quarter of node memory
+        self.groups = [api.ProcessGroup(info, r, job=job, arena_bytes=arena) for r in range(self.world)]
+        self.rng = np.random.default_rng(int.from_bytes(job.encode(), "little") % (1 << 31))
+        #: bytes -> (each rank's buffer, what every rank holds after the last call)
+        self.held: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+
+    def prepare(self, nbytes: int) -> bool:
+        """Buffers of *nbytes* per rank (made once) and one untimed call; exact?"""
+        if nbytes not in self.held:
+            bufs = [g.empty(nbytes // 4, np.int32) for g in self.groups]
+            for buf in bufs:
+                buf[...] = self.rng.integers(-1000, 1000, buf.size, dtype=np.int32)
+            self.held[nbytes] = (bufs, np.asarray(np.sum(np.stack(bufs), axis=0, dtype=np.int32)))
+        else:
+            self.held[nbytes][1][...] *= np.int32(self.world)
+        bufs, expected = self.held[nbytes]
+        _all_reduce(self.api, self.groups, bufs)  # warm-up: every rank's node runs one call
+        return all(np.array_equal(b, expected) for b in bufs)
+
+    def loop(self, nbytes: int, window_s: float, exact: bool) -> dict[str, Any]:
+        """Calls of *nbytes* back to back for *window_s* seconds, each checked."""
+        bufs, expected = self.held[nbytes]
         times: list[float] = []
         in_nics: list[float] = []
         t_end = time.monotonic() + window_s
-        while True:
+        while exact:
             t0 = time.monotonic()
-            node_s = _all_reduce(api, groups, bufs)
+            node_s = _all_reduce(self.api, self.groups, bufs)
             t1 = time.monotonic()
+            expected *= np.int32(self.world)  # in place: every rank held the last result
+            exact = np.array_equal(bufs[0], expected)  # ~3 ms per 16 MiB, in the window
             if t1 > t_end:
                 break
             times.append(t1 - t0)
             if node_s is not None:
                 in_nics.append(node_s)
-            expected *= np.int32(world)  # in place: every rank held the last result
-            exact = exact and np.array_equal(bufs[0], expected)  # ~3 ms per 16 MiB, in the window
-            if not exact:
-                break
         identical = all(np.array_equal(b, bufs[0]) for b in bufs)
-        return {"ok": exact and identical, "job": job, "bytes": nbytes, "calls": len(times),
+        return {"ok": exact and identical, "job": self.job, "bytes": nbytes, "calls": len(times),
                 "window_s": window_s, "times": times, "nic_times": in_nics,
                 "error": None if exact and identical else "a result differs from numpy's"}  # fmt: skip
-    finally:
-        for g in groups:
+
+    def close(self) -> None:
+        for g in self.groups:
             g.close()
+
+
+def _serve_job(cluster: str, job: str) -> None:
+    """The worker: per line ``BYTES WINDOW_S`` on stdin, prepare and say ``ready``, read the
+    common start (time.time()), loop the window, print one JSON line; until stdin ends."""
+    runner = _Job(cluster, job)
+    try:
+        for line in sys.stdin:
+            nbytes, window_s = int(line.split()[0]), float(line.split()[1])
+            exact = runner.prepare(nbytes)
+            print("ready", flush=True)
+            start_at = float(sys.stdin.readline() or 0.0)
+            time.sleep(max(0.0, start_at - time.time()))
+            print(json.dumps(runner.loop(nbytes, window_s, exact)), flush=True)
+    finally:
+        runner.close()
 
 
 def _all_reduce(api: Any, groups: list[Any], bufs: list[np.ndarray]) -> float | None:
@@ -106,40 +131,64 @@ def _all_reduce(api: Any, groups: list[Any], bufs: list[np.ndarray]) -> float | 
     return float(max(p.start_ns + 1000 * p.done_us for p in phases) - min(p.start_ns for p in phases)) / 1e9
 
 
-def _run_jobs(cluster: Path, specs: list[tuple[str, int]], window_s: float, timeout_s: float) -> list[dict[str, Any]]:
-    """Run the jobs *specs* ((name, bytes per rank)) at once, each in its own process: every
-    one warms up, then all start their window at the same instant."""
-    procs = [subprocess.Popen([sys.executable, "-m", "netdam.tools.bench.jobs", "--worker", str(cluster), job,
-                               str(nbytes), repr(window_s)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for job, nbytes in specs]  # fmt: skip
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
-            proc.stdout.readline()  # "ready", or "" when it failed (its error is read below)
+class _Workers:
+    """One worker process per job, kept for every phase (each starts in ~2 s: Python, netdam,
+    the kernels from the cache, the job's ranks)."""
+
+    def __init__(self, cluster: Path, jobs: list[str], timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.procs = {job: subprocess.Popen([sys.executable, "-m", "netdam.tools.bench.jobs", "--worker",
+                                             str(cluster), job],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True)
+                      for job in jobs}  # fmt: skip
+
+    def phase(self, specs: list[tuple[str, int]], window_s: float) -> list[dict[str, Any]]:
+        """Jobs *specs* ((name, bytes per rank)) at once: each prepares, then all start their
+        window at the same instant."""
+        for job, nbytes in specs:
+            self._say(job, f"{nbytes} {window_s!r}")
+        for job, _ in specs:
+            self._hear(job)  # "ready"
         start_at = time.time() + START_DELAY_S
-        for proc in procs:
-            assert proc.stdin is not None
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.write(f"{start_at!r}\n")
-                proc.stdin.flush()
+        for job, _ in specs:
+            self._say(job, repr(start_at))
         results = []
-        for proc, (job, _) in zip(procs, specs, strict=True):
-            try:
-                out, err = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                tail = " | ".join(err.strip().splitlines()[-3:])
-                results.append({"ok": False, "job": job, "error": f"job {job} exited {proc.returncode}: {tail}"})
-            else:
-                results.append(json.loads(lines[-1]))
+        for job, _ in specs:
+            line = self._hear(job)
+            results.append(json.loads(line) if line.startswith("{") else {"ok": False, "job": job,
+                                                                          "error": self._died(job)})  # fmt: skip
         return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
+
+    def _say(self, job: str, line: str) -> None:
+        stdin = self.procs[job].stdin
+        assert stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            stdin.write(line + "\n")
+            stdin.flush()
+
+    def _hear(self, job: str) -> str:
+        stdout = self.procs[job].stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], self.timeout_s)
+        return stdout.readline().strip() if ready else ""
+
+    def _died(self, job: str) -> str:
+        proc = self.procs[job]
+        if proc.poll() is None:
+            return f"job {job} did not answer within {self.timeout_s:g} s"
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        return f"job {job} exited {proc.returncode}: " + " | ".join(err.strip().splitlines()[-3:])
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.close()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
 
@@ -169,12 +218,14 @@ def run_jobs_bench(nodes: int, nbytes: int, jobs: int, window_s: float = WINDOW_
     result: dict[str, Any] = {"ok": False, "nodes": nodes, "bytes": nbytes, "jobs": jobs, "window_s": window_s,
                               "node_memory": memory, "dtype": "i32", "op": "sum"}  # fmt: skip
     with start_cluster(nodes, memory=memory) as cluster:
-        path = Path(cluster.path)
-        solo = _summary(_run_jobs(path, [(names[0], nbytes)], window_s, timeout_s)[0])
-        together = [_summary(r) for r in _run_jobs(path, [(n, nbytes) for n in names], window_s, timeout_s)]
-        small_solo = _summary(_run_jobs(path, [(names[1 % jobs], SMALL_BYTES)], window_s, timeout_s)[0])
-        mixed = [_summary(r) for r in _run_jobs(path, [(names[0], nbytes), (names[1 % jobs], SMALL_BYTES)],
-                                                  window_s, timeout_s)]  # fmt: skip
+        workers = _Workers(Path(cluster.path), names, timeout_s)
+        try:
+            solo = _summary(workers.phase([(names[0], nbytes)], window_s)[0])
+            together = [_summary(r) for r in workers.phase([(n, nbytes) for n in names], window_s)]
+            small_solo = _summary(workers.phase([(names[1], SMALL_BYTES)], window_s)[0])
+            mixed = [_summary(r) for r in workers.phase([(names[0], nbytes), (names[1], SMALL_BYTES)], window_s)]
+        finally:
+            workers.close()
     base = solo["algbw_gbps"] or 0.0
     for row in together:
         row["fraction_of_solo"] = row["algbw_gbps"] / base if base and row["algbw_gbps"] else None
@@ -228,12 +279,11 @@ def format_jobs_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The worker's entry: ``--worker CLUSTER JOB BYTES WINDOW_S``; one JSON line out."""
+    """The worker's entry: ``--worker CLUSTER JOB``, then phases on stdin (_serve_job)."""
     parser = argparse.ArgumentParser(prog="python -m netdam.tools.bench.jobs")
-    parser.add_argument("--worker", nargs=4, metavar=("CLUSTER", "JOB", "BYTES", "WINDOW_S"), required=True)
+    parser.add_argument("--worker", nargs=2, metavar=("CLUSTER", "JOB"), required=True)
     args = parser.parse_args(argv)
-    cluster, job, nbytes, window_s = args.worker
-    print(json.dumps(_worker(cluster, job, int(nbytes), float(window_s))), flush=True)
+    _serve_job(*args.worker)
     return 0
 
 
