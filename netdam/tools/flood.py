@@ -4,7 +4,7 @@ counts what it could not take.
 
 Why memory stays flat (the design this checks): every queue and table of the datapath is a
 fixed-size array allocated at start (receive batch, send queue of ``tx_slots`` datagrams,
-at-most-once window of 256 requesters x 256 txns, one collective at a time); the switch keeps no
+at-most-once window of 256 requesters x 256 txns, 4 collective slots); the switch keeps no
 per-request state at all. What does not fit is dropped and counted: by the kernel when the
 socket's receive buffer is full (``kernel_drops``, from SO_RXQ_OVFL), by the node when its send
 queue is full (``drop_tx_full``). Nothing waits for a sender to slow down: on UDP, as on a NIC,
