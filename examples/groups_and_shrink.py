@@ -75,7 +75,17 @@ def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, An
 def shrink_and_go_on(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
     """Step 3: the survivors' group, and an exact all-reduce on it."""
     survivors = len(ranks) - 1
-    shrunk = [ranks[r].shrink() for r in range(survivors)]
+    shrunk: list[api.ProcessGroup] = [ranks[0]] * survivors
+    # Every survivor shrinks at once, as separate hosts would (each waits ~0.25 s on the dead).
+
+    def shrink(rank: int) -> None:
+        shrunk[rank] = ranks[rank].shrink()
+
+    threads = [threading.Thread(target=shrink, args=(r,)) for r in range(survivors)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     data = [np.full(1000, r + 1, np.int64) for r in range(survivors)]
     works = [api.all_reduce(x, group=g, async_op=True) for x, g in zip(data, shrunk)]
     for work in works:

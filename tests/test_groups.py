@@ -14,7 +14,6 @@ import pytest
 from helpers import rank_fixtures
 
 from netdam import api
-from netdam.api import DEFAULT_WATCHDOG_S
 from netdam.protocol.constants import Opcode
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.tools.allreduce import reference_chain_allreduce
@@ -97,6 +96,10 @@ def test_group_collectives_between_default_group_calls(ranks: list[api.ProcessGr
     assert all(x.tolist() == [70.0] * 50 for x in pair_in.values())
 
 
+#: The watchdog of the lost-START_COLL test: the re-send (0.5 s) must come well within it.
+WATCHDOG_S = 1.5
+
+
 class _LosesFirstStart:
     """A rank's control socket whose first START_COLL never leaves (as if lost on the way)."""
 
@@ -121,19 +124,23 @@ def test_a_lost_start_coll_is_sent_again_while_its_host_computes(ranks: list[api
     quiet = ranks[5]
     lossy = _LosesFirstStart(quiet.client.sock)
     quiet.client.sock = lossy  # type: ignore[assignment]
+    for group in ranks:
+        group.timeout_s = WATCHDOG_S
     try:
         bufs = [np.full(4096, r + 1, np.int32) for r in range(WORLD)]
         works = [api.all_reduce(bufs[r], group=ranks[r], async_op=True) for r in range(WORLD)]
         peers = [threading.Thread(target=works[r].wait) for r in range(WORLD) if r != 5]  # type: ignore[union-attr]
         for thread in peers:
             thread.start()
-        time.sleep(DEFAULT_WATCHDOG_S + 0.5)  # rank 5's host is busy elsewhere
+        time.sleep(WATCHDOG_S + 0.5)  # rank 5's host is busy elsewhere
         for thread in peers:
             thread.join()
         for work in works:
             work.wait()  # type: ignore[union-attr]
     finally:
         quiet.client.sock = lossy._sock
+        for group in ranks:
+            group.timeout_s = None
     assert lossy.lost == 1
     total = WORLD * (WORLD + 1) // 2
     assert all(buf.tolist() == [total] * 4096 for buf in bufs)

@@ -111,14 +111,13 @@ def test_a_jobs_name_is_checked_and_one_process_per_rank_and_job(cluster: LocalC
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", [0.1, 0.3])
-def test_two_jobs_groups_under_injected_loss_stay_exact(loss: float) -> None:
-    """Both jobs and a group of each at once, under 10% and 30% loss (and a third of that
-    duplicated and reordered), seeded. The watchdog is 10 s, as on a lossy fabric: it counts
+def test_two_jobs_groups_under_injected_loss_stay_exact() -> None:
+    """Both jobs and a group of each at once, under 30% loss (and 10% duplicated and 10%
+    reordered), seeded; 10% and 30% are run on the in-memory fabric too (test_slots). The watchdog is 10 s, as on a lossy fabric: it counts
     time without progress, and at 30% loss the last chunk's repair READs (one round per
     2 RTO, each answered with probability ~0.5) outlast the 2.5 s default in about 1 run of 8
     (measured; the call then raises TIMEOUT, never a wrong result)."""
-    faults = FaultSpec(loss=loss, dup=loss / 3, reorder=loss / 3, seed=25)
+    faults = FaultSpec(loss=0.3, dup=0.1, reorder=0.1, seed=25)
     with start_cluster(WORLD, memory=16 << 20, faults=faults) as running:
         made = {job: [api.ProcessGroup(running.info, r, job=job, arena_bytes=4 << 20, timeout_s=10.0)
                       for r in range(WORLD)] for job in ("a", "b")}  # fmt: skip
@@ -147,7 +146,7 @@ def test_two_jobs_groups_under_injected_loss_stay_exact(loss: float) -> None:
 @pytest.mark.slow
 def test_bench_allreduce_jobs_reports_each_job_against_solo(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "netdam", "bench", "allreduce", "--jobs", "2", "--nodes", "2",
-                          "--size", "64KiB", "--window", "0.5", "--json"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+                          "--size", "64KiB", "--window", "0.2", "--json"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
     assert result["ok"] and result["jobs"] == 2 and result["solo"]["calls"] > 0
