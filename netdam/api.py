@@ -336,6 +336,8 @@ class ProcessGroup:
     #: even while this rank's host is busy elsewhere (its peers' chains would stall).
     _lock: threading.RLock = field(init=False, default_factory=threading.RLock)
     _progress: threading.Thread | None = field(init=False, default=None)
+    #: Wakes the progress thread from its wait at once: set by close().
+    _wake: threading.Event = field(init=False, default_factory=threading.Event)
     _closed: bool = field(init=False, default=False)
     #: The group's ranks, as ranks of the cluster (its default group), in group-rank order;
     #: ``rank`` is this process's place among them and ``global_rank`` its place in the cluster.
@@ -650,7 +652,7 @@ class ProcessGroup:
                 # beside wait() only trades the GIL back and forth.
                 due = min((h._resend_at for h in heads if not h.started or h.refused), default=now + 0.05)
             if not queued and now < due:
-                time.sleep(min(due - now, 0.05))
+                self._wake.wait(min(due - now, 0.05))
                 continue
             try:
                 self._step(None, 0.05)
@@ -708,6 +710,8 @@ class ProcessGroup:
         next job's rank have the arena. A group new_group made only stops here: the arena,
         the socket and the node belong to the default group."""
         self._closed = True
+        if self._root is self:
+            self._wake.set()  # the progress thread (the default group's, shared) ends now
         if self._progress is not None:
             self._progress.join(1.0)
         if self._root is not self:
