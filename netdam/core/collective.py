@@ -25,7 +25,7 @@ import numpy as np
 
 from netdam.core.chunk_plan import block_bounds
 from netdam.kernels import collective as L
-from netdam.kernels.state import CollSlots, CollState
+from netdam.kernels.state import CollSlots
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -121,10 +121,6 @@ class CollectiveSlots:
         return max(self.engines, key=lambda e: e.started)
 
     @property
-    def running(self) -> bool:
-        return any(engine.running for engine in self.engines)
-
-    @property
     def needs_tick(self) -> bool:
         return any(engine.needs_tick for engine in self.engines)
 
@@ -185,10 +181,6 @@ class CollectiveSlots:
                 cfg[lo:hi] = spare[lo:hi]
             spare[L.CFG_REFUSED_N] = 0
 
-    def status(self) -> list[dict[str, object]]:
-        """Each used slot's collective (running, or the last one ended there)."""
-        return [engine.status() for engine in self.engines if engine.cfg[L.CFG_STATE] != L.STATE_IDLE]
-
 
 class CollectiveEngine:
     """One slot of the node's collective engine: one collective at a time, its state in row
@@ -221,11 +213,6 @@ class CollectiveEngine:
         cfg = self.cfg
         return bool(cfg[L.CFG_STATE] != L.STATE_IDLE and cfg[L.CFG_COLL] == packet.coll_id
                     and cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id))  # fmt: skip
-
-    def state(self) -> CollState:
-        """This slot's arrays as one collective's CollState."""
-        return CollState(self.cfg, self.done, self.acked, self.fcfg, self.ring, self.bounds, self.cb,
-                         self.sent, self.tries, self.agsent)  # fmt: skip
 
     def start(
         self, packet: Packet, src: int, memory: np.ndarray, mtu: int, self_endpoint: int,
