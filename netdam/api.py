@@ -39,6 +39,7 @@ from netdam.cluster.clusterfile import (
 )
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.chunk_plan import block_bounds
+from netdam.core.host import Call, CallQueue, Heard
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     MAX_SEGMENTS,
@@ -51,19 +52,15 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.protocol.elements import BFLOAT16, bf16_round, bf16_values, is_bf16
-from netdam.protocol.errors import NetdamError, RemoteProtocolError
-from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64
+from netdam.protocol.errors import NetdamError
+from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
     FLAG_SPARSE,
     Algo,
     CollectiveDescriptor,
-    CompletionPhases,
-    descriptor_tag_key,
     unpack_completion,
-    unpack_completion_phases,
     unpack_descriptor,
 )
-from netdam.protocol.tag import verify as tag_verify
 from netdam.shell.shm import attach
 
 __all__ = [
@@ -98,13 +95,8 @@ ENV_JOB = "NETDAM_JOB"
 #: groups new_group makes take in turn. A lane runs one collective at a time, in issue order;
 #: lanes run side by side on the node (4: its MAX_COLLECTIVES slots, SPEC.md 4.1).
 LANES = 4
-#: First and longest wait before asking again a node that answered START_COLL with BUSY (every
-#: slot of it runs a collective, likely another job's): doubled per refusal.
-BUSY_BACKOFF_S, BUSY_BACKOFF_MAX_S = 0.002, 0.05
 #: Seconds the progress thread stays after the last call of a rank ended (ProcessGroup._run_progress).
 PROGRESS_LINGER_S = 1.0
-#: A START_COLL the node has not answered (or whose completion did not come) goes again after this.
-START_RESEND_S = 0.5
 #: Seconds per try (3 tries) of the DEREGISTER that gives a rank's arena back at close: a live
 #: node answers in well under a millisecond; the next job re-deregisters an arena left behind.
 DEREGISTER_TIMEOUT_S = 0.25
@@ -320,18 +312,18 @@ class ProcessGroup:
     memory: np.ndarray = field(init=False, repr=False)
     client: ControlClient = field(init=False, repr=False)
     _next_free: int = field(init=False, default=0)
-    #: This group's lane (LANES): collectives started on it and not yet ended, in issue order.
-    #: A lane holds one node slot (SPEC.md 4.1): only its first has been sent, and each next
-    #: one is sent the moment the one before it ends, so several can be in flight (async_op).
-    _issued: list[Work] = field(init=False, default_factory=list)
-    #: Every lane of this rank (the default group's list, shared by the groups new_group makes).
-    _lanes: list[list[Work]] = field(init=False, default_factory=list)
+    #: Every lane of this rank (LANES) and the rules of their START_COLLs, sans-I/O
+    #: (core/host.py): the default group's, shared by the groups new_group makes. A lane holds
+    #: one node slot (SPEC.md 4.1): only its first call has been sent, and each next one is
+    #: sent the moment the one before it ends, so several can be in flight (async_op).
+    _calls: CallQueue = field(init=False, repr=False)
+    #: This group's lane.
     lane: int = field(init=False, default=0)
     #: Staging room the next start() gives its Work, from _staging_room.
     _pending_room: tuple[int, int] | None = field(init=False, default=None)
     #: Works holding staging room until their results are copied out, in issue order.
     _holding: list[Work] = field(init=False, default_factory=list)
-    #: Held by whoever reads this rank's control socket and moves _issued on: a wait() and
+    #: Held by whoever reads this rank's control socket and moves the lanes on: a wait() and
     #: the progress thread, which sends each queued START_COLL when the one before it ended
     #: even while this rank's host is busy elsewhere (its peers' chains would stall).
     _lock: threading.RLock = field(init=False, default_factory=threading.RLock)
@@ -380,8 +372,7 @@ class ProcessGroup:
             # A named job's keys, coll_ids and arena keys are its own (SPEC.md 4.1, "Jobs").
             self._secret = derive(self._secret, "job", self.job)[:16]
         self.coll_id = group_coll_id(self._secret, self.members, 0)
-        self._lanes = [[] for _ in range(LANES)]
-        self._issued = self._lanes[0]
+        self._calls = CallQueue(self.client.client_id, LANES, self.client.encode)
         #: The arena's rkey on this rank's node; ring-host's WRITEs use the next rank's.
         self.arena_rkey = self.arena_key_of(self.rank)
         self.arena_base, self.arena_size = self._claim_arena()
@@ -470,12 +461,11 @@ class ProcessGroup:
         number = root._made_groups
         if self.global_rank not in members:
             return NON_GROUP_MEMBER
-        group = copy.copy(self)  # shares the arena, socket, lock and lanes (the lists)
+        group = copy.copy(self)  # shares the arena, socket, lock and lanes (the CallQueue)
         group.members = tuple(members)
         group.rank = members.index(self.global_rank)
         group.coll_id = group_coll_id(self._secret, members, number)
         group.lane = 1 + (number - 1) % (LANES - 1)
-        group._issued = root._lanes[group.lane]
         group.epoch = 0
         group._epoch_settled = False
         group.multicast = False
@@ -582,16 +572,14 @@ class ProcessGroup:
                         segments=tuple(self.cluster.endpoints[r] for r in self.members)).with_payload(desc.encode())  # fmt: skip
         work = Work(self, packet, algo, count, dtype, watchdog)
         with self._lock:
-            self._advance()
             work.room, self._pending_room = self._pending_room, None
             work.output = array if work.room is not None else None
             if work.room is not None:
                 self._holding.append(work)
-            self._issued.append(work)
+            self._send(self._calls.issue(work, self.lane, time.monotonic()))
             self._drive_in_background()  # re-sends it if lost, sends the next of its lane
-            if len(self._issued) > 1:
-                return work  # sent when the calls before it in its lane have ended (_advance)
-            work.send_start()
+            if not work.sent:
+                return work  # sent when the calls before it in its lane have ended
         if not self._epoch_settled:
             # A new group counts from epoch 1; the node may answer STALE_EPOCH with the epoch it
             # is at. Settle that now, not in wait(): one process may start every rank's
@@ -640,9 +628,9 @@ class ProcessGroup:
         while not self._closed:
             now = time.monotonic()
             with self._lock:
-                heads = [lane[0] for lane in self._lanes if lane]
-                queued = any(len(lane) > 1 for lane in self._lanes)
-                if heads:
+                busy = bool(self._calls.heads())
+                queued = self._calls.queued()
+                if busy:
                     emptied = now
                 elif now - emptied > PROGRESS_LINGER_S:
                     self._progress = None
@@ -650,7 +638,7 @@ class ProcessGroup:
                 # A head the node has not answered yet is left to wait() until its re-send is
                 # due: most are answered in a millisecond, and a thread reading the socket
                 # beside wait() only trades the GIL back and forth.
-                due = min((h._resend_at for h in heads if not h.started or h.refused), default=now + 0.05)
+                due = self._calls.next_resend(now) or now + 0.05
             if not queued and now < due:
                 self._wake.wait(min(due - now, 0.05))
                 continue
@@ -659,44 +647,59 @@ class ProcessGroup:
             except OSError:
                 return  # the socket closed under it (the default group was closed)
 
+    def _send(self, datagrams: list[bytes]) -> None:
+        """Send the START_COLLs the call queue gave out to this rank's node."""
+        for data in datagrams:
+            self.client.sock.sendto(data, self.node)
+
     def _step(self, timeout: float | None, wait_s: float) -> None:
         """One turn of driving this rank's collectives: take the node's answers for up to
-        *wait_s* (each to its Work), re-send a START_COLL the node has not answered, fail the
-        head one whose node stayed silent past its watchdog (or *timeout*). The wait for an
+        *wait_s* (each to its Work), then let the call queue re-send the START_COLLs due and
+        fail a head whose node stayed silent past its watchdog (or *timeout*). The wait for an
         answer holds no lock: a wait() and the progress thread both wake, one takes them."""
         with contextlib.suppress(OSError, ValueError):  # a closed socket: nothing more to take
             select.select([self.client.sock], [], [], wait_s)
         with self._lock:
-            self._advance()
-            heads = [lane[0] for lane in self._lanes if lane]
-            if not heads:
+            if not self._calls.heads():
                 return
-            heads[0]._poll(0.0, drain=True)
-            for head in heads:
-                if head.ended:
-                    continue
-                now = time.monotonic()
-                bound = timeout if timeout is not None else head.watchdog_s + 1.0
-                if now - head._heard > bound:
-                    node = self.cluster.nodes[self.global_rank]
-                    dead = self.dead_nodes()
-                    head.error = CollectiveError(
-                        f"rank {self.global_rank}: no word from its node {node.address}:{node.port} for "
-                        f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
-                        {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.global_rank},
-                    )
-                elif now >= head._resend_at:
-                    head.send_start()  # lost START_COLL, lost completion, or BUSY: the node answers again
-            self._advance()
+            self._take_answers(0.0, drain=True)
+            datagrams, silent = self._calls.tick(time.monotonic(), timeout)
+            for head in silent:
+                assert isinstance(head, Work)
+                head.error = self._silence(head.silent_s or 0.0)
+            self._send(datagrams)
 
-    def _advance(self) -> None:
-        """In every lane, drop the collectives at the head that ended, and send the next one's
-        START_COLL (the lane's slot on the node is free now)."""
-        for lane in self._lanes:
-            while lane and lane[0].ended:
-                lane.pop(0)
-                if lane:
-                    lane[0].send_start()
+    def _take_answers(self, timeout: float, until: Work | None = None, until_started: bool = False,
+                      drain: bool = False) -> None:  # fmt: skip
+        """Read the node's answers for up to *timeout* seconds and hand each to the call queue;
+        return at once when *until* ends (and, with *until_started*, on the ACK that says the
+        node runs it), unless *drain*: then every answer waiting is taken first, so no other
+        lane's call is judged silent while its answers sit unread."""
+        sock = self.client.sock
+        sock.settimeout(timeout if timeout > 0 else 1e-6)
+        while True:
+            try:
+                data, _ = sock.recvfrom(65536)
+            except (TimeoutError, BlockingIOError):
+                return
+            call, heard, datagrams = self._calls.receive(data, time.monotonic())
+            self._send(datagrams)
+            if heard is Heard.FAILED:
+                assert isinstance(call, Work) and call.nack is not None
+                call.error = call._failure(call.nack)
+            elif heard is Heard.BUSY:
+                self._drive_in_background()  # asks again while nobody waits
+            if until is not None and not drain and (until.ended or (until_started and until.started)):
+                return
+
+    def _silence(self, bound: float) -> CollectiveError:
+        node = self.cluster.nodes[self.global_rank]
+        dead = self.dead_nodes()
+        return CollectiveError(
+            f"rank {self.global_rank}: no word from its node {node.address}:{node.port} for "
+            f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
+            {"node": dead[0] if dead else f"{node.address}:{node.port}", "rank": self.global_rank},
+        )
 
     def descriptor_for_epoch(self, packet: Packet, epoch: int) -> Packet:
         """*packet* (a START_COLL of this group) moved to *epoch*, with that epoch's key."""
@@ -728,23 +731,24 @@ class ProcessGroup:
             self._arena_lock = None
 
 
-class Work:
+class Work(Call):
     """A started collective (torch.distributed's Work): ``wait()`` blocks until it ends.
 
-    Several may be in flight on one rank (``async_op=True``): the group sends each START_COLL
-    when the call of its lane before it has ended (one call of a lane in the node), answers
-    are handed to the Work they belong to whichever Work is being waited on, and each keeps its
-    own staging room until its results are copied out. Those of one lane end in issue order."""
+    Its state as the node answers (started, BUSY, completed, failed) is the call queue's
+    (core/host.py's Call); this adds what the host keeps: the staging room, the caller's array
+    and the actions that copy results out, and the error ``wait()`` raises. Several may be in
+    flight on one rank (``async_op=True``): the group sends each START_COLL when the call of
+    its lane before it has ended (one call of a lane in the node), answers are handed to the
+    Work they belong to whichever Work is being waited on, and each keeps its own staging room
+    until its results are copied out. Those of one lane end in issue order."""
 
     def __init__(self, group: ProcessGroup, packet: Packet, algo: Algo, count: int, dtype: DType,
                  watchdog_s: float) -> None:  # fmt: skip
-        self.group = group
-        self.watchdog_s = watchdog_s
-        self.packet = packet
+        super().__init__(group, packet, watchdog_s)
+        self.group: ProcessGroup = group
         self.algo = algo
         self.count = count
         self.dtype = dtype
-        self.done = False
         #: Why it failed (raised by wait()), once it has.
         self.error: CollectiveError | None = None
         #: Its results were copied out (the finish actions ran): its staging room is free.
@@ -753,50 +757,20 @@ class Work:
         #: array its results are copied into from there.
         self.room: tuple[int, int] | None = None
         self.output: np.ndarray | None = None
-        #: The node ACKed START_COLL (running), as opposed to hearing nothing yet.
-        self.started = False
-        self.stats: dict[str, int] = {}
-        self._txn = _txn_of(packet, group)
-        self._heard = time.monotonic()
-        self._sent_at = 0.0
-        #: When START_COLL goes again unless the node answered by then (_step).
-        self._resend_at = 0.0
-        #: The node answered BUSY (every slot of it runs a collective): asked again at _resend_at.
-        self.refused = False
-        #: BUSY answers to its START_COLL, and when the node said it runs it (time.monotonic()).
-        self.busy_answers = 0
-        self.started_at: float | None = None
-        self._backoff_s = BUSY_BACKOFF_S
-        self._finish: list[object] = []
+        self._finish: list[Callable[[], None]] = []
         # Phases of the call, for benchmarks: the copy into node memory (0 for NIC-resident
-        # buffers), when START_COLL left and when the completion arrived (time.monotonic(),
-        # CLOCK_MONOTONIC: the nodes' clock on one Linux host), the copy back out, and the
-        # node's own phases from the completion (SPEC.md 4.1).
+        # buffers), the copy back out; when START_COLL left and when the completion arrived
+        # are the Call's sent_at and completed_at (time.monotonic(), CLOCK_MONOTONIC: the
+        # nodes' clock on one Linux host), and the node's own phases its node_phases
+        # (SPEC.md 4.1).
         self.stage_in_s = 0.0
-        self.sent_at = 0.0
-        self.completed_at: float | None = None
         self.copy_out_s = 0.0
-        self.node_phases: CompletionPhases | None = None
-
-    @property
-    def ended(self) -> bool:
-        return self.done or self.error is not None
-
-    def send_start(self) -> None:
-        client = self.group.client
-        self._txn = _txn_of(self.packet, self.group)
-        data = client.encode(_with(self.packet, client.client_id, self._txn))
-        client.sock.sendto(data, self.group.node)
-        self._sent_at = time.monotonic()
-        self._resend_at = self._sent_at + START_RESEND_S
-        if not self.sent_at:
-            self.sent_at = self._heard = time.monotonic()
 
     def is_completed(self) -> bool:
         with self.group._lock:
-            if not self.ended and self.group._issued:
-                self.group._issued[0]._poll(0.0)
-                self.group._advance()
+            if not self.ended:
+                self.group._take_answers(0.0, until=self)
+                self.group._send(self.group._calls.advance(time.monotonic()))
         return self.ended
 
     def wait(self, timeout: float | None = None) -> None:
@@ -810,92 +784,23 @@ class Work:
     def _settle(self, timeout: float | None) -> None:
         """Drive this rank's collectives, oldest first, until this one ended; then copy its
         results out. Failures are kept in ``error``, not raised."""
-        self._heard = time.monotonic()
+        self.heard_at = time.monotonic()
         while not self.ended:
             self.group._step(timeout, 0.2)
         if self.done and not self.finished:
             t_copy = time.perf_counter()
             for action in self._finish:
-                action()  # type: ignore[operator]
+                action()
             self._finish.clear()
             self.copy_out_s = time.perf_counter() - t_copy
         self.finished = True
-
-    def _poll(self, timeout: float, until_started: bool = False, drain: bool = False) -> bool:
-        """Take the node's answers for up to *timeout* seconds, each to the Work of its txn;
-        returns at once when this one ends (and, with *until_started*, on the ACK that says the
-        node runs it), unless *drain*: then every answer waiting is taken first, so no other
-        lane's Work is judged silent while its answers sit unread."""
-        sock = self.group.client.sock
-        sock.settimeout(timeout if timeout > 0 else 1e-6)
-        while True:
-            try:
-                data, _ = sock.recvfrom(65536)
-            except (TimeoutError, BlockingIOError):
-                return self.ended
-            try:
-                reply = decode_packet(data)
-            except RemoteProtocolError:
-                continue
-            if reply.client_id != self.group.client.client_id:
-                continue
-            work = next((w for lane in self.group._lanes for w in lane if w._txn == reply.txn_id and w._sent_at), None)
-            if work is None:
-                continue
-            work._take(reply, data)
-            self.group._advance()
-            if not drain and (self.ended or (until_started and self.started)):
-                return self.ended
-
-    def _take(self, reply: Packet, data: bytes) -> None:
-        """One answer of this collective's node: started, ended, failed, or moved past."""
-        # What can end or fail the wait (a completion, a NACK) must carry this call's tag
-        # (SPEC.md 2.6); a plain "started" ACK only keeps the wait alive, so it is not
-        # checked (a host's SipHash in Python costs ~50 us).
-        decides = reply.opcode == Opcode.NACK or reply.aux_addr != 0
-        key = descriptor_tag_key(self.packet.payload) if decides else b""
-        if key and not tag_verify(key, data):
-            return  # not from a holder of this collective's key: the nodes count those
-        self._heard = time.monotonic()
-        if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
-            self._rebase(reply.aux_addr)
-        elif reply.opcode == Opcode.NACK and reply.status == Status.BUSY:
-            # Every slot of the node runs a collective (other jobs'): not a failure, ask again
-            # soon (the progress thread does, while nobody waits).
-            self.refused = True
-            self.busy_answers += 1
-            self._resend_at = time.monotonic() + self._backoff_s
-            self._backoff_s = min(2 * self._backoff_s, BUSY_BACKOFF_MAX_S)
-            self.group._drive_in_background()
-        elif reply.opcode == Opcode.NACK:
-            self.error = self._failure(reply)
-        elif reply.aux_addr == 0:
-            self.started = True
-            self.refused = False
-            self.started_at = self.started_at or time.monotonic()
-        elif reply.aux_addr == 1:  # the completion (a plain ACK only says "started")
-            retransmits, reads = unpack_completion(reply.payload)
-            self.stats = {"retransmits": retransmits, "repair_reads": reads}
-            self.done = True
-            self.completed_at = time.monotonic()
-            self.node_phases = unpack_completion_phases(reply.payload)
 
     def await_started(self, timeout: float) -> None:
         """Poll until the node ACKs START_COLL (after moving past a STALE_EPOCH), or *timeout*."""
         deadline = time.monotonic() + timeout
         while not (self.started or self.ended) and time.monotonic() < deadline:
             with self.group._lock:
-                self._poll(0.02, until_started=True)
-
-    def _rebase(self, node_epoch: int) -> None:
-        """The node already ran epoch *node_epoch* of this cluster's collectives (this group is
-        new: it counts from 1): move past it. Every rank's node ran the same collectives, so
-        every rank moves to the same epoch without talking to the others."""
-
-        epoch = max(self.group.epoch, node_epoch + 1)
-        self.group.epoch = epoch
-        self.packet = self.group.descriptor_for_epoch(self.packet, epoch)
-        self.send_start()
+                self.group._take_answers(0.02, until=self, until_started=True)
 
     def _failure(self, reply: Packet) -> CollectiveError:
         waiting = None
@@ -926,12 +831,6 @@ class Work:
                 "seq_range": [first, last]}  # fmt: skip
 
 
-def _txn_of(packet: Packet, group: ProcessGroup) -> int:
-    """The txn_id of one call's START_COLL: distinct for every group and epoch of this rank,
-    whose answers share one socket."""
-    return (int(packet.coll_id) * 1_000_003 + int(packet.epoch) * 7919 + group.rank) & 0xFFFFFFFF
-
-
 class NonGroupMember:
     """What new_group gives a rank outside the group (torch's GroupMember.NON_GROUP_MEMBER):
     collectives on it raise, get_rank is -1."""
@@ -948,11 +847,6 @@ def group_coll_id(secret: bytes, members: Sequence[int], number: int) -> int:
     ranks *members*, in the job whose secret is *secret*: 32 bits derived from all three,
     never 0. Two groups of the same ranks, or two jobs' groups, meet on a node as two."""
     return derived_key(secret, "group", number, ",".join(str(r) for r in sorted(members)))
-
-
-def _with(packet: Packet, client_id: int, txn: int) -> Packet:
-
-    return replace(packet, client_id=client_id, txn_id=txn)
 
 
 def _endpoint_u64(endpoint: Endpoint) -> int:

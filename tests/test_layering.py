@@ -25,6 +25,7 @@ CORES = [
     "protocol/errors.py",
     "netdam/core/node.py",
     "netdam/core/fabric.py",
+    "netdam/core/host.py",
     "netdam/core/faults.py",
     "netdam/core/events.py",
     "protocol/counters.py",

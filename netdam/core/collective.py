@@ -15,6 +15,14 @@ Rules of this file:
    of its own group (``coll_id`` names the group, ``epoch`` the call; a group's calls run one
    after another, so a slot stays its group's while other groups come and go). A START_COLL
    when every slot runs is answered NACK BUSY: the host asks again, nothing queues here.
+4. Slots never deadlock a chained collective: nodes that got START_COLLs in different orders
+   can each hold collectives that another member has not started (4 slots, 6 collectives, 3
+   nodes: every collective waits on a node full of others). A START_COLL that finds every slot
+   taken therefore takes the slot of a collective with a higher coll_id that has done nothing
+   here a peer relies on (no chain ACKed, no chunk stored, no DONE, no member asking for one)
+   and whose chains a member refused (it is stuck). That one's host is answered BUSY and asks
+   again: to its peers it is "not started here" again (SPEC.md 4.1, "Slots"). The lowest
+   coll_id among the stuck always gets a slot, so one of them always completes.
 """
 
 from __future__ import annotations
@@ -103,6 +111,9 @@ class CollectiveSlots:
         self.epochs: OrderedDict[int, int] = OrderedDict()
         self.engines = [CollectiveEngine(self, s) for s in range(MAX_COLLECTIVES)]
         self._starts = 0  # START_COLLs set up here: each engine keeps the count of its last
+        #: Collectives that gave up their slot (rule 4 above) since the owner last looked: their
+        #: START_COLL and its source, and their tag key; the owner answers each host BUSY.
+        self.yielded: list[tuple[Packet, int, bytes]] = []
 
     def state(self) -> CollSlots:
         """The slots' arrays as the kernels take them (made here, and only here)."""
@@ -151,13 +162,14 @@ class CollectiveSlots:
             # from epoch 1 again): never run it under a reused (coll_id, epoch), which peers
             # would take for the old one. The NACK tells that epoch (stale_epoch_of).
             return Status.STALE_EPOCH
-        engine = held if held is not None else self._free_slot()
+        engine = held if held is not None else self._free_slot() or self._take_stuck_slot(packet.coll_id)
         if engine is None or engine.running:
             return Status.BUSY
         status = engine.start(packet, src, memory, mtu, self_endpoint, regions, rcvbuf)
         if status == Status.OK:
             self._starts += 1
             engine.started = self._starts
+            engine.epoch_before = last
             self.epochs[packet.coll_id] = packet.epoch
             self.epochs.move_to_end(packet.coll_id)
             if len(self.epochs) > EPOCHS_KEPT:
@@ -171,6 +183,26 @@ class CollectiveSlots:
         if not ended:
             return None
         return min(ended, key=lambda e: (e.cfg[L.CFG_STATE] != L.STATE_IDLE, e.needs_tick, e.started))
+
+    def _take_stuck_slot(self, coll_id: int) -> CollectiveEngine | None:
+        """The slot of the stuck collective with the highest coll_id above *coll_id* (rule 4),
+        emptied for *coll_id*'s START_COLL; None when no running collective may give way."""
+        stuck = [e for e in self.engines if e.running and int(e.cfg[L.CFG_COLL]) > coll_id and e.may_yield]
+        if not stuck:
+            return None
+        engine = max(stuck, key=lambda e: int(e.cfg[L.CFG_COLL]))
+        cfg = engine.cfg
+        victim = int(cfg[L.CFG_COLL])
+        # Its epoch may start here again: this node never ran it to any end.
+        if engine.epoch_before is None:
+            self.epochs.pop(victim, None)
+        else:
+            self.epochs[victim] = engine.epoch_before
+        if engine.request is not None:
+            self.yielded.append((engine.request, engine.started_by[0], cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].tobytes()))
+        cfg[L.CFG_STATE] = L.STATE_IDLE
+        cfg[L.CFG_COLL] = 0  # nothing of it carries over into the next collective of this slot
+        return engine
 
     def take_refusals(self, cfg: np.ndarray) -> None:
         """Move the spare row's BUSY refusals of collective *cfg* names into *cfg*: its chains
@@ -198,6 +230,9 @@ class CollectiveEngine:
         self.started_by: tuple[int, int] = (0, 0)
         #: Which START_COLL set this slot up last (CollectiveSlots' count): the oldest goes first.
         self.started = 0
+        #: That START_COLL, and the epoch of its coll_id started here before it (None: none).
+        self.request: Packet | None = None
+        self.epoch_before: int | None = None
 
     @property
     def running(self) -> bool:
@@ -207,6 +242,22 @@ class CollectiveEngine:
     def needs_tick(self) -> bool:
         """Running, or owing a member a repeated DONE."""
         return bool(self.running or self.cfg[L.CFG_PREV_ASK] or self.cfg[L.CFG_CUR_ASK])
+
+    @property
+    def may_yield(self) -> bool:
+        """Its chained collective is stuck and nothing of it here is relied on by a peer (rule
+        4): no chain it started was ACKed, no chunk is stored here, no member said DONE or
+        asks for this node's, and some chain of it went out more than once unanswered (a hop
+        refused it: BUSY, not started there) or waits refused now."""
+        cfg = self.cfg
+        if cfg[L.CFG_ALGO] not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER) or cfg[L.CFG_ORIG_BLOCK] < 0:
+            return False
+        own = np.int64(1) << cfg[L.CFG_RANK]
+        if (cfg[L.CFG_ACKED] or cfg[L.CFG_DONE_COUNT] or cfg[L.CFG_PEERS_DONE] & ~own or cfg[L.CFG_BM_GOT] & ~own
+                or cfg[L.CFG_PREV_ASK] or cfg[L.CFG_CUR_ASK] or cfg[L.CFG_FATAL]):  # fmt: skip
+            return False
+        lo, hi = int(cfg[L.CFG_LOW_UNACKED]), int(cfg[L.CFG_NEXT_SEND])
+        return bool(np.any((self.acked[lo:hi] == 2) | (self.tries[lo:hi] > 1)))
 
     def is_retry(self, packet: Packet, src: int) -> bool:
         """*packet* is a repeat of the START_COLL that set this slot's collective up."""
@@ -266,6 +317,7 @@ class CollectiveEngine:
                per_packet: int, rcvbuf: int, tag_key: bytes) -> None:  # fmt: skip
         n_chunks = int(cb[-1])
         self.started_by = (src, packet.client_id)
+        self.request = packet
         cfg = self.cfg
         if cfg[L.CFG_COLL] != packet.coll_id:
             cfg[:] = 0  # a slot another group held: nothing of its collectives carries over

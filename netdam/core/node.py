@@ -563,6 +563,11 @@ class NodeCore(CoreBase):
         )  # fmt: skip
         if status != Status.OK:
             self.release_collective_key()
+        for request, host, tag_key in self.collective.yielded:
+            # A stuck collective gave its slot to this one: its host asks again (BUSY).
+            # (Counted with every NACK BUSY: no counter of its own, the COUNTERS layout stays.)
+            self._nack(request, host, Status.BUSY, tag_key=tag_key if any(tag_key) else b"")
+        self.collective.yielded.clear()
         if status == Status.OK:
             self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
             self._reply(packet, src, Opcode.ACK, tag_key=key)

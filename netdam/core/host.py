@@ -1,0 +1,249 @@
+"""A rank's side of its collectives, sans-I/O: the host's counterpart of ``core/node.py``.
+
+A rank issues calls into lanes (one call of a lane in its NIC at a time, lanes side by side in
+the NIC's slots, SPEC.md 4.1). This core decides everything about them that is not I/O: which
+START_COLL datagrams go out and when, what each answer of the node means (started, BUSY, moved
+past, completed, failed; a completion or NACK only under the call's tag, SPEC.md 2.6), when a
+START_COLL the node has not answered is sent again, and when a node silent past the watchdog
+fails its call. It reads no socket and no clock: datagrams and ``now`` come in as arguments,
+datagrams to send come out. ``netdam.api`` is its shell (the socket, ``time.monotonic()``, the
+progress thread, staging and copying), and ``tests/test_host_core.py`` drives it on the
+in-memory fabric with a hand clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Protocol
+
+from netdam.protocol.constants import Opcode, Status
+from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.packet import Packet, decode_packet
+from netdam.protocol.payloads import (
+    CompletionPhases,
+    descriptor_tag_key,
+    unpack_completion,
+    unpack_completion_phases,
+)
+from netdam.protocol.tag import verify as tag_verify
+
+#: First and longest wait before asking again a node that answered START_COLL with BUSY (every
+#: slot of it runs a collective, likely another job's): doubled per refusal.
+BUSY_BACKOFF_S, BUSY_BACKOFF_MAX_S = 0.002, 0.05
+#: A START_COLL the node has not answered (or whose completion did not come) goes again after this.
+START_RESEND_S = 0.5
+#: Seconds past its watchdog that a call waits on a silent node before it fails (the node's own
+#: watchdog fails the collective first and says so, when the node is alive).
+SILENCE_GRACE_S = 1.0
+#: aux_addr of an ACK of START_COLL: 0 "running", 1 the completion (SPEC.md 4.1).
+_RUNNING, _COMPLETION = 0, 1
+
+
+class CallGroup(Protocol):
+    """What a call needs of its group: this rank's place in it (for txn ids), the group's epoch
+    counter, and the group's keys for an epoch (a call moved past a node's epoch is re-keyed)."""
+
+    rank: int
+    epoch: int
+
+    def descriptor_for_epoch(self, packet: Packet, epoch: int) -> Packet: ...
+
+
+class Heard(Enum):
+    """What one answer of the node did to its call."""
+
+    NOTHING = "nothing"  # not this rank's, no call of it, or untagged where a tag is needed
+    STARTED = "started"  # the node runs it
+    BUSY = "busy"  # every slot of the node is taken: asked again after a backoff
+    REBASED = "rebased"  # the node was past this epoch: moved on and sent again
+    COMPLETED = "completed"
+    FAILED = "failed"  # a NACK from the node (``Call.nack``)
+
+
+def txn_of(packet: Packet, rank: int) -> int:
+    """The txn_id of one call's START_COLL: distinct for every group and epoch of this rank,
+    whose answers share one socket."""
+    return (int(packet.coll_id) * 1_000_003 + int(packet.epoch) * 7919 + rank) & 0xFFFFFFFF
+
+
+@dataclass(eq=False)
+class Call:
+    """One collective of this rank, from issue to its end: its START_COLL and what its node said.
+    Times are the ``now`` the owner passed in (the shell's ``time.monotonic()``)."""
+
+    group: CallGroup
+    packet: Packet
+    watchdog_s: float
+    txn: int = 0
+    #: Its START_COLL has left (a call queued behind another of its lane has not), when it
+    #: first left, and when it last left.
+    sent: bool = False
+    sent_at: float = 0.0
+    last_sent_at: float = 0.0
+    #: When START_COLL goes again unless the node answered by then.
+    resend_at: float = 0.0
+    #: When the node last said something of it (or the call was first sent).
+    heard_at: float = 0.0
+    #: The node ACKed START_COLL (running), as opposed to hearing nothing yet; and when.
+    started: bool = False
+    started_at: float | None = None
+    #: The node answered BUSY: asked again at resend_at. BUSY answers so far.
+    refused: bool = False
+    busy_answers: int = 0
+    backoff_s: float = BUSY_BACKOFF_S
+    done: bool = False
+    completed_at: float | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+    node_phases: CompletionPhases | None = None
+    #: Why it failed: the node's NACK, or the seconds its node stayed silent.
+    nack: Packet | None = None
+    silent_s: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.nack is not None or self.silent_s is not None
+
+    @property
+    def ended(self) -> bool:
+        return self.done or self.failed
+
+    @property
+    def waiting_on_node(self) -> bool:
+        """Sent, and the node has not said it runs it (or said BUSY): a re-send will be due."""
+        return not self.started or self.refused
+
+
+class CallQueue:
+    """The lanes of one rank and the START_COLLs they send. *encode* turns a packet into the
+    datagram this rank sends (the shell seals control opcodes there)."""
+
+    def __init__(self, client_id: int, lanes: int, encode: Callable[[Packet], bytes]) -> None:
+        self.client_id = client_id
+        self.lanes: list[list[Call]] = [[] for _ in range(lanes)]
+        self._encode = encode
+
+    # ---------------------------------------------------------------- what is queued
+
+    def heads(self) -> list[Call]:
+        """The call of each lane that is in the node (or on its way there)."""
+        return [lane[0] for lane in self.lanes if lane]
+
+    def queued(self) -> bool:
+        """Some call waits behind another of its lane."""
+        return any(len(lane) > 1 for lane in self.lanes)
+
+    def oldest(self, lane: int) -> Call | None:
+        return self.lanes[lane][0] if self.lanes[lane] else None
+
+    def next_resend(self, now: float) -> float | None:
+        """When a head's START_COLL is due again (None: every head is running)."""
+        return min((h.resend_at for h in self.heads() if h.waiting_on_node), default=None)
+
+    # ---------------------------------------------------------------- inputs
+
+    def issue(self, call: Call, lane: int, now: float) -> list[bytes]:
+        """Queue *call* at the end of *lane*; its START_COLL goes now when the lane was empty,
+        else when the call before it ends."""
+        out = self.advance(now)
+        self.lanes[lane].append(call)
+        if len(self.lanes[lane]) == 1:
+            out.append(self._send(call, now))
+        return out
+
+    def receive(self, data: bytes, now: float) -> tuple[Call | None, Heard, list[bytes]]:
+        """One datagram from the node: the call it answers, what it did to it, and what to send
+        now (the call again, moved past the node's epoch; the next call of a lane that ended)."""
+        try:
+            reply = decode_packet(data)
+        except RemoteProtocolError:
+            return None, Heard.NOTHING, []
+        if reply.client_id != self.client_id:
+            return None, Heard.NOTHING, []
+        call = next((c for lane in self.lanes for c in lane if c.sent and c.txn == reply.txn_id), None)
+        if call is None:
+            return None, Heard.NOTHING, []
+        heard = self._take(call, reply, data, now)
+        out = [self._send(call, now)] if heard is Heard.REBASED else []
+        return call, heard, out + self.advance(now)
+
+    def tick(self, now: float, timeout: float | None = None) -> tuple[list[bytes], list[Call]]:
+        """Time passed: the START_COLLs due again (lost, its completion lost, or BUSY), and the
+        heads whose node stayed silent past their watchdog plus SILENCE_GRACE_S (or *timeout*),
+        which fail here."""
+        out = self.advance(now)
+        silent = []
+        for head in self.heads():
+            bound = timeout if timeout is not None else head.watchdog_s + SILENCE_GRACE_S
+            if now - head.heard_at > bound:
+                head.silent_s = bound
+                silent.append(head)
+            elif now >= head.resend_at:
+                out.append(self._send(head, now))
+        return out + self.advance(now), silent
+
+    def advance(self, now: float) -> list[bytes]:
+        """In every lane, drop the ended calls at the head and send the next one's START_COLL
+        (the lane's slot on the node is free now)."""
+        out = []
+        for lane in self.lanes:
+            while lane and lane[0].ended:
+                lane.pop(0)
+                if lane:
+                    out.append(self._send(lane[0], now))
+        return out
+
+    # ---------------------------------------------------------------- the rules
+
+    def _send(self, call: Call, now: float) -> bytes:
+        call.txn = txn_of(call.packet, call.group.rank)
+        call.last_sent_at = now
+        call.resend_at = now + START_RESEND_S
+        if not call.sent:
+            call.sent, call.sent_at, call.heard_at = True, now, now
+        return self._encode(replace(call.packet, client_id=self.client_id, txn_id=call.txn))
+
+    def _take(self, call: Call, reply: Packet, data: bytes, now: float) -> Heard:
+        # What can end or fail the wait (a completion, a NACK) must carry this call's tag
+        # (SPEC.md 2.6); a plain "started" ACK only keeps the wait alive, so it is not
+        # checked (a host's SipHash in Python costs ~50 us).
+        decides = reply.opcode == Opcode.NACK or reply.aux_addr != _RUNNING
+        key = descriptor_tag_key(call.packet.payload) if decides else b""
+        if key and not tag_verify(key, data):
+            return Heard.NOTHING  # not from a holder of this collective's key: the nodes count those
+        call.heard_at = now
+        if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
+            # The node already ran epoch aux_addr of this cluster's collectives (the group is
+            # new: it counts from 1). Every rank's node ran the same collectives, so every rank
+            # moves to the same epoch without talking to the others.
+            epoch = max(call.group.epoch, reply.aux_addr + 1)
+            call.group.epoch = epoch
+            call.packet = call.group.descriptor_for_epoch(call.packet, epoch)
+            return Heard.REBASED
+        if reply.opcode == Opcode.NACK and reply.status == Status.BUSY:
+            # Every slot of the node runs a collective (other jobs'): not a failure, ask again
+            # after a backoff that doubles per refusal.
+            call.refused = True
+            call.busy_answers += 1
+            call.resend_at = now + call.backoff_s
+            call.backoff_s = min(2 * call.backoff_s, BUSY_BACKOFF_MAX_S)
+            return Heard.BUSY
+        if reply.opcode == Opcode.NACK:
+            call.nack = reply
+            return Heard.FAILED
+        if reply.aux_addr == _RUNNING:
+            call.started = True
+            call.refused = False
+            call.started_at = call.started_at or now
+            return Heard.STARTED
+        if reply.aux_addr != _COMPLETION:
+            return Heard.NOTHING
+        retransmits, reads = unpack_completion(reply.payload)
+        call.stats = {"retransmits": retransmits, "repair_reads": reads}
+        call.done = True
+        call.completed_at = now
+        call.started_at = call.started_at or now  # its "running" ACK may come later, or never
+        call.started = True
+        call.node_phases = unpack_completion_phases(reply.payload)
+        return Heard.COMPLETED
