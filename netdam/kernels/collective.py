@@ -47,7 +47,7 @@ from netdam.kernels.wire import (
     _SLOT,
     _check_access,
     _copy,
-    _credit,
+    _emit_ack,
     _emit_nack,
     _encode_payload,
     _is_member,
@@ -57,7 +57,6 @@ from netdam.kernels.wire import (
     _rd32,
     _rd64,
     _reply_dst,
-    _reply_header,
     _scratch,
     _sparse_expand,
     _wr16,
@@ -254,7 +253,7 @@ _F_RETRY = int(Flags.RETRY)
 
 
 @njit(cache=True, nogil=True)
-def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):  # type: ignore[no-untyped-def]
+def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):
     """Write a v1 header for this collective into t (segs: SR entries that follow)."""
     t[:_HDR] = 0
     t[H_VERSION] = 1
@@ -276,18 +275,18 @@ def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):  # type: ignor
 
 
 @njit(cache=True, nogil=True)
-def _room(tx_buf, tx_off, tx_len, tx_n):  # type: ignore[no-untyped-def]
+def _room(tx_buf, tx_off, tx_len, tx_n):
     return tx_n + 1 < tx_len.shape[0] and tx_off[tx_n] + _SLOT <= tx_buf.shape[0]
 
 
 @njit(cache=True, nogil=True)
-def _room_for(tx_buf, tx_off, tx_len, tx_n, k):  # type: ignore[no-untyped-def]
+def _room_for(tx_buf, tx_off, tx_len, tx_n, k):
     """Room for *k* more datagrams in the send queue."""
     return tx_n + k < tx_len.shape[0] and tx_off[tx_n] + k * _SLOT <= tx_buf.shape[0]
 
 
 @njit(cache=True, nogil=True)
-def _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, length, dst):  # type: ignore[no-untyped-def]
+def _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, length, dst):
     """Queue the datagram built at the tail, sealed (SPEC.md 2.6) when this node holds the tag
     key of its collective and epoch: every datagram the engine sends goes through here."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
@@ -301,7 +300,7 @@ def _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, length, dst):  # type: ig
 
 
 @njit(cache=True, nogil=True)
-def _coll_tag_key(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
+def _coll_tag_key(co_cfg, coll, epoch):
     """(k0, k1): the tag key of collective (coll, epoch) on this node, its current epoch's or
     the previous one's; (0, 0) when it holds none (untagged, or not started here)."""
     zero = np.uint64(0)
@@ -315,7 +314,7 @@ def _coll_tag_key(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _needs_tag(slots, b):  # type: ignore[no-untyped-def]
+def _needs_tag(slots, b):
     """An untagged datagram that names a tagged collective held here (its coll_id and epoch,
     or its rkey, in any slot) is not that collective's: dropped as forged. Only NACK BUSY may
     come untagged: a hop that has not started the collective holds no key to tag it with, and
@@ -341,7 +340,7 @@ def _needs_tag(slots, b):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _tagged_key_of(co_cfg, rkey):  # type: ignore[no-untyped-def]
+def _tagged_key_of(co_cfg, rkey):
     """*rkey* is the key of a tagged collective in this slot, of its current or previous epoch."""
     if rkey == co_cfg[CFG_RKEY] and co_cfg[CFG_STATE] != STATE_IDLE and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0:
         return True
@@ -349,7 +348,7 @@ def _tagged_key_of(co_cfg, rkey):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _open_tagged(co_cfg, b, ln, counters):  # type: ignore[no-untyped-def]
+def _open_tagged(co_cfg, b, ln, counters):
     """Check the tag of datagram b[:ln] (TAGGED set). Returns (verdict, k0, k1): verdict 1 and
     the key when the tag is right (the caller strips it and seals what it answers); 2 for an
     early datagram of a collective not started here, which holds no key yet: stripped and
@@ -379,13 +378,13 @@ def _open_tagged(co_cfg, b, ln, counters):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _block_of(cfg, cb, c):  # type: ignore[no-untyped-def]
+def _block_of(cfg, cb, c):
     """Block of chunk c (empty blocks own no chunk: the last block starting at or before c)."""
     return np.searchsorted(cb[: cfg[CFG_WORLD] + 1], c, side="right") - 1
 
 
 @njit(cache=True, nogil=True)
-def _chunk(cfg, bounds, cb, c):  # type: ignore[no-untyped-def]
+def _chunk(cfg, bounds, cb, c):
     """(block, first element, elements) of chunk c."""
     j = _block_of(cfg, cb, c)
     first = bounds[j] + (c - cb[j]) * cfg[CFG_PER_PACKET]
@@ -393,7 +392,7 @@ def _chunk(cfg, bounds, cb, c):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """CHAIN_ADD for chunk c: this node's elements, SR list over the ring up to the owner."""
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = _ESIZE[cfg[CFG_DTYPE]]
@@ -422,7 +421,7 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
 
 
 @njit(cache=True, nogil=True)
-def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """ALL_WRITE of chunk c of this node's output to dst (a group or one member)."""
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = _ESIZE[cfg[CFG_DTYPE]]
@@ -441,7 +440,7 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_
 
 
 @njit(cache=True, nogil=True)
-def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """READ of chunk c's reduced data from its owner (all-gather repair)."""
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = _ESIZE[cfg[CFG_DTYPE]]
@@ -452,7 +451,7 @@ def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
 
 
 @njit(cache=True, nogil=True)
-def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """Tell the host the collective ended: ACK (or NACK with *status*) echoing its START_COLL ids,
     aux_addr = 1. Payload, u64 LE each: retransmits and repair READs (ACK), or the first and last
     chunk still missing here (NACK), so the host can name what it waited for. An ACK adds the
@@ -492,7 +491,7 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # t
 
 
 @njit(cache=True, nogil=True)
-def _phase_us(fcfg, slot):  # type: ignore[no-untyped-def]
+def _phase_us(fcfg, slot):
     """Microseconds from the collective's start to the end of the phase in *slot*, saturated
     to u32; NO_PHASE_US when it never ended."""
     if fcfg[slot] < 0.0 or fcfg[F_START] < 0.0:
@@ -513,14 +512,14 @@ def coll_tick(now: float, slots: CollSlots, mem: np.ndarray, counters: np.ndarra
 
 
 @njit(cache=True, nogil=True)
-def _slot(slots, s):  # type: ignore[no-untyped-def]
+def _slot(slots, s):
     """Slot *s* as one collective's CollState: row views, nothing copied."""
     return CollState(slots.cfg[s], slots.done[s], slots.acked[s], slots.f[s], slots.ring[s], slots.bounds[s],
                      slots.cb[s], slots.sent[s], slots.tries[s], slots.agsent[s])  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
-def _slot_of(slots, coll):  # type: ignore[no-untyped-def]
+def _slot_of(slots, coll):
     """The slot holding collective *coll* (running, or its last epoch here ended in it), else
     SPARE_SLOT. netdam.core.collective gives one coll_id at most one slot."""
     if coll != 0:
@@ -531,20 +530,20 @@ def _slot_of(slots, coll):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _for_collective(node, coll):  # type: ignore[no-untyped-def]
+def _for_collective(node, coll):
     """*node* as the per-packet code sees it: the slot of collective *coll* in place of the slots."""
     mem, regions, members, window, slots, counters = node
     return NodeState(mem, regions, members, window, _slot(slots, _slot_of(slots, coll)), counters)
 
 
 @njit(cache=True, nogil=True)
-def _needs_clock(cfg):  # type: ignore[no-untyped-def]
+def _needs_clock(cfg):
     """A slot's clock must run: its collective runs, or a member waits for a repeated DONE."""
     return cfg[CFG_STATE] == STATE_RUNNING or cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0
 
 
 @njit(cache=True, nogil=True)
-def _any_slot(slots, running_only):  # type: ignore[no-untyped-def]
+def _any_slot(slots, running_only):
     """Some slot runs a collective (*running_only*), or needs its clock."""
     for s in range(MAX_COLLECTIVES):
         cfg = slots.cfg[s]
@@ -554,7 +553,7 @@ def _any_slot(slots, running_only):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _coll_ticks(now, slots, mem, counters, tx, tx_n, first):  # type: ignore[no-untyped-def]
+def _coll_ticks(now, slots, mem, counters, tx, tx_n, first):
     """The clock of every slot that needs it, slot *first* first: callers turn *first* round,
     so no collective always sends first into a send queue that may fill (a fair share each).
     Running collectives share the credit window: each keeps 1/k of its window in flight while
@@ -571,7 +570,7 @@ def _coll_ticks(now, slots, mem, counters, tx, tx_n, first):  # type: ignore[no-
 
 
 @njit(cache=True, nogil=True)
-def _coll_tick(now, coll, mem, counters, tx, tx_n, share):  # type: ignore[no-untyped-def]
+def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
     """Advance the running collective at time *now* (seconds), one of *share* running here
     (its window divided among them); returns the new tx_n."""
     cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
@@ -742,7 +741,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):  # type: ignore[no-un
 
 
 @njit(cache=True, nogil=True)
-def _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """Repeat this node's DONE to members that ask for it: of the previous epoch, or of the
     current one once finished (they lost it while this node finished)."""
     for peer in range(cfg[CFG_WORLD]):
@@ -757,7 +756,7 @@ def _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: 
 
 
 @njit(cache=True, nogil=True)
-def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """DONE: an ACK with aux_addr = AUX_DONE, seq = this node's rank, txn_id 0 for a DONE that
     asks the member to answer with its own once ready, 1 for such an answer (never answered:
     no ping-pong between finished nodes)."""
@@ -771,7 +770,7 @@ def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):  
 
 
 @njit(cache=True, nogil=True)
-def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """RESUME to every originator this node answered BUSY for this very collective and epoch
     before its host started it: an ACK with aux_addr = AUX_RESUME, seq = this node's rank,
     txn_id 0, no payload. Records of any other collective or epoch are stale: forgotten."""
@@ -788,7 +787,7 @@ def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no
 
 
 @njit(cache=True, nogil=True)
-def _note_refusal(co_cfg, coll, epoch, originator):  # type: ignore[no-untyped-def]
+def _note_refusal(co_cfg, coll, epoch, originator):
     """Remember an originator answered BUSY for (coll, epoch), for _send_resumes. Only the
     newest (coll, epoch) refused is kept; past REFUSED_SLOTS originators the rest wait for
     their backoff timer."""
@@ -807,7 +806,7 @@ def _note_refusal(co_cfg, coll, epoch, originator):  # type: ignore[no-untyped-d
 
 
 @njit(cache=True, nogil=True)
-def _all_ranks(world):  # type: ignore[no-untyped-def]
+def _all_ranks(world):
     """The rank bit set of a world of *world* (<= 64) members. Not (1 << world) - 1: a shift by
     64 is undefined in LLVM (x86 takes the count mod 64: 1 << 64 == 1), which made it 0 at 64
     members, and a 64-node collective waited for its DONEs until the watchdog fired."""
@@ -815,7 +814,7 @@ def _all_ranks(world):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _rtt_sample(fcfg, sample):  # type: ignore[no-untyped-def]
+def _rtt_sample(fcfg, sample):
     """RFC 6298 smoothing; RTO clamped to [RTO_MIN_S, RTO_MAX_S]."""
     if fcfg[F_SRTT] == 0.0:
         fcfg[F_SRTT] = sample
@@ -828,7 +827,7 @@ def _rtt_sample(fcfg, sample):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """Sparse mode's first round (SPEC.md 4.1): answer members that sent their bitmap as a
     request; send ours as a request to members not known to hold it, at once and again every
     base RTO (a member not started yet drops it; its own request, once it starts, is answered)."""
@@ -852,7 +851,7 @@ def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_ds
 
 
 @njit(cache=True, nogil=True)
-def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """This node's non-zero bitmap: an ACK with aux_addr = AUX_BITMAP, seq = rank, txn_id 0
     (request: answer me) or 1 (answer), payload ceil(chunks / 8) bytes, bit c = chunk c."""
     nbytes = (cfg[CFG_CHUNKS] + 7) // 8
@@ -864,7 +863,7 @@ def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n): 
 
 
 @njit(cache=True, nogil=True)
-def _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done):  # type: ignore[no-untyped-def]
+def _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done):
     """Every bitmap is in: a chunk zero in every member's input is zero in the result (SUM, MIN
     and MAX of +0 are +0). Write it here, count it done and ACKed, never chain or gather it."""
     cfg[CFG_BM_APPLIED] = 1
@@ -891,7 +890,7 @@ def _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done):  # type: ignor
 
 
 @njit(cache=True, nogil=True)
-def _coll_phase(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
+def _coll_phase(co_cfg, coll, epoch):
     """RUNNING when (coll, epoch) is this node's current collective (running or finished),
     STALE for an earlier epoch of it, NOT_STARTED otherwise (the host has not started it here
     yet: its input may not be staged, so nothing of it may be read or written)."""
@@ -905,7 +904,7 @@ def _coll_phase(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _coll_ended(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
+def _coll_ended(co_cfg, coll, epoch):
     """(coll, epoch) is this node's collective and it has ended (done or failed). Every member
     then holds every chunk and every chain was ACKed (DONE, section 4.1), so a datagram of it is
     a late duplicate: dropped before the rkey check, since the collective's key is gone."""
@@ -913,7 +912,7 @@ def _coll_ended(co_cfg, coll, epoch):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
+def _all_write(b, ln, src, node, tx, tx_n):
     """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
@@ -953,17 +952,12 @@ def _all_write(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
     else:
         _copy(mem, a, b, _HDR, length)
     if _rd16(b, H_FLAGS) & _F_ACK_REQ:
-        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
-        tx_len[tx_n] = _HDR
-        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
-        tx_dst[tx_n] = _reply_dst(b, src, members)
-        return tx_n + 1
+        return _emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
+def _chain_add(b, ln, src, node, tx, tx_n):
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
     mem, regions, members, window, coll, counters = node
@@ -1078,17 +1072,12 @@ def _chain_add(b, ln, src, node, tx, tx_n):  # type: ignore[no-untyped-def]
             co_done[seq] = 1
             co_cfg[CFG_DONE_COUNT] += 1
     if _rd16(b, H_FLAGS) & _F_ACK_REQ:
-        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-        _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
-        tx_len[tx_n] = _HDR
-        tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
-        tx_dst[tx_n] = _reply_dst(b, src, members)
-        return tx_n + 1
+        return _emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _coll_done_msg(b, src, co_cfg):  # type: ignore[no-untyped-def]
+def _coll_done_msg(b, src, co_cfg):
     """A member's DONE: for this epoch, note it; for the previous epoch (that member may have
     lost this node's DONE while this node moved on), ask the engine to repeat it."""
     world = co_cfg[CFG_WORLD]
@@ -1110,7 +1099,7 @@ def _coll_done_msg(b, src, co_cfg):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyped-def]
+def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):
     """A member's per-chunk non-zero bitmap (sparse mode, SPEC.md 4.1): OR it in once; a request
     (txn_id 0) is answered with ours by the next tick, an answer (txn_id 1) proves the member
     holds ours. Dropped unless this node runs that very collective and epoch."""
@@ -1140,7 +1129,7 @@ def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):  # type: ignore[no-untyp
 
 
 @njit(cache=True, nogil=True)
-def _coll_reply(b, ln, src, op, node):  # type: ignore[no-untyped-def]
+def _coll_reply(b, ln, src, op, node):
     """Replies of the running collective, handled here so no reply costs Python: chain ACKs
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""

@@ -100,7 +100,7 @@ _ELEMENT_SIZE = np.array([ELEMENT_SIZE[code] for code in range(len(ELEMENT_SIZE)
 
 
 @njit(cache=True, nogil=True, fastmath=False)
-def _sum_loop(x, y):  # type: ignore[no-untyped-def]
+def _sum_loop(x, y):
     for i in range(x.shape[0]):
         xi = x[i]
         r = xi + y[i]
@@ -112,7 +112,7 @@ def _sum_loop(x, y):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, fastmath=False)
-def _min_loop(x, y):  # type: ignore[no-untyped-def]
+def _min_loop(x, y):
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
@@ -121,7 +121,7 @@ def _min_loop(x, y):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, fastmath=False)
-def _max_loop(x, y):  # type: ignore[no-untyped-def]
+def _max_loop(x, y):
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
@@ -129,7 +129,7 @@ def _max_loop(x, y):  # type: ignore[no-untyped-def]
 
 
 @njit("void(uint16[::1], uint16[::1])", cache=True, nogil=True, fastmath=False)
-def _sum_f16_loop(x, y):  # type: ignore[no-untyped-def]
+def _sum_f16_loop(x, y):
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
@@ -145,7 +145,7 @@ def _sum_f16_loop(x, y):  # type: ignore[no-untyped-def]
 
 
 @njit("int64(uint16)", cache=True, nogil=True, fastmath=False)
-def _f16_order_key(h):  # type: ignore[no-untyped-def]
+def _f16_order_key(h):
     # For non-NaN f16 (and bf16), an integer with the same order as the value and -0 == +0, so MIN/MAX
     # need no conversion (sign-magnitude to two's complement). 3.5x faster than via f32.
     mag = np.int64(h & 0x7FFF)
@@ -153,7 +153,7 @@ def _f16_order_key(h):  # type: ignore[no-untyped-def]
 
 
 @njit("void(uint16[::1], uint16[::1])", cache=True, nogil=True, fastmath=False)
-def _sum_bf16_loop(x, y):  # type: ignore[no-untyped-def]
+def _sum_bf16_loop(x, y):
     for i in range(x.shape[0]):
         s = np.float32(np.uint32(np.uint32(x[i]) << 16).view(np.float32) + np.uint32(np.uint32(y[i]) << 16).view(np.float32))
         bits = np.uint32(s.view(np.uint32))
@@ -169,7 +169,7 @@ _BF16_INF = 0x7F80
 
 
 @njit("void(uint16[::1], uint16[::1], int64)", cache=True, nogil=True, fastmath=False)
-def _min_half_loop(x, y, inf):  # type: ignore[no-untyped-def]
+def _min_half_loop(x, y, inf):
     # MIN of 16-bit floats, f16 or bf16 (*inf*: their infinity's magnitude), by numpy's half
     # rule, which keeps x on ties (unlike f32): x if x is NaN or x <= y, else y, bits unchanged.
     # MIN and MAX stay two loops: one taking the direction as an argument ran 2x slower. `|`
@@ -182,7 +182,7 @@ def _min_half_loop(x, y, inf):  # type: ignore[no-untyped-def]
 
 
 @njit("void(uint16[::1], uint16[::1], int64)", cache=True, nogil=True, fastmath=False)
-def _max_half_loop(x, y, inf):  # type: ignore[no-untyped-def]
+def _max_half_loop(x, y, inf):
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
@@ -191,7 +191,7 @@ def _max_half_loop(x, y, inf):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, fastmath=False)
-def _apply(x, y, op):  # type: ignore[no-untyped-def]
+def _apply(x, y, op):
     if op == OP_SUM:
         _sum_loop(x, y)
     elif op == OP_MIN:
@@ -206,7 +206,7 @@ _COMBINE_SIG = "void(uint8[::1], int64, uint8[::1], int64, uint8[::1], int64, in
 
 
 @njit(_COMBINE_SIG, cache=True, nogil=True, fastmath=False)
-def _combine_bytes(out, out_off, a, a_off, b, b_off, nbytes, dtype, op):  # type: ignore[no-untyped-def]
+def _combine_bytes(out, out_off, a, a_off, b, b_off, nbytes, dtype, op):
     # Contract (not checked): ranges in bounds, offsets multiples of 8, nbytes a multiple of
     # the element size, dtype/op valid and not raw, and out[out_off:] is either exactly
     # a[a_off:] or overlaps neither a nor b. An unknown dtype leaves out as a copy of a (or

@@ -6,7 +6,7 @@ duplicate window) are executed here.
 
 Rules of this file:
 1. The checks in ``wire._check_packet`` mirror ``netdam.protocol.packet.decode_packet`` step for step
-   and in the same order, so both give the same status for the same bytes (tests/test_datapath.py
+   and in the same order, so both give the same status for the same bytes (tests/kernels/test_datapath.py
    holds them to it on random and mutated packets).
 2. Nothing here validates its *arguments*: ``netdam.core.node.NodeCore`` owns the arrays, sizes them
    and checks them once. Packet contents are untrusted and every address is checked against the
@@ -141,7 +141,7 @@ _HOLD_US = 2_000_000
 
 
 @njit(cache=True, nogil=True)
-def _requester_key(client, requester, rkey):  # type: ignore[no-untyped-def]
+def _requester_key(client, requester, rkey):
     """Window key of a request: the client id bound to where its reply goes (the return segment
     from a member, else the UDP source) and to the rkey that authorised it. Nobody can replay
     into or poison another client's history: without the victim's rkey a forged datagram lands
@@ -154,7 +154,7 @@ def _requester_key(client, requester, rkey):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _window_check(window, client, requester, rkey, txn, stamp):  # type: ignore[no-untyped-def]
+def _window_check(window, client, requester, rkey, txn, stamp):
     """At-most-once window (SPEC.md "Memory semantics"): NEW, DUP, STALE or BUSY for (client,
     requester, rkey, txn); *stamp* is the time in microseconds (> 0).
 
@@ -222,7 +222,7 @@ def _window_check(window, client, requester, rkey, txn, stamp):  # type: ignore[
 
 
 @njit(cache=True, nogil=True)
-def _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):  # type: ignore[no-untyped-def]
+def _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):
     """Remember that (client slot c, txn) executed and what it answered (reply_len 0: nothing)."""
     w_txn[c, w] = txn
     w_state[c, w] = 1
@@ -247,7 +247,7 @@ def process_batch(rx: RxBatch, n: int, max_len: int, node: NodeState, guard: Gua
 
 
 @njit(cache=True, nogil=True)
-def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore[no-untyped-def]
+def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
     """Execute datagrams rx_buf[rx_off[i] : rx_off[i] + rx_len[i]] for i < n; append replies and
     forwards to the send queue from tx_n (packet k at tx_buf[tx_off[k] : tx_off[k] + tx_len[k]],
     packed back to back so runs to one destination can leave as one GSO send; tx_off[tx_n] is
@@ -386,7 +386,7 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):  # type: ignore
 
 
 @njit(cache=True, nogil=True)
-def _read(b, src, node, guard, tx, tx_n, max_len):  # type: ignore[no-untyped-def]
+def _read(b, src, node, guard, tx, tx_n, max_len):
     """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final.
     A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
@@ -437,7 +437,7 @@ def _read(b, src, node, guard, tx, tx_n, max_len):  # type: ignore[no-untyped-de
 
 
 @njit(cache=True, nogil=True)
-def _mutate(b, ln, src, op, node, tx, tx_n, stamp):  # type: ignore[no-untyped-def]
+def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, reply address, rkey, txn id);
     *stamp* is the batch's time in microseconds (the window's clock)."""
     mem, regions, members, window, coll, counters = node
@@ -515,7 +515,7 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):  # type: ignore[no-untyped-d
 
 
 @njit(cache=True, nogil=True)
-def _drain(tx_buf, tx_off, tx_len, tx_dst, start, count, out_buf, out_off, out_len, out_dst):  # type: ignore[no-untyped-def]
+def _drain(tx_buf, tx_off, tx_len, tx_dst, start, count, out_buf, out_off, out_len, out_dst):
     """Copy queued datagrams start.. into the caller's batch, back to back, while they fit.
     Returns how many were copied."""
     pos = 0

@@ -16,7 +16,7 @@ _SALT_DELAY = 0x2545F4914F6CDD1D
 
 
 @njit("uint64(uint64)", cache=True, nogil=True)
-def _mix(x):  # type: ignore[no-untyped-def]
+def _mix(x):
     """splitmix64 finaliser (Steele, Lea & Flood 2014): a cheap, well-mixed 64-bit hash."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -24,7 +24,7 @@ def _mix(x):  # type: ignore[no-untyped-def]
 
 
 @njit("float64(uint64, uint64, uint64, uint64, uint64, uint64)", cache=True, nogil=True)
-def _fault_hash(seed, src, dst, packet_id, attempt, salt):  # type: ignore[no-untyped-def]
+def _fault_hash(seed, src, dst, packet_id, attempt, salt):
     """Uniform draw in [0, 1) for one decision about one packet."""
     h = _mix(np.uint64(seed) ^ np.uint64(salt))
     h = _mix(h ^ np.uint64(src))
@@ -35,7 +35,7 @@ def _fault_hash(seed, src, dst, packet_id, attempt, salt):  # type: ignore[no-un
 
 
 @njit(cache=True, nogil=True)
-def _packet_id(b, n):  # type: ignore[no-untyped-def]
+def _packet_id(b, n):
     """Hash of the identifying header bytes (status, credit, flags and return segment excluded)."""
     if n < HEADER_SIZE:
         h = np.uint64(n)

@@ -37,7 +37,7 @@ _PROBES = 8
 
 
 @njit(cache=True, nogil=True)
-def _attempt(table_key, table_count, key):  # type: ignore[no-untyped-def]
+def _attempt(table_key, table_count, key):
     """Times *key* was seen before; records one more sighting."""
     mask = table_key.shape[0] - 1
     start = np.int64(key & np.uint64(mask))
@@ -71,7 +71,7 @@ P_LOSS, P_DUP, P_REORDER, P_DELAY, P_DELAY_S = range(5)
 
 
 @njit(cache=True, nogil=True)
-def _decide(probs, seed, a, b, pid, attempt):  # type: ignore[no-untyped-def]
+def _decide(probs, seed, a, b, pid, attempt):
     """The fate of one datagram from *a* to *b*: (drop, copies, held, delay_s). *probs* is
     (loss, dup, reorder, delay, delay_s); reorder holds the datagram to the next batch, delay
     holds it delay_s longer. The same draws as core.faults.decide (fault_draws)."""
@@ -89,7 +89,7 @@ def _decide(probs, seed, a, b, pid, attempt):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _hold(data, ln, ep, tag, release, gen, hold):  # type: ignore[no-untyped-def]
+def _hold(data, ln, ep, tag, release, gen, hold):
     """Copy a datagram aside until *release* (and at least the next batch, *gen*). False when
     the table is full (the datagram then goes on at once)."""
     if ln > hold.buf.shape[1]:
@@ -107,7 +107,7 @@ def _hold(data, ln, ep, tag, release, gen, hold):  # type: ignore[no-untyped-def
 
 
 @njit(cache=True, nogil=True)
-def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, gen, now):  # type: ignore[no-untyped-def]
+def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, gen, now):
     """Append the held datagrams of *tag* that are due (held in an earlier batch, time come) to
     a receive batch, copied after its data at *end*. Returns (m, end, released)."""
     released = 0
@@ -129,7 +129,7 @@ def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, ge
 
 
 @njit(cache=True, nogil=True)
-def _apply_faults(rx, n, faults, counters):  # type: ignore[no-untyped-def]
+def _apply_faults(rx, n, faults, counters):
     """Rewrite rx[0:n] in place as the faults decide; returns the new count (rx arrays must
     have room for 2n + held entries, rx_buf room after the data for released copies)."""
     rx_buf, rx_off, rx_len, rx_src = rx

@@ -62,12 +62,12 @@ def new_guard(sets: int = SETS) -> Guard:
 
 
 @njit(cache=True, nogil=True)
-def _rotl(x, b):  # type: ignore[no-untyped-def]
+def _rotl(x, b):
     return (x << np.uint64(b)) | (x >> np.uint64(64 - b))
 
 
 @njit(cache=True, nogil=True)
-def _sipround(v0, v1, v2, v3):  # type: ignore[no-untyped-def]
+def _sipround(v0, v1, v2, v3):
     v0 += v1
     v1 = _rotl(v1, 13) ^ v0
     v0 = _rotl(v0, 32)
@@ -82,14 +82,14 @@ def _sipround(v0, v1, v2, v3):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _sip_init(k0, k1):  # type: ignore[no-untyped-def]
+def _sip_init(k0, k1):
     """SipHash's state for the key (k0, k1)."""
     return (k0 ^ np.uint64(0x736F6D6570736575), k1 ^ np.uint64(0x646F72616E646F6D),
             k0 ^ np.uint64(0x6C7967656E657261), k1 ^ np.uint64(0x7465646279746573))  # fmt: skip
 
 
 @njit(cache=True, nogil=True)
-def _sip_absorb(v0, v1, v2, v3, m):  # type: ignore[no-untyped-def]
+def _sip_absorb(v0, v1, v2, v3, m):
     """SipHash-2-4's compression of one message word m."""
     v3 ^= m
     v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
@@ -98,14 +98,14 @@ def _sip_absorb(v0, v1, v2, v3, m):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _sip_final(v0, v1, v2, v3, nbytes):  # type: ignore[no-untyped-def]
+def _sip_final(v0, v1, v2, v3, nbytes):
     """The last block of a message of *nbytes*, a multiple of 8 (its length byte alone), and
     SipHash-2-4's finalization: the 64-bit output."""
     return _sip_finish(v0, v1, v2, v3, np.uint64(nbytes & 0xFF) << np.uint64(56))
 
 
 @njit(cache=True, nogil=True)
-def _sip_finish(v0, v1, v2, v3, last):  # type: ignore[no-untyped-def]
+def _sip_finish(v0, v1, v2, v3, last):
     """SipHash-2-4's last block *last* (the message's 0-7 tail bytes, little-endian, under its
     length mod 256 in the top byte) and its finalization: the 64-bit output."""
     v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, last)
@@ -116,7 +116,7 @@ def _sip_finish(v0, v1, v2, v3, last):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _siphash_u64(k0, k1, m):  # type: ignore[no-untyped-def]
+def _siphash_u64(k0, k1, m):
     """SipHash-2-4 (Aumasson, Bernstein 2012) of the 8 bytes of *m* (little-endian) under the
     key (k0, k1): a keyed PRF, so tokens of other addresses cannot be derived from one's own."""
     v0, v1, v2, v3 = _sip_init(k0, k1)
@@ -125,7 +125,7 @@ def _siphash_u64(k0, k1, m):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _token(key, src):  # type: ignore[no-untyped-def]
+def _token(key, src):
     """The address-validation token of endpoint *src* (never 0: 0 means "no token")."""
     t = _siphash_u64(key[0], key[1], np.uint64(src))
     if t == 0:
@@ -134,7 +134,7 @@ def _token(key, src):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _validated(g, src, token):  # type: ignore[no-untyped-def]
+def _validated(g, src, token):
     return token != 0 and token == _token(g.key, src)
 
 
@@ -142,13 +142,13 @@ def _validated(g, src, token):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _set_of(g, src):  # type: ignore[no-untyped-def]
+def _set_of(g, src):
     ip = np.uint64(src) >> np.uint64(16)
     return np.int64(_mix(ip ^ np.uint64(_SALT_SET) ^ g.key[0]) % np.uint64(g.set_until.shape[0]))
 
 
 @njit(cache=True, nogil=True)
-def _locked(g, src):  # type: ignore[no-untyped-def]
+def _locked(g, src):
     """Whether datagrams from *src* (not a member) are dropped now: its entry is locked, or it
     has none and its set is locked."""
     now = g.cfg[G_NOW]
@@ -162,7 +162,7 @@ def _locked(g, src):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _backoff(g, s, now):  # type: ignore[no-untyped-def]
+def _backoff(g, s, now):
     """The next lockout of set *s*: t0 doubled per lockout since the set was quiet for forget."""
     if now - g.set_last[s] > g.cfg[G_FORGET]:
         g.set_strikes[s] = 0
@@ -174,7 +174,7 @@ def _backoff(g, s, now):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _fail(g, src, counters):  # type: ignore[no-untyped-def]
+def _fail(g, src, counters):
     """One failed authentication by *src*: draw a token, lock the source out when overdrawn."""
     now = g.cfg[G_NOW]
     counters[C.AUTH_FAILURES] += 1
@@ -212,7 +212,7 @@ def _fail(g, src, counters):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):  # type: ignore[no-untyped-def]
+def _account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):
     """After a datagram from *src* (not a member) was handled: the replies queued in
     [first, last) that NACK it BAD_RKEY or UNAUTHORIZED are failed authentications. Returns
     how many."""

@@ -15,7 +15,7 @@ from netdam.protocol.layout import H_ADDR, H_LENGTH, H_OPCODE, H_TXN_ID
 
 
 @njit(cache=True, nogil=True)
-def _write_packets(template, mem, src, dst_addr, nbytes, per_packet, txn0, out, out_off, out_len):  # type: ignore[no-untyped-def]
+def _write_packets(template, mem, src, dst_addr, nbytes, per_packet, txn0, out, out_off, out_len):
     """WRITEs of mem[src : src + nbytes] to dst_addr.. in datagrams of per_packet payload bytes;
     returns how many (datagram k at out[out_off[k] : out_off[k] + out_len[k]])."""
     n = 0
@@ -55,7 +55,7 @@ def write_packets(template: np.ndarray, mem: np.ndarray, src: int, dst_addr: int
 
 
 @njit(cache=True, nogil=True)
-def _sort_replies(rx_len, n, rx, rx_off, others):  # type: ignore[no-untyped-def]
+def _sort_replies(rx_len, n, rx, rx_off, others):
     """Count the ACKs among n received datagrams; the indices of every other datagram go to
     *others* for Python (NACKs, the hosts' step words). Returns (acks, n_others)."""
     acks = 0

@@ -36,13 +36,13 @@ HIST_BINS = 100_001
 
 
 @njit(cache=True, nogil=True)
-def _put_id(buf, off, nbytes, value):  # type: ignore[no-untyped-def]
+def _put_id(buf, off, nbytes, value):
     for k in range(nbytes):
         buf[off + k] = np.uint8((value >> (8 * (nbytes - 1 - k))) & 0xFF)
 
 
 @njit(cache=True, nogil=True)
-def _get_id(buf, off, nbytes):  # type: ignore[no-untyped-def]
+def _get_id(buf, off, nbytes):
     v = np.int64(0)
     for k in range(nbytes):
         v = (v << 8) | np.int64(buf[off + k])
@@ -50,7 +50,7 @@ def _get_id(buf, off, nbytes):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):  # type: ignore[no-untyped-def]
+def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):
     """Closed loop until *t_stop*; ops and latencies count inside [t_start, t_end). A reply is
     good when ``reply[ok_off] == ok_byte`` (ok_off < 0: any reply)."""
     templates, t_len, n_templates, window, dst, id_off, id_bytes, ok_off, ok_byte, timeout_ns, tag = plan
@@ -136,7 +136,7 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):  # type:
 
 
 @njit(cache=True, nogil=True)
-def _echo_run(fd, buf, offs, lens, srcs, max_n, scratch, state, t_stop, counts):  # type: ignore[no-untyped-def]
+def _echo_run(fd, buf, offs, lens, srcs, max_n, scratch, state, t_stop, counts):
     """Null UDP echo server: send every datagram back to its source, no work, until *t_stop*."""
     while _now_ns() < t_stop:
         n = _recv_batch(fd, buf, offs, lens, srcs, max_n, 10, state)

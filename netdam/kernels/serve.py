@@ -49,7 +49,7 @@ RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
 
 
 @njit(cache=True, nogil=True)
-def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):  # type: ignore[no-untyped-def]
+def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
     """Send the pending queue; account for what left. Returns True when everything went."""
     head = txq[TXQ_HEAD]
     tail = txq[TXQ_TAIL]
@@ -72,7 +72,7 @@ def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
 
 
 @njit(cache=True, nogil=True)
-def _wait_any(fd, mfd, cfd, timeout_ms):  # type: ignore[no-untyped-def]
+def _wait_any(fd, mfd, cfd, timeout_ms):
     """poll(2) the data, group and management sockets; bit 1/2/4 set for each one readable."""
     pfd = np.zeros(3, np.int64)
     fds = (fd, mfd, cfd)
@@ -103,7 +103,7 @@ def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, guard: 
 
 
 @njit(cache=True, nogil=True)
-def _serve(io, rx, faults, node, guard, tx, txq, punt):  # type: ignore[no-untyped-def]
+def _serve(io, rx, faults, node, guard, tx, txq, punt):
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
     while waiting, control traffic there ends the call at once, so stats never wait for it.

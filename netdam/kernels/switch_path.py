@@ -155,7 +155,7 @@ CFG_LEN = 4
 
 
 @njit(cache=True, nogil=True)
-def _port_of(node_sorted, node_port, ep):  # type: ignore[no-untyped-def]
+def _port_of(node_sorted, node_port, ep):
     """Port of endpoint *ep*: 1 + rank for a cluster node, 0 for everything else (clients)."""
     i = np.searchsorted(node_sorted, ep)
     if i < node_sorted.shape[0] and node_sorted[i] == ep:
@@ -164,7 +164,7 @@ def _port_of(node_sorted, node_port, ep):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _client_id_of(src):  # type: ignore[no-untyped-def]
+def _client_id_of(src):
     """A stable non-zero client id for endpoint *src* (same socket, same id: retries dedup)."""
     h = _mix(np.uint64(src) ^ np.uint64(_SALT_CLIENT)) & np.uint64(0xFFFFFFFF)
     if h == 0:
@@ -173,7 +173,7 @@ def _client_id_of(src):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):  # type: ignore[no-untyped-def]
+def _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):
     tx_n = _emit_nack(b, src, node_sorted, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     port = _port_of(node_sorted, node_port, tx_dst[tx_n - 1])
     port_ctr[port, P_TX_PACKETS] += 1
@@ -182,7 +182,7 @@ def _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_l
 
 
 @njit(cache=True, nogil=True)
-def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n):  # type: ignore[no-untyped-def]
+def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """Queue a copy of b[:ln] to *dst* with the return segment, RELAYED and client id written."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _copy(t, 0, b, 0, ln)
@@ -204,7 +204,7 @@ def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_of
 
 
 @njit(cache=True, nogil=True)
-def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untyped-def]
+def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
     """Translate/replicate datagrams rx[0:n] into the send queue from tx_n; (tx_n, n_punt)."""
     rx_buf, rx_off, rx_len, rx_src = rx
     cfg, nodes_ep, node_sorted, node_port = st.ports
@@ -430,7 +430,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
 
 
 @njit(cache=True, nogil=True)
-def _link_decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):  # type: ignore[no-untyped-def]
+def _link_decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):
     """(drop, kth_drop, copies, held, release_delay) for one packet on one link direction: the
     link's k-th-packet drop first, then the shared engine (kernels/faults.py) on its row."""
     kth_k = np.int64(fcfg[port, direction, F_KTH_K])
@@ -445,7 +445,39 @@ def _link_decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr): 
 
 
 @njit(cache=True, nogil=True)
-def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
+def _link_fate(b, ln, peer, direction, st):
+    """The fate of datagram b[:ln] on the link to node endpoint *peer* in *direction* (DIR_RX:
+    from it, DIR_TX: to it), counted per port: the copies to deliver now (0: dropped); a held
+    copy (reordered or delayed) is kept in the hold table and not among them."""
+    cfg, nodes_ep, node_sorted, node_port = st.ports
+    counters, sw, port_ctr, reg_ctr = st.ctrs
+    fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
+    rx = direction == DIR_RX
+    vip = cfg[CFG_VIP]
+    port = _port_of(node_sorted, node_port, peer)
+    pid = _packet_id(b, ln)
+    salt = np.uint64(0) if rx else np.uint64(_SALT_TX)
+    attempt = _attempt(ftab_key, ftab_count, _mix(peer ^ _mix(pid ^ salt)) | np.uint64(1))
+    op = np.int64(b[H_OPCODE]) if ln > 1 else 64
+    a, b_ep = (peer, vip) if rx else (vip, peer)
+    drop, kth, copies, held, delay = _link_decide(fcfg, port, direction, fkeys[FK_SEED], a, b_ep, pid, attempt, op, kctr)
+    if drop:
+        counters[C.DROP_FAULT] += 1
+        port_ctr[port, P_FAULT_DROPS_RX if rx else P_FAULT_DROPS_TX] += 1
+        if kth:
+            sw[SW_KTH_DROPS] += 1
+        return 0
+    if copies > 1:
+        port_ctr[port, P_FAULT_DUPS] += 1
+    if held and _hold(b, ln, peer, direction, fclock[FCLOCK_NOW] + delay, np.int64(fclock[FCLOCK_GEN]), hold):
+        copies -= 1
+        fstate[FS_HELD_RX if rx else FS_HELD_TX] += 1
+        port_ctr[port, P_FAULT_HELD] += 1
+    return copies
+
+
+@njit(cache=True, nogil=True)
+def _rx_faults(rx, n, st):
     """Receive direction: rewrite rx[0:n] in place; released held datagrams are copied after
     the batch's data. rx arrays need room for 2n + held entries."""
     rx_buf, rx_off, rx_len, rx_src = rx
@@ -453,8 +485,6 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
     counters, sw, port_ctr, reg_ctr = st.ctrs
     fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
     hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
-    seed = fkeys[FK_SEED]
-    vip = cfg[CFG_VIP]
     now = fclock[FCLOCK_NOW]
     gen = np.int64(fclock[FCLOCK_GEN])
     m_cap = 2 * n + hold_len.shape[0]
@@ -468,24 +498,7 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
         ln = np.int64(rx_len[i])
         src = rx_src[i]
         end = max(end, off + ln)
-        port = _port_of(node_sorted, node_port, src)
-        b = rx_buf[off : off + ln]
-        pid = _packet_id(b, ln)
-        attempt = _attempt(ftab_key, ftab_count, _mix(src ^ _mix(pid)) | np.uint64(1))
-        op = np.int64(b[H_OPCODE]) if ln > 1 else 64
-        drop, kth, copies, held, delay = _link_decide(fcfg, port, DIR_RX, seed, src, vip, pid, attempt, op, kctr)
-        if drop:
-            counters[C.DROP_FAULT] += 1
-            port_ctr[port, P_FAULT_DROPS_RX] += 1
-            if kth:
-                sw[SW_KTH_DROPS] += 1
-            continue
-        if copies > 1:
-            port_ctr[port, P_FAULT_DUPS] += 1
-        if held and _hold(b, ln, src, DIR_RX, now + delay, gen, hold):
-            copies -= 1
-            fstate[FS_HELD_RX] += 1
-            port_ctr[port, P_FAULT_HELD] += 1
+        copies = _link_fate(rx_buf[off : off + ln], ln, src, DIR_RX, st)
         for _ in range(copies):
             out_off[m] = off
             out_len[m] = ln
@@ -502,7 +515,7 @@ def _rx_faults(rx, n, st):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
+def _tx_faults(start, tx_n, st, tx):
     """Transmit direction: re-queue datagrams [start, tx_n) as the faults decide, then append
     held datagrams that are due. Returns the new tx_n."""
     cfg, nodes_ep, node_sorted, node_port = st.ports
@@ -510,8 +523,6 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
     fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
     hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
     tx_buf, tx_off, tx_len, tx_dst = tx
-    seed = fkeys[FK_SEED]
-    vip = cfg[CFG_VIP]
     now = fclock[FCLOCK_NOW]
     gen = np.int64(fclock[FCLOCK_GEN])
     count = tx_n - start
@@ -532,23 +543,7 @@ def _tx_faults(start, tx_n, st, tx):  # type: ignore[no-untyped-def]
         ln = s_len[k]
         dst = s_dst[k]
         d = stage[s_off[k] : s_off[k] + ln]
-        port = _port_of(node_sorted, node_port, dst)
-        pid = _packet_id(d, ln)
-        attempt = _attempt(ftab_key, ftab_count, _mix(dst ^ _mix(pid ^ np.uint64(_SALT_TX))) | np.uint64(1))
-        op = np.int64(d[H_OPCODE]) if ln > 1 else 64
-        drop, kth, copies, held, delay = _link_decide(fcfg, port, DIR_TX, seed, vip, dst, pid, attempt, op, kctr)
-        if drop:
-            counters[C.DROP_FAULT] += 1
-            port_ctr[port, P_FAULT_DROPS_TX] += 1
-            if kth:
-                sw[SW_KTH_DROPS] += 1
-            continue
-        if copies > 1:
-            port_ctr[port, P_FAULT_DUPS] += 1
-        if held and _hold(d, ln, dst, DIR_TX, now + delay, gen, hold):
-            copies -= 1
-            fstate[FS_HELD_TX] += 1
-            port_ctr[port, P_FAULT_HELD] += 1
+        copies = _link_fate(d, ln, dst, DIR_TX, st)
         for _ in range(copies):
             if q >= cap or tx_off[q] + ln > tx_buf.shape[0]:
                 counters[C.DROP_TX_FULL] += 1
@@ -589,7 +584,7 @@ def switch_round(rx: RxBatch, n: int, max_len: int, st: SwitchState, tx: TxQueue
 
 
 @njit(cache=True, nogil=True)
-def _switch_round(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untyped-def]
+def _switch_round(rx, n, max_len, st, tx, tx_n, punt):
     """Receive faults, translation/replication, transmit faults: one batch. (tx_n, n_punt).
 
     With receive faults configured (or datagrams held), the rx arrays need room for 2n + held
@@ -606,7 +601,7 @@ def _switch_round(rx, n, max_len, st, tx, tx_n, punt):  # type: ignore[no-untype
 
 
 @njit(cache=True, nogil=True)
-def _lookup(addr, length, rkey, need, align, regions):  # type: ignore[no-untyped-def]
+def _lookup(addr, length, rkey, need, align, regions):
     """(status, region, node, local) of a pool operand [addr, addr+length) under *rkey*.
 
     Checks in order: mapped (NO_ROUTE), rkey of that region (BAD_RKEY), rights (NO_RIGHTS),
@@ -644,7 +639,7 @@ def _lookup(addr, length, rkey, need, align, regions):  # type: ignore[no-untype
 
 
 @njit(cache=True, nogil=True)
-def _translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, out_node, out_local):  # type: ignore[no-untyped-def]
+def _translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, out_node, out_local):
     """_lookup over arrays (tests hold it to the Python reference in netdam.switch.addrmap)."""
     for i in range(addrs.shape[0]):
         status, r, node, local = _lookup(addrs[i], lengths[i], rkeys[i], needs[i], aligns[i], regions)

@@ -52,7 +52,7 @@ def switch_serve(io: ServeIO, rx: RxBatch, room_per: int, st: SwitchState, tx: T
 
 
 @njit(cache=True, nogil=True)
-def _switch_serve(io, rx, room_per, st, tx, txq, punt):  # type: ignore[no-untyped-def]
+def _switch_serve(io, rx, room_per, st, tx, txq, punt):
     """Returns (reason, n_punt); on RETURN_PUNT the punted datagrams are rx[punt[k]].
     *room_per*: send-queue entries one received datagram may need (fan-out x duplicates)."""
     fd, _mfd, _cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io

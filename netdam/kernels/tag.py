@@ -62,12 +62,12 @@ assert H_RET_IP % 8 == 0 and _WORD_RET == _HDR - 8
 
 
 @intrinsic
-def _load_u64(typingctx, buf, at):  # type: ignore[no-untyped-def]
+def _load_u64(typingctx, buf, at):
     """The little-endian u64 at buf[at : at + 8] of a uint8 array, in one unaligned load (the
     caller has checked the bounds; x86 and ARM are little-endian, asserted below)."""
     sig = types.uint64(buf, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         byte = builder.gep(array.data, [args[1]])
         return builder.load(builder.bitcast(byte, ir.IntType(64).as_pointer()), align=1)
@@ -79,7 +79,7 @@ assert sys.byteorder == "little", "the tag kernel loads little-endian words dire
 
 
 @njit(cache=True, nogil=True)
-def _siphash_masked(k0, k1, b, n):  # type: ignore[no-untyped-def]
+def _siphash_masked(k0, k1, b, n):
     """SipHash-2-4 of b[:n] (n >= 64) with the header's last two words masked as the tag input
     says (segments_left, return segment: see above), its 0-7 tail bytes in the last block: a
     tag over the header and SR list (n a multiple of 8), or a control tag over the whole
@@ -100,13 +100,13 @@ def _siphash_masked(k0, k1, b, n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _control_tag_ok(b, ln, k0, k1):  # type: ignore[no-untyped-def]
+def _control_tag_ok(b, ln, k0, k1):
     """Datagram b[:ln] (trailer included) ends with its control tag under (k0, k1)."""
     return ln >= _HDR + TAG and _trailer(b, ln) == _siphash_masked(k0, k1, b, ln - TAG)
 
 
 @njit(cache=True, nogil=True)
-def _seal_control(t, n, k0, k1):  # type: ignore[no-untyped-def]
+def _seal_control(t, n, k0, k1):
     """Set TAGGED in datagram t[:n] and append its control tag; returns the new length."""
     _wr16(t, H_FLAGS, _rd16(t, H_FLAGS) | _F_TAGGED)
     return _put_tag(t, n, _siphash_masked(k0, k1, t, n))
@@ -118,12 +118,12 @@ CONTROL_TAG_OK, CONTROL_TAG_NO_KEY, CONTROL_TAG_FORGED = 1, 4, 0
 
 
 @njit(cache=True, nogil=True)
-def _is_control(op):  # type: ignore[no-untyped-def]
+def _is_control(op):
     return CONTROL_FIRST <= op <= CONTROL_LAST
 
 
 @njit(cache=True, nogil=True)
-def _open_control_tagged(guard_key, b, ln, counters):  # type: ignore[no-untyped-def]
+def _open_control_tagged(guard_key, b, ln, counters):
     """Check the control tag of TAGGED datagram b[:ln] (a control opcode) under the admin tag
     key in the guard's key words. Returns (verdict, k0, k1): CONTROL_TAG_OK and the key;
     CONTROL_TAG_NO_KEY when this process has none (the caller answers UNAUTHORIZED);
@@ -138,14 +138,14 @@ def _open_control_tagged(guard_key, b, ln, counters):  # type: ignore[no-untyped
 
 
 @njit(cache=True, nogil=True)
-def _is_tenant_request(b, op):  # type: ignore[no-untyped-def]
+def _is_tenant_request(b, op):
     """A TAGGED ALLOC, FREE or QUERY whose rkey is non-zero names a tenant by its id: its
     control tag is under that tenant's tag key (SPEC.md 11.9, "Tenant tags"), not the admin's."""
     return POOL_FIRST <= op <= CONTROL_LAST and _rd32(b, H_RKEY) != 0
 
 
 @njit(cache=True, nogil=True)
-def _open_tenant_tagged(ids, keys, b, ln, counters):  # type: ignore[no-untyped-def]
+def _open_tenant_tagged(ids, keys, b, ln, counters):
     """Check the control tag of TAGGED pool request b[:ln] under the tag key of the tenant its
     rkey names (ids sorted, keys in their order). Returns CONTROL_TAG_OK; CONTROL_TAG_NO_KEY
     when no tenant has that id (the caller answers UNAUTHORIZED, a failed authentication);
@@ -161,13 +161,13 @@ def _open_tenant_tagged(ids, keys, b, ln, counters):  # type: ignore[no-untyped-
 
 
 @njit(cache=True, nogil=True)
-def _tag_of(b, k0, k1):  # type: ignore[no-untyped-def]
+def _tag_of(b, k0, k1):
     """The tag of datagram b: over its fixed header and SR list."""
     return _siphash_masked(k0, k1, b, _HDR + _SEG * np.int64(b[H_SEG_COUNT]))
 
 
 @njit(cache=True, nogil=True)
-def _seal(t, n, k0, k1):  # type: ignore[no-untyped-def]
+def _seal(t, n, k0, k1):
     """Set TAGGED in datagram t[:n] and append its tag; returns the new length. The caller
     left TAG bytes of room (every send slot has them)."""
     _wr16(t, H_FLAGS, _rd16(t, H_FLAGS) | _F_TAGGED)
@@ -175,7 +175,7 @@ def _seal(t, n, k0, k1):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _put_tag(t, n, tag):  # type: ignore[no-untyped-def]
+def _put_tag(t, n, tag):
     """Write *tag* after datagram t[:n] (little-endian); returns the new length."""
     for k in range(TAG):
         t[n + k] = np.uint8((tag >> np.uint64(8 * k)) & np.uint64(0xFF))
@@ -183,7 +183,7 @@ def _put_tag(t, n, tag):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _tagged_length(b, n):  # type: ignore[no-untyped-def]
+def _tagged_length(b, n):
     """The length of datagram b[:n] without its trailer: n when it is not TAGGED, n - TAG when
     it is, -1 when it is TAGGED but shorter than header, SR list and tag (dropped and counted
     as truncated, before any other check)."""
@@ -195,13 +195,13 @@ def _tagged_length(b, n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _trailer(b, n):  # type: ignore[no-untyped-def]
+def _trailer(b, n):
     """The tag datagram b[:n] ends with (n includes it)."""
     return _load_u64(b, np.int64(n - TAG))
 
 
 @njit(cache=True, nogil=True)
-def _tag_ok(b, n, k0, k1):  # type: ignore[no-untyped-def]
+def _tag_ok(b, n, k0, k1):
     """Datagram b[:n] (trailer included) ends with its tag under (k0, k1)."""
     if n < _HDR + _SEG * np.int64(b[H_SEG_COUNT]) + TAG:
         return False
@@ -209,7 +209,7 @@ def _tag_ok(b, n, k0, k1):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _seal_replies(tx_buf, tx_off, tx_len, first, last, k0, k1, flags_in, tag_in):  # type: ignore[no-untyped-def]
+def _seal_replies(tx_buf, tx_off, tx_len, first, last, k0, k1, flags_in, tag_in):
     """Seal the datagrams queued at first..last-1 (what the datapath answered or forwarded for
     one tagged datagram with flags *flags_in* and tag *tag_in*: one as a rule), each moved right
     to make room for the tags before it. A forwarded CHAIN_ADD with the same flags keeps the tag
@@ -242,7 +242,7 @@ REGION_TAG_OK, REGION_TAG_NO_REGION, REGION_TAG_FORGED = 1, 3, 0
 
 
 @njit(cache=True, nogil=True)
-def _region_key(regions, rkey):  # type: ignore[no-untyped-def]
+def _region_key(regions, rkey):
     """(k0, k1) of the region *rkey* names: zeros when it names none or an untagged one."""
     slot = _find_rkey(regions.key, rkey)
     if slot < 0:
@@ -251,7 +251,7 @@ def _region_key(regions, rkey):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _open_region_tagged(regions, b, ln, counters):  # type: ignore[no-untyped-def]
+def _open_region_tagged(regions, b, ln, counters):
     """Check the tag of datagram b[:ln] (TAGGED, no collective) under the key of the region its
     rkey names (SPEC.md 2.6, "Region tags"). Returns (verdict, k0, k1): REGION_TAG_OK and the
     key; REGION_TAG_NO_REGION when the rkey names no tagged region (the caller answers

@@ -68,7 +68,7 @@ from netdam.kernels.wire import _rd32
 from netdam.protocol.layout import H_SEQ
 
 #: numba versions these intrinsics are known to work with: [low, high) (pyproject pins the same
-#: range; tests/test_numba_version.py fails, naming it, on anything else).
+#: range; tests/kernels/test_numba_version.py fails, naming it, on anything else).
 NUMBA_TESTED = ((0, 59), (0, 69))
 
 # ---------------------------------------------------------------- constants (man pages cited)
@@ -133,12 +133,12 @@ _I64 = ir.IntType(64)
 _PTR = ir.IntType(8).as_pointer()
 
 
-def _libc(builder, name, ret, argtys):  # type: ignore[no-untyped-def]
+def _libc(builder: Any, name: str, ret: ir.Type, argtys: list[ir.Type]) -> Any:
     """Declare (once per module) the libc function *name*: resolved by symbol, so cacheable."""
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
 
 
-def _result_or_neg_errno(builder, ret):  # type: ignore[no-untyped-def]
+def _result_or_neg_errno(builder: Any, ret: Any) -> Any:
     """``ret`` widened to i64, or ``-errno`` when it is negative (libc's failure convention)."""
     errno_ptr = builder.call(_libc(builder, "__errno_location", _I32.as_pointer(), []), [])
     errno = builder.sext(builder.load(errno_ptr), _I64)
@@ -148,11 +148,11 @@ def _result_or_neg_errno(builder, ret):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _sys_recvmmsg(typingctx, fd, msgvec, vlen, flags):  # type: ignore[no-untyped-def]
+def _sys_recvmmsg(typingctx, fd, msgvec, vlen, flags):
     """int recvmmsg(int fd, struct mmsghdr *msgvec, unsigned vlen, int flags, NULL)."""
     sig = types.int64(types.int64, types.int64, types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         fn = _libc(builder, "recvmmsg", _I32, [_I32, _PTR, _I32, _I32, _PTR])
         r = builder.call(
             fn,
@@ -170,11 +170,11 @@ def _sys_recvmmsg(typingctx, fd, msgvec, vlen, flags):  # type: ignore[no-untype
 
 
 @intrinsic
-def _sys_sendmmsg(typingctx, fd, msgvec, vlen, flags):  # type: ignore[no-untyped-def]
+def _sys_sendmmsg(typingctx, fd, msgvec, vlen, flags):
     """int sendmmsg(int fd, struct mmsghdr *msgvec, unsigned vlen, int flags)."""
     sig = types.int64(types.int64, types.int64, types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         fn = _libc(builder, "sendmmsg", _I32, [_I32, _PTR, _I32, _I32])
         r = builder.call(
             fn,
@@ -191,11 +191,11 @@ def _sys_sendmmsg(typingctx, fd, msgvec, vlen, flags):  # type: ignore[no-untype
 
 
 @intrinsic
-def _sys_poll(typingctx, fds, nfds, timeout_ms):  # type: ignore[no-untyped-def]
+def _sys_poll(typingctx, fds, nfds, timeout_ms):
     """int poll(struct pollfd *fds, nfds_t nfds, int timeout)."""
     sig = types.int64(types.int64, types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         fn = _libc(builder, "poll", _I32, [_PTR, _I64, _I32])
         r = builder.call(
             fn, [builder.inttoptr(args[0], _PTR), args[1], builder.trunc(args[2], _I32)]
@@ -206,11 +206,11 @@ def _sys_poll(typingctx, fds, nfds, timeout_ms):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _sys_clock_gettime(typingctx, clock, ts):  # type: ignore[no-untyped-def]
+def _sys_clock_gettime(typingctx, clock, ts):
     """int clock_gettime(clockid_t clock, struct timespec *ts)."""
     sig = types.int64(types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         fn = _libc(builder, "clock_gettime", _I32, [_I32, _PTR])
         r = builder.call(fn, [builder.trunc(args[0], _I32), builder.inttoptr(args[1], _PTR)])
         return _result_or_neg_errno(builder, r)
@@ -219,12 +219,12 @@ def _sys_clock_gettime(typingctx, clock, ts):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _sys_clock_nanosleep(typingctx, clock, ts):  # type: ignore[no-untyped-def]
+def _sys_clock_nanosleep(typingctx, clock, ts):
     """int clock_nanosleep(clockid_t clock, 0, const struct timespec *req, NULL): returns the
     error number itself (not -1/errno), so it is widened and negated here."""
     sig = types.int64(types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         fn = _libc(builder, "clock_nanosleep", _I32, [_I32, _I32, _PTR, _PTR])
         r = builder.call(
             fn,
@@ -244,7 +244,7 @@ def _sys_clock_nanosleep(typingctx, clock, ts):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _now_ns():  # type: ignore[no-untyped-def]
+def _now_ns():
     """CLOCK_MONOTONIC in nanoseconds (the same clock as Python's time.monotonic_ns)."""
     ts = np.zeros(2, np.int64)
     _sys_clock_gettime(_CLOCK_MONOTONIC, ts.ctypes.data)
@@ -252,7 +252,7 @@ def _now_ns():  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _sleep_ns(ns):  # type: ignore[no-untyped-def]
+def _sleep_ns(ns):
     """Sleep *ns* nanoseconds (CLOCK_MONOTONIC); an interrupted sleep just returns early."""
     ts = np.zeros(2, np.int64)
     ts[0] = ns // 1_000_000_000
@@ -261,7 +261,7 @@ def _sleep_ns(ns):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _poll_one(fd, events, timeout_ms):  # type: ignore[no-untyped-def]
+def _poll_one(fd, events, timeout_ms):
     """poll(2) one fd; returns its revents (0 on timeout) or -errno."""
     pfd = np.zeros(1, np.int64)
     pfd[0] = (fd & 0xFFFFFFFF) | (events << 32)
@@ -274,24 +274,24 @@ def _poll_one(fd, events, timeout_ms):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _poll_in(fd, timeout_ms):  # type: ignore[no-untyped-def]
+def _poll_in(fd, timeout_ms):
     """True when a datagram (or an error) is waiting within *timeout_ms* (0: don't wait)."""
     return _poll_one(fd, _POLLIN, timeout_ms) > 0
 
 
 @njit(cache=True, nogil=True)
-def _poll_out(fd, timeout_ms):  # type: ignore[no-untyped-def]
+def _poll_out(fd, timeout_ms):
     """True when the socket can take a send within *timeout_ms*."""
     return _poll_one(fd, _POLLOUT, timeout_ms) > 0
 
 
 @njit(cache=True, nogil=True)
-def _bswap16(v):  # type: ignore[no-untyped-def]
+def _bswap16(v):
     return ((v & 0xFF) << 8) | ((v >> 8) & 0xFF)
 
 
 @njit(cache=True, nogil=True)
-def _bswap32(v):  # type: ignore[no-untyped-def]
+def _bswap32(v):
     return (
         ((v & 0xFF) << 24)
         | (((v >> 8) & 0xFF) << 16)
@@ -301,7 +301,7 @@ def _bswap32(v):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _sockaddr_word(endpoint):  # type: ignore[no-untyped-def]
+def _sockaddr_word(endpoint):
     """First 8 bytes of a sockaddr_in for ``ip << 16 | port`` (the other 8 are sin_zero)."""
     e = np.int64(endpoint)
     port = e & 0xFFFF
@@ -310,7 +310,7 @@ def _sockaddr_word(endpoint):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _endpoint_of(word):  # type: ignore[no-untyped-def]
+def _endpoint_of(word):
     """``ip << 16 | port`` (uint64) from the first word of a sockaddr_in."""
     port = _bswap16((word >> 16) & 0xFFFF)
     ip = _bswap32((word >> 32) & 0xFFFFFFFF)
@@ -321,7 +321,7 @@ def _endpoint_of(word):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):  # type: ignore[no-untyped-def]
+def _recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
     """Receive up to *max_n* datagrams into *buf*; return how many (0 on nothing or error).
 
     Datagram k is ``buf[offs[k]:offs[k] + lens[k]]`` from ``srcs[k]``. Each recvmmsg message
@@ -457,7 +457,7 @@ def new_state() -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _run_length(offs, lens, dsts, i, n):  # type: ignore[no-untyped-def]
+def _run_length(offs, lens, dsts, i, n):
     """Datagrams from i that one GSO message can carry: same destination, same size (the last
     may be shorter), back to back in buf, <= 64 segments and <= 65507 bytes in all."""
     seg = np.int64(lens[i])
@@ -479,7 +479,7 @@ def _run_length(offs, lens, dsts, i, n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _send_batch(fd, buf, offs, lens, dsts, n, scratch, state):  # type: ignore[no-untyped-def]
+def _send_batch(fd, buf, offs, lens, dsts, n, scratch, state):
     """Send datagrams 0..n-1 in order; return how many are done (sent, or dropped after a
     permanent error counted in *state*). Less than *n* means the socket stayed full for
     ``_SEND_WAIT_BUDGET_MS``: the caller keeps ``[done:n]`` and retries later.
@@ -597,7 +597,7 @@ COUNTS_LEN = 8
 
 
 @njit(cache=True, nogil=True)
-def _feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0):  # type: ignore[no-untyped-def]
+def _feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0):
     """Resend datagrams [0, n_pkts) in batches of *batch* (n_pkts a multiple of batch) until
     *t_end*; count what was sent inside [t_start, t_end).
 
@@ -646,7 +646,7 @@ def _feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, p
 
 
 @njit(cache=True, nogil=True)
-def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_stop, counts):  # type: ignore[no-untyped-def]
+def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_stop, counts):
     """Bare relay: receive a batch (GRO), send the same bytes on to *dst* (GSO), no other work,
     until *t_stop*. What the socket would not take within the send budget is dropped, counted."""
     while _now_ns() < t_stop:
@@ -663,7 +663,7 @@ def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_st
 
 
 @njit(cache=True, nogil=True)
-def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):  # type: ignore[no-untyped-def]
+def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):
     """Count datagrams until *t_stop*; with *verify*, a datagram counts as verified when it is
     *pkt_len* bytes, its seq (the header's, big-endian) carries *tag* above
     ``SEQ_TAG_SHIFT`` and its payload equals row ``seq & row mask`` of *expect64* bitwise.

@@ -295,7 +295,7 @@ _PHASE_RUNNING, _PHASE_STALE, _PHASE_NOT_STARTED = 0, 1, 2
 
 
 @njit(cache=True, nogil=True)
-def _copy(dst, dst_off, src, src_off, n):  # type: ignore[no-untyped-def]
+def _copy(dst, dst_off, src, src_off, n):
     """dst[dst_off : dst_off + n] = src[src_off : src_off + n] for byte arrays that do not
     overlap (or where dst starts before src). Every payload copy goes through here: numba's
     slice assignment checks for overlap and copies through a temporary, ~2.6 us per 8 KiB on
@@ -310,46 +310,46 @@ def _copy(dst, dst_off, src, src_off, n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _rd16(b, o):  # type: ignore[no-untyped-def]
+def _rd16(b, o):
     return (np.int64(b[o]) << 8) | np.int64(b[o + 1])
 
 
 @njit(cache=True, nogil=True)
-def _rd32(b, o):  # type: ignore[no-untyped-def]
+def _rd32(b, o):
     return (_rd16(b, o) << 16) | _rd16(b, o + 2)
 
 
 @njit(cache=True, nogil=True)
-def _rd64(b, o):  # type: ignore[no-untyped-def]
+def _rd64(b, o):
     return (np.uint64(_rd32(b, o)) << np.uint64(32)) | np.uint64(_rd32(b, o + 4))
 
 
 @njit(cache=True, nogil=True)
-def _wr64(b, o, v):  # type: ignore[no-untyped-def]
+def _wr64(b, o, v):
     w = np.uint64(v)
     _wr32(b, o, np.int64(w >> np.uint64(32)))
     _wr32(b, o + 4, np.int64(w & np.uint64(0xFFFFFFFF)))
 
 
 @njit(cache=True, nogil=True)
-def _wr8(b, o, v):  # type: ignore[no-untyped-def]
+def _wr8(b, o, v):
     b[o] = np.uint8(v & 0xFF)
 
 
 @njit(cache=True, nogil=True)
-def _wr16(b, o, v):  # type: ignore[no-untyped-def]
+def _wr16(b, o, v):
     b[o] = np.uint8((v >> 8) & 0xFF)
     b[o + 1] = np.uint8(v & 0xFF)
 
 
 @njit(cache=True, nogil=True)
-def _wr32(b, o, v):  # type: ignore[no-untyped-def]
+def _wr32(b, o, v):
     _wr16(b, o, (v >> 16) & 0xFFFF)
     _wr16(b, o + 2, v & 0xFFFF)
 
 
 @njit(cache=True, nogil=True)
-def _le64(b, o):  # type: ignore[no-untyped-def]
+def _le64(b, o):
     value = np.uint64(0)
     for k in range(8):
         value |= np.uint64(b[o + k]) << np.uint64(8 * k)
@@ -357,19 +357,19 @@ def _le64(b, o):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _put_le64(b, o, v):  # type: ignore[no-untyped-def]
+def _put_le64(b, o, v):
     for k in range(8):
         b[o + k] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
 
 
 @njit(cache=True, nogil=True)
-def _put_le32(b, o, v):  # type: ignore[no-untyped-def]
+def _put_le32(b, o, v):
     for k in range(4):
         b[o + k] = np.uint8((v >> (8 * k)) & 0xFF)
 
 
 @njit(cache=True, nogil=True)
-def _check_packet(b, n):  # type: ignore[no-untyped-def]
+def _check_packet(b, n):
     """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status."""
     if n < _HDR:
         return DROP_SILENTLY
@@ -397,7 +397,7 @@ def _check_packet(b, n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _check_segments(b, n):  # type: ignore[no-untyped-def]
+def _check_segments(b, n):
     seg_type = np.int64(b[H_SEG_TYPE])
     left = np.int64(b[H_SEGMENTS_LEFT])
     count = np.int64(b[H_SEG_COUNT])
@@ -416,7 +416,7 @@ def _check_segments(b, n):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
+def _check_fields(b, n, op, flags, dtype):
     count = np.int64(b[H_SEG_COUNT])
     length = _rd32(b, H_LENGTH)
     size = n - _HDR - _SEG * count
@@ -455,22 +455,22 @@ def _check_fields(b, n, op, flags, dtype):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _le16(b, o):  # type: ignore[no-untyped-def]
+def _le16(b, o):
     return np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
 
 
 @njit(cache=True, nogil=True)
-def _le32(b, o):  # type: ignore[no-untyped-def]
+def _le32(b, o):
     return np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16) | (np.int64(b[o + 3]) << 24)
 
 
 @njit(cache=True, nogil=True)
-def _sparse_size(nnz, esize):  # type: ignore[no-untyped-def]
+def _sparse_size(nnz, esize):
     return SP_INDICES + (2 * nnz + 7) // 8 * 8 + nnz * esize
 
 
 @njit(cache=True, nogil=True)
-def _check_sparse(b, p, size, length, esize):  # type: ignore[no-untyped-def]
+def _check_sparse(b, p, size, length, esize):
     """Mirrors protocol.packet.check_sparse_payload on the payload b[p : p + size]."""
     if size < SP_INDICES:
         return _S_TRUNCATED
@@ -497,7 +497,7 @@ def _check_sparse(b, p, size, length, esize):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _nnz_typed(w):  # type: ignore[no-untyped-def]
+def _nnz_typed(w):
     n = 0
     for i in range(w.shape[0]):
         if w[i] != 0:
@@ -506,7 +506,7 @@ def _nnz_typed(w):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _encode_typed(w, idx, vals):  # type: ignore[no-untyped-def]
+def _encode_typed(w, idx, vals):
     k = 0
     for i in range(w.shape[0]):
         if w[i] != 0:
@@ -516,14 +516,14 @@ def _encode_typed(w, idx, vals):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _expand_typed(w, idx, vals):  # type: ignore[no-untyped-def]
+def _expand_typed(w, idx, vals):
     w[:] = 0
     for k in range(idx.shape[0]):
         w[idx[k]] = vals[k]
 
 
 @njit(cache=True, nogil=True)
-def _count_nonzero(src, off, nbytes, esize):  # type: ignore[no-untyped-def]
+def _count_nonzero(src, off, nbytes, esize):
     """Elements of src[off : off + nbytes] whose bits are not all zero (-0.0 counts)."""
     s = src[off : off + nbytes]
     if esize == 2:
@@ -536,13 +536,13 @@ def _count_nonzero(src, off, nbytes, esize):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _sparse_pays(nnz, nbytes, esize):  # type: ignore[no-untyped-def]
+def _sparse_pays(nnz, nbytes, esize):
     """The re-encode rule: sparse when under half the elements are non-zero and it is shorter."""
     return nnz * 2 < nbytes // esize and _sparse_size(nnz, esize) < nbytes
 
 
 @njit(cache=True, nogil=True)
-def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):  # type: ignore[no-untyped-def]
+def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):
     """Write the sparse form of dense src[s_off : s_off + nbytes] (nnz non-zero elements) at
     dst[d_off:] (must not overlap src); returns its size in bytes. Little-endian host."""
     pad = (2 * nnz + 7) // 8 * 8
@@ -567,7 +567,7 @@ def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):  # type: ignore[
 
 
 @njit(cache=True, nogil=True)
-def _sparse_expand(dst, d_off, b, p, nbytes, esize):  # type: ignore[no-untyped-def]
+def _sparse_expand(dst, d_off, b, p, nbytes, esize):
     """Dense form of the (validated) sparse payload at b[p:] into dst[d_off : d_off + nbytes]:
     listed elements get their value, all others all-zero bits."""
     nnz = _le32(b, p + SP_NNZ)
@@ -586,7 +586,7 @@ def _sparse_expand(dst, d_off, b, p, nbytes, esize):  # type: ignore[no-untyped-
 
 
 @njit(cache=True, nogil=True)
-def _encode_payload(dst, d_off, src, s_off, nbytes, esize):  # type: ignore[no-untyped-def]
+def _encode_payload(dst, d_off, src, s_off, nbytes, esize):
     """Dense src range into dst[d_off:] as sparse (when it pays) or dense; (bytes, sparse?)."""
     nnz = _count_nonzero(src, s_off, nbytes, esize)
     if _sparse_pays(nnz, nbytes, esize):
@@ -597,7 +597,7 @@ def _encode_payload(dst, d_off, src, s_off, nbytes, esize):  # type: ignore[no-u
 
 
 @njit(cache=True, nogil=True)
-def _find_rkey(rk_key, rkey):  # type: ignore[no-untyped-def]
+def _find_rkey(rk_key, rkey):
     """Slot of *rkey* in the open-addressed table, or -1. Key 0 never matches (empty slot)."""
     if rkey == 0:
         return -1
@@ -614,7 +614,7 @@ def _find_rkey(rk_key, rkey):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align, member):  # type: ignore[no-untyped-def]
+def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align, member):
     """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status.
     A members-only key (a collective's) names nothing for a datagram from a non-member."""
     slot = _find_rkey(rk_key, rkey)
@@ -634,13 +634,13 @@ def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, 
 
 
 @njit(cache=True, nogil=True)
-def _is_member(members, endpoint):  # type: ignore[no-untyped-def]
+def _is_member(members, endpoint):
     i = np.searchsorted(members, endpoint)
     return i < members.shape[0] and members[i] == endpoint
 
 
 @njit(cache=True, nogil=True)
-def _reply_dst(b, src, members):  # type: ignore[no-untyped-def]
+def _reply_dst(b, src, members):
     """Where replies go: the return segment when a cluster member (switch, chain hop) wrote it,
     else the UDP source. A client cannot aim replies at a third party (SPEC.md "Rights")."""
     ret = np.uint64((_rd32(b, H_RET_IP) << 16) | _rd16(b, H_RET_PORT))
@@ -650,7 +650,7 @@ def _reply_dst(b, src, members):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _reply_header(t, b, opcode, status, length, credit):  # type: ignore[no-untyped-def]
+def _reply_header(t, b, opcode, status, length, credit):
     """Write a reply header into t from request header b: ids echoed, SR list dropped."""
     for k in range(_HDR):
         t[k] = b[k]
@@ -674,24 +674,36 @@ def _reply_header(t, b, opcode, status, length, credit):  # type: ignore[no-unty
 
 
 @njit(cache=True, nogil=True)
-def _credit(tx_n, cap):  # type: ignore[no-untyped-def]
+def _credit(tx_n, cap):
     """Congestion byte of replies: send-queue occupancy scaled to 0..255 (SPEC.md "credit")."""
     return min(255, (tx_n * 255) // cap)
 
 
 @njit(cache=True, nogil=True)
-def _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):  # type: ignore[no-untyped-def]
+def _emit_reply(b, src, members, opcode, status, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+    """Queue a header-only reply to request *b* (its ids, the credit, its return segment when a
+    member sent it); returns the new tx_n. The one ACK/NACK emitter of the datapaths."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _reply_header(t, b, _OP_NACK, status, 0, _credit(tx_n, tx_len.shape[0]))
+    _reply_header(t, b, opcode, status, 0, _credit(tx_n, tx_len.shape[0]))
     tx_len[tx_n] = _HDR
     tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
     tx_dst[tx_n] = _reply_dst(b, src, members)
-    counters[C.NACK_BASE + status] += 1
     return tx_n + 1
 
 
 @njit(cache=True, nogil=True)
-def _scratch(tx_buf, tx_off, tx_n):  # type: ignore[no-untyped-def]
+def _emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+    return _emit_reply(b, src, members, _OP_ACK, 0, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+
+
+@njit(cache=True, nogil=True)
+def _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):
+    counters[C.NACK_BASE + status] += 1
+    return _emit_reply(b, src, members, _OP_NACK, status, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+
+
+@njit(cache=True, nogil=True)
+def _scratch(tx_buf, tx_off, tx_n):
     """A dense payload's worth of scratch: the send slot after the current one when the queue
     has it, else a fresh array (rare: a nearly full queue)."""
     start = tx_off[tx_n] + _SLOT
