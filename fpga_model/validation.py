@@ -4,7 +4,7 @@ Each set in ``measurements/sets.toml`` pairs a CSV of measured all-reduce times 
 node count and size, its source in the '#' lines) with a parameter file for the hosts it ran
 on. ``compare_set`` runs a model on every row and reports measured, modelled and their ratio;
 the geometric mean of the ratio over the rows from ``validate_from_bytes`` up is the figure
-fpga_model/README.md quotes and tests/test_fpga_validation.py bounds to [0.67, 1.5].
+fpga_model/README.md quotes and tests/fpga_model/test_fpga_validation.py bounds to [0.67, 1.5].
 """
 
 from __future__ import annotations

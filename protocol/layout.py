@@ -2,7 +2,7 @@
 fixed payload, as tables of fields (name, offset, width, type, description).
 
 Rules of this file:
-1. Each table is SPEC.md's table of the same name, row for row (tests/test_layout.py parses
+1. Each table is SPEC.md's table of the same name, row for row (tests/protocol/test_layout.py parses
    SPEC.md and holds every row to it; it checks the Wireshark dissector's offsets too).
 2. Everything else derives from the tables: the codec's struct formats (``HEADER.struct``,
    payloads.py's structs) and the integer constants below, which the numba kernels and the
@@ -10,7 +10,7 @@ Rules of this file:
    compile time: a named offset costs nothing). Offsets of header and segment fields are from
    the start of the header or segment; offsets of payload fields are from the start of the
    payload.
-3. Only protocol/ subscripts a datagram by an integer literal (tests/test_layering.py).
+3. Only protocol/ subscripts a datagram by an integer literal (tests/architecture/test_layering.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ past, completed, failed; a completion or NACK only under the call's tag, SPEC.md
 START_COLL the node has not answered is sent again, and when a node silent past the watchdog
 fails its call. It reads no socket and no clock: datagrams and ``now`` come in as arguments,
 datagrams to send come out. ``netdam.api`` is its shell (the socket, ``time.monotonic()``, the
-progress thread, staging and copying), and ``tests/test_host_core.py`` drives it on the
+progress thread, staging and copying), and ``tests/core/test_host_core.py`` drives it on the
 in-memory fabric with a hand clock.
 """
 

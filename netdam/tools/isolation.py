@@ -6,7 +6,7 @@ For every kind ``run_kind`` reports what a failure would be: a cross-access that
 READ_RESP, ACK or INFO of the victim's came back), a byte changed outside the attacker's own
 regions, a 16-byte run of the victim's memory that reached the attacker, a datagram to a third
 party, and the counts each kind must show. ``victim_unaffected`` then checks that the victim
-works as before. ``netdam isolation`` and tests/test_isolation.py run both.
+works as before. ``netdam isolation`` and tests/security/test_isolation.py run both.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 -- Rules of this file:
 -- 1. The value tables below (opcodes, statuses, dtypes, reduce ops, flags, segment types,
 --    rights, element sizes, limits, opcode classes) mirror netdam.protocol.constants and the
---    codec (netdam.protocol.packet); tests/test_wireshark.py parses them with a regex and fails
+--    codec (netdam.protocol.packet); tests/protocol/test_wireshark.py parses them with a regex and fails
 --    when one drifts. Keep the one-entry-per-line form `[value] = "NAME",`.
 -- 2. Validation mirrors netdam.protocol.packet.decode_packet: the same checks in the same
 --    order, the first failure decides, with the codec's status and its exact message (shown as
@@ -22,7 +22,7 @@
 -- 4. A loopback capture holds a UDP-GSO send as one super-frame (several datagrams of one size,
 --    the last maybe shorter); it is split as netdam.cli.decode.split_gso splits it.
 -- 5. Field offsets are written as `tvb(<offset>, <width>)` (header), `tvb(poff + <offset>, <width>)`
---    (payload), `tvb(off + ...)` (SR segment) and `tvb(w + ...)` (region way): tests/test_layout.py
+--    (payload), `tvb(off + ...)` (SR segment) and `tvb(w + ...)` (region way): tests/protocol/test_layout.py
 --    parses them and holds each F.<field> to the table of protocol/layout.py.
 -- Written for Wireshark 3.6 and later (Lua 5.2 up to 5.4); tested with tshark 4.0.
 
@@ -35,7 +35,7 @@ local function btest(a, b) return band(a, b) ~= 0 end
 local function byte_at(value, shift) return band(rshift(value, shift), 0xFF) end
 
 ---------------------------------------------------------------------------------------------
--- Wire constants (checked against protocol/constants.py by tests/test_wireshark.py)
+-- Wire constants (checked against protocol/constants.py by tests/protocol/test_wireshark.py)
 
 local PROTOCOL_VERSION = 1
 local NETDAM_UDP_PORT = 7744

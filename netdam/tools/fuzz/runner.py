@@ -162,7 +162,7 @@ class FuzzRunner:
         group: Endpoint = (f"239.77.{int(rng.integers(1, 255))}.{int(rng.integers(1, 255))}", int(rng.integers(1024, 65535)))
         try:
             # Untagged (SPEC v1): the oracle predicts region access by rkey; tagged regions are
-            # checked in tests/test_region_tags.py and the isolation campaign.
+            # checked in tests/core/test_region_tags.py and the isolation campaign.
             pool = tuple(controller.alloc(size, interleave=stride or None, rights=rights, tenant="fuzz", tagged=False)
                          for size, stride, rights in POOL_PLAN)  # fmt: skip
             for node in nodes:

@@ -50,7 +50,7 @@ from netdam.cluster.rendezvous import (
 from netdam.protocol.constants import ReduceOp
 from netdam.tools.allreduce import reference_chain_allreduce
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: Variables of every launcher: stripped from the environment of the processes tests start.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID",

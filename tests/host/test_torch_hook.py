@@ -24,7 +24,7 @@ from netdam.api import CollectiveError  # noqa: E402
 from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook  # noqa: E402
 from netdam.cluster.launch import LocalCluster, start_cluster  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
 
 

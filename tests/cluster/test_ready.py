@@ -19,7 +19,7 @@ from netdam.cluster.launch import ClusterStartError
 from netdam.kernels import cache_dir
 from netdam.shell import startup
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow

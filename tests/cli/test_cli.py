@@ -45,7 +45,7 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # One non-f32 dtype through the whole demo; every dtype goes through `netdam allreduce` in
-# tests/test_allreduce.py (the suite keeps under 5 minutes on 2 cores).
+# tests/host/test_allreduce.py (the suite keeps under 5 minutes on 2 cores).
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["f16"])
 def test_demo_dtypes(dtype: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,7 +36,7 @@ from netdam.fpga_model.collectives import (
 )
 from netdam.fpga_model.params import STATUSES, param_names, with_link
 
-README = Path(__file__).resolve().parents[1] / "fpga_model" / "README.md"
+README = Path(__file__).resolve().parents[2] / "fpga_model" / "README.md"
 
 
 # --- framing (design notes 2.3, BRIEF section 4) ----------------------------------------

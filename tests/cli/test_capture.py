@@ -19,7 +19,7 @@ from netdam.cluster.launch import start_cluster
 from netdam.protocol.constants import Opcode
 from netdam.protocol.packet import Packet, encode_packet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _can_capture() -> str | None:

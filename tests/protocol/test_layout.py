@@ -13,7 +13,7 @@ import pytest
 from netdam.protocol import layout as L
 from netdam.protocol import packet, payloads
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "protocol" / "SPEC.md").read_text(encoding="utf-8")
 LUA = (ROOT / "protocol" / "wireshark" / "netdam.lua").read_text(encoding="utf-8")
 

@@ -505,7 +505,7 @@ def test_chain_add_three_hops_exact(cluster: Cluster, rng: np.random.Generator) 
 
 def test_collective_packets_wait_for_start_collective(cluster: Cluster) -> None:
     """coll_id != 0 marks a collective's packet: refused (BUSY) until the host started that
-    collective on the node, because its input may not be staged yet (tests/test_collectives.py
+    collective on the node, because its input may not be staged yet (tests/core/test_collectives.py
     covers the running case)."""
     for node in cluster.nodes:
         node.memory[:16].view(np.float32)[:] = 1.0

@@ -23,7 +23,7 @@ from netdam.protocol import counters as C
 from netdam.protocol.constants import RIGHTS_ALL, Opcode, Status
 from netdam.protocol.packet import Packet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ from netdam.protocol.constants import (
 from netdam.protocol.payloads import Algo
 from netdam.tools.allreduce import reference_chain_allreduce
 
-DRIVER = str(Path(__file__).with_name("netns_fabric.py"))
+DRIVER = str(Path(__file__).resolve().parents[1] / "netns_fabric.py")
 NODES = ("n0", "n1", "n2")
 COUNT = 100_003  # elements per rank: blocks of unequal size
 SEED = 9

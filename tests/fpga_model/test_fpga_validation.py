@@ -26,7 +26,7 @@ from netdam.fpga_model.validation import (
     load_sets,
 )
 
-README = Path(__file__).resolve().parents[1] / "fpga_model" / "README.md"
+README = Path(__file__).resolve().parents[2] / "fpga_model" / "README.md"
 
 
 def test_at_least_two_independent_sets_in_scope() -> None:

@@ -62,7 +62,7 @@ from netdam.protocol.payloads import (
 )
 from netdam.protocol.tag import seal_control
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LUA = ROOT / "protocol" / "wireshark" / "netdam.lua"
 TSHARK = shutil.which("tshark")
 #: A port no dissector claims: NetDAM there is found by the heuristic only (local clusters).

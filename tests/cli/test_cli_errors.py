@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 USAGE, RUN_FAILED = 2, 3
 
 # (argv, exit code, a word the message must contain)

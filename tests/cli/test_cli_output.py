@@ -1,7 +1,7 @@
 """Readable output: `pool read --format`, -v/-vv that show netdam's logs and not numba's, one
 throughput unit (Gb/s) in every table, plots with a compact legend outside the data.
 
-The pool read tests stand a fake client in for the switch (tests/test_pool.py runs the real one);
+The pool read tests stand a fake client in for the switch (tests/switch/test_pool.py runs the real one);
 the logging test runs a real command in a child process."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import netdam.cli.pool as pool_cli
 from netdam.cli.main import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: Memory as a node holds it: text, a byte that is no UTF-8, NUL padding, an ESC sequence.
 STORED = "héllo\\ wörld\n".encode() + b"\xff\x00\x00\x1b[2J\xc2\x85"
 

@@ -23,7 +23,7 @@ from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoin
 from netdam.switch.controller import PoolController
 from netdam.switch.core import counters_from_payload
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KiB = 1024
 
 
