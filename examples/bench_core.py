@@ -16,11 +16,24 @@ BATCH, ROUNDS = 64, 3000
 
 
 def main() -> None:
-    node = NodeCore(NodeConfig(endpoint=SELF, memory_bytes=1 << 24, members=(SELF, NEXT), tx_slots=BATCH))
+    node = NodeCore(
+        NodeConfig(endpoint=SELF, memory_bytes=1 << 24, members=(SELF, NEXT), tx_slots=BATCH)
+    )
     rkey = node.register_region(0, 1 << 24, RIGHTS_ALL)
     payload = np.ones(2048, np.float32).tobytes()
-    packet = encode_packet(Packet(Opcode.CHAIN_ADD, rkey=rkey, addr=0, aux_addr=8192, dtype=DType.F32,
-                                  segments=(SELF, NEXT), segments_left=1, length=8192, payload=payload))  # fmt: skip
+    packet = encode_packet(
+        Packet(
+            Opcode.CHAIN_ADD,
+            rkey=rkey,
+            addr=0,
+            aux_addr=8192,
+            dtype=DType.F32,
+            segments=(SELF, NEXT),
+            segments_left=1,
+            length=8192,
+            payload=payload,
+        )
+    )
     buf = np.frombuffer(packet * BATCH, np.uint8).copy()  # a GRO run: back to back
     lens = np.full(BATCH, len(packet), np.int32)
     offs = np.arange(BATCH, dtype=np.int64) * len(packet)
@@ -37,8 +50,10 @@ def main() -> None:
         one_round()
     seconds = time.perf_counter() - start
     pps = BATCH * ROUNDS / seconds
-    print(f"CHAIN_ADD forward, 2048 f32, batches of {BATCH}: {pps / 1e3:.0f} k packets/s, "
-          f"{pps * 8192 * 8 / 1e9:.2f} Gb/s of payload")  # fmt: skip
+    print(
+        f"CHAIN_ADD forward, 2048 f32, batches of {BATCH}: {pps / 1e3:.0f} k packets/s, "
+        f"{pps * 8192 * 8 / 1e9:.2f} Gb/s of payload"
+    )
 
 
 if __name__ == "__main__":

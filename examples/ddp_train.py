@@ -46,10 +46,12 @@ DEFAULT_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 def make_model(inputs: int, hidden: int) -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(inputs, hidden), torch.nn.Tanh(),
-        torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+        torch.nn.Linear(inputs, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(),
         torch.nn.Linear(hidden, 1),
-    )  # fmt: skip
+    )
 
 
 def make_data(seed: int, steps: int, batch: int, inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,13 +65,20 @@ def make_data(seed: int, steps: int, batch: int, inputs: int) -> tuple[torch.Ten
     return x, y
 
 
-def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[str, Any], outdir: str) -> None:
+def run_rank(
+    rank: int, world: int, port: int, cluster_path: str, options: dict[str, Any], outdir: str
+) -> None:
     """One DDP rank: both trainings, results to outdir/rank{rank}.json."""
     torch.set_num_threads(1)
     from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     steps, batch, inputs = options["steps"], options["batch"], options["inputs"]
     dtype = DTYPES[options["dtype"]]
     x, y = make_data(options["seed"], steps, batch * world, inputs)
@@ -78,7 +87,9 @@ def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[
     out: dict[str, Any] = {"rank": rank}
     for mode in MODES:
         torch.manual_seed(options["seed"])
-        model = DDP(make_model(inputs, options["hidden"]).to(dtype), bucket_cap_mb=options["bucket_cap_mb"])
+        model = DDP(
+            make_model(inputs, options["hidden"]).to(dtype), bucket_cap_mb=options["bucket_cap_mb"]
+        )
         state = None
         if mode == "netdam":
             state = NetdamHookState(cluster_path, rank, world, chunk_bytes=options["chunk_bytes"])
@@ -98,7 +109,9 @@ def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[
                 first_step_end = time.perf_counter()
         end = time.perf_counter()
         seconds = end - start
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).float()  # bf16 widens exactly
+        params = torch.cat(
+            [p.detach().reshape(-1) for p in model.parameters()]
+        ).float()  # bf16 widens exactly
         out[mode] = {
             "losses": losses,
             "seconds": seconds,
@@ -108,7 +121,9 @@ def run_rank(rank: int, world: int, port: int, cluster_path: str, options: dict[
             "params_crc": zlib.crc32(params.numpy().tobytes()),
         }
         if state is not None:
-            out[mode].update(collectives=state.collectives, buckets=state.buckets, bytes=state.bytes)
+            out[mode].update(
+                collectives=state.collectives, buckets=state.buckets, bytes=state.bytes
+            )
             state.close()
         dist.barrier()
     dist.destroy_process_group()
@@ -126,10 +141,17 @@ def compare(ranks: list[dict[str, Any]], rtol: float, atol: float) -> dict[str, 
             max_abs = max(max_abs, diff)
             max_rel = max(max_rel, diff / abs(b) if b else diff)
             agree &= math.isfinite(a) and diff <= atol + rtol * abs(b)
-    params_diff = max(abs(a - b) for r in ranks for a, b in zip(r["netdam"]["params"], r["gloo"]["params"], strict=True))
+    params_diff = max(
+        abs(a - b)
+        for r in ranks
+        for a, b in zip(r["netdam"]["params"], r["gloo"]["params"], strict=True)
+    )
     identical = {mode: len({r[mode]["params_crc"] for r in ranks}) == 1 for mode in MODES}
     steps = len(ranks[0]["netdam"]["losses"])
-    mean = {mode: [sum(r[mode]["losses"][s] for r in ranks) / len(ranks) for s in range(steps)] for mode in MODES}
+    mean = {
+        mode: [sum(r[mode]["losses"][s] for r in ranks) / len(ranks) for s in range(steps)]
+        for mode in MODES
+    }
     return {
         "ok": bool(agree and identical["netdam"] and identical["gloo"]),
         "loss_netdam": mean["netdam"],
@@ -149,7 +171,9 @@ def steps_per_second(ranks: list[dict[str, Any]], steps: int) -> dict[str, float
     out: dict[str, float | None] = {}
     for mode in MODES:
         slowest = max(r[mode]["steady_seconds"] for r in ranks)
-        out[f"steps_per_second_{mode}"] = (steps - 1) / slowest if steps > 1 and slowest > 0 else None
+        out[f"steps_per_second_{mode}"] = (
+            (steps - 1) / slowest if steps > 1 and slowest > 0 else None
+        )
     a, b = out["steps_per_second_netdam"], out["steps_per_second_gloo"]
     out["steps_per_second_ratio"] = a / b if a and b else None
     return out
@@ -168,17 +192,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (32)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden width of the MLP (64)")
     parser.add_argument("--inputs", type=int, default=16, help="input features (16)")
-    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate, momentum 0.9 (0.02)")
+    parser.add_argument(
+        "--lr", type=float, default=0.02, help="SGD learning rate, momentum 0.9 (0.02)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bucket-cap-mb", type=float, default=0.01,
-                        help="DDP bucket cap in MB; small so the MLP's gradients span several buckets (0.01)")  # fmt: skip
-    parser.add_argument("--chunk-bytes", type=int, default=8 << 20,
-                        help="largest piece of a bucket in one NIC all-reduce (8 MiB)")  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="the model's and its gradients' dtype (float32)")  # fmt: skip
-    parser.add_argument("--rtol", type=float, default=None,
-                        help="relative tolerance on every loss (1e-5; 2e-2 for bfloat16)")  # fmt: skip
-    parser.add_argument("--atol", type=float, default=1e-7, help="absolute tolerance on every loss (1e-7)")
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=0.01,
+        help="DDP bucket cap in MB; small so the MLP's gradients span several buckets (0.01)",
+    )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=8 << 20,
+        help="largest piece of a bucket in one NIC all-reduce (8 MiB)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="the model's and its gradients' dtype (float32)",
+    )
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="relative tolerance on every loss (1e-5; 2e-2 for bfloat16)",
+    )
+    parser.add_argument(
+        "--atol", type=float, default=1e-7, help="absolute tolerance on every loss (1e-7)"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     if args.rtol is None:
@@ -197,26 +241,63 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     from netdam.cluster.launch import start_cluster
 
-    result: dict[str, Any] = {"ok": False, "ranks": args.ranks, "steps": args.steps, "dtype": args.dtype, "rtol": args.rtol,
-                              "atol": args.atol, "torch": torch.__version__}  # fmt: skip
-    options = {k: getattr(args, k) for k in ("steps", "batch", "hidden", "inputs", "lr", "seed", "bucket_cap_mb", "chunk_bytes", "dtype")}
+    result: dict[str, Any] = {
+        "ok": False,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "dtype": args.dtype,
+        "rtol": args.rtol,
+        "atol": args.atol,
+        "torch": torch.__version__,
+    }
+    options = {
+        k: getattr(args, k)
+        for k in (
+            "steps",
+            "batch",
+            "hidden",
+            "inputs",
+            "lr",
+            "seed",
+            "bucket_cap_mb",
+            "chunk_bytes",
+            "dtype",
+        )
+    }
     t0 = time.perf_counter()
     try:
-        with start_cluster(args.ranks, memory=16 << 20) as cluster, tempfile.TemporaryDirectory(prefix="netdam-ddp-") as tmp:
+        with (
+            start_cluster(args.ranks, memory=16 << 20) as cluster,
+            tempfile.TemporaryDirectory(prefix="netdam-ddp-") as tmp,
+        ):
             result["startup_seconds"] = round(time.perf_counter() - t0, 3)
-            mp.spawn(run_rank, args=(args.ranks, _free_tcp_port(), str(cluster.path), options, tmp),  # type: ignore[attr-defined,no-untyped-call]
-                     nprocs=args.ranks, join=True)  # fmt: skip
+            mp.spawn(
+                run_rank,
+                args=(args.ranks, _free_tcp_port(), str(cluster.path), options, tmp),  # type: ignore[attr-defined,no-untyped-call]
+                nprocs=args.ranks,
+                join=True,
+            )
             ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.ranks)]
     except Exception as exc:  # a rank raised, or the cluster did not start
-        result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-        print(json.dumps(result) if args.json else f"ddp_train: run failed: {result['error']}", file=sys.stdout)
+        result["error"] = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        )
+        print(
+            json.dumps(result) if args.json else f"ddp_train: run failed: {result['error']}",
+            file=sys.stdout,
+        )
         if not args.json:
             print(str(exc), file=sys.stderr)
         return 3
     result.update(compare(ranks, args.rtol, args.atol))
     hook = ranks[0]["netdam"]
-    result.update(collectives=hook["collectives"], buckets=hook["buckets"], bytes_reduced=hook["bytes"],
-                  seconds_netdam=round(hook["seconds"], 3), seconds_gloo=round(ranks[0]["gloo"]["seconds"], 3))  # fmt: skip
+    result.update(
+        collectives=hook["collectives"],
+        buckets=hook["buckets"],
+        bytes_reduced=hook["bytes"],
+        seconds_netdam=round(hook["seconds"], 3),
+        seconds_gloo=round(ranks[0]["gloo"]["seconds"], 3),
+    )
     result.update(steps_per_second(ranks, args.steps))
     if args.json:
         print(json.dumps(result))
@@ -225,19 +306,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'step':>4}  {'netdam hook':>14}  {'gloo':>14}  {'abs diff':>10}")
         for step, (a, b) in enumerate(zip(result["loss_netdam"], result["loss_gloo"], strict=True)):
             print(f"{step:>4}  {a:>14.8f}  {b:>14.8f}  {abs(a - b):>10.3g}")
-        print(f"max abs diff {result['max_abs_diff']:.3g}, max rel diff {result['max_rel_diff']:.3g} over every "
-              f"rank and step (tolerance: atol {args.atol:g} + rtol {args.rtol:g}); final parameters differ by "
-              f"at most {result['params_max_abs_diff']:.3g}")  # fmt: skip
-        print(f"replicas identical: netdam {result['netdam_replicas_identical']}, gloo {result['gloo_replicas_identical']}; "
-              f"hook: {result['buckets']} buckets in {result['collectives']} NIC all-reduces, "
-              f"{result['bytes_reduced']} bytes per rank")  # fmt: skip
-        print(f"training time: netdam {result['seconds_netdam']:.2f} s, gloo {result['seconds_gloo']:.2f} s; "
-              f"cluster start {result['startup_seconds']:.2f} s")  # fmt: skip
+        print(
+            f"max abs diff {result['max_abs_diff']:.3g}, max rel diff {result['max_rel_diff']:.3g} over every "
+            f"rank and step (tolerance: atol {args.atol:g} + rtol {args.rtol:g}); final parameters differ by "
+            f"at most {result['params_max_abs_diff']:.3g}"
+        )
+        print(
+            f"replicas identical: netdam {result['netdam_replicas_identical']}, gloo {result['gloo_replicas_identical']}; "
+            f"hook: {result['buckets']} buckets in {result['collectives']} NIC all-reduces, "
+            f"{result['bytes_reduced']} bytes per rank"
+        )
+        print(
+            f"training time: netdam {result['seconds_netdam']:.2f} s, gloo {result['seconds_gloo']:.2f} s; "
+            f"cluster start {result['startup_seconds']:.2f} s"
+        )
         if result["steps_per_second_netdam"] is not None:
-            print(f"steps per second after the first (slowest rank): netdam hook "
-                  f"{result['steps_per_second_netdam']:.1f}, gloo {result['steps_per_second_gloo']:.1f} "
-                  f"(hook / gloo {result['steps_per_second_ratio']:.2f})")  # fmt: skip
-        print("OK: losses agree within tolerance" if result["ok"] else "FAILED: losses or replicas disagree")
+            print(
+                f"steps per second after the first (slowest rank): netdam hook "
+                f"{result['steps_per_second_netdam']:.1f}, gloo {result['steps_per_second_gloo']:.1f} "
+                f"(hook / gloo {result['steps_per_second_ratio']:.2f})"
+            )
+        print(
+            "OK: losses agree within tolerance"
+            if result["ok"]
+            else "FAILED: losses or replicas disagree"
+        )
     return 0 if result["ok"] else 1
 
 

@@ -43,7 +43,9 @@ def two_groups_at_once(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
     for work in works:
         work.wait()  # type: ignore[union-attr]
     base = np.arange(100_000, dtype=np.float32)
-    evens_ok = all(np.array_equal(data[r], base * 4) for r in (0, 2))  # ranks 0 and 2 hold 1x and 3x
+    evens_ok = all(
+        np.array_equal(data[r], base * 4) for r in (0, 2)
+    )  # ranks 0 and 2 hold 1x and 3x
     odds_ok = all(np.array_equal(data[r], base * 6) for r in (1, 3))  # 2x and 4x
     return {"evens_exact": evens_ok, "odds_exact": odds_ok}
 
@@ -51,7 +53,9 @@ def two_groups_at_once(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
 def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, Any]:
     """Step 2: the last rank's node dies during an all-reduce; when each survivor hears, and what."""
     world = len(ranks)
-    buffers = [np.full(2 << 20, r + 1, np.float32) for r in range(world)]  # 8 MiB: in flight at the kill
+    buffers = [
+        np.full(2 << 20, r + 1, np.float32) for r in range(world)
+    ]  # 8 MiB: in flight at the kill
     works = [api.all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, ranks)]
     heard: dict[int, tuple[float, str]] = {}
 
@@ -69,7 +73,10 @@ def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, An
     killed_at = time.monotonic()
     for thread in threads:
         thread.join(30.0)
-    return {rank: {"seconds": round(at - killed_at, 3), "error": text} for rank, (at, text) in sorted(heard.items())}
+    return {
+        rank: {"seconds": round(at - killed_at, 3), "error": text}
+        for rank, (at, text) in sorted(heard.items())
+    }
 
 
 def shrink_and_go_on(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
@@ -91,7 +98,10 @@ def shrink_and_go_on(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
     for work in works:
         work.wait()  # type: ignore[union-attr]
     total = survivors * (survivors + 1) // 2
-    return {"members": list(shrunk[0].members), "exact": all(x.tolist() == [total] * 1000 for x in data)}
+    return {
+        "members": list(shrunk[0].members),
+        "exact": all(x.tolist() == [total] * 1000 for x in data),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = start_cluster(WORLD, memory=64 << 20, nics_per_process=1)
     except ClusterStartError as exc:
-        print(json.dumps({"ok": False, "error": str(exc)}) if args.json else f"cluster did not start: {exc}")
+        print(
+            json.dumps({"ok": False, "error": str(exc)})
+            if args.json
+            else f"cluster did not start: {exc}"
+        )
         return 3
     with cluster:
         ranks = [api.ProcessGroup(cluster.info, r, timeout_s=WATCHDOG_S) for r in range(WORLD)]
@@ -116,16 +130,25 @@ def main(argv: list[str] | None = None) -> int:
                 group.close()
     named = f"rank {WORLD - 1} ({dead.address}:{dead.port})"
     kill = result["kill"]
-    result["ok"] = bool(result["groups"]["evens_exact"] and result["groups"]["odds_exact"]
-                        and sorted(kill) == list(range(WORLD - 1)) and all(named in v["error"] for v in kill.values())
-                        and result["shrink"]["members"] == list(range(WORLD - 1)) and result["shrink"]["exact"])  # fmt: skip
+    result["ok"] = bool(
+        result["groups"]["evens_exact"]
+        and result["groups"]["odds_exact"]
+        and sorted(kill) == list(range(WORLD - 1))
+        and all(named in v["error"] for v in kill.values())
+        and result["shrink"]["members"] == list(range(WORLD - 1))
+        and result["shrink"]["exact"]
+    )
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"two groups at once: evens exact {result['groups']['evens_exact']}, odds exact {result['groups']['odds_exact']}")
+        print(
+            f"two groups at once: evens exact {result['groups']['evens_exact']}, odds exact {result['groups']['odds_exact']}"
+        )
         for rank, v in kill.items():
             print(f"rank {rank} heard {v['seconds']:.2f} s after the kill: {v['error']}")
-        print(f"shrunk to ranks {result['shrink']['members']}: next all-reduce exact {result['shrink']['exact']}")
+        print(
+            f"shrunk to ranks {result['shrink']['members']}: next all-reduce exact {result['shrink']['exact']}"
+        )
         print("OK" if result["ok"] else "FAILED")
     return 0 if result["ok"] else 1
 

@@ -14,7 +14,12 @@ TAGGED = 0x0020  # SPEC.md 2.1: the flags bit of a datagram that ends with its 8
 def siphash24(key, data):
     """SipHash-2-4 of *data* under the 16-byte *key*, as an int."""
     k0, k1 = struct.unpack("<QQ", key)
-    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
+    v = [
+        k0 ^ 0x736F6D6570736575,
+        k1 ^ 0x646F72616E646F6D,
+        k0 ^ 0x6C7967656E657261,
+        k1 ^ 0x7465646279746573,
+    ]
 
     def rounds(n):
         for _ in range(n):

@@ -28,10 +28,32 @@ HEADER = struct.Struct("!BBHIIIIIIIQQBBBBBBBBIHH")
 READ, READ_RESP, WRITE, FETCH_ADD, PING, ACK, NACK = 0x01, 0x02, 0x03, 0x07, 0x09, 0x0B, 0x0C
 REGISTER, DEREGISTER = 0x20, 0x21
 # SPEC.md "Status codes": NACKs print by name.
-STATUS = ["OK", "BAD_VERSION", "BAD_OPCODE", "TRUNCATED", "BAD_LENGTH", "BAD_DTYPE", "BAD_OP",
-          "BAD_SEGMENT", "BAD_RKEY", "NO_RIGHTS", "OUT_OF_BOUNDS", "MISALIGNED", "TOO_LARGE", "STALE",
-          "NOT_MEMBER", "EXISTS", "NO_SPACE", "UNAUTHORIZED", "BAD_FIELD", "SPANS_NODES", "NO_ROUTE",
-          "STALE_EPOCH", "BUSY", "TIMEOUT"]
+STATUS = [
+    "OK",
+    "BAD_VERSION",
+    "BAD_OPCODE",
+    "TRUNCATED",
+    "BAD_LENGTH",
+    "BAD_DTYPE",
+    "BAD_OP",
+    "BAD_SEGMENT",
+    "BAD_RKEY",
+    "NO_RIGHTS",
+    "OUT_OF_BOUNDS",
+    "MISALIGNED",
+    "TOO_LARGE",
+    "STALE",
+    "NOT_MEMBER",
+    "EXISTS",
+    "NO_SPACE",
+    "UNAUTHORIZED",
+    "BAD_FIELD",
+    "SPANS_NODES",
+    "NO_ROUTE",
+    "STALE_EPOCH",
+    "BUSY",
+    "TIMEOUT",
+]
 PAGE = 4096
 ACK_REQ = 0x0001
 RAW, U64 = 0, 5
@@ -43,8 +65,31 @@ def header(opcode, txn, rkey, addr, length, dtype=RAW, flags=0, aux=0):
     # version, opcode, flags, seq, client_id, txn_id, coll_id, epoch, rkey, length, addr,
     # aux_addr, dtype, reduce_op, status, credit, seg_type, segments_left, seg_count, reserved,
     # ret_ip, ret_port, reserved
-    return HEADER.pack(1, opcode, flags, 0, CLIENT_ID, txn, 0, 0, rkey, length, addr, aux,
-                       dtype, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    return HEADER.pack(
+        1,
+        opcode,
+        flags,
+        0,
+        CLIENT_ID,
+        txn,
+        0,
+        0,
+        rkey,
+        length,
+        addr,
+        aux,
+        dtype,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 def call(sock, node, datagram, txn, admin=None):
@@ -74,7 +119,9 @@ def call(sock, node, datagram, txn, admin=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--node", required=True, help="IP:PORT")
-    parser.add_argument("--cluster", required=True, help="the cluster file (TOML) `netdam up` wrote")
+    parser.add_argument(
+        "--cluster", required=True, help="the cluster file (TOML) `netdam up` wrote"
+    )
     args = parser.parse_args()
     try:
         with open(args.cluster, "rb") as f:

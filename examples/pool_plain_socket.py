@@ -40,6 +40,8 @@ ALLOC_REQUEST = struct.Struct("<QQIHBB16s")
 REGION = struct.Struct("<QQQIIHBBI16s")
 WAY = struct.Struct("<IIQQ")
 CLIENT_ID = int.from_bytes(os.urandom(4), "big") | 1
+
+
 class Refused(Exception):
     def __init__(self, status, text):
         super().__init__(f"NACK status {status} {text!r}")
@@ -164,7 +166,9 @@ def main():
 
     # ALLOC 64 KiB interleaved with stride 8 KiB over every node, all rights, tagged, for a new
     # tenant.
-    request = ALLOC_REQUEST.pack(64 << 10, 0, 8192, 0, 7, ALLOC_TAGGED, b"plain-socket".ljust(16, b"\0"))
+    request = ALLOC_REQUEST.pack(
+        64 << 10, 0, 8192, 0, 7, ALLOC_TAGGED, b"plain-socket".ljust(16, b"\0")
+    )
     fields, body, _ = client.call(ALLOC, request, admin=admin)
     region = region_record(body)
     gaddr, rkey, credential, stride, key = (
@@ -181,7 +185,9 @@ def main():
 
     data = bytes((7 * k) % 251 for k in range(20000))
     for addr, offset, step in pieces(gaddr, 0, len(data), stride, max_payload):
-        client.call(WRITE, data[offset : offset + step], rkey=rkey, addr=addr, flags=ACK_REQ, key=key)
+        client.call(
+            WRITE, data[offset : offset + step], rkey=rkey, addr=addr, flags=ACK_REQ, key=key
+        )
     back = bytearray()
     relayed = True
     for addr, _, step in pieces(gaddr, 0, len(data), stride, max_payload):
@@ -197,7 +203,13 @@ def main():
         struct.unpack(
             "<Q",
             client.call(
-                FETCH_ADD, struct.pack("<Q", 5), rkey=rkey, addr=counter, length=8, dtype=U64, key=key
+                FETCH_ADD,
+                struct.pack("<Q", 5),
+                rkey=rkey,
+                addr=counter,
+                length=8,
+                dtype=U64,
+                key=key,
             )[1],
         )[0]
         for _ in range(2)

@@ -77,15 +77,21 @@ class OpBreakdown:
         }
 
 
-def op_breakdown(p: NicParams, op: str, data_bytes: int, sr_segments: int = 0,
-                 dtype_bytes: int = 4) -> OpBreakdown:
+def op_breakdown(
+    p: NicParams, op: str, data_bytes: int, sr_segments: int = 0, dtype_bytes: int = 4
+) -> OpBreakdown:
     """Latency breakdown of one instruction moving *data_bytes* (one packet)."""
-    limit = (wire.max_data_bytes(p.mtu, sr_segments) if isinstance(p, NetdamParams)
-             else p.roce_mtu_bytes)
+    limit = (
+        wire.max_data_bytes(p.mtu, sr_segments) if isinstance(p, NetdamParams) else p.roce_mtu_bytes
+    )
     if data_bytes < 0 or data_bytes > limit:
         raise ValueError(f"one {p.kind} packet carries 0..{limit} data bytes, got {data_bytes}")
-    return OpBreakdown(p.kind, p.name, shape_for(p, op, data_bytes, sr_segments),
-                       tuple(stages_for(p, op, data_bytes, sr_segments, dtype_bytes)))
+    return OpBreakdown(
+        p.kind,
+        p.name,
+        shape_for(p, op, data_bytes, sr_segments),
+        tuple(stages_for(p, op, data_bytes, sr_segments, dtype_bytes)),
+    )
 
 
 @dataclass(frozen=True)
@@ -130,15 +136,19 @@ class LineRate:
 
 def data_bytes_for_payload(p: NicParams, udp_payload: int, dtype_bytes: int = 4) -> int:
     """Whole elements of data a packet of *udp_payload* UDP bytes carries after its headers."""
-    header = (wire.NETDAM_HEADER_BYTES if isinstance(p, NetdamParams)
-              else wire.ROCE_BTH_BYTES + wire.ROCE_ICRC_BYTES)
+    header = (
+        wire.NETDAM_HEADER_BYTES
+        if isinstance(p, NetdamParams)
+        else wire.ROCE_BTH_BYTES + wire.ROCE_ICRC_BYTES
+    )
     cap = wire.MAX_NETDAM_PAYLOAD_BYTES if isinstance(p, NetdamParams) else p.roce_mtu_bytes
     room = min(max(0, udp_payload - header), cap)
     return (room // dtype_bytes) * dtype_bytes
 
 
-def line_rate_shape(p: NicParams, udp_payload: int, op: str = "add",
-                    dtype_bytes: int = 4) -> PacketShape:
+def line_rate_shape(
+    p: NicParams, udp_payload: int, op: str = "add", dtype_bytes: int = 4
+) -> PacketShape:
     """Packet sizes of a stream whose data-carrying packets have *udp_payload* UDP bytes.
 
     *udp_payload* sizes the request for add/write and the response for read; the other
@@ -147,19 +157,27 @@ def line_rate_shape(p: NicParams, udp_payload: int, op: str = "add",
     minimum access.
     """
     data = data_bytes_for_payload(p, udp_payload, dtype_bytes)
-    header = (wire.NETDAM_HEADER_BYTES if isinstance(p, NetdamParams)
-              else wire.ROCE_BTH_BYTES + wire.ROCE_ICRC_BYTES + wire.ROCE_AETH_BYTES)
+    header = (
+        wire.NETDAM_HEADER_BYTES
+        if isinstance(p, NetdamParams)
+        else wire.ROCE_BTH_BYTES + wire.ROCE_ICRC_BYTES + wire.ROCE_AETH_BYTES
+    )
     small = min(header, udp_payload)
-    sizes = {"add": (udp_payload, udp_payload), "add-store": (udp_payload, small),
-             "write": (udp_payload, small), "read": (small, udp_payload)}
+    sizes = {
+        "add": (udp_payload, udp_payload),
+        "add-store": (udp_payload, small),
+        "write": (udp_payload, small),
+        "read": (small, udp_payload),
+    }
     if op not in sizes:
         raise ValueError(f"unknown op {op!r}; choose one of {', '.join(sizes)}")
     req, resp = sizes[op]
     return PacketShape(op, data, req, resp)
 
 
-def line_rate_stages(p: NicParams, udp_payload: int, op: str = "add",
-                     dtype_bytes: int = 4) -> list[Stage]:
+def line_rate_stages(
+    p: NicParams, udp_payload: int, op: str = "add", dtype_bytes: int = 4
+) -> list[Stage]:
     """Stages a stream of *udp_payload*-byte packets goes through (see line_rate_shape)."""
     shape = line_rate_shape(p, udp_payload, op, dtype_bytes)
     if isinstance(p, NetdamParams):
@@ -175,23 +193,34 @@ def line_rate(p: NicParams, udp_payload: int, op: str = "add", dtype_bytes: int 
             f"{udp_payload} (raise --mtu for bigger packets)"
         )
     if isinstance(p, RoceParams):
-        biggest = p.roce_mtu_bytes + wire.ROCE_BTH_BYTES + wire.ROCE_RETH_BYTES + wire.ROCE_ICRC_BYTES
+        biggest = (
+            p.roce_mtu_bytes + wire.ROCE_BTH_BYTES + wire.ROCE_RETH_BYTES + wire.ROCE_ICRC_BYTES
+        )
         if udp_payload > biggest:
-            raise ValueError(f"a RoCE packet carries at most {biggest} UDP bytes (path MTU "
-                             f"{p.roce_mtu_bytes} B), got {udp_payload}")
+            raise ValueError(
+                f"a RoCE packet carries at most {biggest} UDP bytes (path MTU "
+                f"{p.roce_mtu_bytes} B), got {udp_payload}"
+            )
     stages = line_rate_stages(p, udp_payload, op, dtype_bytes)
     data = data_bytes_for_payload(p, udp_payload, dtype_bytes)
     pps, bottleneck = pipeline_rate(stages)
     frame = wire.frame_bytes(udp_payload)
     return LineRate(
-        link_gbps=p.link_gbps, op=op, udp_payload_bytes=udp_payload, frame_bytes=frame,
-        wire_bytes=wire.wire_bytes(frame), data_bytes=data, pps=pps, bottleneck=bottleneck,
+        link_gbps=p.link_gbps,
+        op=op,
+        udp_payload_bytes=udp_payload,
+        frame_bytes=frame,
+        wire_bytes=wire.wire_bytes(frame),
+        data_bytes=data,
+        pps=pps,
+        bottleneck=bottleneck,
         stage_mpps={s.name: stage_rate_pps(s) / 1e6 for s in stages},
     )
 
 
-def fit_netdam_mem_latency(p: NetdamParams, target_s: float = 618e-9,
-                           data_bytes: int = 128) -> float:
+def fit_netdam_mem_latency(
+    p: NetdamParams, target_s: float = 618e-9, data_bytes: int = 128
+) -> float:
     """Memory latency that makes a READ of *data_bytes* take *target_s* wire to wire.
 
     This is how ``mem_latency_s`` of the DRAM presets was fitted to the authors' 618 ns
@@ -227,12 +256,15 @@ def describe_system(p: NicParams) -> str:
     """One line naming the system a parameter set describes."""
     if isinstance(p, RoceParams):
         return f"RoCE host {p.name}: {p.link_gbps:g} Gb/s, PCIe Gen{p.pcie_gen} x16"
-    return (f"NetDAM {p.name}: {p.link_gbps:g} Gb/s, {p.bus_bytes * 8}-bit @ "
-            f"{p.clock_hz / 1e6:g} MHz, {p.mem_kind}")
+    return (
+        f"NetDAM {p.name}: {p.link_gbps:g} Gb/s, {p.bus_bytes * 8}-bit @ "
+        f"{p.clock_hz / 1e6:g} MHz, {p.mem_kind}"
+    )
 
 
-def fit_roce_sw_message(p: RoceParams, mpi_one_way_s: float = 1.67e-6,
-                        data_bytes: int = 1) -> float:
+def fit_roce_sw_message(
+    p: RoceParams, mpi_one_way_s: float = 1.67e-6, data_bytes: int = 1
+) -> float:
     """Software per message that makes an MPI one-way latency of *mpi_one_way_s*.
 
     How ``sw_message_s`` of the RoCE presets was fitted: ``osu_latency`` of 1 B between two

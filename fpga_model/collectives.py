@@ -126,7 +126,9 @@ def _packet_time(p: NetdamParams, op: str, data: int, segments: int, dtype_bytes
     return 1.0 / rate
 
 
-def netdam_chain(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+def netdam_chain(
+    p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4
+) -> AllreduceEstimate:
     """Chained reduce-scatter + multicast all-gather on NetDAM cards behind one switch."""
     _check(nodes, nbytes, dtype_bytes)
     segments = nodes - 1
@@ -138,8 +140,12 @@ def netdam_chain(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4)
     add_pps, add_limit = pipeline_rate(add)
     write_pps, write_limit = pipeline_rate(write)
     # Per block: `full` packets of `chunk` bytes and one shorter packet for the rest.
-    add_block = full / add_pps + (_packet_time(p, "add", rest, segments, dtype_bytes) if rest else 0.0)
-    write_block = full / write_pps + (_packet_time(p, "write", rest, 0, dtype_bytes) if rest else 0.0)
+    add_block = full / add_pps + (
+        _packet_time(p, "add", rest, segments, dtype_bytes) if rest else 0.0
+    )
+    write_block = full / write_pps + (
+        _packet_time(p, "write", rest, 0, dtype_bytes) if rest else 0.0
+    )
     rs_bw = (nodes - 1) * add_block  # every node receives p-1 blocks in each phase
     ag_bw = (nodes - 1) * write_block
     hop = p.propagation_s + p.switch_latency_s
@@ -153,11 +159,20 @@ def netdam_chain(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4)
     limit = add_limit if rs_bw >= ag_bw else write_limit
     bottleneck = "latency" if fill > rs_bw + ag_bw else _LINK_STAGES.get(limit, limit)
     return AllreduceEstimate(
-        "netdam-chain", nodes, nbytes, p.link_gbps, total, bottleneck,
-        {"reduce_scatter": rs_bw, "all_gather": ag_bw, "latency": fill}, p.name)
+        "netdam-chain",
+        nodes,
+        nbytes,
+        p.link_gbps,
+        total,
+        bottleneck,
+        {"reduce_scatter": rs_bw, "all_gather": ag_bw, "latency": fill},
+        p.name,
+    )
 
 
-def netdam_chain_2d(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
+def netdam_chain_2d(
+    p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4
+) -> AllreduceEstimate:
     """Chains past one SR list: nodes in groups of CHAIN_GROUP (the last may be smaller, every
     group gets ceil(nodes / groups)); a chained reduce-scatter inside each group leaves each
     member 1/g of its group's sum, the members holding the same block index all-reduce it over
@@ -167,20 +182,40 @@ def netdam_chain_2d(p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int =
     _check(nodes, nbytes, dtype_bytes)
     if nodes <= CHAIN_GROUP + 1:
         flat = netdam_chain(p, nodes, nbytes, dtype_bytes)
-        return AllreduceEstimate("netdam-chain-2d", nodes, nbytes, p.link_gbps, flat.seconds, flat.bottleneck,
-                                 flat.terms, p.name)  # fmt: skip
+        return AllreduceEstimate(
+            "netdam-chain-2d",
+            nodes,
+            nbytes,
+            p.link_gbps,
+            flat.seconds,
+            flat.bottleneck,
+            flat.terms,
+            p.name,
+        )
     groups = math.ceil(nodes / CHAIN_GROUP)
     size = math.ceil(nodes / groups)
     inner = netdam_chain(p, size, nbytes, dtype_bytes)
     block = max(dtype_bytes, math.ceil(math.ceil(nbytes / size) / dtype_bytes) * dtype_bytes)
     outer = netdam_chain_2d(p, groups, block, dtype_bytes) if groups >= 2 else None
     # The inner chain's latency term is its chain fill plus its multicast hop: both phases pay it.
-    terms = {"reduce_scatter": inner.terms["reduce_scatter"], "all_gather": inner.terms["all_gather"],
-             "latency": inner.terms["latency"], "across_groups": outer.seconds if outer else 0.0}  # fmt: skip
+    terms = {
+        "reduce_scatter": inner.terms["reduce_scatter"],
+        "all_gather": inner.terms["all_gather"],
+        "latency": inner.terms["latency"],
+        "across_groups": outer.seconds if outer else 0.0,
+    }
     total = sum(terms.values())
     bottleneck = max(terms, key=lambda k: terms[k])
-    return AllreduceEstimate("netdam-chain-2d", nodes, nbytes, p.link_gbps, total,
-                             "latency" if bottleneck == "latency" else inner.bottleneck, terms, p.name)  # fmt: skip
+    return AllreduceEstimate(
+        "netdam-chain-2d",
+        nodes,
+        nbytes,
+        p.link_gbps,
+        total,
+        "latency" if bottleneck == "latency" else inner.bottleneck,
+        terms,
+        p.name,
+    )
 
 
 @dataclass(frozen=True)
@@ -209,12 +244,23 @@ def _host_costs(p: RoceParams) -> _HostCosts:
     lim_ag = min(caps_ag, key=lambda k: caps_ag[k])
     return _HostCosts(
         alpha=roce_one_way_s(p, 32, switched=True),
-        beta_rs=1.0 / caps_rs[lim_rs], beta_ag=1.0 / caps_ag[lim_ag],
-        gamma=1.0 / p.cpu_reduce_bytes_per_s, limiter_rs=lim_rs, limiter_ag=lim_ag)
+        beta_rs=1.0 / caps_rs[lim_rs],
+        beta_ag=1.0 / caps_ag[lim_ag],
+        gamma=1.0 / p.cpu_reduce_bytes_per_s,
+        limiter_rs=lim_rs,
+        limiter_ag=lim_ag,
+    )
 
 
-def _host_estimate(algo: str, p: RoceParams, nodes: int, nbytes: int, steps: float,
-                   frac: float, extra: dict[str, float]) -> AllreduceEstimate:
+def _host_estimate(
+    algo: str,
+    p: RoceParams,
+    nodes: int,
+    nbytes: int,
+    steps: float,
+    frac: float,
+    extra: dict[str, float],
+) -> AllreduceEstimate:
     c = _host_costs(p)
     terms = {
         "latency": steps * c.alpha + extra.get("latency", 0.0),
@@ -223,8 +269,9 @@ def _host_estimate(algo: str, p: RoceParams, nodes: int, nbytes: int, steps: flo
     }
     worst = max(terms, key=lambda k: terms[k])
     bottleneck = c.limiter_rs if worst == "transfer" else worst
-    return AllreduceEstimate(algo, nodes, nbytes, p.link_gbps, sum(terms.values()),
-                             bottleneck, terms, p.name)
+    return AllreduceEstimate(
+        algo, nodes, nbytes, p.link_gbps, sum(terms.values()), bottleneck, terms, p.name
+    )
 
 
 def roce_ideal(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
@@ -237,9 +284,11 @@ def roce_ideal(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> 
     rs = max(c.beta_rs, c.gamma)  # per byte of a reducing step: the slower of the two
 
     def steps(count: float, reduced: float, gathered: float) -> dict[str, float]:
-        return {"latency": count * c.alpha,
-                "transfer": reduced * c.beta_rs + gathered * c.beta_ag,
-                "cpu_reduce": reduced * (rs - c.beta_rs)}
+        return {
+            "latency": count * c.alpha,
+            "transfer": reduced * c.beta_rs + gathered * c.beta_ag,
+            "cpu_reduce": reduced * (rs - c.beta_rs),
+        }
 
     frac = (nodes - 1) / nodes
     pow2 = 1 << (nodes.bit_length() - 1)
@@ -249,14 +298,18 @@ def roce_ideal(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4) -> 
     candidates = [
         steps(2.0 * (nodes - 1), frac * nbytes, frac * nbytes),  # ring
         steps(log + hops, log * nbytes + fold, fold),  # recursive doubling
-        steps(2.0 * log + hops, (pow2 - 1) / pow2 * nbytes + fold,  # Rabenseifner
-              (pow2 - 1) / pow2 * nbytes + fold),
+        steps(
+            2.0 * log + hops,
+            (pow2 - 1) / pow2 * nbytes + fold,  # Rabenseifner
+            (pow2 - 1) / pow2 * nbytes + fold,
+        ),
     ]
     terms = min(candidates, key=lambda t: sum(t.values()))
     worst = max(terms, key=lambda k: terms[k])
     bottleneck = c.limiter_rs if worst == "transfer" else worst
-    return AllreduceEstimate("roce-ideal", nodes, nbytes, p.link_gbps, sum(terms.values()),
-                             bottleneck, terms, p.name)
+    return AllreduceEstimate(
+        "roce-ideal", nodes, nbytes, p.link_gbps, sum(terms.values()), bottleneck, terms, p.name
+    )
 
 
 def _message_overhead_s(p: RoceParams, c: _HostCosts, nbytes: float) -> tuple[float, float]:
@@ -270,8 +323,13 @@ def _message_overhead_s(p: RoceParams, c: _HostCosts, nbytes: float) -> tuple[fl
     return p.sw_message_s + handshake + p.pcie_read_s(32), 0.0
 
 
-ROCE_RING_ALGORITHMS = ("recursive_doubling", "ring", "segmented_ring", "rabenseifner",
-                        "nonoverlapping")
+ROCE_RING_ALGORITHMS = (
+    "recursive_doubling",
+    "ring",
+    "segmented_ring",
+    "rabenseifner",
+    "nonoverlapping",
+)
 
 
 def openmpi_allreduce_algorithm(p: RoceParams, nodes: int, nbytes: int) -> str:
@@ -305,18 +363,38 @@ def openmpi_allreduce_algorithm(p: RoceParams, nodes: int, nbytes: int) -> str:
     if nodes < 128:
         return "recursive_doubling" if n < 262144 else "rabenseifner"
     if nodes < 256:
-        return "nonoverlapping" if n < 131072 else "recursive_doubling" if n < 262144 \
+        return (
+            "nonoverlapping"
+            if n < 131072
+            else "recursive_doubling"
+            if n < 262144
             else "rabenseifner"
+        )
     if nodes < 512:
         return "nonoverlapping" if n < 4096 else "rabenseifner"
     if nodes < 2048:
-        return "nonoverlapping" if n < 2048 else "recursive_doubling" if n < 16384 \
-            else "rabenseifner"
+        return (
+            "nonoverlapping" if n < 2048 else "recursive_doubling" if n < 16384 else "rabenseifner"
+        )
     if nodes < 4096:
-        return "nonoverlapping" if n < 2048 else "ring" if n < 4096 \
-            else "recursive_doubling" if n < 16384 else "rabenseifner"
-    return "nonoverlapping" if n < 2048 else "ring" if n < 16384 \
-        else "recursive_doubling" if n < 32768 else "rabenseifner"
+        return (
+            "nonoverlapping"
+            if n < 2048
+            else "ring"
+            if n < 4096
+            else "recursive_doubling"
+            if n < 16384
+            else "rabenseifner"
+        )
+    return (
+        "nonoverlapping"
+        if n < 2048
+        else "ring"
+        if n < 16384
+        else "recursive_doubling"
+        if n < 32768
+        else "rabenseifner"
+    )
 
 
 class _Steps:
@@ -370,8 +448,9 @@ def _fold(s: _Steps, nodes: int, nbytes: int, halves: bool) -> tuple[int, bool]:
     return pow2, pow2 != nodes
 
 
-def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4,
-              algorithm: str | None = None) -> AllreduceEstimate:
+def roce_ring(
+    p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4, algorithm: str | None = None
+) -> AllreduceEstimate:
     """MPI-library all-reduce over RoCE as Open MPI's coll/tuned runs it (module docstring).
 
     *algorithm* forces one of ROCE_RING_ALGORITHMS instead of the library's choice.
@@ -381,8 +460,9 @@ def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4,
     if algo == "ring" and nbytes // dtype_bytes < nodes:
         algo = "recursive_doubling"  # ompi_coll_base_allreduce_intra_ring: count < size
     if algo not in ROCE_RING_ALGORITHMS:
-        raise ValueError(f"unknown host algorithm {algo!r}; choose one of "
-                         f"{', '.join(ROCE_RING_ALGORITHMS)}")
+        raise ValueError(
+            f"unknown host algorithm {algo!r}; choose one of {', '.join(ROCE_RING_ALGORITHMS)}"
+        )
     c = _host_costs(p)
     s = _Steps(p, c)
     s.copy(p.send_buffer_copies * nbytes)
@@ -417,34 +497,50 @@ def roce_ring(p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4,
     terms = s.terms
     worst = max(terms, key=lambda k: terms[k])
     bottleneck = c.limiter_rs if worst == "transfer" else worst
-    return AllreduceEstimate("roce-ring", nodes, nbytes, p.link_gbps, sum(terms.values()),
-                             bottleneck, terms, p.name, algorithm=algo)
+    return AllreduceEstimate(
+        "roce-ring",
+        nodes,
+        nbytes,
+        p.link_gbps,
+        sum(terms.values()),
+        bottleneck,
+        terms,
+        p.name,
+        algorithm=algo,
+    )
 
 
-def halving_doubling(p: RoceParams, nodes: int, nbytes: int,
-                     dtype_bytes: int = 4) -> AllreduceEstimate:
+def halving_doubling(
+    p: RoceParams, nodes: int, nbytes: int, dtype_bytes: int = 4
+) -> AllreduceEstimate:
     """Rabenseifner's recursive halving reduce-scatter + doubling all-gather over RoCE."""
     _check(nodes, nbytes, dtype_bytes)
     pow2 = 1 << (nodes.bit_length() - 1)
     extra: dict[str, float] = {}
     if pow2 != nodes:
         c = _host_costs(p)
-        extra = {"latency": 2.0 * c.alpha, "transfer": nbytes * (c.beta_rs + c.beta_ag),
-                 "cpu_reduce": nbytes * c.gamma}
-    return _host_estimate("halving-doubling", p, nodes, nbytes, 2.0 * math.log2(pow2),
-                          (pow2 - 1) / pow2, extra)
+        extra = {
+            "latency": 2.0 * c.alpha,
+            "transfer": nbytes * (c.beta_rs + c.beta_ag),
+            "cpu_reduce": nbytes * c.gamma,
+        }
+    return _host_estimate(
+        "halving-doubling", p, nodes, nbytes, 2.0 * math.log2(pow2), (pow2 - 1) / pow2, extra
+    )
 
 
 def ideal(link_gbps: float, nodes: int, nbytes: int, dtype_bytes: int = 4) -> AllreduceEstimate:
     """Bandwidth lower bound: every node receives 2(p-1)/p n bytes at the raw link rate."""
     _check(nodes, nbytes, dtype_bytes)
     t = bus_factor(nodes) * nbytes * 8.0 / (link_gbps * 1e9)
-    return AllreduceEstimate("ideal", nodes, nbytes, link_gbps, t, "link",
-                             {"transfer": t}, f"{link_gbps:g} Gb/s link")
+    return AllreduceEstimate(
+        "ideal", nodes, nbytes, link_gbps, t, "link", {"transfer": t}, f"{link_gbps:g} Gb/s link"
+    )
 
 
-def allreduce(algo: str, nodes: int, nbytes: int, netdam: NetdamParams, roce: RoceParams,
-              dtype_bytes: int = 4) -> AllreduceEstimate:
+def allreduce(
+    algo: str, nodes: int, nbytes: int, netdam: NetdamParams, roce: RoceParams, dtype_bytes: int = 4
+) -> AllreduceEstimate:
     """Dispatch to one algorithm; the link speed comes from the parameters it uses."""
     if algo == "netdam-chain":
         return netdam_chain(netdam, nodes, nbytes, dtype_bytes)
@@ -471,8 +567,13 @@ def default_params(link_gbps: float) -> tuple[NetdamParams, RoceParams]:
     return nd, ro
 
 
-def estimate_allreduce_seconds(nodes: int, nbytes: int, link_gbps: float = 100.0,
-                               algo: str = "netdam-chain", dtype_bytes: int = 4) -> float:
+def estimate_allreduce_seconds(
+    nodes: int,
+    nbytes: int,
+    link_gbps: float = 100.0,
+    algo: str = "netdam-chain",
+    dtype_bytes: int = 4,
+) -> float:
     """Modelled seconds of one all-reduce of *nbytes* per node over *nodes* nodes.
 
     Stable entry point for the emulator's collectives, which print it beside the measured

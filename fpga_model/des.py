@@ -76,8 +76,20 @@ class DesResult:
 class _Node:
     """Run-time state of one stage."""
 
-    __slots__ = ("spec", "queue", "busy_until", "inflight", "order", "done", "next",
-                 "waiters", "waiting", "try_at", "max_queue", "key")
+    __slots__ = (
+        "spec",
+        "queue",
+        "busy_until",
+        "inflight",
+        "order",
+        "done",
+        "next",
+        "waiters",
+        "waiting",
+        "try_at",
+        "max_queue",
+        "key",
+    )
 
     def __init__(self, spec: Stage, key: int) -> None:
         self.spec = spec
@@ -95,8 +107,13 @@ class _Node:
 
 
 class _Sim:
-    def __init__(self, flows: Sequence[Sequence[Stage]], tail: Sequence[Stage],
-                 sources: Sequence[Source], seed: int) -> None:
+    def __init__(
+        self,
+        flows: Sequence[Sequence[Stage]],
+        tail: Sequence[Stage],
+        sources: Sequence[Source],
+        seed: int,
+    ) -> None:
         if len(flows) != len(sources):
             raise ValueError("one source per flow")
         self.rng = random.Random(seed)
@@ -261,8 +278,13 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[idx]
 
 
-def simulate(flows: Sequence[Sequence[Stage]], sources: Sequence[Source],
-             tail: Sequence[Stage] = (), seed: int = 1, warmup: float = 0.1) -> DesResult:
+def simulate(
+    flows: Sequence[Sequence[Stage]],
+    sources: Sequence[Source],
+    tail: Sequence[Stage] = (),
+    seed: int = 1,
+    warmup: float = 0.1,
+) -> DesResult:
     """Run packets of each source through its flow's stages, then the shared *tail*.
 
     Throughput counts delivered packets after the first *warmup* fraction, over the time
@@ -281,14 +303,21 @@ def simulate(flows: Sequence[Sequence[Stage]], sources: Sequence[Source],
         times = [t for t, p in window if sim.flow_of[p] == flow]
         per_flow.append((len(times) - 1) / span if span > 0 and len(times) > 1 else 0.0)
     return DesResult(
-        offered=sum(sim.sent), delivered=len(exits), dropped=sim.dropped,
+        offered=sum(sim.sent),
+        delivered=len(exits),
+        dropped=sim.dropped,
         throughput_pps=throughput,
         latency_mean_s=sum(lat) / len(lat) if lat else 0.0,
-        latency_p50_s=_percentile(lat, 0.50), latency_p99_s=_percentile(lat, 0.99),
-        latency_max_s=lat[-1] if lat else 0.0, latency_min_s=lat[0] if lat else 0.0,
-        max_queue={n.spec.name if n.spec.name not in {m.spec.name for m in sim.nodes
-                   if m is not n} else f"{n.spec.name}#{n.key}": n.max_queue
-                   for n in sim.nodes},
+        latency_p50_s=_percentile(lat, 0.50),
+        latency_p99_s=_percentile(lat, 0.99),
+        latency_max_s=lat[-1] if lat else 0.0,
+        latency_min_s=lat[0] if lat else 0.0,
+        max_queue={
+            n.spec.name
+            if n.spec.name not in {m.spec.name for m in sim.nodes if m is not n}
+            else f"{n.spec.name}#{n.key}": n.max_queue
+            for n in sim.nodes
+        },
         per_flow_pps=tuple(per_flow),
     )
 
@@ -304,14 +333,25 @@ def unloaded(stages: Sequence[Stage], packets: int = 100, seed: int = 1) -> DesR
     return simulate([stages], [Source(packets, period_s=gap)], seed=seed, warmup=0.0)
 
 
-def offered_load(stages: Sequence[Stage], period_s: float, packets: int = 2000,
-                 poisson: bool = False, seed: int = 1) -> DesResult:
+def offered_load(
+    stages: Sequence[Stage],
+    period_s: float,
+    packets: int = 2000,
+    poisson: bool = False,
+    seed: int = 1,
+) -> DesResult:
     """One flow at a fixed offered rate; packets that find the first queue full are lost."""
     return simulate([stages], [Source(packets, period_s=period_s, poisson=poisson)], seed=seed)
 
 
-def incast(sender: Sequence[Stage], tail: Sequence[Stage], senders: int, packets_each: int,
-           period_s: float | None, seed: int = 1) -> DesResult:
+def incast(
+    sender: Sequence[Stage],
+    tail: Sequence[Stage],
+    senders: int,
+    packets_each: int,
+    period_s: float | None,
+    seed: int = 1,
+) -> DesResult:
     """*senders* identical flows converging on one shared *tail* (switch port + receiver)."""
     flows = [list(sender) for _ in range(senders)]
     srcs = [Source(packets_each, period_s=period_s, start_s=i * 1e-12) for i in range(senders)]

@@ -130,14 +130,22 @@ class RoceParams:
     sw_step_s: float = _p("MPI progress engine per algorithm step (matching, requests)", "s")
     eager_limit_bytes: int = _p("largest message sent eagerly; above it rendezvous", "B")
     eager_copies: int = _p("memory copies per eager byte (into and out of bounce buffers)", "")
-    coll_decision: str = _p("the library's algorithm choice: openmpi-4.1 (coll/tuned table of "
-                            "Open MPI >= 4.1) or openmpi-4.0 (its older fixed rule)", "")
-    send_buffer_copies: int = _p("whole-vector copies before the algorithm starts (send buffer "
-                                 "into receive buffer when not in place)", "")
-    small_allreduce_bytes: int = _p("openmpi-4.0: below this vector size recursive doubling, "
-                                    "else ring", "B")
-    ring_segment_bytes: int = _p("openmpi-4.0: segment of the segmented ring (comm/reduce "
-                                 "pipelined)", "B")
+    coll_decision: str = _p(
+        "the library's algorithm choice: openmpi-4.1 (coll/tuned table of "
+        "Open MPI >= 4.1) or openmpi-4.0 (its older fixed rule)",
+        "",
+    )
+    send_buffer_copies: int = _p(
+        "whole-vector copies before the algorithm starts (send buffer "
+        "into receive buffer when not in place)",
+        "",
+    )
+    small_allreduce_bytes: int = _p(
+        "openmpi-4.0: below this vector size recursive doubling, else ring", "B"
+    )
+    ring_segment_bytes: int = _p(
+        "openmpi-4.0: segment of the segmented ring (comm/reduce pipelined)", "B"
+    )
     provenance: tuple[tuple[str, Provenance], ...] = field(
         default=(), compare=False, repr=False, metadata={"doc": "", "unit": ""}
     )
@@ -147,8 +155,10 @@ class RoceParams:
         if not 0.0 <= self.ddio_hit_rate <= 1.0:
             raise ValueError(f"ddio_hit_rate must be in [0, 1], got {self.ddio_hit_rate}")
         if self.coll_decision not in COLL_DECISIONS:
-            raise ValueError(f"coll_decision must be one of {', '.join(COLL_DECISIONS)}, "
-                             f"got {self.coll_decision!r}")
+            raise ValueError(
+                f"coll_decision must be one of {', '.join(COLL_DECISIONS)}, "
+                f"got {self.coll_decision!r}"
+            )
 
     @property
     def pcie_half_rtt_s(self) -> float:
@@ -169,10 +179,23 @@ _CLASSES: dict[str, type[NetdamParams] | type[RoceParams]] = {
     "netdam": NetdamParams,
     "roce": RoceParams,
 }
-_ALLOW_ZERO = {"mem_jitter_s", "mem_jitter_max_s", "ddio_hit_rate", "propagation_s",
-               "switch_latency_s", "parse_cycles", "reply_cycles", "alu_latency_cycles",
-               "pcie_read_per_byte_s", "sw_message_s", "sw_step_s", "eager_limit_bytes",
-               "eager_copies", "small_allreduce_bytes", "send_buffer_copies"}
+_ALLOW_ZERO = {
+    "mem_jitter_s",
+    "mem_jitter_max_s",
+    "ddio_hit_rate",
+    "propagation_s",
+    "switch_latency_s",
+    "parse_cycles",
+    "reply_cycles",
+    "alu_latency_cycles",
+    "pcie_read_per_byte_s",
+    "sw_message_s",
+    "sw_step_s",
+    "eager_limit_bytes",
+    "eager_copies",
+    "small_allreduce_bytes",
+    "send_buffer_copies",
+}
 
 
 def _check_positive(params: NetdamParams | RoceParams) -> None:
@@ -240,7 +263,7 @@ def load_params_file(path: str | Path) -> ParamSet:
     unknown = set(doc) - {"netdam", "roce"}
     if unknown or not doc:
         raise ValueError(
-            f"parameter file {str(file)!r}: give a top-level kind = \"netdam\"|\"roce\" or "
+            f'parameter file {str(file)!r}: give a top-level kind = "netdam"|"roce" or '
             f"[netdam] / [roce] tables (unexpected keys: {sorted(unknown)})"
         )
     out: dict[str, Any] = {}
@@ -263,7 +286,7 @@ def params_from_mapping(doc: Mapping[str, Any], origin: str, depth: int) -> NicP
         raise ValueError(f"{origin}: base presets nest too deeply (a cycle?)")
     kind = doc.get("kind")
     if kind not in _CLASSES:
-        raise ValueError(f"{origin}: kind must be \"netdam\" or \"roce\", got {kind!r}")
+        raise ValueError(f'{origin}: kind must be "netdam" or "roce", got {kind!r}')
     cls = _CLASSES[kind]
     values: dict[str, Any] = {}
     prov: dict[str, Provenance] = {}
@@ -301,8 +324,11 @@ def params_from_mapping(doc: Mapping[str, Any], origin: str, depth: int) -> NicP
     missing = allowed - set(values)
     if missing:
         raise ValueError(f"{origin}: missing parameters {sorted(missing)} (or give a base)")
-    typed = {f.name: _coerce(f.type, values[f.name], f.name, origin)
-             for f in fields(cls) if f.name != "provenance"}
+    typed = {
+        f.name: _coerce(f.type, values[f.name], f.name, origin)
+        for f in fields(cls)
+        if f.name != "provenance"
+    }
     return cls(**typed, provenance=tuple(sorted(prov.items())))
 
 
@@ -327,8 +353,9 @@ def with_link(params: NicParams, link_gbps: float) -> NicParams:
         return params
     prov = dict(params.provenance)
     prov["link_gbps"] = Provenance("override", "--link-gbps")
-    return dataclasses.replace(params, link_gbps=float(link_gbps),
-                               provenance=tuple(sorted(prov.items())))
+    return dataclasses.replace(
+        params, link_gbps=float(link_gbps), provenance=tuple(sorted(prov.items()))
+    )
 
 
 def default_presets(link_gbps: float) -> tuple[str, str]:

@@ -124,10 +124,22 @@ def netdam_stages(p: NetdamParams, shape: PacketShape, dtype_bytes: int = 4) -> 
     access = max(n, p.mem_access_bytes)
     stages = [
         _wire_stage("wire_in", shape.request_udp_bytes, p.link_gbps, cap),
-        Stage("mac_phy_rx", p.mac_phy_rx_s, wire.beats(req_bus, p.mac_bus_bytes) / p.mac_clock_hz,
-              capacity=cap, clock_hz=p.mac_clock_hz, note="GT + RS-FEC + PCS/MAC receive"),
-        Stage("parse", p.parse_cycles / clk, wire.beats(req_bus, p.bus_bytes) / clk,
-              capacity=cap, clock_hz=clk, note="clock crossing, header parse, bounds/key check"),
+        Stage(
+            "mac_phy_rx",
+            p.mac_phy_rx_s,
+            wire.beats(req_bus, p.mac_bus_bytes) / p.mac_clock_hz,
+            capacity=cap,
+            clock_hz=p.mac_clock_hz,
+            note="GT + RS-FEC + PCS/MAC receive",
+        ),
+        Stage(
+            "parse",
+            p.parse_cycles / clk,
+            wire.beats(req_bus, p.bus_bytes) / clk,
+            capacity=cap,
+            clock_hz=clk,
+            note="clock crossing, header parse, bounds/key check",
+        ),
     ]
     reads = shape.op in ("read", "add", "add-store")
     stores = shape.op in ("write", "add-store")
@@ -135,27 +147,61 @@ def netdam_stages(p: NetdamParams, shape: PacketShape, dtype_bytes: int = 4) -> 
         # One memory port serves the packet's reads and stores: its bandwidth share counts both.
         traffic = access * (int(reads) + int(stores))
         latency = p.mem_latency_s + stream if reads else 0.0
-        stages.append(Stage(
-            "memory", latency, traffic / mem_bw, max_inflight=p.mem_max_outstanding,
-            jitter_s=p.mem_jitter_s if reads else 0.0,
-            jitter_max_s=p.mem_jitter_max_s if reads else 0.0, capacity=cap, clock_hz=clk,
-            note=f"{p.mem_kind} read of {n} B" if reads else f"{p.mem_kind} write bandwidth"))
+        stages.append(
+            Stage(
+                "memory",
+                latency,
+                traffic / mem_bw,
+                max_inflight=p.mem_max_outstanding,
+                jitter_s=p.mem_jitter_s if reads else 0.0,
+                jitter_max_s=p.mem_jitter_max_s if reads else 0.0,
+                capacity=cap,
+                clock_hz=clk,
+                note=f"{p.mem_kind} read of {n} B" if reads else f"{p.mem_kind} write bandwidth",
+            )
+        )
     if shape.op in ("add", "add-store"):
         lanes_bytes = p.bus_bytes  # SIMD adders as wide as the datapath (16 f32 at 512 bit)
-        stages.append(Stage(
-            "alu", p.alu_latency_cycles / clk, wire.beats(n, lanes_bytes) / clk, capacity=cap,
-            clock_hz=clk, note=f"{p.bus_bytes // dtype_bytes} lanes, adder latency "
-            f"{p.alu_latency_cycles} cycles"))
+        stages.append(
+            Stage(
+                "alu",
+                p.alu_latency_cycles / clk,
+                wire.beats(n, lanes_bytes) / clk,
+                capacity=cap,
+                clock_hz=clk,
+                note=f"{p.bus_bytes // dtype_bytes} lanes, adder latency "
+                f"{p.alu_latency_cycles} cycles",
+            )
+        )
     if stores:
-        stages.append(Stage(
-            "store", stream + p.mem_latency_s, stream if stream else 1.0 / clk,
-            max_inflight=p.mem_max_outstanding, capacity=cap, clock_hz=clk,
-            note="write to memory, ACK after the write response"))
+        stages.append(
+            Stage(
+                "store",
+                stream + p.mem_latency_s,
+                stream if stream else 1.0 / clk,
+                max_inflight=p.mem_max_outstanding,
+                capacity=cap,
+                clock_hz=clk,
+                note="write to memory, ACK after the write response",
+            )
+        )
     stages += [
-        Stage("reply", p.reply_cycles / clk, wire.beats(resp_bus, p.bus_bytes) / clk,
-              capacity=cap, clock_hz=clk, note="header rewrite, checksum, clock crossing"),
-        Stage("mac_phy_tx", p.mac_phy_tx_s, wire.beats(resp_bus, p.mac_bus_bytes) / p.mac_clock_hz,
-              capacity=cap, clock_hz=p.mac_clock_hz, note="PCS/MAC + RS-FEC + GT transmit"),
+        Stage(
+            "reply",
+            p.reply_cycles / clk,
+            wire.beats(resp_bus, p.bus_bytes) / clk,
+            capacity=cap,
+            clock_hz=clk,
+            note="header rewrite, checksum, clock crossing",
+        ),
+        Stage(
+            "mac_phy_tx",
+            p.mac_phy_tx_s,
+            wire.beats(resp_bus, p.mac_bus_bytes) / p.mac_clock_hz,
+            capacity=cap,
+            clock_hz=p.mac_clock_hz,
+            note="PCS/MAC + RS-FEC + GT transmit",
+        ),
         _wire_stage("wire_out", shape.response_udp_bytes, p.link_gbps, cap),
     ]
     return stages
@@ -169,37 +215,76 @@ def roce_stages(p: RoceParams, shape: PacketShape) -> list[Stage]:
     pcie_ii = max(n, 16) / p.pcie_bytes_per_s
     stages = [
         _wire_stage("wire_in", shape.request_udp_bytes, p.link_gbps, cap),
-        Stage("mac_phy_rx", p.nic_side_s, nic_ii, capacity=cap,
-              note="ConnectX MAC/PHY + RX pipeline (fitted lump)"),
+        Stage(
+            "mac_phy_rx",
+            p.nic_side_s,
+            nic_ii,
+            capacity=cap,
+            note="ConnectX MAC/PHY + RX pipeline (fitted lump)",
+        ),
     ]
     if shape.op == "read":
-        stages.append(Stage("memory", p.pcie_read_s(n), pcie_ii,
-                            max_inflight=p.pcie_max_outstanding, capacity=cap,
-                            note=f"PCIe Gen{p.pcie_gen} DMA read of {n} B from host memory"))
+        stages.append(
+            Stage(
+                "memory",
+                p.pcie_read_s(n),
+                pcie_ii,
+                max_inflight=p.pcie_max_outstanding,
+                capacity=cap,
+                note=f"PCIe Gen{p.pcie_gen} DMA read of {n} B from host memory",
+            )
+        )
     elif shape.op == "write":
-        stages.append(Stage("store", p.pcie_half_rtt_s + pcie_ii, pcie_ii, capacity=cap,
-                            note=f"PCIe Gen{p.pcie_gen} posted DMA write into host memory"))
+        stages.append(
+            Stage(
+                "store",
+                p.pcie_half_rtt_s + pcie_ii,
+                pcie_ii,
+                capacity=cap,
+                note=f"PCIe Gen{p.pcie_gen} posted DMA write into host memory",
+            )
+        )
     else:  # add: DMA in, one core reduces, DMA back out (a host ring step)
         stages += [
-            Stage("store", p.pcie_half_rtt_s + pcie_ii, pcie_ii, capacity=cap,
-                  note="DMA write of the received chunk"),
-            Stage("alu", n / p.cpu_reduce_bytes_per_s + p.pcie_half_rtt_s,
-                  n / p.cpu_reduce_bytes_per_s, capacity=cap,
-                  note="one core reduces the chunk (completion seen by polling)"),
-            Stage("memory", p.pcie_half_rtt_s + p.pcie_read_s(n), pcie_ii,
-                  max_inflight=p.pcie_max_outstanding, capacity=cap,
-                  note="doorbell, then DMA read of the result to send it on"),
+            Stage(
+                "store",
+                p.pcie_half_rtt_s + pcie_ii,
+                pcie_ii,
+                capacity=cap,
+                note="DMA write of the received chunk",
+            ),
+            Stage(
+                "alu",
+                n / p.cpu_reduce_bytes_per_s + p.pcie_half_rtt_s,
+                n / p.cpu_reduce_bytes_per_s,
+                capacity=cap,
+                note="one core reduces the chunk (completion seen by polling)",
+            ),
+            Stage(
+                "memory",
+                p.pcie_half_rtt_s + p.pcie_read_s(n),
+                pcie_ii,
+                max_inflight=p.pcie_max_outstanding,
+                capacity=cap,
+                note="doorbell, then DMA read of the result to send it on",
+            ),
         ]
     stages += [
-        Stage("reply", p.nic_side_s, nic_ii, capacity=cap,
-              note="ConnectX TX pipeline + MAC/PHY (fitted lump)"),
+        Stage(
+            "reply",
+            p.nic_side_s,
+            nic_ii,
+            capacity=cap,
+            note="ConnectX TX pipeline + MAC/PHY (fitted lump)",
+        ),
         _wire_stage("wire_out", shape.response_udp_bytes, p.link_gbps, cap),
     ]
     return stages
 
 
-def stages_for(p: NicParams, op: str, data_bytes: int, sr_segments: int = 0,
-               dtype_bytes: int = 4) -> list[Stage]:
+def stages_for(
+    p: NicParams, op: str, data_bytes: int, sr_segments: int = 0, dtype_bytes: int = 4
+) -> list[Stage]:
     """Stages for *op* on either kind of system."""
     if isinstance(p, NetdamParams):
         return netdam_stages(p, netdam_shape(op, data_bytes, sr_segments), dtype_bytes)

@@ -83,8 +83,10 @@ class SetComparison:
 
     def geomean_by_nodes(self) -> dict[int, float]:
         nodes = sorted({r.point.nodes for r in self.validated})
-        return {n: geometric_mean([r.ratio for r in self.validated if r.point.nodes == n])
-                for n in nodes}
+        return {
+            n: geometric_mean([r.ratio for r in self.validated if r.point.nodes == n])
+            for n in nodes
+        }
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -95,10 +97,17 @@ class SetComparison:
             "geomean_ratio": self.geomean,
             "geomean_ratio_by_nodes": {str(k): v for k, v in self.geomean_by_nodes().items()},
             "within_bounds": BOUNDS[0] <= self.geomean <= BOUNDS[1],
-            "rows": [{"nodes": r.point.nodes, "bytes": r.point.nbytes,
-                      "measured_seconds": r.point.seconds, "model_seconds": r.model_seconds,
-                      "ratio": r.ratio, "host_algorithm": r.algorithm or None}
-                     for r in self.rows],
+            "rows": [
+                {
+                    "nodes": r.point.nodes,
+                    "bytes": r.point.nbytes,
+                    "measured_seconds": r.point.seconds,
+                    "model_seconds": r.model_seconds,
+                    "ratio": r.ratio,
+                    "host_algorithm": r.algorithm or None,
+                }
+                for r in self.rows
+            ],
         }
 
 
@@ -114,10 +123,12 @@ def _read_points(path: Path) -> tuple[MeasuredPoint, ...]:
         points = []
         for row in rows:
             if int(row["ppn"]) != 1:
-                raise ValueError(f"{path.name}: the model is one process per node, got ppn "
-                                 f"{row['ppn']}")
-            points.append(MeasuredPoint(int(row["nodes"]), int(row["bytes"]),
-                                        float(row["latency_us"]) * 1e-6))
+                raise ValueError(
+                    f"{path.name}: the model is one process per node, got ppn {row['ppn']}"
+                )
+            points.append(
+                MeasuredPoint(int(row["nodes"]), int(row["bytes"]), float(row["latency_us"]) * 1e-6)
+            )
     if not points:
         raise ValueError(f"{path.name}: no rows")
     return tuple(points)
@@ -132,11 +143,19 @@ def load_sets(directory: Path = MEASUREMENTS_DIR) -> list[MeasuredSet]:
         params = load_params_file(directory / str(meta["params"])).roce
         if params is None:
             raise ValueError(f"{meta['params']}: a measurement set needs RoCE host parameters")
-        sets.append(MeasuredSet(
-            key=key, title=str(meta["title"]), citation=str(meta["citation"]),
-            library=str(meta["library"]), hosts=str(meta["hosts"]), metric=str(meta["metric"]),
-            validate_from_bytes=int(meta["validate_from_bytes"]), params=params,
-            points=_read_points(directory / f"{key}.csv")))
+        sets.append(
+            MeasuredSet(
+                key=key,
+                title=str(meta["title"]),
+                citation=str(meta["citation"]),
+                library=str(meta["library"]),
+                hosts=str(meta["hosts"]),
+                metric=str(meta["metric"]),
+                validate_from_bytes=int(meta["validate_from_bytes"]),
+                params=params,
+                points=_read_points(directory / f"{key}.csv"),
+            )
+        )
     return sets
 
 

@@ -25,12 +25,29 @@ if os.path.isfile(os.path.join(_CHECKOUT, "protocol", "SPEC.md")) and os.path.is
 __version__ = "0.1.0"
 
 _API = {
-    "init", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "empty",
-    "get_rank", "get_world_size", "get_default_group", "destroy_process_group", "ReduceOp", "Work",
-    "ProcessGroup", "init_process_group", "is_initialized", "all_gather_into_tensor",
-    "reduce_scatter_tensor", "bfloat16", "new_group", "NON_GROUP_MEMBER",
+    "init",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "empty",
+    "get_rank",
+    "get_world_size",
+    "get_default_group",
+    "destroy_process_group",
+    "ReduceOp",
+    "Work",
+    "ProcessGroup",
+    "init_process_group",
+    "is_initialized",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "bfloat16",
+    "new_group",
+    "NON_GROUP_MEMBER",
     "CollectiveError",
-}  # fmt: skip
+}
 __all__ = sorted(_API)
 
 

@@ -122,8 +122,10 @@ def _wire_op(op: int, array: np.ndarray) -> WireOp:
     """The operation the NICs run for *op* on *array*'s dtype; ValueError when none can."""
     if op == ReduceOp.AVG:
         if not _is_floating(array):
-            raise ValueError(f"ReduceOp.AVG needs a floating dtype, not {array.dtype}: the average of "
-                             "integers is not an integer (reduce with SUM and divide yourself)")  # fmt: skip
+            raise ValueError(
+                f"ReduceOp.AVG needs a floating dtype, not {array.dtype}: the average of "
+                "integers is not an integer (reduce with SUM and divide yourself)"
+            )
         return WireOp.SUM
     if op == ReduceOp.PRODUCT:
         if array.dtype.kind not in "fiu":
@@ -132,7 +134,9 @@ def _wire_op(op: int, array: np.ndarray) -> WireOp:
     try:
         return WireOp(int(op))
     except ValueError:
-        raise ValueError(f"unknown reduce op {op!r}: use netdam.ReduceOp.SUM, MIN, MAX, AVG or PRODUCT") from None
+        raise ValueError(
+            f"unknown reduce op {op!r}: use netdam.ReduceOp.SUM, MIN, MAX, AVG or PRODUCT"
+        ) from None
 
 
 def _as_array(tensor: Any, name: str) -> np.ndarray:
@@ -143,15 +147,23 @@ def _as_array(tensor: Any, name: str) -> np.ndarray:
     module = type(tensor).__module__
     if module.startswith("torch"):
         if getattr(tensor, "device", None) is not None and tensor.device.type != "cpu":
-            raise ValueError(f"{name} is on {tensor.device}: netdam reduces CPU tensors (call .cpu())")
+            raise ValueError(
+                f"{name} is on {tensor.device}: netdam reduces CPU tensors (call .cpu())"
+            )
         if not tensor.is_contiguous():
-            raise ValueError(f"{name} is not contiguous: call .contiguous() first (results are written in place)")
+            raise ValueError(
+                f"{name} is not contiguous: call .contiguous() first (results are written in place)"
+            )
         if tensor.requires_grad:
             tensor = tensor.detach()
         if str(tensor.dtype) == "torch.bfloat16":  # numpy has no bfloat16: its bits, marked
             return np.asarray(tensor.view(sys.modules["torch"].int16).numpy()).view(bfloat16)
         return np.asarray(tensor.numpy())
-    raise TypeError(f"{name} must be a numpy array or a CPU torch tensor, not {type(tensor).__name__}")
+    raise TypeError(
+        f"{name} must be a numpy array or a CPU torch tensor, not {type(tensor).__name__}"
+    )
+
+
 _ALIGN = 64
 
 
@@ -171,7 +183,9 @@ class CollectiveError(NetdamError, RuntimeError):
 
 
 # bf16's numpy stand-in is uint16, which must not reduce as bf16 unmarked: it is told apart below.
-_DTYPES = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items() if k not in (DType.RAW, DType.BF16)}
+_DTYPES = {
+    np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items() if k not in (DType.RAW, DType.BF16)
+}
 
 #: bfloat16 for numpy, which has none: 16-bit patterns marked so the NICs reduce them as bf16
 #: (SPEC.md 2.4), e.g. ``netdam.empty(n, netdam.bfloat16)``. CPU ``torch.bfloat16`` tensors and
@@ -184,10 +198,14 @@ def wire_dtype(array: np.ndarray) -> DType:
     if is_bf16(array):
         return DType.BF16
     try:
-        return _DTYPES[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
+        return _DTYPES[
+            array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        ]
     except KeyError:
-        raise TypeError(f"dtype {array.dtype} is not supported: use float32, float16, bfloat16 (netdam.bfloat16 "
-                        "for numpy), int32, int64 or float64") from None  # fmt: skip
+        raise TypeError(
+            f"dtype {array.dtype} is not supported: use float32, float16, bfloat16 (netdam.bfloat16 "
+            "for numpy), int32, int64 or float64"
+        ) from None
 
 
 def _is_floating(array: np.ndarray) -> bool:
@@ -240,8 +258,10 @@ def check_job_name(job: str) -> str:
     """*job*, when it is a job name: up to 32 letters, digits, '-', '_' or '.' ('' is the
     cluster file's default job)."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]{0,32}", job):
-        raise ValueError(f"job name {job!r}: use up to 32 letters, digits, '-', '_' or '.' "
-                         f"(init(..., job='b') or ${ENV_JOB}=b)")  # fmt: skip
+        raise ValueError(
+            f"job name {job!r}: use up to 32 letters, digits, '-', '_' or '.' "
+            f"(init(..., job='b') or ${ENV_JOB}=b)"
+        )
     return job
 
 
@@ -347,12 +367,16 @@ class ProcessGroup:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.cluster.nodes):
-            raise ValueError(f"rank {self.rank} out of range: the cluster has {len(self.cluster.nodes)} nodes")
+            raise ValueError(
+                f"rank {self.rank} out of range: the cluster has {len(self.cluster.nodes)} nodes"
+            )
         if len(self.cluster.nodes) > MAX_SEGMENTS:
-            raise ValueError(f"a collective spans at most {MAX_SEGMENTS} NICs (one SR list, SPEC.md 4) and this "
-                             f"cluster has {len(self.cluster.nodes)}: start at most {MAX_SEGMENTS} for collectives "
-                             "(larger clusters serve the pool; chains over groups are modelled, `netdam model "
-                             "allreduce --algo netdam-chain-2d`, not emulated yet)")  # fmt: skip
+            raise ValueError(
+                f"a collective spans at most {MAX_SEGMENTS} NICs (one SR list, SPEC.md 4) and this "
+                f"cluster has {len(self.cluster.nodes)}: start at most {MAX_SEGMENTS} for collectives "
+                "(larger clusters serve the pool; chains over groups are modelled, `netdam model "
+                "allreduce --algo netdam-chain-2d`, not emulated yet)"
+            )
         node = self.cluster.nodes[self.rank]
         self.members = tuple(range(len(self.cluster.nodes)))
         self.global_rank = self.rank
@@ -367,7 +391,10 @@ class ProcessGroup:
         # The multicast group is the cluster's, whatever the job: a node joins one group, and
         # each datagram names its collective (every job's all-gathers reach the nodes).
         digest = derive(self._secret, "multicast")
-        self.group: Endpoint = (f"239.77.{digest[4]}.{digest[5] or 1}", 40000 + int.from_bytes(digest[6:8], "big") % 20000)
+        self.group: Endpoint = (
+            f"239.77.{digest[4]}.{digest[5] or 1}",
+            40000 + int.from_bytes(digest[6:8], "big") % 20000,
+        )
         if self.job:
             # A named job's keys, coll_ids and arena keys are its own (SPEC.md 4.1, "Jobs").
             self._secret = derive(self._secret, "job", self.job)[:16]
@@ -377,8 +404,10 @@ class ProcessGroup:
         self.arena_rkey = self.arena_key_of(self.rank)
         self.arena_base, self.arena_size = self._claim_arena()
         if self.multicast:
-            self.client.request(self.node, Packet(Opcode.JOIN, rkey=self.cluster.admin_key,
-                                                  addr=_endpoint_u64(self.group)))  # fmt: skip
+            self.client.request(
+                self.node,
+                Packet(Opcode.JOIN, rkey=self.cluster.admin_key, addr=_endpoint_u64(self.group)),
+            )
 
     def arena_key_of(self, rank: int) -> int:
         return derived_key(self._secret, "arena", rank)
@@ -399,7 +428,8 @@ class ProcessGroup:
         raise MemoryError(
             f"rank {self.rank}: node {node.address}:{node.port} has no free {sizes[-1]} bytes for this process "
             "group (pool regions or other clients' registrations hold its memory): free them, pass a smaller "
-            "arena_bytes, or start nodes with more --memory")  # fmt: skip
+            "arena_bytes, or start nodes with more --memory"
+        )
 
     def _register_arena(self, size: int) -> int:
         """The base of a *size*-byte arena under this rank's arena key. A stale arena of this
@@ -431,8 +461,11 @@ class ProcessGroup:
 
     def dead_nodes(self) -> list[str]:
         """Nodes that do not answer PING now (to name them when a collective fails)."""
-        return [f"rank {node.rank} ({node.address}:{node.port})" for node in self.cluster.nodes
-                if not self._answers_ping(node.control_endpoint)]  # fmt: skip
+        return [
+            f"rank {node.rank} ({node.address}:{node.port})"
+            for node in self.cluster.nodes
+            if not self._answers_ping(node.control_endpoint)
+        ]
 
     @property
     def world_size(self) -> int:
@@ -453,9 +486,13 @@ class ProcessGroup:
         their own keys; its all-gathers go by unicast."""
         members = sorted({int(r) for r in ranks})
         if len(members) != len(list(ranks)) or not members:
-            raise ValueError(f"new_group: ranks must be distinct and at least one, got {list(ranks)}")
+            raise ValueError(
+                f"new_group: ranks must be distinct and at least one, got {list(ranks)}"
+            )
         if members[0] < 0 or members[-1] >= len(self.cluster.nodes):
-            raise ValueError(f"new_group: ranks must be 0..{len(self.cluster.nodes) - 1} (the cluster's), got {members}")
+            raise ValueError(
+                f"new_group: ranks must be 0..{len(self.cluster.nodes) - 1} (the cluster's), got {members}"
+            )
         root = self._root or self
         root._made_groups += 1  # on every rank, members or not: the same numbers, lanes and regions
         number = root._made_groups
@@ -474,7 +511,9 @@ class ProcessGroup:
         group._pending_room = None
         return group
 
-    def empty(self, shape: int | tuple[int, ...], dtype: type | np.dtype = np.float32) -> np.ndarray:
+    def empty(
+        self, shape: int | tuple[int, ...], dtype: type | np.dtype = np.float32
+    ) -> np.ndarray:
         """An array in this rank's NIC memory: collectives on it need no staging copy."""
         if self._root is not None and self._root is not self:
             return self._root.empty(shape, dtype)  # one allocator per arena
@@ -483,9 +522,11 @@ class ProcessGroup:
         start = self.arena_base + (self._next_free + _ALIGN - 1) // _ALIGN * _ALIGN
         end = start + count * dt.itemsize
         if end > self.staging_base:
-            raise MemoryError(f"arena exhausted: {end - self.arena_base} > {self.staging_base - self.arena_base} "
-                              "bytes for netdam.empty arrays (the arena's upper half is kept for staging); "
-                              "start nodes with more --memory")  # fmt: skip
+            raise MemoryError(
+                f"arena exhausted: {end - self.arena_base} > {self.staging_base - self.arena_base} "
+                "bytes for netdam.empty arrays (the arena's upper half is kept for staging); "
+                "start nodes with more --memory"
+            )
         self._next_free = end - self.arena_base
         return self.memory[start:end].view(dt).reshape(shape)
 
@@ -513,7 +554,11 @@ class ProcessGroup:
         it: calls on one buffer see each other's results in issue order, as on one CUDA stream
         (a staged call reads its input when it is issued, not when its node starts it)."""
         for work in list(self._holding):
-            if work.output is not None and not work.finished and np.may_share_memory(work.output, array):
+            if (
+                work.output is not None
+                and not work.finished
+                and np.may_share_memory(work.output, array)
+            ):
                 work._settle(None)
 
     def _staging_region(self) -> tuple[int, int]:
@@ -540,8 +585,10 @@ class ProcessGroup:
         lo, hi = self._staging_region()
         size = -(-nbytes // _ALIGN) * _ALIGN
         if lo + size > hi:
-            raise MemoryError(f"{nbytes} bytes do not fit this group's staging area of the rank's arena "
-                              f"({hi - lo} bytes): start nodes with more --memory")  # fmt: skip
+            raise MemoryError(
+                f"{nbytes} bytes do not fit this group's staging area of the rank's arena "
+                f"({hi - lo} bytes): start nodes with more --memory"
+            )
         while True:
             self._holding[:] = [w for w in self._holding if not w.finished]
             held = [w for w in self._holding if w.group._staging_region() == (lo, hi)]
@@ -555,21 +602,44 @@ class ProcessGroup:
                 return int(start)
             held[0]._settle(None)
 
-    def start(self, algo: Algo, array: np.ndarray, op: WireOp, in_addr: int, out_addr: int,
-              count: int, root: int = 0, flags: int = 0) -> Work:  # fmt: skip
+    def start(
+        self,
+        algo: Algo,
+        array: np.ndarray,
+        op: WireOp,
+        in_addr: int,
+        out_addr: int,
+        count: int,
+        root: int = 0,
+        flags: int = 0,
+    ) -> Work:
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
         *flags* is the descriptor's flags byte (bit 0: sparse mode, SPEC.md 4.1)."""
         self.epoch += 1
         dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
-        desc = CollectiveDescriptor(algo, self.rank, count, in_addr, out_addr,
-                                    collective_key(self._secret, self.coll_id, self.epoch), root=root,
-                                    group=self.group if self.multicast else None,
-                                    timeout_ms=int(watchdog * 1000), flags=flags,
-                                    tag_key=collective_tag_key(self._secret, self.coll_id, self.epoch))  # fmt: skip
-        packet = Packet(Opcode.START_COLL, rkey=self.cluster.admin_key, coll_id=self.coll_id,
-                        epoch=self.epoch, dtype=dtype, reduce_op=op,
-                        segments=tuple(self.cluster.endpoints[r] for r in self.members)).with_payload(desc.encode())  # fmt: skip
+        desc = CollectiveDescriptor(
+            algo,
+            self.rank,
+            count,
+            in_addr,
+            out_addr,
+            collective_key(self._secret, self.coll_id, self.epoch),
+            root=root,
+            group=self.group if self.multicast else None,
+            timeout_ms=int(watchdog * 1000),
+            flags=flags,
+            tag_key=collective_tag_key(self._secret, self.coll_id, self.epoch),
+        )
+        packet = Packet(
+            Opcode.START_COLL,
+            rkey=self.cluster.admin_key,
+            coll_id=self.coll_id,
+            epoch=self.epoch,
+            dtype=dtype,
+            reduce_op=op,
+            segments=tuple(self.cluster.endpoints[r] for r in self.members),
+        ).with_payload(desc.encode())
         work = Work(self, packet, algo, count, dtype, watchdog)
         with self._lock:
             work.room, self._pending_room = self._pending_room, None
@@ -593,11 +663,18 @@ class ProcessGroup:
         (MPI_Comm_shrink, NCCL's communicator shrink): after a collective failed on a dead
         node, every survivor calls it, and the next collective on the result runs without the
         dead. Raises CollectiveError when this rank's own node is among them."""
-        dead = {r for r in self.members if not self._answers_ping(self.cluster.nodes[r].control_endpoint)}
+        dead = {
+            r
+            for r in self.members
+            if not self._answers_ping(self.cluster.nodes[r].control_endpoint)
+        }
         if self.global_rank in dead:
             node = self.cluster.nodes[self.global_rank]
-            raise CollectiveError(f"rank {self.global_rank}: its own node {node.address}:{node.port} does not answer: "
-                                  "this rank cannot go on", {"node": f"{node.address}:{node.port}", "rank": self.global_rank})  # fmt: skip
+            raise CollectiveError(
+                f"rank {self.global_rank}: its own node {node.address}:{node.port} does not answer: "
+                "this rank cannot go on",
+                {"node": f"{node.address}:{node.port}", "rank": self.global_rank},
+            )
         made = self.new_group([r for r in self.members if r not in dead])
         assert isinstance(made, ProcessGroup)  # this rank is alive, so a member
         return made
@@ -613,8 +690,9 @@ class ProcessGroup:
         """Start this rank's progress thread unless it runs (call with _lock held)."""
         root = self._root or self
         if root._progress is None or not root._progress.is_alive():
-            root._progress = threading.Thread(target=root._run_progress, daemon=True,
-                                              name=f"netdam-progress-rank{root.rank}")  # fmt: skip
+            root._progress = threading.Thread(
+                target=root._run_progress, daemon=True, name=f"netdam-progress-rank{root.rank}"
+            )
             root._progress.start()
 
     def _run_progress(self) -> None:
@@ -669,8 +747,13 @@ class ProcessGroup:
                 head.error = self._silence(head.silent_s or 0.0)
             self._send(datagrams)
 
-    def _take_answers(self, timeout: float, until: Work | None = None, until_started: bool = False,
-                      drain: bool = False) -> None:  # fmt: skip
+    def _take_answers(
+        self,
+        timeout: float,
+        until: Work | None = None,
+        until_started: bool = False,
+        drain: bool = False,
+    ) -> None:
         """Read the node's answers for up to *timeout* seconds and hand each to the call queue;
         return at once when *until* ends (and, with *until_started*, on the ACK that says the
         node runs it), unless *drain*: then every answer waiting is taken first, so no other
@@ -689,7 +772,11 @@ class ProcessGroup:
                 call.error = call._failure(call.nack)
             elif heard is Heard.BUSY:
                 self._drive_in_background()  # asks again while nobody waits
-            if until is not None and not drain and (until.ended or (until_started and until.started)):
+            if (
+                until is not None
+                and not drain
+                and (until.ended or (until_started and until.started))
+            ):
                 return
 
     def _silence(self, bound: float) -> CollectiveError:
@@ -706,7 +793,9 @@ class ProcessGroup:
         desc = unpack_descriptor(packet.payload)
         key = collective_key(self._secret, packet.coll_id, epoch)
         tag_key = collective_tag_key(self._secret, packet.coll_id, epoch)
-        return replace(packet, epoch=epoch, payload=replace(desc, rkey=key, tag_key=tag_key).encode())
+        return replace(
+            packet, epoch=epoch, payload=replace(desc, rkey=key, tag_key=tag_key).encode()
+        )
 
     def close(self) -> None:
         """Give the arena back (the node zeroes it), close the control socket, and let the
@@ -742,8 +831,15 @@ class Work(Call):
     Work they belong to whichever Work is being waited on, and each keeps its own staging room
     until its results are copied out. Those of one lane end in issue order."""
 
-    def __init__(self, group: ProcessGroup, packet: Packet, algo: Algo, count: int, dtype: DType,
-                 watchdog_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group: ProcessGroup,
+        packet: Packet,
+        algo: Algo,
+        count: int,
+        dtype: DType,
+        watchdog_s: float,
+    ) -> None:
         super().__init__(group, packet, watchdog_s)
         self.group: ProcessGroup = group
         self.algo = algo
@@ -812,23 +908,37 @@ class Work(Call):
             waiting["node"] = dead[0]
         where = f"; waiting for {waiting}" if waiting else ""
         where += f"; not answering: {', '.join(dead)}" if dead else ""
-        return CollectiveError(f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
-                               f"{self.group.rank}: {reply.status.name}{where}", waiting)  # fmt: skip
+        return CollectiveError(
+            f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
+            f"{self.group.rank}: {reply.status.name}{where}",
+            waiting,
+        )
 
     def _waiting_for(self, first: int, last: int) -> dict[str, object]:
         group = self.group
         world = group.world_size
         per_packet = max_elements(group.cluster.mtu, self.dtype, segments=max(world - 1, 0))
         bounds = block_bounds(self.algo, self.count, world, 0)
-        chunks = [(int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)]
+        chunks = [
+            (int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)
+        ]
         cb = np.concatenate([[0], np.cumsum(chunks)])
         if first >= int(cb[-1]):
-            return {"node": None, "rank": None, "block": None, "seq_range": None,
-                    "detail": "every chunk is here: waiting for other members' DONE"}  # fmt: skip
+            return {
+                "node": None,
+                "rank": None,
+                "block": None,
+                "seq_range": None,
+                "detail": "every chunk is here: waiting for other members' DONE",
+            }
         block = int(np.searchsorted(cb, first, side="right") - 1)
         node = group.cluster.nodes[group.members[block]]
-        return {"node": f"{node.address}:{node.port}", "rank": group.members[block], "block": block,
-                "seq_range": [first, last]}  # fmt: skip
+        return {
+            "node": f"{node.address}:{node.port}",
+            "rank": group.members[block],
+            "block": block,
+            "seq_range": [first, last],
+        }
 
 
 class NonGroupMember:
@@ -859,7 +969,9 @@ def _endpoint_u64(endpoint: Endpoint) -> int:
 _default: ProcessGroup | None = None
 
 
-def init(cluster: str | Path, rank: int, *, multicast: bool = True, timeout: float | None = None) -> ProcessGroup:
+def init(
+    cluster: str | Path, rank: int, *, multicast: bool = True, timeout: float | None = None
+) -> ProcessGroup:
     """Join the cluster described by the cluster file as *rank* (torch's init_process_group)."""
     global _default
     _default = ProcessGroup(load_cluster(cluster), rank, multicast=multicast, timeout_s=timeout)
@@ -868,8 +980,10 @@ def init(cluster: str | Path, rank: int, *, multicast: bool = True, timeout: flo
 
 def _group(group: ProcessGroup | NonGroupMember | None) -> ProcessGroup:
     if isinstance(group, NonGroupMember):
-        raise ValueError("this rank is not a member of that group (new_group gave it NON_GROUP_MEMBER): "
-                         "call the collective on the ranks of the group only")  # fmt: skip
+        raise ValueError(
+            "this rank is not a member of that group (new_group gave it NON_GROUP_MEMBER): "
+            "call the collective on the ranks of the group only"
+        )
     if group is not None:
         return group
     if _default is None:
@@ -887,12 +1001,15 @@ def get_rank(group: ProcessGroup | NonGroupMember | None = None) -> int:
     return -1 if isinstance(group, NonGroupMember) else _group(group).rank
 
 
-def new_group(ranks: Sequence[int] | None = None, timeout: float | None = None,
-              backend: str | None = None) -> ProcessGroup | NonGroupMember:  # fmt: skip
+def new_group(
+    ranks: Sequence[int] | None = None, timeout: float | None = None, backend: str | None = None
+) -> ProcessGroup | NonGroupMember:
     """torch.distributed.new_group on the default group: see ProcessGroup.new_group. *timeout*
     is the new group's watchdog (seconds without progress); *backend* must be None or "netdam"."""
     if backend not in (None, "netdam"):
-        raise ValueError(f"new_group: backend {backend!r}: netdam groups run on netdam (give None or 'netdam')")
+        raise ValueError(
+            f"new_group: backend {backend!r}: netdam groups run on netdam (give None or 'netdam')"
+        )
     parent = _group(None)
     made = parent.new_group(range(parent.world_size) if ranks is None else list(ranks))
     if timeout is not None and isinstance(made, ProcessGroup):
@@ -904,7 +1021,11 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return _group(group).world_size
 
 
-def empty(shape: int | tuple[int, ...], dtype: type | np.dtype = np.float32, group: ProcessGroup | None = None) -> np.ndarray:
+def empty(
+    shape: int | tuple[int, ...],
+    dtype: type | np.dtype = np.float32,
+    group: ProcessGroup | None = None,
+) -> np.ndarray:
     """An array in NIC memory (see ProcessGroup.empty)."""
     return _group(group).empty(shape, dtype)
 
@@ -916,8 +1037,14 @@ def _run(work: Work, async_op: bool) -> Work | None:
     return None
 
 
-def all_reduce(buf: Any, op: int = ReduceOp.SUM, group: ProcessGroup | None = None,
-               async_op: bool = False, *, sparse: bool = False) -> Work | None:  # fmt: skip
+def all_reduce(
+    buf: Any,
+    op: int = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    sparse: bool = False,
+) -> Work | None:
     """Reduce *buf* (a numpy array or CPU torch tensor) over all ranks in place; afterwards it
     is bitwise identical on every rank.
 
@@ -929,11 +1056,15 @@ def all_reduce(buf: Any, op: int = ReduceOp.SUM, group: ProcessGroup | None = No
     wire = _wire_op(op, buf)
     g = _group(group)
     if op == ReduceOp.PRODUCT:
-        return _product_of_ranks(buf, g, async_op, lambda product: np.copyto(buf, product.reshape(buf.shape)))
+        return _product_of_ranks(
+            buf, g, async_op, lambda product: np.copyto(buf, product.reshape(buf.shape))
+        )
     t_stage = time.perf_counter()
     addr = g._stage(buf, buf.nbytes)
     stage_in_s = time.perf_counter() - t_stage
-    work = g.start(Algo.ALL_REDUCE, buf, wire, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0)
+    work = g.start(
+        Algo.ALL_REDUCE, buf, wire, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0
+    )
     work.stage_in_s = stage_in_s
     if g._offset_of(buf) is None:
         work._finish.append(lambda: _copy_out(g, addr, buf))
@@ -943,8 +1074,13 @@ def all_reduce(buf: Any, op: int = ReduceOp.SUM, group: ProcessGroup | None = No
     return _run(work, async_op)
 
 
-def reduce_scatter_tensor(output: Any, input: Any, op: int = ReduceOp.SUM,
-                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:  # fmt: skip
+def reduce_scatter_tensor(
+    output: Any,
+    input: Any,
+    op: int = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """Reduce *input* (world_size blocks, flat) over all ranks and leave this rank's block in
     *output* (torch.distributed.reduce_scatter_tensor)."""
     output, input = _as_array(output, "output"), _as_array(input, "input")
@@ -956,23 +1092,31 @@ def reduce_scatter_tensor(output: Any, input: Any, op: int = ReduceOp.SUM,
     if output.size != hi - lo:
         raise ValueError(f"output has {output.size} elements; rank {g.rank}'s block has {hi - lo}")
     if op == ReduceOp.PRODUCT:
-        return _product_of_ranks(input, g, async_op, lambda product: output.reshape(-1).__setitem__(
-            slice(None), product[lo:hi]))  # fmt: skip
+        return _product_of_ranks(
+            input,
+            g,
+            async_op,
+            lambda product: output.reshape(-1).__setitem__(slice(None), product[lo:hi]),
+        )
     g._settle_writers_of(output)
     addr = g._stage(input, input.nbytes)
     work = g.start(Algo.REDUCE_SCATTER, input, wire, addr, addr, count)
     work.output = output if work.room is not None else None
     esize = input.itemsize
-    work._finish.append(lambda: output.reshape(-1).__setitem__(
-        slice(None), g.memory[addr + lo * esize : addr + hi * esize].view(output.dtype)))  # fmt: skip
+    work._finish.append(
+        lambda: output.reshape(-1).__setitem__(
+            slice(None), g.memory[addr + lo * esize : addr + hi * esize].view(output.dtype)
+        )
+    )
     if average:
         world = g.world_size
         work._finish.append(lambda: _divide(output, world))
     return _run(work, async_op)
 
 
-def _product_of_ranks(tensor: np.ndarray, g: ProcessGroup, async_op: bool,
-                      deliver: Callable[[np.ndarray], None]) -> Work | None:
+def _product_of_ranks(
+    tensor: np.ndarray, g: ProcessGroup, async_op: bool, deliver: Callable[[np.ndarray], None]
+) -> Work | None:
     """ReduceOp.PRODUCT: all-gather every rank's *tensor*, multiply the world_size vectors in
     rank order on this host (the same operations on the same bits on every rank: identical
     results) and hand the product to *deliver*."""
@@ -992,8 +1136,13 @@ def _product_of_ranks(tensor: np.ndarray, g: ProcessGroup, async_op: bool,
     return _run(work, async_op)
 
 
-def reduce_scatter(output: Any, input_list: Any, op: int = ReduceOp.SUM,
-                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:  # fmt: skip
+def reduce_scatter(
+    output: Any,
+    input_list: Any,
+    op: int = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
     """torch.distributed.reduce_scatter: *input_list* holds world_size tensors shaped like
     *output*; this rank's *output* gets the reduction of everyone's entry number rank. (A flat
     array in place of the list is taken as reduce_scatter_tensor's input, as netdam 0.1 had it.)"""
@@ -1003,13 +1152,16 @@ def reduce_scatter(output: Any, input_list: Any, op: int = ReduceOp.SUM,
     out = _as_array(output, "output")
     parts = [_as_array(t, f"input_list[{k}]") for k, t in enumerate(input_list)]
     if len(parts) != g.world_size or any(p.size != out.size or p.dtype != out.dtype for p in parts):
-        raise ValueError(f"input_list must hold {g.world_size} tensors of output's size ({out.size}) and dtype ({out.dtype})")
+        raise ValueError(
+            f"input_list must hold {g.world_size} tensors of output's size ({out.size}) and dtype ({out.dtype})"
+        )
     flat = np.concatenate([p.reshape(-1) for p in parts])
     return reduce_scatter_tensor(out, flat, op, group, async_op)
 
 
-def all_gather_into_tensor(output: Any, input: Any, group: ProcessGroup | None = None,
-                           async_op: bool = False) -> Work | None:  # fmt: skip
+def all_gather_into_tensor(
+    output: Any, input: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Concatenate every rank's *input* (its block) into the flat *output* on every rank
     (torch.distributed.all_gather_into_tensor)."""
     output, input = _as_array(output, "output"), _as_array(input, "input")
@@ -1022,14 +1174,17 @@ def all_gather_into_tensor(output: Any, input: Any, group: ProcessGroup | None =
     g._settle_writers_of(output)
     out_addr = g._staging_room((output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN + input.nbytes)
     in_addr = out_addr + (output.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    g.memory[in_addr : in_addr + input.nbytes] = np.ascontiguousarray(input).reshape(-1).view(np.uint8)
+    g.memory[in_addr : in_addr + input.nbytes] = (
+        np.ascontiguousarray(input).reshape(-1).view(np.uint8)
+    )
     work = g.start(Algo.ALL_GATHER, output, WireOp.SUM, in_addr, out_addr, count)
     work._finish.append(lambda: _copy_out(g, out_addr, output))
     return _run(work, async_op)
 
 
-def all_gather(tensor_list: Any, tensor: Any, group: ProcessGroup | None = None,
-               async_op: bool = False) -> Work | None:  # fmt: skip
+def all_gather(
+    tensor_list: Any, tensor: Any, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """torch.distributed.all_gather: entry k of *tensor_list* receives rank k's *tensor*. (A
     flat array in place of the list is taken as all_gather_into_tensor's output, as netdam 0.1
     had it.)"""
@@ -1039,7 +1194,9 @@ def all_gather(tensor_list: Any, tensor: Any, group: ProcessGroup | None = None,
     mine = _as_array(tensor, "tensor")
     outs = [_as_array(t, f"tensor_list[{k}]") for k, t in enumerate(tensor_list)]
     if len(outs) != g.world_size or any(o.size != mine.size or o.dtype != mine.dtype for o in outs):
-        raise ValueError(f"tensor_list must hold {g.world_size} tensors of tensor's size ({mine.size}) and dtype ({mine.dtype})")
+        raise ValueError(
+            f"tensor_list must hold {g.world_size} tensors of tensor's size ({mine.size}) and dtype ({mine.dtype})"
+        )
     flat = np.empty(mine.size * g.world_size, mine.dtype)
     work = all_gather_into_tensor(flat, mine, group, async_op=True)
     assert work is not None
@@ -1052,8 +1209,9 @@ def all_gather(tensor_list: Any, tensor: Any, group: ProcessGroup | None = None,
     return _run(work, async_op)
 
 
-def broadcast(buf: Any, src: int = 0, group: ProcessGroup | None = None,
-              async_op: bool = False) -> Work | None:  # fmt: skip
+def broadcast(
+    buf: Any, src: int = 0, group: ProcessGroup | None = None, async_op: bool = False
+) -> Work | None:
     """Copy rank *src*'s *buf* into every rank's *buf*."""
     buf = _as_array(buf, "buf")
     g = _group(group)
@@ -1089,34 +1247,47 @@ def is_initialized() -> bool:
 ENV_CLUSTER, ENV_RANK, ENV_WORLD_SIZE = "NETDAM_CLUSTER", "RANK", "WORLD_SIZE"
 
 
-def init_process_group(backend: str | None = None, init_method: str | None = None, *,
-                       rank: int = -1, world_size: int = -1,
-                       timeout: datetime.timedelta | float | None = None,
-                       multicast: bool = True) -> ProcessGroup:  # fmt: skip
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    *,
+    rank: int = -1,
+    world_size: int = -1,
+    timeout: datetime.timedelta | float | None = None,
+    multicast: bool = True,
+) -> ProcessGroup:
     """torch.distributed.init_process_group for a netdam cluster. ``init_method``: "env://"
     (the default: the cluster file in $NETDAM_CLUSTER, rank and world size from $RANK and
     $WORLD_SIZE unless given) or "file://PATH" (the cluster file, which ``netdam up`` writes);
     *world_size* must match the file's node count. *backend* may be None or "netdam"."""
     if backend not in (None, "netdam"):
-        raise ValueError(f"backend {backend!r}: netdam is its own backend (pass backend=None or 'netdam'); "
-                         "for Gloo or NCCL use torch.distributed")  # fmt: skip
+        raise ValueError(
+            f"backend {backend!r}: netdam is its own backend (pass backend=None or 'netdam'); "
+            "for Gloo or NCCL use torch.distributed"
+        )
     method = init_method or "env://"
     if method == "env://":
         path = os.environ.get(ENV_CLUSTER)
         if not path:
-            raise ValueError(f"init_method env:// reads the cluster file from ${ENV_CLUSTER}: set it to the "
-                             "file `netdam up` wrote, or pass init_method='file://PATH'")  # fmt: skip
+            raise ValueError(
+                f"init_method env:// reads the cluster file from ${ENV_CLUSTER}: set it to the "
+                "file `netdam up` wrote, or pass init_method='file://PATH'"
+            )
         rank = rank if rank >= 0 else _env_int(ENV_RANK)
         world_size = world_size if world_size >= 0 else _env_int(ENV_WORLD_SIZE, -1)
     elif method.startswith("file://"):
-        path = method[len("file://"):]
+        path = method[len("file://") :]
         if rank < 0:
             raise ValueError("init_method file:// needs rank=")
     else:
-        raise ValueError(f"init_method {method!r}: use 'env://' or 'file://PATH' (the cluster file)")
+        raise ValueError(
+            f"init_method {method!r}: use 'env://' or 'file://PATH' (the cluster file)"
+        )
     cluster = load_cluster(Path(path))
     if world_size >= 0 and world_size != len(cluster.nodes):
-        raise ValueError(f"world_size {world_size} but {path} has {len(cluster.nodes)} nodes: one rank per node")
+        raise ValueError(
+            f"world_size {world_size} but {path} has {len(cluster.nodes)} nodes: one rank per node"
+        )
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     return init(cluster=Path(path), rank=rank, multicast=multicast, timeout=seconds)
 

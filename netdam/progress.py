@@ -107,8 +107,9 @@ class Progress:
             self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -147,7 +148,9 @@ class Progress:
         count = f"  {self.done}/{self.total}" if self.total else ""
         status = f"  {self.status}" if self.status else ""
         text = f"{self.label}{count}  {format_seconds(time.monotonic() - self._start)}{status}"
-        text = text[: max(shutil.get_terminal_size().columns - 1, 20)]  # a wrapped line never erases
+        text = text[
+            : max(shutil.get_terminal_size().columns - 1, 20)
+        ]  # a wrapped line never erases
         with self._lock:
             pad = max(self._width - len(text), 0)
             sys.stderr.write("\r" + text + " " * pad)

@@ -6,6 +6,7 @@ as SPEC.md names it, with the unit in the name and a comment that says where the
 
 from __future__ import annotations
 
+import functools
 from enum import IntEnum, IntFlag
 
 #: The only protocol version this code speaks (SPEC.md "Version evolution").
@@ -64,6 +65,13 @@ LOCKOUT_SETS = 1024
 #: Until a source proved it receives at its address, a reply is at most this many times the
 #: request (QUIC, RFC 9000 section 8.1).
 AMPLIFICATION_FACTOR = 3
+
+
+@functools.cache
+def enum_values(kind: type[IntEnum]) -> frozenset[int]:
+    """The wire values *kind* defines: ``value in enum_values(DType)`` checks a field before
+    ``DType(value)`` would raise (one set lookup; the enum's own map is private to enum)."""
+    return frozenset(int(member) for member in kind)
 
 
 class Opcode(IntEnum):
@@ -252,7 +260,9 @@ def max_payload(mtu: int, tagged: bool = False) -> int:
     """Largest data payload (READ length, WRITE payload) one datagram carries at *mtu*, no SR list:
     min(MTU - 28 - header, MAX_PAYLOAD_BYTES). What INFO advertises and pool clients split at;
     *tagged*: 8 bytes less below the cap, the room of the tag (SPEC.md 2.6)."""
-    return max(0, min(mtu - IP_UDP_OVERHEAD - HEADER_SIZE - (TAG_SIZE if tagged else 0), MAX_PAYLOAD_BYTES))
+    return max(
+        0, min(mtu - IP_UDP_OVERHEAD - HEADER_SIZE - (TAG_SIZE if tagged else 0), MAX_PAYLOAD_BYTES)
+    )
 
 
 def max_elements(mtu: int, dtype: DType, segments: int = 0) -> int:

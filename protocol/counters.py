@@ -41,7 +41,9 @@ DROP_AMPLIFICATION = 27  # READs dropped: no address-validation token, answer ov
 DROP_COLL_FORGED = 28  # a collective's datagrams without its key or tag, dropped (SPEC.md 4.1, 2.6)
 DROP_REGION_FORGED = 29  # datagrams naming a tagged region with a wrong tag, dropped (SPEC.md 2.6)
 DROP_CONTROL_FORGED = 30  # TAGGED control datagrams with a wrong admin tag, dropped (SPEC.md 2.6)
-DROP_CONTROL_REPLAYED = 31  # a proven control datagram taken before from another source (SPEC.md 2.6)
+DROP_CONTROL_REPLAYED = (
+    31  # a proven control datagram taken before from another source (SPEC.md 2.6)
+)
 #: Packets received per opcode value (0..63).
 OPCODE_BASE = 32
 OPCODE_SLOTS = 64
@@ -100,10 +102,20 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
     result["nacks"] = {
         st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
     }
-    result["drops"] = sum(int(values[i]) for i in (*range(DROP_TRUNCATED, KERNEL_DROPS + 1), DROP_COLL_EARLY, SEND_DROPS,
-                                                    DROP_LOCKOUT, DROP_AMPLIFICATION, DROP_COLL_FORGED,
-                                                    DROP_REGION_FORGED, DROP_CONTROL_FORGED,
-                                                    DROP_CONTROL_REPLAYED))  # fmt: skip
+    result["drops"] = sum(
+        int(values[i])
+        for i in (
+            *range(DROP_TRUNCATED, KERNEL_DROPS + 1),
+            DROP_COLL_EARLY,
+            SEND_DROPS,
+            DROP_LOCKOUT,
+            DROP_AMPLIFICATION,
+            DROP_COLL_FORGED,
+            DROP_REGION_FORGED,
+            DROP_CONTROL_FORGED,
+            DROP_CONTROL_REPLAYED,
+        )
+    )
     return result
 
 

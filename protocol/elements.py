@@ -29,11 +29,14 @@ def bf16_values(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.float
     return widened
 
 
-def element_values(data: bytes | bytearray | memoryview, dtype: DType, count: int = -1,
-                   offset: int = 0) -> np.ndarray[Any, Any]:  # fmt: skip
+def element_values(
+    data: bytes | bytearray | memoryview, dtype: DType, count: int = -1, offset: int = 0
+) -> np.ndarray[Any, Any]:
     """*count* elements of *dtype* from *data* at *offset* (all when -1), as numbers: numpy's
     own type for every dtype but bf16, which comes as float32."""
-    values: np.ndarray[Any, Any] = np.frombuffer(data, dtype=NUMPY_DTYPE[dtype], count=count, offset=offset)
+    values: np.ndarray[Any, Any] = np.frombuffer(
+        data, dtype=NUMPY_DTYPE[dtype], count=count, offset=offset
+    )
     return bf16_values(values) if dtype == DType.BF16 else values
 
 
@@ -42,7 +45,9 @@ def bf16_round(values: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint
     overflow to infinity; any NaN becomes the quiet NaN 0x7FC0 (PyTorch's c10::BFloat16)."""
     bits = np.ascontiguousarray(values, dtype="<f4").view("<u4").astype(np.uint64)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
-    out: np.ndarray[Any, np.dtype[np.uint16]] = np.where(np.isnan(values), np.uint16(0x7FC0), rounded).astype("<u2")
+    out: np.ndarray[Any, np.dtype[np.uint16]] = np.where(
+        np.isnan(values), np.uint16(0x7FC0), rounded
+    ).astype("<u2")
     return out
 
 
@@ -55,7 +60,9 @@ def _sign_magnitude_key(bits: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.where(bits & 0x8000, -magnitude, magnitude)
 
 
-def bf16_combine(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], op: int) -> np.ndarray[Any, np.dtype[np.uint16]]:
+def bf16_combine(
+    a: np.ndarray[Any, Any], b: np.ndarray[Any, Any], op: int
+) -> np.ndarray[Any, np.dtype[np.uint16]]:
     """SPEC.md 2.4's bf16 combine of bit patterns *a* (the running value) and *b*, element-wise,
     in plain numpy: the reference the NICs' kernels are tested against. *op*: ReduceOp code."""
     a, b = np.asarray(a, "<u2"), np.asarray(b, "<u2")

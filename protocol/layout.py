@@ -57,7 +57,9 @@ class Layout:
         position = 0
         for f in self.fields:
             if f.offset != position:
-                raise ValueError(f"{name}.{f.name} at {f.offset}, expected {position}: gap or overlap")
+                raise ValueError(
+                    f"{name}.{f.name} at {f.offset}, expected {position}: gap or overlap"
+                )
             if f.kind not in _CODES or (f.kind != "bytes" and calcsize(f.code) != f.width):
                 raise ValueError(f"{name}.{f.name}: width {f.width} is not that of a {f.kind}")
             position = f.end
@@ -103,149 +105,245 @@ def _f(name: str, offset: int, width: int, kind: str, doc: str) -> Field:
 
 # ---------------------------------------------------------------- header and SR list
 
-HEADER = Layout("header", "!", [
-    _f("version", 0, 1, "u8", "protocol version, 1"),
-    _f("opcode", 1, 1, "u8", "section 3"),
-    _f("flags", 2, 2, "u16", "section 2.3; undefined bits 0"),
-    _f("seq", 4, 4, "u32", "sequence number; a collective's chunk index"),
-    _f("client_id", 8, 4, "u32", "who asks; 0 anonymous"),
-    _f("txn_id", 12, 4, "u32", "transaction id of the client"),
-    _f("coll_id", 16, 4, "u32", "collective id; 0 none"),
-    _f("epoch", 20, 4, "u32", "collective epoch"),
-    _f("rkey", 24, 4, "u32", "access key; the admin key for control opcodes"),
-    _f("length", 28, 4, "u32", "operand length in bytes"),
-    _f("addr", 32, 8, "u64", "byte address of the operand"),
-    _f("aux_addr", 40, 8, "u64", "second address (store address, region size, token, message)"),
-    _f("dtype", 48, 1, "u8", "element type, section 2.4"),
-    _f("reduce_op", 49, 1, "u8", "0 SUM, 1 MIN, 2 MAX"),
-    _f("status", 50, 1, "u8", "0, or the NACK's status"),
-    _f("credit", 51, 1, "u8", "replies: send-queue occupancy 0..255"),
-    _f("seg_type", 52, 1, "u8", "0 NONE, 1 IPv4"),
-    _f("segments_left", 53, 1, "u8", "hops still to visit after this one"),
-    _f("seg_count", 54, 1, "u8", "entries in the SR list"),
-    _f("reserved1", 55, 1, "u8", "0"),
-    _f("ret_ip", 56, 4, "ipv4", "return segment: IPv4 (0: the UDP source)"),
-    _f("ret_port", 60, 2, "u16", "return segment: UDP port"),
-    _f("reserved2", 62, 2, "u16", "0"),
-], spec="2.1 Fixed header")  # fmt: skip
+HEADER = Layout(
+    "header",
+    "!",
+    [
+        _f("version", 0, 1, "u8", "protocol version, 1"),
+        _f("opcode", 1, 1, "u8", "section 3"),
+        _f("flags", 2, 2, "u16", "section 2.3; undefined bits 0"),
+        _f("seq", 4, 4, "u32", "sequence number; a collective's chunk index"),
+        _f("client_id", 8, 4, "u32", "who asks; 0 anonymous"),
+        _f("txn_id", 12, 4, "u32", "transaction id of the client"),
+        _f("coll_id", 16, 4, "u32", "collective id; 0 none"),
+        _f("epoch", 20, 4, "u32", "collective epoch"),
+        _f("rkey", 24, 4, "u32", "access key; the admin key for control opcodes"),
+        _f("length", 28, 4, "u32", "operand length in bytes"),
+        _f("addr", 32, 8, "u64", "byte address of the operand"),
+        _f("aux_addr", 40, 8, "u64", "second address (store address, region size, token, message)"),
+        _f("dtype", 48, 1, "u8", "element type, section 2.4"),
+        _f("reduce_op", 49, 1, "u8", "0 SUM, 1 MIN, 2 MAX"),
+        _f("status", 50, 1, "u8", "0, or the NACK's status"),
+        _f("credit", 51, 1, "u8", "replies: send-queue occupancy 0..255"),
+        _f("seg_type", 52, 1, "u8", "0 NONE, 1 IPv4"),
+        _f("segments_left", 53, 1, "u8", "hops still to visit after this one"),
+        _f("seg_count", 54, 1, "u8", "entries in the SR list"),
+        _f("reserved1", 55, 1, "u8", "0"),
+        _f("ret_ip", 56, 4, "ipv4", "return segment: IPv4 (0: the UDP source)"),
+        _f("ret_port", 60, 2, "u16", "return segment: UDP port"),
+        _f("reserved2", 62, 2, "u16", "0"),
+    ],
+    spec="2.1 Fixed header",
+)
 
-SEGMENT = Layout("segment", "!", [
-    _f("ip", 0, 4, "ipv4", "IPv4 address of the hop"),
-    _f("port", 4, 2, "u16", "UDP port of the hop"),
-    _f("reserved", 6, 2, "u16", "0"),
-], spec="2.2 SR list")  # fmt: skip
+SEGMENT = Layout(
+    "segment",
+    "!",
+    [
+        _f("ip", 0, 4, "ipv4", "IPv4 address of the hop"),
+        _f("port", 4, 2, "u16", "UDP port of the hop"),
+        _f("reserved", 6, 2, "u16", "0"),
+    ],
+    spec="2.2 SR list",
+)
 
 assert HEADER.size == HEADER_SIZE and SEGMENT.size == SEGMENT_SIZE
 
 # ---------------------------------------------------------------- payloads (little-endian)
 
-SPARSE_PREFIX = Layout("sparse_prefix", "<", [
-    _f("nnz", 0, 4, "u32", "entries that follow"),
-    _f("reserved", 4, 4, "u32", "0"),
-], spec="2.5 Sparse payload")  # fmt: skip
+SPARSE_PREFIX = Layout(
+    "sparse_prefix",
+    "<",
+    [
+        _f("nnz", 0, 4, "u32", "entries that follow"),
+        _f("reserved", 4, 4, "u32", "0"),
+    ],
+    spec="2.5 Sparse payload",
+)
 
-REGISTER = Layout("register", "<", [
-    _f("rkey", 0, 4, "u32", "requested rkey (0: the node picks one); the ACK: the granted one"),
-    _f("rights", 4, 4, "u32", "bit 0 READ, bit 1 WRITE, bit 2 ATOMIC"),
-], spec="6.1 REGISTER payload")  # fmt: skip
+REGISTER = Layout(
+    "register",
+    "<",
+    [
+        _f("rkey", 0, 4, "u32", "requested rkey (0: the node picks one); the ACK: the granted one"),
+        _f("rights", 4, 4, "u32", "bit 0 READ, bit 1 WRITE, bit 2 ATOMIC"),
+    ],
+    spec="6.1 REGISTER payload",
+)
 
-DEREGISTER = Layout("deregister", "<", [
-    _f("rkey", 0, 4, "u32", "rkey to remove"),
-    _f("reserved", 4, 4, "u32", "0"),
-], spec="6.2 DEREGISTER payload")  # fmt: skip
+DEREGISTER = Layout(
+    "deregister",
+    "<",
+    [
+        _f("rkey", 0, 4, "u32", "rkey to remove"),
+        _f("reserved", 4, 4, "u32", "0"),
+    ],
+    spec="6.2 DEREGISTER payload",
+)
 
-INFO = Layout("info", "<", [
-    _f("version", 0, 4, "u32", "protocol version (1)"),
-    _f("mtu", 4, 4, "u32", "MTU"),
-    _f("memory_bytes", 8, 8, "u64", "node memory bytes"),
-    _f("max_payload", 16, 4, "u32", "largest payload"),
-    _f("max_segments", 20, 4, "u32", "largest SR list"),
-    _f("rank", 24, 4, "u32", "rank"),
-    _f("world_size", 28, 4, "u32", "world size"),
-], spec="6.4 INFO payload")  # fmt: skip
+INFO = Layout(
+    "info",
+    "<",
+    [
+        _f("version", 0, 4, "u32", "protocol version (1)"),
+        _f("mtu", 4, 4, "u32", "MTU"),
+        _f("memory_bytes", 8, 8, "u64", "node memory bytes"),
+        _f("max_payload", 16, 4, "u32", "largest payload"),
+        _f("max_segments", 20, 4, "u32", "largest SR list"),
+        _f("rank", 24, 4, "u32", "rank"),
+        _f("world_size", 28, 4, "u32", "world size"),
+    ],
+    spec="6.4 INFO payload",
+)
 
-DESCRIPTOR = Layout("descriptor", "<", [
-    _f("algo", 0, 1, "u8", "0 ALL_REDUCE, 1 REDUCE_SCATTER, 2 ALL_GATHER, 3 BROADCAST"),
-    _f("flags", 1, 1, "u8", "bit 0 sparse mode"),
-    _f("window", 2, 2, "u16", "chains in flight per originator (0: derived)"),
-    _f("rank", 4, 4, "u32", "rank of the receiving node in the SR list"),
-    _f("count", 8, 8, "u64", "elements of the whole buffer"),
-    _f("in_addr", 16, 8, "u64", "input address"),
-    _f("out_addr", 24, 8, "u64", "output address"),
-    _f("rkey", 32, 4, "u32", "rkey of the collective's data"),
-    _f("root", 36, 4, "u32", "root rank (BROADCAST)"),
-    _f("group", 40, 8, "u64", "all-gather group, ip << 16 | port (0: unicast)"),
-    _f("host", 48, 8, "u64", "where the completion goes, ip << 16 | port (0: the sender)"),
-    _f("timeout_ms", 56, 4, "u32", "watchdog, ms without progress (0: 10000)"),
-    _f("reserved", 60, 4, "u32", "0"),
-], spec="6.5 START_COLL descriptor")  # fmt: skip
+DESCRIPTOR = Layout(
+    "descriptor",
+    "<",
+    [
+        _f("algo", 0, 1, "u8", "0 ALL_REDUCE, 1 REDUCE_SCATTER, 2 ALL_GATHER, 3 BROADCAST"),
+        _f("flags", 1, 1, "u8", "bit 0 sparse mode"),
+        _f("window", 2, 2, "u16", "chains in flight per originator (0: derived)"),
+        _f("rank", 4, 4, "u32", "rank of the receiving node in the SR list"),
+        _f("count", 8, 8, "u64", "elements of the whole buffer"),
+        _f("in_addr", 16, 8, "u64", "input address"),
+        _f("out_addr", 24, 8, "u64", "output address"),
+        _f("rkey", 32, 4, "u32", "rkey of the collective's data"),
+        _f("root", 36, 4, "u32", "root rank (BROADCAST)"),
+        _f("group", 40, 8, "u64", "all-gather group, ip << 16 | port (0: unicast)"),
+        _f("host", 48, 8, "u64", "where the completion goes, ip << 16 | port (0: the sender)"),
+        _f("timeout_ms", 56, 4, "u32", "watchdog, ms without progress (0: 10000)"),
+        _f("reserved", 60, 4, "u32", "0"),
+    ],
+    spec="6.5 START_COLL descriptor",
+)
 
-DESCRIPTOR_TAG_KEY = Layout("descriptor_tag_key", "<", [
-    _f("tag_k0", 0, 8, "u64", "key bytes 0-7: SipHash k0"),
-    _f("tag_k1", 8, 8, "u64", "key bytes 8-15: SipHash k1"),
-], spec="**Tag key**")  # fmt: skip
+DESCRIPTOR_TAG_KEY = Layout(
+    "descriptor_tag_key",
+    "<",
+    [
+        _f("tag_k0", 0, 8, "u64", "key bytes 0-7: SipHash k0"),
+        _f("tag_k1", 8, 8, "u64", "key bytes 8-15: SipHash k1"),
+    ],
+    spec="**Tag key**",
+)
 
-COMPLETION = Layout("completion", "<", [
-    _f("chains_resent", 0, 8, "u64", "chains re-sent"),
-    _f("repair_reads", 8, 8, "u64", "repair READs"),
-    _f("start_ns", 16, 8, "u64", "the node's clock when the collective started there, ns"),
-    _f("chains_us", 24, 4, "u32", "us until every chain this node started was ACKed"),
-    _f("chunks_us", 28, 4, "u32", "us until every chunk it needs was here"),
-    _f("done_us", 32, 4, "u32", "us until every member's DONE was here"),
-    _f("reserved", 36, 4, "u32", "0"),
-], spec="**Completion ACK**")  # fmt: skip
+COMPLETION = Layout(
+    "completion",
+    "<",
+    [
+        _f("chains_resent", 0, 8, "u64", "chains re-sent"),
+        _f("repair_reads", 8, 8, "u64", "repair READs"),
+        _f("start_ns", 16, 8, "u64", "the node's clock when the collective started there, ns"),
+        _f("chains_us", 24, 4, "u32", "us until every chain this node started was ACKed"),
+        _f("chunks_us", 28, 4, "u32", "us until every chunk it needs was here"),
+        _f("done_us", 32, 4, "u32", "us until every member's DONE was here"),
+        _f("reserved", 36, 4, "u32", "0"),
+    ],
+    spec="**Completion ACK**",
+)
 
-COMPLETION_FAILURE = Layout("completion_failure", "<", [
-    _f("first_missing", 0, 8, "u64", "first chunk still missing here"),
-    _f("last_missing", 8, 8, "u64", "last chunk still missing here"),
-], spec="**Completion NACK**")  # fmt: skip
+COMPLETION_FAILURE = Layout(
+    "completion_failure",
+    "<",
+    [
+        _f("first_missing", 0, 8, "u64", "first chunk still missing here"),
+        _f("last_missing", 8, 8, "u64", "last chunk still missing here"),
+    ],
+    spec="**Completion NACK**",
+)
 
-FETCH_ADD = Layout("fetch_add", "<", [
-    _f("addend", 0, 8, "u64", "addend; the ACK of every atomic: the old value"),
-], spec="**FETCH_ADD operand**")  # fmt: skip
+FETCH_ADD = Layout(
+    "fetch_add",
+    "<",
+    [
+        _f("addend", 0, 8, "u64", "addend; the ACK of every atomic: the old value"),
+    ],
+    spec="**FETCH_ADD operand**",
+)
 
-CAS = Layout("cas", "<", [
-    _f("compare", 0, 8, "u64", "compare"),
-    _f("swap", 8, 8, "u64", "swap"),
-], spec="**CAS operands**")  # fmt: skip
+CAS = Layout(
+    "cas",
+    "<",
+    [
+        _f("compare", 0, 8, "u64", "compare"),
+        _f("swap", 8, 8, "u64", "swap"),
+    ],
+    spec="**CAS operands**",
+)
 
-ALLOC = Layout("alloc", "<", [
-    _f("size", 0, 8, "u64", "bytes (> 0)"),
-    _f("credential", 8, 8, "u64", "0: a new tenant (admin key), else the tenant's credential"),
-    _f("stride", 16, 4, "u32", "0: one node; else the interleave stride"),
-    _f("ways", 20, 2, "u16", "nodes to interleave over (0: all)"),
-    _f("rights", 22, 1, "u8", "bit 0 READ, bit 1 WRITE, bit 2 ATOMIC"),
-    _f("flags", 23, 1, "u8", "bit 0 TAGGED: a tagged region (its record carries the tag key)"),
-    _f("label", 24, 16, "bytes", "UTF-8, zero padded"),
-], spec="**ALLOC (0x26).**")  # fmt: skip
+ALLOC = Layout(
+    "alloc",
+    "<",
+    [
+        _f("size", 0, 8, "u64", "bytes (> 0)"),
+        _f("credential", 8, 8, "u64", "0: a new tenant (admin key), else the tenant's credential"),
+        _f("stride", 16, 4, "u32", "0: one node; else the interleave stride"),
+        _f("ways", 20, 2, "u16", "nodes to interleave over (0: all)"),
+        _f("rights", 22, 1, "u8", "bit 0 READ, bit 1 WRITE, bit 2 ATOMIC"),
+        _f("flags", 23, 1, "u8", "bit 0 TAGGED: a tagged region (its record carries the tag key)"),
+        _f("label", 24, 16, "bytes", "UTF-8, zero padded"),
+    ],
+    spec="**ALLOC (0x26).**",
+)
 
-CREDENTIAL = Layout("credential", "<", [
-    _f("credential", 0, 8, "u64", "tenant credential (0 with the admin key)"),
-], spec="**Credential payload**")  # fmt: skip
+CREDENTIAL = Layout(
+    "credential",
+    "<",
+    [
+        _f("credential", 0, 8, "u64", "tenant credential (0 with the admin key)"),
+    ],
+    spec="**Credential payload**",
+)
 
-REGION_INFO = Layout("region_info", "<", [
-    _f("gaddr", 0, 8, "u64", "global address"),
-    _f("size", 8, 8, "u64", "size, bytes"),
-    _f("credential", 16, 8, "u64", "tenant credential (ALLOC's ACK), else 0"),
-    _f("rkey", 24, 4, "u32", "rkey"),
-    _f("stride", 28, 4, "u32", "stride (0: range-mapped)"),
-    _f("ways", 32, 2, "u16", "ways W"),
-    _f("rights", 34, 1, "u8", "rights"),
-    _f("flags", 35, 1, "u8", "bit 0 TAGGED: the tag key follows the ways"),
-    _f("reserved", 36, 4, "u32", "0"),
-    _f("label", 40, 16, "bytes", "label"),
-], spec="**Region record**")  # fmt: skip
+REGION_INFO = Layout(
+    "region_info",
+    "<",
+    [
+        _f("gaddr", 0, 8, "u64", "global address"),
+        _f("size", 8, 8, "u64", "size, bytes"),
+        _f("credential", 16, 8, "u64", "tenant credential (ALLOC's ACK), else 0"),
+        _f("rkey", 24, 4, "u32", "rkey"),
+        _f("stride", 28, 4, "u32", "stride (0: range-mapped)"),
+        _f("ways", 32, 2, "u16", "ways W"),
+        _f("rights", 34, 1, "u8", "rights"),
+        _f("flags", 35, 1, "u8", "bit 0 TAGGED: the tag key follows the ways"),
+        _f("reserved", 36, 4, "u32", "0"),
+        _f("label", 40, 16, "bytes", "label"),
+    ],
+    spec="**Region record**",
+)
 
-REGION_WAY = Layout("region_way", "<", [
-    _f("node", 0, 4, "u32", "node rank"),
-    _f("reserved", 4, 4, "u32", "0"),
-    _f("local", 8, 8, "u64", "local address of the backing on that node"),
-    _f("size", 16, 8, "u64", "backing bytes"),
-], spec="**Region way**")  # fmt: skip
+REGION_WAY = Layout(
+    "region_way",
+    "<",
+    [
+        _f("node", 0, 4, "u32", "node rank"),
+        _f("reserved", 4, 4, "u32", "0"),
+        _f("local", 8, 8, "u64", "local address of the backing on that node"),
+        _f("size", 16, 8, "u64", "backing bytes"),
+    ],
+    spec="**Region way**",
+)
 
 #: Every table, for tests and tools that walk them.
-LAYOUTS = (HEADER, SEGMENT, SPARSE_PREFIX, REGISTER, DEREGISTER, INFO, DESCRIPTOR, DESCRIPTOR_TAG_KEY, COMPLETION,
-           COMPLETION_FAILURE, FETCH_ADD, CAS, ALLOC, CREDENTIAL, REGION_INFO, REGION_WAY)  # fmt: skip
+LAYOUTS = (
+    HEADER,
+    SEGMENT,
+    SPARSE_PREFIX,
+    REGISTER,
+    DEREGISTER,
+    INFO,
+    DESCRIPTOR,
+    DESCRIPTOR_TAG_KEY,
+    COMPLETION,
+    COMPLETION_FAILURE,
+    FETCH_ADD,
+    CAS,
+    ALLOC,
+    CREDENTIAL,
+    REGION_INFO,
+    REGION_WAY,
+)
 
 # ---------------------------------------------------------------- named offsets
 

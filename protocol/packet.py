@@ -33,6 +33,7 @@ from netdam.protocol.constants import (
     ReduceOp,
     SegmentType,
     Status,
+    enum_values,
 )
 from netdam.protocol.errors import LocalProtocolError, RemoteProtocolError
 from netdam.protocol.layout import H_CLIENT_ID, HEADER, SEGMENT
@@ -210,15 +211,37 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
             f"packet truncated: {len(view)} bytes, the fixed header needs {HEADER_SIZE}",
         )
     fields = HEADER_STRUCT.unpack_from(view, 0)
-    (version, opcode, flags, seq, client_id, txn_id, coll_id, epoch, rkey, length, addr, aux_addr,
-     dtype, reduce_op, status, credit, seg_type, segments_left, seg_count, reserved1, ret_ip,
-     ret_port, reserved2) = fields  # fmt: skip
+    (
+        version,
+        opcode,
+        flags,
+        seq,
+        client_id,
+        txn_id,
+        coll_id,
+        epoch,
+        rkey,
+        length,
+        addr,
+        aux_addr,
+        dtype,
+        reduce_op,
+        status,
+        credit,
+        seg_type,
+        segments_left,
+        seg_count,
+        reserved1,
+        ret_ip,
+        ret_port,
+        reserved2,
+    ) = fields
     if version != PROTOCOL_VERSION:
         raise RemoteProtocolError(
             Status.BAD_VERSION,
             f"unsupported version {version} (this node speaks {PROTOCOL_VERSION})",
         )
-    if opcode not in Opcode._value2member_map_:
+    if opcode not in enum_values(Opcode):
         raise RemoteProtocolError(Status.BAD_OPCODE, f"unknown opcode 0x{opcode:02x}")
     if reserved1 or reserved2:
         raise RemoteProtocolError(
@@ -236,7 +259,9 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
     end, tag = len(view), 0
     if flags & Flags.TAGGED:
         if end < offset + TAG_SIZE:
-            raise RemoteProtocolError(Status.TRUNCATED, f"TAGGED datagram without its {TAG_SIZE}-byte tag")
+            raise RemoteProtocolError(
+                Status.TRUNCATED, f"TAGGED datagram without its {TAG_SIZE}-byte tag"
+            )
         end -= TAG_SIZE
         tag = int.from_bytes(view[end:], "little")
     packet = Packet(
@@ -269,7 +294,7 @@ _E = TypeVar("_E", DType, ReduceOp, Status)
 
 
 def _enum(kind: type[_E], value: int, status: Status, what: str) -> _E:
-    if value not in kind._value2member_map_:
+    if value not in enum_values(kind):
         raise RemoteProtocolError(status, f"unknown {what} {value}")
     return kind(value)
 

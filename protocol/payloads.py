@@ -89,8 +89,15 @@ class Info:
     world_size: int
 
     def encode(self) -> bytes:
-        return INFO.pack(self.version, self.mtu, self.memory_bytes, self.max_payload,
-                         self.max_segments, self.rank, self.world_size)  # fmt: skip
+        return INFO.pack(
+            self.version,
+            self.mtu,
+            self.memory_bytes,
+            self.max_payload,
+            self.max_segments,
+            self.rank,
+            self.world_size,
+        )
 
 
 def unpack_info(payload: bytes) -> Info:
@@ -147,9 +154,24 @@ class Descriptor:
     tag_key: bytes = field(default=b"", kw_only=True)
 
     def encode(self) -> bytes:
-        return DESCRIPTOR.pack(self.algo, self.flags, self.window, self.rank, self.count,
-                               self.in_addr, self.out_addr, self.rkey, self.root, self.group,
-                               self.host, self.timeout_ms, self.reserved) + self.tag_key  # fmt: skip
+        return (
+            DESCRIPTOR.pack(
+                self.algo,
+                self.flags,
+                self.window,
+                self.rank,
+                self.count,
+                self.in_addr,
+                self.out_addr,
+                self.rkey,
+                self.root,
+                self.group,
+                self.host,
+                self.timeout_ms,
+                self.reserved,
+            )
+            + self.tag_key
+        )
 
 
 @dataclass(frozen=True)
@@ -177,10 +199,20 @@ class CollectiveDescriptor:
 
     def encode(self) -> bytes:
         return Descriptor(
-            self.algo, self.flags, self.window, self.rank, self.count, self.in_addr, self.out_addr,
-            self.rkey, self.root, endpoint_to_u64(self.group) if self.group else 0,
-            endpoint_to_u64(self.host) if self.host else 0, self.timeout_ms, tag_key=self.tag_key,
-        ).encode()  # fmt: skip
+            self.algo,
+            self.flags,
+            self.window,
+            self.rank,
+            self.count,
+            self.in_addr,
+            self.out_addr,
+            self.rkey,
+            self.root,
+            endpoint_to_u64(self.group) if self.group else 0,
+            endpoint_to_u64(self.host) if self.host else 0,
+            self.timeout_ms,
+            tag_key=self.tag_key,
+        ).encode()
 
 
 def descriptor_tag_key(payload: bytes) -> bytes:
@@ -197,7 +229,9 @@ def unpack_descriptor(payload: bytes) -> Descriptor:
         key = bytes(payload[DESCRIPTOR.size :])
         if not any(key):
             raise RemoteProtocolError(Status.BAD_FIELD, "START_COLL tag key is all zeros")
-        return Descriptor(*_unpack(DESCRIPTOR, payload[: DESCRIPTOR.size], "START_COLL descriptor"), tag_key=key)
+        return Descriptor(
+            *_unpack(DESCRIPTOR, payload[: DESCRIPTOR.size], "START_COLL descriptor"), tag_key=key
+        )
     return Descriptor(*_unpack(DESCRIPTOR, payload, "START_COLL descriptor"))
 
 
@@ -221,7 +255,9 @@ NO_PHASE_US = 0xFFFFFFFF
 
 
 def pack_completion_phases(phases: CompletionPhases) -> bytes:
-    return COMPLETION_PHASES.pack(phases.start_ns, phases.chains_us, phases.chunks_us, phases.done_us, 0)
+    return COMPLETION_PHASES.pack(
+        phases.start_ns, phases.chains_us, phases.chunks_us, phases.done_us, 0
+    )
 
 
 def unpack_completion_phases(payload: bytes) -> CompletionPhases | None:
@@ -264,15 +300,18 @@ def unpack_sparse_prefix(payload: bytes) -> int:
 
 def _unpack(layout: struct.Struct, payload: bytes, name: str) -> tuple[int, ...]:
     if len(payload) != layout.size:
-        raise RemoteProtocolError(Status.BAD_LENGTH,
-                                  f"{name} payload must be {layout.size} bytes, got {len(payload)}")  # fmt: skip
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH, f"{name} payload must be {layout.size} bytes, got {len(payload)}"
+        )
     return layout.unpack(payload)
 
 
 def _at_least(layout: struct.Struct, payload: bytes, name: str) -> bytes:
     if len(payload) < layout.size:
-        raise RemoteProtocolError(Status.BAD_LENGTH,
-                                  f"{name} payload must be at least {layout.size} bytes, got {len(payload)}")  # fmt: skip
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH,
+            f"{name} payload must be at least {layout.size} bytes, got {len(payload)}",
+        )
     return payload
 
 
@@ -290,8 +329,15 @@ class AllocRequest:
     flags: int = 0
 
     def encode(self) -> bytes:
-        return ALLOC_REQUEST.pack(self.size, self.credential, self.stride, self.ways, self.rights,
-                                  self.flags, encode_label(self.label))  # fmt: skip
+        return ALLOC_REQUEST.pack(
+            self.size,
+            self.credential,
+            self.stride,
+            self.ways,
+            self.rights,
+            self.flags,
+            encode_label(self.label),
+        )
 
 
 def encode_label(label: str) -> bytes:
@@ -348,9 +394,23 @@ class RegionInfo:
 
     def encode(self) -> bytes:
         flags = ALLOC_TAGGED if self.tag_key else 0
-        head = REGION_INFO.pack(self.gaddr, self.size, self.credential, self.rkey, self.stride, len(self.ways),
-                                self.rights, flags, 0, encode_label(self.label))  # fmt: skip
-        return head + b"".join(REGION_WAY.pack(w.node, 0, w.local, w.size) for w in self.ways) + self.tag_key
+        head = REGION_INFO.pack(
+            self.gaddr,
+            self.size,
+            self.credential,
+            self.rkey,
+            self.stride,
+            len(self.ways),
+            self.rights,
+            flags,
+            0,
+            encode_label(self.label),
+        )
+        return (
+            head
+            + b"".join(REGION_WAY.pack(w.node, 0, w.local, w.size) for w in self.ways)
+            + self.tag_key
+        )
 
 
 def region_info_size(ways: int, tagged: bool) -> int:
@@ -361,17 +421,36 @@ def region_info_size(ways: int, tagged: bool) -> int:
 def unpack_region_info(payload: bytes) -> RegionInfo:
     """RemoteProtocolError BAD_LENGTH when the size disagrees with the ways count and flags."""
     _at_least(REGION_INFO, payload, "region record")
-    gaddr, size, credential, rkey, stride, count, rights, flags, _r, label = REGION_INFO.unpack_from(payload)
+    gaddr, size, credential, rkey, stride, count, rights, flags, _r, label = (
+        REGION_INFO.unpack_from(payload)
+    )
     tagged = bool(flags & ALLOC_TAGGED)
     want = region_info_size(count, tagged)
     if len(payload) != want:
-        raise RemoteProtocolError(Status.BAD_LENGTH, f"region record with {count} ways{' and a tag key' * tagged} "
-                                                     f"must be {want} bytes, got {len(payload)}")  # fmt: skip
-    ways = tuple(RegionWay(int(n), int(local), int(sz)) for n, _r, local, sz in
-                 (REGION_WAY.unpack_from(payload, REGION_INFO.size + k * REGION_WAY.size) for k in range(count)))  # fmt: skip
+        raise RemoteProtocolError(
+            Status.BAD_LENGTH,
+            f"region record with {count} ways{' and a tag key' * tagged} "
+            f"must be {want} bytes, got {len(payload)}",
+        )
+    ways = tuple(
+        RegionWay(int(n), int(local), int(sz))
+        for n, _r, local, sz in (
+            REGION_WAY.unpack_from(payload, REGION_INFO.size + k * REGION_WAY.size)
+            for k in range(count)
+        )
+    )
     key = bytes(payload[want - TAG_KEY_SIZE :]) if tagged else b""
-    return RegionInfo(int(gaddr), int(size), int(rkey), int(stride), int(rights), ways, int(credential),
-                      decode_label(label), key)  # fmt: skip
+    return RegionInfo(
+        int(gaddr),
+        int(size),
+        int(rkey),
+        int(stride),
+        int(rights),
+        ways,
+        int(credential),
+        decode_label(label),
+        key,
+    )
 
 
 def pack_ring_step(step: int, segment: int = 0) -> bytes:

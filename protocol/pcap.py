@@ -76,8 +76,11 @@ def split_gso(data: bytes) -> list[bytes]:
 def _header_at(data: bytes, offset: int) -> bool:
     """Whether a v1 header with a known opcode could start at *offset* (a node's GSO send may
     batch different packets of one size to one destination: a READ_RESP, then an ACK)."""
-    return (data[offset + H_VERSION] == data[H_VERSION] and offset + H_OPCODE < len(data)
-            and data[offset + H_OPCODE] in _OPCODES)  # fmt: skip
+    return (
+        data[offset + H_VERSION] == data[H_VERSION]
+        and offset + H_OPCODE < len(data)
+        and data[offset + H_OPCODE] in _OPCODES
+    )
 
 
 _OPCODES = frozenset(int(op) for op in Opcode)
@@ -114,9 +117,7 @@ def read_pcap(path: str, ports: set[int], multicast: bool = False) -> Input:
     try:
         frames = rdpcap(path)
     except (Scapy_Exception, OSError, EOFError) as exc:
-        raise PcapError(
-            f"cannot read {path} as pcap ({exc}); give a pcap or pcapng file"
-        ) from None
+        raise PcapError(f"cannot read {path} as pcap ({exc}); give a pcap or pcapng file") from None
     datagrams = []
     skipped = 0
     for number, frame in enumerate(frames, start=1):
@@ -137,6 +138,9 @@ def read_pcap(path: str, ports: set[int], multicast: bool = False) -> Input:
         dst = f"{getattr(ip, 'dst', '?')}:{udp.dport}"
         parts = split_gso(bytes(data))
         for k, part in enumerate(parts, start=1):
-            datagrams.append(Datagram(part, frame=number, src=src, dst=dst,
-                                      segment=k if len(parts) > 1 else None))  # fmt: skip
+            datagrams.append(
+                Datagram(
+                    part, frame=number, src=src, dst=dst, segment=k if len(parts) > 1 else None
+                )
+            )
     return Input(datagrams, frames=len(frames), skipped=skipped, pcap=True)

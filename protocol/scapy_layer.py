@@ -58,6 +58,7 @@ from netdam.protocol.constants import (
     ReduceOp,
     SegmentType,
     Status,
+    enum_values,
 )
 
 # Enum maps for ByteEnumField, named exactly as the codec's enums so both print the same names.
@@ -206,7 +207,7 @@ def payload_elements(pkt: Any) -> np.ndarray[Any, Any]:
     data = bytes(layer.payload)
     if int(layer.flags) & Flags.TAGGED:
         data = data[:-TAG_SIZE]  # the tag (SPEC.md 2.6), which scapy keeps as Padding
-    if layer.dtype not in DType._value2member_map_:
+    if layer.dtype not in enum_values(DType):
         raise ValueError(f"unknown dtype {layer.dtype}")
     dtype = DType(layer.dtype)
     size = ELEMENT_SIZE[dtype]
@@ -249,8 +250,12 @@ class NetDAMCredential(Packet):  # type: ignore[misc]
 
 class NetDAMRegionWay(Packet):  # type: ignore[misc]
     name = "NetDAM region way"
-    fields_desc = [LEIntField("node", 0), LEIntField("reserved", 0), XLELongField("local", 0),
-                   LELongField("size", 0)]  # fmt: skip
+    fields_desc = [
+        LEIntField("node", 0),
+        LEIntField("reserved", 0),
+        XLELongField("local", 0),
+        LELongField("size", 0),
+    ]
 
     def extract_padding(self, s: bytes) -> tuple[bytes, bytes]:
         return b"", s
@@ -290,6 +295,11 @@ def pool_payload(pkt: Any, request: Any = None) -> Packet:
     if layer.opcode in (Opcode.FREE, Opcode.QUERY):
         return NetDAMCredential(data)
     answers_pool = request is None or request.getlayer(NetDAM).opcode in POOL_OPCODES
-    if layer.opcode == Opcode.ACK and answers_pool and len(data) >= 56 and (len(data) - 56) % 24 in (0, 16):
+    if (
+        layer.opcode == Opcode.ACK
+        and answers_pool
+        and len(data) >= 56
+        and (len(data) - 56) % 24 in (0, 16)
+    ):
         return NetDAMRegion(data)
     raise ValueError(f"{_OPCODES.get(layer.opcode, layer.opcode)} carries no pool-control payload")

@@ -105,7 +105,10 @@ def seal_control(key: bytes, datagram: bytes) -> bytes:
 
 def verify_control(key: bytes, datagram: bytes | bytearray | memoryview) -> bool:
     """True when *datagram* is TAGGED and ends with its control tag under *key*."""
-    if len(datagram) < HEADER_SIZE + TAG_SIZE or not int.from_bytes(datagram[_FLAGS], "big") & Flags.TAGGED:
+    if (
+        len(datagram) < HEADER_SIZE + TAG_SIZE
+        or not int.from_bytes(datagram[_FLAGS], "big") & Flags.TAGGED
+    ):
         return False
     body = datagram[:-TAG_SIZE]
     return int.from_bytes(datagram[-TAG_SIZE:], "little") == siphash24(key, control_tag_input(body))

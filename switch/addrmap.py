@@ -175,8 +175,18 @@ class MapTables:
 
     def bundle(self) -> RegionTable:
         """The table as the switch's kernels take it (netdam.kernels.state.RegionTable)."""
-        return RegionTable(self.reg_base, self.reg_end, self.reg_rkey, self.reg_rights, self.reg_stride,
-                           self.reg_ways, self.reg_way0, self.way_node, self.way_local, self.reg_tag)  # fmt: skip
+        return RegionTable(
+            self.reg_base,
+            self.reg_end,
+            self.reg_rkey,
+            self.reg_rights,
+            self.reg_stride,
+            self.reg_ways,
+            self.reg_way0,
+            self.way_node,
+            self.way_local,
+            self.reg_tag,
+        )
 
 
 def check_regions(regions: Sequence[Region], nodes: int) -> None:
@@ -202,9 +212,13 @@ def check_regions(regions: Sequence[Region], nodes: int) -> None:
         need = backing_per_way(r.size, r.stride, len(r.ways))
         for way in r.ways:
             if not 0 <= way.node < nodes:
-                raise ValueError(f"{where}: way on node {way.node}, but the cluster has {nodes} nodes")
+                raise ValueError(
+                    f"{where}: way on node {way.node}, but the cluster has {nodes} nodes"
+                )
             if way.size < need or way.local < 0:
-                raise ValueError(f"{where}: way on node {way.node} backs {way.size} bytes, needs {need}")
+                raise ValueError(
+                    f"{where}: way on node {way.node} backs {way.size} bytes, needs {need}"
+                )
 
 
 def build_tables(regions: Sequence[Region], nodes: int) -> MapTables:
@@ -229,17 +243,24 @@ def build_tables(regions: Sequence[Region], nodes: int) -> MapTables:
         reg_way0=way0,
         way_node=np.array(ways_node or [0], np.int64),
         way_local=np.array(ways_local or [0], np.int64),
-        reg_tag=np.array([np.frombuffer(r.tag_key or bytes(16), "<u8") for r in ordered], np.uint64).reshape(count, 2),
+        reg_tag=np.array(
+            [np.frombuffer(r.tag_key or bytes(16), "<u8") for r in ordered], np.uint64
+        ).reshape(count, 2),
     )
 
 
 def region_to_json(region: Region) -> dict[str, object]:
     return {
-        "gaddr": region.gaddr, "size": region.size, "rkey": region.rkey, "rights": region.rights,
-        "stride": region.stride, "tenant": region.tenant, "owner": region.owner,
+        "gaddr": region.gaddr,
+        "size": region.size,
+        "rkey": region.rkey,
+        "rights": region.rights,
+        "stride": region.stride,
+        "tenant": region.tenant,
+        "owner": region.owner,
         "ways": [{"node": w.node, "local": w.local, "size": w.size} for w in region.ways],
         **({"tag_key": region.tag_key.hex()} if region.tag_key else {}),
-    }  # fmt: skip
+    }
 
 
 def region_from_json(data: dict[str, object]) -> Region:

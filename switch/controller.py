@@ -116,17 +116,23 @@ def node_room(state: PoolState, rank: int) -> int:
     return int(state.nodes[rank].memory_bytes) - node_use(state, rank)[0]
 
 
-def region_shape(nodes: int, size: int, interleave: int | None, ways: int | None) -> tuple[int, int, int]:
+def region_shape(
+    nodes: int, size: int, interleave: int | None, ways: int | None
+) -> tuple[int, int, int]:
     """(stride, ways, backing bytes per way) of a new region, checked (BAD_FIELD)."""
     if size <= 0:
         raise ControllerError(f"size {size} must be positive")
     if ways is not None and not 1 <= ways <= nodes:
-        raise ControllerError(f"--ways {ways} does not fit a pool of {nodes} nodes: give 1..{nodes}")
+        raise ControllerError(
+            f"--ways {ways} does not fit a pool of {nodes} nodes: give 1..{nodes}"
+        )
     if ways is not None and not interleave:
         raise ControllerError("--ways needs --interleave (a region without it lives on one node)")
     if interleave:
         if interleave % STRIDE_ALIGN or interleave < STRIDE_ALIGN:
-            raise ControllerError(f"interleave stride {interleave} must be a positive multiple of {STRIDE_ALIGN} (e.g. 8KiB)")
+            raise ControllerError(
+                f"interleave stride {interleave} must be a positive multiple of {STRIDE_ALIGN} (e.g. 8KiB)"
+            )
         count, stride = min(ways or nodes, nodes), interleave
     else:
         count, stride = 1, 0
@@ -139,7 +145,11 @@ def candidate_nodes(state: PoolState, per: int, exclude: frozenset[int] = frozen
     room = {}
     for rank in range(len(state.nodes)):
         used, slots = node_use(state, rank)
-        if rank not in exclude and slots < NODE_REGION_SLOTS and used + page_round(per) <= state.nodes[rank].memory_bytes:
+        if (
+            rank not in exclude
+            and slots < NODE_REGION_SLOTS
+            and used + page_round(per) <= state.nodes[rank].memory_bytes
+        ):
             room[rank] = state.nodes[rank].memory_bytes - used
     return sorted(room, key=lambda r: (-room[r], r))
 
@@ -163,7 +173,10 @@ def room_hint(state: PoolState, size: int, interleave: int | None) -> str:
     """What the pool has free for a region of *size* bytes that found no room, and only the
     steps that would really help (each checked against *state*, none guessed)."""
     nodes = len(state.nodes)
-    rooms = [node_room(state, r) if node_use(state, r)[1] < NODE_REGION_SLOTS else 0 for r in range(nodes)]
+    rooms = [
+        node_room(state, r) if node_use(state, r)[1] < NODE_REGION_SLOTS else 0
+        for r in range(nodes)
+    ]
     total = sum(max(room, 0) for room in rooms)
     largest = max(rooms, default=0)
     steps = []
@@ -173,9 +186,13 @@ def room_hint(state: PoolState, size: int, interleave: int | None) -> str:
         steps.append(f"a --size of at most {largest}B fits on one node")
     if state.regions:
         steps.append("free regions (`netdam pool list` shows them, `netdam pool free` frees one)")
-    steps.append("or start the cluster with more memory per node (`netdam up --switch --memory SIZE`)")
-    return (f"the pool has {_bytes(total)} free over {nodes} node(s), at most {_bytes(largest)} on one "
-            "node: " + "; ".join(steps))
+    steps.append(
+        "or start the cluster with more memory per node (`netdam up --switch --memory SIZE`)"
+    )
+    return (
+        f"the pool has {_bytes(total)} free over {nodes} node(s), at most {_bytes(largest)} on one "
+        "node: " + "; ".join(steps)
+    )
 
 
 def _bytes(n: int) -> str:
@@ -206,9 +223,17 @@ def tenant_table(state: PoolState) -> dict[int, tuple[str, bytes]]:
 
 def region_info(region: Region, credential: int = 0) -> RegionInfo:
     """The wire record of *region* (SPEC.md 11.9)."""
-    return RegionInfo(region.gaddr, region.size, region.rkey, region.stride, region.rights,
-                      tuple(RegionWay(w.node, w.local, w.size) for w in region.ways), credential,
-                      region.tenant, region.tag_key)  # fmt: skip
+    return RegionInfo(
+        region.gaddr,
+        region.size,
+        region.rkey,
+        region.stride,
+        region.rights,
+        tuple(RegionWay(w.node, w.local, w.size) for w in region.ways),
+        credential,
+        region.tenant,
+        region.tag_key,
+    )
 
 
 def record_bytes(ways: int, tagged: bool = False) -> int:
@@ -218,9 +243,17 @@ def record_bytes(ways: int, tagged: bool = False) -> int:
 
 def region_from_info(info: RegionInfo) -> Region:
     extra: dict[str, object] = {"credential": info.credential} if info.credential else {}
-    return Region(info.gaddr, info.size, info.rkey, info.rights, info.stride,
-                  tuple(Way(w.node, w.local, w.size) for w in info.ways), info.label, tag_key=info.tag_key,
-                  extra=extra)  # fmt: skip
+    return Region(
+        info.gaddr,
+        info.size,
+        info.rkey,
+        info.rights,
+        info.stride,
+        tuple(Way(w.node, w.local, w.size) for w in info.ways),
+        info.label,
+        tag_key=info.tag_key,
+        extra=extra,
+    )
 
 
 def quota_check(state: PoolState, owner: str, footprint: int) -> str | None:
@@ -239,15 +272,15 @@ def quota_check(state: PoolState, owner: str, footprint: int) -> str | None:
 class NodeAgent(Protocol):
     """How the pool service reaches the nodes (the switch process gives it a UDP client)."""
 
-    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int,
-                 tag_key: bytes = b"") -> tuple[Status, int]:  # fmt: skip
+    def register(
+        self, node: tuple[str, int], size: int, rights: int, rkey: int, tag_key: bytes = b""
+    ) -> tuple[Status, int]:
         """REGISTER of *size* bytes under *rkey* (tagged under *tag_key* when given) on *node*,
         placed by the node itself (REGISTER_ANYWHERE): (OK, the local base the node chose), or
         (its NACK status, 0); TIMEOUT: no answer."""
         ...
 
-    def deregister(self, node: tuple[str, int], rkey: int) -> Status:
-        ...
+    def deregister(self, node: tuple[str, int], rkey: int) -> Status: ...
 
 
 class PoolService:
@@ -255,15 +288,22 @@ class PoolService:
     registration on the nodes, persistence. ``on_change(state)`` is called after every change so
     the switch swaps its map before the ACK leaves."""
 
-    def __init__(self, cluster: ClusterFile, state_path: Path, agent: NodeAgent,
-                 on_change: Callable[[PoolState], None] = lambda state: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cluster: ClusterFile,
+        state_path: Path,
+        agent: NodeAgent,
+        on_change: Callable[[PoolState], None] = lambda state: None,
+    ) -> None:
         self.cluster = cluster
         self.state_path = Path(state_path)
         self.agent = agent
         self.on_change = on_change
         self._replies: OrderedDict[tuple[int, int, int], PoolReply] = OrderedDict()
 
-    def handle(self, packet: Packet, src: int, proven: bool, admin: bool, tenant: str = "") -> PoolReply:
+    def handle(
+        self, packet: Packet, src: int, proven: bool, admin: bool, tenant: str = ""
+    ) -> PoolReply:
         """The answer to one ALLOC/FREE/QUERY from *src*; a retry of an ALLOC or FREE that
         succeeded (same source, client id and txn id) gets the same answer and changes nothing.
         *proven*: *src* showed it receives at its address (SPEC.md 12.4); else no answer exceeds
@@ -286,8 +326,11 @@ class PoolService:
         except RemoteProtocolError as exc:
             return PoolReply(exc.status, text=str(exc))
         if tenant and credential:
-            return PoolReply(Status.BAD_FIELD, text="a sealed tenant request carries credential 0: its tag proves "
-                                                    "the tenant, and the credential stays off the wire")  # fmt: skip
+            return PoolReply(
+                Status.BAD_FIELD,
+                text="a sealed tenant request carries credential 0: its tag proves "
+                "the tenant, and the credential stays off the wire",
+            )
         owner = tenant or (credential_digest(credential) if credential else "")
         if packet.opcode == Opcode.ALLOC:
             reply = self._alloc(request, admin, room, owner)
@@ -304,7 +347,10 @@ class PoolService:
     def _alloc(self, req: AllocRequest, admin: bool, room: int | None, owner: str) -> PoolReply:
         """ALLOC for *owner* (a credential digest; "" with the admin's authority: a new tenant)."""
         if req.flags & ~ALLOC_TAGGED:
-            return PoolReply(Status.BAD_FIELD, text=f"ALLOC flags 0x{req.flags:02x}: only bit 0 (TAGGED) is defined")
+            return PoolReply(
+                Status.BAD_FIELD,
+                text=f"ALLOC flags 0x{req.flags:02x}: only bit 0 (TAGGED) is defined",
+            )
         tagged = bool(req.flags & ALLOC_TAGGED)
         with locked(self.state_path):
             state = load_state(self.state_path)
@@ -321,7 +367,9 @@ class PoolService:
             if req.size == 0 or req.rights == 0 or req.rights & ~int(RIGHTS_ALL):
                 return PoolReply(Status.BAD_FIELD, text="size must be > 0, rights 1..7")
             try:
-                stride, count, per = region_shape(len(state.nodes), req.size, req.stride or None, req.ways or None)
+                stride, count, per = region_shape(
+                    len(state.nodes), req.size, req.stride or None, req.ways or None
+                )
             except ControllerError as exc:
                 return PoolReply(Status.BAD_FIELD, text=str(exc))
             if room is not None and record_bytes(count, tagged) > room:
@@ -342,9 +390,13 @@ class PoolService:
             state.generation += 1
             save_state(self.state_path, state)
         self.on_change(state)
-        return PoolReply(Status.OK, region_info(region, credential).encode(), rkey=region.rkey, addr=region.gaddr)
+        return PoolReply(
+            Status.OK, region_info(region, credential).encode(), rkey=region.rkey, addr=region.gaddr
+        )
 
-    def _place(self, state: PoolState, req: AllocRequest, stride: int, count: int, per: int, owner: str) -> Region:
+    def _place(
+        self, state: PoolState, req: AllocRequest, stride: int, count: int, per: int, owner: str
+    ) -> Region:
         """Register the region's ways on nodes that take them, under a fresh rkey: the nodes the
         switch's count says have room, most free bytes first; a node that refuses for room
         (NO_SPACE: its memory or region table is full of registrations the switch does not
@@ -366,16 +418,37 @@ class PoolService:
                 continue
             if len(ways) < count:
                 refused = f"; node(s) {sorted(full)} refused for room" if full else ""
-                raise ControllerError(f"no room for {req.size} bytes: {count} node(s) need {per} free bytes and "
-                                      f"a region slot each{refused}; {room_hint(state, req.size, stride or None)}",
-                                      Status.NO_SPACE)  # fmt: skip
+                raise ControllerError(
+                    f"no room for {req.size} bytes: {count} node(s) need {per} free bytes and "
+                    f"a region slot each{refused}; {room_hint(state, req.size, stride or None)}",
+                    Status.NO_SPACE,
+                )
             ways.sort(key=lambda w: w.node)
-            return Region(next_gaddr(state), req.size, rkey, req.rights, stride, tuple(ways), req.label, owner=owner,
-                          tag_key=tag_key)  # fmt: skip
-        raise ControllerError("could not find an rkey free on every node in 8 tries", Status.NO_SPACE)
+            return Region(
+                next_gaddr(state),
+                req.size,
+                rkey,
+                req.rights,
+                stride,
+                tuple(ways),
+                req.label,
+                owner=owner,
+                tag_key=tag_key,
+            )
+        raise ControllerError(
+            "could not find an rkey free on every node in 8 tries", Status.NO_SPACE
+        )
 
-    def _register_ways(self, state: PoolState, per: int, count: int, rights: int, rkey: int,
-                       full: set[int], tag_key: bytes) -> list[Way] | None:  # fmt: skip
+    def _register_ways(
+        self,
+        state: PoolState,
+        per: int,
+        count: int,
+        rights: int,
+        rkey: int,
+        full: set[int],
+        tag_key: bytes,
+    ) -> list[Way] | None:
         """Up to *count* ways of *per* bytes registered under *rkey*, one per node, on the
         candidates in order; nodes that refuse for room join *full*. Fewer than *count* ways
         (none registered any more) when the candidates ran out; None (likewise) when a node
@@ -389,11 +462,16 @@ class PoolService:
             if status == Status.OK and _placed_inside(local, per, state.nodes[rank].memory_bytes):
                 ways.append(Way(rank, local, per))
                 continue
-            if status == Status.OK:  # an answer no node of this protocol gives: take nothing from it
+            if (
+                status == Status.OK
+            ):  # an answer no node of this protocol gives: take nothing from it
                 self.agent.deregister(node, rkey)
                 self._undo(state, ways, rkey)
-                raise _NodeRefused(Status.BAD_FIELD, f"node {rank} placed the backing at 0x{local:x}, outside its "
-                                   "memory: does it run a netdam without REGISTER_ANYWHERE (SPEC.md 6.1)?")  # fmt: skip
+                raise _NodeRefused(
+                    Status.BAD_FIELD,
+                    f"node {rank} placed the backing at 0x{local:x}, outside its "
+                    "memory: does it run a netdam without REGISTER_ANYWHERE (SPEC.md 6.1)?",
+                )
             if status in (Status.NO_SPACE, Status.IN_USE):
                 full.add(rank)
                 continue
@@ -401,8 +479,14 @@ class PoolService:
             if status == Status.EXISTS:
                 return None
             # OUT_OF_BOUNDS: the size fits its memory, so the node took REGISTER_ANYWHERE for a base.
-            old = " (does it run a netdam without REGISTER_ANYWHERE, SPEC.md 6.1?)" if status == Status.OUT_OF_BOUNDS else ""
-            raise _NodeRefused(status, f"node {rank} refused the backing of a new region: {status.name}{old}")
+            old = (
+                " (does it run a netdam without REGISTER_ANYWHERE, SPEC.md 6.1?)"
+                if status == Status.OUT_OF_BOUNDS
+                else ""
+            )
+            raise _NodeRefused(
+                status, f"node {rank} refused the backing of a new region: {status.name}{old}"
+            )
         if len(ways) < count:
             self._undo(state, ways, rkey)
             return []
@@ -412,12 +496,16 @@ class PoolService:
         for way in ways:
             self.agent.deregister(self._endpoint(state, way.node), rkey)
 
-    def _free_or_query(self, opcode: Opcode, addr: int, owner: str, admin: bool, room: int | None) -> PoolReply:
+    def _free_or_query(
+        self, opcode: Opcode, addr: int, owner: str, admin: bool, room: int | None
+    ) -> PoolReply:
         with locked(self.state_path):
             state = load_state(self.state_path)
             if not admin and owner not in state.tenants:
                 return PoolReply(Status.UNAUTHORIZED, text="unknown tenant credential")
-            visible = sorted((r for r in state.regions if admin or r.owner == owner), key=lambda r: r.gaddr)
+            visible = sorted(
+                (r for r in state.regions if admin or r.owner == owner), key=lambda r: r.gaddr
+            )
             if opcode == Opcode.QUERY:
                 match = [r for r in visible if r.gaddr >= addr][:1]
             else:
@@ -436,7 +524,9 @@ class PoolService:
             self.on_change(state)  # out of the map before the backing goes
             for way in region.ways:
                 self.agent.deregister(self._endpoint(state, way.node), region.rkey)
-        return PoolReply(Status.OK, region_info(region).encode(), rkey=region.rkey, addr=region.gaddr)
+        return PoolReply(
+            Status.OK, region_info(region).encode(), rkey=region.rkey, addr=region.gaddr
+        )
 
     # ------------------------------------------------------------------ nodes
 
@@ -444,8 +534,11 @@ class PoolService:
         pooled = state.nodes[rank]
         entry = self.cluster.nodes[rank]
         if entry.endpoint != pooled.endpoint:
-            raise _NodeRefused(Status.BAD_FIELD, f"state file names node {rank} {pooled.endpoint}, the cluster "
-                               f"file {entry.endpoint}: they belong to different clusters")  # fmt: skip
+            raise _NodeRefused(
+                Status.BAD_FIELD,
+                f"state file names node {rank} {pooled.endpoint}, the cluster "
+                f"file {entry.endpoint}: they belong to different clusters",
+            )
         return (str(entry.address), int(entry.port))
 
 
@@ -455,8 +548,11 @@ def _placed_inside(local: int, size: int, memory_bytes: int) -> bool:
 
 def _unproven(answer: int) -> PoolReply:
     """The NACK to a sender without its address token whose ACK would be too big (SPEC.md 12.4)."""
-    return PoolReply(Status.BAD_FIELD, text=f"answer of {answer} B is over {AMPLIFICATION_FACTOR}x the request: "
-                     f"PING the VIP, {SEND_TOKEN} (SPEC 12.4)")  # fmt: skip
+    return PoolReply(
+        Status.BAD_FIELD,
+        text=f"answer of {answer} B is over {AMPLIFICATION_FACTOR}x the request: "
+        f"PING the VIP, {SEND_TOKEN} (SPEC 12.4)",
+    )
 
 
 #: What a NACK that wants the sender's address token says (PoolController then PINGs for it).
@@ -477,11 +573,18 @@ class UdpNodeAgent:
     def __init__(self, admin_key: int, admin_tag_key: bytes = b"") -> None:
         self.client = ControlClient(admin_key=admin_key, admin_tag_key=admin_tag_key)
 
-    def register(self, node: tuple[str, int], size: int, rights: int, rkey: int,
-                 tag_key: bytes = b"") -> tuple[Status, int]:  # fmt: skip
+    def register(
+        self, node: tuple[str, int], size: int, rights: int, rkey: int, tag_key: bytes = b""
+    ) -> tuple[Status, int]:
         payload = pack_register(rkey, rights, tag_key)
-        packet = Packet(Opcode.REGISTER, rkey=self.client.admin_key, addr=REGISTER_ANYWHERE, aux_addr=size,
-                        length=len(payload), payload=payload)  # fmt: skip
+        packet = Packet(
+            Opcode.REGISTER,
+            rkey=self.client.admin_key,
+            addr=REGISTER_ANYWHERE,
+            aux_addr=size,
+            length=len(payload),
+            payload=payload,
+        )
         try:
             reply = self.client.request(node, packet, timeout=NODE_TIMEOUT_S, retries=NODE_RETRIES)
         except ControlError as exc:
@@ -489,7 +592,12 @@ class UdpNodeAgent:
         return Status.OK, int(reply.addr)  # the base the node chose (SPEC.md 6.1)
 
     def deregister(self, node: tuple[str, int], rkey: int) -> Status:
-        packet = Packet(Opcode.DEREGISTER, rkey=self.client.admin_key, length=8, payload=pack_key_rights(rkey, 0))
+        packet = Packet(
+            Opcode.DEREGISTER,
+            rkey=self.client.admin_key,
+            length=8,
+            payload=pack_key_rights(rkey, 0),
+        )
         try:
             self.client.request(node, packet, timeout=NODE_TIMEOUT_S, retries=NODE_RETRIES)
         except ControlError as exc:
@@ -509,8 +617,13 @@ class PoolController:
     with the cluster file's admin key, or with a tenant *credential* (then only that tenant's
     regions are visible)."""
 
-    def __init__(self, cluster_path: Path, state_path: Path | None = None, timeout: float = REQUEST_TIMEOUT_S,
-                 credential: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cluster_path: Path,
+        state_path: Path | None = None,
+        timeout: float = REQUEST_TIMEOUT_S,
+        credential: int | None = None,
+    ) -> None:
         self.cluster_path = Path(cluster_path)
         try:
             self.cluster: ClusterFile = load_cluster(self.cluster_path)
@@ -570,11 +683,21 @@ class PoolController:
         else:
             if found.gaddr == gaddr:
                 return found
-        raise ControllerError(f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them",
-                              Status.NO_ROUTE)  # fmt: skip
+        raise ControllerError(
+            f"no region at 0x{gaddr:x}: `netdam pool list --cluster FILE` shows them",
+            Status.NO_ROUTE,
+        )
 
-    def alloc(self, size: int, interleave: int | None = None, *, ways: int | None = None,
-              rights: int = int(RIGHTS_ALL), tenant: str = "", tagged: bool = True) -> Region:  # fmt: skip
+    def alloc(
+        self,
+        size: int,
+        interleave: int | None = None,
+        *,
+        ways: int | None = None,
+        rights: int = int(RIGHTS_ALL),
+        tenant: str = "",
+        tagged: bool = True,
+    ) -> Region:
         """Allocate *size* bytes: range-mapped on one node, or interleaved with stride
         *interleave* over *ways* nodes (default all). Returns the region (gaddr, rkey, ...;
         ``extra["credential"]``: the tenant credential that frees and queries it; ``tag_key``:
@@ -585,12 +708,16 @@ class PoolController:
         if size <= 0 or size >= 1 << 64:
             raise ControllerError(f"size {size} must be positive")
         if interleave is not None and not 0 < interleave < 1 << 32:
-            raise ControllerError(f"interleave stride {interleave} must be 1..{(1 << 32) - 1} bytes")
+            raise ControllerError(
+                f"interleave stride {interleave} must be 1..{(1 << 32) - 1} bytes"
+            )
         if ways is not None and not 0 < ways < 1 << 16:
             raise ControllerError(f"ways {ways} must be 1..65535")
         # A tenant's ALLOC names it by its tag, with credential 0 (SPEC.md 11.9): the ACK's
         # record carries 0 too, and the region is given the credential here.
-        request = AllocRequest(size, 0, interleave or 0, ways or 0, rights, tenant, ALLOC_TAGGED if tagged else 0)
+        request = AllocRequest(
+            size, 0, interleave or 0, ways or 0, rights, tenant, ALLOC_TAGGED if tagged else 0
+        )
         reply = self._request(Opcode.ALLOC, 0, request.encode())
         info = unpack_region_info(reply.payload)
         return region_from_info(replace(info, credential=info.credential or self.credential or 0))
@@ -614,16 +741,33 @@ class PoolController:
         try:
             for _ in range(2):
                 token = client.tokens.get(vip, 0)
-                packet = Packet(opcode, rkey=rkey, addr=addr, aux_addr=token, length=len(payload), payload=payload)
+                packet = Packet(
+                    opcode,
+                    rkey=rkey,
+                    addr=addr,
+                    aux_addr=token,
+                    length=len(payload),
+                    payload=payload,
+                )
                 try:
-                    return client.request(vip, packet, timeout=self.timeout, retries=REQUEST_RETRIES)
+                    return client.request(
+                        vip, packet, timeout=self.timeout, retries=REQUEST_RETRIES
+                    )
                 except ControlError as exc:
-                    if token or exc.status != Status.BAD_FIELD or SEND_TOKEN.encode() not in exc.payload:
+                    if (
+                        token
+                        or exc.status != Status.BAD_FIELD
+                        or SEND_TOKEN.encode() not in exc.payload
+                    ):
                         raise
-                client.tokens[vip] = client.request(vip, Packet(Opcode.PING), timeout=self.timeout,
-                                                    retries=REQUEST_RETRIES).aux_addr  # fmt: skip
-            raise ControlError(f"{opcode.name}: the VIP asks for an address token and refuses the one its PING "
-                               "gave: is another process bound to the VIP?", int(Status.BAD_FIELD))  # fmt: skip
+                client.tokens[vip] = client.request(
+                    vip, Packet(Opcode.PING), timeout=self.timeout, retries=REQUEST_RETRIES
+                ).aux_addr
+            raise ControlError(
+                f"{opcode.name}: the VIP asks for an address token and refuses the one its PING "
+                "gave: is another process bound to the VIP?",
+                int(Status.BAD_FIELD),
+            )
         except ControlError as exc:
             raise ControllerError(_explain(opcode, addr, exc), exc.status) from None
 
@@ -632,8 +776,11 @@ class PoolController:
         if self._client is None:
             # The admin's requests are sealed under the admin tag key, a tenant's under its own
             # (SPEC.md 11.9, "Tenant tags"): neither key nor credential goes on the wire.
-            self._client = (ControlClient.for_tenant(self.credential) if self.credential
-                            else ControlClient.for_cluster(self.cluster))  # fmt: skip
+            self._client = (
+                ControlClient.for_tenant(self.credential)
+                if self.credential
+                else ControlClient.for_cluster(self.cluster)
+            )
             # Controllers are often dropped without close(): the socket goes with the object.
             weakref.finalize(self, self._client.close)
         return self._client
@@ -662,9 +809,16 @@ class PoolController:
 
         with ControlClient.for_cluster(self.cluster) as client:
             try:
-                client.request(self.switch.control_endpoint,
-                               Packet(opcode, rkey=self.cluster.admin_key, addr=endpoint_to_u64(group),
-                                      aux_addr=endpoint_to_u64(member)), timeout=self.timeout)  # fmt: skip
+                client.request(
+                    self.switch.control_endpoint,
+                    Packet(
+                        opcode,
+                        rkey=self.cluster.admin_key,
+                        addr=endpoint_to_u64(group),
+                        aux_addr=endpoint_to_u64(member),
+                    ),
+                    timeout=self.timeout,
+                )
             except ControlError as exc:
                 raise ControllerError(str(exc)) from None
 
@@ -675,13 +829,16 @@ def _explain(opcode: Opcode, addr: int, exc: ControlError) -> str:
     if status is None:
         return f"{exc}: is the switch running (netdam up --switch)?"
     hint = {
-        Status.NO_ROUTE: (f"no region at 0x{addr:x}: `netdam pool list --cluster FILE` shows them"
-                          if opcode == Opcode.FREE else "no region there"),
+        Status.NO_ROUTE: (
+            f"no region at 0x{addr:x}: `netdam pool list --cluster FILE` shows them"
+            if opcode == Opcode.FREE
+            else "no region there"
+        ),
         Status.NO_SPACE: "no room for the region in the pool",
         Status.UNAUTHORIZED: "the switch refused the key: pass the cluster file's admin key or the "
-                             "tenant credential that ALLOC returned",
+        "tenant credential that ALLOC returned",
         Status.BAD_FIELD: "the switch refused the request's fields (size, stride, ways or rights)",
         Status.QUOTA: f"{exc.payload.decode(errors='replace')}: `netdam pool quota --cluster FILE` shows each "
-                      "tenant's quota and use; free regions of this tenant, or the admin raises its quota",
-    }.get(Status(status), str(exc))  # fmt: skip
+        "tenant's quota and use; free regions of this tenant, or the admin raises its quota",
+    }.get(Status(status), str(exc))
     return f"{opcode.name} refused ({Status(status).name}): {hint}"

@@ -92,11 +92,36 @@ S_FIRST_REGION = C.NUM_COUNTERS + 2
 S_REGIONS_LISTED = C.NUM_COUNTERS + 3
 S_SW_BASE = C.NUM_COUNTERS + 4  # sw[0..7]: forwarded, replicated, ids_filled, generation, ...
 
-SW_NAMES = ("forwarded", "replicated", "client_ids_filled", "map_generation", "regions", "groups",
-            "nodes", "kth_drops")  # fmt: skip
-PORT_NAMES = ("rx_packets", "rx_bytes", "tx_packets", "tx_bytes", "fault_drops_rx",
-              "fault_drops_tx", "fault_dups", "fault_held")  # fmt: skip
-REGION_NAMES = ("forwarded", "bytes", "reads", "writes", "atomics", "nacks", "spans_nodes", "reserved")
+SW_NAMES = (
+    "forwarded",
+    "replicated",
+    "client_ids_filled",
+    "map_generation",
+    "regions",
+    "groups",
+    "nodes",
+    "kth_drops",
+)
+PORT_NAMES = (
+    "rx_packets",
+    "rx_bytes",
+    "tx_packets",
+    "tx_bytes",
+    "fault_drops_rx",
+    "fault_drops_tx",
+    "fault_dups",
+    "fault_held",
+)
+REGION_NAMES = (
+    "forwarded",
+    "bytes",
+    "reads",
+    "writes",
+    "atomics",
+    "nacks",
+    "spans_nodes",
+    "reserved",
+)
 
 
 @dataclass
@@ -151,7 +176,9 @@ class PoolHandler(Protocol):
     """The switch's allocator (``netdam.switch.controller.PoolService``): answers ALLOC, FREE
     and QUERY (SPEC.md 11.9)."""
 
-    def handle(self, packet: Packet, src: int, proven: bool, admin: bool, tenant: str = "") -> PoolReply: ...
+    def handle(
+        self, packet: Packet, src: int, proven: bool, admin: bool, tenant: str = ""
+    ) -> PoolReply: ...
 
 
 @dataclass
@@ -165,11 +192,17 @@ class _Tables:
 class SwitchCore(CoreBase):
     """Address map, groups, counters, faults and the batch datapath of one switch."""
 
-    def __init__(self, config: SwitchConfig, regions: Sequence[Region] = (), generation: int = 0) -> None:
+    def __init__(
+        self, config: SwitchConfig, regions: Sequence[Region] = (), generation: int = 0
+    ) -> None:
         if config.mtu < MIN_MTU:
-            raise ValueError(f"MTU {config.mtu} is too small: NetDAM needs at least {MIN_MTU} (--mtu)")
+            raise ValueError(
+                f"MTU {config.mtu} is too small: NetDAM needs at least {MIN_MTU} (--mtu)"
+            )
         if not config.nodes:
-            raise ValueError("a switch needs at least one node: pass the cluster file of `netdam up`")
+            raise ValueError(
+                "a switch needs at least one node: pass the cluster file of `netdam up`"
+            )
         self.config = config
         self.max_datagram = config.mtu - IP_UDP_OVERHEAD
         n_ports = 1 + len(config.nodes)
@@ -244,7 +277,9 @@ class SwitchCore(CoreBase):
             raise ValueError("tenant ids are u32 above 0, their tag keys 16 bytes")
         self._tenants = dict(tenants)
         self._tenant_ids = np.array(ids, np.uint32)
-        self._tenant_keys = np.array([np.frombuffer(tenants[t][1], "<u8") for t in ids], np.uint64).reshape(-1, 2)
+        self._tenant_keys = np.array(
+            [np.frombuffer(tenants[t][1], "<u8") for t in ids], np.uint64
+        ).reshape(-1, 2)
 
     @property
     def generation(self) -> int:
@@ -256,7 +291,9 @@ class SwitchCore(CoreBase):
 
     def groups(self) -> dict[Endpoint, list[Endpoint]]:
         """Multicast groups at this switch: group -> members."""
-        return {u64_to_endpoint(g): [u64_to_endpoint(m) for m in ms] for g, ms in self._groups.items()}
+        return {
+            u64_to_endpoint(g): [u64_to_endpoint(m) for m in ms] for g, ms in self._groups.items()
+        }
 
     def set_groups(self, groups: dict[Endpoint, list[Endpoint]]) -> None:
         """Replace every group (members checked like JOIN's)."""
@@ -265,7 +302,9 @@ class SwitchCore(CoreBase):
             self._check_group(group)
             for member in members:
                 if endpoint_to_u64(member) not in self._trusted:
-                    raise ValueError(f"group {group[0]}:{group[1]}: member {member[0]}:{member[1]} is not a cluster node")
+                    raise ValueError(
+                        f"group {group[0]}:{group[1]}: member {member[0]}:{member[1]} is not a cluster node"
+                    )
             table[endpoint_to_u64(group)] = sorted({endpoint_to_u64(m) for m in members})
         self._groups = {g: ms for g, ms in table.items() if ms}
         self._set_group_arrays()
@@ -300,7 +339,9 @@ class SwitchCore(CoreBase):
 
     def _check_group(self, group: Endpoint) -> None:
         if ipaddress.IPv4Address(group[0]) not in GROUP_NET:
-            raise ValueError(f"group {group[0]}:{group[1]} is not in {GROUP_NET}: name groups with 239.x addresses")
+            raise ValueError(
+                f"group {group[0]}:{group[1]} is not in {GROUP_NET}: name groups with 239.x addresses"
+            )
 
     def _set_group_arrays(self) -> None:
         keys = sorted(self._groups)
@@ -323,11 +364,21 @@ class SwitchCore(CoreBase):
     def set_link_faults(self, port: int, direction: int, spec: FaultSpec) -> None:
         """Faults on *port* (0 clients, 1 + rank) in *direction* (0 rx, 1 tx)."""
         row = self.fcfg[port, direction]
-        row[:] = (float(spec.random_active), spec.loss, spec.dup, spec.reorder, spec.delay,
-                  spec.delay_s, float(spec.kth_opcode), float(spec.kth_k))  # fmt: skip
+        row[:] = (
+            float(spec.random_active),
+            spec.loss,
+            spec.dup,
+            spec.reorder,
+            spec.delay,
+            spec.delay_s,
+            float(spec.kth_opcode),
+            float(spec.kth_k),
+        )
         self.kctr[port, direction, :] = 0
         for d in (K.DIR_RX, K.DIR_TX):
-            self.fstate[d] = int(bool(np.any(self.fcfg[:, d, K.F_ACTIVE]) or np.any(self.fcfg[:, d, K.F_KTH_K])))
+            self.fstate[d] = int(
+                bool(np.any(self.fcfg[:, d, K.F_ACTIVE]) or np.any(self.fcfg[:, d, K.F_KTH_K]))
+            )
 
     # ------------------------------------------------------------------ the batch verbs
 
@@ -339,12 +390,26 @@ class SwitchCore(CoreBase):
             self._tables.bundle(),
             Groups(self._grp_key, self._grp_first, self._grp_count, self._grp_member),
             SwitchCounters(self.counters, self.sw, self.port_ctr, self.reg_ctr),
-            LinkFaults(self.fcfg, self.fkeys, self.fclock, self.fstate, self.ftab_key, self.ftab_count,
-                       self.kctr, HoldTable(self.hold_buf, self.hold_len, self.hold_ep, self.hold_dir,
-                                            self.hold_time, self.hold_gen)),
+            LinkFaults(
+                self.fcfg,
+                self.fkeys,
+                self.fclock,
+                self.fstate,
+                self.ftab_key,
+                self.ftab_count,
+                self.kctr,
+                HoldTable(
+                    self.hold_buf,
+                    self.hold_len,
+                    self.hold_ep,
+                    self.hold_dir,
+                    self.hold_time,
+                    self.hold_gen,
+                ),
+            ),
             self.guard,
             Tenants(self._tenant_ids, self._tenant_keys),
-        )  # fmt: skip
+        )
 
     @property
     def tx_queue(self) -> np.ndarray:
@@ -354,12 +419,18 @@ class SwitchCore(CoreBase):
     @property
     def faults_engaged(self) -> bool:
         """Receive faults configured or datagrams held: rx arrays need room (2n + HOLD_SLOTS)."""
-        return bool(self.fstate[K.FS_RX_ACTIVE] or self.fstate[K.FS_HELD_RX] or self.fstate[K.FS_HELD_TX])
+        return bool(
+            self.fstate[K.FS_RX_ACTIVE] or self.fstate[K.FS_HELD_RX] or self.fstate[K.FS_HELD_TX]
+        )
 
     def room_per_datagram(self) -> int:
         """Send-queue entries one received datagram may need: fan-out x fault duplicates."""
         per = int(self.cfg[K.CFG_FANOUT])
-        return per * (2 if self.fstate[K.FS_TX_ACTIVE] else 1) * (2 if self.fstate[K.FS_RX_ACTIVE] else 1)
+        return (
+            per
+            * (2 if self.fstate[K.FS_TX_ACTIVE] else 1)
+            * (2 if self.fstate[K.FS_RX_ACTIVE] else 1)
+        )
 
     def reserve(self, n: int) -> None:
         """Room in the send queue for everything *n* received datagrams may produce."""
@@ -372,7 +443,13 @@ class SwitchCore(CoreBase):
         return max(64, min(wanted, fit))
 
     def receive_batch(
-        self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, n: int, now: float
+        self,
+        buf: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        srcs: np.ndarray,
+        n: int,
+        now: float,
     ) -> None:
         """Run datagrams ``buf[offs[i] : offs[i] + lens[i]]`` from ``srcs[i]`` (i < n)."""
         check_batch(buf, offs, lens, srcs, n)
@@ -398,8 +475,15 @@ class SwitchCore(CoreBase):
             self._punt = np.zeros(lens.shape[0], np.int32)
         self.fclock[FCLOCK_NOW] = now
         self.guard.cfg[G_NOW] = now
-        tx_n, n_punt = K.switch_round(RxBatch(buf, offs, lens, srcs), n, self.max_datagram, self.switch_state(),
-                                      self.tx_bundle(), int(self._txq[TXQ_TAIL]), self._punt)  # fmt: skip
+        tx_n, n_punt = K.switch_round(
+            RxBatch(buf, offs, lens, srcs),
+            n,
+            self.max_datagram,
+            self.switch_state(),
+            self.tx_bundle(),
+            int(self._txq[TXQ_TAIL]),
+            self._punt,
+        )
         self._txq[TXQ_TAIL] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
 
@@ -412,8 +496,14 @@ class SwitchCore(CoreBase):
     def handle_timer(self, now: float) -> None:
         """Release held datagrams that are due (an empty round of the kernel)."""
         if self.held():
-            self.receive_batch(np.zeros(1, np.uint8), np.zeros(1, np.int64), np.zeros(1, np.int32),
-                               np.zeros(1, np.uint64), 0, now)  # fmt: skip
+            self.receive_batch(
+                np.zeros(1, np.uint8),
+                np.zeros(1, np.int64),
+                np.zeros(1, np.int32),
+                np.zeros(1, np.uint64),
+                0,
+                now,
+            )
 
     def held(self) -> int:
         """Datagrams held aside by reorder/delay faults."""
@@ -468,10 +558,19 @@ class SwitchCore(CoreBase):
             self.counters[C.DROP_UNEXPECTED_REPLY] += 1  # the switch asks nobody anything
             return
         if packet.opcode == Opcode.PING:
-            info = INFO.pack(PROTOCOL_VERSION, self.config.mtu, self.config.pool_bytes, max_payload(self.config.mtu),
-                             MAX_SEGMENTS, SWITCH_RANK, len(self.config.nodes))  # fmt: skip
+            info = INFO.pack(
+                PROTOCOL_VERSION,
+                self.config.mtu,
+                self.config.pool_bytes,
+                max_payload(self.config.mtu),
+                MAX_SEGMENTS,
+                SWITCH_RANK,
+                len(self.config.nodes),
+            )
             # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
-            self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
+            self._reply(
+                packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src)
+            )
             return
         if packet.flags & Flags.TAGGED and packet.opcode in POOL_OPCODES and packet.rkey:
             self._tenant_request(packet, src, data)
@@ -480,14 +579,25 @@ class SwitchCore(CoreBase):
         if proof is ControlProof.FORGED:
             self.counters[C.DROP_CONTROL_FORGED] += 1  # the datapath drops these before us
             return
-        if proof is ControlProof.REFUSED or (proof is ControlProof.NONE and packet.opcode not in POOL_OPCODES):
-            self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=refusal_text(self.config.admin_tag_key))
+        if proof is ControlProof.REFUSED or (
+            proof is ControlProof.NONE and packet.opcode not in POOL_OPCODES
+        ):
+            self._reply(
+                packet,
+                src,
+                Opcode.NACK,
+                Status.UNAUTHORIZED,
+                payload=refusal_text(self.config.admin_tag_key),
+            )
             self._failed(src)
             return
         if proof is ControlProof.TAG and self._replayed(data, src):
             return
         seal_key = self.config.admin_tag_key if proof is ControlProof.TAG else b""
-        self._answer(seal_key, lambda: self._control(packet, src, admin=proof in (ControlProof.TAG, ControlProof.KEY)))
+        self._answer(
+            seal_key,
+            lambda: self._control(packet, src, admin=proof in (ControlProof.TAG, ControlProof.KEY)),
+        )
 
     def _tenant_request(self, packet: Packet, src: int, data: bytes) -> None:
         """A pool request sealed by a tenant: rkey its id, a control tag under its tag key
@@ -526,8 +636,10 @@ class SwitchCore(CoreBase):
             else:
                 self._reply(packet, src, Opcode.NACK, status)
         else:
-            text = (f"{packet.opcode.name} goes to a node, not to the switch: a pool region "
-                    "comes from ALLOC to the VIP (SPEC.md 11.9; netdam pool alloc sends it)").encode()  # fmt: skip
+            text = (
+                f"{packet.opcode.name} goes to a node, not to the switch: a pool region "
+                "comes from ALLOC to the VIP (SPEC.md 11.9; netdam pool alloc sends it)"
+            ).encode()
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
 
     def _failed(self, src: int) -> None:
@@ -537,7 +649,9 @@ class SwitchCore(CoreBase):
 
     def _pool_request(self, packet: Packet, src: int, admin: bool, tenant: str = "") -> None:
         if self.pool is None:
-            text = b"this switch runs without a pool controller (start it with --cluster and --state)"
+            text = (
+                b"this switch runs without a pool controller (start it with --cluster and --state)"
+            )
             self._reply(replace(packet, length=0), src, Opcode.NACK, Status.BAD_FIELD, payload=text)
             return
         answer = self.pool.handle(packet, src, self._proven(packet, src), admin, tenant)
@@ -547,7 +661,9 @@ class SwitchCore(CoreBase):
         if answer.status == Status.OK:
             payload = answer.payload
         else:  # even the explanation stays within 3x the request (SPEC.md 12.4)
-            room = min(MAX_NACK_TEXT, AMPLIFICATION_FACTOR * (HEADER_SIZE + packet.length) - HEADER_SIZE)
+            room = min(
+                MAX_NACK_TEXT, AMPLIFICATION_FACTOR * (HEADER_SIZE + packet.length) - HEADER_SIZE
+            )
             payload = answer.text.encode()[:room].decode(errors="ignore").encode()
         self._reply(reply, src, answer.opcode, answer.status, payload=payload, rkey=answer.rkey)
 
@@ -564,8 +680,10 @@ def counters_from_payload(payload: bytes) -> dict[str, object]:
     """Name the values of a switch's COUNTERS reply (protocol/SPEC.md 11.7 layout)."""
     words = np.frombuffer(payload, "<u8").astype(np.uint64)
     if words.shape[0] < C.NUM_COUNTERS + SECTION_LEN:
-        raise ValueError(f"switch COUNTERS payload has {words.shape[0]} values, expected at least "
-                         f"{C.NUM_COUNTERS + SECTION_LEN}: is this a switch?")  # fmt: skip
+        raise ValueError(
+            f"switch COUNTERS payload has {words.shape[0]} values, expected at least "
+            f"{C.NUM_COUNTERS + SECTION_LEN}: is this a switch?"
+        )
     result: dict[str, object] = C.counters_to_dict(words[: C.NUM_COUNTERS])
     head = words[C.NUM_COUNTERS : C.NUM_COUNTERS + SECTION_LEN]
     n_ports, total, first, listed = (int(v) for v in head[:4])
@@ -573,16 +691,22 @@ def counters_from_payload(payload: bytes) -> dict[str, object]:
     pos = C.NUM_COUNTERS + SECTION_LEN
     ports = words[pos : pos + n_ports * K.PORT_FIELDS].reshape(n_ports, K.PORT_FIELDS)
     result["ports"] = [
-        {"port": "client" if p == 0 else f"node{p - 1}", **{n: int(ports[p, k]) for k, n in enumerate(PORT_NAMES)}}
+        {
+            "port": "client" if p == 0 else f"node{p - 1}",
+            **{n: int(ports[p, k]) for k, n in enumerate(PORT_NAMES)},
+        }
         for p in range(n_ports)
     ]
     pos += n_ports * K.PORT_FIELDS
     rows = words[pos : pos + listed * REGION_ROW].reshape(listed, REGION_ROW)
     result["regions"] = [
-        {"gaddr": int(row[0]), "rkey": int(row[1]),
-         **{n: int(row[2 + k]) for k, n in enumerate(REGION_NAMES) if n != "reserved"}}
+        {
+            "gaddr": int(row[0]),
+            "rkey": int(row[1]),
+            **{n: int(row[2 + k]) for k, n in enumerate(REGION_NAMES) if n != "reserved"},
+        }
         for row in rows
-    ]  # fmt: skip
+    ]
     result["regions_total"] = total
     result["first_region"] = first
     return result

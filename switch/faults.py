@@ -34,7 +34,9 @@ def parse_link_spec(text: str) -> FaultSpec:
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep:
-            raise ValueError(f"fault {part!r} needs KEY=VALUE (loss, dup, reorder, delay, delay_ms, kth)")
+            raise ValueError(
+                f"fault {part!r} needs KEY=VALUE (loss, dup, reorder, delay, delay_ms, kth)"
+            )
         if key in ("loss", "dup", "reorder", "delay"):
             values[key] = float(value)
         elif key == "delay_ms":
@@ -46,7 +48,9 @@ def parse_link_spec(text: str) -> FaultSpec:
             values["kth_opcode"] = int(Opcode[name.upper()])
             values["kth_k"] = int(k)
         else:
-            raise ValueError(f"unknown fault {key!r}: use loss, dup, reorder, delay, delay_ms or kth")
+            raise ValueError(
+                f"unknown fault {key!r}: use loss, dup, reorder, delay, delay_ms or kth"
+            )
     return FaultSpec(**values)  # type: ignore[arg-type]
 
 
@@ -56,6 +60,8 @@ def parse_faults(text: str, nodes: int) -> list[tuple[int, int, FaultSpec]]:
     for entry in filter(None, (e.strip() for e in text.split(";"))):
         parts = entry.split(":", 2)
         if len(parts) != 3 or parts[1] not in DIRECTIONS:
-            raise ValueError(f"fault entry {entry!r}: write LINK:rx|tx:SPEC, e.g. node0:tx:loss=0.1")
+            raise ValueError(
+                f"fault entry {entry!r}: write LINK:rx|tx:SPEC, e.g. node0:tx:loss=0.1"
+            )
         result.append((link_port(parts[0], nodes), DIRECTIONS[parts[1]], parse_link_spec(parts[2])))
     return result

@@ -83,8 +83,10 @@ def open_state(cluster: ClusterFile, path: Path) -> PoolState:
     have = [n.endpoint for n in state.nodes]
     want = [n.endpoint for n in cluster.nodes]
     if have != want:
-        raise ValueError(f"pool state file {path} describes nodes {have}, but the cluster file names "
-                         f"{want}: pass the state file of this cluster (--state) or remove it")  # fmt: skip
+        raise ValueError(
+            f"pool state file {path} describes nodes {have}, but the cluster file names "
+            f"{want}: pass the state file of this cluster (--state) or remove it"
+        )
     return state
 
 
@@ -97,19 +99,29 @@ class SwitchProcess(ServeLoop):
         try:
             self.sock = open_udp_socket(config.vip, rcvbuf=config.rcvbuf)
         except OSError as exc:
-            raise ValueError(f"cannot bind the VIP {config.vip[0]}:{config.vip[1]}: {exc.strerror}; "
-                             "pick another --vip port") from None  # fmt: skip
+            raise ValueError(
+                f"cannot bind the VIP {config.vip[0]}:{config.vip[1]}: {exc.strerror}; "
+                "pick another --vip port"
+            ) from None
         bound = self.sock.getsockname()
         self.vip: Endpoint = (bound[0], bound[1])
         self.ctrl_sock = open_control_socket(bound[0])
         self.control_port = int(self.ctrl_sock.getsockname()[1])
         self.core = SwitchCore(
-            SwitchConfig(vip=self.vip, nodes=tuple(cluster.endpoints), admin_key=cluster.admin_key,
-                         admin_tag_key=cluster.admin_tag_key,
-                         mtu=config.mtu, seed=config.seed, tx_slots=4 * ROUND_DATAGRAMS,
-                         guard=GuardConfig.on() if config.guard else GuardConfig(), pool_bytes=state.capacity),
-            state.regions, state.generation,
-        )  # fmt: skip
+            SwitchConfig(
+                vip=self.vip,
+                nodes=tuple(cluster.endpoints),
+                admin_key=cluster.admin_key,
+                admin_tag_key=cluster.admin_tag_key,
+                mtu=config.mtu,
+                seed=config.seed,
+                tx_slots=4 * ROUND_DATAGRAMS,
+                guard=GuardConfig.on() if config.guard else GuardConfig(),
+                pool_bytes=state.capacity,
+            ),
+            state.regions,
+            state.generation,
+        )
         self.core.set_groups(state.groups)
         self.core.set_tenants(tenant_table(state))
         set_token_key(self.core.guard, bytes.fromhex(state.token_key))
@@ -120,20 +132,46 @@ class SwitchProcess(ServeLoop):
         self._stamp = file_stamp(config.state_file)
         self._next_check = 0.0
         record_socket_buffers(self.sock, self.core.counters)
-        (self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, self.io_state,
-         self.scratch) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)  # fmt: skip
+        (
+            self.rx_buf,
+            self.rx_off,
+            self.rx_len,
+            self.rx_src,
+            self.punt,
+            self.io_state,
+            self.scratch,
+        ) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)
         self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
 
     def serve_once(self, timeout_ms: int) -> int:
         core = self.core
         max_n = core.round_datagrams(ROUND_DATAGRAMS)
         core.reserve(max_n)
-        io = ServeIO(self.sock.fileno(), -1, -1, RECV_RUNS * RUN_BYTES, max_n, core.max_datagram, timeout_ms,
-                     ROUNDS_PER_CALL, self.io_state, self.scratch)  # fmt: skip
-        reason, n_punt = switch_serve.switch_serve(io, self.rx, core.room_per_datagram(), core.switch_state(),
-                                                   core.tx_bundle(), core.tx_queue, self.punt)  # fmt: skip
+        io = ServeIO(
+            self.sock.fileno(),
+            -1,
+            -1,
+            RECV_RUNS * RUN_BYTES,
+            max_n,
+            core.max_datagram,
+            timeout_ms,
+            ROUNDS_PER_CALL,
+            self.io_state,
+            self.scratch,
+        )
+        reason, n_punt = switch_serve.switch_serve(
+            io,
+            self.rx,
+            core.room_per_datagram(),
+            core.switch_state(),
+            core.tx_bundle(),
+            core.tx_queue,
+            self.punt,
+        )
         if n_punt:
-            core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
+            core.handle_punted(
+                self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt)
+            )
         self._serve_control()
         self._handle_events()
         now = time.monotonic()
@@ -204,6 +242,8 @@ class SwitchProcess(ServeLoop):
 def main(config: SwitchProcessConfig) -> int:
     return serve_main(
         lambda: SwitchProcess(config),
-        lambda proc: f"ready {proc.vip[0]}:{proc.vip[1]} {config.state_file} control_port={proc.control_port}",
+        lambda proc: (
+            f"ready {proc.vip[0]}:{proc.vip[1]} {config.state_file} control_port={proc.control_port}"
+        ),
         config.die_with_parent,
     )

@@ -181,15 +181,21 @@ def state_to_json(state: PoolState) -> str:
             f"{g[0]}:{g[1]}": [f"{m[0]}:{m[1]}" for m in ms] for g, ms in state.groups.items()
         },
         "tenants": dict(state.tenants),
-        "quotas": {"default": state.default_quota.to_json(),
-                   "tenants": {k: q.to_json() for k, q in state.quotas.items()}},  # fmt: skip
+        "quotas": {
+            "default": state.default_quota.to_json(),
+            "tenants": {k: q.to_json() for k, q in state.quotas.items()},
+        },
         "token_key": state.token_key,
     }
     # One line per field and per region, each dumped without indent: json's indenting encoder
     # is pure Python, and the switch rewrites this file on every ALLOC and FREE while its
     # datapath waits (a pool of 1,000 regions: ~15 ms indented, ~1 ms like this).
     lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in data.items()]
-    lines.append(' "regions": [' + ",".join("\n  " + json.dumps(region_to_json(r)) for r in state.regions) + "\n ]")
+    lines.append(
+        ' "regions": ['
+        + ",".join("\n  " + json.dumps(region_to_json(r)) for r in state.regions)
+        + "\n ]"
+    )
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
@@ -202,7 +208,10 @@ def state_from_json(text: str, where: str = "state") -> PoolState:
         quotas = data.get("quotas", {})
         state = PoolState(
             # heap_start/heap_end of files from before REGISTER_ANYWHERE are left out: unused.
-            nodes=[PoolNode(str(n["address"]), int(n["port"]), int(n["memory_bytes"])) for n in data["nodes"]],
+            nodes=[
+                PoolNode(str(n["address"]), int(n["port"]), int(n["memory_bytes"]))
+                for n in data["nodes"]
+            ],
             regions=[region_from_json(r) for r in data["regions"]],
             groups={_ep(g): [_ep(m) for m in ms] for g, ms in data.get("groups", {}).items()},
             tenants={str(k): str(v) for k, v in data.get("tenants", {}).items()},
@@ -214,8 +223,10 @@ def state_from_json(text: str, where: str = "state") -> PoolState:
         )
         check_regions(state.regions, len(state.nodes))
     except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-        raise ValueError(f"pool state file {where} is corrupt: {exc}; restore it or start a new "
-                         "pool (netdam up --switch)") from None  # fmt: skip
+        raise ValueError(
+            f"pool state file {where} is corrupt: {exc}; restore it or start a new "
+            "pool (netdam up --switch)"
+        ) from None
     return state
 
 
@@ -251,16 +262,25 @@ def find_tenant(state: PoolState, name: str) -> str:
     """The digest of the tenant *name* names: its label, or a prefix of its credential digest
     (at least 4 hex digits). ValueError when it names none or several."""
     by_label = [digest for digest, label in state.tenants.items() if label and label == name]
-    by_digest = [digest for digest in state.tenants if len(name) >= 4 and digest.startswith(name.lower())]
+    by_digest = [
+        digest for digest in state.tenants if len(name) >= 4 and digest.startswith(name.lower())
+    ]
     found = sorted(set(by_label or by_digest))
     if len(found) == 1:
         return found[0]
     if not found:
-        known = ", ".join(f"{label or '-'} ({short_digest(digest)})" for digest, label in sorted(state.tenants.items()))
-        raise ValueError(f"no tenant {name!r}: give a label or the start of a digest (at least 4 hex digits); "
-                         f"tenants: {known or 'none yet'}")  # fmt: skip
-    raise ValueError(f"{name!r} names {len(found)} tenants ({', '.join(map(short_digest, found))}): "
-                     "give more of the digest")  # fmt: skip
+        known = ", ".join(
+            f"{label or '-'} ({short_digest(digest)})"
+            for digest, label in sorted(state.tenants.items())
+        )
+        raise ValueError(
+            f"no tenant {name!r}: give a label or the start of a digest (at least 4 hex digits); "
+            f"tenants: {known or 'none yet'}"
+        )
+    raise ValueError(
+        f"{name!r} names {len(found)} tenants ({', '.join(map(short_digest, found))}): "
+        "give more of the digest"
+    )
 
 
 def short_digest(digest: str) -> str:

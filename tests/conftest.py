@@ -43,7 +43,9 @@ def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VipWire]:
     """A running pool (2 nodes of 1 MiB and a switch) and a bare UDP client of its VIP, per module."""
     from netdam.cluster.launch import start_pool_cluster
 
-    cluster, switch = start_pool_cluster(2, memory=1 << 20, cluster_path=tmp_path_factory.mktemp("pool") / "c.toml")
+    cluster, switch = start_pool_cluster(
+        2, memory=1 << 20, cluster_path=tmp_path_factory.mktemp("pool") / "c.toml"
+    )
     w = VipWire(cluster, switch)
     try:
         yield w

@@ -105,13 +105,28 @@ class VipWire:
             if reply.txn_id == txn:
                 return reply
 
-    def send(self, opcode: Opcode, payload: bytes, *, rkey: int = 0, addr: int = 0, txn: int | None = None,
-             to: tuple[str, int] | None = None) -> Packet:  # fmt: skip
+    def send(
+        self,
+        opcode: Opcode,
+        payload: bytes,
+        *,
+        rkey: int = 0,
+        addr: int = 0,
+        txn: int | None = None,
+        to: tuple[str, int] | None = None,
+    ) -> Packet:
         if txn is None:
             self.txn += 1
             txn = self.txn
-        packet = Packet(opcode, client_id=77, txn_id=txn, rkey=rkey, addr=addr, length=len(payload),
-                        payload=payload)  # fmt: skip
+        packet = Packet(
+            opcode,
+            client_id=77,
+            txn_id=txn,
+            rkey=rkey,
+            addr=addr,
+            length=len(payload),
+            payload=payload,
+        )
         data = encode_packet(packet)
         return self.raw(self.sealed(data) if rkey == self.admin else data, to)
 
@@ -122,7 +137,9 @@ class VipWire:
         HEADER.write(body, "rkey", 0)
         return seal_control(self.cluster.info.admin_tag_key, bytes(body))
 
-    def alloc(self, size: int, credential: int = 0, *, rkey: int | None = None, **kw: Any) -> Packet:
+    def alloc(
+        self, size: int, credential: int = 0, *, rkey: int | None = None, **kw: Any
+    ) -> Packet:
         """ALLOC; as the admin (sealed) unless a tenant's *credential* (or *rkey*) is given."""
         key = self.admin if rkey is None and credential == 0 else (rkey or 0)
         return self.send(Opcode.ALLOC, AllocRequest(size, credential, **kw).encode(), rkey=key)
@@ -222,7 +239,9 @@ def valid_packets(draw: st.DrawFn) -> Packet:
     )
 
 
-def run_bench_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
+def run_bench_cli(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> tuple[int, dict[str, Any]]:
     """Run `netdam bench ...` in-process (the parser of netdam/cli/bench.py alone); returns the
     exit code and the JSON object printed."""
     parser = NetdamArgumentParser(prog="netdam")
@@ -251,7 +270,6 @@ def run_model_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[
     rc = args.func(args)
     out = capsys.readouterr().out
     return rc, json.loads(out) if "--json" in argv else out
-
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import importlib
 import json
 import pkgutil
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -42,6 +43,10 @@ def main() -> int:
 
     import inspect
 
+    # The test modules it drives live in tests/core and tests/tools (this script runs with
+    # tests/ as its working directory and first sys.path entry).
+    here = Path(__file__).resolve().parent
+    sys.path[1:1] = [str(here / "core"), str(here / "tools")]
     import helpers
     import test_collectives as tc
     import test_fuzz as tf
@@ -69,8 +74,11 @@ def main() -> int:
         inputs = [(rng.standard_normal(3000) * 8).astype(dtype) for _ in range(3)]
         tc.run(3, inputs, multicast=True)
         tc.run(3, inputs)
-    late = sorted(name for name, d in kernels.items()
-                  if len(d.overloads) > before[name] and name not in CALLED_BY_TESTS)  # type: ignore[attr-defined]  # fmt: skip
+    late = sorted(
+        name
+        for name, d in kernels.items()
+        if len(d.overloads) > before[name] and name not in CALLED_BY_TESTS
+    )  # type: ignore[attr-defined]
     print(json.dumps(late))
     return 0
 

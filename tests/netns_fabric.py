@@ -58,7 +58,9 @@ PACKET_OUTGOING = 4
 VNET_HDR = struct.Struct(
     "=BBHHHH"
 )  # struct virtio_net_hdr: flags, gso_type, hdr_len, gso_size, ...
-START_TIMEOUT_S = 120.0  # as netdam.cluster.launch: a cold numba cache compiles for a while on 2 cores
+START_TIMEOUT_S = (
+    120.0  # as netdam.cluster.launch: a cold numba cache compiles for a while on 2 cores
+)
 #: Every node (and the switch VIP) listens on the protocol's port in its own namespace.
 NODE_PORT = 7744
 
@@ -214,9 +216,17 @@ def netns_fabric(hosts: Sequence[str], mtu: int = 9000) -> Iterator[Fabric]:
     tag = f"{PREFIX}{pid}-{seq}"
     bridge = f"ndbr{pid}-{seq % 100}"  # <= 15 characters (IFNAMSIZ)
     subnet = _free_subnet()
-    fabric = Fabric(tag, mtu, subnet, bridge, f"{tag}-br",
-                    {name: Host(name, f"{tag}-{name}", f"{subnet}.{10 + k}", f"ndp{k}")
-                     for k, name in enumerate(hosts)})  # fmt: skip
+    fabric = Fabric(
+        tag,
+        mtu,
+        subnet,
+        bridge,
+        f"{tag}-br",
+        {
+            name: Host(name, f"{tag}-{name}", f"{subnet}.{10 + k}", f"ndp{k}")
+            for k, name in enumerate(hosts)
+        },
+    )
     try:
         brns = fabric.bridge_netns
         ip("netns", "add", brns)
@@ -237,8 +247,24 @@ def netns_fabric(hosts: Sequence[str], mtu: int = 9000) -> Iterator[Fabric]:
         for host in fabric.hosts.values():
             ip("netns", "add", host.netns)
             # Both ends created inside the namespaces: nothing ever appears in ours.
-            ip("-n", brns, "link", "add", host.port, "mtu", str(mtu), "type", "veth",
-               "peer", "name", IFNAME, "mtu", str(mtu), "netns", host.netns)  # fmt: skip
+            ip(
+                "-n",
+                brns,
+                "link",
+                "add",
+                host.port,
+                "mtu",
+                str(mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                IFNAME,
+                "mtu",
+                str(mtu),
+                "netns",
+                host.netns,
+            )
             ip("-n", brns, "link", "set", host.port, "master", bridge, "up")
             ip("-n", host.netns, "link", "set", "lo", "up")
             ip("-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", IFNAME)
@@ -313,8 +339,10 @@ def wait_ready(
                         if started[k].stderr
                         else ""
                     )
-                    raise FabricError(f"{what[k]} exited during start-up (code {started[k].returncode}): "
-                                      f"{err.splitlines()[-1] if err else 'no message'}")  # fmt: skip
+                    raise FabricError(
+                        f"{what[k]} exited during start-up (code {started[k].returncode}): "
+                        f"{err.splitlines()[-1] if err else 'no message'}"
+                    )
     finally:
         selector.close()
     return ports
@@ -349,8 +377,15 @@ class NetnsCluster:
         return dead
 
 
-def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, switch: str | None = None,
-                        memory: int = 4 << 20, port: int = NODE_PORT) -> NetnsCluster:  # fmt: skip
+def start_netns_cluster(
+    fabric: Fabric,
+    nodes: Sequence[str],
+    path: Path,
+    *,
+    switch: str | None = None,
+    memory: int = 4 << 20,
+    port: int = NODE_PORT,
+) -> NetnsCluster:
     """``netdam node`` in each of *nodes* (rank = position), bound to the host's address, all
     at the fabric's MTU; then, with *switch*, ``netdam switch`` in that host with its VIP in
     every node's members (nodes relay only to members and trust only their return segments).
@@ -379,18 +414,49 @@ def start_netns_cluster(fabric: Fabric, nodes: Sequence[str], path: Path, *, swi
     shm = Path("/dev/shm")
     procs = []
     for rank, host in enumerate(nodes):
-        key_fd = key_pipe(admin_key, tag_key)  # through `ip netns exec` too: an inherited descriptor
-        cmd = node_command(endpoints[rank], f"{name}{rank}", memory, key_fd, members, rank, len(nodes),
-                           shm, fabric.mtu, FaultSpec(), die_with_parent=True)  # fmt: skip
+        key_fd = key_pipe(
+            admin_key, tag_key
+        )  # through `ip netns exec` too: an inherited descriptor
+        cmd = node_command(
+            endpoints[rank],
+            f"{name}{rank}",
+            memory,
+            key_fd,
+            members,
+            rank,
+            len(nodes),
+            shm,
+            fabric.mtu,
+            FaultSpec(),
+            die_with_parent=True,
+        )
         try:
-            procs.append(fabric.popen(host, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(key_fd,)))
+            procs.append(
+                fabric.popen(
+                    host, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(key_fd,)
+                )
+            )
         finally:
             os.close(key_fd)
     ports = wait_ready(procs, [f"node {n} ({ip}:{p})" for n, (ip, p) in zip(nodes, endpoints)])
-    info = ClusterFile(name=name, admin_key=admin_key, group_key=group_key, mtu=fabric.mtu, nodes=tuple(
-        NodeEntry(rank=r, address=ep[0], port=ep[1], pid=p.pid, control_port=ports[r],
-                  memory_file=str(shm / f"{name}{r}.mem"), memory_bytes=memory)
-        for r, (ep, p) in enumerate(zip(endpoints, procs))))  # fmt: skip
+    info = ClusterFile(
+        name=name,
+        admin_key=admin_key,
+        group_key=group_key,
+        mtu=fabric.mtu,
+        nodes=tuple(
+            NodeEntry(
+                rank=r,
+                address=ep[0],
+                port=ep[1],
+                pid=p.pid,
+                control_port=ports[r],
+                memory_file=str(shm / f"{name}{r}.mem"),
+                memory_bytes=memory,
+            )
+            for r, (ep, p) in enumerate(zip(endpoints, procs))
+        ),
+    )
     write_cluster(info, path)
     if switch and vip:
         state = state_path_for(path)
@@ -452,8 +518,18 @@ def parse_frame(data: bytes, port: str, pkttype: int) -> Frame | None:
         segments = 1
         datagram = int.from_bytes(eth[16:18], "big")
     opcode = eth[udp + 9] if payload >= 2 else -1
-    return Frame(port, pkttype == PACKET_OUTGOING, socket.inet_ntoa(eth[26:30]), socket.inet_ntoa(eth[30:34]),
-                 int.from_bytes(eth[udp : udp + 2], "big"), int.from_bytes(eth[udp + 2 : udp + 4], "big"), opcode, fragment, datagram, segments)  # fmt: skip
+    return Frame(
+        port,
+        pkttype == PACKET_OUTGOING,
+        socket.inet_ntoa(eth[26:30]),
+        socket.inet_ntoa(eth[30:34]),
+        int.from_bytes(eth[udp : udp + 2], "big"),
+        int.from_bytes(eth[udp + 2 : udp + 4], "big"),
+        opcode,
+        fragment,
+        datagram,
+        segments,
+    )
 
 
 class Capture:
@@ -585,9 +661,14 @@ def _alloc_main(args: list[str]) -> int:
 
     try:
         region = PoolController(Path(opts.cluster)).alloc(64 << 10, interleave=8192)
-        result: dict[str, object] = {"gaddr": region.gaddr, "rkey": region.rkey, "stride": region.stride,
-                                     "size": region.size, "ways": len(region.ways),
-                                     "tag_key": region.tag_key.hex()}  # fmt: skip
+        result: dict[str, object] = {
+            "gaddr": region.gaddr,
+            "rkey": region.rkey,
+            "stride": region.stride,
+            "size": region.size,
+            "ways": len(region.ways),
+            "tag_key": region.tag_key.hex(),
+        }
     except Exception as exc:  # reported to the test as JSON
         result = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(result))
@@ -630,8 +711,14 @@ def _client_main(args: list[str]) -> int:
     for mode, piece in (("fitted", opts.piece), ("default", 0)):
         run: dict[str, object] = {"ok": False}
         try:
-            with PoolClient(vip, bind=opts.bind, timeout=0.05, retries=8, mtu=mtu,
-                            tag_keys={rkey: bytes.fromhex(opts.region.get("tag_key", ""))}) as pool:
+            with PoolClient(
+                vip,
+                bind=opts.bind,
+                timeout=0.05,
+                retries=8,
+                mtu=mtu,
+                tag_keys={rkey: bytes.fromhex(opts.region.get("tag_key", ""))},
+            ) as pool:
                 run["port"] = pool.sock.getsockname()[1]
                 if piece:
                     pieces = split(gaddr, len(data), stride, limit=piece)
@@ -642,8 +729,12 @@ def _client_main(args: list[str]) -> int:
                     back = pool.read(gaddr, len(data), rkey, stride=stride)
                 counter = gaddr + (32 << 10) + (8 if piece else 16)
                 olds = [pool.fetch_add(counter, 1, rkey) for _ in range(opts.adds)]
-                run.update(read_back_equal=back == data, fetch_add_olds_ok=olds == list(range(opts.adds)),
-                           retransmits=pool.retransmits, ok=back == data and olds == list(range(opts.adds)))  # fmt: skip
+                run.update(
+                    read_back_equal=back == data,
+                    fetch_add_olds_ok=olds == list(range(opts.adds)),
+                    retransmits=pool.retransmits,
+                    ok=back == data and olds == list(range(opts.adds)),
+                )
         except Exception as exc:  # reported to the test as JSON
             run["error"] = f"{type(exc).__name__}: {exc}"
         result[mode] = run

@@ -33,7 +33,9 @@ class SpecNodes:
         #: Region slots per node: MAX_REGIONS, as a node has.
         self.slots = MAX_REGIONS
 
-    def register(self, node: Endpoint, size: int, rights: int, rkey: int, tag_key: bytes = b"") -> tuple[Status, int]:
+    def register(
+        self, node: Endpoint, size: int, rights: int, rkey: int, tag_key: bytes = b""
+    ) -> tuple[Status, int]:
         self.asked.append(node)
         table = self.tables[node]
         if rkey in table:
@@ -67,25 +69,57 @@ class Allocator:
         self.endpoints = [("127.0.0.1", 7001 + r) for r in range(len(memory))]
         self.nodes = SpecNodes(dict(zip(self.endpoints, memory, strict=True)))
         self.path = tmp_path / "pool.json"
-        save_state(self.path, PoolState(nodes=[PoolNode(ip, port, m) for (ip, port), m in zip(self.endpoints, memory)]))
-        entries = tuple(NodeEntry(rank=r, address=ip, port=port, memory_bytes=m)
-                        for r, ((ip, port), m) in enumerate(zip(self.endpoints, memory)))  # fmt: skip
-        self.service = PoolService(ClusterFile(name="quota", admin_key=ADMIN, mtu=9000, nodes=entries),
-                                   self.path, self.nodes)  # fmt: skip
+        save_state(
+            self.path,
+            PoolState(
+                nodes=[PoolNode(ip, port, m) for (ip, port), m in zip(self.endpoints, memory)]
+            ),
+        )
+        entries = tuple(
+            NodeEntry(rank=r, address=ip, port=port, memory_bytes=m)
+            for r, ((ip, port), m) in enumerate(zip(self.endpoints, memory))
+        )
+        self.service = PoolService(
+            ClusterFile(name="quota", admin_key=ADMIN, mtu=9000, nodes=entries),
+            self.path,
+            self.nodes,
+        )
         self.txn = 0
 
-    def ask(self, opcode: Opcode, payload: bytes, rkey: int = 0, addr: int = 0, proven: bool = True) -> Packet:
+    def ask(
+        self, opcode: Opcode, payload: bytes, rkey: int = 0, addr: int = 0, proven: bool = True
+    ) -> Packet:
         """The answer as the switch sends it (header fields as in SwitchCore._pool_request)."""
         self.txn += 1
-        reply = self.service.handle(Packet(opcode, client_id=5, txn_id=self.txn, rkey=rkey, addr=addr,
-                                           length=len(payload), payload=payload), 0x7F00000190000, proven,
-                                   admin=rkey == ADMIN)  # fmt: skip
-        return Packet(reply.opcode, status=reply.status, rkey=reply.rkey or 0, addr=reply.addr or 0,
-                      length=len(reply.payload or reply.text.encode()), payload=reply.payload or reply.text.encode())
+        reply = self.service.handle(
+            Packet(
+                opcode,
+                client_id=5,
+                txn_id=self.txn,
+                rkey=rkey,
+                addr=addr,
+                length=len(payload),
+                payload=payload,
+            ),
+            0x7F00000190000,
+            proven,
+            admin=rkey == ADMIN,
+        )
+        return Packet(
+            reply.opcode,
+            status=reply.status,
+            rkey=reply.rkey or 0,
+            addr=reply.addr or 0,
+            length=len(reply.payload or reply.text.encode()),
+            payload=reply.payload or reply.text.encode(),
+        )
 
     def alloc(self, size: int, credential: int = 0, admin: bool = False, **kw: int) -> Packet:
-        return self.ask(Opcode.ALLOC, AllocRequest(size, credential, **kw).encode(),  # type: ignore[arg-type]
-                        rkey=ADMIN if admin or credential == 0 else 0)  # fmt: skip
+        return self.ask(
+            Opcode.ALLOC,
+            AllocRequest(size, credential, **kw).encode(),  # type: ignore[arg-type]
+            rkey=ADMIN if admin or credential == 0 else 0,
+        )
 
     def free(self, gaddr: int, credential: int) -> Packet:
         return self.ask(Opcode.FREE, pack_credential(credential), addr=gaddr)
@@ -105,7 +139,10 @@ def ok(reply: Packet) -> Packet:
 
 
 def refused(reply: Packet, status: Status) -> str:
-    assert reply.opcode == Opcode.NACK and reply.status == status, (reply.status.name, reply.payload)
+    assert reply.opcode == Opcode.NACK and reply.status == status, (
+        reply.status.name,
+        reply.payload,
+    )
     return bytes(reply.payload).decode()
 
 
@@ -116,13 +153,24 @@ VIP: Endpoint = ("127.0.0.1", 7744)
 CLIENT: Endpoint = ("127.0.0.1", 9001)
 
 
-def switch_with_pool(tmp_path: Path, nodes: int, guard: GuardConfig) -> tuple[Fabric, SwitchCore, Allocator]:
+def switch_with_pool(
+    tmp_path: Path, nodes: int, guard: GuardConfig
+) -> tuple[Fabric, SwitchCore, Allocator]:
     pool = Allocator(tmp_path, [1 << 20] * nodes)
-    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(pool.endpoints), admin_key=ADMIN, guard=guard,
-                                     pool_bytes=pool.state().capacity))  # fmt: skip
+    switch = SwitchCore(
+        SwitchConfig(
+            vip=VIP,
+            nodes=tuple(pool.endpoints),
+            admin_key=ADMIN,
+            guard=guard,
+            pool_bytes=pool.state().capacity,
+        )
+    )
     switch.pool = pool.service
-    pool.service.on_change = lambda state: (switch.set_regions(state.regions, state.generation),
-                                            switch.set_tenants(tenant_table(state)))
+    pool.service.on_change = lambda state: (
+        switch.set_regions(state.regions, state.generation),
+        switch.set_tenants(tenant_table(state)),
+    )
     fabric = Fabric()
     fabric.add_core(VIP, switch)
     fabric.add_endpoint(CLIENT)
@@ -135,4 +183,3 @@ def exchange(fabric: Fabric, packet: Packet) -> tuple[Packet, int]:
     fabric.run_until_idle()
     [(data, _)] = fabric.receive(CLIENT)
     return decode_packet(data), len(data)
-

@@ -32,32 +32,64 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "NICs (chained reduce-scatter + multicast all-gather), read every rank's result back and "
         "compare it bitwise with a numpy reference summed in chain order.",
     )
-    parser.add_argument("--nodes", type=bounded_int(2, 64), default=None,
-                        help="node processes, 2..64 (default 4; with --cluster, the file's: a "
-                        "different count is refused)")
+    parser.add_argument(
+        "--nodes",
+        type=bounded_int(2, 64),
+        default=None,
+        help="node processes, 2..64 (default 4; with --cluster, the file's: a "
+        "different count is refused)",
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--size", type=size_arg, help="bytes per rank (default 4MiB)")
-    size.add_argument("--count", type=bounded_int(1, 1 << 40), help="elements per rank instead of bytes")
-    parser.add_argument("--dtype", choices=["f32", "f16", "bf16", "i32", "i64", "f64"], default="f32")
+    size.add_argument(
+        "--count", type=bounded_int(1, 1 << 40), help="elements per rank instead of bytes"
+    )
+    parser.add_argument(
+        "--dtype", choices=["f32", "f16", "bf16", "i32", "i64", "f64"], default="f32"
+    )
     parser.add_argument("--op", choices=["sum", "min", "max"], default="sum")
-    parser.add_argument("--algo", choices=["chain", "ring-host"], default="chain",
-                        help="chain: in the NICs (NetDAM); ring-host: the RoCE way, NICs move "
-                        "data and hosts reduce (reports host_copy_bytes)")  # fmt: skip
-    parser.add_argument("--sparse", action="store_true",
-                        help="sparse mode: (index, value) payloads and zero chunks skipped; the same "
-                        "inputs also run dense, and both wire byte counts are reported")  # fmt: skip
-    parser.add_argument("--density", type=float, default=None,
-                        help="fraction of input elements left non-zero, the rest exactly 0 "
-                        "(default 0.05 with --sparse, else 1)")  # fmt: skip
-    parser.add_argument("--resident", action="store_true",
-                        help="buffers in NIC memory (netdam.empty): no staging copy in or out; "
-                        "default: plain numpy arrays, staged and timed as netdam.all_reduce(x) does")  # fmt: skip
-    parser.add_argument("--repeat", type=bounded_int(1, 10000), default=1,
-                        help="timed repeats, >= 1 (median reported; default 1)")
-    parser.add_argument("--timeout", type=bounded_seconds(0.01, 86400.0, low_inclusive=True), default=None,
-                        help="watchdog: seconds a collective may go without progress before it "
-                        "fails naming the dead node (default 2.5)")
-    parser.add_argument("--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up)")
+    parser.add_argument(
+        "--algo",
+        choices=["chain", "ring-host"],
+        default="chain",
+        help="chain: in the NICs (NetDAM); ring-host: the RoCE way, NICs move "
+        "data and hosts reduce (reports host_copy_bytes)",
+    )
+    parser.add_argument(
+        "--sparse",
+        action="store_true",
+        help="sparse mode: (index, value) payloads and zero chunks skipped; the same "
+        "inputs also run dense, and both wire byte counts are reported",
+    )
+    parser.add_argument(
+        "--density",
+        type=float,
+        default=None,
+        help="fraction of input elements left non-zero, the rest exactly 0 "
+        "(default 0.05 with --sparse, else 1)",
+    )
+    parser.add_argument(
+        "--resident",
+        action="store_true",
+        help="buffers in NIC memory (netdam.empty): no staging copy in or out; "
+        "default: plain numpy arrays, staged and timed as netdam.all_reduce(x) does",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=bounded_int(1, 10000),
+        default=1,
+        help="timed repeats, >= 1 (median reported; default 1)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=bounded_seconds(0.01, 86400.0, low_inclusive=True),
+        default=None,
+        help="watchdog: seconds a collective may go without progress before it "
+        "fails naming the dead node (default 2.5)",
+    )
+    parser.add_argument(
+        "--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up)"
+    )
     add_nics_per_process(parser)
     parser.add_argument("--json", action="store_true")
     add_fault_args(parser)
@@ -70,15 +102,20 @@ def run(args: argparse.Namespace) -> int:
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
     dtype = DType[args.dtype.upper()]
-    count = args.count if args.count is not None else (args.size or (4 << 20)) // ELEMENT_SIZE[dtype]
+    count = (
+        args.count if args.count is not None else (args.size or (4 << 20)) // ELEMENT_SIZE[dtype]
+    )
     if count < 1:
         raise CommandError(f"--size/--count give {count} elements; need at least 1", ExitCode.USAGE)
     density = args.density if args.density is not None else (0.05 if args.sparse else 1.0)
     if not 0.0 <= density <= 1.0:
         raise CommandError("--density must be between 0 and 1", ExitCode.USAGE)
     if args.resident and args.cluster is not None:
-        raise CommandError("--resident needs a private cluster (drop --cluster): other users' "
-                           "netdam.empty arrays may hold a running cluster's memory", ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            "--resident needs a private cluster (drop --cluster): other users' "
+            "netdam.empty arrays may hold a running cluster's memory",
+            ExitCode.USAGE,
+        )
     if args.sparse and args.algo != "chain":
         raise CommandError("--sparse needs --algo chain", ExitCode.USAGE)
     nbytes = count * ELEMENT_SIZE[dtype]
@@ -87,12 +124,21 @@ def run(args: argparse.Namespace) -> int:
     else:
         _check_private_memory(args.nodes or 4, nbytes)
     config = AllReduceConfig(
-        nodes=args.nodes or 4, count=count, dtype=dtype, op=ReduceOp[args.op.upper()],
-        faults=faults_from(args), timeout_s=args.timeout,
-        cluster=Path(args.cluster) if args.cluster else None, seed=args.seed, repeat=args.repeat,
-        algo=args.algo, sparse=args.sparse, density=density, resident=args.resident,
+        nodes=args.nodes or 4,
+        count=count,
+        dtype=dtype,
+        op=ReduceOp[args.op.upper()],
+        faults=faults_from(args),
+        timeout_s=args.timeout,
+        cluster=Path(args.cluster) if args.cluster else None,
+        seed=args.seed,
+        repeat=args.repeat,
+        algo=args.algo,
+        sparse=args.sparse,
+        density=density,
+        resident=args.resident,
         nics_per_process=args.nics_per_process,
-    )  # fmt: skip
+    )
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]
     emit(result, args.json, text=_text(result))
@@ -118,13 +164,20 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
     # and keys cover every node of the file, and a silently smaller (or larger) run would
     # report numbers for a cluster the user did not ask for.
     if args.nodes is not None and args.nodes != world:
-        raise CommandError(f"--nodes {args.nodes} but {path} has {world} nodes: drop --nodes (the file "
-                           f"decides), or start a cluster of {args.nodes} with `netdam up --nodes {args.nodes}`",
-                           ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            f"--nodes {args.nodes} but {path} has {world} nodes: drop --nodes (the file "
+            f"decides), or start a cluster of {args.nodes} with `netdam up --nodes {args.nodes}`",
+            ExitCode.USAGE,
+        )
     if info.mtu < min_mtu(world):
-        raise CommandError(f"{path} runs at MTU {info.mtu}, too small for a collective over {world} nodes: "
-                           f"restart it with `netdam up --mtu {min_mtu(world)}` or more", ExitCode.USAGE)  # fmt: skip
-    check_not_stale(path, info)  # a file whose nodes are gone says so at once, before any PING waits
+        raise CommandError(
+            f"{path} runs at MTU {info.mtu}, too small for a collective over {world} nodes: "
+            f"restart it with `netdam up --mtu {min_mtu(world)}` or more",
+            ExitCode.USAGE,
+        )
+    check_not_stale(
+        path, info
+    )  # a file whose nodes are gone says so at once, before any PING waits
     answers = check_running(path, info)
     needed = node_memory_needed(nbytes, args.algo)
     for node in info.nodes:
@@ -132,11 +185,14 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
         if memory and memory < needed:
             fits = _largest_fitting(partial(_fits_node, algo=args.algo, memory=memory), nbytes)
             smaller = f", or give --size {format_size(fits)} or less" if fits else ""
-            raise CommandError(f"{format_size(nbytes)} per rank needs {format_size(_mib(needed))} of node memory "
-                               f"(the host's arena is half of node memory and stages the buffer in its upper half) but rank {node.rank} "
-                               f"({node.address}:{node.port}) of {path} has {format_size(memory)}: restart the "
-                               f"cluster with more (`netdam down --cluster {path}`, then `netdam up --memory "
-                               f"{format_size(_mib(needed))}`){smaller}", ExitCode.USAGE)  # fmt: skip
+            raise CommandError(
+                f"{format_size(nbytes)} per rank needs {format_size(_mib(needed))} of node memory "
+                f"(the host's arena is half of node memory and stages the buffer in its upper half) but rank {node.rank} "
+                f"({node.address}:{node.port}) of {path} has {format_size(memory)}: restart the "
+                f"cluster with more (`netdam down --cluster {path}`, then `netdam up --memory "
+                f"{format_size(_mib(needed))}`){smaller}",
+                ExitCode.USAGE,
+            )
 
 
 def _fits_node(nbytes: int, *, algo: str, memory: int) -> bool:
@@ -162,14 +218,19 @@ def _check_private_memory(nodes: int, nbytes: int) -> None:
     if nodes * private_node_memory(nbytes) <= free:
         return
     fits = _largest_fitting(lambda n: nodes * private_node_memory(n) <= free, nbytes)
-    fewer = next((k for k in range(nodes - 1, 1, -1) if k * private_node_memory(nbytes) <= free), None)
+    fewer = next(
+        (k for k in range(nodes - 1, 1, -1) if k * private_node_memory(nbytes) <= free), None
+    )
     steps = [f"give --size {format_size(fits)} or less"] if fits else []
     if fewer is not None:
         steps.append(f"--nodes {fewer}")
     steps.append(f"free space in {DEFAULT_SHM_DIR}")
-    raise CommandError(f"{format_size(nbytes)} per rank needs {private_node_memory(nbytes) / (1 << 30):.1f} GiB of node "
-                       f"memory on each of {nodes} nodes, but {DEFAULT_SHM_DIR} (where node memory lives) has "
-                       f"{free / (1 << 30):.1f} GiB free: {', or '.join(steps)}", ExitCode.USAGE)  # fmt: skip
+    raise CommandError(
+        f"{format_size(nbytes)} per rank needs {private_node_memory(nbytes) / (1 << 30):.1f} GiB of node "
+        f"memory on each of {nodes} nodes, but {DEFAULT_SHM_DIR} (where node memory lives) has "
+        f"{free / (1 << 30):.1f} GiB free: {', or '.join(steps)}",
+        ExitCode.USAGE,
+    )
 
 
 def _largest_fitting(fits: Callable[[int], bool], below: int) -> int:
@@ -188,16 +249,21 @@ def _mib(nbytes: int) -> int:
 
 def _text(r: dict[str, object]) -> str:
     if r.get("seconds") is None:
-        return f"allreduce FAILED: {r.get('error')}" + (f"\n  waiting for {r['waiting_for']}" if r.get("waiting_for") else "")
+        return f"allreduce FAILED: {r.get('error')}" + (
+            f"\n  waiting for {r['waiting_for']}" if r.get("waiting_for") else ""
+        )
     verdict = "OK" if r["ok"] else f"FAILED ({r.get('error')})"
     return (
         f"allreduce {r['algo']} {verdict}: {r['nodes']} nodes x {r['bytes']} B {r['dtype']} {r['op']} in "
         f"{r['seconds']:.4f} s (algbw {float(r['algbw_gbps']):.3f} Gb/s, busbw {float(r['busbw_gbps']):.3f} Gb/s); "  # type: ignore[arg-type]
         f"{r['packets']} packets, {r['retransmits']} retransmits, {r['kernel_drops']} kernel drops; "
         f"model of 100G NetDAM cards: {float(r['model_seconds_100g']) * 1e3:.3f} ms"  # type: ignore[arg-type]
-        + (f"\n  sparse (density {r['density']}): {r['wire_bytes_sparse']} wire bytes in {r['seconds']:.4f} s; "
-           f"dense: {r['wire_bytes_dense']} wire bytes in {float(r['seconds_dense']):.4f} s"  # type: ignore[arg-type]
-           if r.get("sparse") else "")
+        + (
+            f"\n  sparse (density {r['density']}): {r['wire_bytes_sparse']} wire bytes in {r['seconds']:.4f} s; "
+            f"dense: {r['wire_bytes_dense']} wire bytes in {float(r['seconds_dense']):.4f} s"  # type: ignore[arg-type]
+            if r.get("sparse")
+            else ""
+        )
         + _phases_text(r)
     )
 
@@ -206,6 +272,8 @@ def _phases_text(r: dict[str, object]) -> str:
     phases = r.get("phases")
     if not isinstance(phases, dict):
         return ""
-    parts = ", ".join(f"{name.replace('_', ' ')} {float(v) * 1e3:.3f} ms" for name, v in phases.items())
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {float(v) * 1e3:.3f} ms" for name, v in phases.items()
+    )
     where = "NIC-resident buffers" if r.get("resident") else "numpy buffers staged"
     return f"\n  phases (median, {where}): {parts}"

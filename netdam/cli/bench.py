@@ -68,10 +68,16 @@ def register_datapath(benches: argparse._SubParsersAction) -> None:  # type: ign
         "3 a process failed or timed out.",
     )
     parser.add_argument(
-        "--seconds", type=bounded_seconds(0, 3600, low_inclusive=False), default=3.0, help="measured seconds per phase (3)"
+        "--seconds",
+        type=bounded_seconds(0, 3600, low_inclusive=False),
+        default=3.0,
+        help="measured seconds per phase (3)",
     )
     parser.add_argument(
-        "--warmup", type=bounded_seconds(0, 600, low_inclusive=True), default=1.0, help="seconds before timing starts (1)"
+        "--warmup",
+        type=bounded_seconds(0, 600, low_inclusive=True),
+        default=1.0,
+        help="seconds before timing starts (1)",
     )
     parser.add_argument("--mtu", type=int, default=9000, help="IP MTU (default 9000)")
     parser.add_argument(
@@ -126,7 +132,9 @@ def run_datapath(args: argparse.Namespace) -> int:
     return code
 
 
-def _measured(bench: Callable[[Any], tuple[dict[str, Any], int]], cfg: Any) -> tuple[dict[str, Any], int]:
+def _measured(
+    bench: Callable[[Any], tuple[dict[str, Any], int]], cfg: Any
+) -> tuple[dict[str, Any], int]:
     """*bench*'s result and exit code for *cfg*; a configuration it refuses is a usage error."""
     try:
         return bench(cfg)
@@ -141,29 +149,47 @@ def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[
     """``netdam bench pool``: netdam/tools/bench/pool.py (and pool_async.py with --async)."""
 
     parser = benches.add_parser(
-        "pool", help="pool READ/WRITE through the switch vs memcached GET (ratio = netdam / memcached)",
+        "pool",
+        help="pool READ/WRITE through the switch vs memcached GET (ratio = netdam / memcached)",
         description="Pool READ and WRITE at 64 B and 4 KiB through the switch's VIP, memcached GET "
         "64 B over UDP and a null echo server, all driven by the same numba generator processes "
         "with a fixed window in flight. Keys: netdam_ops (READ 64 B), memcached_ops (GET 64 B), "
         "ratio, generator_ops (echo). Exit 0 ok, 1 error replies, 3 a process failed.",
-    )  # fmt: skip
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per phase (2)")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds before timing (0.5)")
     parser.add_argument("--window", type=int, default=32, help="requests in flight in all (32)")
     parser.add_argument("--nodes", type=int, default=2, help="node processes behind the switch (2)")
-    parser.add_argument("--interleave", type=size_arg, default=8192, help="stride of the region (8KiB)")
-    parser.add_argument("--generators", type=int, default=1, help="generator processes to start with")
-    parser.add_argument("--max-generators", type=int, default=4, help="most generator processes (4)")
+    parser.add_argument(
+        "--interleave", type=size_arg, default=8192, help="stride of the region (8KiB)"
+    )
+    parser.add_argument(
+        "--generators", type=int, default=1, help="generator processes to start with"
+    )
+    parser.add_argument(
+        "--max-generators", type=int, default=4, help="most generator processes (4)"
+    )
     parser.add_argument("--memcached", default=None, help="memcached binary (default: from PATH)")
-    parser.add_argument("--untagged", action="store_true",
-                        help="an untagged region (SPEC v1): requests and replies go unsealed, to measure "
-                        "what tags cost (SPEC 2.6)")  # fmt: skip
-    parser.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
-                        help="draw ops/s and latency per phase, netdam beside memcached (needs the "
-                        "[plot] extra: matplotlib)")  # fmt: skip
-    parser.add_argument("--async", dest="async_mode", action="store_true",
-                        help="instead: --clients asyncio clients (AsyncPoolClient) in one event loop, "
-                        "READ/WRITE 64 B and 4 KiB, every READ checked")  # fmt: skip
+    parser.add_argument(
+        "--untagged",
+        action="store_true",
+        help="an untagged region (SPEC v1): requests and replies go unsealed, to measure "
+        "what tags cost (SPEC 2.6)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        type=writable_output("--plot"),
+        help="draw ops/s and latency per phase, netdam beside memcached (needs the "
+        "[plot] extra: matplotlib)",
+    )
+    parser.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="instead: --clients asyncio clients (AsyncPoolClient) in one event loop, "
+        "READ/WRITE 64 B and 4 KiB, every READ checked",
+    )
     parser.add_argument("--clients", type=int, default=8, help="with --async: clients, 1..256 (8)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -171,10 +197,17 @@ def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[
         if args.async_mode:
             return run_pool_async(args)
         plt = plot.pyplot() if args.plot else None  # before the run: a missing extra is usage
-        cfg = pool_bench.PoolBenchConfig(seconds=args.seconds, warmup=args.warmup, window=args.window,
-                                         nodes=args.nodes, interleave=args.interleave, generators=args.generators,
-                                         max_generators=args.max_generators, memcached=args.memcached,
-                                         untagged=args.untagged)  # fmt: skip
+        cfg = pool_bench.PoolBenchConfig(
+            seconds=args.seconds,
+            warmup=args.warmup,
+            window=args.window,
+            nodes=args.nodes,
+            interleave=args.interleave,
+            generators=args.generators,
+            max_generators=args.max_generators,
+            memcached=args.memcached,
+            untagged=args.untagged,
+        )
         result, code = _measured(pool_bench.run_pool_bench, cfg)
         text = pool_bench.format_text(result)
         if plt is not None and result["results"]:
@@ -197,9 +230,16 @@ def run_pool_async(args: argparse.Namespace) -> int:
     )
 
     if args.plot:
-        raise CommandError("--plot draws the generator phases: drop it with --async", ExitCode.USAGE)
-    cfg = AsyncPoolBenchConfig(clients=args.clients, seconds=args.seconds, warmup=args.warmup,
-                               nodes=args.nodes, interleave=args.interleave)  # fmt: skip
+        raise CommandError(
+            "--plot draws the generator phases: drop it with --async", ExitCode.USAGE
+        )
+    cfg = AsyncPoolBenchConfig(
+        clients=args.clients,
+        seconds=args.seconds,
+        warmup=args.warmup,
+        nodes=args.nodes,
+        interleave=args.interleave,
+    )
     result, code = _measured(run_async_pool_bench, cfg)
     emit(result, args.json, text=format_async_text(result))
     return code
@@ -227,23 +267,48 @@ def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ig
     sizes.add_argument(
         "--sizes", type=size_range_arg, default=None, help="A..B: powers of two, e.g. 1KiB..256MiB"
     )
-    parser.add_argument("--vs", default=",".join(allreduce_bench.PEERS),
-                        help="peers, comma-separated: chain-resident, ring-host, gloo, mpi, or none "
-                        "(default all)")  # fmt: skip
-    parser.add_argument("--repeat", type=bounded_int(1, 1000), default=None,
-                        help="timed calls per row (default 100 up to 64KiB, 20 up to 4MiB, 5 above)")
-    parser.add_argument("--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)")
-    parser.add_argument("--timeout", type=bounded_seconds(0, 86400, low_inclusive=False), default=600.0,
-                        help="wall-clock limit of one gloo/mpi run in seconds (600)")  # fmt: skip
     parser.add_argument(
-        "--plot", type=writable_output("--plot"), default=None, help="write a PNG figure (needs matplotlib)"
+        "--vs",
+        default=",".join(allreduce_bench.PEERS),
+        help="peers, comma-separated: chain-resident, ring-host, gloo, mpi, or none (default all)",
     )
-    parser.add_argument("--jobs", type=bounded_int(1, 3), default=1, metavar="J",
-                        help="J > 1: J jobs' all-reduces on the same NICs at once against one job alone "
-                        "(each job its own process and keys; --size per rank, default 16MiB; one --nodes "
-                        "count; --vs is not run)")  # fmt: skip
-    parser.add_argument("--window", type=bounded_seconds(0.1, 3600.0, low_inclusive=True), default=jobs_bench.WINDOW_S, metavar="SEC",
-                        help=f"with --jobs: seconds each job loops in a timed window ({jobs_bench.WINDOW_S:g})")  # fmt: skip
+    parser.add_argument(
+        "--repeat",
+        type=bounded_int(1, 1000),
+        default=None,
+        help="timed calls per row (default 100 up to 64KiB, 20 up to 4MiB, 5 above)",
+    )
+    parser.add_argument(
+        "--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=bounded_seconds(0, 86400, low_inclusive=False),
+        default=600.0,
+        help="wall-clock limit of one gloo/mpi run in seconds (600)",
+    )
+    parser.add_argument(
+        "--plot",
+        type=writable_output("--plot"),
+        default=None,
+        help="write a PNG figure (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=bounded_int(1, 3),
+        default=1,
+        metavar="J",
+        help="J > 1: J jobs' all-reduces on the same NICs at once against one job alone "
+        "(each job its own process and keys; --size per rank, default 16MiB; one --nodes "
+        "count; --vs is not run)",
+    )
+    parser.add_argument(
+        "--window",
+        type=bounded_seconds(0.1, 3600.0, low_inclusive=True),
+        default=jobs_bench.WINDOW_S,
+        metavar="SEC",
+        help=f"with --jobs: seconds each job loops in a timed window ({jobs_bench.WINDOW_S:g})",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
     def run(args: argparse.Namespace) -> int:
@@ -266,9 +331,15 @@ def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ig
             missing = allreduce_bench.plot_unavailable()
             if missing is not None:
                 raise CommandError(missing, ExitCode.USAGE)
-        cfg = allreduce_bench.AllReduceBenchConfig(nodes=nodes, sizes=size_list, peers=peers, repeat=args.repeat,
-                                                   warmup=args.warmup, timeout_s=args.timeout,
-                                                   plot=args.plot)  # fmt: skip
+        cfg = allreduce_bench.AllReduceBenchConfig(
+            nodes=nodes,
+            sizes=size_list,
+            peers=peers,
+            repeat=args.repeat,
+            warmup=args.warmup,
+            timeout_s=args.timeout,
+            plot=args.plot,
+        )
         result, code = allreduce_bench.run_allreduce_bench(cfg)
         if args.json:
             sys.stderr.write(allreduce_bench.format_table(result) + "\n")
@@ -285,12 +356,19 @@ def _run_jobs(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     if len(nodes) != 1 or args.sizes is not None:
-        raise CommandError("--jobs runs one node count and one size: give --nodes N and --size B", ExitCode.USAGE)
+        raise CommandError(
+            "--jobs runs one node count and one size: give --nodes N and --size B", ExitCode.USAGE
+        )
     size = args.size if args.size is not None else 16 << 20
     if size % 4 or size < jobs_bench.SMALL_BYTES:
-        raise CommandError(f"--size {size}: give a multiple of 4 bytes (int32 elements), at least "
-                           f"{jobs_bench.SMALL_BYTES}", ExitCode.USAGE)  # fmt: skip
-    result, code = jobs_bench.run_jobs_bench(nodes[0], size, args.jobs, window_s=args.window, timeout_s=args.timeout)
+        raise CommandError(
+            f"--size {size}: give a multiple of 4 bytes (int32 elements), at least "
+            f"{jobs_bench.SMALL_BYTES}",
+            ExitCode.USAGE,
+        )
+    result, code = jobs_bench.run_jobs_bench(
+        nodes[0], size, args.jobs, window_s=args.window, timeout_s=args.timeout
+    )
     text = jobs_bench.format_jobs_table(result)
     if args.json:
         sys.stderr.write(text + "\n")

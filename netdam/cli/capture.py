@@ -35,13 +35,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "it with `netdam decode --pcap FILE --cluster CLUSTER` or Wireshark with "
         "protocol/wireshark/netdam.lua. Needs CAP_NET_RAW (root).",
     )
-    parser.add_argument("--cluster", type=cluster_file, required=True, help="the cluster file (netdam up)")
-    parser.add_argument("-o", "--output", type=writable_output("-o"), required=True, metavar="FILE.pcap",
-                        help="pcap file to write")  # fmt: skip
-    parser.add_argument("--seconds", type=bounded_seconds(0.0, 86400.0, low_inclusive=False), default=None,
-                        help="stop after this long (default: at Ctrl-C or --count)")  # fmt: skip
-    parser.add_argument("--count", type=bounded_int(1, 100_000_000), default=None,
-                        help="stop after this many frames")  # fmt: skip
+    parser.add_argument(
+        "--cluster", type=cluster_file, required=True, help="the cluster file (netdam up)"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=writable_output("-o"),
+        required=True,
+        metavar="FILE.pcap",
+        help="pcap file to write",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=bounded_seconds(0.0, 86400.0, low_inclusive=False),
+        default=None,
+        help="stop after this long (default: at Ctrl-C or --count)",
+    )
+    parser.add_argument(
+        "--count",
+        type=bounded_int(1, 100_000_000),
+        default=None,
+        help="stop after this many frames",
+    )
     parser.add_argument("--iface", default="lo", help="interface (default lo: a local cluster)")
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=run)
@@ -64,11 +80,20 @@ def run(args: argparse.Namespace) -> int:
     from scapy.utils import wrpcap
 
     wrpcap(str(args.output), frames)
-    result = {"ok": True, "output": str(args.output), "frames": len(frames), "iface": args.iface,
-              "ports": sorted(ports)}  # fmt: skip
+    result = {
+        "ok": True,
+        "output": str(args.output),
+        "frames": len(frames),
+        "iface": args.iface,
+        "ports": sorted(ports),
+    }
     progress.finish()
-    emit(result, args.json, text=f"wrote {len(frames)} frames to {args.output}; decode with "
-         f"`netdam decode --pcap {args.output} --cluster {args.cluster}`")  # fmt: skip
+    emit(
+        result,
+        args.json,
+        text=f"wrote {len(frames)} frames to {args.output}; decode with "
+        f"`netdam decode --pcap {args.output} --cluster {args.cluster}`",
+    )
     return ExitCode.OK
 
 
@@ -84,8 +109,16 @@ def _counter() -> Any:
     return on_frame
 
 
-def capture(iface: str, ports: set[int], *, seconds: float | None = None, count: int | None = None,
-            on_frame: Any = None, started: Any = None, stop: Any = None) -> list[Any]:  # fmt: skip
+def capture(
+    iface: str,
+    ports: set[int],
+    *,
+    seconds: float | None = None,
+    count: int | None = None,
+    on_frame: Any = None,
+    started: Any = None,
+    stop: Any = None,
+) -> list[Any]:
     """Frames on *iface* to or from *ports* or a NetDAM multicast group. *started* (an Event)
     is set once the capture socket is open, so a caller can start traffic after it; once *stop*
     (an Event) is set, the next frame ends the capture."""
@@ -95,7 +128,9 @@ def capture(iface: str, ports: set[int], *, seconds: float | None = None, count:
         from scapy.layers.inet import IP, UDP
         from scapy.sendrecv import sniff
     except ImportError as exc:  # scapy is a dependency; a broken install still gets one line
-        raise CommandError(f"scapy is not importable ({exc}): reinstall netdam", ExitCode.RUN_FAILED) from None
+        raise CommandError(
+            f"scapy is not importable ({exc}): reinstall netdam", ExitCode.RUN_FAILED
+        ) from None
     groups = ipaddress.ip_network(MULTICAST_PREFIX)
 
     def ours(frame: Any) -> bool:
@@ -107,8 +142,10 @@ def capture(iface: str, ports: set[int], *, seconds: float | None = None, count:
         ip = frame.getlayer(IP)
         return ip is not None and ipaddress.ip_address(ip.dst) in groups
 
-    progress.note(f"capturing on {iface}, ports {_ranges(ports)} and group {MULTICAST_PREFIX}"
-                  + ("" if seconds or count else "; Ctrl-C to stop and write"))  # fmt: skip
+    progress.note(
+        f"capturing on {iface}, ports {_ranges(ports)} and group {MULTICAST_PREFIX}"
+        + ("" if seconds or count else "; Ctrl-C to stop and write")
+    )
     try:
         # L2Socket, not sniff's default listen socket: on loopback a packet socket sees every
         # frame twice (outgoing and incoming) and L2Socket drops the outgoing copy, as libpcap
@@ -119,15 +156,26 @@ def capture(iface: str, ports: set[int], *, seconds: float | None = None, count:
         conf.bufsize = max(int(conf.bufsize), 32 << 20)
         sock = L2Socket(iface=iface)
     except PermissionError:
-        raise CommandError("capturing needs CAP_NET_RAW: run as root (or grant the interpreter "
-                           "cap_net_raw with setcap)", ExitCode.RUN_FAILED) from None  # fmt: skip
+        raise CommandError(
+            "capturing needs CAP_NET_RAW: run as root (or grant the interpreter "
+            "cap_net_raw with setcap)",
+            ExitCode.RUN_FAILED,
+        ) from None
     except OSError as exc:
-        raise CommandError(f"cannot capture on {iface}: {exc}: pick an interface with --iface",
-                           ExitCode.RUN_FAILED) from None  # fmt: skip
+        raise CommandError(
+            f"cannot capture on {iface}: {exc}: pick an interface with --iface", ExitCode.RUN_FAILED
+        ) from None
     try:
-        found = sniff(opened_socket=sock, lfilter=ours, prn=on_frame, store=True, timeout=seconds,
-                      count=count or 0, started_callback=started.set if started else None,
-                      stop_filter=(lambda _frame: stop.is_set()) if stop is not None else None)  # fmt: skip
+        found = sniff(
+            opened_socket=sock,
+            lfilter=ours,
+            prn=on_frame,
+            store=True,
+            timeout=seconds,
+            count=count or 0,
+            started_callback=started.set if started else None,
+            stop_filter=(lambda _frame: stop.is_set()) if stop is not None else None,
+        )
     finally:
         sock.close()
     return list(found)

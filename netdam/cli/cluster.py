@@ -64,8 +64,10 @@ def nic_arg(text: str) -> tuple[int, Endpoint, int | None]:
     rank_text, at, rest = text.partition("@")
     address, slash, size_text = rest.partition("/")
     if not at or not rank_text.isdigit() or int(rank_text) > 4095:
-        raise argparse.ArgumentTypeError(f"invalid NIC {text!r}: write RANK@IP:PORT[/SIZE] with a rank "
-                                         "0..4095, e.g. 0@127.0.0.1:17744 or 1@127.0.0.1:17745/1MiB")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"invalid NIC {text!r}: write RANK@IP:PORT[/SIZE] with a rank "
+            "0..4095, e.g. 0@127.0.0.1:17744 or 1@127.0.0.1:17745/1MiB"
+        )
     return int(rank_text), endpoint_arg(address), size_arg(size_text) if slash else None
 
 
@@ -111,47 +113,79 @@ def add_fault_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_nics_per_process(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nics-per-process", type=bounded_int(1, 4096), default=None, metavar="K",
-                        help="emulated NICs each node process hosts (default: the NICs spread over one "
-                        "process per core; 1: a process per NIC)")  # fmt: skip
+    parser.add_argument(
+        "--nics-per-process",
+        type=bounded_int(1, 4096),
+        default=None,
+        metavar="K",
+        help="emulated NICs each node process hosts (default: the NICs spread over one "
+        "process per core; 1: a process per NIC)",
+    )
 
 
 def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.core.faults import FaultSpec
 
-    return FaultSpec(loss=args.loss, dup=args.dup, reorder=args.reorder, delay=args.delay,
-                     delay_s=args.delay_ms / 1000.0, seed=args.seed)  # fmt: skip
+    return FaultSpec(
+        loss=args.loss,
+        dup=args.dup,
+        reorder=args.reorder,
+        delay=args.delay,
+        delay_s=args.delay_ms / 1000.0,
+        seed=args.seed,
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    node = subparsers.add_parser("node", help="run one emulated NIC (a node process)",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 description="Run one node: memory in a file under --shm-dir, a UDP "
-                                 "socket on --bind, the compiled datapath. Prints 'ready IP:PORT "
-                                 "MEMORY_FILE admin_key=K' when serving; stops on SIGTERM/SIGINT. "
-                                 "Under torchrun, mpirun or srun it finds its rank and the others "
-                                 "itself (see below).", epilog=LAUNCHER_HELP)  # fmt: skip
-    node.add_argument("--bind", type=endpoint_arg, default=None,
-                      help="IP:PORT (default 127.0.0.1:7744; under a launcher auto:7744, see below)")  # fmt: skip
-    node.add_argument("--nic", type=nic_arg, action="append", default=[], metavar="RANK@IP:PORT[/SIZE]",
-                      help="host this NIC (repeat: one process serves them all, sharing its loaded "
-                      "kernels); memory file NAME-RANK.mem, SIZE defaults to --memory; not with "
-                      "--bind or --rank")  # fmt: skip
+    node = subparsers.add_parser(
+        "node",
+        help="run one emulated NIC (a node process)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run one node: memory in a file under --shm-dir, a UDP "
+        "socket on --bind, the compiled datapath. Prints 'ready IP:PORT "
+        "MEMORY_FILE admin_key=K' when serving; stops on SIGTERM/SIGINT. "
+        "Under torchrun, mpirun or srun it finds its rank and the others "
+        "itself (see below).",
+        epilog=LAUNCHER_HELP,
+    )
+    node.add_argument(
+        "--bind",
+        type=endpoint_arg,
+        default=None,
+        help="IP:PORT (default 127.0.0.1:7744; under a launcher auto:7744, see below)",
+    )
+    node.add_argument(
+        "--nic",
+        type=nic_arg,
+        action="append",
+        default=[],
+        metavar="RANK@IP:PORT[/SIZE]",
+        help="host this NIC (repeat: one process serves them all, sharing its loaded "
+        "kernels); memory file NAME-RANK.mem, SIZE defaults to --memory; not with "
+        "--bind or --rank",
+    )
     node.add_argument(
         "--memory", type=size_arg, default=64 << 20, help="node memory (default 64MiB)"
     )
     node.add_argument(
         "--shm-dir", type=Path, default=Path("/dev/shm"), help="where the memory file lives"
     )
-    node.add_argument("--name", default=None,
-                      help="memory file is NAME.mem (default netdam-node; under a launcher "
-                      "netdam-rRANK-PID, or NAME-RANK when given)")  # fmt: skip
+    node.add_argument(
+        "--name",
+        default=None,
+        help="memory file is NAME.mem (default netdam-node; under a launcher "
+        "netdam-rRANK-PID, or NAME-RANK when given)",
+    )
     keys = node.add_mutually_exclusive_group()
-    keys.add_argument("--admin-key-file", type=Path, default=None,
-                      help="file holding the admin key, optionally followed by the admin tag key (32 hex "
-                      "digits), or the cluster file (*.toml) whose keys to take; mode 0600 (default: a "
-                      "random key; under a launcher rank 0's)")  # fmt: skip
+    keys.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        help="file holding the admin key, optionally followed by the admin tag key (32 hex "
+        "digits), or the cluster file (*.toml) whose keys to take; mode 0600 (default: a "
+        "random key; under a launcher rank 0's)",
+    )
     keys.add_argument(
         "--admin-key-fd",
         type=bounded_int(0, 1 << 20),
@@ -159,47 +193,81 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="inherited descriptor to read the key from (a pipe from the launching process)",
     )
     keys.add_argument("--admin-key", default=None, help=argparse.SUPPRESS)
-    node.add_argument("--members", type=endpoints_arg, default=(),
-                      help="IP:PORT,... of the cluster (given: no rendezvous, launcher variables ignored)")  # fmt: skip
+    node.add_argument(
+        "--members",
+        type=endpoints_arg,
+        default=(),
+        help="IP:PORT,... of the cluster (given: no rendezvous, launcher variables ignored)",
+    )
     node.add_argument(
         "--rank",
         type=bounded_int(0, 4095),
         default=None,
         help="rank (default 0, or the launcher's)",
     )
-    node.add_argument("--world-size", type=bounded_int(1, 4096), default=None,
-                      help="number of nodes (default 1, or the launcher's)")  # fmt: skip
-    node.add_argument("--master", default=None, metavar="HOST[:PORT]",
-                      help="rank 0's rendezvous address (mpirun sets none; see below)")  # fmt: skip
-    node.add_argument("--cluster", type=Path, default=None,
-                      help="under a launcher: rank 0 writes the cluster file here (other ranks ignore it)")  # fmt: skip
-    node.add_argument("--rendezvous-timeout", type=bounded_seconds(0.0, 86400.0, low_inclusive=False),
-                      default=300.0, help="seconds rank 0 waits for every rank (default 300)")  # fmt: skip
+    node.add_argument(
+        "--world-size",
+        type=bounded_int(1, 4096),
+        default=None,
+        help="number of nodes (default 1, or the launcher's)",
+    )
+    node.add_argument(
+        "--master",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="rank 0's rendezvous address (mpirun sets none; see below)",
+    )
+    node.add_argument(
+        "--cluster",
+        type=Path,
+        default=None,
+        help="under a launcher: rank 0 writes the cluster file here (other ranks ignore it)",
+    )
+    node.add_argument(
+        "--rendezvous-timeout",
+        type=bounded_seconds(0.0, 86400.0, low_inclusive=False),
+        default=300.0,
+        help="seconds rank 0 waits for every rank (default 300)",
+    )
     node.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU, help="IP MTU (default 9000)")
     node.add_argument(
         "--die-with-parent", action="store_true", help="exit when the launching process dies"
     )
-    node.add_argument("--no-guard", action="store_true",
-                      help="no lockout of key guessers, no anti-amplification limit (SPEC.md 12): "
-                      "for fuzzing that sends wrong keys on purpose, never for a shared network")  # fmt: skip
+    node.add_argument(
+        "--no-guard",
+        action="store_true",
+        help="no lockout of key guessers, no anti-amplification limit (SPEC.md 12): "
+        "for fuzzing that sends wrong keys on purpose, never for a shared network",
+    )
     add_fault_args(node)
     node.set_defaults(func=run_node)
 
-    up = subparsers.add_parser("up", help="start a local cluster of node processes",
-                               description="Start N node processes on loopback, write the cluster "
-                               "file and print its path. Foreground by default: Ctrl-C stops every "
-                               "node. With --detach, return and leave them running (netdam down). "
-                               "With --cluster FILE naming an existing file that lists [[nodes]] "
-                               "(written by hand, maybe for several hosts): start exactly the nodes "
-                               "whose address is an address of this host, with the file's ranks, "
-                               "ports, admin key and MTU, and fill in their pid, memory_file and "
-                               "control_port (other entries stay as written; the file is marked "
-                               "keep_file, so netdam down clears those fields instead of deleting "
-                               "it). Run it on every host of the file.")  # fmt: skip
-    up.add_argument("--nodes", type=bounded_int(1, MAX_UP_NODES), default=None,
-                    help=f"emulated NICs, 1..{MAX_UP_NODES}; a collective spans at most 64 (default 4; not with an existing --cluster FILE)")  # fmt: skip
-    up.add_argument("--memory", type=size_arg, default=64 << 20,
-                    help="memory per node (default 64MiB; a file's memory_bytes wins)")  # fmt: skip
+    up = subparsers.add_parser(
+        "up",
+        help="start a local cluster of node processes",
+        description="Start N node processes on loopback, write the cluster "
+        "file and print its path. Foreground by default: Ctrl-C stops every "
+        "node. With --detach, return and leave them running (netdam down). "
+        "With --cluster FILE naming an existing file that lists [[nodes]] "
+        "(written by hand, maybe for several hosts): start exactly the nodes "
+        "whose address is an address of this host, with the file's ranks, "
+        "ports, admin key and MTU, and fill in their pid, memory_file and "
+        "control_port (other entries stay as written; the file is marked "
+        "keep_file, so netdam down clears those fields instead of deleting "
+        "it). Run it on every host of the file.",
+    )
+    up.add_argument(
+        "--nodes",
+        type=bounded_int(1, MAX_UP_NODES),
+        default=None,
+        help=f"emulated NICs, 1..{MAX_UP_NODES}; a collective spans at most 64 (default 4; not with an existing --cluster FILE)",
+    )
+    up.add_argument(
+        "--memory",
+        type=size_arg,
+        default=64 << 20,
+        help="memory per node (default 64MiB; a file's memory_bytes wins)",
+    )
     up.add_argument(
         "--base-port",
         type=port_arg,
@@ -210,12 +278,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     up.add_argument(
         "--mtu", type=mtu_arg, default=None, help="IP MTU (default 9000, or the file's)"
     )
-    up.add_argument("--cluster", type=new_or_file, default=None,
-                    help="cluster file: start this host's nodes from it when it lists [[nodes]], "
-                    "else write the new cluster's file there")  # fmt: skip
+    up.add_argument(
+        "--cluster",
+        type=new_or_file,
+        default=None,
+        help="cluster file: start this host's nodes from it when it lists [[nodes]], "
+        "else write the new cluster's file there",
+    )
     up.add_argument("--detach", action="store_true", help="start, print, return")
-    up.add_argument("--switch", action="store_true",
-                    help="also start the pool switch (its VIP goes into the cluster file)")  # fmt: skip
+    up.add_argument(
+        "--switch",
+        action="store_true",
+        help="also start the pool switch (its VIP goes into the cluster file)",
+    )
     add_nics_per_process(up)
     up.add_argument("--json", action="store_true")
     add_fault_args(up)
@@ -228,8 +303,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     stats = subparsers.add_parser("stats", help="counters of every node of a cluster")
     stats.add_argument("--cluster", type=cluster_file, required=True)
-    stats.add_argument("--timeout", type=bounded_seconds(0.0, 600.0, low_inclusive=False), default=1.0,
-                       help="seconds per node (default 1)")  # fmt: skip
+    stats.add_argument(
+        "--timeout",
+        type=bounded_seconds(0.0, 600.0, low_inclusive=False),
+        default=1.0,
+        help="seconds per node (default 1)",
+    )
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(func=run_stats)
 
@@ -240,8 +319,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     ping.add_argument(
         "--count", type=bounded_int(1, 100000), default=3, help="PINGs per node (default 3)"
     )
-    ping.add_argument("--timeout", type=bounded_seconds(0.0, 600.0, low_inclusive=False), default=1.0,
-                      help="seconds per PING (default 1)")  # fmt: skip
+    ping.add_argument(
+        "--timeout",
+        type=bounded_seconds(0.0, 600.0, low_inclusive=False),
+        default=1.0,
+        help="seconds per PING (default 1)",
+    )
     ping.add_argument("--json", action="store_true")
     ping.set_defaults(func=run_ping)
 
@@ -250,9 +333,12 @@ def _admin_keys(args: argparse.Namespace) -> tuple[int, bytes]:
     """The node's admin key and admin tag key from --admin-key-file or --admin-key-fd; (0, b"")
     without (a random key, no control tags)."""
     if args.admin_key is not None:
-        raise CommandError("--admin-key would show the key to every local user (ps): write it to a file "
-                           "with mode 0600 and pass --admin-key-file FILE, or hand it over a pipe with "
-                           "--admin-key-fd N", ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            "--admin-key would show the key to every local user (ps): write it to a file "
+            "with mode 0600 and pass --admin-key-file FILE, or hand it over a pipe with "
+            "--admin-key-fd N",
+            ExitCode.USAGE,
+        )
     try:
         if args.admin_key_file is not None and args.admin_key_file.suffix == ".toml":
             # The cluster file itself (0600): its admin key and the admin tag key of its group key.
@@ -294,16 +380,26 @@ def run_node(args: argparse.Namespace) -> int:
         ("--bind auto", args.bind and args.bind[0] == "auto"),
     ):
         if value:
-            raise CommandError(f"{flag} needs a rendezvous: run under torchrun, mpirun or srun, or pass "
-                               "--master HOST:PORT with --rank and --world-size", ExitCode.USAGE)  # fmt: skip
+            raise CommandError(
+                f"{flag} needs a rendezvous: run under torchrun, mpirun or srun, or pass "
+                "--master HOST:PORT with --rank and --world-size",
+                ExitCode.USAGE,
+            )
     config = NodeProcessConfig(
-        bind=args.bind or ("127.0.0.1", 7744), memory_bytes=args.memory, shm_dir=args.shm_dir,
-        name=args.name or "netdam-node", admin_key=args.admin_key, admin_tag_key=args.admin_tag_key,
-        members=args.members, mtu=args.mtu,
+        bind=args.bind or ("127.0.0.1", 7744),
+        memory_bytes=args.memory,
+        shm_dir=args.shm_dir,
+        name=args.name or "netdam-node",
+        admin_key=args.admin_key,
+        admin_tag_key=args.admin_tag_key,
+        members=args.members,
+        mtu=args.mtu,
         rank=args.rank if args.rank is not None else 0,
         world_size=args.world_size if args.world_size is not None else 1,
-        faults=faults_from(args), die_with_parent=args.die_with_parent, guard=_guard(args),
-    )  # fmt: skip
+        faults=faults_from(args),
+        die_with_parent=args.die_with_parent,
+        guard=_guard(args),
+    )
     return main(config)
 
 
@@ -315,22 +411,37 @@ def _run_nics(args: argparse.Namespace) -> int:
 
     for flag, given in (("--bind", args.bind is not None), ("--rank", args.rank is not None)):
         if given:
-            raise CommandError(f"{flag} conflicts with --nic, which gives each NIC's rank and address: "
-                               f"drop {flag}", ExitCode.USAGE)  # fmt: skip
+            raise CommandError(
+                f"{flag} conflicts with --nic, which gives each NIC's rank and address: "
+                f"drop {flag}",
+                ExitCode.USAGE,
+            )
     ranks = [rank for rank, _, _ in args.nic]
     if len(set(ranks)) != len(ranks):
-        raise CommandError(f"--nic names a rank twice ({', '.join(map(str, ranks))}): give each NIC its own rank",
-                           ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            f"--nic names a rank twice ({', '.join(map(str, ranks))}): give each NIC its own rank",
+            ExitCode.USAGE,
+        )
     name, faults, guard = args.name or "netdam-node", faults_from(args), _guard(args)
     admin_key = args.admin_key or secrets.randbits(32) | 1  # one key for the NICs of one process
     configs = [
-        NodeProcessConfig(bind=bind, memory_bytes=size or args.memory, shm_dir=args.shm_dir, name=f"{name}-{rank}",
-                          admin_key=admin_key, admin_tag_key=args.admin_tag_key, members=args.members, mtu=args.mtu,
-                          rank=rank,
-                          world_size=args.world_size if args.world_size is not None else len(args.nic),
-                          faults=faults, die_with_parent=args.die_with_parent, guard=guard)
+        NodeProcessConfig(
+            bind=bind,
+            memory_bytes=size or args.memory,
+            shm_dir=args.shm_dir,
+            name=f"{name}-{rank}",
+            admin_key=admin_key,
+            admin_tag_key=args.admin_tag_key,
+            members=args.members,
+            mtu=args.mtu,
+            rank=rank,
+            world_size=args.world_size if args.world_size is not None else len(args.nic),
+            faults=faults,
+            die_with_parent=args.die_with_parent,
+            guard=guard,
+        )
         for rank, bind, size in args.nic
-    ]  # fmt: skip
+    ]
     return main(configs)
 
 
@@ -353,17 +464,35 @@ def _run_launched_node(args: argparse.Namespace) -> int:
         if spec.master
         else "none (world of one)"
     )
-    print(f"netdam node: rank {spec.rank} of {spec.world_size} from {spec.source}, local rank "
-          f"{spec.local_rank}; rendezvous {master}; binding {bind[0]}:{bind[1]}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"netdam node: rank {spec.rank} of {spec.world_size} from {spec.source}, local rank "
+        f"{spec.local_rank}; rendezvous {master}; binding {bind[0]}:{bind[1]}",
+        file=sys.stderr,
+        flush=True,
+    )
     name = f"{args.name}-{spec.rank}" if args.name else f"netdam-r{spec.rank}-{os.getpid()}"
     config = NodeProcessConfig(
-        bind=bind, memory_bytes=args.memory, shm_dir=args.shm_dir, name=name, admin_key=args.admin_key,
-        admin_tag_key=args.admin_tag_key, mtu=args.mtu, rank=spec.rank, world_size=spec.world_size, faults=faults_from(args),
-        die_with_parent=args.die_with_parent, guard=_guard(args),
-    )  # fmt: skip
+        bind=bind,
+        memory_bytes=args.memory,
+        shm_dir=args.shm_dir,
+        name=name,
+        admin_key=args.admin_key,
+        admin_tag_key=args.admin_tag_key,
+        mtu=args.mtu,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        faults=faults_from(args),
+        die_with_parent=args.die_with_parent,
+        guard=_guard(args),
+    )
     try:
-        return run_launched_node(config, spec, cluster_path=args.cluster, timeout=args.rendezvous_timeout,
-                                 admin_key=args.admin_key)  # fmt: skip
+        return run_launched_node(
+            config,
+            spec,
+            cluster_path=args.cluster,
+            timeout=args.rendezvous_timeout,
+            admin_key=args.admin_key,
+        )
     except RendezvousError as exc:
         raise CommandError(str(exc), ExitCode(exc.code)) from None
 
@@ -379,12 +508,18 @@ def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
     collective over this many nodes."""
 
     if args.base_port is not None and args.base_port + nodes - 1 > 65535:
-        raise CommandError(f"--base-port {args.base_port} leaves no room for {nodes} ports (last would be "
-                           f"{args.base_port + nodes - 1}): give at most {65536 - nodes}", ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            f"--base-port {args.base_port} leaves no room for {nodes} ports (last would be "
+            f"{args.base_port + nodes - 1}): give at most {65536 - nodes}",
+            ExitCode.USAGE,
+        )
     mtu = args.mtu or DEFAULT_MTU
     if mtu < min_mtu(nodes):
-        raise CommandError(f"--mtu {mtu} is too small for a collective over {nodes} nodes (the start packet "
-                           f"names every node): give at least {min_mtu(nodes)}", ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            f"--mtu {mtu} is too small for a collective over {nodes} nodes (the start packet "
+            f"names every node): give at least {min_mtu(nodes)}",
+            ExitCode.USAGE,
+        )
     if not args.shm_dir.is_dir():
         raise CommandError(
             f"--shm-dir {args.shm_dir} is not a directory: create it or pass another",
@@ -396,9 +531,11 @@ def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
         return
     free = fs.f_bavail * fs.f_frsize
     if args.memory * nodes > free:
-        raise CommandError(f"--memory {args.memory} B x {nodes} nodes needs {args.memory * nodes} B but "
-                           f"{args.shm_dir} has {free} B free: lower --memory or --nodes, or pass --shm-dir",
-                           ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            f"--memory {args.memory} B x {nodes} nodes needs {args.memory * nodes} B but "
+            f"{args.shm_dir} has {free} B free: lower --memory or --nodes, or pass --shm-dir",
+            ExitCode.USAGE,
+        )
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -412,28 +549,48 @@ def run_up(args: argparse.Namespace) -> int:
 
     path = args.cluster or Path.cwd() / f"netdam-cluster-{os.getpid()}.toml"
     # Before any node starts: nodes whose file cannot be written are nodes nobody can stop.
-    check_writable_output(path, "--cluster" if args.cluster else "cluster file (choose with --cluster)")
+    check_writable_output(
+        path, "--cluster" if args.cluster else "cluster file (choose with --cluster)"
+    )
     from_file = args.cluster is not None and lists_nodes(args.cluster)
     if not from_file:
         _check_up_flags(args, args.nodes if args.nodes is not None else 4)
     try:
         if from_file:
             _check_file_flags(args)
-            cluster = start_from_file(args.cluster, memory=args.memory, shm_dir=args.shm_dir,
-                                      faults=faults_from(args), detach=args.detach, mtu=args.mtu,
-                                      nics_per_process=args.nics_per_process)  # fmt: skip
+            cluster = start_from_file(
+                args.cluster,
+                memory=args.memory,
+                shm_dir=args.shm_dir,
+                faults=faults_from(args),
+                detach=args.detach,
+                mtu=args.mtu,
+                nics_per_process=args.nics_per_process,
+            )
         else:
-            cluster = start_cluster(args.nodes if args.nodes is not None else 4, memory=args.memory,
-                                    base_port=args.base_port or 0, shm_dir=args.shm_dir,
-                                    mtu=args.mtu or DEFAULT_MTU, cluster_path=path,
-                                    faults=faults_from(args), detach=args.detach,
-                                    switch=args.switch, nics_per_process=args.nics_per_process)  # fmt: skip
+            cluster = start_cluster(
+                args.nodes if args.nodes is not None else 4,
+                memory=args.memory,
+                base_port=args.base_port or 0,
+                shm_dir=args.shm_dir,
+                mtu=args.mtu or DEFAULT_MTU,
+                cluster_path=path,
+                faults=faults_from(args),
+                detach=args.detach,
+                switch=args.switch,
+                nics_per_process=args.nics_per_process,
+            )
     except (ValueError, ClusterStartError) as exc:
         usage = isinstance(exc, (ValueError, ClusterFileError))
         raise CommandError(str(exc), ExitCode.USAGE if usage else ExitCode.RUN_FAILED) from None
-    summary: dict[str, object] = {"ok": True, "cluster": str(cluster.path), "nodes": len(_started(cluster)),
-                                  "processes": len(cluster.processes),
-                                  "startup_seconds": cluster.startup_seconds, "detached": args.detach}  # fmt: skip
+    summary: dict[str, object] = {
+        "ok": True,
+        "cluster": str(cluster.path),
+        "nodes": len(_started(cluster)),
+        "processes": len(cluster.processes),
+        "startup_seconds": cluster.startup_seconds,
+        "detached": args.detach,
+    }
     if cluster.owned is not None:
         summary["ranks"] = list(cluster.owned)
         summary["world_size"] = len(cluster.info.nodes)
@@ -465,15 +622,19 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
         f"{'rank':>4}  {'endpoint':<21} {'control':>7} {'pid':>8}  {'memory':>9}  memory file",
     ]
     for n in _started(cluster):
-        lines.append(f"{n.rank:>4}  {n.address + ':' + str(n.port):<21} {n.control_port:>7} {n.pid:>8}  "
-                     f"{format_size(n.memory_bytes):>9}  {n.memory_file}")  # fmt: skip
+        lines.append(
+            f"{n.rank:>4}  {n.address + ':' + str(n.port):<21} {n.control_port:>7} {n.pid:>8}  "
+            f"{format_size(n.memory_bytes):>9}  {n.memory_file}"
+        )
     if cluster.switch is not None:
         vip = cluster.switch.vip
         lines.append(
             f"switch: VIP {vip[0]}:{vip[1]} (pid {cluster.switch.process.pid}); pool clients send there"
         )
     logs = node_log(cluster.info.name, 0)
-    where = f"logs: {logs.parent}/{cluster.info.name}-RANK.log (RANK: the first NIC each process hosts)"
+    where = (
+        f"logs: {logs.parent}/{cluster.info.name}-RANK.log (RANK: the first NIC each process hosts)"
+    )
     if cluster.switch is not None:
         # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
         from netdam.cluster.launch import switch_log
@@ -490,11 +651,17 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
 
 def _check_file_flags(args: argparse.Namespace) -> None:
     """Flags that describe a new cluster make no sense when the file describes it."""
-    for flag, given in (("--nodes", args.nodes is not None), ("--base-port", args.base_port is not None),
-                        ("--switch", args.switch)):  # fmt: skip
+    for flag, given in (
+        ("--nodes", args.nodes is not None),
+        ("--base-port", args.base_port is not None),
+        ("--switch", args.switch),
+    ):
         if given:
-            raise CommandError(f"{flag} conflicts with {args.cluster}, which already lists [[nodes]]: drop "
-                               f"{flag} (the file decides), or give --cluster a new path", ExitCode.USAGE)  # fmt: skip
+            raise CommandError(
+                f"{flag} conflicts with {args.cluster}, which already lists [[nodes]]: drop "
+                f"{flag} (the file decides), or give --cluster a new path",
+                ExitCode.USAGE,
+            )
 
 
 def _supervise(cluster: LocalCluster) -> int:
@@ -518,7 +685,10 @@ def _supervise(cluster: LocalCluster) -> int:
     finally:
         cluster.stop()
     if dead is not None:
-        print(f"error: {dead_process_message(cluster, dead.pid, dead.returncode)}; cluster stopped", file=sys.stderr)
+        print(
+            f"error: {dead_process_message(cluster, dead.pid, dead.returncode)}; cluster stopped",
+            file=sys.stderr,
+        )
         return ExitCode.RUN_FAILED
     return ExitCode.OK
 
@@ -546,8 +716,17 @@ def run_down(args: argparse.Namespace) -> int:
     text = f"stopped {len(info.nodes)} nodes of {info.name}"
     if switch is not None:
         text += f" and its switch (VIP {switch.vip[0]}:{switch.vip[1]})"
-    emit({"ok": True, "stopped": len(info.nodes), "ranks": [n.rank for n in info.nodes],
-          "switch_stopped": switch is not None, "cluster": str(args.cluster)}, args.json, text=text)  # fmt: skip
+    emit(
+        {
+            "ok": True,
+            "stopped": len(info.nodes),
+            "ranks": [n.rank for n in info.nodes],
+            "switch_stopped": switch is not None,
+            "cluster": str(args.cluster),
+        },
+        args.json,
+        text=text,
+    )
     return ExitCode.OK
 
 
@@ -574,20 +753,29 @@ def run_stats(args: argparse.Namespace) -> int:
     with ControlClient.for_cluster(info) as client:
         for node in info.nodes:
             if node.rank in faulty:
-                nodes.append({"rank": node.rank, "address": f"{node.address}:{node.port}",
-                              "error": faulty[node.rank].message})  # fmt: skip
+                nodes.append(
+                    {
+                        "rank": node.rank,
+                        "address": f"{node.address}:{node.port}",
+                        "error": faulty[node.rank].message,
+                    }
+                )
                 continue
             start = time.perf_counter()
             try:
                 values = client.counters(node.control_endpoint, timeout=args.timeout)
             except (ControlError, OSError) as exc:  # OSError: unreachable from here (another host)
                 errors.append(f"rank {node.rank}: {exc}")
-                nodes.append({"rank": node.rank, "address": f"{node.address}:{node.port}",
-                              "error": str(exc)})  # fmt: skip
+                nodes.append(
+                    {"rank": node.rank, "address": f"{node.address}:{node.port}", "error": str(exc)}
+                )
                 continue
             named = C.counters_to_dict(values)
-            named.update(rank=node.rank, address=f"{node.address}:{node.port}",
-                         answer_seconds=time.perf_counter() - start)  # fmt: skip
+            named.update(
+                rank=node.rank,
+                address=f"{node.address}:{node.port}",
+                answer_seconds=time.perf_counter() - start,
+            )
             nodes.append(named)
     result = {"ok": not errors and not faults, "cluster": str(args.cluster), "nodes": nodes}
     code = ExitCode.OK
@@ -657,15 +845,26 @@ def run_ping(args: argparse.Namespace) -> int:
                 fault = why_silent(args.cluster, entries[k], timeout=args.timeout)
                 error = fault.message
                 file_at_fault.append(fault.code == ExitCode.USAGE)
-            results.append({"address": f"{ep[0]}:{ep[1]}", "answered": len(rtts), "sent": args.count,
-                            "rtt_seconds_min": min(rtts) if rtts else None, "info": info,
-                            **({"error": error} if not rtts and error else {})})  # fmt: skip
+            results.append(
+                {
+                    "address": f"{ep[0]}:{ep[1]}",
+                    "answered": len(rtts),
+                    "sent": args.count,
+                    "rtt_seconds_min": min(rtts) if rtts else None,
+                    "info": info,
+                    **({"error": error} if not rtts and error else {}),
+                }
+            )
     text = "\n".join(
         f"{r['address']}: {r['answered']}/{r['sent']} answered"
-        + (f", rtt min {r['rtt_seconds_min'] * 1e6:.0f} us, rank {r['info'].get('rank')}, "  # type: ignore[index,union-attr,operator]
-           f"memory {r['info'].get('memory_bytes')} B" if r["answered"] else f" ({r.get('error')})")  # type: ignore[union-attr]
+        + (
+            f", rtt min {r['rtt_seconds_min'] * 1e6:.0f} us, rank {r['info'].get('rank')}, "  # type: ignore[index,union-attr,operator]
+            f"memory {r['info'].get('memory_bytes')} B"
+            if r["answered"]
+            else f" ({r.get('error')})"
+        )  # type: ignore[union-attr]
         for r in results
-    )  # fmt: skip
+    )
     emit({"ok": not failed, "nodes": results}, args.json, text=text)
     if failed and file_at_fault and all(file_at_fault):
         return ExitCode.USAGE  # the cluster file names ports its running nodes do not use

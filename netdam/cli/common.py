@@ -64,8 +64,11 @@ def configure_logging(verbose: int) -> None:
     """The one logging set-up of every netdam process (the CLI, node and switch processes):
     -v INFO, -vv DEBUG for netdam's loggers (the root logger, which the launcher also reads to
     pass -v on to the processes it starts), WARNING for the QUIET_LOGGERS libraries."""
-    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)  # fmt: skip
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(verbose, 2),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -86,7 +89,9 @@ def port_arg(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid port {text!r}: give an integer 1..65535") from None
+        raise argparse.ArgumentTypeError(
+            f"invalid port {text!r}: give an integer 1..65535"
+        ) from None
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"port {value} is out of range: give 1..65535")
     return value
@@ -138,13 +143,20 @@ def check_writable_output(path: Path, option: str, *, room: int = OUTPUT_PROBE_B
         # The nearest ancestor that exists says which: a missing directory, or a file in the way.
         existing = next(p for p in (parent, *parent.parents) if p.exists())
         if not existing.is_dir():
-            raise CommandError(f"{option} {path}: {existing} is not a directory: give a path in a directory",
-                               ExitCode.USAGE)  # fmt: skip
-        raise CommandError(f"{option} {path}: directory {parent} does not exist: create it (mkdir -p {parent}) "
-                           "or give another path", ExitCode.USAGE)  # fmt: skip
+            raise CommandError(
+                f"{option} {path}: {existing} is not a directory: give a path in a directory",
+                ExitCode.USAGE,
+            )
+        raise CommandError(
+            f"{option} {path}: directory {parent} does not exist: create it (mkdir -p {parent}) "
+            "or give another path",
+            ExitCode.USAGE,
+        )
     if path.exists() and not os.access(path, os.W_OK):
-        raise CommandError(f"{option} {path} exists and is not writable: fix its permissions or give "
-                           "another path", ExitCode.USAGE)  # fmt: skip
+        raise CommandError(
+            f"{option} {path} exists and is not writable: fix its permissions or give another path",
+            ExitCode.USAGE,
+        )
     probe = parent / f".{path.name}.{os.getpid()}.probe"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -155,7 +167,9 @@ def check_writable_output(path: Path, option: str, *, room: int = OUTPUT_PROBE_B
             os.close(fd)
             probe.unlink(missing_ok=True)
     except OSError as exc:
-        raise CommandError(f"{option} {path}: {_why_unwritable(parent, exc)}", ExitCode.USAGE) from None
+        raise CommandError(
+            f"{option} {path}: {_why_unwritable(parent, exc)}", ExitCode.USAGE
+        ) from None
 
 
 def _why_unwritable(directory: Path, exc: OSError) -> str:
@@ -226,8 +240,9 @@ def bounded_milliseconds(low: float, high: float, *, low_inclusive: bool) -> Cal
     return _bounded_quantity(low, high, low_inclusive, unit="ms", noun="milliseconds", symbol="ms")
 
 
-def _bounded_quantity(low: float, high: float, low_inclusive: bool, *, unit: str, noun: str,
-                      symbol: str) -> Callable[[str], float]:  # fmt: skip
+def _bounded_quantity(
+    low: float, high: float, low_inclusive: bool, *, unit: str, noun: str, symbol: str
+) -> Callable[[str], float]:
     low_text = f"{low:g} <= {symbol}" if low_inclusive else f"{low:g} < {symbol}"
 
     def parse(text: str) -> float:
@@ -237,7 +252,9 @@ def _bounded_quantity(low: float, high: float, low_inclusive: bool, *, unit: str
             raise argparse.ArgumentTypeError(f"invalid {noun} {text!r}: give a number") from None
         above_low = value >= low if low_inclusive else value > low
         if not math.isfinite(value) or not above_low or value > high:
-            raise argparse.ArgumentTypeError(f"{text} {unit} is out of range: give {low_text} <= {high:g}")
+            raise argparse.ArgumentTypeError(
+                f"{text} {unit} is out of range: give {low_text} <= {high:g}"
+            )
         return value
 
     return parse

@@ -37,7 +37,6 @@ TEXT_MAX_BYTES = 32
 TEXT_MAX_ELEMENTS = 16
 
 
-
 class UsageProblem(NetdamError):
     """Input the command cannot read: exit 2 with a message that names the fix."""
 
@@ -61,14 +60,20 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--pcap", metavar="FILE", help="decode the NetDAM datagrams of a pcap file")
     ports = parser.add_mutually_exclusive_group()
     ports.add_argument(
-        "--port", type=port_list, default=None, metavar="N[,M,A-B]",
+        "--port",
+        type=port_list,
+        default=None,
+        metavar="N[,M,A-B]",
         help=f"with --pcap: the NetDAM UDP ports (default {NETDAM_UDP_PORT})",
-    )  # fmt: skip
+    )
     ports.add_argument(
-        "--cluster", type=cluster_file, default=None, metavar="FILE",
+        "--cluster",
+        type=cluster_file,
+        default=None,
+        metavar="FILE",
         help="with --pcap: the ports of this cluster (nodes, control ports, switch VIP) and its "
         "multicast groups",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--scapy", action="store_true", help="also show the scapy layer's dissection"
     )
@@ -85,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
     datagrams = given.datagrams
     if not datagrams:
         ports = ",".join(str(p) for p in sorted(_ports(args)))
-        message = (f"no UDP datagrams to or from port {ports} in {args.pcap}; pick the ports with "
-                   "--port or --cluster")  # fmt: skip
+        message = (
+            f"no UDP datagrams to or from port {ports} in {args.pcap}; pick the ports with "
+            "--port or --cluster"
+        )
         return _fail({"ok": False, "error": message}, args.json, ExitCode.CHECK_FAILED)
     results = [_decode_one(d, args.scapy) for d in datagrams]
     failed = [r for r in results if not r["ok"]]
@@ -131,11 +138,13 @@ def tally(given: Input, results: list[dict[str, Any]]) -> dict[str, Any]:
 def summary_text(counts: dict[str, Any]) -> str:
     """The summary block of the text output (one line per kind of count)."""
     opcodes = ", ".join(f"{name} {n}" for name, n in counts["by_opcode"].items()) or "none"
-    return "\n".join([
-        f"summary: {counts['frames']} frames read, {counts['datagrams']} NetDAM datagrams, "
-        f"{counts['skipped_frames']} other frames skipped, {counts['malformed']} malformed",
-        f"  by opcode: {opcodes}",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"summary: {counts['frames']} frames read, {counts['datagrams']} NetDAM datagrams, "
+            f"{counts['skipped_frames']} other frames skipped, {counts['malformed']} malformed",
+            f"  by opcode: {opcodes}",
+        ]
+    )
 
 
 def _segment(result: dict[str, Any]) -> str:
@@ -156,8 +165,11 @@ def _fail(obj: dict[str, Any], as_json: bool, code: ExitCode) -> int:
 
 
 def _read_input(args: argparse.Namespace) -> Input:
-    sources = [name for name, given in (("HEX", args.hex), ("--hex-file", args.hex_file),
-                                        ("--pcap", args.pcap)) if given]  # fmt: skip
+    sources = [
+        name
+        for name, given in (("HEX", args.hex), ("--hex-file", args.hex_file), ("--pcap", args.pcap))
+        if given
+    ]
     if len(sources) != 1:
         what = "no input" if not sources else f"{' and '.join(sources)} together"
         raise UsageProblem(
@@ -226,7 +238,9 @@ def port_list(text: str) -> set[int]:
         try:
             first, last = int(low), int(high or low)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid port list {text!r}: write N, N,M or A-B") from None
+            raise argparse.ArgumentTypeError(
+                f"invalid port list {text!r}: write N, N,M or A-B"
+            ) from None
         if not 1 <= first <= last <= 65535:
             raise argparse.ArgumentTypeError(f"invalid ports {part!r}: give ports 1..65535, A <= B")
         ports.update(range(first, last + 1))
@@ -357,7 +371,9 @@ def _render_text(results: list[dict[str, Any]]) -> str:
     for result in results:
         lines = []
         if "frame" in result:
-            lines.append(f"# frame {result['frame']}{_segment(result)}: {result['src']} > {result['dst']}")
+            lines.append(
+                f"# frame {result['frame']}{_segment(result)}: {result['src']} > {result['dst']}"
+            )
         lines += _text_lines(result)
         blocks.append("\n".join(lines) + "\n")
     return "\n".join(blocks)
@@ -366,8 +382,11 @@ def _render_text(results: list[dict[str, Any]]) -> str:
 def _text_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"size: {result['size']} bytes"]
     if not result["ok"]:
-        lines += [f"error: {result['error']}", f"status: {result['status']}",
-                  f"hex: {_short_hex(bytes.fromhex(result['hex']))}"]  # fmt: skip
+        lines += [
+            f"error: {result['error']}",
+            f"status: {result['status']}",
+            f"hex: {_short_hex(bytes.fromhex(result['hex']))}",
+        ]
     else:
         for name, value in result.items():
             if name in ("frame", "src", "dst", "size", "ok", "scapy", "gso_segment"):

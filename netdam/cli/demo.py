@@ -17,10 +17,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "and check every rank against a numpy reference. The NICs are node processes on "
         "loopback UDP; the all-reduce runs in them (START_COLL) with multicast all-gather.",
     )
-    parser.add_argument("--nodes", type=bounded_int(2, 64), default=4, help="emulated NICs, 2..64 (default 4)")
+    parser.add_argument(
+        "--nodes", type=bounded_int(2, 64), default=4, help="emulated NICs, 2..64 (default 4)"
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--size", type=size_arg, default=None, help="bytes per rank (default 1MiB)")
-    size.add_argument("--count", type=bounded_int(1, 1 << 40), default=None, help="elements per rank instead of bytes")
+    size.add_argument(
+        "--count",
+        type=bounded_int(1, 1 << 40),
+        default=None,
+        help="elements per rank instead of bytes",
+    )
     parser.add_argument("--dtype", choices=["f32", "f16", "i32", "i64", "f64"], default="f32")
     parser.add_argument("--seed", type=int, default=1, help="seed of the random inputs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -11,17 +11,24 @@ from netdam.tools.flood import FloodConfig, run_flood
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
-        "flood", help="flood a node or the switch; check liveness, stats and flat memory",
+        "flood",
+        help="flood a node or the switch; check liveness, stats and flat memory",
         description="Start a local pool cluster (3 nodes and the switch), send a seeded mix of valid "
         "and malformed datagrams at the target as fast as loopback takes them, sample its memory "
         "(RssAnon) and ask it for stats every 0.5 s. Passes when it stays alive, every stats "
         "request is answered, and anonymous memory grows by at most 4 MiB after a 1 s warm-up; "
         "what it could not take is counted (kernel_drops, drop_tx_full).",
-    )  # fmt: skip
+    )
     p.add_argument("--target", choices=("node", "switch"), default="node")
-    p.add_argument("--seconds", type=bounded_seconds(1.0, 86400.0, low_inclusive=False), default=60.0,
-                   help="how long to flood (default 60; more than 1: the warm-up)")  # fmt: skip
-    p.add_argument("--senders", type=bounded_int(1, 8), default=1, help="sending processes (default 1)")
+    p.add_argument(
+        "--seconds",
+        type=bounded_seconds(1.0, 86400.0, low_inclusive=False),
+        default=60.0,
+        help="how long to flood (default 60; more than 1: the warm-up)",
+    )
+    p.add_argument(
+        "--senders", type=bounded_int(1, 8), default=1, help="sending processes (default 1)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the datagram mix")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)

@@ -38,25 +38,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "authorized write is unchanged, that the counters add up, and that every opcode and "
         "NACK status was reached.",
     )
-    parser.add_argument("--target", choices=TARGETS, default="node",
-                        help="fuzz node processes directly, or the switch's VIP (default node)")  # fmt: skip
-    parser.add_argument("--datagrams", type=bounded_int(1, 1_000_000_000), default=100_000,
-                        help="datagrams to send (default 100000)")  # fmt: skip
-    parser.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=1,
-                        help="seed of every datagram (a run replays; default 1)")  # fmt: skip
-    parser.add_argument("--nodes", type=bounded_int(1, 8), default=2, help="node processes (default 2)")
-    parser.add_argument("--round", type=bounded_int(1, 4096), default=512, dest="round_size",
-                        metavar="N", help="datagrams between barriers (default 512)")  # fmt: skip
-    parser.add_argument("--artifacts", type=Path, default=None, metavar="DIR",
-                        help="directory for the datagrams of a round that crashed a process or "
-                        "changed memory it must not (default: the temporary directory)")  # fmt: skip
+    parser.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="node",
+        help="fuzz node processes directly, or the switch's VIP (default node)",
+    )
+    parser.add_argument(
+        "--datagrams",
+        type=bounded_int(1, 1_000_000_000),
+        default=100_000,
+        help="datagrams to send (default 100000)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=bounded_int(0, 2**63 - 1),
+        default=1,
+        help="seed of every datagram (a run replays; default 1)",
+    )
+    parser.add_argument(
+        "--nodes", type=bounded_int(1, 8), default=2, help="node processes (default 2)"
+    )
+    parser.add_argument(
+        "--round",
+        type=bounded_int(1, 4096),
+        default=512,
+        dest="round_size",
+        metavar="N",
+        help="datagrams between barriers (default 512)",
+    )
+    parser.add_argument(
+        "--artifacts",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="directory for the datagrams of a round that crashed a process or "
+        "changed memory it must not (default: the temporary directory)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = FuzzConfig(target=args.target, datagrams=args.datagrams, seed=args.seed, nodes=args.nodes,
-                        round_size=args.round_size, artifacts=args.artifacts)  # fmt: skip
+    config = FuzzConfig(
+        target=args.target,
+        datagrams=args.datagrams,
+        seed=args.seed,
+        nodes=args.nodes,
+        round_size=args.round_size,
+        artifacts=args.artifacts,
+    )
 
     progress.describe(f"{args.datagrams:,} datagrams at the {args.target}")
     result = run_fuzz(config)
@@ -74,8 +105,10 @@ def _columns(title: str, cells: list[str], per_row: int) -> list[str]:
 
 def format_result(result: dict[str, Any]) -> str:
     """The human summary: verdict, totals, then opcodes and NACK statuses as short tables."""
-    head = (f"netdam fuzz --target {result['target']}: {'OK' if result['ok'] else 'FAILED'}"
-            f"  ({result['nodes']} node{'s' if result['nodes'] != 1 else ''}, seed {result['seed']})")  # fmt: skip
+    head = (
+        f"netdam fuzz --target {result['target']}: {'OK' if result['ok'] else 'FAILED'}"
+        f"  ({result['nodes']} node{'s' if result['nodes'] != 1 else ''}, seed {result['seed']})"
+    )
     mix = result["mix"]
     lines = [
         head,
@@ -85,14 +118,23 @@ def format_result(result: dict[str, Any]) -> str:
         f"  crashes {result['crashes']}, memory violations {result['memory_violations']} bytes, misdirected {result['misdirected']}, "
         f"bad replies {result['bad_replies']}, read mismatches {result['read_mismatches']}, counters add up: {result['counters_add_up']} ({result['counter_checks']} checks)",
         f"  kernel drops: processes {result['kernel_drops']['processes']}, fuzzer {result['kernel_drops']['fuzzer']}",
-    ]  # fmt: skip
-    cells = [f"{name:<11}{row['sent']:>8}{row['reached']:>9}" for name, row in result["by_opcode"].items()]
+    ]
+    cells = [
+        f"{name:<11}{row['sent']:>8}{row['reached']:>9}"
+        for name, row in result["by_opcode"].items()
+    ]
     lines += _columns("opcode        sent  reached", cells, 3)
-    lines += _columns("NACK status    replies", [f"{name:<14}{n:>8}" for name, n in result["by_status"].items()], 3)
+    lines += _columns(
+        "NACK status    replies",
+        [f"{name:<14}{n:>8}" for name, n in result["by_status"].items()],
+        3,
+    )
     if result.get("error"):
         lines.append(f"  error: {result['error']}")
     for check in result["counter_checks_failed"][:10]:
-        lines.append(f"  counter check failed: {check['name']}: counted {check['counted']}, expected {check['expected']}")
+        lines.append(
+            f"  counter check failed: {check['name']}: counted {check['counted']}, expected {check['expected']}"
+        )
     if result.get("repro_file"):
         lines.append(f"  datagrams of the failing round: {result['repro_file']}")
     return "\n".join(lines)

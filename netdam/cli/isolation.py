@@ -11,7 +11,8 @@ from netdam.cli.common import CommandError, ExitCode, bounded_int, emit
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
-        "isolation", help="two tenants of one pool: every kind of cross-access the attacker tries must fail",
+        "isolation",
+        help="two tenants of one pool: every kind of cross-access the attacker tries must fail",
         description="Two tenants of one pool on 3 nodes and the switch (the compiled cores the "
         "processes run, on an in-memory fabric). The attacker tries --attempts datagrams of each "
         "kind: the victim's memory with its own or guessed keys, through the switch and at the "
@@ -21,11 +22,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "the attacker's regions changes, none of the victim's bytes reaches the attacker, "
         "nothing reaches a third party, each kind is counted as SPEC says, and the victim works "
         "as before. Exit 0 when all hold, 1 when one does not.",
-    )  # fmt: skip
-    p.add_argument("--attempts", type=bounded_int(1, 1_000_000), default=None,
-                   help="datagrams per kind (default: as many as the test suite sends)")  # fmt: skip
-    p.add_argument("--kind", action="append", default=None, metavar="KIND",
-                   help="one kind, as the text output names it (repeatable; default all)")  # fmt: skip
+    )
+    p.add_argument(
+        "--attempts",
+        type=bounded_int(1, 1_000_000),
+        default=None,
+        help="datagrams per kind (default: as many as the test suite sends)",
+    )
+    p.add_argument(
+        "--kind",
+        action="append",
+        default=None,
+        metavar="KIND",
+        help="one kind, as the text output names it (repeatable; default all)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -37,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
     unknown = [k for k in args.kind or () if k not in KINDS]
     if unknown:
-        raise CommandError(f"no kind {unknown[0]!r}: give one of {', '.join(KINDS)}", ExitCode.USAGE)
+        raise CommandError(
+            f"no kind {unknown[0]!r}: give one of {', '.join(KINDS)}", ExitCode.USAGE
+        )
     attempts = args.attempts or ATTEMPTS
     progress.describe(f"{attempts:,} attempts per kind")
     try:
@@ -51,16 +63,25 @@ def run(args: argparse.Namespace) -> int:
 def format_text(result: dict[str, Any]) -> str:
     """One line per kind: what the attacker got (all zeros when isolation holds) and the
     answers it had instead; then the verdict."""
-    lines = [f"netdam isolation: {result['attempts_per_kind']:,} attempts per kind",
-             f"  {'kind':<32}{'succeeded':>10}{'changed B':>10}{'leaked':>8}{'3rd party':>10}  refused / dropped"]  # fmt: skip
+    lines = [
+        f"netdam isolation: {result['attempts_per_kind']:,} attempts per kind",
+        f"  {'kind':<32}{'succeeded':>10}{'changed B':>10}{'leaked':>8}{'3rd party':>10}  refused / dropped",
+    ]
     for kind, r in result["kinds"].items():
         nacks = ", ".join(f"{name} {n}" for name, n in sorted(r["nacks"].items())) or "-"
-        drops = [f"{what} {r[key]}" for key, what in (("dropped_forged", "forged"), ("dropped_replayed", "replayed"))
-                 if r[key]]  # fmt: skip
-        lines.append(f"  {kind:<32}{r['succeeded']:>10}{r['bytes_changed']:>10}{r['leaked_runs']:>8}"
-                     f"{r['third_party']:>10}  {nacks}{'; dropped ' + ', '.join(drops) if drops else ''}")  # fmt: skip
+        drops = [
+            f"{what} {r[key]}"
+            for key, what in (("dropped_forged", "forged"), ("dropped_replayed", "replayed"))
+            if r[key]
+        ]
+        lines.append(
+            f"  {kind:<32}{r['succeeded']:>10}{r['bytes_changed']:>10}{r['leaked_runs']:>8}"
+            f"{r['third_party']:>10}  {nacks}{'; dropped ' + ', '.join(drops) if drops else ''}"
+        )
         if kind == "reply to third party":
-            lines.append("    (READs of the attacker's own memory: answered, to the attacker alone)")
+            lines.append(
+                "    (READs of the attacker's own memory: answered, to the attacker alone)"
+            )
         lines += [f"    FAILED: {f}" for f in r["failures"]]
     lines += [f"  victim: FAILED: {f}" for f in result["victim_failures"]]
     lines.append("  " + ("ok: nothing got through" if result["ok"] else "FAILED"))

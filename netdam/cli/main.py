@@ -73,12 +73,22 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     overwriting a value given before the subcommand."""
     taken = parser._option_string_actions  # noqa: SLF001 (argparse offers no public lookup)
     if "-q" not in taken:
-        parser.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                            help="no progress or notes on stderr (errors still print)")  # fmt: skip
+        parser.add_argument(
+            "-q",
+            "--quiet",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="no progress or notes on stderr (errors still print)",
+        )
     if "-v" not in taken:
-        parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                            help="log more of netdam's own lines, -vv debug (libraries stay at warnings); "
-                            "node and switch processes log to their log files")  # fmt: skip
+        parser.add_argument(
+            "-v",
+            "--verbose",
+            action="count",
+            default=argparse.SUPPRESS,
+            help="log more of netdam's own lines, -vv debug (libraries stay at warnings); "
+            "node and switch processes log to their log files",
+        )
 
 
 def _report(message: str, code: int, as_json: bool) -> int:
@@ -119,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         return _report(str(exc), int(exc.code), as_json)
     except KeyboardInterrupt:
-        return _report("interrupted (Ctrl-C): stopped what this command started", ExitCode.INTERRUPTED, as_json)
+        return _report(
+            "interrupted (Ctrl-C): stopped what this command started", ExitCode.INTERRUPTED, as_json
+        )
     except BrokenPipeError:
         # stdout closed early (`netdam ... | head`): the reader has what it wanted. Point stdout
         # at /dev/null so the interpreter's final flush does not raise a second time.
@@ -134,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if isinstance(exc, ClusterStartError):
             return _report(str(exc), ExitCode.RUN_FAILED, as_json)
-        where = "" if verbose >= 2 else " (run again with -vv for the traceback, and please report it)"
+        where = (
+            "" if verbose >= 2 else " (run again with -vv for the traceback, and please report it)"
+        )
         first = str(exc).splitlines()[0] if str(exc) else ""
         return _report(f"{type(exc).__name__}: {first}{where}", ExitCode.RUN_FAILED, as_json)
     return code

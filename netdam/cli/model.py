@@ -104,7 +104,9 @@ def register(subparsers: Any) -> None:
     amount.add_argument(
         "--bytes", type=size_arg, metavar="SIZE", help="data bytes moved (default 128 = 32 f32)"
     )
-    amount.add_argument("--count", type=bounded_int(1, 1 << 40), metavar="N", help="elements instead of bytes")
+    amount.add_argument(
+        "--count", type=bounded_int(1, 1 << 40), metavar="N", help="elements instead of bytes"
+    )
     op.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     op.add_argument(
         "--sr-segments",
@@ -168,13 +170,21 @@ def register(subparsers: Any) -> None:
     ar.add_argument(
         "--size", type=size_arg, required=True, metavar="SIZE", help="bytes per node (e.g. 64MiB)"
     )
-    ar.add_argument("--algo", choices=ALGOS, default=None,
-                    help="algorithm (default netdam-chain, or netdam-chain-2d where one SR list "
-                    "cannot name every hop)")  # fmt: skip
+    ar.add_argument(
+        "--algo",
+        choices=ALGOS,
+        default=None,
+        help="algorithm (default netdam-chain, or netdam-chain-2d where one SR list "
+        "cannot name every hop)",
+    )
     ar.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
-    ar.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
-                    help="also draw time and busbw against size, 4KiB up to 4 x SIZE (needs the "
-                    "[plot] extra: matplotlib)")  # fmt: skip
+    ar.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        type=writable_output("--plot"),
+        help="also draw time and busbw against size, 4KiB up to 4 x SIZE (needs the "
+        "[plot] extra: matplotlib)",
+    )
     _common(ar, "100")
     ar.set_defaults(func=cmd_allreduce)
 
@@ -210,7 +220,12 @@ def register(subparsers: Any) -> None:
         metavar="SIZE",
         help="size of the against-nodes panels (default 256MiB)",
     )
-    sw.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"), help="write a figure (needs the [plot] extra: matplotlib)")
+    sw.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        type=writable_output("--plot"),
+        help="write a figure (needs the [plot] extra: matplotlib)",
+    )
     sw.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="element type")
     _common(sw, "100")
     sw.set_defaults(func=cmd_sweep)
@@ -223,11 +238,16 @@ def register(subparsers: Any) -> None:
         "the parameters of its own hosts, and print model / measured with its geometric "
         f"mean (issue bound [{BOUNDS[0]}, {BOUNDS[1]}] for roce-ring).",
     )
-    va.add_argument("--set", dest="set_key", metavar="KEY",
-                    help="only this set (default: every set)")  # fmt: skip
-    va.add_argument("--plot", metavar="FILE.png", type=writable_output("--plot"),
-                    help="draw measured against modelled time and their ratio (needs the "
-                    "[plot] extra: matplotlib)")  # fmt: skip
+    va.add_argument(
+        "--set", dest="set_key", metavar="KEY", help="only this set (default: every set)"
+    )
+    va.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        type=writable_output("--plot"),
+        help="draw measured against modelled time and their ratio (needs the "
+        "[plot] extra: matplotlib)",
+    )
     va.add_argument("--json", action="store_true", help="print exactly one JSON object")
     va.set_defaults(func=cmd_validate)
 
@@ -299,7 +319,6 @@ def _guard(func: Any) -> Any:
             if args.json:
                 emit({"ok": False, "error": str(exc)}, True)
             else:
-
                 print(f"error: {exc}", file=sys.stderr)
             return int(exc.code)
 
@@ -415,9 +434,18 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
         est = allreduce(args.algo, args.nodes, args.size, nd, ro, dtype) if args.algo else chain
         # NetDAM beside both RoCE baselines: the hardware bound and the MPI-library model.
         # Past one SR list's 64 hops both ways of scaling a chain: the longer list, the 2-D chains.
-        scaled = ("netdam-chain-2d",) if args.nodes > CHAIN_GROUP + 1 and chain.algo == "netdam-chain" else ()
-        side = {chain.algo: chain, **{a: allreduce(a, args.nodes, args.size, nd, ro, dtype)
-                                      for a in (*scaled, "roce-ideal", "roce-ring")}}  # fmt: skip
+        scaled = (
+            ("netdam-chain-2d",)
+            if args.nodes > CHAIN_GROUP + 1 and chain.algo == "netdam-chain"
+            else ()
+        )
+        side = {
+            chain.algo: chain,
+            **{
+                a: allreduce(a, args.nodes, args.size, nd, ro, dtype)
+                for a in (*scaled, "roce-ideal", "roce-ring")
+            },
+        }
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     out: dict[str, Any] = {
@@ -426,8 +454,10 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "ratio_vs_chain": est.seconds / chain.seconds,
         "chain_algo": chain.algo,
-        "compare": {a: {"seconds": e.seconds, "busbw_gbps": e.busbw_gbps,
-                        "bottleneck": e.bottleneck} for a, e in side.items()},
+        "compare": {
+            a: {"seconds": e.seconds, "busbw_gbps": e.busbw_gbps, "bottleneck": e.bottleneck}
+            for a, e in side.items()
+        },
     }
     terms = "\n".join(f"  {k}: {v * 1e6:.2f} us" for k, v in est.terms.items())
     if est.algorithm:
@@ -438,15 +468,18 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
         f"time {est.seconds * 1e6:.2f} us, algbw {est.algbw_gbps:.2f} Gb/s, "
         f"busbw {est.busbw_gbps:.2f} Gb/s, bottleneck {est.bottleneck}, "
         f"{out['ratio_vs_chain']:.2f}x {chain.algo}\n{terms}\n"
-        + "\n".join(f"  vs {a}: {e.seconds * 1e6:.2f} us, busbw "
-                    f"{e.busbw_gbps:.2f} Gb/s ({e.bottleneck})"
-                    for a, e in side.items())
+        + "\n".join(
+            f"  vs {a}: {e.seconds * 1e6:.2f} us, busbw {e.busbw_gbps:.2f} Gb/s ({e.bottleneck})"
+            for a, e in side.items()
+        )
     )
     sharp = SHARP_128_HOSTS.get(args.size) if args.nodes == 128 else None
     if sharp is not None:
         out["reference_sharp"] = {"seconds": sharp[0], "seconds_host_based": sharp[1]}
-        text += (f"\n  published, InfiniBand SHARP on 128 hosts: {sharp[0] * 1e6:.2f} us, host-based "
-                 f"{sharp[1] * 1e6:.2f} us (measured hardware, not this model)")
+        text += (
+            f"\n  published, InfiniBand SHARP on 128 hosts: {sharp[0] * 1e6:.2f} us, host-based "
+            f"{sharp[1] * 1e6:.2f} us (measured hardware, not this model)"
+        )
     if plt is not None:
         _plot_allreduce(plt, args, nd, ro, dtype)
         out["plot"] = str(args.plot)
@@ -455,7 +488,9 @@ def cmd_allreduce(args: argparse.Namespace) -> int:
     return int(ExitCode.OK)
 
 
-def _chain(nodes: int, size: int, nd: NetdamParams, ro: RoceParams, dtype: int) -> AllreduceEstimate:
+def _chain(
+    nodes: int, size: int, nd: NetdamParams, ro: RoceParams, dtype: int
+) -> AllreduceEstimate:
     """NetDAM's chain for this job: one SR list over every node where it fits in a packet with
     room for data, else the chains of netdam-chain-2d."""
     try:
@@ -543,8 +578,12 @@ def _plot(
         style = plotting.series_style(index, algo, model=True)
         by_size = sorted((r["bytes"], r) for r in rows if r["algo"] == algo and r["nodes"] == nodes)
         by_nodes = sorted((r["nodes"], r) for r in rows if r["algo"] == algo and r["bytes"] == size)
-        for ax, points, key, scale in ((axes[0], by_size, "seconds", 1e6), (axes[1], by_size, "busbw_gbps", 1.0),
-                                       (axes[2], by_nodes, "seconds", 1e6), (axes[3], by_nodes, "busbw_gbps", 1.0)):  # fmt: skip
+        for ax, points, key, scale in (
+            (axes[0], by_size, "seconds", 1e6),
+            (axes[1], by_size, "busbw_gbps", 1.0),
+            (axes[2], by_nodes, "seconds", 1e6),
+            (axes[3], by_nodes, "busbw_gbps", 1.0),
+        ):
             ax.plot([x for x, _ in points], [r[key] * scale for _, r in points], **style)
     for ax in axes[:2]:
         plotting.size_axis(ax)
@@ -556,8 +595,12 @@ def _plot(
     axes[1].set(ylabel="busbw (Gb/s)", title=f"busbw against size, {nodes} nodes")
     axes[2].set(ylabel="time (us)", title=f"time against nodes, {format_size(size)} per node")
     axes[3].set(ylabel="busbw (Gb/s)", title=f"busbw against nodes, {format_size(size)} per node")
-    plotting.finish(fig, path, f"Modelled all-reduce, {link:g} Gb/s links (netdam fpga_model)",
-                    plotting.Key().colors(ALGOS).sources(None, "model"))
+    plotting.finish(
+        fig,
+        path,
+        f"Modelled all-reduce, {link:g} Gb/s links (netdam fpga_model)",
+        plotting.Key().colors(ALGOS).sources(None, "model"),
+    )
 
 
 # --- validate -------------------------------------------------------------------------
@@ -568,35 +611,67 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         sets = load_sets()
     except (OSError, ValueError, KeyError) as exc:
-        raise CommandError(f"cannot read the measurement sets: {exc}", ExitCode.RUN_FAILED) from None
+        raise CommandError(
+            f"cannot read the measurement sets: {exc}", ExitCode.RUN_FAILED
+        ) from None
     if args.set_key is not None:
         sets = [s for s in sets if s.key == args.set_key]
         if not sets:
             known = ", ".join(s.key for s in load_sets())
-            raise CommandError(f"no measurement set {args.set_key!r}; known: {known}",
-                               ExitCode.USAGE)
+            raise CommandError(
+                f"no measurement set {args.set_key!r}; known: {known}", ExitCode.USAGE
+            )
     ring = [compare_set(s, "roce-ring") for s in sets]
     ideal = [compare_set(s, "roce-ideal") for s in sets]
     out: dict[str, Any] = {"ok": True, "bounds": list(BOUNDS), "sets": []}
     text: list[str] = []
     for r, i in zip(ring, ideal):
         m = r.measured
-        out["sets"].append({"key": m.key, "title": m.title, "citation": m.citation,
-                            "library": m.library, "hosts": m.hosts, "metric": m.metric,
-                            "roce_ring": r.as_dict(), "roce_ideal": i.as_dict()})
-        rows = [[str(a.point.nodes), format_size(a.point.nbytes),
-                 f"{a.point.seconds * 1e6:.1f}", f"{a.model_seconds * 1e6:.1f}",
-                 f"{a.ratio:.2f}", f"{b.ratio:.2f}", a.algorithm]
-                for a, b in zip(r.rows, i.rows) if a.point.nbytes >= m.validate_from_bytes]
+        out["sets"].append(
+            {
+                "key": m.key,
+                "title": m.title,
+                "citation": m.citation,
+                "library": m.library,
+                "hosts": m.hosts,
+                "metric": m.metric,
+                "roce_ring": r.as_dict(),
+                "roce_ideal": i.as_dict(),
+            }
+        )
+        rows = [
+            [
+                str(a.point.nodes),
+                format_size(a.point.nbytes),
+                f"{a.point.seconds * 1e6:.1f}",
+                f"{a.model_seconds * 1e6:.1f}",
+                f"{a.ratio:.2f}",
+                f"{b.ratio:.2f}",
+                a.algorithm,
+            ]
+            for a, b in zip(r.rows, i.rows)
+            if a.point.nbytes >= m.validate_from_bytes
+        ]
         by_nodes = ", ".join(f"{n}: {g:.2f}" for n, g in r.geomean_by_nodes().items())
         text.append(
             f"{m.key}: {m.title}\n  source: {m.citation}\n  hosts: {m.hosts}; library: "
             f"{m.library}; measured: {m.metric}; model parameters: {m.params.name}\n\n"
-            + _table(["nodes", "size", "measured us", "roce-ring us", "ring/meas",
-                      "ideal/meas", "host algorithm"], rows)
+            + _table(
+                [
+                    "nodes",
+                    "size",
+                    "measured us",
+                    "roce-ring us",
+                    "ring/meas",
+                    "ideal/meas",
+                    "host algorithm",
+                ],
+                rows,
+            )
             + f"\n\n  geometric mean from {format_size(m.validate_from_bytes)} up: roce-ring "
             f"{r.geomean:.2f} (by nodes {by_nodes}), roce-ideal {i.geomean:.2f}; bound "
-            f"[{BOUNDS[0]}, {BOUNDS[1]}]: {'within' if BOUNDS[0] <= r.geomean <= BOUNDS[1] else 'OUTSIDE'}")
+            f"[{BOUNDS[0]}, {BOUNDS[1]}]: {'within' if BOUNDS[0] <= r.geomean <= BOUNDS[1] else 'OUTSIDE'}"
+        )
     if plt is not None:
         _plot_validation(plt, ring, ideal, args.plot)
         out["plot"] = str(args.plot)
@@ -605,8 +680,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return int(ExitCode.OK)
 
 
-def _plot_validation(plt: Any, ring: list[SetComparison], ideal: list[SetComparison],
-                     path: str) -> None:
+def _plot_validation(
+    plt: Any, ring: list[SetComparison], ideal: list[SetComparison], path: str
+) -> None:
     """Per set: measured times (solid) against roce-ring (dashed) and roce-ideal (dotted) for a
     few node counts, and roce-ring / measured for every node count with the issue's bounds
     shaded; one colour per node count across the figure."""
@@ -627,9 +703,18 @@ def _plot_validation(plt: Any, ring: list[SetComparison], ideal: list[SetCompari
                 continue
             ids = sorted((b.point.nbytes, b) for b in i.rows if b.point.nodes == n)
             top.plot(xs, [a.point.seconds * 1e6 for _, a in pts], **measured)
-            top.plot(xs, [a.model_seconds * 1e6 for _, a in pts], **plotting.series_style(index, label, model=True, order=labels))
-            top.plot([x for x, _ in ids], [b.model_seconds * 1e6 for _, b in ids], color=measured["color"],
-                     linestyle=":", linewidth=1.2)  # fmt: skip
+            top.plot(
+                xs,
+                [a.model_seconds * 1e6 for _, a in pts],
+                **plotting.series_style(index, label, model=True, order=labels),
+            )
+            top.plot(
+                [x for x, _ in ids],
+                [b.model_seconds * 1e6 for _, b in ids],
+                color=measured["color"],
+                linestyle=":",
+                linewidth=1.2,
+            )
         bottom.axhspan(BOUNDS[0], BOUNDS[1], color="0.9", zorder=0)
         bottom.axhline(1.0, color="black", linewidth=0.8)
         bottom.axvline(r.measured.validate_from_bytes, color="0.5", linewidth=1.0)
@@ -637,12 +722,18 @@ def _plot_validation(plt: Any, ring: list[SetComparison], ideal: list[SetCompari
             plotting.size_axis(ax)
         top.set_yscale("log")
         top.set(ylabel="time (us)", title=f"{r.measured.key}: time against size")
-        bottom.set(ylabel="roce-ring / measured",
-                   title=f"geometric mean {r.geomean:.2f} (roce-ideal {i.geomean:.2f})")
-    key = (plotting.Key().colors(labels, labels).sources("measured", "roce-ring model")
-           .line("roce-ideal model", linestyle=":")
-           .patch(f"issue bound [{BOUNDS[0]}, {BOUNDS[1]}]", facecolor="0.9", edgecolor="0.9")
-           .line("first validated size", color="0.5", linewidth=1.0))  # fmt: skip
+        bottom.set(
+            ylabel="roce-ring / measured",
+            title=f"geometric mean {r.geomean:.2f} (roce-ideal {i.geomean:.2f})",
+        )
+    key = (
+        plotting.Key()
+        .colors(labels, labels)
+        .sources("measured", "roce-ring model")
+        .line("roce-ideal model", linestyle=":")
+        .patch(f"issue bound [{BOUNDS[0]}, {BOUNDS[1]}]", facecolor="0.9", edgecolor="0.9")
+        .line("first validated size", color="0.5", linewidth=1.0)
+    )
     plotting.finish(fig, path, "roce-ring against published host all-reduce times", key)
 
 
@@ -666,7 +757,17 @@ def _plot_allreduce(plt: Any, args: argparse.Namespace, nd: Any, ro: Any, dtype:
     ax_t.set_yscale("log")
     ax_t.set(ylabel="time (us)", title="time against size")
     ax_b.set(ylabel="busbw (Gb/s)", title="busbw against size (nccl-tests' definition)")
-    key = plotting.Key().colors(algos).sources(None, "model").line(
-        f"asked: {format_size(args.size)}, {args.algo} {asked.seconds * 1e6:.1f} us, "
-        f"busbw {asked.busbw_gbps:.1f} Gb/s", color="0.5", linewidth=1.0)
-    plotting.finish(fig, args.plot, f"Modelled all-reduce, {args.nodes} nodes, {nd.link_gbps:g} Gb/s links", key)
+    key = (
+        plotting.Key()
+        .colors(algos)
+        .sources(None, "model")
+        .line(
+            f"asked: {format_size(args.size)}, {args.algo} {asked.seconds * 1e6:.1f} us, "
+            f"busbw {asked.busbw_gbps:.1f} Gb/s",
+            color="0.5",
+            linewidth=1.0,
+        )
+    )
+    plotting.finish(
+        fig, args.plot, f"Modelled all-reduce, {args.nodes} nodes, {nd.link_gbps:g} Gb/s links", key
+    )

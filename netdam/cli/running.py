@@ -52,7 +52,7 @@ def stale_message(path: Path, info: ClusterFile) -> str | None:
     if any(_runs_node(pid) for pid in pids):
         return None
     listed = ", ".join(str(pid) for pid in pids)
-    return (f"{path} is stale: none of its processes runs any more (pids {listed}): {restart_hint(path)}")
+    return f"{path} is stale: none of its processes runs any more (pids {listed}): {restart_hint(path)}"
 
 
 def check_not_stale(path: Path, info: ClusterFile) -> None:
@@ -61,8 +61,9 @@ def check_not_stale(path: Path, info: ClusterFile) -> None:
         raise CommandError(message, ExitCode.USAGE)
 
 
-def diagnose(path: Path, info: ClusterFile, timeout: float = PING_TIMEOUT_S
-             ) -> tuple[dict[int, dict[str, int]], list[NodeFault]]:  # fmt: skip
+def diagnose(
+    path: Path, info: ClusterFile, timeout: float = PING_TIMEOUT_S
+) -> tuple[dict[int, dict[str, int]], list[NodeFault]]:
     """PING every node of *info* on the data port its entry names: the INFO fields of those that
     answer (by rank), and what is wrong with the others."""
     answers: dict[int, dict[str, int]] = {}
@@ -75,10 +76,16 @@ def diagnose(path: Path, info: ClusterFile, timeout: float = PING_TIMEOUT_S
                 faults.append(_why_silent(path, node, client, timeout))
                 continue
             if fields.get("rank") != node.rank:
-                faults.append(NodeFault(node.rank, f"rank {node.rank} of {path} lists {node.address}:{node.port}, "
-                                        f"where a node of rank {fields.get('rank')} answers: the file does not "
-                                        f"match the running nodes: fix `port` of rank {node.rank}, or "
-                                        f"{restart_hint(path)}", ExitCode.USAGE))  # fmt: skip
+                faults.append(
+                    NodeFault(
+                        node.rank,
+                        f"rank {node.rank} of {path} lists {node.address}:{node.port}, "
+                        f"where a node of rank {fields.get('rank')} answers: the file does not "
+                        f"match the running nodes: fix `port` of rank {node.rank}, or "
+                        f"{restart_hint(path)}",
+                        ExitCode.USAGE,
+                    )
+                )
                 continue
             answers[node.rank] = fields
     return answers, faults
@@ -88,8 +95,10 @@ def summarize(path: Path, info: ClusterFile, faults: list[NodeFault]) -> tuple[s
     """One line and an exit code for *faults* (not empty)."""
     if len(faults) == len(info.nodes) and all(f.gone for f in faults):
         pids = ", ".join(str(n.pid) for n in info.nodes)
-        return (f"{path} is stale: none of its nodes runs any more (pids {pids}): {restart_hint(path)}",
-                ExitCode.USAGE)  # fmt: skip
+        return (
+            f"{path} is stale: none of its nodes runs any more (pids {pids}): {restart_hint(path)}",
+            ExitCode.USAGE,
+        )
     # The file's own faults first: their fix (the file) is the user's, and certain.
     ordered = sorted(faults, key=lambda f: f.code != ExitCode.USAGE)
     first = ordered[0]
@@ -118,26 +127,44 @@ def _why_silent(path: Path, node: NodeEntry, client: ControlClient, timeout: flo
     where = f"rank {node.rank} ({node.address}:{node.port}) of {path}"
     if node.pid and _local(node):
         if not _runs_node(node.pid):
-            return NodeFault(node.rank, f"{where} no longer runs (pid {node.pid} is gone): {restart_hint(path)}",
-                             ExitCode.RUN_FAILED, gone=True)  # fmt: skip
+            return NodeFault(
+                node.rank,
+                f"{where} no longer runs (pid {node.pid} is gone): {restart_hint(path)}",
+                ExitCode.RUN_FAILED,
+                gone=True,
+            )
         bound = _bound_ports(node.pid)
         if bound and node.port not in bound:
             ports = ", ".join(map(str, sorted(bound)))
-            fix = f"set port = {bound[0]} for rank {node.rank}" if len(bound) == 1 else "fix its port"
-            return NodeFault(node.rank, f"{where} does not answer: its node process (pid {node.pid}) listens on "
-                             f"port {ports}, the file does not match the running nodes: {fix} in {path}, or "
-                             f"{restart_hint(path)}", ExitCode.USAGE)  # fmt: skip
+            fix = (
+                f"set port = {bound[0]} for rank {node.rank}" if len(bound) == 1 else "fix its port"
+            )
+            return NodeFault(
+                node.rank,
+                f"{where} does not answer: its node process (pid {node.pid}) listens on "
+                f"port {ports}, the file does not match the running nodes: {fix} in {path}, or "
+                f"{restart_hint(path)}",
+                ExitCode.USAGE,
+            )
     if node.control_port and node.control_port != node.port:
         try:
             client.ping(node.control_endpoint, timeout=timeout)
         except (ControlError, OSError):
             pass
         else:
-            return NodeFault(node.rank, f"{where} does not answer, but its node answers on its control port "
-                             f"{node.control_port}: the file's port does not match the running node: fix `port` "
-                             f"of rank {node.rank} in {path}, or {restart_hint(path)}", ExitCode.USAGE)  # fmt: skip
-    return NodeFault(node.rank, f"{where} does not answer PING: check it runs (`netdam ping --node "
-                     f"{node.address}:{node.port}`), or {restart_hint(path)}", ExitCode.RUN_FAILED)  # fmt: skip
+            return NodeFault(
+                node.rank,
+                f"{where} does not answer, but its node answers on its control port "
+                f"{node.control_port}: the file's port does not match the running node: fix `port` "
+                f"of rank {node.rank} in {path}, or {restart_hint(path)}",
+                ExitCode.USAGE,
+            )
+    return NodeFault(
+        node.rank,
+        f"{where} does not answer PING: check it runs (`netdam ping --node "
+        f"{node.address}:{node.port}`), or {restart_hint(path)}",
+        ExitCode.RUN_FAILED,
+    )
 
 
 def _local(node: NodeEntry) -> bool:

@@ -40,32 +40,84 @@ straight from the nodes). With --cluster only the clients' receive side is injec
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("soak", help="concurrent clients check every byte and a shared counter through the switch",
-                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--clients", type=bounded_int(1, 64), default=8, help="client processes (default 8)")
-    parser.add_argument("--seconds", type=bounded_seconds(0.0, 86400.0, low_inclusive=False), default=60.0,
-                        help="length of the timed phase (default 60)")  # fmt: skip
-    parser.add_argument("--nodes", type=bounded_int(1, 16), default=None,
-                        help="node processes of the private cluster (default 3; with --cluster the file decides)")  # fmt: skip
-    parser.add_argument("--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up --switch)")
-    parser.add_argument("--pipeline", type=bounded_int(1, 32), default=8,
-                        help="operations per pipelined batch of a client (default 8)")  # fmt: skip
-    parser.add_argument("--timeout-ms", type=bounded_milliseconds(0.0, 10000.0, low_inclusive=False), default=50.0,
-                        help="client retry timeout, milliseconds (default 50)")  # fmt: skip
-    parser.add_argument("--retries", type=bounded_int(0, 1000), default=40,
-                        help="retries per request before it counts in errors (default 40: 2 s at 50 ms)")  # fmt: skip
-    faults = parser.add_argument_group("fault injection on every hop (seeded: the same packets meet the same fate)")
+    parser = subparsers.add_parser(
+        "soak",
+        help="concurrent clients check every byte and a shared counter through the switch",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--clients", type=bounded_int(1, 64), default=8, help="client processes (default 8)"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=bounded_seconds(0.0, 86400.0, low_inclusive=False),
+        default=60.0,
+        help="length of the timed phase (default 60)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=bounded_int(1, 16),
+        default=None,
+        help="node processes of the private cluster (default 3; with --cluster the file decides)",
+    )
+    parser.add_argument(
+        "--cluster",
+        type=cluster_file,
+        default=None,
+        help="use a running cluster (netdam up --switch)",
+    )
+    parser.add_argument(
+        "--pipeline",
+        type=bounded_int(1, 32),
+        default=8,
+        help="operations per pipelined batch of a client (default 8)",
+    )
+    parser.add_argument(
+        "--timeout-ms",
+        type=bounded_milliseconds(0.0, 10000.0, low_inclusive=False),
+        default=50.0,
+        help="client retry timeout, milliseconds (default 50)",
+    )
+    parser.add_argument(
+        "--retries",
+        type=bounded_int(0, 1000),
+        default=40,
+        help="retries per request before it counts in errors (default 40: 2 s at 50 ms)",
+    )
+    faults = parser.add_argument_group(
+        "fault injection on every hop (seeded: the same packets meet the same fate)"
+    )
     faults.add_argument("--loss", type=probability, default=0.0, help="drop probability per hop")
-    faults.add_argument("--dup", type=probability, default=0.0, help="duplicate probability per hop")
-    faults.add_argument("--reorder", type=probability, default=0.0, help="reorder probability per hop")
-    faults.add_argument("--delay", type=bounded_milliseconds(0.0, 1000.0, low_inclusive=True), default=0.0, metavar="MS",
-                        help="delay, milliseconds, of a --delay-prob fraction of datagrams per hop")  # fmt: skip
-    faults.add_argument("--delay-prob", type=probability, default=0.1,
-                        help="fraction of datagrams delayed when --delay is given (default 0.1)")  # fmt: skip
-    faults.add_argument("--seed", type=int, default=1, help="seed of the workload and of every fault decision")
-    faults.add_argument("--fault-site", choices=["switch", "nodes"], default="switch",
-                        help="where requests meet the faults in the private cluster: the switch's "
-                        "client:rx and node<R>:tx links (default), or the nodes' receive side")  # fmt: skip
+    faults.add_argument(
+        "--dup", type=probability, default=0.0, help="duplicate probability per hop"
+    )
+    faults.add_argument(
+        "--reorder", type=probability, default=0.0, help="reorder probability per hop"
+    )
+    faults.add_argument(
+        "--delay",
+        type=bounded_milliseconds(0.0, 1000.0, low_inclusive=True),
+        default=0.0,
+        metavar="MS",
+        help="delay, milliseconds, of a --delay-prob fraction of datagrams per hop",
+    )
+    faults.add_argument(
+        "--delay-prob",
+        type=probability,
+        default=0.1,
+        help="fraction of datagrams delayed when --delay is given (default 0.1)",
+    )
+    faults.add_argument(
+        "--seed", type=int, default=1, help="seed of the workload and of every fault decision"
+    )
+    faults.add_argument(
+        "--fault-site",
+        choices=["switch", "nodes"],
+        default="switch",
+        help="where requests meet the faults in the private cluster: the switch's "
+        "client:rx and node<R>:tx links (default), or the nodes' receive side",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -90,14 +142,29 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(str(exc), ExitCode.USAGE) from None
         # Refused, as allreduce does: the soak runs over every node of the file.
         if args.nodes is not None and args.nodes != len(info.nodes):
-            raise CommandError(f"--nodes {args.nodes} but {args.cluster} has {len(info.nodes)} nodes: drop --nodes "
-                               "(the file decides)", ExitCode.USAGE)  # fmt: skip
+            raise CommandError(
+                f"--nodes {args.nodes} but {args.cluster} has {len(info.nodes)} nodes: drop --nodes "
+                "(the file decides)",
+                ExitCode.USAGE,
+            )
 
     try:
-        config = SoakConfig(clients=args.clients, seconds=args.seconds, nodes=args.nodes or 3, loss=args.loss,
-                            dup=args.dup, reorder=args.reorder, delay_ms=args.delay, delay_prob=args.delay_prob,
-                            seed=args.seed, pipeline=args.pipeline, timeout_ms=args.timeout_ms,
-                            retries=args.retries, cluster=args.cluster, fault_site=args.fault_site)  # fmt: skip
+        config = SoakConfig(
+            clients=args.clients,
+            seconds=args.seconds,
+            nodes=args.nodes or 3,
+            loss=args.loss,
+            dup=args.dup,
+            reorder=args.reorder,
+            delay_ms=args.delay,
+            delay_prob=args.delay_prob,
+            seed=args.seed,
+            pipeline=args.pipeline,
+            timeout_ms=args.timeout_ms,
+            retries=args.retries,
+            cluster=args.cluster,
+            fault_site=args.fault_site,
+        )
     except ValueError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     result = run_soak(config)
@@ -121,11 +188,15 @@ def summary_text(r: dict[str, Any]) -> str:
         f"{c['acknowledged_increments']}, unconfirmed {c['unconfirmed_increments']}), "
         f"old-value errors {r['counter_old_value_errors']}",
         f"  final check: {r['verified_blocks']} blocks, {r['verified_bytes']} bytes read back",
-        "  latency us (p50/p99/max): " + ", ".join(
-            f"{op} {v['p50']}/{v['p99']}/{v['max']}" for op, v in r["latency_us"].items() if v["count"]),
+        "  latency us (p50/p99/max): "
+        + ", ".join(
+            f"{op} {v['p50']}/{v['p99']}/{v['max']}"
+            for op, v in r["latency_us"].items()
+            if v["count"]
+        ),
         f"  faults on {', '.join(r['faults']['links']) or 'nothing'}; injected: {r['injected']}",
         f"  at-most-once: {r['retransmits']} client retransmits, {r['node_counters']['dup_replays']} duplicates "
         f"answered from the nodes' windows, {r['node_counters']['stale_nacks']} STALE",
-    ]  # fmt: skip
+    ]
     lines += [f"  ! {s}" for s in r.get("error_samples", [])]
     return "\n".join(lines)

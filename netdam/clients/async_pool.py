@@ -56,8 +56,15 @@ from netdam.protocol.payloads import unpack_u64
 class AsyncPoolClient:
     """asyncio client of the pool at a VIP; create with ``await AsyncPoolClient.open(vip)``."""
 
-    def __init__(self, stream: asyncio_dgram.aio.DatagramServer, vip: Endpoint, client_id: int,
-                 timeout: float, retries: int, window: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stream: asyncio_dgram.aio.DatagramServer,
+        vip: Endpoint,
+        client_id: int,
+        timeout: float,
+        retries: int,
+        window: int,
+    ) -> None:
         self.vip = vip
         self.client_id = client_id
         self.max_payload = MAX_PAYLOAD_BYTES
@@ -89,9 +96,18 @@ class AsyncPoolClient:
             self.tag_keys[region.rkey] = region.tag_key
 
     @classmethod
-    async def open(cls, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
-                   retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
-                   mtu: int = DEFAULT_MTU, tag_keys: Mapping[int, bytes] | None = None) -> AsyncPoolClient:  # fmt: skip
+    async def open(
+        cls,
+        vip: Endpoint,
+        *,
+        client_id: int | None = None,
+        timeout: float = 0.05,
+        retries: int = 20,
+        window: int = 32,
+        bind: str = "0.0.0.0",
+        mtu: int = DEFAULT_MTU,
+        tag_keys: Mapping[int, bytes] | None = None,
+    ) -> AsyncPoolClient:
         """*mtu*: the cluster's (its file's `mtu`); reads and writes are split to fit it.
         *tag_keys*: rkey -> tag key of the tagged regions it uses."""
         stream = await asyncio_dgram.bind((bind, 0))
@@ -118,17 +134,37 @@ class AsyncPoolClient:
     # ------------------------------------------------------------------ operations
 
     async def read(self, addr: int, length: int, rkey: int, *, stride: int = 0) -> bytes:
-        replies = await asyncio.gather(*(self.request(Packet(Opcode.READ, rkey=rkey, addr=a, length=n))
-                                         for a, n in split(addr, length, stride, self._limit(rkey))))  # fmt: skip
+        replies = await asyncio.gather(
+            *(
+                self.request(Packet(Opcode.READ, rkey=rkey, addr=a, length=n))
+                for a, n in split(addr, length, stride, self._limit(rkey))
+            )
+        )
         return b"".join(r.payload for r in replies)
 
     async def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
-        await asyncio.gather(*(self.request(Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a,
-                                                   length=n, payload=data[a - addr : a - addr + n]))
-                               for a, n in split(addr, len(data), stride, self._limit(rkey))))  # fmt: skip
+        await asyncio.gather(
+            *(
+                self.request(
+                    Packet(
+                        Opcode.WRITE,
+                        flags=Flags.ACK_REQ,
+                        rkey=rkey,
+                        addr=a,
+                        length=n,
+                        payload=data[a - addr : a - addr + n],
+                    )
+                )
+                for a, n in split(addr, len(data), stride, self._limit(rkey))
+            )
+        )
 
     def _limit(self, rkey: int) -> int:
-        return int(min(self.max_payload, self.tagged_payload) if rkey in self.tag_keys else self.max_payload)
+        return int(
+            min(self.max_payload, self.tagged_payload)
+            if rkey in self.tag_keys
+            else self.max_payload
+        )
 
     async def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
         reply = await self.request(fetch_add_packet(addr, addend, rkey))
@@ -139,8 +175,9 @@ class AsyncPoolClient:
         return int(unpack_u64(reply.payload))
 
     async def read_many(self, requests: Sequence[tuple[int, int, int]]) -> list[bytes]:
-        replies = await asyncio.gather(*(self.request(Packet(Opcode.READ, rkey=k, addr=a, length=n))
-                                         for a, n, k in requests))  # fmt: skip
+        replies = await asyncio.gather(
+            *(self.request(Packet(Opcode.READ, rkey=k, addr=a, length=n)) for a, n, k in requests)
+        )
         return [r.payload for r in replies]
 
     # ------------------------------------------------------------------ one request
@@ -180,20 +217,35 @@ class AsyncPoolClient:
                     except asyncio.TimeoutError:
                         continue
                     if reply.opcode == Opcode.NACK:
-                        text = f" ({reply.payload.decode(errors='replace')})" if reply.payload else ""
-                        raise PoolError(f"{packet.opcode.name} at 0x{packet.addr:x} refused: "
-                                        f"{reply.status.name}{text}", reply.status)  # fmt: skip
+                        text = (
+                            f" ({reply.payload.decode(errors='replace')})" if reply.payload else ""
+                        )
+                        raise PoolError(
+                            f"{packet.opcode.name} at 0x{packet.addr:x} refused: "
+                            f"{reply.status.name}{text}",
+                            reply.status,
+                        )
                     return reply
                 if key and self._unsealed_seen:
-                    raise PoolTimeout(f"no sealed answer from the pool at {self.vip[0]}:{self.vip[1]} after "
-                                      f"{self.retries + 1} tries; {self.unsealed} unsealed answer(s) were ignored, "
-                                      f"the last {self._unsealed_seen}: is the region freed, or its tag key "
-                                      "wrong?")  # fmt: skip
-                sealed = (", and is the region's tag key right (a request with a wrong tag is dropped "
-                          "unanswered, SPEC 2.6)") if key else ""  # fmt: skip
-                raise PoolTimeout(f"no answer from the pool at {self.vip[0]}:{self.vip[1]} after "
-                                  f"{self.retries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
-                                  f"switch running (netdam up --switch){sealed}?")  # fmt: skip
+                    raise PoolTimeout(
+                        f"no sealed answer from the pool at {self.vip[0]}:{self.vip[1]} after "
+                        f"{self.retries + 1} tries; {self.unsealed} unsealed answer(s) were ignored, "
+                        f"the last {self._unsealed_seen}: is the region freed, or its tag key "
+                        "wrong?"
+                    )
+                sealed = (
+                    (
+                        ", and is the region's tag key right (a request with a wrong tag is dropped "
+                        "unanswered, SPEC 2.6)"
+                    )
+                    if key
+                    else ""
+                )
+                raise PoolTimeout(
+                    f"no answer from the pool at {self.vip[0]}:{self.vip[1]} after "
+                    f"{self.retries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
+                    f"switch running (netdam up --switch){sealed}?"
+                )
             finally:
                 self._waiting.pop(txn, None)
                 self._keys.pop(txn, None)

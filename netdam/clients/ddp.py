@@ -127,14 +127,23 @@ class NetdamHookState:
         self.asynchronous = asynchronous
         try:
             if world_size is not None and world_size != self.world_size:
-                raise ValueError(f"world_size={world_size} but the netdam cluster has {self.world_size} nodes: "
-                                 "run one DDP rank per node")  # fmt: skip
+                raise ValueError(
+                    f"world_size={world_size} but the netdam cluster has {self.world_size} nodes: "
+                    "run one DDP rank per node"
+                )
             if dist.is_available() and dist.is_initialized():
                 t_rank, t_world = dist.get_rank(), dist.get_world_size()
                 if (t_rank, t_world) != (self.rank, self.world_size):
-                    raise ValueError(f"torch.distributed rank {t_rank} of {t_world} must drive netdam node "
-                                     f"{t_rank} of {t_world}, got node {self.rank} of {self.world_size}")  # fmt: skip
-            if epoch_base is None and self._owns_group and dist.is_available() and dist.is_initialized():
+                    raise ValueError(
+                        f"torch.distributed rank {t_rank} of {t_world} must drive netdam node "
+                        f"{t_rank} of {t_world}, got node {self.rank} of {self.world_size}"
+                    )
+            if (
+                epoch_base is None
+                and self._owns_group
+                and dist.is_available()
+                and dist.is_initialized()
+            ):
                 pick = [int(time.time() * 1000) % (1 << 31) if self.rank == 0 else 0]
                 dist.broadcast_object_list(pick, src=0)
                 epoch_base = int(pick[0])
@@ -142,7 +151,9 @@ class NetdamHookState:
                 if not 0 <= epoch_base < 1 << 31:
                     raise ValueError(f"epoch_base must be in [0, 2**31), got {epoch_base}")
                 group.epoch = epoch_base
-            limit = max(64, group.arena_size // 4 // 64 * 64)  # half the arena's netdam.empty room: the rest is the user's
+            limit = max(
+                64, group.arena_size // 4 // 64 * 64
+            )  # half the arena's netdam.empty room: the rest is the user's
             self.chunk_bytes = min(int(chunk_bytes), limit) // 64 * 64
             if self.chunk_bytes < 64:
                 raise ValueError(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -165,20 +176,30 @@ class NetdamHookState:
         """All-reduce the 1-D CPU tensor *flat* in place through the NICs (average if asked);
         returns it. Blocking; every rank must call it with the same sizes in the same order."""
         if self._failure is not None:
-            raise CollectiveError(f"rank {self.rank}: not reducing bucket {index}: an earlier netdam "
-                                  f"all-reduce failed ({self._failure}); the ranks are out of step") from self._failure  # fmt: skip
+            raise CollectiveError(
+                f"rank {self.rank}: not reducing bucket {index}: an earlier netdam "
+                f"all-reduce failed ({self._failure}); the ranks are out of step"
+            ) from self._failure
         if flat.device.type != "cpu":
-            raise TypeError(f"netdam.clients.ddp reduces CPU tensors only (NIC memory is host shared "
-                            f"memory), got a bucket on {flat.device}")  # fmt: skip
+            raise TypeError(
+                f"netdam.clients.ddp reduces CPU tensors only (NIC memory is host shared "
+                f"memory), got a bucket on {flat.device}"
+            )
         if flat.dtype not in _NATIVE:
-            raise TypeError(f"netdam.clients.ddp cannot reduce {flat.dtype} gradients: use float32, float64, "
-                            "float16 or bfloat16")  # fmt: skip
+            raise TypeError(
+                f"netdam.clients.ddp cannot reduce {flat.dtype} gradients: use float32, float64, "
+                "float16 or bfloat16"
+            )
         work = flat.view(-1) if flat.is_contiguous() else flat.contiguous().view(-1)
         np_dtype = _NATIVE[flat.dtype]
         per = self.chunk_bytes // np_dtype.itemsize
         nic_np = self._nic.view(np_dtype)
         # torch.from_numpy knows no bfloat16 (numpy has none): the same bytes as int16, viewed.
-        nic = torch.from_numpy(nic_np) if flat.dtype != torch.bfloat16 else torch.from_numpy(self._nic.view(np.int16)).view(torch.bfloat16)
+        nic = (
+            torch.from_numpy(nic_np)
+            if flat.dtype != torch.bfloat16
+            else torch.from_numpy(self._nic.view(np.int16)).view(torch.bfloat16)
+        )
         total = work.numel()
         chunks = -(-total // per)
         for k in range(chunks):
@@ -190,8 +211,11 @@ class NetdamHookState:
             except BaseException as exc:
                 self._failure = exc
                 waiting = exc.waiting_for if isinstance(exc, CollectiveError) else None
-                raise CollectiveError(f"netdam all-reduce of DDP bucket {index} failed on rank {self.rank} "
-                                      f"(chunk {k + 1} of {chunks}, {n} x {flat.dtype}): {exc}", waiting) from exc  # fmt: skip
+                raise CollectiveError(
+                    f"netdam all-reduce of DDP bucket {index} failed on rank {self.rank} "
+                    f"(chunk {k + 1} of {chunks}, {n} x {flat.dtype}): {exc}",
+                    waiting,
+                ) from exc
             if self.average:
                 torch.div(nic[:n], self.world_size, out=work[lo:hi])
             else:
@@ -212,7 +236,11 @@ class NetdamHookState:
             try:
                 result = self.reduce_(flat, index)
             except BaseException as exc:  # the future must complete, or DDP waits forever
-                error = exc if isinstance(exc, Exception) else RuntimeError(f"netdam all-reduce interrupted: {exc!r}")
+                error = (
+                    exc
+                    if isinstance(exc, Exception)
+                    else RuntimeError(f"netdam all-reduce interrupted: {exc!r}")
+                )
                 fut.set_exception(error)  # type: ignore[arg-type]  # torch types it as T
             else:
                 fut.set_result(result)
@@ -221,7 +249,9 @@ class NetdamHookState:
             job()
             return fut
         if self._worker is None:
-            self._worker = threading.Thread(target=self._serve, name=f"netdam-ddp-rank{self.rank}", daemon=True)
+            self._worker = threading.Thread(
+                target=self._serve, name=f"netdam-ddp-rank{self.rank}", daemon=True
+            )
             self._worker.start()
         self._jobs.put(job)
         return fut

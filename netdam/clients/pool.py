@@ -106,7 +106,10 @@ def needs_token(packet: Packet) -> bool:
     address-validation token (SPEC.md 12.4), which a PING asks for once. Smaller READs,
     WRITEs and atomics need none, so a client that has not PINGed yet (or cannot: its address
     is locked out by a guesser that shares it, 12.3) still does them."""
-    return bool(packet.opcode == Opcode.READ and HEADER_SIZE + packet.length > AMPLIFICATION_FACTOR * HEADER_SIZE)
+    return bool(
+        packet.opcode == Opcode.READ
+        and HEADER_SIZE + packet.length > AMPLIFICATION_FACTOR * HEADER_SIZE
+    )
 
 
 def tag_keys_of(*regions: TaggedRegion) -> dict[int, bytes]:
@@ -122,9 +125,18 @@ def random_client_id() -> int:
 class PoolClient:
     """Blocking, pipelined client of the pool at *vip*."""
 
-    def __init__(self, vip: Endpoint, *, client_id: int | None = None, timeout: float = 0.05,
-                 retries: int = 20, window: int = 32, bind: str = "0.0.0.0",
-                 mtu: int = DEFAULT_MTU, tag_keys: Mapping[int, bytes] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vip: Endpoint,
+        *,
+        client_id: int | None = None,
+        timeout: float = 0.05,
+        retries: int = 20,
+        window: int = 32,
+        bind: str = "0.0.0.0",
+        mtu: int = DEFAULT_MTU,
+        tag_keys: Mapping[int, bytes] | None = None,
+    ) -> None:
         if not 1 <= window <= 128:
             raise ValueError(f"window {window} must be 1..128")
         #: Largest READ/WRITE piece: what one datagram carries at the cluster's MTU (the cluster
@@ -161,7 +173,11 @@ class PoolClient:
 
     def piece_limit(self, rkey: int) -> int:
         """Largest READ/WRITE piece under *rkey*: max_payload, less the tag's room when tagged."""
-        return int(min(self.max_payload, self._tagged_payload) if rkey in self.tag_keys else self.max_payload)
+        return int(
+            min(self.max_payload, self._tagged_payload)
+            if rkey in self.tag_keys
+            else self.max_payload
+        )
 
     def close(self) -> None:
         self.sock.close()
@@ -171,8 +187,10 @@ class PoolClient:
             self.sock.sendto(data, self.vip)
         except OSError as exc:
             if exc.errno == errno.EMSGSIZE:
-                raise PoolError(f"a {len(data)}-byte datagram does not fit the path MTU to "
-                                f"{self.vip[0]}: give PoolClient(mtu=...) the cluster's MTU") from None  # fmt: skip
+                raise PoolError(
+                    f"a {len(data)}-byte datagram does not fit the path MTU to "
+                    f"{self.vip[0]}: give PoolClient(mtu=...) the cluster's MTU"
+                ) from None
             raise
 
     def __enter__(self) -> PoolClient:
@@ -194,8 +212,19 @@ class PoolClient:
     def write(self, addr: int, data: bytes, rkey: int, *, stride: int = 0) -> None:
         """Write *data* at *addr*; returns when every piece is ACKed."""
         pieces = split(addr, len(data), stride, self.piece_limit(rkey))
-        self.execute([Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=a, length=n,
-                             payload=data[a - addr : a - addr + n]) for a, n in pieces])  # fmt: skip
+        self.execute(
+            [
+                Packet(
+                    Opcode.WRITE,
+                    flags=Flags.ACK_REQ,
+                    rkey=rkey,
+                    addr=a,
+                    length=n,
+                    payload=data[a - addr : a - addr + n],
+                )
+                for a, n in pieces
+            ]
+        )
 
     def fetch_add(self, addr: int, addend: int, rkey: int) -> int:
         """Add *addend* (mod 2^64) to the u64 at *addr*; returns the old value."""
@@ -216,8 +245,12 @@ class PoolClient:
 
     def write_many(self, requests: Sequence[tuple[int, bytes, int]]) -> None:
         """[(addr, data <= 8192 bytes, rkey)], all pipelined, each ACKed."""
-        self.execute([Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=k, addr=a, length=len(d), payload=d)
-                      for a, d, k in requests])  # fmt: skip
+        self.execute(
+            [
+                Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=k, addr=a, length=len(d), payload=d)
+                for a, d, k in requests
+            ]
+        )
 
     # ------------------------------------------------------------------ the pipeline
 
@@ -264,8 +297,13 @@ class PoolClient:
             self._resend_due(flight)
         return [r for r in replies if r is not None]
 
-    def _take(self, data: bytes, flight: dict[int, _Flight], replies: list[Packet | None],
-              packets: Sequence[Packet]) -> None:  # fmt: skip
+    def _take(
+        self,
+        data: bytes,
+        flight: dict[int, _Flight],
+        replies: list[Packet | None],
+        packets: Sequence[Packet],
+    ) -> None:
         if len(data) < HEADER_SIZE:
             return
         client, txn = REPLY_IDS.unpack_from(data, REPLY_IDS_OFFSET)
@@ -290,8 +328,11 @@ class PoolClient:
         if reply.opcode == Opcode.NACK:
             request = packets[entry.index]
             text = f" ({reply.payload.decode(errors='replace')})" if reply.payload else ""
-            raise PoolError(f"{request.opcode.name} at 0x{request.addr:x} ({request.length} bytes) "
-                            f"refused: {reply.status.name}{text}", reply.status)  # fmt: skip
+            raise PoolError(
+                f"{request.opcode.name} at 0x{request.addr:x} ({request.length} bytes) "
+                f"refused: {reply.status.name}{text}",
+                reply.status,
+            )
         replies[entry.index] = reply
 
     def _resend_due(self, flight: dict[int, _Flight]) -> None:
@@ -301,15 +342,25 @@ class PoolClient:
                 continue
             if entry.tries >= self.retries:
                 if self._unsealed_seen:
-                    raise PoolTimeout(f"no sealed answer from the pool at {self.vip[0]}:{self.vip[1]} to txn {txn} "
-                                      f"after {entry.tries + 1} tries; {self.unsealed} unsealed answer(s) were "
-                                      f"ignored, the last {self._unsealed_seen}: is the region freed, or its "
-                                      "tag key (PoolClient tag_keys) wrong?")  # fmt: skip
-                sealed = (", and is the region's tag key right (a request with a wrong tag is dropped "
-                          "unanswered, SPEC 2.6)") if entry.key else ""  # fmt: skip
-                raise PoolTimeout(f"no answer from the pool at {self.vip[0]}:{self.vip[1]} to txn {txn} "
-                                  f"after {entry.tries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
-                                  f"switch running (netdam up --switch){sealed}?")  # fmt: skip
+                    raise PoolTimeout(
+                        f"no sealed answer from the pool at {self.vip[0]}:{self.vip[1]} to txn {txn} "
+                        f"after {entry.tries + 1} tries; {self.unsealed} unsealed answer(s) were "
+                        f"ignored, the last {self._unsealed_seen}: is the region freed, or its "
+                        "tag key (PoolClient tag_keys) wrong?"
+                    )
+                sealed = (
+                    (
+                        ", and is the region's tag key right (a request with a wrong tag is dropped "
+                        "unanswered, SPEC 2.6)"
+                    )
+                    if entry.key
+                    else ""
+                )
+                raise PoolTimeout(
+                    f"no answer from the pool at {self.vip[0]}:{self.vip[1]} to txn {txn} "
+                    f"after {entry.tries + 1} tries of {self.timeout * 1000:.0f} ms: is the "
+                    f"switch running (netdam up --switch){sealed}?"
+                )
             if entry.tries == 0:
                 entry.data = with_retry_flag(entry.data)
             entry.tries += 1
@@ -319,10 +370,12 @@ class PoolClient:
 
 
 def fetch_add_packet(addr: int, addend: int, rkey: int) -> Packet:
-    return Packet(Opcode.FETCH_ADD, rkey=rkey, addr=addr, length=8, dtype=DType.U64,
-                  payload=pack_u64(addend))  # fmt: skip
+    return Packet(
+        Opcode.FETCH_ADD, rkey=rkey, addr=addr, length=8, dtype=DType.U64, payload=pack_u64(addend)
+    )
 
 
 def cas_packet(addr: int, compare: int, swap: int, rkey: int) -> Packet:
-    return Packet(Opcode.CAS, rkey=rkey, addr=addr, length=8, dtype=DType.U64,
-                  payload=pack_cas(compare, swap))  # fmt: skip
+    return Packet(
+        Opcode.CAS, rkey=rkey, addr=addr, length=8, dtype=DType.U64, payload=pack_cas(compare, swap)
+    )

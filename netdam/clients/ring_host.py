@@ -79,8 +79,9 @@ class RingResult:
     payload_bytes: int
 
 
-def ring_all_reduce(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp,
-                    timeout_s: float = 60.0) -> RingResult:  # fmt: skip
+def ring_all_reduce(
+    groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, timeout_s: float = 60.0
+) -> RingResult:
     """All-reduce *buffers* (one per rank, in place) with the host ring; all ranks at once."""
     world = len(groups)
     hosts = [_RingHost(g, buffers[g.rank], op, world) for g in groups]
@@ -108,8 +109,12 @@ def ring_all_reduce(groups: list[ProcessGroup], buffers: list[np.ndarray], op: R
         host.close()
     if errors:
         raise RuntimeError(f"ring-host all-reduce failed: {errors[0]}")
-    return RingResult(seconds, sum(h.host_copy_bytes for h in hosts), sum(h.packets for h in hosts),
-                      sum(h.payload_bytes for h in hosts))  # fmt: skip
+    return RingResult(
+        seconds,
+        sum(h.host_copy_bytes for h in hosts),
+        sum(h.packets for h in hosts),
+        sum(h.payload_bytes for h in hosts),
+    )
 
 
 class _RingHost:
@@ -132,8 +137,10 @@ class _RingHost:
         #: Where the previous host's reduce-scatter WRITEs land.
         self.recv = staging + (self.nbytes + RECEIVE_ALIGN - 1) // RECEIVE_ALIGN * RECEIVE_ALIGN
         if self.recv + self.nbytes > group.arena_end:
-            raise MemoryError(f"ring-host needs {2 * self.nbytes} bytes in the staging half of the rank's arena "
-                              f"({group.arena_end - staging} bytes): start nodes with more --memory")  # fmt: skip
+            raise MemoryError(
+                f"ring-host needs {2 * self.nbytes} bytes in the staging half of the rank's arena "
+                f"({group.arena_end - staging} bytes): start nodes with more --memory"
+            )
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         self.sock.bind(("127.0.0.1", 0))
@@ -145,9 +152,19 @@ class _RingHost:
         self.per_packet = max_elements(group.cluster.mtu, self.dtype) * self.esize
         # The header every WRITE starts from (txn_id, length and addr are set per datagram).
         one = bytes(self.esize)
-        self.template = np.frombuffer(encode_packet(Packet(
-            Opcode.WRITE, flags=Flags.ACK_REQ, rkey=group.arena_key_of((self.rank + 1) % world), dtype=self.dtype, length=len(one),
-            payload=one)), np.uint8)[:HEADER_SIZE].copy()  # fmt: skip
+        self.template = np.frombuffer(
+            encode_packet(
+                Packet(
+                    Opcode.WRITE,
+                    flags=Flags.ACK_REQ,
+                    rkey=group.arena_key_of((self.rank + 1) % world),
+                    dtype=self.dtype,
+                    length=len(one),
+                    payload=one,
+                )
+            ),
+            np.uint8,
+        )[:HEADER_SIZE].copy()
         per_segment = -(-SEGMENT_BYTES // self.per_packet)
         self.tx = np.zeros(SEGMENT_BYTES + per_segment * HEADER_SIZE, np.uint8)
         self.tx_off = np.zeros(per_segment, np.int64)
@@ -194,11 +211,15 @@ class _RingHost:
                 area = mem[self.recv + lo : self.recv + hi]
                 combine(area, area, mem[self.out + lo : self.out + hi], self.dtype, self.op)
                 if s < n - 2:
-                    self._send_segment(self.recv + lo, self.next_recv + lo, hi - lo, s + 1, k, deadline)
+                    self._send_segment(
+                        self.recv + lo, self.next_recv + lo, hi - lo, s + 1, k, deadline
+                    )
                 else:  # this rank owns the block: final here; all-gather step 0 starts
                     mem[self.out + lo : self.out + hi] = area
                     self.host_copy_bytes += hi - lo
-                    self._send_segment(self.out + lo, self.next_out + lo, hi - lo, n - 1, k, deadline)
+                    self._send_segment(
+                        self.out + lo, self.next_out + lo, hi - lo, n - 1, k, deadline
+                    )
         for t in range(n - 2):
             for k, (lo, hi) in enumerate(self.segments((r - 1 - t) % n)):
                 self._wait(n - 1 + t, k, deadline)
@@ -207,19 +228,33 @@ class _RingHost:
             self._wait(2 * n - 3, k, deadline)
         while self.pending:  # the next host still waits for word of our last segments
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: WRITEs of step {self.pending[0][1]} not ACKed")
+                raise TimeoutError(
+                    f"rank {self.rank}: WRITEs of step {self.pending[0][1]} not ACKed"
+                )
             self._receive(50)
         if self.staged:
             self.buf.reshape(-1).view(np.uint8)[:] = mem[self.out : self.out + self.nbytes]
 
-    def _send_segment(self, src: int, dst: int, nbytes: int, step: int, segment: int, deadline: float) -> None:
+    def _send_segment(
+        self, src: int, dst: int, nbytes: int, step: int, segment: int, deadline: float
+    ) -> None:
         """Post the WRITEs of mem[src : src + nbytes] to the next node at *dst* and return: once
         every one is ACKed, :meth:`_receive` tells the next host that (step, segment) is in
         place. Meanwhile this host reduces the segments arriving from the previous host, as a
         verbs host posts a WRITE and polls its completion queue later (the overlap of Gloo's
         and OpenMPI's segmented rings)."""
-        count = write_packets(self.template, self.mem, src, dst, nbytes, self.per_packet, self.txn,
-                              self.tx, self.tx_off, self.tx_len)  # fmt: skip
+        count = write_packets(
+            self.template,
+            self.mem,
+            src,
+            dst,
+            nbytes,
+            self.per_packet,
+            self.txn,
+            self.tx,
+            self.tx_off,
+            self.tx_len,
+        )
         self.txn += count
         self.packets += count
         self.payload_bytes += nbytes + count * HEADER_SIZE
@@ -227,8 +262,16 @@ class _RingHost:
         self.pending.append((target, step, segment))
         done = 0
         while done < count:
-            done += send_batch(self.sock.fileno(), self.tx, self.tx_off[done:], self.tx_len[done:],
-                               self.tx_dst[done:], count - done, self.scratch, self.state)  # fmt: skip
+            done += send_batch(
+                self.sock.fileno(),
+                self.tx,
+                self.tx_off[done:],
+                self.tx_len[done:],
+                self.tx_dst[done:],
+                count - done,
+                self.scratch,
+                self.state,
+            )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: cannot send the WRITEs of step {step}")
 
@@ -240,8 +283,16 @@ class _RingHost:
         self.heard.discard((step, segment))
 
     def _receive(self, timeout_ms: int) -> None:
-        got = recv_batch(self.sock.fileno(), self.rx, self.rx_off, self.rx_len, self.rx_src, 4096,
-                         timeout_ms, self.state)  # fmt: skip
+        got = recv_batch(
+            self.sock.fileno(),
+            self.rx,
+            self.rx_off,
+            self.rx_len,
+            self.rx_src,
+            4096,
+            timeout_ms,
+            self.state,
+        )
         acks, n_others = sort_replies(self.rx, self.rx_off, self.rx_len, got, self.others)
         self.acked += acks  # counted compiled: a Python loop over the ACKs was 80% of a send
         while self.pending and self.pending[0][0] <= self.acked:
@@ -254,4 +305,6 @@ class _RingHost:
             if signal is not None:
                 self.heard.add(signal)
             elif datagram.shape[0] >= HEADER_SIZE and datagram[H_OPCODE] == Opcode.NACK:
-                raise RuntimeError(f"rank {self.rank}: a WRITE was refused (status {int(datagram[H_STATUS])})")
+                raise RuntimeError(
+                    f"rank {self.rank}: a WRITE was refused (status {int(datagram[H_STATUS])})"
+                )

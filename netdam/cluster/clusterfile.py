@@ -171,7 +171,9 @@ def lists_nodes(path: Path) -> bool:
     except FileNotFoundError:
         return False
     except IsADirectoryError:
-        raise ValueError(f"cluster file {path} is a directory: give a file path, e.g. {path}/cluster.toml") from None
+        raise ValueError(
+            f"cluster file {path} is a directory: give a file path, e.g. {path}/cluster.toml"
+        ) from None
     return re.search(r"^\s*\[\[\s*nodes\s*\]\]", text, re.M) is not None
 
 
@@ -184,8 +186,13 @@ class _Where:
     def __init__(self, path: Path, text: str) -> None:
         self.path = path
         self.lines = text.splitlines()
-        self.node_starts = [i + 1 for i, line in enumerate(self.lines) if re.match(r"\s*\[\[\s*nodes\s*\]\]", line)]
-        self.cluster_start = next((i + 1 for i, line in enumerate(self.lines) if re.match(r"\s*\[\s*cluster\s*\]", line)), 0)
+        self.node_starts = [
+            i + 1 for i, line in enumerate(self.lines) if re.match(r"\s*\[\[\s*nodes\s*\]\]", line)
+        ]
+        self.cluster_start = next(
+            (i + 1 for i, line in enumerate(self.lines) if re.match(r"\s*\[\s*cluster\s*\]", line)),
+            0,
+        )
 
     def _block_end(self, start: int) -> int:
         for i in range(start, len(self.lines)):
@@ -218,8 +225,14 @@ def _show(value: object) -> str:
     return f'"{value}"' if isinstance(value, str) else repr(value)
 
 
-def _int_field(table: Mapping[str, object], key: str, low: int, high: int, example: str,
-               default: int | None = None) -> int:  # fmt: skip
+def _int_field(
+    table: Mapping[str, object],
+    key: str,
+    low: int,
+    high: int,
+    example: str,
+    default: int | None = None,
+) -> int:
     """An integer field in [low, high]; ValueError names the problem and the fix (raised bare,
     the caller adds the line)."""
     if key not in table:
@@ -228,20 +241,26 @@ def _int_field(table: Mapping[str, object], key: str, low: int, high: int, examp
         return default
     value = table[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"`{key} = {_show(value)}` must be an integer: write e.g. `{key} = {example}` (no quotes)")
+        raise ValueError(
+            f"`{key} = {_show(value)}` must be an integer: write e.g. `{key} = {example}` (no quotes)"
+        )
     if not low <= value <= high:
         raise ValueError(f"`{key} = {value}` is out of range: give {low}..{high}")
     return value
 
 
-def _str_field(table: Mapping[str, object], key: str, example: str, default: str | None = None) -> str:
+def _str_field(
+    table: Mapping[str, object], key: str, example: str, default: str | None = None
+) -> str:
     if key not in table:
         if default is None:
             raise KeyError(key)
         return default
     value = table[key]
     if not isinstance(value, str):
-        raise ValueError(f"`{key} = {_show(value)}` must be a string: write e.g. `{key} = \"{example}\"`")
+        raise ValueError(
+            f'`{key} = {_show(value)}` must be a string: write e.g. `{key} = "{example}"`'
+        )
     return value
 
 
@@ -249,11 +268,15 @@ def _address(value: str) -> str:
     try:
         ip = ipaddress.IPv4Address(value)
     except ValueError:
-        raise ValueError(f'`address = "{value}"` is not an IPv4 address: write the node\'s IP, e.g. '
-                         '`address = "10.0.0.2"` (host names are not resolved)') from None  # fmt: skip
+        raise ValueError(
+            f'`address = "{value}"` is not an IPv4 address: write the node\'s IP, e.g. '
+            '`address = "10.0.0.2"` (host names are not resolved)'
+        ) from None
     if ip.is_unspecified or ip.is_multicast or value == "255.255.255.255":
-        raise ValueError(f'`address = "{value}"` cannot be a node\'s address: give the unicast IP the '
-                         "other nodes reach it at")  # fmt: skip
+        raise ValueError(
+            f'`address = "{value}"` cannot be a node\'s address: give the unicast IP the '
+            "other nodes reach it at"
+        )
     return value
 
 
@@ -273,16 +296,25 @@ def _parse_node(table: Mapping[str, object]) -> NodeEntry:
 
 
 def _missing(key: str, table: str) -> str:
-    examples = {"rank": "rank = 0", "address": 'address = "10.0.0.2"', "port": "port = 7744",
-                "admin_key": "admin_key = 3735928559  # any nonzero 32-bit number, the same on every host"}  # fmt: skip
+    examples = {
+        "rank": "rank = 0",
+        "address": 'address = "10.0.0.2"',
+        "port": "port = 7744",
+        "admin_key": "admin_key = 3735928559  # any nonzero 32-bit number, the same on every host",
+    }
     return f"missing field `{key}`: add `{examples.get(key, key + ' = ...')}` to the {table} table"
 
 
 def _parse_head(data: Mapping[str, object], where: _Where, default_name: str) -> dict[str, object]:
     head = data.get("cluster")
     if not isinstance(head, dict):
-        raise where.error("[cluster]", 0, None, "no [cluster] table: start the file with `[cluster]` and "
-                          "`admin_key = 3735928559` (any nonzero 32-bit number, the same on every host)")  # fmt: skip
+        raise where.error(
+            "[cluster]",
+            0,
+            None,
+            "no [cluster] table: start the file with `[cluster]` and "
+            "`admin_key = 3735928559` (any nonzero 32-bit number, the same on every host)",
+        )
     start = where.cluster_start
     for key in head:
         if key not in _CLUSTER_KEYS:
@@ -302,24 +334,37 @@ def _parse_head(data: Mapping[str, object], where: _Where, default_name: str) ->
         key = "group_key"
         group_key = _str_field(head, key, "3f2a...(32 hex digits)", default="")
         if group_key and not re.fullmatch(r"[0-9a-f]{32}", group_key):
-            raise ValueError("`group_key` must be 32 lowercase hex digits (128 bits): "
-                             "`python -c 'import secrets; print(secrets.token_hex(16))'` makes one")  # fmt: skip
+            raise ValueError(
+                "`group_key` must be 32 lowercase hex digits (128 bits): "
+                "`python -c 'import secrets; print(secrets.token_hex(16))'` makes one"
+            )
     except KeyError:
         raise where.error("[cluster]", start, None, _missing(key, "[cluster]")) from None
     except ValueError as exc:
         raise where.error("[cluster]", start, key, str(exc)) from None
     keep = head.get("keep_file", False)
     if not isinstance(keep, bool):
-        raise where.error("[cluster]", start, "keep_file", f"`keep_file = {keep!r}` must be true or false")
-    return {"name": name, "admin_key": admin_key, "mtu": mtu, "supervisor_pid": supervisor,
-            "created": created, "keep_file": keep, "group_key": group_key}  # fmt: skip
+        raise where.error(
+            "[cluster]", start, "keep_file", f"`keep_file = {keep!r}` must be true or false"
+        )
+    return {
+        "name": name,
+        "admin_key": admin_key,
+        "mtu": mtu,
+        "supervisor_pid": supervisor,
+        "created": created,
+        "keep_file": keep,
+        "group_key": group_key,
+    }
 
 
 def _parse_nodes(data: Mapping[str, object], where: _Where) -> tuple[NodeEntry, ...]:
     tables = data.get("nodes", [])
     if not isinstance(tables, list) or not tables:
-        raise ValueError(f"cluster file {where.path} lists no [[nodes]]: add one `[[nodes]]` table per node "
-                         "with `rank`, `address` and `port`")  # fmt: skip
+        raise ValueError(
+            f"cluster file {where.path} lists no [[nodes]]: add one `[[nodes]]` table per node "
+            "with `rank`, `address` and `port`"
+        )
     nodes = []
     for k, table in enumerate(tables):
         start = where.node_starts[k] if k < len(where.node_starts) else 0
@@ -344,19 +389,31 @@ def _check_ranks(nodes: list[NodeEntry], where: _Where) -> None:
         label = f"[[nodes]] #{k + 1}"
         if node.rank in seen_rank:
             other = seen_rank[node.rank]
-            raise where.error(label, start, "rank", f"rank {node.rank} is also [[nodes]] #{other + 1}'s "
-                              f"(line {where.line_of(where.node_starts[other], 'rank')}): give every node its own rank 0..{len(nodes) - 1}")  # fmt: skip
+            raise where.error(
+                label,
+                start,
+                "rank",
+                f"rank {node.rank} is also [[nodes]] #{other + 1}'s "
+                f"(line {where.line_of(where.node_starts[other], 'rank')}): give every node its own rank 0..{len(nodes) - 1}",
+            )
         if node.endpoint in seen_ep:
             other = seen_ep[node.endpoint]
-            raise where.error(label, start, "port", f"{node.address}:{node.port} is also [[nodes]] "
-                              f"#{other + 1}'s address and port: give each node on one address its own port")  # fmt: skip
+            raise where.error(
+                label,
+                start,
+                "port",
+                f"{node.address}:{node.port} is also [[nodes]] "
+                f"#{other + 1}'s address and port: give each node on one address its own port",
+            )
         seen_rank[node.rank] = k
         seen_ep[node.endpoint] = k
     missing = sorted(set(range(len(nodes))) - set(seen_rank))
     if missing:
-        raise ValueError(f"cluster file {where.path}: ranks must be 0..{len(nodes) - 1}, each once; got "
-                         f"{', '.join(map(str, sorted(seen_rank)))} ({len(nodes)} nodes, rank "
-                         f"{missing[0]} missing): renumber the nodes 0..{len(nodes) - 1}")  # fmt: skip
+        raise ValueError(
+            f"cluster file {where.path}: ranks must be 0..{len(nodes) - 1}, each once; got "
+            f"{', '.join(map(str, sorted(seen_rank)))} ({len(nodes)} nodes, rank "
+            f"{missing[0]} missing): renumber the nodes 0..{len(nodes) - 1}"
+        )
 
 
 def parse_cluster(text: str, path: Path) -> ClusterFile:
@@ -364,8 +421,10 @@ def parse_cluster(text: str, path: Path) -> ClusterFile:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"cluster file {path} is not valid TOML: {exc}: fix that line (strings in double "
-                         'quotes, e.g. `address = "10.0.0.2"`; one `key = value` per line)') from None  # fmt: skip
+        raise ValueError(
+            f"cluster file {path} is not valid TOML: {exc}: fix that line (strings in double "
+            'quotes, e.g. `address = "10.0.0.2"`; one `key = value` per line)'
+        ) from None
     where = _Where(path, text)
     head = _parse_head(data, where, path.stem)
     nodes = _parse_nodes(data, where)
@@ -378,11 +437,14 @@ def load_cluster(path: str | Path) -> ClusterFile:
     try:
         text = target.read_text()
     except FileNotFoundError:
-        raise ValueError(f"cluster file {target} not found: start a cluster with `netdam up`") from None
+        raise ValueError(
+            f"cluster file {target} not found: start a cluster with `netdam up`"
+        ) from None
     return parse_cluster(text, target)
 
 
 # ---------------------------------------------------------------- the [switch] table
+
 
 @dataclass(frozen=True)
 class SwitchEntry:
@@ -407,9 +469,11 @@ _SECTION = re.compile(r"\n\[switch\]\n.*?(?=\n\[|\Z)", re.S)
 
 
 def dump_switch_entry(entry: SwitchEntry) -> str:
-    return (f'\n[switch]\naddress = "{entry.address}"\nport = {entry.port}\n'
-            f"control_port = {entry.control_port}\npid = {entry.pid}\n"
-            f'state_file = "{entry.state_file}"\n')  # fmt: skip
+    return (
+        f'\n[switch]\naddress = "{entry.address}"\nport = {entry.port}\n'
+        f"control_port = {entry.control_port}\npid = {entry.pid}\n"
+        f'state_file = "{entry.state_file}"\n'
+    )
 
 
 def write_switch_entry(cluster_path: Path, entry: SwitchEntry) -> None:
@@ -423,13 +487,20 @@ def load_switch_entry(cluster_path: Path) -> SwitchEntry | None:
     try:
         data = tomllib.loads(Path(cluster_path).read_text())
     except FileNotFoundError:
-        raise ValueError(f"cluster file {cluster_path} not found: start a cluster with `netdam up --switch`") from None
+        raise ValueError(
+            f"cluster file {cluster_path} not found: start a cluster with `netdam up --switch`"
+        ) from None
     table = data.get("switch")
     if table is None:
         return None
     try:
-        return SwitchEntry(str(table["address"]), int(table["port"]), int(table.get("control_port", 0)),
-                           int(table.get("pid", 0)), str(table.get("state_file", "")))  # fmt: skip
+        return SwitchEntry(
+            str(table["address"]),
+            int(table["port"]),
+            int(table.get("control_port", 0)),
+            int(table.get("pid", 0)),
+            str(table.get("state_file", "")),
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"cluster file {cluster_path}: bad [switch] table: {exc}") from None
 
@@ -437,8 +508,10 @@ def load_switch_entry(cluster_path: Path) -> SwitchEntry | None:
 def require_switch(cluster_path: Path) -> SwitchEntry:
     entry = load_switch_entry(cluster_path)
     if entry is None:
-        raise ValueError(f"cluster file {cluster_path} has no [switch]: start the cluster with "
-                         "`netdam up --switch`")  # fmt: skip
+        raise ValueError(
+            f"cluster file {cluster_path} has no [switch]: start the cluster with "
+            "`netdam up --switch`"
+        )
     return entry
 
 

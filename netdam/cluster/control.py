@@ -56,7 +56,11 @@ class ControlClient:
     """Requests to nodes over UDP, matched to replies by transaction id."""
 
     def __init__(
-        self, admin_key: int = 0, client_id: int | None = None, bind: str = "0.0.0.0", admin_tag_key: bytes = b"",
+        self,
+        admin_key: int = 0,
+        client_id: int | None = None,
+        bind: str = "0.0.0.0",
+        admin_tag_key: bytes = b"",
         tenant: TenantKeys | None = None,
     ) -> None:
         if admin_tag_key and len(admin_tag_key) != 16:
@@ -84,9 +88,16 @@ class ControlClient:
         self.tokens: dict[Endpoint, int] = {}
 
     @classmethod
-    def for_cluster(cls, cluster: ClusterFile, client_id: int | None = None, bind: str = "0.0.0.0") -> ControlClient:
+    def for_cluster(
+        cls, cluster: ClusterFile, client_id: int | None = None, bind: str = "0.0.0.0"
+    ) -> ControlClient:
         """A client with *cluster*'s admin key and admin tag key: the admin's."""
-        return cls(admin_key=cluster.admin_key, client_id=client_id, bind=bind, admin_tag_key=cluster.admin_tag_key)
+        return cls(
+            admin_key=cluster.admin_key,
+            client_id=client_id,
+            bind=bind,
+            admin_tag_key=cluster.admin_tag_key,
+        )
 
     @classmethod
     def for_tenant(cls, credential: int, bind: str = "0.0.0.0") -> ControlClient:
@@ -158,26 +169,38 @@ class ControlClient:
                 if reply.txn_id == txn and reply.client_id == self.client_id:
                     if sealing is not None and not _verify_control(sealing[0], reply_bytes):
                         self.unsealed += 1
-                        if sealing[1] and reply.opcode == Opcode.NACK and reply.status == Status.UNAUTHORIZED:
+                        if (
+                            sealing[1]
+                            and reply.opcode == Opcode.NACK
+                            and reply.status == Status.UNAUTHORIZED
+                        ):
                             refused = reply
                         continue
                     if reply.opcode == Opcode.NACK:
                         raise ControlError(
                             f"{packet.opcode.name} to {node[0]}:{node[1]} refused: {reply.status.name}",
-                            int(reply.status), bytes(reply.payload),
+                            int(reply.status),
+                            bytes(reply.payload),
                         )
                     return reply
             if refused is not None:
                 raise ControlError(
                     f"{packet.opcode.name} to {node[0]}:{node[1]} refused: UNAUTHORIZED, unsealed: it knows no "
-                    "tenant with this credential", int(Status.UNAUTHORIZED), bytes(refused.payload),
-                )  # fmt: skip
+                    "tenant with this credential",
+                    int(Status.UNAUTHORIZED),
+                    bytes(refused.payload),
+                )
         ignored = self.unsealed - unsealed
-        holder = "the tenant's tag key" if sealing is not None and sealing[1] else "this cluster's admin tag key"
-        why = (f" ({ignored} unsealed answers ignored: does it hold {holder}?)"
-               if ignored else "")  # fmt: skip
-        raise ControlError(f"no answer from {node[0]}:{node[1]} to {packet.opcode.name} "
-                           f"within {timeout * (retries + 1):.1f} s{why}: is the node running?")  # fmt: skip
+        holder = (
+            "the tenant's tag key"
+            if sealing is not None and sealing[1]
+            else "this cluster's admin tag key"
+        )
+        why = f" ({ignored} unsealed answers ignored: does it hold {holder}?)" if ignored else ""
+        raise ControlError(
+            f"no answer from {node[0]}:{node[1]} to {packet.opcode.name} "
+            f"within {timeout * (retries + 1):.1f} s{why}: is the node running?"
+        )
 
     def ping(self, node: Endpoint, timeout: float = 1.0) -> tuple[dict[str, int], float]:
         """INFO fields of *node* and the round-trip time in seconds."""
@@ -196,41 +219,76 @@ class ControlClient:
             )
         return values[: C.NUM_COUNTERS]  # a switch's reply goes on with its own sections
 
-    def register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int = 0,
-                 tag_key: bytes = b"") -> int:  # fmt: skip
+    def register(
+        self,
+        node: Endpoint,
+        base: int,
+        size: int,
+        rights: Rights,
+        rkey: int = 0,
+        tag_key: bytes = b"",
+    ) -> int:
         """REGISTER [base, base+size) (SPEC.md 6.1); returns the rkey. With a 16-byte *tag_key*
         the region is tagged: it takes only datagrams sealed under that key (2.6)."""
         return self._register(node, base, size, rights, rkey, tag_key)[0]
 
-    def register_anywhere(self, node: Endpoint, size: int, rights: Rights, rkey: int = 0,
-                          tag_key: bytes = b"") -> tuple[int, int]:  # fmt: skip
+    def register_anywhere(
+        self, node: Endpoint, size: int, rights: Rights, rkey: int = 0, tag_key: bytes = b""
+    ) -> tuple[int, int]:
         """REGISTER *size* bytes wherever the node has room (SPEC.md 6.1); returns (rkey, base)."""
         return self._register(node, REGISTER_ANYWHERE, size, rights, rkey, tag_key)
 
-    def _register(self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int,
-                  tag_key: bytes) -> tuple[int, int]:  # fmt: skip
+    def _register(
+        self, node: Endpoint, base: int, size: int, rights: Rights, rkey: int, tag_key: bytes
+    ) -> tuple[int, int]:
         payload = pack_register(rkey, int(rights), tag_key)
-        reply = self.request(node, Packet(Opcode.REGISTER, rkey=self.admin_key, addr=base,
-                                          aux_addr=size, length=len(payload), payload=payload))  # fmt: skip
+        reply = self.request(
+            node,
+            Packet(
+                Opcode.REGISTER,
+                rkey=self.admin_key,
+                addr=base,
+                aux_addr=size,
+                length=len(payload),
+                payload=payload,
+            ),
+        )
         return int(reply.rkey), int(reply.addr)
 
     def deregister(self, node: Endpoint, rkey: int, timeout: float = 1.0) -> None:
         """DEREGISTER *rkey* (the node zeroes its bytes)."""
-        self.request(node, Packet(Opcode.DEREGISTER, rkey=self.admin_key, length=8,
-                                  payload=pack_key_rights(rkey, 0)), timeout=timeout)  # fmt: skip
+        self.request(
+            node,
+            Packet(
+                Opcode.DEREGISTER, rkey=self.admin_key, length=8, payload=pack_key_rights(rkey, 0)
+            ),
+            timeout=timeout,
+        )
 
     def write(
         self, node: Endpoint, rkey: int, addr: int, data: bytes, dtype: DType = DType.RAW
     ) -> None:
-        self.request(node, Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=addr,
-                                  dtype=dtype, length=len(data), payload=data))  # fmt: skip
+        self.request(
+            node,
+            Packet(
+                Opcode.WRITE,
+                flags=Flags.ACK_REQ,
+                rkey=rkey,
+                addr=addr,
+                dtype=dtype,
+                length=len(data),
+                payload=data,
+            ),
+        )
 
     def read(self, node: Endpoint, rkey: int, addr: int, length: int) -> bytes:
         """READ; the first READ to *node* asks it for an address-validation token (a PING)."""
         if node not in self.tokens:
             self.tokens[node] = self.request(node, Packet(Opcode.PING)).aux_addr
-        reply = self.request(node, Packet(Opcode.READ, rkey=rkey, addr=addr, length=length,
-                                          aux_addr=self.tokens[node]))  # fmt: skip
+        reply = self.request(
+            node,
+            Packet(Opcode.READ, rkey=rkey, addr=addr, length=length, aux_addr=self.tokens[node]),
+        )
         return bytes(reply.payload)
 
 

@@ -74,7 +74,9 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_node_process(configs: list[NodeProcessConfig], log: Path, verbose: int = 0) -> ForkedProcess:
+def fork_node_process(
+    configs: list[NodeProcessConfig], log: Path, verbose: int = 0
+) -> ForkedProcess:
     """Fork a child that hosts the NICs *configs* (netdam.shell.nic_host), its ready lines on
     the returned process's stdout, its stderr in *log*."""
     # Imported here: the launcher that forks has loaded the kernels already (the point of it).
@@ -113,7 +115,9 @@ def fork_process(run: Callable[[], int], log: Path, verbose: int, name: bytes) -
     return ForkedProcess(pid, os.fdopen(read_end, "rb", buffering=0))
 
 
-def _child(run: Callable[[], int], read_end: int, write_end: int, log_fd: int, verbose: int, name: bytes) -> int:
+def _child(
+    run: Callable[[], int], read_end: int, write_end: int, log_fd: int, verbose: int, name: bytes
+) -> int:
     """The forked process: its own stdout, stderr, name and signal handlers, then *run*."""
     # Everything the launcher allocated stays untouched here: frozen, never collected (a
     # collected socket object of the launcher's would close a descriptor number this node may

@@ -133,8 +133,10 @@ def netdam_python(module: str = "netdam") -> list[str]:
     ``sys.path[0]`` to the directory holding our package avoids both; the word ``netdam`` stays
     in the command line, which ``is_node_process`` looks for."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(netdam.__file__)))
-    code = (f"import sys, runpy; sys.path[0] = {root!r}; "
-            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")  # fmt: skip
+    code = (
+        f"import sys, runpy; sys.path[0] = {root!r}; "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
     return [sys.executable, "-c", code]
 
 
@@ -144,21 +146,47 @@ def node_log(cluster_name: str, rank: int) -> Path:
 
 
 def node_command(
-    bind: Endpoint, name: str, memory: int, key_fd: int, members: list[Endpoint], rank: int,
-    world: int, shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
-) -> list[str]:  # fmt: skip
+    bind: Endpoint,
+    name: str,
+    memory: int,
+    key_fd: int,
+    members: list[Endpoint],
+    rank: int,
+    world: int,
+    shm_dir: Path,
+    mtu: int,
+    faults: FaultSpec,
+    die_with_parent: bool,
+) -> list[str]:
     """The argv of a node process with one NIC; the admin key comes through inherited
     descriptor *key_fd* (a pipe, secrets_io.key_pipe), never on the command line every local
     user reads."""
-    cmd = [*netdam_python(), "node", "--bind", f"{bind[0]}:{bind[1]}", "--name", name, "--memory", f"{memory}B",
-           "--rank", str(rank)]  # fmt: skip
+    cmd = [
+        *netdam_python(),
+        "node",
+        "--bind",
+        f"{bind[0]}:{bind[1]}",
+        "--name",
+        name,
+        "--memory",
+        f"{memory}B",
+        "--rank",
+        str(rank),
+    ]
     return cmd + _node_flags(key_fd, members, world, shm_dir, mtu, faults, die_with_parent)
 
 
 def nics_command(
-    nics: list[tuple[int, Endpoint, int]], name: str, key_fd: int, members: list[Endpoint], world: int,
-    shm_dir: Path, mtu: int, faults: FaultSpec, die_with_parent: bool,
-) -> list[str]:  # fmt: skip
+    nics: list[tuple[int, Endpoint, int]],
+    name: str,
+    key_fd: int,
+    members: list[Endpoint],
+    world: int,
+    shm_dir: Path,
+    mtu: int,
+    faults: FaultSpec,
+    die_with_parent: bool,
+) -> list[str]:
     """The argv of a node process hosting the NICs (rank, bind, memory bytes) *nics*; memory
     files NAME-RANK.mem, the key as in node_command."""
     cmd = [*netdam_python(), "node", "--name", name]
@@ -167,16 +195,43 @@ def nics_command(
     return cmd + _node_flags(key_fd, members, world, shm_dir, mtu, faults, die_with_parent)
 
 
-def _node_flags(key_fd: int, members: list[Endpoint], world: int, shm_dir: Path, mtu: int, faults: FaultSpec,
-                die_with_parent: bool) -> list[str]:  # fmt: skip
+def _node_flags(
+    key_fd: int,
+    members: list[Endpoint],
+    world: int,
+    shm_dir: Path,
+    mtu: int,
+    faults: FaultSpec,
+    die_with_parent: bool,
+) -> list[str]:
     """What every NIC of a cluster is started with, whatever process hosts it."""
     cmd = [
-        "--admin-key-fd", str(key_fd), "--world-size", str(world), "--shm-dir", str(shm_dir), "--mtu", str(mtu),
-        "--members", ",".join(f"{ip}:{port}" for ip, port in members),
-    ]  # fmt: skip
+        "--admin-key-fd",
+        str(key_fd),
+        "--world-size",
+        str(world),
+        "--shm-dir",
+        str(shm_dir),
+        "--mtu",
+        str(mtu),
+        "--members",
+        ",".join(f"{ip}:{port}" for ip, port in members),
+    ]
     if faults.active:
-        cmd += ["--loss", str(faults.loss), "--dup", str(faults.dup), "--reorder", str(faults.reorder),
-                "--delay", str(faults.delay), "--delay-ms", str(faults.delay_s * 1000), "--seed", str(faults.seed)]  # fmt: skip
+        cmd += [
+            "--loss",
+            str(faults.loss),
+            "--dup",
+            str(faults.dup),
+            "--reorder",
+            str(faults.reorder),
+            "--delay",
+            str(faults.delay),
+            "--delay-ms",
+            str(faults.delay_s * 1000),
+            "--seed",
+            str(faults.seed),
+        ]
     if die_with_parent:
         cmd.append("--die-with-parent")
     return cmd
@@ -203,8 +258,11 @@ def build_node_kernels() -> None:
     # that only read or stop clusters should not pay for.
     from netdam.shell.node_process import NodeProcess, NodeProcessConfig
 
-    proc = NodeProcess(NodeProcessConfig(bind=("127.0.0.1", 0), memory_bytes=1 << 16,
-                                         name=f"netdam-warm-{os.getpid()}"))  # fmt: skip
+    proc = NodeProcess(
+        NodeProcessConfig(
+            bind=("127.0.0.1", 0), memory_bytes=1 << 16, name=f"netdam-warm-{os.getpid()}"
+        )
+    )
     try:
         proc.warm_up()
         proc.core.handle_timer(0.0)
@@ -241,10 +299,21 @@ def compile_switch_kernels_aside() -> None:
     folder = cache_dir.kernel_cache_dir()
     if (folder / "switch-kernels.built").exists() or any(folder.glob("switch_path.*.nbi")):
         return
-    code = "from netdam.shell.startup import die_with_parent; die_with_parent(); import " + ", ".join(SWITCH_ONLY_KERNELS)
-    with contextlib.suppress(OSError):  # no second process: the switch's warm-up compiles them itself
-        _ASIDE.append(subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+    code = (
+        "from netdam.shell.startup import die_with_parent; die_with_parent(); import "
+        + ", ".join(SWITCH_ONLY_KERNELS)
+    )
+    with contextlib.suppress(
+        OSError
+    ):  # no second process: the switch's warm-up compiles them itself
+        _ASIDE.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
 
 
 def _join_aside() -> None:
@@ -263,13 +332,29 @@ def warm_switch_kernels(force: bool = False) -> None:
         from netdam.switch.process import SwitchProcess, SwitchProcessConfig
 
         with tempfile.TemporaryDirectory(prefix="netdam-warm-") as tmp:
-            node = NodeEntry(rank=0, address="127.0.0.1", port=_free_port_block("127.0.0.1", 1),
-                             memory_bytes=1 << 16)  # fmt: skip
+            node = NodeEntry(
+                rank=0,
+                address="127.0.0.1",
+                port=_free_port_block("127.0.0.1", 1),
+                memory_bytes=1 << 16,
+            )
             path = Path(tmp) / "warm.toml"
-            write_cluster(ClusterFile(name="netdam-warm", admin_key=1, mtu=9000, created="",
-                                      supervisor_pid=0, nodes=(node,)), path)  # fmt: skip
-            proc = SwitchProcess(SwitchProcessConfig(vip=("127.0.0.1", 0), cluster_file=path,
-                                                     state_file=Path(tmp) / "warm.pool.json"))  # fmt: skip
+            write_cluster(
+                ClusterFile(
+                    name="netdam-warm",
+                    admin_key=1,
+                    mtu=9000,
+                    created="",
+                    supervisor_pid=0,
+                    nodes=(node,),
+                ),
+                path,
+            )
+            proc = SwitchProcess(
+                SwitchProcessConfig(
+                    vip=("127.0.0.1", 0), cluster_file=path, state_file=Path(tmp) / "warm.pool.json"
+                )
+            )
             try:
                 proc.warm_up()
             finally:
@@ -306,8 +391,10 @@ def _warm(what: str, build: Callable[[], None], force: bool = False) -> None:
         if not done.wait(1.0):
             noted.set()
             if cache_dir.cold_since is None:  # else the import already said it compiles
-                progress.note(f"first run: compiling the {what} kernels once (1-3 min on 2 cores, longer "
-                              f"on a busy machine; cached in {cache_dir.kernel_cache_dir()} for later runs)")  # fmt: skip
+                progress.note(
+                    f"first run: compiling the {what} kernels once (1-3 min on 2 cores, longer "
+                    f"on a busy machine; cached in {cache_dir.kernel_cache_dir()} for later runs)"
+                )
             progress.status(f"compiling the {what} kernels (once)")
 
     threading.Thread(target=tell, name="netdam-compile-note", daemon=True).start()
@@ -322,8 +409,10 @@ def _warm(what: str, build: Callable[[], None], force: bool = False) -> None:
         # Counted from when compiling began: on a cold cache that is the import, which compiles
         # the typed kernels before any warm-up runs (the user saw "compiled in 16 s" after 77 s).
         began = min(start, cache_dir.cold_since or start)
-        progress.note(f"{what} kernels ready {time.monotonic() - began:.0f} s after compiling began "
-                      "(cached from now on)")  # fmt: skip
+        progress.note(
+            f"{what} kernels ready {time.monotonic() - began:.0f} s after compiling began "
+            "(cached from now on)"
+        )
 
 
 def _start_cluster(
@@ -359,9 +448,21 @@ def _start_cluster(
         extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
     start = time.monotonic()
-    spec = _NodeSpec(name, admin_key, members, nodes, shm_dir, mtu, faults, detach, guard,
-                     admin_tag_key=admin_tag_key(bytes.fromhex(group_key)))  # fmt: skip
-    procs, started = _spawn_nodes(spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)], nics_per_process)
+    spec = _NodeSpec(
+        name,
+        admin_key,
+        members,
+        nodes,
+        shm_dir,
+        mtu,
+        faults,
+        detach,
+        guard,
+        admin_tag_key=admin_tag_key(bytes.fromhex(group_key)),
+    )
+    procs, started = _spawn_nodes(
+        spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)], nics_per_process
+    )
     info = ClusterFile(
         name=name,
         admin_key=admin_key,
@@ -370,11 +471,18 @@ def _start_cluster(
         created=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         supervisor_pid=0 if detach else os.getpid(),
         nodes=tuple(
-            NodeEntry(rank=r, address=ep[0], port=ep[1], pid=started[r][0], control_port=started[r][1],
-                      memory_file=str(spec.memory_file(r)), memory_bytes=memory)
+            NodeEntry(
+                rank=r,
+                address=ep[0],
+                port=ep[1],
+                pid=started[r][0],
+                control_port=started[r][1],
+                memory_file=str(spec.memory_file(r)),
+                memory_bytes=memory,
+            )
             for r, ep in enumerate(endpoints)
         ),
-    )  # fmt: skip
+    )
     # Private clusters (demo, benchmarks) keep their files out of the user's directory.
     path = cluster_path or Path(tempfile.gettempdir()) / f"{name}.toml"
     try:
@@ -385,18 +493,27 @@ def _start_cluster(
         stop_pids([p.pid for p in procs], 3.0, processes=procs)
         _remove_node_files(name, list(info.nodes))
         if isinstance(exc, OSError):
-            elsewhere = ("give --cluster a path in a writable directory" if cluster_path is not None
-                         else "point TMPDIR at a writable directory")  # fmt: skip
-            fix = (f"free space in {path.parent} or {elsewhere}" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                   else elsewhere)  # fmt: skip
-            raise ClusterFileError(f"cannot write the cluster file {path} ({exc.strerror or exc}); its "
-                                   f"{nodes} nodes were stopped: {fix}") from None  # fmt: skip
+            elsewhere = (
+                "give --cluster a path in a writable directory"
+                if cluster_path is not None
+                else "point TMPDIR at a writable directory"
+            )
+            fix = (
+                f"free space in {path.parent} or {elsewhere}"
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                else elsewhere
+            )
+            raise ClusterFileError(
+                f"cannot write the cluster file {path} ({exc.strerror or exc}); its "
+                f"{nodes} nodes were stopped: {fix}"
+            ) from None
         raise
     cluster = LocalCluster(info, path, procs, time.monotonic() - start)
     if vip is not None:
         try:
-            cluster.switch = start_switch(cluster, vip, faults=switch_faults, seed=switch_seed, detach=detach,
-                                          guard=guard)  # fmt: skip
+            cluster.switch = start_switch(
+                cluster, vip, faults=switch_faults, seed=switch_seed, detach=detach, guard=guard
+            )
         except BaseException:
             cluster.stop()
             raise
@@ -457,18 +574,31 @@ def _spawn_nodes(
         try:
             # stderr goes to a file, not a pipe: nobody drains a pipe once the node runs.
             with open(log_path, "wb") as log:
-                procs.append(subprocess.Popen(_host_command(spec, nics, key_fd), stdout=subprocess.PIPE, stderr=log,
-                                              pass_fds=(key_fd,), start_new_session=spec.detach))  # fmt: skip
+                procs.append(
+                    subprocess.Popen(
+                        _host_command(spec, nics, key_fd),
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        pass_fds=(key_fd,),
+                        start_new_session=spec.detach,
+                    )
+                )
         finally:
             os.close(key_fd)  # the child holds its own copy
     try:
-        ports = _wait_ready(procs, [[(rank, bind) for rank, bind, _ in nics] for nics in hosted], logs)
+        ports = _wait_ready(
+            procs, [[(rank, bind) for rank, bind, _ in nics] for nics in hosted], logs
+        )
     except BaseException:
         stop_pids([p.pid for p in procs], 3.0, processes=procs)
         for rank, _, _ in nodes:
             spec.memory_file(rank).unlink(missing_ok=True)
         raise
-    by_rank = {rank: (proc.pid, ports[rank]) for proc, nics in zip(procs, hosted, strict=True) for rank, _, _ in nics}
+    by_rank = {
+        rank: (proc.pid, ports[rank])
+        for proc, nics in zip(procs, hosted, strict=True)
+        for rank, _, _ in nics
+    }
     return procs, by_rank
 
 
@@ -476,11 +606,31 @@ def _host_command(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]], key_fd
     """The argv of the process hosting *nics*, its key on the inherited descriptor *key_fd*."""
     if len(nics) == 1:
         [(rank, bind, memory)] = nics
-        cmd = node_command(bind, f"{spec.name}-{rank}", memory, key_fd, spec.members, rank,
-                           spec.world, spec.shm_dir, spec.mtu, spec.faults, die_with_parent=not spec.detach)  # fmt: skip
+        cmd = node_command(
+            bind,
+            f"{spec.name}-{rank}",
+            memory,
+            key_fd,
+            spec.members,
+            rank,
+            spec.world,
+            spec.shm_dir,
+            spec.mtu,
+            spec.faults,
+            die_with_parent=not spec.detach,
+        )
     else:
-        cmd = nics_command(nics, spec.name, key_fd, spec.members, spec.world, spec.shm_dir, spec.mtu, spec.faults,
-                           die_with_parent=not spec.detach)  # fmt: skip
+        cmd = nics_command(
+            nics,
+            spec.name,
+            key_fd,
+            spec.members,
+            spec.world,
+            spec.shm_dir,
+            spec.mtu,
+            spec.faults,
+            die_with_parent=not spec.detach,
+        )
     if not spec.guard:
         cmd.append("--no-guard")
     if logging.getLogger().isEnabledFor(logging.INFO):
@@ -509,12 +659,24 @@ def _host_configs(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]]) -> lis
     from netdam.core.guard import GuardConfig
     from netdam.shell.node_process import NodeProcessConfig
 
-    return [NodeProcessConfig(bind=bind, memory_bytes=memory, shm_dir=spec.shm_dir, name=f"{spec.name}-{rank}",
-                              admin_key=spec.admin_key, admin_tag_key=spec.admin_tag_key,
-                              members=tuple(spec.members), mtu=spec.mtu, rank=rank,
-                              world_size=spec.world, faults=spec.faults, die_with_parent=True,
-                              guard=GuardConfig.on() if spec.guard else GuardConfig())
-            for rank, bind, memory in nics]  # fmt: skip
+    return [
+        NodeProcessConfig(
+            bind=bind,
+            memory_bytes=memory,
+            shm_dir=spec.shm_dir,
+            name=f"{spec.name}-{rank}",
+            admin_key=spec.admin_key,
+            admin_tag_key=spec.admin_tag_key,
+            members=tuple(spec.members),
+            mtu=spec.mtu,
+            rank=rank,
+            world_size=spec.world,
+            faults=spec.faults,
+            die_with_parent=True,
+            guard=GuardConfig.on() if spec.guard else GuardConfig(),
+        )
+        for rank, bind, memory in nics
+    ]
 
 
 def _verbosity() -> int:
@@ -564,9 +726,16 @@ def _interface_addresses() -> set[str]:
     return found
 
 
-def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAULT_SHM_DIR,
-                    faults: FaultSpec | None = None, detach: bool = False, mtu: int | None = None,
-                    nics_per_process: int | None = None) -> LocalCluster:  # fmt: skip
+def start_from_file(
+    path: Path,
+    *,
+    memory: int = 64 << 20,
+    shm_dir: Path = DEFAULT_SHM_DIR,
+    faults: FaultSpec | None = None,
+    detach: bool = False,
+    mtu: int | None = None,
+    nics_per_process: int | None = None,
+) -> LocalCluster:
     """``netdam up --cluster FILE`` with a FILE that lists nodes (hand-written, maybe for several
     hosts): start exactly the nodes whose address is an address of this host, with the file's
     ranks, ports, admin key and MTU (memory: the entry's ``memory_bytes``, else *memory*), every
@@ -574,26 +743,48 @@ def start_from_file(path: Path, *, memory: int = 64 << 20, shm_dir: Path = DEFAU
     other entries as written, and mark the file ``keep_file``."""
     info = load_cluster(path)
     if mtu is not None and mtu != info.mtu:
-        raise ValueError(f"--mtu {mtu} differs from mtu = {info.mtu} in {path}: edit the file or drop --mtu")
+        raise ValueError(
+            f"--mtu {mtu} differs from mtu = {info.mtu} in {path}: edit the file or drop --mtu"
+        )
     local = [n for n in info.nodes if is_local_address(n.address)]
     if not local:
         addresses = ", ".join(sorted({n.address for n in info.nodes}))
-        raise ValueError(f"no node of {path} has an address of this host (the file lists {addresses}): run "
-                         "`netdam up --cluster FILE` on the hosts that own them, or fix `address`")  # fmt: skip
+        raise ValueError(
+            f"no node of {path} has an address of this host (the file lists {addresses}): run "
+            "`netdam up --cluster FILE` on the hosts that own them, or fix `address`"
+        )
     for node in local:
         if node.pid and is_node_process(node.pid):
-            raise ValueError(f"rank {node.rank} ({node.address}:{node.port}) of {path} already runs as pid "
-                             f"{node.pid}: stop it first with `netdam down --cluster {path}`")  # fmt: skip
+            raise ValueError(
+                f"rank {node.rank} ({node.address}:{node.port}) of {path} already runs as pid "
+                f"{node.pid}: stop it first with `netdam down --cluster {path}`"
+            )
     start = time.monotonic()
-    spec = _NodeSpec(info.name, info.admin_key, info.endpoints, len(info.nodes), shm_dir, info.mtu,
-                     faults or FaultSpec(), detach, admin_tag_key=info.admin_tag_key)  # fmt: skip
+    spec = _NodeSpec(
+        info.name,
+        info.admin_key,
+        info.endpoints,
+        len(info.nodes),
+        shm_dir,
+        info.mtu,
+        faults or FaultSpec(),
+        detach,
+        admin_tag_key=info.admin_tag_key,
+    )
     sizes = {n.rank: n.memory_bytes or memory for n in local}
-    procs, started = _spawn_nodes(spec, [(n.rank, n.endpoint, sizes[n.rank]) for n in local], nics_per_process)
+    procs, started = _spawn_nodes(
+        spec, [(n.rank, n.endpoint, sizes[n.rank]) for n in local], nics_per_process
+    )
     entries = {
-        n.rank: replace(n, pid=started[n.rank][0], control_port=started[n.rank][1],
-                        memory_file=str(spec.memory_file(n.rank)), memory_bytes=sizes[n.rank])
+        n.rank: replace(
+            n,
+            pid=started[n.rank][0],
+            control_port=started[n.rank][1],
+            memory_file=str(spec.memory_file(n.rank)),
+            memory_bytes=sizes[n.rank],
+        )
         for n in local
-    }  # fmt: skip
+    }
     all_local = len(local) == len(info.nodes)
 
     def fill(current: ClusterFile) -> ClusterFile:
@@ -615,7 +806,10 @@ def is_node_process(pid: int) -> bool:
         return False
     try:
         # A forked node (netdam.cluster.forked) has its launcher's command line and its own name.
-        return b"netdam" in Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/comm").read_bytes()
+        return (
+            b"netdam"
+            in Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/comm").read_bytes()
+        )
     except OSError:
         return True  # no /proc: trust the file
 
@@ -624,7 +818,9 @@ def _remove_node_files(cluster_name: str, nodes: list[NodeEntry]) -> None:
     for node in nodes:
         if node.memory_file:
             Path(node.memory_file).unlink(missing_ok=True)
-            for lock in Path(node.memory_file).parent.glob(f"{Path(node.memory_file).name}.arena.*lock"):
+            for lock in Path(node.memory_file).parent.glob(
+                f"{Path(node.memory_file).name}.arena.*lock"
+            ):
                 lock.unlink(missing_ok=True)  # every job's (api.arena_lock_path)
         node_log(cluster_name, node.rank).unlink(missing_ok=True)
 
@@ -637,7 +833,10 @@ def _clear_entries(path: Path, ranks: list[int]) -> None:
     def clear(current: ClusterFile) -> ClusterFile:
         cleared = {n.rank: n.cleared() for n in current.nodes if n.rank in ranks}
         everyone_local = len(cleared) == len(current.nodes)
-        return replace(with_nodes(current, cleared), supervisor_pid=0 if everyone_local else current.supervisor_pid)
+        return replace(
+            with_nodes(current, cleared),
+            supervisor_pid=0 if everyone_local else current.supervisor_pid,
+        )
 
     try:
         update_cluster_file(path, clear)
@@ -688,9 +887,11 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 def _wait_ready(
-    procs: list[NodeHandle], hosted: list[list[tuple[int, Endpoint]]], logs: list[Path],
+    procs: list[NodeHandle],
+    hosted: list[list[tuple[int, Endpoint]]],
+    logs: list[Path],
     what: str = "node",
-) -> dict[int, int]:  # fmt: skip
+) -> dict[int, int]:
     """Wait for the ``ready`` line of every (rank, endpoint) that each process hosts (its
     kernels loaded, its sockets bound); return each rank's control port.
 
@@ -708,18 +909,26 @@ def _wait_ready(
     watch = {k: CpuWatch(proc.pid) for k, proc in enumerate(procs)}
 
     def named(k: int) -> str:
-        return ", ".join(f"{_label(what, rank)} at {ep[0]}:{ep[1]}" for ep, rank in waiting[k].items())
+        return ", ".join(
+            f"{_label(what, rank)} at {ep[0]}:{ep[1]}" for ep, rank in waiting[k].items()
+        )
 
     while waiting:
         now = time.monotonic()
-        reasons = {k: reason for k in waiting if (reason := stall_reason(watch[k], start, now)) is not None}
+        reasons = {
+            k: reason for k in waiting if (reason := stall_reason(watch[k], start, now)) is not None
+        }
         if reasons:
             stalled = ", ".join(f"{named(k)} (log {logs[k]})" for k in reasons)
-            raise ClusterStartError(f"not ready, {next(iter(reasons.values()))}: {stalled}; "
-                                    "its log says where it stopped")  # fmt: skip
+            raise ClusterStartError(
+                f"not ready, {next(iter(reasons.values()))}: {stalled}; "
+                "its log says where it stopped"
+            )
         left = sorted(rank for nics in waiting.values() for rank in nics.values())
-        progress.status(f"waiting for {len(waiting)} of {len(procs)} {what} processes to load their "
-                        f"kernels ({', '.join(_label(what, r) for r in left[:4])}{', ...' if len(left) > 4 else ''})")  # fmt: skip
+        progress.status(
+            f"waiting for {len(waiting)} of {len(procs)} {what} processes to load their "
+            f"kernels ({', '.join(_label(what, r) for r in left[:4])}{', ...' if len(left) > 4 else ''})"
+        )
         for key, _ in selector.select(timeout=0.5):
             k = key.data
             # Raw reads: a process hosting several NICs writes their lines at once, and a
@@ -728,7 +937,9 @@ def _wait_ready(
             if not data:
                 selector.unregister(key.fileobj)
                 err = logs[k].read_text(errors="replace").strip() if logs[k].exists() else ""
-                raise ClusterStartError(f"{named(k)} exited during start-up: {_last_error(err)} (full log: {logs[k]})")
+                raise ClusterStartError(
+                    f"{named(k)} exited during start-up: {_last_error(err)} (full log: {logs[k]})"
+                )
             *lines, pending[k] = (pending[k] + data).split(b"\n")
             for line in lines:
                 if not line.startswith(b"ready") or not waiting[k]:
@@ -885,11 +1096,29 @@ def pick_vip(address: str = "127.0.0.1") -> Endpoint:
         return (address, int(probe.getsockname()[1]))
 
 
-def switch_command(cluster_path: Path, vip: Endpoint, state_file: Path, mtu: int, faults: str,
-                   seed: int, die_with_parent: bool, guard: bool = True) -> list[str]:  # fmt: skip
-    cmd = [*netdam_python("netdam.switch"), "--cluster", str(cluster_path),
-           "--vip", f"{vip[0]}:{vip[1]}", "--state", str(state_file), "--mtu", str(mtu),
-           "--seed", str(seed)]  # fmt: skip
+def switch_command(
+    cluster_path: Path,
+    vip: Endpoint,
+    state_file: Path,
+    mtu: int,
+    faults: str,
+    seed: int,
+    die_with_parent: bool,
+    guard: bool = True,
+) -> list[str]:
+    cmd = [
+        *netdam_python("netdam.switch"),
+        "--cluster",
+        str(cluster_path),
+        "--vip",
+        f"{vip[0]}:{vip[1]}",
+        "--state",
+        str(state_file),
+        "--mtu",
+        str(mtu),
+        "--seed",
+        str(seed),
+    ]
     if faults:
         cmd += ["--faults", faults]
     if die_with_parent:
@@ -920,11 +1149,17 @@ def start_switch(
     progress.status("starting the switch")
     proc: NodeHandle
     if _FORK[0] and not detach:
-        proc = fork_switch_process(_switch_config(cluster, vip, state, faults, seed, guard), log, _verbosity())
+        proc = fork_switch_process(
+            _switch_config(cluster, vip, state, faults, seed, guard), log, _verbosity()
+        )
     else:
-        cmd = switch_command(cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach, guard)
+        cmd = switch_command(
+            cluster.path, vip, state, cluster.info.mtu, faults, seed, not detach, guard
+        )
         with open(log, "wb") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=detach
+            )
     try:
         control_port = _wait_ready([proc], [[(0, vip)]], [log], what="switch")[0]
     except ClusterStartError:
@@ -943,28 +1178,49 @@ def start_switch(
     return SwitchHandle(entry, proc, cluster.path, time.monotonic() - start)
 
 
-def _switch_config(cluster: LocalCluster, vip: Endpoint, state: Path, faults: str, seed: int, guard: bool) -> Any:
+def _switch_config(
+    cluster: LocalCluster, vip: Endpoint, state: Path, faults: str, seed: int, guard: bool
+) -> Any:
     """What `python -m netdam.switch` would make of switch_command's arguments, for a forked switch."""
     # Imported here: they load the switch's kernels, which fork_node_processes loaded already.
     from netdam.switch.faults import parse_faults
     from netdam.switch.process import SwitchProcessConfig
 
-    return SwitchProcessConfig(vip=vip, cluster_file=cluster.path, state_file=state, mtu=cluster.info.mtu,
-                               faults=parse_faults(faults, len(cluster.info.nodes)), seed=seed, die_with_parent=True,
-                               guard=guard)  # fmt: skip
+    return SwitchProcessConfig(
+        vip=vip,
+        cluster_file=cluster.path,
+        state_file=state,
+        mtu=cluster.info.mtu,
+        faults=parse_faults(faults, len(cluster.info.nodes)),
+        seed=seed,
+        die_with_parent=True,
+        guard=guard,
+    )
 
 
-def start_pool_cluster(nodes: int, *, faults: str = "", seed: int = 0, state_file: Path | None = None,
-                       **cluster_kwargs: object) -> tuple[LocalCluster, SwitchHandle]:  # fmt: skip
+def start_pool_cluster(
+    nodes: int,
+    *,
+    faults: str = "",
+    seed: int = 0,
+    state_file: Path | None = None,
+    **cluster_kwargs: object,
+) -> tuple[LocalCluster, SwitchHandle]:
     """Nodes that trust a VIP, then the switch on it: ``netdam up --switch`` in one call."""
     compile_switch_kernels_aside()
     address = str(cluster_kwargs.get("address", "127.0.0.1"))
     vip = pick_vip(address)
     cluster = start_cluster(nodes, extra_members=(vip,), **cluster_kwargs)  # type: ignore[arg-type]
     try:
-        handle = start_switch(cluster, vip, state_file=state_file, faults=faults, seed=seed,
-                              detach=bool(cluster_kwargs.get("detach", False)),
-                              guard=bool(cluster_kwargs.get("guard", True)))  # fmt: skip
+        handle = start_switch(
+            cluster,
+            vip,
+            state_file=state_file,
+            faults=faults,
+            seed=seed,
+            detach=bool(cluster_kwargs.get("detach", False)),
+            guard=bool(cluster_kwargs.get("guard", True)),
+        )
     except BaseException:
         cluster.stop()
         raise

@@ -54,7 +54,9 @@ class Launcher:
 
 
 TORCHRUN = Launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-OPENMPI = Launcher("OpenMPI mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+OPENMPI = Launcher(
+    "OpenMPI mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"
+)
 SLURM = Launcher("Slurm srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 LAUNCHERS = (TORCHRUN, OPENMPI, SLURM)
 
@@ -98,9 +100,13 @@ def _found(env: Mapping[str, str], launcher: Launcher) -> _Found | None:
     if not has_rank and not has_size:
         return None
     if has_rank != has_size:
-        there, absent = (launcher.rank, launcher.size) if has_rank else (launcher.size, launcher.rank)
-        raise LaunchError(f"{there} is set but {absent} is not ({launcher.name} sets both): set {absent}, "
-                          f"unset {there}, or pass --rank and --world-size")  # fmt: skip
+        there, absent = (
+            (launcher.rank, launcher.size) if has_rank else (launcher.size, launcher.rank)
+        )
+        raise LaunchError(
+            f"{there} is set but {absent} is not ({launcher.name} sets both): set {absent}, "
+            f"unset {there}, or pass --rank and --world-size"
+        )
     local = _int_var(env, launcher.local_rank) if launcher.local_rank in env else 0
     return _Found(launcher, _int_var(env, launcher.rank), _int_var(env, launcher.size), local)
 
@@ -112,8 +118,10 @@ def detect_launcher(env: Mapping[str, str]) -> _Found | None:
     if outer:
         found = outer  # srun around torchrun or mpirun: the inner launcher numbers the ranks
     if len(found) > 1 and (found[0].rank, found[0].size) != (found[1].rank, found[1].size):
-        raise LaunchError(f"{found[0].text} disagrees with {found[1].text}: unset the variables of the "
-                          "launcher you are not using, or pass --rank and --world-size")  # fmt: skip
+        raise LaunchError(
+            f"{found[0].text} disagrees with {found[1].text}: unset the variables of the "
+            "launcher you are not using, or pass --rank and --world-size"
+        )
     return found[0] if found else None
 
 
@@ -127,24 +135,31 @@ def wants_rendezvous(env: Mapping[str, str], master: str | None, members_given: 
     return launcher_set or master is not None or "NETDAM_MASTER_ADDR" in env
 
 
-def resolve_launch(env: Mapping[str, str], *, rank: int | None, world_size: int | None,
-                   master: str | None) -> LaunchSpec:  # fmt: skip
+def resolve_launch(
+    env: Mapping[str, str], *, rank: int | None, world_size: int | None, master: str | None
+) -> LaunchSpec:
     """Rank, world size, local rank and rendezvous address from flags and environment."""
     found = None if rank is not None and world_size is not None else detect_launcher(env)
     if found is None and (rank is None or world_size is None):
-        raise LaunchError("no rank and world size: run under torchrun, mpirun or srun, or pass --rank "
-                          "and --world-size (with --master HOST:PORT)")  # fmt: skip
+        raise LaunchError(
+            "no rank and world size: run under torchrun, mpirun or srun, or pass --rank "
+            "and --world-size (with --master HOST:PORT)"
+        )
     final_rank = rank if rank is not None else found.rank  # type: ignore[union-attr]
     final_world = world_size if world_size is not None else found.size  # type: ignore[union-attr]
     if final_world < 1 or not 0 <= final_rank < final_world:
-        raise LaunchError(f"rank {final_rank} with world size {final_world}: need world size >= 1 and "
-                          f"0 <= rank < world size (check --rank/--world-size and the launcher's -n/-np)")  # fmt: skip
+        raise LaunchError(
+            f"rank {final_rank} with world size {final_world}: need world size >= 1 and "
+            f"0 <= rank < world size (check --rank/--world-size and the launcher's -n/-np)"
+        )
     source = _source(found, rank, world_size)
     endpoint, master_source = resolve_master(env, master)
     if endpoint is None and final_world > 1:
-        raise LaunchError(f"no rendezvous address for rank {final_rank} of {final_world} ({source}): pass "
-                          "--master HOST:PORT (rank 0's host) or export NETDAM_MASTER_ADDR=HOST and "
-                          "NETDAM_MASTER_PORT=PORT (with mpirun: -x NETDAM_MASTER_ADDR -x NETDAM_MASTER_PORT)")  # fmt: skip
+        raise LaunchError(
+            f"no rendezvous address for rank {final_rank} of {final_world} ({source}): pass "
+            "--master HOST:PORT (rank 0's host) or export NETDAM_MASTER_ADDR=HOST and "
+            "NETDAM_MASTER_PORT=PORT (with mpirun: -x NETDAM_MASTER_ADDR -x NETDAM_MASTER_PORT)"
+        )
     local = found.local_rank if found is not None else 0
     return LaunchSpec(final_rank, final_world, local, source, endpoint, master_source)
 
@@ -220,8 +235,10 @@ def slurm_first_host(env: Mapping[str, str]) -> str | None:
     first = re.split(r",(?![^\[]*\])", text.strip())[0]
     match = _NODELIST.match(first)
     if match is None or first.count("[") > 1 or (first.count("[") == 1 and not first.endswith("]")):
-        raise LaunchError(f"SLURM_JOB_NODELIST={text!r} is not a simple list: export NETDAM_MASTER_ADDR="
-                          '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)')  # fmt: skip
+        raise LaunchError(
+            f"SLURM_JOB_NODELIST={text!r} is not a simple list: export NETDAM_MASTER_ADDR="
+            '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)'
+        )
     prefix, number = match.group(1), match.group(2)
     return prefix + (number or "")
 
@@ -234,7 +251,9 @@ def node_bind(bind: Endpoint | None, local_rank: int) -> Endpoint:
     if port == 0:
         return host, 0
     if port + local_rank > 65535:
-        raise LaunchError(f"port {port} + local rank {local_rank} is over 65535: give a lower --bind port")
+        raise LaunchError(
+            f"port {port} + local rank {local_rank} is over 65535: give a lower --bind port"
+        )
     return host, port + local_rank
 
 

@@ -92,13 +92,29 @@ class Member:
         return f"{self.address}:{self.port} (pid {self.pid} on {self.host or '?'})"
 
     def entry(self) -> NodeEntry:
-        return NodeEntry(rank=self.rank, address=self.address, port=self.port, pid=self.pid,
-                         memory_file=self.memory_file, memory_bytes=self.memory_bytes,
-                         control_port=self.control_port)  # fmt: skip
+        return NodeEntry(
+            rank=self.rank,
+            address=self.address,
+            port=self.port,
+            pid=self.pid,
+            memory_file=self.memory_file,
+            memory_bytes=self.memory_bytes,
+            control_port=self.control_port,
+        )
 
 
-_MEMBER_TYPES = {"rank": int, "world_size": int, "address": str, "port": int, "control_port": int,
-                 "pid": int, "memory_file": str, "memory_bytes": int, "mtu": int, "host": str}  # fmt: skip
+_MEMBER_TYPES = {
+    "rank": int,
+    "world_size": int,
+    "address": str,
+    "port": int,
+    "control_port": int,
+    "pid": int,
+    "memory_file": str,
+    "memory_bytes": int,
+    "mtu": int,
+    "host": str,
+}
 
 
 def encode_message(obj: dict[str, Any]) -> bytes:
@@ -117,7 +133,9 @@ def decode_message(line: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise RendezvousError(f"not a rendezvous message: {line[:60]!r}") from None
     if not isinstance(obj, dict) or obj.get("protocol") != PROTOCOL:
-        raise RendezvousError(f"not a {PROTOCOL} message (another program on the master port?): {line[:60]!r}")
+        raise RendezvousError(
+            f"not a {PROTOCOL} message (another program on the master port?): {line[:60]!r}"
+        )
     return obj
 
 
@@ -128,7 +146,9 @@ def parse_member(obj: dict[str, Any]) -> Member:
         raise RendezvousError("a report without a `member` object")
     for key, kind in _MEMBER_TYPES.items():
         if key not in fields or not isinstance(fields[key], kind) or isinstance(fields[key], bool):
-            raise RendezvousError(f"report field {key!r} missing or not {kind.__name__}: {fields.get(key)!r}")
+            raise RendezvousError(
+                f"report field {key!r} missing or not {kind.__name__}: {fields.get(key)!r}"
+            )
     return Member(**{key: fields[key] for key in _MEMBER_TYPES})
 
 
@@ -148,13 +168,27 @@ class Answer:
         return tuple(m.endpoint for m in self.members)
 
     def cluster_file(self, created: str = "") -> ClusterFile:
-        return ClusterFile(name=self.name, admin_key=self.admin_key, mtu=self.mtu, group_key=self.group_key,
-                           nodes=tuple(m.entry() for m in self.members), created=created)  # fmt: skip
+        return ClusterFile(
+            name=self.name,
+            admin_key=self.admin_key,
+            mtu=self.mtu,
+            group_key=self.group_key,
+            nodes=tuple(m.entry() for m in self.members),
+            created=created,
+        )
 
 
 def answer_message(answer: Answer) -> bytes:
-    return encode_message({"ok": True, "name": answer.name, "admin_key": answer.admin_key, "mtu": answer.mtu,
-                           "group_key": answer.group_key, "members": [asdict(m) for m in answer.members]})  # fmt: skip
+    return encode_message(
+        {
+            "ok": True,
+            "name": answer.name,
+            "admin_key": answer.admin_key,
+            "mtu": answer.mtu,
+            "group_key": answer.group_key,
+            "members": [asdict(m) for m in answer.members],
+        }
+    )
 
 
 def error_message(text: str, code: int) -> bytes:
@@ -165,12 +199,19 @@ def parse_answer(line: bytes) -> Answer:
     """Rank 0's answer; its error (or a malformed answer) raises RendezvousError."""
     obj = decode_message(line)
     if obj.get("ok") is not True:
-        error = RendezvousConflict if obj.get("code") == RendezvousConflict.code else RendezvousError
+        error = (
+            RendezvousConflict if obj.get("code") == RendezvousConflict.code else RendezvousError
+        )
         raise error(f"rank 0 ended the rendezvous: {obj.get('error', 'no reason given')}")
     try:
         members = tuple(parse_member({"member": m}) for m in obj["members"])
-        return Answer(str(obj["name"]), int(obj["admin_key"]), int(obj["mtu"]), members,
-                      str(obj.get("group_key", "")))  # fmt: skip
+        return Answer(
+            str(obj["name"]),
+            int(obj["admin_key"]),
+            int(obj["mtu"]),
+            members,
+            str(obj.get("group_key", "")),
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise RendezvousError(f"malformed answer from rank 0: {exc!r}") from None
 
@@ -212,23 +253,40 @@ class Gathering:
     def add(self, member: Member) -> None:
         """Record a report; RendezvousConflict when it contradicts the others."""
         if member.world_size != self.world_size:
-            raise RendezvousConflict(f"rank {member.rank} at {member.where} has world size {member.world_size}, "
-                                     f"rank 0 has {self.world_size}: start every rank with the same world size")  # fmt: skip
+            raise RendezvousConflict(
+                f"rank {member.rank} at {member.where} has world size {member.world_size}, "
+                f"rank 0 has {self.world_size}: start every rank with the same world size"
+            )
         if not 0 <= member.rank < self.world_size:
-            raise RendezvousConflict(f"rank {member.rank} at {member.where} is outside 0..{self.world_size - 1}")
+            raise RendezvousConflict(
+                f"rank {member.rank} at {member.where} is outside 0..{self.world_size - 1}"
+            )
         if member.mtu != self.mtu:
-            raise RendezvousConflict(f"rank {member.rank} at {member.where} has --mtu {member.mtu}, rank 0 has "
-                                     f"{self.mtu}: give every node the same --mtu")  # fmt: skip
+            raise RendezvousConflict(
+                f"rank {member.rank} at {member.where} has --mtu {member.mtu}, rank 0 has "
+                f"{self.mtu}: give every node the same --mtu"
+            )
         known = self.members.get(member.rank)
         if known is not None and known != member:
-            raise RendezvousConflict(f"rank {member.rank} reported twice: by {known.where} and by {member.where}: "
-                                     "every process needs its own rank (was --rank given to all of them, or "
-                                     "are two jobs using one master port?)")  # fmt: skip
+            raise RendezvousConflict(
+                f"rank {member.rank} reported twice: by {known.where} and by {member.where}: "
+                "every process needs its own rank (was --rank given to all of them, or "
+                "are two jobs using one master port?)"
+            )
         self._check_reachable(member)
-        other = next((m for m in self.members.values() if m.endpoint == member.endpoint and m.rank != member.rank), None)
+        other = next(
+            (
+                m
+                for m in self.members.values()
+                if m.endpoint == member.endpoint and m.rank != member.rank
+            ),
+            None,
+        )
         if other is not None:
-            raise RendezvousConflict(f"ranks {other.rank} and {member.rank} both report {member.address}:{member.port}: "
-                                     "give each node its own --bind port (or port 0)")  # fmt: skip
+            raise RendezvousConflict(
+                f"ranks {other.rank} and {member.rank} both report {member.address}:{member.port}: "
+                "give each node its own --bind port (or port 0)"
+            )
         self.members[member.rank] = member
 
     def _check_reachable(self, member: Member) -> None:
@@ -240,9 +298,11 @@ class Gathering:
                 continue
             loop = next((m for m in (member, other) if m.address.startswith("127.")), None)
             if loop is not None:
-                raise RendezvousConflict(f"rank {loop.rank} reports loopback address {loop.address} but ranks run on "
-                                         f"several hosts ({other.host}, {member.host}): give it --bind with its "
-                                         "host's IP, or a master address that is not loopback (NETDAM_MASTER_ADDR=IP)")  # fmt: skip
+                raise RendezvousConflict(
+                    f"rank {loop.rank} reports loopback address {loop.address} but ranks run on "
+                    f"several hosts ({other.host}, {member.host}): give it --bind with its "
+                    "host's IP, or a master address that is not loopback (NETDAM_MASTER_ADDR=IP)"
+                )
 
     def withdraw(self, rank: int) -> None:
         """A reporter went away before the answer: it may report again."""
@@ -263,8 +323,13 @@ class Gathering:
 
     def answer(self, name: str, admin_key: int) -> Answer:
         assert self.complete, self.missing()
-        return Answer(name, admin_key, self.mtu, tuple(self.members[r] for r in range(self.world_size)),
-                      secrets.token_hex(16))  # fmt: skip
+        return Answer(
+            name,
+            admin_key,
+            self.mtu,
+            tuple(self.members[r] for r in range(self.world_size)),
+            secrets.token_hex(16),
+        )
 
 
 # ---------------------------------------------------------------------------- TCP shell
@@ -283,15 +348,24 @@ def _listen(port: int) -> socket.socket:
         server.bind(("0.0.0.0", port))
     except OSError as exc:
         server.close()
-        raise RendezvousConflict(f"rank 0 cannot listen on port {port} for the rendezvous: {exc.strerror}: pick "
-                                 "a free port with --master HOST:PORT or NETDAM_MASTER_PORT") from None  # fmt: skip
+        raise RendezvousConflict(
+            f"rank 0 cannot listen on port {port} for the rendezvous: {exc.strerror}: pick "
+            "a free port with --master HOST:PORT or NETDAM_MASTER_PORT"
+        ) from None
     server.listen(256)
     server.setblocking(False)
     return server
 
 
-def gather(port: int, own: Member, timeout: float, *, name: str, admin_key: int,
-           should_stop: StopCheck = _never) -> Answer:  # fmt: skip
+def gather(
+    port: int,
+    own: Member,
+    timeout: float,
+    *,
+    name: str,
+    admin_key: int,
+    should_stop: StopCheck = _never,
+) -> Answer:
     """Rank 0: listen on *port* (all interfaces), collect every rank's report, answer everyone."""
     core = Gathering(own.world_size, time.monotonic() + timeout, own.mtu, f"port {port}", timeout)
     core.add(own)
@@ -325,7 +399,11 @@ def gather(port: int, own: Member, timeout: float, *, name: str, admin_key: int,
         server.close()
 
 
-def _accept(server: socket.socket, selector: selectors.BaseSelector, readers: dict[socket.socket, LineReader]) -> None:
+def _accept(
+    server: socket.socket,
+    selector: selectors.BaseSelector,
+    readers: dict[socket.socket, LineReader],
+) -> None:
     try:
         conn, _ = server.accept()
     except BlockingIOError:
@@ -335,8 +413,13 @@ def _accept(server: socket.socket, selector: selectors.BaseSelector, readers: di
     readers[conn] = LineReader()
 
 
-def _read_report(conn: socket.socket, selector: selectors.BaseSelector, readers: dict[socket.socket, LineReader],
-                 reported: dict[socket.socket, Member], core: Gathering) -> None:  # fmt: skip
+def _read_report(
+    conn: socket.socket,
+    selector: selectors.BaseSelector,
+    readers: dict[socket.socket, LineReader],
+    reported: dict[socket.socket, Member],
+    core: Gathering,
+) -> None:
     """Feed one connection's bytes to the core; a closed or foreign connection is dropped."""
     try:
         data = conn.recv(65536)
@@ -389,16 +472,20 @@ def join(master: Endpoint, own: Member, timeout: float, should_stop: StopCheck =
                 raise RendezvousStopped(f"rank {own.rank} was stopped while waiting for rank 0")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RendezvousError(f"rank {own.rank}: no member list from rank 0's rendezvous at {where} within "
-                                      f"{timeout + ANSWER_GRACE_S:g} s: rank 0 is waiting for other ranks or hung (see its output)")  # fmt: skip
+                raise RendezvousError(
+                    f"rank {own.rank}: no member list from rank 0's rendezvous at {where} within "
+                    f"{timeout + ANSWER_GRACE_S:g} s: rank 0 is waiting for other ranks or hung (see its output)"
+                )
             sock.settimeout(min(POLL_S, left))
             try:
                 data = sock.recv(65536)
             except TimeoutError:
                 continue
             if not data:
-                raise RendezvousError(f"rank {own.rank}: rank 0's rendezvous at {where} closed the connection without "
-                                      "an answer: rank 0 failed or was stopped (see its output)")  # fmt: skip
+                raise RendezvousError(
+                    f"rank {own.rank}: rank 0's rendezvous at {where} closed the connection without "
+                    "an answer: rank 0 failed or was stopped (see its output)"
+                )
             for line in reader.feed(data):
                 return parse_answer(line)
     finally:
@@ -413,13 +500,17 @@ def _connect(master: Endpoint, deadline: float, should_stop: StopCheck) -> socke
         try:
             return socket.create_connection(master, timeout=1.0)
         except socket.gaierror as exc:
-            raise RendezvousConflict(f"cannot resolve the rendezvous host {master[0]!r}: {exc.strerror}: "
-                                     "check MASTER_ADDR / NETDAM_MASTER_ADDR / --master") from None  # fmt: skip
+            raise RendezvousConflict(
+                f"cannot resolve the rendezvous host {master[0]!r}: {exc.strerror}: "
+                "check MASTER_ADDR / NETDAM_MASTER_ADDR / --master"
+            ) from None
         except OSError as exc:
             last = exc.strerror or str(exc)
             time.sleep(0.1)
-    raise RendezvousError(f"could not reach rank 0's rendezvous at {master[0]}:{master[1]} ({last}): is rank 0 "
-                          "running, and is that its address and port (MASTER_ADDR/MASTER_PORT, NETDAM_MASTER_*, --master)?")  # fmt: skip
+    raise RendezvousError(
+        f"could not reach rank 0's rendezvous at {master[0]}:{master[1]} ({last}): is rank 0 "
+        "running, and is that its address and port (MASTER_ADDR/MASTER_PORT, NETDAM_MASTER_*, --master)?"
+    )
 
 
 def route_address(master: Endpoint | None) -> str:
@@ -432,10 +523,14 @@ def route_address(master: Endpoint | None) -> str:
         probe.connect((master[0], master[1] or 9))
         return str(probe.getsockname()[0])
     except socket.gaierror as exc:
-        raise RendezvousConflict(f"cannot resolve the rendezvous host {master[0]!r}: {exc.strerror}: check "
-                                 "MASTER_ADDR / NETDAM_MASTER_ADDR / --master") from None  # fmt: skip
+        raise RendezvousConflict(
+            f"cannot resolve the rendezvous host {master[0]!r}: {exc.strerror}: check "
+            "MASTER_ADDR / NETDAM_MASTER_ADDR / --master"
+        ) from None
     except OSError as exc:
-        raise RendezvousError(f"no route to the rendezvous host {master[0]}: {exc.strerror}: pass --bind IP:PORT") from None
+        raise RendezvousError(
+            f"no route to the rendezvous host {master[0]}: {exc.strerror}: pass --bind IP:PORT"
+        ) from None
     finally:
         probe.close()
 
@@ -443,12 +538,26 @@ def route_address(master: Endpoint | None) -> str:
 # ------------------------------------------------------------------------ the launched node
 
 
-def rendezvous(proc: NodeProcess, spec: LaunchSpec, timeout: float, admin_key: int,
-               should_stop: StopCheck = _never) -> Answer:  # fmt: skip
+def rendezvous(
+    proc: NodeProcess,
+    spec: LaunchSpec,
+    timeout: float,
+    admin_key: int,
+    should_stop: StopCheck = _never,
+) -> Answer:
     """Report *proc* (bound, warmed up) and get the member list: rank 0 gathers, others join."""
-    own = Member(rank=spec.rank, world_size=spec.world_size, address=proc.endpoint[0], port=proc.endpoint[1],
-                 control_port=proc.control_port, pid=os.getpid(), memory_file=str(proc.memory.path),
-                 memory_bytes=proc.config.memory_bytes, mtu=proc.config.mtu, host=socket.gethostname())  # fmt: skip
+    own = Member(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        address=proc.endpoint[0],
+        port=proc.endpoint[1],
+        control_port=proc.control_port,
+        pid=os.getpid(),
+        memory_file=str(proc.memory.path),
+        memory_bytes=proc.config.memory_bytes,
+        mtu=proc.config.mtu,
+        host=socket.gethostname(),
+    )
     if spec.rank == 0:
         name = f"netdam-{os.getpid()}-{secrets.token_hex(3)}"
         port = spec.master[1] if spec.master is not None else 0
@@ -467,8 +576,14 @@ def adopt(proc: NodeProcess, answer: Answer) -> None:
     proc.core.set_members(members)
 
 
-def run_launched_node(config: NodeProcessConfig, spec: LaunchSpec, *, cluster_path: Path | None,
-                      timeout: float, admin_key: int) -> int:  # fmt: skip
+def run_launched_node(
+    config: NodeProcessConfig,
+    spec: LaunchSpec,
+    *,
+    cluster_path: Path | None,
+    timeout: float,
+    admin_key: int,
+) -> int:
     """``netdam node`` under a launcher: bind, warm up, rendezvous, (rank 0) write the cluster
     file, announce, serve. RendezvousError propagates (its ``code`` is the exit code)."""
     # Imported here: the node process pulls in the kernels (numba), which the rendezvous's own
@@ -485,10 +600,14 @@ def run_launched_node(config: NodeProcessConfig, spec: LaunchSpec, *, cluster_pa
         proc = NodeProcess(config)
         try:
             proc.warm_up()
-            answer = rendezvous(proc, spec, timeout, admin_key or (secrets.randbits(32) | 1), should_stop)
+            answer = rendezvous(
+                proc, spec, timeout, admin_key or (secrets.randbits(32) | 1), should_stop
+            )
             adopt(proc, answer)
             if spec.rank == 0 and cluster_path is not None:
-                created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                created = datetime.datetime.now(datetime.timezone.utc).strftime(
+                    "%Y-%m-%dT%H:%M:%SZ"
+                )
                 write_cluster(answer.cluster_file(created), cluster_path)
         except RendezvousStopped:
             return proc  # serve_main sees the stop request and closes it

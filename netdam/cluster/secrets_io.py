@@ -29,7 +29,9 @@ def parse_key(text: str, where: str, bits: int = 32) -> int:
     try:
         key = int(value, 0)
     except ValueError:
-        raise KeyFileError(f"{where} holds {value[:20]!r}, not a key: write one number, e.g. 0x1a2b3c4d") from None
+        raise KeyFileError(
+            f"{where} holds {value[:20]!r}, not a key: write one number, e.g. 0x1a2b3c4d"
+        ) from None
     if not 0 < key < 1 << bits:
         raise KeyFileError(f"{where} holds {key}: a key is 1..2^{bits}-1")
     return key
@@ -47,12 +49,16 @@ def check_private(path: Path, what: str) -> None:
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise KeyFileError(f"{what} file {path} not found: write the key there (mode 0600)") from None
+        raise KeyFileError(
+            f"{what} file {path} not found: write the key there (mode 0600)"
+        ) from None
     if not stat.S_ISREG(info.st_mode):
         raise KeyFileError(f"{what} file {path} is not a regular file")
     if info.st_mode & _NOT_OWNER:
-        raise KeyFileError(f"{what} file {path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}): "
-                           f"run `chmod 600 {path}`")  # fmt: skip
+        raise KeyFileError(
+            f"{what} file {path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}): "
+            f"run `chmod 600 {path}`"
+        )
 
 
 def parse_admin_keys(text: str, where: str) -> tuple[int, bytes]:
@@ -61,8 +67,10 @@ def parse_admin_keys(text: str, where: str) -> tuple[int, bytes]:
     ``--admin-key-fd`` hold."""
     words = text.split()
     if len(words) not in (1, 2):
-        raise KeyFileError(f"{where} holds {len(words)} words: write the admin key, optionally followed by the "
-                           "admin tag key as 32 hex digits, e.g. `0x1a2b3c4d 00112233445566778899aabbccddeeff`")  # fmt: skip
+        raise KeyFileError(
+            f"{where} holds {len(words)} words: write the admin key, optionally followed by the "
+            "admin tag key as 32 hex digits, e.g. `0x1a2b3c4d 00112233445566778899aabbccddeeff`"
+        )
     key = parse_key(words[0], where)
     if len(words) == 1:
         return key, b""
@@ -71,7 +79,9 @@ def parse_admin_keys(text: str, where: str) -> tuple[int, bytes]:
     except ValueError:
         tag_key = b""
     if len(tag_key) != 16 or not any(tag_key):
-        raise KeyFileError(f"{where}: the admin tag key after the admin key must be 32 hex digits, not all zero")
+        raise KeyFileError(
+            f"{where}: the admin tag key after the admin key must be 32 hex digits, not all zero"
+        )
     return key, tag_key
 
 
@@ -91,7 +101,9 @@ def read_key_fd(fd: int) -> tuple[int, bytes]:
             if sum(map(len, chunks)) > 128:
                 break
     except OSError as exc:
-        raise KeyFileError(f"--admin-key-fd {fd}: {exc.strerror}: pass a descriptor this process inherited") from None
+        raise KeyFileError(
+            f"--admin-key-fd {fd}: {exc.strerror}: pass a descriptor this process inherited"
+        ) from None
     finally:
         try:
             os.close(fd)
@@ -120,7 +132,9 @@ def write_private(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, 0o600)  # an existing tmp kept its old mode: O_CREAT's mode applies to new files
+        os.chmod(
+            tmp, 0o600
+        )  # an existing tmp kept its old mode: O_CREAT's mode applies to new files
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -33,12 +33,16 @@ class ControlProof(Enum):
     FORGED = "forged"
 
 
-def control_authority(admin_key: int, admin_tag_key: bytes, packet: Packet, data: bytes) -> ControlProof:
+def control_authority(
+    admin_key: int, admin_tag_key: bytes, packet: Packet, data: bytes
+) -> ControlProof:
     """The proof *packet* (decoded from *data*, its trailer included) carries."""
     if packet.flags & Flags.TAGGED:
         if not admin_tag_key:
             return ControlProof.REFUSED
-        return ControlProof.TAG if verify_control_bytes(admin_tag_key, data) else ControlProof.FORGED
+        return (
+            ControlProof.TAG if verify_control_bytes(admin_tag_key, data) else ControlProof.FORGED
+        )
     if packet.rkey == 0:
         return ControlProof.NONE
     if not admin_tag_key and packet.rkey == admin_key:

@@ -46,24 +46,41 @@ class CoreBase(QueueOwner):
     #: The control tags of the last REPLAY_WINDOW proven requests taken, with their source.
     _taken_tags: OrderedDict[bytes, int] | None = None
 
-    def receive_batch(self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
-                      n: int, now: float) -> None:  # fmt: skip
+    def receive_batch(
+        self,
+        buf: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        srcs: np.ndarray,
+        n: int,
+        now: float,
+    ) -> None:
         raise NotImplementedError
 
     def _handle_punted(self, data: bytes, src: int) -> None:
         raise NotImplementedError
 
     def handle_punted(
-        self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray,
-        punt: np.ndarray, n_punt: int,
-    ) -> None:  # fmt: skip
+        self,
+        buf: np.ndarray,
+        offs: np.ndarray,
+        lens: np.ndarray,
+        srcs: np.ndarray,
+        punt: np.ndarray,
+        n_punt: int,
+    ) -> None:
         """Run the slow path for the datagrams the datapath punted (batch indices in *punt*)."""
         for k in range(n_punt):
             i = int(punt[k])
             self._handle_punted(bytes(buf[offs[i] : offs[i] + lens[i]]), int(srcs[i]))
 
     def fill_send_batch(
-        self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray, now: float
+        self,
+        out: np.ndarray,
+        out_offs: np.ndarray,
+        out_lens: np.ndarray,
+        out_dsts: np.ndarray,
+        now: float,
     ) -> int:
         """Copy queued datagrams into the caller's batch (back to back in ``out``, as many as fit
         in its bytes and its ``out_lens`` slots); return how many."""
@@ -79,8 +96,14 @@ class CoreBase(QueueOwner):
     def receive_datagram(self, data: bytes, src: Endpoint, now: float) -> None:
         """Convenience for tests, tools and management ports: a batch of one."""
         buf = np.frombuffer(data, np.uint8).copy() if data else np.zeros(1, np.uint8)
-        self.receive_batch(buf, np.zeros(1, np.int64), np.array([len(data)], np.int32),
-                           np.array([endpoint_to_u64(src)], np.uint64), 1, now)  # fmt: skip
+        self.receive_batch(
+            buf,
+            np.zeros(1, np.int64),
+            np.array([len(data)], np.int32),
+            np.array([endpoint_to_u64(src)], np.uint64),
+            1,
+            now,
+        )
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
         """Drain the whole send queue as (bytes, destination) pairs."""
@@ -90,7 +113,10 @@ class CoreBase(QueueOwner):
         lens = np.zeros(count, np.int32)
         dsts = np.zeros(count, np.uint64)
         got = self.fill_send_batch(out, offs, lens, dsts, now)
-        return [(bytes(out[offs[k] : offs[k] + lens[k]]), u64_to_endpoint(int(dsts[k]))) for k in range(got)]
+        return [
+            (bytes(out[offs[k] : offs[k] + lens[k]]), u64_to_endpoint(int(dsts[k])))
+            for k in range(got)
+        ]
 
     # ------------------------------------------------------------------ the slow path's replies
 
@@ -171,7 +197,9 @@ class CoreBase(QueueOwner):
         self._reply(request, src, Opcode.NACK, status, tag_key=tag_key)
 
 
-def check_batch(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
+def check_batch(
+    buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int
+) -> None:
     """The kernels trust their arrays: check dtypes, shapes and contiguity once, here."""
     if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
         raise ValueError("batch buffer must be a 1-D C-contiguous uint8 array")

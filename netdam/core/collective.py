@@ -44,6 +44,7 @@ from netdam.protocol.constants import (
     Opcode,
     Rights,
     Status,
+    enum_values,
     max_elements,
 )
 from netdam.protocol.errors import RemoteProtocolError
@@ -117,8 +118,18 @@ class CollectiveSlots:
 
     def state(self) -> CollSlots:
         """The slots' arrays as the kernels take them (made here, and only here)."""
-        return CollSlots(self.cfg, self.done, self.acked, self.fcfg, self.ring, self.bounds, self.cb,
-                         self.sent, self.tries, self.agsent)  # fmt: skip
+        return CollSlots(
+            self.cfg,
+            self.done,
+            self.acked,
+            self.fcfg,
+            self.ring,
+            self.bounds,
+            self.cb,
+            self.sent,
+            self.tries,
+            self.agsent,
+        )
 
     def engine_of(self, coll_id: int) -> CollectiveEngine | None:
         """The slot holding *coll_id* (running, or its last collective here ended in it)."""
@@ -147,9 +158,15 @@ class CollectiveSlots:
         return engine.final_reply(packet, src) if engine is not None else None
 
     def start(
-        self, packet: Packet, src: int, memory: np.ndarray, mtu: int, self_endpoint: int,
-        regions: dict[int, tuple[int, int, int]], rcvbuf: int,
-    ) -> Status:  # fmt: skip
+        self,
+        packet: Packet,
+        src: int,
+        memory: np.ndarray,
+        mtu: int,
+        self_endpoint: int,
+        regions: dict[int, tuple[int, int, int]],
+        rcvbuf: int,
+    ) -> Status:
         """Set up the collective *packet* describes in its group's slot, or a free one; returns
         the status to answer with (BUSY: its group's last call still runs here, or every slot
         runs a collective)."""
@@ -162,7 +179,9 @@ class CollectiveSlots:
             # from epoch 1 again): never run it under a reused (coll_id, epoch), which peers
             # would take for the old one. The NACK tells that epoch (stale_epoch_of).
             return Status.STALE_EPOCH
-        engine = held if held is not None else self._free_slot() or self._take_stuck_slot(packet.coll_id)
+        engine = (
+            held if held is not None else self._free_slot() or self._take_stuck_slot(packet.coll_id)
+        )
         if engine is None or engine.running:
             return Status.BUSY
         status = engine.start(packet, src, memory, mtu, self_endpoint, regions, rcvbuf)
@@ -182,12 +201,18 @@ class CollectiveSlots:
         ended = [e for e in self.engines if not e.running]
         if not ended:
             return None
-        return min(ended, key=lambda e: (e.cfg[L.CFG_STATE] != L.STATE_IDLE, e.needs_tick, e.started))
+        return min(
+            ended, key=lambda e: (e.cfg[L.CFG_STATE] != L.STATE_IDLE, e.needs_tick, e.started)
+        )
 
     def _take_stuck_slot(self, coll_id: int) -> CollectiveEngine | None:
         """The slot of the stuck collective with the highest coll_id above *coll_id* (rule 4),
         emptied for *coll_id*'s START_COLL; None when no running collective may give way."""
-        stuck = [e for e in self.engines if e.running and int(e.cfg[L.CFG_COLL]) > coll_id and e.may_yield]
+        stuck = [
+            e
+            for e in self.engines
+            if e.running and int(e.cfg[L.CFG_COLL]) > coll_id and e.may_yield
+        ]
         if not stuck:
             return None
         engine = max(stuck, key=lambda e: int(e.cfg[L.CFG_COLL]))
@@ -199,7 +224,13 @@ class CollectiveSlots:
         else:
             self.epochs[victim] = engine.epoch_before
         if engine.request is not None:
-            self.yielded.append((engine.request, engine.started_by[0], cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].tobytes()))
+            self.yielded.append(
+                (
+                    engine.request,
+                    engine.started_by[0],
+                    cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].tobytes(),
+                )
+            )
         cfg[L.CFG_STATE] = L.STATE_IDLE
         cfg[L.CFG_COLL] = 0  # nothing of it carries over into the next collective of this slot
         return engine
@@ -208,8 +239,14 @@ class CollectiveSlots:
         """Move the spare row's BUSY refusals of collective *cfg* names into *cfg*: its chains
         refused before any slot held it are told to come again (RESUME) by its first tick."""
         spare = self.cfg[L.SPARE_SLOT]
-        if spare[L.CFG_REFUSED_COLL] == cfg[L.CFG_COLL] and spare[L.CFG_REFUSED_EPOCH] == cfg[L.CFG_EPOCH]:
-            for lo, hi in ((L.CFG_REFUSED_COLL, L.CFG_REFUSED_N + 1), (L.CFG_REFUSED_BASE, L.CFG_LEN)):
+        if (
+            spare[L.CFG_REFUSED_COLL] == cfg[L.CFG_COLL]
+            and spare[L.CFG_REFUSED_EPOCH] == cfg[L.CFG_EPOCH]
+        ):
+            for lo, hi in (
+                (L.CFG_REFUSED_COLL, L.CFG_REFUSED_N + 1),
+                (L.CFG_REFUSED_BASE, L.CFG_LEN),
+            ):
                 cfg[lo:hi] = spare[lo:hi]
             spare[L.CFG_REFUSED_N] = 0
 
@@ -250,11 +287,21 @@ class CollectiveEngine:
         asks for this node's, and some chain of it went out more than once unanswered (a hop
         refused it: BUSY, not started there) or waits refused now."""
         cfg = self.cfg
-        if cfg[L.CFG_ALGO] not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER) or cfg[L.CFG_ORIG_BLOCK] < 0:
+        if (
+            cfg[L.CFG_ALGO] not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
+            or cfg[L.CFG_ORIG_BLOCK] < 0
+        ):
             return False
         own = np.int64(1) << cfg[L.CFG_RANK]
-        if (cfg[L.CFG_ACKED] or cfg[L.CFG_DONE_COUNT] or cfg[L.CFG_PEERS_DONE] & ~own or cfg[L.CFG_BM_GOT] & ~own
-                or cfg[L.CFG_PREV_ASK] or cfg[L.CFG_CUR_ASK] or cfg[L.CFG_FATAL]):  # fmt: skip
+        if (
+            cfg[L.CFG_ACKED]
+            or cfg[L.CFG_DONE_COUNT]
+            or cfg[L.CFG_PEERS_DONE] & ~own
+            or cfg[L.CFG_BM_GOT] & ~own
+            or cfg[L.CFG_PREV_ASK]
+            or cfg[L.CFG_CUR_ASK]
+            or cfg[L.CFG_FATAL]
+        ):
             return False
         lo, hi = int(cfg[L.CFG_LOW_UNACKED]), int(cfg[L.CFG_NEXT_SEND])
         return bool(np.any((self.acked[lo:hi] == 2) | (self.tries[lo:hi] > 1)))
@@ -262,13 +309,23 @@ class CollectiveEngine:
     def is_retry(self, packet: Packet, src: int) -> bool:
         """*packet* is a repeat of the START_COLL that set this slot's collective up."""
         cfg = self.cfg
-        return bool(cfg[L.CFG_STATE] != L.STATE_IDLE and cfg[L.CFG_COLL] == packet.coll_id
-                    and cfg[L.CFG_EPOCH] == packet.epoch and self.started_by == (src, packet.client_id))  # fmt: skip
+        return bool(
+            cfg[L.CFG_STATE] != L.STATE_IDLE
+            and cfg[L.CFG_COLL] == packet.coll_id
+            and cfg[L.CFG_EPOCH] == packet.epoch
+            and self.started_by == (src, packet.client_id)
+        )
 
     def start(
-        self, packet: Packet, src: int, memory: np.ndarray, mtu: int, self_endpoint: int,
-        regions: dict[int, tuple[int, int, int]], rcvbuf: int,
-    ) -> Status:  # fmt: skip
+        self,
+        packet: Packet,
+        src: int,
+        memory: np.ndarray,
+        mtu: int,
+        self_endpoint: int,
+        regions: dict[int, tuple[int, int, int]],
+        rcvbuf: int,
+    ) -> Status:
         """Set up the collective *packet* describes in this slot (CollectiveSlots.start checked
         it is free and the epoch new); returns the status to answer with."""
         try:
@@ -277,13 +334,26 @@ class CollectiveEngine:
             return Status.BAD_LENGTH
         # Fields one by one: dataclasses.astuple deep-copies (a fifth of a START_COLL's cost).
         algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host, timeout_ms = (
-            d.algo, d.flags, d.window, d.rank, d.count, d.in_addr, d.out_addr, d.rkey, d.root,
-            d.group, d.host, d.timeout_ms)  # fmt: skip
+            d.algo,
+            d.flags,
+            d.window,
+            d.rank,
+            d.count,
+            d.in_addr,
+            d.out_addr,
+            d.rkey,
+            d.root,
+            d.group,
+            d.host,
+            d.timeout_ms,
+        )
         world = len(packet.segments)
         ring = [endpoint_to_u64(ep) for ep in packet.segments]
         dtype = packet.dtype
         esize = ELEMENT_SIZE[dtype]
-        status = _validate(algo, world, rank, ring, self_endpoint, count, dtype, packet.coll_id, root)
+        status = _validate(
+            algo, world, rank, ring, self_endpoint, count, dtype, packet.coll_id, root
+        )
         if status != Status.OK:
             return status
         sparse = bool(flags & FLAG_SPARSE)
@@ -291,30 +361,73 @@ class CollectiveEngine:
             return Status.BAD_FIELD
         bounds = block_bounds(algo, count, world, root)
         in_len = _input_elements(algo, count, bounds, rank, root)
-        status = _check_ranges(regions, rkey, in_addr, in_len * esize, out_addr, count * esize, esize)
+        status = _check_ranges(
+            regions, rkey, in_addr, in_len * esize, out_addr, count * esize, esize
+        )
         if status != Status.OK:
             return status
         # A tagged collective's datagrams end with the tag: its payloads are that much smaller.
         mtu -= TAG_SIZE if d.tag_key else 0
         per_packet = max_elements(mtu, dtype, segments=max(world - 1, 0))
-        chunks = [(int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)]
+        chunks = [
+            (int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)
+        ]
         cb = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
         n_chunks = int(cb[-1])
         if n_chunks > MAX_CHUNKS:
             return Status.TOO_LARGE
         if sparse and (n_chunks + 7) // 8 > max_elements(mtu, DType.RAW):
             return Status.TOO_LARGE  # the bitmap must fit one datagram
-        self._setup(packet, src, algo, world, rank, count, in_addr, out_addr, rkey, window, root,
-                    group, host, timeout_ms, ring, bounds, cb, per_packet, rcvbuf, d.tag_key)  # fmt: skip
+        self._setup(
+            packet,
+            src,
+            algo,
+            world,
+            rank,
+            count,
+            in_addr,
+            out_addr,
+            rkey,
+            window,
+            root,
+            group,
+            host,
+            timeout_ms,
+            ring,
+            bounds,
+            cb,
+            per_packet,
+            rcvbuf,
+            d.tag_key,
+        )
         self._local_part(memory, algo, world, rank, root, esize)
         if sparse and world > 1:
             self._local_bitmap(memory, in_addr, count, esize)
         return Status.OK
 
-    def _setup(self, packet: Packet, src: int, algo: int, world: int, rank: int, count: int,
-               in_addr: int, out_addr: int, rkey: int, window: int, root: int, group: int,
-               host: int, timeout_ms: int, ring: list[int], bounds: np.ndarray, cb: np.ndarray,
-               per_packet: int, rcvbuf: int, tag_key: bytes) -> None:  # fmt: skip
+    def _setup(
+        self,
+        packet: Packet,
+        src: int,
+        algo: int,
+        world: int,
+        rank: int,
+        count: int,
+        in_addr: int,
+        out_addr: int,
+        rkey: int,
+        window: int,
+        root: int,
+        group: int,
+        host: int,
+        timeout_ms: int,
+        ring: list[int],
+        bounds: np.ndarray,
+        cb: np.ndarray,
+        per_packet: int,
+        rcvbuf: int,
+        tag_key: bytes,
+    ) -> None:
         n_chunks = int(cb[-1])
         self.started_by = (src, packet.client_id)
         self.request = packet
@@ -342,7 +455,9 @@ class CollectiveEngine:
         cfg[L.CFG_PREV_RKEY], cfg[L.CFG_PREV_EPOCH] = prev_rkey, prev_epoch
         cfg[L.CFG_PREV_TAG_K0 : L.CFG_PREV_TAG_K1 + 1] = prev_tag
         cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1] = np.frombuffer(tag_key or bytes(16), "<i8")
-        packet_bytes = HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
+        packet_bytes = (
+            HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
+        )
         if not window:
             # Credit window: every node may hold N originators' windows in its receive queue;
             # keep that under half the granted buffer (SPEC.md "Flow control").
@@ -352,21 +467,36 @@ class CollectiveEngine:
             window = min(window, TOTAL_IN_FLIGHT // max(world, 1))
         cfg[L.CFG_WINDOW] = min(max(window, MIN_WINDOW), MAX_WINDOW)
         values = {
-            L.CFG_COLL: packet.coll_id, L.CFG_EPOCH: packet.epoch, L.CFG_RANK: rank,
-            L.CFG_WORLD: world, L.CFG_ALGO: algo, L.CFG_DTYPE: int(packet.dtype),
-            L.CFG_OP: int(packet.reduce_op), L.CFG_COUNT: count, L.CFG_IN: in_addr,
-            L.CFG_OUT: out_addr, L.CFG_RKEY: rkey, L.CFG_PER_PACKET: per_packet,
-            L.CFG_CHUNKS: n_chunks, L.CFG_GROUP: group, L.CFG_HOST: host or src,
-            L.CFG_CLIENT: packet.client_id, L.CFG_TXN: packet.txn_id,
-        }  # fmt: skip
+            L.CFG_COLL: packet.coll_id,
+            L.CFG_EPOCH: packet.epoch,
+            L.CFG_RANK: rank,
+            L.CFG_WORLD: world,
+            L.CFG_ALGO: algo,
+            L.CFG_DTYPE: int(packet.dtype),
+            L.CFG_OP: int(packet.reduce_op),
+            L.CFG_COUNT: count,
+            L.CFG_IN: in_addr,
+            L.CFG_OUT: out_addr,
+            L.CFG_RKEY: rkey,
+            L.CFG_PER_PACKET: per_packet,
+            L.CFG_CHUNKS: n_chunks,
+            L.CFG_GROUP: group,
+            L.CFG_HOST: host or src,
+            L.CFG_CLIENT: packet.client_id,
+            L.CFG_TXN: packet.txn_id,
+        }
         for index, value in values.items():
             cfg[index] = value
         reduces = algo in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
         cfg[L.CFG_ORIG_BLOCK] = (rank - 1) % world if reduces and world > 1 else -1
         cfg[L.CFG_OWN_BLOCK] = rank if algo != Algo.BROADCAST or rank == root else -1
-        cfg[L.CFG_NEXT_SEND] = cfg[L.CFG_LOW_UNACKED] = cb[cfg[L.CFG_ORIG_BLOCK]] if cfg[L.CFG_ORIG_BLOCK] >= 0 else 0
+        cfg[L.CFG_NEXT_SEND] = cfg[L.CFG_LOW_UNACKED] = (
+            cb[cfg[L.CFG_ORIG_BLOCK]] if cfg[L.CFG_ORIG_BLOCK] >= 0 else 0
+        )
         cfg[L.CFG_AG_NEXT] = cb[rank] if cfg[L.CFG_OWN_BLOCK] >= 0 else 0
-        cfg[L.CFG_NEEDED] = int(cb[rank + 1] - cb[rank]) if algo == Algo.REDUCE_SCATTER else n_chunks
+        cfg[L.CFG_NEEDED] = (
+            int(cb[rank + 1] - cb[rank]) if algo == Algo.REDUCE_SCATTER else n_chunks
+        )
         fcfg = self.fcfg
         fcfg[:] = 0.0
         fcfg[L.F_RTO] = fcfg[L.F_BASE_RTO] = initial_rto(world)
@@ -381,11 +511,20 @@ class CollectiveEngine:
         """Sparse mode: which chunks of this node's input hold a non-zero element (any bit set:
         -0.0 and denormals count), for the bitmap round the engine's clock runs first."""
         cfg, bounds, cb = self.cfg, self.bounds, self.cb
-        world, per_packet, n_chunks = int(cfg[L.CFG_WORLD]), int(cfg[L.CFG_PER_PACKET]), int(cfg[L.CFG_CHUNKS])
+        world, per_packet, n_chunks = (
+            int(cfg[L.CFG_WORLD]),
+            int(cfg[L.CFG_PER_PACKET]),
+            int(cfg[L.CFG_CHUNKS]),
+        )
         words = memory[in_addr : in_addr + count * esize].view(_UINT[esize])
         nonzero = (words != 0).view(np.uint8)
-        starts = np.concatenate([np.arange(bounds[j], bounds[j + 1], per_packet) for j in range(world)
-                                 if cb[j + 1] > cb[j]]).astype(np.int64)  # fmt: skip
+        starts = np.concatenate(
+            [
+                np.arange(bounds[j], bounds[j + 1], per_packet)
+                for j in range(world)
+                if cb[j + 1] > cb[j]
+            ]
+        ).astype(np.int64)
         local = np.maximum.reduceat(nonzero, starts)
         self.done[L.NZ_BASE : L.NZ_BASE + n_chunks] = local
         packed = np.packbits(local, bitorder="little")
@@ -393,7 +532,9 @@ class CollectiveEngine:
         cfg[L.CFG_SPARSE] = 1
         cfg[L.CFG_BM_GOT] = cfg[L.CFG_BM_HAS] = 1 << int(cfg[L.CFG_RANK])
 
-    def _local_part(self, memory: np.ndarray, algo: int, world: int, rank: int, root: int, esize: int) -> None:
+    def _local_part(
+        self, memory: np.ndarray, algo: int, world: int, rank: int, root: int, esize: int
+    ) -> None:
         """What needs no network: this node's own data for gathers, everything for one rank."""
         cfg, bounds, cb = self.cfg, self.bounds, self.cb
         in_addr, out_addr = int(cfg[L.CFG_IN]), int(cfg[L.CFG_OUT])
@@ -415,7 +556,11 @@ class CollectiveEngine:
     def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
         """The completion to repeat for a START_COLL of the collective that already ended here."""
         cfg = self.cfg
-        if cfg[L.CFG_STATE] < L.STATE_DONE or cfg[L.CFG_COLL] != packet.coll_id or cfg[L.CFG_EPOCH] != packet.epoch:
+        if (
+            cfg[L.CFG_STATE] < L.STATE_DONE
+            or cfg[L.CFG_COLL] != packet.coll_id
+            or cfg[L.CFG_EPOCH] != packet.epoch
+        ):
             return None
         if self.started_by != (src, packet.client_id):
             return None  # someone else's collective: start() answers STALE_EPOCH
@@ -423,8 +568,14 @@ class CollectiveEngine:
             stats = pack_completion(int(cfg[L.CFG_RETRANSMITS]), int(cfg[L.CFG_READS]))
             return Opcode.ACK, Status.OK, stats + pack_completion_phases(self.phases())
         missing = np.flatnonzero(self.done[: int(cfg[L.CFG_CHUNKS])] == 0)
-        first, last = (int(missing[0]), int(missing[-1])) if missing.size else (2**64 - 1, 2**64 - 1)
-        return Opcode.NACK, Status(int(cfg[L.CFG_FATAL]) or Status.TIMEOUT), pack_completion(first, last)
+        first, last = (
+            (int(missing[0]), int(missing[-1])) if missing.size else (2**64 - 1, 2**64 - 1)
+        )
+        return (
+            Opcode.NACK,
+            Status(int(cfg[L.CFG_FATAL]) or Status.TIMEOUT),
+            pack_completion(first, last),
+        )
 
     def phases(self) -> CompletionPhases:
         """The phases the completion reports (SPEC.md 4.1), from the engine's clock stamps."""
@@ -436,7 +587,9 @@ class CollectiveEngine:
                 return int(NO_PHASE_US)
             return int(min(max((float(f[slot]) - start) * 1e6, 0.0), NO_PHASE_US - 1))
 
-        return CompletionPhases(int(max(start, 0.0) * 1e9), us(L.F_T_CHAINS), us(L.F_T_CHUNKS), us(L.F_T_DONE))
+        return CompletionPhases(
+            int(max(start, 0.0) * 1e9), us(L.F_T_CHAINS), us(L.F_T_CHUNKS), us(L.F_T_DONE)
+        )
 
     def status(self) -> dict[str, object]:
         """Progress of the current (or last) collective, for watchdogs and stats."""
@@ -445,13 +598,18 @@ class CollectiveEngine:
         missing = np.flatnonzero(self.done[:n] == 0)
         return {
             "state": L.EngineState(int(cfg[L.CFG_STATE])).name.lower(),
-            "coll_id": int(cfg[L.CFG_COLL]), "epoch": int(cfg[L.CFG_EPOCH]),
-            "chunks": n, "done": int(cfg[L.CFG_DONE_COUNT]), "needed": int(cfg[L.CFG_NEEDED]),
+            "coll_id": int(cfg[L.CFG_COLL]),
+            "epoch": int(cfg[L.CFG_EPOCH]),
+            "chunks": n,
+            "done": int(cfg[L.CFG_DONE_COUNT]),
+            "needed": int(cfg[L.CFG_NEEDED]),
             "missing_first": int(missing[0]) if missing.size else None,
             "missing_last": int(missing[-1]) if missing.size else None,
-            "acked": int(cfg[L.CFG_ACKED]), "retransmits": int(cfg[L.CFG_RETRANSMITS]),
-            "reads": int(cfg[L.CFG_READS]), "fatal_status": int(cfg[L.CFG_FATAL]),
-        }  # fmt: skip
+            "acked": int(cfg[L.CFG_ACKED]),
+            "retransmits": int(cfg[L.CFG_RETRANSMITS]),
+            "reads": int(cfg[L.CFG_READS]),
+            "fatal_status": int(cfg[L.CFG_FATAL]),
+        }
 
 
 def collective_buffer_span(packet: Packet) -> tuple[int, int, int] | None:
@@ -462,7 +620,12 @@ def collective_buffer_span(packet: Packet) -> tuple[int, int, int] | None:
     except RemoteProtocolError:
         return None
     world = len(packet.segments)
-    if d.algo not in Algo._value2member_map_ or not 0 <= d.rank < world or not 0 <= d.root < world or d.count <= 0:
+    if (
+        d.algo not in enum_values(Algo)
+        or not 0 <= d.rank < world
+        or not 0 <= d.root < world
+        or d.count <= 0
+    ):
         return None
     esize = ELEMENT_SIZE[packet.dtype]
     bounds = block_bounds(d.algo, d.count, world, d.root)
@@ -480,9 +643,18 @@ def _input_elements(algo: int, count: int, bounds: np.ndarray, rank: int, root: 
     return count if algo != Algo.BROADCAST or rank == root else 0
 
 
-def _validate(algo: int, world: int, rank: int, ring: list[int], me: int, count: int,
-              dtype: DType, coll_id: int, root: int) -> Status:  # fmt: skip
-    if algo not in Algo._value2member_map_ or coll_id == 0:
+def _validate(
+    algo: int,
+    world: int,
+    rank: int,
+    ring: list[int],
+    me: int,
+    count: int,
+    dtype: DType,
+    coll_id: int,
+    root: int,
+) -> Status:
+    if algo not in enum_values(Algo) or coll_id == 0:
         return Status.BAD_FIELD
     if not 1 <= world <= MAX_SEGMENTS or not 0 <= rank < world or ring[rank] != me:
         return Status.BAD_SEGMENT
@@ -495,8 +667,15 @@ def _validate(algo: int, world: int, rank: int, ring: list[int], me: int, count:
     return Status.OK
 
 
-def _check_ranges(regions: dict[int, tuple[int, int, int]], rkey: int, in_addr: int, in_bytes: int,
-                  out_addr: int, out_bytes: int, esize: int) -> Status:  # fmt: skip
+def _check_ranges(
+    regions: dict[int, tuple[int, int, int]],
+    rkey: int,
+    in_addr: int,
+    in_bytes: int,
+    out_addr: int,
+    out_bytes: int,
+    esize: int,
+) -> Status:
     """The collective's rkey must grant READ on the input and WRITE on the output here."""
     if rkey not in regions:
         return Status.BAD_RKEY

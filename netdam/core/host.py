@@ -161,7 +161,9 @@ class CallQueue:
             return None, Heard.NOTHING, []
         if reply.client_id != self.client_id:
             return None, Heard.NOTHING, []
-        call = next((c for lane in self.lanes for c in lane if c.sent and c.txn == reply.txn_id), None)
+        call = next(
+            (c for lane in self.lanes for c in lane if c.sent and c.txn == reply.txn_id), None
+        )
         if call is None:
             return None, Heard.NOTHING, []
         heard = self._take(call, reply, data, now)
@@ -211,7 +213,9 @@ class CallQueue:
         decides = reply.opcode == Opcode.NACK or reply.aux_addr != _RUNNING
         key = descriptor_tag_key(call.packet.payload) if decides else b""
         if key and not tag_verify(key, data):
-            return Heard.NOTHING  # not from a holder of this collective's key: the nodes count those
+            return (
+                Heard.NOTHING
+            )  # not from a holder of this collective's key: the nodes count those
         call.heard_at = now
         if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
             # The node already ran epoch aux_addr of this cluster's collectives (the group is

@@ -59,6 +59,7 @@ from netdam.protocol.constants import (
     ReduceOp,
     Rights,
     Status,
+    enum_values,
     max_payload,
 )
 from netdam.protocol.errors import RemoteProtocolError
@@ -95,7 +96,6 @@ RKEY_SLOTS = 1024
 MAX_REGIONS = RKEY_SLOTS // 2
 #: Events waiting for the owner; beyond it replies are dropped and counted.
 MAX_EVENTS = 1 << 16
-
 
 
 @dataclass
@@ -202,9 +202,16 @@ class NodeCore(CoreBase):
         self.guard.cfg[G_NOW] = now
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
-        tx_n, n_punt = datapath.process_batch(RxBatch(buf, offs, lens, srcs), n, self.max_datagram,
-                                              self.node_state(), self.guard, self.tx_bundle(), int(self._txq[TXQ_TAIL]),
-                                              self._punt)  # fmt: skip
+        tx_n, n_punt = datapath.process_batch(
+            RxBatch(buf, offs, lens, srcs),
+            n,
+            self.max_datagram,
+            self.node_state(),
+            self.guard,
+            self.tx_bundle(),
+            int(self._txq[TXQ_TAIL]),
+            self._punt,
+        )
         self._txq[TXQ_TAIL] = tx_n
         self.handle_punted(buf, offs, lens, srcs, self._punt, int(n_punt))
         self.release_collective_key()
@@ -225,8 +232,16 @@ class NodeCore(CoreBase):
         )
 
     def _dup_window(self) -> DupWindow:
-        return DupWindow(self._cl_id, self._cl_key, self._cl_hi, self._cl_used, self._w_txn, self._w_state, self._w_len,
-                         self._w_reply)  # fmt: skip
+        return DupWindow(
+            self._cl_id,
+            self._cl_key,
+            self._cl_hi,
+            self._cl_used,
+            self._w_txn,
+            self._w_state,
+            self._w_len,
+            self._w_reply,
+        )
 
     @property
     def tx_queue(self) -> np.ndarray:
@@ -242,18 +257,32 @@ class NodeCore(CoreBase):
         ticking = self.collective.ticking()
         if not ticking:
             return None
-        return min(float(e.fcfg[coll_kernels.F_NOW] + min(e.fcfg[coll_kernels.F_RTO] / 4.0, 0.001)) for e in ticking)
+        return min(
+            float(e.fcfg[coll_kernels.F_NOW] + min(e.fcfg[coll_kernels.F_RTO] / 4.0, 0.001))
+            for e in ticking
+        )
 
     def handle_timer(self, now: float) -> None:
         """Run the collective engine's clock: chain heads, retransmits, all-gather, repair."""
         ticking = self.collective.ticking()
         if not ticking:
             return
-        self._reserve_tx(sum(2 * int(e.cfg[coll_kernels.CFG_WINDOW]) * max(1, int(e.cfg[coll_kernels.CFG_WORLD]))
-                             for e in ticking))  # fmt: skip
+        self._reserve_tx(
+            sum(
+                2 * int(e.cfg[coll_kernels.CFG_WINDOW]) * max(1, int(e.cfg[coll_kernels.CFG_WORLD]))
+                for e in ticking
+            )
+        )
         self._ticks += 1  # each slot first in turn
-        self._txq[TXQ_TAIL] = coll_kernels.coll_tick(now, self.collective.state(), self.memory, self.counters,
-                                              self.tx_bundle(), int(self._txq[TXQ_TAIL]), self._ticks)  # fmt: skip
+        self._txq[TXQ_TAIL] = coll_kernels.coll_tick(
+            now,
+            self.collective.state(),
+            self.memory,
+            self.counters,
+            self.tx_bundle(),
+            int(self._txq[TXQ_TAIL]),
+            self._ticks,
+        )
         self.release_collective_key()
 
     # ------------------------------------------------------------------ one-datagram helpers
@@ -266,7 +295,9 @@ class NodeCore(CoreBase):
         self._members = np.array(sorted(values), dtype=np.uint64)
         self._trusted = values
 
-    def register_region(self, base: int, size: int, rights: Rights, rkey: int = 0, tag_key: bytes = b"") -> int:
+    def register_region(
+        self, base: int, size: int, rights: Rights, rkey: int = 0, tag_key: bytes = b""
+    ) -> int:
         """Make [base, base+size) reachable under an rkey (random when 0); return the rkey.
         With a 16-byte *tag_key* the region is tagged: it takes only datagrams sealed under it."""
         result = self._register(base, size, int(rights), rkey, announce=False, tag_key=tag_key)
@@ -306,8 +337,11 @@ class NodeCore(CoreBase):
             self._on_ping(packet, src)
             return
         handler = self._handlers.get(packet.opcode)
-        proof = (control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
-                 if is_control(packet.opcode) else ControlProof.NONE)  # fmt: skip
+        proof = (
+            control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
+            if is_control(packet.opcode)
+            else ControlProof.NONE
+        )
         if proof is ControlProof.FORGED:
             self.counters[C.DROP_CONTROL_FORGED] += 1  # the datapath drops these before us
             return
@@ -317,7 +351,13 @@ class NodeCore(CoreBase):
             self._answer(self._seal_for(proof), lambda: self._nack(packet, src, Status.BAD_FIELD))
             return
         if proof in (ControlProof.REFUSED, ControlProof.NONE):
-            self._reply(packet, src, Opcode.NACK, Status.UNAUTHORIZED, payload=refusal_text(self.config.admin_tag_key))
+            self._reply(
+                packet,
+                src,
+                Opcode.NACK,
+                Status.UNAUTHORIZED,
+                payload=refusal_text(self.config.admin_tag_key),
+            )
             if src not in self._trusted:
                 record_failure(self.guard, src, self.counters)
             return
@@ -341,8 +381,10 @@ class NodeCore(CoreBase):
         header = bytearray(data[:HEADER_SIZE])
         header[H_VERSION] = PROTOCOL_VERSION
         header[H_OPCODE] = Opcode.NACK
-        header[H_DTYPE] = header[H_DTYPE] if header[H_DTYPE] in DType._value2member_map_ else 0
-        header[H_REDUCE_OP] = header[H_REDUCE_OP] if header[H_REDUCE_OP] in ReduceOp._value2member_map_ else 0
+        header[H_DTYPE] = header[H_DTYPE] if header[H_DTYPE] in enum_values(DType) else 0
+        header[H_REDUCE_OP] = (
+            header[H_REDUCE_OP] if header[H_REDUCE_OP] in enum_values(ReduceOp) else 0
+        )
         header[H_RESERVED1] = 0
         HEADER.write(header, "reserved2", 0)
         HEADER.write(header, "flags", HEADER.read(header, "flags") & (Flags.RELAYED | Flags.MCAST))
@@ -366,12 +408,20 @@ class NodeCore(CoreBase):
         # aux_addr: the address-validation token of the PING's source (SPEC.md 12.4).
         self._reply(packet, src, Opcode.INFO, payload=info, aux_addr=address_token(self.guard, src))
 
-    def _windowed(self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int, int]]) -> None:
+    def _windowed(
+        self, packet: Packet, src: int, execute: Callable[[], tuple[Status, int, int]]
+    ) -> None:
         """Run a mutating control opcode at most once per (client, txn), like the datapath.
         *execute* returns (status, rkey, addr) for the ACK's header (addr: where REGISTER put
         the region)."""
-        verdict, c, w = datapath.window_check(self._dup_window(), packet.client_id, self._reply_dst(packet, src),
-                                              packet.rkey, packet.txn_id, self._window_stamp())  # fmt: skip
+        verdict, c, w = datapath.window_check(
+            self._dup_window(),
+            packet.client_id,
+            self._reply_dst(packet, src),
+            packet.rkey,
+            packet.txn_id,
+            self._window_stamp(),
+        )
         if verdict == datapath.WIN_STALE:
             self._nack(packet, src, Status.STALE)
             return
@@ -389,7 +439,9 @@ class NodeCore(CoreBase):
             return
         reply = self._reply(packet, src, Opcode.ACK, rkey=rkey, addr=addr)
         if verdict == datapath.WIN_NEW:
-            datapath.window_record(self._dup_window(), c, w, packet.txn_id, np.frombuffer(reply, np.uint8))
+            datapath.window_record(
+                self._dup_window(), c, w, packet.txn_id, np.frombuffer(reply, np.uint8)
+            )
 
     def _window_stamp(self) -> int:
         """The duplicate window's clock: microseconds of the batch's time, never 0."""
@@ -399,7 +451,9 @@ class NodeCore(CoreBase):
         requested, rights, tag_key = unpack_register(packet.payload)
 
         def execute() -> tuple[Status, int, int]:
-            result = self._register(packet.addr, packet.aux_addr, rights, requested, tag_key=tag_key)
+            result = self._register(
+                packet.addr, packet.aux_addr, rights, requested, tag_key=tag_key
+            )
             if isinstance(result, Status):
                 return result, packet.rkey, packet.addr
             rkey, base = result
@@ -412,18 +466,30 @@ class NodeCore(CoreBase):
         self._windowed(packet, src, lambda: (self._deregister(rkey), packet.rkey, packet.addr))
 
     def _register(
-        self, base: int, size: int, rights: int, rkey: int, announce: bool = True, tag_key: bytes = b""
+        self,
+        base: int,
+        size: int,
+        rights: int,
+        rkey: int,
+        announce: bool = True,
+        tag_key: bytes = b"",
     ) -> tuple[int, int] | Status:
         """Make [base, base+size) the region of a new rkey (base REGISTER_ANYWHERE: the node
         picks); returns (rkey, base) or the status to NACK with (SPEC.md 6.1). One owner per
         byte: a range overlapping a registered region is IN_USE. A *tag_key* (16 bytes, not
         all zeros) makes the region tagged (SPEC.md 2.6)."""
         anywhere = base == REGISTER_ANYWHERE
-        if size <= 0 or size > self.memory.shape[0] or (not anywhere and base + size > self.memory.shape[0]):
+        if (
+            size <= 0
+            or size > self.memory.shape[0]
+            or (not anywhere and base + size > self.memory.shape[0])
+        ):
             return Status.OUT_OF_BOUNDS
         if not rights & RIGHTS_ALL or rights & ~int(RIGHTS_DEFINED):
             return Status.BAD_FIELD
-        if tag_key and (len(tag_key) != TAG_KEY_SIZE or not any(tag_key) or rights & Rights.MEMBERS):
+        if tag_key and (
+            len(tag_key) != TAG_KEY_SIZE or not any(tag_key) or rights & Rights.MEMBERS
+        ):
             return Status.BAD_FIELD
         if rkey and rkey in self._keys():
             return Status.EXISTS
@@ -514,7 +580,10 @@ class NodeCore(CoreBase):
         owner = self._owner_containing(lo, hi - lo)
         if owner is None:
             return  # the engine answers BAD_RKEY: no registered memory holds the buffers
-        self._coll_keys[packet.coll_id] = (rkey, (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS)))
+        self._coll_keys[packet.coll_id] = (
+            rkey,
+            (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS)),
+        )
         self._rebuild_rkeys()
 
     def release_collective_key(self) -> None:
@@ -558,9 +627,14 @@ class NodeCore(CoreBase):
         if not self._runs(packet.coll_id):
             self._scope_collective_key(packet)
         status = self.collective.start(
-            packet, src, self.memory, self.config.mtu, self.endpoint_u64, self._keys(),
+            packet,
+            src,
+            self.memory,
+            self.config.mtu,
+            self.endpoint_u64,
+            self._keys(),
             int(self.counters[C.RCVBUF_BYTES]),
-        )  # fmt: skip
+        )
         if status != Status.OK:
             self.release_collective_key()
         for request, host, tag_key in self.collective.yielded:

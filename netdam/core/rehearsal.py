@@ -37,43 +37,114 @@ def rehearse_control_paths() -> None:
     fabric = Fabric()
     cores = []
     for rank, endpoint in enumerate(_NODES):
-        core = NodeCore(NodeConfig(endpoint=endpoint, memory_bytes=_MEMORY, admin_key=_ADMIN_KEY,
-                                   members=_NODES, rank=rank, world_size=len(_NODES)))  # fmt: skip
+        core = NodeCore(
+            NodeConfig(
+                endpoint=endpoint,
+                memory_bytes=_MEMORY,
+                admin_key=_ADMIN_KEY,
+                members=_NODES,
+                rank=rank,
+                world_size=len(_NODES),
+            )
+        )
         fabric.add_core(endpoint, core)
         cores.append(core)
     fabric.add_endpoint(_CLIENT)
-    register = Packet(Opcode.REGISTER, rkey=_ADMIN_KEY, addr=0, aux_addr=4096, length=8, client_id=1,
-                      txn_id=1, payload=pack_key_rights(0, int(Rights.READ | Rights.WRITE | Rights.ATOMIC)))  # fmt: skip
+    register = Packet(
+        Opcode.REGISTER,
+        rkey=_ADMIN_KEY,
+        addr=0,
+        aux_addr=4096,
+        length=8,
+        client_id=1,
+        txn_id=1,
+        payload=pack_key_rights(0, int(Rights.READ | Rights.WRITE | Rights.ATOMIC)),
+    )
     rkey = 0
     for _attempt in range(2):  # the retry is answered from the duplicate window
         for reply in _exchange(fabric, register):
             rkey = reply.rkey
     requests = [
-        Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=64, length=8, client_id=1, txn_id=2, payload=bytes(8)),
+        Packet(
+            Opcode.WRITE,
+            flags=Flags.ACK_REQ,
+            rkey=rkey,
+            addr=64,
+            length=8,
+            client_id=1,
+            txn_id=2,
+            payload=bytes(8),
+        ),
         Packet(Opcode.READ, rkey=rkey, addr=64, length=8, client_id=1, txn_id=3),
-        Packet(Opcode.FETCH_ADD, rkey=rkey, addr=64, length=8, dtype=DType.U64, client_id=1, txn_id=4,
-               payload=np.uint64(1).tobytes()),  # fmt: skip
+        Packet(
+            Opcode.FETCH_ADD,
+            rkey=rkey,
+            addr=64,
+            length=8,
+            dtype=DType.U64,
+            client_id=1,
+            txn_id=4,
+            payload=np.uint64(1).tobytes(),
+        ),
         Packet(Opcode.PING, client_id=1, txn_id=5),
         Packet(Opcode.COUNTERS, rkey=_ADMIN_KEY, client_id=1, txn_id=6),
-        Packet(Opcode.DEREGISTER, rkey=_ADMIN_KEY, length=8, client_id=1, txn_id=7,
-               payload=pack_key_rights(rkey, 0)),  # fmt: skip
+        Packet(
+            Opcode.DEREGISTER,
+            rkey=_ADMIN_KEY,
+            length=8,
+            client_id=1,
+            txn_id=7,
+            payload=pack_key_rights(rkey, 0),
+        ),
     ]
     for request in requests:
         _exchange(fabric, request)
     # A tagged START_COLL whose buffers no region holds: its NACK is sealed (SPEC.md 2.6), which
     # is the Python path's one call of the compiled seal.
-    descriptor = CollectiveDescriptor(Algo.ALL_REDUCE, 0, 16, 0, 64, 0x7A9, tag_key=bytes(range(1, 17)))
-    _exchange(fabric, Packet(Opcode.START_COLL, rkey=_ADMIN_KEY, coll_id=1, epoch=1, dtype=DType.F32,
-                             segments=_NODES, client_id=1, txn_id=8).with_payload(descriptor.encode()))  # fmt: skip
+    descriptor = CollectiveDescriptor(
+        Algo.ALL_REDUCE, 0, 16, 0, 64, 0x7A9, tag_key=bytes(range(1, 17))
+    )
+    _exchange(
+        fabric,
+        Packet(
+            Opcode.START_COLL,
+            rkey=_ADMIN_KEY,
+            coll_id=1,
+            epoch=1,
+            dtype=DType.F32,
+            segments=_NODES,
+            client_id=1,
+            txn_id=8,
+        ).with_payload(descriptor.encode()),
+    )
     # A tagged region (SPEC.md 2.6): its REGISTER, and a WRITE sealed and answered as a pool
     # client seals and checks, so the clients' compiled seal and check (kernels.tag.seal_bytes,
     # verify_bytes) are in this install's cache before any client of it runs.
     key = bytes(range(2, 18))
     payload = pack_register(0, int(Rights.READ | Rights.WRITE), key)
-    [registered] = _exchange(fabric, Packet(Opcode.REGISTER, rkey=_ADMIN_KEY, addr=8192, aux_addr=4096,
-                                            length=len(payload), client_id=1, txn_id=9, payload=payload))  # fmt: skip
-    write = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=registered.rkey, addr=8192, length=8, client_id=1,
-                   txn_id=10, payload=bytes(8))  # fmt: skip
+    [registered] = _exchange(
+        fabric,
+        Packet(
+            Opcode.REGISTER,
+            rkey=_ADMIN_KEY,
+            addr=8192,
+            aux_addr=4096,
+            length=len(payload),
+            client_id=1,
+            txn_id=9,
+            payload=payload,
+        ),
+    )
+    write = Packet(
+        Opcode.WRITE,
+        flags=Flags.ACK_REQ,
+        rkey=registered.rkey,
+        addr=8192,
+        length=8,
+        client_id=1,
+        txn_id=10,
+        payload=bytes(8),
+    )
     fabric.send(_CLIENT, _NODES[0], seal_bytes(key, encode_packet(write)))
     fabric.run_until_idle()
     for data, _ in fabric.receive(_CLIENT):
@@ -82,8 +153,17 @@ def rehearse_control_paths() -> None:
     # seals it, to a core given an admin tag key, which checks it and seals its answer, checked
     # as the client checks it (kernels.tag.seal_control_bytes, verify_control_bytes).
     admin_tag_key = bytes(range(3, 19))
-    fabric.add_core(_SEALED, NodeCore(NodeConfig(endpoint=_SEALED, memory_bytes=_MEMORY, admin_key=_ADMIN_KEY,
-                                                 admin_tag_key=admin_tag_key)))  # fmt: skip
+    fabric.add_core(
+        _SEALED,
+        NodeCore(
+            NodeConfig(
+                endpoint=_SEALED,
+                memory_bytes=_MEMORY,
+                admin_key=_ADMIN_KEY,
+                admin_tag_key=admin_tag_key,
+            )
+        ),
+    )
     counters = encode_packet(Packet(Opcode.COUNTERS, client_id=1, txn_id=11))
     fabric.send(_CLIENT, _SEALED, seal_control_bytes(admin_tag_key, counters))
     fabric.run_until_idle()

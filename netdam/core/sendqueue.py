@@ -102,7 +102,9 @@ class SendQueue:
         """The queue's arrays as the kernels take them (made afresh: growing replaces them)."""
         return TxQueue(self.buf, self.off, self.len, self.dst)
 
-    def fill(self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray) -> int:
+    def fill(
+        self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray
+    ) -> int:
         """Copy pending datagrams into a caller's batch (back to back, as many as fit)."""
         head, tail = int(self.q[TXQ_HEAD]), int(self.q[TXQ_TAIL])
         count = drain(self.bundle(), head, tail - head, TxQueue(out, out_offs, out_lens, out_dsts))

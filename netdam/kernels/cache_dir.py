@@ -116,8 +116,13 @@ def _choose() -> Path:
         problem = f"cannot create it ({exc.strerror})"
     private = Path(tempfile.mkdtemp(prefix="netdam-kernels-"))
     atexit.register(shutil.rmtree, private, True)
-    log.warning("kernel cache %s not used: %s; compiling into %s for this process only "
-                "(set NETDAM_CACHE_DIR to a folder of your own)", root, problem, private)  # fmt: skip
+    log.warning(
+        "kernel cache %s not used: %s; compiling into %s for this process only "
+        "(set NETDAM_CACHE_DIR to a folder of your own)",
+        root,
+        problem,
+        private,
+    )
     return private
 
 
@@ -167,8 +172,10 @@ def announce_cold_cache() -> None:
     folder = kernel_cache_dir()
     if cold_since is None and not any(folder.glob("*.nbi")):
         cold_since = time.monotonic()
-        progress.note(f"first run: compiling the kernels once (1-3 min on 2 cores, longer on a busy "
-                      f"machine; cached in {folder} for later runs)")  # fmt: skip
+        progress.note(
+            f"first run: compiling the kernels once (1-3 min on 2 cores, longer on a busy "
+            f"machine; cached in {folder} for later runs)"
+        )
         progress.status("compiling the kernels (once)")
 
 
@@ -185,4 +192,3 @@ def install_cache_locator() -> None:
                 leftover.unlink()
             except OSError:
                 break
-

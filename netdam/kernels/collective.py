@@ -342,9 +342,15 @@ def _needs_tag(slots, b):
 @njit(cache=True, nogil=True)
 def _tagged_key_of(co_cfg, rkey):
     """*rkey* is the key of a tagged collective in this slot, of its current or previous epoch."""
-    if rkey == co_cfg[CFG_RKEY] and co_cfg[CFG_STATE] != STATE_IDLE and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0:
+    if (
+        rkey == co_cfg[CFG_RKEY]
+        and co_cfg[CFG_STATE] != STATE_IDLE
+        and (co_cfg[CFG_TAG_K0] | co_cfg[CFG_TAG_K1]) != 0
+    ):
         return True
-    return rkey == co_cfg[CFG_PREV_RKEY] and (co_cfg[CFG_PREV_TAG_K0] | co_cfg[CFG_PREV_TAG_K1]) != 0
+    return (
+        rkey == co_cfg[CFG_PREV_RKEY] and (co_cfg[CFG_PREV_TAG_K0] | co_cfg[CFG_PREV_TAG_K1]) != 0
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -412,10 +418,14 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
         _wr16(t, o + SEG_RESERVED, 0)
     p = _HDR + _SEG * hops
     if cfg[CFG_SPARSE] != 0:
-        size, sparse = _encode_payload(t, np.int64(p), mem, np.int64(src_addr), np.int64(nbytes), esize)
+        size, sparse = _encode_payload(
+            t, np.int64(p), mem, np.int64(src_addr), np.int64(nbytes), esize
+        )
         if sparse:
             _wr16(t, H_FLAGS, flags | _F_SPARSE)
-        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world])
+        return _commit(
+            cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world]
+        )
     _copy(t, p, mem, src_addr, nbytes)
     return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
 
@@ -431,7 +441,9 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_
     flags = _F_MCAST if cfg[CFG_GROUP] != 0 else 0
     _header(t, _OP_ALL_WRITE, flags, c, cfg, nbytes, addr, 0, 0)
     if cfg[CFG_SPARSE] != 0:
-        size, sparse = _encode_payload(t, np.int64(_HDR), mem, np.int64(addr), np.int64(nbytes), esize)
+        size, sparse = _encode_payload(
+            t, np.int64(_HDR), mem, np.int64(addr), np.int64(nbytes), esize
+        )
         if sparse:
             _wr16(t, H_FLAGS, flags | _F_SPARSE)
         return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + size, dst)
@@ -481,13 +493,24 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
         t[o_first + k] = np.uint8((first >> (8 * k)) & 0xFF)
         t[o_last + k] = np.uint8((last >> (8 * k)) & 0xFF)
     if status != 0:
-        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_FAILURE_BYTES, np.uint64(cfg[CFG_HOST]))
+        return _commit(
+            cfg,
+            tx_buf,
+            tx_off,
+            tx_len,
+            tx_dst,
+            tx_n,
+            _HDR + COMPLETION_FAILURE_BYTES,
+            np.uint64(cfg[CFG_HOST]),
+        )
     _put_le64(t, _HDR + CPL_START_NS, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
     _put_le32(t, _HDR + CPL_CHAINS_US, _phase_us(fcfg, F_T_CHAINS))
     _put_le32(t, _HDR + CPL_CHUNKS_US, _phase_us(fcfg, F_T_CHUNKS))
     _put_le32(t, _HDR + CPL_DONE_US, _phase_us(fcfg, F_T_DONE))
     _put_le32(t, _HDR + CPL_RESERVED, 0)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST]))
+    return _commit(
+        cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST])
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -499,9 +522,15 @@ def _phase_us(fcfg, slot):
     return np.int64(min(max((fcfg[slot] - fcfg[F_START]) * 1e6, 0.0), NO_PHASE_US - 1))
 
 
-
-def coll_tick(now: float, slots: CollSlots, mem: np.ndarray, counters: np.ndarray, tx: TxQueue,
-              tx_n: int, first: int = 0) -> int:  # fmt: skip
+def coll_tick(
+    now: float,
+    slots: CollSlots,
+    mem: np.ndarray,
+    counters: np.ndarray,
+    tx: TxQueue,
+    tx_n: int,
+    first: int = 0,
+) -> int:
     """Checked entry to the engine's clock: advance every slot's collective at *now*, slot
     *first* first; returns tx_n."""
     if not 0 <= tx_n < tx.len.shape[0]:
@@ -514,8 +543,18 @@ def coll_tick(now: float, slots: CollSlots, mem: np.ndarray, counters: np.ndarra
 @njit(cache=True, nogil=True)
 def _slot(slots, s):
     """Slot *s* as one collective's CollState: row views, nothing copied."""
-    return CollState(slots.cfg[s], slots.done[s], slots.acked[s], slots.f[s], slots.ring[s], slots.bounds[s],
-                     slots.cb[s], slots.sent[s], slots.tries[s], slots.agsent[s])  # fmt: skip
+    return CollState(
+        slots.cfg[s],
+        slots.done[s],
+        slots.acked[s],
+        slots.f[s],
+        slots.ring[s],
+        slots.bounds[s],
+        slots.cb[s],
+        slots.sent[s],
+        slots.tries[s],
+        slots.agsent[s],
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -627,14 +666,18 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 # retransmit nor an RTT sample (tries > 1 keeps Karn's rule off it).
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
-                tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                tx_n = _send_chain(
+                    cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n
+                )
                 acked[c] = 0
                 sent[c] = now
                 tries[c] = min(tries[c] + 1, 250)
             elif acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
-                tx_n = _send_chain(cfg, ring, bounds, cb, c, True, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                tx_n = _send_chain(
+                    cfg, ring, bounds, cb, c, True, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n
+                )
                 sent[c] = now
                 tries[c] = min(tries[c] + 1, 255)
                 cfg[CFG_RETRANSMITS] += 1
@@ -650,7 +693,9 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
-            tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_chain(
+                cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n
+            )
             sent[c] = now
             tries[c] = 1
             cfg[CFG_NEXT_SEND] = c + 1
@@ -671,15 +716,39 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 if cfg[CFG_GROUP] != 0:
                     if not _room(tx_buf, tx_off, tx_len, tx_n):
                         return tx_n
-                    tx_n = _send_gather(cfg, ring, bounds, cb, c, np.uint64(cfg[CFG_GROUP]), mem,
-                                        tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
+                    tx_n = _send_gather(
+                        cfg,
+                        ring,
+                        bounds,
+                        cb,
+                        c,
+                        np.uint64(cfg[CFG_GROUP]),
+                        mem,
+                        tx_buf,
+                        tx_off,
+                        tx_len,
+                        tx_dst,
+                        tx_n,
+                    )
                 else:
                     for k in range(1, cfg[CFG_WORLD]):
                         if not _room(tx_buf, tx_off, tx_len, tx_n):
                             return tx_n
                         member = ring[(cfg[CFG_RANK] + k) % cfg[CFG_WORLD]]
-                        tx_n = _send_gather(cfg, ring, bounds, cb, c, member, mem,
-                                            tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
+                        tx_n = _send_gather(
+                            cfg,
+                            ring,
+                            bounds,
+                            cb,
+                            c,
+                            member,
+                            mem,
+                            tx_buf,
+                            tx_off,
+                            tx_len,
+                            tx_dst,
+                            tx_n,
+                        )
                 agsent[c] = 1
                 budget -= 1
             c += 1
@@ -730,8 +799,17 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                     return tx_n
                 # A member whose DONE is already here asked for ours while this node was not
                 # ready: it gets ours now as the answer, packet-driven, not after its RTO.
-                tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], have_theirs != 0,
-                                  tx_buf, tx_off, tx_len, tx_dst, tx_n)  # fmt: skip
+                tx_n = _send_done(
+                    cfg,
+                    cfg[CFG_EPOCH],
+                    ring[peer],
+                    have_theirs != 0,
+                    tx_buf,
+                    tx_off,
+                    tx_len,
+                    tx_dst,
+                    tx_n,
+                )
         all_ranks = _all_ranks(world)
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
             cfg[CFG_STATE] = STATE_DONE
@@ -747,10 +825,22 @@ def _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     for peer in range(cfg[CFG_WORLD]):
         bit = np.int64(1) << peer
         if cfg[CFG_PREV_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_done(cfg, (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF, ring[peer], True, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_done(
+                cfg,
+                (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF,
+                ring[peer],
+                True,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+            )
             cfg[CFG_PREV_ASK] &= ~bit
         if cfg[CFG_CUR_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], True, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_done(
+                cfg, cfg[CFG_EPOCH], ring[peer], True, tx_buf, tx_off, tx_len, tx_dst, tx_n
+            )
             cfg[CFG_CUR_ASK] &= ~bit
     return tx_n
 
@@ -781,7 +871,16 @@ def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):
                 break  # the originator's BUSY backoff asks again anyway
             t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
             _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
-            tx_n = _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR, np.uint64(cfg[CFG_REFUSED_BASE + k]))
+            tx_n = _commit(
+                cfg,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+                _HDR,
+                np.uint64(cfg[CFG_REFUSED_BASE + k]),
+            )
     cfg[CFG_REFUSED_N] = 0
     return tx_n
 
@@ -839,7 +938,9 @@ def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_ds
             cfg[CFG_BM_ASK] &= ~bit
     all_ranks = _all_ranks(world)
     base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
-    if cfg[CFG_BM_HAS] != all_ranks and (fcfg[F_BM_SENT] == 0.0 or now - fcfg[F_BM_SENT] > base_rto):
+    if cfg[CFG_BM_HAS] != all_ranks and (
+        fcfg[F_BM_SENT] == 0.0 or now - fcfg[F_BM_SENT] > base_rto
+    ):
         fcfg[F_BM_SENT] = now
         for peer in range(world):
             if (cfg[CFG_BM_HAS] >> peer) & 1:
@@ -931,7 +1032,16 @@ def _all_write(b, ln, src, node, tx, tx_n):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize, _is_member(members, src)
+        rk_key,
+        rk_base,
+        rk_len,
+        rk_rights,
+        _rd32(b, H_RKEY),
+        addr,
+        length,
+        _R_WRITE,
+        esize,
+        _is_member(members, src),
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
@@ -986,7 +1096,9 @@ def _chain_add(b, ln, src, node, tx, tx_n):
         return tx_n
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
     member = _is_member(members, src)
-    status = _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize, member)
+    status = _check_access(
+        rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize, member
+    )
     if status == 0 and left == 0:
         status = _check_access(
             rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize, member
@@ -1036,7 +1148,9 @@ def _chain_add(b, ln, src, node, tx, tx_n):
             else:
                 _copy(x, 0, b, payload_off, length)
             _combine_bytes(x, np.int64(0), x, np.int64(0), mem, a, nbytes, dtype, op)
-            nbytes, sparse_out = _encode_payload(t, np.int64(payload_off), x, np.int64(0), nbytes, esize)
+            nbytes, sparse_out = _encode_payload(
+                t, np.int64(payload_off), x, np.int64(0), nbytes, esize
+            )
             flags = _rd16(b, H_FLAGS) & ~_F_SPARSE
             _wr16(t, H_FLAGS, flags | (_F_SPARSE if sparse_out else 0))
         else:
@@ -1057,13 +1171,31 @@ def _chain_add(b, ln, src, node, tx, tx_n):
         s = np.int64(store_addr)
         scratch = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
         if sparse_in:
-            _sparse_expand(scratch, np.int64(_HDR), b, np.int64(payload_off), np.int64(length), esize)
+            _sparse_expand(
+                scratch, np.int64(_HDR), b, np.int64(payload_off), np.int64(length), esize
+            )
             _combine_bytes(
-                scratch, np.int64(_HDR), scratch, np.int64(_HDR), mem, a, np.int64(length), dtype, op
+                scratch,
+                np.int64(_HDR),
+                scratch,
+                np.int64(_HDR),
+                mem,
+                a,
+                np.int64(length),
+                dtype,
+                op,
             )
         else:
             _combine_bytes(
-                scratch, np.int64(_HDR), b, np.int64(payload_off), mem, a, np.int64(length), dtype, op
+                scratch,
+                np.int64(_HDR),
+                b,
+                np.int64(payload_off),
+                mem,
+                a,
+                np.int64(length),
+                dtype,
+                op,
             )
         _copy(mem, s, scratch, _HDR, length)
         counters[C.BYTES_COMBINED] += length
@@ -1147,13 +1279,22 @@ def _coll_reply(b, ln, src, op, node):
         if _rd32(b, H_RKEY) != key:
             counters[C.DROP_COLL_FORGED] += 1
             return True
-    if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_DONE and _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL]:
+    if (
+        op == _OP_ACK
+        and _rd64(b, H_AUX_ADDR) == AUX_DONE
+        and _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL]
+    ):
         return _coll_done_msg(b, src, co_cfg)
     if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_BITMAP:
         _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
         return True
-    if co_cfg[CFG_STATE] != STATE_RUNNING or _coll_phase(co_cfg, _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)) != _PHASE_RUNNING:
-        return op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME  # of another collective: consumed
+    if (
+        co_cfg[CFG_STATE] != STATE_RUNNING
+        or _coll_phase(co_cfg, _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)) != _PHASE_RUNNING
+    ):
+        return (
+            op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME
+        )  # of another collective: consumed
     if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME:
         # A hop that answered BUSY has started: the chains waiting on it go again at the next
         # tick instead of after their backoff.
@@ -1185,7 +1326,21 @@ def _coll_reply(b, ln, src, op, node):
         addr = _rd64(b, H_ADDR)
         esize = _ESIZE[np.int64(b[H_DTYPE])]
         # The answer lands in this node's memory: this node's rights on that range apply.
-        if _check_access(rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_WRITE, esize, True) != 0:
+        if (
+            _check_access(
+                rk_key,
+                rk_base,
+                rk_len,
+                rk_rights,
+                _rd32(b, H_RKEY),
+                addr,
+                length,
+                _R_WRITE,
+                esize,
+                True,
+            )
+            != 0
+        ):
             return True
         if co_done[seq] == 0:
             a = np.int64(addr)

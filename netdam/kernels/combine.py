@@ -155,7 +155,10 @@ def _f16_order_key(h):
 @njit("void(uint16[::1], uint16[::1])", cache=True, nogil=True, fastmath=False)
 def _sum_bf16_loop(x, y):
     for i in range(x.shape[0]):
-        s = np.float32(np.uint32(np.uint32(x[i]) << 16).view(np.float32) + np.uint32(np.uint32(y[i]) << 16).view(np.float32))
+        s = np.float32(
+            np.uint32(np.uint32(x[i]) << 16).view(np.float32)
+            + np.uint32(np.uint32(y[i]) << 16).view(np.float32)
+        )
         bits = np.uint32(s.view(np.uint32))
         # Round to nearest, ties to even: add 0x7FFF plus the kept part's lowest bit, truncate
         # (c10::BFloat16's round_to_nearest_even). A carry out rounds up to infinity, correctly.
@@ -177,7 +180,9 @@ def _min_half_loop(x, y, inf):
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
-        keep = ((xi & 0x7FFF) > inf) | (((yi & 0x7FFF) <= inf) & (_f16_order_key(xi) <= _f16_order_key(yi)))
+        keep = ((xi & 0x7FFF) > inf) | (
+            ((yi & 0x7FFF) <= inf) & (_f16_order_key(xi) <= _f16_order_key(yi))
+        )
         x[i] = xi if keep else yi
 
 
@@ -186,7 +191,9 @@ def _max_half_loop(x, y, inf):
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
-        keep = ((xi & 0x7FFF) > inf) | (((yi & 0x7FFF) <= inf) & (_f16_order_key(xi) >= _f16_order_key(yi)))
+        keep = ((xi & 0x7FFF) > inf) | (
+            ((yi & 0x7FFF) <= inf) & (_f16_order_key(xi) >= _f16_order_key(yi))
+        )
         x[i] = xi if keep else yi
 
 

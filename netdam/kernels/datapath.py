@@ -147,7 +147,10 @@ def _requester_key(client, requester, rkey):
     into or poison another client's history: without the victim's rkey a forged datagram lands
     in an entry of its own, and with the victim's address but not its reply the cached answer
     goes to the victim."""
-    k = _mix(np.uint64(client) ^ _mix(np.uint64(requester) ^ _mix(np.uint64(rkey) ^ np.uint64(0x5851F42D4C957F2D))))
+    k = _mix(
+        np.uint64(client)
+        ^ _mix(np.uint64(requester) ^ _mix(np.uint64(rkey) ^ np.uint64(0x5851F42D4C957F2D)))
+    )
     if k == 0:
         k = np.uint64(1)
     return k
@@ -165,7 +168,13 @@ def _window_check(window, client, requester, rkey, txn, stamp):
     executes).
     """
     cl_id, cl_key, cl_hi, cl_used, w_txn, w_state = (
-        window.cl_id, window.cl_key, window.cl_hi, window.cl_used, window.txn, window.state)  # fmt: skip
+        window.cl_id,
+        window.cl_key,
+        window.cl_hi,
+        window.cl_used,
+        window.txn,
+        window.state,
+    )
     if client == 0:
         return _WIN_OFF, 0, 0
     key = _requester_key(client, requester, rkey)
@@ -231,8 +240,16 @@ def _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, reply, reply_len):
         w_reply[c, w, k] = reply[k]
 
 
-def process_batch(rx: RxBatch, n: int, max_len: int, node: NodeState, guard: Guard, tx: TxQueue,
-                  tx_n: int, punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+def process_batch(
+    rx: RxBatch,
+    n: int,
+    max_len: int,
+    node: NodeState,
+    guard: Guard,
+    tx: TxQueue,
+    tx_n: int,
+    punt: np.ndarray,
+) -> tuple[int, int]:
     """Checked entry to the datapath (numba checks no bounds): execute rx[0:n] against *node*,
     append answers to *tx* from *tx_n*; returns (tx_n, n_punt), punted indices in *punt*."""
     if not 0 <= n <= min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]):
@@ -361,20 +378,31 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
             if op < 64 and _IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
                 continue
-            tx_n = _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            tx_n = _emit_nack(
+                b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
+            )
         else:
             counters[C.OPCODE_BASE + op] += 1
             if op == _OP_CHAIN_ADD:
                 tx_n = _chain_add(b, ln, src, _for_collective(node, _rd32(b, H_COLL_ID)), tx, tx_n)
             elif op == _OP_READ:
                 # A sealed answer carries its tag too: it must fit the MTU with it.
-                tx_n = _read(b, src, _for_collective(node, _rd32(b, H_COLL_ID)), guard, tx, tx_n,
-                             max_len - TAG if sealed == 1 else max_len)  # fmt: skip
+                tx_n = _read(
+                    b,
+                    src,
+                    _for_collective(node, _rd32(b, H_COLL_ID)),
+                    guard,
+                    tx,
+                    tx_n,
+                    max_len - TAG if sealed == 1 else max_len,
+                )
             elif op == _OP_ALL_WRITE:
                 tx_n = _all_write(b, ln, src, _for_collective(node, _rd32(b, H_COLL_ID)), tx, tx_n)
             else:
                 tx_n = _mutate(b, ln, src, op, node, tx, tx_n, stamp)
-        if sealed == 1 and not _seal_replies(tx_buf, tx_off, tx_len, first, tx_n, k0, k1, flags_in, tag_in):
+        if sealed == 1 and not _seal_replies(
+            tx_buf, tx_off, tx_len, first, tx_n, k0, k1, flags_in, tag_in
+        ):
             counters[C.DROP_TX_FULL] += tx_n - first
             tx_n = first
         if guarded and tx_n > first:
@@ -396,7 +424,9 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = _rd32(b, H_LENGTH)
     if _HDR + length > max_len:
-        return _emit_nack(b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return _emit_nack(
+            b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
+        )
     factor = guard.cfg[G_FACTOR]
     if factor > 0.0 and _HDR + length > factor * _HDR and not _is_member(members, src):
         # More than 3x the request back to an address that has not proven it receives there
@@ -414,7 +444,16 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, _R_READ, esize, _is_member(members, src)
+        rk_key,
+        rk_base,
+        rk_len,
+        rk_rights,
+        _rd32(b, H_RKEY),
+        addr,
+        length,
+        _R_READ,
+        esize,
+        _is_member(members, src),
     )
     if status == 0 and coll != 0:
         seq = _rd32(b, H_SEQ)
@@ -454,7 +493,16 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     else:
         need, align = _R_ATOMIC, 8
     status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, _rd32(b, H_RKEY), addr, length, need, align, _is_member(members, src)
+        rk_key,
+        rk_base,
+        rk_len,
+        rk_rights,
+        _rd32(b, H_RKEY),
+        addr,
+        length,
+        need,
+        align,
+        _is_member(members, src),
     )
     if status != 0:
         return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
@@ -498,7 +546,9 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     else:
         old = _le64(mem, a)
         if op == _OP_FETCH_ADD:
-            _put_le64(mem, a, old + _le64(b, _HDR + FA_ADDEND))  # u64 wraps, as the hardware adder would
+            _put_le64(
+                mem, a, old + _le64(b, _HDR + FA_ADDEND)
+            )  # u64 wraps, as the hardware adder would
         elif old == _le64(b, _HDR + CAS_COMPARE):
             _put_le64(mem, a, _le64(b, _HDR + CAS_SWAP))
         _reply_header(t, b, _OP_ACK, 0, 8, _credit(tx_n, tx_len.shape[0]))
@@ -536,19 +586,26 @@ def _drain(tx_buf, tx_off, tx_len, tx_dst, start, count, out_buf, out_off, out_l
 def drain(tx: TxQueue, start: int, count: int, out: TxQueue) -> int:
     """Copy queued datagrams [start, start + count) into *out*'s arrays, as many as fit; returns how many."""
     if not 0 <= start <= start + count <= tx.len.shape[0]:
-        raise ValueError(f"drain [{start}, {start + count}) outside the queue's {tx.len.shape[0]} slots")
-    return int(_drain(tx.buf, tx.off, tx.len, tx.dst, start, count, out.buf, out.off, out.len, out.dst))
+        raise ValueError(
+            f"drain [{start}, {start + count}) outside the queue's {tx.len.shape[0]} slots"
+        )
+    return int(
+        _drain(tx.buf, tx.off, tx.len, tx.dst, start, count, out.buf, out.off, out.len, out.dst)
+    )
 
 
-def window_check(window: DupWindow, client: int, requester: int, rkey: int, txn: int,
-                 stamp: int) -> tuple[int, int, int]:  # fmt: skip
+def window_check(
+    window: DupWindow, client: int, requester: int, rkey: int, txn: int, stamp: int
+) -> tuple[int, int, int]:
     """The duplicate window's verdict for (client, requester, rkey, txn) at *stamp* (us, > 0):
     (WIN_NEW | WIN_DUP | WIN_STALE | WIN_OFF | WIN_BUSY, client slot, window slot)."""
     if stamp <= 0:
         raise ValueError(f"window stamp {stamp} must be > 0 (0 marks a free slot)")
     # Plain ints whatever the caller holds (a numpy u64 source, a Python int): one specialization,
     # compiled before the node says it is ready (netdam.core.rehearsal), never a new one later.
-    verdict, c, w = _window_check(window, int(client), int(requester), int(rkey), int(txn), int(stamp))
+    verdict, c, w = _window_check(
+        window, int(client), int(requester), int(rkey), int(txn), int(stamp)
+    )
     return int(verdict), int(c), int(w)
 
 
@@ -558,8 +615,17 @@ def window_record(window: DupWindow, c: int, w: int, txn: int, reply: np.ndarray
         raise ValueError(f"window slot ({c}, {w}) outside the window")
     if reply.shape[0] > window.reply.shape[2]:
         raise ValueError(f"reply of {reply.shape[0]} bytes longer than the window keeps")
-    _window_record(window.txn, window.state, window.len, window.reply, int(c), int(w), int(txn), reply,
-                   reply.shape[0])  # fmt: skip
+    _window_record(
+        window.txn,
+        window.state,
+        window.len,
+        window.reply,
+        int(c),
+        int(w),
+        int(txn),
+        reply,
+        reply.shape[0],
+    )
 
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at

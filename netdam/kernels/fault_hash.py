@@ -48,12 +48,16 @@ def _packet_id(b, n):
     return _mix(h ^ np.uint64(b[H_SEGMENTS_LEFT]))
 
 
-def fault_draws(seed: int, src: int, dst: int, pid: int, attempt: int) -> tuple[float, float, float, float]:
+def fault_draws(
+    seed: int, src: int, dst: int, pid: int, attempt: int
+) -> tuple[float, float, float, float]:
     """The four uniform draws in [0, 1) that decide drop, duplicate, reorder and delay for one
     datagram: the same numbers the node and switch kernels draw."""
     key = [np.uint64(v & 0xFFFFFFFFFFFFFFFF) for v in (seed, src, dst, pid, attempt)]
-    return tuple(float(_fault_hash(*key, np.uint64(salt)))  # type: ignore[return-value]
-                 for salt in (_SALT_DROP, _SALT_DUP, _SALT_REORDER, _SALT_DELAY))  # fmt: skip
+    return tuple(
+        float(_fault_hash(*key, np.uint64(salt)))  # type: ignore[return-value]
+        for salt in (_SALT_DROP, _SALT_DUP, _SALT_REORDER, _SALT_DELAY)
+    )
 
 
 def packet_id(datagram: np.ndarray) -> int:

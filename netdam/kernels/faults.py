@@ -149,11 +149,15 @@ def _apply_faults(rx, n, faults, counters):
         end = max(end, off + ln)
         pid = _packet_id(rx_buf[off : off + ln], ln)
         attempt = _attempt(table_key, table_count, _mix(src ^ _mix(pid)) | np.uint64(1))
-        drop, copies, held, delay = _decide(cfg[FC_LOSS : FC_DELAY_S + 1], seed, src, me, pid, attempt)
+        drop, copies, held, delay = _decide(
+            cfg[FC_LOSS : FC_DELAY_S + 1], seed, src, me, pid, attempt
+        )
         if drop:
             counters[C.DROP_FAULT] += 1
             continue
-        if held and _hold(rx_buf[off : off + ln], ln, src, 0, cfg[FC_NOW] + delay, np.int64(cfg[FC_GEN]), hold):
+        if held and _hold(
+            rx_buf[off : off + ln], ln, src, 0, cfg[FC_NOW] + delay, np.int64(cfg[FC_GEN]), hold
+        ):
             copies -= 1  # one copy waits aside; a duplicate still goes now
         for _ in range(copies):
             out_off[m] = off
@@ -161,7 +165,9 @@ def _apply_faults(rx, n, faults, counters):
             out_src[m] = src
             m += 1
     # Release held datagrams whose time has come and that were held in an earlier batch.
-    m, end, _ = _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, 0, np.int64(cfg[FC_GEN]), cfg[FC_NOW])
+    m, end, _ = _release_into_batch(
+        rx_buf, end, out_off, out_len, out_src, m, hold, 0, np.int64(cfg[FC_GEN]), cfg[FC_NOW]
+    )
     m = min(m, rx_off.shape[0])
     rx_off[:m] = out_off[:m]
     rx_len[:m] = out_len[:m]

@@ -53,9 +53,17 @@ _SALT_SET = 0x2545F4914F6CDD1D
 def new_guard(sets: int = SETS) -> Guard:
     """Empty guard arrays, everything off (the owner writes ``cfg`` and the key)."""
     n = sets * WAYS
-    return Guard(np.zeros(G_CFG_LEN, np.float64), np.zeros(GUARD_KEY_WORDS, np.uint64), np.zeros(n, np.uint64),
-                 np.zeros(n, np.float64), np.zeros(n, np.float64), np.zeros(n, np.float64),
-                 np.zeros(sets, np.float64), np.zeros(sets, np.int64), np.zeros(sets, np.float64))  # fmt: skip
+    return Guard(
+        np.zeros(G_CFG_LEN, np.float64),
+        np.zeros(GUARD_KEY_WORDS, np.uint64),
+        np.zeros(n, np.uint64),
+        np.zeros(n, np.float64),
+        np.zeros(n, np.float64),
+        np.zeros(n, np.float64),
+        np.zeros(sets, np.float64),
+        np.zeros(sets, np.int64),
+        np.zeros(sets, np.float64),
+    )
 
 
 # ---------------------------------------------------------------- SipHash-2-4 of one u64
@@ -84,8 +92,12 @@ def _sipround(v0, v1, v2, v3):
 @njit(cache=True, nogil=True)
 def _sip_init(k0, k1):
     """SipHash's state for the key (k0, k1)."""
-    return (k0 ^ np.uint64(0x736F6D6570736575), k1 ^ np.uint64(0x646F72616E646F6D),
-            k0 ^ np.uint64(0x6C7967656E657261), k1 ^ np.uint64(0x7465646279746573))  # fmt: skip
+    return (
+        k0 ^ np.uint64(0x736F6D6570736575),
+        k1 ^ np.uint64(0x646F72616E646F6D),
+        k0 ^ np.uint64(0x6C7967656E657261),
+        k1 ^ np.uint64(0x7465646279746573),
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -187,7 +199,9 @@ def _fail(g, src, counters):
             slot = j
             break
     if slot < 0:
-        for j in range(base, base + WAYS):  # a free way, else the least recently failed unlocked one
+        for j in range(
+            base, base + WAYS
+        ):  # a free way, else the least recently failed unlocked one
             if g.ep[j] == 0:
                 slot = j
                 break
@@ -234,9 +248,12 @@ def check_guard(g: Guard) -> None:
     """What the kernels take on trust: the cfg words, a four-word key, one table entry per way of
     every set, and the per-entry and per-set arrays of equal length."""
     entries = g.set_until.shape[0] * WAYS
-    if (g.cfg.shape[0] < G_CFG_LEN or g.key.shape[0] != GUARD_KEY_WORDS
-            or not g.ep.shape[0] == g.tokens.shape[0] == g.seen.shape[0] == g.until.shape[0] == entries
-            or not g.set_until.shape[0] == g.set_strikes.shape[0] == g.set_last.shape[0]):  # fmt: skip
+    if (
+        g.cfg.shape[0] < G_CFG_LEN
+        or g.key.shape[0] != GUARD_KEY_WORDS
+        or not g.ep.shape[0] == g.tokens.shape[0] == g.seen.shape[0] == g.until.shape[0] == entries
+        or not g.set_until.shape[0] == g.set_strikes.shape[0] == g.set_last.shape[0]
+    ):
         raise ValueError("guard arrays of inconsistent sizes (make them with new_guard)")
 
 

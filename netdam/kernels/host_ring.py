@@ -36,22 +36,50 @@ def _write_packets(template, mem, src, dst_addr, nbytes, per_packet, txn0, out, 
     return n
 
 
-def write_packets(template: np.ndarray, mem: np.ndarray, src: int, dst_addr: int, nbytes: int,
-                  per_packet: int, txn0: int, out: np.ndarray, out_off: np.ndarray,
-                  out_len: np.ndarray) -> int:  # fmt: skip
+def write_packets(
+    template: np.ndarray,
+    mem: np.ndarray,
+    src: int,
+    dst_addr: int,
+    nbytes: int,
+    per_packet: int,
+    txn0: int,
+    out: np.ndarray,
+    out_off: np.ndarray,
+    out_len: np.ndarray,
+) -> int:
     """Checked entry to _write_packets: every range inside its array, the arrays the I/O
     kernels take (uint8 buffers, int64 offsets, int32 lengths)."""
     if template.dtype != np.uint8 or template.shape[0] < _HDR:
         raise ValueError(f"the header template must be at least {_HDR} uint8 bytes")
-    if mem.dtype != np.uint8 or out.dtype != np.uint8 or out_off.dtype != np.int64 or out_len.dtype != np.int32:
-        raise ValueError("write_packets takes uint8 memory and buffer, int64 offsets, int32 lengths")
+    if (
+        mem.dtype != np.uint8
+        or out.dtype != np.uint8
+        or out_off.dtype != np.int64
+        or out_len.dtype != np.int32
+    ):
+        raise ValueError(
+            "write_packets takes uint8 memory and buffer, int64 offsets, int32 lengths"
+        )
     if per_packet <= 0 or nbytes < 0 or src < 0 or dst_addr < 0 or src + nbytes > mem.shape[0]:
         raise ValueError(f"segment [{src}, {src + nbytes}) outside node memory or bad packet size")
     count = -(-nbytes // per_packet)
     if count > min(out_off.shape[0], out_len.shape[0]) or nbytes + count * _HDR > out.shape[0]:
         raise ValueError(f"{count} datagrams do not fit the send buffer")
-    return int(_write_packets(template, mem, np.int64(src), np.int64(dst_addr), np.int64(nbytes),
-                              np.int64(per_packet), np.int64(txn0), out, out_off, out_len))  # fmt: skip
+    return int(
+        _write_packets(
+            template,
+            mem,
+            np.int64(src),
+            np.int64(dst_addr),
+            np.int64(nbytes),
+            np.int64(per_packet),
+            np.int64(txn0),
+            out,
+            out_off,
+            out_len,
+        )
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -69,8 +97,9 @@ def _sort_replies(rx_len, n, rx, rx_off, others):
     return acks, m
 
 
-def sort_replies(rx: np.ndarray, rx_off: np.ndarray, rx_len: np.ndarray, n: int,
-                 others: np.ndarray) -> tuple[int, int]:  # fmt: skip
+def sort_replies(
+    rx: np.ndarray, rx_off: np.ndarray, rx_len: np.ndarray, n: int, others: np.ndarray
+) -> tuple[int, int]:
     """Checked entry to _sort_replies (the receive arrays recv_batch filled)."""
     if not 0 <= n <= min(rx_off.shape[0], rx_len.shape[0], others.shape[0]):
         raise ValueError(f"{n} datagrams exceed the receive arrays")

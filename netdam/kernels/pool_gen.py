@@ -53,7 +53,19 @@ def _get_id(buf, off, nbytes):
 def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):
     """Closed loop until *t_stop*; ops and latencies count inside [t_start, t_end). A reply is
     good when ``reply[ok_off] == ok_byte`` (ok_off < 0: any reply)."""
-    templates, t_len, n_templates, window, dst, id_off, id_bytes, ok_off, ok_byte, timeout_ns, tag = plan
+    (
+        templates,
+        t_len,
+        n_templates,
+        window,
+        dst,
+        id_off,
+        id_bytes,
+        ok_off,
+        ok_byte,
+        timeout_ns,
+        tag,
+    ) = plan
     k0, k1 = tag[0], tag[1]
     sealed = (k0 | k1) != 0
     t_start, t_end, t_stop = phase
@@ -148,8 +160,17 @@ def _echo_run(fd, buf, offs, lens, srcs, max_n, scratch, state, t_stop, counts):
     return counts[1]
 
 
-def gen_run(fd: int, plan: Any, phase: Any, rx: Any, max_n: int, scratch: np.ndarray, state: np.ndarray,
-            counts: np.ndarray, hist: np.ndarray) -> None:  # fmt: skip
+def gen_run(
+    fd: int,
+    plan: Any,
+    phase: Any,
+    rx: Any,
+    max_n: int,
+    scratch: np.ndarray,
+    state: np.ndarray,
+    counts: np.ndarray,
+    hist: np.ndarray,
+) -> None:
     """Closed-loop request generator (see _gen_run): *plan* a GenPlan, *phase* a TimeWindow."""
     if plan.templates.ndim != 2 or plan.t_len.shape[0] < plan.n_templates or plan.window < 1:
         raise ValueError("gen_run: templates must be (n, width) with n >= n_templates, window >= 1")
@@ -163,8 +184,18 @@ def gen_run(fd: int, plan: Any, phase: Any, rx: Any, max_n: int, scratch: np.nda
     _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist)
 
 
-def echo_run(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, max_n: int,
-             scratch: np.ndarray, state: np.ndarray, t_stop: int, counts: np.ndarray) -> None:  # fmt: skip
+def echo_run(
+    fd: int,
+    buf: np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    srcs: np.ndarray,
+    max_n: int,
+    scratch: np.ndarray,
+    state: np.ndarray,
+    t_stop: int,
+    counts: np.ndarray,
+) -> None:
     """Null echo server (see _echo_run)."""
     if not max_n <= min(offs.shape[0], lens.shape[0], srcs.shape[0]) or counts.shape[0] < G_COUNTS:
         raise ValueError("echo_run: batch arrays or counts too short")

@@ -56,7 +56,14 @@ def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
     if tail <= head:
         return True
     sent = _send_batch(
-        fd, tx_buf, tx_off[head:tail], tx_len[head:tail], tx_dst[head:tail], tail - head, scratch, io_state
+        fd,
+        tx_buf,
+        tx_off[head:tail],
+        tx_len[head:tail],
+        tx_dst[head:tail],
+        tail - head,
+        scratch,
+        io_state,
     )
     for k in range(head, head + sent):
         counters[C.TX_PACKETS] += 1
@@ -87,8 +94,16 @@ def _wait_any(fd, mfd, cfd, timeout_ms):
     return ready
 
 
-def serve(io: ServeIO, rx: RxBatch, faults: FaultState, node: NodeState, guard: Guard, tx: TxQueue,
-          txq: np.ndarray, punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+def serve(
+    io: ServeIO,
+    rx: RxBatch,
+    faults: FaultState,
+    node: NodeState,
+    guard: Guard,
+    tx: TxQueue,
+    txq: np.ndarray,
+    punt: np.ndarray,
+) -> tuple[int, int]:
     """Checked entry to the node's compiled loop; returns (reason, n_punt)."""
     room = 2 * io.max_n + faults.hold.len.shape[0]
     if min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]) < room:
@@ -131,7 +146,15 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
             # The collective engine's clock runs every round (and answers late DONE requests),
             # each slot first in turn (by the microsecond: calls of a few rounds start alike).
             now_ns = _now_ns()
-            tx_n = _coll_ticks(now_ns * 1e-9, coll, mem, counters, tx, txq[TXQ_TAIL], (now_ns // 1000) % MAX_COLLECTIVES)
+            tx_n = _coll_ticks(
+                now_ns * 1e-9,
+                coll,
+                mem,
+                counters,
+                tx,
+                txq[TXQ_TAIL],
+                (now_ns // 1000) % MAX_COLLECTIVES,
+            )
             txq[TXQ_TAIL] = tx_n
         if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
             if txq[TXQ_HEAD] > 0:
@@ -160,8 +183,16 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
             # Half the receive runs for the data socket, half for the multicast group's socket.
             half = recv_bytes // 2
             n = _recv_batch(fd, rx_buf[:half], rx_off, rx_len, rx_src, max_n // 2, wait, io_state)
-            m = _recv_batch(mfd, rx_buf[half:recv_bytes], rx_off[n:], rx_len[n:], rx_src[n:],
-                            max_n - n, 0, io_state)  # fmt: skip
+            m = _recv_batch(
+                mfd,
+                rx_buf[half:recv_bytes],
+                rx_off[n:],
+                rx_len[n:],
+                rx_src[n:],
+                max_n - n,
+                0,
+                io_state,
+            )
             for k in range(n, n + m):
                 rx_off[k] += half
             n += m

@@ -46,34 +46,82 @@ GUARD = Guard(_a(f64), _a(u64), _a(u64), _a(f64), _a(f64), _a(f64), _a(f64), _a(
 #: The node's guard travels beside NodeState, not in it: every per-datagram call passes the node
 #: tuple, and each array in it costs a reference count.
 GUARD_STATE = typeof(GUARD)
-COLL_SLOTS = typeof(CollSlots(_a(i64, 2), _a(u8, 2), _a(u8, 2), _a(f64, 2), _a(u64, 2), _a(i64, 2), _a(i64, 2),
-                              _a(f64, 2), _a(u8, 2), _a(u8, 2)))  # fmt: skip
-NODE_STATE = typeof(NodeState(
-    _a(u8), Regions(_a(u32), _a(i64), _a(i64), _a(u8), _a(u64, 2)), _a(u64),
-    DupWindow(_a(u64), _a(u32), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
-    CollSlots(_a(i64, 2), _a(u8, 2), _a(u8, 2), _a(f64, 2), _a(u64, 2), _a(i64, 2), _a(i64, 2), _a(f64, 2),
-              _a(u8, 2), _a(u8, 2)),
-    _a(u64),
-))  # fmt: skip
+COLL_SLOTS = typeof(
+    CollSlots(
+        _a(i64, 2),
+        _a(u8, 2),
+        _a(u8, 2),
+        _a(f64, 2),
+        _a(u64, 2),
+        _a(i64, 2),
+        _a(i64, 2),
+        _a(f64, 2),
+        _a(u8, 2),
+        _a(u8, 2),
+    )
+)
+NODE_STATE = typeof(
+    NodeState(
+        _a(u8),
+        Regions(_a(u32), _a(i64), _a(i64), _a(u8), _a(u64, 2)),
+        _a(u64),
+        DupWindow(_a(u64), _a(u32), _a(u32), _a(i64), _a(u32, 2), _a(u8, 2), _a(i32, 2), _a(u8, 3)),
+        CollSlots(
+            _a(i64, 2),
+            _a(u8, 2),
+            _a(u8, 2),
+            _a(f64, 2),
+            _a(u64, 2),
+            _a(i64, 2),
+            _a(i64, 2),
+            _a(f64, 2),
+            _a(u8, 2),
+            _a(u8, 2),
+        ),
+        _a(u64),
+    )
+)
 HOLD_TABLE = HoldTable(_a(u8, 2), _a(i32), _a(u64), _a(i64), _a(f64), _a(i64))
 FAULT_STATE = typeof(FaultState(_a(f64), _a(u64), _a(u64), _a(u32), HOLD_TABLE))
 SERVE_IO = typeof(ServeIO(0, 0, 0, 0, 0, 0, 0, 0, _a(i64), _a(i64)))
-SWITCH_STATE = typeof(SwitchState(
-    SwitchPorts(_a(u64), _a(u64), _a(u64), _a(i64)),
-    RegionTable(_a(u64), _a(u64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(i64), _a(u64, 2)),
-    Groups(_a(u64), _a(i64), _a(i64), _a(u64)),
-    SwitchCounters(_a(u64), _a(u64), _a(u64, 2), _a(u64, 2)),
-    LinkFaults(_a(f64, 3), _a(u64), _a(f64), _a(i64), _a(u64), _a(u32), _a(i64, 3), HOLD_TABLE),
-    GUARD,
-    Tenants(_a(u32), _a(u64, 2)),
-))  # fmt: skip
+SWITCH_STATE = typeof(
+    SwitchState(
+        SwitchPorts(_a(u64), _a(u64), _a(u64), _a(i64)),
+        RegionTable(
+            _a(u64),
+            _a(u64),
+            _a(i64),
+            _a(i64),
+            _a(i64),
+            _a(i64),
+            _a(i64),
+            _a(i64),
+            _a(i64),
+            _a(u64, 2),
+        ),
+        Groups(_a(u64), _a(i64), _a(i64), _a(u64)),
+        SwitchCounters(_a(u64), _a(u64), _a(u64, 2), _a(u64, 2)),
+        LinkFaults(_a(f64, 3), _a(u64), _a(f64), _a(i64), _a(u64), _a(u32), _a(i64, 3), HOLD_TABLE),
+        GUARD,
+        Tenants(_a(u32), _a(u64, 2)),
+    )
+)
 PUNT = typeof(_a(i32))
 TXQ = typeof(_a(i64))
 COUNTERS = typeof(_a(u64))
 MEMORY = typeof(_a(u8))
 
 #: _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt)
-PROCESS_BATCH = (RX_BATCH, types.int64, types.int64, NODE_STATE, GUARD_STATE, TX_QUEUE, types.int64, PUNT)
+PROCESS_BATCH = (
+    RX_BATCH,
+    types.int64,
+    types.int64,
+    NODE_STATE,
+    GUARD_STATE,
+    TX_QUEUE,
+    types.int64,
+    PUNT,
+)
 #: _serve(io, rx, faults, node, guard, tx, txq, punt)
 SERVE = (SERVE_IO, RX_BATCH, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ, PUNT)
 #: _coll_ticks(now, slots, mem, counters, tx, tx_n, first)

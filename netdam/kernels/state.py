@@ -39,7 +39,9 @@ class Regions(NamedTuple):
     base: np.ndarray  # int64
     len: np.ndarray  # int64
     rights: np.ndarray  # uint8
-    tag: np.ndarray  # uint64 (slots, 2): the region's tag key (k0, k1), zeros when untagged (SPEC.md 2.6)
+    tag: (
+        np.ndarray
+    )  # uint64 (slots, 2): the region's tag key (k0, k1), zeros when untagged (SPEC.md 2.6)
 
 
 class DupWindow(NamedTuple):

@@ -173,7 +173,9 @@ def _client_id_of(src):
 
 
 @njit(cache=True, nogil=True)
-def _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):
+def _nack(
+    b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
+):
     tx_n = _emit_nack(b, src, node_sorted, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     port = _port_of(node_sorted, node_port, tx_dst[tx_n - 1])
     port_ctr[port, P_TX_PACKETS] += 1
@@ -182,7 +184,9 @@ def _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_l
 
 
 @njit(cache=True, nogil=True)
-def _emit_copy(b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _emit_copy(
+    b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n
+):
     """Queue a copy of b[:ln] to *dst* with the return segment, RELAYED and client id written."""
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
     _copy(t, 0, b, 0, ln)
@@ -274,7 +278,20 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             if op < 64 and _IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
-            tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            tx_n = _nack(
+                b,
+                src,
+                node_sorted,
+                node_port,
+                status,
+                port_ctr,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+                counters,
+            )
             continue
         if was_tagged and _is_control(op):
             # A control tag proves the cluster's admin tag key (SPEC.md 2.6, "Control tags"), or
@@ -291,7 +308,20 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 if locked_tagged:
                     counters[C.DROP_LOCKOUT] += 1
                     continue
-                tx_n = _nack(b, src, node_sorted, node_port, _S_UNAUTHORIZED, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+                tx_n = _nack(
+                    b,
+                    src,
+                    node_sorted,
+                    node_port,
+                    _S_UNAUTHORIZED,
+                    port_ctr,
+                    tx_buf,
+                    tx_off,
+                    tx_len,
+                    tx_dst,
+                    tx_n,
+                    counters,
+                )
                 if guarded:
                     _fail(guard, src, counters)
                     open_src = np.uint64(0)
@@ -301,8 +331,12 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             n_punt += 1
             counters[C.PUNTED] += 1
             continue
-        if was_tagged and (_IS_REPLY[op] == 1 or _PUNTED_OPS[op] == 1 or op == _OP_CHAIN_ADD
-                           or _rd16(b, H_FLAGS) & _F_MCAST):  # fmt: skip
+        if was_tagged and (
+            _IS_REPLY[op] == 1
+            or _PUNTED_OPS[op] == 1
+            or op == _OP_CHAIN_ADD
+            or _rd16(b, H_FLAGS) & _F_MCAST
+        ):
             # Tags here belong to pool requests; a collective's run between nodes.
             if locked_tagged:
                 counters[C.DROP_LOCKOUT] += 1
@@ -310,13 +344,39 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             if _IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
-            tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            tx_n = _nack(
+                b,
+                src,
+                node_sorted,
+                node_port,
+                _S_BAD_FIELD,
+                port_ctr,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+                counters,
+            )
             continue
         if locked_tagged and _IS_REPLY[op] == 1:
             counters[C.DROP_LOCKOUT] += 1
             continue
         if _rd16(b, H_FLAGS) & _F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
-            tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            tx_n = _nack(
+                b,
+                src,
+                node_sorted,
+                node_port,
+                _S_BAD_FIELD,
+                port_ctr,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+                counters,
+            )
             continue
         counters[C.OPCODE_BASE + op] += 1
         if _PUNTED_OPS[op] == 1:
@@ -326,20 +386,64 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             continue
         if op == _OP_CHAIN_ADD:
             # SR chains name their nodes themselves: send them to the first hop, not the VIP.
-            tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            tx_n = _nack(
+                b,
+                src,
+                node_sorted,
+                node_port,
+                _S_NO_ROUTE,
+                port_ctr,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+                counters,
+            )
             continue
         flags = _rd16(b, H_FLAGS)
         if flags & _F_MCAST:
             if op != _OP_ALL_WRITE:
-                tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+                tx_n = _nack(
+                    b,
+                    src,
+                    node_sorted,
+                    node_port,
+                    _S_BAD_FIELD,
+                    port_ctr,
+                    tx_buf,
+                    tx_off,
+                    tx_len,
+                    tx_dst,
+                    tx_n,
+                    counters,
+                )
                 continue
             group = _rd64(b, H_AUX_ADDR)
             g = np.searchsorted(grp_key, group)
             if g >= grp_key.shape[0] or grp_key[g] != group:
-                tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+                tx_n = _nack(
+                    b,
+                    src,
+                    node_sorted,
+                    node_port,
+                    _S_NO_ROUTE,
+                    port_ctr,
+                    tx_buf,
+                    tx_off,
+                    tx_len,
+                    tx_dst,
+                    tx_n,
+                    counters,
+                )
                 continue
             first = grp_first[g]
-            if factor > 0.0 and not from_node and _rd16(b, H_FLAGS) & _F_ACK_REQ and _HDR * grp_count[g] > factor * ln:
+            if (
+                factor > 0.0
+                and not from_node
+                and _rd16(b, H_FLAGS) & _F_ACK_REQ
+                and _HDR * grp_count[g] > factor * ln
+            ):
                 counters[C.DROP_AMPLIFICATION] += 1  # one ACK per member back to an unproven source
                 continue
             for k in range(grp_count[g]):
@@ -347,7 +451,21 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 if member == src:
                     continue  # a sender never gets its own copy (IP multicast loopback off)
                 mport = _port_of(node_sorted, node_port, member)
-                tx_n = _emit_copy(b, ln, src, from_node, member, mport, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+                tx_n = _emit_copy(
+                    b,
+                    ln,
+                    src,
+                    from_node,
+                    member,
+                    mport,
+                    port_ctr,
+                    sw,
+                    tx_buf,
+                    tx_off,
+                    tx_len,
+                    tx_dst,
+                    tx_n,
+                )
                 sw[SW_REPLICATED] += 1
             continue
         # A pool request: global address -> (node, local address).
@@ -366,7 +484,20 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             if locked_tagged:
                 counters[C.DROP_LOCKOUT] += 1
                 continue
-            tx_n = _nack(b, src, node_sorted, node_port, _S_TOO_LARGE, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            tx_n = _nack(
+                b,
+                src,
+                node_sorted,
+                node_port,
+                _S_TOO_LARGE,
+                port_ctr,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+                counters,
+            )
             continue
         if op == _OP_READ and factor > 0.0 and not from_node and _HDR + length > factor * ln:
             # The node would answer the client with more than 3x the request: only for a client
@@ -402,12 +533,39 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 if status == _S_SPANS_NODES:
                     reg_ctr[r, R_SPANS] += 1
             t0 = tx_n
-            tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+            tx_n = _nack(
+                b,
+                src,
+                node_sorted,
+                node_port,
+                status,
+                port_ctr,
+                tx_buf,
+                tx_off,
+                tx_len,
+                tx_dst,
+                tx_n,
+                counters,
+            )
             if proven:
                 _seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
             continue
         t0 = tx_n
-        tx_n = _emit_copy(b, ln, src, from_node, nodes_ep[node], node + 1, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        tx_n = _emit_copy(
+            b,
+            ln,
+            src,
+            from_node,
+            nodes_ep[node],
+            node + 1,
+            port_ctr,
+            sw,
+            tx_buf,
+            tx_off,
+            tx_len,
+            tx_dst,
+            tx_n,
+        )
         t = tx_buf[tx_off[t0] : tx_off[t0] + _HDR]
         _wr64(t, H_ADDR, local)
         if proven:
@@ -436,11 +594,17 @@ def _link_decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):
     kth_k = np.int64(fcfg[port, direction, F_KTH_K])
     if op < 64:
         kctr[port, direction, op] += 1
-        if kth_k > 0 and op == np.int64(fcfg[port, direction, F_KTH_OP]) and kctr[port, direction, op] == kth_k:
+        if (
+            kth_k > 0
+            and op == np.int64(fcfg[port, direction, F_KTH_OP])
+            and kctr[port, direction, op] == kth_k
+        ):
             return True, True, 0, False, 0.0
     if fcfg[port, direction, F_ACTIVE] == 0.0:
         return False, False, 1, False, 0.0
-    drop, copies, held, delay = _decide(fcfg[port, direction, F_LOSS : F_DELAY_S + 1], seed, a, b_ep, pid, attempt)
+    drop, copies, held, delay = _decide(
+        fcfg[port, direction, F_LOSS : F_DELAY_S + 1], seed, a, b_ep, pid, attempt
+    )
     return drop, False, copies, held, delay
 
 
@@ -460,7 +624,9 @@ def _link_fate(b, ln, peer, direction, st):
     attempt = _attempt(ftab_key, ftab_count, _mix(peer ^ _mix(pid ^ salt)) | np.uint64(1))
     op = np.int64(b[H_OPCODE]) if ln > 1 else 64
     a, b_ep = (peer, vip) if rx else (vip, peer)
-    drop, kth, copies, held, delay = _link_decide(fcfg, port, direction, fkeys[FK_SEED], a, b_ep, pid, attempt, op, kctr)
+    drop, kth, copies, held, delay = _link_decide(
+        fcfg, port, direction, fkeys[FK_SEED], a, b_ep, pid, attempt, op, kctr
+    )
     if drop:
         counters[C.DROP_FAULT] += 1
         port_ctr[port, P_FAULT_DROPS_RX if rx else P_FAULT_DROPS_TX] += 1
@@ -469,7 +635,9 @@ def _link_fate(b, ln, peer, direction, st):
         return 0
     if copies > 1:
         port_ctr[port, P_FAULT_DUPS] += 1
-    if held and _hold(b, ln, peer, direction, fclock[FCLOCK_NOW] + delay, np.int64(fclock[FCLOCK_GEN]), hold):
+    if held and _hold(
+        b, ln, peer, direction, fclock[FCLOCK_NOW] + delay, np.int64(fclock[FCLOCK_GEN]), hold
+    ):
         copies -= 1
         fstate[FS_HELD_RX if rx else FS_HELD_TX] += 1
         port_ctr[port, P_FAULT_HELD] += 1
@@ -505,7 +673,9 @@ def _rx_faults(rx, n, st):
             out_src[m] = src
             m += 1
     if fstate[FS_HELD_RX] > 0:
-        m, end, released = _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, DIR_RX, gen, now)
+        m, end, released = _release_into_batch(
+            rx_buf, end, out_off, out_len, out_src, m, hold, DIR_RX, gen, now
+        )
         fstate[FS_HELD_RX] -= released
     m = min(m, rx_off.shape[0])
     rx_off[:m] = out_off[:m]
@@ -570,8 +740,9 @@ def _tx_faults(start, tx_n, st, tx):
     return q
 
 
-def switch_round(rx: RxBatch, n: int, max_len: int, st: SwitchState, tx: TxQueue, tx_n: int,
-                 punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+def switch_round(
+    rx: RxBatch, n: int, max_len: int, st: SwitchState, tx: TxQueue, tx_n: int, punt: np.ndarray
+) -> tuple[int, int]:
     """Checked entry to the switch's datapath: receive faults, translation/replication,
     transmit faults for rx[0:n]; returns (tx_n, n_punt)."""
     if not 0 <= n <= min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]):
@@ -607,8 +778,19 @@ def _lookup(addr, length, rkey, need, align, regions):
     Checks in order: mapped (NO_ROUTE), rkey of that region (BAD_RKEY), rights (NO_RIGHTS),
     region end (OUT_OF_BOUNDS), alignment of the offset (MISALIGNED), stride boundary
     (SPANS_NODES). region is -1 when unmapped; node and local are -1 on any failure."""
-    reg_base, reg_end, reg_rkey, reg_rights, reg_stride = regions.base, regions.end, regions.rkey, regions.rights, regions.stride
-    reg_ways, reg_way0, way_node, way_local = regions.ways, regions.way0, regions.way_node, regions.way_local
+    reg_base, reg_end, reg_rkey, reg_rights, reg_stride = (
+        regions.base,
+        regions.end,
+        regions.rkey,
+        regions.rights,
+        regions.stride,
+    )
+    reg_ways, reg_way0, way_node, way_local = (
+        regions.ways,
+        regions.way0,
+        regions.way_node,
+        regions.way_local,
+    )
     r = np.int64(np.searchsorted(reg_base, addr, side="right")) - 1
     if r < 0 or r >= reg_base.shape[0] or addr >= reg_end[r]:
         return _S_NO_ROUTE, np.int64(-1), np.int64(-1), np.int64(-1)
@@ -642,7 +824,9 @@ def _lookup(addr, length, rkey, need, align, regions):
 def _translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, out_node, out_local):
     """_lookup over arrays (tests hold it to the Python reference in netdam.switch.addrmap)."""
     for i in range(addrs.shape[0]):
-        status, r, node, local = _lookup(addrs[i], lengths[i], rkeys[i], needs[i], aligns[i], regions)
+        status, r, node, local = _lookup(
+            addrs[i], lengths[i], rkeys[i], needs[i], aligns[i], regions
+        )
         out_status[i] = status
         out_node[i] = node
         out_local[i] = local

@@ -36,8 +36,15 @@ RETURN_QUEUE = 3
 CALL_BUDGET_NS = 5_000_000
 
 
-def switch_serve(io: ServeIO, rx: RxBatch, room_per: int, st: SwitchState, tx: TxQueue, txq: np.ndarray,
-                 punt: np.ndarray) -> tuple[int, int]:  # fmt: skip
+def switch_serve(
+    io: ServeIO,
+    rx: RxBatch,
+    room_per: int,
+    st: SwitchState,
+    tx: TxQueue,
+    txq: np.ndarray,
+    punt: np.ndarray,
+) -> tuple[int, int]:
     """Checked entry to the switch's compiled loop; returns (reason, n_punt)."""
     room = 2 * io.max_n + st.faults.hold.len.shape[0]
     if min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]) < room:

@@ -597,7 +597,9 @@ COUNTS_LEN = 8
 
 
 @njit(cache=True, nogil=True)
-def _feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0):
+def _feed_run(
+    fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0
+):
     """Resend datagrams [0, n_pkts) in batches of *batch* (n_pkts a multiple of batch) until
     *t_end*; count what was sent inside [t_start, t_end).
 
@@ -632,9 +634,15 @@ def _feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, p
                     _sleep_ns(_PACE_SLEEP_NS)
                 continue
         done = _send_batch(
-            fd, buf, offs[i : i + batch], lens[i : i + batch], dsts[i : i + batch], batch,
-            scratch, state,
-        )  # fmt: skip
+            fd,
+            buf,
+            offs[i : i + batch],
+            lens[i : i + batch],
+            dsts[i : i + batch],
+            batch,
+            scratch,
+            state,
+        )
         counts[FEED_SENT_TOTAL] += done
         counts[FEED_LEFT_BEHIND] += batch - done
         if now >= t_start:
@@ -727,15 +735,32 @@ def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):
 # ---------------------------------------------------------------- checked entries for Python callers
 
 
-def _check_io_arrays(buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int) -> None:
-    if buf.dtype != np.uint8 or offs.dtype != np.int64 or lens.dtype != np.int32 or addrs.dtype != np.uint64:
-        raise ValueError("batch arrays must be uint8 buffer, int64 offsets, int32 lengths, uint64 addresses")
+def _check_io_arrays(
+    buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, addrs: np.ndarray, n: int
+) -> None:
+    if (
+        buf.dtype != np.uint8
+        or offs.dtype != np.int64
+        or lens.dtype != np.int32
+        or addrs.dtype != np.uint64
+    ):
+        raise ValueError(
+            "batch arrays must be uint8 buffer, int64 offsets, int32 lengths, uint64 addresses"
+        )
     if not 0 <= n <= min(offs.shape[0], lens.shape[0], addrs.shape[0]):
         raise ValueError(f"batch of {n} does not fit its arrays")
 
 
-def recv_batch(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, max_n: int,
-               timeout_ms: int, state: np.ndarray) -> int:  # fmt: skip
+def recv_batch(
+    fd: int,
+    buf: np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    srcs: np.ndarray,
+    max_n: int,
+    timeout_ms: int,
+    state: np.ndarray,
+) -> int:
     """recvmmsg with GRO into *buf* (datagram k at buf[offs[k]:offs[k]+lens[k]] from srcs[k]);
     waits up to *timeout_ms* for the first; returns how many arrived."""
     _check_io_arrays(buf, offs, lens, srcs, max_n)
@@ -744,8 +769,16 @@ def recv_batch(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, src
     return int(_recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state))
 
 
-def send_batch(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, n: int,
-               scratch: np.ndarray, state: np.ndarray) -> int:  # fmt: skip
+def send_batch(
+    fd: int,
+    buf: np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    dsts: np.ndarray,
+    n: int,
+    scratch: np.ndarray,
+    state: np.ndarray,
+) -> int:
     """sendmmsg (runs of equal-size datagrams to one destination as GSO); returns how many left."""
     _check_io_arrays(buf, offs, lens, dsts, n)
     if n and int(offs[n - 1]) + int(lens[n - 1]) > buf.shape[0]:
@@ -755,17 +788,45 @@ def send_batch(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, dst
     return int(_send_batch(fd, buf, offs, lens, dsts, n, scratch, state))
 
 
-def feed_run(fd: int, pkts: Any, n_pkts: int, batch: int, scratch: np.ndarray, state: np.ndarray, t_start: int,
-             t_end: int, counts: np.ndarray, progress: np.ndarray, window: int, i0: int) -> int:  # fmt: skip
+def feed_run(
+    fd: int,
+    pkts: Any,
+    n_pkts: int,
+    batch: int,
+    scratch: np.ndarray,
+    state: np.ndarray,
+    t_start: int,
+    t_end: int,
+    counts: np.ndarray,
+    progress: np.ndarray,
+    window: int,
+    i0: int,
+) -> int:
     """Benchmark feeder (see _feed_run); *pkts* a TxQueue of the datagrams to cycle through."""
     _check_io_arrays(pkts.buf, pkts.off, pkts.len, pkts.dst, n_pkts)
     if counts.shape[0] < COUNTS_LEN or batch < 1:
         raise ValueError("feed_run: counts too short or batch < 1")
-    return int(_feed_run(fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0))
+    return int(
+        _feed_run(
+            fd, pkts, n_pkts, batch, scratch, state, t_start, t_end, counts, progress, window, i0
+        )
+    )
 
 
-def relay_run(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, dsts: np.ndarray,
-              max_n: int, scratch: np.ndarray, state: np.ndarray, dst: Any, t_stop: int, counts: np.ndarray) -> None:  # fmt: skip
+def relay_run(
+    fd: int,
+    buf: np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    srcs: np.ndarray,
+    dsts: np.ndarray,
+    max_n: int,
+    scratch: np.ndarray,
+    state: np.ndarray,
+    dst: Any,
+    t_stop: int,
+    counts: np.ndarray,
+) -> None:
     """Benchmark relay that forwards without work (see _relay_run)."""
     _check_io_arrays(buf, offs, lens, srcs, max_n)
     if dsts.shape[0] < max_n or counts.shape[0] < COUNTS_LEN:
@@ -773,8 +834,17 @@ def relay_run(fd: int, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs
     _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_stop, counts)
 
 
-def sink_run(fd: int, rx: Any, buf64: np.ndarray, max_n: int, state: np.ndarray, check: Any, phase: Any,
-             counts: np.ndarray, progress: np.ndarray) -> None:  # fmt: skip
+def sink_run(
+    fd: int,
+    rx: Any,
+    buf64: np.ndarray,
+    max_n: int,
+    state: np.ndarray,
+    check: Any,
+    phase: Any,
+    counts: np.ndarray,
+    progress: np.ndarray,
+) -> None:
     """Benchmark sink (see _sink_run); *rx* an RxBatch, *check* a SinkCheck, *phase* a TimeWindow."""
     _check_io_arrays(rx.buf, rx.off, rx.len, rx.src, max_n)
     if buf64.shape[0] * 8 > rx.buf.shape[0] or counts.shape[0] < COUNTS_LEN:

@@ -208,7 +208,9 @@ _COMBINES[Opcode.ADD] = _COMBINES[Opcode.CHAIN_ADD] = 1
 _ATOMIC[Opcode.FETCH_ADD] = _ATOMIC[Opcode.CAS] = 1
 
 
-_ESIZE = np.array([ELEMENT_SIZE[DType(code)] for code in range(len(DType))], dtype=np.int64)  # by DType value
+_ESIZE = np.array(
+    [ELEMENT_SIZE[DType(code)] for code in range(len(DType))], dtype=np.int64
+)  # by DType value
 
 
 _OP_READ = int(Opcode.READ)
@@ -461,7 +463,12 @@ def _le16(b, o):
 
 @njit(cache=True, nogil=True)
 def _le32(b, o):
-    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8) | (np.int64(b[o + 2]) << 16) | (np.int64(b[o + 3]) << 24)
+    return (
+        np.int64(b[o])
+        | (np.int64(b[o + 1]) << 8)
+        | (np.int64(b[o + 2]) << 16)
+        | (np.int64(b[o + 3]) << 24)
+    )
 
 
 @njit(cache=True, nogil=True)

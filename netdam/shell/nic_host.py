@@ -117,4 +117,6 @@ def _raise_fd_limit(need: int) -> None:
 
 def main(configs: list[NodeProcessConfig]) -> int:
     """The life of a node process hosting *configs* (one NIC each)."""
-    return serve_main(lambda: NicHost(configs), NicHost.ready_lines, any(c.die_with_parent for c in configs))
+    return serve_main(
+        lambda: NicHost(configs), NicHost.ready_lines, any(c.die_with_parent for c in configs)
+    )

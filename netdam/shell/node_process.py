@@ -52,7 +52,6 @@ HOLD_SLOTS = 256
 FAULT_TABLE = 1 << 16
 
 
-
 @dataclass
 class NodeProcessConfig:
     bind: Endpoint = ("127.0.0.1", NETDAM_UDP_PORT)
@@ -89,7 +88,9 @@ class ServeBuffers:
 
     @classmethod
     def new(cls) -> ServeBuffers:
-        rx_buf, rx_off, rx_len, rx_src, punt, _, scratch = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)
+        rx_buf, rx_off, rx_len, rx_src, punt, _, scratch = serve_buffers(
+            ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS
+        )
         return cls(rx_buf, rx_off, rx_len, rx_src, punt, scratch)
 
 
@@ -105,8 +106,10 @@ class NodeProcess(ServeLoop):
             self.sock = open_udp_socket(config.bind, rcvbuf=config.rcvbuf)
         except OSError as exc:
             self.memory.close()
-            raise ValueError(f"cannot bind {config.bind[0]}:{config.bind[1]}: {exc.strerror}; "
-                             "pick another --bind port") from None  # fmt: skip
+            raise ValueError(
+                f"cannot bind {config.bind[0]}:{config.bind[1]}: {exc.strerror}; "
+                "pick another --bind port"
+            ) from None
         bound = self.sock.getsockname()
         self.endpoint: Endpoint = (bound[0], bound[1])
         # A management port beside the data port: under a flood the data socket's receive queue
@@ -115,28 +118,56 @@ class NodeProcess(ServeLoop):
         self.control_port = int(self.ctrl_sock.getsockname()[1])
         members = tuple(config.members) + (self.endpoint,)
         self.core = NodeCore(
-            NodeConfig(endpoint=self.endpoint, memory_bytes=config.memory_bytes,
-                       admin_key=config.admin_key or NodeConfig(endpoint=self.endpoint).admin_key,
-                       admin_tag_key=config.admin_tag_key,
-                       members=members, mtu=config.mtu, rank=config.rank,
-                       world_size=config.world_size, tx_slots=4 * ROUND_DATAGRAMS, guard=config.guard),
+            NodeConfig(
+                endpoint=self.endpoint,
+                memory_bytes=config.memory_bytes,
+                admin_key=config.admin_key or NodeConfig(endpoint=self.endpoint).admin_key,
+                admin_tag_key=config.admin_tag_key,
+                members=members,
+                mtu=config.mtu,
+                rank=config.rank,
+                world_size=config.world_size,
+                tx_slots=4 * ROUND_DATAGRAMS,
+                guard=config.guard,
+            ),
             memory=self.memory.array,
-        )  # fmt: skip
+        )
         record_socket_buffers(self.sock, self.core.counters)
         #: Shared with the other NICs of the process when given (their own arrays are not this
         #: NIC's to prefault).
         self.buffers = buffers or ServeBuffers.new()
         self.owns_buffers = buffers is None
-        self.rx_buf, self.rx_off, self.rx_len = self.buffers.rx_buf, self.buffers.rx_off, self.buffers.rx_len
-        self.rx_src, self.punt, self.scratch = self.buffers.rx_src, self.buffers.punt, self.buffers.scratch
+        self.rx_buf, self.rx_off, self.rx_len = (
+            self.buffers.rx_buf,
+            self.buffers.rx_off,
+            self.buffers.rx_len,
+        )
+        self.rx_src, self.punt, self.scratch = (
+            self.buffers.rx_src,
+            self.buffers.punt,
+            self.buffers.scratch,
+        )
         self.io_state = np.zeros(STATE_LEN, np.int64)  # this socket's I/O statistics
         self.group_sock: socket.socket | None = None
         self.group: Endpoint | None = None
         spec = config.faults
         # FC_ACTIVE, FC_LOSS, FC_DUP, FC_REORDER, FC_DELAY, FC_DELAY_S, FC_NOW, FC_GEN
-        self.fault_cfg = np.array([float(spec.active), spec.loss, spec.dup, spec.reorder,
-                                   spec.delay, spec.delay_s, 0.0, 0.0], np.float64)  # fmt: skip
-        self.fault_keys = np.array([spec.seed & (2**64 - 1), endpoint_to_u64(self.endpoint)], np.uint64)
+        self.fault_cfg = np.array(
+            [
+                float(spec.active),
+                spec.loss,
+                spec.dup,
+                spec.reorder,
+                spec.delay,
+                spec.delay_s,
+                0.0,
+                0.0,
+            ],
+            np.float64,
+        )
+        self.fault_keys = np.array(
+            [spec.seed & (2**64 - 1), endpoint_to_u64(self.endpoint)], np.uint64
+        )
         # Without fault injection nothing is ever held or counted: one slot each, not 2.6 MiB
         # per NIC (a process may host hundreds).
         table, held = (FAULT_TABLE, HOLD_SLOTS) if spec.active else (1, 1)
@@ -147,23 +178,50 @@ class NodeProcess(ServeLoop):
         self.hold_src = np.zeros(held, np.uint64)
         self.hold_time = np.zeros(held, np.float64)
         self.hold_gen = np.zeros(held, np.int64)
-        self.hold = HoldTable(self.hold_buf, self.hold_len, self.hold_src, np.zeros(held, np.int64),
-                              self.hold_time, self.hold_gen)  # fmt: skip
+        self.hold = HoldTable(
+            self.hold_buf,
+            self.hold_len,
+            self.hold_src,
+            np.zeros(held, np.int64),
+            self.hold_time,
+            self.hold_gen,
+        )
         self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
-        self.faults = FaultState(self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count,
-                                 self.hold)  # fmt: skip
+        self.faults = FaultState(
+            self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count, self.hold
+        )
 
     def serve_once(self, timeout_ms: int, rounds: int = ROUNDS_PER_CALL) -> int:
         """One compiled call (up to *rounds* rounds), then the slow path. Returns why."""
         self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
         self.fault_cfg[FC_NOW] = time.monotonic()
         mfd = self.group_sock.fileno() if self.group_sock is not None else -1
-        io = ServeIO(self.sock.fileno(), mfd, self.ctrl_sock.fileno(), RECV_RUNS * RUN_BYTES, ROUND_DATAGRAMS,
-                     self.core.max_datagram, timeout_ms, rounds, self.io_state, self.scratch)  # fmt: skip
-        reason, n_punt = serve.serve(io, self.rx, self.faults, self.core.node_state(), self.core.guard,
-                                     self.core.tx_bundle(), self.core.tx_queue, self.punt)  # fmt: skip
+        io = ServeIO(
+            self.sock.fileno(),
+            mfd,
+            self.ctrl_sock.fileno(),
+            RECV_RUNS * RUN_BYTES,
+            ROUND_DATAGRAMS,
+            self.core.max_datagram,
+            timeout_ms,
+            rounds,
+            self.io_state,
+            self.scratch,
+        )
+        reason, n_punt = serve.serve(
+            io,
+            self.rx,
+            self.faults,
+            self.core.node_state(),
+            self.core.guard,
+            self.core.tx_bundle(),
+            self.core.tx_queue,
+            self.punt,
+        )
         if n_punt:
-            self.core.handle_punted(self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt))
+            self.core.handle_punted(
+                self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt)
+            )
         self.core.release_collective_key()
         self._serve_control()
         self._handle_events()
@@ -199,8 +257,10 @@ class NodeProcess(ServeLoop):
     def ready_line(self) -> str:
         """What the NIC prints once it serves: address, memory file, management port, key (the
         launcher reads it from the process's stdout, a pipe)."""
-        return (f"ready {self.endpoint[0]}:{self.endpoint[1]} {self.memory.path} control_port={self.control_port} "
-                f"admin_key={self.core.config.admin_key}")  # fmt: skip
+        return (
+            f"ready {self.endpoint[0]}:{self.endpoint[1]} {self.memory.path} control_port={self.control_port} "
+            f"admin_key={self.core.config.admin_key}"
+        )
 
     def fds(self) -> tuple[int, ...]:
         """The sockets whose traffic this NIC serves: data, management, joined group."""
@@ -210,8 +270,11 @@ class NodeProcess(ServeLoop):
     def wants_clock(self) -> bool:
         """Whether the NIC must be served again soon without traffic: a collective's clock
         runs, a late DONE request waits, sends wait for room, or faults hold datagrams."""
-        return bool(self.core.collective.needs_tick or self.core.sendq.pending()
-                    or (self.fault_cfg[FC_ACTIVE] and self.hold_len.any()))  # fmt: skip
+        return bool(
+            self.core.collective.needs_tick
+            or self.core.sendq.pending()
+            or (self.fault_cfg[FC_ACTIVE] and self.hold_len.any())
+        )
 
     def warm_up(self, resident: bool = True) -> None:
         """Compile (or load from cache) every kernel and, when *resident*, make every queue and
@@ -223,7 +286,9 @@ class NodeProcess(ServeLoop):
             return
         rehearse_control_paths()
         core = self.core
-        owners = (self, core, core.sendq, core.collective) + ((self.buffers,) if self.owns_buffers else ())
+        owners = (self, core, core.sendq, core.collective) + (
+            (self.buffers,) if self.owns_buffers else ()
+        )
         prefault(*owners, skip=(core.memory,))
 
     def close(self) -> None:

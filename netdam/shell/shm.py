@@ -46,7 +46,9 @@ def create_memory(directory: Path, name: str, size: int) -> NodeMemory:
     if size <= 0:
         raise ValueError(f"--memory must be positive, got {size}")
     if not directory.is_dir():
-        raise ValueError(f"memory directory {directory} does not exist: create it or pass --shm-dir")
+        raise ValueError(
+            f"memory directory {directory} does not exist: create it or pass --shm-dir"
+        )
     stat = os.statvfs(directory)
     free = stat.f_bavail * stat.f_frsize
     if free < size:
@@ -95,7 +97,11 @@ def prefault(*owners: object, skip: tuple[np.ndarray, ...] = ()) -> int:
     touched = 0
     for owner in owners:
         for value in vars(owner).values():
-            if not isinstance(value, np.ndarray) or value.nbytes == 0 or any(value is s for s in skip):
+            if (
+                not isinstance(value, np.ndarray)
+                or value.nbytes == 0
+                or any(value is s for s in skip)
+            ):
                 continue
             if not value.flags.c_contiguous or not value.flags.writeable:
                 continue

@@ -110,7 +110,10 @@ def _inputs(config: AllReduceConfig, world: int) -> list[np.ndarray]:
     rng = np.random.default_rng(config.seed)
     dtype = np.dtype(NUMPY_DTYPE[config.dtype])
     if config.dtype == DType.BF16:
-        inputs = [bf16_round(rng.standard_normal(config.count).astype(np.float32)).view(BFLOAT16) for _ in range(world)]
+        inputs = [
+            bf16_round(rng.standard_normal(config.count).astype(np.float32)).view(BFLOAT16)
+            for _ in range(world)
+        ]
     elif dtype.kind == "f":
         inputs = [rng.standard_normal(config.count).astype(dtype) for _ in range(world)]
     else:
@@ -139,29 +142,51 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
     esize = ELEMENT_SIZE[config.dtype]
     nbytes = config.count * esize
     result: dict[str, object] = {
-        "ok": False, "nodes": config.nodes, "bytes": nbytes, "dtype": config.dtype.name.lower(),
-        "op": config.op.name.lower(), "algo": config.algo, "seconds": None, "startup_seconds": None,
-        "algbw_gbps": None, "busbw_gbps": None, "packets": None, "retransmits": None,
-        "kernel_drops": None, "wire_bytes": None, "model_seconds_100g": None,
-    }  # fmt: skip
+        "ok": False,
+        "nodes": config.nodes,
+        "bytes": nbytes,
+        "dtype": config.dtype.name.lower(),
+        "op": config.op.name.lower(),
+        "algo": config.algo,
+        "seconds": None,
+        "startup_seconds": None,
+        "algbw_gbps": None,
+        "busbw_gbps": None,
+        "packets": None,
+        "retransmits": None,
+        "kernel_drops": None,
+        "wire_bytes": None,
+        "model_seconds_100g": None,
+    }
     if config.sparse:
-        result.update(sparse=True, density=config.density, wire_bytes_dense=None,
-                      wire_bytes_sparse=None, seconds_dense=None)  # fmt: skip
+        result.update(
+            sparse=True,
+            density=config.density,
+            wire_bytes_dense=None,
+            wire_bytes_sparse=None,
+            seconds_dense=None,
+        )
     cluster: LocalCluster | None = None
     start = time.monotonic()
     try:
         if config.cluster is not None:
             info = load_cluster(config.cluster)
         else:
-            cluster = start_cluster(config.nodes, memory=private_node_memory(nbytes), faults=config.faults,
-                                    nics_per_process=config.nics_per_process)  # fmt: skip
+            cluster = start_cluster(
+                config.nodes,
+                memory=private_node_memory(nbytes),
+                faults=config.faults,
+                nics_per_process=config.nics_per_process,
+            )
             info = cluster.info
         world = len(info.nodes)
         result["nodes"] = world
         timeout = config.timeout_s
         # A private cluster is this run's alone: its groups take all of node memory.
         arena = None if cluster is None else info.nodes[0].memory_bytes
-        groups = [ProcessGroup(info, rank, timeout_s=timeout, arena_bytes=arena) for rank in range(world)]
+        groups = [
+            ProcessGroup(info, rank, timeout_s=timeout, arena_bytes=arena) for rank in range(world)
+        ]
         result["startup_seconds"] = time.monotonic() - start
         progress.status("warm-up all-reduce")
         _run_once(groups, [np.ones(1, np.float32) for _ in range(world)], ReduceOp.SUM)  # warm-up
@@ -175,16 +200,23 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                 seconds_dense = _run_once(groups, buffers, config.op)
                 dense_ok = all(b.tobytes() == expected.tobytes() for b in buffers)
                 dense_delta = _totals(info, client).astype(np.int64) - before.astype(np.int64)
-                result.update(wire_bytes_dense=_wire_bytes(dense_delta), seconds_dense=seconds_dense,
-                              retransmits_dense=int(dense_delta[C.RETRANSMITS]),
-                              dense_equals_reference=dense_ok)  # fmt: skip
+                result.update(
+                    wire_bytes_dense=_wire_bytes(dense_delta),
+                    seconds_dense=seconds_dense,
+                    retransmits_dense=int(dense_delta[C.RETRANSMITS]),
+                    dense_equals_reference=dense_ok,
+                )
             before = _totals(info, client)
             times = []
             phase_times: dict[str, list[float]] = {}
             resident = config.resident
             threaded = nbytes >= THREADED_MIN_BYTES
             pool = ThreadPoolExecutor(world, thread_name_prefix="netdam-rank") if threaded else None
-            held = [g.empty(x.shape, x.dtype) for g, x in zip(groups, inputs, strict=True)] if resident else None
+            held = (
+                [g.empty(x.shape, x.dtype) for g, x in zip(groups, inputs, strict=True)]
+                if resident
+                else None
+            )
             host_copy = host_packets = host_bytes = 0
             ok = True
             try:
@@ -198,7 +230,9 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                         host_packets += ring.packets
                         host_bytes += ring.payload_bytes
                     else:
-                        seconds, phases = _timed_run(groups, buffers, config.op, config.sparse, pool)
+                        seconds, phases = _timed_run(
+                            groups, buffers, config.op, config.sparse, pool
+                        )
                         times.append(seconds)
                         for key, value in phases.items():
                             phase_times.setdefault(key, []).append(value)
@@ -219,20 +253,38 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         packets = int(delta[C.TX_PACKETS]) + host_packets
         algbw = nbytes * 8 / seconds / 1e9
         result.update(
-            ok=ok, ranks_identical=identical, equals_reference=exact, seconds=seconds,
-            seconds_all=times, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (world - 1) / world,
-            packets=packets, retransmits=int(delta[C.RETRANSMITS]),
-            kernel_drops=int(after[C.KERNEL_DROPS]), wire_bytes=_wire_bytes(delta, host_packets, host_bytes),
+            ok=ok,
+            ranks_identical=identical,
+            equals_reference=exact,
+            seconds=seconds,
+            seconds_all=times,
+            algbw_gbps=algbw,
+            busbw_gbps=algbw * 2 * (world - 1) / world,
+            packets=packets,
+            retransmits=int(delta[C.RETRANSMITS]),
+            kernel_drops=int(after[C.KERNEL_DROPS]),
+            wire_bytes=_wire_bytes(delta, host_packets, host_bytes),
             model_seconds_100g=estimate_allreduce_seconds(
-                world, nbytes, 100.0, "netdam-chain" if config.algo == "chain" else "roce-ring", esize),
+                world,
+                nbytes,
+                100.0,
+                "netdam-chain" if config.algo == "chain" else "roce-ring",
+                esize,
+            ),
             host_copy_bytes=host_copy // config.repeat,
-        )  # fmt: skip
+        )
         if config.sparse:
-            result["wire_bytes_sparse"] = _wire_bytes(delta) // config.repeat  # per run, as the dense
+            result["wire_bytes_sparse"] = (
+                _wire_bytes(delta) // config.repeat
+            )  # per run, as the dense
             ok = ok and bool(result["dense_equals_reference"])
             result["ok"] = ok
         if not ok:
-            result["error"] = "result differs from the numpy chain-order reference" if identical else "ranks differ"
+            result["error"] = (
+                "result differs from the numpy chain-order reference"
+                if identical
+                else "ranks differ"
+            )
         for group in groups:
             group.close()
     except CollectiveError as exc:
@@ -245,7 +297,9 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
     return result
 
 
-def _buffers(groups: list[ProcessGroup], inputs: list[np.ndarray], held: list[np.ndarray] | None) -> list[np.ndarray]:
+def _buffers(
+    groups: list[ProcessGroup], inputs: list[np.ndarray], held: list[np.ndarray] | None
+) -> list[np.ndarray]:
     """Fresh copies of the inputs: plain numpy arrays, or each rank's NIC-memory array *held*
     (netdam.empty), refilled untimed (a resident user computes into it)."""
     if held is None:
@@ -255,7 +309,9 @@ def _buffers(groups: list[ProcessGroup], inputs: list[np.ndarray], held: list[np
     return held
 
 
-def _one_rank(group: ProcessGroup, buf: np.ndarray, op: ReduceOp, sparse: bool) -> tuple[Work, float]:
+def _one_rank(
+    group: ProcessGroup, buf: np.ndarray, op: ReduceOp, sparse: bool
+) -> tuple[Work, float]:
     """One rank's host: all_reduce(buf) as its own process would call it; (work, return time)."""
     work = api_all_reduce(buf, op=op, group=group, async_op=True, sparse=sparse)
     assert work is not None
@@ -263,8 +319,13 @@ def _one_rank(group: ProcessGroup, buf: np.ndarray, op: ReduceOp, sparse: bool) 
     return work, time.monotonic()
 
 
-def _timed_run(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool,
-               pool: ThreadPoolExecutor | None) -> tuple[float, dict[str, float]]:  # fmt: skip
+def _timed_run(
+    groups: list[ProcessGroup],
+    buffers: list[np.ndarray],
+    op: ReduceOp,
+    sparse: bool,
+    pool: ThreadPoolExecutor | None,
+) -> tuple[float, dict[str, float]]:
     """One all-reduce on every rank: seconds from the first rank's call to the last rank's
     return, and its phases (seconds, :func:`phases`)."""
     t0 = time.monotonic()
@@ -279,7 +340,9 @@ def _timed_run(groups: list[ProcessGroup], buffers: list[np.ndarray], op: Reduce
             work.wait()
             done.append((work, time.monotonic()))
     else:
-        futures = [pool.submit(_one_rank, g, b, op, sparse) for g, b in zip(groups, buffers, strict=True)]
+        futures = [
+            pool.submit(_one_rank, g, b, op, sparse) for g, b in zip(groups, buffers, strict=True)
+        ]
         done = [f.result() for f in futures]
     return max(end for _, end in done) - t0, phases(done)
 
@@ -303,7 +366,11 @@ def phases(done: list[tuple[Work, float]]) -> dict[str, float]:
     received = [w.completed_at if w.completed_at is not None else end for w, end in done]
     out = {"stage_in": max(w.stage_in_s for w in works), "start_skew": max(sent) - min(sent)}
     node = [w.node_phases for w in works]
-    ended = [p for p in node if p is not None and NO_PHASE_US not in (p.chains_us, p.chunks_us, p.done_us)]
+    ended = [
+        p
+        for p in node
+        if p is not None and NO_PHASE_US not in (p.chains_us, p.chunks_us, p.done_us)
+    ]
     if len(ended) == len(works):
         chains = max(p.start_ns / 1e9 + p.chains_us / 1e6 for p in ended)
         chunks = max(p.start_ns / 1e9 + p.chunks_us / 1e6 for p in ended)
@@ -319,7 +386,9 @@ def phases(done: list[tuple[Work, float]]) -> dict[str, float]:
     return out
 
 
-def _run_once(groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool = False) -> float:
+def _run_once(
+    groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, sparse: bool = False
+) -> float:
     """Start the all-reduce on every rank (staging included), wait for all; seconds."""
     start = time.perf_counter()
     works: list[Work] = []

@@ -107,8 +107,10 @@ def _pool_traffic(cluster: LocalCluster, config: DemoConfig) -> dict[str, object
     size = _round_up(64 * (config.pool_ops + 1), STRIDE)
     region = controller.alloc(size, interleave=STRIDE)
     rng = np.random.default_rng(config.seed)
-    clients = [PoolClient(cluster.switch.vip, mtu=cluster.info.mtu, tag_keys=tag_keys_of(region))
-               for _ in range(config.clients)]
+    clients = [
+        PoolClient(cluster.switch.vip, mtu=cluster.info.mtu, tag_keys=tag_keys_of(region))
+        for _ in range(config.clients)
+    ]
     counter_addr = region.gaddr
     blocks = [rng.integers(0, 256, 64, dtype=np.uint8).tobytes() for _ in range(config.pool_ops)]
     addrs = [region.gaddr + 64 * (k + 1) for k in range(config.pool_ops)]
@@ -127,11 +129,16 @@ def _pool_traffic(cluster: LocalCluster, config: DemoConfig) -> dict[str, object
             client.close()
     seconds = time.perf_counter() - start
     ops = 3 * config.pool_ops + 1
-    return {"ok": mismatches == 0 and counter == config.pool_ops, "ops": ops,
-            "ops_per_second": ops / seconds, "mismatches": mismatches,
-            "fetch_add_counter": counter, "fetch_add_expected": config.pool_ops,
-            "vip": f"{cluster.switch.vip[0]}:{cluster.switch.vip[1]}",
-            "region": {"gaddr": region.gaddr, "size": size, "stride": STRIDE}}  # fmt: skip
+    return {
+        "ok": mismatches == 0 and counter == config.pool_ops,
+        "ops": ops,
+        "ops_per_second": ops / seconds,
+        "mismatches": mismatches,
+        "fetch_add_counter": counter,
+        "fetch_add_expected": config.pool_ops,
+        "vip": f"{cluster.switch.vip[0]}:{cluster.switch.vip[1]}",
+        "region": {"gaddr": region.gaddr, "size": size, "stride": STRIDE},
+    }
 
 
 def _allreduce(cluster: LocalCluster, config: DemoConfig) -> dict[str, object]:
@@ -145,7 +152,9 @@ def _allreduce(cluster: LocalCluster, config: DemoConfig) -> dict[str, object]:
     try:
         buffers = [x.copy() for x in inputs]
         start = time.perf_counter()
-        works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups, strict=True)]
+        works = [
+            api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups, strict=True)
+        ]
         for work in works:
             assert work is not None
             work.wait()
@@ -166,7 +175,9 @@ def _allreduce(cluster: LocalCluster, config: DemoConfig) -> dict[str, object]:
         "seconds": seconds,
         "retransmits": sum(s.get("retransmits", 0) for s in stats),
         # What the same all-reduce would cost on 100G NetDAM cards (fpga_model), beside our time.
-        "model_seconds_100g": estimate_allreduce_seconds(n, nbytes, link_gbps=100.0, dtype_bytes=esize),
+        "model_seconds_100g": estimate_allreduce_seconds(
+            n, nbytes, link_gbps=100.0, dtype_bytes=esize
+        ),
     }
 
 

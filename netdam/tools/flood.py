@@ -85,29 +85,66 @@ def build_mix(target: Target, seed: int, count: int = MIX_SIZE) -> list[bytes]:
                 Opcode.READ, rkey=target.rkey, addr=addr, length=length, dtype=DType.RAW, **ids
             )
         elif kind == 2:
-            p = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=target.rkey, addr=addr, length=length,
-                       dtype=DType.RAW, payload=bytes(length), **ids)  # fmt: skip
+            p = Packet(
+                Opcode.WRITE,
+                flags=Flags.ACK_REQ,
+                rkey=target.rkey,
+                addr=addr,
+                length=length,
+                dtype=DType.RAW,
+                payload=bytes(length),
+                **ids,
+            )
         elif kind == 3:
-            p = Packet(Opcode.FETCH_ADD, rkey=target.rkey, addr=addr, length=8, dtype=DType.U64,
-                       payload=pack_u64(1), **ids)  # fmt: skip
+            p = Packet(
+                Opcode.FETCH_ADD,
+                rkey=target.rkey,
+                addr=addr,
+                length=8,
+                dtype=DType.U64,
+                payload=pack_u64(1),
+                **ids,
+            )
         elif kind == 4:
             p = Packet(Opcode.READ, rkey=target.rkey ^ 0x5A5A, addr=addr, length=length, **ids)
         elif kind == 5:
-            p = Packet(Opcode.WRITE, rkey=target.rkey, addr=target.addr + target.size - 8, length=64,
-                       payload=bytes(64), **ids)  # fmt: skip
+            p = Packet(
+                Opcode.WRITE,
+                rkey=target.rkey,
+                addr=target.addr + target.size - 8,
+                length=64,
+                payload=bytes(64),
+                **ids,
+            )
         elif kind == 6:
             segs = (target.dst, *target.peers[:2])
-            p = Packet(Opcode.CHAIN_ADD, rkey=target.rkey, addr=addr, aux_addr=addr, length=1024,
-                       dtype=DType.F32, reduce_op=ReduceOp.SUM, segments=segs,
-                       segments_left=len(segs) - 1, payload=bytes(1024), **ids)  # fmt: skip
+            p = Packet(
+                Opcode.CHAIN_ADD,
+                rkey=target.rkey,
+                addr=addr,
+                aux_addr=addr,
+                length=1024,
+                dtype=DType.F32,
+                reduce_op=ReduceOp.SUM,
+                segments=segs,
+                segments_left=len(segs) - 1,
+                payload=bytes(1024),
+                **ids,
+            )
         elif kind == 7:
             op = [Opcode.REGISTER, Opcode.COUNTERS, Opcode.JOIN, Opcode.START_COLL][
                 int(rng.integers(0, 4))
             ]
             payload = pack_key_rights(0, int(Rights.READ)) if op == Opcode.REGISTER else b""
             payload = bytes(64) if op == Opcode.START_COLL else payload
-            p = Packet(op, rkey=int(rng.integers(1, 2**32)), length=len(payload), payload=payload,
-                       coll_id=1 if op == Opcode.START_COLL else 0, **ids)  # fmt: skip
+            p = Packet(
+                op,
+                rkey=int(rng.integers(1, 2**32)),
+                length=len(payload),
+                payload=payload,
+                coll_id=1 if op == Opcode.START_COLL else 0,
+                **ids,
+            )
         else:
             mix.append(bytes(rng.integers(0, 256, int(rng.integers(1, 200)), dtype=np.uint8)))
             continue
@@ -136,8 +173,20 @@ def _sender(conn: Connection, mix: list[bytes], dst: Endpoint) -> None:
         progress = np.zeros(8, np.int64)
         conn.send(("ready", {}))
         t_end_ns = int(conn.recv())
-        U.feed_run(sock.fileno(), TxQueue(buf, offs, lens, dsts), len(mix), FEED_BATCH, U.new_send_scratch(),
-                    U.new_state(), 0, t_end_ns, counts, progress, 0, 0)  # fmt: skip
+        U.feed_run(
+            sock.fileno(),
+            TxQueue(buf, offs, lens, dsts),
+            len(mix),
+            FEED_BATCH,
+            U.new_send_scratch(),
+            U.new_state(),
+            0,
+            t_end_ns,
+            counts,
+            progress,
+            0,
+            0,
+        )
         conn.send(("done", {"sent": int(counts[U.FEED_SENT_TOTAL])}))
     except BaseException as exc:  # report, the parent turns it into `error`
         with contextlib.suppress(Exception):
@@ -196,8 +245,11 @@ def _flood(
     children = []
     for k in range(cfg.senders):
         parent_end, child_end = ctx.Pipe()
-        proc = ctx.Process(target=_sender, args=(child_end, build_mix(target, cfg.seed + k), target.dst),
-                           daemon=True)  # fmt: skip
+        proc = ctx.Process(
+            target=_sender,
+            args=(child_end, build_mix(target, cfg.seed + k), target.dst),
+            daemon=True,
+        )
         proc.start()
         children.append((proc, parent_end))
     for proc, conn in children:
@@ -249,15 +301,33 @@ def _flood(
     return result
 
 
-def _report(cfg: FloodConfig, samples: list[dict[str, float]], latency: list[float], failures: int,
-            seconds: float, before: np.ndarray, after: np.ndarray, alive: bool) -> dict[str, Any]:  # fmt: skip
+def _report(
+    cfg: FloodConfig,
+    samples: list[dict[str, float]],
+    latency: list[float],
+    failures: int,
+    seconds: float,
+    before: np.ndarray,
+    after: np.ndarray,
+    alive: bool,
+) -> dict[str, Any]:
     warm = [s for s in samples if s["t"] >= WARMUP_S] or samples[-1:]
     anon = [int(s["RssAnon"]) for s in warm]
     growth = anon[-1] - anon[0] if anon else 0
     delta = np.maximum(after.astype(np.int64) - before.astype(np.int64), 0).astype(np.uint64)
     named = C.counters_to_dict(delta)
-    counts = {k: named[k] for k in ("rx_packets", "tx_packets", "kernel_drops", "drop_tx_full",
-                                     "drop_truncated", "drops", "nacks")}  # fmt: skip
+    counts = {
+        k: named[k]
+        for k in (
+            "rx_packets",
+            "tx_packets",
+            "kernel_drops",
+            "drop_tx_full",
+            "drop_truncated",
+            "drops",
+            "nacks",
+        )
+    }
     flat = growth <= FLAT_LIMIT_BYTES
     ok = alive and flat and failures == 0
     return {

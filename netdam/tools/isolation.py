@@ -95,27 +95,60 @@ def make_tenancy() -> Tenancy:
     endpoints = [("127.0.0.1", 7001 + i) for i in range(NODES)]
     nodes = []
     for rank, ep in enumerate(endpoints):
-        core = NodeCore(NodeConfig(endpoint=ep, memory_bytes=1 << 20, admin_key=ADMIN, admin_tag_key=ADMIN_TAG_KEY,
-                                   members=tuple(endpoints) + (VIP,), rank=rank, world_size=NODES))  # fmt: skip
+        core = NodeCore(
+            NodeConfig(
+                endpoint=ep,
+                memory_bytes=1 << 20,
+                admin_key=ADMIN,
+                admin_tag_key=ADMIN_TAG_KEY,
+                members=tuple(endpoints) + (VIP,),
+                rank=rank,
+                world_size=NODES,
+            )
+        )
         fabric.add_core(ep, core)
         nodes.append(core)
     size = 6 * STRIDE
-    victim = Region(GLOBAL_BASE, size, VICTIM_RKEY, ALL, STRIDE,
-                    tuple(Way(r, 0x10000, backing_per_way(size, STRIDE, NODES)) for r in range(NODES)))  # fmt: skip
+    victim = Region(
+        GLOBAL_BASE,
+        size,
+        VICTIM_RKEY,
+        ALL,
+        STRIDE,
+        tuple(Way(r, 0x10000, backing_per_way(size, STRIDE, NODES)) for r in range(NODES)),
+    )
     # The attacker's region sits right behind the victim's backing on node 1 and in the pool.
-    attacker = Region(GLOBAL_BASE + (1 << 20), 4096, ATTACKER_RKEY, ALL, 0,
-                      (Way(1, 0x10000 + backing_per_way(size, STRIDE, NODES), 4096),))  # fmt: skip
-    tagged = Region(GLOBAL_BASE + (2 << 20), TAGGED_SIZE, TAGGED_RKEY, ALL, 0, (Way(2, TAGGED_LOCAL, TAGGED_SIZE),),
-                    tag_key=TAGGED_KEY)  # fmt: skip
+    attacker = Region(
+        GLOBAL_BASE + (1 << 20),
+        4096,
+        ATTACKER_RKEY,
+        ALL,
+        0,
+        (Way(1, 0x10000 + backing_per_way(size, STRIDE, NODES), 4096),),
+    )
+    tagged = Region(
+        GLOBAL_BASE + (2 << 20),
+        TAGGED_SIZE,
+        TAGGED_RKEY,
+        ALL,
+        0,
+        (Way(2, TAGGED_LOCAL, TAGGED_SIZE),),
+        tag_key=TAGGED_KEY,
+    )
     for region in (victim, attacker, tagged):
         for way in region.ways:
-            nodes[way.node].register_region(way.local, way.size, Rights(region.rights), rkey=region.rkey,
-                                            tag_key=region.tag_key)  # fmt: skip
+            nodes[way.node].register_region(
+                way.local, way.size, Rights(region.rights), rkey=region.rkey, tag_key=region.tag_key
+            )
     for node in nodes:
         node.register_region(COLL_BASE, COLL_SIZE, Rights(ALL) | Rights.MEMBERS, rkey=COLL_RKEY)
-    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, admin_tag_key=ADMIN_TAG_KEY,
-                                     seed=0),
-                        [victim, attacker, tagged], generation=1)  # fmt: skip
+    switch = SwitchCore(
+        SwitchConfig(
+            vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, admin_tag_key=ADMIN_TAG_KEY, seed=0
+        ),
+        [victim, attacker, tagged],
+        generation=1,
+    )
     switch.set_tenants({VICTIM_TENANT.id: ("victim", VICTIM_TENANT.tag_key)})
     fabric.add_core(VIP, switch)
     for ep in (VICTIM, ATTACKER, BYSTANDER):
@@ -125,8 +158,13 @@ def make_tenancy() -> Tenancy:
         node.memory[:] = rng.integers(0, 256, node.memory.shape[0], dtype=np.uint8)
     sniffed = []
     for k, ep in enumerate(endpoints):  # a multicast group of all nodes, set up by the admin
-        join = Packet(Opcode.JOIN, client_id=77, txn_id=k + 1, addr=endpoint_to_u64(GROUP),
-                      aux_addr=endpoint_to_u64(ep))  # fmt: skip
+        join = Packet(
+            Opcode.JOIN,
+            client_id=77,
+            txn_id=k + 1,
+            addr=endpoint_to_u64(GROUP),
+            aux_addr=endpoint_to_u64(ep),
+        )
         sniffed.append(seal_control(ADMIN_TAG_KEY, encode_packet(join)))
         fabric.send(VICTIM, VIP, sniffed[-1])
     fabric.run_until_idle()
@@ -160,7 +198,11 @@ def _ids(rng: np.random.Generator) -> dict[str, int]:
 
 def _data_op(opcode: Opcode, via_switch: bool) -> Attack:
     def attack(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
-        length = int(rng.choice([8, 64, 1024, 8192])) if opcode in (Opcode.READ, Opcode.WRITE, Opcode.ADD) else 8
+        length = (
+            int(rng.choice([8, 64, 1024, 8192]))
+            if opcode in (Opcode.READ, Opcode.WRITE, Opcode.ADD)
+            else 8
+        )
         if via_switch:
             dst, addr = VIP, _victim_gaddr(rng, t, length)
         else:
@@ -172,9 +214,17 @@ def _data_op(opcode: Opcode, via_switch: bool) -> Attack:
             Opcode.CAS: pack_u64(0) + pack_u64(1),
         }.get(opcode, bytes(rng.integers(0, 256, length, dtype=np.uint8)))
         dtype = DType.U64 if opcode in (Opcode.FETCH_ADD, Opcode.CAS) else DType.F32
-        return dst, Packet(opcode, flags=Flags.ACK_REQ, rkey=_key(rng), addr=addr, length=length,
-                           dtype=dtype, reduce_op=ReduceOp.SUM if opcode == Opcode.ADD else ReduceOp(0),
-                           payload=payload, **_ids(rng))  # fmt: skip
+        return dst, Packet(
+            opcode,
+            flags=Flags.ACK_REQ,
+            rkey=_key(rng),
+            addr=addr,
+            length=length,
+            dtype=dtype,
+            reduce_op=ReduceOp.SUM if opcode == Opcode.ADD else ReduceOp(0),
+            payload=payload,
+            **_ids(rng),
+        )
 
     return attack
 
@@ -184,10 +234,16 @@ def _straddle(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
     way = t.attacker.ways[0]
     over = int(rng.integers(1, 512)) * 8
     if rng.random() < 0.5:  # straight at the node, local addresses
-        return t.endpoints[way.node], Packet(Opcode.READ, rkey=ATTACKER_RKEY, addr=way.local - over,
-                                             length=2 * over, dtype=DType.RAW)  # fmt: skip
-    return VIP, Packet(Opcode.READ, rkey=ATTACKER_RKEY, addr=t.attacker.gaddr - over, length=2 * over,
-                       dtype=DType.RAW)  # fmt: skip
+        return t.endpoints[way.node], Packet(
+            Opcode.READ, rkey=ATTACKER_RKEY, addr=way.local - over, length=2 * over, dtype=DType.RAW
+        )
+    return VIP, Packet(
+        Opcode.READ,
+        rkey=ATTACKER_RKEY,
+        addr=t.attacker.gaddr - over,
+        length=2 * over,
+        dtype=DType.RAW,
+    )
 
 
 def _chain_through_victim(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
@@ -202,17 +258,35 @@ def _chain_through_victim(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoin
         segments = (t.endpoints[node], t.endpoints[attacker_way.node])
         aux = attacker_way.local
     return t.endpoints[node], Packet(
-        Opcode.CHAIN_ADD, flags=Flags.ACK_REQ, rkey=_key(rng), addr=addr, aux_addr=aux, length=1024,
-        dtype=DType.F32, reduce_op=ReduceOp.SUM, segments=segments, segments_left=1, ret=ATTACKER,
-        payload=bytes(1024), **_ids(rng),
-    )  # fmt: skip
+        Opcode.CHAIN_ADD,
+        flags=Flags.ACK_REQ,
+        rkey=_key(rng),
+        addr=addr,
+        aux_addr=aux,
+        length=1024,
+        dtype=DType.F32,
+        reduce_op=ReduceOp.SUM,
+        segments=segments,
+        segments_left=1,
+        ret=ATTACKER,
+        payload=bytes(1024),
+        **_ids(rng),
+    )
 
 
 def _multicast_write(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
     _, addr = _victim_local(rng, t, 64)
-    return VIP, Packet(Opcode.ALL_WRITE, flags=Flags.MCAST | Flags.ACK_REQ, rkey=_key(rng), addr=addr,
-                       aux_addr=endpoint_to_u64(GROUP), length=64, dtype=DType.RAW, payload=bytes(64),
-                       **_ids(rng))  # fmt: skip
+    return VIP, Packet(
+        Opcode.ALL_WRITE,
+        flags=Flags.MCAST | Flags.ACK_REQ,
+        rkey=_key(rng),
+        addr=addr,
+        aux_addr=endpoint_to_u64(GROUP),
+        length=64,
+        dtype=DType.RAW,
+        payload=bytes(64),
+        **_ids(rng),
+    )
 
 
 def _control(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
@@ -231,9 +305,16 @@ def _control(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
         Opcode.DEREGISTER: pack_key_rights(VICTIM_RKEY, 0),
         Opcode.START_COLL: bytes(64),
     }.get(opcode, b"")
-    return dst, Packet(opcode, rkey=key, addr=0x10000 if opcode == Opcode.REGISTER else endpoint_to_u64(GROUP),
-                       aux_addr=1 << 16, length=len(payload), payload=payload,
-                       coll_id=1 if opcode == Opcode.START_COLL else 0, **_ids(rng))  # fmt: skip
+    return dst, Packet(
+        opcode,
+        rkey=key,
+        addr=0x10000 if opcode == Opcode.REGISTER else endpoint_to_u64(GROUP),
+        aux_addr=1 << 16,
+        length=len(payload),
+        payload=payload,
+        coll_id=1 if opcode == Opcode.START_COLL else 0,
+        **_ids(rng),
+    )
 
 
 def _admin_key_without_control_tag(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
@@ -250,10 +331,22 @@ def _tenant_without_its_key(rng: np.random.Generator, t: Tenancy) -> tuple[Endpo
     """ALLOC, FREE (of the victim's region) and QUERY to the VIP naming the victim tenant's id
     under a made-up tag, or an id no tenant has (SPEC.md 11.9, "Tenant tags")."""
     opcode = [Opcode.ALLOC, Opcode.FREE, Opcode.QUERY][int(rng.integers(0, 3))]
-    payload = AllocRequest(4096, 0, 0, 0, ALL, "").encode() if opcode == Opcode.ALLOC else pack_credential(0)
+    payload = (
+        AllocRequest(4096, 0, 0, 0, ALL, "").encode()
+        if opcode == Opcode.ALLOC
+        else pack_credential(0)
+    )
     tenant = VICTIM_TENANT.id if rng.random() < 0.5 else int(rng.integers(1, 2**32)) | 1
-    return VIP, Packet(opcode, rkey=tenant, addr=0 if opcode == Opcode.ALLOC else t.victim.gaddr, flags=Flags.TAGGED,
-                       tag=int(rng.integers(0, 2**63)), length=len(payload), payload=payload, **_ids(rng))  # fmt: skip
+    return VIP, Packet(
+        opcode,
+        rkey=tenant,
+        addr=0 if opcode == Opcode.ALLOC else t.victim.gaddr,
+        flags=Flags.TAGGED,
+        tag=int(rng.integers(0, 2**63)),
+        length=len(payload),
+        payload=payload,
+        **_ids(rng),
+    )
 
 
 def _replayed_control(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
@@ -265,9 +358,17 @@ def _replayed_control(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, P
 def _reply_to_third_party(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
     """A legitimate READ of the attacker's own memory asking for the reply to go elsewhere."""
     way = t.attacker.ways[0]
-    dst, addr = (VIP, t.attacker.gaddr) if rng.random() < 0.5 else (t.endpoints[way.node], way.local)
-    return dst, Packet(Opcode.READ, rkey=ATTACKER_RKEY, addr=addr, length=64, dtype=DType.RAW,
-                       ret=BYSTANDER if rng.random() < 0.5 else t.endpoints[0])  # fmt: skip
+    dst, addr = (
+        (VIP, t.attacker.gaddr) if rng.random() < 0.5 else (t.endpoints[way.node], way.local)
+    )
+    return dst, Packet(
+        Opcode.READ,
+        rkey=ATTACKER_RKEY,
+        addr=addr,
+        length=64,
+        dtype=DType.RAW,
+        ret=BYSTANDER if rng.random() < 0.5 else t.endpoints[0],
+    )
 
 
 def _sniffed_collective_key(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
@@ -275,13 +376,21 @@ def _sniffed_collective_key(rng: np.random.Generator, t: Tenancy) -> tuple[Endpo
     buffer (the attacker is no member, so the key names nothing for it)."""
     node = int(rng.integers(0, NODES))
     addr = COLL_BASE + int(rng.integers(0, COLL_SIZE // 8 - 8)) * 8
-    opcode = [Opcode.READ, Opcode.WRITE, Opcode.FETCH_ADD, Opcode.ALL_WRITE][int(rng.integers(0, 4))]
+    opcode = [Opcode.READ, Opcode.WRITE, Opcode.FETCH_ADD, Opcode.ALL_WRITE][
+        int(rng.integers(0, 4))
+    ]
     length = 8 if opcode == Opcode.FETCH_ADD else 64
     payload = b"" if opcode == Opcode.READ else bytes(length)
-    return t.endpoints[node], Packet(opcode, flags=Flags.ACK_REQ if opcode != Opcode.READ else Flags.NONE,
-                                     rkey=COLL_RKEY, addr=addr, length=length,
-                                     dtype=DType.U64 if opcode == Opcode.FETCH_ADD else DType.RAW,
-                                     payload=payload, **_ids(rng))  # fmt: skip
+    return t.endpoints[node], Packet(
+        opcode,
+        flags=Flags.ACK_REQ if opcode != Opcode.READ else Flags.NONE,
+        rkey=COLL_RKEY,
+        addr=addr,
+        length=length,
+        dtype=DType.U64 if opcode == Opcode.FETCH_ADD else DType.RAW,
+        payload=payload,
+        **_ids(rng),
+    )
 
 
 def _made_up_tag(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
@@ -290,10 +399,20 @@ def _made_up_tag(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet
     region; without the tag key none is executed."""
     node = int(rng.integers(0, NODES))
     addr = COLL_BASE + int(rng.integers(0, COLL_SIZE // 8 - 8)) * 8
-    opcode = [Opcode.READ, Opcode.ALL_WRITE, Opcode.CHAIN_ADD, Opcode.WRITE][int(rng.integers(0, 4))]
-    packet = Packet(opcode, flags=Flags.TAGGED | Flags.ACK_REQ, rkey=COLL_RKEY, addr=addr,
-                    coll_id=int(rng.integers(0, 3)), epoch=int(rng.integers(0, 3)), dtype=DType.F32,
-                    tag=int(rng.integers(0, 2**63)), **_ids(rng))  # fmt: skip
+    opcode = [Opcode.READ, Opcode.ALL_WRITE, Opcode.CHAIN_ADD, Opcode.WRITE][
+        int(rng.integers(0, 4))
+    ]
+    packet = Packet(
+        opcode,
+        flags=Flags.TAGGED | Flags.ACK_REQ,
+        rkey=COLL_RKEY,
+        addr=addr,
+        coll_id=int(rng.integers(0, 3)),
+        epoch=int(rng.integers(0, 3)),
+        dtype=DType.F32,
+        tag=int(rng.integers(0, 2**63)),
+        **_ids(rng),
+    )
     if opcode == Opcode.READ:
         return t.endpoints[node], replace(packet, length=64)
     if opcode == Opcode.WRITE:
@@ -301,7 +420,9 @@ def _made_up_tag(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet
         packet = replace(packet, rkey=VICTIM_RKEY, addr=local, coll_id=0)
         return t.endpoints[victim_node], packet.with_payload(bytes(64))
     segments = (t.endpoints[node],) if opcode == Opcode.CHAIN_ADD else ()
-    return t.endpoints[node], replace(packet, segments=segments, aux_addr=addr).with_payload(bytes(64))
+    return t.endpoints[node], replace(packet, segments=segments, aux_addr=addr).with_payload(
+        bytes(64)
+    )
 
 
 def _tagged_region_rkey(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint, Packet]:
@@ -312,13 +433,25 @@ def _tagged_region_rkey(rng: np.random.Generator, t: Tenancy) -> tuple[Endpoint,
     length = 8 if atomic else 64
     offset = int(rng.integers(0, (TAGGED_SIZE - length) // 8)) * 8
     via_switch = rng.random() < 0.5
-    dst, addr = (VIP, GLOBAL_BASE + (2 << 20) + offset) if via_switch else (t.endpoints[2], TAGGED_LOCAL + offset)
+    dst, addr = (
+        (VIP, GLOBAL_BASE + (2 << 20) + offset)
+        if via_switch
+        else (t.endpoints[2], TAGGED_LOCAL + offset)
+    )
     payload = b"" if opcode == Opcode.READ else bytes(16 if opcode == Opcode.CAS else length)
     made_up = rng.random() < 0.5
-    packet = Packet(opcode, flags=(Flags.TAGGED if made_up else Flags.NONE) | (Flags.NONE if atomic or opcode == Opcode.READ
-                                                                             else Flags.ACK_REQ),
-                    rkey=TAGGED_RKEY, addr=addr, length=length, dtype=DType.U64 if atomic else DType.RAW,
-                    payload=payload, tag=int(rng.integers(0, 2**63)) if made_up else 0, **_ids(rng))  # fmt: skip
+    packet = Packet(
+        opcode,
+        flags=(Flags.TAGGED if made_up else Flags.NONE)
+        | (Flags.NONE if atomic or opcode == Opcode.READ else Flags.ACK_REQ),
+        rkey=TAGGED_RKEY,
+        addr=addr,
+        length=length,
+        dtype=DType.U64 if atomic else DType.RAW,
+        payload=payload,
+        tag=int(rng.integers(0, 2**63)) if made_up else 0,
+        **_ids(rng),
+    )
     return dst, packet
 
 
@@ -391,7 +524,9 @@ def run_kind(t: Tenancy, kind: str, attempts: int = ATTEMPTS) -> KindResult:
     before = _snapshot(t)
     secret = [bytes(before[node][lo:hi]) for node, lo, hi in t.secrets()]
     node0_rx = int(t.nodes[0].counters[C.RX_PACKETS])
-    dropped_before = {c: int(t.switch.counters[c]) for c in (C.DROP_CONTROL_FORGED, C.DROP_CONTROL_REPLAYED)}
+    dropped_before = {
+        c: int(t.switch.counters[c]) for c in (C.DROP_CONTROL_FORGED, C.DROP_CONTROL_REPLAYED)
+    }
     replies = _send_all(t, KINDS[kind], sum(map(ord, kind)), attempts)
     dropped = {c: int(t.switch.counters[c]) - n for c, n in dropped_before.items()}
     succeeded = [r for r in replies if r.opcode != Opcode.NACK]
@@ -408,10 +543,19 @@ def run_kind(t: Tenancy, kind: str, attempts: int = ATTEMPTS) -> KindResult:
         problems.append(f"{len(succeeded)} of {attempts} succeeded, e.g. {succeeded[0]}")
     if kind == "replayed control datagram":  # none answered, every one counted
         if replies or dropped[C.DROP_CONTROL_REPLAYED] != attempts:
-            problems.append(f"{len(replies)} replays answered, {dropped[C.DROP_CONTROL_REPLAYED]} counted")
-    elif kind == "tenant id without its key":  # unknown ids refused, the victim's id under a made-up tag dropped
-        if set(statuses) - {"UNAUTHORIZED"} or statuses["UNAUTHORIZED"] + dropped[C.DROP_CONTROL_FORGED] != attempts:
-            problems.append(f"answers {dict(statuses)}, {dropped[C.DROP_CONTROL_FORGED]} counted forged")
+            problems.append(
+                f"{len(replies)} replays answered, {dropped[C.DROP_CONTROL_REPLAYED]} counted"
+            )
+    elif (
+        kind == "tenant id without its key"
+    ):  # unknown ids refused, the victim's id under a made-up tag dropped
+        if (
+            set(statuses) - {"UNAUTHORIZED"}
+            or statuses["UNAUTHORIZED"] + dropped[C.DROP_CONTROL_FORGED] != attempts
+        ):
+            problems.append(
+                f"answers {dict(statuses)}, {dropped[C.DROP_CONTROL_FORGED]} counted forged"
+            )
     elif kind != "reply to third party" and not statuses:
         problems.append("no attempt was refused with a NACK")
     third = len(t.fabric.receive(BYSTANDER)) + len(t.fabric.receive(VICTIM))
@@ -430,11 +574,24 @@ def run_kind(t: Tenancy, kind: str, attempts: int = ATTEMPTS) -> KindResult:
         changed_bytes += int(changed.size)
     # No 16-byte run of the victim's memory reached the attacker.
     received = b"".join(r.payload for r in replies)
-    leaked = sum(blob[at : at + 16] in received for blob in secret for at in range(0, len(blob) - 16, 997))
+    leaked = sum(
+        blob[at : at + 16] in received for blob in secret for at in range(0, len(blob) - 16, 997)
+    )
     if leaked:
         problems.append(f"{leaked} 16-byte runs of the victim's memory reached the attacker")
-    return KindResult(kind, attempts, len(replies), len(succeeded), dict(statuses), dropped[C.DROP_CONTROL_FORGED],
-                      dropped[C.DROP_CONTROL_REPLAYED], changed_bytes, leaked, third, problems)  # fmt: skip
+    return KindResult(
+        kind,
+        attempts,
+        len(replies),
+        len(succeeded),
+        dict(statuses),
+        dropped[C.DROP_CONTROL_FORGED],
+        dropped[C.DROP_CONTROL_REPLAYED],
+        changed_bytes,
+        leaked,
+        third,
+        problems,
+    )
 
 
 def victim_unaffected(t: Tenancy) -> list[str]:
@@ -443,24 +600,64 @@ def victim_unaffected(t: Tenancy) -> list[str]:
     problems: list[str] = []
     g = t.victim.gaddr
     data = bytes(range(256)) * 4
-    t.fabric.send(VICTIM, VIP, encode_packet(Packet(Opcode.WRITE, flags=Flags.ACK_REQ, client_id=5,
-                                                    txn_id=1, rkey=VICTIM_RKEY, addr=g, length=1024,
-                                                    dtype=DType.RAW, payload=data)))  # fmt: skip
+    t.fabric.send(
+        VICTIM,
+        VIP,
+        encode_packet(
+            Packet(
+                Opcode.WRITE,
+                flags=Flags.ACK_REQ,
+                client_id=5,
+                txn_id=1,
+                rkey=VICTIM_RKEY,
+                addr=g,
+                length=1024,
+                dtype=DType.RAW,
+                payload=data,
+            )
+        ),
+    )
     # The attacker borrows the victim's client id and next txn ids through the switch, on node 1,
     # where its region and the victim's stripe 1 live side by side.
     for txn in range(2, 10):
-        t.fabric.send(ATTACKER, VIP, encode_packet(Packet(
-            Opcode.FETCH_ADD, client_id=5, txn_id=txn, rkey=ATTACKER_RKEY, addr=t.attacker.gaddr,
-            length=8, dtype=DType.U64, payload=pack_u64(1))))  # fmt: skip
+        t.fabric.send(
+            ATTACKER,
+            VIP,
+            encode_packet(
+                Packet(
+                    Opcode.FETCH_ADD,
+                    client_id=5,
+                    txn_id=txn,
+                    rkey=ATTACKER_RKEY,
+                    addr=t.attacker.gaddr,
+                    length=8,
+                    dtype=DType.U64,
+                    payload=pack_u64(1),
+                )
+            ),
+        )
     t.fabric.run_until_idle()
     t.fabric.receive(ATTACKER)
     acks = [decode_packet(d) for d, _ in t.fabric.receive(VICTIM)]
     if [a.opcode for a in acks] != [Opcode.ACK]:
         problems.append(f"the victim's WRITE got {[a.opcode.name for a in acks]}, not one ACK")
     for txn in range(2, 10):  # the victim's own txns 2.. execute: not duplicates, not STALE
-        t.fabric.send(VICTIM, VIP, encode_packet(Packet(
-            Opcode.FETCH_ADD, client_id=5, txn_id=txn, rkey=VICTIM_RKEY, addr=g + STRIDE + 1024, length=8,
-            dtype=DType.U64, payload=pack_u64(1))))  # fmt: skip
+        t.fabric.send(
+            VICTIM,
+            VIP,
+            encode_packet(
+                Packet(
+                    Opcode.FETCH_ADD,
+                    client_id=5,
+                    txn_id=txn,
+                    rkey=VICTIM_RKEY,
+                    addr=g + STRIDE + 1024,
+                    length=8,
+                    dtype=DType.U64,
+                    payload=pack_u64(1),
+                )
+            ),
+        )
     node, local = t.victim.locate(STRIDE + 1024)
     initial = int(t.nodes[node].memory[local : local + 8].view(np.uint64)[0])
     t.fabric.run_until_idle()
@@ -469,8 +666,21 @@ def victim_unaffected(t: Tenancy) -> list[str]:
         problems.append(f"the victim's FETCH_ADDs returned {olds}")
     if int(t.nodes[node].memory[local : local + 8].view(np.uint64)[0]) != (initial + 8) % 2**64:
         problems.append("the victim's counter did not count 8")
-    t.fabric.send(VICTIM, VIP, encode_packet(Packet(Opcode.READ, client_id=5, txn_id=20, rkey=VICTIM_RKEY,
-                                                    addr=g, length=1024, dtype=DType.RAW)))  # fmt: skip
+    t.fabric.send(
+        VICTIM,
+        VIP,
+        encode_packet(
+            Packet(
+                Opcode.READ,
+                client_id=5,
+                txn_id=20,
+                rkey=VICTIM_RKEY,
+                addr=g,
+                length=1024,
+                dtype=DType.RAW,
+            )
+        ),
+    )
     t.fabric.run_until_idle()
     resps = [decode_packet(d) for d, _ in t.fabric.receive(VICTIM)]
     if len(resps) != 1 or resps[0].opcode != Opcode.READ_RESP or resps[0].payload != data:
@@ -487,9 +697,19 @@ def run_campaign(attempts: int = ATTEMPTS, kinds: list[str] | None = None) -> di
     return {
         "ok": not victim and not any(r.failures() for r in results),
         "attempts_per_kind": attempts,
-        "kinds": {r.kind: {"attempts": r.attempts, "succeeded": r.succeeded, "nacks": r.statuses,
-                           "dropped_forged": r.dropped_forged, "dropped_replayed": r.dropped_replayed,
-                           "bytes_changed": r.bytes_changed, "leaked_runs": r.leaked_runs,
-                           "third_party": r.third_party, "failures": r.failures()} for r in results},
+        "kinds": {
+            r.kind: {
+                "attempts": r.attempts,
+                "succeeded": r.succeeded,
+                "nacks": r.statuses,
+                "dropped_forged": r.dropped_forged,
+                "dropped_replayed": r.dropped_replayed,
+                "bytes_changed": r.bytes_changed,
+                "leaked_runs": r.leaked_runs,
+                "third_party": r.third_party,
+                "failures": r.failures(),
+            }
+            for r in results
+        },
         "victim_failures": victim,
-    }  # fmt: skip
+    }

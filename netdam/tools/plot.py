@@ -23,8 +23,10 @@ from typing import Any
 from netdam.outcome import CommandError, ExitCode
 from netdam.units import format_size
 
-PLOT_HINT = ("--plot needs matplotlib: pip install matplotlib (from a netdam checkout: pip install '.[plot]'), "
-             "or drop --plot")
+PLOT_HINT = (
+    "--plot needs matplotlib: pip install matplotlib (from a netdam checkout: pip install '.[plot]'), "
+    "or drop --plot"
+)
 
 #: Line styles by where the numbers come from.
 MEASURED = "-"
@@ -35,14 +37,20 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 #: Fixed colours (matplotlib's tab10) of the algorithms and peers every figure draws, so one name
 #: has one colour everywhere; a model algorithm takes the colour of what it models.
 _NAMED_COLORS = {
-    "chain": "C0", "netdam-chain": "C0", "netdam": "C0",
+    "chain": "C0",
+    "netdam-chain": "C0",
+    "netdam": "C0",
     "chain-resident": "C4",
-    "ring-host": "C1", "roce-ring": "C1",
+    "ring-host": "C1",
+    "roce-ring": "C1",
     "gloo": "C2",
-    "mpi": "C3", "memcached": "C3",
-    "roce-ideal": "C5", "halving-doubling": "C6", "ideal": "C8",
+    "mpi": "C3",
+    "memcached": "C3",
+    "roce-ideal": "C5",
+    "halving-doubling": "C6",
+    "ideal": "C8",
     "echo": "C7",
-}  # fmt: skip
+}
 
 
 def color(name: str, order: Sequence[str] = ()) -> str:
@@ -68,22 +76,32 @@ def pyplot() -> Any:
     return plt
 
 
-def figure(plt: Any, rows: int, cols: int, *, width: float = 5.2, height: float = 3.9) -> tuple[Any, list[Any]]:
+def figure(
+    plt: Any, rows: int, cols: int, *, width: float = 5.2, height: float = 3.9
+) -> tuple[Any, list[Any]]:
     """A figure of rows x cols panels (in reading order) with room for the legend below them:
     constrained layout places a legend given as ``loc="outside ..."`` outside every axes."""
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows + 0.6), layout="constrained",
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(width * cols, height * rows + 0.6), layout="constrained", squeeze=False
+    )
     return fig, list(axes.flat)
 
 
-def series_style(index: int, name: str, *, model: bool = False, order: Sequence[str] = ()) -> dict[str, Any]:
+def series_style(
+    index: int, name: str, *, model: bool = False, order: Sequence[str] = ()
+) -> dict[str, Any]:
     """``ax.plot`` keywords of the index-th series of algorithm *name*: its colour, measured
     solid or model dashed, marker index (see the module docstring)."""
     shrink = min(index, 6)
-    return {"color": color(name, order), "linestyle": MODEL if model else MEASURED,
-            "marker": MARKERS[index % len(MARKERS)], "markersize": 6.5 - 0.5 * shrink,
-            "linewidth": 2.0 - 0.2 * shrink, "markerfacecolor": "none" if model else None,
-            "zorder": 10 - shrink}  # fmt: skip
+    return {
+        "color": color(name, order),
+        "linestyle": MODEL if model else MEASURED,
+        "marker": MARKERS[index % len(MARKERS)],
+        "markersize": 6.5 - 0.5 * shrink,
+        "linewidth": 2.0 - 0.2 * shrink,
+        "markerfacecolor": "none" if model else None,
+        "zorder": 10 - shrink,
+    }
 
 
 @dataclass
@@ -100,7 +118,13 @@ class Key:
 
     def markers(self, labels: Iterable[str]) -> Key:
         for index, label in enumerate(labels):
-            self.entries.append((label, {"color": "0.3", "linestyle": "none", "marker": MARKERS[index % len(MARKERS)]}, False))
+            self.entries.append(
+                (
+                    label,
+                    {"color": "0.3", "linestyle": "none", "marker": MARKERS[index % len(MARKERS)]},
+                    False,
+                )
+            )
         return self
 
     def line(self, label: str, **style: Any) -> Key:
@@ -128,7 +152,9 @@ def size_axis(ax: Any, label: str = "bytes per node") -> None:
 
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(LogLocator(base=4))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_size(int(round(x))) if x >= 1 else ""))
+    ax.xaxis.set_major_formatter(
+        FuncFormatter(lambda x, _: format_size(int(round(x))) if x >= 1 else "")
+    )
     ax.set_xlabel(label)
 
 
@@ -151,14 +177,23 @@ def finish(fig: Any, path: Any, title: str, key: Key) -> None:
     for ax in fig.axes:
         ax.grid(True, which="both", alpha=0.3)
     if key.entries:
-        handles = [Patch(**style) if is_patch else Line2D([], [], **style) for _, style, is_patch in key.entries]
+        handles = [
+            Patch(**style) if is_patch else Line2D([], [], **style)
+            for _, style, is_patch in key.entries
+        ]
         labels = [label for label, _, _ in key.entries]
         # One row when it fits the figure's width (about 14 characters per inch at this font
         # size, with the handle), else as few rows as fit: matplotlib fills columns first.
         width = fig.get_figwidth() * 14
         chars = sum(len(label) + 8 for label in labels)
         rows = max(1, -(-chars // int(width)))
-        fig.legend(handles, labels, loc="outside lower center", ncol=-(-len(labels) // rows), fontsize=8,
-                   frameon=False)  # fmt: skip
+        fig.legend(
+            handles,
+            labels,
+            loc="outside lower center",
+            ncol=-(-len(labels) // rows),
+            fontsize=8,
+            frameon=False,
+        )
     fig.savefig(path, dpi=110)
     plt.close(fig)

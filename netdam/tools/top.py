@@ -34,7 +34,9 @@ class Process:
 
 def processes(info: ClusterFile, switch: SwitchEntry | None) -> list[Process]:
     """The cluster file's NICs in rank order, then its switch."""
-    found = [Process(f"rank {n.rank}", f"{n.address}:{n.port}", n.control_endpoint) for n in info.nodes]
+    found = [
+        Process(f"rank {n.rank}", f"{n.address}:{n.port}", n.control_endpoint) for n in info.nodes
+    ]
     if switch is not None:
         found.append(Process("switch", f"{switch.vip[0]}:{switch.vip[1]}", switch.control_endpoint))
     return found
@@ -65,10 +67,14 @@ def rates(before: np.ndarray, after: np.ndarray, seconds: float) -> dict[str, An
 
 
 def samples(
-    procs: list[Process], client: ControlClient, interval: float, count: int | None = None,
-    timeout: float = 0.5, clock: Callable[[], float] = time.monotonic,
+    procs: list[Process],
+    client: ControlClient,
+    interval: float,
+    count: int | None = None,
+    timeout: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-) -> Iterator[dict[str, Any]]:  # fmt: skip
+) -> Iterator[dict[str, Any]]:
     """Every *interval* seconds (*count* times, or until stopped), one sample: each process's
     rates since the previous answer, or the error of its silence."""
     last: dict[str, tuple[float, np.ndarray]] = {}
@@ -106,9 +112,11 @@ def samples(
 
 def format_sample(sample: dict[str, Any]) -> str:
     """The table `netdam top` refreshes in place."""
-    lines = [f"netdam top: sample {sample['sample']}, {sample['seconds']:.1f} s",
-             f"{'process':<9}{'address':<22}{'rx pkt/s':>11}{'tx pkt/s':>11}{'rx Gb/s':>9}{'tx Gb/s':>9}"
-             f"{'retx/s':>8}{'drops/s':>9}{'nacks/s':>9}"]  # fmt: skip
+    lines = [
+        f"netdam top: sample {sample['sample']}, {sample['seconds']:.1f} s",
+        f"{'process':<9}{'address':<22}{'rx pkt/s':>11}{'tx pkt/s':>11}{'rx Gb/s':>9}{'tx Gb/s':>9}"
+        f"{'retx/s':>8}{'drops/s':>9}{'nacks/s':>9}",
+    ]
     for row in sample["processes"]:
         head = f"{row['name']:<9}{row['address']:<22}"
         if "error" in row:
@@ -116,7 +124,9 @@ def format_sample(sample: dict[str, Any]) -> str:
         elif "rx_pps" not in row:
             lines.append(head + "(first answer: rates from the next sample)")
         else:
-            lines.append(head + f"{row['rx_pps']:>11,.0f}{row['tx_pps']:>11,.0f}{row['rx_gbps']:>9.3f}"
-                         f"{row['tx_gbps']:>9.3f}{row['retransmits_ps']:>8,.0f}{row['drops_ps']:>9,.0f}"
-                         f"{row['nacks_ps']:>9,.0f}")  # fmt: skip
+            lines.append(
+                head + f"{row['rx_pps']:>11,.0f}{row['tx_pps']:>11,.0f}{row['rx_gbps']:>9.3f}"
+                f"{row['tx_gbps']:>9.3f}{row['retransmits_ps']:>8,.0f}{row['drops_ps']:>9,.0f}"
+                f"{row['nacks_ps']:>9,.0f}"
+            )
     return "\n".join(lines)

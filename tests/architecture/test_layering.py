@@ -17,6 +17,7 @@ def _tree(path: Path) -> ast.Module:
     file again per rule took ~20 s of the suite)."""
     return ast.parse(path.read_text())
 
+
 IO_MODULES = {"socket", "asyncio", "selectors", "threading", "time", "asyncio_dgram", "subprocess"}
 #: Sans-I/O cores: protocol logic that takes datagrams and `now` and returns datagrams and events.
 CORES = [
@@ -52,7 +53,11 @@ def test_cores_do_no_io() -> None:
 
 
 def test_numba_only_in_kernels() -> None:
-    for path in list((ROOT / "netdam").rglob("*.py")) + list((ROOT / "protocol").rglob("*.py")) + list((ROOT / "switch").rglob("*.py")):
+    for path in (
+        list((ROOT / "netdam").rglob("*.py"))
+        + list((ROOT / "protocol").rglob("*.py"))
+        + list((ROOT / "switch").rglob("*.py"))
+    ):
         if "kernels" in path.parts:
             continue
         assert "numba" not in imports_of(path), path
@@ -60,7 +65,11 @@ def test_numba_only_in_kernels() -> None:
 
 def test_scapy_imported_lazily() -> None:
     """scapy at module level only in the scapy layer; everything else imports it inside functions."""
-    for path in list((ROOT / "netdam").rglob("*.py")) + list((ROOT / "protocol").rglob("*.py")) + list((ROOT / "switch").rglob("*.py")):
+    for path in (
+        list((ROOT / "netdam").rglob("*.py"))
+        + list((ROOT / "protocol").rglob("*.py"))
+        + list((ROOT / "switch").rglob("*.py"))
+    ):
         if path.name == "scapy_layer.py":
             continue
         tree = _tree(path)
@@ -75,15 +84,41 @@ def test_scapy_imported_lazily() -> None:
 
 # ---------------------------------------------------------------- the house's rooms (issue 13)
 
-PACKAGE_DIRS = {"netdam": ROOT / "netdam", "netdam.protocol": ROOT / "protocol",
-                "netdam.switch": ROOT / "switch", "netdam.fpga_model": ROOT / "fpga_model"}  # fmt: skip
+PACKAGE_DIRS = {
+    "netdam": ROOT / "netdam",
+    "netdam.protocol": ROOT / "protocol",
+    "netdam.switch": ROOT / "switch",
+    "netdam.fpga_model": ROOT / "fpga_model",
+}
 #: Rooms whose code may touch sockets, clocks and processes: the shell, and what is a shell
 #: itself (clients, cluster tools, commands and tools, the switch's process and launch side).
-SHELL_ROOMS = ("netdam/shell/", "netdam/clients/", "netdam/cluster/", "netdam/cli/", "netdam/tools/",
-               "netdam/progress.py", "netdam/api.py", "switch/process.py", "switch/cli.py",
-               "switch/controller.py", "switch/state.py", "protocol/fixtures/", "protocol/scapy_layer.py")  # fmt: skip
-SYSCALL_MODULES = {"socket", "select", "selectors", "time", "subprocess", "threading", "asyncio",
-                   "asyncio_dgram", "signal", "multiprocessing"}  # fmt: skip
+SHELL_ROOMS = (
+    "netdam/shell/",
+    "netdam/clients/",
+    "netdam/cluster/",
+    "netdam/cli/",
+    "netdam/tools/",
+    "netdam/progress.py",
+    "netdam/api.py",
+    "switch/process.py",
+    "switch/cli.py",
+    "switch/controller.py",
+    "switch/state.py",
+    "protocol/fixtures/",
+    "protocol/scapy_layer.py",
+)
+SYSCALL_MODULES = {
+    "socket",
+    "select",
+    "selectors",
+    "time",
+    "subprocess",
+    "threading",
+    "asyncio",
+    "asyncio_dgram",
+    "signal",
+    "multiprocessing",
+}
 
 
 def our_modules() -> dict[str, Path]:
@@ -91,7 +126,11 @@ def our_modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for package, folder in PACKAGE_DIRS.items():
         for path in folder.rglob("*.py"):
-            if package == "netdam" and path.relative_to(folder).parts[0] in ("protocol", "switch", "fpga_model"):
+            if package == "netdam" and path.relative_to(folder).parts[0] in (
+                "protocol",
+                "switch",
+                "fpga_model",
+            ):
                 continue
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
@@ -122,15 +161,19 @@ def module_level_imports(path: Path) -> set[str]:
 
 def test_no_import_cycles() -> None:
     modules = our_modules()
-    graph = {name: {m for m in module_level_imports(path) if m in modules and m != name}
-             for name, path in modules.items()}  # fmt: skip
+    graph = {
+        name: {m for m in module_level_imports(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
     state: dict[str, int] = {}
 
     def visit(name: str, stack: list[str]) -> None:
         state[name] = 1
         for dep in sorted(graph[name]):
             if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+                raise AssertionError(
+                    "import cycle: " + " -> ".join(stack[stack.index(dep) :] + [dep])
+                )
             if dep not in state:
                 visit(dep, stack + [dep])
         state[name] = 2
@@ -142,13 +185,27 @@ def test_no_import_cycles() -> None:
 
 def test_protocol_imports_nothing_of_ours_outside_protocol() -> None:
     for path in (ROOT / "protocol").rglob("*.py"):
-        ours = {m for m in module_level_imports(path) | _function_imports(path) if m.startswith("netdam")}
+        ours = {
+            m
+            for m in module_level_imports(path) | _function_imports(path)
+            if m.startswith("netdam")
+        }
         assert all(m.startswith("netdam.protocol") for m in ours), (path, ours)
 
 
 #: Everything the CLI drives, below it (docs/ARCHITECTURE.md): none of it imports the CLI.
-BELOW_THE_CLI = ("netdam.tools", "netdam.clients", "netdam.cluster", "netdam.shell", "netdam.core",
-                 "netdam.kernels", "netdam.protocol", "netdam.fpga_model", "netdam.api", "netdam.outcome")  # fmt: skip
+BELOW_THE_CLI = (
+    "netdam.tools",
+    "netdam.clients",
+    "netdam.cluster",
+    "netdam.shell",
+    "netdam.core",
+    "netdam.kernels",
+    "netdam.protocol",
+    "netdam.fpga_model",
+    "netdam.api",
+    "netdam.outcome",
+)
 
 
 def test_nothing_below_the_cli_imports_it() -> None:
@@ -156,7 +213,10 @@ def test_nothing_below_the_cli_imports_it() -> None:
     for name, path in our_modules().items():
         if name.startswith(BELOW_THE_CLI):
             ours = module_level_imports(path) | _function_imports(path)
-            assert not any(m == "netdam.cli" or m.startswith("netdam.cli.") for m in ours), (name, ours)
+            assert not any(m == "netdam.cli" or m.startswith("netdam.cli.") for m in ours), (
+                name,
+                ours,
+            )
 
 
 def test_only_shells_touch_sockets_clocks_and_processes() -> None:
@@ -180,14 +240,20 @@ def test_every_error_derives_from_netdam_error() -> None:
     def rooted(name: str, seen: frozenset[str] = frozenset()) -> bool:
         if name == "NetdamError":
             return True
-        return name in classes and name not in seen and any(rooted(b, seen | {name}) for b in classes[name])
+        return (
+            name in classes
+            and name not in seen
+            and any(rooted(b, seen | {name}) for b in classes[name])
+        )
 
     for name, bases in classes.items():
         if name.endswith(("Error", "Failure", "Timeout", "Conflict", "Stopped", "Problem")):
             assert rooted(name), f"{name}({', '.join(bases)}) does not derive from NetdamError"
 
 
-WIRE_STRUCT = re.compile(r"""struct\.(pack|unpack|unpack_from|pack_into|Struct)\(\s*["'][<>!]?[IQHB]""")
+WIRE_STRUCT = re.compile(
+    r"""struct\.(pack|unpack|unpack_from|pack_into|Struct)\(\s*["'][<>!]?[IQHB]"""
+)
 
 
 def test_wire_structs_live_in_protocol() -> None:
@@ -215,7 +281,10 @@ def test_function_level_imports_say_why() -> None:
             for node in ast.walk(fn):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     above = lines[node.lineno - 2].strip()
-                    explained = above.startswith(("#", "import ", "from ")) or "# " in lines[node.lineno - 1]
+                    explained = (
+                        above.startswith(("#", "import ", "from "))
+                        or "# " in lines[node.lineno - 1]
+                    )
                     assert explained, (
                         f"{path.relative_to(ROOT)}:{node.lineno}: say why this import is not at the top"
                     )
@@ -238,16 +307,32 @@ def test_private_kernels_only_through_wrappers() -> None:
         if "kernels" in path.parts:
             continue
         for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("netdam.kernels"):
-                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.isupper()]
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.startswith("netdam.kernels")
+            ):
+                private = [
+                    a.name for a in node.names if a.name.startswith("_") and not a.name.isupper()
+                ]
                 assert not private, (path.relative_to(ROOT), node.module, private)
-        kernel_aliases = {a.asname or a.name for node in ast.walk(_tree(path))
-                          if isinstance(node, ast.ImportFrom) and node.module in ("netdam.kernels",)
-                          for a in node.names}  # fmt: skip
+        kernel_aliases = {
+            a.asname or a.name
+            for node in ast.walk(_tree(path))
+            if isinstance(node, ast.ImportFrom) and node.module in ("netdam.kernels",)
+            for a in node.names
+        }
         for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in kernel_aliases:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in kernel_aliases
+            ):
                 name = node.attr
-                assert not (name.startswith("_") and not name[1:].isupper()), (path.relative_to(ROOT), f"{node.value.id}.{name}")
+                assert not (name.startswith("_") and not name[1:].isupper()), (
+                    path.relative_to(ROOT),
+                    f"{node.value.id}.{name}",
+                )
 
 
 # ---------------------------------------------------------------- datagram offsets have names
@@ -255,13 +340,37 @@ def test_private_kernels_only_through_wrappers() -> None:
 #: Variables that hold datagram bytes, as the code outside protocol/ names them: a request (b),
 #: a reply or outgoing datagram (t, d, header), a batch's buffer (buf, rx, rx_buf, tx_buf), a
 #: header template, and the Python side's bytes (data, datagram).
-DATAGRAM_NAMES = {"b", "t", "d", "buf", "rx", "rx_buf", "tx_buf", "header", "template", "data", "datagram"}
+DATAGRAM_NAMES = {
+    "b",
+    "t",
+    "d",
+    "buf",
+    "rx",
+    "rx_buf",
+    "tx_buf",
+    "header",
+    "template",
+    "data",
+    "datagram",
+}
 #: Byte readers and writers whose second argument is an offset into a datagram.
 OFFSET_CALLS = re.compile(r"_(rd|wr|le|put_le)\d+$")
 #: The byte primitives themselves (netdam/kernels/wire.py): `b[o + 1]` there is the second byte
 #: of whatever field `o` names, not a datagram offset.
-PRIMITIVES = {"_rd16", "_rd32", "_rd64", "_wr8", "_wr16", "_wr32", "_wr64", "_le16", "_le32", "_le64",
-              "_put_le32", "_put_le64"}  # fmt: skip
+PRIMITIVES = {
+    "_rd16",
+    "_rd32",
+    "_rd64",
+    "_wr8",
+    "_wr16",
+    "_wr32",
+    "_wr64",
+    "_le16",
+    "_le32",
+    "_le64",
+    "_put_le32",
+    "_put_le64",
+}
 
 
 def _literal_terms(node: ast.AST | None) -> list[int]:
@@ -287,10 +396,18 @@ def literal_datagram_offsets(source: str | ast.Module) -> list[tuple[int, str]]:
             exempt |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
     hits = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in DATAGRAM_NAMES:
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in DATAGRAM_NAMES
+        ):
             offset: ast.AST | None = node.slice
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and OFFSET_CALLS.search(node.func.id)
-              and len(node.args) >= 2):  # fmt: skip
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and OFFSET_CALLS.search(node.func.id)
+            and len(node.args) >= 2
+        ):
             offset = node.args[1]
         else:
             continue
@@ -316,8 +433,18 @@ def test_datagram_offsets_have_names() -> None:
 # ---------------------------------------------------------------- kernels: hints outside the jit
 
 #: Decorators whose functions numba compiles (typed by numba, not by annotations).
-JIT_DECORATORS = {"njit", "jit", "intrinsic", "overload", "overload_method", "register_jitable", "cfunc",
-                  "vectorize", "guvectorize", "generated_jit"}  # fmt: skip
+JIT_DECORATORS = {
+    "njit",
+    "jit",
+    "intrinsic",
+    "overload",
+    "overload_method",
+    "register_jitable",
+    "cfunc",
+    "vectorize",
+    "guvectorize",
+    "generated_jit",
+}
 
 
 def _decorator_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
@@ -337,7 +464,9 @@ def unannotated_outside_jit(tree: ast.Module) -> list[str]:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 jit = in_jit or bool(_decorator_names(child) & JIT_DECORATORS)
                 args = child.args.posonlyargs + child.args.args + child.args.kwonlyargs
-                missing = [a.arg for a in args if a.annotation is None and a.arg not in ("self", "cls")]
+                missing = [
+                    a.arg for a in args if a.annotation is None and a.arg not in ("self", "cls")
+                ]
                 if not jit and (missing or child.returns is None):
                     found.append(f"{child.name} (line {child.lineno})")
                 visit(child, jit)

@@ -51,13 +51,30 @@ def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
             if bytes(frame.getlayer("UDP").payload) == poke:
                 stop.set()
 
-        sniffer = threading.Thread(target=lambda: frames.extend(
-            capture("lo", ports, seconds=60.0, on_frame=end_at_poke, started=started, stop=stop)))  # fmt: skip
+        sniffer = threading.Thread(
+            target=lambda: frames.extend(
+                capture("lo", ports, seconds=60.0, on_frame=end_at_poke, started=started, stop=stop)
+            )
+        )
         sniffer.start()
         assert started.wait(10), "the capture socket did not open"
-        run = subprocess.run([sys.executable, "-m", "netdam", "allreduce", "--cluster", str(cluster.path),
-                              "--size", "256KiB", "--json"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)  # fmt: skip
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "netdam",
+                "allreduce",
+                "--cluster",
+                str(cluster.path),
+                "--size",
+                "256KiB",
+                "--json",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         # The run is over: the poke, a PING to a node, ends the capture when the sniffer
         # reaches it (every frame before it is kept).
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -67,9 +84,23 @@ def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
         assert json.loads(run.stdout)["ok"], run.stderr
     pcap = tmp_path / "x.pcap"
     wrpcap(str(pcap), frames)
-    decoded = subprocess.run([sys.executable, "-m", "netdam", "decode", "--pcap", str(pcap), "--port",
-                              ",".join(map(str, sorted(ports))), "--json"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    decoded = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "netdam",
+            "decode",
+            "--pcap",
+            str(pcap),
+            "--port",
+            ",".join(map(str, sorted(ports))),
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     result = json.loads(decoded.stdout)
     bad = [p for p in result.get("packets", []) if not p["ok"]]
     assert decoded.returncode == 0 and result["ok"], bad[:3] or result
@@ -85,9 +116,27 @@ def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
 
     lua = ROOT / "protocol" / "wireshark" / "netdam.lua"
     env = dict(os.environ, HOME=str(tmp_path), WIRESHARK_CONFIG_DIR=str(tmp_path / "ws"))
-    out = subprocess.run([tshark, "-X", f"lua_script:{lua}", "-o", f"netdam.ports:{_ranges(ports)}", "-r",
-                          str(pcap), "-T", "fields", "-e", "netdam.opcode", "-e", "netdam.error.text"],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [
+            tshark,
+            "-X",
+            f"lua_script:{lua}",
+            "-o",
+            f"netdam.ports:{_ranges(ports)}",
+            "-r",
+            str(pcap),
+            "-T",
+            "fields",
+            "-e",
+            "netdam.opcode",
+            "-e",
+            "netdam.error.text",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     rows = [line.split("\t") for line in out.stdout.splitlines()]
     if not any(row[0] for row in rows):
         return  # tshark ran no Lua (as root, some distributions' init.lua skip user scripts)

@@ -57,7 +57,9 @@ def test_demo_dtypes(dtype: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--nodes", "2", "--size", "64KiB"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("netdam demo: OK") and "node processes and a switch on loopback UDP" in out
+    assert (
+        out.startswith("netdam demo: OK") and "node processes and a switch on loopback UDP" in out
+    )
 
 
 def test_usage_errors_exit_2_with_json(capsys: pytest.CaptureFixture[str]) -> None:

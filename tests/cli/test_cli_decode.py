@@ -76,32 +76,63 @@ def test_hex_file_with_comments(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 @pytest.mark.parametrize("argv", [["decode", "-"], ["decode", "--hex-file", "-"]])
-def test_stdin(argv: list[str], monkeypatch: pytest.MonkeyPatch,
-               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_stdin(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("# INFO\n" + load_fixture("info").hex()))
     code, result = run_json(argv, capsys)
     assert code == 0
     info = result["packets"][0]["info"]
-    assert info == {"version": 1, "mtu": 9000, "memory_bytes": 1 << 30, "max_payload": 8192,
-                    "max_segments": 64, "rank": 2, "world": 4}  # fmt: skip
+    assert info == {
+        "version": 1,
+        "mtu": 9000,
+        "memory_bytes": 1 << 30,
+        "max_payload": 8192,
+        "max_segments": 64,
+        "rank": 2,
+        "world": 4,
+    }
 
 
 def test_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     code, result = run_json(["decode", CHAIN_ADD_HEX], capsys)
     assert code == 0
     assert list(result) == ["ok", "summary", "packets"] and result["ok"] is True
-    assert result["summary"] == {"frames": 1, "datagrams": 1, "by_opcode": {"CHAIN_ADD": 1},
-                                 "skipped_frames": 0, "malformed": 0}  # fmt: skip
+    assert result["summary"] == {
+        "frames": 1,
+        "datagrams": 1,
+        "by_opcode": {"CHAIN_ADD": 1},
+        "skipped_frames": 0,
+        "malformed": 0,
+    }
     (packet,) = result["packets"]
     assert packet == {
-        "size": 104, "ok": True, "version": 1, "opcode": "CHAIN_ADD", "flags": ["ACK_REQ"],
-        "seq": 3, "client_id": 7, "txn_id": 104, "coll_id": 9, "epoch": 2, "rkey": 0x12345678,
-        "length": 16, "addr": 0x10000, "aux_addr": 0x20000, "dtype": "F32", "reduce_op": "SUM",
-        "status": "OK", "credit": 0, "seg_type": "IPV4", "segments_left": 2, "seg_count": 3,
+        "size": 104,
+        "ok": True,
+        "version": 1,
+        "opcode": "CHAIN_ADD",
+        "flags": ["ACK_REQ"],
+        "seq": 3,
+        "client_id": 7,
+        "txn_id": 104,
+        "coll_id": 9,
+        "epoch": 2,
+        "rkey": 0x12345678,
+        "length": 16,
+        "addr": 0x10000,
+        "aux_addr": 0x20000,
+        "dtype": "F32",
+        "reduce_op": "SUM",
+        "status": "OK",
+        "credit": 0,
+        "seg_type": "IPV4",
+        "segments_left": 2,
+        "seg_count": 3,
         "segments": ["10.0.0.2:7744", "10.0.0.3:7744", "10.0.0.4:7744"],
-        "ret": "10.0.0.1:7744", "payload": "0000003e0000c0bf00003040 0000c842".replace(" ", ""),
+        "ret": "10.0.0.1:7744",
+        "payload": "0000003e0000c0bf00003040 0000c842".replace(" ", ""),
         "elements": [0.125, -1.5, 2.75, 100.0],
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -110,8 +141,12 @@ def test_every_fixture_decodes(name: str, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     # A fixture is named after its opcode, but for an ACK that answers another request and the
     # tagged example, whose tag is shown.
-    named = {"alloc_ack": "ACK", "all_write_tagged": "ALL_WRITE", "read_tagged": "READ",
-             "register_sealed": "REGISTER"}  # fmt: skip
+    named = {
+        "alloc_ack": "ACK",
+        "all_write_tagged": "ALL_WRITE",
+        "read_tagged": "READ",
+        "register_sealed": "REGISTER",
+    }
     assert result["packets"][0]["opcode"] == named.get(name, name.upper())
     if name == "all_write_tagged":
         assert result["packets"][0]["tag"] == "0xfa019ae1fe937bca"
@@ -146,11 +181,23 @@ def test_long_payload_is_truncated_in_text(capsys: pytest.CaptureFixture[str]) -
     ("data", "error", "status"),
     [
         (load_fixture("chain_add")[:70], "SR list truncated (0 of 3 segments)", "TRUNCATED"),
-        (load_fixture("ping")[:10], "packet truncated: 10 bytes, the fixed header needs 64", "TRUNCATED"),
-        (b"\x02" + load_fixture("ping")[1:], "unsupported version 2 (this node speaks 1)", "BAD_VERSION"),
-        (load_fixture("write")[:-1], "WRITE length field says 16 bytes but the payload has 15", "BAD_LENGTH"),
+        (
+            load_fixture("ping")[:10],
+            "packet truncated: 10 bytes, the fixed header needs 64",
+            "TRUNCATED",
+        ),
+        (
+            b"\x02" + load_fixture("ping")[1:],
+            "unsupported version 2 (this node speaks 1)",
+            "BAD_VERSION",
+        ),
+        (
+            load_fixture("write")[:-1],
+            "WRITE length field says 16 bytes but the payload has 15",
+            "BAD_LENGTH",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_exits_1_with_the_codec_error(
     data: bytes, error: str, status: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -164,15 +211,36 @@ def test_malformed_exits_1_with_the_codec_error(
 @pytest.mark.parametrize(
     ("argv", "error"),
     [
-        (["decode"], "no input: give exactly one of HEX (or '-' for stdin), --hex-file FILE, --pcap FILE"),
-        (["decode", "01zz"], "the HEX argument, line 1: 'z' is not a hex digit; give bytes as hex digits (comment lines start with '#')"),
-        (["decode", "010"], "the HEX argument has an odd number of hex digits (3); give two digits per byte"),
-        (["decode", "--hex-file", "/nonexistent/x.hex"], "hex file /nonexistent/x.hex not found; give an existing file or '-' for stdin"),
-        (["decode", "--pcap", "/nonexistent/x.pcap"], "pcap file /nonexistent/x.pcap not found; give an existing capture file"),
-        (["decode", "00", "--pcap", "x.pcap"], "HEX and --pcap together: give exactly one of HEX (or '-' for stdin), --hex-file FILE, --pcap FILE"),
-        (["decode", "00", "--port", "9"], "--port applies to --pcap input only; drop it or add --pcap FILE"),
+        (
+            ["decode"],
+            "no input: give exactly one of HEX (or '-' for stdin), --hex-file FILE, --pcap FILE",
+        ),
+        (
+            ["decode", "01zz"],
+            "the HEX argument, line 1: 'z' is not a hex digit; give bytes as hex digits (comment lines start with '#')",
+        ),
+        (
+            ["decode", "010"],
+            "the HEX argument has an odd number of hex digits (3); give two digits per byte",
+        ),
+        (
+            ["decode", "--hex-file", "/nonexistent/x.hex"],
+            "hex file /nonexistent/x.hex not found; give an existing file or '-' for stdin",
+        ),
+        (
+            ["decode", "--pcap", "/nonexistent/x.pcap"],
+            "pcap file /nonexistent/x.pcap not found; give an existing capture file",
+        ),
+        (
+            ["decode", "00", "--pcap", "x.pcap"],
+            "HEX and --pcap together: give exactly one of HEX (or '-' for stdin), --hex-file FILE, --pcap FILE",
+        ),
+        (
+            ["decode", "00", "--port", "9"],
+            "--port applies to --pcap input only; drop it or add --pcap FILE",
+        ),
     ],
-)  # fmt: skip
+)
 def test_usage_errors_exit_2(
     argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -204,10 +272,16 @@ def _write_pcap(path: Path, port: int = 7744) -> None:
     from scapy.utils import wrpcap
 
     frames = [
-        Ether() / IP(src="10.0.0.100", dst="10.0.0.1") / UDP(sport=50000, dport=port) / Raw(load_fixture("read")),
+        Ether()
+        / IP(src="10.0.0.100", dst="10.0.0.1")
+        / UDP(sport=50000, dport=port)
+        / Raw(load_fixture("read")),
         Ether() / IP(src="10.0.0.9", dst="10.0.0.8") / UDP(sport=53, dport=53) / Raw(b"dns"),
-        Ether() / IP(src="10.0.0.1", dst="10.0.0.100") / UDP(sport=port, dport=50000) / Raw(load_fixture("read_resp")),
-    ]  # fmt: skip
+        Ether()
+        / IP(src="10.0.0.1", dst="10.0.0.100")
+        / UDP(sport=port, dport=50000)
+        / Raw(load_fixture("read_resp")),
+    ]
     wrpcap(str(path), frames)
 
 
@@ -224,7 +298,11 @@ def test_pcap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "10.0.0.1:7744",
         "READ",
     )
-    assert (reply["frame"], reply["opcode"], reply["elements"]) == (3, "READ_RESP", [1.5, -2.0, 0.25, 1024.0])  # fmt: skip
+    assert (reply["frame"], reply["opcode"], reply["elements"]) == (
+        3,
+        "READ_RESP",
+        [1.5, -2.0, 0.25, 1024.0],
+    )
     assert run(["decode", "--pcap", str(path)]) == 0
     assert "# frame 3: 10.0.0.1:7744 > 10.0.0.100:50000" in capsys.readouterr().out
 
@@ -253,11 +331,20 @@ def test_pcap_with_a_malformed_datagram(tmp_path: Path, capsys: pytest.CaptureFi
     from scapy.utils import wrpcap
 
     path = tmp_path / "bad.pcap"
-    wrpcap(str(path), [IP() / UDP(sport=1, dport=7744) / Raw(load_fixture("ping")),
-                       IP() / UDP(sport=1, dport=7744) / Raw(load_fixture("chain_add")[:80])])  # fmt: skip
+    wrpcap(
+        str(path),
+        [
+            IP() / UDP(sport=1, dport=7744) / Raw(load_fixture("ping")),
+            IP() / UDP(sport=1, dport=7744) / Raw(load_fixture("chain_add")[:80]),
+        ],
+    )
     code, result = run_json(["decode", "--pcap", str(path)], capsys)
     assert code == 1
-    assert (result["ok"], result["error"], result["status"]) == (False, "SR list truncated (2 of 3 segments)", "TRUNCATED")  # fmt: skip
+    assert (result["ok"], result["error"], result["status"]) == (
+        False,
+        "SR list truncated (2 of 3 segments)",
+        "TRUNCATED",
+    )
     assert [p["ok"] for p in result["packets"]] == [True, False]
 
 
@@ -273,13 +360,23 @@ def test_pcap_summary_counts_frames_opcodes_skips_and_errors(
     from scapy.utils import wrpcap
 
     path = tmp_path / "mixed.pcap"
-    netdam = [load_fixture("read"), load_fixture("read_resp"), load_fixture("read"), load_fixture("ping"),
-              load_fixture("chain_add")[:80]]  # fmt: skip
+    netdam = [
+        load_fixture("read"),
+        load_fixture("read_resp"),
+        load_fixture("read"),
+        load_fixture("ping"),
+        load_fixture("chain_add")[:80],
+    ]
     frames = [Ether() / IP() / UDP(sport=50000, dport=7744) / Raw(d) for d in netdam]
     frames += [Ether() / IP() / UDP(sport=53, dport=53) / Raw(b"dns"), Ether() / IP() / ICMP()]
     wrpcap(str(path), frames)
-    expected = {"frames": 7, "datagrams": 5, "by_opcode": {"READ": 2, "READ_RESP": 1, "PING": 1},
-                "skipped_frames": 2, "malformed": 1}  # fmt: skip
+    expected = {
+        "frames": 7,
+        "datagrams": 5,
+        "by_opcode": {"READ": 2, "READ_RESP": 1, "PING": 1},
+        "skipped_frames": 2,
+        "malformed": 1,
+    }
     code, result = run_json(["decode", "--pcap", str(path)], capsys)
     assert code == 1 and result["summary"] == expected
     assert run(["decode", "--pcap", str(path)]) == 1

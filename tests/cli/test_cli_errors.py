@@ -57,11 +57,38 @@ CASES: list[tuple[list[str], int, str]] = [
     (["stats", "--cluster", "README.md"], USAGE, "TOML"),
     (["ping", "--node", "127.0.0.1:99999"], USAGE, "IP:PORT"),
     (["ping", "--node", "127.0.0.1:7744", "--count", "0"], USAGE, "--count"),
-    (["pool", "write", "--cluster", "README.md", "--gaddr", "0", "--file", "/nonexistent"], USAGE, "no such file"),
-    (["pool", "write", "--cluster", "README.md", "--gaddr", "0", "--file", "/"], USAGE, "directory"),
+    (
+        ["pool", "write", "--cluster", "README.md", "--gaddr", "0", "--file", "/nonexistent"],
+        USAGE,
+        "no such file",
+    ),
+    (
+        ["pool", "write", "--cluster", "README.md", "--gaddr", "0", "--file", "/"],
+        USAGE,
+        "directory",
+    ),
     (["pool", "alloc", "--cluster", "/nonexistent.toml", "--size", "4KiB"], USAGE, "no such file"),
-    (["pool", "alloc", "--cluster", "CLUSTER2", "--size", "64KiB", "--interleave", "8KiB", "--ways", "5"], USAGE, "1..2"),
-    (["pool", "alloc", "--cluster", "CLUSTER2", "--size", "64KiB", "--ways", "2"], USAGE, "--interleave"),
+    (
+        [
+            "pool",
+            "alloc",
+            "--cluster",
+            "CLUSTER2",
+            "--size",
+            "64KiB",
+            "--interleave",
+            "8KiB",
+            "--ways",
+            "5",
+        ],
+        USAGE,
+        "1..2",
+    ),
+    (
+        ["pool", "alloc", "--cluster", "CLUSTER2", "--size", "64KiB", "--ways", "2"],
+        USAGE,
+        "--interleave",
+    ),
     (["allreduce", "--cluster", "CLUSTER2_MTU150"], USAGE, "netdam up --mtu 172"),
     (["pool", "read", "--cluster", "CLUSTER2", "--gaddr", "0", "--length", "0"], USAGE, "--length"),
     (["soak", "--cluster", "/nonexistent.toml"], USAGE, "no such file"),
@@ -73,10 +100,31 @@ CASES: list[tuple[list[str], int, str]] = [
     (["flood", "--senders", "9"], USAGE, "--senders"),
     # Outputs that could not be written: refused before any work (capture used to fail only
     # after capturing, up after starting its nodes).
-    (["up", "--detach", "--nodes", "2", "--cluster", "/nonexistent-netdam-dir/c.toml"], USAGE, "mkdir -p"),
+    (
+        ["up", "--detach", "--nodes", "2", "--cluster", "/nonexistent-netdam-dir/c.toml"],
+        USAGE,
+        "mkdir -p",
+    ),
     (["up", "--detach", "--nodes", "2", "--cluster", "README.md/c.toml"], USAGE, "not a directory"),
-    (["capture", "--cluster", "CLUSTER2", "-o", "/nonexistent-netdam-dir/x.pcap"], USAGE, "does not exist"),
-    (["model", "allreduce", "--nodes", "4", "--size", "1MiB", "--plot", "/nonexistent-netdam-dir/p.png"], USAGE, "--plot"),
+    (
+        ["capture", "--cluster", "CLUSTER2", "-o", "/nonexistent-netdam-dir/x.pcap"],
+        USAGE,
+        "does not exist",
+    ),
+    (
+        [
+            "model",
+            "allreduce",
+            "--nodes",
+            "4",
+            "--size",
+            "1MiB",
+            "--plot",
+            "/nonexistent-netdam-dir/p.png",
+        ],
+        USAGE,
+        "--plot",
+    ),
     (["model", "sweep", "--plot", "README.md/p.png"], USAGE, "not a directory"),
     (["bench", "allreduce", "--plot", "/nonexistent-netdam-dir/p.png"], USAGE, "does not exist"),
     (["bench", "pool", "--plot", "/nonexistent-netdam-dir/p.png"], USAGE, "does not exist"),
@@ -132,11 +180,19 @@ def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "netdam", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "netdam", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-def _in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+def _in_process(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
     """What _run gives, from netdam's entry point in this process: for tests about what a
     command says, not about the process (test_as_a_real_process is), ~1.3 s of start-up less."""
     code, out, err = _main(argv, capsys)
@@ -145,13 +201,17 @@ def _in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subproce
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("argv", "code", "word"), CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_bad_input_is_one_line(argv: list[str], code: int, word: str, cluster2: Path,
-                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_bad_input_is_one_line(
+    argv: list[str], code: int, word: str, cluster2: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     small = cluster2.with_name("two-mtu150.toml")
     small.write_text(cluster2.read_text().replace("mtu = 9000", "mtu = 150"))
     stale = cluster2.with_name("stale.toml")
-    stale.write_text(cluster2.read_text().replace("port = 40001\n", f"port = 40001\npid = {GONE_PID}\n")
-                     .replace("port = 40002\n", f"port = 40002\npid = {GONE_PID + 1}\n"))  # fmt: skip
+    stale.write_text(
+        cluster2.read_text()
+        .replace("port = 40001\n", f"port = 40001\npid = {GONE_PID}\n")
+        .replace("port = 40002\n", f"port = 40002\npid = {GONE_PID + 1}\n")
+    )
     files = {"CLUSTER2": str(cluster2), "CLUSTER2_MTU150": str(small), "STALE": str(stale)}
     argv = [files.get(a, a) for a in argv]
     _check(argv, code, word, *_main(argv, capsys))
@@ -205,9 +265,25 @@ def test_sigint_exits_130(tmp_path: Path) -> None:
 
     cluster = tmp_path / "c.toml"
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, "-m", "netdam", "ping", "--node", "127.0.0.1:9",
-                             "--count", "100000", "--timeout", "0.5"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "netdam",
+            "ping",
+            "--node",
+            "127.0.0.1:9",
+            "--count",
+            "100000",
+            "--timeout",
+            "0.5",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # Interrupt it inside its loop, once its UDP socket is open (not during imports).
     fds = Path(f"/proc/{proc.pid}/fd")
     deadline = time.monotonic() + 20
@@ -229,7 +305,9 @@ def test_sigint_exits_130(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- outputs checked before work
 
 
-def test_unwritable_or_full_output_directory_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unwritable_or_full_output_directory_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A read-only directory (root ignores modes, so only as another user) and a full one: one
     line naming the directory and the fix, from a real probe write (os.access says yes to root)."""
     import errno
@@ -270,8 +348,9 @@ def test_up_leaves_nothing_behind_when_the_cluster_file_cannot_be_written(
     started: list[tuple[str, list[subprocess.Popen[bytes]]]] = []
     spawn = launch._spawn_nodes
 
-    def recording(spec: launch._NodeSpec, nodes: list[tuple[int, tuple[str, int], int]], per: int | None
-                  ) -> tuple[list[subprocess.Popen[bytes]], dict[int, tuple[int, int]]]:  # fmt: skip
+    def recording(
+        spec: launch._NodeSpec, nodes: list[tuple[int, tuple[str, int], int]], per: int | None
+    ) -> tuple[list[subprocess.Popen[bytes]], dict[int, tuple[int, int]]]:
         procs, started_nics = spawn(spec, nodes, per)
         started.append((spec.name, procs))
         return procs, started_nics
@@ -320,7 +399,9 @@ def _wrong_port(path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_stats_names_a_rank_whose_port_is_wrong(running: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_names_a_rank_whose_port_is_wrong(
+    running: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: exit 0, rank 1 listed as healthy (its control port answered)."""
     bad = _wrong_port(running)
     out = _in_process(["stats", "--cluster", str(bad), "--json"], capsys)
@@ -330,10 +411,14 @@ def test_stats_names_a_rank_whose_port_is_wrong(running: Path, capsys: pytest.Ca
     assert "error" in result["nodes"][1] and "error" not in result["nodes"][0]
 
 
-def test_ping_names_a_rank_whose_port_is_wrong(running: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ping_names_a_rank_whose_port_is_wrong(
+    running: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: exit 3, `no answer` for rank 1 and nothing about why."""
     bad = _wrong_port(running)
-    out = _in_process(["ping", "--cluster", str(bad), "--count", "1", "--timeout", "0.2", "--json"], capsys)
+    out = _in_process(
+        ["ping", "--cluster", str(bad), "--count", "1", "--timeout", "0.2", "--json"], capsys
+    )
     result = json.loads(out.stdout)
     assert out.returncode == USAGE, out.stderr
     assert result["nodes"][0]["answered"] == 1 and result["nodes"][1]["answered"] == 0
@@ -341,7 +426,9 @@ def test_ping_names_a_rank_whose_port_is_wrong(running: Path, capsys: pytest.Cap
 
 
 @pytest.mark.slow
-def test_allreduce_names_a_rank_whose_port_is_wrong(running: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_allreduce_names_a_rank_whose_port_is_wrong(
+    running: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: exit 3, `failed on rank 1: BAD_SEGMENT`."""
     bad = _wrong_port(running)
     out = _in_process(["allreduce", "--cluster", str(bad), "--size", "4KiB"], capsys)
@@ -349,15 +436,21 @@ def test_allreduce_names_a_rank_whose_port_is_wrong(running: Path, capsys: pytes
     assert "does not match the running nodes" in out.stderr and "netdam up" in out.stderr
 
 
-def test_allreduce_bigger_than_node_memory_names_the_memory_to_start_with(running: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_allreduce_bigger_than_node_memory_names_the_memory_to_start_with(
+    running: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: exit 3, `MemoryError: ... start nodes with more --memory ... please report it`."""
     out = _in_process(["allreduce", "--cluster", str(running), "--size", "64MiB"], capsys)
-    _check(["allreduce"], USAGE, "netdam up --memory 256MiB", out.returncode, out.stdout, out.stderr)
+    _check(
+        ["allreduce"], USAGE, "netdam up --memory 256MiB", out.returncode, out.stdout, out.stderr
+    )
     assert "--size 16MiB or less" in out.stderr and "please report" not in out.stderr
 
 
 @pytest.mark.slow
-def test_pool_alloc_without_room_says_what_is_free(running: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_pool_alloc_without_room_says_what_is_free(
+    running: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: exit 3, `use --interleave`, which cannot make 100 GiB fit in 128 MiB."""
     out = _in_process(["pool", "alloc", "--cluster", str(running), "--size", "100GiB"], capsys)
     _check(["pool"], USAGE, "free over 2 node(s)", out.returncode, out.stdout, out.stderr)
@@ -370,7 +463,9 @@ def test_pool_alloc_without_room_says_what_is_free(running: Path, capsys: pytest
 # ---------------------------------------------------------------- hints name what really helps
 
 
-def test_hints_name_what_installs_and_options_the_command_has(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hints_name_what_installs_and_options_the_command_has(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from netdam.tools.plot import PLOT_HINT
 
     # netdam is not on the package index: 'netdam[plot]' resolves nothing there.

@@ -53,7 +53,16 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     monkeypatch.setattr(pool_cli, "PoolClient", _FakeClient)
     cluster = tmp_path / "c.toml"
     cluster.write_text("")  # --cluster must name a readable file; _target is faked
-    return ["pool", "read", "--cluster", str(cluster), "--gaddr", "0x0", "--length", f"{len(STORED)}B"]
+    return [
+        "pool",
+        "read",
+        "--cluster",
+        str(cluster),
+        "--gaddr",
+        "0x0",
+        "--length",
+        f"{len(STORED)}B",
+    ]
 
 
 def test_escape_text_is_unambiguous() -> None:
@@ -73,14 +82,21 @@ def test_pool_read_text(fake_pool: list[str], capsys: pytest.CaptureFixture[str]
     assert capsys.readouterr().out == pool_cli.escape_text(STORED) + "\n"
 
 
-def test_pool_read_raw_is_the_exact_bytes(fake_pool: list[str], capfdbinary: pytest.CaptureFixture[bytes]) -> None:
+def test_pool_read_raw_is_the_exact_bytes(
+    fake_pool: list[str], capfdbinary: pytest.CaptureFixture[bytes]
+) -> None:
     assert main([*fake_pool, "--format", "raw", "-q"]) == 0
     assert capfdbinary.readouterr().out == STORED
 
 
 def test_pool_read_json_keeps_hex(fake_pool: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*fake_pool, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"ok": True, "gaddr": 0, "bytes": len(STORED), "hex": STORED.hex()}
+    assert json.loads(capsys.readouterr().out) == {
+        "ok": True,
+        "gaddr": 0,
+        "bytes": len(STORED),
+        "hex": STORED.hex(),
+    }
     assert main([*fake_pool, "--json", "--format", "raw"]) == 2
     assert "--format" in json.loads(capsys.readouterr().out)["error"]
     with pytest.raises(SystemExit) as usage:
@@ -103,8 +119,10 @@ print("launcher passes -vv on:", logging.getLogger().isEnabledFor(logging.DEBUG)
 
 _SETUPS = {
     "cli": "from netdam.cli.main import main\nmain(['-vv', 'decode', '0109'])\n",
-    "switch": ("import netdam.switch.cli as s\ns.run_switch = lambda args: 0\n"
-               "s.main(['--cluster', 'c.toml', '--vip', '127.0.0.1:9', '-vv'])\n"),  # fmt: skip
+    "switch": (
+        "import netdam.switch.cli as s\ns.run_switch = lambda args: 0\n"
+        "s.main(['--cluster', 'c.toml', '--vip', '127.0.0.1:9', '-vv'])\n"
+    ),
 }
 
 
@@ -113,8 +131,13 @@ def test_vv_shows_netdam_logs_not_numba(process: str, tmp_path: Path) -> None:
     """-vv of the CLI (and so of node processes, which run `netdam node`) and of the switch:
     netdam's DEBUG lines show, numba's do not, and the root level still tells the launcher to
     pass -vv to the processes it starts."""
-    done = subprocess.run([sys.executable, "-c", _SETUPS[process] + _COMPILE_AND_LOG], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _SETUPS[process] + _COMPILE_AND_LOG],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "launcher passes -vv on: True" in done.stdout, done.stderr[-2000:]
     assert "netdam.cluster DEBUG netdam debug line" in done.stderr
     assert "netdam.cluster INFO netdam info line" in done.stderr
@@ -164,11 +187,19 @@ def test_bench_allreduce_plot_colour_per_algorithm(figures: list[Any], tmp_path:
     import netdam.tools.bench.allreduce as B
     from netdam.tools import plot as plotting
 
-    def runner(algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) -> B._Outcome:
+    def runner(
+        algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
+    ) -> B._Outcome:
         return B._Outcome(times=[(1e-3 + count * 4e-9) * nodes] * repeat, ok=True)
 
-    cfg = B.AllReduceBenchConfig(nodes=(2, 4, 8), sizes=(4096, 1 << 20), peers=("chain-resident", "ring-host"),
-                                 repeat=1, plot=tmp_path / "b.png", progress=False)  # fmt: skip
+    cfg = B.AllReduceBenchConfig(
+        nodes=(2, 4, 8),
+        sizes=(4096, 1 << 20),
+        peers=("chain-resident", "ring-host"),
+        repeat=1,
+        plot=tmp_path / "b.png",
+        progress=False,
+    )
     B.run_allreduce_bench(cfg, runner=runner)
     (fig,) = figures
     # Before: 20 entries, one per line; now 3 algorithms + 3 node counts + measured + model.
@@ -190,23 +221,35 @@ def test_bench_pool_plot_legend_outside(figures: list[Any], tmp_path: Path) -> N
     def phase(ops: float) -> dict[str, Any]:
         return {"ops": ops, "p50_us": 100.0, "p99_us": 300.0}
 
-    res = {"nodes": 2, "window": 32, "ratio": 0.5,
-           "results": {"echo": phase(3e5), "read_64": phase(1e5), "memcached_get_64": phase(2e5)}}  # fmt: skip
+    res = {
+        "nodes": 2,
+        "window": 32,
+        "ratio": 0.5,
+        "results": {"echo": phase(3e5), "read_64": phase(1e5), "memcached_get_64": phase(2e5)},
+    }
     plot_pool(plotting.pyplot(), res, str(tmp_path / "p.png"))
     (fig,) = figures
     _check_layout(fig, max_entries=5, texts=True)
 
 
-@pytest.mark.parametrize("argv", [["model", "sweep", "--sizes", "64KiB..16MiB", "--nodes", "2,4,8"],
-                                  ["model", "allreduce", "--nodes", "4", "--size", "1MiB", "--algo", "roce-ring"]])  # fmt: skip
-def test_model_plots_dashed_legend_outside(argv: list[str], figures: list[Any], tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["model", "sweep", "--sizes", "64KiB..16MiB", "--nodes", "2,4,8"],
+        ["model", "allreduce", "--nodes", "4", "--size", "1MiB", "--algo", "roce-ring"],
+    ],
+)
+def test_model_plots_dashed_legend_outside(
+    argv: list[str], figures: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([*argv, "--plot", str(tmp_path / "m.png"), "-q"]) == 0
     (fig,) = figures
     _check_layout(fig, max_entries=8)
     for ax in fig.axes:
         curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
-        assert curves and {line.get_linestyle() for line in curves} == {"--"}  # every curve is a model
+        assert curves and {line.get_linestyle() for line in curves} == {
+            "--"
+        }  # every curve is a model
 
 
 # ---------------------------------------------------------------- one rate unit: Gb/s
@@ -216,9 +259,21 @@ def test_allreduce_line_prints_the_json_gbps(capsys: pytest.CaptureFixture[str])
     """`netdam allreduce` used to print GB/s beside `netdam bench allreduce`'s Gb/s."""
     from netdam.cli.allreduce import _text
 
-    row: dict[str, object] = {"algo": "chain", "ok": True, "nodes": 4, "bytes": 1 << 26, "dtype": "f32", "op": "sum",
-                              "seconds": 0.2412, "algbw_gbps": 2.2259, "busbw_gbps": 3.3388, "packets": 1,
-                              "retransmits": 0, "kernel_drops": 0, "model_seconds_100g": 0.008}  # fmt: skip
+    row: dict[str, object] = {
+        "algo": "chain",
+        "ok": True,
+        "nodes": 4,
+        "bytes": 1 << 26,
+        "dtype": "f32",
+        "op": "sum",
+        "seconds": 0.2412,
+        "algbw_gbps": 2.2259,
+        "busbw_gbps": 3.3388,
+        "packets": 1,
+        "retransmits": 0,
+        "kernel_drops": 0,
+        "model_seconds_100g": 0.008,
+    }
     assert "(algbw 2.226 Gb/s, busbw 3.339 Gb/s)" in _text(row)
 
 
@@ -237,8 +292,15 @@ def test_no_gigabyte_rates_left() -> None:
     """Every rate a human reads is in Gb/s; GB/s appears only where nccl-tests' unit is named as
     an outside figure."""
     pattern = ("GB/s", "GiB/s", "Gbps")
-    files = [*sorted((ROOT / "netdam").rglob("*.py")), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    offending = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-                 for path in files for number, line in enumerate(path.read_text().splitlines(), start=1)
-                 if any(p in line for p in pattern) and "nccl-tests" not in line]  # fmt: skip
+    files = [
+        *sorted((ROOT / "netdam").rglob("*.py")),
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+    ]
+    offending = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in files
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if any(p in line for p in pattern) and "nccl-tests" not in line
+    ]
     assert not offending, "\n".join(offending)

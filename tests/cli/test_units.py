@@ -9,9 +9,17 @@ from netdam.units import format_size, parse_size, parse_size_range
 
 @pytest.mark.parametrize(
     "text,value",
-    [("0", 0), ("4096", 4096), ("4000004B", 4000004), ("64KiB", 65536), ("64MiB", 64 << 20),
-     ("1GiB", 1 << 30), ("2 mib", 2 << 20), ("8b", 8)],
-)  # fmt: skip
+    [
+        ("0", 0),
+        ("4096", 4096),
+        ("4000004B", 4000004),
+        ("64KiB", 65536),
+        ("64MiB", 64 << 20),
+        ("1GiB", 1 << 30),
+        ("2 mib", 2 << 20),
+        ("8b", 8),
+    ],
+)
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 

@@ -64,7 +64,9 @@ def test_wire_operations_on_a_real_node(cluster: LocalCluster) -> None:
         assert info.value.status == Status.OUT_OF_BOUNDS
         with pytest.raises(ControlError, match="UNAUTHORIZED"):
             client.request(ep, Packet(Opcode.COUNTERS, rkey=123))
-        client.deregister(ep, rkey)  # one owner per byte: leave the memory to the module's next tests
+        client.deregister(
+            ep, rkey
+        )  # one owner per byte: leave the memory to the module's next tests
 
 
 def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster) -> None:
@@ -72,9 +74,18 @@ def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster
     node = cluster.info.nodes[1]
     path = node.memory_file
     writer = f"import numpy as np; from netdam.shell.shm import attach; m = attach({path!r}); m[100:108] = np.arange(1, 9, dtype=np.uint8); m.flush(); print('wrote')"
-    reader = f"from netdam.shell.shm import attach; m = attach({path!r}); print(m[100:108].tolist())"
-    assert subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, check=True).stdout.strip() == "wrote"
-    out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, check=True).stdout
+    reader = (
+        f"from netdam.shell.shm import attach; m = attach({path!r}); print(m[100:108].tolist())"
+    )
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", writer], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "wrote"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", reader], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[1, 2, 3, 4, 5, 6, 7, 8]"
     # The node itself sees the host's stores (same pages).
     with ControlClient.for_cluster(cluster.info) as client:
@@ -84,7 +95,9 @@ def test_host_processes_attach_in_turn_and_memory_survives(cluster: LocalCluster
         from netdam.shell.shm import attach
 
         assert bytes(attach(node.memory_file)[200:202]) == b"\xaa\xbb"
-        client.deregister(node.endpoint, rkey)  # which wipes the region: memory reaches the next owner zeroed
+        client.deregister(
+            node.endpoint, rkey
+        )  # which wipes the region: memory reaches the next owner zeroed
         assert bytes(attach(node.memory_file)[0:4096]) == bytes(4096)
 
 
@@ -98,10 +111,18 @@ def test_plain_socket_client_example(cluster: LocalCluster) -> None:
     low = bytes(memory[:8192])  # where the pool's first region would live
     for _ in range(3):
         result = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "plain_socket_client.py"), "--node", f"{ep[0]}:{ep[1]}",
-             "--cluster", str(cluster.path)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(ROOT / "examples" / "plain_socket_client.py"),
+                "--node",
+                f"{ep[0]}:{ep[1]}",
+                "--cluster",
+                str(cluster.path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 0, result.stderr
         assert "wrote and read back" in result.stdout and result.stdout.strip().endswith("ok")
     assert bytes(memory[:8192]) == low, "the example wrote into memory the pool hands out"
@@ -139,8 +160,11 @@ def test_stats_answers_within_100ms_under_full_load(cluster: LocalCluster) -> No
     with ControlClient.for_cluster(cluster.info) as client:
         rkey = client.register(ep, 0, 1 << 20, RIGHTS_ALL)
         before = client.counters(ep)
-        flood = subprocess.Popen([sys.executable, "-c", FLOOD, ep[0], str(ep[1]), str(rkey), "4"],
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        flood = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, ep[0], str(ep[1]), str(rkey), "4"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
             time.sleep(0.5)
@@ -172,7 +196,9 @@ def test_faults_injected_on_receive() -> None:
                     answered += 1
                 except ControlError:
                     pass
-            values = client.request(ep, Packet(Opcode.COUNTERS, rkey=running.info.admin_key), timeout=0.2, retries=20)
+            values = client.request(
+                ep, Packet(Opcode.COUNTERS, rkey=running.info.admin_key), timeout=0.2, retries=20
+            )
         counts = np.frombuffer(values.payload, "<u8")
         assert 10 < answered < 55 and counts[C.DROP_FAULT] > 10
 
@@ -180,7 +206,22 @@ def test_faults_injected_on_receive() -> None:
 @pytest.mark.slow
 def test_detach_down_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.toml"
-    assert main(["up", "--nodes", "2", "--memory", "64KiB", "--detach", "--cluster", str(path), "--json"]) == 0
+    assert (
+        main(
+            [
+                "up",
+                "--nodes",
+                "2",
+                "--memory",
+                "64KiB",
+                "--detach",
+                "--cluster",
+                str(path),
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["cluster"] == str(path)
     info = load_cluster(path)
     assert main(["down", "--cluster", str(path)]) == 0
@@ -190,11 +231,27 @@ def test_detach_down_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [signal.SIGINT])  # SIGTERM and SIGKILL, with a switch too: test_failures.py
+@pytest.mark.parametrize(
+    "how", [signal.SIGINT]
+)  # SIGTERM and SIGKILL, with a switch too: test_failures.py
 def test_foreground_up_leaves_no_orphans(tmp_path: Path, how: signal.Signals) -> None:
     path = tmp_path / "c.toml"
-    up = subprocess.Popen([sys.executable, "-m", "netdam", "up", "--nodes", "2", "--memory", "64KiB",
-                           "--cluster", str(path)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "netdam",
+            "up",
+            "--nodes",
+            "2",
+            "--memory",
+            "64KiB",
+            "--cluster",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert up.stdout is not None and up.stdout.readline().strip() == str(path)
     info = load_cluster(path)
     up.send_signal(how)
@@ -206,14 +263,20 @@ def test_foreground_up_leaves_no_orphans(tmp_path: Path, how: signal.Signals) ->
     assert not any(Path(n.memory_file).exists() for n in info.nodes)
 
 
-def test_node_refuses_memory_it_cannot_get(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["node", "--bind", "127.0.0.1:0", "--memory", "1024GiB", "--shm-dir", str(tmp_path)])
+def test_node_refuses_memory_it_cannot_get(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        ["node", "--bind", "127.0.0.1:0", "--memory", "1024GiB", "--shm-dir", str(tmp_path)]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "lower --memory or pass --shm-dir" in err and str(tmp_path) in err
 
 
-def test_unknown_cluster_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_cluster_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as usage:  # checked when the command line is parsed
         main(["stats", "--cluster", str(tmp_path / "nope.toml"), "--json"])
     assert usage.value.code == 2
@@ -225,7 +288,16 @@ def test_fetch_add_counter_shared_by_processes(cluster: LocalCluster) -> None:
     with ControlClient.for_cluster(cluster.info) as a, ControlClient() as b:
         rkey = a.register(ep, 8192, 64, RIGHTS_ALL)
         for client in (a, b, a, b):
-            client.request(ep, Packet(Opcode.FETCH_ADD, rkey=rkey, addr=8192, dtype=5, length=8,  # type: ignore[arg-type]
-                                      payload=struct.pack("<Q", 1)))  # fmt: skip
+            client.request(
+                ep,
+                Packet(
+                    Opcode.FETCH_ADD,
+                    rkey=rkey,
+                    addr=8192,
+                    dtype=5,
+                    length=8,  # type: ignore[arg-type]
+                    payload=struct.pack("<Q", 1),
+                ),
+            )
         reply = a.request(ep, Packet(Opcode.READ, rkey=rkey, addr=8192, length=8))
         assert struct.unpack("<Q", reply.payload)[0] == 4

@@ -36,8 +36,16 @@ def readme_command(marker: str) -> str:
 @contextmanager
 def cpu_hogs(count: int) -> Iterator[None]:
     """*count* busy loops (bounded: each ends by itself after 30 minutes)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 1800\n"
-                              "while time.monotonic() < end: pass"]) for _ in range(count)]  # fmt: skip
+    hogs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import time\nend = time.monotonic() + 1800\nwhile time.monotonic() < end: pass",
+            ]
+        )
+        for _ in range(count)
+    ]
     try:
         yield
     finally:
@@ -51,13 +59,24 @@ def fresh_checkout_and_venv(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]
     that activated it with an empty kernel cache. The suite's own packages (numpy, numba, scapy)
     are reused, so that nothing but pip's build requirements is downloaded; netdam itself
     installs into the venv, as a user's does."""
-    source = tmp_path / "checkout"  # not "netdam": a folder of that name in cwd would shadow the package
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "__pycache__", "build", "*.egg-info",
-                                                                ".venv", "*.whl"))  # fmt: skip
+    source = (
+        tmp_path / "checkout"
+    )  # not "netdam": a folder of that name in cwd would shadow the package
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", "__pycache__", "build", "*.egg-info", ".venv", "*.whl"
+        ),
+    )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
-           "NETDAM_CACHE_DIR": str(tmp_path / "empty-cache")}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+        "VIRTUAL_ENV": str(venv),
+        "NETDAM_CACHE_DIR": str(tmp_path / "empty-cache"),
+    }
     env.pop("PYTHONPATH", None)
     return source, venv, env
 
@@ -67,15 +86,20 @@ def test_quick_start_in_a_fresh_venv_with_a_cold_cache_under_load(tmp_path: Path
     line = readme_command("quickstart-command")
     start = time.monotonic()
     with cpu_hogs(2 * (os.cpu_count() or 1)):
-        out = subprocess.run(["bash", "-c", line], cwd=source, env=env, capture_output=True, text=True,
-                             timeout=1800)  # fmt: skip
+        out = subprocess.run(
+            ["bash", "-c", line], cwd=source, env=env, capture_output=True, text=True, timeout=1800
+        )
     seconds = time.monotonic() - start
-    assert out.returncode == 0, f"{line!r} exited {out.returncode} after {seconds:.0f} s:\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (
+        f"{line!r} exited {out.returncode} after {seconds:.0f} s:\n{out.stderr[-3000:]}"
+    )
     assert "netdam demo: OK" in out.stdout, out.stdout
     # It said what it waited for while compiling, and nothing was left in the package.
     assert "first run: compiling the kernels once" in out.stderr, out.stderr[-2000:]
     site = next((venv / "lib").glob("python3*/site-packages/netdam"))
-    assert not list(site.rglob("*.nb[ic]")), "compiled kernels were written into the installed package"
+    assert not list(site.rglob("*.nb[ic]")), (
+        "compiled kernels were written into the installed package"
+    )
     print(f"quick start under load, cold cache: {seconds:.0f} s")
 
 
@@ -92,12 +116,26 @@ def test_install_then_editable_install_in_one_venv(tmp_path: Path) -> None:
         [py, "-m", "pip", "install", "-q", "--no-deps", "-e", "."],
     ]
     for step in steps:
-        done = subprocess.run(step, cwd=source, env=env, capture_output=True, text=True, timeout=1200)
+        done = subprocess.run(
+            step, cwd=source, env=env, capture_output=True, text=True, timeout=1200
+        )
         assert done.returncode == 0, (step, done.stderr[-2000:])
-    version = subprocess.run([str(venv / "bin" / "netdam"), "--version"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    version = subprocess.run(
+        [str(venv / "bin" / "netdam"), "--version"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert version.returncode == 0 and "netdam" in version.stdout, version.stderr
-    where = subprocess.run([py, "-c", "import netdam.kernels.fault_hash as m; print(m.__file__)"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    where = subprocess.run(
+        [py, "-c", "import netdam.kernels.fault_hash as m; print(m.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip().startswith(str(source)), where.stdout

@@ -32,7 +32,9 @@ def _mode(path: Path) -> int:
 
 
 @pytest.mark.slow
-def test_launched_nodes_get_the_key_through_a_pipe_not_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launched_nodes_get_the_key_through_a_pipe_not_argv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Started node processes (not forked ones: the suite forks, launch.fork_node_processes)."""
     from netdam.cluster import launch
 
@@ -78,11 +80,18 @@ def test_key_files_and_descriptors(tmp_path: Path) -> None:
     key_file.write_text(f"0x5eed {tag_key.hex()}\n")
     key_file.chmod(0o600)
     assert read_admin_key_file(key_file) == (0x5EED, tag_key)
-    for bad, message in ((f"0x5eed {bytes(16).hex()}", "not all zero"), ("0x5eed abc", "32 hex digits"),
-                         ("1 2 3", "3 words")):  # fmt: skip
+    for bad, message in (
+        (f"0x5eed {bytes(16).hex()}", "not all zero"),
+        ("0x5eed abc", "32 hex digits"),
+        ("1 2 3", "3 words"),
+    ):
         with pytest.raises(KeyFileError, match=message):
             parse_admin_keys(bad, "test")
-    for bad, message in (("zero", "not a key"), ("0", "1..2\\^32-1"), (str(1 << 32), "1..2\\^32-1")):
+    for bad, message in (
+        ("zero", "not a key"),
+        ("0", "1..2\\^32-1"),
+        (str(1 << 32), "1..2\\^32-1"),
+    ):
         with pytest.raises(KeyFileError, match=message):
             parse_key(bad, "test")
 
@@ -94,8 +103,13 @@ def test_key_files_and_descriptors(tmp_path: Path) -> None:
         (["--admin-key-file", "{key}"], 0o644, "chmod 600"),
     ],
 )
-def test_node_refuses_keys_others_can_read(tmp_path: Path, extra: list[str], mode: int | None, message: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_node_refuses_keys_others_can_read(
+    tmp_path: Path,
+    extra: list[str],
+    mode: int | None,
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """In this process: the refusal comes before the node binds or starts anything."""
     from netdam.cli.main import main
 
@@ -103,7 +117,12 @@ def test_node_refuses_keys_others_can_read(tmp_path: Path, extra: list[str], mod
     key_file.write_text("0x1234\n")
     if mode is not None:
         key_file.chmod(mode)
-    argv = [*NODE[3:], "--shm-dir", str(tmp_path), *(a.replace("{key}", str(key_file)) for a in extra)]
+    argv = [
+        *NODE[3:],
+        "--shm-dir",
+        str(tmp_path),
+        *(a.replace("{key}", str(key_file)) for a in extra),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -135,8 +154,13 @@ def test_a_node_takes_both_keys_from_a_private_cluster_file(tmp_path: Path) -> N
     from netdam.cluster.clusterfile import ClusterFile, NodeEntry, write_cluster
 
     path = tmp_path / "c.toml"
-    info = ClusterFile(name="nd", admin_key=0x5EED, mtu=9000, group_key="ab" * 16,
-                       nodes=(NodeEntry(rank=0, address="127.0.0.1", port=7744),))  # fmt: skip
+    info = ClusterFile(
+        name="nd",
+        admin_key=0x5EED,
+        mtu=9000,
+        group_key="ab" * 16,
+        nodes=(NodeEntry(rank=0, address="127.0.0.1", port=7744),),
+    )
     write_cluster(info, path)
     args = Namespace(admin_key=None, admin_key_file=path, admin_key_fd=None)
     assert _admin_keys(args) == (0x5EED, info.admin_tag_key) and len(info.admin_tag_key) == 16

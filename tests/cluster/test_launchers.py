@@ -52,10 +52,25 @@ from netdam.tools.allreduce import reference_chain_allreduce
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Variables of every launcher: stripped from the environment of the processes tests start.
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
-                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_PROCID",
-                 "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID",
-                 "NETDAM_MASTER_ADDR", "NETDAM_MASTER_PORT")  # fmt: skip
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_JOB_ID",
+    "NETDAM_MASTER_ADDR",
+    "NETDAM_MASTER_PORT",
+)
 
 
 def alive(pid: int) -> bool:
@@ -81,21 +96,42 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_torchrun_environment() -> None:
-    env = {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    env = {
+        "RANK": "2",
+        "WORLD_SIZE": "3",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     spec = resolve_launch(env, rank=None, world_size=None, master=None)
-    assert (spec.rank, spec.world_size, spec.local_rank, spec.master) == (2, 3, 1, ("10.0.0.1", 29500))
+    assert (spec.rank, spec.world_size, spec.local_rank, spec.master) == (
+        2,
+        3,
+        1,
+        ("10.0.0.1", 29500),
+    )
     assert spec.source.startswith("torchrun")
     # Under torchrun its own store holds MASTER_PORT: ours is the next one.
-    agent = resolve_launch({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}, rank=None, world_size=None, master=None)
+    agent = resolve_launch(
+        {**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}, rank=None, world_size=None, master=None
+    )
     assert agent.master == ("10.0.0.1", 29501)
 
 
 def test_openmpi_environment_needs_a_master() -> None:
-    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    env = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    }
     with pytest.raises(LaunchError, match="--master HOST:PORT.*NETDAM_MASTER_ADDR"):
         resolve_launch(env, rank=None, world_size=None, master=None)
-    spec = resolve_launch({**env, "NETDAM_MASTER_ADDR": "h0", "NETDAM_MASTER_PORT": "4000"},
-                          rank=None, world_size=None, master=None)  # fmt: skip
+    spec = resolve_launch(
+        {**env, "NETDAM_MASTER_ADDR": "h0", "NETDAM_MASTER_PORT": "4000"},
+        rank=None,
+        world_size=None,
+        master=None,
+    )
     assert (spec.rank, spec.world_size, spec.local_rank, spec.master) == (1, 4, 1, ("h0", 4000))
     flag = resolve_launch(env, rank=None, world_size=None, master="h1:5000")
     assert flag.master == ("h1", 5000) and flag.source.startswith("OpenMPI")
@@ -104,16 +140,25 @@ def test_openmpi_environment_needs_a_master() -> None:
 
 
 def test_slurm_environment() -> None:
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "123456",
-           "SLURM_JOB_NODELIST": "node[07-09,11],gpu1"}  # fmt: skip
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NODELIST": "node[07-09,11],gpu1",
+    }
     spec = resolve_launch(env, rank=None, world_size=None, master=None)
     assert (spec.rank, spec.world_size, spec.local_rank) == (3, 4, 1)
     assert spec.master == ("node07", 20000 + 3456)
-    assert resolve_launch({**env, "NETDAM_MASTER_PORT": "7000"}, rank=None, world_size=None, master=None).master == ("node07", 7000)
+    assert resolve_launch(
+        {**env, "NETDAM_MASTER_PORT": "7000"}, rank=None, world_size=None, master=None
+    ).master == ("node07", 7000)
 
 
-@pytest.mark.parametrize(("nodelist", "first"), [("a,b,c", "a"), ("node01", "node01"), ("n[3-4]", "n3"),
-                                                 ("x-[010,012]", "x-010")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("a,b,c", "a"), ("node01", "node01"), ("n[3-4]", "n3"), ("x-[010,012]", "x-010")],
+)
 def test_slurm_simple_nodelists(nodelist: str, first: str) -> None:
     assert slurm_first_host({"SLURM_JOB_NODELIST": nodelist}) == first
 
@@ -134,8 +179,17 @@ def test_flags_override_the_environment() -> None:
 
 
 def test_conflicting_launchers_are_an_error() -> None:
-    env = {"RANK": "1", "WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "MASTER_ADDR": "h"}
-    with pytest.raises(LaunchError, match=r"RANK=1, WORLD_SIZE=3 \(torchrun\) disagrees with OMPI_COMM_WORLD_RANK=2"):
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "3",
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "3",
+        "MASTER_ADDR": "h",
+    }
+    with pytest.raises(
+        LaunchError,
+        match=r"RANK=1, WORLD_SIZE=3 \(torchrun\) disagrees with OMPI_COMM_WORLD_RANK=2",
+    ):
         resolve_launch(env, rank=None, world_size=None, master=None)
     agree = {**env, "OMPI_COMM_WORLD_RANK": "1"}
     assert resolve_launch(agree, rank=None, world_size=None, master=None).rank == 1
@@ -143,31 +197,46 @@ def test_conflicting_launchers_are_an_error() -> None:
 
 def test_slurm_around_mpirun_is_not_a_conflict() -> None:
     """mpirun inside an allocation: Slurm's variables describe the batch step, mpirun's decide."""
-    env = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
-           "NETDAM_MASTER_ADDR": "h"}  # fmt: skip
+    env = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+        "NETDAM_MASTER_ADDR": "h",
+    }
     spec = resolve_launch(env, rank=None, world_size=None, master=None)
     assert (spec.rank, spec.world_size) == (2, 4) and spec.source.startswith("OpenMPI")
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
-    ({"SLURM_NTASKS": "2"}, "SLURM_NTASKS is set but SLURM_PROCID is not"),
-    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not a non-negative integer"),
-    ({"RANK": "3", "WORLD_SIZE": "3", "MASTER_ADDR": "h"}, "rank 3 with world size 3"),
-    ({}, "no rank and world size"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
+        ({"SLURM_NTASKS": "2"}, "SLURM_NTASKS is set but SLURM_PROCID is not"),
+        ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK='one' is not a non-negative integer"),
+        ({"RANK": "3", "WORLD_SIZE": "3", "MASTER_ADDR": "h"}, "rank 3 with world size 3"),
+        ({}, "no rank and world size"),
+    ],
+)
 def test_bad_environments_name_the_fix(env: dict[str, str], message: str) -> None:
     with pytest.raises(LaunchError, match=message):
         resolve_launch(env, rank=None, world_size=None, master=None)
 
 
 def test_world_of_one_needs_no_master() -> None:
-    assert resolve_launch({"RANK": "0", "WORLD_SIZE": "1"}, rank=None, world_size=None, master=None).master is None
+    assert (
+        resolve_launch(
+            {"RANK": "0", "WORLD_SIZE": "1"}, rank=None, world_size=None, master=None
+        ).master
+        is None
+    )
 
 
 def test_when_a_node_joins_a_rendezvous() -> None:
     assert wants_rendezvous({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, None, False)
-    assert wants_rendezvous({}, "h:1", False) and wants_rendezvous({"NETDAM_MASTER_ADDR": "h"}, None, False)
+    assert wants_rendezvous({}, "h:1", False) and wants_rendezvous(
+        {"NETDAM_MASTER_ADDR": "h"}, None, False
+    )
     # --members given (netdam up's nodes): as before, whatever the environment says.
     assert not wants_rendezvous({"RANK": "0", "WORLD_SIZE": "2"}, "h:1", True)
     # MASTER_ADDR alone is often left over in a torch shell.
@@ -186,15 +255,32 @@ def test_node_help_documents_precedence_and_variables() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     text = sub.choices["node"].format_help()  # type: ignore[attr-defined]
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                 "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST", "NETDAM_MASTER_ADDR", "NETDAM_MASTER_PORT",
-                 "--rank / --world-size (each overrides"):  # fmt: skip
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_JOB_NODELIST",
+        "NETDAM_MASTER_ADDR",
+        "NETDAM_MASTER_PORT",
+        "--rank / --world-size (each overrides",
+    ):
         assert name in text, name
 
 
-def test_node_with_conflicting_variables_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    for key, value in {"RANK": "1", "WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3"}.items():
+def test_node_with_conflicting_variables_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "3",
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "3",
+    }.items():
         monkeypatch.setenv(key, value)
     assert main(["node", "--bind", "127.0.0.1:0"]) == 2
     assert "disagrees with OMPI_COMM_WORLD_RANK=2" in capsys.readouterr().err
@@ -203,9 +289,21 @@ def test_node_with_conflicting_variables_is_a_usage_error(monkeypatch: pytest.Mo
 # ------------------------------------------------------------------------ rendezvous core
 
 
-def member(rank: int, world: int = 3, port: int | None = None, pid: int = 0, mtu: int = 9000) -> Member:
-    return Member(rank=rank, world_size=world, address="127.0.0.1", port=port or 7000 + rank, control_port=8000 + rank,
-                  pid=pid or 100 + rank, memory_file=f"/dev/shm/m{rank}.mem", memory_bytes=1 << 20, mtu=mtu, host="h")  # fmt: skip
+def member(
+    rank: int, world: int = 3, port: int | None = None, pid: int = 0, mtu: int = 9000
+) -> Member:
+    return Member(
+        rank=rank,
+        world_size=world,
+        address="127.0.0.1",
+        port=port or 7000 + rank,
+        control_port=8000 + rank,
+        pid=pid or 100 + rank,
+        memory_file=f"/dev/shm/m{rank}.mem",
+        memory_bytes=1 << 20,
+        mtu=mtu,
+        host="h",
+    )
 
 
 def test_gathering_completes_in_rank_order() -> None:
@@ -234,24 +332,33 @@ def test_gathering_rejects_a_duplicate_rank_and_names_both() -> None:
     core = Gathering(3, deadline=10.0)
     core.add(member(1, pid=41))
     core.add(member(1, pid=41))  # the same report again: harmless
-    with pytest.raises(RendezvousConflict, match=r"rank 1 reported twice: by 127.0.0.1:7001 \(pid 41 on h\) and by 127.0.0.1:7009 \(pid 42 on h\)"):
+    with pytest.raises(
+        RendezvousConflict,
+        match=r"rank 1 reported twice: by 127.0.0.1:7001 \(pid 41 on h\) and by 127.0.0.1:7009 \(pid 42 on h\)",
+    ):
         core.add(member(1, port=7009, pid=42))
 
 
 def test_loopback_addresses_across_hosts_are_refused() -> None:
     core = Gathering(3, deadline=10.0)
     core.add(member(0))  # 127.0.0.1 on host h
-    with pytest.raises(RendezvousConflict, match="rank 0 reports loopback address 127.0.0.1 but ranks run on several hosts"):
+    with pytest.raises(
+        RendezvousConflict,
+        match="rank 0 reports loopback address 127.0.0.1 but ranks run on several hosts",
+    ):
         core.add(Member(1, 3, "10.0.0.2", 7001, host="h2"))
     core.add(member(1))  # the same host: loopback is fine
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    (member(1, port=7000), "ranks 0 and 1 both report 127.0.0.1:7000"),
-    (member(1, world=4), "has world size 4, rank 0 has 3"),
-    (member(1, mtu=1500), "has --mtu 1500, rank 0 has 9000"),
-    (member(5, world=3), "outside 0..2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (member(1, port=7000), "ranks 0 and 1 both report 127.0.0.1:7000"),
+        (member(1, world=4), "has world size 4, rank 0 has 3"),
+        (member(1, mtu=1500), "has --mtu 1500, rank 0 has 9000"),
+        (member(5, world=3), "outside 0..2"),
+    ],
+)
 def test_gathering_conflicts(bad: Member, message: str) -> None:
     core = Gathering(3, deadline=10.0)
     core.add(member(0))
@@ -288,7 +395,9 @@ def test_messages_round_trip_and_foreign_lines_are_refused() -> None:
 # ------------------------------------------------------------------- rendezvous over TCP
 
 
-def _join_in_thread(port: int, who: Member, timeout: float, results: dict[int, object]) -> threading.Thread:
+def _join_in_thread(
+    port: int, who: Member, timeout: float, results: dict[int, object]
+) -> threading.Thread:
     def run() -> None:
         try:
             results[who.rank] = join(("127.0.0.1", port), who, timeout)
@@ -303,7 +412,9 @@ def _join_in_thread(port: int, who: Member, timeout: float, results: dict[int, o
 def test_tcp_rendezvous_answers_everyone() -> None:
     port = free_port()
     results: dict[int, object] = {}
-    threads = [_join_in_thread(port, member(r), 10.0, results) for r in (2, 1)]  # before rank 0 listens
+    threads = [
+        _join_in_thread(port, member(r), 10.0, results) for r in (2, 1)
+    ]  # before rank 0 listens
     time.sleep(0.2)
     answer = gather(port, member(0), 10.0, name="c", admin_key=99)
     for thread in threads:
@@ -351,7 +462,9 @@ def test_tcp_rendezvous_duplicate_rank_fails_everyone() -> None:
 
 
 def test_join_names_an_unreachable_master() -> None:
-    with pytest.raises(RendezvousError, match=r"could not reach rank 0's rendezvous at 127.0.0.1:\d+"):
+    with pytest.raises(
+        RendezvousError, match=r"could not reach rank 0's rendezvous at 127.0.0.1:\d+"
+    ):
         join(("127.0.0.1", free_port()), member(1), 0.3)
 
 
@@ -359,9 +472,17 @@ def test_join_names_an_unreachable_master() -> None:
 
 
 def _start_nodes(envs: list[dict[str, str]], args: list[str]) -> list[subprocess.Popen[str]]:
-    return [subprocess.Popen([sys.executable, "-m", "netdam", "node", *args], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-            for env in envs]  # fmt: skip
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "netdam", "node", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        for env in envs
+    ]
 
 
 def _wait_file(path: Path, procs: list[subprocess.Popen[str]], timeout: float = 240.0) -> None:
@@ -387,8 +508,16 @@ def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> N
     rank 0 writes the cluster file; a host all-reduces through it, checked against numpy."""
     path = tmp_path / "cluster.toml"
     port = free_port()
-    envs = [clean_env(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            for r in (2, 1, 0)]  # fmt: skip
+    envs = [
+        clean_env(
+            RANK=str(r),
+            WORLD_SIZE="3",
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        for r in (2, 1, 0)
+    ]
     procs = _start_nodes(envs, ["--bind", "auto:0", "--memory", "4MiB", "--cluster", str(path)])
     try:
         _wait_file(path, procs)
@@ -408,7 +537,10 @@ def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> N
         groups = [netdam.init(path, rank=0), ProcessGroup(info, 1), ProcessGroup(info, 2)]
         try:
             works = [api_all_reduce(buffers[0], async_op=True)]
-            works += [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers[1:], groups[1:], strict=True)]
+            works += [
+                api_all_reduce(b, group=g, async_op=True)
+                for b, g in zip(buffers[1:], groups[1:], strict=True)
+            ]
             for work in works:
                 work.wait()  # type: ignore[union-attr]
         finally:
@@ -417,7 +549,9 @@ def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> N
                 group.close()
         expected = reference_chain_allreduce(inputs, ReduceOp.SUM)
         assert all(b.tobytes() == expected.tobytes() for b in buffers)
-        np.testing.assert_allclose(buffers[0], inputs[0] + inputs[1] + inputs[2], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            buffers[0], inputs[0] + inputs[1] + inputs[2], rtol=1e-5, atol=1e-5
+        )
     finally:
         codes = _stop(procs)
     assert codes == [0, 0, 0]
@@ -429,8 +563,21 @@ def test_a_missing_rank_fails_the_node_with_exit_3(tmp_path: Path) -> None:
     """Rank 0 of 2 alone (mpirun-style variables, --master): it names rank 1, exits 3, and leaves
     no memory file behind."""
     env = clean_env(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2")
-    (proc,) = _start_nodes([env], ["--bind", "auto:0", "--memory", "64KiB", "--master", f"127.0.0.1:{free_port()}",
-                                   "--rendezvous-timeout", "1", "--shm-dir", str(tmp_path)])  # fmt: skip
+    (proc,) = _start_nodes(
+        [env],
+        [
+            "--bind",
+            "auto:0",
+            "--memory",
+            "64KiB",
+            "--master",
+            f"127.0.0.1:{free_port()}",
+            "--rendezvous-timeout",
+            "1",
+            "--shm-dir",
+            str(tmp_path),
+        ],
+    )
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
     assert "1 of 2 ranks never reported (ranks 1): are they running" in err
@@ -443,19 +590,37 @@ def test_launcher_examples_parse(script: str) -> None:
     assert text.startswith("#!/usr/bin/env bash\n") and "allreduce_once_formed" in text
     common = (ROOT / "examples" / "launch_common.sh").read_text()  # sourced by every script
     assert "netdam allreduce --cluster" in common.replace("$NETDAM", "netdam")
-    result = subprocess.run(["bash", "-n", str(ROOT / "examples" / script)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", "-n", str(ROOT / "examples" / script)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun (OpenMPI) is not installed: apt-get install openmpi-bin")
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None,
+    reason="mpirun (OpenMPI) is not installed: apt-get install openmpi-bin",
+)
 def test_mpirun_example(tmp_path: Path) -> None:
-    env = clean_env(NETDAM=f"{sys.executable} -m netdam", RDV_PORT=str(free_port()), NODES="3", TMPDIR=str(tmp_path))
-    result = subprocess.run(["bash", str(ROOT / "examples" / "launch_mpirun.sh")], env=env, capture_output=True,
-                            text=True, timeout=400, stdin=subprocess.DEVNULL)  # fmt: skip
+    env = clean_env(
+        NETDAM=f"{sys.executable} -m netdam",
+        RDV_PORT=str(free_port()),
+        NODES="3",
+        TMPDIR=str(tmp_path),
+    )
+    result = subprocess.run(
+        ["bash", str(ROOT / "examples" / "launch_mpirun.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "allreduce chain OK: 3 nodes" in result.stdout
-    assert result.stderr.count("from OpenMPI mpirun (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE)") == 3
+    assert (
+        result.stderr.count("from OpenMPI mpirun (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE)") == 3
+    )
     assert "stopped 3 nodes" in result.stdout
 
 
@@ -490,7 +655,9 @@ port = {ports[1]}
 
 @pytest.mark.slow
 @pytest.mark.skipif(is_local_address(REMOTE), reason=f"{REMOTE} is an address of this host")
-def test_up_starts_exactly_the_local_nodes_of_a_hand_written_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_starts_exactly_the_local_nodes_of_a_hand_written_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert is_local_address("127.0.0.1")
     path = tmp_path / "c.toml"
     ports = (free_port(socket.SOCK_DGRAM), free_port(socket.SOCK_DGRAM))
@@ -501,9 +668,15 @@ def test_up_starts_exactly_the_local_nodes_of_a_hand_written_file(tmp_path: Path
     try:
         assert (summary["nodes"], summary["ranks"], summary["world_size"]) == (2, [0, 2], 3)
         local = [info.nodes[0], info.nodes[2]]
-        assert [n.port for n in local] == list(ports) and all(n.pid and n.control_port for n in local)
+        assert [n.port for n in local] == list(ports) and all(
+            n.pid and n.control_port for n in local
+        )
         assert all(Path(n.memory_file).stat().st_size == 256 << 10 for n in local)
-        assert info.nodes[1].pid == 0 and info.nodes[1].memory_file == "" and info.nodes[1].memory_bytes == 1 << 20
+        assert (
+            info.nodes[1].pid == 0
+            and info.nodes[1].memory_file == ""
+            and info.nodes[1].memory_bytes == 1 << 20
+        )
         assert info.keep_file and info.admin_key == 0x1234567
         with ControlClient.for_cluster(info) as client:
             pings = [client.ping(n.endpoint)[0] for n in local]
@@ -522,36 +695,62 @@ def test_up_starts_exactly_the_local_nodes_of_a_hand_written_file(tmp_path: Path
     assert not any(alive(n.pid) for n in local)
 
 
-def test_up_with_a_file_refuses_flags_that_describe_a_new_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_with_a_file_refuses_flags_that_describe_a_new_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "c.toml"
     hand_written(path, (1, 2))
     assert main(["up", "--cluster", str(path), "--nodes", "2", "--json"]) == 2
     assert "--nodes conflicts with" in json.loads(capsys.readouterr().out)["error"]
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = "7744"\n',
-     r"line 6 \(\[\[nodes\]\] #1\): `port = \"7744\"` must be an integer: write e.g. `port = 7744` \(no quotes\)"),
-    ('[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nprot = 7744\n',
-     r"line 6 .*unknown field `prot`: did you mean `port`\?"),
-    ('[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "node01"\nport = 1\n',
-     r"line 5 .*is not an IPv4 address: write the node's IP"),
-    ('[cluster]\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = 1\n',
-     r"line 1 \(\[cluster\]\): missing field `admin_key`: add `admin_key = "),
-    ('[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = 2\n',
-     r"line 8 .*rank 0 is also \[\[nodes\]\] #1's \(line 4\)"),
-    ('[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 1\naddress = "127.0.0.1"\nport = 1\n',
-     r"ranks must be 0..0, each once; got 1 .*renumber"),
-    ('[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = 127.0.0.1\n',
-     r"not valid TOML: .*line 5.*strings in double quotes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = "7744"\n',
+            r"line 6 \(\[\[nodes\]\] #1\): `port = \"7744\"` must be an integer: write e.g. `port = 7744` \(no quotes\)",
+        ),
+        (
+            '[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nprot = 7744\n',
+            r"line 6 .*unknown field `prot`: did you mean `port`\?",
+        ),
+        (
+            '[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "node01"\nport = 1\n',
+            r"line 5 .*is not an IPv4 address: write the node's IP",
+        ),
+        (
+            '[cluster]\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = 1\n',
+            r"line 1 \(\[cluster\]\): missing field `admin_key`: add `admin_key = ",
+        ),
+        (
+            '[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = 1\n[[nodes]]\nrank = 0\naddress = "127.0.0.1"\nport = 2\n',
+            r"line 8 .*rank 0 is also \[\[nodes\]\] #1's \(line 4\)",
+        ),
+        (
+            '[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 1\naddress = "127.0.0.1"\nport = 1\n',
+            r"ranks must be 0..0, each once; got 1 .*renumber",
+        ),
+        (
+            "[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\naddress = 127.0.0.1\n",
+            r"not valid TOML: .*line 5.*strings in double quotes",
+        ),
+    ],
+)
 def test_malformed_cluster_files_name_line_field_and_fix(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_cluster(text, Path("c.toml"))
 
 
-def test_up_with_a_malformed_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_with_a_malformed_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\nadress = "127.0.0.1"\nport = 1\n')
+    path.write_text(
+        '[cluster]\nadmin_key = 1\n[[nodes]]\nrank = 0\nadress = "127.0.0.1"\nport = 1\n'
+    )
     assert main(["up", "--cluster", str(path), "--json"]) == 2
-    assert "line 5 ([[nodes]] #1): unknown field `adress`: did you mean `address`?" in json.loads(capsys.readouterr().out)["error"]
+    assert (
+        "line 5 ([[nodes]] #1): unknown field `adress`: did you mean `address`?"
+        in json.loads(capsys.readouterr().out)["error"]
+    )

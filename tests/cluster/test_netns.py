@@ -58,6 +58,7 @@ NODES = ("n0", "n1", "n2")
 COUNT = 100_003  # elements per rank: blocks of unequal size
 SEED = 9
 
+
 @dataclass
 class RankResult:
     returncode: int
@@ -147,14 +148,30 @@ def site(
                 # The "fitted" run cuts requests itself (1 KiB at 1500), the "default" run lets
                 # PoolClient cut them for the cluster's MTU.
                 piece = str(8192 if mtu >= 9000 else 1024)
-                pool = run_driver(fabric, "cl", ["client", "--cluster", str(cluster.path), "--bind", fabric.host("cl").ip,
-                                                 "--region", json.dumps(region), "--piece", piece])  # type: ignore[assignment]  # fmt: skip
+                pool = run_driver(
+                    fabric,
+                    "cl",
+                    [
+                        "client",
+                        "--cluster",
+                        str(cluster.path),
+                        "--bind",
+                        fabric.host("cl").ip,
+                        "--region",
+                        json.dumps(region),
+                        "--piece",
+                        piece,
+                    ],
+                )  # type: ignore[assignment]
         yield Site(fabric, cluster, ranks, capture.frames, region, pool, pool_capture.frames)
 
 
 def ok_ranks(site: Site) -> list[RankResult]:
-    failed = [f"rank {r}: exit {res.returncode}: {res.stderr.strip().splitlines()[-1:]}"
-              for r, res in enumerate(site.ranks) if res.returncode != 0]  # fmt: skip
+    failed = [
+        f"rank {r}: exit {res.returncode}: {res.stderr.strip().splitlines()[-1:]}"
+        for r, res in enumerate(site.ranks)
+        if res.returncode != 0
+    ]
     assert not failed, "; ".join(failed + site.cluster.dead_nodes())
     return site.ranks
 
@@ -186,8 +203,14 @@ def frames_from(
     frames: list[Frame], src: str | None = None, opcode: int | None = None
 ) -> list[Frame]:
     """Frames as they entered the bridge (each datagram once), filtered."""
-    return [f for f in frames if not f.outgoing and f.port.startswith("ndp")
-            and (src is None or f.src == src) and (opcode is None or f.opcode == opcode)]  # fmt: skip
+    return [
+        f
+        for f in frames
+        if not f.outgoing
+        and f.port.startswith("ndp")
+        and (src is None or f.src == src)
+        and (opcode is None or f.opcode == opcode)
+    ]
 
 
 def assert_fits(frames: list[Frame], mtu: int) -> None:
@@ -223,12 +246,27 @@ def test_fabric_leaves_nothing_behind() -> None:
             assert all((NETNS_DIR / name).exists() for name in names)
             a, b = fabric.host("a").ip, fabric.host("b").ip
             sleeper = fabric.popen("a", ["sleep", "60"])
-            receiver = fabric.popen("b", [sys.executable, "-c", "import socket; s = socket.socket(socket.AF_INET, "
-                                          f"socket.SOCK_DGRAM); s.bind(('{b}', 9999)); s.settimeout(10); "
-                                          "print(s.recvfrom(100)[1][0])"], stdout=subprocess.PIPE)  # fmt: skip
+            receiver = fabric.popen(
+                "b",
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket; s = socket.socket(socket.AF_INET, "
+                    f"socket.SOCK_DGRAM); s.bind(('{b}', 9999)); s.settimeout(10); "
+                    "print(s.recvfrom(100)[1][0])",
+                ],
+                stdout=subprocess.PIPE,
+            )
             time.sleep(0.3)
-            send = fabric.run("a", [sys.executable, "-c", "import socket; s = socket.socket(socket.AF_INET, "
-                                    f"socket.SOCK_DGRAM); s.bind(('{a}', 0)); s.sendto(b'x', ('{b}', 9999))"])  # fmt: skip
+            send = fabric.run(
+                "a",
+                [
+                    sys.executable,
+                    "-c",
+                    "import socket; s = socket.socket(socket.AF_INET, "
+                    f"socket.SOCK_DGRAM); s.bind(('{a}', 0)); s.sendto(b'x', ('{b}', 9999))",
+                ],
+            )
             assert send.returncode == 0, send.stderr
             out, _ = receiver.communicate(timeout=10)
             assert out.decode().strip() == a, (
@@ -393,14 +431,28 @@ def test_pool_requests_shrink_to_the_mtu(site: Site) -> None:
     # its tag included (the region is tagged, SPEC.md 2.6).
     largest = min(MAX_PAYLOAD_BYTES, site.mtu - IP_UDP_OVERHEAD - HEADER_SIZE - TAG_SIZE)
     writes = frames_from(frames, src=site.ip("cl"), opcode=Opcode.WRITE)
-    assert max(f.datagram_bytes for f in writes) == IP_UDP_OVERHEAD + HEADER_SIZE + largest + TAG_SIZE
+    assert (
+        max(f.datagram_bytes for f in writes) == IP_UDP_OVERHEAD + HEADER_SIZE + largest + TAG_SIZE
+    )
 
 
 @pytest.mark.slow
 def test_netdam_ping_from_another_host(site: Site) -> None:
     """The CLI's control client reaches nodes on other hosts (it binds the wildcard)."""
-    done = site.fabric.run("cl", [sys.executable, "-m", "netdam", "ping", "--cluster", str(site.cluster.path),
-                                  "--count", "1", "--json"])  # fmt: skip
+    done = site.fabric.run(
+        "cl",
+        [
+            sys.executable,
+            "-m",
+            "netdam",
+            "ping",
+            "--cluster",
+            str(site.cluster.path),
+            "--count",
+            "1",
+            "--json",
+        ],
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     answered = json.loads(done.stdout)["nodes"]
     assert [n["info"]["rank"] for n in answered] == list(range(len(NODES)))

@@ -27,7 +27,9 @@ from netdam.tools.allreduce import reference_chain_allreduce
 
 def _all_reduce(groups: list[ProcessGroup], inputs: list[np.ndarray]) -> list[np.ndarray]:
     buffers = [x.copy() for x in inputs]
-    works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups, strict=True)]
+    works = [
+        api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups, strict=True)
+    ]
     for work in works:
         work.wait()  # type: ignore[union-attr]
     return buffers
@@ -48,12 +50,16 @@ def test_nics_in_one_process_are_separate_nics(per: int, tmp_path: Path) -> None
     """Whatever the placement: each NIC answers on its own address with its own rank and memory
     size, keeps its own counters, and the all-reduce over them equals its numpy reference
     bitwise on every rank."""
-    with start_cluster(3, memory=1 << 20, nics_per_process=per, cluster_path=tmp_path / "c.toml") as cluster:
+    with start_cluster(
+        3, memory=1 << 20, nics_per_process=per, cluster_path=tmp_path / "c.toml"
+    ) as cluster:
         nodes = cluster.info.nodes
         assert len(cluster.processes) == 3 // per
         assert len({n.pid for n in nodes}) == 3 // per
         assert sorted(cluster.ranks_of(nodes[0].pid)) == list(range(per))
-        assert len({n.memory_file for n in nodes}) == 3 and all(Path(n.memory_file).exists() for n in nodes)
+        assert len({n.memory_file for n in nodes}) == 3 and all(
+            Path(n.memory_file).exists() for n in nodes
+        )
         with ControlClient.for_cluster(cluster.info) as client:
             for node in nodes:
                 info, _ = client.ping(node.endpoint)
@@ -79,9 +85,25 @@ def test_up_names_every_nic_of_a_process_that_died(tmp_path: Path) -> None:
     """`netdam up` in the foreground watches its node processes: when one dies it stops the
     cluster and its one error line names every NIC that process hosted."""
     path = tmp_path / "c.toml"
-    up = subprocess.Popen([sys.executable, "-m", "netdam", "up", "--nodes", "4", "--nics-per-process", "2",
-                           "--memory", "1MiB", "--cluster", str(path)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "netdam",
+            "up",
+            "--nodes",
+            "4",
+            "--nics-per-process",
+            "2",
+            "--memory",
+            "1MiB",
+            "--cluster",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert up.stdout is not None and up.stdout.readline().strip() == str(path)
         from netdam.cluster.clusterfile import load_cluster
@@ -103,12 +125,17 @@ def test_up_names_every_nic_of_a_process_that_died(tmp_path: Path) -> None:
     assert not path.exists()
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["--nic", "0@127.0.0.1:1", "--bind", "127.0.0.1:2"], "--bind conflicts with --nic"),
-    (["--nic", "0@127.0.0.1:1", "--nic", "0@127.0.0.1:2"], "names a rank twice"),
-    (["--nic", "127.0.0.1:1"], "write RANK@IP:PORT"),
-])  # fmt: skip
-def test_node_nic_flag_errors_name_the_fix(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--nic", "0@127.0.0.1:1", "--bind", "127.0.0.1:2"], "--bind conflicts with --nic"),
+        (["--nic", "0@127.0.0.1:1", "--nic", "0@127.0.0.1:2"], "names a rank twice"),
+        (["--nic", "127.0.0.1:1"], "write RANK@IP:PORT"),
+    ],
+)
+def test_node_nic_flag_errors_name_the_fix(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     try:
         code = main(["node", *argv])
     except SystemExit as exc:  # argparse's own errors exit

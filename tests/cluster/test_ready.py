@@ -29,8 +29,13 @@ def test_nothing_compiles_after_a_process_is_ready() -> None:
     exchanges and collectives of every dtype need no new kernel specialization: a node that
     compiled one on its first REGISTER answered after the switch had given up (ALLOC refused
     with TIMEOUT on a busy machine)."""
-    out = subprocess.run([sys.executable, str(TESTS / "late_specializations.py")], cwd=TESTS,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "late_specializations.py")],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
@@ -40,15 +45,21 @@ def _sleeper(code: str) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.slow
-def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_start_waits_for_a_process_that_keeps_working(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A process busy for longer than the stall limit (a compile on a loaded machine) is waited
     for, not declared failed."""
     monkeypatch.setattr(startup, "STALL_S", 0.6)
-    proc = _sleeper("import time\nend = time.monotonic() + 2.0\nwhile time.monotonic() < end: pass\n"
-                    "print('ready control_port=4242', flush=True)\ntime.sleep(30)")  # fmt: skip
+    proc = _sleeper(
+        "import time\nend = time.monotonic() + 2.0\nwhile time.monotonic() < end: pass\n"
+        "print('ready control_port=4242', flush=True)\ntime.sleep(30)"
+    )
     try:
         start = time.monotonic()
-        assert launch._wait_ready([proc], [[(0, ("127.0.0.1", 1))]], [tmp_path / "log"]) == {0: 4242}
+        assert launch._wait_ready([proc], [[(0, ("127.0.0.1", 1))]], [tmp_path / "log"]) == {
+            0: 4242
+        }
         assert time.monotonic() - start >= 1.5
     finally:
         proc.kill()
@@ -56,13 +67,17 @@ def test_start_waits_for_a_process_that_keeps_working(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.slow
-def test_start_gives_up_on_a_process_that_stalls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_start_gives_up_on_a_process_that_stalls(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A process that uses no CPU and says nothing fails the start, named, after the stall limit."""
     monkeypatch.setattr(startup, "STALL_S", 1.0)
     proc = _sleeper("import time; time.sleep(60)")
     try:
         start = time.monotonic()
-        with pytest.raises(ClusterStartError, match=r"used no CPU for 1 s: node rank 0 at 127.0.0.1:1 "):
+        with pytest.raises(
+            ClusterStartError, match=r"used no CPU for 1 s: node rank 0 at 127.0.0.1:1 "
+        ):
             launch._wait_ready([proc], [[(0, ("127.0.0.1", 1))]], [tmp_path / "log"])
         assert time.monotonic() - start < 10
     finally:
@@ -74,16 +89,26 @@ def test_kernel_cache_is_outside_the_package() -> None:
     folder = cache_dir.kernel_cache_dir()
     package = Path(cache_dir.__file__).resolve().parent
     assert package not in folder.parents
-    assert not list(package.glob("__pycache__/*.nb[ic]")), "numba wrote cache files into the package"
+    assert not list(package.glob("__pycache__/*.nb[ic]")), (
+        "numba wrote cache files into the package"
+    )
     assert list(folder.glob("*.nbi")), f"no cache index in {folder}"
     assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0
 
 
 def _cache_dir_in_child(env: dict[str, str]) -> tuple[str, str]:
-    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr)\n"
-            "from netdam.kernels import cache_dir; print(cache_dir.kernel_cache_dir())")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
-                         text=True, timeout=120, check=True)  # fmt: skip
+    code = (
+        "import logging, sys; logging.basicConfig(stream=sys.stderr)\n"
+        "from netdam.kernels import cache_dir; print(cache_dir.kernel_cache_dir())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return out.stdout.strip(), out.stderr
 
 
@@ -120,7 +145,9 @@ def test_older_caches_of_this_install_are_removed(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_node_answers_the_first_register_sent_the_moment_its_cluster_file_exists(tmp_path: Path) -> None:
+def test_a_node_answers_the_first_register_sent_the_moment_its_cluster_file_exists(
+    tmp_path: Path,
+) -> None:
     """SPEC.md 8.1, "When a node answers": before, a first REGISTER right after start got no
     reply within a 1 s retry budget. The file is written once every node is ready: one try of
     50 ms is enough, at the data port and at the management port."""
@@ -133,14 +160,22 @@ def test_a_node_answers_the_first_register_sent_the_moment_its_cluster_file_exis
         node = cluster.info.nodes[0]
         with ControlClient.for_cluster(cluster.info) as client:
             for endpoint in (node.endpoint, node.control_endpoint):
-                register = Packet(Opcode.REGISTER, rkey=cluster.info.admin_key, addr=REGISTER_ANYWHERE,
-                                  aux_addr=4096, length=8, payload=pack_key_rights(0, int(Rights.READ)))  # fmt: skip
+                register = Packet(
+                    Opcode.REGISTER,
+                    rkey=cluster.info.admin_key,
+                    addr=REGISTER_ANYWHERE,
+                    aux_addr=4096,
+                    length=8,
+                    payload=pack_key_rights(0, int(Rights.READ)),
+                )
                 reply = client.request(endpoint, register, timeout=0.05, retries=0)
                 assert reply.opcode == Opcode.ACK and reply.addr == 0
                 client.deregister(endpoint, reply.rkey)
 
 
-def test_switch_kernels_compile_aside_only_on_a_cold_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_switch_kernels_compile_aside_only_on_a_cold_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """On a cold cache the switch's own kernels compile in a second process (on the other core)
     while the launcher compiles the node's; the switch's warm-up waits for it. A cache that holds
     them, or a second call, starts nothing."""
@@ -178,10 +213,18 @@ def test_switch_kernels_compile_aside_only_on_a_cold_cache(monkeypatch: pytest.M
 def test_the_compile_aside_imports_no_node_kernel() -> None:
     """What the second process imports compiles nothing of the node's chain (else both cores
     compile the same kernels and nothing is won)."""
-    code = ("import json, sys; from netdam.shell.startup import die_with_parent; import "
-            + ", ".join(launch.SWITCH_ONLY_KERNELS)
-            + "; print(json.dumps(sorted(m for m in sys.modules if m.startswith('netdam.kernels.'))))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import json, sys; from netdam.shell.startup import die_with_parent; import "
+        + ", ".join(launch.SWITCH_ONLY_KERNELS)
+        + "; print(json.dumps(sorted(m for m in sys.modules if m.startswith('netdam.kernels.'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert not loaded & {"netdam.kernels.combine", "netdam.kernels.collective", "netdam.kernels.datapath",
-                         "netdam.kernels.serve"}, loaded  # fmt: skip
+    assert not loaded & {
+        "netdam.kernels.combine",
+        "netdam.kernels.collective",
+        "netdam.kernels.datapath",
+        "netdam.kernels.serve",
+    }, loaded

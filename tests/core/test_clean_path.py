@@ -35,15 +35,39 @@ IN, OUT = 0, 1 << 18
 GROUP = ("239.77.0.9", 7745)
 
 
-def _start_packet(rank: int, n: int, count: int, endpoints: list[tuple[str, int]], multicast: bool) -> bytes:
-    desc = CollectiveDescriptor(Algo.ALL_REDUCE, rank, count, IN, OUT, RKEY,
-                                group=GROUP if multicast else None, timeout_ms=30_000)  # fmt: skip
-    return encode_packet(Packet(Opcode.START_COLL, rkey=ADMIN_KEY, client_id=60 + rank, txn_id=1,
-                                coll_id=5, epoch=1, dtype=DType.F32, reduce_op=ReduceOp.SUM,
-                                segments=tuple(endpoints), payload=desc.encode(), length=64))  # fmt: skip
+def _start_packet(
+    rank: int, n: int, count: int, endpoints: list[tuple[str, int]], multicast: bool
+) -> bytes:
+    desc = CollectiveDescriptor(
+        Algo.ALL_REDUCE,
+        rank,
+        count,
+        IN,
+        OUT,
+        RKEY,
+        group=GROUP if multicast else None,
+        timeout_ms=30_000,
+    )
+    return encode_packet(
+        Packet(
+            Opcode.START_COLL,
+            rkey=ADMIN_KEY,
+            client_id=60 + rank,
+            txn_id=1,
+            coll_id=5,
+            epoch=1,
+            dtype=DType.F32,
+            reduce_op=ReduceOp.SUM,
+            segments=tuple(endpoints),
+            payload=desc.encode(),
+            length=64,
+        )
+    )
 
 
-def run_frozen(n: int, order: tuple[int, ...], gap_steps: int, count: int, multicast: bool) -> dict[str, object]:
+def run_frozen(
+    n: int, order: tuple[int, ...], gap_steps: int, count: int, multicast: bool
+) -> dict[str, object]:
     """Start ranks in *order*, *gap_steps* fabric rounds apart; step with the clock frozen."""
     cluster = make_cluster(n, memory=1 << 20)
     rng = np.random.default_rng(n * 100 + gap_steps)
@@ -60,8 +84,11 @@ def run_frozen(n: int, order: tuple[int, ...], gap_steps: int, count: int, multi
     for round_ in range(5_000):
         if pending and round_ % max(gap_steps, 1) == 0:
             rank = pending.pop(0)
-            cluster.fabric.send(hosts(n)[rank], cluster.endpoints[rank],
-                                _start_packet(rank, n, count, cluster.endpoints, multicast))  # fmt: skip
+            cluster.fabric.send(
+                hosts(n)[rank],
+                cluster.endpoints[rank],
+                _start_packet(rank, n, count, cluster.endpoints, multicast),
+            )
         cluster.fabric.step()
         for rank, host in enumerate(hosts(n)):
             for data, _ in cluster.fabric.receive(host):
@@ -87,7 +114,9 @@ def test_every_start_order_completes_without_a_timer(n: int, multicast: bool) ->
             out = run_frozen(n, order, gap, count, multicast)
             finals = out["finals"]
             assert isinstance(finals, dict)
-            assert sorted(finals) == list(range(n)), f"order {order}, gap {gap}: ranks {sorted(finals)} completed"
+            assert sorted(finals) == list(range(n)), (
+                f"order {order}, gap {gap}: ranks {sorted(finals)} completed"
+            )
             assert all(reply.opcode == Opcode.ACK for reply in finals.values())
             expected = all_reduce_reference(out["inputs"], ReduceOp.SUM)  # type: ignore[arg-type]
             for node in out["cluster"].nodes:  # type: ignore[attr-defined]
@@ -110,9 +139,13 @@ def test_the_completion_carries_every_phase_in_order() -> None:
 
 
 def test_completion_phases_pack_and_unpack() -> None:
-    phases = CompletionPhases(start_ns=123_456_789_012, chains_us=1_000, chunks_us=1_500, done_us=NO_PHASE_US)
+    phases = CompletionPhases(
+        start_ns=123_456_789_012, chains_us=1_000, chunks_us=1_500, done_us=NO_PHASE_US
+    )
     data = pack_completion(7, 1) + pack_completion_phases(phases)
     assert data[16:24] == (123_456_789_012).to_bytes(8, "little")
     assert data[24:28] == (1_000).to_bytes(4, "little") and data[32:36] == b"\xff\xff\xff\xff"
     assert unpack_completion_phases(data) == phases
-    assert unpack_completion_phases(pack_completion(7, 1)) is None  # a 16-byte completion: no phases
+    assert (
+        unpack_completion_phases(pack_completion(7, 1)) is None
+    )  # a 16-byte completion: no phases

@@ -39,12 +39,22 @@ def hosts(n: int) -> list[tuple[str, int]]:
 
 
 def run(
-    n: int, inputs: list[np.ndarray], algo: Algo = Algo.ALL_REDUCE, op: ReduceOp = ReduceOp.SUM,
-    faults: FaultSpec | None = None, multicast: bool = False, in_place: bool = False,
-    root: int = 0, out_count: int | None = None, epoch: int = 1, cluster: Cluster | None = None,
-    max_rounds: int = 20_000, flags: int = 0, on_round: Callable[[Cluster, int], None] | None = None,
+    n: int,
+    inputs: list[np.ndarray],
+    algo: Algo = Algo.ALL_REDUCE,
+    op: ReduceOp = ReduceOp.SUM,
+    faults: FaultSpec | None = None,
+    multicast: bool = False,
+    in_place: bool = False,
+    root: int = 0,
+    out_count: int | None = None,
+    epoch: int = 1,
+    cluster: Cluster | None = None,
+    max_rounds: int = 20_000,
+    flags: int = 0,
+    on_round: Callable[[Cluster, int], None] | None = None,
     tag_key: bytes = TAG_KEY,
-) -> Outcome:  # fmt: skip
+) -> Outcome:
     """Stage inputs by host store, START_COLL from every rank's host, run until every host heard.
     *on_round(cluster, round)* runs before each fabric step (to inject datagrams)."""
     cluster = cluster or make_cluster(n, faults, memory=MEMORY)
@@ -59,12 +69,30 @@ def run(
     starts = []
     for rank, host in enumerate(hosts(n)):
         cluster.fabric.add_endpoint(host)
-        desc = CollectiveDescriptor(algo, rank, count, IN, out_addr, RKEY, root=root,
-                                    group=GROUP if multicast else None, timeout_ms=30_000,
-                                    flags=flags, tag_key=tag_key)  # fmt: skip
-        start = Packet(Opcode.START_COLL, rkey=ADMIN_KEY, client_id=50 + rank, txn_id=epoch,
-                       coll_id=3, epoch=epoch, dtype=dtype, reduce_op=op,
-                       segments=tuple(cluster.endpoints)).with_payload(desc.encode())  # fmt: skip
+        desc = CollectiveDescriptor(
+            algo,
+            rank,
+            count,
+            IN,
+            out_addr,
+            RKEY,
+            root=root,
+            group=GROUP if multicast else None,
+            timeout_ms=30_000,
+            flags=flags,
+            tag_key=tag_key,
+        )
+        start = Packet(
+            Opcode.START_COLL,
+            rkey=ADMIN_KEY,
+            client_id=50 + rank,
+            txn_id=epoch,
+            coll_id=3,
+            epoch=epoch,
+            dtype=dtype,
+            reduce_op=op,
+            segments=tuple(cluster.endpoints),
+        ).with_payload(desc.encode())
         starts.append(encode_packet(start))
     finals: dict[int, Packet] = {}
     for round_ in range(max_rounds):
@@ -87,11 +115,16 @@ def run(
     cluster.fabric.run_until_idle(max_rounds=max_rounds)  # let stragglers settle
     replies = [finals[rank] for rank in range(n)]
     nbytes = count * inputs[0].itemsize
-    outputs = [node.memory[out_addr : out_addr + nbytes].view(inputs[0].dtype).copy() for node in cluster.nodes]
+    outputs = [
+        node.memory[out_addr : out_addr + nbytes].view(inputs[0].dtype).copy()
+        for node in cluster.nodes
+    ]
     return Outcome(outputs, replies, cluster)
 
 
-def run_under_forgery(seed: int, forged: Callable[[int, int], list[Packet]], made_up_tags: bool = False) -> None:
+def run_under_forgery(
+    seed: int, forged: Callable[[int, int], list[Packet]], made_up_tags: bool = False
+) -> None:
     """A 3-rank all-reduce while, every third round of the first 300, each node gets
     forged(seq, victim) for seq 0-3 from another member's address (and, with *made_up_tags*, each
     also flagged TAGGED with a random tag): every rank's result is exact and every node counted
@@ -109,8 +142,14 @@ def run_under_forgery(seed: int, forged: Callable[[int, int], list[Packet]], mad
                 for packet in forged(seq, victim):
                     cluster.fabric.send(forger, cluster.endpoints[victim], encode_packet(packet))
                     if made_up_tags:
-                        made_up = replace(packet, flags=packet.flags | Flags.TAGGED, tag=int(rng.integers(1, 2**63)))
-                        cluster.fabric.send(forger, cluster.endpoints[victim], encode_packet(made_up))
+                        made_up = replace(
+                            packet,
+                            flags=packet.flags | Flags.TAGGED,
+                            tag=int(rng.integers(1, 2**63)),
+                        )
+                        cluster.fabric.send(
+                            forger, cluster.endpoints[victim], encode_packet(made_up)
+                        )
 
     out = run(n, inputs, on_round=forge)
     assert all(r.opcode == Opcode.ACK for r in out.replies), [r.status for r in out.replies]
@@ -126,11 +165,22 @@ def test_forged_replies_without_the_key_abort_nothing() -> None:
 
     def forged(seq: int, victim: int) -> list[Packet]:
         return [
-            Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1),
+            Packet(
+                Opcode.NACK, status=Status.NO_RIGHTS, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1
+            ),
             Packet(Opcode.ACK, seq=(victim + 1) % 3, coll_id=3, epoch=1, rkey=0, aux_addr=2),
-            Packet(Opcode.READ_RESP, seq=seq, coll_id=3, epoch=1, rkey=RKEY ^ 1, addr=OUT, length=8,
-                   dtype=DType.F32, payload=b"\xff" * 8),
-        ]  # fmt: skip
+            Packet(
+                Opcode.READ_RESP,
+                seq=seq,
+                coll_id=3,
+                epoch=1,
+                rkey=RKEY ^ 1,
+                addr=OUT,
+                length=8,
+                dtype=DType.F32,
+                payload=b"\xff" * 8,
+            ),
+        ]
 
     run_under_forgery(11, forged)
 
@@ -149,12 +199,23 @@ def test_forged_datagrams_with_the_live_key_change_nothing() -> None:
         return [
             Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=seq, **ids),
             Packet(Opcode.ACK, seq=(victim + 1) % 3, aux_addr=2, **ids),
-            Packet(Opcode.READ_RESP, seq=seq, addr=OUT, dtype=DType.F32, **ids).with_payload(garbage),
-            Packet(Opcode.ALL_WRITE, seq=seq, addr=OUT + 4 * 16 * seq, dtype=DType.F32, **ids).with_payload(garbage),
+            Packet(Opcode.READ_RESP, seq=seq, addr=OUT, dtype=DType.F32, **ids).with_payload(
+                garbage
+            ),
+            Packet(
+                Opcode.ALL_WRITE, seq=seq, addr=OUT + 4 * 16 * seq, dtype=DType.F32, **ids
+            ).with_payload(garbage),
             Packet(Opcode.WRITE, rkey=RKEY, addr=OUT + 64 * seq).with_payload(garbage),
-            Packet(Opcode.CHAIN_ADD, seq=seq, addr=IN, aux_addr=OUT, dtype=DType.F32, segments=(GROUP,),
-                   **ids).with_payload(garbage),
-        ]  # fmt: skip
+            Packet(
+                Opcode.CHAIN_ADD,
+                seq=seq,
+                addr=IN,
+                aux_addr=OUT,
+                dtype=DType.F32,
+                segments=(GROUP,),
+                **ids,
+            ).with_payload(garbage),
+        ]
 
     run_under_forgery(12, forged, made_up_tags=True)
 
@@ -177,7 +238,7 @@ def test_a_collectives_answers_carry_its_tag_or_none(tag_key: bytes) -> None:
 def random_inputs(rng: np.random.Generator, n: int, count: int, dtype: type) -> list[np.ndarray]:
     if np.dtype(dtype).kind == "f":
         return [rng.standard_normal(count).astype(dtype) for _ in range(n)]
-    return [rng.integers(-10**6, 10**6, count).astype(dtype) for _ in range(n)]
+    return [rng.integers(-(10**6), 10**6, count).astype(dtype) for _ in range(n)]
 
 
 def assert_all_equal(outputs: list[np.ndarray], expected: np.ndarray) -> None:
@@ -257,7 +318,9 @@ def test_barrier_is_a_one_element_all_reduce() -> None:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("rate", [0.1, 0.3])
-def test_all_reduce_under_loss_dup_reorder(seed: int, rate: float, rng: np.random.Generator) -> None:
+def test_all_reduce_under_loss_dup_reorder(
+    seed: int, rate: float, rng: np.random.Generator
+) -> None:
     inputs = random_inputs(rng, 4, 30_000, np.float32)
     faults = FaultSpec(loss=rate, dup=rate, reorder=rate, seed=seed)
     outcome = run(4, inputs, faults=faults, multicast=seed % 2 == 1)
@@ -303,15 +366,27 @@ def test_duplicate_chains_after_ack_and_resend_after_gather(rng: np.random.Gener
     for node, snapshot in zip(cluster.nodes, before, strict=True):
         np.testing.assert_array_equal(node.memory, snapshot)
     resent = sum(int(n.counters[C.CHAIN_REACKS]) for n in cluster.nodes) - reacks_before
-    assert resent >= sum(int(n.collective.last_started().cfg[L.CFG_CHUNKS]) for n in cluster.nodes[:1])
+    assert resent >= sum(
+        int(n.collective.last_started().cfg[L.CFG_CHUNKS]) for n in cluster.nodes[:1]
+    )
 
 
 def test_stale_epoch_dropped(rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, 3, 4096, np.float32)
     outcome = run(3, inputs, epoch=5)
     cluster = outcome.cluster
-    old = Packet(Opcode.CHAIN_ADD, rkey=RKEY, addr=IN, aux_addr=OUT, dtype=DType.F32, coll_id=3,
-                 epoch=4, segments=(cluster.endpoints[1],), length=8, payload=bytes(8))  # fmt: skip
+    old = Packet(
+        Opcode.CHAIN_ADD,
+        rkey=RKEY,
+        addr=IN,
+        aux_addr=OUT,
+        dtype=DType.F32,
+        coll_id=3,
+        epoch=4,
+        segments=(cluster.endpoints[1],),
+        length=8,
+        payload=bytes(8),
+    )
     assert cluster.request(1, old) == []
     assert cluster.nodes[1].counters[C.DROP_STALE_EPOCH] == 1
 
@@ -322,22 +397,43 @@ def test_bad_descriptors_are_refused() -> None:
     cluster.fabric.add_endpoint(host)
 
     def start(desc: CollectiveDescriptor, **kw: object) -> Packet:
-        fields = dict(rkey=ADMIN_KEY, coll_id=3, epoch=1, dtype=DType.F32,
-                      segments=tuple(cluster.endpoints), payload=desc.encode(), length=64)  # fmt: skip
+        fields = dict(
+            rkey=ADMIN_KEY,
+            coll_id=3,
+            epoch=1,
+            dtype=DType.F32,
+            segments=tuple(cluster.endpoints),
+            payload=desc.encode(),
+            length=64,
+        )
         fields.update(kw)
-        cluster.fabric.send(host, cluster.endpoints[0], encode_packet(Packet(Opcode.START_COLL, **fields)))  # type: ignore[arg-type]
+        cluster.fabric.send(
+            host, cluster.endpoints[0], encode_packet(Packet(Opcode.START_COLL, **fields))
+        )  # type: ignore[arg-type]
         cluster.fabric.run_until_idle()
         (reply,) = [decode_packet(d) for d, _ in cluster.fabric.receive(host)]
         return reply
 
     good = CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT, RKEY)
     assert start(good, rkey=1).status == Status.UNAUTHORIZED
-    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 1, 100, IN, OUT, RKEY)).status == Status.BAD_SEGMENT
+    assert (
+        start(CollectiveDescriptor(Algo.ALL_REDUCE, 1, 100, IN, OUT, RKEY)).status
+        == Status.BAD_SEGMENT
+    )
     # A key no region has names this collective's own key (SPEC.md 4.1): its buffers must then
     # lie in registered memory, and beyond it they do not.
-    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, MEMORY, MEMORY, 0xBAD)).status == Status.BAD_RKEY
-    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, MEMORY - 8, RKEY)).status == Status.OUT_OF_BOUNDS
-    assert start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT + 2, RKEY)).status == Status.MISALIGNED
+    assert (
+        start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, MEMORY, MEMORY, 0xBAD)).status
+        == Status.BAD_RKEY
+    )
+    assert (
+        start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, MEMORY - 8, RKEY)).status
+        == Status.OUT_OF_BOUNDS
+    )
+    assert (
+        start(CollectiveDescriptor(Algo.ALL_REDUCE, 0, 100, IN, OUT + 2, RKEY)).status
+        == Status.MISALIGNED
+    )
     assert start(good, dtype=DType.RAW).status == Status.BAD_DTYPE
     assert start(good, coll_id=0).status == Status.BAD_FIELD
 
@@ -345,9 +441,13 @@ def test_bad_descriptors_are_refused() -> None:
 # ---------------------------------------------------------------- sparse mode (SPEC.md 2.5, 4.1)
 
 
-def sparse_inputs(rng: np.random.Generator, n: int, count: int, dtype: type, density: float) -> list[np.ndarray]:
+def sparse_inputs(
+    rng: np.random.Generator, n: int, count: int, dtype: type, density: float
+) -> list[np.ndarray]:
     dense = random_inputs(rng, n, count, dtype)
-    return [np.where(rng.random(count) < density, x, np.zeros(1, dtype)).astype(dtype) for x in dense]
+    return [
+        np.where(rng.random(count) < density, x, np.zeros(1, dtype)).astype(dtype) for x in dense
+    ]
 
 
 def run_both(n: int, inputs: list[np.ndarray], **kwargs: object) -> tuple[Outcome, Outcome]:
@@ -368,7 +468,9 @@ def _tx_bytes(outcome: Outcome) -> int:
 
 
 def _chains(outcome: Outcome) -> int:
-    return sum(int(node.counters[C.OPCODE_BASE + Opcode.CHAIN_ADD]) for node in outcome.cluster.nodes)
+    return sum(
+        int(node.counters[C.OPCODE_BASE + Opcode.CHAIN_ADD]) for node in outcome.cluster.nodes
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32])
@@ -379,7 +481,9 @@ def test_sparse_all_reduce_equals_dense(dtype: type, rng: np.random.Generator) -
 
 
 @pytest.mark.parametrize("op", list(ReduceOp))
-def test_sparse_negative_zero_denormals_and_zero_chunks(op: ReduceOp, rng: np.random.Generator) -> None:
+def test_sparse_negative_zero_denormals_and_zero_chunks(
+    op: ReduceOp, rng: np.random.Generator
+) -> None:
     count = 12_000
     inputs = sparse_inputs(rng, 3, count, np.float32, 0.05)
     tiny = np.float32(1e-45)  # a denormal
@@ -412,7 +516,9 @@ def test_sparse_reduce_scatter(rng: np.random.Generator) -> None:
 
 
 @pytest.mark.parametrize("multicast", [False, True])
-def test_sparse_under_loss_duplication_and_reordering(multicast: bool, rng: np.random.Generator) -> None:
+def test_sparse_under_loss_duplication_and_reordering(
+    multicast: bool, rng: np.random.Generator
+) -> None:
     inputs = sparse_inputs(rng, 4, 30_000, np.float32, 0.1)
     for x in inputs:
         x[:5000] = 0.0
@@ -425,8 +531,16 @@ def test_sparse_flag_rejected_for_gathers() -> None:
     inputs = [np.ones(10, np.float32) for _ in range(2)]
     cluster = make_cluster(2, None, memory=MEMORY)
     desc = CollectiveDescriptor(Algo.ALL_GATHER, 0, 20, IN, OUT, RKEY, flags=1)
-    start = Packet(Opcode.START_COLL, rkey=ADMIN_KEY, coll_id=3, epoch=1, dtype=DType.F32,
-                   segments=tuple(cluster.endpoints), payload=desc.encode(), length=64)  # fmt: skip
+    start = Packet(
+        Opcode.START_COLL,
+        rkey=ADMIN_KEY,
+        coll_id=3,
+        epoch=1,
+        dtype=DType.F32,
+        segments=tuple(cluster.endpoints),
+        payload=desc.encode(),
+        length=64,
+    )
     host = ("127.0.0.1", 9100)
     cluster.fabric.add_endpoint(host)
     cluster.fabric.send(host, cluster.endpoints[0], encode_packet(start))
@@ -438,7 +552,9 @@ def test_sparse_flag_rejected_for_gathers() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.int64, np.float64])
 @pytest.mark.parametrize("op", list(ReduceOp))
-def test_reduce_scatter_every_dtype_and_op(dtype: type, op: ReduceOp, rng: np.random.Generator) -> None:
+def test_reduce_scatter_every_dtype_and_op(
+    dtype: type, op: ReduceOp, rng: np.random.Generator
+) -> None:
     inputs = random_inputs(rng, 3, 4099, dtype)
     outcome = run(3, inputs, algo=Algo.REDUCE_SCATTER, op=op)
     expected = all_reduce_reference(inputs, op)

@@ -56,19 +56,36 @@ print(k)
 
 
 def node(tag_key: bytes = TAG_KEY, guard: bool = False) -> NodeCore:
-    return NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN, admin_tag_key=tag_key,
-                               guard=GuardConfig.on() if guard else GuardConfig()))  # fmt: skip
+    return NodeCore(
+        NodeConfig(
+            endpoint=ME,
+            memory_bytes=1 << 16,
+            admin_key=ADMIN,
+            admin_tag_key=tag_key,
+            guard=GuardConfig.on() if guard else GuardConfig(),
+        )
+    )
 
 
-def exchange(core: NodeCore | SwitchCore, data: bytes, src: Endpoint = ADMIN_HOST, now: float = 0.0) -> list[bytes]:
+def exchange(
+    core: NodeCore | SwitchCore, data: bytes, src: Endpoint = ADMIN_HOST, now: float = 0.0
+) -> list[bytes]:
     core.receive_datagram(data, src, now)
     return [d for d, _ in core.datagrams_to_send(now)]
 
 
 def register(base: int, size: int, txn: int = 1, rkey: int = 0) -> Packet:
     payload = pack_register(0, int(RIGHTS_ALL))
-    return Packet(Opcode.REGISTER, client_id=3, txn_id=txn, rkey=rkey, addr=base, aux_addr=size,
-                  length=len(payload), payload=payload)  # fmt: skip
+    return Packet(
+        Opcode.REGISTER,
+        client_id=3,
+        txn_id=txn,
+        rkey=rkey,
+        addr=base,
+        aux_addr=size,
+        length=len(payload),
+        payload=payload,
+    )
 
 
 def test_the_compiled_control_tag_matches_the_reference() -> None:
@@ -81,7 +98,9 @@ def test_the_compiled_control_tag_matches_the_reference() -> None:
         assert int.from_bytes(sealed[-8:], "little") != siphash24(TAG_KEY, sealed[:-8])
         flipped = bytearray(sealed)
         flipped[n - 1 if n > 64 else 8] ^= 1  # the payload's last byte, else the header's
-        assert not verify_control_bytes(TAG_KEY, bytes(flipped)) and not verify_control(TAG_KEY, bytes(flipped))
+        assert not verify_control_bytes(TAG_KEY, bytes(flipped)) and not verify_control(
+            TAG_KEY, bytes(flipped)
+        )
 
 
 def test_a_sealed_register_is_the_admins_and_its_answer_is_sealed() -> None:
@@ -133,11 +152,23 @@ def test_a_proven_request_hears_even_its_refusal_sealed() -> None:
 def test_a_wrong_control_tag_is_dropped_and_counted_and_changes_nothing() -> None:
     core = node()
     rkey = core.register_region(0, 4096, RIGHTS_ALL)
-    deregister = Packet(Opcode.DEREGISTER, client_id=3, txn_id=9, length=8, payload=pack_key_rights(rkey, 0))
+    deregister = Packet(
+        Opcode.DEREGISTER, client_id=3, txn_id=9, length=8, payload=pack_key_rights(rkey, 0)
+    )
     assert exchange(core, seal_control(bytes(16), encode_packet(deregister))) == []
     # The payload is covered: a sealed DEREGISTER of another rkey cannot be turned on this one.
-    other = seal_control(TAG_KEY, encode_packet(Packet(Opcode.DEREGISTER, client_id=3, txn_id=9, length=8,
-                                                       payload=pack_key_rights(rkey ^ 1, 0))))  # fmt: skip
+    other = seal_control(
+        TAG_KEY,
+        encode_packet(
+            Packet(
+                Opcode.DEREGISTER,
+                client_id=3,
+                txn_id=9,
+                length=8,
+                payload=pack_key_rights(rkey ^ 1, 0),
+            )
+        ),
+    )
     spliced = other[:64] + pack_key_rights(rkey, 0) + other[-8:]
     assert exchange(core, spliced) == []
     assert rkey in core.regions()
@@ -150,36 +181,70 @@ def test_a_wrong_control_tag_is_dropped_and_counted_and_changes_nothing() -> Non
 def test_a_guesser_on_the_admins_address_does_not_lock_the_admin_out() -> None:
     core = node(guard=True)
     for k in range(LOCKOUT_BURST + 5):  # wrong admin keys from the admin's own address
-        exchange(core, encode_packet(Packet(Opcode.COUNTERS, client_id=1, txn_id=k, rkey=0x1000 + k)), now=0.1)
+        exchange(
+            core,
+            encode_packet(Packet(Opcode.COUNTERS, client_id=1, txn_id=k, rkey=0x1000 + k)),
+            now=0.1,
+        )
     # Locked out: the untagged admin key is dropped with the guesses...
-    assert exchange(core, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=1, rkey=ADMIN)), now=0.2) == []
+    assert (
+        exchange(
+            core, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=1, rkey=ADMIN)), now=0.2
+        )
+        == []
+    )
     assert int(core.counters[C.LOCKOUTS]) >= 1
     # ...but a control tag proves the admin tag key, which a guesser does not hold.
-    [ack] = exchange(core, seal_control(TAG_KEY, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=2))),
-                     now=0.3)  # fmt: skip
+    [ack] = exchange(
+        core,
+        seal_control(TAG_KEY, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=2))),
+        now=0.3,
+    )
     assert verify_control(TAG_KEY, ack) and decode_packet(ack).opcode == Opcode.ACK
     # and a forged tag from the locked address gets nothing, nor counts as a guess.
     failures = int(core.counters[C.AUTH_FAILURES])
-    assert exchange(core, seal_control(bytes(16), encode_packet(Packet(Opcode.COUNTERS, txn_id=3))), now=0.4) == []
+    assert (
+        exchange(
+            core, seal_control(bytes(16), encode_packet(Packet(Opcode.COUNTERS, txn_id=3))), now=0.4
+        )
+        == []
+    )
     assert int(core.counters[C.AUTH_FAILURES]) == failures
 
 
 def test_the_switch_takes_the_admins_pool_requests_only_sealed() -> None:
     vip: Endpoint = ("10.0.0.100", 9000)
-    switch = SwitchCore(SwitchConfig(vip=vip, nodes=(ME,), admin_key=ADMIN, admin_tag_key=TAG_KEY,
-                                     guard=GuardConfig.on()), list[Region]())  # fmt: skip
+    switch = SwitchCore(
+        SwitchConfig(
+            vip=vip, nodes=(ME,), admin_key=ADMIN, admin_tag_key=TAG_KEY, guard=GuardConfig.on()
+        ),
+        list[Region](),
+    )
     counters = Packet(Opcode.COUNTERS, client_id=3, txn_id=1, rkey=ADMIN)
     [nack] = exchange(switch, encode_packet(counters))
     assert decode_packet(nack).status == Status.UNAUTHORIZED
-    [ack] = exchange(switch, seal_control(TAG_KEY, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=2))))
+    [ack] = exchange(
+        switch, seal_control(TAG_KEY, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=2)))
+    )
     assert verify_control(TAG_KEY, ack) and decode_packet(ack).opcode == Opcode.ACK
-    assert exchange(switch, seal_control(bytes(16), encode_packet(Packet(Opcode.COUNTERS, txn_id=3)))) == []
+    assert (
+        exchange(switch, seal_control(bytes(16), encode_packet(Packet(Opcode.COUNTERS, txn_id=3))))
+        == []
+    )
     assert int(switch.counters[C.DROP_CONTROL_FORGED]) == 1
     # Locked out by guesses from the same address, the sealed request still passes.
     for k in range(LOCKOUT_BURST + 5):
-        exchange(switch, encode_packet(Packet(Opcode.COUNTERS, client_id=1, txn_id=100 + k, rkey=0x1000 + k)))
-    assert exchange(switch, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=4, rkey=ADMIN))) == []
-    [ack] = exchange(switch, seal_control(TAG_KEY, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=5))))
+        exchange(
+            switch,
+            encode_packet(Packet(Opcode.COUNTERS, client_id=1, txn_id=100 + k, rkey=0x1000 + k)),
+        )
+    assert (
+        exchange(switch, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=4, rkey=ADMIN)))
+        == []
+    )
+    [ack] = exchange(
+        switch, seal_control(TAG_KEY, encode_packet(Packet(Opcode.COUNTERS, client_id=3, txn_id=5)))
+    )
     assert verify_control(TAG_KEY, ack)
 
 
@@ -192,20 +257,29 @@ def test_the_admins_tools_seal_and_a_cluster_refuses_the_bare_admin_key() -> Non
             admin.deregister(target, rkey)
             counters = C.counters_to_dict(admin.counters(target))
         assert counters["ops"]["REGISTER"] == 1  # type: ignore[index]
-        with ControlClient(admin_key=info.admin_key) as v1_tool, pytest.raises(ControlError) as refused:
+        with (
+            ControlClient(admin_key=info.admin_key) as v1_tool,
+            pytest.raises(ControlError) as refused,
+        ):
             v1_tool.counters(target)
-        assert refused.value.status == Status.UNAUTHORIZED and b"admin tag key" in refused.value.payload
+        assert (
+            refused.value.status == Status.UNAUTHORIZED
+            and b"admin tag key" in refused.value.payload
+        )
 
 
-def test_a_guess_flood_on_the_admins_address_leaves_the_admin_and_collectives_working(tmp_path: Path) -> None:
+def test_a_guess_flood_on_the_admins_address_leaves_the_admin_and_collectives_working(
+    tmp_path: Path,
+) -> None:
     """Every local client sends from 127.0.0.1: a guesser there locked the operator out (~67 s
     refused) and failed all-reduces. Control tags exempt the admin's proven requests, and the
     hosts' START_COLLs are the admin's: 20 all-reduces under the flood are all exact."""
     with start_cluster(2, memory=8 << 20, cluster_path=tmp_path / "c.toml") as cluster:
         targets = list(cluster.endpoints)
         groups = [ProcessGroup(cluster.info, rank) for rank in range(2)]
-        guesser = subprocess.Popen([sys.executable, "-c", GUESSER, repr(targets), "4"], stdout=subprocess.PIPE,
-                                   text=True)  # fmt: skip
+        guesser = subprocess.Popen(
+            [sys.executable, "-c", GUESSER, repr(targets), "4"], stdout=subprocess.PIPE, text=True
+        )
         try:
             time.sleep(0.5)  # the guesser has locked 127.0.0.1 out by now
             v1 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -227,7 +301,9 @@ def test_a_guess_flood_on_the_admins_address_leaves_the_admin_and_collectives_wo
                         pass
                     inputs = [rng.standard_normal(1 << 14).astype(np.float32) for _ in range(2)]
                     expected = all_reduce_reference(inputs)
-                    for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
+                    for w in [
+                        api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)
+                    ]:
                         w.wait()  # type: ignore[union-attr]
                     for rank, b in enumerate(inputs):
                         assert b.tobytes() == expected.tobytes(), (calls, rank)

@@ -45,8 +45,16 @@ def fetch_add_with_retries(faults: FaultSpec, increments: int) -> tuple[int, int
     acked = 0
     log: list[bytes] = []
     for txn in range(1, increments + 1):
-        request = Packet(Opcode.FETCH_ADD, client_id=7, txn_id=txn, rkey=RKEY, addr=0,
-                         dtype=DType.U64, length=8, payload=struct.pack("<Q", 1))  # fmt: skip
+        request = Packet(
+            Opcode.FETCH_ADD,
+            client_id=7,
+            txn_id=txn,
+            rkey=RKEY,
+            addr=0,
+            dtype=DType.U64,
+            length=8,
+            payload=struct.pack("<Q", 1),
+        )
         for _attempt in range(50):
             replies = cluster.request(1, request)
             log += [encode_packet(r) for r in replies]

@@ -43,7 +43,11 @@ class Group:
 
     def descriptor_for_epoch(self, packet: Packet, epoch: int) -> Packet:
         desc = unpack_descriptor(packet.payload)
-        return replace(packet, epoch=epoch, payload=replace(desc, tag_key=tag_key(self.coll_id, epoch)).encode())
+        return replace(
+            packet,
+            epoch=epoch,
+            payload=replace(desc, tag_key=tag_key(self.coll_id, epoch)).encode(),
+        )
 
 
 def tag_key(coll_id: int, epoch: int) -> bytes:
@@ -53,10 +57,25 @@ def tag_key(coll_id: int, epoch: int) -> bytes:
 def start_packet(cluster: Cluster, group: Group, slot: int) -> Packet:
     """START_COLL of *group*'s next epoch: an all-reduce of the slot-th pair of buffers."""
     group.epoch += 1
-    desc = CollectiveDescriptor(Algo.ALL_REDUCE, group.rank, COUNT, 2 * slot * SPAN, (2 * slot + 1) * SPAN, RKEY,
-                                timeout_ms=30_000, tag_key=tag_key(group.coll_id, group.epoch))  # fmt: skip
-    return Packet(Opcode.START_COLL, rkey=ADMIN_KEY, coll_id=group.coll_id, epoch=group.epoch, dtype=DType.F32,
-                  reduce_op=ReduceOp.SUM, segments=tuple(cluster.endpoints)).with_payload(desc.encode())  # fmt: skip
+    desc = CollectiveDescriptor(
+        Algo.ALL_REDUCE,
+        group.rank,
+        COUNT,
+        2 * slot * SPAN,
+        (2 * slot + 1) * SPAN,
+        RKEY,
+        timeout_ms=30_000,
+        tag_key=tag_key(group.coll_id, group.epoch),
+    )
+    return Packet(
+        Opcode.START_COLL,
+        rkey=ADMIN_KEY,
+        coll_id=group.coll_id,
+        epoch=group.epoch,
+        dtype=DType.F32,
+        reduce_op=ReduceOp.SUM,
+        segments=tuple(cluster.endpoints),
+    ).with_payload(desc.encode())
 
 
 class Host:
@@ -87,7 +106,9 @@ class Host:
         self.send(out)
 
 
-def drive(cluster: Cluster, hosts: list[Host], done: Callable[[], bool], seconds: float = 60.0) -> None:
+def drive(
+    cluster: Cluster, hosts: list[Host], done: Callable[[], bool], seconds: float = 60.0
+) -> None:
     """Run fabric and hosts until *done*, the clock jumping 5 ms whenever nothing moves."""
     while not done():
         assert cluster.fabric.now < seconds, "calls still running at the hand clock's limit"
@@ -107,12 +128,16 @@ def stage(cluster: Cluster, rng: np.random.Generator, slot: int) -> list[np.ndar
 def assert_exact(cluster: Cluster, inputs: list[np.ndarray], slot: int) -> None:
     expected = all_reduce_reference(inputs, ReduceOp.SUM).tobytes()
     for rank, node in enumerate(cluster.nodes):
-        assert node.memory[(2 * slot + 1) * SPAN : (2 * slot + 2) * SPAN].tobytes() == expected, f"rank {rank}"
+        assert node.memory[(2 * slot + 1) * SPAN : (2 * slot + 2) * SPAN].tobytes() == expected, (
+            f"rank {rank}"
+        )
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.2])
 def test_two_lanes_of_four_ranks_complete_exact(loss: float) -> None:
-    cluster = make_cluster(4, FaultSpec(seed=31, loss=loss, dup=loss / 2, reorder=loss / 2) if loss else None)
+    cluster = make_cluster(
+        4, FaultSpec(seed=31, loss=loss, dup=loss / 2, reorder=loss / 2) if loss else None
+    )
     rng = np.random.default_rng(31)
     hosts = [Host(cluster, r, 70 + r) for r in range(4)]
     inputs = [stage(cluster, rng, slot) for slot in range(2)]
@@ -217,7 +242,9 @@ def test_a_silent_node_fails_the_head_call_after_its_watchdog_and_grace() -> Non
         resends += len(out)
     assert resends == int((2.0 + SILENCE_GRACE_S - 0.05) / START_RESEND_S)  # every START_RESEND_S
     out, silent = queue.tick(now + 0.1)
-    assert silent == [call] and call.failed and call.ended and call.silent_s == 2.0 + SILENCE_GRACE_S
+    assert (
+        silent == [call] and call.failed and call.ended and call.silent_s == 2.0 + SILENCE_GRACE_S
+    )
     assert not queue.heads()  # the lane moved on
     # A *timeout* given by the waiter overrides the watchdog's bound.
     other = Call(group, start_packet(cluster, group, 0), watchdog_s=2.0)
@@ -268,12 +295,24 @@ def test_answers_that_are_not_the_calls_own_change_nothing() -> None:
         fields = {"client_id": 7, "txn_id": call.txn, "coll_id": 1100, "epoch": 1, **kw}
         return encode_packet(Packet(opcode, **fields))  # type: ignore[arg-type]  # test's own fields
 
-    completion = encode_packet(Packet(Opcode.ACK, client_id=7, txn_id=call.txn, coll_id=1100, epoch=1, aux_addr=1,
-                                      payload=pack_completion(0, 0), length=16))  # fmt: skip
+    completion = encode_packet(
+        Packet(
+            Opcode.ACK,
+            client_id=7,
+            txn_id=call.txn,
+            coll_id=1100,
+            epoch=1,
+            aux_addr=1,
+            payload=pack_completion(0, 0),
+            length=16,
+        )
+    )
     forged = [
         completion,  # untagged
         seal(bytes(16), completion),  # another key
-        encode_packet(Packet(Opcode.ACK, client_id=8, txn_id=call.txn, aux_addr=1)),  # another client
+        encode_packet(
+            Packet(Opcode.ACK, client_id=8, txn_id=call.txn, aux_addr=1)
+        ),  # another client
         answer(Opcode.ACK, txn_id=call.txn ^ 1, aux_addr=1),  # no such call
         b"\x01\x02garbage",
     ]
@@ -284,12 +323,18 @@ def test_answers_that_are_not_the_calls_own_change_nothing() -> None:
     assert queue.receive(answer(Opcode.ACK), 3.0)[1] is Heard.STARTED and call.heard_at == 3.0
     nack = seal(key, answer(Opcode.NACK, status=Status.BAD_FIELD))
     got, heard, out = queue.receive(nack, 4.0)
-    assert got is call and heard is Heard.FAILED and call.nack is not None and call.nack.status == Status.BAD_FIELD
+    assert (
+        got is call
+        and heard is Heard.FAILED
+        and call.nack is not None
+        and call.nack.status == Status.BAD_FIELD
+    )
     assert call.ended and not call.done and out == [] and not queue.heads()
 
 
-def issue_in_orders(cluster: Cluster, orders: dict[int, list[int]], coll_ids: list[int],
-                    rng: np.random.Generator) -> tuple[list[Call], list[list[np.ndarray]], set[int]]:  # fmt: skip
+def issue_in_orders(
+    cluster: Cluster, orders: dict[int, list[int]], coll_ids: list[int], rng: np.random.Generator
+) -> tuple[list[Call], list[list[np.ndarray]], set[int]]:
     """Collective k (coll_id coll_ids[k], buffers of slot k) issued by every rank, its own host
     per collective and rank, so that node r gets the START_COLLs in the order orders[r]; run to
     the end. Returns the calls, the inputs, and the coll_ids of the calls that gave their slot
@@ -323,7 +368,9 @@ def test_collectives_started_in_different_orders_on_full_nodes_never_deadlock() 
     orders = {0: [0, 1, 2, 3, 4, 5], 1: [2, 3, 4, 5, 0, 1], 2: [0, 1, 4, 5, 2, 3]}
     coll_ids = [1200 + k for k in range(6)]
     calls, inputs, yielded = issue_in_orders(cluster, orders, coll_ids, np.random.default_rng(36))
-    assert all(c.done for c in calls), [(c.group.coll_id, c.group.rank, c.nack) for c in calls if not c.done]
+    assert all(c.done for c in calls), [
+        (c.group.coll_id, c.group.rank, c.nack) for c in calls if not c.done
+    ]
     for k in range(6):
         assert_exact(cluster, inputs[k], k)
     # Which calls gave their slot up: answered BUSY after their node said it ran them.
@@ -335,7 +382,9 @@ def test_a_collective_that_runs_everywhere_never_gives_its_slot_away() -> None:
     until one ends: none of the four is ever answered BUSY."""
     cluster = make_cluster(3)
     orders = {r: [1, 2, 3, 4, 0] for r in range(3)}
-    calls, inputs, yielded = issue_in_orders(cluster, orders, [1300, 1301, 1302, 1303, 1304], np.random.default_rng(37))
+    calls, inputs, yielded = issue_in_orders(
+        cluster, orders, [1300, 1301, 1302, 1303, 1304], np.random.default_rng(37)
+    )
     assert all(c.done for c in calls)
     for k in range(5):
         assert_exact(cluster, inputs[k], k)

@@ -202,9 +202,10 @@ def _clients_sharing_a_set(requester: Endpoint, count: int) -> list[int]:
     sets = DUP_WINDOW_CLIENTS // ways
     target = int(datapath._requester_key(1, endpoint_to_u64(requester), RKEY)) % sets
     found = [
-        c for c in range(1, 100_000)
+        c
+        for c in range(1, 100_000)
         if int(datapath._requester_key(c, endpoint_to_u64(requester), RKEY)) % sets == target
-    ]  # fmt: skip
+    ]
     assert len(found) >= count
     return found[:count]
 
@@ -231,8 +232,11 @@ def test_borrowed_client_id_neither_replays_nor_poisons(cluster: Cluster) -> Non
     cluster.fabric.add_endpoint(attacker)
     only(cluster.request(0, atomic(Opcode.FETCH_ADD, 0, 1, txn=50, client=77)), Opcode.ACK)
     for txn in (50, 51, 50 + 5 * DUP_WINDOW):
-        cluster.fabric.send(attacker, cluster.endpoints[0],
-                            encode_packet(atomic(Opcode.FETCH_ADD, 0, 100, txn=txn, client=77)))  # fmt: skip
+        cluster.fabric.send(
+            attacker,
+            cluster.endpoints[0],
+            encode_packet(atomic(Opcode.FETCH_ADD, 0, 100, txn=txn, client=77)),
+        )
     cluster.fabric.run_until_idle()
     attacker_replies = [decode_packet(d) for d, _ in cluster.fabric.receive(attacker)]
     assert [old_value(r) for r in attacker_replies] == [1, 101, 201]  # all executed, as its own
@@ -270,7 +274,11 @@ NACK_CASES = [
     ("huge address", lambda ro, wo: read(2**64 - 4, 8, rkey=ro), Status.OUT_OF_BOUNDS),
     ("write past region", lambda ro, wo: write(8192 + 4095, b"zz", rkey=wo), Status.OUT_OF_BOUNDS),
     ("misaligned f32", lambda ro, wo: read(4098, 8, rkey=ro, dtype=DType.F32), Status.MISALIGNED),
-    ("misaligned atomic", lambda ro, wo: atomic(Opcode.FETCH_ADD, 16384 + 12, 1), Status.MISALIGNED),
+    (
+        "misaligned atomic",
+        lambda ro, wo: atomic(Opcode.FETCH_ADD, 16384 + 12, 1),
+        Status.MISALIGNED,
+    ),
     (
         "register without admin",
         lambda ro, wo: control(
@@ -478,10 +486,19 @@ def chain_packet(
 ) -> Packet:
     segments = tuple(cluster.endpoints[i] for i in order)
     fields = dict(
-        flags=Flags.ACK_REQ, rkey=RKEY, addr=addr, aux_addr=store, dtype=DType.F32,
-        segments=segments, segments_left=len(segments) - 1, coll_id=0, epoch=0, seq=0,
-        length=payload.nbytes, payload=payload.tobytes(),
-    )  # fmt: skip
+        flags=Flags.ACK_REQ,
+        rkey=RKEY,
+        addr=addr,
+        aux_addr=store,
+        dtype=DType.F32,
+        segments=segments,
+        segments_left=len(segments) - 1,
+        coll_id=0,
+        epoch=0,
+        seq=0,
+        length=payload.nbytes,
+        payload=payload.tobytes(),
+    )
     fields.update(kw)
     return Packet(Opcode.CHAIN_ADD, **fields)  # type: ignore[arg-type]
 
@@ -512,7 +529,9 @@ def test_collective_packets_wait_for_start_collective(cluster: Cluster) -> None:
     packet = chain_packet(cluster, [0, 1, 2], np.full(4, 1.0, np.float32), coll_id=7, epoch=1)
     assert only(cluster.request(0, packet), Opcode.NACK).status == Status.BUSY
     assert cluster.nodes[2].counters[C.STORED] == 0
-    gather = Packet(Opcode.ALL_WRITE, rkey=RKEY, addr=0, length=4, payload=b"zzzz", coll_id=7, epoch=1)
+    gather = Packet(
+        Opcode.ALL_WRITE, rkey=RKEY, addr=0, length=4, payload=b"zzzz", coll_id=7, epoch=1
+    )
     assert cluster.request(1, gather) == [] and cluster.nodes[1].counters[C.DROP_COLL_EARLY] == 1
     repair = Packet(Opcode.READ, rkey=RKEY, addr=0, length=4, coll_id=7, epoch=1)
     assert only(cluster.request(1, repair), Opcode.NACK).status == Status.BUSY
@@ -593,8 +612,14 @@ def test_datagram_beyond_the_receive_buffer_is_dropped(cluster: Cluster) -> None
     node = cluster.nodes[0]
     data = encode_packet(read(0, 4))
     buf = np.frombuffer(data, np.uint8).copy()
-    node.receive_batch(buf, np.array([8], np.int64), np.array([len(data)], np.int32),
-                       np.array([1], np.uint64), 1, 0.0)  # fmt: skip
+    node.receive_batch(
+        buf,
+        np.array([8], np.int64),
+        np.array([len(data)], np.int32),
+        np.array([1], np.uint64),
+        1,
+        0.0,
+    )
     assert node.pending() == 0 and node.counters[C.DROP_OVERSIZE] == 1
 
 
@@ -610,14 +635,25 @@ def test_remaining_node_statuses_over_the_wire(cluster: Cluster) -> None:
     # A sparse WRITE executes as the dense one: the listed value, zeros elsewhere.
     cluster.nodes[0].memory[:64] = 0xFF
     body = struct.pack("<II", 1, 0) + struct.pack("<H", 2) + bytes(6) + struct.pack("<f", 1.0)
-    sparse = Packet(Opcode.WRITE, flags=Flags.SPARSE | Flags.ACK_REQ, rkey=RKEY, addr=0, dtype=DType.F32,
-                    length=64, payload=body)  # fmt: skip
+    sparse = Packet(
+        Opcode.WRITE,
+        flags=Flags.SPARSE | Flags.ACK_REQ,
+        rkey=RKEY,
+        addr=0,
+        dtype=DType.F32,
+        length=64,
+        payload=body,
+    )
     only(cluster.request(0, sparse), Opcode.ACK)
     expected = np.zeros(16, np.float32)
     expected[2] = 1.0
     assert cluster.nodes[0].memory[:64].tobytes() == expected.tobytes()
     # BAD_FIELD: ADD has no sparse form.
-    add = bytearray(encode_packet(Packet(Opcode.ADD, rkey=RKEY, addr=0, dtype=DType.F32, length=4, payload=bytes(4))))
+    add = bytearray(
+        encode_packet(
+            Packet(Opcode.ADD, rkey=RKEY, addr=0, dtype=DType.F32, length=4, payload=bytes(4))
+        )
+    )
     add[3] |= Flags.SPARSE
     cluster.fabric.send(CLIENT, cluster.endpoints[0], bytes(add))
     cluster.fabric.run_until_idle()
@@ -633,7 +669,15 @@ def test_remaining_node_statuses_over_the_wire(cluster: Cluster) -> None:
     node.deregister_region(RKEY)
     for i in range(512):
         node.register_region(i * 8, 8, Rights.READ)
-    full = control(Opcode.REGISTER, addr=0, aux_addr=8, length=8, payload=struct.pack("<II", 0, 1), client_id=4, txn_id=1)
+    full = control(
+        Opcode.REGISTER,
+        addr=0,
+        aux_addr=8,
+        length=8,
+        payload=struct.pack("<II", 0, 1),
+        client_id=4,
+        txn_id=1,
+    )
     assert only(cluster.request(1, full), Opcode.NACK).status == Status.NO_SPACE
 
 
@@ -642,7 +686,9 @@ def test_small_mtu_shrinks_what_the_node_offers_and_answers() -> None:
     would not fit with NACK TOO_LARGE (the kernel would refuse to send it: a silent timeout)."""
     fabric = Fabric()
     endpoint = ("127.0.0.1", 7001)
-    core = NodeCore(NodeConfig(endpoint=endpoint, memory_bytes=MEMORY, admin_key=ADMIN_KEY, mtu=1500))
+    core = NodeCore(
+        NodeConfig(endpoint=endpoint, memory_bytes=MEMORY, admin_key=ADMIN_KEY, mtu=1500)
+    )
     core.register_region(0, MEMORY, Rights.READ, rkey=RKEY)
     fabric.add_core(endpoint, core)
     fabric.add_endpoint(CLIENT)

@@ -63,8 +63,14 @@ print(k)
 
 
 def tagged_node(guard: bool = False) -> NodeCore:
-    core = NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN,
-                               guard=GuardConfig.on() if guard else GuardConfig()))  # fmt: skip
+    core = NodeCore(
+        NodeConfig(
+            endpoint=ME,
+            memory_bytes=1 << 16,
+            admin_key=ADMIN,
+            guard=GuardConfig.on() if guard else GuardConfig(),
+        )
+    )
     core.register_region(0, 4096, RIGHTS_ALL, rkey=RKEY, tag_key=KEY)
     return core
 
@@ -75,8 +81,16 @@ def exchange(core: NodeCore, data: bytes, src: Endpoint = CLIENT, now: float = 0
 
 
 def write(addr: int, data: bytes, txn: int = 1, rkey: int = RKEY) -> Packet:
-    return Packet(Opcode.WRITE, flags=Flags.ACK_REQ, client_id=7, txn_id=txn, rkey=rkey, addr=addr,
-                  length=len(data), payload=data)  # fmt: skip
+    return Packet(
+        Opcode.WRITE,
+        flags=Flags.ACK_REQ,
+        client_id=7,
+        txn_id=txn,
+        rkey=rkey,
+        addr=addr,
+        length=len(data),
+        payload=data,
+    )
 
 
 def read(addr: int, length: int, txn: int = 1, rkey: int = RKEY) -> Packet:
@@ -89,8 +103,16 @@ def test_a_tagged_region_executes_sealed_requests_and_seals_its_answers() -> Non
     assert verify(KEY, ack) and decode_packet(ack).opcode == Opcode.ACK
     [resp] = exchange(core, seal(KEY, encode_packet(read(64, 32, txn=2))))
     assert verify(KEY, resp) and decode_packet(resp).payload == b"\x11" * 32
-    fa = Packet(Opcode.FETCH_ADD, client_id=7, txn_id=3, rkey=RKEY, addr=128, length=8, dtype=DType.U64,
-                payload=pack_u64(5))  # fmt: skip
+    fa = Packet(
+        Opcode.FETCH_ADD,
+        client_id=7,
+        txn_id=3,
+        rkey=RKEY,
+        addr=128,
+        length=8,
+        dtype=DType.U64,
+        payload=pack_u64(5),
+    )
     [old] = exchange(core, seal(KEY, encode_packet(fa)))
     assert verify(KEY, old) and unpack_u64(decode_packet(old).payload) == 0
     # A retry is answered from the duplicate window, sealed again, and not executed twice.
@@ -124,7 +146,10 @@ def test_a_tag_under_no_tagged_regions_rkey_is_a_wrong_key() -> None:
     core.memory[4096:4128] = 0x42
     for rkey in (0x0BAD, 0x7777):
         [nack] = exchange(core, seal(KEY, encode_packet(write(4096, b"\x00" * 32, rkey=rkey))))
-        assert decode_packet(nack).status == Status.BAD_RKEY and not decode_packet(nack).flags & Flags.TAGGED
+        assert (
+            decode_packet(nack).status == Status.BAD_RKEY
+            and not decode_packet(nack).flags & Flags.TAGGED
+        )
     assert bytes(core.memory[4096:4128]) == b"\x42" * 32
 
 
@@ -144,16 +169,41 @@ def test_register_takes_a_tag_key_over_the_wire_and_deregister_drops_it() -> Non
     core = NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN))
     admin: Endpoint = ("10.0.0.2", 6000)
     payload = pack_register(0, int(RIGHTS_ALL), KEY)
-    [ack] = exchange(core, encode_packet(Packet(Opcode.REGISTER, rkey=ADMIN, addr=0, aux_addr=4096,
-                                                length=len(payload), payload=payload)), admin)  # fmt: skip
+    [ack] = exchange(
+        core,
+        encode_packet(
+            Packet(
+                Opcode.REGISTER,
+                rkey=ADMIN,
+                addr=0,
+                aux_addr=4096,
+                length=len(payload),
+                payload=payload,
+            )
+        ),
+        admin,
+    )
     rkey = decode_packet(ack).rkey
     [nack] = exchange(core, encode_packet(read(0, 8, rkey=rkey)))
     assert decode_packet(nack).status == Status.BAD_RKEY
     [resp] = exchange(core, seal(KEY, encode_packet(read(0, 8, txn=2, rkey=rkey))))
     assert verify(KEY, resp) and decode_packet(resp).opcode == Opcode.READ_RESP
     zero_key = pack_register(0, int(RIGHTS_ALL)) + bytes(16)  # all zeros is no key
-    [nack] = exchange(core, encode_packet(Packet(Opcode.REGISTER, rkey=ADMIN, addr=8192, aux_addr=4096, txn_id=9,
-                                                 length=len(zero_key), payload=zero_key)), admin)  # fmt: skip
+    [nack] = exchange(
+        core,
+        encode_packet(
+            Packet(
+                Opcode.REGISTER,
+                rkey=ADMIN,
+                addr=8192,
+                aux_addr=4096,
+                txn_id=9,
+                length=len(zero_key),
+                payload=zero_key,
+            )
+        ),
+        admin,
+    )
     assert decode_packet(nack).status == Status.BAD_FIELD
     core.deregister_region(rkey)
     core.register_region(0, 4096, RIGHTS_ALL, rkey=rkey)  # the same rkey, untagged now
@@ -174,9 +224,16 @@ def test_a_guesser_on_the_same_address_cannot_lock_a_tagged_client_out() -> None
     guesser: Endpoint = (CLIENT[0], 5999)  # another socket of the same address
     for k in range(LOCKOUT_BURST + 5):
         exchange(core, encode_packet(read(0, 8, txn=k, rkey=RKEY ^ 1)), guesser)
-    assert exchange(core, encode_packet(read(0, 8, txn=1, rkey=RKEY ^ 1)), guesser) == []  # locked out
+    assert (
+        exchange(core, encode_packet(read(0, 8, txn=1, rkey=RKEY ^ 1)), guesser) == []
+    )  # locked out
     for txn in range(2, 22):
-        [ack] = exchange(core, seal(KEY, encode_packet(write(0, txn.to_bytes(8, "little"), txn=txn))), CLIENT, 0.1)
+        [ack] = exchange(
+            core,
+            seal(KEY, encode_packet(write(0, txn.to_bytes(8, "little"), txn=txn))),
+            CLIENT,
+            0.1,
+        )
         assert verify(KEY, ack) and decode_packet(ack).opcode == Opcode.ACK
     assert exchange(core, seal(bytes(16), encode_packet(read(0, 8, txn=40))), CLIENT, 0.1) == []
     assert exchange(core, encode_packet(read(0, 8, txn=41)), CLIENT, 0.1) == []
@@ -198,17 +255,29 @@ def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_
         # The guesser is a process of its own (as an attacker is: no GIL shared with the clients),
         # sending READs with wrong rkeys from 127.0.0.1 to the VIP and both nodes for 4 s.
         targets = [switch.vip, *cluster.endpoints]
-        flooder = subprocess.Popen([sys.executable, "-c", FLOOD, repr(targets), str(tagged.gaddr), "4.5"],
-                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
+        flooder = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, repr(targets), str(tagged.gaddr), "4.5"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(0.5)  # the address is locked out by now
         done = failed = 0
-        with PoolClient(switch.vip, timeout=0.05, retries=20, tag_keys=tag_keys_of(tagged)) as client:
+        with PoolClient(
+            switch.vip, timeout=0.05, retries=20, tag_keys=tag_keys_of(tagged)
+        ) as client:
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
                 payload = done.to_bytes(8, "little")
                 try:
-                    client.write(tagged.gaddr + 8 * (done % 512), payload, tagged.rkey, stride=tagged.stride)
-                    ok = client.read(tagged.gaddr + 8 * (done % 512), 8, tagged.rkey, stride=tagged.stride) == payload
+                    client.write(
+                        tagged.gaddr + 8 * (done % 512), payload, tagged.rkey, stride=tagged.stride
+                    )
+                    ok = (
+                        client.read(
+                            tagged.gaddr + 8 * (done % 512), 8, tagged.rkey, stride=tagged.stride
+                        )
+                        == payload
+                    )
                 except PoolError:
                     ok = False
                 done += 1
@@ -222,7 +291,9 @@ def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_
                     locked += 1
         # The tenant's own requests (SPEC 11.9, "Tenant tags"), from a controller made during the
         # flood (its first requests need no address token, so no PING that the lockout drops).
-        tenant = PoolController(cluster.path, credential=int(tagged.extra["credential"]), timeout=0.2)  # type: ignore[call-overload]
+        tenant = PoolController(
+            cluster.path, credential=int(tagged.extra["credential"]), timeout=0.2
+        )  # type: ignore[call-overload]
         pool_ops = pool_failed = 0
         for _ in range(10):
             for op in ("alloc", "query", "free"):
@@ -236,8 +307,12 @@ def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_
                         tenant.free(mine.gaddr)
                 except ControllerError:
                     pool_failed += 1
-        with ControlClient() as v1:  # the same tenant's v1 request (credential in the payload): locked out
-            query = Packet(Opcode.QUERY, length=8, payload=pack_credential(int(tagged.extra["credential"])))  # type: ignore[call-overload]
+        with (
+            ControlClient() as v1
+        ):  # the same tenant's v1 request (credential in the payload): locked out
+            query = Packet(
+                Opcode.QUERY, length=8, payload=pack_credential(int(tagged.extra["credential"]))
+            )  # type: ignore[call-overload]
             with pytest.raises(ControlError, match="no answer"):
                 v1.request(switch.vip, query, timeout=0.2, retries=0)
         sent = int(flooder.communicate(timeout=30)[0])
@@ -261,7 +336,11 @@ def test_a_sealed_answer_fits_the_mtu_with_its_tag() -> None:
     core = NodeCore(NodeConfig(endpoint=ME, memory_bytes=1 << 16, admin_key=ADMIN, mtu=1500))
     core.register_region(0, 4096, RIGHTS_ALL, rkey=RKEY, tag_key=KEY)
     [resp] = exchange(core, seal(KEY, encode_packet(read(0, 1400, txn=1))))
-    assert verify(KEY, resp) and len(resp) == 1500 - 28 and decode_packet(resp).opcode == Opcode.READ_RESP
+    assert (
+        verify(KEY, resp)
+        and len(resp) == 1500 - 28
+        and decode_packet(resp).opcode == Opcode.READ_RESP
+    )
     [nack] = exchange(core, seal(KEY, encode_packet(read(0, 1408, txn=2))))
     assert verify(KEY, nack) and decode_packet(nack).status == Status.TOO_LARGE
 
@@ -273,7 +352,9 @@ def test_the_switch_forwards_a_proven_request_of_a_locked_out_address_and_nothin
     vip: Endpoint = ("10.0.0.100", 7744)
     node: Endpoint = ("10.0.0.1", 7000)
     region = Region(GLOBAL_BASE, 4096, RKEY, int(RIGHTS_ALL), 0, (Way(0, 0, 4096),), tag_key=KEY)
-    switch = SwitchCore(SwitchConfig(vip=vip, nodes=(node,), admin_key=ADMIN, guard=GuardConfig.on()), [region])
+    switch = SwitchCore(
+        SwitchConfig(vip=vip, nodes=(node,), admin_key=ADMIN, guard=GuardConfig.on()), [region]
+    )
     guesser: Endpoint = (CLIENT[0], 5999)
 
     def send(data: bytes, src: Endpoint = CLIENT) -> list[tuple[bytes, Endpoint]]:

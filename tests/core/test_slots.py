@@ -36,20 +36,46 @@ class Call:
     busy: int = 0  # NACK BUSY answers to its START_COLLs
 
     def start(self, cluster: Cluster, rank: int) -> bytes:
-        desc = CollectiveDescriptor(Algo.ALL_REDUCE, rank, COUNT, self.in_addr, self.out_addr, RKEY,
-                                    timeout_ms=30_000, tag_key=self.tag_key)  # fmt: skip
-        return encode_packet(Packet(Opcode.START_COLL, rkey=ADMIN_KEY, client_id=70 + rank, txn_id=self.coll_id,
-                                    coll_id=self.coll_id, epoch=1, dtype=DType.F32, reduce_op=self.op,
-                                    segments=tuple(cluster.endpoints)).with_payload(desc.encode()))  # fmt: skip
+        desc = CollectiveDescriptor(
+            Algo.ALL_REDUCE,
+            rank,
+            COUNT,
+            self.in_addr,
+            self.out_addr,
+            RKEY,
+            timeout_ms=30_000,
+            tag_key=self.tag_key,
+        )
+        return encode_packet(
+            Packet(
+                Opcode.START_COLL,
+                rkey=ADMIN_KEY,
+                client_id=70 + rank,
+                txn_id=self.coll_id,
+                coll_id=self.coll_id,
+                epoch=1,
+                dtype=DType.F32,
+                reduce_op=self.op,
+                segments=tuple(cluster.endpoints),
+            ).with_payload(desc.encode())
+        )
 
 
 def calls_of(rng: np.random.Generator, n: int, k: int) -> list[Call]:
     """*k* collectives over the same *n* nodes, each with its own buffers, key and operator."""
     ops = [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.SUM, ReduceOp.SUM]
     span = COUNT * 4
-    return [Call(coll_id=100 + j, inputs=[rng.standard_normal(COUNT).astype(np.float32) for _ in range(n)],
-                 in_addr=2 * j * span, out_addr=(2 * j + 1) * span, tag_key=bytes([j + 1] * 16), op=ops[j % len(ops)])
-            for j in range(k)]  # fmt: skip
+    return [
+        Call(
+            coll_id=100 + j,
+            inputs=[rng.standard_normal(COUNT).astype(np.float32) for _ in range(n)],
+            in_addr=2 * j * span,
+            out_addr=(2 * j + 1) * span,
+            tag_key=bytes([j + 1] * 16),
+            op=ops[j % len(ops)],
+        )
+        for j in range(k)
+    ]
 
 
 def run_together(n: int, calls: list[Call], faults: FaultSpec | None) -> Cluster:
@@ -60,7 +86,9 @@ def run_together(n: int, calls: list[Call], faults: FaultSpec | None) -> Cluster
     for (j, r), host in hosts.items():
         cluster.fabric.add_endpoint(host)
         data = calls[j].inputs[r]
-        cluster.nodes[r].memory[calls[j].in_addr : calls[j].in_addr + data.nbytes] = data.view(np.uint8)
+        cluster.nodes[r].memory[calls[j].in_addr : calls[j].in_addr + data.nbytes] = data.view(
+            np.uint8
+        )
     starts = {key: calls[key[0]].start(cluster, key[1]) for key in hosts}
     finals: dict[tuple[int, int], Packet] = {}
     for round_ in range(60_000):
@@ -79,7 +107,9 @@ def run_together(n: int, calls: list[Call], faults: FaultSpec | None) -> Cluster
                     finals.setdefault(key, reply)
         if len(finals) == len(hosts):
             break
-    assert len(finals) == len(hosts), f"hosts without completion: {sorted(set(hosts) - set(finals))}"
+    assert len(finals) == len(hosts), (
+        f"hosts without completion: {sorted(set(hosts) - set(finals))}"
+    )
     failed = {key: reply.status for key, reply in finals.items() if reply.opcode != Opcode.ACK}
     assert not failed, f"collectives failed: {failed}"
     cluster.fabric.run_until_idle()
@@ -129,9 +159,18 @@ def test_a_slot_keeps_its_group_and_late_packets_of_another_change_nothing() -> 
     # A CHAIN_ADD of a collective nobody started (its own key), from a member: BUSY, nothing
     # written. (Under RKEY it would be dropped as forged: the tagged collectives name RKEY.)
     busy_before = int(node.counters[C.NACK_BASE + Status.BUSY])
-    stranger = Packet(Opcode.CHAIN_ADD, rkey=0x5151, coll_id=999, epoch=1, seq=0, addr=0, aux_addr=0,
-                      dtype=DType.F32, reduce_op=ReduceOp.SUM, segments=tuple(cluster.endpoints[::-1])
-                      ).with_payload(np.ones(8, np.float32).tobytes())  # fmt: skip
+    stranger = Packet(
+        Opcode.CHAIN_ADD,
+        rkey=0x5151,
+        coll_id=999,
+        epoch=1,
+        seq=0,
+        addr=0,
+        aux_addr=0,
+        dtype=DType.F32,
+        reduce_op=ReduceOp.SUM,
+        segments=tuple(cluster.endpoints[::-1]),
+    ).with_payload(np.ones(8, np.float32).tobytes())
     cluster.fabric.send(cluster.endpoints[1], cluster.endpoints[0], encode_packet(stranger))
     # Untagged, under a tagged collective's coll_id and epoch, from a member: forged, dropped.
     dropped_before = int(node.counters[C.DROP_COLL_FORGED])

@@ -153,8 +153,9 @@ def test_monotonic_in_nodes(algo: str) -> None:
     # Halving-doubling is only monotonic over powers of two: 7 ranks fold into 4 and pay
     # two extra full-vector steps, so 8 ranks beat 7 (Thakur et al. 2005); roce-ideal
     # takes the best of ring, recursive doubling and halving-doubling.
-    counts = ([2, 4, 8, 16, 32, 64] if algo in ("halving-doubling", "roce-ideal")
-                  else list(range(2, 40)))
+    counts = (
+        [2, 4, 8, 16, 32, 64] if algo in ("halving-doubling", "roce-ideal") else list(range(2, 40))
+    )
     for size in (4096, 1 << 20, 64 << 20, 1 << 30):
         times = [estimate_allreduce_seconds(n, size, algo=algo) for n in counts]
         assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:])), (algo, size)
@@ -355,15 +356,35 @@ def test_cli_allreduce_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     """`model allreduce --plot` draws its curve (it used to be refused: only sweep plotted)."""
     pytest.importorskip("matplotlib")
     png = tmp_path / "ar.png"
-    rc, d = _run(["model", "allreduce", "--nodes", "4", "--size", "1MiB", "--algo", "roce-ring",
-                  "--plot", str(png), "--json"], capsys)  # fmt: skip
+    rc, d = _run(
+        [
+            "model",
+            "allreduce",
+            "--nodes",
+            "4",
+            "--size",
+            "1MiB",
+            "--algo",
+            "roce-ring",
+            "--plot",
+            str(png),
+            "--json",
+        ],
+        capsys,
+    )
     assert rc == 0 and d["plot"] == str(png) and png.stat().st_size > 1000
 
 
 def _zero_overhead(p: RoceParams) -> RoceParams:
-    return dataclasses.replace(p, sw_message_s=0.0, sw_step_s=0.0, eager_copies=0,
-                               eager_limit_bytes=1 << 40, send_buffer_copies=0,
-                               ring_segment_bytes=1 << 40)
+    return dataclasses.replace(
+        p,
+        sw_message_s=0.0,
+        sw_step_s=0.0,
+        eager_copies=0,
+        eager_limit_bytes=1 << 40,
+        send_buffer_copies=0,
+        ring_segment_bytes=1 << 40,
+    )
 
 
 def test_roce_ring_zero_overhead_is_roce_ideal() -> None:
@@ -373,8 +394,10 @@ def test_roce_ring_zero_overhead_is_roce_ideal() -> None:
     z = dataclasses.replace(_zero_overhead(ro), cpu_reduce_bytes_per_s=1e30)
     for nodes in (2, 3, 4, 6, 8):
         for n in (64 << 10, 1 << 20, 64 << 20):
-            best = min(roce_ring(z, nodes, n, algorithm=a).seconds
-                       for a in ("ring", "recursive_doubling", "rabenseifner"))
+            best = min(
+                roce_ring(z, nodes, n, algorithm=a).seconds
+                for a in ("ring", "recursive_doubling", "rabenseifner")
+            )
             assert roce_ideal(z, nodes, n).seconds == pytest.approx(best, rel=1e-9), (nodes, n)
 
 
@@ -415,20 +438,38 @@ def test_roce_ring_follows_open_mpi_41_table() -> None:
     commutative operations), at the documented sizes."""
     _, ro = default_params(100.0)
     choose = openmpi_allreduce_algorithm
-    assert [choose(ro, 2, n) for n in (4, 8, 4095, 4096, 8191, 8192, 16383, 16384, 262143,
-                                       262144)] == [
-        "ring", "recursive_doubling", "recursive_doubling", "ring", "ring",
-        "recursive_doubling", "recursive_doubling", "ring", "ring", "rabenseifner"]
+    assert [
+        choose(ro, 2, n) for n in (4, 8, 4095, 4096, 8191, 8192, 16383, 16384, 262143, 262144)
+    ] == [
+        "ring",
+        "recursive_doubling",
+        "recursive_doubling",
+        "ring",
+        "ring",
+        "recursive_doubling",
+        "recursive_doubling",
+        "ring",
+        "ring",
+        "rabenseifner",
+    ]
     assert [choose(ro, 5, n) for n in (8, 16, 8191, 8192)] == [
-        "ring", "recursive_doubling", "recursive_doubling", "rabenseifner"]
+        "ring",
+        "recursive_doubling",
+        "recursive_doubling",
+        "rabenseifner",
+    ]
     assert [choose(ro, 8, n) for n in (8191, 8192, 1 << 30)] == [
-        "recursive_doubling", "rabenseifner", "rabenseifner"]
+        "recursive_doubling",
+        "rabenseifner",
+        "rabenseifner",
+    ]
     # What the estimate runs is what the table says, and forcing another algorithm
     # at the same size gives another time.
     below, above = roce_ring(ro, 8, 8188), roce_ring(ro, 8, 8192)
     assert (below.algorithm, above.algorithm) == ("recursive_doubling", "rabenseifner")
-    assert roce_ring(ro, 8, 8192, algorithm="recursive_doubling").seconds != \
-        pytest.approx(above.seconds)
+    assert roce_ring(ro, 8, 8192, algorithm="recursive_doubling").seconds != pytest.approx(
+        above.seconds
+    )
     # A ring of fewer elements than ranks falls back to recursive doubling (coll/base).
     assert roce_ring(ro, 6, 8, dtype_bytes=4, algorithm="ring").algorithm == "recursive_doubling"
 
@@ -487,12 +528,17 @@ def test_chain_2d_is_the_chain_up_to_one_sr_list_and_scales_past_it() -> None:
     small = [allreduce(a, 128, 8, nd, ro).seconds for a in ("netdam-chain", "netdam-chain-2d")]
     assert small[1] < small[0]
     huge = allreduce("netdam-chain-2d", 4096, 4096, nd, ro)
-    assert huge.terms["across_groups"] > 0 and huge.seconds > allreduce("netdam-chain-2d", 64, 4096, nd, ro).seconds
+    assert (
+        huge.terms["across_groups"] > 0
+        and huge.seconds > allreduce("netdam-chain-2d", 64, 4096, nd, ro).seconds
+    )
     with pytest.raises(ValueError, match="SR segments"):
         allreduce("netdam-chain", 4096, 4096, nd, ro)
 
 
-def test_model_allreduce_at_4096_nodes_and_the_sharp_reference(capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_allreduce_at_4096_nodes_and_the_sharp_reference(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from netdam.cli.main import main
 
     assert main(["model", "allreduce", "--nodes", "4096", "--size", "4KiB", "--json"]) == 0

@@ -65,9 +65,12 @@ def test_acclplus_authors_aggregation_also_within_bounds() -> None:
     path = MEASUREMENTS_DIR / "acclplus-hacc-roce100.csv"
     with path.open() as fh:
         rows = list(csv.DictReader(line for line in fh if not line.startswith("#")))
-    ratios = [roce_ring(accl.params, int(r["nodes"]), int(r["bytes"])).seconds
-              / (float(r["mean_latency_us"]) * 1e-6)
-              for r in rows if int(r["bytes"]) >= accl.validate_from_bytes]
+    ratios = [
+        roce_ring(accl.params, int(r["nodes"]), int(r["bytes"])).seconds
+        / (float(r["mean_latency_us"]) * 1e-6)
+        for r in rows
+        if int(r["bytes"]) >= accl.validate_from_bytes
+    ]
     assert BOUNDS[0] <= geometric_mean(ratios) <= BOUNDS[1]
     assert f"{geometric_mean(ratios):.2f}" in README.read_text()
 
@@ -89,8 +92,9 @@ def test_sets_use_their_own_host_parameters() -> None:
     _, preset = default_params(100.0)
     accl = by_key["acclplus-hacc-roce100"].params
     # Same NIC class and PCIe as the preset: nothing overridden, so the set tests the preset.
-    assert {k: v for k, v in vars(accl).items() if k not in ("name", "provenance")} == \
-        {k: v for k, v in vars(preset).items() if k not in ("name", "provenance")}
+    assert {k: v for k, v in vars(accl).items() if k not in ("name", "provenance")} == {
+        k: v for k, v in vars(preset).items() if k not in ("name", "provenance")
+    }
     lassen = by_key["lassen-edr-dualrail"].params
     assert lassen.link_gbps == 200.0
     # Its fitted values come from its point-to-point runs, never from all-reduce rows.
@@ -140,7 +144,10 @@ def test_cli_validate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         assert s["roce_ring"]["within_bounds"] is True
         assert s["roce_ideal"]["geomean_ratio"] < s["roce_ring"]["geomean_ratio"]
         assert {r["host_algorithm"] for r in s["roce_ring"]["rows"]} <= {
-            "ring", "recursive_doubling", "rabenseifner"}
+            "ring",
+            "recursive_doubling",
+            "rabenseifner",
+        }
     rc, out = run_model_cli(["model", "validate", "--set", "lassen-edr-dualrail"], capsys)
     assert rc == 0 and "lassen-edr-dualrail" in out and "acclplus" not in out
     rc, d = run_model_cli(["model", "validate", "--set", "nope", "--json"], capsys)

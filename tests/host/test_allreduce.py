@@ -34,14 +34,33 @@ def test_allreduce_command_clean_run(capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,op", [("bf16", "max"), ("i64", "min"), ("f64", "sum")])
 def test_allreduce_command_dtypes(dtype: str, op: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["allreduce", "--nodes", "2", "--count", "9001", "--dtype", dtype, "--op", op, "--json"]) == 0
+    assert (
+        main(
+            ["allreduce", "--nodes", "2", "--count", "9001", "--dtype", dtype, "--op", op, "--json"]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["equals_reference"] is True
 
 
 @pytest.mark.slow
 def test_allreduce_command_under_loss(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["allreduce", "--nodes", "3", "--count", "50000", "--loss", "0.05", "--dup", "0.05",
-            "--reorder", "0.05", "--seed", "4", "--json"]  # fmt: skip
+    argv = [
+        "allreduce",
+        "--nodes",
+        "3",
+        "--count",
+        "50000",
+        "--loss",
+        "0.05",
+        "--dup",
+        "0.05",
+        "--reorder",
+        "0.05",
+        "--seed",
+        "4",
+        "--json",
+    ]
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["ok"] is True and r["retransmits"] > 0
@@ -49,7 +68,17 @@ def test_allreduce_command_under_loss(capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.slow
 def test_allreduce_command_sparse(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["allreduce", "--nodes", "3", "--count", "60000", "--sparse", "--density", "0.05", "--json"]
+    argv = [
+        "allreduce",
+        "--nodes",
+        "3",
+        "--count",
+        "60000",
+        "--sparse",
+        "--density",
+        "0.05",
+        "--json",
+    ]
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["ok"] is True and r["equals_reference"] is True and r["dense_equals_reference"] is True
@@ -87,9 +116,15 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_host_api_from_separate_host_processes(tmp_path: Path) -> None:
     with start_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
-        hosts = [subprocess.Popen([sys.executable, "-c", HOST, str(cluster.path), str(rank)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank in range(2)]  # fmt: skip
+        hosts = [
+            subprocess.Popen(
+                [sys.executable, "-c", HOST, str(cluster.path), str(rank)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
         outs = []
         for host in hosts:
             stdout, stderr = host.communicate(timeout=120)
@@ -108,7 +143,9 @@ def test_host_api_from_separate_host_processes(tmp_path: Path) -> None:
 def test_dead_node_process_is_named_within_5_seconds_with_every_nic(tmp_path: Path) -> None:
     """The process hosting ranks 2 and 3 dies: the survivors' collective fails within 5 s and
     names both NICs it took with it (the watchdog lists every silent node)."""
-    with start_cluster(4, memory=1 << 22, cluster_path=tmp_path / "c.toml", nics_per_process=2) as cluster:
+    with start_cluster(
+        4, memory=1 << 22, cluster_path=tmp_path / "c.toml", nics_per_process=2
+    ) as cluster:
         groups = [ProcessGroup(cluster.info, rank) for rank in range(4)]
         warm = [np.ones(4, np.float32) for _ in range(4)]
         for work in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(warm, groups)]:
@@ -118,7 +155,9 @@ def test_dead_node_process_is_named_within_5_seconds_with_every_nic(tmp_path: Pa
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=10)
         start = time.monotonic()
-        works = [api_all_reduce(np.ones(200_000, np.float32), group=g, async_op=True) for g in groups[:2]]
+        works = [
+            api_all_reduce(np.ones(200_000, np.float32), group=g, async_op=True) for g in groups[:2]
+        ]
         with pytest.raises(CollectiveError) as info:
             for work in works:
                 work.wait()  # type: ignore[union-attr]
@@ -126,7 +165,9 @@ def test_dead_node_process_is_named_within_5_seconds_with_every_nic(tmp_path: Pa
         assert elapsed < 5.0
         for node in cluster.info.nodes[2:]:
             assert f"rank {node.rank} ({node.address}:{node.port})" in str(info.value)
-        assert info.value.waiting_for is not None and "rank 2" in str(info.value.waiting_for["node"])
+        assert info.value.waiting_for is not None and "rank 2" in str(
+            info.value.waiting_for["node"]
+        )
         # The survivors stay usable.
         from netdam.cluster.control import ControlClient
 
@@ -135,7 +176,9 @@ def test_dead_node_process_is_named_within_5_seconds_with_every_nic(tmp_path: Pa
                 client.ping(node.control_endpoint)
         for group in groups[:2]:
             group.close()
-        for group in groups[2:]:  # their nodes are gone: nothing to give back, no retries to wait for
+        for group in groups[
+            2:
+        ]:  # their nodes are gone: nothing to give back, no retries to wait for
             group.client.close()
 
 
@@ -144,7 +187,10 @@ def test_ring_host_baseline_matches_chain_bitwise(capsys: pytest.CaptureFixture[
     """The RoCE way (NICs move data, hosts reduce in the memory the NIC wrote) folds blocks in
     the chain's order, so both algorithms give the same bits; the only host copy besides the
     staging is each owner moving its finished block into its output buffer: the buffer once."""
-    assert main(["allreduce", "--nodes", "3", "--count", "30001", "--algo", "ring-host", "--json"]) == 0
+    assert (
+        main(["allreduce", "--nodes", "3", "--count", "30001", "--algo", "ring-host", "--json"])
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["ok"] is True and r["algo"] == "ring-host" and r["equals_reference"] is True
     assert r["host_copy_bytes"] == 30001 * 4
@@ -152,9 +198,25 @@ def test_ring_host_baseline_matches_chain_bitwise(capsys: pytest.CaptureFixture[
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes,count", [(2, 1), (4, 3), (4, 2_500_001)])
-def test_ring_host_pipelined_segments_and_tiny_counts(nodes: int, count: int, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ring_host_pipelined_segments_and_tiny_counts(
+    nodes: int, count: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Blocks of several 1 MiB segments (pipelined), and counts below the number of ranks (empty
     blocks): still the chain's bits."""
-    assert main(["allreduce", "--nodes", str(nodes), "--count", str(count), "--algo", "ring-host", "--json"]) == 0
+    assert (
+        main(
+            [
+                "allreduce",
+                "--nodes",
+                str(nodes),
+                "--count",
+                str(count),
+                "--algo",
+                "ring-host",
+                "--json",
+            ]
+        )
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["ok"] is True and r["equals_reference"] is True and r["ranks_identical"] is True

@@ -28,7 +28,9 @@ WORLD = 3
 cluster, groups = rank_fixtures(WORLD)
 
 
-def on_every_rank(groups: list[api.ProcessGroup], call: Callable[[api.ProcessGroup, int], Any]) -> None:
+def on_every_rank(
+    groups: list[api.ProcessGroup], call: Callable[[api.ProcessGroup, int], Any]
+) -> None:
     works = [call(group, rank) for rank, group in enumerate(groups)]
     for work in works:
         work.wait()
@@ -39,7 +41,9 @@ def test_avg_is_the_sum_divided_bitwise_identical(groups: list[api.ProcessGroup]
     rng = np.random.default_rng(1)
     inputs = [rng.standard_normal(5000).astype(np.float32) for _ in range(WORLD)]
     bufs = [x.copy() for x in inputs]
-    on_every_rank(groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.AVG, group=g, async_op=True))
+    on_every_rank(
+        groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.AVG, group=g, async_op=True)
+    )
     expected = reference_chain_allreduce(inputs, WireOp.SUM) / np.float32(WORLD)
     for buf in bufs:
         assert buf.tobytes() == expected.astype(np.float32).tobytes()
@@ -52,7 +56,9 @@ def test_avg_of_integers_is_refused_with_the_reason(groups: list[api.ProcessGrou
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.int64])
-def test_product_is_the_rank_order_product_bitwise_identical(groups: list[api.ProcessGroup], dtype: type) -> None:
+def test_product_is_the_rank_order_product_bitwise_identical(
+    groups: list[api.ProcessGroup], dtype: type
+) -> None:
     """PRODUCT (no multiply on the wire): an all-gather, then every host multiplies in rank
     order; all_reduce and reduce_scatter_tensor against numpy, integers wrapping as numpy's do."""
     rng = np.random.default_rng(7)
@@ -65,12 +71,19 @@ def test_product_is_the_rank_order_product_bitwise_identical(groups: list[api.Pr
     for x in inputs[1:]:
         expected = expected * x  # rank order, as the hosts do
     bufs = [x.copy() for x in inputs]
-    on_every_rank(groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.PRODUCT, group=g, async_op=True))
+    on_every_rank(
+        groups,
+        lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.PRODUCT, group=g, async_op=True),
+    )
     for buf in bufs:
         assert buf.tobytes() == expected.tobytes()
     outs = [np.empty((r + 1) * n // WORLD - r * n // WORLD, dtype) for r in range(WORLD)]
-    on_every_rank(groups, lambda g, r: api.reduce_scatter_tensor(outs[r], inputs[r], op=api.ReduceOp.PRODUCT,
-                                                                 group=g, async_op=True))  # fmt: skip
+    on_every_rank(
+        groups,
+        lambda g, r: api.reduce_scatter_tensor(
+            outs[r], inputs[r], op=api.ReduceOp.PRODUCT, group=g, async_op=True
+        ),
+    )
     for r, out in enumerate(outs):
         assert out.tobytes() == expected[r * n // WORLD : (r + 1) * n // WORLD].tobytes()
 
@@ -82,17 +95,24 @@ def test_flat_and_list_forms(groups: list[api.ProcessGroup]) -> None:
     total = reference_chain_allreduce(inputs, WireOp.SUM)
     # reduce_scatter_tensor (flat) and reduce_scatter (list of world tensors).
     outs = [np.empty(4, np.float32) for _ in range(WORLD)]
-    on_every_rank(groups, lambda g, r: api.reduce_scatter_tensor(outs[r], inputs[r].copy(), group=g, async_op=True))
+    on_every_rank(
+        groups,
+        lambda g, r: api.reduce_scatter_tensor(outs[r], inputs[r].copy(), group=g, async_op=True),
+    )
     for r, out in enumerate(outs):
         assert out.tobytes() == total[4 * r : 4 * r + 4].tobytes()
     lists = [[x[4 * k : 4 * k + 4].copy() for k in range(WORLD)] for x in inputs]
     outs2 = [np.empty(4, np.float32) for _ in range(WORLD)]
-    on_every_rank(groups, lambda g, r: api.reduce_scatter(outs2[r], lists[r], group=g, async_op=True))
+    on_every_rank(
+        groups, lambda g, r: api.reduce_scatter(outs2[r], lists[r], group=g, async_op=True)
+    )
     assert [o.tobytes() for o in outs2] == [o.tobytes() for o in outs]
     # all_gather_into_tensor (flat) and all_gather (list).
     mine = [np.full(4, r + 1, np.float32) for r in range(WORLD)]
     flats = [np.empty(4 * WORLD, np.float32) for _ in range(WORLD)]
-    on_every_rank(groups, lambda g, r: api.all_gather_into_tensor(flats[r], mine[r], group=g, async_op=True))
+    on_every_rank(
+        groups, lambda g, r: api.all_gather_into_tensor(flats[r], mine[r], group=g, async_op=True)
+    )
     expected = np.concatenate(mine)
     assert all(f.tobytes() == expected.tobytes() for f in flats)
     got = [[np.empty(4, np.float32) for _ in range(WORLD)] for _ in range(WORLD)]
@@ -125,20 +145,29 @@ def test_four_collectives_in_flight_per_group_each_exact(groups: list[api.Proces
     sizes = (5_003, 40_000, 17, 70_001)
     inputs = [[rng.standard_normal(n).astype(np.float32) for _ in range(WORLD)] for n in sizes]
     bufs = [[x.copy() for x in per_rank] for per_rank in inputs]
-    cast = [rng.standard_normal(999).astype(np.float32) if r == 1 else np.zeros(999, np.float32) for r in range(WORLD)]
+    cast = [
+        rng.standard_normal(999).astype(np.float32) if r == 1 else np.zeros(999, np.float32)
+        for r in range(WORLD)
+    ]
     mine = [np.full(333, r, np.int32) for r in range(WORLD)]
     gathered = [np.zeros(333 * WORLD, np.int32) for _ in range(WORLD)]
     works = []
     for rank, g in enumerate(groups):
-        works.append([api.all_reduce(bufs[k][rank], group=g, async_op=True) for k in range(len(sizes))]
-                     + [api.broadcast(cast[rank], src=1, group=g, async_op=True),
-                        api.all_gather_into_tensor(gathered[rank], mine[rank], group=g, async_op=True)])  # fmt: skip
+        works.append(
+            [api.all_reduce(bufs[k][rank], group=g, async_op=True) for k in range(len(sizes))]
+            + [
+                api.broadcast(cast[rank], src=1, group=g, async_op=True),
+                api.all_gather_into_tensor(gathered[rank], mine[rank], group=g, async_op=True),
+            ]
+        )
     for per_rank in works:
         for work in per_rank:
             work.wait()
     for k in range(len(sizes)):
         expected = reference_chain_allreduce(inputs[k], WireOp.SUM).tobytes()
-        assert all(buf.tobytes() == expected for buf in bufs[k]), f"all-reduce {k} of {sizes[k]} elements"
+        assert all(buf.tobytes() == expected for buf in bufs[k]), (
+            f"all-reduce {k} of {sizes[k]} elements"
+        )
     assert all(c.tobytes() == cast[1].tobytes() for c in cast)
     assert all(out.tolist() == np.repeat(np.arange(WORLD), 333).tolist() for out in gathered)
 
@@ -147,20 +176,31 @@ def test_four_collectives_in_flight_per_group_each_exact(groups: list[api.Proces
 def test_collectives_in_flight_stay_exact_under_loss() -> None:
     """Four all-reduces of each of three ranks in flight at once on nodes that drop 15% and
     duplicate 5% of what they receive (seeded): every one exact, in issue order."""
-    with start_cluster(WORLD, memory=4 << 20, faults=FaultSpec(loss=0.15, dup=0.05, seed=25)) as lossy:
+    with start_cluster(
+        WORLD, memory=4 << 20, faults=FaultSpec(loss=0.15, dup=0.05, seed=25)
+    ) as lossy:
         made = [api.ProcessGroup(lossy.info, rank) for rank in range(WORLD)]
         try:
             rng = np.random.default_rng(15)
-            inputs = [[rng.standard_normal(20_000 + 7 * k).astype(np.float32) for _ in range(WORLD)] for k in range(4)]
+            inputs = [
+                [rng.standard_normal(20_000 + 7 * k).astype(np.float32) for _ in range(WORLD)]
+                for k in range(4)
+            ]
             bufs = [[x.copy() for x in per_rank] for per_rank in inputs]
-            works = [[api.all_reduce(bufs[k][r], group=g, async_op=True) for r, g in enumerate(made)] for k in range(4)]
+            works = [
+                [api.all_reduce(bufs[k][r], group=g, async_op=True) for r, g in enumerate(made)]
+                for k in range(4)
+            ]
             for per_call in works:
                 for work in per_call:
                     work.wait()
             for k in range(4):
                 expected = reference_chain_allreduce(inputs[k], WireOp.SUM).tobytes()
                 assert all(buf.tobytes() == expected for buf in bufs[k])
-            assert sum(w.stats["retransmits"] + w.stats["repair_reads"] for per in works for w in per) > 0
+            assert (
+                sum(w.stats["retransmits"] + w.stats["repair_reads"] for per in works for w in per)
+                > 0
+            )
         finally:
             for group in made:
                 group.close()
@@ -171,12 +211,20 @@ def _half_inputs(dtype: str, n: int) -> list[np.ndarray]:
     the format (zeros of both signs, subnormals, the largest finite, infinities, NaNs)."""
     rng = np.random.default_rng(1625)
     if dtype == "f16":
-        specials = np.array([0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0xFE01], np.uint16)
-        ordinary = [(rng.standard_normal(n) * 100).astype(np.float16).view(np.uint16) for _ in range(WORLD)]
+        specials = np.array(
+            [0x0000, 0x8000, 0x0001, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0xFE01], np.uint16
+        )
+        ordinary = [
+            (rng.standard_normal(n) * 100).astype(np.float16).view(np.uint16) for _ in range(WORLD)
+        ]
         marked = np.dtype(np.float16)
     else:
-        specials = np.array([0x0000, 0x8000, 0x0001, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1], np.uint16)
-        ordinary = [bf16_round((rng.standard_normal(n) * 100).astype(np.float32)) for _ in range(WORLD)]
+        specials = np.array(
+            [0x0000, 0x8000, 0x0001, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1], np.uint16
+        )
+        ordinary = [
+            bf16_round((rng.standard_normal(n) * 100).astype(np.float32)) for _ in range(WORLD)
+        ]
         marked = api.bfloat16
     for x in ordinary:
         where = rng.random(n) < 0.1
@@ -186,8 +234,9 @@ def _half_inputs(dtype: str, n: int) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("op", [WireOp.SUM, WireOp.MIN, WireOp.MAX])
-def test_half_precision_reductions_are_the_reference_bitwise(groups: list[api.ProcessGroup], dtype: str,
-                                                             op: WireOp) -> None:  # fmt: skip
+def test_half_precision_reductions_are_the_reference_bitwise(
+    groups: list[api.ProcessGroup], dtype: str, op: WireOp
+) -> None:
     """f16 and bf16 SUM, MIN and MAX in the NICs, every hop rounding by SPEC.md 2.4, against the
     numpy reference folded in chain order, on every rank, bit for bit."""
     inputs = _half_inputs(dtype, 30_011)  # several chunks per block, blocks of unequal size
@@ -201,14 +250,22 @@ def test_bf16_avg_product_and_torch_tensors(groups: list[api.ProcessGroup]) -> N
     """bf16 through the rest of the API: AVG divides in f32 and rounds once, PRODUCT multiplies
     in rank order rounding each product, and torch.bfloat16 tensors are reduced in place, 2
     bytes an element, as torch's own bf16 adds would."""
-    inputs = [bf16_round(np.linspace(-3, 3, 999, dtype=np.float32) * (r + 1)).view(api.bfloat16) for r in range(WORLD)]
+    inputs = [
+        bf16_round(np.linspace(-3, 3, 999, dtype=np.float32) * (r + 1)).view(api.bfloat16)
+        for r in range(WORLD)
+    ]
     bufs = [x.copy() for x in inputs]
-    on_every_rank(groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.AVG, group=g, async_op=True))
+    on_every_rank(
+        groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.AVG, group=g, async_op=True)
+    )
     total = reference_chain_allreduce(inputs, WireOp.SUM)
     expected = bf16_round(bf16_values(total) / np.float32(WORLD))
     assert all(buf.tobytes() == expected.tobytes() for buf in bufs)
     bufs = [x.copy() for x in inputs]
-    on_every_rank(groups, lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.PRODUCT, group=g, async_op=True))
+    on_every_rank(
+        groups,
+        lambda g, r: api.all_reduce(bufs[r], op=api.ReduceOp.PRODUCT, group=g, async_op=True),
+    )
     product = inputs[0].view(np.uint16)
     for x in inputs[1:]:
         product = bf16_round(bf16_values(product) * bf16_values(x.view(np.uint16)))
@@ -224,7 +281,9 @@ def test_bf16_avg_product_and_torch_tensors(groups: list[api.ProcessGroup]) -> N
     assert torch.equal(tensors[0][block], by_torch)
 
 
-def test_init_process_group_env_and_file(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_process_group_env_and_file(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert not netdam.is_initialized()
     monkeypatch.setenv("NETDAM_CLUSTER", str(cluster.path))
     monkeypatch.setenv("RANK", "1")
@@ -235,7 +294,9 @@ def test_init_process_group_env_and_file(cluster: LocalCluster, monkeypatch: pyt
     finally:
         netdam.destroy_process_group()
     assert not netdam.is_initialized()
-    group = netdam.init_process_group(init_method=f"file://{cluster.path}", rank=2, world_size=WORLD)
+    group = netdam.init_process_group(
+        init_method=f"file://{cluster.path}", rank=2, world_size=WORLD
+    )
     try:
         assert netdam.get_rank() == 2
     finally:
@@ -253,13 +314,21 @@ def test_init_process_group_env_and_file(cluster: LocalCluster, monkeypatch: pyt
         ({}, {"NETDAM_CLUSTER": "{path}", "RANK": "x"}, "not an integer"),
     ],
 )
-def test_init_process_group_errors_name_the_fix(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch,
-                                                 kwargs: dict[str, Any], env: dict[str, str], message: str) -> None:  # fmt: skip
+def test_init_process_group_errors_name_the_fix(
+    cluster: LocalCluster,
+    monkeypatch: pytest.MonkeyPatch,
+    kwargs: dict[str, Any],
+    env: dict[str, str],
+    message: str,
+) -> None:
     monkeypatch.delenv("NETDAM_CLUSTER", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value.replace("{path}", str(cluster.path)))
-    args = {k: (v.replace("{path}", str(cluster.path)) if isinstance(v, str) else v) for k, v in kwargs.items()}
+    args = {
+        k: (v.replace("{path}", str(cluster.path)) if isinstance(v, str) else v)
+        for k, v in kwargs.items()
+    }
     with pytest.raises(ValueError, match=message):
         netdam.init_process_group(**args)
     assert not netdam.is_initialized()

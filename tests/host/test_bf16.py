@@ -27,8 +27,27 @@ SUM, MIN, MAX = int(ReduceOp.SUM), int(ReduceOp.MIN), int(ReduceOp.MAX)
 
 #: Patterns at the edges of the format: zeros, the smallest subnormal, the largest finite,
 #: infinities, a quiet and a signalling NaN of each sign, the smallest normal, and 1.0.
-SPECIAL = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81,
-                    0xFF81, 0x0080, 0x8080, 0x3F80, 0xBF80], np.uint16)  # fmt: skip
+SPECIAL = np.array(
+    [
+        0x0000,
+        0x8000,
+        0x0001,
+        0x8001,
+        0x7F7F,
+        0xFF7F,
+        0x7F80,
+        0xFF80,
+        0x7FC0,
+        0xFFC1,
+        0x7F81,
+        0xFF81,
+        0x0080,
+        0x8080,
+        0x3F80,
+        0xBF80,
+    ],
+    np.uint16,
+)
 
 
 def bits(*values: int) -> np.ndarray:
@@ -39,25 +58,35 @@ def test_the_rule_by_hand() -> None:
     """The cases SPEC.md 2.4 names, computed by hand."""
     # 1.0 + 2^-8 is halfway between 0x3F80 and 0x3F81: ties to even keep 0x3F80; 1.0 + 3 * 2^-8
     # is halfway between 0x3F81 and 0x3F82: up to the even 0x3F82.
-    assert bf16_combine(bits(0x3F80, 0x3F80), bits(0x3B80, 0x3C40), SUM).tolist() == [0x3F80, 0x3F82]
+    assert bf16_combine(bits(0x3F80, 0x3F80), bits(0x3B80, 0x3C40), SUM).tolist() == [
+        0x3F80,
+        0x3F82,
+    ]
     # The largest finite doubled overflows to infinity; inf - inf and any NaN give 0x7FC0.
-    assert bf16_combine(bits(0x7F7F, 0x7F80, 0xFFC1, 0x3F80), bits(0x7F7F, 0xFF80, 0x3F80, 0x7F81), SUM).tolist() == [
-        0x7F80, 0x7FC0, 0x7FC0, 0x7FC0]  # fmt: skip
+    assert bf16_combine(
+        bits(0x7F7F, 0x7F80, 0xFFC1, 0x3F80), bits(0x7F7F, 0xFF80, 0x3F80, 0x7F81), SUM
+    ).tolist() == [0x7F80, 0x7FC0, 0x7FC0, 0x7FC0]
     # Subnormals add exactly (bf16 has f32's exponent range): 1 + 1 quanta = 2 quanta.
     assert bf16_combine(bits(0x0001), bits(0x0001), SUM).tolist() == [0x0002]
     # MIN/MAX return an operand's bits unchanged: ties keep a, a NaN in a wins, a NaN in b wins
     # over a number.
-    assert bf16_combine(bits(0x0000, 0x8000, 0x7FC5, 0x3F80), bits(0x8000, 0x0000, 0x3F80, 0xFFC3), MIN).tolist() == [
-        0x0000, 0x8000, 0x7FC5, 0xFFC3]  # fmt: skip
-    assert bf16_combine(bits(0x3F80, 0xBF80), bits(0x4000, 0xC000), MAX).tolist() == [0x4000, 0xBF80]
+    assert bf16_combine(
+        bits(0x0000, 0x8000, 0x7FC5, 0x3F80), bits(0x8000, 0x0000, 0x3F80, 0xFFC3), MIN
+    ).tolist() == [0x0000, 0x8000, 0x7FC5, 0xFFC3]
+    assert bf16_combine(bits(0x3F80, 0xBF80), bits(0x4000, 0xC000), MAX).tolist() == [
+        0x4000,
+        0xBF80,
+    ]
 
 
 def test_widening_and_rounding_are_exact() -> None:
     every = np.arange(65536, dtype=np.uint16)
     finite = (every & 0x7F80) != 0x7F80
     # Widening then rounding gives every non-NaN pattern back.
-    assert np.array_equal(bf16_round(bf16_values(every))[finite | ((every & 0x7F) == 0)],
-                          every[finite | ((every & 0x7F) == 0)])  # fmt: skip
+    assert np.array_equal(
+        bf16_round(bf16_values(every))[finite | ((every & 0x7F) == 0)],
+        every[finite | ((every & 0x7F) == 0)],
+    )
     assert bf16_values(bits(0x3F80, 0xC000, 0x0001)).tolist() == [1.0, -2.0, 2.0**-133]
     assert element_values(bits(0x3F80, 0x4040).tobytes(), DType.BF16).tolist() == [1.0, 3.0]
 
@@ -68,8 +97,12 @@ def test_the_reference_is_pytorchs_bf16_add() -> None:
     result is not a NaN (torch's vector loop may keep another NaN pattern; SPEC says 0x7FC0)."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(25)
-    a = np.concatenate([rng.integers(0, 65536, 400_000, dtype=np.uint16), np.repeat(SPECIAL, len(SPECIAL))])
-    b = np.concatenate([rng.integers(0, 65536, 400_000, dtype=np.uint16), np.tile(SPECIAL, len(SPECIAL))])
+    a = np.concatenate(
+        [rng.integers(0, 65536, 400_000, dtype=np.uint16), np.repeat(SPECIAL, len(SPECIAL))]
+    )
+    b = np.concatenate(
+        [rng.integers(0, 65536, 400_000, dtype=np.uint16), np.tile(SPECIAL, len(SPECIAL))]
+    )
     ours = bf16_combine(a, b, SUM)
     as_torch = [torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) for x in (a, b)]
     theirs = (as_torch[0] + as_torch[1]).view(torch.int16).numpy().view(np.uint16)
@@ -99,7 +132,12 @@ def test_the_marked_dtype_and_unmarked_uint16() -> None:
     """netdam.bfloat16 is uint16 marked as bf16; plain uint16 is not a NIC type (it would
     otherwise be added as bf16, silently wrong)."""
     marked = np.zeros(8, api.bfloat16)
-    assert is_bf16(marked) and is_bf16(marked[2:5]) and is_bf16(marked.copy()) and api.bfloat16 is BFLOAT16
+    assert (
+        is_bf16(marked)
+        and is_bf16(marked[2:5])
+        and is_bf16(marked.copy())
+        and api.bfloat16 is BFLOAT16
+    )
     assert api.wire_dtype(marked) == DType.BF16
     with pytest.raises(TypeError, match="bfloat16"):
         api.wire_dtype(np.zeros(8, np.uint16))
@@ -110,8 +148,17 @@ def test_a_node_adds_bf16_and_refuses_an_unknown_dtype(cluster: Cluster) -> None
     start = bits(0x3F80, 0x3F80, 0x7F7F, 0x0000)
     node.memory[64:72] = start.view(np.uint8)
     addend = bits(0x3B80, 0x3C40, 0x7F7F, 0x8000)
-    add = Packet(Opcode.ADD, flags=Flags.ACK_REQ, client_id=1, txn_id=3, rkey=RKEY, addr=64, dtype=DType.BF16,
-                 length=8, payload=addend.tobytes())  # fmt: skip
+    add = Packet(
+        Opcode.ADD,
+        flags=Flags.ACK_REQ,
+        client_id=1,
+        txn_id=3,
+        rkey=RKEY,
+        addr=64,
+        dtype=DType.BF16,
+        length=8,
+        payload=addend.tobytes(),
+    )
     only(cluster.request(0, add), Opcode.ACK)
     assert node.memory[64:72].view(np.uint16).tolist() == bf16_combine(start, addend, SUM).tolist()
     # Dtype codes above the last one are refused, before anything touches memory.

@@ -32,14 +32,29 @@ def subgroups(ranks: list[api.ProcessGroup], members: list[int]) -> dict[int, ap
     return {r: g for r, g in made.items() if isinstance(g, api.ProcessGroup)}
 
 
-def test_groups_of_every_size_overlapping_and_disjoint_run_together(ranks: list[api.ProcessGroup]) -> None:
+def test_groups_of_every_size_overlapping_and_disjoint_run_together(
+    ranks: list[api.ProcessGroup],
+) -> None:
     rng = np.random.default_rng(2508)
     shapes = [list(range(k)) for k in range(2, WORLD + 1)]  # overlapping: 0..k-1
-    shapes += [[0, 1], [2, 3], [4, 5], [6, 7], [1, 3, 5, 7], [6, 2, 4]]  # disjoint pairs, odd, unsorted
+    shapes += [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+        [1, 3, 5, 7],
+        [6, 2, 4],
+    ]  # disjoint pairs, odd, unsorted
     groups = [subgroups(ranks, members) for members in shapes]
-    inputs = [{r: rng.standard_normal(3001 + 17 * i).astype(np.float32) for r in g} for i, g in enumerate(groups)]
+    inputs = [
+        {r: rng.standard_normal(3001 + 17 * i).astype(np.float32) for r in g}
+        for i, g in enumerate(groups)
+    ]
     bufs = [{r: x.copy() for r, x in per.items()} for per in inputs]
-    works = [[api.all_reduce(bufs[i][r], group=g[r], async_op=True) for r in g] for i, g in enumerate(groups)]
+    works = [
+        [api.all_reduce(bufs[i][r], group=g[r], async_op=True) for r in g]
+        for i, g in enumerate(groups)
+    ]
     for per in works:
         for work in per:
             work.wait()
@@ -62,10 +77,16 @@ def test_group_ranks_collectives_and_non_members(ranks: list[api.ProcessGroup]) 
         n = 3 * 1000 + 2
         inputs = {r: np.arange(n, dtype=np.int64) * (k + 1) for k, r in enumerate(members)}
         outs = {r: np.zeros((k + 1) * n // 3 - k * n // 3, np.int64) for k, r in enumerate(members)}
-        works = [api.reduce_scatter_tensor(outs[r], inputs[r], group=group[r], async_op=True) for r in members]
+        works = [
+            api.reduce_scatter_tensor(outs[r], inputs[r], group=group[r], async_op=True)
+            for r in members
+        ]
         mine = {r: np.full(10, r, np.int32) for r in members}
         gathered = {r: np.zeros(30, np.int32) for r in members}
-        works += [api.all_gather_into_tensor(gathered[r], mine[r], group=group[r], async_op=True) for r in members]
+        works += [
+            api.all_gather_into_tensor(gathered[r], mine[r], group=group[r], async_op=True)
+            for r in members
+        ]
         for work in works:
             work.wait()
         total = np.arange(n, dtype=np.int64) * 6
@@ -117,7 +138,9 @@ class _LosesFirstStart:
         return getattr(self._sock, name)
 
 
-def test_a_lost_start_coll_is_sent_again_while_its_host_computes(ranks: list[api.ProcessGroup]) -> None:
+def test_a_lost_start_coll_is_sent_again_while_its_host_computes(
+    ranks: list[api.ProcessGroup],
+) -> None:
     """Rank 5's START_COLL is lost and its host computes for longer than the watchdog before
     it waits: the rank's progress thread sends it again, so its peers' nodes are not left
     waiting on its node until they time out, and every rank's result is exact."""

@@ -33,24 +33,32 @@ def cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def jobs(cluster: LocalCluster) -> Iterator[dict[str, list[api.ProcessGroup]]]:
-    made = {job: [api.ProcessGroup(cluster.info, r, job=job, arena_bytes=8 << 20) for r in range(WORLD)]
-            for job in ("a", "b")}  # fmt: skip
+    made = {
+        job: [api.ProcessGroup(cluster.info, r, job=job, arena_bytes=8 << 20) for r in range(WORLD)]
+        for job in ("a", "b")
+    }
     yield made
     for groups in made.values():
         for group in groups:
             group.close()
 
 
-def test_jobs_have_their_own_keys_coll_ids_and_arenas(jobs: dict[str, list[api.ProcessGroup]]) -> None:
+def test_jobs_have_their_own_keys_coll_ids_and_arenas(
+    jobs: dict[str, list[api.ProcessGroup]],
+) -> None:
     a, b = jobs["a"][0], jobs["b"][0]
     assert a.coll_id != b.coll_id
-    assert api.collective_key(a._secret, a.coll_id, 1) != api.collective_key(b._secret, b.coll_id, 1)
+    assert api.collective_key(a._secret, a.coll_id, 1) != api.collective_key(
+        b._secret, b.coll_id, 1
+    )
     assert a._secret != b._secret and group_secret(a.cluster) not in (a._secret, b._secret)
     assert a.arena_rkey != b.arena_rkey
     assert a.arena_end <= b.arena_base or b.arena_end <= a.arena_base  # one byte, one owner
 
 
-def test_a_small_call_of_one_job_runs_beside_a_large_call_of_another(jobs: dict[str, list[api.ProcessGroup]]) -> None:
+def test_a_small_call_of_one_job_runs_beside_a_large_call_of_another(
+    jobs: dict[str, list[api.ProcessGroup]],
+) -> None:
     """Job a's 4 MiB all-reduce starts first; job b's 4 KiB one is started on every node while
     a's still runs there (a NIC of one slot answered it BUSY until a's ended) and both are exact."""
     a, b = jobs["a"], jobs["b"]
@@ -68,7 +76,12 @@ def test_a_small_call_of_one_job_runs_beside_a_large_call_of_another(jobs: dict[
         work.wait()
     assert all(w is not None and w.busy_answers == 0 for w in works_b)
     for wa, wb in zip(works_a, works_b, strict=True):
-        assert wa is not None and wb is not None and wb.started_at is not None and wa.completed_at is not None
+        assert (
+            wa is not None
+            and wb is not None
+            and wb.started_at is not None
+            and wa.completed_at is not None
+        )
         assert wb.started_at < wa.completed_at  # b ran on the node while a still ran there
     expected_large = reference_chain_allreduce(inputs, WireOp.SUM).tobytes()
     expected_small = reference_chain_allreduce(small_in, WireOp.SUM).tobytes()
@@ -76,7 +89,9 @@ def test_a_small_call_of_one_job_runs_beside_a_large_call_of_another(jobs: dict[
     assert all(buf.tobytes() == expected_small for buf in small)
 
 
-def test_two_jobs_groups_and_calls_in_flight_all_exact(jobs: dict[str, list[api.ProcessGroup]]) -> None:
+def test_two_jobs_groups_and_calls_in_flight_all_exact(
+    jobs: dict[str, list[api.ProcessGroup]],
+) -> None:
     """Both jobs, each with its default group and a group of two, four calls in flight on each:
     16 collectives in flight, as many at once on nodes 1 and 2 as they have slots."""
     rng = np.random.default_rng(2526)
@@ -85,7 +100,9 @@ def test_two_jobs_groups_and_calls_in_flight_all_exact(jobs: dict[str, list[api.
         pair = {r: groups[r].new_group([1, 2]) for r in range(WORLD)}
         for members, made in ((list(range(WORLD)), dict(enumerate(groups))), ([1, 2], pair)):
             for _ in range(4):
-                inputs = {r: rng.integers(-1 << 20, 1 << 20, 5003).astype(np.int64) for r in members}
+                inputs = {
+                    r: rng.integers(-1 << 20, 1 << 20, 5003).astype(np.int64) for r in members
+                }
                 bufs = {r: x.copy() for r, x in inputs.items()}
                 works = [api.all_reduce(bufs[r], group=made[r], async_op=True) for r in members]  # type: ignore[arg-type]
                 calls.append((job, members, inputs, bufs, works))
@@ -97,17 +114,27 @@ def test_two_jobs_groups_and_calls_in_flight_all_exact(jobs: dict[str, list[api.
         assert all(np.array_equal(bufs[r], expected) for r in members), (job, members)
 
 
-def test_a_jobs_name_is_checked_and_one_process_per_rank_and_job(cluster: LocalCluster,
-                                                                jobs: dict[str, list[api.ProcessGroup]]) -> None:  # fmt: skip
+def test_a_jobs_name_is_checked_and_one_process_per_rank_and_job(
+    cluster: LocalCluster, jobs: dict[str, list[api.ProcessGroup]]
+) -> None:
     with pytest.raises(ValueError, match="job name"):
         api.ProcessGroup(cluster.info, 0, job="a b")
-    code = ("import sys; from netdam.api import ArenaInUseError, ProcessGroup; "
-            "from netdam.cluster.clusterfile import load_cluster\n"
-            "try:\n    ProcessGroup(load_cluster(sys.argv[1]), 0, job='a').close(); print('opened')\n"
-            "except ArenaInUseError as exc:\n    print('refused:', exc)")  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", code, str(cluster.path)], capture_output=True, text=True,
-                         timeout=60, check=True)  # fmt: skip
-    assert run.stdout.startswith("refused: rank 0: another process") and "job 'a'" in run.stdout, run.stdout
+    code = (
+        "import sys; from netdam.api import ArenaInUseError, ProcessGroup; "
+        "from netdam.cluster.clusterfile import load_cluster\n"
+        "try:\n    ProcessGroup(load_cluster(sys.argv[1]), 0, job='a').close(); print('opened')\n"
+        "except ArenaInUseError as exc:\n    print('refused:', exc)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(cluster.path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert run.stdout.startswith("refused: rank 0: another process") and "job 'a'" in run.stdout, (
+        run.stdout
+    )
 
 
 @pytest.mark.slow
@@ -119,23 +146,35 @@ def test_two_jobs_groups_under_injected_loss_stay_exact() -> None:
     (measured; the call then raises TIMEOUT, never a wrong result)."""
     faults = FaultSpec(loss=0.3, dup=0.1, reorder=0.1, seed=25)
     with start_cluster(WORLD, memory=16 << 20, faults=faults) as running:
-        made = {job: [api.ProcessGroup(running.info, r, job=job, arena_bytes=4 << 20, timeout_s=10.0)
-                      for r in range(WORLD)] for job in ("a", "b")}  # fmt: skip
+        made = {
+            job: [
+                api.ProcessGroup(running.info, r, job=job, arena_bytes=4 << 20, timeout_s=10.0)
+                for r in range(WORLD)
+            ]
+            for job in ("a", "b")
+        }
         try:
             rng = np.random.default_rng(2527)
             calls = []
             for groups in made.values():
                 odd = {r: groups[r].new_group([1, 3]) for r in range(WORLD)}
-                for members, by_rank in ((list(range(WORLD)), dict(enumerate(groups))), ([1, 3], odd)):
+                for members, by_rank in (
+                    (list(range(WORLD)), dict(enumerate(groups))),
+                    ([1, 3], odd),
+                ):
                     inputs = {r: rng.standard_normal(20_001).astype(np.float32) for r in members}
                     bufs = {r: x.copy() for r, x in inputs.items()}
-                    works = [api.all_reduce(bufs[r], group=by_rank[r], async_op=True) for r in members]  # type: ignore[arg-type]
+                    works = [
+                        api.all_reduce(bufs[r], group=by_rank[r], async_op=True) for r in members
+                    ]  # type: ignore[arg-type]
                     calls.append((members, inputs, bufs, works))
             for *_, works in calls:
                 for work in works:
                     work.wait()
             for members, inputs, bufs, _ in calls:
-                expected = reference_chain_allreduce([inputs[r] for r in members], WireOp.SUM).tobytes()
+                expected = reference_chain_allreduce(
+                    [inputs[r] for r in members], WireOp.SUM
+                ).tobytes()
                 assert all(bufs[r].tobytes() == expected for r in members), members
         finally:
             for groups in made.values():
@@ -145,8 +184,28 @@ def test_two_jobs_groups_under_injected_loss_stay_exact() -> None:
 
 @pytest.mark.slow
 def test_bench_allreduce_jobs_reports_each_job_against_solo(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "netdam", "bench", "allreduce", "--jobs", "2", "--nodes", "2",
-                          "--size", "64KiB", "--window", "0.2", "--json"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "netdam",
+            "bench",
+            "allreduce",
+            "--jobs",
+            "2",
+            "--nodes",
+            "2",
+            "--size",
+            "64KiB",
+            "--window",
+            "0.2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout)
     assert result["ok"] and result["jobs"] == 2 and result["solo"]["calls"] > 0

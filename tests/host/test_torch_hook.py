@@ -60,7 +60,9 @@ def test_netdam_torch_is_the_real_torch() -> None:
 
 def test_without_torch_the_import_error_says_how_to_install() -> None:
     code = "import sys; sys.modules['torch'] = None\ntry:\n import netdam.clients.ddp\nexcept ImportError as e:\n print(e)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    ).stdout
     assert "pip install torch==2.13.0" in out and "'netdam[torch]'" not in out
 
 
@@ -68,7 +70,10 @@ def test_without_torch_the_import_error_says_how_to_install() -> None:
 def test_hook_chunks_a_bucket_larger_than_one_chunk(two_nodes: LocalCluster, dtype: str) -> None:
     dt = getattr(torch, dtype)
     base = next(_EPOCHS)
-    states = [NetdamHookState(two_nodes.info, rank, 2, chunk_bytes=4096, epoch_base=base) for rank in range(2)]
+    states = [
+        NetdamHookState(two_nodes.info, rank, 2, chunk_bytes=4096, epoch_base=base)
+        for rank in range(2)
+    ]
     try:
         assert states[0].chunk_bytes == 4096
         n = 10_001  # not a multiple of the chunk
@@ -78,7 +83,9 @@ def test_hook_chunks_a_bucket_larger_than_one_chunk(two_nodes: LocalCluster, dty
         # Both ranks' hooks return at once: the worker threads run the collectives together.
         futures = [netdam_allreduce_hook(s, FakeBucket(b, 5)) for s, b in zip(states, buckets)]
         outs = [f.wait() for f in futures]
-        per_chunk = 4096 // (2 if dt in (torch.float16, torch.bfloat16) else 4)  # bf16 too is 2 bytes on the wire
+        per_chunk = 4096 // (
+            2 if dt in (torch.float16, torch.bfloat16) else 4
+        )  # bf16 too is 2 bytes on the wire
         assert states[0].collectives == states[1].collectives == -(-n // per_chunk) > 1
         assert outs[0].data_ptr() == buckets[0].data_ptr()  # in place, in the bucket
         assert torch.equal(outs[0], outs[1])  # replicas stay identical
@@ -98,8 +105,18 @@ def test_hook_chunks_a_bucket_larger_than_one_chunk(two_nodes: LocalCluster, dty
 
 def test_sum_without_average_and_float64(two_nodes: LocalCluster) -> None:
     base = next(_EPOCHS)
-    states = [NetdamHookState(two_nodes.info, rank, 2, average=False, asynchronous=False, chunk_bytes=1024,
-                              epoch_base=base) for rank in range(2)]  # fmt: skip
+    states = [
+        NetdamHookState(
+            two_nodes.info,
+            rank,
+            2,
+            average=False,
+            asynchronous=False,
+            chunk_bytes=1024,
+            epoch_base=base,
+        )
+        for rank in range(2)
+    ]
     try:
         # Synchronous: run rank 0 on a thread so both ranks are in the collective at once.
         import threading
@@ -128,7 +145,9 @@ def test_unsupported_dtype_is_refused(two_nodes: LocalCluster) -> None:
     with NetdamHookState(two_nodes.info, 0, 2) as state:
         with pytest.raises(TypeError, match="cannot reduce torch.int32"):
             state.submit(torch.ones(4, dtype=torch.int32)).wait()
-        with pytest.raises(RuntimeError, match="TypeError: netdam.clients.ddp cannot reduce torch.int32"):
+        with pytest.raises(
+            RuntimeError, match="TypeError: netdam.clients.ddp cannot reduce torch.int32"
+        ):
             netdam_allreduce_hook(state, FakeBucket(torch.ones(4, dtype=torch.int32))).wait()
         assert state.collectives == 0
 
@@ -151,7 +170,9 @@ def test_failed_allreduce_surfaces_through_the_future_and_ddp(tmp_path: Path) ->
                 assert state.group.epoch != 1  # the base came from rank 0's clock, over Gloo
                 os.kill(cluster.info.nodes[0].pid, signal.SIGKILL)
                 cluster.processes[0].wait(timeout=10)
-                with pytest.raises(RuntimeError, match="netdam all-reduce of DDP bucket 0 failed on rank 0") as info:
+                with pytest.raises(
+                    RuntimeError, match="netdam all-reduce of DDP bucket 0 failed on rank 0"
+                ) as info:
                     model(torch.ones(2, 4)).sum().backward()
                 assert "not answering: rank 0" in str(info.value)
                 # The state's own future raises the CollectiveError itself, at once.
@@ -181,7 +202,10 @@ def test_example_comparison_fails_on_a_wrong_loss() -> None:
     off = [{"netdam": rank([1.0, 0.5001]), "gloo": rank([1.0, 0.5])}]
     verdict = compare(off, 1e-5, 1e-7)
     assert verdict["ok"] is False and verdict["max_abs_diff"] == pytest.approx(1e-4)
-    drift = [{"netdam": rank([1.0], 1), "gloo": rank([1.0])}, {"netdam": rank([1.0], 2), "gloo": rank([1.0])}]
+    drift = [
+        {"netdam": rank([1.0], 1), "gloo": rank([1.0])},
+        {"netdam": rank([1.0], 2), "gloo": rank([1.0])},
+    ]
     assert compare(drift, 1e-5, 1e-7)["ok"] is False
     nan = [{"netdam": rank([float("nan")]), "gloo": rank([1.0])}]
     assert compare(nan, 1e-5, 1e-7)["ok"] is False
@@ -189,8 +213,19 @@ def test_example_comparison_fails_on_a_wrong_loss() -> None:
 
 @pytest.mark.slow
 def test_ddp_example_two_ranks_losses_agree_with_gloo() -> None:
-    argv = [sys.executable, str(EXAMPLE), "--ranks", "2", "--steps", "4", "--hidden", "32",
-            "--chunk-bytes", "4096", "--json"]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(EXAMPLE),
+        "--ranks",
+        "2",
+        "--steps",
+        "4",
+        "--hidden",
+        "32",
+        "--chunk-bytes",
+        "4096",
+        "--json",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(proc.stdout)
@@ -203,15 +238,23 @@ def test_ddp_example_two_ranks_losses_agree_with_gloo() -> None:
     assert r["loss_netdam"][-1] < r["loss_netdam"][0]
     # Steps per second after the first step, both modes (measured, not compared here).
     assert r["steps_per_second_netdam"] > 0 and r["steps_per_second_gloo"] > 0
-    assert r["steps_per_second_ratio"] == pytest.approx(r["steps_per_second_netdam"] / r["steps_per_second_gloo"])
+    assert r["steps_per_second_ratio"] == pytest.approx(
+        r["steps_per_second_netdam"] / r["steps_per_second_gloo"]
+    )
 
 
 def test_example_steps_per_second_take_the_slowest_rank() -> None:
     rate = _example().steps_per_second
-    ranks = [{"netdam": {"steady_seconds": 1.0}, "gloo": {"steady_seconds": 2.0}},
-             {"netdam": {"steady_seconds": 0.5}, "gloo": {"steady_seconds": 4.0}}]  # fmt: skip
+    ranks = [
+        {"netdam": {"steady_seconds": 1.0}, "gloo": {"steady_seconds": 2.0}},
+        {"netdam": {"steady_seconds": 0.5}, "gloo": {"steady_seconds": 4.0}},
+    ]
     out = rate(ranks, 11)
-    assert out == {"steps_per_second_netdam": 10.0, "steps_per_second_gloo": 2.5, "steps_per_second_ratio": 4.0}
+    assert out == {
+        "steps_per_second_netdam": 10.0,
+        "steps_per_second_gloo": 2.5,
+        "steps_per_second_ratio": 4.0,
+    }
     assert rate(ranks, 1)["steps_per_second_netdam"] is None
 
 
@@ -219,5 +262,9 @@ def test_example_takes_a_bf16_model_with_bf16s_tolerance() -> None:
     """``--dtype bfloat16`` trains in bf16 (its gradients cross the NICs as bf16) and compares
     losses within bf16's precision unless told otherwise; float32 keeps its 1e-5."""
     parse = _example().parse_args
-    assert (parse(["--dtype", "bfloat16"]).rtol, parse([]).rtol, parse([]).dtype) == (2e-2, 1e-5, "float32")
+    assert (parse(["--dtype", "bfloat16"]).rtol, parse([]).rtol, parse([]).dtype) == (
+        2e-2,
+        1e-5,
+        "float32",
+    )
     assert parse(["--dtype", "bfloat16", "--rtol", "0.1"]).rtol == 0.1

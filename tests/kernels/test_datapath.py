@@ -85,7 +85,8 @@ def check_parity(node: NodeCore, data: bytes) -> None:
         # counted truncated first (SPEC.md 2.6), whatever its opcode.
         tagged = int.from_bytes(data[2:4], "big") & Flags.TAGGED
         counted = node.counters[C.DROP_BAD_REPLY] == before_bad_reply + 1 or (
-            tagged and sum(int(node.counters[c]) for c in tag_drops) == before_tagged + 1)
+            tagged and sum(int(node.counters[c]) for c in tag_drops) == before_tagged + 1
+        )
         assert replies == [] and counted, data.hex()
     elif int.from_bytes(data[2:4], "big") & Flags.TAGGED and not replies:
         # A tag of no collective held here, or no room for one: dropped and counted, never
@@ -110,8 +111,19 @@ def sparse_form(dense: bytes, size: int, rng: np.random.Generator) -> bytes:
 
 def targeted(rng: np.random.Generator) -> bytes:
     """A packet aimed at the live region, often near its edges."""
-    opcode = Opcode(rng.choice([Opcode.READ, Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD,
-                                Opcode.ALL_WRITE, Opcode.FETCH_ADD, Opcode.CAS]))  # fmt: skip
+    opcode = Opcode(
+        rng.choice(
+            [
+                Opcode.READ,
+                Opcode.WRITE,
+                Opcode.ADD,
+                Opcode.CHAIN_ADD,
+                Opcode.ALL_WRITE,
+                Opcode.FETCH_ADD,
+                Opcode.CAS,
+            ]
+        )
+    )
     dtype = DType(rng.integers(1, 7))
     if opcode in (Opcode.FETCH_ADD, Opcode.CAS):
         dtype = DType.U64
@@ -122,9 +134,14 @@ def targeted(rng: np.random.Generator) -> bytes:
         rng.choice([REGION[0], edge, edge + size, REGION[0] - size, rng.integers(0, 1 << 16)])
     )
     addr -= addr % (size if rng.random() < 0.9 else 1)
-    fields: dict[str, object] = dict(rkey=RKEY if rng.random() < 0.9 else int(rng.integers(0, 2**32)),
-                                     addr=addr, dtype=dtype, reduce_op=ReduceOp(rng.integers(0, 3)),
-                                     client_id=int(rng.integers(0, 4)), txn_id=int(rng.integers(0, 600)))  # fmt: skip
+    fields: dict[str, object] = dict(
+        rkey=RKEY if rng.random() < 0.9 else int(rng.integers(0, 2**32)),
+        addr=addr,
+        dtype=dtype,
+        reduce_op=ReduceOp(rng.integers(0, 3)),
+        client_id=int(rng.integers(0, 4)),
+        txn_id=int(rng.integers(0, 600)),
+    )
     if opcode == Opcode.READ:
         fields["length"] = count * size
     elif opcode in (Opcode.FETCH_ADD, Opcode.CAS):
@@ -143,7 +160,10 @@ def targeted(rng: np.random.Generator) -> bytes:
         fields["coll_id"] = int(rng.integers(0, 3))
         fields["seq"] = int(rng.integers(0, 1 << 18))
     fields["flags"] = Flags(int(rng.integers(0, 2)))
-    sparse = opcode in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE) and rng.random() < 0.3
+    sparse = (
+        opcode in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE)
+        and rng.random() < 0.3
+    )
     if sparse and opcode != Opcode.ADD:
         fields["payload"] = sparse_form(bytes(fields["payload"]), size, rng)  # type: ignore[arg-type]
         fields["flags"] = Flags(fields["flags"]) | Flags.SPARSE  # type: ignore[arg-type]
@@ -170,7 +190,9 @@ def test_datapath_matches_codec_on_targeted_mutations() -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=200, deadline=None)  # 400 took 16 s of the suite; the seeded run above adds 4,000 more
+@settings(
+    max_examples=200, deadline=None
+)  # 400 took 16 s of the suite; the seeded run above adds 4,000 more
 @given(valid_packets(), st.lists(st.tuples(st.integers(0, 700), st.integers(0, 255)), max_size=3))
 def test_datapath_matches_codec_hypothesis(
     packet: Packet, mutations: list[tuple[int, int]]
@@ -230,8 +252,16 @@ def _dense_vs_sparse(opcode: Opcode, dtype: DType, values: np.ndarray, **fields:
     for flags, payload in ((Flags.NONE, dense_payload), (Flags.SPARSE, body)):
         node = fresh_node()
         node.memory[REGION[0] : REGION[0] + 256] = np.arange(256, dtype=np.uint8)
-        packet = Packet(opcode, rkey=RKEY, addr=REGION[0], dtype=dtype, length=len(dense_payload),
-                        flags=flags, payload=payload, **fields)  # type: ignore[arg-type]  # fmt: skip
+        packet = Packet(
+            opcode,
+            rkey=RKEY,
+            addr=REGION[0],
+            dtype=dtype,
+            length=len(dense_payload),
+            flags=flags,
+            payload=payload,
+            **fields,
+        )  # type: ignore[arg-type]
         replies = verdict_of_node(node, encode_packet(packet))
         assert all(r.opcode != Opcode.NACK for r in replies), replies
         forwarded = [r for r in replies if r.opcode == opcode]
@@ -259,6 +289,14 @@ def test_sparse_write_all_write_and_chain_equal_dense() -> None:
     for opcode in (Opcode.WRITE, Opcode.ALL_WRITE):
         _dense_vs_sparse(opcode, DType.F32, values)
     # Last hop (stores at aux_addr) and a relay (forwards, re-encoded after its combine).
-    _dense_vs_sparse(Opcode.CHAIN_ADD, DType.F32, values, segments=(SELF,), aux_addr=REGION[0] + 512)
-    _dense_vs_sparse(Opcode.CHAIN_ADD, DType.F16, values.astype(np.float16), segments=(SELF, PEER),
-                     segments_left=1, aux_addr=REGION[0] + 512)  # fmt: skip
+    _dense_vs_sparse(
+        Opcode.CHAIN_ADD, DType.F32, values, segments=(SELF,), aux_addr=REGION[0] + 512
+    )
+    _dense_vs_sparse(
+        Opcode.CHAIN_ADD,
+        DType.F16,
+        values.astype(np.float16),
+        segments=(SELF, PEER),
+        segments_left=1,
+        aux_addr=REGION[0] + 512,
+    )

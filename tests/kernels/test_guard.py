@@ -60,8 +60,17 @@ def _socket(address: str) -> socket.socket:
 
 
 def _read(txn: int, rkey: int, length: int = 8, addr: int = BASE, token: int = 0) -> bytes:
-    return encode_packet(Packet(Opcode.READ, client_id=3, txn_id=txn, rkey=rkey, addr=addr, length=length,
-                                aux_addr=token))  # fmt: skip
+    return encode_packet(
+        Packet(
+            Opcode.READ,
+            client_id=3,
+            txn_id=txn,
+            rkey=rkey,
+            addr=addr,
+            length=length,
+            aux_addr=token,
+        )
+    )
 
 
 def _drain(sock: socket.socket) -> list[bytes]:
@@ -159,7 +168,9 @@ def test_many_ports_of_one_address_share_its_budget(
 
 def test_switch_locks_out_guessers_of_pool_rkeys(pool: tuple[LocalCluster, SwitchHandle]) -> None:
     cluster, switch = pool
-    region = PoolController(cluster.path).alloc(8192, tagged=False)  # its rkey alone opens it (SPEC v1)
+    region = PoolController(cluster.path).alloc(
+        8192, tagged=False
+    )  # its rkey alone opens it (SPEC v1)
     attacker = _socket("127.0.0.4")
     rng = random.Random(1)
     for k in range(LOCKOUT_BURST + 40):
@@ -293,8 +304,19 @@ def _locked_at(core: object, src: Endpoint, now: float) -> bool:
 def _raw_udp(src: Endpoint, dst: Endpoint, payload: bytes) -> bytes:
     """An IPv4/UDP datagram claiming *src*: the kernel fills in the IP checksum and total length
     (raw(7), IP_HDRINCL); a UDP checksum of 0 means none (RFC 768)."""
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 0, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
-                     socket.inet_aton(src[0]), socket.inet_aton(dst[0]))  # fmt: skip
+    ip = struct.pack(
+        "!BBHHHBBH4s4s",
+        0x45,
+        0,
+        0,
+        0,
+        0x4000,
+        64,
+        socket.IPPROTO_UDP,
+        0,
+        socket.inet_aton(src[0]),
+        socket.inet_aton(dst[0]),
+    )
     udp = struct.pack("!HHHH", src[1], dst[1], 8 + len(payload), 0)
     return ip + udp + payload
 
@@ -326,8 +348,10 @@ def test_forged_source_reads_bring_the_victim_at_most_three_times(
                 time.sleep(0.0005)
             time.sleep(0.2)
             back = sum(len(r) for r in _drain(victim))
-            print(f"\nforged-source 8 KiB READs to {target}: {out} bytes sent, {back} reached the victim "
-                  f"(factor {back / out:.2f}; 129 without validation)")  # fmt: skip
+            print(
+                f"\nforged-source 8 KiB READs to {target}: {out} bytes sent, {back} reached the victim "
+                f"(factor {back / out:.2f}; 129 without validation)"
+            )
             assert back <= AMPLIFICATION_FACTOR * out
             # The same datagrams with the victim's own token (which a forger never sees) would be
             # answered in full: the drop above is the validation, not a lost datagram.

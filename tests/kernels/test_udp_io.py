@@ -130,13 +130,19 @@ def test_mixed_sizes_and_destinations() -> None:
     b = Receiver(open_udp_socket((LO, 0)))
     try:
         sizes_dsts = [
-            (1000, a), (1000, a), (1000, a),  # one GSO run
-            (500, b), (500, b),  # another destination: a second run
+            (1000, a),
+            (1000, a),
+            (1000, a),  # one GSO run
+            (500, b),
+            (500, b),  # another destination: a second run
             (700, a),  # a lone datagram
-            (1200, b), (1200, b), (300, b),  # a run whose last segment is shorter
+            (1200, b),
+            (1200, b),
+            (300, b),  # a run whose last segment is shorter
             (1300, b),  # longer than the run's segment size: starts a new message
-            (64, a), (65, a),  # longer after shorter: two messages
-        ]  # fmt: skip
+            (64, a),
+            (65, a),  # longer after shorter: two messages
+        ]
         data = payloads(len(sizes_dsts), 1300, 4)
         datagrams = [(d[:size], r.endpoint) for d, (size, r) in zip(data, sizes_dsts)]
         done, state = send(tx, datagrams)

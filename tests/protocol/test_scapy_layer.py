@@ -25,21 +25,41 @@ CLIENT, NODE = "10.0.0.100", "10.0.0.1"
 def codec_fields(packet: Packet) -> dict[str, Any]:
     """The codec's view, in the scapy layer's field names and plain ints."""
     return {
-        "version": packet.version, "opcode": int(packet.opcode), "flags": int(packet.flags),
-        "seq": packet.seq, "client_id": packet.client_id, "txn_id": packet.txn_id,
-        "coll_id": packet.coll_id, "epoch": packet.epoch, "rkey": packet.rkey,
-        "length": packet.length, "addr": packet.addr, "aux_addr": packet.aux_addr,
-        "dtype": int(packet.dtype), "reduce_op": int(packet.reduce_op),
-        "status": int(packet.status), "credit": packet.credit, "seg_type": int(packet.seg_type),
-        "segments_left": packet.segments_left, "seg_count": len(packet.segments),
-        "reserved1": 0, "ret_ip": packet.ret[0], "ret_port": packet.ret[1], "reserved2": 0,
-        "segments": list(packet.segments), "payload": packet.payload, "tag": packet.tag,
-    }  # fmt: skip
+        "version": packet.version,
+        "opcode": int(packet.opcode),
+        "flags": int(packet.flags),
+        "seq": packet.seq,
+        "client_id": packet.client_id,
+        "txn_id": packet.txn_id,
+        "coll_id": packet.coll_id,
+        "epoch": packet.epoch,
+        "rkey": packet.rkey,
+        "length": packet.length,
+        "addr": packet.addr,
+        "aux_addr": packet.aux_addr,
+        "dtype": int(packet.dtype),
+        "reduce_op": int(packet.reduce_op),
+        "status": int(packet.status),
+        "credit": packet.credit,
+        "seg_type": int(packet.seg_type),
+        "segments_left": packet.segments_left,
+        "seg_count": len(packet.segments),
+        "reserved1": 0,
+        "ret_ip": packet.ret[0],
+        "ret_port": packet.ret[1],
+        "reserved2": 0,
+        "segments": list(packet.segments),
+        "payload": packet.payload,
+        "tag": packet.tag,
+    }
 
 
 def scapy_fields(layer: NetDAM) -> dict[str, Any]:
-    fields = {name: layer.getfieldval(name) for name in codec_fields(Packet(Opcode.PING))
-              if name not in ("segments", "payload", "tag")}  # fmt: skip
+    fields = {
+        name: layer.getfieldval(name)
+        for name in codec_fields(Packet(Opcode.PING))
+        if name not in ("segments", "payload", "tag")
+    }
     fields["flags"] = int(fields["flags"])
     fields["segments"] = [(s.ip, s.port) for s in layer.segments]
     assert all(s.reserved == 0 for s in layer.segments)
@@ -81,8 +101,14 @@ def test_scapy_builds_fixture_bytes(name: str) -> None:
 
 
 def test_enum_names_are_the_codec_names() -> None:
-    built = NetDAM(opcode="CHAIN_ADD", flags="ACK_REQ+RELAYED", dtype="F16", reduce_op="MAX",
-                   status="OUT_OF_BOUNDS", segments=[NetDAMSegment(ip="10.0.0.2")])  # fmt: skip
+    built = NetDAM(
+        opcode="CHAIN_ADD",
+        flags="ACK_REQ+RELAYED",
+        dtype="F16",
+        reduce_op="MAX",
+        status="OUT_OF_BOUNDS",
+        segments=[NetDAMSegment(ip="10.0.0.2")],
+    )
     packet = NetDAM(bytes(built))
     assert packet.sprintf("%opcode% %dtype% %reduce_op% %status% %seg_type%") == (
         "CHAIN_ADD F16 MAX OUT_OF_BOUNDS IPV4"
@@ -148,11 +174,21 @@ def test_ip_udp_stack_round_trips_and_binds_on_port_7744() -> None:
     assert scapy_fields(parsed[NetDAM]) == scapy_fields(NetDAM(load_fixture("chain_add")))
     assert bytes(parsed[UDP].payload) == load_fixture("chain_add")
     # Replies come *from* 7744 to the client's port: bound too.
-    reply = IP(bytes(IP(src=NODE, dst=CLIENT) / UDP(sport=NETDAM_UDP_PORT, dport=50000)
-                     / NetDAM(load_fixture("read_resp"))))  # fmt: skip
+    reply = IP(
+        bytes(
+            IP(src=NODE, dst=CLIENT)
+            / UDP(sport=NETDAM_UDP_PORT, dport=50000)
+            / NetDAM(load_fixture("read_resp"))
+        )
+    )
     assert reply.haslayer(NetDAM)
-    read = IP(bytes(IP(src=CLIENT, dst=NODE) / UDP(sport=50000, dport=NETDAM_UDP_PORT)
-                    / NetDAM(load_fixture("read"))))  # fmt: skip
+    read = IP(
+        bytes(
+            IP(src=CLIENT, dst=NODE)
+            / UDP(sport=50000, dport=NETDAM_UDP_PORT)
+            / NetDAM(load_fixture("read"))
+        )
+    )
     assert reply.answers(read)  # type: ignore[no-untyped-call]  # IP.answers is untyped
     # Other ports stay Raw.
     elsewhere = IP(bytes(IP() / UDP(sport=5000, dport=5001) / Raw(load_fixture("ping"))))
@@ -204,8 +240,14 @@ def test_pool_control_payloads_dissect_like_the_codec() -> None:
     layer = pool_payload(alloc)
     want = unpack_alloc(decode_packet(load_fixture("alloc")).payload)
     assert isinstance(layer, NetDAMAlloc)
-    assert (layer.size, layer.credential, layer.stride, layer.ways, int(layer.rights), layer.label.rstrip(b"\0")) == (
-        want.size, want.credential, want.stride, want.ways, want.rights, want.label.encode())
+    assert (
+        layer.size,
+        layer.credential,
+        layer.stride,
+        layer.ways,
+        int(layer.rights),
+        layer.label.rstrip(b"\0"),
+    ) == (want.size, want.credential, want.stride, want.ways, want.rights, want.label.encode())
     for name in ("free", "query"):
         cred = pool_payload(IP() / UDP() / NetDAM(load_fixture(name)))
         assert isinstance(cred, NetDAMCredential)
@@ -213,9 +255,17 @@ def test_pool_control_payloads_dissect_like_the_codec() -> None:
     region = pool_payload(NetDAM(load_fixture("alloc_ack")), request=alloc)
     info = unpack_region_info(decode_packet(load_fixture("alloc_ack")).payload)
     assert isinstance(region, NetDAMRegion)
-    assert (region.gaddr, region.size, region.credential, region.rkey, region.stride, region.ways) == (
-        info.gaddr, info.size, info.credential, info.rkey, info.stride, len(info.ways))
-    assert [(w.node, w.local, w.size) for w in region.way_list] == [(w.node, w.local, w.size) for w in info.ways]
+    assert (
+        region.gaddr,
+        region.size,
+        region.credential,
+        region.rkey,
+        region.stride,
+        region.ways,
+    ) == (info.gaddr, info.size, info.credential, info.rkey, info.stride, len(info.ways))
+    assert [(w.node, w.local, w.size) for w in region.way_list] == [
+        (w.node, w.local, w.size) for w in info.ways
+    ]
     # Built from fields, the layers give the fixture's bytes back.
     assert bytes(region) == decode_packet(load_fixture("alloc_ack")).payload
     assert bytes(layer) == decode_packet(load_fixture("alloc")).payload

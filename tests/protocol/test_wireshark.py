@@ -123,9 +123,16 @@ def drift(text: str) -> list[str]:
         if lua != python:
             problems.append(f"{what}: netdam.lua has {lua!r}, Python has {python!r}")
 
-    for table, kind in (("OPCODE", Opcode), ("STATUS", Status), ("DTYPE", DType),
-                        ("REDUCE_OP", ReduceOp), ("FLAGS", Flags), ("SEG_TYPE", SegmentType),
-                        ("RIGHTS", Rights), ("ALGO", Algo)):  # fmt: skip
+    for table, kind in (
+        ("OPCODE", Opcode),
+        ("STATUS", Status),
+        ("DTYPE", DType),
+        ("REDUCE_OP", ReduceOp),
+        ("FLAGS", Flags),
+        ("SEG_TYPE", SegmentType),
+        ("RIGHTS", Rights),
+        ("ALGO", Algo),
+    ):
         same(table, lua_table(text, table), _members(kind))
     same(
         "ELEMENT_SIZE",
@@ -133,19 +140,33 @@ def drift(text: str) -> list[str]:
         {int(k): v for k, v in ELEMENT_SIZE.items()},
     )
     same("COUNTER", lua_table(text, "COUNTER"), dict(C._SCALAR_NAMES))
-    for name, value in (("PROTOCOL_VERSION", PROTOCOL_VERSION), ("NETDAM_UDP_PORT", NETDAM_UDP_PORT),
-                        ("HEADER_SIZE", HEADER_SIZE), ("SEGMENT_SIZE", SEGMENT_SIZE),
-                        ("MAX_SEGMENTS", MAX_SEGMENTS), ("MAX_PAYLOAD_BYTES", MAX_PAYLOAD_BYTES),
-                        ("FLAGS_V1_MASK", FLAGS_V1_MASK), ("COUNTER_OPCODE_BASE", C.OPCODE_BASE),
-                        ("COUNTER_NACK_BASE", C.NACK_BASE), ("NODE_COUNTERS", C.NUM_COUNTERS)):  # fmt: skip
+    for name, value in (
+        ("PROTOCOL_VERSION", PROTOCOL_VERSION),
+        ("NETDAM_UDP_PORT", NETDAM_UDP_PORT),
+        ("HEADER_SIZE", HEADER_SIZE),
+        ("SEGMENT_SIZE", SEGMENT_SIZE),
+        ("MAX_SEGMENTS", MAX_SEGMENTS),
+        ("MAX_PAYLOAD_BYTES", MAX_PAYLOAD_BYTES),
+        ("FLAGS_V1_MASK", FLAGS_V1_MASK),
+        ("COUNTER_OPCODE_BASE", C.OPCODE_BASE),
+        ("COUNTER_NACK_BASE", C.NACK_BASE),
+        ("NODE_COUNTERS", C.NUM_COUNTERS),
+    ):
         same(name, lua_scalar(text, name), value)
-    for name, opcodes in (("REPLY_OPCODES", REPLY_OPCODES), ("CONTROL_OPCODES", CONTROL_OPCODES),
-                          ("DATA_OPCODES", codec._DATA_OPCODES),
-                          ("COMBINE_OPCODES", codec._COMBINE_OPCODES),
-                          ("OPAQUE_OPCODES", codec._OPAQUE_OPCODES),
-                          ("EMPTY_OPCODES", codec._EMPTY_OPCODES), ("SR_OPCODES", codec._SR_OPCODES)):  # fmt: skip
+    for name, opcodes in (
+        ("REPLY_OPCODES", REPLY_OPCODES),
+        ("CONTROL_OPCODES", CONTROL_OPCODES),
+        ("DATA_OPCODES", codec._DATA_OPCODES),
+        ("COMBINE_OPCODES", codec._COMBINE_OPCODES),
+        ("OPAQUE_OPCODES", codec._OPAQUE_OPCODES),
+        ("EMPTY_OPCODES", codec._EMPTY_OPCODES),
+        ("SR_OPCODES", codec._SR_OPCODES),
+    ):
         same(name, lua_names(text, name), {op.name for op in opcodes})
-    for name, table in (("FIXED_PAYLOAD", codec._FIXED_PAYLOAD), ("FIXED_PAYLOAD_ALT", codec._FIXED_PAYLOAD_ALT)):
+    for name, table in (
+        ("FIXED_PAYLOAD", codec._FIXED_PAYLOAD),
+        ("FIXED_PAYLOAD_ALT", codec._FIXED_PAYLOAD_ALT),
+    ):
         block = text.split(f"local {name} = {{\n", 1)[1].split("\n}", 1)[0]
         fixed = dict(re.findall(r"^\s+([A-Z_]+) = \{(\d+, \d+)\},$", block, re.M))
         same(name, fixed, {op.name: f"{a}, {b}" for op, (a, b) in table.items()})
@@ -197,8 +218,19 @@ class Datagram:
 def ethernet_frame(d: Datagram) -> bytes:
     """Ethernet II / IPv4 / UDP (checksum 0: none) carrying *d*."""
     udp = struct.pack("!HHHH", d.src[1], d.dst[1], 8 + len(d.data), 0) + d.data
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
-                     socket.inet_aton(d.src[0]), socket.inet_aton(d.dst[0]))  # fmt: skip
+    ip = struct.pack(
+        "!BBHHHBBH4s4s",
+        0x45,
+        0,
+        20 + len(udp),
+        1,
+        0,
+        64,
+        17,
+        0,
+        socket.inet_aton(d.src[0]),
+        socket.inet_aton(d.dst[0]),
+    )
     ip = ip[:10] + struct.pack("!H", _ipv4_checksum(ip)) + ip[12:]
     return bytes(6) + b"\x02\x00\x00\x00\x00\x01" + b"\x08\x00" + ip + udp
 
@@ -231,8 +263,13 @@ def read_pcap_udp(path: Path) -> list[Datagram | None]:
             continue
         udp = ip[(ip[0] & 0xF) * 4 :]
         sport, dport, length = struct.unpack_from("!HHH", udp, 0)
-        frames.append(Datagram(udp[8:length], (socket.inet_ntoa(ip[12:16]), sport),
-                               (socket.inet_ntoa(ip[16:20]), dport)))  # fmt: skip
+        frames.append(
+            Datagram(
+                udp[8:length],
+                (socket.inet_ntoa(ip[12:16]), sport),
+                (socket.inet_ntoa(ip[16:20]), dport),
+            )
+        )
     return frames
 
 
@@ -249,9 +286,23 @@ def tshark_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # field exists. Skip there with the reason; anywhere else a failure to load is a bug.
     probe_pcap = home / "probe.pcap"
     write_pcap(probe_pcap, [Datagram(load_fixture("ping"), CLIENT, ("10.0.0.2", NETDAM_UDP_PORT))])
-    probe = subprocess.run([TSHARK, "-X", f"lua_script:{LUA}", "-r", str(probe_pcap), "-T",
-                            "fields", "-e", "netdam.opcode"], capture_output=True, text=True,
-                           env=env, timeout=60)  # fmt: skip
+    probe = subprocess.run(
+        [
+            TSHARK,
+            "-X",
+            f"lua_script:{LUA}",
+            "-r",
+            str(probe_pcap),
+            "-T",
+            "fields",
+            "-e",
+            "netdam.opcode",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     if probe.stdout.strip() != "0x09" and os.geteuid() == 0:
         pytest.skip(
             f"tshark did not run netdam.lua as root (its init.lua may set "
@@ -264,8 +315,13 @@ def tshark_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def tshark(env: dict[str, str], *args: str) -> str:
     """Run tshark with the dissector; fail on any Lua error; return stdout."""
     assert TSHARK is not None
-    result = subprocess.run([TSHARK, "-X", f"lua_script:{LUA}", *args], capture_output=True,
-                            text=True, env=env, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [TSHARK, "-X", f"lua_script:{LUA}", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     # As root tshark warns on stderr (`Running as user "root"...`): harmless. A Lua error
     # while loading goes to stderr, one while dissecting into the tree ("Lua Error").
     assert result.returncode == 0 and not re.search(r"Lua: Error|\.lua:\d+:", result.stderr), (
@@ -278,28 +334,88 @@ def tshark(env: dict[str, str], *args: str) -> str:
 
 
 #: Header fields, in wire order (SPEC.md 2.1): name in netdam.lua = the codec's name.
-HEADER_FIELDS = ("version", "opcode", "flags", "seq", "client_id", "txn_id", "coll_id", "epoch",
-                 "rkey", "length", "addr", "aux_addr", "dtype", "reduce_op", "status", "credit",
-                 "seg_type", "segments_left", "seg_count", "reserved1", "ret_ip", "ret_port",
-                 "reserved2")  # fmt: skip
+HEADER_FIELDS = (
+    "version",
+    "opcode",
+    "flags",
+    "seq",
+    "client_id",
+    "txn_id",
+    "coll_id",
+    "epoch",
+    "rkey",
+    "length",
+    "addr",
+    "aux_addr",
+    "dtype",
+    "reduce_op",
+    "status",
+    "credit",
+    "seg_type",
+    "segments_left",
+    "seg_count",
+    "reserved1",
+    "ret_ip",
+    "ret_port",
+    "reserved2",
+)
 FLAG_FIELDS = tuple(f"flags.{str(f.name).lower()}" for f in Flags if f)
-DESCRIPTOR_FIELDS = ("algo", "flags", "window", "rank", "count", "in_addr", "out_addr", "rkey",
-                     "root", "group", "host", "timeout_ms", "reserved")  # fmt: skip
+DESCRIPTOR_FIELDS = (
+    "algo",
+    "flags",
+    "window",
+    "rank",
+    "count",
+    "in_addr",
+    "out_addr",
+    "rkey",
+    "root",
+    "group",
+    "host",
+    "timeout_ms",
+    "reserved",
+)
 INFO_FIELDS = ("version", "mtu", "memory", "max_payload", "max_segments", "rank", "world")
 ALLOC_FIELDS = ("size", "credential", "stride", "ways", "rights", "flags", "label")
 REGION_FIELDS = ("gaddr", "size", "credential", "rkey", "stride", "ways", "rights", "label")
 PAYLOAD_FIELDS = (
-    "payload", "seg.ip", "seg.port", "seg.reserved", "group.ip", "group.port", "error.status",
-    "error.text", "register.rkey", "register.rights", "deregister.rkey", "atomic.addend",
-    "atomic.compare", "atomic.swap", "atomic.old", "nack.text", "sparse.nnz", "sparse.index",
-    "counter", "desc.group.ip", "desc.group.port", "desc.host.ip", "desc.host.port",
-    *(f"alloc.{name}" for name in ALLOC_FIELDS), "pool.credential",
-    *(f"region.{name}" for name in REGION_FIELDS), "region.way.node", "region.way.local", "region.way.size",
+    "payload",
+    "seg.ip",
+    "seg.port",
+    "seg.reserved",
+    "group.ip",
+    "group.port",
+    "error.status",
+    "error.text",
+    "register.rkey",
+    "register.rights",
+    "deregister.rkey",
+    "atomic.addend",
+    "atomic.compare",
+    "atomic.swap",
+    "atomic.old",
+    "nack.text",
+    "sparse.nnz",
+    "sparse.index",
+    "counter",
+    "desc.group.ip",
+    "desc.group.port",
+    "desc.host.ip",
+    "desc.host.port",
+    *(f"alloc.{name}" for name in ALLOC_FIELDS),
+    "pool.credential",
+    *(f"region.{name}" for name in REGION_FIELDS),
+    "region.way.node",
+    "region.way.local",
+    "region.way.size",
     *(f"rights.{str(r.name).lower()}" for r in Rights if r),
     *(f"data.{d.name.lower()}" for d in DType if d != DType.RAW),
     *(f"info.{name}" for name in INFO_FIELDS),
-    *(f"desc.{name}" for name in DESCRIPTOR_FIELDS), "desc.tag_k0", "desc.tag_k1", "tag",
-)  # fmt: skip
+    *(f"desc.{name}" for name in DESCRIPTOR_FIELDS),
+    "desc.tag_k0",
+    "desc.tag_k1",
+    "tag",
+)
 ALL_FIELDS = (*HEADER_FIELDS, *FLAG_FIELDS, *PAYLOAD_FIELDS)
 
 
@@ -314,8 +430,12 @@ def tshark_fields(env: dict[str, str], pcap: Path) -> list[dict[str, list[str]]]
     for line in tshark(env, *args).splitlines():
         values = line.split("\t")
         assert len(values) == len(names), line
-        rows.append({n.removeprefix("netdam."): (v.split("\x1f") if v else [])
-                     for n, v in zip(names, values)})  # fmt: skip
+        rows.append(
+            {
+                n.removeprefix("netdam."): (v.split("\x1f") if v else [])
+                for n, v in zip(names, values)
+            }
+        )
     return rows
 
 
@@ -330,15 +450,29 @@ def _floats(values: list[str]) -> np.ndarray:
 def check_like_codec(row: dict[str, list[str]], packet: Packet) -> None:
     """tshark's fields of one frame equal the codec's decoding *packet*, field by field."""
     expected: dict[str, Any] = {
-        "version": packet.version, "opcode": int(packet.opcode), "flags": int(packet.flags),
-        "seq": packet.seq, "client_id": packet.client_id, "txn_id": packet.txn_id,
-        "coll_id": packet.coll_id, "epoch": packet.epoch, "rkey": packet.rkey,
-        "length": packet.length, "addr": packet.addr, "aux_addr": packet.aux_addr,
-        "dtype": int(packet.dtype), "reduce_op": int(packet.reduce_op),
-        "status": int(packet.status), "credit": packet.credit, "seg_type": int(packet.seg_type),
-        "segments_left": packet.segments_left, "seg_count": len(packet.segments),
-        "reserved1": 0, "ret_port": packet.ret[1], "reserved2": 0,
-    }  # fmt: skip
+        "version": packet.version,
+        "opcode": int(packet.opcode),
+        "flags": int(packet.flags),
+        "seq": packet.seq,
+        "client_id": packet.client_id,
+        "txn_id": packet.txn_id,
+        "coll_id": packet.coll_id,
+        "epoch": packet.epoch,
+        "rkey": packet.rkey,
+        "length": packet.length,
+        "addr": packet.addr,
+        "aux_addr": packet.aux_addr,
+        "dtype": int(packet.dtype),
+        "reduce_op": int(packet.reduce_op),
+        "status": int(packet.status),
+        "credit": packet.credit,
+        "seg_type": int(packet.seg_type),
+        "segments_left": packet.segments_left,
+        "seg_count": len(packet.segments),
+        "reserved1": 0,
+        "ret_port": packet.ret[1],
+        "reserved2": 0,
+    }
     if packet.flags & Flags.TAGGED:
         expected["tag"] = packet.tag  # the trailer (SPEC.md 2.6), not part of the payload
     got = {name: _num(row[name][0]) for name in expected if len(row[name]) == 1}
@@ -381,18 +515,39 @@ def check_payload(row: dict[str, list[str]], packet: Packet) -> None:
     elif op == Opcode.ALLOC:
         alloc = unpack_alloc(payload)
         got = [_num(row[f"alloc.{n}"][0]) for n in ALLOC_FIELDS[:-1]]
-        assert got == [alloc.size, alloc.credential, alloc.stride, alloc.ways, alloc.rights, alloc.flags]
+        assert got == [
+            alloc.size,
+            alloc.credential,
+            alloc.stride,
+            alloc.ways,
+            alloc.rights,
+            alloc.flags,
+        ]
         assert row["alloc.label"] == [alloc.label]
     elif op in (Opcode.FREE, Opcode.QUERY):
         assert [_num(v) for v in row["pool.credential"]] == u64
     elif op == Opcode.ACK and row["region.gaddr"]:
         region = unpack_region_info(payload)
         got = [_num(row[f"region.{n}"][0]) for n in REGION_FIELDS[:-1]]
-        assert got == [region.gaddr, region.size, region.credential, region.rkey, region.stride,
-                       len(region.ways), region.rights]  # fmt: skip
-        assert (region.gaddr, region.rkey) == (packet.addr, packet.rkey) and row["region.label"] == [region.label]
+        assert got == [
+            region.gaddr,
+            region.size,
+            region.credential,
+            region.rkey,
+            region.stride,
+            len(region.ways),
+            region.rights,
+        ]
+        assert (region.gaddr, region.rkey) == (packet.addr, packet.rkey) and row[
+            "region.label"
+        ] == [region.label]
         ways = [(w.node, w.local, w.size) for w in region.ways]
-        assert list(zip(*([_num(v) for v in row[f"region.way.{n}"]] for n in ("node", "local", "size")))) == ways
+        assert (
+            list(
+                zip(*([_num(v) for v in row[f"region.way.{n}"]] for n in ("node", "local", "size")))
+            )
+            == ways
+        )
         assert row["counter"] == []
     elif op == Opcode.ACK and len(payload) == 8:
         assert [_num(v) for v in row["atomic.old"]] == u64
@@ -405,7 +560,9 @@ def check_payload(row: dict[str, list[str]], packet: Packet) -> None:
         got = [_num(row[f"desc.{name}"][0]) for name in DESCRIPTOR_FIELDS]
         assert got == list(descriptor[: len(DESCRIPTOR_FIELDS)])
         if len(payload) == 80:  # the tag key (SPEC.md 6.5)
-            assert [_num(row[f"desc.tag_k{k}"][0]) for k in (0, 1)] == list(struct.unpack_from("<QQ", payload, 64))
+            assert [_num(row[f"desc.tag_k{k}"][0]) for k in (0, 1)] == list(
+                struct.unpack_from("<QQ", payload, 64)
+            )
         group, host = u64_to_endpoint(descriptor[9]), u64_to_endpoint(descriptor[10])
         assert (row["desc.group.ip"][0], _num(row["desc.group.port"][0])) == group
         assert (row["desc.host.ip"][0], _num(row["desc.host.port"][0])) == host
@@ -476,11 +633,19 @@ def test_verbose_output_names_every_opcode_and_field(
     for op in set(opcodes):  # each fixture twice (port table, heuristic)
         assert text.count(f"    Opcode: {op.name} (0x{op:02x})\n") == 2 * opcodes.count(op), op.name
     chain = text[text.index("NetDAM v1, CHAIN_ADD") :]
-    for line in ("    Flags: 0x0001 (ACK_REQ)", "ACK_REQ: True", "    Collective id: 9",
-                 "    Aux address: 0x0000000000020000", "    Data type: F32 (1)",
-                 "    Reduce op: SUM (0)", "    Segments left: 2",
-                 "    Return segment: 10.0.0.1:7744", "Segment 0: 10.0.0.2:7744 (this hop)",
-                 "Segment 2: 10.0.0.4:7744 (last hop)", "[3] f32: 100"):  # fmt: skip
+    for line in (
+        "    Flags: 0x0001 (ACK_REQ)",
+        "ACK_REQ: True",
+        "    Collective id: 9",
+        "    Aux address: 0x0000000000020000",
+        "    Data type: F32 (1)",
+        "    Reduce op: SUM (0)",
+        "    Segments left: 2",
+        "    Return segment: 10.0.0.1:7744",
+        "Segment 0: 10.0.0.2:7744 (this hop)",
+        "Segment 2: 10.0.0.4:7744 (last hop)",
+        "[3] f32: 100",
+    ):
         assert line in chain, line
     assert "All-gather group: 0x0000ef4d00011e40" in text and "Group IPv4: 239.77.0.1" in text
     assert "Region record (2 ways)" in text and "Tenant credential: 0x0123456789abcdef" in text
@@ -494,10 +659,16 @@ def test_verbose_output_names_every_opcode_and_field(
     shutil.copy(LUA, plugins / "netdam.lua")
     try:
         assert TSHARK is not None
-        listing = subprocess.run([TSHARK, "-G", "fields"], capture_output=True, text=True,
-                                 env=tshark_env, timeout=60).stdout  # fmt: skip
-        heuristics = subprocess.run([TSHARK, "-G", "heuristic-decodes"], capture_output=True,
-                                    text=True, env=tshark_env, timeout=60).stdout  # fmt: skip
+        listing = subprocess.run(
+            [TSHARK, "-G", "fields"], capture_output=True, text=True, env=tshark_env, timeout=60
+        ).stdout
+        heuristics = subprocess.run(
+            [TSHARK, "-G", "heuristic-decodes"],
+            capture_output=True,
+            text=True,
+            env=tshark_env,
+            timeout=60,
+        ).stdout
     finally:
         (plugins / "netdam.lua").unlink()
     registered = set(re.findall(r"^F\t[^\t]*\t(netdam\.[\w.]+)\t", listing, re.M))
@@ -597,7 +768,9 @@ def _write_of(dtype: DType) -> Packet:
         ).tobytes()
     elif dtype == DType.BF16:
         # The smallest normal and subnormal, -0, 1/3 rounded, infinities, -2.5.
-        payload = np.array([0x0080, 0x0001, 0x8000, 0x3EAB, 0x7F80, 0xFF80, 0xC020], "<u2").tobytes()
+        payload = np.array(
+            [0x0080, 0x0001, 0x8000, 0x3EAB, 0x7F80, 0xFF80, 0xC020], "<u2"
+        ).tobytes()
     else:
         values = [np.finfo(NUMPY_DTYPE[dtype]).tiny, -0.0, 1 / 3, np.inf, -np.inf, -2.5]
         payload = np.array(values, NUMPY_DTYPE[dtype]).tobytes()
@@ -606,8 +779,15 @@ def _write_of(dtype: DType) -> Packet:
 
 def _sparse_f16_all_write() -> Packet:
     values = np.array([1.5, -65504.0, 2.0**-24], "<f2").tobytes()
-    return Packet(Opcode.ALL_WRITE, flags=Flags.SPARSE | Flags.MCAST, rkey=1, addr=0x200,
-                  dtype=DType.F16, length=64, payload=_sparse(3, [1, 7, 31], values))  # fmt: skip
+    return Packet(
+        Opcode.ALL_WRITE,
+        flags=Flags.SPARSE | Flags.MCAST,
+        rkey=1,
+        addr=0x200,
+        dtype=DType.F16,
+        length=64,
+        payload=_sparse(3, [1, 7, 31], values),
+    )
 
 
 @needs_tshark
@@ -691,27 +871,57 @@ def real_traffic(client: Recorder, nodes: list[Endpoint], admin_tag_key: bytes) 
     u64 = struct.Struct("<Q")
     assert client.ask(nodes[0], Packet(Opcode.PING)).opcode == Opcode.INFO
     for node in nodes:
-        reply = client.ask(node, Packet(Opcode.REGISTER, addr=base, aux_addr=0x10000, length=8,
-                                        payload=struct.pack("<II", rkey, int(RIGHTS_ALL))),
-                           seal_key=admin_tag_key)  # fmt: skip
+        reply = client.ask(
+            node,
+            Packet(
+                Opcode.REGISTER,
+                addr=base,
+                aux_addr=0x10000,
+                length=8,
+                payload=struct.pack("<II", rkey, int(RIGHTS_ALL)),
+            ),
+            seal_key=admin_tag_key,
+        )
         assert (reply.opcode, reply.rkey) == (Opcode.ACK, rkey)
-        client.ask(node, Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=base,
-                                dtype=DType.F32).with_payload(f32))  # fmt: skip
+        client.ask(
+            node,
+            Packet(
+                Opcode.WRITE, flags=Flags.ACK_REQ, rkey=rkey, addr=base, dtype=DType.F32
+            ).with_payload(f32),
+        )
     read = Packet(Opcode.READ, rkey=rkey, addr=base, length=16, dtype=DType.F32)
     assert client.ask(nodes[0], read).payload == f32
-    client.ask(nodes[0], Packet(Opcode.ADD, flags=Flags.ACK_REQ, rkey=rkey, addr=base,
-                                dtype=DType.F32, reduce_op=ReduceOp.MAX).with_payload(f32))  # fmt: skip
+    client.ask(
+        nodes[0],
+        Packet(
+            Opcode.ADD,
+            flags=Flags.ACK_REQ,
+            rkey=rkey,
+            addr=base,
+            dtype=DType.F32,
+            reduce_op=ReduceOp.MAX,
+        ).with_payload(f32),
+    )
     atomic = Packet(Opcode.FETCH_ADD, rkey=rkey, addr=base + 0x100, dtype=DType.U64)
     client.ask(nodes[0], atomic.with_payload(u64.pack(5)))
     cas = replace(atomic, opcode=Opcode.CAS, length=8, payload=u64.pack(5) + u64.pack(99))
     assert client.ask(nodes[0], cas).payload == u64.pack(5)
     nack = client.ask(nodes[0], replace(read, addr=base + 0x10000))
     assert (nack.opcode, nack.status) == (Opcode.NACK, Status.OUT_OF_BOUNDS)
-    chain = Packet(Opcode.CHAIN_ADD, flags=Flags.ACK_REQ, rkey=rkey, addr=base,
-                   aux_addr=base + 0x800, dtype=DType.F32, segments=tuple(nodes),
-                   segments_left=len(nodes) - 1).with_payload(f32)  # fmt: skip
+    chain = Packet(
+        Opcode.CHAIN_ADD,
+        flags=Flags.ACK_REQ,
+        rkey=rkey,
+        addr=base,
+        aux_addr=base + 0x800,
+        dtype=DType.F32,
+        segments=tuple(nodes),
+        segments_left=len(nodes) - 1,
+    ).with_payload(f32)
     assert client.ask(nodes[0], chain).opcode == Opcode.ACK
-    assert len(client.ask(nodes[0], Packet(Opcode.COUNTERS), seal_key=admin_tag_key).payload) == 1024
+    assert (
+        len(client.ask(nodes[0], Packet(Opcode.COUNTERS), seal_key=admin_tag_key).payload) == 1024
+    )
 
 
 @dataclass
@@ -740,8 +950,26 @@ def live_capture(ports: Sequence[int], pcap: Path, env: dict[str, str]) -> Itera
     assert TSHARK is not None
     lines, log = pcap.with_suffix(".txt"), pcap.with_suffix(".log")
     capture_filter = "udp and (" + " or ".join(f"port {port}" for port in ports) + ")"
-    command = [TSHARK, "-i", "lo", "-f", capture_filter, "-F", "pcap", "-w", str(pcap), "-P",
-               "-l", "-n", "-T", "fields", "-e", "udp.srcport", "-e", "udp.dstport"]  # fmt: skip
+    command = [
+        TSHARK,
+        "-i",
+        "lo",
+        "-f",
+        capture_filter,
+        "-F",
+        "pcap",
+        "-w",
+        str(pcap),
+        "-P",
+        "-l",
+        "-n",
+        "-T",
+        "fields",
+        "-e",
+        "udp.srcport",
+        "-e",
+        "udp.dstport",
+    ]
     with lines.open("w") as stdout, log.open("w") as stderr:
         proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
     capture = LiveCapture(lines)
@@ -823,9 +1051,21 @@ def test_live_capture_of_a_real_cluster(tshark_env: dict[str, str], tmp_path: Pa
     ]
     assert not missed, f"the capture missed datagrams (index in the client's log, opcode): {missed}"
     opcodes = {decode_packet(frame.data).opcode for frame in captured}
-    assert opcodes >= {Opcode.PING, Opcode.INFO, Opcode.REGISTER, Opcode.ACK, Opcode.WRITE,
-                       Opcode.READ, Opcode.READ_RESP, Opcode.ADD, Opcode.FETCH_ADD, Opcode.CAS,
-                       Opcode.NACK, Opcode.CHAIN_ADD, Opcode.COUNTERS}  # fmt: skip
+    assert opcodes >= {
+        Opcode.PING,
+        Opcode.INFO,
+        Opcode.REGISTER,
+        Opcode.ACK,
+        Opcode.WRITE,
+        Opcode.READ,
+        Opcode.READ_RESP,
+        Opcode.ADD,
+        Opcode.FETCH_ADD,
+        Opcode.CAS,
+        Opcode.NACK,
+        Opcode.CHAIN_ADD,
+        Opcode.COUNTERS,
+    }
     if problem is None:
         # Node-to-node traffic the client never sees: the relay's CHAIN_ADD to the last hop,
         # carrying the client as its return segment.
@@ -847,9 +1087,12 @@ def gso_frames() -> list[tuple[bytes, int]]:
     write = encode_packet(_write_of(DType.F32))
     chain = load_fixture("chain_add")
     ack = encode_packet(Packet(Opcode.ACK, client_id=7, txn_id=9))
-    read_resp = encode_packet(Packet(Opcode.READ_RESP, client_id=7, txn_id=8, length=4, payload=b"abcd"))
-    nack = encode_packet(Packet(Opcode.NACK, client_id=7, txn_id=10, status=Status.BUSY, length=4,
-                                payload=b"busy"))  # fmt: skip
+    read_resp = encode_packet(
+        Packet(Opcode.READ_RESP, client_id=7, txn_id=8, length=4, payload=b"abcd")
+    )
+    nack = encode_packet(
+        Packet(Opcode.NACK, client_id=7, txn_id=10, status=Status.BUSY, length=4, payload=b"busy")
+    )
     return [(chain * 3, 3), (write * 2 + ack, 3), (read_resp + nack + ack, 3)]
 
 
@@ -867,7 +1110,9 @@ def test_decode_splits_gso_super_frames() -> None:
 
 
 @needs_tshark
-def test_gso_super_frames_dissect_as_their_datagrams(tshark_env: dict[str, str], tmp_path: Path) -> None:
+def test_gso_super_frames_dissect_as_their_datagrams(
+    tshark_env: dict[str, str], tmp_path: Path
+) -> None:
     frames = gso_frames()
     pcap = tmp_path / "gso.pcap"
     write_pcap(pcap, [Datagram(payload, CLIENT, ("10.0.0.2", OTHER_PORT)) for payload, _ in frames])
@@ -878,19 +1123,60 @@ def test_gso_super_frames_dissect_as_their_datagrams(tshark_env: dict[str, str],
         assert row["error.status"] == [], row["_ws.col.Info"]
         assert row["_ws.col.Info"][0].startswith(f"NetDAM GSO x{count}: ")
     # The port list preference (a cluster's ports) claims the port without the heuristic.
-    out = tshark(tshark_env, "-o", f"netdam.ports:{OTHER_PORT - 1}-{OTHER_PORT}", "-r", str(pcap),
-                 "-T", "fields", "-e", "netdam.gso.size")  # fmt: skip
-    assert out.split() == [str(len(load_fixture("chain_add"))), str(len(encode_packet(_write_of(DType.F32)))), "68"]
+    out = tshark(
+        tshark_env,
+        "-o",
+        f"netdam.ports:{OTHER_PORT - 1}-{OTHER_PORT}",
+        "-r",
+        str(pcap),
+        "-T",
+        "fields",
+        "-e",
+        "netdam.gso.size",
+    )
+    assert out.split() == [
+        str(len(load_fixture("chain_add"))),
+        str(len(encode_packet(_write_of(DType.F32)))),
+        "68",
+    ]
 
 
 def test_completion_phases_dissect(tshark_env: dict[str, str], tmp_path: Path) -> None:
     """A collective's completion ACK (SPEC.md 4.1): its counters and its phases, by name."""
-    phases = CompletionPhases(start_ns=123_456_789_000, chains_us=1500, chunks_us=1700, done_us=1900)
-    ack = Packet(Opcode.ACK, client_id=9, txn_id=7, coll_id=1, epoch=3, aux_addr=1,
-                 payload=pack_completion(2, 1) + pack_completion_phases(phases), length=40)  # fmt: skip
+    phases = CompletionPhases(
+        start_ns=123_456_789_000, chains_us=1500, chunks_us=1700, done_us=1900
+    )
+    ack = Packet(
+        Opcode.ACK,
+        client_id=9,
+        txn_id=7,
+        coll_id=1,
+        epoch=3,
+        aux_addr=1,
+        payload=pack_completion(2, 1) + pack_completion_phases(phases),
+        length=40,
+    )
     pcap = tmp_path / "completion.pcap"
     write_pcap(pcap, [Datagram(encode_packet(ack), ("10.0.0.2", NETDAM_UDP_PORT), CLIENT)])
-    out = tshark(tshark_env, "-r", str(pcap), "-T", "fields", "-E", "separator=,",
-                 *(a for f in ("chains_resent", "repair_reads", "start_ns", "chains_us", "chunks_us", "done_us")
-                   for a in ("-e", f"netdam.coll.{f}")))  # fmt: skip
+    out = tshark(
+        tshark_env,
+        "-r",
+        str(pcap),
+        "-T",
+        "fields",
+        "-E",
+        "separator=,",
+        *(
+            a
+            for f in (
+                "chains_resent",
+                "repair_reads",
+                "start_ns",
+                "chains_us",
+                "chunks_us",
+                "done_us",
+            )
+            for a in ("-e", f"netdam.coll.{f}")
+        ),
+    )
     assert out.strip() == "2,1,123456789000,1500,1700,1900"

@@ -42,14 +42,17 @@ def test_victim_unaffected_after_campaign(tenancy: Tenancy) -> None:
     assert victim_unaffected(tenancy) == []
 
 
-def test_a_campaign_that_lets_one_through_says_so(tenancy: Tenancy, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_campaign_that_lets_one_through_says_so(
+    tenancy: Tenancy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The checks can fail: an "attack" that is the victim's own READ of its region (its rkey,
     its memory) is reported as a cross-access that succeeded and as leaked bytes."""
     from netdam.tools import isolation
 
     def own_read(rng, t):  # type: ignore[no-untyped-def]
-        return isolation.VIP, Packet(Opcode.READ, rkey=isolation.VICTIM_RKEY, addr=t.victim.gaddr, length=64,
-                                     dtype=DType.RAW)  # fmt: skip
+        return isolation.VIP, Packet(
+            Opcode.READ, rkey=isolation.VICTIM_RKEY, addr=t.victim.gaddr, length=64, dtype=DType.RAW
+        )
 
     monkeypatch.setitem(isolation.KINDS, "victim's own read", own_read)
     result = run_kind(tenancy, "victim's own read", attempts=16)
@@ -62,7 +65,11 @@ def test_the_campaign_as_a_command(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["isolation", "--attempts", "40", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["ok"] is True and set(result["kinds"]) == set(KINDS) and result["victim_failures"] == []
+    assert (
+        result["ok"] is True
+        and set(result["kinds"]) == set(KINDS)
+        and result["victim_failures"] == []
+    )
     assert result["kinds"]["replayed control datagram"]["dropped_replayed"] == 40
     assert main(["isolation", "--attempts", "5", "--kind", "made-up tag"]) == 0
     assert "ok: nothing got through" in capsys.readouterr().out
@@ -74,9 +81,11 @@ def test_the_campaign_as_a_command(capsys: pytest.CaptureFixture[str]) -> None:
 def test_real_node_relays_to_members_only(tmp_path: Path) -> None:
     """On a node process: a chain whose next segment is not a member is NACKed NOT_MEMBER and
     nothing reaches that endpoint; a return segment naming a third party is ignored."""
-    with start_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster, \
-            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker, \
-            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as bystander:  # fmt: skip
+    with (
+        start_cluster(2, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as bystander,
+    ):
         node = cluster.info.nodes[0].endpoint
         with ControlClient.for_cluster(cluster.info) as admin:
             rkey = admin.register(node, 0, 4096, Rights.READ | Rights.WRITE)
@@ -85,9 +94,20 @@ def test_real_node_relays_to_members_only(tmp_path: Path) -> None:
             s.bind(("127.0.0.1", 0))
             s.settimeout(0.5)
         third = bystander.getsockname()
-        chain = Packet(Opcode.CHAIN_ADD, flags=Flags.ACK_REQ, client_id=3, txn_id=1, rkey=rkey, addr=0,
-                       aux_addr=0, length=64, dtype=DType.F32, segments=(node, third), segments_left=1,
-                       payload=bytes(64))  # fmt: skip
+        chain = Packet(
+            Opcode.CHAIN_ADD,
+            flags=Flags.ACK_REQ,
+            client_id=3,
+            txn_id=1,
+            rkey=rkey,
+            addr=0,
+            aux_addr=0,
+            length=64,
+            dtype=DType.F32,
+            segments=(node, third),
+            segments_left=1,
+            payload=bytes(64),
+        )
         read = Packet(Opcode.READ, client_id=3, txn_id=2, rkey=rkey, addr=0, length=64, ret=third)
         attacker.sendto(encode_packet(chain), node)
         nack = decode_packet(attacker.recv(65536))

@@ -50,13 +50,29 @@ ATTACKER: Endpoint = ("127.0.0.1", 9666)
 
 
 def _fetch_add(addr: int, value: int, *, txn: int, client: int, rkey: int) -> Packet:
-    return Packet(Opcode.FETCH_ADD, client_id=client, txn_id=txn, rkey=rkey, addr=addr, length=8,
-                  dtype=DType.U64, payload=struct.pack("<Q", value))  # fmt: skip
+    return Packet(
+        Opcode.FETCH_ADD,
+        client_id=client,
+        txn_id=txn,
+        rkey=rkey,
+        addr=addr,
+        length=8,
+        dtype=DType.U64,
+        payload=struct.pack("<Q", value),
+    )
 
 
 def _write(addr: int, data: bytes, *, txn: int, client: int, rkey: int) -> Packet:
-    return Packet(Opcode.WRITE, flags=Flags.ACK_REQ, client_id=client, txn_id=txn, rkey=rkey, addr=addr,
-                  length=len(data), payload=data)  # fmt: skip
+    return Packet(
+        Opcode.WRITE,
+        flags=Flags.ACK_REQ,
+        client_id=client,
+        txn_id=txn,
+        rkey=rkey,
+        addr=addr,
+        length=len(data),
+        payload=data,
+    )
 
 
 def _two_tenants() -> tuple[Cluster, int, int]:
@@ -76,12 +92,20 @@ def test_forged_writes_cannot_make_a_real_write_vanish() -> None:
     0 applied. The window is keyed by the rkey too: the victim's WRITEs all land."""
     cluster, victim, attacker = _two_tenants()
     for txn in range(1, 201):  # forged from the victim's address: the fabric sends as anyone
-        cluster.fabric.send(CLIENT, cluster.endpoints[0],
-                            encode_packet(_write(64 * KiB, b"x" * 8, txn=txn, client=7, rkey=attacker)))  # fmt: skip
+        cluster.fabric.send(
+            CLIENT,
+            cluster.endpoints[0],
+            encode_packet(_write(64 * KiB, b"x" * 8, txn=txn, client=7, rkey=attacker)),
+        )
     cluster.fabric.run_until_idle()
     cluster.fabric.receive(CLIENT)
     for txn in range(1, 101):
-        only(cluster.request(0, _write(8 * txn, struct.pack("<Q", txn), txn=txn, client=7, rkey=victim)), Opcode.ACK)
+        only(
+            cluster.request(
+                0, _write(8 * txn, struct.pack("<Q", txn), txn=txn, client=7, rkey=victim)
+            ),
+            Opcode.ACK,
+        )
     written = cluster.nodes[0].memory[8 : 8 * 101].view(np.uint64)
     assert written.tolist() == list(range(1, 101))
 
@@ -94,11 +118,16 @@ def test_retried_fetch_add_never_runs_twice_under_a_client_id_flood() -> None:
     cluster, victim, attacker = _two_tenants()
     first = only(cluster.request(0, _fetch_add(0, 1, txn=5, client=77, rkey=victim)), Opcode.ACK)
     for client in range(1, 4 * DUP_WINDOW_CLIENTS + 1):
-        cluster.fabric.send(ATTACKER, cluster.endpoints[0],
-                            encode_packet(_fetch_add(64 * KiB, 1, txn=1, client=client, rkey=attacker)))  # fmt: skip
+        cluster.fabric.send(
+            ATTACKER,
+            cluster.endpoints[0],
+            encode_packet(_fetch_add(64 * KiB, 1, txn=1, client=client, rkey=attacker)),
+        )
     cluster.fabric.run_until_idle()
     flood = [decode_packet(data) for data, _ in cluster.fabric.receive(ATTACKER)]
-    assert len(flood) == 4 * DUP_WINDOW_CLIENTS and all(r.opcode == Opcode.ACK for r in flood)  # it evicts its own
+    assert len(flood) == 4 * DUP_WINDOW_CLIENTS and all(
+        r.opcode == Opcode.ACK for r in flood
+    )  # it evicts its own
     retry = only(cluster.request(0, _fetch_add(0, 1, txn=5, client=77, rkey=victim)), Opcode.ACK)
     assert retry.payload == first.payload  # the cached answer: old value 0
     assert int(cluster.nodes[0].memory[0:8].view(np.uint64)[0]) == 1  # ran once
@@ -110,16 +139,24 @@ def test_a_members_only_key_names_nothing_for_anyone_else() -> None:
     cluster = make_cluster(2)
     node = cluster.nodes[0]
     node.deregister_region(RKEY)
-    key = node.register_region(0, 64 * KiB, Rights.READ | Rights.WRITE | Rights.ATOMIC | Rights.MEMBERS)
+    key = node.register_region(
+        0, 64 * KiB, Rights.READ | Rights.WRITE | Rights.ATOMIC | Rights.MEMBERS
+    )
     node.memory[:64] = 7
     before = node.memory.copy()
-    for packet in (Packet(Opcode.READ, rkey=key, addr=0, length=64),
-                   _write(0, b"overwrite", txn=1, client=3, rkey=key),
-                   _fetch_add(0, 1, txn=2, client=3, rkey=key)):  # fmt: skip
+    for packet in (
+        Packet(Opcode.READ, rkey=key, addr=0, length=64),
+        _write(0, b"overwrite", txn=1, client=3, rkey=key),
+        _fetch_add(0, 1, txn=2, client=3, rkey=key),
+    ):
         assert only(cluster.request(0, packet), Opcode.NACK).status == Status.BAD_RKEY
     np.testing.assert_array_equal(node.memory, before)
     member = cluster.endpoints[1]  # a node: the answer reaches its core as a reply event
-    cluster.fabric.send(member, cluster.endpoints[0], encode_packet(Packet(Opcode.READ, rkey=key, addr=0, length=64)))
+    cluster.fabric.send(
+        member,
+        cluster.endpoints[0],
+        encode_packet(Packet(Opcode.READ, rkey=key, addr=0, length=64)),
+    )
     cluster.fabric.run_until_idle()
     events = list(iter(cluster.nodes[1].next_event, None))
     assert [e.packet.opcode for e in events if isinstance(e, ReplyReceived)] == [Opcode.READ_RESP]
@@ -200,18 +237,34 @@ def _attacker_command(script: str, arg: str) -> tuple[list[str], dict[str, Any]]
     if os.geteuid() != 0:
         return [sys.executable, "-c", script, arg], {}
     nobody = pwd.getpwnam("nobody")
-    runnable = [p for p in (sys.executable, shutil.which("python3") or "", "/usr/bin/python3")
-                if p and _runs_as(p, nobody.pw_uid, nobody.pw_gid)]  # fmt: skip
+    runnable = [
+        p
+        for p in (sys.executable, shutil.which("python3") or "", "/usr/bin/python3")
+        if p and _runs_as(p, nobody.pw_uid, nobody.pw_gid)
+    ]
     if not runnable:
-        pytest.skip("no Python interpreter the user nobody may run: the attacker must be unprivileged")
-    return [runnable[0], "-c", script, arg], {"user": nobody.pw_uid, "group": nobody.pw_gid,
-                                              "extra_groups": [], "cwd": "/"}  # fmt: skip
+        pytest.skip(
+            "no Python interpreter the user nobody may run: the attacker must be unprivileged"
+        )
+    return [runnable[0], "-c", script, arg], {
+        "user": nobody.pw_uid,
+        "group": nobody.pw_gid,
+        "extra_groups": [],
+        "cwd": "/",
+    }
 
 
 def _runs_as(python: str, uid: int, gid: int) -> bool:
     try:
-        probe = subprocess.run([python, "-c", "pass"], user=uid, group=gid, extra_groups=[], cwd="/",
-                               capture_output=True, check=False)  # fmt: skip
+        probe = subprocess.run(
+            [python, "-c", "pass"],
+            user=uid,
+            group=gid,
+            extra_groups=[],
+            cwd="/",
+            capture_output=True,
+            check=False,
+        )
     except OSError:  # not executable by that user (e.g. under root's home)
         return False
     return probe.returncode == 0
@@ -231,11 +284,31 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
         with ControlClient.for_cluster(cluster.info) as admin:  # a direct client's secret
             secret_key, secret_at = admin.register_anywhere(node, 4096, Rights.READ | Rights.WRITE)
             admin.write(node, secret_key, secret_at, b"tenant secret!!!" * 256)
-        names = ("opcode", "flags", "seq", "client_id", "txn_id", "coll_id", "epoch", "rkey", "length",
-                 "addr", "aux_addr", "dtype", "status", "ret_ip")  # fmt: skip
-        args = {"group": list(groups[0].group), "node": list(node), "secret_at": secret_at,
-                "offsets": {f: HEADER.at(f) for f in names},
-                "READ": int(Opcode.READ), "WRITE": int(Opcode.WRITE), "ALL_WRITE": int(Opcode.ALL_WRITE)}  # fmt: skip
+        names = (
+            "opcode",
+            "flags",
+            "seq",
+            "client_id",
+            "txn_id",
+            "coll_id",
+            "epoch",
+            "rkey",
+            "length",
+            "addr",
+            "aux_addr",
+            "dtype",
+            "status",
+            "ret_ip",
+        )
+        args = {
+            "group": list(groups[0].group),
+            "node": list(node),
+            "secret_at": secret_at,
+            "offsets": {f: HEADER.at(f) for f in names},
+            "READ": int(Opcode.READ),
+            "WRITE": int(Opcode.WRITE),
+            "ALL_WRITE": int(Opcode.ALL_WRITE),
+        }
         command, as_user = _attacker_command(ATTACKER_SCRIPT, json.dumps(args))
         attacker = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, **as_user)
         try:
@@ -248,7 +321,9 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
         finally:
             attacker.kill()
         assert result["sniffed"], "the attacker saw no ALL_WRITE: the test would prove nothing"
-        assert result["rkey"] == collective_key(group_secret(cluster.info), result["coll_id"], result["epoch"])
+        assert result["rkey"] == collective_key(
+            group_secret(cluster.info), result["coll_id"], result["epoch"]
+        )
         for probe in ("read_secret", "read_buffer", "write_secret"):
             assert result[probe] == [int(Opcode.NACK), int(Status.BAD_RKEY)], (probe, result[probe])
         # The forged ALL_WRITEs of the next epoch: the next all-reduce is exact on every rank,
@@ -256,7 +331,9 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
         inputs = [np.arange(1 << 16, dtype=np.float32) * (r + 3) for r in range(2)]
         for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
             w.wait()  # type: ignore[union-attr]
-        expected = np.arange(1 << 16, dtype=np.float32) * 3 + np.arange(1 << 16, dtype=np.float32) * 4
+        expected = (
+            np.arange(1 << 16, dtype=np.float32) * 3 + np.arange(1 << 16, dtype=np.float32) * 4
+        )
         for b in inputs:
             np.testing.assert_array_equal(b, expected)
         with ControlClient.for_cluster(cluster.info) as admin:
@@ -269,8 +346,19 @@ def _spoofed(src: Endpoint, dst: Endpoint, payload: bytes) -> bytes:
     """An IPv4/UDP datagram from *src* (any address: a forged source) to *dst*, for a raw
     socket with IP_HDRINCL (the kernel fills the IP checksum; UDP checksum 0: none)."""
     udp = struct.pack("!HHHH", src[1], dst[1], 8 + len(payload), 0) + payload
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, socket.IPPROTO_UDP, 0,
-                     socket.inet_aton(src[0]), socket.inet_aton(dst[0]))  # fmt: skip
+    ip = struct.pack(
+        "!BBHHHBBH4s4s",
+        0x45,
+        0,
+        20 + len(udp),
+        0,
+        0,
+        64,
+        socket.IPPROTO_UDP,
+        0,
+        socket.inet_aton(src[0]),
+        socket.inet_aton(dst[0]),
+    )
     return ip + udp
 
 
@@ -287,8 +375,11 @@ class _Forger(threading.Thread):
         self.sniff = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
         self.sniff.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sniff.bind(("", group[1]))
-        self.sniff.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
-                              socket.inet_aton(group[0]) + socket.inet_aton("127.0.0.1"))  # fmt: skip
+        self.sniff.setsockopt(
+            socket.IPPROTO_IP,
+            socket.IP_ADD_MEMBERSHIP,
+            socket.inet_aton(group[0]) + socket.inet_aton("127.0.0.1"),
+        )
         self.sniff.settimeout(0.05)
         self.raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
 
@@ -305,11 +396,18 @@ class _Forger(threading.Thread):
             garbage = b"\xff" * len(packet.payload)
             bare = replace(packet, flags=packet.flags & ~Flags.TAGGED, tag=0)
             forged = [
-                replace(bare, payload=garbage), replace(packet, payload=garbage, tag=packet.tag ^ 1),
-                Packet(Opcode.NACK, status=Status.NO_RIGHTS, seq=packet.seq, coll_id=packet.coll_id,
-                       epoch=packet.epoch, rkey=packet.rkey),
+                replace(bare, payload=garbage),
+                replace(packet, payload=garbage, tag=packet.tag ^ 1),
+                Packet(
+                    Opcode.NACK,
+                    status=Status.NO_RIGHTS,
+                    seq=packet.seq,
+                    coll_id=packet.coll_id,
+                    epoch=packet.epoch,
+                    rkey=packet.rkey,
+                ),
                 Packet(Opcode.WRITE, rkey=packet.rkey, addr=packet.addr).with_payload(garbage),
-            ]  # fmt: skip
+            ]
             for victim, node in enumerate(self.nodes):
                 member = self.nodes[(victim + 1) % len(self.nodes)]
                 for p in forged:
@@ -335,14 +433,18 @@ def test_a_forger_with_a_members_address_and_the_live_key_changes_no_result(tmp_
             for call in range(20):
                 inputs = [rng.standard_normal(1 << 15).astype(np.float32) for _ in range(3)]
                 expected = all_reduce_reference(inputs)
-                for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
+                for w in [
+                    api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)
+                ]:
                     w.wait()  # type: ignore[union-attr]
                 for rank, b in enumerate(inputs):
                     assert b.tobytes() == expected.tobytes(), (call, rank)
         finally:
             forger.stop.set()
             forger.join()
-        assert forger.seen > 0 and forger.sent > 0, "nothing sniffed or forged: the test would prove nothing"
+        assert forger.seen > 0 and forger.sent > 0, (
+            "nothing sniffed or forged: the test would prove nothing"
+        )
         with ControlClient.for_cluster(cluster.info) as admin:
             for node in nodes:
                 assert int(admin.counters(node)[C.DROP_COLL_FORGED]) > 0, node
@@ -376,17 +478,42 @@ def test_a_second_job_on_the_cluster_file_cannot_take_a_running_jobs_arena(tmp_p
         first.memory[first.arena_base : first.arena_base + 4096] = 0x5A
 
         def second_job() -> str:
-            run = subprocess.run([sys.executable, "-c", SECOND_JOB, str(path)], capture_output=True, text=True,
-                                 timeout=60, check=True)  # fmt: skip
+            run = subprocess.run(
+                [sys.executable, "-c", SECOND_JOB, str(path)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
             return run.stdout.strip()
 
         assert second_job().startswith(f"refused: rank 0: another process (pid {os.getpid()})")
-        cli = subprocess.run([sys.executable, "-m", "netdam", "allreduce", "--cluster", str(path), "--size", "4KiB",
-                              "--json"], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-        assert cli.returncode == 3 and "another process" in json.loads(cli.stdout)["error"], cli.stderr
+        cli = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "netdam",
+                "allreduce",
+                "--cluster",
+                str(path),
+                "--size",
+                "4KiB",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert cli.returncode == 3 and "another process" in json.loads(cli.stdout)["error"], (
+            cli.stderr
+        )
         assert (first.memory[first.arena_base : first.arena_base + 4096] == 0x5A).all()
         with ControlClient.for_cluster(cluster.info) as admin:  # still registered
-            assert admin.read(cluster.info.nodes[0].endpoint, first.arena_rkey, first.arena_base, 8) == b"\x5a" * 8
+            assert (
+                admin.read(cluster.info.nodes[0].endpoint, first.arena_rkey, first.arena_base, 8)
+                == b"\x5a" * 8
+            )
         first.close()
         assert second_job() == "opened"
 
@@ -411,10 +538,16 @@ def test_collectives_leave_pool_tenants_memory_alone(tmp_path: Path) -> None:
                 w.wait()  # type: ignore[union-attr]
             assert all((b == 3.0).all() for b in bufs)
         with PoolClient(switch.vip, tag_keys=tag_keys_of(region)) as client:
-            assert client.read(region.gaddr, len(pattern), region.rkey, stride=region.stride) == pattern
+            assert (
+                client.read(region.gaddr, len(pattern), region.rkey, stride=region.stride)
+                == pattern
+            )
         for g in groups:
-            assert not any(g.arena_base < w.local + w.size and w.local < g.arena_end
-                           for w in region.ways if w.node == g.rank)  # fmt: skip
+            assert not any(
+                g.arena_base < w.local + w.size and w.local < g.arena_end
+                for w in region.ways
+                if w.node == g.rank
+            )
             g.close()
     finally:
         switch.stop()
@@ -444,4 +577,6 @@ def test_alloc_returns_zeroed_memory(tmp_path: Path) -> None:
 def test_window_key_includes_the_rkey() -> None:
     """The same client id and requester under two rkeys are two window entries."""
     requester = endpoint_to_u64(CLIENT)
-    assert int(datapath._requester_key(7, requester, 1)) != int(datapath._requester_key(7, requester, 2))
+    assert int(datapath._requester_key(7, requester, 1)) != int(
+        datapath._requester_key(7, requester, 2)
+    )

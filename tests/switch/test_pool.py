@@ -40,8 +40,11 @@ class Pool:
         with ControlClient.for_cluster(self.cluster.info) as client:
             # 6 tries: right after a run with injected faults the switch may still be draining
             # delayed duplicates on a loaded machine (one suite run lost 3 tries in 3 s).
-            reply = client.request(self.switch.entry.control_endpoint,
-                                   Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key), retries=5)  # fmt: skip
+            reply = client.request(
+                self.switch.entry.control_endpoint,
+                Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key),
+                retries=5,
+            )
         return counters_from_payload(reply.payload)
 
 
@@ -60,7 +63,9 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 @pytest.mark.slow
 def test_cluster_file_names_the_switch(pool: Pool) -> None:
     entry = load_switch_entry(pool.cluster.path)
-    assert entry is not None and entry.vip == pool.switch.vip and entry.pid == pool.switch.process.pid
+    assert (
+        entry is not None and entry.vip == pool.switch.vip and entry.pid == pool.switch.process.pid
+    )
     assert Path(entry.state_file).exists()
 
 
@@ -107,8 +112,12 @@ def test_asyncio_client_concurrent_atomics(pool: Pool) -> None:
     region = pool.controller.alloc(16 * KiB, interleave=8 * KiB)
 
     async def run() -> tuple[int, list[int], int, bytes]:
-        async with await AsyncPoolClient.open(pool.switch.vip, window=16, tag_keys=tag_keys_of(region)) as client:
-            olds = await asyncio.gather(*(client.fetch_add(region.gaddr + 8 * KiB, 3, region.rkey) for _ in range(50)))
+        async with await AsyncPoolClient.open(
+            pool.switch.vip, window=16, tag_keys=tag_keys_of(region)
+        ) as client:
+            olds = await asyncio.gather(
+                *(client.fetch_add(region.gaddr + 8 * KiB, 3, region.rkey) for _ in range(50))
+            )
             await client.write(region.gaddr, b"a" * 10000, region.rkey, stride=region.stride)
             first = await client.cas(region.gaddr + 16, 0, 42, region.rkey)
             second = await client.cas(region.gaddr + 16, 0, 43, region.rkey)
@@ -132,9 +141,18 @@ def test_multicast_through_the_switch(pool: Pool) -> None:
     for ep in nodes[:2]:
         pool.controller.join(group, ep)
     payload = bytes(range(64))
-    packet = Packet(Opcode.ALL_WRITE, flags=Flags.MCAST | Flags.ACK_REQ, client_id=5, txn_id=1, rkey=rkey,
-                    addr=1000 * KiB + 64, aux_addr=endpoint_to_u64(group), dtype=DType.RAW, length=64,
-                    payload=payload)  # fmt: skip
+    packet = Packet(
+        Opcode.ALL_WRITE,
+        flags=Flags.MCAST | Flags.ACK_REQ,
+        client_id=5,
+        txn_id=1,
+        rkey=rkey,
+        addr=1000 * KiB + 64,
+        aux_addr=endpoint_to_u64(group),
+        dtype=DType.RAW,
+        length=64,
+        payload=payload,
+    )
     acks = set()
     with ControlClient() as client:
         client.sock.settimeout(2.0)
@@ -160,7 +178,10 @@ def test_restart_keeps_map_rkeys_and_groups(pool: Pool) -> None:
     pool.restart_switch()
     assert pool.switch.process.pid != old_pid
     with PoolClient(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
-        assert client.read(region.gaddr, 24000, region.rkey, stride=region.stride) == b"persist!" * 3000
+        assert (
+            client.read(region.gaddr, 24000, region.rkey, stride=region.stride)
+            == b"persist!" * 3000
+        )
     counters = pool.switch_counters()
     assert counters["switch"]["groups"] >= 1 and counters["switch"]["regions"] >= 1  # type: ignore[index]
     assert any(r["gaddr"] == region.gaddr for r in counters["regions"])  # type: ignore[union-attr]
@@ -171,16 +192,23 @@ def test_restart_keeps_map_rkeys_and_groups(pool: Pool) -> None:
 def test_retries_under_injected_loss_never_apply_twice(pool: Pool) -> None:
     region = pool.controller.alloc(16 * KiB, interleave=8 * KiB)
     # Requests are lost, duplicated and delayed past the client's timeout on every link.
-    pool.restart_switch(faults="client:rx:loss=0.2;node0:tx:dup=0.3,delay=0.3,delay_ms=30;"
-                               "node1:tx:dup=0.3,delay=0.3,delay_ms=30;node2:tx:loss=0.2", seed=7)  # fmt: skip
+    pool.restart_switch(
+        faults="client:rx:loss=0.2;node0:tx:dup=0.3,delay=0.3,delay_ms=30;"
+        "node1:tx:dup=0.3,delay=0.3,delay_ms=30;node2:tx:loss=0.2",
+        seed=7,
+    )
     try:
-        with PoolClient(pool.switch.vip, timeout=0.01, retries=50, window=8, tag_keys=tag_keys_of(region)) as client:
+        with PoolClient(
+            pool.switch.vip, timeout=0.01, retries=50, window=8, tag_keys=tag_keys_of(region)
+        ) as client:
             for offset in (0, 8 * KiB):
                 olds = [client.fetch_add(region.gaddr + offset, 1, region.rkey) for _ in range(30)]
                 assert [v - olds[0] for v in olds] == list(range(30))
                 from netdam.clients.pool import fetch_add_packet
 
-                replies = client.execute([fetch_add_packet(region.gaddr + offset + 8, 2, region.rkey)] * 40)
+                replies = client.execute(
+                    [fetch_add_packet(region.gaddr + offset + 8, 2, region.rkey)] * 40
+                )
                 values = sorted(struct.unpack("<Q", r.payload)[0] for r in replies)
                 assert [v - values[0] for v in values] == [2 * k for k in range(40)]
             assert client.retransmits > 0
@@ -199,9 +227,16 @@ def test_plain_socket_example(pool: Pool) -> None:
     """The stdlib-only example allocates, uses and frees a region with documented datagrams."""
     before = {r.gaddr for r in pool.controller.regions()}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "pool_plain_socket.py"), "--cluster", str(pool.cluster.path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "examples" / "pool_plain_socket.py"),
+            "--cluster",
+            str(pool.cluster.path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert "relayed: True" in result.stdout and "NO_ROUTE" in result.stdout
     assert result.stdout.strip().endswith("ok")
@@ -224,24 +259,87 @@ def pool_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     return cli.main(argv)
 
 
-def test_pool_cli(pool: Pool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_pool_cli(
+    pool: Pool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import json
 
     c = str(pool.cluster.path)
-    assert pool_cli(["pool", "alloc", "--cluster", c, "--size", "20KiB", "--interleave", "8KiB", "--json"], monkeypatch) == 0
+    assert (
+        pool_cli(
+            ["pool", "alloc", "--cluster", c, "--size", "20KiB", "--interleave", "8KiB", "--json"],
+            monkeypatch,
+        )
+        == 0
+    )
     region = json.loads(capsys.readouterr().out)
     assert region["stride"] == 8192 and len(region["ways"]) == 3
     gaddr = region["gaddr_hex"]
-    assert pool_cli(["pool", "write", "--cluster", c, "--gaddr", gaddr, "--data", "x" * 10000], monkeypatch) == 0
+    assert (
+        pool_cli(
+            ["pool", "write", "--cluster", c, "--gaddr", gaddr, "--data", "x" * 10000], monkeypatch
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", hex(region["gaddr"] + 8190), "--length", "4B", "--json"],
-                    monkeypatch) == 0  # fmt: skip
-    assert json.loads(capsys.readouterr().out)["hex"] == "78787878"  # split at the stride by the CLI
-    assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", gaddr, "--length", "3B", "--format", "text"],
-                    monkeypatch) == 0  # fmt: skip
+    assert (
+        pool_cli(
+            [
+                "pool",
+                "read",
+                "--cluster",
+                c,
+                "--gaddr",
+                hex(region["gaddr"] + 8190),
+                "--length",
+                "4B",
+                "--json",
+            ],
+            monkeypatch,
+        )
+        == 0
+    )
+    assert (
+        json.loads(capsys.readouterr().out)["hex"] == "78787878"
+    )  # split at the stride by the CLI
+    assert (
+        pool_cli(
+            [
+                "pool",
+                "read",
+                "--cluster",
+                c,
+                "--gaddr",
+                gaddr,
+                "--length",
+                "3B",
+                "--format",
+                "text",
+            ],
+            monkeypatch,
+        )
+        == 0
+    )
     assert capsys.readouterr().out == "xxx\n"
-    assert pool_cli(["pool", "read", "--cluster", c, "--gaddr", gaddr, "--length", "8B", "--rkey", "1", "--json"],
-                    monkeypatch) == 1  # fmt: skip
+    assert (
+        pool_cli(
+            [
+                "pool",
+                "read",
+                "--cluster",
+                c,
+                "--gaddr",
+                gaddr,
+                "--length",
+                "8B",
+                "--rkey",
+                "1",
+                "--json",
+            ],
+            monkeypatch,
+        )
+        == 1
+    )
     assert "BAD_RKEY" in json.loads(capsys.readouterr().out)["error"]
     assert pool_cli(["pool", "stats", "--cluster", c, "--json"], monkeypatch) == 0
     assert json.loads(capsys.readouterr().out)["switch"]["regions"] >= 1
@@ -263,7 +361,9 @@ def test_a_tagged_region_through_the_vip_takes_only_sealed_requests(pool: Pool) 
     with PoolClient(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
         client.write(region.gaddr, data, region.rkey, stride=region.stride)
         assert client.read(region.gaddr, len(data), region.rkey, stride=region.stride) == data
-        assert client.fetch_add(region.gaddr + 8 * KiB, 5, region.rkey) == int.from_bytes(data[8 * KiB : 8 * KiB + 8], "little")
+        assert client.fetch_add(region.gaddr + 8 * KiB, 5, region.rkey) == int.from_bytes(
+            data[8 * KiB : 8 * KiB + 8], "little"
+        )
         assert client.unsealed == 0
     with PoolClient(pool.switch.vip, timeout=0.05, retries=1) as keyless:
         with pytest.raises(PoolError, match="BAD_RKEY"):
@@ -271,17 +371,23 @@ def test_a_tagged_region_through_the_vip_takes_only_sealed_requests(pool: Pool) 
         with pytest.raises(PoolError, match="BAD_RKEY"):
             keyless.read(region.gaddr, 64, region.rkey)
     wrong = bytes(16 - k for k in range(16))
-    with PoolClient(pool.switch.vip, timeout=0.05, retries=1, tag_keys={region.rkey: wrong}) as forger:
+    with PoolClient(
+        pool.switch.vip, timeout=0.05, retries=1, tag_keys={region.rkey: wrong}
+    ) as forger:
         with pytest.raises(PoolError, match="no answer"):
             forger.write(region.gaddr, b"\0" * 64, region.rkey)
 
     async def asyncio_clients() -> None:
-        async with await AsyncPoolClient.open(pool.switch.vip, tag_keys=tag_keys_of(region)) as client:
+        async with await AsyncPoolClient.open(
+            pool.switch.vip, tag_keys=tag_keys_of(region)
+        ) as client:
             assert await client.read(region.gaddr, 64, region.rkey) == data[:64]
         async with await AsyncPoolClient.open(pool.switch.vip, retries=1) as keyless:
             with pytest.raises(PoolError, match="BAD_RKEY"):
                 await keyless.read(region.gaddr, 64, region.rkey)
-        async with await AsyncPoolClient.open(pool.switch.vip, retries=1, tag_keys={region.rkey: wrong}) as forger:
+        async with await AsyncPoolClient.open(
+            pool.switch.vip, retries=1, tag_keys={region.rkey: wrong}
+        ) as forger:
             with pytest.raises(PoolError, match="tag key"):
                 await forger.write(region.gaddr, b"\0" * 64, region.rkey)
 

@@ -34,6 +34,7 @@ from netdam.switch.state import Quota, load_state, set_quota
 
 KiB = 1024
 
+
 def test_one_tenant_cannot_take_the_whole_pool(tmp_path: Path) -> None:
     """Measured before: one tenant took the whole free pool in 27 ALLOCs and every other tenant,
     the admin too, then got NO_SPACE. Now the default quota stops it at half the pool."""
@@ -75,7 +76,9 @@ def test_region_quota_refuses_until_a_region_is_freed(tmp_path: Path) -> None:
     # A tenant's byte quota, absolute: the footprint counts whole pages (8 bytes take a page).
     set_quota(pool.path, digest, Quota(bytes=67 * PAGE, regions=100))
     ok(pool.alloc(8, a))
-    assert refused(pool.alloc(8, a), Status.QUOTA).startswith("byte quota: tenant 'a' holds 274432 of its 274432 B")
+    assert refused(pool.alloc(8, a), Status.QUOTA).startswith(
+        "byte quota: tenant 'a' holds 274432 of its 274432 B"
+    )
     # The default quota applies to every tenant without its own.
     set_quota(pool.path, None, Quota(regions=1))
     assert refused(pool.alloc(8, b), Status.QUOTA).startswith("region quota")
@@ -107,7 +110,9 @@ def test_quotas_survive_in_the_state_file_and_old_files_load(tmp_path: Path) -> 
 # ------------------------------------------------------------------ placement
 
 
-def test_a_full_region_table_does_not_close_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_region_table_does_not_close_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Measured before: 511 ALLOCs of 8 bytes filled one node's 512 region slots; the allocator
     kept picking that node (it had the most free bytes) and refused every ALLOC while another node
     had 8 MiB free. Now the switch counts slots per node, and moves on when a node refuses.
@@ -173,26 +178,42 @@ def test_query_answers_at_most_3x_to_a_sender_without_its_token(tmp_path: Path) 
     two = unpack_region_info(ok(pool.alloc(16 * KiB, five.credential, stride=8192, ways=2)).payload)
     cred = pack_credential(five.credential)
     # 2 ways: 168 bytes for 72, within 3x: answered without a token.
-    reply, size = exchange(fabric, Packet(Opcode.QUERY, txn_id=1, addr=two.gaddr, length=8, payload=cred))
+    reply, size = exchange(
+        fabric, Packet(Opcode.QUERY, txn_id=1, addr=two.gaddr, length=8, payload=cred)
+    )
     assert reply.opcode == Opcode.ACK and size == 168
     for opcode, txn in ((Opcode.QUERY, 2), (Opcode.FREE, 3)):  # 5 ways: 240 bytes for 72
-        reply, size = exchange(fabric, Packet(opcode, txn_id=txn, addr=five.gaddr, length=8, payload=cred))
+        reply, size = exchange(
+            fabric, Packet(opcode, txn_id=txn, addr=five.gaddr, length=8, payload=cred)
+        )
         assert reply.opcode == Opcode.NACK and reply.status == Status.BAD_FIELD
         assert size <= AMPLIFICATION_FACTOR * 72 and b"token in aux_addr" in reply.payload
     token = exchange(fabric, Packet(Opcode.PING, txn_id=4))[0].aux_addr
-    wrong = exchange(fabric, Packet(Opcode.QUERY, txn_id=5, addr=five.gaddr, aux_addr=token ^ 1, length=8,
-                                    payload=cred))[0]  # fmt: skip
+    wrong = exchange(
+        fabric,
+        Packet(Opcode.QUERY, txn_id=5, addr=five.gaddr, aux_addr=token ^ 1, length=8, payload=cred),
+    )[0]
     assert wrong.status == Status.BAD_FIELD
-    reply, size = exchange(fabric, Packet(Opcode.QUERY, txn_id=6, addr=five.gaddr, aux_addr=token, length=8,
-                                          payload=cred))  # fmt: skip
-    assert reply.opcode == Opcode.ACK and size == 240 and len(unpack_region_info(reply.payload).ways) == 5
-    assert any(r.gaddr == five.gaddr for r in switch_state(pool))  # the FREE without token freed nothing
+    reply, size = exchange(
+        fabric,
+        Packet(Opcode.QUERY, txn_id=6, addr=five.gaddr, aux_addr=token, length=8, payload=cred),
+    )
+    assert (
+        reply.opcode == Opcode.ACK
+        and size == 240
+        and len(unpack_region_info(reply.payload).ways) == 5
+    )
+    assert any(
+        r.gaddr == five.gaddr for r in switch_state(pool)
+    )  # the FREE without token freed nothing
     # ALLOC (104 bytes) of 9 ways answers 64 + 56 + 9 * 24 = 336 > 312: the token again.
     alloc = AllocRequest(8 * KiB, five.credential, 8192, 9, 7, "").encode()
     reply, size = exchange(fabric, Packet(Opcode.ALLOC, txn_id=7, length=40, payload=alloc))
     assert reply.status == Status.BAD_FIELD and size <= 3 * 104
     assert len(switch_state(pool)) == 2  # nothing was allocated
-    reply, size = exchange(fabric, Packet(Opcode.ALLOC, txn_id=8, aux_addr=token, length=40, payload=alloc))
+    reply, size = exchange(
+        fabric, Packet(Opcode.ALLOC, txn_id=8, aux_addr=token, length=40, payload=alloc)
+    )
     assert reply.opcode == Opcode.ACK and size == 336
 
 
@@ -236,12 +257,22 @@ def test_quotas_on_a_running_pool(wire: VipWire, capsys: pytest.CaptureFixture[s
     assert code == 0 and shown["capacity"] == 2 << 20
     assert rows["tenant-a"]["bytes"] == 5 * 256 * KiB and rows["tenant-a"]["bytes_quota"] == 1 << 20
     assert rows["tenant-b"]["regions"] == 2 and rows["tenant-b"]["regions_quota"] == 64
-    code, shown = quota_cli(["--cluster", c, "--tenant", "tenant-a", "--regions", "4", "--bytes", "100%"], capsys)
+    code, shown = quota_cli(
+        ["--cluster", c, "--tenant", "tenant-a", "--regions", "4", "--bytes", "100%"], capsys
+    )
     assert code == 0 and shown["tenants"][0]["own"] == {"percent": 100.0, "regions": 4}  # type: ignore[index]
-    assert "region quota: tenant 'tenant-a' holds 5 of its 4" in refused(wire.alloc(4 * KiB, a), Status.QUOTA)
-    with PoolController(wire.cluster.path, credential=a) as tenant, pytest.raises(ControllerError) as info:
+    assert "region quota: tenant 'tenant-a' holds 5 of its 4" in refused(
+        wire.alloc(4 * KiB, a), Status.QUOTA
+    )
+    with (
+        PoolController(wire.cluster.path, credential=a) as tenant,
+        pytest.raises(ControllerError) as info,
+    ):
         tenant.alloc(4 * KiB)
-    assert info.value.status == Status.QUOTA and "holds 5 of its 4 regions: `netdam pool quota" in str(info.value)
+    assert (
+        info.value.status == Status.QUOTA
+        and "holds 5 of its 4 regions: `netdam pool quota" in str(info.value)
+    )
     ok(wire.free(admin.addr, a))
     ok(wire.free(held.pop(), a))
     ok(wire.alloc(4 * KiB, a))  # 4 regions again
@@ -255,7 +286,11 @@ def test_ping_at_a_running_switch_reports_capacity(wire: VipWire) -> None:
     before = wire.send(Opcode.PING, b"")
     region = unpack_region_info(ok(wire.alloc(12_345)).payload)
     after = wire.send(Opcode.PING, b"")
-    assert struct.unpack_from("<IIQ", before.payload)[2] == struct.unpack_from("<IIQ", after.payload)[2] == 2 << 20
+    assert (
+        struct.unpack_from("<IIQ", before.payload)[2]
+        == struct.unpack_from("<IIQ", after.payload)[2]
+        == 2 << 20
+    )
     ok(wire.free(region.gaddr, region.credential))
 
 
@@ -277,7 +312,9 @@ def test_pool_placement_beside_directly_registered_regions(wire: VipWire) -> Non
                     assert exc.status == Status.NO_SPACE
                     break
             refusals = int(direct.counters(node0)[C.NACK_BASE + Status.NO_SPACE])
-            for _ in range(3):  # node 0 first (a tie by the switch's count: lower rank), then node 1
+            for _ in range(
+                3
+            ):  # node 0 first (a tie by the switch's count: lower rank), then node 1
                 placed = unpack_region_info(ok(wire.alloc(8)).payload)
                 assert [w.node for w in placed.ways] == [1]
                 ok(wire.free(placed.gaddr, placed.credential))

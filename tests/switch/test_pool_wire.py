@@ -33,36 +33,95 @@ def test_alloc_use_query_free_round_trip(wire: VipWire) -> None:
     reply = wire.alloc(20 * KiB, stride=8192, rights=7, label="t1")
     region = wire.region(reply)
     assert reply.rkey == region.rkey and reply.addr == region.gaddr and region.credential != 0
-    assert region.size == 20 * KiB and region.stride == 8192 and len(region.ways) == 2 and region.label == "t1"
+    assert (
+        region.size == 20 * KiB
+        and region.stride == 8192
+        and len(region.ways) == 2
+        and region.label == "t1"
+    )
     # The state file (0600) keeps the region, owned by the credential's digest, not the credential.
     state_path = Path(wire.switch.entry.state_file)
     assert stat.S_IMODE(state_path.stat().st_mode) == 0o600
     text = state_path.read_text()
     assert f"{region.credential}" not in text and credential_digest(region.credential) in text
-    assert any(r.gaddr == region.gaddr and r.rkey == region.rkey for r in load_state(state_path).regions)
+    assert any(
+        r.gaddr == region.gaddr and r.rkey == region.rkey for r in load_state(state_path).regions
+    )
     # The switch serves it at once: WRITE and READ through the VIP with the rkey.
     data = bytes(range(200))
-    ack = wire.raw(encode_packet(Packet(Opcode.WRITE, flags=1, client_id=77, txn_id=5000, rkey=region.rkey,
-                                        addr=region.gaddr + 8192, length=200, payload=data)))  # fmt: skip
+    ack = wire.raw(
+        encode_packet(
+            Packet(
+                Opcode.WRITE,
+                flags=1,
+                client_id=77,
+                txn_id=5000,
+                rkey=region.rkey,
+                addr=region.gaddr + 8192,
+                length=200,
+                payload=data,
+            )
+        )
+    )
     assert ack.opcode == Opcode.ACK
     token = wire.send(Opcode.PING, b"").aux_addr  # a READ over 3x its size needs it (SPEC.md 12.4)
-    back = wire.raw(encode_packet(Packet(Opcode.READ, client_id=77, txn_id=5001, rkey=region.rkey,
-                                         addr=region.gaddr + 8192, length=200, aux_addr=token)))  # fmt: skip
+    back = wire.raw(
+        encode_packet(
+            Packet(
+                Opcode.READ,
+                client_id=77,
+                txn_id=5001,
+                rkey=region.rkey,
+                addr=region.gaddr + 8192,
+                length=200,
+                aux_addr=token,
+            )
+        )
+    )
     assert back.payload == data
     # QUERY with the credential alone, then FREE with it.
-    queried = wire.region(wire.send(Opcode.QUERY, pack_credential(region.credential), addr=region.gaddr))
+    queried = wire.region(
+        wire.send(Opcode.QUERY, pack_credential(region.credential), addr=region.gaddr)
+    )
     assert queried.gaddr == region.gaddr and queried.rkey == region.rkey and queried.credential == 0
     freed = wire.send(Opcode.FREE, pack_credential(region.credential), addr=region.gaddr, txn=7000)
     assert wire.region(freed).gaddr == region.gaddr
     # A retry of the FREE (same txn) gets the same ACK; nothing is freed twice.
     again = wire.send(Opcode.FREE, pack_credential(region.credential), addr=region.gaddr, txn=7000)
     assert encode_packet(again) == encode_packet(freed)
-    nack(wire.send(Opcode.QUERY, pack_credential(region.credential), addr=region.gaddr), Status.NO_ROUTE)
-    nack(wire.raw(encode_packet(Packet(Opcode.READ, client_id=77, txn_id=5002, rkey=region.rkey,
-                                       addr=region.gaddr, length=8))), Status.NO_ROUTE)  # fmt: skip
+    nack(
+        wire.send(Opcode.QUERY, pack_credential(region.credential), addr=region.gaddr),
+        Status.NO_ROUTE,
+    )
+    nack(
+        wire.raw(
+            encode_packet(
+                Packet(
+                    Opcode.READ,
+                    client_id=77,
+                    txn_id=5002,
+                    rkey=region.rkey,
+                    addr=region.gaddr,
+                    length=8,
+                )
+            )
+        ),
+        Status.NO_ROUTE,
+    )
     # The backing is gone from the nodes too.
-    gone = wire.raw(encode_packet(Packet(Opcode.READ, client_id=77, txn_id=5003, rkey=region.rkey,
-                                         addr=region.ways[0].local, length=8)), wire.cluster.endpoints[0])  # fmt: skip
+    gone = wire.raw(
+        encode_packet(
+            Packet(
+                Opcode.READ,
+                client_id=77,
+                txn_id=5003,
+                rkey=region.rkey,
+                addr=region.ways[0].local,
+                length=8,
+            )
+        ),
+        wire.cluster.endpoints[0],
+    )
     nack(gone, Status.BAD_RKEY)
 
 
@@ -71,7 +130,11 @@ def test_alloc_retry_allocates_once(wire: VipWire) -> None:
     wire.txn -= 1  # the same txn id again: a retry of the ALLOC
     second = wire.region(wire.alloc(4 * KiB))
     assert second == first
-    regions = [r for r in load_state(Path(wire.switch.entry.state_file)).regions if r.owner == credential_digest(first.credential)]
+    regions = [
+        r
+        for r in load_state(Path(wire.switch.entry.state_file)).regions
+        if r.owner == credential_digest(first.credential)
+    ]
     assert [r.gaddr for r in regions] == [first.gaddr]
     wire.send(Opcode.FREE, pack_credential(first.credential), addr=first.gaddr)
 
@@ -95,25 +158,41 @@ def test_tenants_cannot_free_or_query_each_other(wire: VipWire) -> None:
     assert [r.gaddr for r in seen] == [b.gaddr, b2.gaddr]
     assert a.rkey not in {r.rkey for r in seen}
     # Wrong keys: an unknown credential, a wrong admin key, a new tenant without the admin key.
-    nack(wire.send(Opcode.FREE, pack_credential(b.credential ^ 1), addr=b.gaddr), Status.UNAUTHORIZED)
+    nack(
+        wire.send(Opcode.FREE, pack_credential(b.credential ^ 1), addr=b.gaddr), Status.UNAUTHORIZED
+    )
     nack(wire.send(Opcode.QUERY, pack_credential(0), addr=0), Status.UNAUTHORIZED)
-    nack(wire.send(Opcode.FREE, pack_credential(0), addr=a.gaddr, rkey=wire.admin ^ 4), Status.UNAUTHORIZED)
+    nack(
+        wire.send(Opcode.FREE, pack_credential(0), addr=a.gaddr, rkey=wire.admin ^ 4),
+        Status.UNAUTHORIZED,
+    )
     nack(wire.alloc(4 * KiB, rkey=0), Status.UNAUTHORIZED)
     nack(wire.alloc(4 * KiB, 12345), Status.UNAUTHORIZED)
     # A's region is untouched and still A's; the admin key sees and frees everything.
-    assert wire.region(wire.send(Opcode.QUERY, pack_credential(a.credential), addr=a.gaddr)).rkey == a.rkey
+    assert (
+        wire.region(wire.send(Opcode.QUERY, pack_credential(a.credential), addr=a.gaddr)).rkey
+        == a.rkey
+    )
     for r in (a, b, b2):
         wire.region(wire.send(Opcode.FREE, pack_credential(0), addr=r.gaddr, rkey=wire.admin))
 
 
-def _alloc_bytes(size: int = 4096, credential: int = 0, stride: int = 0, ways: int = 0, rights: int = 7,
-                 reserved: int = 0) -> bytes:  # fmt: skip
+def _alloc_bytes(
+    size: int = 4096,
+    credential: int = 0,
+    stride: int = 0,
+    ways: int = 0,
+    rights: int = 7,
+    reserved: int = 0,
+) -> bytes:
     return struct.pack("<QQIHBB16s", size, credential, stride, ways, rights, reserved, b"")
 
 
 def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None:
     admin = wire.admin
-    alloc = encode_packet(Packet(Opcode.ALLOC, client_id=77, txn_id=9000, length=40, payload=_alloc_bytes()))
+    alloc = encode_packet(
+        Packet(Opcode.ALLOC, client_id=77, txn_id=9000, length=40, payload=_alloc_bytes())
+    )
 
     def patched(offset: int, new: bytes, txn: int) -> bytes:
         data = alloc[:offset] + new + alloc[offset + len(new) :]
@@ -126,8 +205,14 @@ def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None
         (patched(64, bytes(8), 9005), Status.BAD_FIELD),  # size 0
         (patched(64 + 22, b"\x00", 9006), Status.BAD_FIELD),  # rights 0
         (patched(64 + 22, b"\x08", 9007), Status.BAD_FIELD),  # undefined right
-        (patched(64 + 16, struct.pack("<I", 12), 9008), Status.BAD_FIELD),  # stride not a multiple of 8
-        (patched(64 + 16, struct.pack("<IH", 8192, 3), 9009), Status.BAD_FIELD),  # 3 ways of 2 nodes
+        (
+            patched(64 + 16, struct.pack("<I", 12), 9008),
+            Status.BAD_FIELD,
+        ),  # stride not a multiple of 8
+        (
+            patched(64 + 16, struct.pack("<IH", 8192, 3), 9009),
+            Status.BAD_FIELD,
+        ),  # 3 ways of 2 nodes
         (patched(64 + 20, struct.pack("<H", 1), 9010), Status.BAD_FIELD),  # ways without a stride
         (patched(64, struct.pack("<Q", 1 << 40), 9011), Status.NO_SPACE),  # no room
         (patched(52, b"\x01\x00\x01", 9012) + bytes(8), Status.BAD_SEGMENT),  # an SR list
@@ -137,14 +222,19 @@ def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None
     # The admin key alone, unsealed, is refused: the switch takes the admin's control tag only.
     nack(wire.raw(patched(24, admin.to_bytes(4, "big"), 9004)), Status.UNAUTHORIZED)
     for k, opcode in enumerate((Opcode.FREE, Opcode.QUERY)):
-        good = encode_packet(Packet(opcode, client_id=77, txn_id=9100 + k, length=8, payload=pack_credential(0)))
+        good = encode_packet(
+            Packet(opcode, client_id=77, txn_id=9100 + k, length=8, payload=pack_credential(0))
+        )
         nack(wire.raw(wire.sealed(good + bytes(8))), Status.BAD_LENGTH)  # 16 payload bytes
         nack(wire.raw(wire.sealed(good[:64])), Status.BAD_LENGTH)  # none
     nack(wire.send(Opcode.FREE, pack_credential(0), rkey=admin, addr=1 << 32 | 5), Status.NO_ROUTE)
     nack(wire.send(Opcode.QUERY, pack_credential(0), rkey=admin, addr=1 << 62), Status.NO_ROUTE)
     # A NACK from the allocator says why in UTF-8; a node answers pool opcodes BAD_FIELD.
     assert wire.raw(wire.sealed(cases[3][0])).payload.decode().startswith("size must be")
-    nack(wire.send(Opcode.ALLOC, _alloc_bytes(), rkey=admin, to=wire.cluster.endpoints[0]), Status.BAD_FIELD)
+    nack(
+        wire.send(Opcode.ALLOC, _alloc_bytes(), rkey=admin, to=wire.cluster.endpoints[0]),
+        Status.BAD_FIELD,
+    )
     # Nothing was allocated and the switch still answers.
     assert wire.send(Opcode.PING, b"").opcode == Opcode.INFO
     assert load_state(Path(wire.switch.entry.state_file)).regions == []
@@ -158,7 +248,9 @@ def test_controller_uses_the_wire(wire: VipWire) -> None:
     assert [r.gaddr for r in tenant.regions()] == [region.gaddr]
     mine = tenant.alloc(4 * KiB)
     assert {r.gaddr for r in tenant.regions()} == {region.gaddr, mine.gaddr}
-    other = PoolController(wire.cluster.path, credential=credential ^ 0xFF, timeout=0.3)  # its refusal is unsealed: one wait
+    other = PoolController(
+        wire.cluster.path, credential=credential ^ 0xFF, timeout=0.3
+    )  # its refusal is unsealed: one wait
     with pytest.raises(ControllerError, match="UNAUTHORIZED"):
         other.free(region.gaddr)
     tenant.free(mine.gaddr)
@@ -181,27 +273,91 @@ def test_cli_keeps_tenant_credentials_off_the_command_line(
 
     path = str(wire.cluster.path)
     key = tmp_path / "tenant.key"
-    assert netdam(["pool", "alloc", "--cluster", path, "--size", "16KiB", "--save-credential", str(key), "--json"]) == 0
+    assert (
+        netdam(
+            [
+                "pool",
+                "alloc",
+                "--cluster",
+                path,
+                "--size",
+                "16KiB",
+                "--save-credential",
+                str(key),
+                "--json",
+            ]
+        )
+        == 0
+    )
     made = json.loads(capsys.readouterr().out)
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert int(key.read_text(), 16) == int(made["credential"], 16)
     gaddr = made["gaddr_hex"]
-    assert netdam(["pool", "query", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key), "--json"]) == 0
+    assert (
+        netdam(
+            [
+                "pool",
+                "query",
+                "--cluster",
+                path,
+                "--gaddr",
+                gaddr,
+                "--credential-file",
+                str(key),
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["gaddr_hex"] == gaddr
     key.chmod(0o644)
-    assert netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key)]) == 2
+    assert (
+        netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key)])
+        == 2
+    )
     assert "chmod 600" in capsys.readouterr().err
     key.chmod(0o600)
-    assert netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key)]) == 0
+    assert (
+        netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr, "--credential-file", str(key)])
+        == 0
+    )
     capsys.readouterr()
     # Another tenant's credential file frees nothing of this tenant's (NO_ROUTE, SPEC.md 11.9).
     other = tmp_path / "other.key"
-    assert netdam(["pool", "alloc", "--cluster", path, "--size", "8KiB", "--save-credential", str(other)]) == 0
+    assert (
+        netdam(
+            ["pool", "alloc", "--cluster", path, "--size", "8KiB", "--save-credential", str(other)]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert netdam(["pool", "alloc", "--cluster", path, "--size", "8KiB", "--credential-file", str(key), "--json"]) == 0
+    assert (
+        netdam(
+            [
+                "pool",
+                "alloc",
+                "--cluster",
+                path,
+                "--size",
+                "8KiB",
+                "--credential-file",
+                str(key),
+                "--json",
+            ]
+        )
+        == 0
+    )
     mine = json.loads(capsys.readouterr().out)["gaddr_hex"]
-    assert netdam(["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(other)]) == 3
-    assert netdam(["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(key)]) == 0
+    assert (
+        netdam(
+            ["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(other)]
+        )
+        == 3
+    )
+    assert (
+        netdam(["pool", "free", "--cluster", path, "--gaddr", mine, "--credential-file", str(key)])
+        == 0
+    )
 
 
 def test_cli_allocates_tagged_regions_and_keeps_their_keys_in_0600_files(
@@ -217,7 +373,22 @@ def test_cli_allocates_tagged_regions_and_keeps_their_keys_in_0600_files(
 
     path = str(wire.cluster.path)
     key = tmp_path / "region.tag"
-    assert netdam(["pool", "alloc", "--cluster", path, "--size", "8KiB", "--save-tag-key", str(key), "--json"]) == 0
+    assert (
+        netdam(
+            [
+                "pool",
+                "alloc",
+                "--cluster",
+                path,
+                "--size",
+                "8KiB",
+                "--save-tag-key",
+                str(key),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     made = json.loads(out)
     assert made["tagged"] is True and "tag_key" not in made
@@ -236,7 +407,9 @@ def test_cli_allocates_tagged_regions_and_keeps_their_keys_in_0600_files(
     assert "no answer" in capsys.readouterr().err
     assert netdam(["pool", "free", "--cluster", path, "--gaddr", gaddr]) == 0
     capsys.readouterr()
-    assert netdam(["pool", "alloc", "--cluster", path, "--size", "4KiB", "--untagged", "--json"]) == 0
+    assert (
+        netdam(["pool", "alloc", "--cluster", path, "--size", "4KiB", "--untagged", "--json"]) == 0
+    )
     plain = json.loads(capsys.readouterr().out)
     assert plain["tagged"] is False
     assert netdam(["pool", "free", "--cluster", path, "--gaddr", plain["gaddr_hex"]]) == 0
@@ -261,7 +434,9 @@ def test_top_shows_each_process_rates(wire: VipWire, capsys: pytest.CaptureFixtu
                 s.sendto(encode_packet(Packet(Opcode.PING, txn_id=k)), node0)
 
     top = ["top", "--cluster", str(wire.cluster.path), "--json", "--count"]
-    assert main([*top, "1", "--interval", "0.05"]) == 0  # imports done: the next run's baseline is at once
+    assert (
+        main([*top, "1", "--interval", "0.05"]) == 0
+    )  # imports done: the next run's baseline is at once
     capsys.readouterr()
     sender = threading.Timer(0.15, ping_node0)  # inside the first interval
     sender.start()
@@ -289,6 +464,10 @@ def test_top_rates_are_deltas_over_time() -> None:
     after[C.DROP_LOCKOUT] = 4
     got = rates(before, after, 2.0)
     assert got["rx_gbps"] == pytest.approx(1000 * 8 / 2.0 / 1e9)
-    assert got["retransmits_ps"] == 3.0 and got["drops_ps"] == 2.0 and got["moved"]["drop_lockout"] == 4
+    assert (
+        got["retransmits_ps"] == 3.0
+        and got["drops_ps"] == 2.0
+        and got["moved"]["drop_lockout"] == 4
+    )
     with pytest.raises(ValueError):
         rates(before, after, 0.0)

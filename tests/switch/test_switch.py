@@ -54,20 +54,43 @@ def make_pool(faults: FaultSpec | None = None, seed: int = 0) -> Pool:
     endpoints = [("127.0.0.1", 7001 + i) for i in range(3)]
     nodes = []
     for rank, ep in enumerate(endpoints):
-        core = NodeCore(NodeConfig(endpoint=ep, memory_bytes=1 << 20, admin_key=ADMIN,
-                                   members=tuple(endpoints) + (VIP,), rank=rank, world_size=3))  # fmt: skip
+        core = NodeCore(
+            NodeConfig(
+                endpoint=ep,
+                memory_bytes=1 << 20,
+                admin_key=ADMIN,
+                members=tuple(endpoints) + (VIP,),
+                rank=rank,
+                world_size=3,
+            )
+        )
         fabric.add_core(ep, core)
         nodes.append(core)
     size = 6 * STRIDE + 64
     per = backing_per_way(size, STRIDE, 3)
-    inter = Region(GLOBAL_BASE, size, 0xA11CE, ALL, STRIDE, tuple(Way(r, 0x10000, per) for r in range(3)))
-    ranged = Region(GLOBAL_BASE + (1 << 20), 4096, 0xB0B, int(Rights.READ | Rights.WRITE), 0,
-                    (Way(1, 0x40000, 4096),))  # fmt: skip
+    inter = Region(
+        GLOBAL_BASE, size, 0xA11CE, ALL, STRIDE, tuple(Way(r, 0x10000, per) for r in range(3))
+    )
+    ranged = Region(
+        GLOBAL_BASE + (1 << 20),
+        4096,
+        0xB0B,
+        int(Rights.READ | Rights.WRITE),
+        0,
+        (Way(1, 0x40000, 4096),),
+    )
     for region in (inter, ranged):  # what the controller does: same rkey, exact backing range
         for way in region.ways:
-            nodes[way.node].register_region(way.local, way.size, Rights(region.rights), rkey=region.rkey)
-    switch = SwitchCore(SwitchConfig(vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=seed,
-                                     pool_bytes=3 << 20), [inter, ranged], generation=1)  # fmt: skip
+            nodes[way.node].register_region(
+                way.local, way.size, Rights(region.rights), rkey=region.rkey
+            )
+    switch = SwitchCore(
+        SwitchConfig(
+            vip=VIP, nodes=tuple(endpoints), admin_key=ADMIN, seed=seed, pool_bytes=3 << 20
+        ),
+        [inter, ranged],
+        generation=1,
+    )
     fabric.add_core(VIP, switch)
     fabric.add_endpoint(CLIENT)
     fabric.add_endpoint(OTHER)
@@ -83,17 +106,28 @@ def test_write_read_translate_and_relay_through_return_segment(pool: Pool) -> No
     g = pool.inter.gaddr
     data = bytes(range(256)) * 32  # one whole stripe
     for stripe in range(6):
-        [(ack, src)] = pool.request(Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=0xA11CE,
-                                           addr=g + stripe * STRIDE, length=STRIDE,
-                                           payload=data[stripe:] + data[:stripe]))  # fmt: skip
+        [(ack, src)] = pool.request(
+            Packet(
+                Opcode.WRITE,
+                flags=Flags.ACK_REQ,
+                rkey=0xA11CE,
+                addr=g + stripe * STRIDE,
+                length=STRIDE,
+                payload=data[stripe:] + data[:stripe],
+            )
+        )
         # The reply comes from the node itself, not from the VIP, marked RELAYED, to the client.
         assert ack.opcode == Opcode.ACK and src == pool.endpoints[stripe % 3]
         assert ack.flags & Flags.RELAYED and ack.ret == CLIENT
     for stripe in range(6):
         node, local = pool.inter.locate(stripe * STRIDE)
         assert (node, local) == (stripe % 3, 0x10000 + (stripe // 3) * STRIDE)
-        assert bytes(pool.nodes[node].memory[local : local + STRIDE]) == data[stripe:] + data[:stripe]
-    [(resp, src)] = pool.request(Packet(Opcode.READ, rkey=0xA11CE, addr=g + 4 * STRIDE + 100, length=64))
+        assert (
+            bytes(pool.nodes[node].memory[local : local + STRIDE]) == data[stripe:] + data[:stripe]
+        )
+    [(resp, src)] = pool.request(
+        Packet(Opcode.READ, rkey=0xA11CE, addr=g + 4 * STRIDE + 100, length=64)
+    )
     assert resp.opcode == Opcode.READ_RESP and src == pool.endpoints[1]
     assert resp.payload == (data[4:] + data[:4])[100:164]
     assert pool.switch.pending() == 0 and pool.switch.held() == 0  # no per-request state
@@ -113,10 +147,21 @@ def test_client_id_filled_and_return_segment_not_spoofable(pool: Pool) -> None:
     assert pool.switch.sw[K.SW_IDS_FILLED] == 3
 
 
-def fetch_add(pool: Pool, addr: int, value: int = 1, rkey: int = 0xA11CE, txn: int = 0,
-              client_id: int = 0) -> list[tuple[Packet, Endpoint]]:  # fmt: skip
-    return pool.request(Packet(Opcode.FETCH_ADD, rkey=rkey, addr=addr, length=8, dtype=DType.U64,
-                               txn_id=txn, client_id=client_id, payload=struct.pack("<Q", value)))  # fmt: skip
+def fetch_add(
+    pool: Pool, addr: int, value: int = 1, rkey: int = 0xA11CE, txn: int = 0, client_id: int = 0
+) -> list[tuple[Packet, Endpoint]]:
+    return pool.request(
+        Packet(
+            Opcode.FETCH_ADD,
+            rkey=rkey,
+            addr=addr,
+            length=8,
+            dtype=DType.U64,
+            txn_id=txn,
+            client_id=client_id,
+            payload=struct.pack("<Q", value),
+        )
+    )
 
 
 def test_rkey_enforced_at_the_switch_per_opcode_nothing_forwarded(pool: Pool) -> None:
@@ -126,17 +171,36 @@ def test_rkey_enforced_at_the_switch_per_opcode_nothing_forwarded(pool: Pool) ->
         (Packet(Opcode.READ, rkey=0xB0B, addr=g, length=8), Status.BAD_RKEY),
         (Packet(Opcode.READ, rkey=0, addr=g, length=8), Status.BAD_RKEY),
         (Packet(Opcode.WRITE, rkey=0x1234, addr=g, length=8, payload=bytes(8)), Status.BAD_RKEY),
-        (Packet(Opcode.ADD, rkey=0xB0B, addr=g, length=8, dtype=DType.I64, payload=bytes(8)), Status.BAD_RKEY),
+        (
+            Packet(Opcode.ADD, rkey=0xB0B, addr=g, length=8, dtype=DType.I64, payload=bytes(8)),
+            Status.BAD_RKEY,
+        ),
         (Packet(Opcode.ALL_WRITE, rkey=0, addr=g, length=8, payload=bytes(8)), Status.BAD_RKEY),
         (Packet(Opcode.FETCH_ADD, rkey=0xB0B, addr=r, **u64, payload=bytes(8)), Status.NO_RIGHTS),  # type: ignore[arg-type]
         (Packet(Opcode.CAS, rkey=0xB0B, addr=r, **u64, payload=bytes(16)), Status.NO_RIGHTS),  # type: ignore[arg-type]
         (Packet(Opcode.READ, rkey=0xB0B, addr=r + 4090, length=8), Status.OUT_OF_BOUNDS),
         (Packet(Opcode.WRITE, rkey=0xB0B, addr=r - 8, length=8, payload=bytes(8)), Status.NO_ROUTE),
-        (Packet(Opcode.FETCH_ADD, rkey=0xA11CE, addr=g + 4, **u64, payload=bytes(8)), Status.MISALIGNED),  # type: ignore[arg-type]
-        (Packet(Opcode.WRITE, rkey=0xA11CE, addr=g + STRIDE - 4, length=8, payload=bytes(8)), Status.SPANS_NODES),
-        (Packet(Opcode.CHAIN_ADD, rkey=0xA11CE, addr=g, length=8, dtype=DType.F32, segments=(pool.endpoints[0],),
-                payload=bytes(8)), Status.NO_ROUTE),
-    ]  # fmt: skip
+        (
+            Packet(Opcode.FETCH_ADD, rkey=0xA11CE, addr=g + 4, **u64, payload=bytes(8)),
+            Status.MISALIGNED,
+        ),  # type: ignore[arg-type]
+        (
+            Packet(Opcode.WRITE, rkey=0xA11CE, addr=g + STRIDE - 4, length=8, payload=bytes(8)),
+            Status.SPANS_NODES,
+        ),
+        (
+            Packet(
+                Opcode.CHAIN_ADD,
+                rkey=0xA11CE,
+                addr=g,
+                length=8,
+                dtype=DType.F32,
+                segments=(pool.endpoints[0],),
+                payload=bytes(8),
+            ),
+            Status.NO_ROUTE,
+        ),
+    ]
     before = [mem.memory.copy() for mem in pool.nodes]
     for packet, status in cases:
         [(nack, src)] = pool.request(packet)
@@ -168,29 +232,53 @@ def test_multicast_fan_out_and_membership(pool: Pool) -> None:
     group_u64 = endpoint_to_u64(GROUP)
     [(nack, _)] = pool.request(Packet(Opcode.JOIN, rkey=1, addr=group_u64))
     assert nack.status == Status.UNAUTHORIZED
-    [(nack, _)] = pool.request(Packet(Opcode.JOIN, rkey=ADMIN, addr=group_u64, aux_addr=endpoint_to_u64(OTHER)))
+    [(nack, _)] = pool.request(
+        Packet(Opcode.JOIN, rkey=ADMIN, addr=group_u64, aux_addr=endpoint_to_u64(OTHER))
+    )
     assert nack.status == Status.NOT_MEMBER  # only cluster nodes receive replicas
-    [(nack, _)] = pool.request(Packet(Opcode.JOIN, rkey=ADMIN, addr=endpoint_to_u64(("10.0.0.1", 1)),
-                                      aux_addr=endpoint_to_u64(pool.endpoints[0])))  # fmt: skip
+    [(nack, _)] = pool.request(
+        Packet(
+            Opcode.JOIN,
+            rkey=ADMIN,
+            addr=endpoint_to_u64(("10.0.0.1", 1)),
+            aux_addr=endpoint_to_u64(pool.endpoints[0]),
+        )
+    )
     assert nack.status == Status.BAD_FIELD
     for ep in pool.endpoints:
-        [(ack, _)] = pool.request(Packet(Opcode.JOIN, rkey=ADMIN, addr=group_u64, aux_addr=endpoint_to_u64(ep)))
+        [(ack, _)] = pool.request(
+            Packet(Opcode.JOIN, rkey=ADMIN, addr=group_u64, aux_addr=endpoint_to_u64(ep))
+        )
         assert ack.opcode == Opcode.ACK
     assert pool.switch.groups() == {GROUP: sorted(pool.endpoints, key=endpoint_to_u64)}
     changes = [pool.switch.next_event() for _ in range(3)]
     assert all(c is not None and c.joined for c in changes)
     payload = np.arange(16, dtype="<f4").tobytes()
-    write = Packet(Opcode.ALL_WRITE, flags=Flags.MCAST | Flags.ACK_REQ, rkey=0xA11CE, addr=0x10000 + 64,
-                   aux_addr=group_u64, dtype=DType.F32, length=64, payload=payload)  # fmt: skip
+    write = Packet(
+        Opcode.ALL_WRITE,
+        flags=Flags.MCAST | Flags.ACK_REQ,
+        rkey=0xA11CE,
+        addr=0x10000 + 64,
+        aux_addr=group_u64,
+        dtype=DType.F32,
+        length=64,
+        payload=payload,
+    )
     replies = pool.request(write)
     assert sorted(src for _, src in replies) == sorted(pool.endpoints)  # one ACK per member
     assert all(p.opcode == Opcode.ACK and p.flags & Flags.MCAST for p, _ in replies)
     for core in pool.nodes:
         assert bytes(core.memory[0x10000 + 64 : 0x10000 + 128]) == payload
     assert pool.switch.sw[K.SW_REPLICATED] == 3
-    pool.request(Packet(Opcode.LEAVE, rkey=ADMIN, addr=group_u64, aux_addr=endpoint_to_u64(pool.endpoints[2])))
+    pool.request(
+        Packet(
+            Opcode.LEAVE, rkey=ADMIN, addr=group_u64, aux_addr=endpoint_to_u64(pool.endpoints[2])
+        )
+    )
     assert len(pool.request(write)) == 2
-    [(nack, _)] = pool.request(Packet(**{**write.__dict__, "aux_addr": endpoint_to_u64(("239.77.0.9", 1))}))
+    [(nack, _)] = pool.request(
+        Packet(**{**write.__dict__, "aux_addr": endpoint_to_u64(("239.77.0.9", 1))})
+    )
     assert nack.status == Status.NO_ROUTE
     [(nack, _)] = pool.request(Packet(**{**write.__dict__, "opcode": Opcode.WRITE}))
     assert nack.status == Status.BAD_FIELD  # only ALL_WRITE is replicated
@@ -200,8 +288,15 @@ def test_control_at_the_switch(pool: Pool) -> None:
     [(info, src)] = pool.request(Packet(Opcode.PING))
     assert info.opcode == Opcode.INFO and src == VIP
     version, mtu, memory, _, _, rank, world = struct.unpack("<IIQIIII", info.payload)
-    assert (version, rank, world, memory) == (1, 0xFFFFFFFF, 3, 3 << 20)  # the capacity, not what is mapped
-    [(nack, _)] = pool.request(Packet(Opcode.REGISTER, rkey=ADMIN, length=8, aux_addr=64, payload=bytes(8)))
+    assert (version, rank, world, memory) == (
+        1,
+        0xFFFFFFFF,
+        3,
+        3 << 20,
+    )  # the capacity, not what is mapped
+    [(nack, _)] = pool.request(
+        Packet(Opcode.REGISTER, rkey=ADMIN, length=8, aux_addr=64, payload=bytes(8))
+    )
     assert nack.status == Status.BAD_FIELD and b"netdam pool alloc" in nack.payload
     pool.fabric.send(CLIENT, VIP, b"\x01\x01" + bytes(20))  # shorter than a header: dropped
     pool.fabric.send(CLIENT, VIP, b"\x02" + encode_packet(Packet(Opcode.PING))[1:])
@@ -251,11 +346,16 @@ def fault_run(seed: int) -> tuple[list[int], list[int]]:
     pool = make_pool(seed=seed)
     for port in range(4):
         for direction in (K.DIR_RX, K.DIR_TX):
-            pool.switch.set_link_faults(port, direction, FaultSpec(loss=0.15, dup=0.15, reorder=0.2,
-                                                                       delay=0.1, delay_s=0.01))  # fmt: skip
+            pool.switch.set_link_faults(
+                port,
+                direction,
+                FaultSpec(loss=0.15, dup=0.15, reorder=0.2, delay=0.1, delay_s=0.01),
+            )
     outcome = []
     for k in range(60):
-        replies = pool.request(Packet(Opcode.READ, rkey=0xA11CE, addr=pool.inter.gaddr + 8 * k, length=8))
+        replies = pool.request(
+            Packet(Opcode.READ, rkey=0xA11CE, addr=pool.inter.gaddr + 8 * k, length=8)
+        )
         outcome.append(len(replies))
     return outcome, pool.switch.port_ctr.reshape(-1).tolist()
 

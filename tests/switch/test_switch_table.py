@@ -25,24 +25,34 @@ STRIDE = 8 * KiB
 
 def interleaved(gaddr: int = GLOBAL_BASE, size: int = 10 * STRIDE + 100, ways: int = 3) -> Region:
     per = backing_per_way(size, STRIDE, ways)
-    return Region(gaddr, size, 0xAB, ALL, STRIDE, tuple(Way(w, 4096 * (w + 1), per) for w in range(ways)))
+    return Region(
+        gaddr, size, 0xAB, ALL, STRIDE, tuple(Way(w, 4096 * (w + 1), per) for w in range(ways))
+    )
 
 
 def ranged(gaddr: int = GLOBAL_BASE + (16 << 20), size: int = 5000) -> Region:
     return Region(gaddr, size, 0xCD, RW, 0, (Way(1, 65536, size),))
 
 
-def kernel(regions: list[Region], rows: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int]]:
+def kernel(
+    regions: list[Region], rows: list[tuple[int, int, int, int, int]]
+) -> list[tuple[int, int, int]]:
     t = build_tables(regions, nodes=3)
     arr = np.array(rows, dtype=object)
     status = np.zeros(len(rows), np.int64)
     node = np.zeros(len(rows), np.int64)
     local = np.zeros(len(rows), np.int64)
     _translate_many(
-        np.array([int(a) for a in arr[:, 0]], np.uint64), np.array(arr[:, 1], np.int64),
-        np.array(arr[:, 2], np.int64), np.array(arr[:, 3], np.int64), np.array(arr[:, 4], np.int64),
-        t.bundle(), status, node, local,
-    )  # fmt: skip
+        np.array([int(a) for a in arr[:, 0]], np.uint64),
+        np.array(arr[:, 1], np.int64),
+        np.array(arr[:, 2], np.int64),
+        np.array(arr[:, 3], np.int64),
+        np.array(arr[:, 4], np.int64),
+        t.bundle(),
+        status,
+        node,
+        local,
+    )
     return list(zip(status.tolist(), node.tolist(), local.tolist()))
 
 
@@ -113,9 +123,15 @@ def test_kernel_agrees_with_reference_on_random_requests() -> None:
     for _ in range(3000):
         r = regions[rng.integers(len(regions))]
         addr = int(r.gaddr + rng.integers(-64, r.size + 64))
-        rows.append((max(addr, 0), int(rng.choice([1, 8, 64, 4096, 8192])),
-                     int(rng.choice([r.rkey, 0xAB, 0xCD, 7])), int(rng.choice([1, 2, 4])),
-                     int(rng.choice([1, 4, 8]))))  # fmt: skip
+        rows.append(
+            (
+                max(addr, 0),
+                int(rng.choice([1, 8, 64, 4096, 8192])),
+                int(rng.choice([r.rkey, 0xAB, 0xCD, 7])),
+                int(rng.choice([1, 2, 4])),
+                int(rng.choice([1, 4, 8])),
+            )
+        )
     got = kernel(regions, rows)
     for row, have in zip(rows, got):
         status, node, local = translate(sorted(regions, key=lambda x: x.gaddr), *row)

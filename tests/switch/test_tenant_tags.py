@@ -42,7 +42,9 @@ def sealed(credential: int, opcode: Opcode, payload: bytes, addr: int = 0, txn: 
     """A tenant's request as its client sends it (ControlClient.for_tenant)."""
     client = ControlClient.for_tenant(credential, bind="127.0.0.1")
     try:
-        return client.encode(Packet(opcode, client_id=3, txn_id=txn, addr=addr, length=len(payload), payload=payload))
+        return client.encode(
+            Packet(opcode, client_id=3, txn_id=txn, addr=addr, length=len(payload), payload=payload)
+        )
     finally:
         client.close()
 
@@ -50,7 +52,10 @@ def sealed(credential: int, opcode: Opcode, payload: bytes, addr: int = 0, txn: 
 def new_tenant(fabric: Fabric, txn: int = 90) -> int:
     """A tenant made by the admin's ALLOC (a v1 admin key: the in-memory switch has no tag key)."""
     alloc = AllocRequest(PAGE, 0, 0, 0, 7, "t").encode()
-    [answer] = send(fabric, encode_packet(Packet(Opcode.ALLOC, txn_id=txn, rkey=ADMIN, length=40, payload=alloc)))
+    [answer] = send(
+        fabric,
+        encode_packet(Packet(Opcode.ALLOC, txn_id=txn, rkey=ADMIN, length=40, payload=alloc)),
+    )
     return unpack_region_info(ok(decode_packet(answer)).payload).credential
 
 
@@ -66,7 +71,9 @@ def test_the_keys_derive_from_the_digest_the_state_file_keeps() -> None:
     assert credential_digest(credential) == digest.hex()
     expect_id = int.from_bytes(hashlib.sha256(digest + b"\x00tenant-id").digest()[:4], "big") or 1
     expect_key = hashlib.sha256(digest + b"\x00tenant-tag").digest()[:16]
-    assert tenant_keys_of(credential) == tenant_keys(digest.hex()) == TenantKeys(expect_id, expect_key)
+    assert (
+        tenant_keys_of(credential) == tenant_keys(digest.hex()) == TenantKeys(expect_id, expect_key)
+    )
 
 
 def test_a_tenant_seals_its_requests_and_its_credential_never_travels(tmp_path: Path) -> None:
@@ -100,8 +107,15 @@ def test_a_forged_tenant_tag_gets_nothing(tmp_path: Path) -> None:
     fabric, switch, pool = switch_with_pool(tmp_path, 2, GuardConfig.on())
     victim, attacker = new_tenant(fabric, 90), new_tenant(fabric, 91)
     victims_region = pool.state().regions[0]
-    free = Packet(Opcode.FREE, client_id=3, txn_id=7, rkey=tenant_keys_of(victim).id, addr=victims_region.gaddr,
-                  length=8, payload=pack_credential(0))  # fmt: skip
+    free = Packet(
+        Opcode.FREE,
+        client_id=3,
+        txn_id=7,
+        rkey=tenant_keys_of(victim).id,
+        addr=victims_region.gaddr,
+        length=8,
+        payload=pack_credential(0),
+    )
     from netdam.kernels.tag import seal_control_bytes
 
     made_up = seal_control_bytes(bytes(range(16)), encode_packet(free))
@@ -131,7 +145,9 @@ def test_a_sealed_request_with_the_credential_in_its_payload_is_refused(tmp_path
     assert "credential 0" in refused(decode_packet(answer), Status.BAD_FIELD)
 
 
-def test_a_guesser_on_the_tenants_address_cannot_lock_its_sealed_requests_out(tmp_path: Path) -> None:
+def test_a_guesser_on_the_tenants_address_cannot_lock_its_sealed_requests_out(
+    tmp_path: Path,
+) -> None:
     """Issue "lockout is a weapon", for the pool's own requests: wrong credentials from another
     socket of the same host lock the address out (SPEC.md 12.3); the tenant's sealed ALLOC, QUERY
     and FREE from that address are still answered, its v1 request (credential in the payload) is
@@ -139,14 +155,21 @@ def test_a_guesser_on_the_tenants_address_cannot_lock_its_sealed_requests_out(tm
     fabric, switch, _pool = switch_with_pool(tmp_path, 2, GuardConfig.on())
     credential = new_tenant(fabric)
     for k in range(LOCKOUT_BURST + 5):
-        wrong = Packet(Opcode.QUERY, txn_id=100 + k, length=8, payload=pack_credential(credential ^ (k + 1)))
+        wrong = Packet(
+            Opcode.QUERY, txn_id=100 + k, length=8, payload=pack_credential(credential ^ (k + 1))
+        )
         send(fabric, encode_packet(wrong), GUESSER)
     assert counters(switch)["lockouts"] == 1
     v1 = Packet(Opcode.QUERY, txn_id=200, length=8, payload=pack_credential(credential))
     assert send(fabric, encode_packet(v1)) == []  # the address is locked out
-    [answer] = send(fabric, sealed(credential, Opcode.ALLOC, AllocRequest(PAGE, 0, 0, 0, 7, "").encode(), txn=201))
+    [answer] = send(
+        fabric,
+        sealed(credential, Opcode.ALLOC, AllocRequest(PAGE, 0, 0, 0, 7, "").encode(), txn=201),
+    )
     region = unpack_region_info(ok(decode_packet(answer)).payload)
-    [answer] = send(fabric, sealed(credential, Opcode.FREE, pack_credential(0), addr=region.gaddr, txn=202))
+    [answer] = send(
+        fabric, sealed(credential, Opcode.FREE, pack_credential(0), addr=region.gaddr, txn=202)
+    )
     ok(decode_packet(answer))
     assert counters(switch)["drop_lockout"] >= 1
 
@@ -159,15 +182,23 @@ def test_tenant_ids_are_distinct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
     def keys(digest: str) -> TenantKeys:  # the clash gets first's id
         derived = real(digest)
-        return TenantKeys(real(credential_digest(first)).id, derived.tag_key) if digest == credential_digest(clash) else derived
+        return (
+            TenantKeys(real(credential_digest(first)).id, derived.tag_key)
+            if digest == credential_digest(clash)
+            else derived
+        )
 
     monkeypatch.setattr(controller, "tenant_keys", keys)
     draws = iter([clash, fresh])
     monkeypatch.setattr(controller.secrets, "randbits", lambda bits: next(draws))
     state = PoolState(nodes=[], tenants={credential_digest(first): "first"})
     assert controller.new_credential(state) == (fresh, credential_digest(fresh))
-    table = controller.tenant_table(PoolState(nodes=[], tenants={credential_digest(first): "", credential_digest(clash): ""}))
-    assert list(table.values()) == [(credential_digest(first), real(credential_digest(first)).tag_key)]
+    table = controller.tenant_table(
+        PoolState(nodes=[], tenants={credential_digest(first): "", credential_digest(clash): ""})
+    )
+    assert list(table.values()) == [
+        (credential_digest(first), real(credential_digest(first)).tag_key)
+    ]
 
 
 def test_a_tenants_request_replayed_from_another_source_gets_nothing(tmp_path: Path) -> None:

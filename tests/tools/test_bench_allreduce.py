@@ -31,8 +31,6 @@ ROW_KEYS = {
 MACHINE_KEYS = {"cores", "kernel", "python", "numpy", "numba", "torch", "mpi4py", "mpi"}
 
 
-
-
 def fake_runner(
     algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
 ) -> B._Outcome:
@@ -45,10 +43,21 @@ def fake_runner(
 @pytest.mark.slow
 def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None:
     code, res = run_cli(
-        ["bench", "allreduce", "--nodes", "2", "--size", "64KiB", "--repeat", "1",
-         "--vs", "ring-host,chain-resident", "--json"],
+        [
+            "bench",
+            "allreduce",
+            "--nodes",
+            "2",
+            "--size",
+            "64KiB",
+            "--repeat",
+            "1",
+            "--vs",
+            "ring-host,chain-resident",
+            "--json",
+        ],
         capsys,
-    )  # fmt: skip
+    )
     assert code == 0, res.get("error")
     assert res["ok"] is True
     assert {"results", "skipped", "machine"} <= res.keys()
@@ -57,8 +66,15 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
     algos = {r["algo"]: r for r in res["results"]}
     assert set(algos) == {"chain", "chain-resident", "ring-host"}
     # Host-side phases of the netdam rows: the staged chain copies in and out, resident does not.
-    assert set(algos["chain"]["phases"]) == {"stage_in", "start_skew", "reduce_scatter", "all_gather", "done",
-                                             "completion", "copy_out"}
+    assert set(algos["chain"]["phases"]) == {
+        "stage_in",
+        "start_skew",
+        "reduce_scatter",
+        "all_gather",
+        "done",
+        "completion",
+        "copy_out",
+    }
     assert algos["chain-resident"]["phases"]["copy_out"] < algos["chain"]["phases"]["copy_out"]
     for row in res["results"]:
         assert ROW_KEYS <= row.keys()
@@ -80,9 +96,15 @@ def test_percentiles_and_default_call_counts() -> None:
     assert B.percentile(calls, 50) == 50.0 and B.percentile(calls, 99) == 99.0
     assert B.percentile([3.0, 1.0, 2.0], 99) == 3.0  # under 100 calls p99 is the slowest
     assert B.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert (B.auto_repeat(4), B.auto_repeat(64 << 10), B.auto_repeat(1 << 20), B.auto_repeat(64 << 20)) == (
-        100, 100, 20, 5)  # fmt: skip
-    cfg = B.AllReduceBenchConfig(nodes=(2,), sizes=(4096, 8 << 20), peers=("chain-resident",), progress=False)
+    assert (
+        B.auto_repeat(4),
+        B.auto_repeat(64 << 10),
+        B.auto_repeat(1 << 20),
+        B.auto_repeat(64 << 20),
+    ) == (100, 100, 20, 5)
+    cfg = B.AllReduceBenchConfig(
+        nodes=(2,), sizes=(4096, 8 << 20), peers=("chain-resident",), progress=False
+    )
     res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
     assert code == 0
     rows = {(r["algo"], r["bytes"]): r for r in res["results"]}
@@ -106,13 +128,16 @@ def test_back_to_back_calls_end_with_their_last_rank() -> None:
 def test_missing_peers_are_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("netdam.tools.bench.allreduce.util.find_spec", lambda name: None)
     monkeypatch.setattr("netdam.tools.bench.allreduce.shutil.which", lambda name: None)
-    cfg = B.AllReduceBenchConfig(nodes=(2,), sizes=(4096,), peers=("gloo", "mpi"), repeat=2,
-                                 progress=False)  # fmt: skip
+    cfg = B.AllReduceBenchConfig(
+        nodes=(2,), sizes=(4096,), peers=("gloo", "mpi"), repeat=2, progress=False
+    )
     res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
     assert code == 0
     reasons = {s["algo"]: s["reason"] for s in res["skipped"]}
     assert set(reasons) == {"gloo", "mpi"}
-    assert "pip install torch==2.13.0" in reasons["gloo"] and "'netdam[bench]'" not in reasons["gloo"]
+    assert (
+        "pip install torch==2.13.0" in reasons["gloo"] and "'netdam[bench]'" not in reasons["gloo"]
+    )
     assert "apt-get install openmpi-bin libopenmpi-dev" in reasons["mpi"]
     assert [r["algo"] for r in res["results"]] == ["chain"]
 
@@ -125,8 +150,9 @@ def test_installed_peers_are_not_skipped() -> None:
 
 
 def test_rows_ratios_and_exit_codes_with_a_fake_runner() -> None:
-    cfg = B.AllReduceBenchConfig(nodes=(2, 4), sizes=(1024, 4096), peers=("ring-host",), repeat=3,
-                                 progress=False)  # fmt: skip
+    cfg = B.AllReduceBenchConfig(
+        nodes=(2, 4), sizes=(1024, 4096), peers=("ring-host",), repeat=3, progress=False
+    )
     res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
     assert code == 0 and len(res["results"]) == 8
     for row in res["results"]:
@@ -153,8 +179,14 @@ def test_rows_ratios_and_exit_codes_with_a_fake_runner() -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "allreduce.png"
-    cfg = B.AllReduceBenchConfig(nodes=(2, 4, 8), sizes=(1024, 1 << 20), peers=("ring-host",),
-                                 repeat=1, plot=png, progress=False)  # fmt: skip
+    cfg = B.AllReduceBenchConfig(
+        nodes=(2, 4, 8),
+        sizes=(1024, 1 << 20),
+        peers=("ring-host",),
+        repeat=1,
+        plot=png,
+        progress=False,
+    )
     res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
     assert code == 0 and res["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -164,12 +196,23 @@ def test_plot_without_matplotlib_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     real = B.util.find_spec
-    monkeypatch.setattr(B.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(
+        B.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
     code, res = run_cli(
-        ["bench", "allreduce", "--nodes", "2", "--size", "4KiB", "--plot", str(tmp_path / "x.png"),
-         "--json"],
+        [
+            "bench",
+            "allreduce",
+            "--nodes",
+            "2",
+            "--size",
+            "4KiB",
+            "--plot",
+            str(tmp_path / "x.png"),
+            "--json",
+        ],
         capsys,
-    )  # fmt: skip
+    )
     assert code == 2 and "pip install matplotlib" in res["error"]
 
 

@@ -40,8 +40,6 @@ KEYS = {
 }
 
 
-
-
 @pytest.mark.slow
 def test_short_run_reports_every_key_with_verified_sums(capsys) -> None:
     code, res = run_cli(
@@ -123,9 +121,17 @@ def _sink_counts(datagrams: list[bytes], table: np.ndarray, tag: int) -> np.ndar
         # Until every datagram is counted, or 10 s on a busy machine.
         deadline = now + 10_000_000_000
         while counts[U.SINK_RX_TOTAL] < len(datagrams) and time.monotonic_ns() < deadline:
-            U.sink_run(rx.fileno(), rxb, buf.view(np.uint64), n, U.new_state(), check,
-                       TimeWindow(now, deadline, time.monotonic_ns() + 50_000_000), counts,
-                       np.zeros(8, np.int64))  # fmt: skip
+            U.sink_run(
+                rx.fileno(),
+                rxb,
+                buf.view(np.uint64),
+                n,
+                U.new_state(),
+                check,
+                TimeWindow(now, deadline, time.monotonic_ns() + 50_000_000),
+                counts,
+                np.zeros(8, np.int64),
+            )
         return counts
     finally:
         rx.close()
@@ -161,15 +167,22 @@ def test_the_sink_reports_a_wrong_sum_and_sets_stale_datagrams_apart() -> None:
 
 def test_mismatches_make_verified_false_with_the_reason_and_exit_1() -> None:
     res = {
-        "ok": False, "verified": True, "error": None, "mismatches": 5,
+        "ok": False,
+        "verified": True,
+        "error": None,
+        "mismatches": 5,
         "mismatches_by_phase": {"raw": 0, "py_relay": 0, "node": 5},
-    }  # fmt: skip
+    }
     assert D._verdict(res, ExitCode.OK) == ExitCode.CHECK_FAILED
     assert res["verified"] is False and res["ok"] is False
     assert "5 datagrams failed the sink's bitwise check (node 5)" in res["error"]
     clean = {
-        "ok": False, "verified": True, "error": None, "mismatches": 0, "mismatches_by_phase": {},
-    }  # fmt: skip
+        "ok": False,
+        "verified": True,
+        "error": None,
+        "mismatches": 0,
+        "mismatches_by_phase": {},
+    }
     assert D._verdict(clean, ExitCode.OK) == ExitCode.OK
     assert clean["ok"] is True and clean["verified"] is True and clean["error"] is None
     # A run that failed keeps exit 3 and says both things.
@@ -178,8 +191,12 @@ def test_mismatches_make_verified_false_with_the_reason_and_exit_1() -> None:
     assert failed["error"].startswith("sink process died; 5 datagrams")
     # Nothing verified from the node is no success either.
     empty = {
-        "ok": False, "verified": False, "error": None, "mismatches": 0, "mismatches_by_phase": {},
-    }  # fmt: skip
+        "ok": False,
+        "verified": False,
+        "error": None,
+        "mismatches": 0,
+        "mismatches_by_phase": {},
+    }
     assert D._verdict(empty, ExitCode.OK) == ExitCode.RUN_FAILED
     assert empty["ok"] is False and "verified no datagram" in empty["error"]
 

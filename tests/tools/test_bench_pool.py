@@ -10,9 +10,25 @@ from netdam.tools.bench import pool as P
 
 
 @pytest.mark.slow
-def test_pool_bench_reports_phases_and_what_freeing_costs(capsys: pytest.CaptureFixture[str]) -> None:
-    code, res = run_cli(["bench", "pool", "--seconds", "0.3", "--warmup", "0", "--generators", "1",
-                         "--max-generators", "1", "--json"], capsys)  # fmt: skip
+def test_pool_bench_reports_phases_and_what_freeing_costs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, res = run_cli(
+        [
+            "bench",
+            "pool",
+            "--seconds",
+            "0.3",
+            "--warmup",
+            "0",
+            "--generators",
+            "1",
+            "--max-generators",
+            "1",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, res.get("error")
     assert res["netdam_ops"] > 0 and all(row["errors"] == 0 for row in res["results"].values())
     sizes = res["free"]["sizes"]

@@ -10,9 +10,24 @@ from netdam.tools.bench import pool_async as A
 
 
 @pytest.mark.slow
-def test_async_clients_in_one_loop_read_what_was_written(capsys: pytest.CaptureFixture[str]) -> None:
-    code, res = run_cli(["bench", "pool", "--async", "--clients", "4", "--seconds", "0.3",
-                         "--warmup", "0", "--json"], capsys)  # fmt: skip
+def test_async_clients_in_one_loop_read_what_was_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, res = run_cli(
+        [
+            "bench",
+            "pool",
+            "--async",
+            "--clients",
+            "4",
+            "--seconds",
+            "0.3",
+            "--warmup",
+            "0",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, res.get("error")
     assert res["ok"] is True and res["mode"] == "async" and res["clients"] == 4
     assert list(res["results"]) == [name for name, _, _ in A.PHASES]
@@ -25,10 +40,16 @@ def test_async_clients_in_one_loop_read_what_was_written(capsys: pytest.CaptureF
 
 def test_patterns_differ_per_slot_and_client() -> None:
     assert A._pattern(0, 0, 64) != A._pattern(0, 1, 64) != A._pattern(1, 0, 64)
-    assert A._pattern(3, 5, 4096)[:64] == A._pattern(3, 5, 64)  # a 64 B read checks a 4 KiB write's head
+    assert A._pattern(3, 5, 4096)[:64] == A._pattern(
+        3, 5, 64
+    )  # a 64 B read checks a 4 KiB write's head
 
 
-@pytest.mark.parametrize(("flags", "message"), [(["--clients", "0"], "1..256"), (["--plot", "x.png"], "drop it")])
-def test_async_usage_errors(capsys: pytest.CaptureFixture[str], flags: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "message"), [(["--clients", "0"], "1..256"), (["--plot", "x.png"], "drop it")]
+)
+def test_async_usage_errors(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
     code, res = run_cli(["bench", "pool", "--async", *flags, "--json"], capsys)
     assert code == 2 and message in res["error"]

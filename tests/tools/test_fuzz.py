@@ -153,8 +153,12 @@ class World:
 
     def failed_checks(self) -> list[str]:
         deltas = [core.counters.astype(np.int64) for core in self.cores]
-        extras = [np.array([core.sw[K.SW_FORWARDED], core.sw[K.SW_REPLICATED]], np.int64)
-                  if isinstance(core, SwitchCore) else np.zeros(0, np.int64) for core in self.cores]  # fmt: skip
+        extras = [
+            np.array([core.sw[K.SW_FORWARDED], core.sw[K.SW_REPLICATED]], np.int64)
+            if isinstance(core, SwitchCore)
+            else np.zeros(0, np.int64)
+            for core in self.cores
+        ]
         checks = counter_checks(self.layout, self.expect, deltas, extras, self.traffic, slack=0)
         assert len(checks) > 10
         return [
@@ -177,8 +181,16 @@ def node_world() -> World:
     regions = node_region_plan(MEMORY, seed=5)
     cores: list[NodeCore | SwitchCore] = []
     for rank, ep in enumerate(NODES):
-        core = NodeCore(NodeConfig(endpoint=ep, memory_bytes=MEMORY, admin_key=ADMIN, members=NODES,
-                                   rank=rank, world_size=len(NODES)))  # fmt: skip
+        core = NodeCore(
+            NodeConfig(
+                endpoint=ep,
+                memory_bytes=MEMORY,
+                admin_key=ADMIN,
+                members=NODES,
+                rank=rank,
+                world_size=len(NODES),
+            )
+        )
         for region in regions:
             core.register_region(region.base, region.size, Rights(region.rights), rkey=region.rkey)
         _canary(core.memory, rank)
@@ -191,7 +203,9 @@ class _NoAllocation:
     """The nodes as the allocator would reach them: the fuzzer holds neither the admin key nor a
     tenant credential, so no ALLOC of it may ever get as far as registering a backing."""
 
-    def register(self, node: Endpoint, size: int, rights: int, rkey: int, tag_key: bytes = b"") -> tuple[Status, int]:
+    def register(
+        self, node: Endpoint, size: int, rights: int, rkey: int, tag_key: bytes = b""
+    ) -> tuple[Status, int]:
         raise AssertionError(f"a fuzzed ALLOC passed the allocator's checks: REGISTER on {node}")
 
     def deregister(self, node: Endpoint, rkey: int) -> Status:
@@ -221,8 +235,16 @@ def switch_world() -> World:
     per_node = node_regions_of_pool(pool, len(NODES))
     cores: list[NodeCore | SwitchCore] = []
     for rank, ep in enumerate(NODES):
-        core = NodeCore(NodeConfig(endpoint=ep, memory_bytes=MEMORY, admin_key=ADMIN, members=NODES + (VIP,),
-                                   rank=rank, world_size=len(NODES)))  # fmt: skip
+        core = NodeCore(
+            NodeConfig(
+                endpoint=ep,
+                memory_bytes=MEMORY,
+                admin_key=ADMIN,
+                members=NODES + (VIP,),
+                rank=rank,
+                world_size=len(NODES),
+            )
+        )
         for region in per_node[rank]:
             core.register_region(region.base, region.size, Rights(region.rights), rkey=region.rkey)
         _canary(core.memory, rank)
@@ -231,8 +253,17 @@ def switch_world() -> World:
     switch.pool = _pool_service()
     switch.set_groups({GROUP: list(NODES)})
     cores.append(switch)
-    layout = Layout("switch", NODES, per_node, MEMORY, vip=VIP, pool=pool, group=GROUP,
-                    group_members=(0, 1), third_party=THIRD)  # fmt: skip
+    layout = Layout(
+        "switch",
+        NODES,
+        per_node,
+        MEMORY,
+        vip=VIP,
+        pool=pool,
+        group=GROUP,
+        group_members=(0, 1),
+        third_party=THIRD,
+    )
     return World(layout, cores, Net(dict(zip(NODES + (VIP,), cores, strict=True))))
 
 
@@ -268,8 +299,13 @@ def test_codec_under_structured_mutations(packet: Packet, names: list[str], seed
     """Only RemoteProtocolError (with a status and a message) escapes; what decodes re-encodes
     to the same bytes."""
     generator = DatagramGenerator(_CODEC_LAYOUT, seed)
-    shape = Shape(len(packet.segments), bool(packet.flags & Flags.SPARSE), packet.addr % 2**40,
-                  packet.addr % 2**40 + packet.length, ELEMENT_SIZE[packet.dtype])  # fmt: skip
+    shape = Shape(
+        len(packet.segments),
+        bool(packet.flags & Flags.SPARSE),
+        packet.addr % 2**40,
+        packet.addr % 2**40 + packet.length,
+        ELEMENT_SIZE[packet.dtype],
+    )
     data = generator.apply_mutations(encode_packet(packet), shape, names)
     try:
         decoded = decode_packet(data)
@@ -371,8 +407,19 @@ def test_switch_refuses_sparse_payloads() -> None:
     world = switch_world()
     region = world.layout.pool[0]
     payload = sparse_encode(struct.pack("<4f", 1, 0, 0, 2), 4, [0, 3])
-    data = header(Opcode.WRITE, flags=int(Flags.SPARSE | Flags.ACK_REQ), rkey=region.rkey, addr=region.gaddr,
-                  length=16, dtype=int(DType.F32), client=5, txn=1) + payload  # fmt: skip
+    data = (
+        header(
+            Opcode.WRITE,
+            flags=int(Flags.SPARSE | Flags.ACK_REQ),
+            rkey=region.rkey,
+            addr=region.gaddr,
+            length=16,
+            dtype=int(DType.F32),
+            client=5,
+            txn=1,
+        )
+        + payload
+    )
     replies = [decode_packet(d) for d, _ in world.net.send(data, VIP)]
     assert [(r.opcode, r.status) for r in replies] == [(Opcode.NACK, Status.BAD_FIELD)]
 
@@ -405,9 +452,17 @@ def test_relay_never_forwards_what_the_next_hop_refuses() -> None:
     enters, as a dense one is."""
     world = node_world()
     region = world.layout.node_regions[0][0]
-    data = header(Opcode.CHAIN_ADD, flags=int(Flags.SPARSE | Flags.ACK_REQ), rkey=region.rkey,
-                  addr=region.base, aux=region.base + 64, length=0, dtype=int(DType.F32),
-                  segments=[endpoint_to_u64(NODES[0]), endpoint_to_u64(NODES[1])], left=1) + sparse_encode(b"", 4, [])  # fmt: skip
+    data = header(
+        Opcode.CHAIN_ADD,
+        flags=int(Flags.SPARSE | Flags.ACK_REQ),
+        rkey=region.rkey,
+        addr=region.base,
+        aux=region.base + 64,
+        length=0,
+        dtype=int(DType.F32),
+        segments=[endpoint_to_u64(NODES[0]), endpoint_to_u64(NODES[1])],
+        left=1,
+    ) + sparse_encode(b"", 4, [])
     replies = [(decode_packet(d), src) for d, src in world.net.send(data, NODES[0])]
     assert [(r.opcode, r.status, src) for r, src in replies] == [
         (Opcode.NACK, Status.BAD_LENGTH, NODES[0])

@@ -34,9 +34,25 @@ from netdam.tools.soak.plan import (
     layout_blocks,
 )
 
-RESULT_KEYS = {"ok", "ops", "ops_per_second", "lost_writes", "corrupt_reads", "counter_error", "errors",
-               "counter_old_value_errors", "unconfirmed_writes", "unconfirmed_increments", "counter",
-               "latency_us", "retransmits", "faults", "injected", "node_counters", "regions"}  # fmt: skip
+RESULT_KEYS = {
+    "ok",
+    "ops",
+    "ops_per_second",
+    "lost_writes",
+    "corrupt_reads",
+    "counter_error",
+    "errors",
+    "counter_old_value_errors",
+    "unconfirmed_writes",
+    "unconfirmed_increments",
+    "counter",
+    "latency_us",
+    "retransmits",
+    "faults",
+    "injected",
+    "node_counters",
+    "regions",
+}
 
 
 # ---------------------------------------------------------------- plan and bookkeeping
@@ -94,7 +110,9 @@ def test_counter_accounting_is_exact_and_honest_about_unconfirmed_increments() -
     assert check_counter(10, 15, olds(10, 11, 12), 2)["applied_unconfirmed"] == 2
     # ... but not more than all of them.
     assert check_counter(10, 16, olds(10, 11, 12), 2)["counter_error"] == 1
-    assert check_counter(10, 13, olds(10, 11, 13), 0)["counter_old_value_errors"] == 1  # 13 >= final
+    assert (
+        check_counter(10, 13, olds(10, 11, 13), 0)["counter_old_value_errors"] == 1
+    )  # 13 >= final
     wrapped = check_counter(2**64 - 1, 1, olds(2**64 - 1, 0), 0)
     assert wrapped["counter_error"] == 0 and wrapped["counter_old_value_errors"] == 0
 
@@ -104,7 +122,13 @@ def test_switch_fault_text_parses_and_names_every_request_link() -> None:
     entries = parse_faults(switch_fault_text(config, nodes=3), nodes=3)
     assert [(port, direction) for port, direction, _ in entries] == [(0, 0), (1, 1), (2, 1), (3, 1)]
     spec = entries[0][2]
-    assert (spec.loss, spec.dup, spec.reorder, spec.delay, spec.delay_s) == (0.01, 0.01, 0.05, 0.2, 0.005)
+    assert (spec.loss, spec.dup, spec.reorder, spec.delay, spec.delay_s) == (
+        0.01,
+        0.01,
+        0.05,
+        0.2,
+        0.005,
+    )
     assert switch_fault_text(SoakConfig(), nodes=3) == ""
     with pytest.raises(ValueError, match="fault site 'wire'"):
         SoakConfig(fault_site="wire")
@@ -140,7 +164,9 @@ def _drain(probe: ProbeSocket) -> list[bytes]:
             return got
 
 
-def test_probe_socket_faults_replay_and_retries_get_fresh_decisions(pair: tuple[socket.socket, socket.socket]) -> None:
+def test_probe_socket_faults_replay_and_retries_get_fresh_decisions(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
     rx, tx = pair
     spec = FaultSpec(loss=0.3, dup=0.2, reorder=0.2, seed=11)
     outcomes = []
@@ -165,7 +191,9 @@ def test_probe_socket_faults_replay_and_retries_get_fresh_decisions(pair: tuple[
     assert 5 < len(_drain(probe)) < 35
 
 
-def test_probe_socket_times_requests_and_delays_replies(pair: tuple[socket.socket, socket.socket]) -> None:
+def test_probe_socket_times_requests_and_delays_replies(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
     rx, tx = pair
     probe = ProbeSocket(rx, FaultSpec(delay=1.0, delay_s=0.03, seed=1))
     request = encode_packet(Packet(Opcode.READ, client_id=7, txn_id=1, length=8))
@@ -185,25 +213,64 @@ def test_probe_socket_times_requests_and_delays_replies(pair: tuple[socket.socke
 
 @pytest.mark.slow
 def test_soak_under_loss_dup_reorder_delay_is_all_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["soak", "--clients", "3", "--seconds", "2", "--nodes", "2", "--loss", "0.02", "--dup", "0.02",
-                     "--reorder", "0.05", "--delay", "60", "--delay-prob", "0.01", "--fault-site", "nodes",
-                     "--seed", "4", "--json"])  # fmt: skip
+    code = cli.main(
+        [
+            "soak",
+            "--clients",
+            "3",
+            "--seconds",
+            "2",
+            "--nodes",
+            "2",
+            "--loss",
+            "0.02",
+            "--dup",
+            "0.02",
+            "--reorder",
+            "0.05",
+            "--delay",
+            "60",
+            "--delay-prob",
+            "0.01",
+            "--fault-site",
+            "nodes",
+            "--seed",
+            "4",
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert code == 0, result
     assert RESULT_KEYS <= result.keys()
     assert result["ok"] is True
-    for key in ("lost_writes", "corrupt_reads", "counter_error", "errors", "counter_old_value_errors"):
+    for key in (
+        "lost_writes",
+        "corrupt_reads",
+        "counter_error",
+        "errors",
+        "counter_old_value_errors",
+    ):
         assert result[key] == 0, (key, result["error_samples"])
     assert result["ops"] > 300 and result["reads"] > 0 and result["writes"] > 0
     counter = result["counter"]
-    assert counter["final"] - counter["initial"] == counter["acknowledged_increments"] == result["fetch_adds"] > 0
+    assert (
+        counter["final"] - counter["initial"]
+        == counter["acknowledged_increments"]
+        == result["fetch_adds"]
+        > 0
+    )
     assert result["verified_blocks"] == sum(r["blocks"] for r in result["regions"])
     # The faults really happened, on requests (at the nodes) and on replies (at the clients) ...
-    assert result["injected"]["client_recv"]["drops"] > 0 and result["node_counters"]["fault_drops"] > 0
+    assert (
+        result["injected"]["client_recv"]["drops"] > 0
+        and result["node_counters"]["fault_drops"] > 0
+    )
     # ... and retries met the nodes' duplicate windows instead of executing twice.
     assert result["retransmits"] > 0 and result["node_counters"]["dup_replays"] > 0
     assert result["latency_us"]["fetch_add"]["p50"] > 0
-    assert result["latency_us"]["write"]["count"] == result["writes"]  # the timed phase's, not the fill's
+    assert (
+        result["latency_us"]["write"]["count"] == result["writes"]
+    )  # the timed phase's, not the fill's
     assert result["faults"]["links"] == ["node0:recv", "node1:recv", "client:recv"]
 
 
@@ -217,12 +284,16 @@ def test_soak_detects_corruption_and_phantom_increments() -> None:
         flip_block_byte(layout, info, client=1, block=len(layout.plans[1].blocks) // 2)
         bump_counter(layout, info, 1)
 
-    result = run_soak(SoakConfig(clients=2, seconds=0.5, nodes=1, dup=0.02, reorder=0.05, seed=9, tamper=tamper))
+    result = run_soak(
+        SoakConfig(clients=2, seconds=0.5, nodes=1, dup=0.02, reorder=0.05, seed=9, tamper=tamper)
+    )
     assert result["ok"] is False and "error" not in result
     assert result["corrupt_reads"] == 1 and result["lost_writes"] == 0 and result["errors"] == 0
     assert result["counter_error"] == 1  # one increment more than acknowledged
     assert any("client 1 block" in s and "corrupt" in s for s in result["error_samples"])
-    assert result["injected"]["switch_fault_dups"] > 0 and result["injected"]["switch_fault_held"] > 0
+    assert (
+        result["injected"]["switch_fault_dups"] > 0 and result["injected"]["switch_fault_held"] > 0
+    )
     assert result["faults"]["links"] == ["client:rx", "node0:tx", "client:recv"]
 
 
@@ -230,7 +301,9 @@ def test_exit_codes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as usage:
         cli.main(["soak", "--clients", "65", "--json"])
     assert usage.value.code == 2
-    assert "--clients: 65 is out of range: give 1..64" in json.loads(capsys.readouterr().out)["error"]
+    assert (
+        "--clients: 65 is out of range: give 1..64" in json.loads(capsys.readouterr().out)["error"]
+    )
     with pytest.raises(SystemExit) as usage:  # a missing file is a usage error, found at parse time
         cli.main(["soak", "--cluster", "/nonexistent/c.toml", "--json"])
     assert usage.value.code == 2

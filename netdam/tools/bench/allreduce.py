@@ -191,8 +191,13 @@ def _mpi_library_version() -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """Where the numbers were measured: cores, kernel and every version that matters."""
-    return {**report.machine_info(), "torch": package_version("torch"), "mpi4py": package_version("mpi4py"),
-            "mpi": _mpi_library_version(), "netdam": package_version("netdam")}  # fmt: skip
+    return {
+        **report.machine_info(),
+        "torch": package_version("torch"),
+        "mpi4py": package_version("mpi4py"),
+        "mpi": _mpi_library_version(),
+        "netdam": package_version("netdam"),
+    }
 
 
 # ---------------------------------------------------------------- peers: processes
@@ -341,12 +346,25 @@ def run_gloo(
                 files.append(out)
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-c", _script(_GLOO_SCRIPT), str(rank), str(nodes),
-                         str(port), str(count), str(warmup), str(repeat), str(timeout_s + 60.0)],
-                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        text=True, start_new_session=True,
+                        [
+                            sys.executable,
+                            "-c",
+                            _script(_GLOO_SCRIPT),
+                            str(rank),
+                            str(nodes),
+                            str(port),
+                            str(count),
+                            str(warmup),
+                            str(repeat),
+                            str(timeout_s + 60.0),
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        text=True,
+                        start_new_session=True,
                     )
-                )  # fmt: skip
+                )
             deadline = start + timeout_s
             failed: int | None = None
             while any(p.poll() is None for p in procs):
@@ -383,10 +401,15 @@ def run_gloo(
     identical = len({r["crc"] for r in reports}) == 1
     init = max(float(r["init_seconds"]) for r in reports)
     return _Outcome(
-        times=times, ok=identical, startup_seconds=init,
-        extra={"ranks_identical": identical, "backend": f"gloo (torch {reports[0]['torch']}, TCP)",
-               "seconds_median_barrier": _median(barrier_times)},
-    )  # fmt: skip
+        times=times,
+        ok=identical,
+        startup_seconds=init,
+        extra={
+            "ranks_identical": identical,
+            "backend": f"gloo (torch {reports[0]['torch']}, TCP)",
+            "seconds_median_barrier": _median(barrier_times),
+        },
+    )
 
 
 def mpirun_command(nodes: int) -> list[str]:
@@ -399,13 +422,24 @@ def mpirun_command(nodes: int) -> list[str]:
 
 def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) -> _Outcome:
     """``mpirun -np N python -c <mpi4py script>``, as MPI users start it."""
-    cmd = [*mpirun_command(nodes), sys.executable, "-c", _script(_MPI_SCRIPT),
-           str(count), str(warmup), str(repeat)]  # fmt: skip
+    cmd = [
+        *mpirun_command(nodes),
+        sys.executable,
+        "-c",
+        _script(_MPI_SCRIPT),
+        str(count),
+        str(warmup),
+        str(repeat),
+    ]
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -420,12 +454,16 @@ def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) 
     if proc.returncode != 0 or report is None:
         return _Outcome(error=f"mpirun exited with {proc.returncode}: {_tail(text)}")
     return _Outcome(
-        times=call_times(report["ends"]), ok=bool(report["ranks_identical"]),
+        times=call_times(report["ends"]),
+        ok=bool(report["ranks_identical"]),
         startup_seconds=float(report["init_seconds"]),
-        extra={"ranks_identical": report["ranks_identical"], "backend": report["library"],
-               "seconds_median_barrier": _median([float(t) for t in report["barrier_times"]]),
-               "command": " ".join(cmd[: cmd.index(sys.executable)]) + " python -c ..."},
-    )  # fmt: skip
+        extra={
+            "ranks_identical": report["ranks_identical"],
+            "backend": report["library"],
+            "seconds_median_barrier": _median([float(t) for t in report["barrier_times"]]),
+            "command": " ".join(cmd[: cmd.index(sys.executable)]) + " python -c ...",
+        },
+    )
 
 
 def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _Outcome:
@@ -435,8 +473,13 @@ def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
     res = run_allreduce(
-        AllReduceConfig(nodes=nodes, count=count, algo="chain" if algo == "chain-resident" else algo,
-                        repeat=warmup + repeat, resident=algo == "chain-resident")  # fmt: skip
+        AllReduceConfig(
+            nodes=nodes,
+            count=count,
+            algo="chain" if algo == "chain-resident" else algo,
+            repeat=warmup + repeat,
+            resident=algo == "chain-resident",
+        )
     )
     all_times = res.get("seconds_all")
     startup = res.get("startup_seconds")
@@ -451,7 +494,8 @@ def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _
     if not outcome.ok:
         outcome.error = str(res.get("error") or "result differs from the reference")
     outcome.extra = {
-        k: res.get(k) for k in ("retransmits", "kernel_drops", "packets", "wire_bytes", "phases")
+        k: res.get(k)
+        for k in ("retransmits", "kernel_drops", "packets", "wire_bytes", "phases")
         if k in res
     }
     return outcome
@@ -468,33 +512,51 @@ def _median(values: Sequence[float]) -> float:
 
 def model_seconds(algo: str, nodes: int, nbytes: int, model: str | None = None) -> float | None:
     try:
-        return float(estimate_allreduce_seconds(
-            nodes, nbytes, 100.0, model or MODEL_ALGO[algo], ELEMENT_BYTES))
+        return float(
+            estimate_allreduce_seconds(
+                nodes, nbytes, 100.0, model or MODEL_ALGO[algo], ELEMENT_BYTES
+            )
+        )
     except ValueError:
         return None
 
 
 def make_row(algo: str, nodes: int, nbytes: int, repeat: int, outcome: _Outcome) -> dict[str, Any]:
     row: dict[str, Any] = {
-        "algo": algo, "nodes": nodes, "bytes": nbytes, "dtype": DTYPE, "repeat": repeat,
-        "seconds_median": None, "seconds_p50": None, "seconds_p99": None, "seconds_min": None,
-        "seconds_max": None, "algbw_gbps": None,
-        "busbw_gbps": None, "ratio_vs_chain": None,
-        "model_seconds_100g": model_seconds(algo, nodes, nbytes), "model_algo": MODEL_ALGO[algo],
+        "algo": algo,
+        "nodes": nodes,
+        "bytes": nbytes,
+        "dtype": DTYPE,
+        "repeat": repeat,
+        "seconds_median": None,
+        "seconds_p50": None,
+        "seconds_p99": None,
+        "seconds_min": None,
+        "seconds_max": None,
+        "algbw_gbps": None,
+        "busbw_gbps": None,
+        "ratio_vs_chain": None,
+        "model_seconds_100g": model_seconds(algo, nodes, nbytes),
+        "model_algo": MODEL_ALGO[algo],
         # Both RoCE estimates: the host-library model and the hardware bound of a ring.
         "model_seconds_100g_roce_ring": model_seconds(algo, nodes, nbytes, "roce-ring"),
         "model_seconds_100g_roce_ideal": model_seconds(algo, nodes, nbytes, "roce-ideal"),
-        "ok": outcome.ok, "startup_seconds": outcome.startup_seconds,
-    }  # fmt: skip
+        "ok": outcome.ok,
+        "startup_seconds": outcome.startup_seconds,
+    }
     if outcome.times:
         median = _median(outcome.times)
         algbw = nbytes * 8 / median / 1e9
         row.update(
-            seconds_median=median, seconds_p50=percentile(outcome.times, 50),
+            seconds_median=median,
+            seconds_p50=percentile(outcome.times, 50),
             seconds_p99=percentile(outcome.times, 99),
-            seconds_min=min(outcome.times), seconds_max=max(outcome.times),
-            seconds_all=outcome.times, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (nodes - 1) / nodes,
-        )  # fmt: skip
+            seconds_min=min(outcome.times),
+            seconds_max=max(outcome.times),
+            seconds_all=outcome.times,
+            algbw_gbps=algbw,
+            busbw_gbps=algbw * 2 * (nodes - 1) / nodes,
+        )
     row.update(outcome.extra)
     if outcome.error is not None:
         row["error"] = outcome.error
@@ -561,8 +623,9 @@ def run_allreduce_bench(
                 results.append(row)
                 status = (
                     f"{row['seconds_median']:.4g} s median, busbw {row['busbw_gbps']:.2f} Gb/s"
-                    if row["seconds_median"] is not None else "FAILED"
-                )  # fmt: skip
+                    if row["seconds_median"] is not None
+                    else "FAILED"
+                )
                 if "error" in row:
                     status += f" ({row['error']})"
                 _progress(cfg.progress, f"{label}: {status} [{time.monotonic() - t_run:.1f} s]")
@@ -573,13 +636,20 @@ def run_allreduce_bench(
         "ok": code == 0,
         "started_at": started.isoformat(timespec="seconds"),
         "seconds": time.monotonic() - t0,
-        "nodes": list(cfg.nodes), "sizes": list(cfg.sizes), "dtype": DTYPE,
-        "repeat": cfg.repeat, "warmup": cfg.warmup,
-        "results": results, "skipped": skipped, "targets": targets(results),
+        "nodes": list(cfg.nodes),
+        "sizes": list(cfg.sizes),
+        "dtype": DTYPE,
+        "repeat": cfg.repeat,
+        "warmup": cfg.warmup,
+        "results": results,
+        "skipped": skipped,
+        "targets": targets(results),
         "machine": machine_info(),
-    }  # fmt: skip
+    }
     if wrong:
-        res["error"] = "a chain, chain-resident or ring-host result differs from the numpy reference"
+        res["error"] = (
+            "a chain, chain-resident or ring-host result differs from the numpy reference"
+        )
     elif failed:
         bad = next(r for r in results if r["seconds_median"] is None)
         res["error"] = (
@@ -626,8 +696,10 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    head = (f"{'algo':<15}{'nodes':>6}{'size':>9}{'calls':>6}{'median s':>11}{'p50 s':>10}{'p99 s':>10}"
-            f"{'min s':>10}{'busbw Gb/s':>12}{'vs chain':>10}{'model 100G s':>14}")  # fmt: skip
+    head = (
+        f"{'algo':<15}{'nodes':>6}{'size':>9}{'calls':>6}{'median s':>11}{'p50 s':>10}{'p99 s':>10}"
+        f"{'min s':>10}{'busbw Gb/s':>12}{'vs chain':>10}{'model 100G s':>14}"
+    )
     lines = [head, "-" * len(head)]
 
     def num(value: Any, fmt: str) -> str:
@@ -677,7 +749,9 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plotting.figure(plt, 1, 3 if several else 2)
 
     def rows_of(algo: str, key: str, value: int, order: str) -> list[dict[str, Any]]:
-        return sorted((r for r in results if r["algo"] == algo and r[key] == value), key=lambda r: r[order])
+        return sorted(
+            (r for r in results if r["algo"] == algo and r[key] == value), key=lambda r: r[order]
+        )
 
     for algo in algos:
         for k, nodes in enumerate(node_counts):
@@ -689,11 +763,18 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
             model = [r for r in rows if r["model_seconds_100g"] is not None]
             if algo in drawn_model and model:
                 style = plotting.series_style(k, algo, model=True)
-                axes[0].plot([r["bytes"] for r in model], [r["model_seconds_100g"] for r in model], **style)
-                axes[1].plot([r["bytes"] for r in model],
-                             [_busbw_gbps(r["bytes"], r["model_seconds_100g"], nodes) for r in model], **style)  # fmt: skip
-    for ax, ylabel, title in ((axes[0], "seconds (median)", "all-reduce time vs size"),
-                              (axes[1], "busbw (Gb/s)", "bus bandwidth vs size")):  # fmt: skip
+                axes[0].plot(
+                    [r["bytes"] for r in model], [r["model_seconds_100g"] for r in model], **style
+                )
+                axes[1].plot(
+                    [r["bytes"] for r in model],
+                    [_busbw_gbps(r["bytes"], r["model_seconds_100g"], nodes) for r in model],
+                    **style,
+                )
+    for ax, ylabel, title in (
+        (axes[0], "seconds (median)", "all-reduce time vs size"),
+        (axes[1], "busbw (Gb/s)", "bus bandwidth vs size"),
+    ):
         plotting.size_axis(ax, f"bytes per rank ({DTYPE})")
         ax.set_yscale("log")
         ax.set(ylabel=ylabel, title=title)
@@ -702,12 +783,18 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
         for algo in algos:
             rows = rows_of(algo, "bytes", big, "nodes")
             meas = [r for r in rows if r["busbw_gbps"] is not None]
-            axes[2].plot([r["nodes"] for r in meas], [r["busbw_gbps"] for r in meas], **plotting.series_style(0, algo))
+            axes[2].plot(
+                [r["nodes"] for r in meas],
+                [r["busbw_gbps"] for r in meas],
+                **plotting.series_style(0, algo),
+            )
             model = [r for r in rows if r["model_seconds_100g"] is not None]
             if algo in drawn_model and model:
-                axes[2].plot([r["nodes"] for r in model],
-                             [_busbw_gbps(big, r["model_seconds_100g"], r["nodes"]) for r in model],
-                             **plotting.series_style(0, algo, model=True))  # fmt: skip
+                axes[2].plot(
+                    [r["nodes"] for r in model],
+                    [_busbw_gbps(big, r["model_seconds_100g"], r["nodes"]) for r in model],
+                    **plotting.series_style(0, algo, model=True),
+                )
         plotting.nodes_axis(axes[2], node_counts)
         axes[2].set_yscale("log")
         axes[2].set(ylabel="busbw (Gb/s)", title=f"busbw vs nodes at {format_size(big)}")
@@ -719,5 +806,10 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     nodes_text = "" if several else f", {node_counts[0]} nodes"
     path.parent.mkdir(parents=True, exist_ok=True)
-    plotting.finish(fig, path, f"netdam bench allreduce{nodes_text}, {os.cpu_count()} cores, loopback, {stamp}\n"
-                    f"model (dashed, in the colour of the first algorithm it models): {models}", key)  # fmt: skip
+    plotting.finish(
+        fig,
+        path,
+        f"netdam bench allreduce{nodes_text}, {os.cpu_count()} cores, loopback, {stamp}\n"
+        f"model (dashed, in the colour of the first algorithm it models): {models}",
+        key,
+    )

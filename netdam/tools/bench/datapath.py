@@ -205,16 +205,49 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
         }
         # Load (or compile) the kernel now, with the argument types of the real run.
         if role == "feeder":
-            U.feed_run(fd, TxQueue(buf, offs, lens, addrs), 0, 1, scratch, state, 0, 0, counts,
-                        progress, 0, 0)  # fmt: skip
+            U.feed_run(
+                fd,
+                TxQueue(buf, offs, lens, addrs),
+                0,
+                1,
+                scratch,
+                state,
+                0,
+                0,
+                counts,
+                progress,
+                0,
+                0,
+            )
         elif role == "relay":
-            U.relay_run(fd, buf, offs, lens, addrs, addrs.copy(), RECV_MAX_DATAGRAMS,
-                         scratch, state, np.uint64(0), 0, counts)  # fmt: skip
+            U.relay_run(
+                fd,
+                buf,
+                offs,
+                lens,
+                addrs,
+                addrs.copy(),
+                RECV_MAX_DATAGRAMS,
+                scratch,
+                state,
+                np.uint64(0),
+                0,
+                counts,
+            )
         elif role == "pyrelay":
             pass  # plain Python: nothing to compile
         else:
-            U.sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
-                        SinkCheck(expect["raw"], 0, 0, False, 1), TimeWindow(0, 0, 0), counts, progress)  # fmt: skip
+            U.sink_run(
+                fd,
+                RxBatch(buf, offs, lens, addrs),
+                buf64,
+                RECV_MAX_DATAGRAMS,
+                state,
+                SinkCheck(expect["raw"], 0, 0, False, 1),
+                TimeWindow(0, 0, 0),
+                counts,
+                progress,
+            )
         conn.send(
             (
                 "ready",
@@ -252,9 +285,20 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 i0 = 0
                 for until in (t_start, t_end):
                     cpu.append(_cpu_now())
-                    i0 = U.feed_run(fd, TxQueue(fbuf, foffs, flens, fdsts), n, FEED_BATCH, scratch,
-                                     state, t_start, until, counts, progress,
-                                     int(cmd["window"]), i0)  # fmt: skip
+                    i0 = U.feed_run(
+                        fd,
+                        TxQueue(fbuf, foffs, flens, fdsts),
+                        n,
+                        FEED_BATCH,
+                        scratch,
+                        state,
+                        t_start,
+                        until,
+                        counts,
+                        progress,
+                        int(cmd["window"]),
+                        i0,
+                    )
                 cpu.append(_cpu_now())
             elif role == "relay":
                 dsts = np.zeros(RECV_MAX_DATAGRAMS, np.uint64)
@@ -263,8 +307,20 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 for until in (t_start, t_end, t_stop):
                     cpu.append(_cpu_now())
                     sent = counts[U.RELAY_TX]
-                    U.relay_run(fd, buf, offs, lens, addrs, dsts, RECV_MAX_DATAGRAMS, scratch,
-                                 state, dst, until, counts)  # fmt: skip
+                    U.relay_run(
+                        fd,
+                        buf,
+                        offs,
+                        lens,
+                        addrs,
+                        dsts,
+                        RECV_MAX_DATAGRAMS,
+                        scratch,
+                        state,
+                        dst,
+                        until,
+                        counts,
+                    )
                     if until == t_end:
                         in_window = int(counts[U.RELAY_TX] - sent)
                 cpu.append(_cpu_now())
@@ -286,10 +342,23 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                 size = HEADER_SIZE + 2 * SEGMENT_SIZE + w.payload_bytes
                 for until in (t_start, t_end, t_stop):
                     cpu.append(_cpu_now())
-                    U.sink_run(fd, RxBatch(buf, offs, lens, addrs), buf64, RECV_MAX_DATAGRAMS, state,
-                                SinkCheck(table, size, HEADER_SIZE + 2 * SEGMENT_SIZE, mode != "null",
-                                          int(cmd["tag"])),
-                                TimeWindow(t_start, t_end, until), counts, progress)  # fmt: skip
+                    U.sink_run(
+                        fd,
+                        RxBatch(buf, offs, lens, addrs),
+                        buf64,
+                        RECV_MAX_DATAGRAMS,
+                        state,
+                        SinkCheck(
+                            table,
+                            size,
+                            HEADER_SIZE + 2 * SEGMENT_SIZE,
+                            mode != "null",
+                            int(cmd["tag"]),
+                        ),
+                        TimeWindow(t_start, t_end, until),
+                        counts,
+                        progress,
+                    )
                 cpu.append(_cpu_now())
             conn.send(
                 (
@@ -315,7 +384,9 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
 _RECV_CMSG_SPACE = 2 * socket.CMSG_SPACE(4)
 
 
-def py_relay_run(sock: socket.socket, dst: tuple[str, int], until_ns: int, state: np.ndarray) -> int:
+def py_relay_run(
+    sock: socket.socket, dst: tuple[str, int], until_ns: int, state: np.ndarray
+) -> int:
     """Forward datagrams from *sock* to *dst* until ``time.monotonic_ns() >= until_ns`` as a
     plain Python program would, with the kernel's batching: one recvmsg takes a GRO run
     (up to 64 KiB of coalesced datagrams, udp(7)) and one sendmsg hands it back whole with
@@ -347,7 +418,9 @@ def py_relay_run(sock: socket.socket, dst: tuple[str, int], until_ns: int, state
             if n > 1:
                 state[U.ST_GRO_RUNS] += 1
                 state[U.ST_GSO_RUNS] += 1
-                sock.sendmsg([data], [(SOL_UDP, UDP_SEGMENT, segment.to_bytes(2, sys.byteorder))], 0, dst)
+                sock.sendmsg(
+                    [data], [(SOL_UDP, UDP_SEGMENT, segment.to_bytes(2, sys.byteorder))], 0, dst
+                )
             else:
                 sock.sendto(data, dst)
         except (BlockingIOError, TimeoutError, InterruptedError):
@@ -457,14 +530,21 @@ class _NodeProcess:
         key_fd = key_pipe(self.admin_key)  # the key through a pipe: never on a command line
         port = _free_port()
         self.argv = cmd + [
-            "--bind", f"{LOOPBACK}:{port}",
-            "--memory", f"{memory}B",
-            "--members", f"{LOOPBACK}:{sink_port}",
-            "--admin-key-fd", str(key_fd),
-            "--shm-dir", shm_dir,
-            "--name", "bench-node",
-            "--mtu", str(mtu),
-        ]  # fmt: skip
+            "--bind",
+            f"{LOOPBACK}:{port}",
+            "--memory",
+            f"{memory}B",
+            "--members",
+            f"{LOOPBACK}:{sink_port}",
+            "--admin-key-fd",
+            str(key_fd),
+            "--shm-dir",
+            shm_dir,
+            "--name",
+            "bench-node",
+            "--mtu",
+            str(mtu),
+        ]
         self.stderr = tempfile.TemporaryFile()
         try:
             self.proc = subprocess.Popen(
@@ -492,8 +572,10 @@ class _NodeProcess:
         while b"\n" not in data:
             reason = stall_reason(watch, started, time.monotonic())
             if reason is not None:
-                raise _BenchFailure(f"node process (pid {self.proc.pid}) {reason} before its 'ready' line; "
-                                    f"its stderr ends: {self.stderr_tail()}")  # fmt: skip
+                raise _BenchFailure(
+                    f"node process (pid {self.proc.pid}) {reason} before its 'ready' line; "
+                    f"its stderr ends: {self.stderr_tail()}"
+                )
             ready, _, _ = select.select([fd], [], [], 0.5)
             if ready:
                 chunk = os.read(fd, 4096)
@@ -641,7 +723,12 @@ PHASE_TAGS = {"feeder": 1, "raw": 2, "py_relay": 3, "node": 4}
 
 
 def _phase(
-    run: _Run, name: str, first_hop: int, node_port: int, sink_mode: str, relay_dst: int | None,
+    run: _Run,
+    name: str,
+    first_hop: int,
+    node_port: int,
+    sink_mode: str,
+    relay_dst: int | None,
     relay_role: str = "relay",
 ) -> dict[str, Any]:
     """Run one phase: every involved process gets the same window; return their reports, and
@@ -707,11 +794,21 @@ def auto_pinning() -> dict[str, int]:
     for feeder, sink and device; with 2 the feeder and sink share the other; with 1 nothing."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 3:
-        return {"feeder": cpus[0], "sink": cpus[1], "relay": cpus[2], "pyrelay": cpus[2],
-                "node": cpus[2]}  # fmt: skip
+        return {
+            "feeder": cpus[0],
+            "sink": cpus[1],
+            "relay": cpus[2],
+            "pyrelay": cpus[2],
+            "node": cpus[2],
+        }
     if len(cpus) == 2:
-        return {"feeder": cpus[0], "sink": cpus[0], "relay": cpus[1], "pyrelay": cpus[1],
-                "node": cpus[1]}  # fmt: skip
+        return {
+            "feeder": cpus[0],
+            "sink": cpus[0],
+            "relay": cpus[1],
+            "pyrelay": cpus[1],
+            "node": cpus[1],
+        }
     return {}
 
 
@@ -869,7 +966,9 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 drops["py_relay"] = _new_drops(U, p2b["relay"])
                 drops["py_relay_sink"] = _new_drops(U, p2b["sink"])
                 res["py_relay_io"] = _state_dict(U, p2b["relay"]["state"])
-                _device_cpu(res, "py_relay", "py_relay", p2b["cpu_window"]["relay"], py_n, cfg.seconds)
+                _device_cpu(
+                    res, "py_relay", "py_relay", p2b["cpu_window"]["relay"], py_n, cfg.seconds
+                )
                 # Phase 3: feeder -> node -> sink.
                 if run.node is not None:
                     node_port = run.node.port

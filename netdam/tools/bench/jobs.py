@@ -58,7 +58,9 @@ class _Job:
         info = load_cluster(cluster)
         self.world = len(info.nodes)
         arena = info.nodes[0].memory_bytes // 4  # every job's arena: a quarter of node memory
-        self.groups = [api.ProcessGroup(info, r, job=job, arena_bytes=arena) for r in range(self.world)]
+        self.groups = [
+            api.ProcessGroup(info, r, job=job, arena_bytes=arena) for r in range(self.world)
+        ]
         self.rng = np.random.default_rng(int.from_bytes(job.encode(), "little") % (1 << 31))
         #: bytes -> (each rank's buffer, what every rank holds after the last call)
         self.held: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
@@ -94,9 +96,16 @@ class _Job:
             if node_s is not None:
                 in_nics.append(node_s)
         identical = all(np.array_equal(b, bufs[0]) for b in bufs)
-        return {"ok": exact and identical, "job": self.job, "bytes": nbytes, "calls": len(times),
-                "window_s": window_s, "times": times, "nic_times": in_nics,
-                "error": None if exact and identical else "a result differs from numpy's"}  # fmt: skip
+        return {
+            "ok": exact and identical,
+            "job": self.job,
+            "bytes": nbytes,
+            "calls": len(times),
+            "window_s": window_s,
+            "times": times,
+            "nic_times": in_nics,
+            "error": None if exact and identical else "a result differs from numpy's",
+        }
 
     def close(self) -> None:
         for g in self.groups:
@@ -128,7 +137,10 @@ def _all_reduce(api: Any, groups: list[Any], bufs: list[np.ndarray]) -> float | 
     phases = [w.node_phases for w in works]
     if any(p is None or p.done_us >= NO_PHASE_US for p in phases):
         return None
-    return float(max(p.start_ns + 1000 * p.done_us for p in phases) - min(p.start_ns for p in phases)) / 1e9
+    return (
+        float(max(p.start_ns + 1000 * p.done_us for p in phases) - min(p.start_ns for p in phases))
+        / 1e9
+    )
 
 
 class _Workers:
@@ -137,11 +149,16 @@ class _Workers:
 
     def __init__(self, cluster: Path, jobs: list[str], timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.procs = {job: subprocess.Popen([sys.executable, "-m", "netdam.tools.bench.jobs", "--worker",
-                                             str(cluster), job],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            text=True)
-                      for job in jobs}  # fmt: skip
+        self.procs = {
+            job: subprocess.Popen(
+                [sys.executable, "-m", "netdam.tools.bench.jobs", "--worker", str(cluster), job],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for job in jobs
+        }
 
     def phase(self, specs: list[tuple[str, int]], window_s: float) -> list[dict[str, Any]]:
         """Jobs *specs* ((name, bytes per rank)) at once: each prepares, then all start their
@@ -156,8 +173,11 @@ class _Workers:
         results = []
         for job, _ in specs:
             line = self._hear(job)
-            results.append(json.loads(line) if line.startswith("{") else {"ok": False, "job": job,
-                                                                          "error": self._died(job)})  # fmt: skip
+            results.append(
+                json.loads(line)
+                if line.startswith("{")
+                else {"ok": False, "job": job, "error": self._died(job)}
+            )
         return results
 
     def _say(self, job: str, line: str) -> None:
@@ -206,8 +226,9 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def run_jobs_bench(nodes: int, nbytes: int, jobs: int, window_s: float = WINDOW_S,
-                   timeout_s: float = 600.0) -> tuple[dict[str, Any], int]:  # fmt: skip
+def run_jobs_bench(
+    nodes: int, nbytes: int, jobs: int, window_s: float = WINDOW_S, timeout_s: float = 600.0
+) -> tuple[dict[str, Any], int]:
     """The three rows (module docstring) on a private cluster of *nodes*; (result, exit code)."""
     # Here, not at the top: `netdam --help` imports this module and need not load the launcher.
     from netdam.cluster.launch import start_cluster
@@ -215,15 +236,26 @@ def run_jobs_bench(nodes: int, nbytes: int, jobs: int, window_s: float = WINDOW_
     names = [f"job{j}" for j in range(jobs)]
     # Each job's arena is a quarter of node memory: its resident buffer in the lower half.
     memory = max(64 << 20, 1 << int(np.ceil(np.log2(4 * 2 * nbytes + (1 << 20)))))
-    result: dict[str, Any] = {"ok": False, "nodes": nodes, "bytes": nbytes, "jobs": jobs, "window_s": window_s,
-                              "node_memory": memory, "dtype": "i32", "op": "sum"}  # fmt: skip
+    result: dict[str, Any] = {
+        "ok": False,
+        "nodes": nodes,
+        "bytes": nbytes,
+        "jobs": jobs,
+        "window_s": window_s,
+        "node_memory": memory,
+        "dtype": "i32",
+        "op": "sum",
+    }
     with start_cluster(nodes, memory=memory) as cluster:
         workers = _Workers(Path(cluster.path), names, timeout_s)
         try:
             solo = _summary(workers.phase([(names[0], nbytes)], window_s)[0])
             together = [_summary(r) for r in workers.phase([(n, nbytes) for n in names], window_s)]
             small_solo = _summary(workers.phase([(names[1], SMALL_BYTES)], window_s)[0])
-            mixed = [_summary(r) for r in workers.phase([(names[0], nbytes), (names[1], SMALL_BYTES)], window_s)]
+            mixed = [
+                _summary(r)
+                for r in workers.phase([(names[0], nbytes), (names[1], SMALL_BYTES)], window_s)
+            ]
         finally:
             workers.close()
     base = solo["algbw_gbps"] or 0.0
@@ -231,15 +263,25 @@ def run_jobs_bench(nodes: int, nbytes: int, jobs: int, window_s: float = WINDOW_
         row["fraction_of_solo"] = row["algbw_gbps"] / base if base and row["algbw_gbps"] else None
     total = sum(r["algbw_gbps"] or 0.0 for r in together)
     result.update(
-        solo=solo, together=together, sum_vs_solo=total / base if base else None,
+        solo=solo,
+        together=together,
+        sum_vs_solo=total / base if base else None,
         small_behind_large={
-            "large": mixed[0], "small": mixed[1], "small_solo": small_solo,
-            "small_median_vs_solo": (mixed[1]["seconds_median"] / small_solo["seconds_median"]
-                                     if mixed[1]["seconds_median"] and small_solo["seconds_median"] else None),
-            "small_p99_vs_large_median": (mixed[1]["seconds_p99"] / mixed[0]["seconds_median"]
-                                          if mixed[1]["seconds_p99"] and mixed[0]["seconds_median"] else None),
+            "large": mixed[0],
+            "small": mixed[1],
+            "small_solo": small_solo,
+            "small_median_vs_solo": (
+                mixed[1]["seconds_median"] / small_solo["seconds_median"]
+                if mixed[1]["seconds_median"] and small_solo["seconds_median"]
+                else None
+            ),
+            "small_p99_vs_large_median": (
+                mixed[1]["seconds_p99"] / mixed[0]["seconds_median"]
+                if mixed[1]["seconds_p99"] and mixed[0]["seconds_median"]
+                else None
+            ),
         },
-    )  # fmt: skip
+    )
     rows = [solo, *together, small_solo, *mixed]
     result["ok"] = all(r["ok"] for r in rows)
     errors = [r["error"] for r in rows if r.get("error")]
@@ -256,23 +298,33 @@ def format_jobs_table(result: dict[str, Any]) -> str:
     def ms(value: float | None) -> str:
         return f"{value * 1e3:.2f}" if value else "-"
 
-    lines = [f"{result['jobs']} jobs x {result['nodes']} NICs, {result['bytes']} B per rank, "
-             f"int32 SUM in place, {result['window_s']:.0f} s windows"]  # fmt: skip
+    lines = [
+        f"{result['jobs']} jobs x {result['nodes']} NICs, {result['bytes']} B per rank, "
+        f"int32 SUM in place, {result['window_s']:.0f} s windows"
+    ]
     solo = result["solo"]
-    lines.append(f"  solo      {solo['job']}: {gbps(solo)} Gb/s algbw, {solo['calls']} calls, median {ms(solo['seconds_median'])} ms")
+    lines.append(
+        f"  solo      {solo['job']}: {gbps(solo)} Gb/s algbw, {solo['calls']} calls, median {ms(solo['seconds_median'])} ms"
+    )
     for row in result["together"]:
         share = f"{row['fraction_of_solo']:.0%}" if row.get("fraction_of_solo") else "-"
-        lines.append(f"  together  {row['job']}: {gbps(row)} Gb/s ({share} of solo), {row['calls']} calls, "
-                     f"median {ms(row['seconds_median'])} ms")  # fmt: skip
+        lines.append(
+            f"  together  {row['job']}: {gbps(row)} Gb/s ({share} of solo), {row['calls']} calls, "
+            f"median {ms(row['seconds_median'])} ms"
+        )
     if result.get("sum_vs_solo"):
         lines.append(f"  sum of jobs / solo: {result['sum_vs_solo']:.2f}")
     mix = result["small_behind_large"]
-    lines.append(f"  {SMALL_BYTES} B calls beside the large job: median {ms(mix['small']['seconds_median'])} ms, "
-                 f"p99 {ms(mix['small']['seconds_p99'])} ms (alone: median {ms(mix['small_solo']['seconds_median'])} ms); "
-                 f"large median {ms(mix['large']['seconds_median'])} ms")  # fmt: skip
-    lines.append(f"    in the NICs (first node's start to last node's end): small median "
-                 f"{ms(mix['small']['nic_seconds_median'])} ms (alone {ms(mix['small_solo']['nic_seconds_median'])} ms), "
-                 f"large median {ms(mix['large']['nic_seconds_median'])} ms")  # fmt: skip
+    lines.append(
+        f"  {SMALL_BYTES} B calls beside the large job: median {ms(mix['small']['seconds_median'])} ms, "
+        f"p99 {ms(mix['small']['seconds_p99'])} ms (alone: median {ms(mix['small_solo']['seconds_median'])} ms); "
+        f"large median {ms(mix['large']['seconds_median'])} ms"
+    )
+    lines.append(
+        f"    in the NICs (first node's start to last node's end): small median "
+        f"{ms(mix['small']['nic_seconds_median'])} ms (alone {ms(mix['small_solo']['nic_seconds_median'])} ms), "
+        f"large median {ms(mix['large']['nic_seconds_median'])} ms"
+    )
     if result.get("error"):
         lines.append(f"  error: {result['error']}")
     return "\n".join(lines)

@@ -91,7 +91,6 @@ class _Failure(NetdamError):
 
 def _worker(role: str, conn: Connection, parent: int) -> None:
     try:
-
         sock = open_udp_socket((LOOPBACK, 0), rcvbuf=8 << 20)
         fd = sock.fileno()
         state = U.new_state()
@@ -104,10 +103,29 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
         hist = np.zeros(G.HIST_BINS, np.int64)
         templates = np.zeros((1, 128), np.uint8)
         if role == "gen":
-            G.gen_run(fd, GenPlan(templates, np.array([64], np.int64), 1, 1, np.uint64(0), 12, 4, -1, 0, 1,
-                                  np.zeros(2, np.uint64)),
-                       TimeWindow(0, 0, 0), RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts,
-                       hist)  # fmt: skip
+            G.gen_run(
+                fd,
+                GenPlan(
+                    templates,
+                    np.array([64], np.int64),
+                    1,
+                    1,
+                    np.uint64(0),
+                    12,
+                    4,
+                    -1,
+                    0,
+                    1,
+                    np.zeros(2, np.uint64),
+                ),
+                TimeWindow(0, 0, 0),
+                RxBatch(buf, offs, lens, srcs),
+                RECV_MAX,
+                scratch,
+                state,
+                counts,
+                hist,
+            )
         else:
             G.echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, 0, counts)
         conn.send(("ready", {"port": sock.getsockname()[1]}))
@@ -123,7 +141,9 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
                 rows = cmd["templates"]
                 if cmd.get("token_from"):
                     rows = _with_token(rows, _validation_token(sock, int(cmd["token_from"])))
-                tag = np.frombuffer(bytes.fromhex(cmd.get("tag_key", "")) or bytes(16), "<u8").copy()
+                tag = np.frombuffer(
+                    bytes.fromhex(cmd.get("tag_key", "")) or bytes(16), "<u8"
+                ).copy()
                 # Room for the tag only when sealing: slots as long as their datagrams lie back to
                 # back, which lets a batch to one destination leave as one GSO send.
                 width = max(len(r) for r in rows) + (TAG_SIZE if tag.any() else 0)
@@ -132,14 +152,44 @@ def _worker(role: str, conn: Connection, parent: int) -> None:
                 for k, r in enumerate(rows):
                     templates[k, : len(r)] = np.frombuffer(r, np.uint8)
                     t_len[k] = len(r)
-                plan = GenPlan(templates, t_len, len(rows), cmd["window"], np.uint64(cmd["dst"]), cmd["id_off"],
-                               cmd["id_bytes"], cmd["ok_off"], cmd["ok_byte"], int(cmd["timeout_ns"]), tag)  # fmt: skip
-                G.gen_run(fd, plan, TimeWindow(cmd["t_start"], cmd["t_end"], cmd["t_stop"]),
-                           RxBatch(buf, offs, lens, srcs), RECV_MAX, scratch, state, counts, hist)  # fmt: skip
+                plan = GenPlan(
+                    templates,
+                    t_len,
+                    len(rows),
+                    cmd["window"],
+                    np.uint64(cmd["dst"]),
+                    cmd["id_off"],
+                    cmd["id_bytes"],
+                    cmd["ok_off"],
+                    cmd["ok_byte"],
+                    int(cmd["timeout_ns"]),
+                    tag,
+                )
+                G.gen_run(
+                    fd,
+                    plan,
+                    TimeWindow(cmd["t_start"], cmd["t_end"], cmd["t_stop"]),
+                    RxBatch(buf, offs, lens, srcs),
+                    RECV_MAX,
+                    scratch,
+                    state,
+                    counts,
+                    hist,
+                )
                 nz = np.nonzero(hist)[0]
-                conn.send(("done", {"counts": counts.tolist(), "hist": dict(zip(nz.tolist(), hist[nz].tolist()))}))
+                conn.send(
+                    (
+                        "done",
+                        {
+                            "counts": counts.tolist(),
+                            "hist": dict(zip(nz.tolist(), hist[nz].tolist())),
+                        },
+                    )
+                )
             else:
-                G.echo_run(fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, cmd["t_stop"], counts)
+                G.echo_run(
+                    fd, buf, offs, lens, srcs, RECV_MAX, scratch, state, cmd["t_stop"], counts
+                )
                 conn.send(("done", {"counts": counts.tolist()}))
     except BaseException as exc:
         with contextlib.suppress(Exception):
@@ -162,7 +212,9 @@ def _validation_token(sock: socket.socket, dst: int) -> int:
                 continue  # a late answer of the last phase, or not ours
             if reply.opcode == Opcode.INFO and reply.txn_id == 0x70C:
                 return int(reply.aux_addr)
-    raise _Failure(f"no INFO from {u64_to_endpoint(dst)} in 2 s: cannot validate the generator's address")
+    raise _Failure(
+        f"no INFO from {u64_to_endpoint(dst)} in 2 s: cannot validate the generator's address"
+    )
 
 
 def _with_token(rows: list[bytes], token: int) -> list[bytes]:
@@ -180,8 +232,12 @@ class _Child:
     def __init__(self, ctx: Any, role: str) -> None:
         self.role = role
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(role, child, os.getpid()), daemon=True,
-                                name=f"netdam-bench-pool-{role}")  # fmt: skip
+        self.proc = ctx.Process(
+            target=_worker,
+            args=(role, child, os.getpid()),
+            daemon=True,
+            name=f"netdam-bench-pool-{role}",
+        )
         self.proc.start()
         child.close()
         self.info: dict[str, Any] = {}
@@ -219,7 +275,9 @@ class _Child:
 # ---------------------------------------------------------------- workloads
 
 
-def _netdam_templates(opcode: Opcode, size: int, gaddr: int, rkey: int, region_size: int, client_id: int) -> list[bytes]:
+def _netdam_templates(
+    opcode: Opcode, size: int, gaddr: int, rkey: int, region_size: int, client_id: int
+) -> list[bytes]:
     rows = []
     step = max(size, 4096)
     for k in range(TEMPLATES):
@@ -227,8 +285,16 @@ def _netdam_templates(opcode: Opcode, size: int, gaddr: int, rkey: int, region_s
         if opcode == Opcode.READ:
             p = Packet(Opcode.READ, client_id=client_id, rkey=rkey, addr=addr, length=size)
         else:
-            p = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, client_id=client_id, rkey=rkey, addr=addr,
-                       length=size, dtype=DType.RAW, payload=bytes([k & 0xFF]) * size)  # fmt: skip
+            p = Packet(
+                Opcode.WRITE,
+                flags=Flags.ACK_REQ,
+                client_id=client_id,
+                rkey=rkey,
+                addr=addr,
+                length=size,
+                dtype=DType.RAW,
+                payload=bytes([k & 0xFF]) * size,
+            )
         rows.append(encode_packet(p))
     return rows
 
@@ -266,7 +332,9 @@ def _start_memcached(path: str) -> tuple[subprocess.Popen[bytes], int]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # Store the 64-byte value over UDP and wait for STORED.
     value = bytes(range(64))
-    request = b"\x00\x01\x00\x00\x00\x01\x00\x00set " + MEMCACHED_KEY + b" 0 0 64\r\n" + value + b"\r\n"
+    request = (
+        b"\x00\x01\x00\x00\x00\x01\x00\x00set " + MEMCACHED_KEY + b" 0 0 64\r\n" + value + b"\r\n"
+    )
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(0.2)
         deadline = time.monotonic() + 10
@@ -296,12 +364,23 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
     if cfg.generators < 1 or cfg.max_generators < cfg.generators:
         raise ValueError("--generators must be >= 1 and <= --max-generators")
     res: dict[str, Any] = {
-        "ok": False, "netdam_ops": None, "memcached_ops": None, "ratio": None, "generator_ops": None,
-        "generators": None, "window": cfg.window, "seconds": cfg.seconds, "warmup_seconds": cfg.warmup,
-        "nodes": cfg.nodes, "interleave_bytes": cfg.interleave, "valid": False, "results": {},
+        "ok": False,
+        "netdam_ops": None,
+        "memcached_ops": None,
+        "ratio": None,
+        "generator_ops": None,
+        "generators": None,
+        "window": cfg.window,
+        "seconds": cfg.seconds,
+        "warmup_seconds": cfg.warmup,
+        "nodes": cfg.nodes,
+        "interleave_bytes": cfg.interleave,
+        "valid": False,
+        "results": {},
         "tagged": not cfg.untagged,
-        "startup_seconds": None, "machine": machine_info(),
-    }  # fmt: skip
+        "startup_seconds": None,
+        "machine": machine_info(),
+    }
     memcached = cfg.memcached or shutil.which("memcached")
     if memcached is None:
         res["memcached_skipped"] = "memcached not on PATH (apt-get install memcached)"
@@ -319,8 +398,12 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
             # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
             from netdam.switch.controller import PoolController
 
-            pool, switch = start_pool_cluster(cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml")
-            region = PoolController(pool.path).alloc(4 << 20, interleave=cfg.interleave, tagged=not cfg.untagged)
+            pool, switch = start_pool_cluster(
+                cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml"
+            )
+            region = PoolController(pool.path).alloc(
+                4 << 20, interleave=cfg.interleave, tagged=not cfg.untagged
+            )
             key = region.tag_key
             echo = _Child(ctx, "echo")
             children.append(echo)
@@ -335,8 +418,18 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
             vip = endpoint_to_u64(switch.vip)
             echo_ep = endpoint_to_u64((LOOPBACK, echo.info["port"]))
 
-            def phase(name: str, n_gens: int, rows_for: Any, dst: int, id_off: int, id_bytes: int,
-                      ok_off: int, ok_byte: int, validate: bool = False, tag_key: bytes = b"") -> dict[str, Any]:  # fmt: skip
+            def phase(
+                name: str,
+                n_gens: int,
+                rows_for: Any,
+                dst: int,
+                id_off: int,
+                id_bytes: int,
+                ok_off: int,
+                ok_byte: int,
+                validate: bool = False,
+                tag_key: bytes = b"",
+            ) -> dict[str, Any]:
                 now = time.monotonic_ns()
                 t_start = now + int(0.1e9) + int(cfg.warmup * 1e9)
                 t_end = t_start + int(cfg.seconds * 1e9)
@@ -345,12 +438,26 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                     echo.conn.send(("run", {"t_stop": t_stop + int(0.2e9)}))
                 per = max(1, cfg.window // n_gens)
                 for g in range(n_gens):
-                    gens[g].conn.send(("run", {
-                        "templates": rows_for(g), "window": per, "dst": dst, "id_off": id_off,
-                        "id_bytes": id_bytes, "ok_off": ok_off, "ok_byte": ok_byte, "t_start": t_start,
-                        "t_end": t_end, "t_stop": t_stop, "timeout_ns": cfg.timeout_ms * 1e6,
-                        "token_from": dst if validate else 0, "tag_key": tag_key.hex(),
-                    }))  # fmt: skip
+                    gens[g].conn.send(
+                        (
+                            "run",
+                            {
+                                "templates": rows_for(g),
+                                "window": per,
+                                "dst": dst,
+                                "id_off": id_off,
+                                "id_bytes": id_bytes,
+                                "ok_off": ok_off,
+                                "ok_byte": ok_byte,
+                                "t_start": t_start,
+                                "t_end": t_end,
+                                "t_stop": t_stop,
+                                "timeout_ns": cfg.timeout_ms * 1e6,
+                                "token_from": dst if validate else 0,
+                                "tag_key": tag_key.hex(),
+                            },
+                        )
+                    )
                 budget = (t_stop - now) / 1e9 + PHASE_GRACE_S
                 reports = [gens[g].expect("done", budget) for g in range(n_gens)]
                 if name == "echo":
@@ -358,9 +465,13 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
 
                 ops = sum(r["counts"][G.G_OPS_IN_WINDOW] for r in reports) / cfg.seconds
                 p50, p99 = _percentiles([r["hist"] for r in reports])
-                return {"ops": ops, "p50_us": p50, "p99_us": p99,
-                        "timeouts": sum(r["counts"][G.G_TIMEOUTS] for r in reports),
-                        "errors": sum(r["counts"][G.G_ERRORS] for r in reports)}  # fmt: skip
+                return {
+                    "ops": ops,
+                    "p50_us": p50,
+                    "p99_us": p99,
+                    "timeouts": sum(r["counts"][G.G_TIMEOUTS] for r in reports),
+                    "errors": sum(r["counts"][G.G_ERRORS] for r in reports),
+                }
 
             n_gens = cfg.generators
             attempt = 0
@@ -373,20 +484,70 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                     # A fresh client id per phase, attempt and generator: each
                     # phase's transaction ids start again at 0, which a node's window calls STALE.
                     base = 0x7E570000 + (attempt << 12) + (phase_no << 4)
-                    return lambda g: _netdam_templates(op, size, region.gaddr, region.rkey, region.size, base + g)
+                    return lambda g: _netdam_templates(
+                        op, size, region.gaddr, region.rkey, region.size, base + g
+                    )
 
-                results["echo"] = phase("echo", n_gens, nd(Opcode.READ, 64, 1), echo_ep, 12, 4, -1, 0, tag_key=key)
-                results["read_64"] = phase("read_64", n_gens, nd(Opcode.READ, 64, 2), vip, 12, 4, 1,
-                                           int(Opcode.READ_RESP), validate=True, tag_key=key)  # fmt: skip
-                results["read_4096"] = phase("read_4096", n_gens, nd(Opcode.READ, 4096, 3), vip, 12, 4, 1,
-                                             int(Opcode.READ_RESP), validate=True, tag_key=key)  # fmt: skip
-                results["write_64"] = phase("write_64", n_gens, nd(Opcode.WRITE, 64, 4), vip, 12, 4, 1, int(Opcode.ACK),
-                                            tag_key=key)  # fmt: skip
-                results["write_4096"] = phase("write_4096", n_gens, nd(Opcode.WRITE, 4096, 5), vip, 12, 4, 1,
-                                              int(Opcode.ACK), tag_key=key)  # fmt: skip
+                results["echo"] = phase(
+                    "echo", n_gens, nd(Opcode.READ, 64, 1), echo_ep, 12, 4, -1, 0, tag_key=key
+                )
+                results["read_64"] = phase(
+                    "read_64",
+                    n_gens,
+                    nd(Opcode.READ, 64, 2),
+                    vip,
+                    12,
+                    4,
+                    1,
+                    int(Opcode.READ_RESP),
+                    validate=True,
+                    tag_key=key,
+                )
+                results["read_4096"] = phase(
+                    "read_4096",
+                    n_gens,
+                    nd(Opcode.READ, 4096, 3),
+                    vip,
+                    12,
+                    4,
+                    1,
+                    int(Opcode.READ_RESP),
+                    validate=True,
+                    tag_key=key,
+                )
+                results["write_64"] = phase(
+                    "write_64",
+                    n_gens,
+                    nd(Opcode.WRITE, 64, 4),
+                    vip,
+                    12,
+                    4,
+                    1,
+                    int(Opcode.ACK),
+                    tag_key=key,
+                )
+                results["write_4096"] = phase(
+                    "write_4096",
+                    n_gens,
+                    nd(Opcode.WRITE, 4096, 5),
+                    vip,
+                    12,
+                    4,
+                    1,
+                    int(Opcode.ACK),
+                    tag_key=key,
+                )
                 if mc_port is not None:
-                    results["memcached_get_64"] = phase("memcached", n_gens, lambda g: _memcached_get(),
-                                                        endpoint_to_u64((LOOPBACK, mc_port)), 0, 2, 8, ord("V"))  # fmt: skip
+                    results["memcached_get_64"] = phase(
+                        "memcached",
+                        n_gens,
+                        lambda g: _memcached_get(),
+                        endpoint_to_u64((LOOPBACK, mc_port)),
+                        0,
+                        2,
+                        8,
+                        ord("V"),
+                    )
                 served = [results["read_64"]["ops"]]
                 if "memcached_get_64" in results:
                     served.append(results["memcached_get_64"]["ops"])
@@ -404,18 +565,24 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                     res["ratio"] = res["netdam_ops"] / res["memcached_ops"]
             res["valid"] = bool(gen_ops >= 1.5 * max(served))
             if not res["valid"]:
-                res["invalid_reason"] = (f"the generators drove {gen_ops:,.0f} ops/s at the echo server, "
-                                         f"less than 1.5 x {max(served):,.0f}: more generator processes "
-                                         f"(--max-generators) or more cores are needed")  # fmt: skip
+                res["invalid_reason"] = (
+                    f"the generators drove {gen_ops:,.0f} ops/s at the echo server, "
+                    f"less than 1.5 x {max(served):,.0f}: more generator processes "
+                    f"(--max-generators) or more cores are needed"
+                )
             res["free"] = _time_alloc_free(PoolController(pool.path), cfg.interleave)
             errors = sum(r["errors"] for r in results.values())
             silent = [name for name, r in results.items() if r["ops"] == 0]
             if silent:
-                res["error"] = (f"no request of phase {', '.join(silent)} was answered "
-                                f"({sum(results[n]['timeouts'] for n in silent)} timeouts): its figures time nothing")  # fmt: skip
+                res["error"] = (
+                    f"no request of phase {', '.join(silent)} was answered "
+                    f"({sum(results[n]['timeouts'] for n in silent)} timeouts): its figures time nothing"
+                )
                 code = ExitCode.CHECK_FAILED
             elif errors:
-                res["error"] = f"{errors} requests were answered with an error (NACK or memcached error)"
+                res["error"] = (
+                    f"{errors} requests were answered with an error (NACK or memcached error)"
+                )
                 code = ExitCode.CHECK_FAILED
         except (_Failure, OSError, ValueError) as exc:
             res["error"] = str(exc)
@@ -459,22 +626,33 @@ def _time_alloc_free(controller: Any, interleave: int) -> dict[str, Any]:
             start = time.perf_counter()
             controller.free(region.gaddr)
             frees.append(time.perf_counter() - start)
-        rows[str(size)] = {"alloc_seconds": float(np.median(allocs)), "free_seconds": float(np.median(frees))}
+        rows[str(size)] = {
+            "alloc_seconds": float(np.median(allocs)),
+            "free_seconds": float(np.median(frees)),
+        }
     return {"repeat": FREE_REPEAT, "sizes": rows}
 
 
 def format_text(res: dict[str, Any]) -> str:
-    lines = [f"netdam bench pool: {res['seconds']} s per phase, window {res['window']}, "
-             f"{res['generators']} generator process(es), {res['nodes']} nodes + switch, "
-             f"{'tagged' if res['tagged'] else 'untagged'} region"]  # fmt: skip
+    lines = [
+        f"netdam bench pool: {res['seconds']} s per phase, window {res['window']}, "
+        f"{res['generators']} generator process(es), {res['nodes']} nodes + switch, "
+        f"{'tagged' if res['tagged'] else 'untagged'} region"
+    ]
     lines += phase_table(res["results"])
     ratio = "-" if res["ratio"] is None else f"{res['ratio']:.3f}"
-    lines.append(f"  ratio netdam READ 64 / memcached GET 64: {ratio}; valid {'yes' if res['valid'] else 'NO'}")
+    lines.append(
+        f"  ratio netdam READ 64 / memcached GET 64: {ratio}; valid {'yes' if res['valid'] else 'NO'}"
+    )
     if res.get("free"):
         sizes = res["free"]["sizes"]
-        shown = ", ".join(f"{format_size(int(k))} {v['alloc_seconds'] * 1e3:.1f} / {v['free_seconds'] * 1e3:.1f} ms"
-                          for k, v in sizes.items())  # fmt: skip
-        lines.append(f"  ALLOC / FREE (FREE zeroes the backing), median of {res['free']['repeat']}: {shown}")
+        shown = ", ".join(
+            f"{format_size(int(k))} {v['alloc_seconds'] * 1e3:.1f} / {v['free_seconds'] * 1e3:.1f} ms"
+            for k, v in sizes.items()
+        )
+        lines.append(
+            f"  ALLOC / FREE (FREE zeroes the backing), median of {res['free']['repeat']}: {shown}"
+        )
     for key in ("memcached_skipped", "invalid_reason", "error"):
         if res.get(key):
             lines.append(f"  {key}: {res[key]}")
@@ -494,20 +672,41 @@ def plot_pool(plt: Any, res: dict[str, Any], path: str) -> None:
     colors = [plotting.color(_peer(n)) for n in names]
     fig, (ax_ops, ax_lat) = plotting.figure(plt, 1, 2, width=5.6)
     ops = ax_ops.bar(names, [res["results"][n]["ops"] for n in names], color=colors)
-    ax_ops.bar_label(ops, labels=[f"{res['results'][n]['ops'] / 1e3:,.0f}k" for n in names], fontsize=8, padding=2)
+    ax_ops.bar_label(
+        ops,
+        labels=[f"{res['results'][n]['ops'] / 1e3:,.0f}k" for n in names],
+        fontsize=8,
+        padding=2,
+    )
     ax_ops.margins(y=0.12)  # room for the labels above the tallest bar
     ax_ops.set(ylabel="ops/s", title=f"throughput, window {res['window']}")
     # p50 and p99 side by side per phase: bars, not a line, since phases are categories.
     xs = range(len(names))
     for offset, key, hatch in ((-0.2, "p50_us", None), (0.2, "p99_us", "//")):
         values = [res["results"][n][key] for n in names]
-        ax_lat.bar([x + offset for x in xs], [0 if v is None else v for v in values], width=0.4, color=colors,
-                   hatch=hatch, edgecolor="white" if hatch else None)  # fmt: skip
+        ax_lat.bar(
+            [x + offset for x in xs],
+            [0 if v is None else v for v in values],
+            width=0.4,
+            color=colors,
+            hatch=hatch,
+            edgecolor="white" if hatch else None,
+        )
     ax_lat.set(ylabel="latency (us)", title="latency per request")
     for ax in (ax_ops, ax_lat):  # rotated, each name ends under its bars
         ax.set_xticks(list(xs), names, rotation=30, ha="right", rotation_mode="anchor")
     peers = [p for p in ("netdam", "memcached", "echo") if p in map(_peer, names)]
-    legend = plotting.Key().colors(peers).patch("p50").patch("p99", hatch="//", facecolor="0.6", edgecolor="white")
+    legend = (
+        plotting.Key()
+        .colors(peers)
+        .patch("p50")
+        .patch("p99", hatch="//", facecolor="0.6", edgecolor="white")
+    )
     ratio = "-" if res["ratio"] is None else f"{res['ratio']:.2f}"
-    plotting.finish(fig, path, f"netdam bench pool: {res['nodes']} nodes + switch vs memcached "
-                    f"(READ 64 B / GET 64 B = {ratio})", legend)  # fmt: skip
+    plotting.finish(
+        fig,
+        path,
+        f"netdam bench pool: {res['nodes']} nodes + switch vs memcached "
+        f"(READ 64 B / GET 64 B = {ratio})",
+        legend,
+    )

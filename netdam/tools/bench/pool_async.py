@@ -26,8 +26,12 @@ from netdam.clients.pool import PoolError, PoolTimeout
 from netdam.tools.bench.report import machine_info, phase_table
 
 #: The phases, in order: (name, operation, bytes per request).
-PHASES = (("write_64", "write", 64), ("read_64", "read", 64), ("write_4096", "write", 4096),
-          ("read_4096", "read", 4096))  # fmt: skip
+PHASES = (
+    ("write_64", "write", 64),
+    ("read_64", "read", 64),
+    ("write_4096", "write", 4096),
+    ("read_4096", "read", 4096),
+)
 MAX_CLIENTS = 256
 
 
@@ -56,8 +60,19 @@ class _Tally:
     mismatches: int = 0
 
 
-async def _client_phase(pool: Any, client: int, base: int, slots: int, rkey: int, op: str, size: int,
-                        t_start: float, t_end: float, lat_us: list[float], tally: _Tally) -> None:  # fmt: skip
+async def _client_phase(
+    pool: Any,
+    client: int,
+    base: int,
+    slots: int,
+    rkey: int,
+    op: str,
+    size: int,
+    t_start: float,
+    t_end: float,
+    lat_us: list[float],
+    tally: _Tally,
+) -> None:
     """One client: requests back to back until *t_end*; counted and timed from *t_start* on."""
     slot = 0
     while True:
@@ -86,33 +101,58 @@ async def _client_phase(pool: Any, client: int, base: int, slots: int, rkey: int
         slot = (slot + 1) % slots
 
 
-async def _run(cfg: AsyncPoolBenchConfig, vip: tuple[str, int], gaddr: int, rkey: int,
-               tag_key: bytes) -> dict[str, Any]:  # fmt: skip
+async def _run(
+    cfg: AsyncPoolBenchConfig, vip: tuple[str, int], gaddr: int, rkey: int, tag_key: bytes
+) -> dict[str, Any]:
     # Imported here: asyncio-dgram, loaded only by the asyncio benchmark.
     from netdam.clients.async_pool import AsyncPoolClient
 
     slots = cfg.slice_bytes // 4096
-    pools = [await AsyncPoolClient.open(vip, window=1, tag_keys={rkey: tag_key}) for _ in range(cfg.clients)]
+    pools = [
+        await AsyncPoolClient.open(vip, window=1, tag_keys={rkey: tag_key})
+        for _ in range(cfg.clients)
+    ]
     try:
         # The patterns every READ is checked against, written once (not timed).
-        await asyncio.gather(*(
-            pools[c].write(gaddr + c * cfg.slice_bytes + s * 4096, _pattern(c, s, 4096), rkey)
-            for c in range(cfg.clients) for s in range(slots)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                pools[c].write(gaddr + c * cfg.slice_bytes + s * 4096, _pattern(c, s, 4096), rkey)
+                for c in range(cfg.clients)
+                for s in range(slots)
+            )
+        )
         results: dict[str, Any] = {}
         for name, op, size in PHASES:
             t_start = time.monotonic() + cfg.warmup
             t_end = t_start + cfg.seconds
             lat: list[float] = []
             tally = _Tally()
-            await asyncio.gather(*(
-                _client_phase(pools[c], c, gaddr + c * cfg.slice_bytes, slots, rkey, op, size,
-                              t_start, t_end, lat, tally) for c in range(cfg.clients)))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    _client_phase(
+                        pools[c],
+                        c,
+                        gaddr + c * cfg.slice_bytes,
+                        slots,
+                        rkey,
+                        op,
+                        size,
+                        t_start,
+                        t_end,
+                        lat,
+                        tally,
+                    )
+                    for c in range(cfg.clients)
+                )
+            )
             results[name] = {
                 "ops": tally.ops / cfg.seconds,
                 "p50_us": float(np.percentile(lat, 50)) if lat else None,
                 "p99_us": float(np.percentile(lat, 99)) if lat else None,
-                "timeouts": tally.timeouts, "errors": tally.errors, "mismatches": tally.mismatches,
-            }  # fmt: skip
+                "timeouts": tally.timeouts,
+                "errors": tally.errors,
+                "mismatches": tally.mismatches,
+            }
         return results
     finally:
         for pool in pools:
@@ -127,11 +167,19 @@ def run_async_pool_bench(cfg: AsyncPoolBenchConfig) -> tuple[dict[str, Any], int
     if cfg.seconds <= 0 or cfg.warmup < 0:
         raise ValueError("--seconds must be positive and --warmup not negative")
     res: dict[str, Any] = {
-        "ok": False, "mode": "async", "clients": cfg.clients, "in_flight": cfg.clients,
-        "seconds": cfg.seconds, "warmup_seconds": cfg.warmup, "nodes": cfg.nodes,
-        "interleave_bytes": cfg.interleave, "results": {}, "netdam_ops": None,
-        "startup_seconds": None, "machine": machine_info(),
-    }  # fmt: skip
+        "ok": False,
+        "mode": "async",
+        "clients": cfg.clients,
+        "in_flight": cfg.clients,
+        "seconds": cfg.seconds,
+        "warmup_seconds": cfg.warmup,
+        "nodes": cfg.nodes,
+        "interleave_bytes": cfg.interleave,
+        "results": {},
+        "netdam_ops": None,
+        "startup_seconds": None,
+        "machine": machine_info(),
+    }
     t0 = time.monotonic()
     # Imported here: they load numba's compiled kernels, which `netdam --help` need not pay for.
     from netdam.cluster.launch import start_pool_cluster
@@ -140,10 +188,16 @@ def run_async_pool_bench(cfg: AsyncPoolBenchConfig) -> tuple[dict[str, Any], int
     with tempfile.TemporaryDirectory(prefix="netdam-bench-pool-async-") as tmp:
         pool = switch = None
         try:
-            pool, switch = start_pool_cluster(cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml")
-            region = PoolController(pool.path).alloc(cfg.clients * cfg.slice_bytes, interleave=cfg.interleave)
+            pool, switch = start_pool_cluster(
+                cfg.nodes, memory=16 << 20, cluster_path=Path(tmp) / "c.toml"
+            )
+            region = PoolController(pool.path).alloc(
+                cfg.clients * cfg.slice_bytes, interleave=cfg.interleave
+            )
             res["startup_seconds"] = round(time.monotonic() - t0, 3)
-            res["results"] = asyncio.run(_run(cfg, switch.vip, region.gaddr, region.rkey, region.tag_key))
+            res["results"] = asyncio.run(
+                _run(cfg, switch.vip, region.gaddr, region.rkey, region.tag_key)
+            )
         except (OSError, RuntimeError, ValueError) as exc:
             res["error"] = f"{type(exc).__name__}: {exc}"
             return res, 3
@@ -157,13 +211,17 @@ def run_async_pool_bench(cfg: AsyncPoolBenchConfig) -> tuple[dict[str, Any], int
     bad = sum(r["mismatches"] + r["errors"] for r in rows.values())
     res["ok"] = bad == 0 and all(r["ops"] > 0 for r in rows.values())
     if not res["ok"]:
-        res["error"] = f"{bad} wrong READs or error replies" if bad else "a phase completed no request"
+        res["error"] = (
+            f"{bad} wrong READs or error replies" if bad else "a phase completed no request"
+        )
     return res, 0 if res["ok"] else 1
 
 
 def format_async_text(res: dict[str, Any]) -> str:
-    lines = [f"netdam bench pool --async: {res['clients']} asyncio clients in one event loop, "
-             f"{res['seconds']} s per phase, {res['nodes']} nodes + switch"]  # fmt: skip
+    lines = [
+        f"netdam bench pool --async: {res['clients']} asyncio clients in one event loop, "
+        f"{res['seconds']} s per phase, {res['nodes']} nodes + switch"
+    ]
     lines += phase_table(res["results"], wrong=True)
     if res.get("error"):
         lines.append(f"  error: {res['error']}")

@@ -32,10 +32,15 @@ def machine_info() -> dict[str, Any]:
 
 def phase_table(results: dict[str, dict[str, Any]], wrong: bool = False) -> list[str]:
     """Header and one line per phase: ops/s, p50/p99 us, timeouts (and wrong READs)."""
-    lines = [f"  {'phase':<20}{'ops/s':>12}{'p50 us':>9}{'p99 us':>9}{'timeouts':>10}" + (f"{'wrong':>7}" if wrong else "")]
+    lines = [
+        f"  {'phase':<20}{'ops/s':>12}{'p50 us':>9}{'p99 us':>9}{'timeouts':>10}"
+        + (f"{'wrong':>7}" if wrong else "")
+    ]
     for name, r in results.items():
         p50 = "-" if r["p50_us"] is None else f"{r['p50_us']:.0f}"
         p99 = "-" if r["p99_us"] is None else f"{r['p99_us']:.0f}"
-        lines.append(f"  {name:<20}{r['ops']:>12,.0f}{p50:>9}{p99:>9}{r['timeouts']:>10}"
-                     + (f"{r['mismatches']:>7}" if wrong else ""))  # fmt: skip
+        lines.append(
+            f"  {name:<20}{r['ops']:>12,.0f}{p50:>9}{p99:>9}{r['timeouts']:>10}"
+            + (f"{r['mismatches']:>7}" if wrong else "")
+        )
     return lines

@@ -83,8 +83,22 @@ _T = TypeVar("_T")
 _R = TypeVar("_R", "NodeRegion", Region)
 
 # Header field offsets (SPEC.md 2.1, protocol/layout.py).
-O_VERSION, O_OPCODE, O_FLAGS, O_SEQ, O_CLIENT, O_TXN = H_VERSION, H_OPCODE, H_FLAGS, H_SEQ, H_CLIENT_ID, H_TXN_ID
-O_COLL, O_EPOCH, O_RKEY, O_LENGTH, O_ADDR, O_AUX = H_COLL_ID, H_EPOCH, H_RKEY, H_LENGTH, H_ADDR, H_AUX_ADDR
+O_VERSION, O_OPCODE, O_FLAGS, O_SEQ, O_CLIENT, O_TXN = (
+    H_VERSION,
+    H_OPCODE,
+    H_FLAGS,
+    H_SEQ,
+    H_CLIENT_ID,
+    H_TXN_ID,
+)
+O_COLL, O_EPOCH, O_RKEY, O_LENGTH, O_ADDR, O_AUX = (
+    H_COLL_ID,
+    H_EPOCH,
+    H_RKEY,
+    H_LENGTH,
+    H_ADDR,
+    H_AUX_ADDR,
+)
 O_DTYPE, O_OP, O_STATUS, O_CREDIT = H_DTYPE, H_REDUCE_OP, H_STATUS, H_CREDIT
 O_SEG_TYPE, O_LEFT, O_COUNT = H_SEG_TYPE, H_SEGMENTS_LEFT, H_SEG_COUNT
 O_RES1, O_RET_IP, O_RET_PORT, O_RES2 = H_RESERVED1, H_RET_IP, H_RET_PORT, H_RESERVED2
@@ -101,18 +115,38 @@ EV_WINDOW = 7  # went through the duplicate window: executes, replays, or NACK S
 
 #: Drop counters the oracle predicts (every other drop counter must stay 0).
 DROP_COUNTERS = (
-    C.DROP_TRUNCATED, C.DROP_BAD_REPLY, C.DROP_STALE_EPOCH, C.DROP_TX_FULL, C.DROP_OVERSIZE,
-    C.DROP_UNEXPECTED_REPLY, C.DROP_FAULT, C.DROP_COLL_EARLY, C.DROP_COLL_FORGED,
-)  # fmt: skip
+    C.DROP_TRUNCATED,
+    C.DROP_BAD_REPLY,
+    C.DROP_STALE_EPOCH,
+    C.DROP_TX_FULL,
+    C.DROP_OVERSIZE,
+    C.DROP_UNEXPECTED_REPLY,
+    C.DROP_FAULT,
+    C.DROP_COLL_EARLY,
+    C.DROP_COLL_FORGED,
+)
 
-_DATA_OPCODES = (Opcode.READ, Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE,
-                 Opcode.FETCH_ADD, Opcode.CAS)  # fmt: skip
+_DATA_OPCODES = (
+    Opcode.READ,
+    Opcode.WRITE,
+    Opcode.ADD,
+    Opcode.CHAIN_ADD,
+    Opcode.ALL_WRITE,
+    Opcode.FETCH_ADD,
+    Opcode.CAS,
+)
 _SPARSE_OPCODES = (Opcode.WRITE, Opcode.ALL_WRITE, Opcode.CHAIN_ADD)
 #: Opcodes a node's duplicate window remembers (SPEC.md 7): the oracle predicts their replays.
 WINDOWED_OPCODES = (Opcode.WRITE, Opcode.ADD, Opcode.FETCH_ADD, Opcode.CAS)
-_NEEDS = {Opcode.READ: int(Rights.READ), Opcode.CHAIN_ADD: int(Rights.READ | Rights.WRITE),
-          Opcode.FETCH_ADD: int(Rights.ATOMIC), Opcode.CAS: int(Rights.ATOMIC), Opcode.WRITE: int(Rights.WRITE),
-          Opcode.ADD: int(Rights.WRITE), Opcode.ALL_WRITE: int(Rights.WRITE)}  # fmt: skip
+_NEEDS = {
+    Opcode.READ: int(Rights.READ),
+    Opcode.CHAIN_ADD: int(Rights.READ | Rights.WRITE),
+    Opcode.FETCH_ADD: int(Rights.ATOMIC),
+    Opcode.CAS: int(Rights.ATOMIC),
+    Opcode.WRITE: int(Rights.WRITE),
+    Opcode.ADD: int(Rights.WRITE),
+    Opcode.ALL_WRITE: int(Rights.WRITE),
+}
 #: Bytes per element by DType value (a list: the generator indexes it with raw field values).
 ELEMENT_BYTES = [ELEMENT_SIZE[DType(v)] for v in range(len(DType))]
 #: The highest dtype code (SPEC.md 2.4); codes above it are BAD_DTYPE.
@@ -129,10 +163,24 @@ def expected_statuses(target: str) -> tuple[Status, ...]:
     Unreachable that way, by design: EXISTS and NO_SPACE (REGISTER needs the admin key),
     STALE_EPOCH (reserved), TIMEOUT (collective completions), SPANS_NODES and NO_ROUTE at a
     node (switch statuses), NOT_MEMBER at the switch (JOIN needs the admin key)."""
-    common = [Status.BAD_VERSION, Status.BAD_OPCODE, Status.TRUNCATED, Status.BAD_LENGTH,
-              Status.BAD_DTYPE, Status.BAD_OP, Status.BAD_SEGMENT, Status.BAD_RKEY,
-              Status.NO_RIGHTS, Status.OUT_OF_BOUNDS, Status.MISALIGNED, Status.TOO_LARGE,
-              Status.STALE, Status.UNAUTHORIZED, Status.BAD_FIELD, Status.BUSY]  # fmt: skip
+    common = [
+        Status.BAD_VERSION,
+        Status.BAD_OPCODE,
+        Status.TRUNCATED,
+        Status.BAD_LENGTH,
+        Status.BAD_DTYPE,
+        Status.BAD_OP,
+        Status.BAD_SEGMENT,
+        Status.BAD_RKEY,
+        Status.NO_RIGHTS,
+        Status.OUT_OF_BOUNDS,
+        Status.MISALIGNED,
+        Status.TOO_LARGE,
+        Status.STALE,
+        Status.UNAUTHORIZED,
+        Status.BAD_FIELD,
+        Status.BUSY,
+    ]
     extra = [Status.NOT_MEMBER] if target == "node" else [Status.SPANS_NODES, Status.NO_ROUTE]
     return tuple(sorted(common + extra))
 
@@ -362,17 +410,53 @@ def _weighted(table: Sequence[tuple[_T, int]]) -> list[_T]:
 
 
 def header(
-    op: int, *, flags: int = 0, seq: int = 0, client: int = 0, txn: int = 0, coll: int = 0,
-    epoch: int = 0, rkey: int = 0, length: int = 0, addr: int = 0, aux: int = 0, dtype: int = 0,
-    rop: int = 0, status: int = 0, credit: int = 0, segments: Sequence[int] = (), left: int = 0,
-    ret: int = 0, version: int = 1,
-) -> bytes:  # fmt: skip
+    op: int,
+    *,
+    flags: int = 0,
+    seq: int = 0,
+    client: int = 0,
+    txn: int = 0,
+    coll: int = 0,
+    epoch: int = 0,
+    rkey: int = 0,
+    length: int = 0,
+    addr: int = 0,
+    aux: int = 0,
+    dtype: int = 0,
+    rop: int = 0,
+    status: int = 0,
+    credit: int = 0,
+    segments: Sequence[int] = (),
+    left: int = 0,
+    ret: int = 0,
+    version: int = 1,
+) -> bytes:
     """Fixed header and SR list (segments as ``ip << 16 | port``), packed as SPEC.md 2.1-2.2."""
     head = HEADER_STRUCT.pack(
-        version, op, flags, seq, client, txn, coll, epoch, rkey, length, addr, aux, dtype, rop,
-        status, credit, 1 if segments else 0, left, len(segments), 0, (ret >> 16) & 0xFFFFFFFF,
-        ret & 0xFFFF, 0,
-    )  # fmt: skip
+        version,
+        op,
+        flags,
+        seq,
+        client,
+        txn,
+        coll,
+        epoch,
+        rkey,
+        length,
+        addr,
+        aux,
+        dtype,
+        rop,
+        status,
+        credit,
+        1 if segments else 0,
+        left,
+        len(segments),
+        0,
+        (ret >> 16) & 0xFFFFFFFF,
+        ret & 0xFFFF,
+        0,
+    )
     return bytes(head) + b"".join(SEGMENT_STRUCT.pack(s >> 16, s & 0xFFFF, 0) for s in segments)
 
 
@@ -659,10 +743,24 @@ class DatagramGenerator:
                 else (0xEF4D0000 + d.below(256)) << 16 | 7744
             )
         left = d.below(len(segments)) if segments else 0
-        data = header(op, flags=flags, seq=d.u32() if coll else d.below(1 << 16), client=client,
-                      txn=txn, coll=coll, epoch=d.u32() if coll else 0, rkey=rkey, length=length,
-                      addr=addr, aux=aux, dtype=dtype, rop=d.below(3), segments=segments, left=left,
-                      ret=self._ret())  # fmt: skip
+        data = header(
+            op,
+            flags=flags,
+            seq=d.u32() if coll else d.below(1 << 16),
+            client=client,
+            txn=txn,
+            coll=coll,
+            epoch=d.u32() if coll else 0,
+            rkey=rkey,
+            length=length,
+            addr=addr,
+            aux=aux,
+            dtype=dtype,
+            rop=d.below(3),
+            segments=segments,
+            left=left,
+            ret=self._ret(),
+        )
         return data + payload, Shape(len(segments), sparse, lo, hi, align, stride)
 
     def _other_rkey(self, rkey: int) -> int:
@@ -700,33 +798,94 @@ class DatagramGenerator:
             else:
                 dtype = 0
                 payload = d.blob(32 if op == Opcode.INFO else d.pick([0, 8, 16]))
-            return header(op, coll=coll, status=status, dtype=dtype, length=len(payload), rkey=rkey,
-                          addr=d.u64(), client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
+            return header(
+                op,
+                coll=coll,
+                status=status,
+                dtype=dtype,
+                length=len(payload),
+                rkey=rkey,
+                addr=d.u64(),
+                client=client,
+                txn=txn,
+                ret=ret,
+                flags=flags,
+            ) + payload, Shape()
         if op in (Opcode.REGISTER, Opcode.DEREGISTER):
             payload = pack_key_rights(
                 int(d.pick(self._rkeys)) if d.chance(0.5) else d.u32(), d.below(8)
             )
-            return header(op, rkey=rkey, length=8, addr=d.below(self.layout.memory_bytes),
-                          aux=d.below(1 << 16), client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
+            return header(
+                op,
+                rkey=rkey,
+                length=8,
+                addr=d.below(self.layout.memory_bytes),
+                aux=d.below(1 << 16),
+                client=client,
+                txn=txn,
+                ret=ret,
+                flags=flags,
+            ) + payload, Shape()
         if op in (Opcode.JOIN, Opcode.LEAVE):
             group = (0xEF4D0000 + d.below(256)) << 16 | d.below(1 << 16)
-            return header(op, rkey=rkey, addr=group, aux=int(d.pick(self._nodes_u64)), client=client,
-                          txn=txn, ret=ret, flags=flags), Shape()  # fmt: skip
+            return header(
+                op,
+                rkey=rkey,
+                addr=group,
+                aux=int(d.pick(self._nodes_u64)),
+                client=client,
+                txn=txn,
+                ret=ret,
+                flags=flags,
+            ), Shape()
         if op == Opcode.START_COLL:
             ring = [int(d.pick(self._nodes_u64)) for _ in range(d.between(1, 4))]
-            return header(op, rkey=rkey, length=64, coll=d.between(1, 5), dtype=d.between(0, MAX_DTYPE),
-                          segments=ring, client=client, txn=txn, ret=ret, flags=flags) + d.blob(64), Shape(len(ring))  # fmt: skip
+            return header(
+                op,
+                rkey=rkey,
+                length=64,
+                coll=d.between(1, 5),
+                dtype=d.between(0, MAX_DTYPE),
+                segments=ring,
+                client=client,
+                txn=txn,
+                ret=ret,
+                flags=flags,
+            ) + d.blob(64), Shape(len(ring))
         if (
             op == Opcode.ALLOC
         ):  # pool control (SPEC.md 11.9): rkey 0 half the time, credentials made up
-            payload = struct.pack("<QQIHBB16s", d.u64(), d.u64() if d.chance(0.7) else 0, d.pick([0, 8192, 12]),
-                                  d.below(4), d.below(9), d.pick([0, 0, 0, 1]), d.blob(16))  # fmt: skip
-            return header(op, rkey=0 if d.chance(0.5) else rkey, length=40, client=client, txn=txn, ret=ret,
-                          flags=flags) + payload, Shape()  # fmt: skip
+            payload = struct.pack(
+                "<QQIHBB16s",
+                d.u64(),
+                d.u64() if d.chance(0.7) else 0,
+                d.pick([0, 8192, 12]),
+                d.below(4),
+                d.below(9),
+                d.pick([0, 0, 0, 1]),
+                d.blob(16),
+            )
+            return header(
+                op,
+                rkey=0 if d.chance(0.5) else rkey,
+                length=40,
+                client=client,
+                txn=txn,
+                ret=ret,
+                flags=flags,
+            ) + payload, Shape()
         if op in (Opcode.FREE, Opcode.QUERY):
             payload = struct.pack("<Q", d.u64() if d.chance(0.8) else 0)
-            return header(op, rkey=0 if d.chance(0.5) else rkey, length=8, addr=GLOBAL_BASE + d.below(1 << 24),
-                          client=client, txn=txn, ret=ret, flags=flags) + payload, Shape()  # fmt: skip
+            return header(
+                op,
+                rkey=0 if d.chance(0.5) else rkey,
+                length=8,
+                addr=GLOBAL_BASE + d.below(1 << 24),
+                client=client,
+                txn=txn,
+                ret=ret,
+                flags=flags,
+            ) + payload, Shape()
         return header(
             Opcode.COUNTERS,
             rkey=rkey,
@@ -801,18 +960,44 @@ class DatagramGenerator:
         d = self.d
         (length,) = struct.unpack_from("!I", b, O_LENGTH)
         payload = len(b) - HEADER_SIZE - SEGMENT_SIZE * shape.segments
-        choices = [length + 1, length - 1, length + shape.esize, length - shape.esize, 0,
-                   MAX_PAYLOAD_BYTES, MAX_PAYLOAD_BYTES + 1, 0xFFFFFFFF, payload, payload + 8,
-                   1 << 31, d.u32()]  # fmt: skip
+        choices = [
+            length + 1,
+            length - 1,
+            length + shape.esize,
+            length - shape.esize,
+            0,
+            MAX_PAYLOAD_BYTES,
+            MAX_PAYLOAD_BYTES + 1,
+            0xFFFFFFFF,
+            payload,
+            payload + 8,
+            1 << 31,
+            d.u32(),
+        ]
         struct.pack_into("!I", b, O_LENGTH, d.pick(choices) & 0xFFFFFFFF)
         return b
 
     def _addr_choices(self, value: int, shape: Shape) -> list[int]:
         d = self.d
         lo, hi, e = shape.lo, shape.hi, shape.esize
-        choices = [hi - e, hi, hi + e, lo - e, lo - 1, lo + 1, 0, (1 << 64) - 1, 1 << 63,
-                   (1 << 64) - e, value ^ (1 << d.below(64)), value + e, value - e,
-                   hi + d.below(1 << 20), GLOBAL_BASE - e, d.u64()]  # fmt: skip
+        choices = [
+            hi - e,
+            hi,
+            hi + e,
+            lo - e,
+            lo - 1,
+            lo + 1,
+            0,
+            (1 << 64) - 1,
+            1 << 63,
+            (1 << 64) - e,
+            value ^ (1 << d.below(64)),
+            value + e,
+            value - e,
+            hi + d.below(1 << 20),
+            GLOBAL_BASE - e,
+            d.u64(),
+        ]
         if shape.stride:
             stripe_end = lo + (max(value - lo, 0) // shape.stride + 1) * shape.stride
             choices += [stripe_end - e, stripe_end - 1, stripe_end]
@@ -835,7 +1020,11 @@ class DatagramGenerator:
 
     def _m_dtype(self, b: bytearray, shape: Shape) -> bytearray:
         d = self.d
-        b[O_DTYPE] = d.between(0, MAX_DTYPE) if d.chance(0.7) else d.pick([MAX_DTYPE + 1, MAX_DTYPE + 2, 0x7F, 0xFF])
+        b[O_DTYPE] = (
+            d.between(0, MAX_DTYPE)
+            if d.chance(0.7)
+            else d.pick([MAX_DTYPE + 1, MAX_DTYPE + 2, 0x7F, 0xFF])
+        )
         return b
 
     def _m_reduce_op(self, b: bytearray, shape: Shape) -> bytearray:
@@ -895,8 +1084,17 @@ class DatagramGenerator:
         d = self.d
         if not b:
             return b
-        cuts = [0, 1, 8, HEADER_SIZE - 1, HEADER_SIZE, len(b) - 1, d.below(len(b)),
-                HEADER_SIZE + SEGMENT_SIZE * shape.segments - 1, HEADER_SIZE + SEGMENT_SIZE * max(shape.segments - 1, 0) + 3]  # fmt: skip
+        cuts = [
+            0,
+            1,
+            8,
+            HEADER_SIZE - 1,
+            HEADER_SIZE,
+            len(b) - 1,
+            d.below(len(b)),
+            HEADER_SIZE + SEGMENT_SIZE * shape.segments - 1,
+            HEADER_SIZE + SEGMENT_SIZE * max(shape.segments - 1, 0) + 3,
+        ]
         cut = d.pick(cuts)
         return b[: max(0, min(cut, len(b) - 1))]
 
@@ -999,23 +1197,74 @@ class DatagramGenerator:
 #: Mutations that work on datagrams shorter than a header.
 _ANY_LENGTH = ("bitflip", "byte", "truncate", "extend", "splice")
 _VALID_NODE: list[tuple[str, int]] = [
-    ("READ", 13), ("WRITE", 13), ("ADD", 9), ("CHAIN_ADD", 11), ("ALL_WRITE", 6), ("FETCH_ADD", 8),
-    ("CAS", 6), ("PING", 3), ("READ_RESP", 2), ("ACK", 2), ("NACK", 2), ("INFO", 1),
-    ("REGISTER", 1), ("DEREGISTER", 1), ("JOIN", 1), ("LEAVE", 1), ("START_COLL", 1), ("COUNTERS", 1),
-    ("ALLOC", 1), ("FREE", 1), ("QUERY", 1),
-]  # fmt: skip
+    ("READ", 13),
+    ("WRITE", 13),
+    ("ADD", 9),
+    ("CHAIN_ADD", 11),
+    ("ALL_WRITE", 6),
+    ("FETCH_ADD", 8),
+    ("CAS", 6),
+    ("PING", 3),
+    ("READ_RESP", 2),
+    ("ACK", 2),
+    ("NACK", 2),
+    ("INFO", 1),
+    ("REGISTER", 1),
+    ("DEREGISTER", 1),
+    ("JOIN", 1),
+    ("LEAVE", 1),
+    ("START_COLL", 1),
+    ("COUNTERS", 1),
+    ("ALLOC", 1),
+    ("FREE", 1),
+    ("QUERY", 1),
+]
 _VALID_SWITCH: list[tuple[str, int]] = [
-    ("READ", 14), ("WRITE", 14), ("ADD", 9), ("FETCH_ADD", 8), ("CAS", 6), ("ALL_WRITE", 5),
-    ("MCAST", 7), ("CHAIN_ADD", 3), ("PING", 3), ("READ_RESP", 1), ("ACK", 1), ("NACK", 1),
-    ("INFO", 1), ("REGISTER", 1), ("DEREGISTER", 1), ("JOIN", 1), ("LEAVE", 1), ("START_COLL", 1),
-    ("COUNTERS", 1), ("ALLOC", 1), ("FREE", 1), ("QUERY", 1),
-]  # fmt: skip
+    ("READ", 14),
+    ("WRITE", 14),
+    ("ADD", 9),
+    ("FETCH_ADD", 8),
+    ("CAS", 6),
+    ("ALL_WRITE", 5),
+    ("MCAST", 7),
+    ("CHAIN_ADD", 3),
+    ("PING", 3),
+    ("READ_RESP", 1),
+    ("ACK", 1),
+    ("NACK", 1),
+    ("INFO", 1),
+    ("REGISTER", 1),
+    ("DEREGISTER", 1),
+    ("JOIN", 1),
+    ("LEAVE", 1),
+    ("START_COLL", 1),
+    ("COUNTERS", 1),
+    ("ALLOC", 1),
+    ("FREE", 1),
+    ("QUERY", 1),
+]
 _MUTATIONS: list[tuple[str, int]] = [
-    ("bitflip", 14), ("byte", 8), ("opcode", 8), ("flags", 8), ("length", 10), ("addr", 10),
-    ("aux", 4), ("rkey", 8), ("dtype", 5), ("reduce_op", 3), ("status", 3), ("version", 3),
-    ("reserved", 3), ("segments", 8), ("truncate", 8), ("extend", 6), ("sparse", 4), ("client", 4),
-    ("ret", 3), ("splice", 2),
-]  # fmt: skip
+    ("bitflip", 14),
+    ("byte", 8),
+    ("opcode", 8),
+    ("flags", 8),
+    ("length", 10),
+    ("addr", 10),
+    ("aux", 4),
+    ("rkey", 8),
+    ("dtype", 5),
+    ("reduce_op", 3),
+    ("status", 3),
+    ("version", 3),
+    ("reserved", 3),
+    ("segments", 8),
+    ("truncate", 8),
+    ("extend", 6),
+    ("sparse", 4),
+    ("client", 4),
+    ("ret", 3),
+    ("splice", 2),
+]
 
 
 #: Names of the structured mutations (``DatagramGenerator.apply_mutations``).

@@ -134,7 +134,11 @@ class Oracle:
             else:
                 out.nack(process, int(exc.status))
             return None
-        if packet.flags & Flags.TAGGED and is_control(packet.opcode) and self.layout.target != "switch":
+        if (
+            packet.flags & Flags.TAGGED
+            and is_control(packet.opcode)
+            and self.layout.target != "switch"
+        ):
             out.nack(process, Status.UNAUTHORIZED)  # a control tag where no admin tag key is set
             return None
         if packet.flags & Flags.TAGGED and not packet.coll_id and self.layout.target != "switch":
@@ -282,7 +286,9 @@ class Oracle:
             return
         op = packet.opcode
         tagged = bool(packet.flags & Flags.TAGGED)
-        punted = op in REPLY_OPCODES or op in CONTROL_OPCODES or op in POOL_OPCODES or op == Opcode.PING
+        punted = (
+            op in REPLY_OPCODES or op in CONTROL_OPCODES or op in POOL_OPCODES or op == Opcode.PING
+        )
         if tagged and is_control(op):
             # SPEC.md 2.6 "Control tags": under the admin tag key, which the fuzzer never holds;
             # a pool request with an rkey names a tenant (11.9, "Tenant tags"), and the fuzzer's
@@ -318,7 +324,11 @@ class Oracle:
         if op in POOL_OPCODES:
             # SPEC.md 11.9's order: a wrong admin key, ALLOC's undefined flags, then the
             # caller, who never holds the admin key nor a tenant's credential here.
-            if packet.rkey == 0 and op == Opcode.ALLOC and ALLOC.read(packet.payload, "flags") & ~ALLOC_TAGGED:
+            if (
+                packet.rkey == 0
+                and op == Opcode.ALLOC
+                and ALLOC.read(packet.payload, "flags") & ~ALLOC_TAGGED
+            ):
                 out.nack(sw, Status.BAD_FIELD)
             else:
                 out.nack(sw, Status.UNAUTHORIZED)
@@ -449,9 +459,13 @@ class ProcessTraffic:
 
 
 def counter_checks(
-    layout: Layout, expect: Expectation, deltas: Sequence[np.ndarray], extra: Sequence[np.ndarray],
-    traffic: Sequence[ProcessTraffic], slack: int,
-) -> list[CounterCheck]:  # fmt: skip
+    layout: Layout,
+    expect: Expectation,
+    deltas: Sequence[np.ndarray],
+    extra: Sequence[np.ndarray],
+    traffic: Sequence[ProcessTraffic],
+    slack: int,
+) -> list[CounterCheck]:
     """Hold every process's counter deltas (node layout, netdam.protocol.counters) to the expectation.
 
     *extra*: per process the words beyond the node layout that matter (switch: forwarded,

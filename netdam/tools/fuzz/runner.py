@@ -78,13 +78,23 @@ def run_fuzz(config: FuzzConfig) -> dict[str, Any]:
     if config.target not in TARGETS:
         raise CommandError(f"unknown target {config.target!r}: give node or switch", ExitCode.USAGE)
     if config.memory < NODE_PLAN_BYTES:
-        raise CommandError(f"node memory {config.memory} is too small: give at least {NODE_PLAN_BYTES}", ExitCode.USAGE)
+        raise CommandError(
+            f"node memory {config.memory} is too small: give at least {NODE_PLAN_BYTES}",
+            ExitCode.USAGE,
+        )
     try:
         # --no-guard: the fuzzer sends wrong keys and unvalidated READs on purpose (SPEC.md 12).
-        cluster = start_cluster(config.nodes, memory=config.memory, mtu=config.mtu, switch=config.target == "switch",
-                                guard=False)  # fmt: skip
+        cluster = start_cluster(
+            config.nodes,
+            memory=config.memory,
+            mtu=config.mtu,
+            switch=config.target == "switch",
+            guard=False,
+        )
     except (ClusterStartError, ValueError) as exc:
-        raise CommandError(f"could not start the fuzz cluster: {exc}", ExitCode.RUN_FAILED) from None
+        raise CommandError(
+            f"could not start the fuzz cluster: {exc}", ExitCode.RUN_FAILED
+        ) from None
     with cluster:
         runner = FuzzRunner(config, cluster)
         try:
@@ -145,9 +155,18 @@ class FuzzRunner:
                 plan = node_region_plan(self.config.memory, self.config.seed)
                 for node in nodes:
                     for region in plan:
-                        self.admin.register(node, region.base, region.size, Rights(region.rights), rkey=region.rkey)
-                return Layout("node", nodes, tuple(plan for _ in nodes), self.config.memory, self.config.mtu,
-                              third_party=third_ep, admin_tagged=True)  # fmt: skip
+                        self.admin.register(
+                            node, region.base, region.size, Rights(region.rights), rkey=region.rkey
+                        )
+                return Layout(
+                    "node",
+                    nodes,
+                    tuple(plan for _ in nodes),
+                    self.config.memory,
+                    self.config.mtu,
+                    third_party=third_ep,
+                    admin_tagged=True,
+                )
             return self._setup_pool(nodes, third_ep)
         except ControlError as exc:
             raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
@@ -159,19 +178,36 @@ class FuzzRunner:
         assert self.cluster.switch is not None
         controller = PoolController(self.cluster.path)
         rng = np.random.default_rng([self.config.seed, 11])
-        group: Endpoint = (f"239.77.{int(rng.integers(1, 255))}.{int(rng.integers(1, 255))}", int(rng.integers(1024, 65535)))
+        group: Endpoint = (
+            f"239.77.{int(rng.integers(1, 255))}.{int(rng.integers(1, 255))}",
+            int(rng.integers(1024, 65535)),
+        )
         try:
             # Untagged (SPEC v1): the oracle predicts region access by rkey; tagged regions are
             # checked in tests/core/test_region_tags.py and the isolation campaign.
-            pool = tuple(controller.alloc(size, interleave=stride or None, rights=rights, tenant="fuzz", tagged=False)
-                         for size, stride, rights in POOL_PLAN)  # fmt: skip
+            pool = tuple(
+                controller.alloc(
+                    size, interleave=stride or None, rights=rights, tenant="fuzz", tagged=False
+                )
+                for size, stride, rights in POOL_PLAN
+            )
             for node in nodes:
                 controller.join(group, node)
         except ControllerError as exc:
             raise CommandError(f"fuzz setup refused: {exc}", ExitCode.RUN_FAILED) from None
-        return Layout("switch", nodes, node_regions_of_pool(pool, len(nodes)), self.config.memory,
-                      self.config.mtu, vip=self.cluster.switch.vip, pool=pool, group=group,
-                      group_members=tuple(range(len(nodes))), third_party=third, admin_tagged=True)  # fmt: skip
+        return Layout(
+            "switch",
+            nodes,
+            node_regions_of_pool(pool, len(nodes)),
+            self.config.memory,
+            self.config.mtu,
+            vip=self.cluster.switch.vip,
+            pool=pool,
+            group=group,
+            group_members=tuple(range(len(nodes))),
+            third_party=third,
+            admin_tagged=True,
+        )
 
     # ------------------------------------------------------------ counters
 
@@ -187,8 +223,10 @@ class FuzzRunner:
             from netdam.switch.core import S_SW_BASE
 
             assert self.cluster.switch is not None
-            reply = self.admin.request(self.cluster.switch.entry.control_endpoint,
-                                       Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key))  # fmt: skip
+            reply = self.admin.request(
+                self.cluster.switch.entry.control_endpoint,
+                Packet(Opcode.COUNTERS, rkey=self.cluster.info.admin_key),
+            )
             words = np.frombuffer(reply.payload, "<u8").astype(np.int64)
             values.append(words[: C.NUM_COUNTERS].copy())
             extra.append(words[S_SW_BASE : S_SW_BASE + 2].copy())
@@ -226,7 +264,9 @@ class FuzzRunner:
         misdirected = self._drain_third()
         deltas = [a - b for a, b in zip(after, before, strict=True)]
         extras = [a - b for a, b in zip(after_extra, before_extra, strict=True)]
-        return self._result(layout, generator, expect, self.guard, deltas, extras, sent, seconds, misdirected, error)
+        return self._result(
+            layout, generator, expect, self.guard, deltas, extras, sent, seconds, misdirected, error
+        )
 
     def _calibrate(self, layout: Layout) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The "before" counters, read twice: the difference is what one reading adds (its
@@ -241,15 +281,21 @@ class FuzzRunner:
             t.overhead = b - a
         return before, before_extra
 
-    def _rounds(self, generator: DatagramGenerator, oracle: Oracle, expect: Expectation,
-                memories: list[np.ndarray]) -> tuple[int, str]:  # fmt: skip
+    def _rounds(
+        self,
+        generator: DatagramGenerator,
+        oracle: Oracle,
+        expect: Expectation,
+        memories: list[np.ndarray],
+    ) -> tuple[int, str]:
         """Send every round; (datagrams sent, why the run stopped early or '')."""
         config = self.config
         dst_u64 = [endpoint_to_u64(ep) for ep in self.layout.destinations]
         start = last_progress = time.monotonic()
         sent, rounds, error = 0, 0, ""
         pending: tuple[_Round, list[tuple[int, int, int]]] | None = self._make_round(
-            0, min(config.round_size, config.datagrams), generator, oracle, expect)
+            0, min(config.round_size, config.datagrams), generator, oracle, expect
+        )
         while pending is not None and not error:
             # Send round k, make round k+1 while the processes work, then wait for round k.
             current, writes = pending
@@ -257,7 +303,13 @@ class FuzzRunner:
             self._send([(data, dst_u64[dst]) for data, dst, _ in current.datagrams])
             sent += len(current.datagrams)
             left = config.datagrams - sent
-            pending = self._make_round(rounds + 1, min(config.round_size, left), generator, oracle, expect) if left else None
+            pending = (
+                self._make_round(
+                    rounds + 1, min(config.round_size, left), generator, oracle, expect
+                )
+                if left
+                else None
+            )
             error = self._barrier(rounds)
             if self.guard.check(memories) and self.repro_file is None:
                 self.repro_file = self._save_round(current, "memory violation")
@@ -267,8 +319,11 @@ class FuzzRunner:
             now = time.monotonic()
             if config.progress and now - last_progress >= PROGRESS_EVERY_S:
                 last_progress = now
-                print(f"netdam fuzz: {sent}/{config.datagrams} datagrams ({sent / (now - start):,.0f}/s)",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"netdam fuzz: {sent}/{config.datagrams} datagrams ({sent / (now - start):,.0f}/s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if not error:
             # Twice, apart: a chain hop forwarded just before the first barrier lands by the second.
             error = self._barrier(rounds)
@@ -276,8 +331,9 @@ class FuzzRunner:
             error = error or self._barrier(rounds + 1)
         return sent, error
 
-    def _make_round(self, index: int, n: int, generator: DatagramGenerator, oracle: Oracle,
-                    expect: Expectation) -> tuple[_Round, list[tuple[int, int, int]]]:  # fmt: skip
+    def _make_round(
+        self, index: int, n: int, generator: DatagramGenerator, oracle: Oracle, expect: Expectation
+    ) -> tuple[_Round, list[tuple[int, int, int]]]:
         """Generate a round and its expectation; the writes it may make (authorized when sent)."""
         current = _Round(index)
         writes: list[tuple[int, int, int]] = []
@@ -300,8 +356,18 @@ class FuzzRunner:
         dsts = np.array([dst for _, dst in items], np.uint64)
         done = 0
         while done < len(items):
-            done += int(udp_io.send_batch(self.sock.fileno(), buf, offs[done:], lens[done:], dsts[done:],
-                                           len(items) - done, self.scratch, self.io_state))  # fmt: skip
+            done += int(
+                udp_io.send_batch(
+                    self.sock.fileno(),
+                    buf,
+                    offs[done:],
+                    lens[done:],
+                    dsts[done:],
+                    len(items) - done,
+                    self.scratch,
+                    self.io_state,
+                )
+            )
             if done < len(items):
                 self._receive(0)  # the other side may be waiting for us to drain replies
 
@@ -328,13 +394,25 @@ class FuzzRunner:
             if self.crashed:
                 return "process died: " + ", ".join(self.crashed)
         names = ", ".join(self.layout.process_name(p) for p in sorted(waiting))
-        self.crashed += [f"{self.layout.process_name(p)} (no answer to PING)" for p in sorted(waiting)]
+        self.crashed += [
+            f"{self.layout.process_name(p)} (no answer to PING)" for p in sorted(waiting)
+        ]
         return f"no answer to PING from {names} within {BARRIER_TIMEOUT_S * (BARRIER_RETRIES + 1):.0f} s"
 
     def _receive(self, timeout_ms: int) -> int:
         """Take every datagram waiting on the fuzzer's socket; decode and tally. Returns how many."""
-        n = int(udp_io.recv_batch(self.sock.fileno(), self.rbuf, self.roffs, self.rlens, self.rsrcs,
-                                   self.roffs.shape[0], timeout_ms, self.io_state))  # fmt: skip
+        n = int(
+            udp_io.recv_batch(
+                self.sock.fileno(),
+                self.rbuf,
+                self.roffs,
+                self.rlens,
+                self.rsrcs,
+                self.roffs.shape[0],
+                timeout_ms,
+                self.io_state,
+            )
+        )
         offs, lens, srcs = self.roffs[:n].tolist(), self.rlens[:n].tolist(), self.rsrcs[:n].tolist()
         for off, ln, src in zip(offs, lens, srcs, strict=True):
             self._on_reply(bytes(self.rbuf[off : off + ln]), int(src))
@@ -350,18 +428,24 @@ class FuzzRunner:
             reply = decode_packet(data)
         except RemoteProtocolError as exc:
             if len(self.bad_replies) < 8:
-                self.bad_replies.append(f"{self.layout.process_name(p)}: {exc}: {data[:_QUOTED].hex()}")
+                self.bad_replies.append(
+                    f"{self.layout.process_name(p)}: {exc}: {data[:_QUOTED].hex()}"
+                )
             return
         if reply.opcode not in REPLY_OPCODES:
             if len(self.bad_replies) < 8:
-                self.bad_replies.append(f"{self.layout.process_name(p)}: sent {reply.opcode.name}, not a reply: {data[:_QUOTED].hex()}")
+                self.bad_replies.append(
+                    f"{self.layout.process_name(p)}: sent {reply.opcode.name}, not a reply: {data[:_QUOTED].hex()}"
+                )
             return
         self.reply_ops[int(reply.opcode)] += 1
         if reply.opcode == Opcode.READ_RESP and p < len(self.layout.nodes):
             if self.guard.read_matches(p, reply.addr, reply.payload) is False:
                 self.read_mismatches += 1
                 if len(self.bad_replies) < 8:
-                    self.bad_replies.append(f"{self.layout.process_name(p)}: READ_RESP of bytes nobody wrote differs from memory: {data[:_QUOTED].hex()}")
+                    self.bad_replies.append(
+                        f"{self.layout.process_name(p)}: READ_RESP of bytes nobody wrote differs from memory: {data[:_QUOTED].hex()}"
+                    )
         if reply.opcode == Opcode.NACK:
             self.traffic[p].nacks_received[int(reply.status)] += 1
             self.nack_statuses[int(reply.status)] += 1
@@ -400,9 +484,14 @@ class FuzzRunner:
     def _save_round(self, current: _Round, why: str) -> str:
         directory = self.config.artifacts or Path(tempfile.gettempdir())
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"netdam-fuzz-{self.config.target}-seed{self.config.seed}-round{current.index}.txt"
-        lines = [f"# netdam fuzz --target {self.config.target} --seed {self.config.seed}: round {current.index}: {why}",
-                 "# destination (endpoint), kind, datagram hex; destinations in order of sending"]  # fmt: skip
+        path = (
+            directory
+            / f"netdam-fuzz-{self.config.target}-seed{self.config.seed}-round{current.index}.txt"
+        )
+        lines = [
+            f"# netdam fuzz --target {self.config.target} --seed {self.config.seed}: round {current.index}: {why}",
+            "# destination (endpoint), kind, datagram hex; destinations in order of sending",
+        ]
         for data, dst, kind in current.datagrams:
             ep = self.layout.destinations[dst]
             lines.append(f"{ep[0]}:{ep[1]} {kind} {data.hex()}")
@@ -412,17 +501,27 @@ class FuzzRunner:
     # ------------------------------------------------------------ the result
 
     def _result(
-        self, layout: Layout, generator: DatagramGenerator, expect: Expectation, guard: MemoryGuard,
-        deltas: list[np.ndarray], extras: list[np.ndarray], sent: int, seconds: float, misdirected: int,
+        self,
+        layout: Layout,
+        generator: DatagramGenerator,
+        expect: Expectation,
+        guard: MemoryGuard,
+        deltas: list[np.ndarray],
+        extras: list[np.ndarray],
+        sent: int,
+        seconds: float,
+        misdirected: int,
         error: str,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         silent = self._answers_ping() if not self.crashed else []
         self.crashed += [f"{name} (no answer to PING)" for name in silent]
         kernel_drops = int(sum(int(d[C.KERNEL_DROPS]) for d in deltas))
         own_drops = int(self.io_state[udp_io.ST_KERNEL_DROPS])
         checks: list[CounterCheck] = []
         if not error:
-            checks = counter_checks(layout, expect, deltas, extras, self.traffic, kernel_drops + own_drops)
+            checks = counter_checks(
+                layout, expect, deltas, extras, self.traffic, kernel_drops + own_drops
+            )
         failed = [c.as_dict() for c in checks if not c.ok]
         reached: Counter[int] = Counter()
         for d, t in zip(deltas, self.traffic, strict=True):
@@ -434,9 +533,19 @@ class FuzzRunner:
         stale = sum(int(d[C.NACK_BASE + Status.STALE]) for d in deltas)
         kinds = expect.kinds
         send_errors = int(self.io_state[udp_io.ST_SEND_DROPPED])
-        ok = not (error or self.crashed or guard.violation_bytes or failed or missing["opcodes"]
-                  or missing["statuses"] or misdirected or self.bad_replies or self.foreign or send_errors
-                  or self.read_mismatches)  # fmt: skip
+        ok = not (
+            error
+            or self.crashed
+            or guard.violation_bytes
+            or failed
+            or missing["opcodes"]
+            or missing["statuses"]
+            or misdirected
+            or self.bad_replies
+            or self.foreign
+            or send_errors
+            or self.read_mismatches
+        )
         result: dict[str, Any] = {
             "ok": bool(ok),
             "target": layout.target,
@@ -447,8 +556,13 @@ class FuzzRunner:
             "accepted": kinds["accepted"] + kinds["windowed"] - stale,
             "nacks": kinds["nack"] + stale,
             "drops": kinds["drop"],
-            "by_opcode": {op.name: {"sent": int(expect.sent_by_opcode[int(op)]), "reached": int(reached[int(op)])}
-                          for op in Opcode},  # fmt: skip
+            "by_opcode": {
+                op.name: {
+                    "sent": int(expect.sent_by_opcode[int(op)]),
+                    "reached": int(reached[int(op)]),
+                }
+                for op in Opcode
+            },
             "by_status": {Status(s).name: int(n) for s, n in sorted(self.nack_statuses.items())},
             "crashes": len(self.crashed),
             "crashed": self.crashed,

@@ -84,8 +84,12 @@ class ProbeSocket:
         txn = HEADER.read(data, "txn_id")
         sent = self._sent.get(txn)
         if sent is None:
-            self._sent[txn] = _Sent(time.monotonic(), data[H_OPCODE], HEADER.read(data, "addr"),
-                                    HEADER.read(data, "length"))  # fmt: skip
+            self._sent[txn] = _Sent(
+                time.monotonic(),
+                data[H_OPCODE],
+                HEADER.read(data, "addr"),
+                HEADER.read(data, "length"),
+            )
             if len(self._sent) > 8192:
                 self._prune()
         else:
@@ -211,14 +215,26 @@ class SoakClient:
         self.plan = plan
         self.settings = settings
         self.rng = seeded(plan.seed, plan.index, 0x50A4)
-        self.pool = PoolClient(settings.vip, client_id=plan.client_id, timeout=settings.timeout_s,
-                               retries=settings.retries, window=32, tag_keys=plan.tag_keys())  # fmt: skip
+        self.pool = PoolClient(
+            settings.vip,
+            client_id=plan.client_id,
+            timeout=settings.timeout_s,
+            retries=settings.retries,
+            window=32,
+            tag_keys=plan.tag_keys(),
+        )
         self.probe = ProbeSocket(self.pool.sock, settings.reply_faults)
         self.pool.sock = cast(socket.socket, self.probe)
         self.book = BlockBook(len(plan.blocks))
         self.olds: list[int] = []
-        self.counts = {"reads": 0, "writes": 0, "fetch_adds": 0, "failed_ops": 0,
-                       "unconfirmed_writes": 0, "unconfirmed_increments": 0}  # fmt: skip
+        self.counts = {
+            "reads": 0,
+            "writes": 0,
+            "fetch_adds": 0,
+            "failed_ops": 0,
+            "unconfirmed_writes": 0,
+            "unconfirmed_increments": 0,
+        }
         self.error_samples: list[str] = []
         self.seconds = 0.0
 
@@ -233,8 +249,10 @@ class SoakClient:
             try:
                 self.pool.execute([op.packet for op in ops])
             except PoolError as exc:
-                raise SoakFailure(f"client {self.plan.index}: the first write of its region at "
-                                  f"0x{self.plan.gaddr:x} failed: {exc}") from None  # fmt: skip
+                raise SoakFailure(
+                    f"client {self.plan.index}: the first write of its region at "
+                    f"0x{self.plan.gaddr:x} failed: {exc}"
+                ) from None
             for op in ops:
                 assert op.digest is not None
                 self.book.acknowledged(op.block, op.digest)
@@ -260,18 +278,27 @@ class SoakClient:
 
     def report(self) -> ClientReport:
         return ClientReport(
-            index=self.plan.index, book=self.book, olds=np.array(self.olds, np.uint64),
+            index=self.plan.index,
+            book=self.book,
+            olds=np.array(self.olds, np.uint64),
             latency_us={k: np.array(v, np.float32) for k, v in self.probe.latency_us.items()},
-            counts=dict(self.counts), seconds=self.seconds, retransmits=self.pool.retransmits,
-            injected=dict(self.probe.injected), error_samples=list(self.error_samples),
-        )  # fmt: skip
+            counts=dict(self.counts),
+            seconds=self.seconds,
+            retransmits=self.pool.retransmits,
+            injected=dict(self.probe.injected),
+            error_samples=list(self.error_samples),
+        )
 
     # ------------------------------------------------------------ internals
 
     def _draw_ops(self) -> list[_Op]:
         kinds = self.rng.choice(3, size=self.settings.pipeline, p=self.settings.mix)
         wanted = int(np.count_nonzero(kinds != 2))
-        blocks = iter(self.rng.choice(len(self.plan.blocks), size=min(wanted, len(self.plan.blocks)), replace=False))
+        blocks = iter(
+            self.rng.choice(
+                len(self.plan.blocks), size=min(wanted, len(self.plan.blocks)), replace=False
+            )
+        )
         ops = []
         for kind in kinds:
             if kind == 2:
@@ -286,13 +313,21 @@ class SoakClient:
     def _write_op(self, block: int) -> _Op:
         offset, length = self.plan.blocks[block]
         data = self.rng.bytes(length)
-        packet = Packet(Opcode.WRITE, flags=Flags.ACK_REQ, rkey=self.plan.rkey, addr=self.plan.gaddr + offset,
-                        length=length, payload=data)  # fmt: skip
+        packet = Packet(
+            Opcode.WRITE,
+            flags=Flags.ACK_REQ,
+            rkey=self.plan.rkey,
+            addr=self.plan.gaddr + offset,
+            length=length,
+            payload=data,
+        )
         return _Op(Opcode.WRITE, block, checksum(data), packet)
 
     def _read_op(self, block: int) -> _Op:
         offset, length = self.plan.blocks[block]
-        packet = Packet(Opcode.READ, rkey=self.plan.rkey, addr=self.plan.gaddr + offset, length=length)
+        packet = Packet(
+            Opcode.READ, rkey=self.plan.rkey, addr=self.plan.gaddr + offset, length=length
+        )
         return _Op(Opcode.READ, block, None, packet)
 
     def _complete(self, op: _Op, reply: Packet) -> None:
@@ -304,8 +339,10 @@ class SoakClient:
             self.counts["reads"] += 1
             verdict = self.book.check(op.block, reply.payload)
             if verdict != OK:
-                self._sample(f"client {self.plan.index}: READ of block {op.block} at 0x{op.packet.addr:x} "
-                             f"({op.packet.length} bytes) found {verdict} data")  # fmt: skip
+                self._sample(
+                    f"client {self.plan.index}: READ of block {op.block} at 0x{op.packet.addr:x} "
+                    f"({op.packet.length} bytes) found {verdict} data"
+                )
         else:
             self.counts["fetch_adds"] += 1
             self.olds.append(unpack_u64(reply.payload))
@@ -320,10 +357,15 @@ class SoakClient:
                 self.counts["unconfirmed_writes"] += 1
             elif op.kind == Opcode.FETCH_ADD:
                 self.counts["unconfirmed_increments"] += 1
-        waiting = "; ".join(f"{Opcode(s.opcode).name} 0x{s.addr:x} ({s.length} B, node {self.plan.node_of(s.addr)}) "
-                            f"sent {s.sends}x" for s in self.probe.unanswered(start))  # fmt: skip
-        self._sample(f"client {self.plan.index}: batch of {len(ops)} operations not acknowledged at "
-                     f"t={start:.3f}: {exc}" + (f" [unanswered: {waiting}]" if waiting else ""))  # fmt: skip
+        waiting = "; ".join(
+            f"{Opcode(s.opcode).name} 0x{s.addr:x} ({s.length} B, node {self.plan.node_of(s.addr)}) "
+            f"sent {s.sends}x"
+            for s in self.probe.unanswered(start)
+        )
+        self._sample(
+            f"client {self.plan.index}: batch of {len(ops)} operations not acknowledged at "
+            f"t={start:.3f}: {exc}" + (f" [unanswered: {waiting}]" if waiting else "")
+        )
         time.sleep(self.settings.quiesce_s)
 
     def _sample(self, message: str) -> None:

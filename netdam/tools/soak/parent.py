@@ -93,6 +93,7 @@ if TYPE_CHECKING:
     from netdam.switch.addrmap import Region
     from netdam.switch.controller import PoolController
 
+
 @dataclass
 class _Pool:
     path: Path
@@ -146,25 +147,48 @@ def _pool_cluster(config: SoakConfig) -> Iterator[_Pool]:
 
     if config.cluster is not None:
         info, vip, control = _check_cluster_file(config.cluster)
-        yield _Pool(config.cluster, info, vip, control, False, 0.0, fault_links(config, len(info.nodes), own=False))
+        yield _Pool(
+            config.cluster,
+            info,
+            vip,
+            control,
+            False,
+            0.0,
+            fault_links(config, len(info.nodes), own=False),
+        )
         return
     on_switch = config.fault_site == "switch"
     text = switch_fault_text(config, config.nodes) if on_switch else ""
     node_faults = FaultSpec() if on_switch else config.reply_faults()
     try:
-        cluster = start_cluster(config.nodes, memory=NODE_MEMORY, switch=True, switch_faults=text,
-                                switch_seed=config.seed, faults=node_faults)  # fmt: skip
+        cluster = start_cluster(
+            config.nodes,
+            memory=NODE_MEMORY,
+            switch=True,
+            switch_faults=text,
+            switch_seed=config.seed,
+            faults=node_faults,
+        )
     except (ClusterStartError, ValueError, OSError) as exc:
         raise SoakFailure(f"could not start the soak's cluster: {exc}") from None
     try:
         entry = cluster.switch.entry
-        yield _Pool(cluster.path, cluster.info, entry.vip, entry.control_endpoint, True,
-                    cluster.startup_seconds, fault_links(config, config.nodes, own=True))  # fmt: skip
+        yield _Pool(
+            cluster.path,
+            cluster.info,
+            entry.vip,
+            entry.control_endpoint,
+            True,
+            cluster.startup_seconds,
+            fault_links(config, config.nodes, own=True),
+        )
     finally:
         cluster.stop()
 
 
-def _allocate(controller: PoolController, config: SoakConfig, nodes: int, allocated: list[Region]) -> SoakLayout:
+def _allocate(
+    controller: PoolController, config: SoakConfig, nodes: int, allocated: list[Region]
+) -> SoakLayout:
     """One region per client and the counter's region (every region lands in *allocated*)."""
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.switch.controller import ControllerError as AllocError
@@ -172,22 +196,42 @@ def _allocate(controller: PoolController, config: SoakConfig, nodes: int, alloca
     rng = seeded(config.seed, 0xA110C)
     ids = client_ids(config.seed, config.clients + 1)
     try:
-        counter = controller.alloc(COUNTER_REGION, 8 * KiB if nodes > 1 else None, tenant="soak-counter")
+        counter = controller.alloc(
+            COUNTER_REGION, 8 * KiB if nodes > 1 else None, tenant="soak-counter"
+        )
         allocated.append(counter)
         regions = []
         for k in range(config.clients):
             size, stride, ways = draw_region(rng, nodes)
-            region = controller.alloc(size, stride or None, ways=ways if stride else None, tenant=f"soak-{k}")
+            region = controller.alloc(
+                size, stride or None, ways=ways if stride else None, tenant=f"soak-{k}"
+            )
             allocated.append(region)
             regions.append(region)
     except AllocError as exc:
         raise SoakFailure(f"could not allocate the soak's regions: {exc}") from None
     counter_addr = counter.gaddr + 8 * int(rng.integers(0, COUNTER_REGION // 8))
     counter_node = counter.locate(counter_addr - counter.gaddr)[0]
-    plans = [ClientPlan(k, ids[k], config.seed, r.gaddr, r.rkey, r.size, r.stride, len(r.ways),
-                        tuple(layout_blocks(r.size, r.stride, rng)), counter_addr, counter.rkey,
-                        tuple(w.node for w in r.ways), counter_node, r.tag_key, counter.tag_key)
-             for k, r in enumerate(regions)]  # fmt: skip
+    plans = [
+        ClientPlan(
+            k,
+            ids[k],
+            config.seed,
+            r.gaddr,
+            r.rkey,
+            r.size,
+            r.stride,
+            len(r.ways),
+            tuple(layout_blocks(r.size, r.stride, rng)),
+            counter_addr,
+            counter.rkey,
+            tuple(w.node for w in r.ways),
+            counter_node,
+            r.tag_key,
+            counter.tag_key,
+        )
+        for k, r in enumerate(regions)
+    ]
     return SoakLayout(plans, regions, counter, counter_addr)
 
 
@@ -200,7 +244,9 @@ class _Children:
         self.conns: list[Connection] = []
         for index in range(count):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=client_main, args=(child,), daemon=True, name=f"netdam-soak-client-{index}")
+            proc = ctx.Process(
+                target=client_main, args=(child,), daemon=True, name=f"netdam-soak-client-{index}"
+            )
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -214,18 +260,24 @@ class _Children:
         started = time.monotonic()
         while not conn.poll(0.2):
             if not proc.is_alive() and not conn.poll(0):
-                raise SoakFailure(f"client {index} (pid {proc.pid}) exited with code {proc.exitcode} "
-                                  f"before reporting {tag!r}")  # fmt: skip
+                raise SoakFailure(
+                    f"client {index} (pid {proc.pid}) exited with code {proc.exitcode} "
+                    f"before reporting {tag!r}"
+                )
             now = time.monotonic()
             reason = stall_reason(watch, started, now) if timeout is None else None
             if reason is not None or (timeout is not None and now - started > timeout):
                 why = reason or f"did not report it within {timeout:.0f} s"
-                raise SoakFailure(f"client {index} (pid {proc.pid}) {why} before reporting {tag!r}: the "
-                                  "machine may be overloaded; try fewer --clients")  # fmt: skip
+                raise SoakFailure(
+                    f"client {index} (pid {proc.pid}) {why} before reporting {tag!r}: the "
+                    "machine may be overloaded; try fewer --clients"
+                )
         try:
             got, body = conn.recv()
         except EOFError:
-            raise SoakFailure(f"client {index} (pid {proc.pid}) closed its pipe before reporting {tag!r}") from None
+            raise SoakFailure(
+                f"client {index} (pid {proc.pid}) closed its pipe before reporting {tag!r}"
+            ) from None
         if got == "error":
             raise SoakFailure(str(body))
         return body
@@ -234,7 +286,9 @@ class _Children:
         try:
             self.conns[index].send(message)
         except OSError as exc:
-            raise SoakFailure(f"client {index} (pid {self.procs[index].pid}) is gone: {exc}") from None
+            raise SoakFailure(
+                f"client {index} (pid {self.procs[index].pid}) is gone: {exc}"
+            ) from None
 
     def stop(self) -> None:
         """Close the pipes (a client waiting on one exits) and reap the processes."""
@@ -247,8 +301,13 @@ class _Children:
                 proc.join(timeout=5)
 
 
-def _run_clients(children: _Children, layout: SoakLayout, settings: ClientSettings, seconds: float,
-                 phases: dict[str, float]) -> list[ClientReport]:  # fmt: skip
+def _run_clients(
+    children: _Children,
+    layout: SoakLayout,
+    settings: ClientSettings,
+    seconds: float,
+    phases: dict[str, float],
+) -> list[ClientReport]:
     """Hand every client its plan, wait until each filled its region, run them, collect reports."""
     for plan in layout.plans:
         children.send(plan.index, ("plan", (plan, settings)))
@@ -271,22 +330,37 @@ class FinalCheck:
     messages: list[str] = field(default_factory=list)
 
 
-def _verify(pool: _Pool, layout: SoakLayout, reports: list[ClientReport], settings: ClientSettings,
-            verifier_id: int) -> FinalCheck:  # fmt: skip
+def _verify(
+    pool: _Pool,
+    layout: SoakLayout,
+    reports: list[ClientReport],
+    settings: ClientSettings,
+    verifier_id: int,
+) -> FinalCheck:
     """Read every block back (checked into each client's book), then the counter."""
     check = FinalCheck()
-    with PoolClient(pool.vip, client_id=verifier_id, timeout=settings.timeout_s, retries=settings.retries,
-                    window=32, tag_keys=tag_keys_of(*layout.regions, layout.counter_region)) as client:  # fmt: skip
+    with PoolClient(
+        pool.vip,
+        client_id=verifier_id,
+        timeout=settings.timeout_s,
+        retries=settings.retries,
+        window=32,
+        tag_keys=tag_keys_of(*layout.regions, layout.counter_region),
+    ) as client:
         for plan, report in zip(layout.plans, reports, strict=True):
             _verify_region(client, plan, report.book, check)
         try:
-            check.counter = int.from_bytes(client.read(layout.counter_addr, 8, layout.counter_region.rkey), "little")
+            check.counter = int.from_bytes(
+                client.read(layout.counter_addr, 8, layout.counter_region.rkey), "little"
+            )
         except PoolError as exc:
             raise SoakFailure(f"could not read the shared counter back: {exc}") from None
     return check
 
 
-def _verify_region(client: PoolClient, plan: ClientPlan, book: BlockBook, check: FinalCheck) -> None:
+def _verify_region(
+    client: PoolClient, plan: ClientPlan, book: BlockBook, check: FinalCheck
+) -> None:
     requests = [(plan.gaddr + off, length, plan.rkey) for off, length in plan.blocks]
     for start in range(0, len(requests), VERIFY_BATCH):
         chunk = requests[start : start + VERIFY_BATCH]
@@ -294,13 +368,17 @@ def _verify_region(client: PoolClient, plan: ClientPlan, book: BlockBook, check:
             datas = client.read_many(chunk)
         except PoolError as exc:
             check.failed_reads += len(chunk)
-            check.messages.append(f"final check of client {plan.index}'s blocks {start}..{start + len(chunk) - 1} failed: {exc}")
+            check.messages.append(
+                f"final check of client {plan.index}'s blocks {start}..{start + len(chunk) - 1} failed: {exc}"
+            )
             continue
         for k, data in enumerate(datas):
             verdict = book.check(start + k, data)
             if verdict != OK:
-                check.messages.append(f"final check: client {plan.index} block {start + k} at 0x{chunk[k][0]:x} "
-                                      f"({chunk[k][1]} bytes) holds {verdict} data")  # fmt: skip
+                check.messages.append(
+                    f"final check: client {plan.index} block {start + k} at 0x{chunk[k][0]:x} "
+                    f"({chunk[k][1]} bytes) holds {verdict} data"
+                )
         check.blocks += len(chunk)
         check.bytes += sum(length for _, length, _ in chunk)
 
@@ -320,7 +398,9 @@ def _counter_snapshot(pool: _Pool) -> dict[str, int]:
                 out["switch_fault_dups"] += port["fault_dups"]
                 out["switch_fault_held"] += port["fault_held"]
             out["switch_kernel_drops"] = int(switch["kernel_drops"])  # type: ignore[call-overload]
-            out["switch_other_drops"] = int(switch["drops"]) - int(switch["drop_fault"]) - out["switch_kernel_drops"]  # type: ignore[call-overload]
+            out["switch_other_drops"] = (
+                int(switch["drops"]) - int(switch["drop_fault"]) - out["switch_kernel_drops"]
+            )  # type: ignore[call-overload]
             for node in pool.info.nodes:
                 values = admin.counters(node.endpoint)
                 named = C.counters_to_dict(values)
@@ -329,25 +409,45 @@ def _counter_snapshot(pool: _Pool) -> dict[str, int]:
                 out["node_stale_nacks"] += int(values[C.NACK_BASE + int(Status.STALE)])
                 out["node_fault_drops"] += int(values[C.DROP_FAULT])
                 out["node_kernel_drops"] += int(values[C.KERNEL_DROPS])
-                out["node_other_drops"] += int(named["drops"]) - int(values[C.DROP_FAULT]) - int(values[C.KERNEL_DROPS])  # type: ignore[call-overload]
+                out["node_other_drops"] += (
+                    int(named["drops"]) - int(values[C.DROP_FAULT]) - int(values[C.KERNEL_DROPS])
+                )  # type: ignore[call-overload]
         except ControlError as exc:
             raise SoakFailure(f"could not read the switch's and nodes' counters: {exc}") from None
     return out
 
 
 def _settings(config: SoakConfig, vip: Endpoint) -> ClientSettings:
-    return ClientSettings(vip, config.pipeline, config.timeout_ms / 1000.0, config.retries, config.mix,
-                          config.reply_faults(), config.quiesce_s)  # fmt: skip
+    return ClientSettings(
+        vip,
+        config.pipeline,
+        config.timeout_ms / 1000.0,
+        config.retries,
+        config.mix,
+        config.reply_faults(),
+        config.quiesce_s,
+    )
 
 
-def _reset_counter(pool: _Pool, layout: SoakLayout, settings: ClientSettings, verifier_id: int) -> int:
-    with PoolClient(pool.vip, client_id=verifier_id, timeout=settings.timeout_s, retries=settings.retries,
-                    tag_keys=tag_keys_of(layout.counter_region)) as client:  # fmt: skip
+def _reset_counter(
+    pool: _Pool, layout: SoakLayout, settings: ClientSettings, verifier_id: int
+) -> int:
+    with PoolClient(
+        pool.vip,
+        client_id=verifier_id,
+        timeout=settings.timeout_s,
+        retries=settings.retries,
+        tag_keys=tag_keys_of(layout.counter_region),
+    ) as client:
         try:
             client.write(layout.counter_addr, bytes(8), layout.counter_region.rkey)
-            return int.from_bytes(client.read(layout.counter_addr, 8, layout.counter_region.rkey), "little")
+            return int.from_bytes(
+                client.read(layout.counter_addr, 8, layout.counter_region.rkey), "little"
+            )
         except PoolError as exc:
-            raise SoakFailure(f"could not reset the shared counter at 0x{layout.counter_addr:x}: {exc}") from None
+            raise SoakFailure(
+                f"could not reset the shared counter at 0x{layout.counter_addr:x}: {exc}"
+            ) from None
 
 
 def run_soak(config: SoakConfig) -> dict[str, Any]:
@@ -410,13 +510,34 @@ def _free(controller: PoolController, regions: list[Region]) -> None:
 
 
 def _empty_result(config: SoakConfig) -> dict[str, Any]:
-    keys = ("ops", "ops_per_second", "lost_writes", "corrupt_reads", "counter_error", "errors",
-            "counter_old_value_errors", "unconfirmed_writes", "unconfirmed_increments")  # fmt: skip
-    return {"ok": False, **dict.fromkeys(keys), "clients": config.clients, "seconds": config.seconds}
+    keys = (
+        "ops",
+        "ops_per_second",
+        "lost_writes",
+        "corrupt_reads",
+        "counter_error",
+        "errors",
+        "counter_old_value_errors",
+        "unconfirmed_writes",
+        "unconfirmed_increments",
+    )
+    return {
+        "ok": False,
+        **dict.fromkeys(keys),
+        "clients": config.clients,
+        "seconds": config.seconds,
+    }
 
 
-def _summarize(config: SoakConfig, pool: _Pool, layout: SoakLayout, reports: list[ClientReport], initial: int,
-               final: FinalCheck, observed: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+def _summarize(
+    config: SoakConfig,
+    pool: _Pool,
+    layout: SoakLayout,
+    reports: list[ClientReport],
+    initial: int,
+    final: FinalCheck,
+    observed: dict[str, int],
+) -> dict[str, Any]:
     counts = {k: sum(r.counts[k] for r in reports) for k in reports[0].counts}
     olds = np.concatenate([r.olds for r in reports]) if reports else np.zeros(0, np.uint64)
     counter = check_counter(initial, final.counter, olds, counts["unconfirmed_increments"])
@@ -425,7 +546,13 @@ def _summarize(config: SoakConfig, pool: _Pool, layout: SoakLayout, reports: lis
     lost = sum(r.book.lost_writes for r in reports)
     corrupt = sum(r.book.corrupt_reads for r in reports)
     errors = counts["failed_ops"] + final.failed_reads
-    ok = lost == 0 and corrupt == 0 and errors == 0 and counter["counter_error"] == 0 and counter["counter_old_value_errors"] == 0
+    ok = (
+        lost == 0
+        and corrupt == 0
+        and errors == 0
+        and counter["counter_error"] == 0
+        and counter["counter_old_value_errors"] == 0
+    )
     injected = {k: sum(r.injected[k] for r in reports) for k in reports[0].injected}
     return {
         "ok": ok,
@@ -444,25 +571,51 @@ def _summarize(config: SoakConfig, pool: _Pool, layout: SoakLayout, reports: lis
         "fetch_adds": counts["fetch_adds"],
         "verified_blocks": final.blocks,
         "verified_bytes": final.bytes,
-        "latency_us": {op.name.lower(): latency_summary(np.concatenate([r.latency_us[int(op)] for r in reports]))
-                       for op in KINDS},  # fmt: skip
+        "latency_us": {
+            op.name.lower(): latency_summary(
+                np.concatenate([r.latency_us[int(op)] for r in reports])
+            )
+            for op in KINDS
+        },
         "retransmits": sum(r.retransmits for r in reports),
         "clients": config.clients,
         "seconds": round(seconds, 3),
         "nodes": len(pool.info.nodes),
         "pipeline": config.pipeline,
         "seed": config.seed,
-        "faults": {"loss": config.loss, "dup": config.dup, "reorder": config.reorder, "delay_ms": config.delay_ms,
-                   "delay_prob": config.delay_prob if config.delay_ms else 0.0, "links": pool.fault_links},  # fmt: skip
-        "injected": {"client_recv": injected, **{k: v for k, v in observed.items() if k.startswith("switch_fault")}},
-        "switch_counters": {k[7:]: v for k, v in observed.items() if k.startswith("switch_") and "fault" not in k},
+        "faults": {
+            "loss": config.loss,
+            "dup": config.dup,
+            "reorder": config.reorder,
+            "delay_ms": config.delay_ms,
+            "delay_prob": config.delay_prob if config.delay_ms else 0.0,
+            "links": pool.fault_links,
+        },
+        "injected": {
+            "client_recv": injected,
+            **{k: v for k, v in observed.items() if k.startswith("switch_fault")},
+        },
+        "switch_counters": {
+            k[7:]: v for k, v in observed.items() if k.startswith("switch_") and "fault" not in k
+        },
         "node_counters": {k[5:]: v for k, v in observed.items() if k.startswith("node_")},
-        "regions": [{"client": p.index, "gaddr": p.gaddr, "size": p.size, "stride": p.stride, "ways": p.ways,
-                     "blocks": len(p.blocks)} for p in layout.plans],  # fmt: skip
+        "regions": [
+            {
+                "client": p.index,
+                "gaddr": p.gaddr,
+                "size": p.size,
+                "stride": p.stride,
+                "ways": p.ways,
+                "blocks": len(p.blocks),
+            }
+            for p in layout.plans
+        ],
         "counter_addr": layout.counter_addr,
         "startup_seconds": round(pool.startup_seconds, 3),
         "cluster": str(pool.path) if not pool.own else None,
-        "error_samples": ([s for r in reports for s in r.error_samples] + final.messages)[:ERROR_SAMPLES],
+        "error_samples": ([s for r in reports for s in r.error_samples] + final.messages)[
+            :ERROR_SAMPLES
+        ],
     }
 
 

@@ -38,9 +38,19 @@ REORDER_HOLD_S = 0.002
 ATTEMPT_MEMORY = 1 << 16
 ERROR_SAMPLES = 10
 FAULT_SITES = ("switch", "nodes")
-SNAPSHOT_KEYS = ("switch_fault_drops", "switch_fault_dups", "switch_fault_held", "switch_kernel_drops",
-                 "switch_other_drops", "node_dup_replays", "node_dup_silent", "node_stale_nacks",
-                 "node_fault_drops", "node_kernel_drops", "node_other_drops")  # fmt: skip
+SNAPSHOT_KEYS = (
+    "switch_fault_drops",
+    "switch_fault_dups",
+    "switch_fault_held",
+    "switch_kernel_drops",
+    "switch_other_drops",
+    "node_dup_replays",
+    "node_dup_silent",
+    "node_stale_nacks",
+    "node_fault_drops",
+    "node_kernel_drops",
+    "node_other_drops",
+)
 
 OK, LOST, CORRUPT = "ok", "lost", "corrupt"
 
@@ -87,13 +97,21 @@ class SoakConfig:
         if self.fault_site not in FAULT_SITES:
             raise ValueError(f"fault site {self.fault_site!r}: use one of {', '.join(FAULT_SITES)}")
         if abs(sum(self.mix) - 1.0) > 1e-9 or min(self.mix) < 0:
-            raise ValueError(f"operation mix {self.mix} must be 3 non-negative fractions summing to 1")
+            raise ValueError(
+                f"operation mix {self.mix} must be 3 non-negative fractions summing to 1"
+            )
         self.reply_faults()  # validates the probabilities
 
     def reply_faults(self) -> FaultSpec:
         """Faults on the clients' receive side (the replies)."""
-        return FaultSpec(loss=self.loss, dup=self.dup, reorder=self.reorder, delay_s=self.delay_ms / 1000.0,
-                         delay=self.delay_prob if self.delay_ms else 0.0, seed=self.seed)  # fmt: skip
+        return FaultSpec(
+            loss=self.loss,
+            dup=self.dup,
+            reorder=self.reorder,
+            delay_s=self.delay_ms / 1000.0,
+            delay=self.delay_prob if self.delay_ms else 0.0,
+            seed=self.seed,
+        )
 
     @property
     def quiesce_s(self) -> float:
@@ -258,7 +276,11 @@ def check_counter(initial: int, final: int, olds: np.ndarray, unconfirmed: int) 
         error = delta - acked - unconfirmed
     else:
         error = 0
-    rel = (olds.astype(np.uint64) - np.uint64(initial % (1 << 64))) if acked else olds.astype(np.uint64)
+    rel = (
+        (olds.astype(np.uint64) - np.uint64(initial % (1 << 64)))
+        if acked
+        else olds.astype(np.uint64)
+    )
     out_of_range = int(np.count_nonzero(rel >= np.uint64(delta))) if acked else 0
     collisions = acked - int(np.unique(rel).shape[0]) if acked else 0
     return {
@@ -276,9 +298,14 @@ def latency_summary(samples_us: np.ndarray) -> dict[str, float | int | None]:
     if samples_us.size == 0:
         return {"count": 0, "p50": None, "p90": None, "p99": None, "p999": None, "max": None}
     p50, p90, p99, p999 = np.percentile(samples_us, [50, 90, 99, 99.9])
-    return {"count": int(samples_us.size), "p50": round(float(p50), 1), "p90": round(float(p90), 1),
-            "p99": round(float(p99), 1), "p999": round(float(p999), 1),
-            "max": round(float(samples_us.max()), 1)}  # fmt: skip
+    return {
+        "count": int(samples_us.size),
+        "p50": round(float(p50), 1),
+        "p90": round(float(p90), 1),
+        "p99": round(float(p99), 1),
+        "p999": round(float(p999), 1),
+        "max": round(float(samples_us.max()), 1),
+    }
 
 
 # ---------------------------------------------------------------- the parent
