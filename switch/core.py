@@ -1,7 +1,7 @@
 """SwitchCore: the pool switch, sans-I/O and batch-shaped, with the same verbs as NodeCore.
 
 ``receive_batch(buf, offs, lens, srcs, n, now)`` runs a batch through one numba call
-(``netdam.kernels.switch_path._switch_round``: receive faults, translation or replication,
+(``netdam.kernels.switch_path.switch_round_kernel``: receive faults, translation or replication,
 transmit faults); ``fill_send_batch(out, out_offs, out_lens, out_dsts, now) -> n`` hands back
 what to send. Control opcodes, PING and replies are punted to Python here (JOIN/LEAVE of
 multicast groups, COUNTERS, INFO). The switch keeps no per-request state: nodes answer the

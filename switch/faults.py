@@ -2,7 +2,7 @@
 
 Links are the switch's ports: ``client`` (port 0: every endpoint that is not a cluster node) and
 ``node<R>`` (port 1 + R). Directions: ``rx`` (into the switch from that link) and ``tx`` (out of
-the switch onto it). Decisions are ``_fault_hash(seed, src, dst, packet id, attempt)`` like the
+the switch onto it). Decisions are ``fault_hash(seed, src, dst, packet id, attempt)`` like the
 nodes' (BRIEF section 7), so a seeded run replays; "drop the k-th packet of opcode X" counts
 packets of that opcode per link and direction in arrival order (deterministic for one stream).
 

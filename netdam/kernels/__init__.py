@@ -11,10 +11,10 @@ types, not their constant values (netdam.kernels.dispatch), which cuts a third o
 from __future__ import annotations
 
 from netdam.kernels.cache_dir import announce_cold_cache, install_cache_locator
-from netdam.kernels.dispatch import _unliteral_calls
+from netdam.kernels.dispatch import unliteral_calls
 
 install_cache_locator()
-_unliteral_calls()  # before any kernel compiles: one specialization per type (dispatch.py)
+unliteral_calls()  # before any kernel compiles: one specialization per type (dispatch.py)
 # The kernel modules compile their typed signatures as they are imported: on a first run that
 # is most of the compile, and the user should hear why nothing happens before it starts.
 announce_cold_cache()

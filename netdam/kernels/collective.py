@@ -5,9 +5,9 @@ The clock, ``_coll_tick``, runs every serve round (and on every fabric step in t
 originates chain heads within the credit window, re-sends chains whose ACK is late, multicasts
 (or fans out) the chunks of this node's block as soon as the chain stores them, READs missing
 all-gather chunks from their owner when progress stalls, and reports completion to the host.
-The per-packet side (``_chain_add``: combine in flight and store at the last hop; ``_all_write``;
-``_coll_reply``: ACK capture, BUSY, repair READ answers, DONE and bitmap messages) is called by
-``datapath._process_batch``, which only dispatches. ``netdam.core.collective`` owns the arrays.
+The per-packet side (``chain_add_hop``: combine in flight and store at the last hop; ``all_write``;
+``coll_reply``: ACK capture, BUSY, repair READ answers, DONE and bitmap messages) is called by
+``datapath.process_batch_kernel``, which only dispatches. ``netdam.core.collective`` owns the arrays.
 
 ``cfg`` (int64) indices are the ``CFG_*`` constants; ``fcfg`` (float64) the ``F_*`` ones.
 """
@@ -20,48 +20,48 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
-from netdam.kernels.combine import _combine_bytes
+from netdam.kernels.combine import combine_bytes
 from netdam.kernels.state import CollSlots, CollState, NodeState, TxQueue
-from netdam.kernels.tag import _seal, _tag_ok
+from netdam.kernels.tag import seal_tag, tag_matches
 from netdam.kernels.wire import (
-    _ESIZE,
-    _F_ACK_REQ,
-    _F_SPARSE,
-    _HDR,
-    _IS_CONTROL,
-    _OP_ACK,
-    _OP_ALL_WRITE,
-    _OP_CHAIN_ADD,
-    _OP_NACK,
-    _OP_READ,
-    _OP_READ_RESP,
-    _PHASE_NOT_STARTED,
-    _PHASE_RUNNING,
-    _PHASE_STALE,
-    _R_READ,
-    _R_WRITE,
-    _S_BUSY,
-    _S_NOT_MEMBER,
-    _S_TOO_LARGE,
-    _SEG,
-    _SLOT,
-    _check_access,
-    _copy,
-    _emit_ack,
-    _emit_nack,
-    _encode_payload,
-    _is_member,
-    _put_le32,
-    _put_le64,
-    _rd16,
-    _rd32,
-    _rd64,
-    _reply_dst,
-    _scratch,
-    _sparse_expand,
-    _wr16,
-    _wr32,
-    _wr64,
+    ESIZE,
+    F_ACK_REQ,
+    F_SPARSE,
+    HDR,
+    IS_CONTROL,
+    OP_ACK,
+    OP_ALL_WRITE,
+    OP_CHAIN_ADD,
+    OP_NACK,
+    OP_READ,
+    OP_READ_RESP,
+    PHASE_NOT_STARTED,
+    PHASE_RUNNING,
+    PHASE_STALE,
+    R_READ,
+    R_WRITE,
+    S_BUSY,
+    S_NOT_MEMBER,
+    S_TOO_LARGE,
+    SEG,
+    SLOT,
+    check_access,
+    copy_bytes,
+    emit_ack,
+    emit_nack,
+    encode_payload,
+    is_member,
+    put_le32,
+    put_le64,
+    rd16,
+    rd32,
+    rd64,
+    reply_dst,
+    scratch_slot,
+    sparse_expand,
+    wr16,
+    wr32,
+    wr64,
 )
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags
@@ -255,17 +255,17 @@ _F_RETRY = int(Flags.RETRY)
 @njit(cache=True, nogil=True)
 def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):
     """Write a v1 header for this collective into t (segs: SR entries that follow)."""
-    t[:_HDR] = 0
+    t[:HDR] = 0
     t[H_VERSION] = 1
     t[H_OPCODE] = opcode
-    _wr16(t, H_FLAGS, flags)
-    _wr32(t, H_SEQ, seq)
-    _wr32(t, H_COLL_ID, cfg[CFG_COLL])
-    _wr32(t, H_EPOCH, cfg[CFG_EPOCH])
-    _wr32(t, H_RKEY, cfg[CFG_RKEY])
-    _wr32(t, H_LENGTH, length)
-    _wr64(t, H_ADDR, addr)
-    _wr64(t, H_AUX_ADDR, aux)
+    wr16(t, H_FLAGS, flags)
+    wr32(t, H_SEQ, seq)
+    wr32(t, H_COLL_ID, cfg[CFG_COLL])
+    wr32(t, H_EPOCH, cfg[CFG_EPOCH])
+    wr32(t, H_RKEY, cfg[CFG_RKEY])
+    wr32(t, H_LENGTH, length)
+    wr64(t, H_ADDR, addr)
+    wr64(t, H_AUX_ADDR, aux)
     t[H_DTYPE] = cfg[CFG_DTYPE]
     t[H_REDUCE_OP] = cfg[CFG_OP]
     if segs > 0:
@@ -276,23 +276,23 @@ def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):
 
 @njit(cache=True, nogil=True)
 def _room(tx_buf, tx_off, tx_len, tx_n):
-    return tx_n + 1 < tx_len.shape[0] and tx_off[tx_n] + _SLOT <= tx_buf.shape[0]
+    return tx_n + 1 < tx_len.shape[0] and tx_off[tx_n] + SLOT <= tx_buf.shape[0]
 
 
 @njit(cache=True, nogil=True)
 def _room_for(tx_buf, tx_off, tx_len, tx_n, k):
     """Room for *k* more datagrams in the send queue."""
-    return tx_n + k < tx_len.shape[0] and tx_off[tx_n] + k * _SLOT <= tx_buf.shape[0]
+    return tx_n + k < tx_len.shape[0] and tx_off[tx_n] + k * SLOT <= tx_buf.shape[0]
 
 
 @njit(cache=True, nogil=True)
 def _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, length, dst):
     """Queue the datagram built at the tail, sealed (SPEC.md 2.6) when this node holds the tag
     key of its collective and epoch: every datagram the engine sends goes through here."""
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    k0, k1 = _coll_tag_key(cfg, _rd32(t, H_COLL_ID), _rd32(t, H_EPOCH))
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    k0, k1 = _coll_tag_key(cfg, rd32(t, H_COLL_ID), rd32(t, H_EPOCH))
     if k0 | k1:
-        length = _seal(t, length, k0, k1)
+        length = seal_tag(t, length, k0, k1)
     tx_len[tx_n] = length
     tx_dst[tx_n] = dst
     tx_off[tx_n + 1] = tx_off[tx_n] + length
@@ -314,23 +314,23 @@ def _coll_tag_key(co_cfg, coll, epoch):
 
 
 @njit(cache=True, nogil=True)
-def _needs_tag(slots, b):
+def needs_tag(slots, b):
     """An untagged datagram that names a tagged collective held here (its coll_id and epoch,
     or its rkey, in any slot) is not that collective's: dropped as forged. Only NACK BUSY may
     come untagged: a hop that has not started the collective holds no key to tag it with, and
     a forged BUSY only delays a chain by one retry. Control opcodes (START_COLL among them)
     answer to the admin key instead."""
     op = np.int64(b[H_OPCODE])
-    if (op == _OP_NACK and b[H_STATUS] == _S_BUSY) or op >= 64 or _IS_CONTROL[op] == 1:
+    if (op == OP_NACK and b[H_STATUS] == S_BUSY) or op >= 64 or IS_CONTROL[op] == 1:
         return False
-    coll, epoch = _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)
-    co_cfg = slots.cfg[_slot_of(slots, coll)]
+    coll, epoch = rd32(b, H_COLL_ID), rd32(b, H_EPOCH)
+    co_cfg = slots.cfg[slot_of(slots, coll)]
     k0, k1 = _coll_tag_key(co_cfg, coll, epoch)
     if k0 | k1:
         return True
-    if coll != 0 and _coll_phase(co_cfg, coll, epoch) == _PHASE_STALE:
+    if coll != 0 and coll_phase(co_cfg, coll, epoch) == PHASE_STALE:
         return False  # an earlier epoch's: dropped as stale, never executed (4.1)
-    rkey = _rd32(b, H_RKEY)
+    rkey = rd32(b, H_RKEY)
     if rkey == 0:
         return False
     for s in range(MAX_COLLECTIVES):
@@ -354,32 +354,32 @@ def _tagged_key_of(co_cfg, rkey):
 
 
 @njit(cache=True, nogil=True)
-def _open_tagged(co_cfg, b, ln, counters):
+def open_tagged(co_cfg, b, ln, counters):
     """Check the tag of datagram b[:ln] (TAGGED set). Returns (verdict, k0, k1): verdict 1 and
     the key when the tag is right (the caller strips it and seals what it answers); 2 for an
     early datagram of a collective not started here, which holds no key yet: stripped and
     handled as any early one (BUSY or dropped, never executed); 0 dropped and counted (early,
     stale, or forged: a tag that does not verify)."""
-    coll, epoch = _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)
+    coll, epoch = rd32(b, H_COLL_ID), rd32(b, H_EPOCH)
     k0, k1 = _coll_tag_key(co_cfg, coll, epoch)
     if k0 | k1:
-        if _tag_ok(b, ln, k0, k1):
+        if tag_matches(b, ln, k0, k1):
             return 1, k0, k1
         counters[C.DROP_COLL_FORGED] += 1
         return 0, k0, k1
     if coll == 0:
-        # The datapath sends coll_id 0 to region tags (tag._open_region_tagged); should one
+        # The datapath sends coll_id 0 to region tags (tag.open_region_tagged); should one
         # come here, it is no collective's, and forged.
         counters[C.DROP_COLL_FORGED] += 1
         return 0, k0, k1
-    phase = _coll_phase(co_cfg, coll, epoch)
-    if phase == _PHASE_NOT_STARTED:
+    phase = coll_phase(co_cfg, coll, epoch)
+    if phase == PHASE_NOT_STARTED:
         op = b[H_OPCODE]
-        if op == _OP_CHAIN_ADD or op == _OP_ALL_WRITE or op == _OP_READ:
+        if op == OP_CHAIN_ADD or op == OP_ALL_WRITE or op == OP_READ:
             return 2, k0, k1
         counters[C.DROP_COLL_EARLY] += 1
         return 0, k0, k1
-    counters[C.DROP_STALE_EPOCH if phase == _PHASE_STALE else C.DROP_COLL_FORGED] += 1
+    counters[C.DROP_STALE_EPOCH if phase == PHASE_STALE else C.DROP_COLL_FORGED] += 1
     return 0, k0, k1
 
 
@@ -401,32 +401,32 @@ def _chunk(cfg, bounds, cb, c):
 def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """CHAIN_ADD for chunk c: this node's elements, SR list over the ring up to the owner."""
     j, first, count = _chunk(cfg, bounds, cb, c)
-    esize = _ESIZE[cfg[CFG_DTYPE]]
+    esize = ESIZE[cfg[CFG_DTYPE]]
     world = cfg[CFG_WORLD]
     rank = cfg[CFG_RANK]
     hops = world - 1
     nbytes = count * esize
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    flags = _F_ACK_REQ | (_F_RETRY if retry else 0)
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    flags = F_ACK_REQ | (_F_RETRY if retry else 0)
     src_addr = cfg[CFG_IN] + first * esize
-    _header(t, _OP_CHAIN_ADD, flags, c, cfg, nbytes, src_addr, cfg[CFG_OUT] + first * esize, hops)
+    _header(t, OP_CHAIN_ADD, flags, c, cfg, nbytes, src_addr, cfg[CFG_OUT] + first * esize, hops)
     for h in range(hops):
         ep = ring[(rank + 1 + h) % world]
-        o = _HDR + _SEG * h
-        _wr32(t, o + SEG_IP, np.int64(ep >> np.uint64(16)))
-        _wr16(t, o + SEG_PORT, np.int64(ep & np.uint64(0xFFFF)))
-        _wr16(t, o + SEG_RESERVED, 0)
-    p = _HDR + _SEG * hops
+        o = HDR + SEG * h
+        wr32(t, o + SEG_IP, np.int64(ep >> np.uint64(16)))
+        wr16(t, o + SEG_PORT, np.int64(ep & np.uint64(0xFFFF)))
+        wr16(t, o + SEG_RESERVED, 0)
+    p = HDR + SEG * hops
     if cfg[CFG_SPARSE] != 0:
-        size, sparse = _encode_payload(
+        size, sparse = encode_payload(
             t, np.int64(p), mem, np.int64(src_addr), np.int64(nbytes), esize
         )
         if sparse:
-            _wr16(t, H_FLAGS, flags | _F_SPARSE)
+            wr16(t, H_FLAGS, flags | F_SPARSE)
         return _commit(
             cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world]
         )
-    _copy(t, p, mem, src_addr, nbytes)
+    copy_bytes(t, p, mem, src_addr, nbytes)
     return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
 
 
@@ -434,32 +434,32 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
 def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """ALL_WRITE of chunk c of this node's output to dst (a group or one member)."""
     j, first, count = _chunk(cfg, bounds, cb, c)
-    esize = _ESIZE[cfg[CFG_DTYPE]]
+    esize = ESIZE[cfg[CFG_DTYPE]]
     nbytes = count * esize
     addr = cfg[CFG_OUT] + first * esize
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     flags = _F_MCAST if cfg[CFG_GROUP] != 0 else 0
-    _header(t, _OP_ALL_WRITE, flags, c, cfg, nbytes, addr, 0, 0)
+    _header(t, OP_ALL_WRITE, flags, c, cfg, nbytes, addr, 0, 0)
     if cfg[CFG_SPARSE] != 0:
-        size, sparse = _encode_payload(
-            t, np.int64(_HDR), mem, np.int64(addr), np.int64(nbytes), esize
+        size, sparse = encode_payload(
+            t, np.int64(HDR), mem, np.int64(addr), np.int64(nbytes), esize
         )
         if sparse:
-            _wr16(t, H_FLAGS, flags | _F_SPARSE)
-        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + size, dst)
-    _copy(t, _HDR, mem, addr, nbytes)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
+            wr16(t, H_FLAGS, flags | F_SPARSE)
+        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + size, dst)
+    copy_bytes(t, HDR, mem, addr, nbytes)
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)
 def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """READ of chunk c's reduced data from its owner (all-gather repair)."""
     j, first, count = _chunk(cfg, bounds, cb, c)
-    esize = _ESIZE[cfg[CFG_DTYPE]]
+    esize = ESIZE[cfg[CFG_DTYPE]]
     addr = cfg[CFG_OUT] + first * esize
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _header(t, _OP_READ, 0, c, cfg, count * esize, addr, 0, 0)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR, ring[j])
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    _header(t, OP_READ, 0, c, cfg, count * esize, addr, 0, 0)
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR, ring[j])
 
 
 @njit(cache=True, nogil=True)
@@ -469,12 +469,12 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     chunk still missing here (NACK), so the host can name what it waited for. An ACK adds the
     phases (SPEC.md 4.1): u64 engine clock at the start (ns), u32 microseconds from the start to
     the end of each phase (chains ACKed, chunks here, DONEs here), u32 0."""
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     length = COMPLETION_BYTES if status == 0 else COMPLETION_FAILURE_BYTES
-    _header(t, _OP_ACK if status == 0 else _OP_NACK, 0, 0, cfg, length, 0, 1, 0)
-    _wr32(t, H_RKEY, 0)  # no key in a reply to the host
-    _wr32(t, H_CLIENT_ID, cfg[CFG_CLIENT])
-    _wr32(t, H_TXN_ID, cfg[CFG_TXN])
+    _header(t, OP_ACK if status == 0 else OP_NACK, 0, 0, cfg, length, 0, 1, 0)
+    wr32(t, H_RKEY, 0)  # no key in a reply to the host
+    wr32(t, H_CLIENT_ID, cfg[CFG_CLIENT])
+    wr32(t, H_TXN_ID, cfg[CFG_TXN])
     t[H_STATUS] = status
     first = np.int64(-1)
     last = np.int64(-1)
@@ -487,8 +487,8 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
                 if first < 0:
                     first = c
                 last = c
-    o_first = _HDR + (CPL_CHAINS_RESENT if status == 0 else CPL_FIRST_MISSING)
-    o_last = _HDR + (CPL_REPAIR_READS if status == 0 else CPL_LAST_MISSING)
+    o_first = HDR + (CPL_CHAINS_RESENT if status == 0 else CPL_FIRST_MISSING)
+    o_last = HDR + (CPL_REPAIR_READS if status == 0 else CPL_LAST_MISSING)
     for k in range(8):
         t[o_first + k] = np.uint8((first >> (8 * k)) & 0xFF)
         t[o_last + k] = np.uint8((last >> (8 * k)) & 0xFF)
@@ -500,16 +500,16 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
             tx_len,
             tx_dst,
             tx_n,
-            _HDR + COMPLETION_FAILURE_BYTES,
+            HDR + COMPLETION_FAILURE_BYTES,
             np.uint64(cfg[CFG_HOST]),
         )
-    _put_le64(t, _HDR + CPL_START_NS, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
-    _put_le32(t, _HDR + CPL_CHAINS_US, _phase_us(fcfg, F_T_CHAINS))
-    _put_le32(t, _HDR + CPL_CHUNKS_US, _phase_us(fcfg, F_T_CHUNKS))
-    _put_le32(t, _HDR + CPL_DONE_US, _phase_us(fcfg, F_T_DONE))
-    _put_le32(t, _HDR + CPL_RESERVED, 0)
+    put_le64(t, HDR + CPL_START_NS, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
+    put_le32(t, HDR + CPL_CHAINS_US, _phase_us(fcfg, F_T_CHAINS))
+    put_le32(t, HDR + CPL_CHUNKS_US, _phase_us(fcfg, F_T_CHUNKS))
+    put_le32(t, HDR + CPL_DONE_US, _phase_us(fcfg, F_T_DONE))
+    put_le32(t, HDR + CPL_RESERVED, 0)
     return _commit(
-        cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST])
+        cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST])
     )
 
 
@@ -537,7 +537,7 @@ def coll_tick(
         raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
     if slots.cfg.shape[0] != SLOT_ROWS or slots.cfg.shape[1] < CFG_LEN or slots.f.shape[1] < F_LEN:
         raise ValueError("collective slot arrays do not match their layout")
-    return int(_coll_ticks(now, slots, mem, counters, tx, tx_n, first % MAX_COLLECTIVES))
+    return int(coll_ticks(now, slots, mem, counters, tx, tx_n, first % MAX_COLLECTIVES))
 
 
 @njit(cache=True, nogil=True)
@@ -558,7 +558,7 @@ def _slot(slots, s):
 
 
 @njit(cache=True, nogil=True)
-def _slot_of(slots, coll):
+def slot_of(slots, coll):
     """The slot holding collective *coll* (running, or its last epoch here ended in it), else
     SPARE_SLOT. netdam.core.collective gives one coll_id at most one slot."""
     if coll != 0:
@@ -569,10 +569,10 @@ def _slot_of(slots, coll):
 
 
 @njit(cache=True, nogil=True)
-def _for_collective(node, coll):
+def for_collective(node, coll):
     """*node* as the per-packet code sees it: the slot of collective *coll* in place of the slots."""
     mem, regions, members, window, slots, counters = node
-    return NodeState(mem, regions, members, window, _slot(slots, _slot_of(slots, coll)), counters)
+    return NodeState(mem, regions, members, window, _slot(slots, slot_of(slots, coll)), counters)
 
 
 @njit(cache=True, nogil=True)
@@ -582,7 +582,7 @@ def _needs_clock(cfg):
 
 
 @njit(cache=True, nogil=True)
-def _any_slot(slots, running_only):
+def any_slot(slots, running_only):
     """Some slot runs a collective (*running_only*), or needs its clock."""
     for s in range(MAX_COLLECTIVES):
         cfg = slots.cfg[s]
@@ -592,7 +592,7 @@ def _any_slot(slots, running_only):
 
 
 @njit(cache=True, nogil=True)
-def _coll_ticks(now, slots, mem, counters, tx, tx_n, first):
+def coll_ticks(now, slots, mem, counters, tx, tx_n, first):
     """The clock of every slot that needs it, slot *first* first: callers turn *first* round,
     so no collective always sends first into a send queue that may fill (a fair share each).
     Running collectives share the credit window: each keeps 1/k of its window in flight while
@@ -850,13 +850,13 @@ def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """DONE: an ACK with aux_addr = AUX_DONE, seq = this node's rank, txn_id 0 for a DONE that
     asks the member to answer with its own once ready, 1 for such an answer (never answered:
     no ping-pong between finished nodes)."""
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
-    _wr32(t, H_TXN_ID, 1 if answer else 0)
-    _wr32(t, H_EPOCH, epoch)
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
+    wr32(t, H_TXN_ID, 1 if answer else 0)
+    wr32(t, H_EPOCH, epoch)
     if epoch != cfg[CFG_EPOCH]:
-        _wr32(t, H_RKEY, cfg[CFG_PREV_RKEY])  # that epoch's key, which its members check
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR, dst)
+        wr32(t, H_RKEY, cfg[CFG_PREV_RKEY])  # that epoch's key, which its members check
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -869,8 +869,8 @@ def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):
         for k in range(n):
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 break  # the originator's BUSY backoff asks again anyway
-            t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-            _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
+            t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+            _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
             tx_n = _commit(
                 cfg,
                 tx_buf,
@@ -878,7 +878,7 @@ def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):
                 tx_len,
                 tx_dst,
                 tx_n,
-                _HDR,
+                HDR,
                 np.uint64(cfg[CFG_REFUSED_BASE + k]),
             )
     cfg[CFG_REFUSED_N] = 0
@@ -956,11 +956,11 @@ def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """This node's non-zero bitmap: an ACK with aux_addr = AUX_BITMAP, seq = rank, txn_id 0
     (request: answer me) or 1 (answer), payload ceil(chunks / 8) bytes, bit c = chunk c."""
     nbytes = (cfg[CFG_CHUNKS] + 7) // 8
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _header(t, _OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
-    _wr32(t, H_TXN_ID, answer)
-    _copy(t, _HDR, done, BM_BASE, nbytes)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, _HDR + nbytes, dst)
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
+    wr32(t, H_TXN_ID, answer)
+    copy_bytes(t, HDR, done, BM_BASE, nbytes)
+    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -968,7 +968,7 @@ def _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done):
     """Every bitmap is in: a chunk zero in every member's input is zero in the result (SUM, MIN
     and MAX of +0 are +0). Write it here, count it done and ACKed, never chain or gather it."""
     cfg[CFG_BM_APPLIED] = 1
-    esize = _ESIZE[cfg[CFG_DTYPE]]
+    esize = ESIZE[cfg[CFG_DTYPE]]
     ob = cfg[CFG_ORIG_BLOCK]
     own = cfg[CFG_OWN_BLOCK]
     needs_all = cfg[CFG_ALGO] != 1  # reduce-scatter: only this node's block
@@ -991,29 +991,29 @@ def _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done):
 
 
 @njit(cache=True, nogil=True)
-def _coll_phase(co_cfg, coll, epoch):
+def coll_phase(co_cfg, coll, epoch):
     """RUNNING when (coll, epoch) is this node's current collective (running or finished),
     STALE for an earlier epoch of it, NOT_STARTED otherwise (the host has not started it here
     yet: its input may not be staged, so nothing of it may be read or written)."""
     if co_cfg[CFG_STATE] != STATE_IDLE and coll == co_cfg[CFG_COLL]:
         behind = (co_cfg[CFG_EPOCH] - epoch) & 0xFFFFFFFF
         if behind == 0:
-            return _PHASE_RUNNING
+            return PHASE_RUNNING
         if behind < 0x80000000:
-            return _PHASE_STALE
-    return _PHASE_NOT_STARTED
+            return PHASE_STALE
+    return PHASE_NOT_STARTED
 
 
 @njit(cache=True, nogil=True)
-def _coll_ended(co_cfg, coll, epoch):
+def coll_ended(co_cfg, coll, epoch):
     """(coll, epoch) is this node's collective and it has ended (done or failed). Every member
     then holds every chunk and every chain was ACKed (DONE, section 4.1), so a datagram of it is
     a late duplicate: dropped before the rkey check, since the collective's key is gone."""
-    return co_cfg[CFG_STATE] >= STATE_DONE and _coll_phase(co_cfg, coll, epoch) == _PHASE_RUNNING
+    return co_cfg[CFG_STATE] >= STATE_DONE and coll_phase(co_cfg, coll, epoch) == PHASE_RUNNING
 
 
 @njit(cache=True, nogil=True)
-def _all_write(b, ln, src, node, tx, tx_n):
+def all_write(b, ln, src, node, tx, tx_n):
     """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
@@ -1021,35 +1021,35 @@ def _all_write(b, ln, src, node, tx, tx_n):
     rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, H_LENGTH)
-    addr = _rd64(b, H_ADDR)
-    esize = _ESIZE[np.int64(b[H_DTYPE])]
-    coll = _rd32(b, H_COLL_ID)
-    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
+    length = rd32(b, H_LENGTH)
+    addr = rd64(b, H_ADDR)
+    esize = ESIZE[np.int64(b[H_DTYPE])]
+    coll = rd32(b, H_COLL_ID)
+    if coll != 0 and coll_phase(co_cfg, coll, rd32(b, H_EPOCH)) == PHASE_NOT_STARTED:
         counters[C.DROP_COLL_EARLY] += 1  # before the rkey check: it may not be registered yet
         return tx_n  # fetched again by READ repair once started
-    if coll != 0 and _coll_ended(co_cfg, coll, _rd32(b, H_EPOCH)):
+    if coll != 0 and coll_ended(co_cfg, coll, rd32(b, H_EPOCH)):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
-    status = _check_access(
+    status = check_access(
         rk_key,
         rk_base,
         rk_len,
         rk_rights,
-        _rd32(b, H_RKEY),
+        rd32(b, H_RKEY),
         addr,
         length,
-        _R_WRITE,
+        R_WRITE,
         esize,
-        _is_member(members, src),
+        is_member(members, src),
     )
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     if coll != 0:
-        seq = _rd32(b, H_SEQ)
-        phase = _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH))
-        if phase != _PHASE_RUNNING or seq >= co_cfg[CFG_CHUNKS]:
-            counters[C.DROP_STALE_EPOCH if phase == _PHASE_STALE else C.DROP_COLL_EARLY] += 1
+        seq = rd32(b, H_SEQ)
+        phase = coll_phase(co_cfg, coll, rd32(b, H_EPOCH))
+        if phase != PHASE_RUNNING or seq >= co_cfg[CFG_CHUNKS]:
+            counters[C.DROP_STALE_EPOCH if phase == PHASE_STALE else C.DROP_COLL_EARLY] += 1
             return tx_n  # an early one is fetched again by READ repair once started
         if co_done[seq] != 0:
             counters[C.DUP_SILENT] += 1
@@ -1057,104 +1057,104 @@ def _all_write(b, ln, src, node, tx, tx_n):
         co_done[seq] = 1
         co_cfg[CFG_DONE_COUNT] += 1
     a = np.int64(addr)
-    if _rd16(b, H_FLAGS) & _F_SPARSE:
-        _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), esize)  # the rest zeroed
+    if rd16(b, H_FLAGS) & F_SPARSE:
+        sparse_expand(mem, a, b, np.int64(HDR), np.int64(length), esize)  # the rest zeroed
     else:
-        _copy(mem, a, b, _HDR, length)
-    if _rd16(b, H_FLAGS) & _F_ACK_REQ:
-        return _emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        copy_bytes(mem, a, b, HDR, length)
+    if rd16(b, H_FLAGS) & F_ACK_REQ:
+        return emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _chain_add(b, ln, src, node, tx, tx_n):
+def chain_add_hop(b, ln, src, node, tx, tx_n):
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
     mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, H_LENGTH)
-    addr = _rd64(b, H_ADDR)
-    store_addr = _rd64(b, H_AUX_ADDR)
+    length = rd32(b, H_LENGTH)
+    addr = rd64(b, H_ADDR)
+    store_addr = rd64(b, H_AUX_ADDR)
     dtype = np.int64(b[H_DTYPE])
     op = np.int64(b[H_REDUCE_OP])
-    esize = _ESIZE[dtype]
-    rkey = _rd32(b, H_RKEY)
+    esize = ESIZE[dtype]
+    rkey = rd32(b, H_RKEY)
     left = np.int64(b[H_SEGMENTS_LEFT])
     count = np.int64(b[H_SEG_COUNT])
-    coll = _rd32(b, H_COLL_ID)
-    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
+    coll = rd32(b, H_COLL_ID)
+    if coll != 0 and coll_phase(co_cfg, coll, rd32(b, H_EPOCH)) == PHASE_NOT_STARTED:
         # This node's host has not started the collective (nor, maybe, registered its key):
         # BUSY, before the rkey check, so the sender backs off instead of failing; RESUME
         # tells it when to ask again.
-        if _is_member(members, src):
-            _note_refusal(co_cfg, coll, _rd32(b, H_EPOCH), _reply_dst(b, src, members))
-        return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    if coll != 0 and _coll_ended(co_cfg, coll, _rd32(b, H_EPOCH)):
+        if is_member(members, src):
+            _note_refusal(co_cfg, coll, rd32(b, H_EPOCH), reply_dst(b, src, members))
+        return emit_nack(b, src, members, S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    if coll != 0 and coll_ended(co_cfg, coll, rd32(b, H_EPOCH)):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
-    member = _is_member(members, src)
-    status = _check_access(
-        rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, _R_READ, esize, member
+    member = is_member(members, src)
+    status = check_access(
+        rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, R_READ, esize, member
     )
     if status == 0 and left == 0:
-        status = _check_access(
-            rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, _R_WRITE, esize, member
+        status = check_access(
+            rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, R_WRITE, esize, member
         )
     nxt = np.uint64(0)
     if status == 0 and left > 0:
-        o = _HDR + _SEG * (count - left)
-        nxt = np.uint64((_rd32(b, o + SEG_IP) << 16) | _rd16(b, o + SEG_PORT))
-        if not _is_member(members, nxt):
-            status = _S_NOT_MEMBER  # nodes relay only inside their cluster
-    seq = _rd32(b, H_SEQ)
+        o = HDR + SEG * (count - left)
+        nxt = np.uint64((rd32(b, o + SEG_IP) << 16) | rd16(b, o + SEG_PORT))
+        if not is_member(members, nxt):
+            status = S_NOT_MEMBER  # nodes relay only inside their cluster
+    seq = rd32(b, H_SEQ)
     guarded = False
     if status == 0 and coll != 0:
-        phase = _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH))
-        if phase == _PHASE_STALE:
+        phase = coll_phase(co_cfg, coll, rd32(b, H_EPOCH))
+        if phase == PHASE_STALE:
             counters[C.DROP_STALE_EPOCH] += 1
             return tx_n
-        if phase == _PHASE_NOT_STARTED:
-            status = _S_BUSY  # this node has not started that collective: retry later
+        if phase == PHASE_NOT_STARTED:
+            status = S_BUSY  # this node has not started that collective: retry later
         elif seq >= co_cfg[CFG_CHUNKS]:
-            status = _S_TOO_LARGE
+            status = S_TOO_LARGE
         else:
             guarded = True
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    payload_off = _HDR + _SEG * count
+        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    payload_off = HDR + SEG * count
     a = np.int64(addr)
-    sparse_in = (_rd16(b, H_FLAGS) & _F_SPARSE) != 0
+    sparse_in = (rd16(b, H_FLAGS) & F_SPARSE) != 0
     sparse_mode = guarded and co_cfg[CFG_SPARSE] != 0
     if left > 0:
-        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
         for k in range(payload_off):
             t[k] = b[k]
         t[H_SEGMENTS_LEFT] = left - 1
-        if (_rd32(b, H_RET_IP) == 0 and _rd16(b, H_RET_PORT) == 0) or not _is_member(members, src):
+        if (rd32(b, H_RET_IP) == 0 and rd16(b, H_RET_PORT) == 0) or not is_member(members, src):
             # First relay of a chain: record the originator so the last hop can ACK it. A
             # return segment written by a non-member is replaced: replies never go to a third party.
-            _wr32(t, H_RET_IP, np.int64(src >> np.uint64(16)))
-            _wr16(t, H_RET_PORT, np.int64(src & np.uint64(0xFFFF)))
+            wr32(t, H_RET_IP, np.int64(src >> np.uint64(16)))
+            wr16(t, H_RET_PORT, np.int64(src & np.uint64(0xFFFF)))
         nbytes = np.int64(length)
         if sparse_in or sparse_mode:
             # Dense running value in a scratch (the next send slot when free), combined there,
             # then re-encoded into the forwarded packet: sparse when it pays, else dense.
-            x = _scratch(tx_buf, tx_off, tx_n)
+            x = scratch_slot(tx_buf, tx_off, tx_n)
             if sparse_in:
-                _sparse_expand(x, np.int64(0), b, np.int64(payload_off), nbytes, esize)
+                sparse_expand(x, np.int64(0), b, np.int64(payload_off), nbytes, esize)
             else:
-                _copy(x, 0, b, payload_off, length)
-            _combine_bytes(x, np.int64(0), x, np.int64(0), mem, a, nbytes, dtype, op)
-            nbytes, sparse_out = _encode_payload(
+                copy_bytes(x, 0, b, payload_off, length)
+            combine_bytes(x, np.int64(0), x, np.int64(0), mem, a, nbytes, dtype, op)
+            nbytes, sparse_out = encode_payload(
                 t, np.int64(payload_off), x, np.int64(0), nbytes, esize
             )
-            flags = _rd16(b, H_FLAGS) & ~_F_SPARSE
-            _wr16(t, H_FLAGS, flags | (_F_SPARSE if sparse_out else 0))
+            flags = rd16(b, H_FLAGS) & ~F_SPARSE
+            wr16(t, H_FLAGS, flags | (F_SPARSE if sparse_out else 0))
         else:
-            _combine_bytes(
+            combine_bytes(
                 t, np.int64(payload_off), b, np.int64(payload_off), mem, a, nbytes, dtype, op
             )
         counters[C.BYTES_COMBINED] += length
@@ -1169,16 +1169,14 @@ def _chain_add(b, ln, src, node, tx, tx_n):
         # Combine into the free send slot, then store: the store range may overlap the operand
         # (in-place all-reduce), and the combine kernel may not alias its output with `b`.
         s = np.int64(store_addr)
-        scratch = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+        scratch = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
         if sparse_in:
-            _sparse_expand(
-                scratch, np.int64(_HDR), b, np.int64(payload_off), np.int64(length), esize
-            )
-            _combine_bytes(
+            sparse_expand(scratch, np.int64(HDR), b, np.int64(payload_off), np.int64(length), esize)
+            combine_bytes(
                 scratch,
-                np.int64(_HDR),
+                np.int64(HDR),
                 scratch,
-                np.int64(_HDR),
+                np.int64(HDR),
                 mem,
                 a,
                 np.int64(length),
@@ -1186,9 +1184,9 @@ def _chain_add(b, ln, src, node, tx, tx_n):
                 op,
             )
         else:
-            _combine_bytes(
+            combine_bytes(
                 scratch,
-                np.int64(_HDR),
+                np.int64(HDR),
                 b,
                 np.int64(payload_off),
                 mem,
@@ -1197,14 +1195,14 @@ def _chain_add(b, ln, src, node, tx, tx_n):
                 dtype,
                 op,
             )
-        _copy(mem, s, scratch, _HDR, length)
+        copy_bytes(mem, s, scratch, HDR, length)
         counters[C.BYTES_COMBINED] += length
         counters[C.STORED] += 1
         if guarded:
             co_done[seq] = 1
             co_cfg[CFG_DONE_COUNT] += 1
-    if _rd16(b, H_FLAGS) & _F_ACK_REQ:
-        return _emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+    if rd16(b, H_FLAGS) & F_ACK_REQ:
+        return emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
     return tx_n
 
 
@@ -1213,11 +1211,11 @@ def _coll_done_msg(b, src, co_cfg):
     """A member's DONE: for this epoch, note it; for the previous epoch (that member may have
     lost this node's DONE while this node moved on), ask the engine to repeat it."""
     world = co_cfg[CFG_WORLD]
-    rank = _rd32(b, H_SEQ)  # DONE carries the sender's rank in seq
+    rank = rd32(b, H_SEQ)  # DONE carries the sender's rank in seq
     if co_cfg[CFG_STATE] == STATE_IDLE or rank >= world:
         return True
-    epoch = _rd32(b, H_EPOCH)
-    asks = _rd32(b, H_TXN_ID) == 0  # txn_id 1 marks an answer, which is never answered
+    epoch = rd32(b, H_EPOCH)
+    asks = rd32(b, H_TXN_ID) == 0  # txn_id 1 marks an answer, which is never answered
     if epoch == co_cfg[CFG_EPOCH]:
         co_cfg[CFG_PEERS_DONE] |= np.int64(1) << rank
         ready = (co_cfg[CFG_PEERS_DONE] >> co_cfg[CFG_RANK]) & 1
@@ -1235,14 +1233,14 @@ def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):
     """A member's per-chunk non-zero bitmap (sparse mode, SPEC.md 4.1): OR it in once; a request
     (txn_id 0) is answered with ours by the next tick, an answer (txn_id 1) proves the member
     holds ours. Dropped unless this node runs that very collective and epoch."""
-    rank = _rd32(b, H_SEQ)
-    nbytes = _rd32(b, H_LENGTH)
+    rank = rd32(b, H_SEQ)
+    nbytes = rd32(b, H_LENGTH)
     chunks = co_cfg[CFG_CHUNKS]
     if (
         co_cfg[CFG_STATE] != STATE_RUNNING
         or co_cfg[CFG_SPARSE] == 0
-        or _rd32(b, H_COLL_ID) != co_cfg[CFG_COLL]
-        or _rd32(b, H_EPOCH) != co_cfg[CFG_EPOCH]
+        or rd32(b, H_COLL_ID) != co_cfg[CFG_COLL]
+        or rd32(b, H_EPOCH) != co_cfg[CFG_EPOCH]
         or rank >= co_cfg[CFG_WORLD]
         or nbytes != (chunks + 7) // 8
     ):
@@ -1251,91 +1249,85 @@ def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):
     bit = np.int64(1) << rank
     if co_cfg[CFG_BM_GOT] & bit == 0:
         for c in range(chunks):
-            if (b[_HDR + (c >> 3)] >> (c & 7)) & 1:
+            if (b[HDR + (c >> 3)] >> (c & 7)) & 1:
                 co_done[NZ_BASE + c] = 1
         co_cfg[CFG_BM_GOT] |= bit
-    if _rd32(b, H_TXN_ID) == 1:
+    if rd32(b, H_TXN_ID) == 1:
         co_cfg[CFG_BM_HAS] |= bit
     else:
         co_cfg[CFG_BM_ASK] |= bit
 
 
 @njit(cache=True, nogil=True)
-def _coll_reply(b, ln, src, op, node):
+def coll_reply(b, ln, src, op, node):
     """Replies of the running collective, handled here so no reply costs Python: chain ACKs
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
     mem, regions, members, window, coll, counters = node
     rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
-    if not _is_member(members, src):
+    if not is_member(members, src):
         return False
-    if _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != STATE_IDLE:
+    if rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != STATE_IDLE:
         # Replies and DONEs of this collective carry its key (chain ACKs and NACKs echo the
         # CHAIN_ADD's; DONE, RESUME and bitmaps are sent under it): a datagram forged with a
         # member's source but without the key aborts, completes or fills nothing.
-        epoch = _rd32(b, H_EPOCH)
+        epoch = rd32(b, H_EPOCH)
         key = co_cfg[CFG_RKEY] if epoch == co_cfg[CFG_EPOCH] else co_cfg[CFG_PREV_RKEY]
-        if _rd32(b, H_RKEY) != key:
+        if rd32(b, H_RKEY) != key:
             counters[C.DROP_COLL_FORGED] += 1
             return True
-    if (
-        op == _OP_ACK
-        and _rd64(b, H_AUX_ADDR) == AUX_DONE
-        and _rd32(b, H_COLL_ID) == co_cfg[CFG_COLL]
-    ):
+    if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_DONE and rd32(b, H_COLL_ID) == co_cfg[CFG_COLL]:
         return _coll_done_msg(b, src, co_cfg)
-    if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_BITMAP:
+    if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_BITMAP:
         _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
         return True
     if (
         co_cfg[CFG_STATE] != STATE_RUNNING
-        or _coll_phase(co_cfg, _rd32(b, H_COLL_ID), _rd32(b, H_EPOCH)) != _PHASE_RUNNING
+        or coll_phase(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH)) != PHASE_RUNNING
     ):
-        return (
-            op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME
-        )  # of another collective: consumed
-    if op == _OP_ACK and _rd64(b, H_AUX_ADDR) == AUX_RESUME:
+        return op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_RESUME  # of another collective: consumed
+    if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_RESUME:
         # A hop that answered BUSY has started: the chains waiting on it go again at the next
         # tick instead of after their backoff.
         for c in range(co_cfg[CFG_LOW_UNACKED], co_cfg[CFG_NEXT_SEND]):
             if co_acked[c] == 2:
                 coll.sent[c] = -1.0
         return True
-    seq = _rd32(b, H_SEQ)
+    seq = rd32(b, H_SEQ)
     if seq >= co_cfg[CFG_CHUNKS]:
         return False
-    if op == _OP_ACK:
+    if op == OP_ACK:
         if co_acked[seq] != 1:
             co_acked[seq] = 1
             co_cfg[CFG_ACKED] += 1
             co_cfg[CFG_INFLIGHT] -= 1
         return True
-    if op == _OP_NACK:
+    if op == OP_NACK:
         status = np.int64(b[H_STATUS])
         if co_acked[seq] == 1:
             return True  # a late answer to a chain already ACKed (a spurious resend): nothing to do
-        if status == _S_BUSY:
+        if status == S_BUSY:
             if co_acked[seq] == 0:
                 co_acked[seq] = 2  # a hop has not started yet: flow control, not loss
         elif co_cfg[CFG_FATAL] == 0:
             co_cfg[CFG_FATAL] = status
         return True
-    if op == _OP_READ_RESP:
-        length = _rd32(b, H_LENGTH)
-        addr = _rd64(b, H_ADDR)
-        esize = _ESIZE[np.int64(b[H_DTYPE])]
+    if op == OP_READ_RESP:
+        length = rd32(b, H_LENGTH)
+        addr = rd64(b, H_ADDR)
+        esize = ESIZE[np.int64(b[H_DTYPE])]
         # The answer lands in this node's memory: this node's rights on that range apply.
         if (
-            _check_access(
+            check_access(
                 rk_key,
                 rk_base,
                 rk_len,
                 rk_rights,
-                _rd32(b, H_RKEY),
+                rd32(b, H_RKEY),
                 addr,
                 length,
-                _R_WRITE,
+                R_WRITE,
                 esize,
                 True,
             )
@@ -1344,7 +1336,7 @@ def _coll_reply(b, ln, src, op, node):
             return True
         if co_done[seq] == 0:
             a = np.int64(addr)
-            _copy(mem, a, b, _HDR, length)
+            copy_bytes(mem, a, b, HDR, length)
             co_done[seq] = 1
             co_cfg[CFG_DONE_COUNT] += 1
         return True
@@ -1353,5 +1345,5 @@ def _coll_reply(b, ln, src, op, node):
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
 # the end of the module where every kernel it calls exists; no other signature compiles.
-_coll_ticks.compile(S.COLL_TICKS)
-_coll_ticks.disable_compile()
+coll_ticks.compile(S.COLL_TICKS)
+coll_ticks.disable_compile()

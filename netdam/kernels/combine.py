@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from netdam.kernels.f16 import _f16_bits_to_f32, _f32_bits_to_f16_bits
+from netdam.kernels.f16 import f16_bits_to_f32, f32_bits_to_f16_bits
 from netdam.protocol.constants import ELEMENT_SIZE as _PROTOCOL_ELEMENT_SIZE
 from netdam.protocol.constants import DType, ReduceOp
 
@@ -94,7 +94,7 @@ _ELEMENT_SIZE = np.array([ELEMENT_SIZE[code] for code in range(len(ELEMENT_SIZE)
 
 # --- element loops --------------------------------------------------------------------------
 # All loops update x in place (x[i] = op(x[i], y[i])) and are generic over the element type;
-# _combine_bytes instantiates each for the five native dtypes. In-place only, because LLVM
+# combine_bytes instantiates each for the five native dtypes. In-place only, because LLVM
 # cannot prove that a separate output does not alias x and falls back to a scalar loop when it
 # does (3.5x slower, measured), while x and y are always distinct buffers.
 
@@ -133,8 +133,8 @@ def _sum_f16_loop(x, y):
     for i in range(x.shape[0]):
         xi = x[i]
         yi = y[i]
-        s = np.float32(_f16_bits_to_f32(xi) + _f16_bits_to_f32(yi))
-        r = _f32_bits_to_f16_bits(s.view(np.uint32))
+        s = np.float32(f16_bits_to_f32(xi) + f16_bits_to_f32(yi))
+        r = f32_bits_to_f16_bits(s.view(np.uint32))
         # numpy's half add returns y's NaN when both are NaN, x's when only x is; either way
         # quietened (bit 9). Selected explicitly because the f32 add would pick x.
         if (xi & 0x7FFF) > 0x7C00:
@@ -213,7 +213,7 @@ _COMBINE_SIG = "void(uint8[::1], int64, uint8[::1], int64, uint8[::1], int64, in
 
 
 @njit(_COMBINE_SIG, cache=True, nogil=True, fastmath=False)
-def _combine_bytes(out, out_off, a, a_off, b, b_off, nbytes, dtype, op):
+def combine_bytes(out, out_off, a, a_off, b, b_off, nbytes, dtype, op):
     # Contract (not checked): ranges in bounds, offsets multiples of 8, nbytes a multiple of
     # the element size, dtype/op valid and not raw, and out[out_off:] is either exactly
     # a[a_off:] or overlaps neither a nor b. An unknown dtype leaves out as a copy of a (or
@@ -322,4 +322,4 @@ def combine(out: np.ndarray, a: np.ndarray, b: np.ndarray, dtype: int, op: int) 
         raise ValueError(
             "combine: out partially overlaps a; out must be a itself or a separate buffer"
         )
-    _combine_bytes(out_b, 0, a_b, 0, b_b, 0, nbytes, dtype, op)
+    combine_bytes(out_b, 0, a_b, 0, b_b, 0, nbytes, dtype, op)

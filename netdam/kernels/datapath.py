@@ -5,7 +5,7 @@ collective's per-packet code in ``collective.py``; READ, WRITE, ADD and the atom
 duplicate window) are executed here.
 
 Rules of this file:
-1. The checks in ``wire._check_packet`` mirror ``netdam.protocol.packet.decode_packet`` step for step
+1. The checks in ``wire.check_packet`` mirror ``netdam.protocol.packet.decode_packet`` step for step
    and in the same order, so both give the same status for the same bytes (tests/kernels/test_datapath.py
    holds them to it on random and mutated packets).
 2. Nothing here validates its *arguments*: ``netdam.core.node.NodeCore`` owns the arrays, sizes them
@@ -26,85 +26,85 @@ from numba import njit
 from netdam.kernels import signatures as S
 from netdam.kernels.collective import (
     CFG_CHUNKS,
-    _all_write,
-    _chain_add,
-    _coll_ended,
-    _coll_phase,
-    _coll_reply,
-    _for_collective,
-    _needs_tag,
-    _open_tagged,
-    _slot_of,
+    all_write,
+    chain_add_hop,
+    coll_ended,
+    coll_phase,
+    coll_reply,
+    for_collective,
+    needs_tag,
+    open_tagged,
+    slot_of,
 )
-from netdam.kernels.combine import _combine_bytes
-from netdam.kernels.fault_hash import _mix
+from netdam.kernels.combine import combine_bytes
+from netdam.kernels.fault_hash import mix64
 from netdam.kernels.guard import (
     G_FACTOR,
     G_LOCKOUT,
     G_NOW,
-    _account,
-    _locked,
-    _validated,
+    account,
     check_guard,
+    is_locked_out,
+    is_validated,
 )
 from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
 from netdam.kernels.tag import (
-    _F_TAGGED,
     CONTROL_TAG_NO_KEY,
+    F_TAGGED,
     REGION_TAG_NO_REGION,
     REGION_TAG_OK,
     TAG,
-    _is_control,
-    _open_control_tagged,
-    _open_region_tagged,
-    _region_key,
-    _seal_replies,
-    _tagged_length,
-    _trailer,
+    is_control_op,
+    open_control_tagged,
+    open_region_tagged,
+    region_key,
+    seal_replies,
+    tag_trailer,
+    tagged_length,
 )
 from netdam.kernels.wire import (
-    _ESIZE,
-    _F_ACK_REQ,
-    _F_SPARSE,
-    _HDR,
-    _IS_REPLY,
-    _OP_ACK,
-    _OP_ADD,
-    _OP_ALL_WRITE,
-    _OP_CHAIN_ADD,
-    _OP_FETCH_ADD,
-    _OP_READ,
-    _OP_READ_RESP,
-    _OP_WRITE,
-    _PHASE_NOT_STARTED,
-    _PHASE_STALE,
-    _PUNTED_OPS,
-    _R_ATOMIC,
-    _R_READ,
-    _R_WRITE,
-    _S_BAD_RKEY,
-    _S_BUSY,
-    _S_STALE,
-    _S_TOO_LARGE,
-    _S_UNAUTHORIZED,
-    _SLOT,
-    _W,
     DROP_SILENTLY,
+    ESIZE,
+    F_ACK_REQ,
+    F_SPARSE,
+    HDR,
+    IS_REPLY,
+    OP_ACK,
+    OP_ADD,
+    OP_ALL_WRITE,
+    OP_CHAIN_ADD,
+    OP_FETCH_ADD,
+    OP_READ,
+    OP_READ_RESP,
+    OP_WRITE,
+    PHASE_NOT_STARTED,
+    PHASE_STALE,
     PUNT,
-    _check_access,
-    _check_packet,
-    _copy,
-    _credit,
-    _emit_nack,
-    _is_member,
-    _le64,
-    _put_le64,
-    _rd16,
-    _rd32,
-    _rd64,
-    _reply_dst,
-    _reply_header,
-    _sparse_expand,
+    PUNTED_OPS,
+    R_ATOMIC,
+    R_READ,
+    R_WRITE,
+    S_BAD_RKEY,
+    S_BUSY,
+    S_STALE,
+    S_TOO_LARGE,
+    S_UNAUTHORIZED,
+    SLOT,
+    W,
+    check_access,
+    check_packet,
+    copy_bytes,
+    credit_of,
+    emit_nack,
+    is_member,
+    le64,
+    put_le64,
+    rd16,
+    rd32,
+    rd64,
+    reply_dst,
+    reply_header,
+    sparse_expand,
 )
 from netdam.protocol import counters as C
 from netdam.protocol.layout import (
@@ -147,9 +147,9 @@ def _requester_key(client, requester, rkey):
     into or poison another client's history: without the victim's rkey a forged datagram lands
     in an entry of its own, and with the victim's address but not its reply the cached answer
     goes to the victim."""
-    k = _mix(
+    k = mix64(
         np.uint64(client)
-        ^ _mix(np.uint64(requester) ^ _mix(np.uint64(rkey) ^ np.uint64(0x5851F42D4C957F2D)))
+        ^ mix64(np.uint64(requester) ^ mix64(np.uint64(rkey) ^ np.uint64(0x5851F42D4C957F2D)))
     )
     if k == 0:
         k = np.uint64(1)
@@ -184,7 +184,7 @@ def _window_check(window, client, requester, rkey, txn, stamp):
         if cl_used[j] != 0 and cl_id[j] == key:
             c = j
             break
-    w = txn % _W
+    w = txn % W
     if c < 0:
         free, own, idle = -1, -1, -1
         for j in range(first, first + _WAYS):
@@ -215,17 +215,17 @@ def _window_check(window, client, requester, rkey, txn, stamp):
     # Serial-number arithmetic (RFC 1982) on u32 transaction ids: behind by `back`.
     back = (hi - txn) & 0xFFFFFFFF
     if back < 0x80000000:
-        if back >= _W:
+        if back >= W:
             return _WIN_STALE, c, w
         if w_state[c, w] != 0 and w_txn[c, w] == txn:
             return _WIN_DUP, c, w
         return _WIN_NEW, c, w
     ahead = (txn - hi) & 0xFFFFFFFF
-    if ahead >= _W:
+    if ahead >= W:
         w_state[c, :] = 0
     else:
         for j in range(1, ahead + 1):
-            w_state[c, (hi + j) % _W] = 0
+            w_state[c, (hi + j) % W] = 0
     cl_hi[c] = txn
     return _WIN_NEW, c, w
 
@@ -259,12 +259,12 @@ def process_batch(
     if node.mem.dtype != np.uint8 or node.counters.shape[0] < C.NUM_COUNTERS:
         raise ValueError("node state: memory must be uint8 and counters full size")
     check_guard(guard)
-    tx_n, n_punt = _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt)
+    tx_n, n_punt = process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt)
     return int(tx_n), int(n_punt)
 
 
 @njit(cache=True, nogil=True)
-def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
+def process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt):
     """Execute datagrams rx_buf[rx_off[i] : rx_off[i] + rx_len[i]] for i < n; append replies and
     forwards to the send queue from tx_n (packet k at tx_buf[tx_off[k] : tx_off[k] + tx_len[k]],
     packed back to back so runs to one destination can leave as one GSO send; tx_off[tx_n] is
@@ -289,7 +289,7 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
             counters[C.DROP_OVERSIZE] += 1  # over the MTU, or truncated by the receive buffer
             continue
         b = rx_buf[off : off + ln]
-        if tx_n >= cap or tx_off[tx_n] + _SLOT > tx_buf.shape[0]:
+        if tx_n >= cap or tx_off[tx_n] + SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
         guarded = False
@@ -301,9 +301,9 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
             if src == open_src:
                 guarded = open_guarded  # as the last datagram of this source in the batch
             else:
-                guarded = not _is_member(members, src)
-                if guarded and _locked(guard, src):
-                    if ln < _HDR or (_rd16(b, H_FLAGS) & _F_TAGGED) == 0:
+                guarded = not is_member(members, src)
+                if guarded and is_locked_out(guard, src):
+                    if ln < HDR or (rd16(b, H_FLAGS) & F_TAGGED) == 0:
                         counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
                         continue
                     locked_tagged = True
@@ -314,27 +314,27 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
         # and the trailer cut off, before anything else reads the datagram; what it brings back
         # is sealed under the same key below.
         sealed, k0, k1 = 0, np.uint64(0), np.uint64(0)
-        tagged = _tagged_length(b, ln)
+        tagged = tagged_length(b, ln)
         if tagged < 0:
             counters[C.DROP_TRUNCATED] += 1
             continue
         flags_in, tag_in = 0, np.uint64(0)
         if tagged < ln:
-            if _is_control(np.int64(b[H_OPCODE])):
+            if is_control_op(np.int64(b[H_OPCODE])):
                 # A control tag proves the admin tag key (SPEC.md 2.6, "Control tags"): punted,
                 # where the control plane checks it again and seals what it answers.
-                sealed, k0, k1 = _open_control_tagged(guard.key, b, ln, counters)
-            elif _rd32(b, H_COLL_ID) == 0:
-                sealed, k0, k1 = _open_region_tagged(node.regions, b, ln, counters)
+                sealed, k0, k1 = open_control_tagged(guard.key, b, ln, counters)
+            elif rd32(b, H_COLL_ID) == 0:
+                sealed, k0, k1 = open_region_tagged(node.regions, b, ln, counters)
             else:
-                coll_cfg = node.coll.cfg[_slot_of(node.coll, _rd32(b, H_COLL_ID))]
-                sealed, k0, k1 = _open_tagged(coll_cfg, b, ln, counters)
+                coll_cfg = node.coll.cfg[slot_of(node.coll, rd32(b, H_COLL_ID))]
+                sealed, k0, k1 = open_tagged(coll_cfg, b, ln, counters)
             if sealed == 0:
                 continue
-            flags_in, tag_in = _rd16(b, H_FLAGS), _trailer(b, ln)
+            flags_in, tag_in = rd16(b, H_FLAGS), tag_trailer(b, ln)
             ln = tagged
             b = b[:ln]
-        elif ln >= _HDR and _is_member(members, src) and _needs_tag(node.coll, b):
+        elif ln >= HDR and is_member(members, src) and needs_tag(node.coll, b):
             # From a member's address but untagged: forged (a non-member's is refused by the
             # members-only checks further on, with its NACK, as in v1).
             counters[C.DROP_COLL_FORGED] += 1
@@ -342,7 +342,7 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
         if locked_tagged and sealed != REGION_TAG_OK:
             counters[C.DROP_LOCKOUT] += 1  # a tag that proves nothing: the lockout holds
             continue
-        status = _check_packet(b, ln)
+        status = check_packet(b, ln)
         op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
@@ -350,24 +350,24 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
         if sealed == CONTROL_TAG_NO_KEY:
             # A control tag where no admin tag key is set: it proves nothing.
             if status == 0 or status == PUNT:
-                status = _S_UNAUTHORIZED
+                status = S_UNAUTHORIZED
         elif sealed == REGION_TAG_NO_REGION:
             # TAGGED under no tagged region's rkey: a wrong key, never executed nor punted.
             if status == 0 or status == PUNT:
-                status = _S_BAD_RKEY
-        elif status == 0 and sealed == 0 and _IS_REPLY[op] == 0 and _PUNTED_OPS[op] == 0:
-            rk0, rk1 = _region_key(node.regions, _rd32(b, H_RKEY))
+                status = S_BAD_RKEY
+        elif status == 0 and sealed == 0 and IS_REPLY[op] == 0 and PUNTED_OPS[op] == 0:
+            rk0, rk1 = region_key(node.regions, rd32(b, H_RKEY))
             if rk0 | rk1:
-                status = _S_BAD_RKEY  # a tagged region takes nothing without its tag
-        if status == 0 and _IS_REPLY[op] == 1 and _rd32(b, H_COLL_ID) != 0:
+                status = S_BAD_RKEY  # a tagged region takes nothing without its tag
+        if status == 0 and IS_REPLY[op] == 1 and rd32(b, H_COLL_ID) != 0:
             counters[C.OPCODE_BASE + op] += 1
-            if _coll_reply(b, ln, src, op, _for_collective(node, _rd32(b, H_COLL_ID))):
+            if coll_reply(b, ln, src, op, for_collective(node, rd32(b, H_COLL_ID))):
                 continue  # consumed by the collective engine, in the datapath
             punt[n_punt] = i
             n_punt += 1
             counters[C.PUNTED] += 1
             continue
-        if status == PUNT or (status == 0 and _PUNTED_OPS[op] == 1):
+        if status == PUNT or (status == 0 and PUNTED_OPS[op] == 1):
             if status == 0:
                 counters[C.OPCODE_BASE + op] += 1
             punt[n_punt] = i
@@ -375,32 +375,32 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
             counters[C.PUNTED] += 1
             continue
         if status != 0:
-            if op < 64 and _IS_REPLY[op] == 1:
+            if op < 64 and IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
                 continue
-            tx_n = _emit_nack(
+            tx_n = emit_nack(
                 b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
             )
         else:
             counters[C.OPCODE_BASE + op] += 1
-            if op == _OP_CHAIN_ADD:
-                tx_n = _chain_add(b, ln, src, _for_collective(node, _rd32(b, H_COLL_ID)), tx, tx_n)
-            elif op == _OP_READ:
+            if op == OP_CHAIN_ADD:
+                tx_n = chain_add_hop(b, ln, src, for_collective(node, rd32(b, H_COLL_ID)), tx, tx_n)
+            elif op == OP_READ:
                 # A sealed answer carries its tag too: it must fit the MTU with it.
                 tx_n = _read(
                     b,
                     src,
-                    _for_collective(node, _rd32(b, H_COLL_ID)),
+                    for_collective(node, rd32(b, H_COLL_ID)),
                     guard,
                     tx,
                     tx_n,
                     max_len - TAG if sealed == 1 else max_len,
                 )
-            elif op == _OP_ALL_WRITE:
-                tx_n = _all_write(b, ln, src, _for_collective(node, _rd32(b, H_COLL_ID)), tx, tx_n)
+            elif op == OP_ALL_WRITE:
+                tx_n = all_write(b, ln, src, for_collective(node, rd32(b, H_COLL_ID)), tx, tx_n)
             else:
                 tx_n = _mutate(b, ln, src, op, node, tx, tx_n, stamp)
-        if sealed == 1 and not _seal_replies(
+        if sealed == 1 and not seal_replies(
             tx_buf, tx_off, tx_len, first, tx_n, k0, k1, flags_in, tag_in
         ):
             counters[C.DROP_TX_FULL] += tx_n - first
@@ -408,7 +408,7 @@ def _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt):
         if guarded and tx_n > first:
             # Failed authentications are the NACKs BAD_RKEY/UNAUTHORIZED just queued for src;
             # one may have locked it out, so its next datagram is looked up again.
-            if _account(guard, src, tx_buf, tx_off, tx_dst, first, tx_n, counters) > 0:
+            if account(guard, src, tx_buf, tx_off, tx_dst, first, tx_n, counters) > 0:
                 open_src = np.uint64(0)
     return tx_n, n_punt
 
@@ -422,56 +422,56 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
     rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, H_LENGTH)
-    if _HDR + length > max_len:
-        return _emit_nack(
-            b, src, members, _S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
+    length = rd32(b, H_LENGTH)
+    if HDR + length > max_len:
+        return emit_nack(
+            b, src, members, S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
         )
     factor = guard.cfg[G_FACTOR]
-    if factor > 0.0 and _HDR + length > factor * _HDR and not _is_member(members, src):
+    if factor > 0.0 and HDR + length > factor * HDR and not is_member(members, src):
         # More than 3x the request back to an address that has not proven it receives there
         # (no token in aux_addr): a reflection amplifier. Dropped, before any other check.
-        if not _validated(guard, src, _rd64(b, H_AUX_ADDR)):
+        if not is_validated(guard, src, rd64(b, H_AUX_ADDR)):
             counters[C.DROP_AMPLIFICATION] += 1
             return tx_n
-    addr = _rd64(b, H_ADDR)
-    esize = _ESIZE[np.int64(b[H_DTYPE])]
-    coll = _rd32(b, H_COLL_ID)
-    if coll != 0 and _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH)) == _PHASE_NOT_STARTED:
+    addr = rd64(b, H_ADDR)
+    esize = ESIZE[np.int64(b[H_DTYPE])]
+    coll = rd32(b, H_COLL_ID)
+    if coll != 0 and coll_phase(co_cfg, coll, rd32(b, H_EPOCH)) == PHASE_NOT_STARTED:
         # Before the rkey check: the host may not have registered the group's key here yet.
-        return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    if coll != 0 and _coll_ended(co_cfg, coll, _rd32(b, H_EPOCH)):
+        return emit_nack(b, src, members, S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    if coll != 0 and coll_ended(co_cfg, coll, rd32(b, H_EPOCH)):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
-    status = _check_access(
+    status = check_access(
         rk_key,
         rk_base,
         rk_len,
         rk_rights,
-        _rd32(b, H_RKEY),
+        rd32(b, H_RKEY),
         addr,
         length,
-        _R_READ,
+        R_READ,
         esize,
-        _is_member(members, src),
+        is_member(members, src),
     )
     if status == 0 and coll != 0:
-        seq = _rd32(b, H_SEQ)
-        phase = _coll_phase(co_cfg, coll, _rd32(b, H_EPOCH))
-        if phase == _PHASE_STALE:
+        seq = rd32(b, H_SEQ)
+        phase = coll_phase(co_cfg, coll, rd32(b, H_EPOCH))
+        if phase == PHASE_STALE:
             counters[C.DROP_STALE_EPOCH] += 1
             return tx_n
-        if phase == _PHASE_NOT_STARTED or seq >= co_cfg[CFG_CHUNKS] or co_done[seq] == 0:
-            status = _S_BUSY  # not reduced here yet: the reader asks again later
+        if phase == PHASE_NOT_STARTED or seq >= co_cfg[CFG_CHUNKS] or co_done[seq] == 0:
+            status = S_BUSY  # not reduced here yet: the reader asks again later
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _reply_header(t, b, _OP_READ_RESP, 0, length, _credit(tx_n, tx_len.shape[0]))
+        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    reply_header(t, b, OP_READ_RESP, 0, length, credit_of(tx_n, tx_len.shape[0]))
     a = np.int64(addr)
-    _copy(t, _HDR, mem, a, length)
-    tx_len[tx_n] = _HDR + length
+    copy_bytes(t, HDR, mem, a, length)
+    tx_len[tx_n] = HDR + length
     tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
-    tx_dst[tx_n] = _reply_dst(b, src, members)
+    tx_dst[tx_n] = reply_dst(b, src, members)
     return tx_n + 1
 
 
@@ -483,77 +483,77 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     w_txn, w_state, w_len, w_reply = window.txn, window.state, window.len, window.reply
     tx_buf, tx_off, tx_len, tx_dst = tx
-    length = _rd32(b, H_LENGTH)
-    addr = _rd64(b, H_ADDR)
+    length = rd32(b, H_LENGTH)
+    addr = rd64(b, H_ADDR)
     dtype = np.int64(b[H_DTYPE])
-    if op == _OP_WRITE:
-        need, align = _R_WRITE, _ESIZE[dtype]
-    elif op == _OP_ADD:
-        need, align = _R_WRITE, _ESIZE[dtype]
+    if op == OP_WRITE:
+        need, align = R_WRITE, ESIZE[dtype]
+    elif op == OP_ADD:
+        need, align = R_WRITE, ESIZE[dtype]
     else:
-        need, align = _R_ATOMIC, 8
-    status = _check_access(
+        need, align = R_ATOMIC, 8
+    status = check_access(
         rk_key,
         rk_base,
         rk_len,
         rk_rights,
-        _rd32(b, H_RKEY),
+        rd32(b, H_RKEY),
         addr,
         length,
         need,
         align,
-        _is_member(members, src),
+        is_member(members, src),
     )
     if status != 0:
-        return _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
-    client = _rd32(b, H_CLIENT_ID)
-    txn = _rd32(b, H_TXN_ID)
-    dst = _reply_dst(b, src, members)
-    verdict, c, w = _window_check(window, client, dst, _rd32(b, H_RKEY), txn, stamp)
+        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    client = rd32(b, H_CLIENT_ID)
+    txn = rd32(b, H_TXN_ID)
+    dst = reply_dst(b, src, members)
+    verdict, c, w = _window_check(window, client, dst, rd32(b, H_RKEY), txn, stamp)
     if verdict == _WIN_STALE:
-        return _emit_nack(b, src, members, _S_STALE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, S_STALE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     if verdict == _WIN_BUSY:
-        return _emit_nack(b, src, members, _S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     if verdict == _WIN_DUP:
         reply_len = np.int64(w_len[c, w])
         if reply_len == 0:
             counters[C.DUP_SILENT] += 1
             return tx_n
         counters[C.DUP_REPLAYS] += 1
-        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-        _copy(t, 0, w_reply[c, w], 0, reply_len)
+        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+        copy_bytes(t, 0, w_reply[c, w], 0, reply_len)
         tx_len[tx_n] = reply_len
         tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = dst
         return tx_n + 1
     a = np.int64(addr)
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     reply_len = 0
-    if op == _OP_WRITE or op == _OP_ADD:
-        if op == _OP_WRITE:
-            if _rd16(b, H_FLAGS) & _F_SPARSE:
-                _sparse_expand(mem, a, b, np.int64(_HDR), np.int64(length), _ESIZE[dtype])
+    if op == OP_WRITE or op == OP_ADD:
+        if op == OP_WRITE:
+            if rd16(b, H_FLAGS) & F_SPARSE:
+                sparse_expand(mem, a, b, np.int64(HDR), np.int64(length), ESIZE[dtype])
             else:
-                _copy(mem, a, b, _HDR, length)
+                copy_bytes(mem, a, b, HDR, length)
         else:
-            _combine_bytes(
-                mem, a, mem, a, b, np.int64(_HDR), np.int64(length), dtype, np.int64(b[H_REDUCE_OP])
+            combine_bytes(
+                mem, a, mem, a, b, np.int64(HDR), np.int64(length), dtype, np.int64(b[H_REDUCE_OP])
             )
             counters[C.BYTES_COMBINED] += length
-        if _rd16(b, H_FLAGS) & _F_ACK_REQ:
-            _reply_header(t, b, _OP_ACK, 0, 0, _credit(tx_n, tx_len.shape[0]))
-            reply_len = _HDR
+        if rd16(b, H_FLAGS) & F_ACK_REQ:
+            reply_header(t, b, OP_ACK, 0, 0, credit_of(tx_n, tx_len.shape[0]))
+            reply_len = HDR
     else:
-        old = _le64(mem, a)
-        if op == _OP_FETCH_ADD:
-            _put_le64(
-                mem, a, old + _le64(b, _HDR + FA_ADDEND)
+        old = le64(mem, a)
+        if op == OP_FETCH_ADD:
+            put_le64(
+                mem, a, old + le64(b, HDR + FA_ADDEND)
             )  # u64 wraps, as the hardware adder would
-        elif old == _le64(b, _HDR + CAS_COMPARE):
-            _put_le64(mem, a, _le64(b, _HDR + CAS_SWAP))
-        _reply_header(t, b, _OP_ACK, 0, 8, _credit(tx_n, tx_len.shape[0]))
-        _put_le64(t, _HDR + FA_ADDEND, old)  # the old value, where FETCH_ADD's addend was
-        reply_len = _HDR + 8
+        elif old == le64(b, HDR + CAS_COMPARE):
+            put_le64(mem, a, le64(b, HDR + CAS_SWAP))
+        reply_header(t, b, OP_ACK, 0, 8, credit_of(tx_n, tx_len.shape[0]))
+        put_le64(t, HDR + FA_ADDEND, old)  # the old value, where FETCH_ADD's addend was
+        reply_len = HDR + 8
     if verdict == _WIN_NEW:
         _window_record(w_txn, w_state, w_len, w_reply, c, w, txn, t, reply_len)
     if reply_len == 0:
@@ -575,7 +575,7 @@ def _drain(tx_buf, tx_off, tx_len, tx_dst, start, count, out_buf, out_off, out_l
         if pos + ln > out_buf.shape[0]:
             return k
         src = tx_off[start + k]
-        _copy(out_buf, pos, tx_buf, src, ln)
+        copy_bytes(out_buf, pos, tx_buf, src, ln)
         out_off[k] = pos
         out_len[k] = ln
         out_dst[k] = tx_dst[start + k]
@@ -630,5 +630,5 @@ def window_record(window: DupWindow, c: int, w: int, txn: int, reply: np.ndarray
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
 # the end of the module where every kernel it calls exists; no other signature compiles.
-_process_batch.compile(S.PROCESS_BATCH)
-_process_batch.disable_compile()
+process_batch_kernel.compile(S.PROCESS_BATCH)
+process_batch_kernel.disable_compile()

@@ -4,7 +4,7 @@ typed.
 numba types a constant argument of a call from one jitted function to another as a literal
 (``Literal[int](6)``, ``Literal[bool](False)``) and compiles the callee anew for every literal
 value it meets: a header field's offset, an opcode, a flag. Measured on a cold cache, the node's
-kernels compiled 136 specializations' worth of ``wire._wr16`` calls, 7 of ``collective._header``
+kernels compiled 136 specializations' worth of ``wire.wr16`` calls, 7 of ``collective._header``
 and 2 of ``collective._send_chain`` (one per flag value): 113-120 s on 2 cores. Typing those
 calls by the constant's type (int64, bool) instead compiles each helper once: 84 s, the same
 machine code after LLVM inlines the small helpers and propagates their constants anyway.
@@ -28,7 +28,7 @@ from numba.core.types.misc import unliteral
 _PACKAGE = __name__.rpartition(".")[0] + "."
 
 
-def _unliteral_calls() -> None:
+def unliteral_calls() -> None:
     original = getattr(dispatcher.Dispatcher, "get_call_template", None)
     if original is None or getattr(original, "_netdam_unliteral", False):
         return

@@ -30,7 +30,7 @@ _F16_SUBNORMAL_QUANTUM = np.float32(2.0**-24)
 
 
 @njit("uint32(uint16)", cache=True, nogil=True, fastmath=False)
-def _f16_bits_to_f32_bits(h):
+def f16_bits_to_f32_bits(h):
     # Branch-free (selects only) so array loops calling it vectorize.
     x = np.int64(h)
     sign = (x & 0x8000) << 16
@@ -51,7 +51,7 @@ def _f16_bits_to_f32_bits(h):
 
 
 @njit("uint16(uint32)", cache=True, nogil=True, fastmath=False)
-def _f32_bits_to_f16_bits(u):
+def f32_bits_to_f16_bits(u):
     # Every case is computed and the right one selected, so array loops vectorize; the
     # structure mirrors numpy's npy_floatbits_to_halfbits so each case can be checked by eye.
     f = np.int64(u)
@@ -87,28 +87,28 @@ def _f32_bits_to_f16_bits(u):
 
 
 @njit("float32(uint16)", cache=True, nogil=True, fastmath=False)
-def _f16_bits_to_f32(h):
-    bits = np.uint32(_f16_bits_to_f32_bits(h))
+def f16_bits_to_f32(h):
+    bits = np.uint32(f16_bits_to_f32_bits(h))
     return bits.view(np.float32)
 
 
 @njit("uint16(float32)", cache=True, nogil=True, fastmath=False)
-def _f32_to_f16_bits(f):
+def f32_to_f16_bits(f):
     value = np.float32(f)
-    return _f32_bits_to_f16_bits(value.view(np.uint32))
+    return f32_bits_to_f16_bits(value.view(np.uint32))
 
 
 @njit("void(uint16[::1], uint32[::1])", cache=True, nogil=True, fastmath=False)
 def _f16_to_f32_array(src, dst):
     # dst is the float32 output viewed as uint32 so that NaN bits are stored, not re-encoded.
     for i in range(src.shape[0]):
-        dst[i] = _f16_bits_to_f32_bits(src[i])
+        dst[i] = f16_bits_to_f32_bits(src[i])
 
 
 @njit("void(uint32[::1], uint16[::1])", cache=True, nogil=True, fastmath=False)
 def _f32_to_f16_array(src, dst):
     for i in range(src.shape[0]):
-        dst[i] = _f32_bits_to_f16_bits(src[i])
+        dst[i] = f32_bits_to_f16_bits(src[i])
 
 
 def _check_1d(name: str, arr: np.ndarray, dtype: type[np.generic], dtype_name: str) -> None:

@@ -9,14 +9,14 @@ from netdam.protocol.constants import HEADER_SIZE
 from netdam.protocol.layout import H_DTYPE, H_OPCODE, H_SEGMENTS_LEFT, H_SEQ
 
 # Salts separating the decision streams of one packet.
-_SALT_DROP = 0x9E3779B97F4A7C15
-_SALT_DUP = 0xBF58476D1CE4E5B9
-_SALT_REORDER = 0x94D049BB133111EB
-_SALT_DELAY = 0x2545F4914F6CDD1D
+SALT_DROP = 0x9E3779B97F4A7C15
+SALT_DUP = 0xBF58476D1CE4E5B9
+SALT_REORDER = 0x94D049BB133111EB
+SALT_DELAY = 0x2545F4914F6CDD1D
 
 
 @njit("uint64(uint64)", cache=True, nogil=True)
-def _mix(x):
+def mix64(x):
     """splitmix64 finaliser (Steele, Lea & Flood 2014): a cheap, well-mixed 64-bit hash."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -24,28 +24,28 @@ def _mix(x):
 
 
 @njit("float64(uint64, uint64, uint64, uint64, uint64, uint64)", cache=True, nogil=True)
-def _fault_hash(seed, src, dst, packet_id, attempt, salt):
+def fault_hash(seed, src, dst, packet_id, attempt, salt):
     """Uniform draw in [0, 1) for one decision about one packet."""
-    h = _mix(np.uint64(seed) ^ np.uint64(salt))
-    h = _mix(h ^ np.uint64(src))
-    h = _mix(h ^ np.uint64(dst))
-    h = _mix(h ^ np.uint64(packet_id))
-    h = _mix(h ^ np.uint64(attempt))
+    h = mix64(np.uint64(seed) ^ np.uint64(salt))
+    h = mix64(h ^ np.uint64(src))
+    h = mix64(h ^ np.uint64(dst))
+    h = mix64(h ^ np.uint64(packet_id))
+    h = mix64(h ^ np.uint64(attempt))
     return np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
 @njit(cache=True, nogil=True)
-def _packet_id(b, n):
+def packet_id_of(b, n):
     """Hash of the identifying header bytes (status, credit, flags and return segment excluded)."""
     if n < HEADER_SIZE:
         h = np.uint64(n)
         for k in range(n):
-            h = _mix(h ^ np.uint64(b[k]))
+            h = mix64(h ^ np.uint64(b[k]))
         return h
     h = np.uint64(b[H_OPCODE])
     for k in range(H_SEQ, H_DTYPE):  # seq .. aux_addr
-        h = _mix(h ^ (np.uint64(b[k]) << np.uint64(8 * (k % 8))))
-    return _mix(h ^ np.uint64(b[H_SEGMENTS_LEFT]))
+        h = mix64(h ^ (np.uint64(b[k]) << np.uint64(8 * (k % 8))))
+    return mix64(h ^ np.uint64(b[H_SEGMENTS_LEFT]))
 
 
 def fault_draws(
@@ -55,8 +55,8 @@ def fault_draws(
     datagram: the same numbers the node and switch kernels draw."""
     key = [np.uint64(v & 0xFFFFFFFFFFFFFFFF) for v in (seed, src, dst, pid, attempt)]
     return tuple(
-        float(_fault_hash(*key, np.uint64(salt)))  # type: ignore[return-value]
-        for salt in (_SALT_DROP, _SALT_DUP, _SALT_REORDER, _SALT_DELAY)
+        float(fault_hash(*key, np.uint64(salt)))  # type: ignore[return-value]
+        for salt in (SALT_DROP, SALT_DUP, SALT_REORDER, SALT_DELAY)
     )
 
 
@@ -64,4 +64,4 @@ def packet_id(datagram: np.ndarray) -> int:
     """The id fault decisions use for *datagram* (a 1-D uint8 array)."""
     if datagram.dtype != np.uint8 or datagram.ndim != 1:
         raise ValueError("packet_id needs a 1-D uint8 array")
-    return int(_packet_id(datagram, datagram.shape[0]))
+    return int(packet_id_of(datagram, datagram.shape[0]))

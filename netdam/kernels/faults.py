@@ -1,10 +1,10 @@
 """The one fault engine: decide, hold, release (BRIEF section 7), used by the node's receive
-side (``_apply_faults``, here) and the switch's links (``switch_path._rx_faults``/``_tx_faults``);
+side (``apply_faults``, here) and the switch's links (``switch_path._rx_faults``/``_tx_faults``);
 the in-memory fabric draws the same numbers through ``fault_hash.fault_draws``.
 
 Receive-side fault injection for node processes is applied to each batch before the datapath.
 
-Every decision is ``_fault_hash(seed, src, self, packet id, attempt)`` (netdam.core.faults), the
+Every decision is ``fault_hash(seed, src, self, packet id, attempt)`` (netdam.core.faults), the
 same function the in-memory fabric uses, so seeded runs replay across processes. ``attempt``
 counts how often this receiver saw that (src, packet id): a small open-addressed table; when
 its probe limit is hit the oldest-probed slot is reused, which can reset a count (documented in
@@ -21,23 +21,23 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels.fault_hash import (
-    _SALT_DELAY,
-    _SALT_DROP,
-    _SALT_DUP,
-    _SALT_REORDER,
-    _fault_hash,
-    _mix,
-    _packet_id,
+    SALT_DELAY,
+    SALT_DROP,
+    SALT_DUP,
+    SALT_REORDER,
+    fault_hash,
+    mix64,
+    packet_id_of,
 )
 from netdam.kernels.state import FC_DELAY_S, FC_GEN, FC_LOSS, FC_NOW, FK_ME, FK_SEED
-from netdam.kernels.wire import _copy
+from netdam.kernels.wire import copy_bytes
 from netdam.protocol import counters as C
 
 _PROBES = 8
 
 
 @njit(cache=True, nogil=True)
-def _attempt(table_key, table_count, key):
+def fault_attempt(table_key, table_count, key):
     """Times *key* was seen before; records one more sighting."""
     mask = table_key.shape[0] - 1
     start = np.int64(key & np.uint64(mask))
@@ -65,38 +65,38 @@ def _attempt(table_key, table_count, key):
     return count
 
 
-#: Indices of the rates vector _decide takes (a node's cfg[FC_LOSS:], a switch link's row
+#: Indices of the rates vector decide_fate takes (a node's cfg[FC_LOSS:], a switch link's row
 #: [F_LOSS:]): drop, duplicate, reorder and delay probabilities, then the delay in seconds.
 P_LOSS, P_DUP, P_REORDER, P_DELAY, P_DELAY_S = range(5)
 
 
 @njit(cache=True, nogil=True)
-def _decide(probs, seed, a, b, pid, attempt):
+def decide_fate(probs, seed, a, b, pid, attempt):
     """The fate of one datagram from *a* to *b*: (drop, copies, held, delay_s). *probs* is
     (loss, dup, reorder, delay, delay_s); reorder holds the datagram to the next batch, delay
     holds it delay_s longer. The same draws as core.faults.decide (fault_draws)."""
-    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DROP)) < probs[P_LOSS]:
+    if fault_hash(seed, a, b, pid, attempt, np.uint64(SALT_DROP)) < probs[P_LOSS]:
         return True, 0, False, 0.0
-    copies = 2 if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DUP)) < probs[P_DUP] else 1
+    copies = 2 if fault_hash(seed, a, b, pid, attempt, np.uint64(SALT_DUP)) < probs[P_DUP] else 1
     held = False
     delay = 0.0
-    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_REORDER)) < probs[P_REORDER]:
+    if fault_hash(seed, a, b, pid, attempt, np.uint64(SALT_REORDER)) < probs[P_REORDER]:
         held = True
-    if _fault_hash(seed, a, b, pid, attempt, np.uint64(_SALT_DELAY)) < probs[P_DELAY]:
+    if fault_hash(seed, a, b, pid, attempt, np.uint64(SALT_DELAY)) < probs[P_DELAY]:
         held = True
         delay = probs[P_DELAY_S]
     return False, copies, held, delay
 
 
 @njit(cache=True, nogil=True)
-def _hold(data, ln, ep, tag, release, gen, hold):
+def hold_datagram(data, ln, ep, tag, release, gen, hold):
     """Copy a datagram aside until *release* (and at least the next batch, *gen*). False when
     the table is full (the datagram then goes on at once)."""
     if ln > hold.buf.shape[1]:
         return False
     for h in range(hold.len.shape[0]):
         if hold.len[h] == 0:
-            _copy(hold.buf[h], 0, data, 0, ln)
+            copy_bytes(hold.buf[h], 0, data, 0, ln)
             hold.len[h] = ln
             hold.ep[h] = ep
             hold.tag[h] = tag
@@ -107,7 +107,7 @@ def _hold(data, ln, ep, tag, release, gen, hold):
 
 
 @njit(cache=True, nogil=True)
-def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, gen, now):
+def release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, gen, now):
     """Append the held datagrams of *tag* that are due (held in an earlier batch, time come) to
     a receive batch, copied after its data at *end*. Returns (m, end, released)."""
     released = 0
@@ -117,7 +117,7 @@ def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, ge
             continue
         if end + ln > rx_buf.shape[0] or m >= out_off.shape[0]:
             break
-        _copy(rx_buf, end, hold.buf[h], 0, ln)
+        copy_bytes(rx_buf, end, hold.buf[h], 0, ln)
         out_off[m] = end
         out_len[m] = ln
         out_src[m] = hold.ep[h]
@@ -129,7 +129,7 @@ def _release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, ge
 
 
 @njit(cache=True, nogil=True)
-def _apply_faults(rx, n, faults, counters):
+def apply_faults(rx, n, faults, counters):
     """Rewrite rx[0:n] in place as the faults decide; returns the new count (rx arrays must
     have room for 2n + held entries, rx_buf room after the data for released copies)."""
     rx_buf, rx_off, rx_len, rx_src = rx
@@ -147,15 +147,15 @@ def _apply_faults(rx, n, faults, counters):
         ln = np.int64(rx_len[i])
         src = rx_src[i]
         end = max(end, off + ln)
-        pid = _packet_id(rx_buf[off : off + ln], ln)
-        attempt = _attempt(table_key, table_count, _mix(src ^ _mix(pid)) | np.uint64(1))
-        drop, copies, held, delay = _decide(
+        pid = packet_id_of(rx_buf[off : off + ln], ln)
+        attempt = fault_attempt(table_key, table_count, mix64(src ^ mix64(pid)) | np.uint64(1))
+        drop, copies, held, delay = decide_fate(
             cfg[FC_LOSS : FC_DELAY_S + 1], seed, src, me, pid, attempt
         )
         if drop:
             counters[C.DROP_FAULT] += 1
             continue
-        if held and _hold(
+        if held and hold_datagram(
             rx_buf[off : off + ln], ln, src, 0, cfg[FC_NOW] + delay, np.int64(cfg[FC_GEN]), hold
         ):
             copies -= 1  # one copy waits aside; a duplicate still goes now
@@ -165,7 +165,7 @@ def _apply_faults(rx, n, faults, counters):
             out_src[m] = src
             m += 1
     # Release held datagrams whose time has come and that were held in an earlier batch.
-    m, end, _ = _release_into_batch(
+    m, end, _ = release_into_batch(
         rx_buf, end, out_off, out_len, out_src, m, hold, 0, np.int64(cfg[FC_GEN]), cfg[FC_NOW]
     )
     m = min(m, rx_off.shape[0])

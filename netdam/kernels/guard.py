@@ -28,9 +28,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.fault_hash import _mix
+from netdam.kernels.fault_hash import mix64
 from netdam.kernels.state import Guard
-from netdam.kernels.wire import _OP_NACK
+from netdam.kernels.wire import OP_NACK
 from netdam.protocol import counters as C
 from netdam.protocol.constants import LOCKOUT_SETS, WAYS_PER_ADDRESS, Status
 from netdam.protocol.layout import H_OPCODE, H_STATUS
@@ -45,8 +45,8 @@ G_CFG_LEN = 8
 #: control datagrams (2, 3; zeros: none, SPEC.md 2.6 "Control tags").
 GUARD_KEY_WORDS = 4
 G_ADMIN_K0, G_ADMIN_K1 = 2, 3
-_S_BAD_RKEY = int(Status.BAD_RKEY)
-_S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
+S_BAD_RKEY = int(Status.BAD_RKEY)
+S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
 _SALT_SET = 0x2545F4914F6CDD1D
 
 
@@ -90,7 +90,7 @@ def _sipround(v0, v1, v2, v3):
 
 
 @njit(cache=True, nogil=True)
-def _sip_init(k0, k1):
+def sip_init(k0, k1):
     """SipHash's state for the key (k0, k1)."""
     return (
         k0 ^ np.uint64(0x736F6D6570736575),
@@ -101,7 +101,7 @@ def _sip_init(k0, k1):
 
 
 @njit(cache=True, nogil=True)
-def _sip_absorb(v0, v1, v2, v3, m):
+def sip_absorb(v0, v1, v2, v3, m):
     """SipHash-2-4's compression of one message word m."""
     v3 ^= m
     v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
@@ -113,14 +113,14 @@ def _sip_absorb(v0, v1, v2, v3, m):
 def _sip_final(v0, v1, v2, v3, nbytes):
     """The last block of a message of *nbytes*, a multiple of 8 (its length byte alone), and
     SipHash-2-4's finalization: the 64-bit output."""
-    return _sip_finish(v0, v1, v2, v3, np.uint64(nbytes & 0xFF) << np.uint64(56))
+    return sip_finish(v0, v1, v2, v3, np.uint64(nbytes & 0xFF) << np.uint64(56))
 
 
 @njit(cache=True, nogil=True)
-def _sip_finish(v0, v1, v2, v3, last):
+def sip_finish(v0, v1, v2, v3, last):
     """SipHash-2-4's last block *last* (the message's 0-7 tail bytes, little-endian, under its
     length mod 256 in the top byte) and its finalization: the 64-bit output."""
-    v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, last)
+    v0, v1, v2, v3 = sip_absorb(v0, v1, v2, v3, last)
     v2 ^= np.uint64(0xFF)
     for _ in range(4):
         v0, v1, v2, v3 = _sipround(v0, v1, v2, v3)
@@ -131,8 +131,8 @@ def _sip_finish(v0, v1, v2, v3, last):
 def _siphash_u64(k0, k1, m):
     """SipHash-2-4 (Aumasson, Bernstein 2012) of the 8 bytes of *m* (little-endian) under the
     key (k0, k1): a keyed PRF, so tokens of other addresses cannot be derived from one's own."""
-    v0, v1, v2, v3 = _sip_init(k0, k1)
-    v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, m)
+    v0, v1, v2, v3 = sip_init(k0, k1)
+    v0, v1, v2, v3 = sip_absorb(v0, v1, v2, v3, m)
     return _sip_final(v0, v1, v2, v3, 8)
 
 
@@ -146,7 +146,7 @@ def _token(key, src):
 
 
 @njit(cache=True, nogil=True)
-def _validated(g, src, token):
+def is_validated(g, src, token):
     return token != 0 and token == _token(g.key, src)
 
 
@@ -156,11 +156,11 @@ def _validated(g, src, token):
 @njit(cache=True, nogil=True)
 def _set_of(g, src):
     ip = np.uint64(src) >> np.uint64(16)
-    return np.int64(_mix(ip ^ np.uint64(_SALT_SET) ^ g.key[0]) % np.uint64(g.set_until.shape[0]))
+    return np.int64(mix64(ip ^ np.uint64(_SALT_SET) ^ g.key[0]) % np.uint64(g.set_until.shape[0]))
 
 
 @njit(cache=True, nogil=True)
-def _locked(g, src):
+def is_locked_out(g, src):
     """Whether datagrams from *src* (not a member) are dropped now: its entry is locked, or it
     has none and its set is locked."""
     now = g.cfg[G_NOW]
@@ -186,7 +186,7 @@ def _backoff(g, s, now):
 
 
 @njit(cache=True, nogil=True)
-def _fail(g, src, counters):
+def count_failure(g, src, counters):
     """One failed authentication by *src*: draw a token, lock the source out when overdrawn."""
     now = g.cfg[G_NOW]
     counters[C.AUTH_FAILURES] += 1
@@ -226,17 +226,17 @@ def _fail(g, src, counters):
 
 
 @njit(cache=True, nogil=True)
-def _account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):
+def account(g, src, tx_buf, tx_off, tx_dst, first, last, counters):
     """After a datagram from *src* (not a member) was handled: the replies queued in
     [first, last) that NACK it BAD_RKEY or UNAUTHORIZED are failed authentications. Returns
     how many."""
     failed = 0
     for k in range(first, last):
         o = tx_off[k]
-        if tx_dst[k] == src and tx_buf[o + H_OPCODE] == _OP_NACK:
+        if tx_dst[k] == src and tx_buf[o + H_OPCODE] == OP_NACK:
             st = tx_buf[o + H_STATUS]
-            if st == _S_BAD_RKEY or st == _S_UNAUTHORIZED:
-                _fail(g, src, counters)
+            if st == S_BAD_RKEY or st == S_UNAUTHORIZED:
+                count_failure(g, src, counters)
                 failed += 1
     return failed
 
@@ -271,14 +271,14 @@ def record_failure(g: Guard, endpoint: int, counters: np.ndarray) -> None:
     check_guard(g)
     if counters.shape[0] < C.NUM_COUNTERS:
         raise ValueError("counters array of the wrong size")
-    _fail(g, np.uint64(endpoint), counters)
+    count_failure(g, np.uint64(endpoint), counters)
 
 
 def is_locked(g: Guard, endpoint: int) -> bool:
     """Whether *endpoint*'s datagrams are dropped now (tests, stats)."""
     if g.cfg[G_LOCKOUT] == 0.0:
         return False
-    return bool(_locked(g, np.uint64(endpoint)))
+    return bool(is_locked_out(g, np.uint64(endpoint)))
 
 
 def siphash_u64(k0: int, k1: int, message: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.wire import _HDR, _OP_ACK, _copy, _wr32, _wr64
+from netdam.kernels.wire import HDR, OP_ACK, copy_bytes, wr32, wr64
 from netdam.protocol.layout import H_ADDR, H_LENGTH, H_OPCODE, H_TXN_ID
 
 
@@ -23,14 +23,14 @@ def _write_packets(template, mem, src, dst_addr, nbytes, per_packet, txn0, out, 
     done = 0
     while done < nbytes:
         length = min(per_packet, nbytes - done)
-        _copy(out, pos, template, 0, _HDR)
-        _wr32(out[pos:], H_TXN_ID, (txn0 + n) & 0xFFFFFFFF)
-        _wr32(out[pos:], H_LENGTH, length)
-        _wr64(out[pos:], H_ADDR, dst_addr + done)
-        _copy(out, pos + _HDR, mem, src + done, length)
+        copy_bytes(out, pos, template, 0, HDR)
+        wr32(out[pos:], H_TXN_ID, (txn0 + n) & 0xFFFFFFFF)
+        wr32(out[pos:], H_LENGTH, length)
+        wr64(out[pos:], H_ADDR, dst_addr + done)
+        copy_bytes(out, pos + HDR, mem, src + done, length)
         out_off[n] = pos
-        out_len[n] = _HDR + length
-        pos += _HDR + length
+        out_len[n] = HDR + length
+        pos += HDR + length
         done += length
         n += 1
     return n
@@ -50,8 +50,8 @@ def write_packets(
 ) -> int:
     """Checked entry to _write_packets: every range inside its array, the arrays the I/O
     kernels take (uint8 buffers, int64 offsets, int32 lengths)."""
-    if template.dtype != np.uint8 or template.shape[0] < _HDR:
-        raise ValueError(f"the header template must be at least {_HDR} uint8 bytes")
+    if template.dtype != np.uint8 or template.shape[0] < HDR:
+        raise ValueError(f"the header template must be at least {HDR} uint8 bytes")
     if (
         mem.dtype != np.uint8
         or out.dtype != np.uint8
@@ -64,7 +64,7 @@ def write_packets(
     if per_packet <= 0 or nbytes < 0 or src < 0 or dst_addr < 0 or src + nbytes > mem.shape[0]:
         raise ValueError(f"segment [{src}, {src + nbytes}) outside node memory or bad packet size")
     count = -(-nbytes // per_packet)
-    if count > min(out_off.shape[0], out_len.shape[0]) or nbytes + count * _HDR > out.shape[0]:
+    if count > min(out_off.shape[0], out_len.shape[0]) or nbytes + count * HDR > out.shape[0]:
         raise ValueError(f"{count} datagrams do not fit the send buffer")
     return int(
         _write_packets(
@@ -89,7 +89,7 @@ def _sort_replies(rx_len, n, rx, rx_off, others):
     acks = 0
     m = 0
     for k in range(n):
-        if rx_len[k] >= _HDR and rx[rx_off[k] + H_OPCODE] == _OP_ACK:
+        if rx_len[k] >= HDR and rx[rx_off[k] + H_OPCODE] == OP_ACK:
             acks += 1
         else:
             others[m] = k

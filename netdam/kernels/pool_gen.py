@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from netdam.kernels.tag import TAG, _seal, _tag_ok
-from netdam.kernels.udp_io import _now_ns, _recv_batch, _send_batch
-from netdam.kernels.wire import _copy
+from netdam.kernels.tag import TAG, seal_tag, tag_matches
+from netdam.kernels.udp_io import clock_ns, recv_batch_kernel, send_batch_kernel
+from netdam.kernels.wire import copy_bytes
 
 # counts[] of _gen_run
 G_OPS_IN_WINDOW = 0
@@ -82,14 +82,14 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):
     id_mod = np.int64(1) << np.int64(8 * id_bytes)
     for s in range(window):
         t = s % n_templates
-        _copy(sbuf, s * slot_bytes, templates[t], 0, t_len[t])
+        copy_bytes(sbuf, s * slot_bytes, templates[t], 0, t_len[t])
         cur[s] = s
     n_todo = window
     for s in range(window):
         todo[s] = s
     top = np.int64(window - 1)
     while True:
-        now = _now_ns()
+        now = clock_ns()
         if now >= t_stop:
             break
         # Send every slot that is due, in one batch.
@@ -100,16 +100,16 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):
             s_off[k] = s * slot_bytes
             s_len[k] = t_len[t]
             if sealed:
-                s_len[k] = _seal(sbuf[s * slot_bytes : (s + 1) * slot_bytes], t_len[t], k0, k1)
+                s_len[k] = seal_tag(sbuf[s * slot_bytes : (s + 1) * slot_bytes], t_len[t], k0, k1)
             s_dst[k] = dst
             sent_at[s] = now
             live[s] = 1
         if n_todo > 0:
-            done = _send_batch(fd, sbuf, s_off, s_len, s_dst, n_todo, scratch, state)
+            done = send_batch_kernel(fd, sbuf, s_off, s_len, s_dst, n_todo, scratch, state)
             counts[G_SENT] += done
         n_todo = 0
-        n = _recv_batch(fd, rx_buf, rx_off, rx_len, rx_src, max_n, 1, state)
-        now = _now_ns()
+        n = recv_batch_kernel(fd, rx_buf, rx_off, rx_len, rx_src, max_n, 1, state)
+        now = clock_ns()
         inside = now >= t_start and now < t_end
         for i in range(n):
             o = rx_off[i]
@@ -124,7 +124,7 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):
             counts[G_OPS_TOTAL] += 1
             good = ok_off < 0 or (rx_len[i] > ok_off and rx_buf[o + ok_off] == ok_byte)
             if good and sealed:
-                good = _tag_ok(rx_buf[o : o + rx_len[i]], np.int64(rx_len[i]), k0, k1)
+                good = tag_matches(rx_buf[o : o + rx_len[i]], np.int64(rx_len[i]), k0, k1)
             if inside:
                 if good:
                     counts[G_OPS_IN_WINDOW] += 1
@@ -150,11 +150,11 @@ def _gen_run(fd, plan, phase, rx, max_n, scratch, state, counts, hist):
 @njit(cache=True, nogil=True)
 def _echo_run(fd, buf, offs, lens, srcs, max_n, scratch, state, t_stop, counts):
     """Null UDP echo server: send every datagram back to its source, no work, until *t_stop*."""
-    while _now_ns() < t_stop:
-        n = _recv_batch(fd, buf, offs, lens, srcs, max_n, 10, state)
+    while clock_ns() < t_stop:
+        n = recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, 10, state)
         if n == 0:
             continue
-        done = _send_batch(fd, buf, offs, lens, srcs, n, scratch, state)
+        done = send_batch_kernel(fd, buf, offs, lens, srcs, n, scratch, state)
         counts[0] += n
         counts[1] += done
     return counts[1]

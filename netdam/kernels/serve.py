@@ -12,9 +12,9 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
-from netdam.kernels.collective import MAX_COLLECTIVES, _any_slot, _coll_ticks
-from netdam.kernels.datapath import _process_batch
-from netdam.kernels.faults import _apply_faults
+from netdam.kernels.collective import MAX_COLLECTIVES, any_slot, coll_ticks
+from netdam.kernels.datapath import process_batch_kernel
+from netdam.kernels.faults import apply_faults
 from netdam.kernels.guard import G_NOW, check_guard
 from netdam.kernels.state import (
     FC_ACTIVE,
@@ -30,15 +30,15 @@ from netdam.kernels.state import (
     TxQueue,
 )
 from netdam.kernels.udp_io import (
-    _POLLIN,
+    POLLIN,
     ST_KERNEL_DROPS,
     ST_SEND_DROPPED,
-    _now_ns,
-    _recv_batch,
-    _send_batch,
-    _sys_poll,
+    clock_ns,
+    recv_batch_kernel,
+    send_batch_kernel,
+    sys_poll,
 )
-from netdam.kernels.wire import _SLOT
+from netdam.kernels.wire import SLOT
 from netdam.protocol import counters as C
 
 #: Why _serve returned.
@@ -49,13 +49,13 @@ RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
 
 
 @njit(cache=True, nogil=True)
-def _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
+def flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
     """Send the pending queue; account for what left. Returns True when everything went."""
     head = txq[TXQ_HEAD]
     tail = txq[TXQ_TAIL]
     if tail <= head:
         return True
-    sent = _send_batch(
+    sent = send_batch_kernel(
         fd,
         tx_buf,
         tx_off[head:tail],
@@ -84,8 +84,8 @@ def _wait_any(fd, mfd, cfd, timeout_ms):
     pfd = np.zeros(3, np.int64)
     fds = (fd, mfd, cfd)
     for k in range(3):
-        pfd[k] = (fds[k] & 0xFFFFFFFF) | (np.int64(_POLLIN) << 32)  # fd < 0 is ignored by poll
-    if _sys_poll(pfd.ctypes.data, 3, timeout_ms) <= 0:
+        pfd[k] = (fds[k] & 0xFFFFFFFF) | (np.int64(POLLIN) << 32)  # fd < 0 is ignored by poll
+    if sys_poll(pfd.ctypes.data, 3, timeout_ms) <= 0:
         return 0
     ready = 0
     for k in range(3):
@@ -136,17 +136,17 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
     mem, regions, members, window, coll, counters = node
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
-    start_ns = _now_ns()
+    start_ns = clock_ns()
     budget_ns = np.int64(timeout_ms) * 1_000_000
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
     for _round in range(max_rounds):
         if fault_cfg[FC_ACTIVE] != 0.0:
-            fault_cfg[FC_NOW] = _now_ns() * 1e-9  # time.monotonic(): what the held datagrams use
-        if _any_slot(coll, False):
+            fault_cfg[FC_NOW] = clock_ns() * 1e-9  # time.monotonic(): what the held datagrams use
+        if any_slot(coll, False):
             # The collective engine's clock runs every round (and answers late DONE requests),
             # each slot first in turn (by the microsecond: calls of a few rounds start alike).
-            now_ns = _now_ns()
-            tx_n = _coll_ticks(
+            now_ns = clock_ns()
+            tx_n = coll_ticks(
                 now_ns * 1e-9,
                 coll,
                 mem,
@@ -156,34 +156,38 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
                 (now_ns // 1000) % MAX_COLLECTIVES,
             )
             txq[TXQ_TAIL] = tx_n
-        if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
+        if not flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
             if txq[TXQ_HEAD] > 0:
                 return RETURN_QUEUE, 0  # partial send: compact before receiving more
         tail = txq[TXQ_TAIL]
         room = 2 * max_n + hold_len.shape[0] + 1  # duplicates and released datagrams too
-        if tail + room > cap or tx_off[tail] + room * _SLOT > tx_buf.shape[0]:
+        if tail + room > cap or tx_off[tail] + room * SLOT > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
         # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
         # Wait for traffic while the call's time lasts, briefly while a collective runs.
         wait = 0
         if got == 0:
-            left_ms = (budget_ns - (_now_ns() - start_ns)) // 1_000_000
+            left_ms = (budget_ns - (clock_ns() - start_ns)) // 1_000_000
             if _round > 0 and left_ms <= 0:
                 break  # the call's time is up: the control plane's turn
-            wait = min(left_ms, 1) if _any_slot(coll, True) else left_ms
+            wait = min(left_ms, 1) if any_slot(coll, True) else left_ms
         if wait > 0:
             ready = _wait_any(fd, mfd, cfd, wait)
             if ready & 4:
-                _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+                flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
                 return RETURN_IDLE, 0  # management traffic: the control plane's turn
             wait = 0
         if mfd < 0:
-            n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state)
+            n = recv_batch_kernel(
+                fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state
+            )
         else:
             # Half the receive runs for the data socket, half for the multicast group's socket.
             half = recv_bytes // 2
-            n = _recv_batch(fd, rx_buf[:half], rx_off, rx_len, rx_src, max_n // 2, wait, io_state)
-            m = _recv_batch(
+            n = recv_batch_kernel(
+                fd, rx_buf[:half], rx_off, rx_len, rx_src, max_n // 2, wait, io_state
+            )
+            m = recv_batch_kernel(
                 mfd,
                 rx_buf[half:recv_bytes],
                 rx_off[n:],
@@ -198,20 +202,20 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
             n += m
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if fault_cfg[FC_ACTIVE] != 0.0:
-            n = _apply_faults(rx, n, faults, counters)
+            n = apply_faults(rx, n, faults, counters)
             fault_cfg[FC_GEN] += 1.0  # batch generation: held datagrams wait at least one batch
         got = n
         if n == 0:
             if budget_ns == 0:
                 break  # a call with no time to wait: one look only
             continue
-        guard.cfg[G_NOW] = _now_ns() * 1e-9  # the lockout clock: one reading per batch
-        tx_n, n_punt = _process_batch(rx, n, max_len, node, guard, tx, txq[TXQ_TAIL], punt)
+        guard.cfg[G_NOW] = clock_ns() * 1e-9  # the lockout clock: one reading per batch
+        tx_n, n_punt = process_batch_kernel(rx, n, max_len, node, guard, tx, txq[TXQ_TAIL], punt)
         txq[TXQ_TAIL] = tx_n
         if n_punt > 0:
-            _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_PUNT, n_punt
-    _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+    flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
     return (RETURN_ROUNDS if got else RETURN_IDLE), 0
 
 

@@ -111,7 +111,7 @@ TXQ = typeof(_a(i64))
 COUNTERS = typeof(_a(u64))
 MEMORY = typeof(_a(u8))
 
-#: _process_batch(rx, n, max_len, node, guard, tx, tx_n, punt)
+#: process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt)
 PROCESS_BATCH = (
     RX_BATCH,
     types.int64,
@@ -124,9 +124,9 @@ PROCESS_BATCH = (
 )
 #: _serve(io, rx, faults, node, guard, tx, txq, punt)
 SERVE = (SERVE_IO, RX_BATCH, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ, PUNT)
-#: _coll_ticks(now, slots, mem, counters, tx, tx_n, first)
+#: coll_ticks(now, slots, mem, counters, tx, tx_n, first)
 COLL_TICKS = (types.float64, COLL_SLOTS, MEMORY, COUNTERS, TX_QUEUE, types.int64, types.int64)
-#: _switch_round(rx, n, max_len, st, tx, tx_n, punt)
+#: switch_round_kernel(rx, n, max_len, st, tx, tx_n, punt)
 SWITCH_ROUND = (RX_BATCH, types.int64, types.int64, SWITCH_STATE, TX_QUEUE, types.int64, PUNT)
 #: _switch_serve(io, rx, room_per, st, tx, txq, punt)
 SWITCH_SERVE = (SERVE_IO, RX_BATCH, types.int64, SWITCH_STATE, TX_QUEUE, TXQ, PUNT)

@@ -110,7 +110,7 @@ class NodeState(NamedTuple):
     regions: Regions
     members: np.ndarray  # uint64 sorted cluster members
     window: DupWindow
-    coll: CollSlots  # the per-packet code gets one slot's CollState in its place (collective._for_collective)
+    coll: CollSlots  # the per-packet code gets one slot's CollState in its place (collective.for_collective)
     counters: np.ndarray  # uint64 (protocol/counters.py)
 
 
@@ -126,7 +126,7 @@ class HoldTable(NamedTuple):
 
 
 #: FaultState.cfg (float64) indices; cfg[FC_LOSS : FC_DELAY_S + 1] is the rates vector that
-#: faults._decide takes (its P_* order).
+#: faults.decide_fate takes (its P_* order).
 FC_ACTIVE, FC_LOSS, FC_DUP, FC_REORDER, FC_DELAY, FC_DELAY_S, FC_NOW, FC_GEN = range(8)
 FC_LEN = 8
 #: FaultState.keys (uint64) and LinkFaults.fkeys indices: the seed, then the own endpoint.

@@ -2,7 +2,7 @@
 
 Per datagram (protocol/SPEC.md 11.3 is the contract):
 
-1. ``datapath._check_packet`` (the node's structural checks, same order, same statuses);
+1. ``datapath.check_packet`` (the node's structural checks, same order, same statuses);
 2. replies, control opcodes and PING are *punted* to ``SwitchCore`` (Python);
 3. ALL_WRITE with flag MCAST is replicated to the members of the group named by ``aux_addr``
    (``ip << 16 | port``, as JOIN names groups); ``addr`` and ``rkey`` stay node-local;
@@ -15,7 +15,7 @@ Per datagram (protocol/SPEC.md 11.3 is the contract):
    client's endpoint when the client left it 0. The switch keeps no per-request state.
 
 Fault injection per link (port) and direction: seeded drop, duplicate, reorder, delay and "drop
-the k-th packet of opcode X", decided by ``fault_hash._fault_hash`` (BRIEF section 7).
+the k-th packet of opcode X", decided by ``fault_hash.fault_hash`` (BRIEF section 7).
 
 Like ``datapath``, nothing here checks its *arguments*: ``netdam.switch.core.SwitchCore`` owns
 and sizes every array. Packet contents are untrusted.
@@ -28,40 +28,47 @@ from numba import njit
 
 from netdam.kernels import signatures as S
 from netdam.kernels.fault_hash import (
-    _mix,
-    _packet_id,
+    mix64,
+    packet_id_of,
 )
-from netdam.kernels.faults import _attempt, _decide, _hold, _release_into_batch
-from netdam.kernels.guard import G_FACTOR, G_LOCKOUT, _fail, _locked, _validated, check_guard
+from netdam.kernels.faults import decide_fate, fault_attempt, hold_datagram, release_into_batch
+from netdam.kernels.guard import (
+    G_FACTOR,
+    G_LOCKOUT,
+    check_guard,
+    count_failure,
+    is_locked_out,
+    is_validated,
+)
 from netdam.kernels.state import FCLOCK_GEN, FCLOCK_NOW, FK_SEED, RxBatch, SwitchState, TxQueue
 from netdam.kernels.tag import (
     CONTROL_TAG_FORGED,
     CONTROL_TAG_NO_KEY,
     TAG,
-    _is_control,
-    _is_tenant_request,
-    _open_control_tagged,
-    _open_tenant_tagged,
-    _seal_replies,
-    _tag_ok,
-    _tagged_length,
+    is_control_op,
+    is_tenant_request,
+    open_control_tagged,
+    open_tenant_tagged,
+    seal_replies,
+    tag_matches,
+    tagged_length,
 )
 from netdam.kernels.wire import (
-    _ESIZE,
-    _IS_REPLY,
-    _PUNTED_OPS,
-    _SLOT,
     DROP_SILENTLY,
+    ESIZE,
+    IS_REPLY,
     PUNT,
-    _check_packet,
-    _copy,
-    _emit_nack,
-    _rd16,
-    _rd32,
-    _rd64,
-    _wr16,
-    _wr32,
-    _wr64,
+    PUNTED_OPS,
+    SLOT,
+    check_packet,
+    copy_bytes,
+    emit_nack,
+    rd16,
+    rd32,
+    rd64,
+    wr16,
+    wr32,
+    wr64,
 )
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Flags, Opcode, Rights, Status
@@ -78,30 +85,30 @@ from netdam.protocol.layout import (
     H_RKEY,
 )
 
-_HDR = 64
+HDR = 64
 _F_MCAST = int(Flags.MCAST)
-_F_SPARSE = int(Flags.SPARSE)
+F_SPARSE = int(Flags.SPARSE)
 _F_RELAYED = int(Flags.RELAYED)
-_F_ACK_REQ = int(Flags.ACK_REQ)
-_R_READ = int(Rights.READ)
-_R_WRITE = int(Rights.WRITE)
-_R_ATOMIC = int(Rights.ATOMIC)
-_OP_READ = int(Opcode.READ)
-_OP_WRITE = int(Opcode.WRITE)
-_OP_ADD = int(Opcode.ADD)
-_OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
-_OP_ALL_WRITE = int(Opcode.ALL_WRITE)
-_OP_FETCH_ADD = int(Opcode.FETCH_ADD)
+F_ACK_REQ = int(Flags.ACK_REQ)
+R_READ = int(Rights.READ)
+R_WRITE = int(Rights.WRITE)
+R_ATOMIC = int(Rights.ATOMIC)
+OP_READ = int(Opcode.READ)
+OP_WRITE = int(Opcode.WRITE)
+OP_ADD = int(Opcode.ADD)
+OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
+OP_ALL_WRITE = int(Opcode.ALL_WRITE)
+OP_FETCH_ADD = int(Opcode.FETCH_ADD)
 _OP_CAS = int(Opcode.CAS)
 _S_BAD_FIELD = int(Status.BAD_FIELD)
-_S_BAD_RKEY = int(Status.BAD_RKEY)
+S_BAD_RKEY = int(Status.BAD_RKEY)
 _S_NO_RIGHTS = int(Status.NO_RIGHTS)
 _S_OUT_OF_BOUNDS = int(Status.OUT_OF_BOUNDS)
 _S_MISALIGNED = int(Status.MISALIGNED)
 _S_SPANS_NODES = int(Status.SPANS_NODES)
 _S_NO_ROUTE = int(Status.NO_ROUTE)
-_S_TOO_LARGE = int(Status.TOO_LARGE)
-_S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
+S_TOO_LARGE = int(Status.TOO_LARGE)
+S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
 #: Salt of the client-id hash (a client that left client_id 0 gets a stable id per endpoint).
 _SALT_CLIENT = 0x5EC0DE5A17C11E47
 #: Salt separating the transmit direction's attempt counts from the receive direction's.
@@ -166,7 +173,7 @@ def _port_of(node_sorted, node_port, ep):
 @njit(cache=True, nogil=True)
 def _client_id_of(src):
     """A stable non-zero client id for endpoint *src* (same socket, same id: retries dedup)."""
-    h = _mix(np.uint64(src) ^ np.uint64(_SALT_CLIENT)) & np.uint64(0xFFFFFFFF)
+    h = mix64(np.uint64(src) ^ np.uint64(_SALT_CLIENT)) & np.uint64(0xFFFFFFFF)
     if h == 0:
         h = np.uint64(1)
     return np.int64(h)
@@ -176,7 +183,7 @@ def _client_id_of(src):
 def _nack(
     b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
 ):
-    tx_n = _emit_nack(b, src, node_sorted, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+    tx_n = emit_nack(b, src, node_sorted, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
     port = _port_of(node_sorted, node_port, tx_dst[tx_n - 1])
     port_ctr[port, P_TX_PACKETS] += 1
     port_ctr[port, P_TX_BYTES] += tx_len[tx_n - 1]
@@ -188,16 +195,16 @@ def _emit_copy(
     b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n
 ):
     """Queue a copy of b[:ln] to *dst* with the return segment, RELAYED and client id written."""
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _copy(t, 0, b, 0, ln)
-    ret_set = _rd32(b, H_RET_IP) != 0 or _rd16(b, H_RET_PORT) != 0
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    copy_bytes(t, 0, b, 0, ln)
+    ret_set = rd32(b, H_RET_IP) != 0 or rd16(b, H_RET_PORT) != 0
     if not (from_node and ret_set):
         # A client's return segment is always replaced: replies never go to a third party.
-        _wr32(t, H_RET_IP, np.int64(src >> np.uint64(16)))
-        _wr16(t, H_RET_PORT, np.int64(src & np.uint64(0xFFFF)))
-    _wr16(t, H_FLAGS, _rd16(b, H_FLAGS) | _F_RELAYED)
-    if _rd32(b, H_CLIENT_ID) == 0:
-        _wr32(t, H_CLIENT_ID, _client_id_of(src))
+        wr32(t, H_RET_IP, np.int64(src >> np.uint64(16)))
+        wr16(t, H_RET_PORT, np.int64(src & np.uint64(0xFFFF)))
+    wr16(t, H_FLAGS, rd16(b, H_FLAGS) | _F_RELAYED)
+    if rd32(b, H_CLIENT_ID) == 0:
+        wr32(t, H_CLIENT_ID, _client_id_of(src))
         sw[SW_IDS_FILLED] += 1
     tx_len[tx_n] = ln
     tx_off[tx_n + 1] = tx_off[tx_n] + ln
@@ -237,14 +244,14 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             counters[C.DROP_OVERSIZE] += 1
             continue
         b = rx_buf[off : off + ln]
-        if tx_n + fanout > cap or tx_off[tx_n] + fanout * _SLOT > tx_buf.shape[0]:
+        if tx_n + fanout > cap or tx_off[tx_n] + fanout * SLOT > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
         # A TAGGED datagram (SPEC.md 2.6) is checked without its trailer; a pool request to a
         # tagged region is taken when its tag verifies under the region's key (below), and is
         # forwarded sealed anew (the switch rewrites its address); any other is refused.
         full, full_ln = b, ln
-        tagged = _tagged_length(b, ln)
+        tagged = tagged_length(b, ln)
         if tagged < 0:
             counters[C.DROP_TRUNCATED] += 1
             continue
@@ -257,14 +264,14 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
         # 12.3): a guesser sharing (or forging) the address cannot lock out a key holder.
         locked_tagged = False
         if guarded and src != open_src:
-            if _locked(guard, src):
+            if is_locked_out(guard, src):
                 if not was_tagged:
                     counters[C.DROP_LOCKOUT] += 1  # a right key too: the source is locked out
                     continue
                 locked_tagged = True
             else:
                 open_src = src  # not locked: stays so within this batch unless it fails a key
-        status = _check_packet(b, ln)
+        status = check_packet(b, ln)
         op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
@@ -275,7 +282,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             counters[C.DROP_LOCKOUT] += 1  # no tag was proven: a locked-out source gets nothing
             continue
         if status != 0:
-            if op < 64 and _IS_REPLY[op] == 1:
+            if op < 64 and IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
             tx_n = _nack(
@@ -293,15 +300,15 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 counters,
             )
             continue
-        if was_tagged and _is_control(op):
+        if was_tagged and is_control_op(op):
             # A control tag proves the cluster's admin tag key (SPEC.md 2.6, "Control tags"), or
             # a pool request's the key of the tenant its rkey names (11.9, "Tenant tags"):
             # punted, a locked-out source's too; the control plane checks it again and seals
             # its answers. A wrong one is dropped without an answer.
-            if _is_tenant_request(b, op):
-                verdict = _open_tenant_tagged(tenant_ids, tenant_keys, full, full_ln, counters)
+            if is_tenant_request(b, op):
+                verdict = open_tenant_tagged(tenant_ids, tenant_keys, full, full_ln, counters)
             else:
-                verdict, _ak0, _ak1 = _open_control_tagged(guard.key, full, full_ln, counters)
+                verdict, _ak0, _ak1 = open_control_tagged(guard.key, full, full_ln, counters)
             if verdict == CONTROL_TAG_FORGED:
                 continue
             if verdict == CONTROL_TAG_NO_KEY:
@@ -313,7 +320,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                     src,
                     node_sorted,
                     node_port,
-                    _S_UNAUTHORIZED,
+                    S_UNAUTHORIZED,
                     port_ctr,
                     tx_buf,
                     tx_off,
@@ -323,7 +330,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                     counters,
                 )
                 if guarded:
-                    _fail(guard, src, counters)
+                    count_failure(guard, src, counters)
                     open_src = np.uint64(0)
                 continue
             counters[C.OPCODE_BASE + op] += 1
@@ -332,16 +339,16 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             counters[C.PUNTED] += 1
             continue
         if was_tagged and (
-            _IS_REPLY[op] == 1
-            or _PUNTED_OPS[op] == 1
-            or op == _OP_CHAIN_ADD
-            or _rd16(b, H_FLAGS) & _F_MCAST
+            IS_REPLY[op] == 1
+            or PUNTED_OPS[op] == 1
+            or op == OP_CHAIN_ADD
+            or rd16(b, H_FLAGS) & _F_MCAST
         ):
             # Tags here belong to pool requests; a collective's run between nodes.
             if locked_tagged:
                 counters[C.DROP_LOCKOUT] += 1
                 continue
-            if _IS_REPLY[op] == 1:
+            if IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
             tx_n = _nack(
@@ -359,10 +366,10 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 counters,
             )
             continue
-        if locked_tagged and _IS_REPLY[op] == 1:
+        if locked_tagged and IS_REPLY[op] == 1:
             counters[C.DROP_LOCKOUT] += 1
             continue
-        if _rd16(b, H_FLAGS) & _F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
+        if rd16(b, H_FLAGS) & F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
             tx_n = _nack(
                 b,
                 src,
@@ -379,12 +386,12 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             )
             continue
         counters[C.OPCODE_BASE + op] += 1
-        if _PUNTED_OPS[op] == 1:
+        if PUNTED_OPS[op] == 1:
             punt[n_punt] = i
             n_punt += 1
             counters[C.PUNTED] += 1
             continue
-        if op == _OP_CHAIN_ADD:
+        if op == OP_CHAIN_ADD:
             # SR chains name their nodes themselves: send them to the first hop, not the VIP.
             tx_n = _nack(
                 b,
@@ -401,9 +408,9 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 counters,
             )
             continue
-        flags = _rd16(b, H_FLAGS)
+        flags = rd16(b, H_FLAGS)
         if flags & _F_MCAST:
-            if op != _OP_ALL_WRITE:
+            if op != OP_ALL_WRITE:
                 tx_n = _nack(
                     b,
                     src,
@@ -419,7 +426,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                     counters,
                 )
                 continue
-            group = _rd64(b, H_AUX_ADDR)
+            group = rd64(b, H_AUX_ADDR)
             g = np.searchsorted(grp_key, group)
             if g >= grp_key.shape[0] or grp_key[g] != group:
                 tx_n = _nack(
@@ -441,8 +448,8 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             if (
                 factor > 0.0
                 and not from_node
-                and _rd16(b, H_FLAGS) & _F_ACK_REQ
-                and _HDR * grp_count[g] > factor * ln
+                and rd16(b, H_FLAGS) & F_ACK_REQ
+                and HDR * grp_count[g] > factor * ln
             ):
                 counters[C.DROP_AMPLIFICATION] += 1  # one ACK per member back to an unproven source
                 continue
@@ -469,16 +476,16 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 sw[SW_REPLICATED] += 1
             continue
         # A pool request: global address -> (node, local address).
-        addr = _rd64(b, H_ADDR)
-        length = _rd32(b, H_LENGTH)
+        addr = rd64(b, H_ADDR)
+        length = rd32(b, H_LENGTH)
         dtype = np.int64(b[H_DTYPE])
-        if op == _OP_READ:
-            need, align = _R_READ, _ESIZE[dtype]
-        elif op == _OP_FETCH_ADD or op == _OP_CAS:
-            need, align = _R_ATOMIC, 8
+        if op == OP_READ:
+            need, align = R_READ, ESIZE[dtype]
+        elif op == OP_FETCH_ADD or op == _OP_CAS:
+            need, align = R_ATOMIC, 8
         else:
-            need, align = _R_WRITE, _ESIZE[dtype]
-        if op == _OP_READ and _HDR + length + (TAG if was_tagged else 0) > max_len:
+            need, align = R_WRITE, ESIZE[dtype]
+        if op == OP_READ and HDR + length + (TAG if was_tagged else 0) > max_len:
             # The node's answer would not fit the MTU (the node answers the same): a 64-byte
             # NACK, no amplification, so before the token check (SPEC.md 5's order).
             if locked_tagged:
@@ -489,7 +496,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 src,
                 node_sorted,
                 node_port,
-                _S_TOO_LARGE,
+                S_TOO_LARGE,
                 port_ctr,
                 tx_buf,
                 tx_off,
@@ -499,24 +506,24 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 counters,
             )
             continue
-        if op == _OP_READ and factor > 0.0 and not from_node and _HDR + length > factor * ln:
+        if op == OP_READ and factor > 0.0 and not from_node and HDR + length > factor * ln:
             # The node would answer the client with more than 3x the request: only for a client
             # that proved it receives at its address (the switch's token in aux_addr).
-            if not _validated(guard, src, _rd64(b, H_AUX_ADDR)):
+            if not is_validated(guard, src, rd64(b, H_AUX_ADDR)):
                 counters[C.DROP_AMPLIFICATION] += 1
                 continue
-        status, r, node, local = _lookup(addr, length, _rd32(b, H_RKEY), need, align, st.regions)
+        status, r, node, local = _lookup(addr, length, rd32(b, H_RKEY), need, align, st.regions)
         # A tagged region takes only requests sealed under its key; a tag under any other rkey
         # proves nothing (BAD_RKEY, as at a node). A wrong tag is dropped without an answer.
         k0, k1, proven = np.uint64(0), np.uint64(0), False
-        if r >= 0 and status != _S_BAD_RKEY:
+        if r >= 0 and status != S_BAD_RKEY:
             k0, k1 = reg_tag[r, 0], reg_tag[r, 1]
             if (k0 | k1) == 0:
                 if was_tagged:
-                    status = _S_BAD_RKEY
+                    status = S_BAD_RKEY
             elif not was_tagged:
-                status = _S_BAD_RKEY
-            elif _tag_ok(full, full_ln, k0, k1):
+                status = S_BAD_RKEY
+            elif tag_matches(full, full_ln, k0, k1):
                 proven = True
             else:
                 counters[C.DROP_REGION_FORGED] += 1
@@ -524,8 +531,8 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
         if locked_tagged and not proven:
             counters[C.DROP_LOCKOUT] += 1  # a tag that proves nothing: the lockout holds
             continue
-        if status == _S_BAD_RKEY and guarded:
-            _fail(guard, src, counters)
+        if status == S_BAD_RKEY and guarded:
+            count_failure(guard, src, counters)
             open_src = np.uint64(0)  # may be locked out now: look its next datagram up again
         if status != 0:
             if r >= 0:
@@ -548,7 +555,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 counters,
             )
             if proven:
-                _seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
+                seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
             continue
         t0 = tx_n
         tx_n = _emit_copy(
@@ -566,18 +573,18 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             tx_dst,
             tx_n,
         )
-        t = tx_buf[tx_off[t0] : tx_off[t0] + _HDR]
-        _wr64(t, H_ADDR, local)
+        t = tx_buf[tx_off[t0] : tx_off[t0] + HDR]
+        wr64(t, H_ADDR, local)
         if proven:
             # The address is covered: sealed anew under the region's key, which the node holds.
-            _seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
+            seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
             port_ctr[node + 1, P_TX_BYTES] += TAG
         sw[SW_FORWARDED] += 1
         reg_ctr[r, R_FORWARDED] += 1
         reg_ctr[r, R_BYTES] += length
-        if op == _OP_READ:
+        if op == OP_READ:
             reg_ctr[r, R_READS] += 1
-        elif need == _R_ATOMIC:
+        elif need == R_ATOMIC:
             reg_ctr[r, R_ATOMICS] += 1
         else:
             reg_ctr[r, R_WRITES] += 1
@@ -602,7 +609,7 @@ def _link_decide(fcfg, port, direction, seed, a, b_ep, pid, attempt, op, kctr):
             return True, True, 0, False, 0.0
     if fcfg[port, direction, F_ACTIVE] == 0.0:
         return False, False, 1, False, 0.0
-    drop, copies, held, delay = _decide(
+    drop, copies, held, delay = decide_fate(
         fcfg[port, direction, F_LOSS : F_DELAY_S + 1], seed, a, b_ep, pid, attempt
     )
     return drop, False, copies, held, delay
@@ -619,9 +626,9 @@ def _link_fate(b, ln, peer, direction, st):
     rx = direction == DIR_RX
     vip = cfg[CFG_VIP]
     port = _port_of(node_sorted, node_port, peer)
-    pid = _packet_id(b, ln)
+    pid = packet_id_of(b, ln)
     salt = np.uint64(0) if rx else np.uint64(_SALT_TX)
-    attempt = _attempt(ftab_key, ftab_count, _mix(peer ^ _mix(pid ^ salt)) | np.uint64(1))
+    attempt = fault_attempt(ftab_key, ftab_count, mix64(peer ^ mix64(pid ^ salt)) | np.uint64(1))
     op = np.int64(b[H_OPCODE]) if ln > 1 else 64
     a, b_ep = (peer, vip) if rx else (vip, peer)
     drop, kth, copies, held, delay = _link_decide(
@@ -635,7 +642,7 @@ def _link_fate(b, ln, peer, direction, st):
         return 0
     if copies > 1:
         port_ctr[port, P_FAULT_DUPS] += 1
-    if held and _hold(
+    if held and hold_datagram(
         b, ln, peer, direction, fclock[FCLOCK_NOW] + delay, np.int64(fclock[FCLOCK_GEN]), hold
     ):
         copies -= 1
@@ -673,7 +680,7 @@ def _rx_faults(rx, n, st):
             out_src[m] = src
             m += 1
     if fstate[FS_HELD_RX] > 0:
-        m, end, released = _release_into_batch(
+        m, end, released = release_into_batch(
             rx_buf, end, out_off, out_len, out_src, m, hold, DIR_RX, gen, now
         )
         fstate[FS_HELD_RX] -= released
@@ -699,7 +706,7 @@ def _tx_faults(start, tx_n, st, tx):
     base = tx_off[start]
     total = tx_off[tx_n] - base
     stage = np.empty(max(total, 1), np.uint8)
-    _copy(stage, 0, tx_buf, base, total)
+    copy_bytes(stage, 0, tx_buf, base, total)
     s_off = np.empty(max(count, 1), np.int64)
     s_len = np.empty(max(count, 1), np.int64)
     s_dst = np.empty(max(count, 1), np.uint64)
@@ -730,7 +737,7 @@ def _tx_faults(start, tx_n, st, tx):
                 continue
             if q >= cap or tx_off[q] + ln > tx_buf.shape[0]:
                 break
-            _copy(tx_buf, tx_off[q], hold_buf[h], 0, ln)
+            copy_bytes(tx_buf, tx_off[q], hold_buf[h], 0, ln)
             tx_len[q] = ln
             tx_dst[q] = hold_ep[h]
             tx_off[q + 1] = tx_off[q] + ln
@@ -750,12 +757,12 @@ def switch_round(
     if not 0 <= tx_n < tx.len.shape[0] or tx.off.shape[0] != tx.len.shape[0] + 1:
         raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
     check_guard(st.guard)
-    tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, tx_n, punt)
+    tx_n, n_punt = switch_round_kernel(rx, n, max_len, st, tx, tx_n, punt)
     return int(tx_n), int(n_punt)
 
 
 @njit(cache=True, nogil=True)
-def _switch_round(rx, n, max_len, st, tx, tx_n, punt):
+def switch_round_kernel(rx, n, max_len, st, tx, tx_n, punt):
     """Receive faults, translation/replication, transmit faults: one batch. (tx_n, n_punt).
 
     With receive faults configured (or datagrams held), the rx arrays need room for 2n + held
@@ -798,7 +805,7 @@ def _lookup(addr, length, rkey, need, align, regions):
     offset = np.int64(addr - reg_base[r])
     stride = reg_stride[r]
     if np.int64(reg_rkey[r]) != rkey:
-        status = _S_BAD_RKEY
+        status = S_BAD_RKEY
     elif (np.int64(reg_rights[r]) & need) != need:
         status = _S_NO_RIGHTS
     elif np.int64(reg_end[r] - addr) < length:
@@ -821,7 +828,7 @@ def _lookup(addr, length, rkey, need, align, regions):
 
 
 @njit(cache=True, nogil=True)
-def _translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, out_node, out_local):
+def translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, out_node, out_local):
     """_lookup over arrays (tests hold it to the Python reference in netdam.switch.addrmap)."""
     for i in range(addrs.shape[0]):
         status, r, node, local = _lookup(
@@ -834,5 +841,5 @@ def _translate_many(addrs, lengths, rkeys, needs, aligns, regions, out_status, o
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
 # the end of the module where every kernel it calls exists; no other signature compiles.
-_switch_round.compile(S.SWITCH_ROUND)
-_switch_round.disable_compile()
+switch_round_kernel.compile(S.SWITCH_ROUND)
+switch_round_kernel.disable_compile()

@@ -13,7 +13,7 @@ from numba import njit
 
 from netdam.kernels import signatures as S
 from netdam.kernels.guard import G_NOW, check_guard
-from netdam.kernels.serve import _flush  # one flush for node and switch
+from netdam.kernels.serve import flush_sends  # one flush for node and switch
 from netdam.kernels.state import (
     FCLOCK_NOW,
     TXQ_HEAD,
@@ -23,9 +23,9 @@ from netdam.kernels.state import (
     SwitchState,
     TxQueue,
 )
-from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, _switch_round
-from netdam.kernels.udp_io import ST_KERNEL_DROPS, _now_ns, _recv_batch
-from netdam.kernels.wire import _SLOT
+from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, switch_round_kernel
+from netdam.kernels.udp_io import ST_KERNEL_DROPS, clock_ns, recv_batch_kernel
+from netdam.kernels.wire import SLOT
 from netdam.protocol import counters as C
 
 RETURN_IDLE = 0
@@ -68,37 +68,39 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):
     fclock, fstate, hold_len = st.faults.fclock, st.faults.fstate, st.faults.hold.len
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
-    t0 = _now_ns()
+    t0 = clock_ns()
     for _round in range(max_rounds):
-        if not _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
+        if not flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
             if txq[TXQ_HEAD] > 0:
                 return RETURN_QUEUE, 0
         tail = txq[TXQ_TAIL]
         room = room_per * max_n + hold_len.shape[0] + 1
-        if tail + room > cap or tx_off[tail] + room * _SLOT > tx_buf.shape[0]:
+        if tail + room > cap or tx_off[tail] + room * SLOT > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
         held = fstate[FS_HELD_RX] + fstate[FS_HELD_TX]
         # Later rounds wait briefly too: returning to Python on every quiet moment costs more
         # than the packets (the call still returns within ~CALL_BUDGET_NS for the control plane).
         wait = min(timeout_ms, 1) if (_round > 0 or held > 0) else timeout_ms
-        if _round > 0 and _now_ns() - t0 > CALL_BUDGET_NS:
+        if _round > 0 and clock_ns() - t0 > CALL_BUDGET_NS:
             break
-        n = _recv_batch(fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state)
+        n = recv_batch_kernel(
+            fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state
+        )
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if n == 0 and held == 0:
-            _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
-        fclock[FCLOCK_NOW] = _now_ns() * 1e-9
+        fclock[FCLOCK_NOW] = clock_ns() * 1e-9
         st.guard.cfg[G_NOW] = fclock[FCLOCK_NOW]  # the lockout's clock
-        tx_n, n_punt = _switch_round(rx, n, max_len, st, tx, txq[TXQ_TAIL], punt)
+        tx_n, n_punt = switch_round_kernel(rx, n, max_len, st, tx, txq[TXQ_TAIL], punt)
         txq[TXQ_TAIL] = tx_n
         if n_punt > 0:
-            _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_PUNT, n_punt
         if n == 0:
-            _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
             return RETURN_IDLE, 0
-    _flush(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+    flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
     return RETURN_ROUNDS, 0
 
 

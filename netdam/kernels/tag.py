@@ -23,11 +23,11 @@ from numba.extending import intrinsic
 from netdam.kernels.guard import (
     G_ADMIN_K0,
     G_ADMIN_K1,
-    _sip_absorb,
-    _sip_finish,
-    _sip_init,
+    sip_absorb,
+    sip_finish,
+    sip_init,
 )
-from netdam.kernels.wire import _OP_CHAIN_ADD, _find_rkey, _rd16, _rd32, _wr16
+from netdam.kernels.wire import OP_CHAIN_ADD, find_rkey, rd16, rd32, wr16
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     CONTROL_FIRST,
@@ -48,9 +48,9 @@ from netdam.protocol.layout import (
     HEADER,
 )
 
-_F_TAGGED = int(Flags.TAGGED)
-_HDR = HEADER_SIZE
-_SEG = SEGMENT_SIZE
+F_TAGGED = int(Flags.TAGGED)
+HDR = HEADER_SIZE
+SEG = SEGMENT_SIZE
 TAG = TAG_SIZE
 # What a relay rewrites is not covered (SPEC.md 2.6): segments_left (its byte of the header's
 # 7th word, zeroed) and the return segment with reserved2 (the 8th word, all of it), so a hop
@@ -58,7 +58,7 @@ TAG = TAG_SIZE
 _WORD_SEGMENTS_LEFT = H_SEGMENTS_LEFT // 8 * 8
 _KEEP_WORD_SEGMENTS_LEFT = np.uint64(~(0xFF << (8 * (H_SEGMENTS_LEFT % 8))) & 0xFFFFFFFFFFFFFFFF)
 _WORD_RET = H_RET_IP // 8 * 8
-assert H_RET_IP % 8 == 0 and _WORD_RET == _HDR - 8
+assert H_RET_IP % 8 == 0 and _WORD_RET == HDR - 8
 
 
 @intrinsic
@@ -84,7 +84,7 @@ def _siphash_masked(k0, k1, b, n):
     says (segments_left, return segment: see above), its 0-7 tail bytes in the last block: a
     tag over the header and SR list (n a multiple of 8), or a control tag over the whole
     datagram (SPEC.md 2.6, "Control tags")."""
-    v0, v1, v2, v3 = _sip_init(k0, k1)
+    v0, v1, v2, v3 = sip_init(k0, k1)
     whole = n - n % 8
     for i in range(0, whole, 8):
         m = _load_u64(b, np.int64(i))
@@ -92,38 +92,38 @@ def _siphash_masked(k0, k1, b, n):
             m &= _KEEP_WORD_SEGMENTS_LEFT
         elif i == _WORD_RET:
             m = np.uint64(0)
-        v0, v1, v2, v3 = _sip_absorb(v0, v1, v2, v3, m)
+        v0, v1, v2, v3 = sip_absorb(v0, v1, v2, v3, m)
     last = np.uint64(n & 0xFF) << np.uint64(56)
     for j in range(n - whole):
         last |= np.uint64(b[whole + j]) << np.uint64(8 * j)
-    return _sip_finish(v0, v1, v2, v3, last)
+    return sip_finish(v0, v1, v2, v3, last)
 
 
 @njit(cache=True, nogil=True)
 def _control_tag_ok(b, ln, k0, k1):
     """Datagram b[:ln] (trailer included) ends with its control tag under (k0, k1)."""
-    return ln >= _HDR + TAG and _trailer(b, ln) == _siphash_masked(k0, k1, b, ln - TAG)
+    return ln >= HDR + TAG and tag_trailer(b, ln) == _siphash_masked(k0, k1, b, ln - TAG)
 
 
 @njit(cache=True, nogil=True)
 def _seal_control(t, n, k0, k1):
     """Set TAGGED in datagram t[:n] and append its control tag; returns the new length."""
-    _wr16(t, H_FLAGS, _rd16(t, H_FLAGS) | _F_TAGGED)
+    wr16(t, H_FLAGS, rd16(t, H_FLAGS) | F_TAGGED)
     return _put_tag(t, n, _siphash_masked(k0, k1, t, n))
 
 
-#: Verdicts of _open_control_tagged: the tag is right (punt it: the control plane acts as the
+#: Verdicts of open_control_tagged: the tag is right (punt it: the control plane acts as the
 #: admin); no admin tag key here (answered UNAUTHORIZED); dropped (a wrong tag).
 CONTROL_TAG_OK, CONTROL_TAG_NO_KEY, CONTROL_TAG_FORGED = 1, 4, 0
 
 
 @njit(cache=True, nogil=True)
-def _is_control(op):
+def is_control_op(op):
     return CONTROL_FIRST <= op <= CONTROL_LAST
 
 
 @njit(cache=True, nogil=True)
-def _open_control_tagged(guard_key, b, ln, counters):
+def open_control_tagged(guard_key, b, ln, counters):
     """Check the control tag of TAGGED datagram b[:ln] (a control opcode) under the admin tag
     key in the guard's key words. Returns (verdict, k0, k1): CONTROL_TAG_OK and the key;
     CONTROL_TAG_NO_KEY when this process has none (the caller answers UNAUTHORIZED);
@@ -138,19 +138,19 @@ def _open_control_tagged(guard_key, b, ln, counters):
 
 
 @njit(cache=True, nogil=True)
-def _is_tenant_request(b, op):
+def is_tenant_request(b, op):
     """A TAGGED ALLOC, FREE or QUERY whose rkey is non-zero names a tenant by its id: its
     control tag is under that tenant's tag key (SPEC.md 11.9, "Tenant tags"), not the admin's."""
-    return POOL_FIRST <= op <= CONTROL_LAST and _rd32(b, H_RKEY) != 0
+    return POOL_FIRST <= op <= CONTROL_LAST and rd32(b, H_RKEY) != 0
 
 
 @njit(cache=True, nogil=True)
-def _open_tenant_tagged(ids, keys, b, ln, counters):
+def open_tenant_tagged(ids, keys, b, ln, counters):
     """Check the control tag of TAGGED pool request b[:ln] under the tag key of the tenant its
     rkey names (ids sorted, keys in their order). Returns CONTROL_TAG_OK; CONTROL_TAG_NO_KEY
     when no tenant has that id (the caller answers UNAUTHORIZED, a failed authentication);
     CONTROL_TAG_FORGED, counted: dropped without an answer."""
-    tenant = np.uint32(_rd32(b, H_RKEY))
+    tenant = np.uint32(rd32(b, H_RKEY))
     i = np.searchsorted(ids, tenant)
     if i >= ids.shape[0] or ids[i] != tenant:
         return CONTROL_TAG_NO_KEY
@@ -163,14 +163,14 @@ def _open_tenant_tagged(ids, keys, b, ln, counters):
 @njit(cache=True, nogil=True)
 def _tag_of(b, k0, k1):
     """The tag of datagram b: over its fixed header and SR list."""
-    return _siphash_masked(k0, k1, b, _HDR + _SEG * np.int64(b[H_SEG_COUNT]))
+    return _siphash_masked(k0, k1, b, HDR + SEG * np.int64(b[H_SEG_COUNT]))
 
 
 @njit(cache=True, nogil=True)
-def _seal(t, n, k0, k1):
+def seal_tag(t, n, k0, k1):
     """Set TAGGED in datagram t[:n] and append its tag; returns the new length. The caller
     left TAG bytes of room (every send slot has them)."""
-    _wr16(t, H_FLAGS, _rd16(t, H_FLAGS) | _F_TAGGED)
+    wr16(t, H_FLAGS, rd16(t, H_FLAGS) | F_TAGGED)
     return _put_tag(t, n, _tag_of(t, k0, k1))
 
 
@@ -183,33 +183,33 @@ def _put_tag(t, n, tag):
 
 
 @njit(cache=True, nogil=True)
-def _tagged_length(b, n):
+def tagged_length(b, n):
     """The length of datagram b[:n] without its trailer: n when it is not TAGGED, n - TAG when
     it is, -1 when it is TAGGED but shorter than header, SR list and tag (dropped and counted
     as truncated, before any other check)."""
-    if n < _HDR or (_rd16(b, H_FLAGS) & _F_TAGGED) == 0:
+    if n < HDR or (rd16(b, H_FLAGS) & F_TAGGED) == 0:
         return n
-    if n < _HDR + _SEG * np.int64(b[H_SEG_COUNT]) + TAG:
+    if n < HDR + SEG * np.int64(b[H_SEG_COUNT]) + TAG:
         return -1
     return n - TAG
 
 
 @njit(cache=True, nogil=True)
-def _trailer(b, n):
+def tag_trailer(b, n):
     """The tag datagram b[:n] ends with (n includes it)."""
     return _load_u64(b, np.int64(n - TAG))
 
 
 @njit(cache=True, nogil=True)
-def _tag_ok(b, n, k0, k1):
+def tag_matches(b, n, k0, k1):
     """Datagram b[:n] (trailer included) ends with its tag under (k0, k1)."""
-    if n < _HDR + _SEG * np.int64(b[H_SEG_COUNT]) + TAG:
+    if n < HDR + SEG * np.int64(b[H_SEG_COUNT]) + TAG:
         return False
-    return _trailer(b, n) == _tag_of(b, k0, k1)
+    return tag_trailer(b, n) == _tag_of(b, k0, k1)
 
 
 @njit(cache=True, nogil=True)
-def _seal_replies(tx_buf, tx_off, tx_len, first, last, k0, k1, flags_in, tag_in):
+def seal_replies(tx_buf, tx_off, tx_len, first, last, k0, k1, flags_in, tag_in):
     """Seal the datagrams queued at first..last-1 (what the datapath answered or forwarded for
     one tagged datagram with flags *flags_in* and tag *tag_in*: one as a rule), each moved right
     to make room for the tags before it. A forwarded CHAIN_ADD with the same flags keeps the tag
@@ -228,39 +228,39 @@ def _seal_replies(tx_buf, tx_off, tx_len, first, last, k0, k1, flags_in, tag_in)
                 tx_buf[o + shift + i] = tx_buf[o + i]
             tx_off[k] = o + shift
         t = tx_buf[o + shift : o + shift + n + TAG]
-        if t[H_OPCODE] == _OP_CHAIN_ADD and _rd16(t, H_FLAGS) == flags_in:
+        if t[H_OPCODE] == OP_CHAIN_ADD and rd16(t, H_FLAGS) == flags_in:
             tx_len[k] = _put_tag(t, n, tag_in)
         else:
-            tx_len[k] = _seal(t, n, k0, k1)
+            tx_len[k] = seal_tag(t, n, k0, k1)
     tx_off[last] = tx_off[last - 1] + tx_len[last - 1]
     return True
 
 
-#: Verdicts of _open_region_tagged: the tag is right (strip it, seal the answers); no tagged
+#: Verdicts of open_region_tagged: the tag is right (strip it, seal the answers); no tagged
 #: region answers to the rkey (answered BAD_RKEY, never executed); dropped (a wrong tag).
 REGION_TAG_OK, REGION_TAG_NO_REGION, REGION_TAG_FORGED = 1, 3, 0
 
 
 @njit(cache=True, nogil=True)
-def _region_key(regions, rkey):
+def region_key(regions, rkey):
     """(k0, k1) of the region *rkey* names: zeros when it names none or an untagged one."""
-    slot = _find_rkey(regions.key, rkey)
+    slot = find_rkey(regions.key, rkey)
     if slot < 0:
         return np.uint64(0), np.uint64(0)
     return regions.tag[slot, 0], regions.tag[slot, 1]
 
 
 @njit(cache=True, nogil=True)
-def _open_region_tagged(regions, b, ln, counters):
+def open_region_tagged(regions, b, ln, counters):
     """Check the tag of datagram b[:ln] (TAGGED, no collective) under the key of the region its
     rkey names (SPEC.md 2.6, "Region tags"). Returns (verdict, k0, k1): REGION_TAG_OK and the
     key; REGION_TAG_NO_REGION when the rkey names no tagged region (the caller answers
     BAD_RKEY, which proves nothing and executes nothing); REGION_TAG_FORGED, counted: a tag
     that does not verify, dropped without an answer."""
-    k0, k1 = _region_key(regions, _rd32(b, H_RKEY))
+    k0, k1 = region_key(regions, rd32(b, H_RKEY))
     if (k0 | k1) == 0:
         return REGION_TAG_NO_REGION, k0, k1
-    if _tag_ok(b, ln, k0, k1):
+    if tag_matches(b, ln, k0, k1):
         return REGION_TAG_OK, k0, k1
     counters[C.DROP_REGION_FORGED] += 1
     return REGION_TAG_FORGED, k0, k1
@@ -268,18 +268,18 @@ def _open_region_tagged(regions, b, ln, counters):
 
 def seal(datagram: np.ndarray, n: int, key: bytes) -> int:
     """Seal datagram[:n] in place under the 16-byte *key*; returns its new length."""
-    if len(key) != 16 or datagram.dtype != np.uint8 or n < _HDR or n + TAG > datagram.shape[0]:
+    if len(key) != 16 or datagram.dtype != np.uint8 or n < HDR or n + TAG > datagram.shape[0]:
         raise ValueError("seal: a uint8 datagram with room for the tag and a 16-byte key")
-    if _HDR + _SEG * int(datagram[H_SEG_COUNT]) > n:
+    if HDR + SEG * int(datagram[H_SEG_COUNT]) > n:
         raise ValueError("seal: the datagram is shorter than its SR list")
     k0, k1 = np.frombuffer(key, "<u8")
-    return int(_seal(datagram, np.int64(n), k0, k1))
+    return int(seal_tag(datagram, np.int64(n), k0, k1))
 
 
 def seal_control_bytes(key: bytes, datagram: bytes) -> bytes:
     """*datagram* (a control request or the answer to one) sealed with its control tag under
     the 16-byte admin tag *key* (SPEC.md 2.6, "Control tags"), compiled."""
-    if len(key) != 16 or len(datagram) < _HDR:
+    if len(key) != 16 or len(datagram) < HDR:
         raise ValueError("seal_control_bytes: a datagram of at least a header and a 16-byte key")
     buf = np.empty(len(datagram) + TAG, np.uint8)
     buf[: len(datagram)] = np.frombuffer(datagram, np.uint8)
@@ -292,7 +292,7 @@ def verify_control_bytes(key: bytes, datagram: bytes) -> bool:
     if len(key) != 16:
         raise ValueError("verify_control_bytes: a 16-byte key")
     n = len(datagram)
-    if n < _HDR + TAG or not HEADER.read(datagram, "flags") & _F_TAGGED:
+    if n < HDR + TAG or not HEADER.read(datagram, "flags") & F_TAGGED:
         return False
     k0, k1 = np.frombuffer(key, "<u8")
     return bool(_control_tag_ok(np.frombuffer(datagram, np.uint8), np.int64(n), k0, k1))
@@ -300,10 +300,10 @@ def verify_control_bytes(key: bytes, datagram: bytes) -> bool:
 
 def tag_ok(datagram: np.ndarray, key: bytes) -> bool:
     """The datagram (trailer included) carries its tag under the 16-byte *key*."""
-    if len(key) != 16 or datagram.dtype != np.uint8 or datagram.shape[0] < _HDR:
+    if len(key) != 16 or datagram.dtype != np.uint8 or datagram.shape[0] < HDR:
         raise ValueError("tag_ok: a uint8 datagram of at least a header and a 16-byte key")
     k0, k1 = np.frombuffer(key, "<u8")
-    return bool(_tag_ok(datagram, np.int64(datagram.shape[0]), k0, k1))
+    return bool(tag_matches(datagram, np.int64(datagram.shape[0]), k0, k1))
 
 
 def seal_bytes(key: bytes, datagram: bytes) -> bytes:
@@ -316,6 +316,6 @@ def seal_bytes(key: bytes, datagram: bytes) -> bytes:
 
 def verify_bytes(key: bytes, datagram: bytes) -> bool:
     """*datagram* (trailer included) carries its tag under the 16-byte *key*, compiled."""
-    if len(datagram) < _HDR:
+    if len(datagram) < HDR:
         return False
     return tag_ok(np.frombuffer(datagram, np.uint8), key)

@@ -25,8 +25,8 @@ address in nopython mode); layouts are the x86-64/aarch64 Linux LP64 ones, littl
 
 Addresses in batches are ``ip << 16 | port`` as uint64 (``netdam.protocol.packet``).
 
-The ``state`` array (int64, ``STATE_LEN`` entries) is shared by ``_recv_batch`` and
-``_send_batch`` of one socket; the kernels only ever add to it or overwrite "last" fields:
+The ``state`` array (int64, ``STATE_LEN`` entries) is shared by ``recv_batch_kernel`` and
+``send_batch_kernel`` of one socket; the kernels only ever add to it or overwrite "last" fields:
 
 ====  =====================  ==================================================================
 idx   name                   meaning
@@ -64,7 +64,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from netdam.kernels.wire import _rd32
+from netdam.kernels.wire import rd32
 from netdam.protocol.layout import H_SEQ
 
 #: numba versions these intrinsics are known to work with: [low, high) (pyproject pins the same
@@ -116,13 +116,13 @@ _UDP_SEGMENT = 103  # udp(7): send-side segment size, u16
 _UDP_GRO = 104  # udp(7): receive-side segment size, int
 _MSG_DONTWAIT = 0x40
 _MSG_TRUNC = 0x20
-_POLLIN = 0x001
+POLLIN = 0x001
 _POLLOUT = 0x004
 _CLOCK_MONOTONIC = 1
 _EINTR = 4
 _EAGAIN = 11
 _ENOBUFS = 105
-#: Total time _send_batch waits for POLLOUT before handing the rest back to the caller.
+#: Total time send_batch_kernel waits for POLLOUT before handing the rest back to the caller.
 _SEND_WAIT_BUDGET_MS = 5
 _SEND_WAIT_STEP_MS = 1
 
@@ -191,7 +191,7 @@ def _sys_sendmmsg(typingctx, fd, msgvec, vlen, flags):
 
 
 @intrinsic
-def _sys_poll(typingctx, fds, nfds, timeout_ms):
+def sys_poll(typingctx, fds, nfds, timeout_ms):
     """int poll(struct pollfd *fds, nfds_t nfds, int timeout)."""
     sig = types.int64(types.int64, types.int64, types.int64)
 
@@ -244,7 +244,7 @@ def _sys_clock_nanosleep(typingctx, clock, ts):
 
 
 @njit(cache=True, nogil=True)
-def _now_ns():
+def clock_ns():
     """CLOCK_MONOTONIC in nanoseconds (the same clock as Python's time.monotonic_ns)."""
     ts = np.zeros(2, np.int64)
     _sys_clock_gettime(_CLOCK_MONOTONIC, ts.ctypes.data)
@@ -265,7 +265,7 @@ def _poll_one(fd, events, timeout_ms):
     """poll(2) one fd; returns its revents (0 on timeout) or -errno."""
     pfd = np.zeros(1, np.int64)
     pfd[0] = (fd & 0xFFFFFFFF) | (events << 32)
-    r = _sys_poll(pfd.ctypes.data, 1, timeout_ms)
+    r = sys_poll(pfd.ctypes.data, 1, timeout_ms)
     if r < 0:
         return r
     if r == 0:
@@ -276,7 +276,7 @@ def _poll_one(fd, events, timeout_ms):
 @njit(cache=True, nogil=True)
 def _poll_in(fd, timeout_ms):
     """True when a datagram (or an error) is waiting within *timeout_ms* (0: don't wait)."""
-    return _poll_one(fd, _POLLIN, timeout_ms) > 0
+    return _poll_one(fd, POLLIN, timeout_ms) > 0
 
 
 @njit(cache=True, nogil=True)
@@ -321,7 +321,7 @@ def _endpoint_of(word):
 
 
 @njit(cache=True, nogil=True)
-def _recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
+def recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
     """Receive up to *max_n* datagrams into *buf*; return how many (0 on nothing or error).
 
     Datagram k is ``buf[offs[k]:offs[k] + lens[k]]`` from ``srcs[k]``. Each recvmmsg message
@@ -383,7 +383,7 @@ def _recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
                 if n == 0 and timeout_ms > 0 and not waited:
                     waited = True
                     state[ST_RECV_CALLS] += 1
-                    if _poll_one(fd, _POLLIN, timeout_ms) > 0:
+                    if _poll_one(fd, POLLIN, timeout_ms) > 0:
                         continue
                 break
             if err != _EINTR:
@@ -447,7 +447,7 @@ def _recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
 
 
 def new_send_scratch(max_msgs: int = MAX_MSGS) -> np.ndarray:
-    """Scratch for ``_send_batch``: room for *max_msgs* messages per sendmmsg call."""
+    """Scratch for ``send_batch_kernel``: room for *max_msgs* messages per sendmmsg call."""
     return np.zeros(max(1, max_msgs) * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
 
 
@@ -479,7 +479,7 @@ def _run_length(offs, lens, dsts, i, n):
 
 
 @njit(cache=True, nogil=True)
-def _send_batch(fd, buf, offs, lens, dsts, n, scratch, state):
+def send_batch_kernel(fd, buf, offs, lens, dsts, n, scratch, state):
     """Send datagrams 0..n-1 in order; return how many are done (sent, or dropped after a
     permanent error counted in *state*). Less than *n* means the socket stayed full for
     ``_SEND_WAIT_BUDGET_MS``: the caller keeps ``[done:n]`` and retries later.
@@ -615,9 +615,9 @@ def _feed_run(
     i = i0
     base = counts[FEED_PROGRESS_BASE]
     last_seen = progress[0]
-    last_change = _now_ns()
+    last_change = clock_ns()
     while True:
-        now = _now_ns()
+        now = clock_ns()
         if now >= t_end:
             break
         if window > 0:
@@ -633,7 +633,7 @@ def _feed_run(
                 else:
                     _sleep_ns(_PACE_SLEEP_NS)
                 continue
-        done = _send_batch(
+        done = send_batch_kernel(
             fd,
             buf,
             offs[i : i + batch],
@@ -657,13 +657,13 @@ def _feed_run(
 def _relay_run(fd, buf, offs, lens, srcs, dsts, max_n, scratch, state, dst, t_stop, counts):
     """Bare relay: receive a batch (GRO), send the same bytes on to *dst* (GSO), no other work,
     until *t_stop*. What the socket would not take within the send budget is dropped, counted."""
-    while _now_ns() < t_stop:
-        n = _recv_batch(fd, buf, offs, lens, srcs, max_n, 10, state)
+    while clock_ns() < t_stop:
+        n = recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, 10, state)
         if n == 0:
             continue
         for k in range(n):
             dsts[k] = dst
-        done = _send_batch(fd, buf, offs, lens, dsts, n, scratch, state)
+        done = send_batch_kernel(fd, buf, offs, lens, dsts, n, scratch, state)
         counts[RELAY_RX] += n
         counts[RELAY_TX] += done
         counts[RELAY_LEFT_BEHIND] += n - done
@@ -688,13 +688,13 @@ def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):
     rows = expect64.shape[0]
     row_mask = (np.int64(1) << SEQ_TAG_SHIFT) - 1
     while True:
-        now = _now_ns()
+        now = clock_ns()
         if now >= t_stop:
             break
-        n = _recv_batch(fd, buf, offs, lens, srcs, max_n, 10, state)
+        n = recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, 10, state)
         if n == 0:
             continue
-        now = _now_ns()
+        now = clock_ns()
         inside = now >= t_start and now < t_end
         good = 0
         for k in range(n):
@@ -703,7 +703,7 @@ def _sink_run(fd, rx, buf64, max_n, state, check, phase, counts, progress):
             o = offs[k]
             seq = np.int64(-1)
             if lens[k] >= H_SEQ + 4:
-                seq = np.int64(_rd32(buf, o + H_SEQ))
+                seq = np.int64(rd32(buf, o + H_SEQ))
                 seq_tag = seq >> SEQ_TAG_SHIFT
                 if seq_tag >= 1 and seq_tag < tag:
                     counts[SINK_STALE] += 1
@@ -766,7 +766,7 @@ def recv_batch(
     _check_io_arrays(buf, offs, lens, srcs, max_n)
     if state.shape[0] < STATE_LEN:
         raise ValueError(f"I/O state needs {STATE_LEN} words (new_state())")
-    return int(_recv_batch(fd, buf, offs, lens, srcs, max_n, timeout_ms, state))
+    return int(recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, timeout_ms, state))
 
 
 def send_batch(
@@ -785,7 +785,7 @@ def send_batch(
         raise ValueError("a datagram reaches past the send buffer")
     if scratch.shape[0] < MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG or state.shape[0] < STATE_LEN:
         raise ValueError("send scratch or I/O state too small (new_send_scratch(), new_state())")
-    return int(_send_batch(fd, buf, offs, lens, dsts, n, scratch, state))
+    return int(send_batch_kernel(fd, buf, offs, lens, dsts, n, scratch, state))
 
 
 def feed_run(

@@ -50,10 +50,10 @@ from netdam.protocol.layout import (
 )
 
 # numba freezes module-level ints and arrays at compile time: plain copies of the wire constants.
-_HDR = HEADER_SIZE
+HDR = HEADER_SIZE
 
 
-_SEG = SEGMENT_SIZE
+SEG = SEGMENT_SIZE
 
 
 _MAXSEG = MAX_SEGMENTS
@@ -65,22 +65,22 @@ _MAXPAY = MAX_PAYLOAD_BYTES
 _FLAGS_MASK = FLAGS_V1_MASK
 
 
-_F_ACK_REQ = int(Flags.ACK_REQ)
+F_ACK_REQ = int(Flags.ACK_REQ)
 
 
-_F_SPARSE = int(Flags.SPARSE)
+F_SPARSE = int(Flags.SPARSE)
 
 
 _F_KEEP_IN_REPLY = int(Flags.RELAYED | Flags.MCAST)
 
 
-_R_READ = int(Rights.READ)
+R_READ = int(Rights.READ)
 
 
-_R_WRITE = int(Rights.WRITE)
+R_WRITE = int(Rights.WRITE)
 
 
-_R_ATOMIC = int(Rights.ATOMIC)
+R_ATOMIC = int(Rights.ATOMIC)
 _R_MEMBERS = int(Rights.MEMBERS)
 
 
@@ -92,17 +92,17 @@ _MAX_STATUS = max(int(s) for s in Status)
 _MAX_DTYPE = max(int(d) for d in DType)
 
 
-_W = DUP_WINDOW
+W = DUP_WINDOW
 
 
 _REPLY_MAX = DUP_REPLY_BYTES
 
 
 #: Room one outgoing datagram may need: header, full SR list, largest payload, tag.
-_SLOT = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES + TAG_SIZE
+SLOT = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES + TAG_SIZE
 
 
-#: Verdict of _check_packet for a datagram too short to answer: count and drop.
+#: Verdict of check_packet for a datagram too short to answer: count and drop.
 DROP_SILENTLY = 255
 
 
@@ -129,10 +129,10 @@ _FIXED_ALT = np.zeros(64, dtype=np.int64)
 _FIXED_ALT[Opcode.REGISTER] = 24
 
 
-_IS_REPLY = np.zeros(64, dtype=np.int64)
+IS_REPLY = np.zeros(64, dtype=np.int64)
 
 
-_IS_CONTROL = np.zeros(64, dtype=np.int64)
+IS_CONTROL = np.zeros(64, dtype=np.int64)
 
 
 _TAKES_SR = np.zeros(64, dtype=np.int64)
@@ -144,7 +144,7 @@ _COMBINES = np.zeros(64, dtype=np.int64)
 _ATOMIC = np.zeros(64, dtype=np.int64)
 
 
-_PUNTED_OPS = np.zeros(64, dtype=np.int64)
+PUNTED_OPS = np.zeros(64, dtype=np.int64)
 
 
 for _op in (Opcode.READ,):
@@ -176,8 +176,8 @@ for _op, (_len, _size) in {
 
 
 for _op in REPLY_OPCODES:
-    _IS_REPLY[_op] = 1
-    _PUNTED_OPS[_op] = 1
+    IS_REPLY[_op] = 1
+    PUNTED_OPS[_op] = 1
 
 
 for _op in (
@@ -188,15 +188,15 @@ for _op in (
     Opcode.START_COLL,
     Opcode.COUNTERS,
 ):
-    _IS_CONTROL[_op] = 1
-    _PUNTED_OPS[_op] = 1
+    IS_CONTROL[_op] = 1
+    PUNTED_OPS[_op] = 1
 
 
-_PUNTED_OPS[Opcode.PING] = 1
+PUNTED_OPS[Opcode.PING] = 1
 
 
 for _op in POOL_OPCODES:  # the switch's controller serves them; a node NACKs them BAD_FIELD
-    _PUNTED_OPS[_op] = 1
+    PUNTED_OPS[_op] = 1
 
 
 _TAKES_SR[Opcode.CHAIN_ADD] = _TAKES_SR[Opcode.START_COLL] = 1
@@ -208,39 +208,39 @@ _COMBINES[Opcode.ADD] = _COMBINES[Opcode.CHAIN_ADD] = 1
 _ATOMIC[Opcode.FETCH_ADD] = _ATOMIC[Opcode.CAS] = 1
 
 
-_ESIZE = np.array(
+ESIZE = np.array(
     [ELEMENT_SIZE[DType(code)] for code in range(len(DType))], dtype=np.int64
 )  # by DType value
 
 
-_OP_READ = int(Opcode.READ)
+OP_READ = int(Opcode.READ)
 
 
-_OP_READ_RESP = int(Opcode.READ_RESP)
+OP_READ_RESP = int(Opcode.READ_RESP)
 
 
-_OP_WRITE = int(Opcode.WRITE)
+OP_WRITE = int(Opcode.WRITE)
 
 
-_OP_ADD = int(Opcode.ADD)
+OP_ADD = int(Opcode.ADD)
 
 
-_OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
+OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
 
 
-_OP_ALL_WRITE = int(Opcode.ALL_WRITE)
+OP_ALL_WRITE = int(Opcode.ALL_WRITE)
 
 
-_OP_FETCH_ADD = int(Opcode.FETCH_ADD)
+OP_FETCH_ADD = int(Opcode.FETCH_ADD)
 
 
 _OP_CAS = int(Opcode.CAS)
 
 
-_OP_ACK = int(Opcode.ACK)
+OP_ACK = int(Opcode.ACK)
 
 
-_OP_NACK = int(Opcode.NACK)
+OP_NACK = int(Opcode.NACK)
 
 
 _S_BAD_VERSION = int(Status.BAD_VERSION)
@@ -264,7 +264,7 @@ _S_BAD_OP = int(Status.BAD_OP)
 _S_BAD_SEGMENT = int(Status.BAD_SEGMENT)
 
 
-_S_BAD_RKEY = int(Status.BAD_RKEY)
+S_BAD_RKEY = int(Status.BAD_RKEY)
 
 
 _S_NO_RIGHTS = int(Status.NO_RIGHTS)
@@ -276,28 +276,28 @@ _S_OUT_OF_BOUNDS = int(Status.OUT_OF_BOUNDS)
 _S_MISALIGNED = int(Status.MISALIGNED)
 
 
-_S_TOO_LARGE = int(Status.TOO_LARGE)
+S_TOO_LARGE = int(Status.TOO_LARGE)
 
 
-_S_STALE = int(Status.STALE)
+S_STALE = int(Status.STALE)
 
 
-_S_NOT_MEMBER = int(Status.NOT_MEMBER)
+S_NOT_MEMBER = int(Status.NOT_MEMBER)
 
 
 _S_BAD_FIELD = int(Status.BAD_FIELD)
 
 
-_S_BUSY = int(Status.BUSY)
-_S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
+S_BUSY = int(Status.BUSY)
+S_UNAUTHORIZED = int(Status.UNAUTHORIZED)
 
 
-# Where a collective packet stands on this node (see _coll_phase).
-_PHASE_RUNNING, _PHASE_STALE, _PHASE_NOT_STARTED = 0, 1, 2
+# Where a collective packet stands on this node (see coll_phase).
+PHASE_RUNNING, PHASE_STALE, PHASE_NOT_STARTED = 0, 1, 2
 
 
 @njit(cache=True, nogil=True)
-def _copy(dst, dst_off, src, src_off, n):
+def copy_bytes(dst, dst_off, src, src_off, n):
     """dst[dst_off : dst_off + n] = src[src_off : src_off + n] for byte arrays that do not
     overlap (or where dst starts before src). Every payload copy goes through here: numba's
     slice assignment checks for overlap and copies through a temporary, ~2.6 us per 8 KiB on
@@ -312,25 +312,25 @@ def _copy(dst, dst_off, src, src_off, n):
 
 
 @njit(cache=True, nogil=True)
-def _rd16(b, o):
+def rd16(b, o):
     return (np.int64(b[o]) << 8) | np.int64(b[o + 1])
 
 
 @njit(cache=True, nogil=True)
-def _rd32(b, o):
-    return (_rd16(b, o) << 16) | _rd16(b, o + 2)
+def rd32(b, o):
+    return (rd16(b, o) << 16) | rd16(b, o + 2)
 
 
 @njit(cache=True, nogil=True)
-def _rd64(b, o):
-    return (np.uint64(_rd32(b, o)) << np.uint64(32)) | np.uint64(_rd32(b, o + 4))
+def rd64(b, o):
+    return (np.uint64(rd32(b, o)) << np.uint64(32)) | np.uint64(rd32(b, o + 4))
 
 
 @njit(cache=True, nogil=True)
-def _wr64(b, o, v):
+def wr64(b, o, v):
     w = np.uint64(v)
-    _wr32(b, o, np.int64(w >> np.uint64(32)))
-    _wr32(b, o + 4, np.int64(w & np.uint64(0xFFFFFFFF)))
+    wr32(b, o, np.int64(w >> np.uint64(32)))
+    wr32(b, o + 4, np.int64(w & np.uint64(0xFFFFFFFF)))
 
 
 @njit(cache=True, nogil=True)
@@ -339,19 +339,19 @@ def _wr8(b, o, v):
 
 
 @njit(cache=True, nogil=True)
-def _wr16(b, o, v):
+def wr16(b, o, v):
     b[o] = np.uint8((v >> 8) & 0xFF)
     b[o + 1] = np.uint8(v & 0xFF)
 
 
 @njit(cache=True, nogil=True)
-def _wr32(b, o, v):
-    _wr16(b, o, (v >> 16) & 0xFFFF)
-    _wr16(b, o + 2, v & 0xFFFF)
+def wr32(b, o, v):
+    wr16(b, o, (v >> 16) & 0xFFFF)
+    wr16(b, o + 2, v & 0xFFFF)
 
 
 @njit(cache=True, nogil=True)
-def _le64(b, o):
+def le64(b, o):
     value = np.uint64(0)
     for k in range(8):
         value |= np.uint64(b[o + k]) << np.uint64(8 * k)
@@ -359,30 +359,30 @@ def _le64(b, o):
 
 
 @njit(cache=True, nogil=True)
-def _put_le64(b, o, v):
+def put_le64(b, o, v):
     for k in range(8):
         b[o + k] = np.uint8((v >> np.uint64(8 * k)) & np.uint64(0xFF))
 
 
 @njit(cache=True, nogil=True)
-def _put_le32(b, o, v):
+def put_le32(b, o, v):
     for k in range(4):
         b[o + k] = np.uint8((v >> (8 * k)) & 0xFF)
 
 
 @njit(cache=True, nogil=True)
-def _check_packet(b, n):
+def check_packet(b, n):
     """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status."""
-    if n < _HDR:
+    if n < HDR:
         return DROP_SILENTLY
     if b[H_VERSION] != 1:
         return _S_BAD_VERSION
     op = np.int64(b[H_OPCODE])
     if op >= 64 or _KIND[op] == 0:
         return _S_BAD_OPCODE
-    if b[H_RESERVED1] != 0 or _rd16(b, H_RESERVED2) != 0:
+    if b[H_RESERVED1] != 0 or rd16(b, H_RESERVED2) != 0:
         return _S_BAD_FIELD
-    flags = _rd16(b, H_FLAGS)
+    flags = rd16(b, H_FLAGS)
     if flags & ~_FLAGS_MASK:
         return _S_BAD_FIELD
     dtype = np.int64(b[H_DTYPE])
@@ -409,10 +409,10 @@ def _check_segments(b, n):
         return _S_BAD_SEGMENT
     if left >= max(count, 1):
         return _S_BAD_SEGMENT
-    if (n - _HDR) // _SEG < count:
+    if (n - HDR) // SEG < count:
         return _S_TRUNCATED
     for i in range(count):
-        if _rd16(b, _HDR + _SEG * i + SEG_RESERVED) != 0:
+        if rd16(b, HDR + SEG * i + SEG_RESERVED) != 0:
             return _S_BAD_SEGMENT
     return 0
 
@@ -420,25 +420,25 @@ def _check_segments(b, n):
 @njit(cache=True, nogil=True)
 def _check_fields(b, n, op, flags, dtype):
     count = np.int64(b[H_SEG_COUNT])
-    length = _rd32(b, H_LENGTH)
-    size = n - _HDR - _SEG * count
-    esize = _ESIZE[dtype]
+    length = rd32(b, H_LENGTH)
+    size = n - HDR - SEG * count
+    esize = ESIZE[dtype]
     if count > 0 and _TAKES_SR[op] == 0:
         return _S_BAD_SEGMENT
-    if length > _MAXPAY and _IS_CONTROL[op] == 0:
-        return _S_TOO_LARGE
+    if length > _MAXPAY and IS_CONTROL[op] == 0:
+        return S_TOO_LARGE
     if _COMBINES[op] == 1 and dtype == 0:
         return _S_BAD_DTYPE
     if _ATOMIC[op] == 1 and dtype != _U64:
         return _S_BAD_DTYPE
-    if flags & _F_SPARSE and op != _OP_CHAIN_ADD and op != _OP_ALL_WRITE and op != _OP_WRITE:
+    if flags & F_SPARSE and op != OP_CHAIN_ADD and op != OP_ALL_WRITE and op != OP_WRITE:
         return _S_BAD_FIELD  # no sparse form (SPEC.md 2.5)
     kind = _KIND[op]
     if kind == _K_READ:
         if size != 0 or length == 0 or length % esize != 0:
             return _S_BAD_LENGTH
     elif kind == _K_DATA:
-        if flags & _F_SPARSE:
+        if flags & F_SPARSE:
             if length == 0 or length % esize != 0:
                 return _S_BAD_LENGTH
             return _check_sparse(b, n - size, size, length, esize)
@@ -574,7 +574,7 @@ def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):
 
 
 @njit(cache=True, nogil=True)
-def _sparse_expand(dst, d_off, b, p, nbytes, esize):
+def sparse_expand(dst, d_off, b, p, nbytes, esize):
     """Dense form of the (validated) sparse payload at b[p:] into dst[d_off : d_off + nbytes]:
     listed elements get their value, all others all-zero bits."""
     nnz = _le32(b, p + SP_NNZ)
@@ -593,7 +593,7 @@ def _sparse_expand(dst, d_off, b, p, nbytes, esize):
 
 
 @njit(cache=True, nogil=True)
-def _encode_payload(dst, d_off, src, s_off, nbytes, esize):
+def encode_payload(dst, d_off, src, s_off, nbytes, esize):
     """Dense src range into dst[d_off:] as sparse (when it pays) or dense; (bytes, sparse?)."""
     nnz = _count_nonzero(src, s_off, nbytes, esize)
     if _sparse_pays(nnz, nbytes, esize):
@@ -604,7 +604,7 @@ def _encode_payload(dst, d_off, src, s_off, nbytes, esize):
 
 
 @njit(cache=True, nogil=True)
-def _find_rkey(rk_key, rkey):
+def find_rkey(rk_key, rkey):
     """Slot of *rkey* in the open-addressed table, or -1. Key 0 never matches (empty slot)."""
     if rkey == 0:
         return -1
@@ -621,12 +621,12 @@ def _find_rkey(rk_key, rkey):
 
 
 @njit(cache=True, nogil=True)
-def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align, member):
+def check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align, member):
     """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status.
     A members-only key (a collective's) names nothing for a datagram from a non-member."""
-    slot = _find_rkey(rk_key, rkey)
+    slot = find_rkey(rk_key, rkey)
     if slot < 0 or (rk_rights[slot] & _R_MEMBERS and not member):
-        return _S_BAD_RKEY
+        return S_BAD_RKEY
     if (rk_rights[slot] & need) != need:
         return _S_NO_RIGHTS
     base = rk_base[slot]
@@ -641,25 +641,25 @@ def _check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, 
 
 
 @njit(cache=True, nogil=True)
-def _is_member(members, endpoint):
+def is_member(members, endpoint):
     i = np.searchsorted(members, endpoint)
     return i < members.shape[0] and members[i] == endpoint
 
 
 @njit(cache=True, nogil=True)
-def _reply_dst(b, src, members):
+def reply_dst(b, src, members):
     """Where replies go: the return segment when a cluster member (switch, chain hop) wrote it,
     else the UDP source. A client cannot aim replies at a third party (SPEC.md "Rights")."""
-    ret = np.uint64((_rd32(b, H_RET_IP) << 16) | _rd16(b, H_RET_PORT))
-    if ret != 0 and _is_member(members, src):
+    ret = np.uint64((rd32(b, H_RET_IP) << 16) | rd16(b, H_RET_PORT))
+    if ret != 0 and is_member(members, src):
         return ret
     return src
 
 
 @njit(cache=True, nogil=True)
-def _reply_header(t, b, opcode, status, length, credit):
+def reply_header(t, b, opcode, status, length, credit):
     """Write a reply header into t from request header b: ids echoed, SR list dropped."""
-    for k in range(_HDR):
+    for k in range(HDR):
         t[k] = b[k]
     # A reply is always a valid v1 header, even when it NACKs an invalid one: fields that
     # failed validation are not echoed (SPEC.md section 3).
@@ -670,9 +670,9 @@ def _reply_header(t, b, opcode, status, length, credit):
     if t[H_REDUCE_OP] > 2:
         t[H_REDUCE_OP] = 0
     t[H_RESERVED1] = 0
-    _wr16(t, H_RESERVED2, 0)
-    _wr16(t, H_FLAGS, _rd16(b, H_FLAGS) & _F_KEEP_IN_REPLY)
-    _wr32(t, H_LENGTH, length)
+    wr16(t, H_RESERVED2, 0)
+    wr16(t, H_FLAGS, rd16(b, H_FLAGS) & _F_KEEP_IN_REPLY)
+    wr32(t, H_LENGTH, length)
     t[H_STATUS] = status
     t[H_CREDIT] = credit
     t[H_SEG_TYPE] = 0
@@ -681,7 +681,7 @@ def _reply_header(t, b, opcode, status, length, credit):
 
 
 @njit(cache=True, nogil=True)
-def _credit(tx_n, cap):
+def credit_of(tx_n, cap):
     """Congestion byte of replies: send-queue occupancy scaled to 0..255 (SPEC.md "credit")."""
     return min(255, (tx_n * 255) // cap)
 
@@ -690,30 +690,30 @@ def _credit(tx_n, cap):
 def _emit_reply(b, src, members, opcode, status, tx_buf, tx_off, tx_len, tx_dst, tx_n):
     """Queue a header-only reply to request *b* (its ids, the credit, its return segment when a
     member sent it); returns the new tx_n. The one ACK/NACK emitter of the datapaths."""
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + _SLOT]
-    _reply_header(t, b, opcode, status, 0, _credit(tx_n, tx_len.shape[0]))
-    tx_len[tx_n] = _HDR
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    reply_header(t, b, opcode, status, 0, credit_of(tx_n, tx_len.shape[0]))
+    tx_len[tx_n] = HDR
     tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
-    tx_dst[tx_n] = _reply_dst(b, src, members)
+    tx_dst[tx_n] = reply_dst(b, src, members)
     return tx_n + 1
 
 
 @njit(cache=True, nogil=True)
-def _emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n):
-    return _emit_reply(b, src, members, _OP_ACK, 0, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+def emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+    return _emit_reply(b, src, members, OP_ACK, 0, tx_buf, tx_off, tx_len, tx_dst, tx_n)
 
 
 @njit(cache=True, nogil=True)
-def _emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):
+def emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):
     counters[C.NACK_BASE + status] += 1
-    return _emit_reply(b, src, members, _OP_NACK, status, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+    return _emit_reply(b, src, members, OP_NACK, status, tx_buf, tx_off, tx_len, tx_dst, tx_n)
 
 
 @njit(cache=True, nogil=True)
-def _scratch(tx_buf, tx_off, tx_n):
+def scratch_slot(tx_buf, tx_off, tx_n):
     """A dense payload's worth of scratch: the send slot after the current one when the queue
     has it, else a fresh array (rare: a nearly full queue)."""
-    start = tx_off[tx_n] + _SLOT
+    start = tx_off[tx_n] + SLOT
     if start + _MAXPAY <= tx_buf.shape[0]:
         return tx_buf[start : start + _MAXPAY]
     return np.zeros(_MAXPAY, np.uint8)

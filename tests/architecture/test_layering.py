@@ -300,6 +300,93 @@ def _function_imports(path: Path) -> set[str]:
     return names
 
 
+def _kernel_names_used(path: Path) -> set[tuple[str, str]]:
+    """(kernels module, name) of every name *path* takes from netdam.kernels.*."""
+    tree = _tree(path)
+    used: set[tuple[str, str]] = set()
+    modules: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("netdam.kernels.")
+        ):
+            used |= {(node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "netdam.kernels":
+            modules |= {a.asname or a.name: f"netdam.kernels.{a.name}" for a in node.names}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
+            used.add((modules[node.value.id], node.attr))
+    return used
+
+
+def private_reaches(tree: ast.Module, ours: set[str]) -> list[str]:
+    """Names *tree* takes from another module of ours that its owner keeps private (``_x``, not
+    dunders): ``from m import _x`` and ``m._x`` for a module m imported as a name."""
+    found = []
+    modules: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in ours:
+                    modules.add(a.asname or a.name)  # a module imported from its package
+                elif a.name.startswith("_") and not a.name.startswith("__") and node.module in ours:
+                    found.append(f"from {node.module} import {a.name}")
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.asname and a.name in ours}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_no_module_reaches_another_modules_private_names() -> None:
+    """A ``_private`` name is its module's own; what another module needs is public on purpose
+    (tests of a module may reach into it)."""
+    ours = set(our_modules())
+    found = {}
+    for name, path in our_modules().items():
+        reaches = private_reaches(_tree(path), ours)
+        if reaches:
+            found[name] = reaches
+    assert not found, found
+    probe = ast.parse(
+        "from netdam.kernels.wire import _le16\nfrom netdam.kernels import wire\nwire._wr8\n"
+    )
+    assert private_reaches(probe, ours) == [
+        "from netdam.kernels.wire import _le16",
+        "wire._wr8 (line 3)",
+    ]
+
+
+def test_python_outside_the_kernels_calls_no_jitted_kernel() -> None:
+    """Kernel modules share their jitted helpers by public names (wire.rd32, faults.decide_fate,
+    ...) inside netdam/kernels/; everything else reaches the kernels through the wrappers that
+    check bounds first (numba does not): no name it uses is a compiled dispatcher."""
+    import importlib
+
+    from numba.core.dispatcher import Dispatcher
+
+    found = []
+    for path in our_modules().values():
+        if "kernels" in path.parts:
+            continue
+        for module, name in _kernel_names_used(path):
+            if isinstance(getattr(importlib.import_module(module), name, None), Dispatcher):
+                found.append(f"{path.relative_to(ROOT)}: {module}.{name}")
+    assert not found, found
+
+
 def test_private_kernels_only_through_wrappers() -> None:
     """Python calls kernels through the public wrappers that check what numba does not; only
     netdam/kernels/ itself sees the `_private` jitted functions (tests of a kernel may too)."""
@@ -354,22 +441,22 @@ DATAGRAM_NAMES = {
     "datagram",
 }
 #: Byte readers and writers whose second argument is an offset into a datagram.
-OFFSET_CALLS = re.compile(r"_(rd|wr|le|put_le)\d+$")
+OFFSET_CALLS = re.compile(r"(?:^|_)(rd|wr|le|put_le)\d+$")
 #: The byte primitives themselves (netdam/kernels/wire.py): `b[o + 1]` there is the second byte
 #: of whatever field `o` names, not a datagram offset.
 PRIMITIVES = {
-    "_rd16",
-    "_rd32",
-    "_rd64",
+    "rd16",
+    "rd32",
+    "rd64",
     "_wr8",
-    "_wr16",
-    "_wr32",
-    "_wr64",
+    "wr16",
+    "wr32",
+    "wr64",
     "_le16",
     "_le32",
-    "_le64",
-    "_put_le32",
-    "_put_le64",
+    "le64",
+    "put_le32",
+    "put_le64",
 }
 
 

@@ -132,7 +132,7 @@ FLOOD = r"""
 import sys, time, numpy as np
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
 from netdam.protocol.constants import Opcode
-from netdam.kernels.udp_io import _send_batch, MAX_MSGS, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
+from netdam.kernels.udp_io import send_batch_kernel, MAX_MSGS, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
 from netdam.shell.udp import open_udp_socket
 host, port, rkey, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 pkt = encode_packet(Packet(Opcode.WRITE, rkey=rkey, addr=0, length=8192, payload=bytes(8192)))
@@ -144,12 +144,12 @@ dsts = np.full(n, endpoint_to_u64((host, port)), np.uint64)
 scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
 state = np.zeros(STATE_LEN, np.int64)
 sock = open_udp_socket(("127.0.0.1", 0))
-_send_batch(sock.fileno(), buf, offs, lens, dsts, n, scratch, state)
+send_batch_kernel(sock.fileno(), buf, offs, lens, dsts, n, scratch, state)
 print("flooding", flush=True)
 end = time.monotonic() + seconds
 sent = 0
 while time.monotonic() < end:
-    sent += _send_batch(sock.fileno(), buf, offs, lens, dsts, n, scratch, state)
+    sent += send_batch_kernel(sock.fileno(), buf, offs, lens, dsts, n, scratch, state)
 print(sent, flush=True)
 """
 

@@ -20,7 +20,7 @@ from reference import (
 )
 
 from netdam.kernels import combine as kc
-from netdam.kernels.combine import _combine_bytes, combine
+from netdam.kernels.combine import combine, combine_bytes
 
 LENGTHS = [1, 2, 3, 7, 2039, 2048]
 HEADER = 64  # the packet header precedes the payload
@@ -128,7 +128,7 @@ def test_kernel_at_byte_offsets(dtype_code: int, op_code: int, in_place: bool) -
         out_off = 128
     out_before = out.copy()
     packet_before = packet.copy()
-    _combine_bytes(out, out_off, packet, HEADER, memory, 4096, nbytes, dtype_code, op_code)
+    combine_bytes(out, out_off, packet, HEADER, memory, 4096, nbytes, dtype_code, op_code)
 
     np.testing.assert_array_equal(out[out_off : out_off + nbytes], expected)
     # Nothing outside the range is touched.
@@ -141,7 +141,7 @@ def test_kernel_at_byte_offsets(dtype_code: int, op_code: int, in_place: bool) -
 
 def test_zero_bytes_is_a_no_op() -> None:
     buf = np.arange(16, dtype=np.uint8)
-    _combine_bytes(buf, 8, buf, 8, buf, 0, 0, F32, SUM)
+    combine_bytes(buf, 8, buf, 8, buf, 0, 0, F32, SUM)
     np.testing.assert_array_equal(buf, np.arange(16, dtype=np.uint8))
     combine(np.zeros(0, np.uint8), np.zeros(0, np.uint8), np.zeros(0, np.uint8), F32, SUM)
 
@@ -206,7 +206,7 @@ def test_chained_fold_matches_reference_chain(dtype_code: int, op_code: int) -> 
     payload[HEADER:] = blocks[0].view(np.uint8)
     for block in blocks[1:]:
         raw = block.view(np.uint8)
-        _combine_bytes(payload, HEADER, payload, HEADER, raw, 0, raw.size, dtype_code, op_code)
+        combine_bytes(payload, HEADER, payload, HEADER, raw, 0, raw.size, dtype_code, op_code)
     expected = reference_chain(blocks, op_code)
     assert expected.dtype == dt
     np.testing.assert_array_equal(payload[HEADER:], expected.view(np.uint8))

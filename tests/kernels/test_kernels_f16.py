@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from netdam.kernels.f16 import (
-    _f16_bits_to_f32,
-    _f16_bits_to_f32_bits,
-    _f32_bits_to_f16_bits,
-    _f32_to_f16_bits,
+    f16_bits_to_f32,
+    f16_bits_to_f32_bits,
     f16_to_f32,
+    f32_bits_to_f16_bits,
     f32_to_f16,
+    f32_to_f16_bits,
 )
 
 ALL_F16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -123,14 +123,14 @@ def test_scalar_helpers_match_array_wrappers() -> None:
     # The scalar helpers are for other kernels; called from Python they still return values.
     for h in (0x0000, 0x8001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0xFC00, 0x7C01, 0xFFFF):
         expected = int(numpy_f16_to_f32(np.array([h], np.uint16))[0])
-        assert _f16_bits_to_f32_bits(np.uint16(h)) == expected
+        assert f16_bits_to_f32_bits(np.uint16(h)) == expected
     for u in hard_f32_patterns()[::997]:
         expected = int(numpy_f32_to_f16(np.array([u], np.uint32))[0])
-        assert _f32_bits_to_f16_bits(np.uint32(u)) == expected
-    assert _f16_bits_to_f32(np.uint16(0x3C01)) == 1.0 + 2.0**-10
-    assert _f16_bits_to_f32(np.uint16(0x0001)) == 2.0**-24
-    assert _f32_to_f16_bits(np.float32(65520.0)) == 0x7C00
-    assert _f32_to_f16_bits(np.float32(-(2.0**-25))) == 0x8000
+        assert f32_bits_to_f16_bits(np.uint32(u)) == expected
+    assert f16_bits_to_f32(np.uint16(0x3C01)) == 1.0 + 2.0**-10
+    assert f16_bits_to_f32(np.uint16(0x0001)) == 2.0**-24
+    assert f32_to_f16_bits(np.float32(65520.0)) == 0x7C00
+    assert f32_to_f16_bits(np.float32(-(2.0**-25))) == 0x8000
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ class Receiver:
         got: list[tuple[bytes, int]] = []
         deadline = time.monotonic() + timeout
         while len(got) < count and time.monotonic() < deadline:
-            n = U._recv_batch(
+            n = U.recv_batch_kernel(
                 self.sock.fileno(), self.buf, self.offs, self.lens, self.srcs, MAX_N, 50, self.state
             )
             for k in range(n):
@@ -74,7 +74,7 @@ def pair() -> tuple[socket.socket, Receiver]:
 
 def send(sock: socket.socket, datagrams: list[tuple[bytes, tuple[str, int]]], packed: bool = True):
     """Lay *datagrams* out in one buffer (back to back when *packed*, else with gaps) and send
-    them with _send_batch; returns (done, state)."""
+    them with send_batch_kernel; returns (done, state)."""
     gap = 0 if packed else 8
     offs, pos = [], 0
     for data, _ in datagrams:
@@ -84,7 +84,7 @@ def send(sock: socket.socket, datagrams: list[tuple[bytes, tuple[str, int]]], pa
     for (data, _), o in zip(datagrams, offs):
         buf[o : o + len(data)] = np.frombuffer(data, np.uint8)
     state = U.new_state()
-    done = U._send_batch(
+    done = U.send_batch_kernel(
         sock.fileno(),
         buf,
         np.array(offs, np.int64),
@@ -282,9 +282,9 @@ def test_poll_and_recv_timeouts_are_bounded(pair) -> None:
     fd = rx.sock.fileno()
     t = time.monotonic()
     assert not U._poll_in(fd, 50)
-    n = U._recv_batch(fd, rx.buf, rx.offs, rx.lens, rx.srcs, MAX_N, 50, rx.state)
+    n = U.recv_batch_kernel(fd, rx.buf, rx.offs, rx.lens, rx.srcs, MAX_N, 50, rx.state)
     assert n == 0 and time.monotonic() - t < 1.0
-    assert U._recv_batch(fd, rx.buf, rx.offs, rx.lens, rx.srcs, MAX_N, 0, rx.state) == 0
+    assert U.recv_batch_kernel(fd, rx.buf, rx.offs, rx.lens, rx.srcs, MAX_N, 0, rx.state) == 0
     send(tx, [(b"x" * 10, rx.endpoint)])
     assert U._poll_in(fd, 1000)
     assert U._poll_out(fd, 0)
@@ -294,13 +294,13 @@ def test_small_batch_counts_segments_it_cannot_hold(pair) -> None:
     tx, rx = pair
     send(tx, [(d, rx.endpoint) for d in payloads(7, 1000, 10)])
     assert U._poll_in(rx.sock.fileno(), 1000)
-    n = U._recv_batch(rx.sock.fileno(), rx.buf, rx.offs, rx.lens, rx.srcs, 4, 100, rx.state)
+    n = U.recv_batch_kernel(rx.sock.fileno(), rx.buf, rx.offs, rx.lens, rx.srcs, 4, 100, rx.state)
     assert n == 4 and rx.state[U.ST_TRUNCATED] == 3
 
 
 def test_now_ns_is_the_monotonic_clock() -> None:
     before = time.monotonic_ns()
-    now = U._now_ns()
+    now = U.clock_ns()
     assert before <= now <= time.monotonic_ns()
 
 
@@ -315,10 +315,10 @@ def test_kernels_load_from_cache_in_a_new_process() -> None:
         "s.setblocking(False)\n"
         "b = np.zeros(1 << 16, np.uint8); o = np.zeros(64, np.int64)\n"
         "ln = np.zeros(64, np.int32); a = np.zeros(64, np.uint64); st = U.new_state()\n"
-        "U._recv_batch(s.fileno(), b, o, ln, a, 64, 0, st)\n"
-        "U._send_batch(s.fileno(), b, o, ln, a, 0, U.new_send_scratch(), st)\n"
-        "U._poll_in(s.fileno(), 0); U._now_ns()\n"
-        "fs = [U._recv_batch, U._send_batch, U._poll_in, U._now_ns]\n"
+        "U.recv_batch_kernel(s.fileno(), b, o, ln, a, 64, 0, st)\n"
+        "U.send_batch_kernel(s.fileno(), b, o, ln, a, 0, U.new_send_scratch(), st)\n"
+        "U._poll_in(s.fileno(), 0); U.clock_ns()\n"
+        "fs = [U.recv_batch_kernel, U.send_batch_kernel, U._poll_in, U.clock_ns]\n"
         "print(sum(len(f.stats.cache_misses) for f in fs), sum(len(f.stats.cache_hits) for f in fs))\n"
     )
     for _ in range(2):  # the first run may compile (fresh checkout); the second must not

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from netdam.kernels.switch_path import _translate_many
+from netdam.kernels.switch_path import translate_many
 from netdam.protocol.constants import Rights, Status
 from netdam.switch.addrmap import (
     GLOBAL_BASE,
@@ -42,7 +42,7 @@ def kernel(
     status = np.zeros(len(rows), np.int64)
     node = np.zeros(len(rows), np.int64)
     local = np.zeros(len(rows), np.int64)
-    _translate_many(
+    translate_many(
         np.array([int(a) for a in arr[:, 0]], np.uint64),
         np.array(arr[:, 1], np.int64),
         np.array(arr[:, 2], np.int64),

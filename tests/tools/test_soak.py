@@ -317,12 +317,12 @@ def test_exit_codes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
 
 
 def _full_attempt_table() -> tuple[np.ndarray, np.ndarray]:
-    from netdam.kernels.faults import _attempt
+    from netdam.kernels.faults import fault_attempt
 
     keys = np.zeros(16, np.uint64)
     counts = np.zeros(16, np.uint32)
     for key in range(16, 32):  # fill the table: key k sits in slot k mod 16
-        _attempt(keys, counts, np.uint64(key))
+        fault_attempt(keys, counts, np.uint64(key))
     return keys, counts
 
 
@@ -330,14 +330,14 @@ def test_fault_attempt_table_counts_retries_when_full() -> None:
     """Regression test of a bug the soak found (/tmp/notes/soak-bugs.md). Fault decisions hash
     (seed, src, dst, packet id, attempt), the attempt coming from a table of sightings (1 << 14
     entries in the switch, 1 << 16 in a node). Once the 8 slots a new key probes were taken,
-    `_attempt` stored the key one slot past its probe window, where no lookup found it: every
+    `fault_attempt` stored the key one slot past its probe window, where no lookup found it: every
     retransmission was attempt 0 again and got the first decision again, so a dropped request
     was dropped for ever (the soak: 'no answer ... after 21 tries' within seconds)."""
-    from netdam.kernels.faults import _attempt
+    from netdam.kernels.faults import fault_attempt
 
     keys, counts = _full_attempt_table()
     retried = np.uint64(16 * 99 + 5)
-    attempts = [int(_attempt(keys, counts, retried)) for _ in range(3)]
+    attempts = [int(fault_attempt(keys, counts, retried)) for _ in range(3)]
     assert attempts[0] < attempts[1] < attempts[2]
 
 
@@ -348,14 +348,14 @@ def test_fault_attempt_table_two_retried_keys_of_one_slot() -> None:
     about once per 30 s) evicted each other on every sighting, so both stayed at attempt 0, got
     their first decision (drop) every time, and both clients timed out together. The victim
     slot now depends on the key's hash bits."""
-    from netdam.kernels.faults import _attempt
+    from netdam.kernels.faults import fault_attempt
 
     keys, counts = _full_attempt_table()
     first, second = np.uint64(16 * 99 + 5), np.uint64(16 * 77 + 5)
     seen: dict[int, list[int]] = {int(first): [], int(second): []}
     for _ in range(3):
         for key in (first, second):
-            seen[int(key)].append(int(_attempt(keys, counts, key)))
+            seen[int(key)].append(int(fault_attempt(keys, counts, key)))
     assert all(len(set(attempts)) == 3 for attempts in seen.values()), seen
 
 
@@ -365,7 +365,7 @@ def test_fault_attempt_table_no_pair_of_one_slot_repeats_attempts() -> None:
     those bits (about 1 in 8) evicted each other for ever (the table never drains), so two
     clients' dropped requests of such a pair both timed out. The new key now carries the evicted
     slot's count on."""
-    from netdam.kernels.faults import _attempt
+    from netdam.kernels.faults import fault_attempt
 
     candidates = [np.uint64(16 * k + 5) for k in range(2, 40)]  # all start at slot 5
     stuck = []
@@ -375,7 +375,7 @@ def test_fault_attempt_table_no_pair_of_one_slot_repeats_attempts() -> None:
             seen: dict[int, list[int]] = {int(first): [], int(second): []}
             for _ in range(3):
                 for key in (first, second):
-                    seen[int(key)].append(int(_attempt(keys, counts, key)))
+                    seen[int(key)].append(int(fault_attempt(keys, counts, key)))
             if any(len(set(attempts)) < 3 for attempts in seen.values()):
                 stuck.append((int(first), int(second)))
     assert not stuck, f"{len(stuck)} of 703 pairs repeat an attempt number, e.g. {stuck[:3]}"
