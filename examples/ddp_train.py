@@ -102,7 +102,7 @@ def run_rank(
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(x[step, mine]), y[step, mine])
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves backward untyped
             opt.step()
             losses.append(loss.item())
             if step == 0:
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             result["startup_seconds"] = round(time.perf_counter() - t0, 3)
             mp.spawn(
                 run_rank,
-                args=(args.ranks, _free_tcp_port(), str(cluster.path), options, tmp),  # type: ignore[attr-defined,no-untyped-call]
+                args=(args.ranks, _free_tcp_port(), str(cluster.path), options, tmp),  # type: ignore[attr-defined,no-untyped-call]  # torch.multiprocessing is untyped
                 nprocs=args.ranks,
                 join=True,
             )

@@ -39,9 +39,9 @@ def two_groups_at_once(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
     """Step 1: evens and odds, each all-reducing while the other does."""
     made = {r: ranks[r].new_group([0, 2] if r % 2 == 0 else [1, 3]) for r in range(WORLD)}
     data = {r: np.arange(100_000, dtype=np.float32) * (r + 1) for r in range(WORLD)}
-    works = [api.all_reduce(data[r], group=made[r], async_op=True) for r in range(WORLD)]  # type: ignore[arg-type]
+    works = [api.all_reduce(data[r], group=made[r], async_op=True) for r in range(WORLD)]  # type: ignore[arg-type]  # every rank of this process is a member: no NON_GROUP_MEMBER here
     for work in works:
-        work.wait()  # type: ignore[union-attr]
+        work.wait()  # type: ignore[union-attr]  # async_op=True: a Work, never None
     base = np.arange(100_000, dtype=np.float32)
     evens_ok = all(
         np.array_equal(data[r], base * 4) for r in (0, 2)
@@ -61,7 +61,7 @@ def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, An
 
     def survivor(rank: int) -> None:
         try:
-            works[rank].wait()  # type: ignore[union-attr]
+            works[rank].wait()  # type: ignore[union-attr]  # async_op=True: a Work, never None
             heard[rank] = (time.monotonic(), "completed (the kill came too late)")
         except api.CollectiveError as exc:
             heard[rank] = (time.monotonic(), str(exc))
@@ -96,7 +96,7 @@ def shrink_and_go_on(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
     data = [np.full(1000, r + 1, np.int64) for r in range(survivors)]
     works = [api.all_reduce(x, group=g, async_op=True) for x, g in zip(data, shrunk)]
     for work in works:
-        work.wait()  # type: ignore[union-attr]
+        work.wait()  # type: ignore[union-attr]  # async_op=True: a Work, never None
     total = survivors * (survivors + 1) // 2
     return {
         "members": list(shrunk[0].members),

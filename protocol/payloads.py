@@ -358,7 +358,7 @@ def decode_label(field: bytes) -> str:
 
 def unpack_alloc(payload: bytes) -> AllocRequest:
     size, credential, stride, ways, rights, flags, label = _unpack(ALLOC_REQUEST, payload, "ALLOC")
-    return AllocRequest(size, credential, stride, ways, rights, decode_label(label), flags)  # type: ignore[arg-type]
+    return AllocRequest(size, credential, stride, ways, rights, decode_label(label), flags)  # type: ignore[arg-type]  # struct.unpack gives Any; the format fixes the types
 
 
 def pack_credential(credential: int) -> bytes:

@@ -81,7 +81,7 @@ _LENGTH_OFFSET = 28
 _SEG_TYPE_OFFSET = 52
 
 
-class NetDAMSegment(Packet):  # type: ignore[misc]
+class NetDAMSegment(Packet):
     """One SR list entry (SPEC.md 2.2): the IPv4 address and UDP port of a hop."""
 
     name = "NetDAM SR segment"
@@ -99,7 +99,7 @@ class NetDAMSegment(Packet):  # type: ignore[misc]
         return str(self.sprintf("%ip%:%port%"))
 
 
-class NetDAM(Packet):  # type: ignore[misc]
+class NetDAM(Packet):
     """NetDAM v1 fixed header (64 bytes) and SR list; the payload that follows stays ``Raw``."""
 
     name = "NetDAM"
@@ -226,7 +226,7 @@ def payload_elements(pkt: Any) -> np.ndarray[Any, Any]:
 # every opcode); ``pool_payload`` dissects them on demand.
 
 
-class NetDAMAlloc(Packet):  # type: ignore[misc]
+class NetDAMAlloc(Packet):
     """ALLOC request payload, 40 bytes."""
 
     name = "NetDAM ALLOC"
@@ -241,14 +241,14 @@ class NetDAMAlloc(Packet):  # type: ignore[misc]
     ]
 
 
-class NetDAMCredential(Packet):  # type: ignore[misc]
+class NetDAMCredential(Packet):
     """FREE and QUERY payload: the tenant credential."""
 
     name = "NetDAM credential"
     fields_desc = [XLELongField("credential", 0)]
 
 
-class NetDAMRegionWay(Packet):  # type: ignore[misc]
+class NetDAMRegionWay(Packet):
     name = "NetDAM region way"
     fields_desc = [
         LEIntField("node", 0),
@@ -261,7 +261,7 @@ class NetDAMRegionWay(Packet):  # type: ignore[misc]
         return b"", s
 
 
-class NetDAMRegion(Packet):  # type: ignore[misc]
+class NetDAMRegion(Packet):
     """The region record of ALLOC's, FREE's and QUERY's ACK (56 bytes + 24 per way, + the
     16-byte tag key of a tagged region)."""
 

@@ -268,11 +268,11 @@ def region_from_json(data: dict[str, object]) -> Region:
     if not isinstance(ways, list):
         raise ValueError("ways must be a list")
     return Region(
-        gaddr=int(data["gaddr"]),  # type: ignore[call-overload]
-        size=int(data["size"]),  # type: ignore[call-overload]
-        rkey=int(data["rkey"]),  # type: ignore[call-overload]
-        rights=int(data["rights"]),  # type: ignore[call-overload]
-        stride=int(data.get("stride", 0)),  # type: ignore[call-overload]
+        gaddr=int(data["gaddr"]),  # type: ignore[call-overload]  # JSON values (object); int() raises on a bad file
+        size=int(data["size"]),  # type: ignore[call-overload]  # JSON values (object); int() raises on a bad file
+        rkey=int(data["rkey"]),  # type: ignore[call-overload]  # JSON values (object); int() raises on a bad file
+        rights=int(data["rights"]),  # type: ignore[call-overload]  # JSON values (object); int() raises on a bad file
+        stride=int(data.get("stride", 0)),  # type: ignore[call-overload]  # JSON values (object); int() raises on a bad file
         ways=tuple(Way(int(w["node"]), int(w["local"]), int(w["size"])) for w in ways),
         tenant=str(data.get("tenant", "")),
         owner=str(data.get("owner", "")),

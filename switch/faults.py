@@ -51,7 +51,7 @@ def parse_link_spec(text: str) -> FaultSpec:
             raise ValueError(
                 f"unknown fault {key!r}: use loss, dup, reorder, delay, delay_ms or kth"
             )
-    return FaultSpec(**values)  # type: ignore[arg-type]
+    return FaultSpec(**values)  # type: ignore[arg-type]  # values: the parsed fields by name, each of its field's type
 
 
 def parse_faults(text: str, nodes: int) -> list[tuple[int, int, FaultSpec]]:

@@ -116,7 +116,7 @@ class Quota:
             value = data.get(key)
             return None if value is None else kind(value)
 
-        return cls(num("bytes", int), num("percent", float), num("regions", int))  # type: ignore[arg-type]
+        return cls(num("bytes", int), num("percent", float), num("regions", int))  # type: ignore[arg-type]  # num gives the field's type or None
 
 
 BUILTIN_QUOTA = Quota(percent=DEFAULT_QUOTA_PERCENT, regions=DEFAULT_QUOTA_REGIONS)

@@ -39,7 +39,7 @@ def main() -> int:
     warm_node_kernels(force=True)  # into this process, as a launcher with a cold cache does
     warm_switch_kernels(force=True)
     kernels = dispatchers()
-    before = {name: len(d.overloads) for name, d in kernels.items()}  # type: ignore[attr-defined]
+    before = {name: len(d.overloads) for name, d in kernels.items()}
 
     import inspect
 
@@ -78,7 +78,7 @@ def main() -> int:
         name
         for name, d in kernels.items()
         if len(d.overloads) > before[name] and name not in CALLED_BY_TESTS
-    )  # type: ignore[attr-defined]
+    )
     print(json.dumps(late))
     return 0
 

@@ -160,7 +160,7 @@ class Fabric:
 
     def popen(self, host: str, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
         """Start *argv* in *host*'s namespace; stopped when the fabric goes."""
-        proc: subprocess.Popen[bytes] = subprocess.Popen(self.argv(host, argv), **kwargs)  # type: ignore[call-overload]
+        proc: subprocess.Popen[bytes] = subprocess.Popen(self.argv(host, argv), **kwargs)
         self.processes.append(proc)
         return proc
 
@@ -319,7 +319,7 @@ def wait_ready(
                 )
             for key, _ in selector.select(timeout=min(left, 0.5)):
                 k = key.data
-                line = key.fileobj.readline()  # type: ignore[union-attr]
+                line = key.fileobj.readline()
                 if line.startswith(b"ready"):
                     ports[k] = next(
                         (
@@ -636,13 +636,13 @@ def _rank_main(args: list[str]) -> int:
     return 0
 
 
-def rank_input(seed: int, rank: int, count: int):  # type: ignore[no-untyped-def]
+def rank_input(seed: int, rank: int, count: int):
     import numpy as np
 
     return np.random.default_rng([seed, rank]).standard_normal(count).astype(np.float32)
 
 
-def gather_input(seed: int, rank: int, count: int):  # type: ignore[no-untyped-def]
+def gather_input(seed: int, rank: int, count: int):
     import numpy as np
 
     return np.random.default_rng([seed, rank, 7]).standard_normal(count).astype(np.float32)

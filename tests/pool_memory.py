@@ -117,7 +117,7 @@ class Allocator:
     def alloc(self, size: int, credential: int = 0, admin: bool = False, **kw: int) -> Packet:
         return self.ask(
             Opcode.ALLOC,
-            AllocRequest(size, credential, **kw).encode(),  # type: ignore[arg-type]
+            AllocRequest(size, credential, **kw).encode(),
             rkey=ADMIN if admin or credential == 0 else 0,
         )
 
@@ -126,7 +126,7 @@ class Allocator:
 
     def tenant(self, size: int = PAGE, label: str = "") -> tuple[int, int]:
         """A new tenant (the admin's ALLOC): (credential, gaddr of its first region)."""
-        info = unpack_region_info(ok(self.alloc(size, label=label)).payload)  # type: ignore[arg-type]
+        info = unpack_region_info(ok(self.alloc(size, label=label)).payload)
         return info.credential, info.gaddr
 
     def state(self) -> PoolState:

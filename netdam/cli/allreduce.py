@@ -12,6 +12,7 @@ from netdam.cli.cluster import add_fault_args, add_nics_per_process, faults_from
 from netdam.cli.common import (
     CommandError,
     ExitCode,
+    Subparsers,
     bounded_int,
     bounded_seconds,
     cluster_file,
@@ -24,7 +25,7 @@ from netdam.protocol.constants import ELEMENT_SIZE, DType, ReduceOp
 from netdam.units import format_size
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "allreduce",
         help="run an all-reduce on node processes and check it against numpy",
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         nics_per_process=args.nics_per_process,
     )
     result = run_allreduce(config)
-    code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]
+    code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]  # the result dict holds JSON values (object)
     emit(result, args.json, text=_text(result))
     return int(code)
 
@@ -255,12 +256,12 @@ def _text(r: dict[str, object]) -> str:
     verdict = "OK" if r["ok"] else f"FAILED ({r.get('error')})"
     return (
         f"allreduce {r['algo']} {verdict}: {r['nodes']} nodes x {r['bytes']} B {r['dtype']} {r['op']} in "
-        f"{r['seconds']:.4f} s (algbw {float(r['algbw_gbps']):.3f} Gb/s, busbw {float(r['busbw_gbps']):.3f} Gb/s); "  # type: ignore[arg-type]
+        f"{r['seconds']:.4f} s (algbw {float(r['algbw_gbps']):.3f} Gb/s, busbw {float(r['busbw_gbps']):.3f} Gb/s); "  # type: ignore[arg-type]  # the result dict holds JSON values (object)
         f"{r['packets']} packets, {r['retransmits']} retransmits, {r['kernel_drops']} kernel drops; "
-        f"model of 100G NetDAM cards: {float(r['model_seconds_100g']) * 1e3:.3f} ms"  # type: ignore[arg-type]
+        f"model of 100G NetDAM cards: {float(r['model_seconds_100g']) * 1e3:.3f} ms"  # type: ignore[arg-type]  # the result dict holds JSON values (object)
         + (
             f"\n  sparse (density {r['density']}): {r['wire_bytes_sparse']} wire bytes in {r['seconds']:.4f} s; "
-            f"dense: {r['wire_bytes_dense']} wire bytes in {float(r['seconds_dense']):.4f} s"  # type: ignore[arg-type]
+            f"dense: {r['wire_bytes_dense']} wire bytes in {float(r['seconds_dense']):.4f} s"  # type: ignore[arg-type]  # the result dict holds JSON values (object)
             if r.get("sparse")
             else ""
         )

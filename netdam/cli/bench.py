@@ -16,6 +16,7 @@ from netdam.cli.common import (
     CommandError,
     ExitCode,
     NetdamArgumentParser,
+    Subparsers,
     bounded_int,
     bounded_seconds,
     emit,
@@ -36,7 +37,7 @@ from netdam.tools.bench.datapath import (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmarks against their peers, measured in the same run",
@@ -55,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 # ---------------------------------------------------------------- bench datapath
 
 
-def register_datapath(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_datapath(benches: Subparsers) -> None:
 
     parser = benches.add_parser(
         "datapath",
@@ -145,7 +146,7 @@ def _measured(
 # ---------------------------------------------------------------- bench pool
 
 
-def register_pool(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_pool(benches: Subparsers) -> None:
     """``netdam bench pool``: netdam/tools/bench/pool.py (and pool_async.py with --async)."""
 
     parser = benches.add_parser(
@@ -248,7 +249,7 @@ def run_pool_async(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- bench allreduce
 
 
-def register_allreduce(benches: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_allreduce(benches: Subparsers) -> None:
     """``netdam bench allreduce``: netdam/tools/bench/allreduce.py."""
 
     parser = benches.add_parser(
@@ -376,7 +377,7 @@ def _run_jobs(args: argparse.Namespace) -> int:
     return code
 
 
-_BENCHMARKS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (  # type: ignore[type-arg]
+_BENCHMARKS: tuple[Callable[[Subparsers], None], ...] = (
     register_datapath,
     register_pool,
     register_allreduce,

@@ -15,6 +15,7 @@ from netdam import progress
 from netdam.cli.common import (
     CommandError,
     ExitCode,
+    Subparsers,
     bounded_int,
     bounded_seconds,
     cluster_file,
@@ -25,7 +26,7 @@ from netdam.cli.decode import cluster_ports
 from netdam.protocol.constants import MULTICAST_PREFIX
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "capture",
         help="capture a cluster's NetDAM traffic on loopback into a pcap file",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from netdam.cli.common import (
     CommandError,
     ExitCode,
+    Subparsers,
     bounded_int,
     bounded_milliseconds,
     bounded_seconds,
@@ -24,7 +25,13 @@ from netdam.cli.common import (
     port_arg,
     size_arg,
 )
-from netdam.cluster.clusterfile import lists_nodes, load_cluster, load_switch_entry
+from netdam.cluster.clusterfile import (
+    ClusterFile,
+    NodeEntry,
+    lists_nodes,
+    load_cluster,
+    load_switch_entry,
+)
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launcher_env import (
     LAUNCHER_HELP,
@@ -43,6 +50,7 @@ from netdam.units import format_size
 
 if TYPE_CHECKING:
     from netdam.cluster.launch import LocalCluster
+    from netdam.core.faults import FaultSpec
 
 
 def endpoint_arg(text: str) -> Endpoint:
@@ -123,7 +131,7 @@ def add_nics_per_process(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def faults_from(args: argparse.Namespace) -> FaultSpec:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.core.faults import FaultSpec
 
@@ -137,7 +145,7 @@ def faults_from(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     node = subparsers.add_parser(
         "node",
         help="run one emulated NIC (a node process)",
@@ -605,7 +613,7 @@ def run_up(args: argparse.Namespace) -> int:
     return _supervise(cluster)
 
 
-def _started(cluster: LocalCluster) -> list:  # type: ignore[type-arg]
+def _started(cluster: LocalCluster) -> list[NodeEntry]:
     return [n for n in cluster.info.nodes if cluster.owned is None or n.rank in cluster.owned]
 
 
@@ -730,7 +738,7 @@ def run_down(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _load(path: Path):  # type: ignore[no-untyped-def]
+def _load(path: Path) -> ClusterFile:
 
     try:
         return load_cluster(path)
@@ -858,11 +866,11 @@ def run_ping(args: argparse.Namespace) -> int:
     text = "\n".join(
         f"{r['address']}: {r['answered']}/{r['sent']} answered"
         + (
-            f", rtt min {r['rtt_seconds_min'] * 1e6:.0f} us, rank {r['info'].get('rank')}, "  # type: ignore[index,union-attr,operator]
+            f", rtt min {r['rtt_seconds_min'] * 1e6:.0f} us, rank {r['info'].get('rank')}, "
             f"memory {r['info'].get('memory_bytes')} B"
             if r["answered"]
             else f" ({r.get('error')})"
-        )  # type: ignore[union-attr]
+        )
         for r in results
     )
     emit({"ok": not failed, "nodes": results}, args.json, text=text)

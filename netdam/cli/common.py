@@ -12,12 +12,20 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from netdam import progress
 from netdam.outcome import CommandError as CommandError  # re-exported: every command raises it
 from netdam.outcome import ExitCode as ExitCode
 from netdam.units import parse_size, parse_size_range
+
+if TYPE_CHECKING:
+    #: What ``add_subparsers`` returns, as every subcommand module's ``register`` takes it: of
+    #: any parser class (the CLI makes NetdamArgumentParser ones; typeshed's generic is
+    #: invariant in it, and it is no generic at run time).
+    Subparsers: TypeAlias = argparse._SubParsersAction[Any]
+else:
+    Subparsers = argparse._SubParsersAction
 
 
 def _clean(value: Any) -> Any:

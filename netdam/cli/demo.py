@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from netdam.cli.common import CommandError, ExitCode, bounded_int, emit, size_arg
+from netdam.cli.common import CommandError, ExitCode, Subparsers, bounded_int, emit, size_arg
 from netdam.protocol.constants import ELEMENT_SIZE, DType
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="run the main job: a small cluster doing an all-reduce and pool traffic",

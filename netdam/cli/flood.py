@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 from netdam import progress
-from netdam.cli.common import ExitCode, bounded_int, bounded_seconds, emit
+from netdam.cli.common import ExitCode, Subparsers, bounded_int, bounded_seconds, emit
 from netdam.tools.flood import FloodConfig, run_flood
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "flood",
         help="flood a node or the switch; check liveness, stats and flat memory",

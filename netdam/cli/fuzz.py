@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from netdam import progress
-from netdam.cli.common import ExitCode, bounded_int, emit
+from netdam.cli.common import ExitCode, Subparsers, bounded_int, emit
 from netdam.tools.fuzz.generator import TARGETS
 from netdam.tools.fuzz.runner import FuzzConfig, run_fuzz
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "fuzz",
         help="fuzz real node processes (or the switch) with mutated and random datagrams",

@@ -6,10 +6,10 @@ import argparse
 from typing import Any
 
 from netdam import progress
-from netdam.cli.common import CommandError, ExitCode, bounded_int, emit
+from netdam.cli.common import CommandError, ExitCode, Subparsers, bounded_int, emit
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "isolation",
         help="two tenants of one pool: every kind of cross-access the attacker tries must fail",

@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # its phases through progress.status(). Processes that serve until stopped draw none.
     line = progress.Progress(f"netdam {args.command}", delay=1.0)
     if args.command in ("node", "switch"):
-        line = contextlib.nullcontext()  # type: ignore[assignment]
+        line = contextlib.nullcontext()  # type: ignore[assignment]  # either context manager; only `with` is used
     try:
         with line:
             code: int = args.func(args)

@@ -13,6 +13,7 @@ from typing import Any
 from netdam.cli.common import (
     CommandError,
     ExitCode,
+    Subparsers,
     bounded_int,
     cluster_file,
     emit,
@@ -112,7 +113,7 @@ def _credential_of(args: argparse.Namespace) -> int | None:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
 
     sw = subparsers.add_parser(
         "switch",
@@ -572,12 +573,12 @@ def run_stats(args: argparse.Namespace) -> int:
         ) from None
     values = counters_from_payload(reply.payload)
     lines = [f"{'port':<8}{'rx_packets':>12}{'tx_packets':>12}{'fault_drops':>12}"]
-    for p in values["ports"]:  # type: ignore[attr-defined]
+    for p in values["ports"]:
         lines.append(
             f"{p['port']:<8}{p['rx_packets']:>12}{p['tx_packets']:>12}"
             f"{p['fault_drops_rx'] + p['fault_drops_tx']:>12}"
         )
-    for r in values["regions"]:  # type: ignore[attr-defined]
+    for r in values["regions"]:
         lines.append(
             f"region 0x{r['gaddr']:x}: forwarded {r['forwarded']}, reads {r['reads']}, "
             f"writes {r['writes']}, atomics {r['atomics']}, nacks {r['nacks']}"

@@ -10,6 +10,7 @@ from netdam.cli.cluster import probability
 from netdam.cli.common import (
     CommandError,
     ExitCode,
+    Subparsers,
     bounded_int,
     bounded_milliseconds,
     bounded_seconds,
@@ -39,7 +40,7 @@ id, attempt) on each hop: the switch's client:rx and node<R>:tx links (requests;
 straight from the nodes). With --cluster only the clients' receive side is injected here."""
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser(
         "soak",
         help="concurrent clients check every byte and a shared counter through the switch",

@@ -8,6 +8,7 @@ import sys
 from netdam.cli.common import (
     CommandError,
     ExitCode,
+    Subparsers,
     bounded_int,
     bounded_seconds,
     cluster_file,
@@ -21,7 +22,7 @@ from netdam.tools.top import format_sample, processes, samples
 _REDRAW = "\x1b[H\x1b[2J"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: Subparsers) -> None:
     p = subparsers.add_parser(
         "top",
         help="live rates of every NIC and the switch of a running cluster",

@@ -428,7 +428,7 @@ def parse_cluster(text: str, path: Path) -> ClusterFile:
     where = _Where(path, text)
     head = _parse_head(data, where, path.stem)
     nodes = _parse_nodes(data, where)
-    return ClusterFile(nodes=nodes, **head)  # type: ignore[arg-type]
+    return ClusterFile(nodes=nodes, **head)  # type: ignore[arg-type]  # head: the parsed, checked fields by name
 
 
 def load_cluster(path: str | Path) -> ClusterFile:

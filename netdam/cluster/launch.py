@@ -237,14 +237,14 @@ def _node_flags(
     return cmd
 
 
-def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:  # type: ignore[misc]
+def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:
     """Start *nodes* node processes, wait until all are ready, write the cluster file.
 
     Free ports are probed then released, so another program may take one first: then the whole
     start is retried on fresh ports (unless the caller fixed --base-port)."""
     for attempt in range(3):
         try:
-            return _start_cluster(nodes, **kwargs)  # type: ignore[arg-type]
+            return _start_cluster(nodes, **kwargs)  # type: ignore[arg-type]  # start_cluster passes its keyword arguments on unchanged
         except ClusterStartError as exc:
             if "Address already in use" not in str(exc) or kwargs.get("base_port") or attempt == 2:
                 raise
@@ -789,7 +789,7 @@ def start_from_file(
 
     def fill(current: ClusterFile) -> ClusterFile:
         head = {"supervisor_pid": 0 if detach else os.getpid()} if all_local else {}
-        return replace(with_nodes(current, entries), keep_file=True, **head)  # type: ignore[arg-type]
+        return replace(with_nodes(current, entries), keep_file=True, **head)  # type: ignore[arg-type]  # head: checked fields by name
 
     try:
         updated = update_cluster_file(path, fill)
@@ -953,7 +953,7 @@ def _wait_ready(
                         control_ports[rank] = int(word.split(b"=")[1])
             if not waiting[k]:
                 selector.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
+                key.fileobj.close()  # type: ignore[union-attr]  # registered objects are pipes, not raw descriptors
                 del waiting[k]
     selector.close()
     return control_ports
@@ -1210,7 +1210,7 @@ def start_pool_cluster(
     compile_switch_kernels_aside()
     address = str(cluster_kwargs.get("address", "127.0.0.1"))
     vip = pick_vip(address)
-    cluster = start_cluster(nodes, extra_members=(vip,), **cluster_kwargs)  # type: ignore[arg-type]
+    cluster = start_cluster(nodes, extra_members=(vip,), **cluster_kwargs)
     try:
         handle = start_switch(
             cluster,

@@ -145,8 +145,8 @@ def resolve_launch(
             "no rank and world size: run under torchrun, mpirun or srun, or pass --rank "
             "and --world-size (with --master HOST:PORT)"
         )
-    final_rank = rank if rank is not None else found.rank  # type: ignore[union-attr]
-    final_world = world_size if world_size is not None else found.size  # type: ignore[union-attr]
+    final_rank = rank if rank is not None else found.rank  # type: ignore[union-attr]  # found is set whenever rank is None (checked above)
+    final_world = world_size if world_size is not None else found.size  # type: ignore[union-attr]  # found is set whenever world_size is None (checked above)
     if final_world < 1 or not 0 <= final_rank < final_world:
         raise LaunchError(
             f"rank {final_rank} with world size {final_world}: need world size >= 1 and "

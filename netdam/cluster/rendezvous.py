@@ -385,7 +385,7 @@ def gather(
                 if key.fileobj is server:
                     _accept(server, selector, readers)
                 else:
-                    _read_report(key.fileobj, selector, readers, reported, core)  # type: ignore[arg-type]
+                    _read_report(key.fileobj, selector, readers, reported, core)  # type: ignore[arg-type]  # registered objects are sockets, not raw descriptors
         answer = core.answer(name, admin_key)
         _send_all(reported, answer_message(answer))
         return answer

@@ -148,7 +148,7 @@ def _remove_older(root: Path, current: str, place: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-class _KernelCacheLocator(_SourceBacked, _CacheLocator):  # type: ignore[misc]
+class _KernelCacheLocator(_SourceBacked, _CacheLocator):
     """numba's cache locator for the functions defined in this package, and only those."""
 
     def __init__(self, py_func: Any, py_file: str) -> None:

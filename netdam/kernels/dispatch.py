@@ -39,5 +39,5 @@ def unliteral_calls() -> None:
             kws = {k: unliteral(v) for k, v in kws.items()}
         return original(self, args, kws)
 
-    get_call_template._netdam_unliteral = True  # type: ignore[attr-defined]
+    get_call_template._netdam_unliteral = True  # type: ignore[attr-defined]  # a marker attribute on a function object
     setattr(dispatcher.Dispatcher, "get_call_template", get_call_template)  # noqa: B010 (a method, replaced)

@@ -55,7 +55,7 @@ def fault_draws(
     datagram: the same numbers the node and switch kernels draw."""
     key = [np.uint64(v & 0xFFFFFFFFFFFFFFFF) for v in (seed, src, dst, pid, attempt)]
     return tuple(
-        float(fault_hash(*key, np.uint64(salt)))  # type: ignore[return-value]
+        float(fault_hash(*key, np.uint64(salt)))  # type: ignore[return-value]  # a tuple of exactly four floats, which mypy types as tuple[float, ...]
         for salt in (SALT_DROP, SALT_DUP, SALT_REORDER, SALT_DELAY)
     )
 

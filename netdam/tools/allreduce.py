@@ -21,7 +21,7 @@ from netdam.api import ArenaInUseError, CollectiveError, ProcessGroup, Work
 from netdam.api import all_reduce as api_all_reduce
 from netdam.clients.ring_host import RECEIVE_ALIGN as RING_ALIGN
 from netdam.clients.ring_host import ring_all_reduce
-from netdam.cluster.clusterfile import load_cluster
+from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import ClusterStartError, LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
@@ -130,7 +130,7 @@ def _wire_bytes(delta: np.ndarray, host_packets: int = 0, host_bytes: int = 0) -
     return int(delta[C.TX_BYTES]) + host_bytes + int(IP_UDP_OVERHEAD) * packets
 
 
-def _totals(cluster_info, client: ControlClient) -> np.ndarray:  # type: ignore[no-untyped-def]
+def _totals(cluster_info: ClusterFile, client: ControlClient) -> np.ndarray:
     total = np.zeros(C.NUM_COUNTERS, np.uint64)
     for node in cluster_info.nodes:
         total += client.counters(node.control_endpoint)

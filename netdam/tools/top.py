@@ -50,7 +50,7 @@ def rates(before: np.ndarray, after: np.ndarray, seconds: float) -> dict[str, An
         raise ValueError(f"an interval of {seconds} s: samples must be apart in time")
     delta = after.astype(np.uint64) - before.astype(np.uint64)  # wraps as the counters do
     named = C.counters_to_dict(delta)
-    nacks = sum(int(n) for n in named["nacks"].values())  # type: ignore[attr-defined]
+    nacks = sum(int(n) for n in named["nacks"].values())
     moved = {k: v for k, v in named.items() if v and k not in ("ops", "nacks")}
     return {
         "rx_pps": int(delta[C.RX_PACKETS]) / seconds,
@@ -58,7 +58,7 @@ def rates(before: np.ndarray, after: np.ndarray, seconds: float) -> dict[str, An
         "rx_gbps": int(delta[C.RX_BYTES]) * _BITS / seconds / 1e9,
         "tx_gbps": int(delta[C.TX_BYTES]) * _BITS / seconds / 1e9,
         "retransmits_ps": int(delta[C.RETRANSMITS]) / seconds,
-        "drops_ps": int(named["drops"]) / seconds,  # type: ignore[call-overload]
+        "drops_ps": int(named["drops"]) / seconds,
         "nacks_ps": nacks / seconds,
         "moved": moved,
         "ops": named["ops"],

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> LocalCluster:
     path = tmp_path_factory.mktemp("cluster") / "cluster.toml"
     with start_cluster(2, memory=1 << 20, cluster_path=path) as running:
-        yield running  # type: ignore[misc]
+        yield running
 
 
 @pytest.mark.slow
@@ -295,7 +295,7 @@ def test_fetch_add_counter_shared_by_processes(cluster: LocalCluster) -> None:
                     rkey=rkey,
                     addr=8192,
                     dtype=5,
-                    length=8,  # type: ignore[arg-type]
+                    length=8,
                     payload=struct.pack("<Q", 1),
                 ),
             )

@@ -254,7 +254,7 @@ def test_node_bind_ports() -> None:
 def test_node_help_documents_precedence_and_variables() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    text = sub.choices["node"].format_help()  # type: ignore[attr-defined]
+    text = sub.choices["node"].format_help()
     for name in (
         "RANK",
         "WORLD_SIZE",
@@ -542,7 +542,7 @@ def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> N
                 for b, g in zip(buffers[1:], groups[1:], strict=True)
             ]
             for work in works:
-                work.wait()  # type: ignore[union-attr]
+                work.wait()
         finally:
             netdam.destroy_process_group()
             for group in groups[1:]:

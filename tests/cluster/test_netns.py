@@ -162,7 +162,7 @@ def site(
                         "--piece",
                         piece,
                     ],
-                )  # type: ignore[assignment]
+                )
         yield Site(fabric, cluster, ranks, capture.frames, region, pool, pool_capture.frames)
 
 
@@ -178,7 +178,7 @@ def ok_ranks(site: Site) -> list[RankResult]:
 
 def node_counters(site: Site) -> list[dict[str, object]]:
     """Every node's counters, as its rank's host read them after the collectives."""
-    return [res.stats["counters"] for res in ok_ranks(site) if res.stats]  # type: ignore[misc]
+    return [res.stats["counters"] for res in ok_ranks(site) if res.stats]
 
 
 def counter(counters: dict[str, object], name: str, key: str = "") -> int:

@@ -31,7 +31,7 @@ def _all_reduce(groups: list[ProcessGroup], inputs: list[np.ndarray]) -> list[np
         api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups, strict=True)
     ]
     for work in works:
-        work.wait()  # type: ignore[union-attr]
+        work.wait()
     return buffers
 
 

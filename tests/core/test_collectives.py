@@ -409,7 +409,7 @@ def test_bad_descriptors_are_refused() -> None:
         fields.update(kw)
         cluster.fabric.send(
             host, cluster.endpoints[0], encode_packet(Packet(Opcode.START_COLL, **fields))
-        )  # type: ignore[arg-type]
+        )
         cluster.fabric.run_until_idle()
         (reply,) = [decode_packet(d) for d, _ in cluster.fabric.receive(host)]
         return reply
@@ -455,8 +455,8 @@ def run_both(n: int, inputs: list[np.ndarray], **kwargs: object) -> tuple[Outcom
     op = kwargs.get("op", ReduceOp.SUM)
     assert isinstance(op, ReduceOp)
     expected = all_reduce_reference(inputs, op)
-    dense = run(n, inputs, **kwargs)  # type: ignore[arg-type]
-    sparse = run(n, inputs, flags=1, **kwargs)  # type: ignore[arg-type]
+    dense = run(n, inputs, **kwargs)
+    sparse = run(n, inputs, flags=1, **kwargs)
     for outcome in (dense, sparse):
         assert all(r.opcode == Opcode.ACK and r.status == Status.OK for r in outcome.replies)
         assert_all_equal(outcome.outputs, expected)

@@ -256,7 +256,7 @@ def test_the_admins_tools_seal_and_a_cluster_refuses_the_bare_admin_key() -> Non
             rkey = admin.register(target, 0, 4096, Rights.READ | Rights.WRITE)
             admin.deregister(target, rkey)
             counters = C.counters_to_dict(admin.counters(target))
-        assert counters["ops"]["REGISTER"] == 1  # type: ignore[index]
+        assert counters["ops"]["REGISTER"] == 1
         with (
             ControlClient(admin_key=info.admin_key) as v1_tool,
             pytest.raises(ControlError) as refused,
@@ -304,7 +304,7 @@ def test_a_guess_flood_on_the_admins_address_leaves_the_admin_and_collectives_wo
                     for w in [
                         api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)
                     ]:
-                        w.wait()  # type: ignore[union-attr]
+                        w.wait()
                     for rank, b in enumerate(inputs):
                         assert b.tobytes() == expected.tobytes(), (calls, rank)
                     calls += 1

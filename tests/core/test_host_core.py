@@ -176,7 +176,7 @@ def test_calls_of_one_lane_go_one_at_a_time_in_issue_order() -> None:
     drive(cluster, hosts, lambda: all(c.ended for cs in calls for c in cs))
     for cs in calls:
         assert all(c.done for c in cs)
-        assert cs[0].completed_at <= cs[1].sent_at and cs[1].completed_at <= cs[2].sent_at  # type: ignore[operator]  # set once done
+        assert cs[0].completed_at <= cs[1].sent_at and cs[1].completed_at <= cs[2].sent_at
     for slot in range(3):
         assert_exact(cluster, inputs[slot], slot)
 
@@ -293,7 +293,7 @@ def test_answers_that_are_not_the_calls_own_change_nothing() -> None:
 
     def answer(opcode: Opcode, **kw: object) -> bytes:
         fields = {"client_id": 7, "txn_id": call.txn, "coll_id": 1100, "epoch": 1, **kw}
-        return encode_packet(Packet(opcode, **fields))  # type: ignore[arg-type]  # test's own fields
+        return encode_packet(Packet(opcode, **fields))
 
     completion = encode_packet(
         Packet(

@@ -71,7 +71,7 @@ def atomic(
 
 
 def control(opcode: Opcode, key: int = ADMIN_KEY, **kw: object) -> Packet:
-    return Packet(opcode, rkey=key, **kw)  # type: ignore[arg-type]
+    return Packet(opcode, rkey=key, **kw)
 
 
 def old_value(reply: Packet) -> int:
@@ -298,7 +298,7 @@ NACK_CASES = [
 @pytest.mark.parametrize("name,make,status", NACK_CASES, ids=[c[0] for c in NACK_CASES])
 def test_refused_requests_touch_nothing(
     restricted: tuple[Cluster, int, int], name: str, make, status: Status
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     cluster, ro, wo = restricted
     node = cluster.nodes[0]
     before = node.memory.copy()
@@ -500,7 +500,7 @@ def chain_packet(
         payload=payload.tobytes(),
     )
     fields.update(kw)
-    return Packet(Opcode.CHAIN_ADD, **fields)  # type: ignore[arg-type]
+    return Packet(Opcode.CHAIN_ADD, **fields)
 
 
 def test_chain_add_three_hops_exact(cluster: Cluster, rng: np.random.Generator) -> None:

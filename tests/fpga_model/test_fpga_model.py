@@ -110,7 +110,7 @@ def test_roce_remote_read_near_800ns() -> None:
 
 def test_breakdown_has_every_stage_in_seconds_and_cycles() -> None:
     d = op_breakdown(load_preset("netdam-100g"), "add-store", 8192).as_dict()
-    names = [s["name"] for s in d["stages"]]  # type: ignore[index]
+    names = [s["name"] for s in d["stages"]]
     for stage in (
         "wire_in",
         "mac_phy_rx",
@@ -123,7 +123,7 @@ def test_breakdown_has_every_stage_in_seconds_and_cycles() -> None:
         "wire_out",
     ):
         assert stage in names
-    assert sum(d["breakdown"].values()) == pytest.approx(d["seconds"])  # type: ignore[union-attr]
+    assert sum(d["breakdown"].values()) == pytest.approx(d["seconds"])
 
 
 # --- collectives ------------------------------------------------------------------------

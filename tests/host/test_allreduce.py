@@ -149,7 +149,7 @@ def test_dead_node_process_is_named_within_5_seconds_with_every_nic(tmp_path: Pa
         groups = [ProcessGroup(cluster.info, rank) for rank in range(4)]
         warm = [np.ones(4, np.float32) for _ in range(4)]
         for work in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(warm, groups)]:
-            work.wait()  # type: ignore[union-attr]
+            work.wait()
         victim = cluster.process_of(2)
         assert cluster.ranks_of(victim.pid) == [2, 3]
         os.kill(victim.pid, signal.SIGKILL)
@@ -160,7 +160,7 @@ def test_dead_node_process_is_named_within_5_seconds_with_every_nic(tmp_path: Pa
         ]
         with pytest.raises(CollectiveError) as info:
             for work in works:
-                work.wait()  # type: ignore[union-attr]
+                work.wait()
         elapsed = time.monotonic() - start
         assert elapsed < 5.0
         for node in cluster.info.nodes[2:]:

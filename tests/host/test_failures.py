@@ -164,7 +164,7 @@ def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
         # Every acknowledged increment landed; an unacknowledged one may or may not have.
         timeouts_on_increment = sum(1 for _, k in log if k == "PoolTimeout")
         assert acked[0] <= final <= acked[0] + timeouts_on_increment
-        assert load_switch_entry(cluster.path).pid == switch.process.pid  # type: ignore[union-attr]
+        assert load_switch_entry(cluster.path).pid == switch.process.pid
     finally:
         switch.stop()
         cluster.stop()
@@ -241,7 +241,7 @@ def test_late_rank_slows_the_others_instead_of_failing_them(tmp_path: Path) -> N
         late = ProcessGroup(cluster.info, 0)
         works[0] = api_all_reduce(buffers[0], group=late, async_op=True)
         for work in works.values():
-            work.wait()  # type: ignore[union-attr]
+            work.wait()
         for rank in range(3):
             assert np.array_equal(buffers[rank], np.full(100_000, 6, np.float32)), rank
         for group in (*early, late):
@@ -259,7 +259,7 @@ def test_a_new_group_never_reruns_an_old_epoch(tmp_path: Path) -> None:
             buffers = [np.full(1000, rank + 1 + 10 * attempt, np.float32) for rank in range(2)]
             works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups)]
             for work in works:
-                work.wait()  # type: ignore[union-attr]
+                work.wait()
             expected = np.full(1000, 3 + 20 * attempt, np.float32)
             assert all(np.array_equal(b, expected) for b in buffers), (attempt, buffers[0][:3])
             assert groups[0].epoch == attempt + 1
@@ -280,7 +280,7 @@ def test_a_10x_straggler_is_slow_not_dead(tmp_path: Path) -> None:
             quick = [np.full(1 << 20, r + 1, np.float32) for r in range(3)]
             started = time.monotonic()
             for work in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(quick, groups)]:
-                work.wait()  # type: ignore[union-attr]
+                work.wait()
             solo = time.monotonic() - started
             stop = threading.Event()
             pid = cluster.info.nodes[1].pid
@@ -299,7 +299,7 @@ def test_a_10x_straggler_is_slow_not_dead(tmp_path: Path) -> None:
                 started = time.monotonic()
                 works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(slowed, groups)]
                 for work in works:
-                    work.wait()  # type: ignore[union-attr]
+                    work.wait()
                 slow = time.monotonic() - started
             finally:
                 stop.set()

@@ -104,7 +104,7 @@ def test_two_jobs_groups_and_calls_in_flight_all_exact(
                     r: rng.integers(-1 << 20, 1 << 20, 5003).astype(np.int64) for r in members
                 }
                 bufs = {r: x.copy() for r, x in inputs.items()}
-                works = [api.all_reduce(bufs[r], group=made[r], async_op=True) for r in members]  # type: ignore[arg-type]
+                works = [api.all_reduce(bufs[r], group=made[r], async_op=True) for r in members]
                 calls.append((job, members, inputs, bufs, works))
     for *_, works in calls:
         for work in works:
@@ -166,7 +166,7 @@ def test_two_jobs_groups_under_injected_loss_stay_exact() -> None:
                     bufs = {r: x.copy() for r, x in inputs.items()}
                     works = [
                         api.all_reduce(bufs[r], group=by_rank[r], async_op=True) for r in members
-                    ]  # type: ignore[arg-type]
+                    ]
                     calls.append((members, inputs, bufs, works))
             for *_, works in calls:
                 for work in works:

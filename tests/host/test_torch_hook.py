@@ -159,7 +159,7 @@ def test_failed_allreduce_surfaces_through_the_future_and_ddp(tmp_path: Path) ->
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with start_cluster(1, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
             model = DDP(torch.nn.Linear(4, 1))

@@ -165,9 +165,9 @@ def targeted(rng: np.random.Generator) -> bytes:
         and rng.random() < 0.3
     )
     if sparse and opcode != Opcode.ADD:
-        fields["payload"] = sparse_form(bytes(fields["payload"]), size, rng)  # type: ignore[arg-type]
-        fields["flags"] = Flags(fields["flags"]) | Flags.SPARSE  # type: ignore[arg-type]
-    data = bytearray(encode_packet(Packet(opcode, **fields)))  # type: ignore[arg-type]
+        fields["payload"] = sparse_form(bytes(fields["payload"]), size, rng)
+        fields["flags"] = Flags(fields["flags"]) | Flags.SPARSE
+    data = bytearray(encode_packet(Packet(opcode, **fields)))
     if sparse and opcode == Opcode.ADD:
         data[3] |= Flags.SPARSE  # ADD has no sparse form: BAD_FIELD
     for _ in range(int(rng.integers(0, 3))):  # mutate a few bytes, mostly the header
@@ -261,7 +261,7 @@ def _dense_vs_sparse(opcode: Opcode, dtype: DType, values: np.ndarray, **fields:
             flags=flags,
             payload=payload,
             **fields,
-        )  # type: ignore[arg-type]
+        )
         replies = verdict_of_node(node, encode_packet(packet))
         assert all(r.opcode != Opcode.NACK for r in replies), replies
         forwarded = [r for r in replies if r.opcode == opcode]

@@ -146,7 +146,7 @@ def test_scalar_helpers_match_array_wrappers() -> None:
 )
 def test_wrapper_errors(func: object, arg: object, message: str) -> None:
     with pytest.raises(ValueError) as info:
-        func(arg)  # type: ignore[operator]
+        func(arg)
     assert str(info.value) == message
 
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _version(text: str) -> tuple[int, int]:
-    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()  # type: ignore[union-attr]
+    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
     return int(major), int(minor)
 
 

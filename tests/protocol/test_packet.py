@@ -51,7 +51,7 @@ def chain(**kw: object) -> Packet:
         payload=F32X4,
     )
     base.update(kw)
-    return Packet(**base)  # type: ignore[arg-type]
+    return Packet(**base)
 
 
 def test_header_layout_offsets() -> None:
@@ -168,15 +168,15 @@ def _decode_error(packet_bytes: bytes) -> tuple[Status, str]:
 
 def _header_only(opcode: Opcode, **kw: object) -> bytes:
     """Encode a header with arbitrary fields, bypassing the encoder's checks."""
-    packet = Packet(opcode=opcode, **kw)  # type: ignore[arg-type]
+    packet = Packet(opcode=opcode, **kw)
     from netdam.protocol import packet as codec
 
     original = codec._check_encodable
-    codec._check_encodable = lambda p: None  # type: ignore[assignment]
+    codec._check_encodable = lambda p: None
     try:
         return encode_packet(packet)
     finally:
-        codec._check_encodable = original  # type: ignore[assignment]
+        codec._check_encodable = original
 
 
 def test_opcode_field_rules() -> None:

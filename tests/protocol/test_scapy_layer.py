@@ -189,7 +189,7 @@ def test_ip_udp_stack_round_trips_and_binds_on_port_7744() -> None:
             / NetDAM(load_fixture("read"))
         )
     )
-    assert reply.answers(read)  # type: ignore[no-untyped-call]  # IP.answers is untyped
+    assert reply.answers(read)
     # Other ports stay Raw.
     elsewhere = IP(bytes(IP() / UDP(sport=5000, dport=5001) / Raw(load_fixture("ping"))))
     assert not elsewhere.haslayer(NetDAM)

@@ -49,7 +49,7 @@ def test_a_campaign_that_lets_one_through_says_so(
     its memory) is reported as a cross-access that succeeded and as leaked bytes."""
     from netdam.tools import isolation
 
-    def own_read(rng, t):  # type: ignore[no-untyped-def]
+    def own_read(rng, t):
         return isolation.VIP, Packet(
             Opcode.READ, rkey=isolation.VICTIM_RKEY, addr=t.victim.gaddr, length=64, dtype=DType.RAW
         )

@@ -315,7 +315,7 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
             assert attacker.stdout is not None and attacker.stdout.readline().strip() == "ready"
             inputs = [np.arange(1 << 16, dtype=np.float32) * (r + 1) for r in range(2)]
             for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
-                w.wait()  # type: ignore[union-attr]
+                w.wait()
             result = json.loads(attacker.stdout.readline())
             assert attacker.wait(timeout=30) == 0
         finally:
@@ -330,7 +330,7 @@ def test_sniffed_collective_gives_no_memory_access_and_no_wrong_result(tmp_path:
         # and the secret is intact.
         inputs = [np.arange(1 << 16, dtype=np.float32) * (r + 3) for r in range(2)]
         for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)]:
-            w.wait()  # type: ignore[union-attr]
+            w.wait()
         expected = (
             np.arange(1 << 16, dtype=np.float32) * 3 + np.arange(1 << 16, dtype=np.float32) * 4
         )
@@ -436,7 +436,7 @@ def test_a_forger_with_a_members_address_and_the_live_key_changes_no_result(tmp_
                 for w in [
                     api_all_reduce(b, group=g, async_op=True) for b, g in zip(inputs, groups)
                 ]:
-                    w.wait()  # type: ignore[union-attr]
+                    w.wait()
                 for rank, b in enumerate(inputs):
                     assert b.tobytes() == expected.tobytes(), (call, rank)
         finally:
@@ -535,7 +535,7 @@ def test_collectives_leave_pool_tenants_memory_alone(tmp_path: Path) -> None:
         for _ in range(3):
             bufs = [np.full(256 * KiB, rank + 1.0, np.float32) for rank in range(2)]
             for w in [api_all_reduce(b, group=g, async_op=True) for b, g in zip(bufs, groups)]:
-                w.wait()  # type: ignore[union-attr]
+                w.wait()
             assert all((b == 3.0).all() for b in bufs)
         with PoolClient(switch.vip, tag_keys=tag_keys_of(region)) as client:
             assert (

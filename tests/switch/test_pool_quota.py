@@ -253,14 +253,14 @@ def test_quotas_on_a_running_pool(wire: VipWire, capsys: pytest.CaptureFixture[s
     ok(wire.alloc(64 * KiB, b.credential))
     admin = ok(wire.alloc(256 * KiB, a, rkey=wire.admin))  # over a's quota, by the admin
     code, shown = quota_cli(["--cluster", c], capsys)
-    rows = {r["tenant"]: r for r in shown["tenants"]}  # type: ignore[attr-defined]
+    rows = {r["tenant"]: r for r in shown["tenants"]}
     assert code == 0 and shown["capacity"] == 2 << 20
     assert rows["tenant-a"]["bytes"] == 5 * 256 * KiB and rows["tenant-a"]["bytes_quota"] == 1 << 20
     assert rows["tenant-b"]["regions"] == 2 and rows["tenant-b"]["regions_quota"] == 64
     code, shown = quota_cli(
         ["--cluster", c, "--tenant", "tenant-a", "--regions", "4", "--bytes", "100%"], capsys
     )
-    assert code == 0 and shown["tenants"][0]["own"] == {"percent": 100.0, "regions": 4}  # type: ignore[index]
+    assert code == 0 and shown["tenants"][0]["own"] == {"percent": 100.0, "regions": 4}
     assert "region quota: tenant 'tenant-a' holds 5 of its 4" in refused(
         wire.alloc(4 * KiB, a), Status.QUOTA
     )

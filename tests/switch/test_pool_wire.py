@@ -243,7 +243,7 @@ def test_malformed_pool_requests_are_nacked_as_documented(wire: VipWire) -> None
 def test_controller_uses_the_wire(wire: VipWire) -> None:
     admin = PoolController(wire.cluster.path)
     region = admin.alloc(16 * KiB, interleave=8192, tenant="ctl")
-    credential = int(region.extra["credential"])  # type: ignore[call-overload]
+    credential = int(region.extra["credential"])
     tenant = PoolController(wire.cluster.path, credential=credential)
     assert [r.gaddr for r in tenant.regions()] == [region.gaddr]
     mine = tenant.alloc(4 * KiB)

@@ -176,14 +176,14 @@ def test_rkey_enforced_at_the_switch_per_opcode_nothing_forwarded(pool: Pool) ->
             Status.BAD_RKEY,
         ),
         (Packet(Opcode.ALL_WRITE, rkey=0, addr=g, length=8, payload=bytes(8)), Status.BAD_RKEY),
-        (Packet(Opcode.FETCH_ADD, rkey=0xB0B, addr=r, **u64, payload=bytes(8)), Status.NO_RIGHTS),  # type: ignore[arg-type]
-        (Packet(Opcode.CAS, rkey=0xB0B, addr=r, **u64, payload=bytes(16)), Status.NO_RIGHTS),  # type: ignore[arg-type]
+        (Packet(Opcode.FETCH_ADD, rkey=0xB0B, addr=r, **u64, payload=bytes(8)), Status.NO_RIGHTS),
+        (Packet(Opcode.CAS, rkey=0xB0B, addr=r, **u64, payload=bytes(16)), Status.NO_RIGHTS),
         (Packet(Opcode.READ, rkey=0xB0B, addr=r + 4090, length=8), Status.OUT_OF_BOUNDS),
         (Packet(Opcode.WRITE, rkey=0xB0B, addr=r - 8, length=8, payload=bytes(8)), Status.NO_ROUTE),
         (
             Packet(Opcode.FETCH_ADD, rkey=0xA11CE, addr=g + 4, **u64, payload=bytes(8)),
             Status.MISALIGNED,
-        ),  # type: ignore[arg-type]
+        ),
         (
             Packet(Opcode.WRITE, rkey=0xA11CE, addr=g + STRIDE - 4, length=8, payload=bytes(8)),
             Status.SPANS_NODES,
@@ -209,9 +209,9 @@ def test_rkey_enforced_at_the_switch_per_opcode_nothing_forwarded(pool: Pool) ->
         assert core.counters[C.RX_PACKETS] == 0  # the switch forwarded nothing
         assert np.array_equal(core.memory, mem)
     values = counters_from_payload(pool.request(Packet(Opcode.COUNTERS, rkey=ADMIN))[0][0].payload)
-    regions = {r["gaddr"]: r for r in values["regions"]}  # type: ignore[index,union-attr]
-    assert regions[g]["nacks"] == 7 and regions[g]["spans_nodes"] == 1  # type: ignore[index]
-    assert values["ports"][0]["rx_packets"] == len(cases) + 1  # type: ignore[index]
+    regions = {r["gaddr"]: r for r in values["regions"]}
+    assert regions[g]["nacks"] == 7 and regions[g]["spans_nodes"] == 1
+    assert values["ports"][0]["rx_packets"] == len(cases) + 1
 
 
 def test_node_hop_enforces_too(pool: Pool) -> None:

@@ -97,7 +97,7 @@ def test_usage_errors_exit_2(capsys, flags: list[str], message: str) -> None:
 def test_bench_help_lists_datapath() -> None:
     parser = argparse.ArgumentParser(prog="netdam")
     cli_bench.register(parser.add_subparsers(dest="command"))
-    text = parser._subparsers._group_actions[0].choices["bench"].format_help()  # type: ignore[union-attr]
+    text = parser._subparsers._group_actions[0].choices["bench"].format_help()
     assert "datapath" in text
 
 

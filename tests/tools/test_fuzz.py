@@ -368,7 +368,7 @@ def test_switch_core_under_structured_mutations(
 
 @pytest.mark.parametrize("make", [node_world, switch_world], ids=["node", "switch"])
 def test_seeded_run_reaches_every_opcode_and_status(make: object) -> None:
-    world = make()  # type: ignore[operator]
+    world = make()
     for datagram in DatagramGenerator(world.layout, 11).batch(2000):
         world.send(datagram.data, datagram.dst)
     assert world.failed_checks() == []
@@ -434,7 +434,7 @@ def test_sparse_flag_refused_where_there_is_no_sparse_form(opcode: Opcode) -> No
         Opcode.READ: dict(length=8),
         Opcode.FETCH_ADD: dict(length=8, dtype=DType.U64, payload=bytes(8)),
     }
-    data = bytearray(encode_packet(Packet(opcode, **fields.get(opcode, {}))))  # type: ignore[arg-type]
+    data = bytearray(encode_packet(Packet(opcode, **fields.get(opcode, {}))))
     data[3] |= Flags.SPARSE
     with pytest.raises(RemoteProtocolError) as info:
         decode_packet(bytes(data))

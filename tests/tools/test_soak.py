@@ -280,7 +280,7 @@ def test_soak_detects_corruption_and_phantom_increments() -> None:
     memory and the counter is bumped out of band (host stores through netdam.shell.shm.attach).
     Faults on the switch's links (dup and reorder: never loss, see test_fault_attempt_...)."""
 
-    def tamper(layout, info) -> None:  # type: ignore[no-untyped-def]
+    def tamper(layout, info) -> None:
         flip_block_byte(layout, info, client=1, block=len(layout.plans[1].blocks) // 2)
         bump_counter(layout, info, 1)
 

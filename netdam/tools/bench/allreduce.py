@@ -667,7 +667,7 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
     def median(algo: str, nodes: int, nbytes: int) -> float | None:
         for r in results:
             if (r["algo"], r["nodes"], r["bytes"]) == (algo, nodes, nbytes):
-                return r["seconds_median"]  # type: ignore[no-any-return]
+                return r["seconds_median"]  # type: ignore[no-any-return]  # JSON rows: a float here
         return None
 
     out: dict[str, Any] = {}

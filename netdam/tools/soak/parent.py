@@ -393,14 +393,14 @@ def _counter_snapshot(pool: _Pool) -> dict[str, int]:
         try:
             reply = admin.request(pool.control, Packet(Opcode.COUNTERS, rkey=pool.info.admin_key))
             switch = counters_from_payload(reply.payload)
-            for port in switch["ports"]:  # type: ignore[attr-defined]
+            for port in switch["ports"]:
                 out["switch_fault_drops"] += port["fault_drops_rx"] + port["fault_drops_tx"]
                 out["switch_fault_dups"] += port["fault_dups"]
                 out["switch_fault_held"] += port["fault_held"]
-            out["switch_kernel_drops"] = int(switch["kernel_drops"])  # type: ignore[call-overload]
+            out["switch_kernel_drops"] = int(switch["kernel_drops"])
             out["switch_other_drops"] = (
                 int(switch["drops"]) - int(switch["drop_fault"]) - out["switch_kernel_drops"]
-            )  # type: ignore[call-overload]
+            )
             for node in pool.info.nodes:
                 values = admin.counters(node.endpoint)
                 named = C.counters_to_dict(values)
@@ -411,7 +411,7 @@ def _counter_snapshot(pool: _Pool) -> dict[str, int]:
                 out["node_kernel_drops"] += int(values[C.KERNEL_DROPS])
                 out["node_other_drops"] += (
                     int(named["drops"]) - int(values[C.DROP_FAULT]) - int(values[C.KERNEL_DROPS])
-                )  # type: ignore[call-overload]
+                )
         except ControlError as exc:
             raise SoakFailure(f"could not read the switch's and nodes' counters: {exc}") from None
     return out
@@ -633,7 +633,7 @@ def flip_block_byte(layout: SoakLayout, info: ClusterFile, client: int, block: i
     rank, local = layout.regions[client].locate(offset)
     memory = _node_memory(info, rank)
     memory[local] ^= 0xFF
-    memory.flush()  # type: ignore[attr-defined]
+    memory.flush()  # type: ignore[attr-defined]  # an np.memmap, typed as the ndarray it views
 
 
 def bump_counter(layout: SoakLayout, info: ClusterFile, amount: int) -> None:
@@ -642,4 +642,4 @@ def bump_counter(layout: SoakLayout, info: ClusterFile, amount: int) -> None:
     memory = _node_memory(info, rank)
     value = int.from_bytes(memory[local : local + 8].tobytes(), "little") + amount
     memory[local : local + 8] = np.frombuffer((value % (1 << 64)).to_bytes(8, "little"), np.uint8)
-    memory.flush()  # type: ignore[attr-defined]
+    memory.flush()  # type: ignore[attr-defined]  # an np.memmap, typed as the ndarray it views
