@@ -11,14 +11,7 @@ from dataclasses import dataclass
 
 from . import wire
 from .params import NetdamParams, NicParams, RoceParams
-from .pipeline import (
-    PacketShape,
-    Stage,
-    netdam_stages,
-    roce_stages,
-    shape_for,
-    stages_for,
-)
+from .pipeline import PacketShape, Stage, netdam_stages, roce_stages, shape_for, stages_for
 
 
 def stage_rate_pps(stage: Stage) -> float:

@@ -40,19 +40,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from . import wire
-from .analytic import (
-    pipeline_latency_s,
-    pipeline_rate,
-    roce_one_way_s,
-)
-from .params import (
-    NetdamParams,
-    NicParams,
-    RoceParams,
-    default_presets,
-    load_preset,
-    with_link,
-)
+from .analytic import pipeline_latency_s, pipeline_rate, roce_one_way_s
+from .params import NetdamParams, NicParams, RoceParams, default_presets, load_preset, with_link
 from .pipeline import netdam_shape, netdam_stages
 
 ALGOS = ("netdam-chain", "netdam-chain-2d", "roce-ideal", "roce-ring", "halving-doubling", "ideal")

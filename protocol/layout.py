@@ -154,10 +154,7 @@ assert HEADER.size == HEADER_SIZE and SEGMENT.size == SEGMENT_SIZE
 SPARSE_PREFIX = Layout(
     "sparse_prefix",
     "<",
-    [
-        _f("nnz", 0, 4, "u32", "entries that follow"),
-        _f("reserved", 4, 4, "u32", "0"),
-    ],
+    [_f("nnz", 0, 4, "u32", "entries that follow"), _f("reserved", 4, 4, "u32", "0")],
     spec="2.5 Sparse payload",
 )
 
@@ -174,10 +171,7 @@ REGISTER = Layout(
 DEREGISTER = Layout(
     "deregister",
     "<",
-    [
-        _f("rkey", 0, 4, "u32", "rkey to remove"),
-        _f("reserved", 4, 4, "u32", "0"),
-    ],
+    [_f("rkey", 0, 4, "u32", "rkey to remove"), _f("reserved", 4, 4, "u32", "0")],
     spec="6.2 DEREGISTER payload",
 )
 
@@ -255,19 +249,14 @@ COMPLETION_FAILURE = Layout(
 FETCH_ADD = Layout(
     "fetch_add",
     "<",
-    [
-        _f("addend", 0, 8, "u64", "addend; the ACK of every atomic: the old value"),
-    ],
+    [_f("addend", 0, 8, "u64", "addend; the ACK of every atomic: the old value")],
     spec="**FETCH_ADD operand**",
 )
 
 CAS = Layout(
     "cas",
     "<",
-    [
-        _f("compare", 0, 8, "u64", "compare"),
-        _f("swap", 8, 8, "u64", "swap"),
-    ],
+    [_f("compare", 0, 8, "u64", "compare"), _f("swap", 8, 8, "u64", "swap")],
     spec="**CAS operands**",
 )
 
@@ -289,9 +278,7 @@ ALLOC = Layout(
 CREDENTIAL = Layout(
     "credential",
     "<",
-    [
-        _f("credential", 0, 8, "u64", "tenant credential (0 with the admin key)"),
-    ],
+    [_f("credential", 0, 8, "u64", "tenant credential (0 with the admin key)")],
     spec="**Credential payload**",
 )
 

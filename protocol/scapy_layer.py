@@ -71,10 +71,7 @@ _SEG_TYPES = {int(m): m.name for m in SegmentType}
 _FLAGS = {int(m): str(m.name) for m in Flags if m.value}
 
 # Which request opcode a reply may answer (SPEC.md section 3); ACK and NACK answer any request.
-_REPLY_FOR = {
-    Opcode.READ_RESP: frozenset({Opcode.READ}),
-    Opcode.INFO: frozenset({Opcode.PING}),
-}
+_REPLY_FOR = {Opcode.READ_RESP: frozenset({Opcode.READ}), Opcode.INFO: frozenset({Opcode.PING})}
 
 # Header offsets (SPEC.md 2.1) of the bytes post_build may fill.
 _LENGTH_OFFSET = 28

@@ -56,13 +56,7 @@ from netdam.protocol.constants import (
     max_payload,
 )
 from netdam.protocol.errors import RemoteProtocolError
-from netdam.protocol.packet import (
-    Endpoint,
-    Packet,
-    decode_packet,
-    endpoint_to_u64,
-    u64_to_endpoint,
-)
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64, u64_to_endpoint
 from netdam.protocol.payloads import INFO
 from netdam.switch.addrmap import Region, build_tables
 

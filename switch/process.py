@@ -33,14 +33,7 @@ from netdam.shell.shm import prefault
 from netdam.shell.udp import open_control_socket, open_udp_socket
 from netdam.switch.controller import PoolService, UdpNodeAgent, tenant_table
 from netdam.switch.core import HOLD_SLOTS, GroupChanged, SwitchConfig, SwitchCore
-from netdam.switch.state import (
-    PoolNode,
-    PoolState,
-    file_stamp,
-    load_state,
-    locked,
-    save_state,
-)
+from netdam.switch.state import PoolNode, PoolState, file_stamp, load_state, locked, save_state
 
 ROUND_DATAGRAMS = 256
 RECV_RUNS = 32

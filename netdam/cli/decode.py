@@ -17,13 +17,7 @@ import numpy as np
 
 from netdam.cli.common import ExitCode, cluster_file, dumps_json
 from netdam.cluster.clusterfile import load_cluster, load_switch_entry
-from netdam.protocol.constants import (
-    ELEMENT_SIZE,
-    NETDAM_UDP_PORT,
-    DType,
-    Flags,
-    Opcode,
-)
+from netdam.protocol.constants import ELEMENT_SIZE, NETDAM_UDP_PORT, DType, Flags, Opcode
 from netdam.protocol.elements import element_values
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint

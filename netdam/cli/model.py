@@ -25,12 +25,7 @@ from netdam.cli.common import (
     writable_output,
 )
 from netdam.fpga_model import des, wire
-from netdam.fpga_model.analytic import (
-    describe_system,
-    line_rate,
-    line_rate_stages,
-    op_breakdown,
-)
+from netdam.fpga_model.analytic import describe_system, line_rate, line_rate_stages, op_breakdown
 from netdam.fpga_model.collectives import (
     ALGOS,
     CHAIN_GROUP,
@@ -49,12 +44,7 @@ from netdam.fpga_model.params import (
     with_link,
 )
 from netdam.fpga_model.pipeline import NETDAM_OPS
-from netdam.fpga_model.validation import (
-    BOUNDS,
-    SetComparison,
-    compare_set,
-    load_sets,
-)
+from netdam.fpga_model.validation import BOUNDS, SetComparison, compare_set, load_sets
 from netdam.protocol.constants import ELEMENT_SIZE, DType
 from netdam.tools import plot as plotting
 from netdam.units import format_size

@@ -75,13 +75,7 @@ from netdam.protocol.layout import (
     H_VERSION,
     HEADER,
 )
-from netdam.protocol.packet import (
-    Endpoint,
-    Packet,
-    decode_packet,
-    endpoint_to_u64,
-    u64_to_endpoint,
-)
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64, u64_to_endpoint
 from netdam.protocol.payloads import (
     INFO,
     KEY_RIGHTS,

@@ -286,9 +286,10 @@ def _room_for(tx_buf, tx_off, tx_len, tx_n, k):
 
 
 @njit(cache=True, nogil=True)
-def _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, length, dst):
+def _commit(cfg, tx, tx_n, length, dst):
     """Queue the datagram built at the tail, sealed (SPEC.md 2.6) when this node holds the tag
     key of its collective and epoch: every datagram the engine sends goes through here."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     k0, k1 = _coll_tag_key(cfg, rd32(t, H_COLL_ID), rd32(t, H_EPOCH))
     if k0 | k1:
@@ -398,8 +399,9 @@ def _chunk(cfg, bounds, cb, c):
 
 
 @njit(cache=True, nogil=True)
-def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx, tx_n):
     """CHAIN_ADD for chunk c: this node's elements, SR list over the ring up to the owner."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = ESIZE[cfg[CFG_DTYPE]]
     world = cfg[CFG_WORLD]
@@ -423,16 +425,15 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx_buf, tx_off, tx_len, tx
         )
         if sparse:
             wr16(t, H_FLAGS, flags | F_SPARSE)
-        return _commit(
-            cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + size, ring[(rank + 1) % world]
-        )
+        return _commit(cfg, tx, tx_n, p + size, ring[(rank + 1) % world])
     copy_bytes(t, p, mem, src_addr, nbytes)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, p + nbytes, ring[(rank + 1) % world])
+    return _commit(cfg, tx, tx_n, p + nbytes, ring[(rank + 1) % world])
 
 
 @njit(cache=True, nogil=True)
-def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx, tx_n):
     """ALL_WRITE of chunk c of this node's output to dst (a group or one member)."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = ESIZE[cfg[CFG_DTYPE]]
     nbytes = count * esize
@@ -446,29 +447,31 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx_buf, tx_off, tx_len, tx_
         )
         if sparse:
             wr16(t, H_FLAGS, flags | F_SPARSE)
-        return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + size, dst)
+        return _commit(cfg, tx, tx_n, HDR + size, dst)
     copy_bytes(t, HDR, mem, addr, nbytes)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + nbytes, dst)
+    return _commit(cfg, tx, tx_n, HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)
-def _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _send_read(cfg, ring, bounds, cb, c, tx, tx_n):
     """READ of chunk c's reduced data from its owner (all-gather repair)."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = ESIZE[cfg[CFG_DTYPE]]
     addr = cfg[CFG_OUT] + first * esize
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     _header(t, OP_READ, 0, c, cfg, count * esize, addr, 0, 0)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR, ring[j])
+    return _commit(cfg, tx, tx_n, HDR, ring[j])
 
 
 @njit(cache=True, nogil=True)
-def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _notify(cfg, fcfg, status, done, tx, tx_n):
     """Tell the host the collective ended: ACK (or NACK with *status*) echoing its START_COLL ids,
     aux_addr = 1. Payload, u64 LE each: retransmits and repair READs (ACK), or the first and last
     chunk still missing here (NACK), so the host can name what it waited for. An ACK adds the
     phases (SPEC.md 4.1): u64 engine clock at the start (ns), u32 microseconds from the start to
     the end of each phase (chains ACKed, chunks here, DONEs here), u32 0."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     length = COMPLETION_BYTES if status == 0 else COMPLETION_FAILURE_BYTES
     _header(t, OP_ACK if status == 0 else OP_NACK, 0, 0, cfg, length, 0, 1, 0)
@@ -493,24 +496,13 @@ def _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
         t[o_first + k] = np.uint8((first >> (8 * k)) & 0xFF)
         t[o_last + k] = np.uint8((last >> (8 * k)) & 0xFF)
     if status != 0:
-        return _commit(
-            cfg,
-            tx_buf,
-            tx_off,
-            tx_len,
-            tx_dst,
-            tx_n,
-            HDR + COMPLETION_FAILURE_BYTES,
-            np.uint64(cfg[CFG_HOST]),
-        )
+        return _commit(cfg, tx, tx_n, HDR + COMPLETION_FAILURE_BYTES, np.uint64(cfg[CFG_HOST]))
     put_le64(t, HDR + CPL_START_NS, np.uint64(max(fcfg[F_START], 0.0) * 1e9))
     put_le32(t, HDR + CPL_CHAINS_US, _phase_us(fcfg, F_T_CHAINS))
     put_le32(t, HDR + CPL_CHUNKS_US, _phase_us(fcfg, F_T_CHUNKS))
     put_le32(t, HDR + CPL_DONE_US, _phase_us(fcfg, F_T_DONE))
     put_le32(t, HDR + CPL_RESERVED, 0)
-    return _commit(
-        cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST])
-    )
+    return _commit(cfg, tx, tx_n, HDR + COMPLETION_BYTES, np.uint64(cfg[CFG_HOST]))
 
 
 @njit(cache=True, nogil=True)
@@ -615,7 +607,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
     cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
     tx_buf, tx_off, tx_len, tx_dst = tx
     if cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0:
-        tx_n = _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        tx_n = _answer_previous(cfg, ring, tx, tx_n)
     if cfg[CFG_STATE] != STATE_RUNNING:
         return tx_n
     fcfg[F_NOW] = now
@@ -623,7 +615,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
         fcfg[F_START] = now
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
-        tx_n = _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        tx_n = _send_resumes(cfg, tx, tx_n)
     window = max(cfg[CFG_WINDOW] // share, SHARED_WINDOW_MIN)
     # DONEs and (sparse mode) arriving bitmaps are progress too
     advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE] + cfg[CFG_BM_GOT]
@@ -635,18 +627,18 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
         cfg[CFG_STATE] = STATE_FAILED
         if _room(tx_buf, tx_off, tx_len, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
-            tx_n = _notify(cfg, fcfg, status, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _notify(cfg, fcfg, status, done, tx, tx_n)
         return tx_n
     ob = cfg[CFG_ORIG_BLOCK]
     # 0. Sparse mode: first the round of per-chunk non-zero bitmaps; nothing else moves before
     #    every member's bitmap is here, then chunks zero everywhere are skipped.
     if cfg[CFG_SPARSE] != 0 and cfg[CFG_BM_APPLIED] == 0:
-        tx_n = _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        tx_n = _bitmap_round(cfg, fcfg, ring, now, mem, done, tx, tx_n)
         if cfg[CFG_BM_GOT] != (np.int64(1) << cfg[CFG_WORLD]) - 1:
             return tx_n
         _skip_zero_chunks(cfg, bounds, cb, acked, agsent, mem, done)
     elif cfg[CFG_SPARSE] != 0 and cfg[CFG_BM_ASK] != 0:
-        tx_n = _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        tx_n = _bitmap_round(cfg, fcfg, ring, now, mem, done, tx, tx_n)
     # 1. Chains this node starts: ACKed ones leave the window, late ones go again.
     if ob >= 0:
         c = cfg[CFG_LOW_UNACKED]
@@ -666,18 +658,14 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 # retransmit nor an RTT sample (tries > 1 keeps Karn's rule off it).
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
-                tx_n = _send_chain(
-                    cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n
-                )
+                tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n)
                 acked[c] = 0
                 sent[c] = now
                 tries[c] = min(tries[c] + 1, 250)
             elif acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
-                tx_n = _send_chain(
-                    cfg, ring, bounds, cb, c, True, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n
-                )
+                tx_n = _send_chain(cfg, ring, bounds, cb, c, True, mem, tx, tx_n)
                 sent[c] = now
                 tries[c] = min(tries[c] + 1, 255)
                 cfg[CFG_RETRANSMITS] += 1
@@ -693,9 +681,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
-            tx_n = _send_chain(
-                cfg, ring, bounds, cb, c, False, mem, tx_buf, tx_off, tx_len, tx_dst, tx_n
-            )
+            tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n)
             sent[c] = now
             tries[c] = 1
             cfg[CFG_NEXT_SEND] = c + 1
@@ -717,38 +703,14 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                     if not _room(tx_buf, tx_off, tx_len, tx_n):
                         return tx_n
                     tx_n = _send_gather(
-                        cfg,
-                        ring,
-                        bounds,
-                        cb,
-                        c,
-                        np.uint64(cfg[CFG_GROUP]),
-                        mem,
-                        tx_buf,
-                        tx_off,
-                        tx_len,
-                        tx_dst,
-                        tx_n,
+                        cfg, ring, bounds, cb, c, np.uint64(cfg[CFG_GROUP]), mem, tx, tx_n
                     )
                 else:
                     for k in range(1, cfg[CFG_WORLD]):
                         if not _room(tx_buf, tx_off, tx_len, tx_n):
                             return tx_n
                         member = ring[(cfg[CFG_RANK] + k) % cfg[CFG_WORLD]]
-                        tx_n = _send_gather(
-                            cfg,
-                            ring,
-                            bounds,
-                            cb,
-                            c,
-                            member,
-                            mem,
-                            tx_buf,
-                            tx_off,
-                            tx_len,
-                            tx_dst,
-                            tx_n,
-                        )
+                        tx_n = _send_gather(cfg, ring, bounds, cb, c, member, mem, tx, tx_n)
                 agsent[c] = 1
                 budget -= 1
             c += 1
@@ -766,7 +728,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
-            tx_n = _send_read(cfg, ring, bounds, cb, c, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_read(cfg, ring, bounds, cb, c, tx, tx_n)
             sent[c] = now
             cfg[CFG_READS] += 1
             counters[C.RETRANSMITS] += 1
@@ -799,71 +761,52 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                     return tx_n
                 # A member whose DONE is already here asked for ours while this node was not
                 # ready: it gets ours now as the answer, packet-driven, not after its RTO.
-                tx_n = _send_done(
-                    cfg,
-                    cfg[CFG_EPOCH],
-                    ring[peer],
-                    have_theirs != 0,
-                    tx_buf,
-                    tx_off,
-                    tx_len,
-                    tx_dst,
-                    tx_n,
-                )
+                tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], have_theirs != 0, tx, tx_n)
         all_ranks = _all_ranks(world)
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
             cfg[CFG_STATE] = STATE_DONE
             fcfg[F_T_DONE] = now
-            tx_n = _notify(cfg, fcfg, 0, done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _notify(cfg, fcfg, 0, done, tx, tx_n)
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _answer_previous(cfg, ring, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _answer_previous(cfg, ring, tx, tx_n):
     """Repeat this node's DONE to members that ask for it: of the previous epoch, or of the
     current one once finished (they lost it while this node finished)."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     for peer in range(cfg[CFG_WORLD]):
         bit = np.int64(1) << peer
         if cfg[CFG_PREV_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_done(
-                cfg,
-                (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF,
-                ring[peer],
-                True,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-            )
+            tx_n = _send_done(cfg, (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF, ring[peer], True, tx, tx_n)
             cfg[CFG_PREV_ASK] &= ~bit
         if cfg[CFG_CUR_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_done(
-                cfg, cfg[CFG_EPOCH], ring[peer], True, tx_buf, tx_off, tx_len, tx_dst, tx_n
-            )
+            tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], True, tx, tx_n)
             cfg[CFG_CUR_ASK] &= ~bit
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _send_done(cfg, epoch, dst, answer, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _send_done(cfg, epoch, dst, answer, tx, tx_n):
     """DONE: an ACK with aux_addr = AUX_DONE, seq = this node's rank, txn_id 0 for a DONE that
     asks the member to answer with its own once ready, 1 for such an answer (never answered:
     no ping-pong between finished nodes)."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
     wr32(t, H_TXN_ID, 1 if answer else 0)
     wr32(t, H_EPOCH, epoch)
     if epoch != cfg[CFG_EPOCH]:
         wr32(t, H_RKEY, cfg[CFG_PREV_RKEY])  # that epoch's key, which its members check
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR, dst)
+    return _commit(cfg, tx, tx_n, HDR, dst)
 
 
 @njit(cache=True, nogil=True)
-def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _send_resumes(cfg, tx, tx_n):
     """RESUME to every originator this node answered BUSY for this very collective and epoch
     before its host started it: an ACK with aux_addr = AUX_RESUME, seq = this node's rank,
     txn_id 0, no payload. Records of any other collective or epoch are stale: forgotten."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     n = cfg[CFG_REFUSED_N]
     if cfg[CFG_REFUSED_COLL] == cfg[CFG_COLL] and cfg[CFG_REFUSED_EPOCH] == cfg[CFG_EPOCH]:
         for k in range(n):
@@ -871,16 +814,7 @@ def _send_resumes(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n):
                 break  # the originator's BUSY backoff asks again anyway
             t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
             _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
-            tx_n = _commit(
-                cfg,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-                HDR,
-                np.uint64(cfg[CFG_REFUSED_BASE + k]),
-            )
+            tx_n = _commit(cfg, tx, tx_n, HDR, np.uint64(cfg[CFG_REFUSED_BASE + k]))
     cfg[CFG_REFUSED_N] = 0
     return tx_n
 
@@ -926,15 +860,16 @@ def _rtt_sample(fcfg, sample):
 
 
 @njit(cache=True, nogil=True)
-def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx, tx_n):
     """Sparse mode's first round (SPEC.md 4.1): answer members that sent their bitmap as a
     request; send ours as a request to members not known to hold it, at once and again every
     base RTO (a member not started yet drops it; its own request, once it starts, is answered)."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     world = cfg[CFG_WORLD]
     for peer in range(world):
         bit = np.int64(1) << peer
         if cfg[CFG_BM_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_bitmap(cfg, 1, ring[peer], done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_bitmap(cfg, 1, ring[peer], done, tx, tx_n)
             cfg[CFG_BM_ASK] &= ~bit
     all_ranks = _all_ranks(world)
     base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
@@ -947,20 +882,21 @@ def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx_buf, tx_off, tx_len, tx_ds
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
-            tx_n = _send_bitmap(cfg, 0, ring[peer], done, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+            tx_n = _send_bitmap(cfg, 0, ring[peer], done, tx, tx_n)
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _send_bitmap(cfg, answer, dst, done, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _send_bitmap(cfg, answer, dst, done, tx, tx_n):
     """This node's non-zero bitmap: an ACK with aux_addr = AUX_BITMAP, seq = rank, txn_id 0
     (request: answer me) or 1 (answer), payload ceil(chunks / 8) bytes, bit c = chunk c."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     nbytes = (cfg[CFG_CHUNKS] + 7) // 8
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
     wr32(t, H_TXN_ID, answer)
     copy_bytes(t, HDR, done, BM_BASE, nbytes)
-    return _commit(cfg, tx_buf, tx_off, tx_len, tx_dst, tx_n, HDR + nbytes, dst)
+    return _commit(cfg, tx, tx_n, HDR + nbytes, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -1018,7 +954,6 @@ def all_write(b, ln, src, node, tx, tx_n):
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
@@ -1032,19 +967,10 @@ def all_write(b, ln, src, node, tx, tx_n):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
     status = check_access(
-        rk_key,
-        rk_base,
-        rk_len,
-        rk_rights,
-        rd32(b, H_RKEY),
-        addr,
-        length,
-        R_WRITE,
-        esize,
-        is_member(members, src),
+        regions, rd32(b, H_RKEY), addr, length, R_WRITE, esize, is_member(members, src)
     )
     if status != 0:
-        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, status, tx, tx_n, counters)
     if coll != 0:
         seq = rd32(b, H_SEQ)
         phase = coll_phase(co_cfg, coll, rd32(b, H_EPOCH))
@@ -1062,7 +988,7 @@ def all_write(b, ln, src, node, tx, tx_n):
     else:
         copy_bytes(mem, a, b, HDR, length)
     if rd16(b, H_FLAGS) & F_ACK_REQ:
-        return emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        return emit_ack(b, src, members, tx, tx_n)
     return tx_n
 
 
@@ -1071,7 +997,6 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
@@ -1090,19 +1015,15 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
         # tells it when to ask again.
         if is_member(members, src):
             _note_refusal(co_cfg, coll, rd32(b, H_EPOCH), reply_dst(b, src, members))
-        return emit_nack(b, src, members, S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, S_BUSY, tx, tx_n, counters)
     if coll != 0 and coll_ended(co_cfg, coll, rd32(b, H_EPOCH)):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
     # Read rights at every hop: the partial sum discloses this node's operand to the next hop.
     member = is_member(members, src)
-    status = check_access(
-        rk_key, rk_base, rk_len, rk_rights, rkey, addr, length, R_READ, esize, member
-    )
+    status = check_access(regions, rkey, addr, length, R_READ, esize, member)
     if status == 0 and left == 0:
-        status = check_access(
-            rk_key, rk_base, rk_len, rk_rights, rkey, store_addr, length, R_WRITE, esize, member
-        )
+        status = check_access(regions, rkey, store_addr, length, R_WRITE, esize, member)
     nxt = np.uint64(0)
     if status == 0 and left > 0:
         o = HDR + SEG * (count - left)
@@ -1123,7 +1044,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
         else:
             guarded = True
     if status != 0:
-        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, status, tx, tx_n, counters)
     payload_off = HDR + SEG * count
     a = np.int64(addr)
     sparse_in = (rd16(b, H_FLAGS) & F_SPARSE) != 0
@@ -1173,15 +1094,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
         if sparse_in:
             sparse_expand(scratch, np.int64(HDR), b, np.int64(payload_off), np.int64(length), esize)
             combine_bytes(
-                scratch,
-                np.int64(HDR),
-                scratch,
-                np.int64(HDR),
-                mem,
-                a,
-                np.int64(length),
-                dtype,
-                op,
+                scratch, np.int64(HDR), scratch, np.int64(HDR), mem, a, np.int64(length), dtype, op
             )
         else:
             combine_bytes(
@@ -1202,7 +1115,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
             co_done[seq] = 1
             co_cfg[CFG_DONE_COUNT] += 1
     if rd16(b, H_FLAGS) & F_ACK_REQ:
-        return emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+        return emit_ack(b, src, members, tx, tx_n)
     return tx_n
 
 
@@ -1264,7 +1177,6 @@ def coll_reply(b, ln, src, op, node):
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not is_member(members, src):
         return False
@@ -1318,21 +1230,7 @@ def coll_reply(b, ln, src, op, node):
         addr = rd64(b, H_ADDR)
         esize = ESIZE[np.int64(b[H_DTYPE])]
         # The answer lands in this node's memory: this node's rights on that range apply.
-        if (
-            check_access(
-                rk_key,
-                rk_base,
-                rk_len,
-                rk_rights,
-                rd32(b, H_RKEY),
-                addr,
-                length,
-                R_WRITE,
-                esize,
-                True,
-            )
-            != 0
-        ):
+        if check_access(regions, rd32(b, H_RKEY), addr, length, R_WRITE, esize, True) != 0:
             return True
         if co_done[seq] == 0:
             a = np.int64(addr)

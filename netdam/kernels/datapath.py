@@ -378,9 +378,7 @@ def process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt):
             if op < 64 and IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1  # never answer a reply: no NACK storms
                 continue
-            tx_n = emit_nack(
-                b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
-            )
+            tx_n = emit_nack(b, src, members, status, tx, tx_n, counters)
         else:
             counters[C.OPCODE_BASE + op] += 1
             if op == OP_CHAIN_ADD:
@@ -419,14 +417,11 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
     A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
     if HDR + length > max_len:
-        return emit_nack(
-            b, src, members, S_TOO_LARGE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
-        )
+        return emit_nack(b, src, members, S_TOO_LARGE, tx, tx_n, counters)
     factor = guard.cfg[G_FACTOR]
     if factor > 0.0 and HDR + length > factor * HDR and not is_member(members, src):
         # More than 3x the request back to an address that has not proven it receives there
@@ -439,21 +434,12 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
     coll = rd32(b, H_COLL_ID)
     if coll != 0 and coll_phase(co_cfg, coll, rd32(b, H_EPOCH)) == PHASE_NOT_STARTED:
         # Before the rkey check: the host may not have registered the group's key here yet.
-        return emit_nack(b, src, members, S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, S_BUSY, tx, tx_n, counters)
     if coll != 0 and coll_ended(co_cfg, coll, rd32(b, H_EPOCH)):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
     status = check_access(
-        rk_key,
-        rk_base,
-        rk_len,
-        rk_rights,
-        rd32(b, H_RKEY),
-        addr,
-        length,
-        R_READ,
-        esize,
-        is_member(members, src),
+        regions, rd32(b, H_RKEY), addr, length, R_READ, esize, is_member(members, src)
     )
     if status == 0 and coll != 0:
         seq = rd32(b, H_SEQ)
@@ -464,7 +450,7 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
         if phase == PHASE_NOT_STARTED or seq >= co_cfg[CFG_CHUNKS] or co_done[seq] == 0:
             status = S_BUSY  # not reduced here yet: the reader asks again later
     if status != 0:
-        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, status, tx, tx_n, counters)
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     reply_header(t, b, OP_READ_RESP, 0, length, credit_of(tx_n, tx_len.shape[0]))
     a = np.int64(addr)
@@ -480,7 +466,6 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, reply address, rkey, txn id);
     *stamp* is the batch's time in microseconds (the window's clock)."""
     mem, regions, members, window, coll, counters = node
-    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     w_txn, w_state, w_len, w_reply = window.txn, window.state, window.len, window.reply
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
@@ -493,27 +478,18 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     else:
         need, align = R_ATOMIC, 8
     status = check_access(
-        rk_key,
-        rk_base,
-        rk_len,
-        rk_rights,
-        rd32(b, H_RKEY),
-        addr,
-        length,
-        need,
-        align,
-        is_member(members, src),
+        regions, rd32(b, H_RKEY), addr, length, need, align, is_member(members, src)
     )
     if status != 0:
-        return emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, status, tx, tx_n, counters)
     client = rd32(b, H_CLIENT_ID)
     txn = rd32(b, H_TXN_ID)
     dst = reply_dst(b, src, members)
     verdict, c, w = _window_check(window, client, dst, rd32(b, H_RKEY), txn, stamp)
     if verdict == _WIN_STALE:
-        return emit_nack(b, src, members, S_STALE, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, S_STALE, tx, tx_n, counters)
     if verdict == _WIN_BUSY:
-        return emit_nack(b, src, members, S_BUSY, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+        return emit_nack(b, src, members, S_BUSY, tx, tx_n, counters)
     if verdict == _WIN_DUP:
         reply_len = np.int64(w_len[c, w])
         if reply_len == 0:

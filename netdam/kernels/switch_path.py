@@ -27,10 +27,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
-from netdam.kernels.fault_hash import (
-    mix64,
-    packet_id_of,
-)
+from netdam.kernels.fault_hash import mix64, packet_id_of
 from netdam.kernels.faults import decide_fate, fault_attempt, hold_datagram, release_into_batch
 from netdam.kernels.guard import (
     G_FACTOR,
@@ -180,10 +177,9 @@ def _client_id_of(src):
 
 
 @njit(cache=True, nogil=True)
-def _nack(
-    b, src, node_sorted, node_port, status, port_ctr, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters
-):
-    tx_n = emit_nack(b, src, node_sorted, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters)
+def _nack(b, src, node_sorted, node_port, status, port_ctr, tx, tx_n, counters):
+    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_n = emit_nack(b, src, node_sorted, status, tx, tx_n, counters)
     port = _port_of(node_sorted, node_port, tx_dst[tx_n - 1])
     port_ctr[port, P_TX_PACKETS] += 1
     port_ctr[port, P_TX_BYTES] += tx_len[tx_n - 1]
@@ -285,20 +281,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             if op < 64 and IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
-            tx_n = _nack(
-                b,
-                src,
-                node_sorted,
-                node_port,
-                status,
-                port_ctr,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-                counters,
-            )
+            tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx, tx_n, counters)
             continue
         if was_tagged and is_control_op(op):
             # A control tag proves the cluster's admin tag key (SPEC.md 2.6, "Control tags"), or
@@ -316,18 +299,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                     counters[C.DROP_LOCKOUT] += 1
                     continue
                 tx_n = _nack(
-                    b,
-                    src,
-                    node_sorted,
-                    node_port,
-                    S_UNAUTHORIZED,
-                    port_ctr,
-                    tx_buf,
-                    tx_off,
-                    tx_len,
-                    tx_dst,
-                    tx_n,
-                    counters,
+                    b, src, node_sorted, node_port, S_UNAUTHORIZED, port_ctr, tx, tx_n, counters
                 )
                 if guarded:
                     count_failure(guard, src, counters)
@@ -351,39 +323,13 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             if IS_REPLY[op] == 1:
                 counters[C.DROP_BAD_REPLY] += 1
                 continue
-            tx_n = _nack(
-                b,
-                src,
-                node_sorted,
-                node_port,
-                _S_BAD_FIELD,
-                port_ctr,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-                counters,
-            )
+            tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx, tx_n, counters)
             continue
         if locked_tagged and IS_REPLY[op] == 1:
             counters[C.DROP_LOCKOUT] += 1
             continue
         if rd16(b, H_FLAGS) & F_SPARSE:  # v1 switches do not relay sparse payloads (SPEC.md 11.3)
-            tx_n = _nack(
-                b,
-                src,
-                node_sorted,
-                node_port,
-                _S_BAD_FIELD,
-                port_ctr,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-                counters,
-            )
+            tx_n = _nack(b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx, tx_n, counters)
             continue
         counters[C.OPCODE_BASE + op] += 1
         if PUNTED_OPS[op] == 1:
@@ -393,55 +339,20 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             continue
         if op == OP_CHAIN_ADD:
             # SR chains name their nodes themselves: send them to the first hop, not the VIP.
-            tx_n = _nack(
-                b,
-                src,
-                node_sorted,
-                node_port,
-                _S_NO_ROUTE,
-                port_ctr,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-                counters,
-            )
+            tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx, tx_n, counters)
             continue
         flags = rd16(b, H_FLAGS)
         if flags & _F_MCAST:
             if op != OP_ALL_WRITE:
                 tx_n = _nack(
-                    b,
-                    src,
-                    node_sorted,
-                    node_port,
-                    _S_BAD_FIELD,
-                    port_ctr,
-                    tx_buf,
-                    tx_off,
-                    tx_len,
-                    tx_dst,
-                    tx_n,
-                    counters,
+                    b, src, node_sorted, node_port, _S_BAD_FIELD, port_ctr, tx, tx_n, counters
                 )
                 continue
             group = rd64(b, H_AUX_ADDR)
             g = np.searchsorted(grp_key, group)
             if g >= grp_key.shape[0] or grp_key[g] != group:
                 tx_n = _nack(
-                    b,
-                    src,
-                    node_sorted,
-                    node_port,
-                    _S_NO_ROUTE,
-                    port_ctr,
-                    tx_buf,
-                    tx_off,
-                    tx_len,
-                    tx_dst,
-                    tx_n,
-                    counters,
+                    b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx, tx_n, counters
                 )
                 continue
             first = grp_first[g]
@@ -491,20 +402,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             if locked_tagged:
                 counters[C.DROP_LOCKOUT] += 1
                 continue
-            tx_n = _nack(
-                b,
-                src,
-                node_sorted,
-                node_port,
-                S_TOO_LARGE,
-                port_ctr,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-                counters,
-            )
+            tx_n = _nack(b, src, node_sorted, node_port, S_TOO_LARGE, port_ctr, tx, tx_n, counters)
             continue
         if op == OP_READ and factor > 0.0 and not from_node and HDR + length > factor * ln:
             # The node would answer the client with more than 3x the request: only for a client
@@ -540,20 +438,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 if status == _S_SPANS_NODES:
                     reg_ctr[r, R_SPANS] += 1
             t0 = tx_n
-            tx_n = _nack(
-                b,
-                src,
-                node_sorted,
-                node_port,
-                status,
-                port_ctr,
-                tx_buf,
-                tx_off,
-                tx_len,
-                tx_dst,
-                tx_n,
-                counters,
-            )
+            tx_n = _nack(b, src, node_sorted, node_port, status, port_ctr, tx, tx_n, counters)
             if proven:
                 seal_replies(tx_buf, tx_off, tx_len, t0, tx_n, k0, k1, 0, np.uint64(0))
             continue

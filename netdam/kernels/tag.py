@@ -20,13 +20,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from netdam.kernels.guard import (
-    G_ADMIN_K0,
-    G_ADMIN_K1,
-    sip_absorb,
-    sip_finish,
-    sip_init,
-)
+from netdam.kernels.guard import G_ADMIN_K0, G_ADMIN_K1, sip_absorb, sip_finish, sip_init
 from netdam.kernels.wire import OP_CHAIN_ADD, find_rkey, rd16, rd32, wr16
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (

@@ -621,9 +621,10 @@ def find_rkey(rk_key, rkey):
 
 
 @njit(cache=True, nogil=True)
-def check_access(rk_key, rk_base, rk_len, rk_rights, rkey, addr, nbytes, need, align, member):
+def check_access(regions, rkey, addr, nbytes, need, align, member):
     """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status.
     A members-only key (a collective's) names nothing for a datagram from a non-member."""
+    rk_key, rk_base, rk_len, rk_rights = regions.key, regions.base, regions.len, regions.rights
     slot = find_rkey(rk_key, rkey)
     if slot < 0 or (rk_rights[slot] & _R_MEMBERS and not member):
         return S_BAD_RKEY
@@ -687,9 +688,10 @@ def credit_of(tx_n, cap):
 
 
 @njit(cache=True, nogil=True)
-def _emit_reply(b, src, members, opcode, status, tx_buf, tx_off, tx_len, tx_dst, tx_n):
+def _emit_reply(b, src, members, opcode, status, tx, tx_n):
     """Queue a header-only reply to request *b* (its ids, the credit, its return segment when a
     member sent it); returns the new tx_n. The one ACK/NACK emitter of the datapaths."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     reply_header(t, b, opcode, status, 0, credit_of(tx_n, tx_len.shape[0]))
     tx_len[tx_n] = HDR
@@ -699,14 +701,14 @@ def _emit_reply(b, src, members, opcode, status, tx_buf, tx_off, tx_len, tx_dst,
 
 
 @njit(cache=True, nogil=True)
-def emit_ack(b, src, members, tx_buf, tx_off, tx_len, tx_dst, tx_n):
-    return _emit_reply(b, src, members, OP_ACK, 0, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+def emit_ack(b, src, members, tx, tx_n):
+    return _emit_reply(b, src, members, OP_ACK, 0, tx, tx_n)
 
 
 @njit(cache=True, nogil=True)
-def emit_nack(b, src, members, status, tx_buf, tx_off, tx_len, tx_dst, tx_n, counters):
+def emit_nack(b, src, members, status, tx, tx_n, counters):
     counters[C.NACK_BASE + status] += 1
-    return _emit_reply(b, src, members, OP_NACK, status, tx_buf, tx_off, tx_len, tx_dst, tx_n)
+    return _emit_reply(b, src, members, OP_NACK, status, tx, tx_n)
 
 
 @njit(cache=True, nogil=True)

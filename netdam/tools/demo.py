@@ -29,13 +29,7 @@ from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.protocol import counters as C
-from netdam.protocol.constants import (
-    ELEMENT_SIZE,
-    NUMPY_DTYPE,
-    DType,
-    ReduceOp,
-    max_elements,
-)
+from netdam.protocol.constants import ELEMENT_SIZE, NUMPY_DTYPE, DType, ReduceOp, max_elements
 from netdam.protocol.payloads import unpack_u64
 from netdam.switch.controller import PoolController
 from netdam.tools.allreduce import reference_chain_allreduce

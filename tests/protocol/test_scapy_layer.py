@@ -135,8 +135,7 @@ def test_explicit_values_survive_post_build() -> None:
 
 
 @pytest.mark.parametrize(
-    ("reply_name", "request_name"),
-    [("read_resp", "read"), ("info", "ping"), ("ack", "fetch_add")],
+    ("reply_name", "request_name"), [("read_resp", "read"), ("info", "ping"), ("ack", "fetch_add")]
 )
 def test_reply_answers_its_request(reply_name: str, request_name: str) -> None:
     reply, request = NetDAM(load_fixture(reply_name)), NetDAM(load_fixture(request_name))

@@ -20,12 +20,7 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.guard import GuardConfig
 from netdam.core.node import MAX_REGIONS
 from netdam.protocol import counters as C
-from netdam.protocol.constants import (
-    AMPLIFICATION_FACTOR,
-    Opcode,
-    Rights,
-    Status,
-)
+from netdam.protocol.constants import AMPLIFICATION_FACTOR, Opcode, Rights, Status
 from netdam.protocol.packet import Packet
 from netdam.protocol.payloads import AllocRequest, pack_credential, unpack_region_info
 from netdam.switch import controller

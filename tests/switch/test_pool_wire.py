@@ -13,10 +13,7 @@ from helpers import VipWire
 
 from netdam.protocol.constants import Opcode, Status
 from netdam.protocol.packet import Packet, encode_packet, endpoint_to_u64
-from netdam.protocol.payloads import (
-    pack_credential,
-    unpack_region_info,
-)
+from netdam.protocol.payloads import pack_credential, unpack_region_info
 from netdam.switch.controller import ControllerError, PoolController, credential_digest
 from netdam.switch.state import load_state
 

@@ -926,11 +926,7 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 sink_port = run.children["sink"].info["port"]
                 if "skipped" not in res:
                     run.node = _NodeProcess(
-                        node_cmd or default_node_cmd(),
-                        sink_port,
-                        cfg.mtu,
-                        cfg.node_memory,
-                        shm_dir,
+                        node_cmd or default_node_cmd(), sink_port, cfg.mtu, cfg.node_memory, shm_dir
                     )
                     run.node.wait_ready()
                     if "node" in pin:

@@ -68,12 +68,7 @@ from netdam.protocol.layout import (
     H_TXN_ID,
     H_VERSION,
 )
-from netdam.protocol.packet import (
-    HEADER_STRUCT,
-    SEGMENT_STRUCT,
-    Endpoint,
-    endpoint_to_u64,
-)
+from netdam.protocol.packet import HEADER_STRUCT, SEGMENT_STRUCT, Endpoint, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights, pack_sparse_prefix
 from netdam.switch.addrmap import GLOBAL_BASE, Region, Way, page_round
 from netdam.switch.state import PoolNode, PoolState

@@ -34,11 +34,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.layout import ALLOC, H_SEG_COUNT, HEADER
-from netdam.protocol.packet import (
-    Packet,
-    decode_packet,
-    endpoint_to_u64,
-)
+from netdam.protocol.packet import Packet, decode_packet, endpoint_to_u64
 from netdam.protocol.payloads import ALLOC_TAGGED
 from netdam.protocol.tag import is_control
 from netdam.switch.addrmap import Region
