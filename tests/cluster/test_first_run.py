@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -71,6 +72,12 @@ def fresh_checkout_and_venv(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]
     )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    # --system-site-packages shows the base interpreter's packages, not those of the venv the
+    # suite runs in (where numba and numpy are on a fresh machine): a path file adds those, after
+    # the new venv's own site-packages, so what it installs itself still comes first.
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    suite = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    (site / "suite_packages.pth").write_text("".join(f"{path}\n" for path in sorted(suite)))
     env = {
         **os.environ,
         "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
