@@ -32,8 +32,15 @@ from netdam.protocol.tag import verify as tag_verify
 #: First and longest wait before asking again a node that answered START_COLL with BUSY (every
 #: slot of it runs a collective, likely another job's): doubled per refusal.
 BUSY_BACKOFF_S, BUSY_BACKOFF_MAX_S = 0.002, 0.05
-#: A START_COLL the node has not answered (or whose completion did not come) goes again after this.
+#: A START_COLL goes again after this (the node answers every one: "running", or its completion
+#: again when that was lost)...
 START_RESEND_S = 0.5
+#: ...and after this while the last one went unanswered: a live node's answer must not be lost
+#: for a whole watchdog. At 30% loss each way a round trip fails half the time, and at one ask
+#: per START_RESEND_S 7 failures in a row (0.9%) made a live node look silent for 3.5 s: about
+#: one 4-rank run in 10 failed (measured on the in-memory fabric, tests/core/test_host_core.py).
+#: At this pace 3.5 s of silence is 30 lost round trips (under 1e-8).
+UNANSWERED_RESEND_S = 0.1
 #: Seconds past its watchdog that a call waits on a silent node before it fails (the node's own
 #: watchdog fails the collective first and says so, when the node is alive).
 SILENCE_GRACE_S = 1.0
@@ -84,6 +91,8 @@ class Call:
     last_sent_at: float = 0.0
     #: When START_COLL goes again unless the node answered by then.
     resend_at: float = 0.0
+    #: START_COLLs sent since the node last answered.
+    unanswered: int = 0
     #: When the node last said something of it (or the call was first sent).
     heard_at: float = 0.0
     #: The node ACKed START_COLL (running), as opposed to hearing nothing yet; and when.
@@ -201,7 +210,8 @@ class CallQueue:
     def _send(self, call: Call, now: float) -> bytes:
         call.txn = txn_of(call.packet, call.group.rank)
         call.last_sent_at = now
-        call.resend_at = now + START_RESEND_S
+        call.resend_at = now + (UNANSWERED_RESEND_S if call.unanswered else START_RESEND_S)
+        call.unanswered += 1
         if not call.sent:
             call.sent, call.sent_at, call.heard_at = True, now, now
         return self._encode(replace(call.packet, client_id=self.client_id, txn_id=call.txn))
@@ -217,6 +227,7 @@ class CallQueue:
                 Heard.NOTHING
             )  # not from a holder of this collective's key: the nodes count those
         call.heard_at = now
+        call.unanswered = 0
         if reply.opcode == Opcode.NACK and reply.status == Status.STALE_EPOCH:
             # The node already ran epoch aux_addr of this cluster's collectives (the group is
             # new: it counts from 1). Every rank's node ran the same collectives, so every rank
