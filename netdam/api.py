@@ -759,7 +759,10 @@ class ProcessGroup:
         node runs it), unless *drain*: then every answer waiting is taken first, so no other
         lane's call is judged silent while its answers sit unread."""
         sock = self.client.sock
-        sock.settimeout(timeout if timeout > 0 else 1e-6)
+        # 0: non-blocking. A tiny timeout is no substitute: CPython rounds a socket timeout up
+        # to poll()'s whole milliseconds, so every drain ended with a 1 ms wait on an empty
+        # socket (4 ranks in one process took their completions 1.1 ms apart).
+        sock.settimeout(timeout if timeout > 0 else 0.0)
         while True:
             try:
                 data, _ = sock.recvfrom(65536)
