@@ -170,7 +170,7 @@ _ALIGN = 64
 #: Seconds without progress before a collective fails (--timeout overrides). Issue 8 asks for an
 #: error naming a dead node within 5 s: 2.5 s of stall, plus up to 1 s to PING the members and
 #: name the dead ones, leaves room on a loaded machine; a live chain never stalls for 2.5 s (the
-#: longest retransmission timeout is 250 ms, SPEC section 4.1).
+#: longest retransmission timeout is 100 ms, SPEC section 4.1).
 DEFAULT_WATCHDOG_S = 2.5
 
 
