@@ -716,7 +716,7 @@ class ProcessGroup:
                 # A head the node has not answered yet is left to wait() until its re-send is
                 # due: most are answered in a millisecond, and a thread reading the socket
                 # beside wait() only trades the GIL back and forth.
-                due = self._calls.next_resend(now) or now + 0.05
+                due = self._calls.next_resend() or now + 0.05
             if not queued and now < due:
                 self._wake.wait(min(due - now, 0.05))
                 continue

@@ -84,11 +84,10 @@ class Call:
     packet: Packet
     watchdog_s: float
     txn: int = 0
-    #: Its START_COLL has left (a call queued behind another of its lane has not), when it
-    #: first left, and when it last left.
+    #: Its START_COLL has left (a call queued behind another of its lane has not), and when
+    #: it first left.
     sent: bool = False
     sent_at: float = 0.0
-    last_sent_at: float = 0.0
     #: When START_COLL goes again unless the node answered by then.
     resend_at: float = 0.0
     #: START_COLLs sent since the node last answered.
@@ -143,10 +142,7 @@ class CallQueue:
         """Some call waits behind another of its lane."""
         return any(len(lane) > 1 for lane in self.lanes)
 
-    def oldest(self, lane: int) -> Call | None:
-        return self.lanes[lane][0] if self.lanes[lane] else None
-
-    def next_resend(self, now: float) -> float | None:
+    def next_resend(self) -> float | None:
         """When a head's START_COLL is due again (None: every head is running)."""
         return min((h.resend_at for h in self.heads() if h.waiting_on_node), default=None)
 
@@ -154,12 +150,10 @@ class CallQueue:
 
     def issue(self, call: Call, lane: int, now: float) -> list[bytes]:
         """Queue *call* at the end of *lane*; its START_COLL goes now when the lane was empty,
-        else when the call before it ends."""
-        out = self.advance(now)
+        else when the call before it ends (every call that ends is dropped from its lane at
+        once: by receive or tick)."""
         self.lanes[lane].append(call)
-        if len(self.lanes[lane]) == 1:
-            out.append(self._send(call, now))
-        return out
+        return [self._send(call, now)] if len(self.lanes[lane]) == 1 else []
 
     def receive(self, data: bytes, now: float) -> tuple[Call | None, Heard, list[bytes]]:
         """One datagram from the node: the call it answers, what it did to it, and what to send
@@ -183,7 +177,7 @@ class CallQueue:
         """Time passed: the START_COLLs due again (lost, its completion lost, or BUSY), and the
         heads whose node stayed silent past their watchdog plus SILENCE_GRACE_S (or *timeout*),
         which fail here."""
-        out = self.advance(now)
+        out = []
         silent = []
         for head in self.heads():
             bound = timeout if timeout is not None else head.watchdog_s + SILENCE_GRACE_S
@@ -209,7 +203,6 @@ class CallQueue:
 
     def _send(self, call: Call, now: float) -> bytes:
         call.txn = txn_of(call.packet, call.group.rank)
-        call.last_sent_at = now
         call.resend_at = now + (UNANSWERED_RESEND_S if call.unanswered else START_RESEND_S)
         call.unanswered += 1
         if not call.sent:
