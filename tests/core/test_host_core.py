@@ -25,8 +25,9 @@ from netdam.core.host import (
     CallQueue,
     Heard,
 )
+from netdam.kernels import collective as L
 from netdam.protocol.constants import DType, Opcode, ReduceOp, Status
-from netdam.protocol.packet import Endpoint, Packet, encode_packet
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import Algo, CollectiveDescriptor, pack_completion, unpack_descriptor
 from netdam.protocol.tag import seal
 
@@ -446,3 +447,54 @@ def test_30_percent_loss_fails_no_call_with_the_default_watchdog() -> None:
         assert all(
             node.memory[count * 4 : count * 8].tobytes() == expected for node in cluster.nodes
         )
+
+
+def exchange(cluster: Cluster, packet: Packet) -> list[Packet]:
+    """*packet* from the test's client to node 0, and the client's answers a few rounds on (the
+    fabric never idles while collectives run)."""
+    cluster.send(0, packet)
+    for _ in range(5):
+        cluster.fabric.step()
+    return [decode_packet(data) for data, _ in cluster.fabric.receive(cluster.client)]
+
+
+def test_only_the_admin_can_make_a_stuck_collective_give_way() -> None:
+    """Giving way is triggered by START_COLL alone, a control opcode: a sender without the
+    admin key (another host, a local user) is refused before any slot is looked at, and the
+    stuck collectives keep their slots. The admin's START_COLL then takes one."""
+    cluster = make_cluster(3)
+    # Fill node 0's 4 slots with collectives nodes 1 and 2 never start: stuck there.
+    stuck_hosts = [Host(cluster, 0, 300 + k, lanes=1) for k in range(4)]
+    stuck = []
+    for k, host in enumerate(stuck_hosts):
+        group = Group(0, coll_id=1700 + k)
+        stuck.append(Call(group, start_packet(cluster, group, k), watchdog_s=30.0))
+        host.issue(stuck[-1], 0)
+    for _ in range(40):  # their chains go out and are refused (BUSY: not started there)
+        for host in stuck_hosts:
+            host.turn()
+        if cluster.fabric.step() == 0:
+            cluster.fabric.advance(0.005)
+    node = cluster.nodes[0]
+    held = sorted(int(node.collective.cfg[s, L.CFG_COLL]) for s in range(L.MAX_COLLECTIVES))
+    assert held == [1700, 1701, 1702, 1703]
+    assert all(e.may_yield for e in node.collective.engines)
+    group = Group(0, coll_id=1600)  # lower than every stuck one: it may take a slot
+    forged = replace(
+        start_packet(cluster, group, 5), rkey=ADMIN_KEY ^ 0x5A5A, client_id=9, txn_id=1
+    )
+    replies = exchange(cluster, forged)
+    assert [(r.opcode, r.status) for r in replies] == [(Opcode.NACK, Status.UNAUTHORIZED)]
+    held = sorted(int(node.collective.cfg[s, L.CFG_COLL]) for s in range(L.MAX_COLLECTIVES))
+    assert held == [1700, 1701, 1702, 1703] and not any(c.busy_answers for c in stuck)
+    for host in stuck_hosts:
+        host.turn()
+    assert not any(c.refused for c in stuck)
+    # The admin's START_COLL of the same collective takes the highest coll_id's slot.
+    replies = exchange(cluster, replace(forged, rkey=ADMIN_KEY))
+    assert [(r.opcode, r.status) for r in replies] == [(Opcode.ACK, Status.OK)]
+    held = sorted(int(node.collective.cfg[s, L.CFG_COLL]) for s in range(L.MAX_COLLECTIVES))
+    assert held == [1600, 1700, 1701, 1702]
+    for host in stuck_hosts:
+        host.turn()
+    assert [c.refused for c in stuck] == [False, False, False, True]  # 1703's host: BUSY
