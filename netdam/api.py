@@ -40,6 +40,7 @@ from netdam.cluster.clusterfile import (
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.core.chunk_plan import block_bounds
 from netdam.core.host import Call, CallQueue, Heard
+from netdam.core.torus import TorusStep, splits, torus_groups, torus_steps
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     MAX_SEGMENTS,
@@ -327,6 +328,10 @@ class ProcessGroup:
     #: The job this process's ranks belong to ('' the default; ENV_JOB when not given): its
     #: collectives have keys and coll_ids of their own, and its own arena on each node.
     job: str | None = None
+    #: The most ranks one collective's chain names (its SR list, SPEC.md 4): past it,
+    #: all_reduce runs as a torus of chains (SPEC.md 4.2, core/torus.py). Lower it to study
+    #: the torus on a small cluster.
+    max_chain: int = MAX_SEGMENTS
     #: True once a START_COLL of this group was ACKed: its epochs follow the nodes'.
     _epoch_settled: bool = field(init=False, default=False)
     memory: np.ndarray = field(init=False, repr=False)
@@ -348,7 +353,8 @@ class ProcessGroup:
     #: even while this rank's host is busy elsewhere (its peers' chains would stall).
     _lock: threading.RLock = field(init=False, default_factory=threading.RLock)
     _progress: threading.Thread | None = field(init=False, default=None)
-    #: Wakes the progress thread from its wait at once: set by close().
+    #: Wakes the progress thread from its wait at once: set by close() (it ends) and by a torus
+    #: all-reduce begun (it watches the socket).
     _wake: threading.Event = field(init=False, default_factory=threading.Event)
     _closed: bool = field(init=False, default=False)
     #: The group's ranks, as ranks of the cluster (its default group), in group-rank order;
@@ -364,19 +370,28 @@ class ProcessGroup:
     #: Groups new_group made on this rank (the default group's count): the staging region
     #: shrinks once there is one, and group n takes lane 1 + (n - 1) % (LANES - 1).
     _made_groups: int = field(init=False, default=0)
+    #: Past max_chain ranks: the sub-groups of this group's torus (rows, then columns) this
+    #: rank is a member of, by their group ranks in this group (core/torus.py).
+    _torus: dict[tuple[int, ...], ProcessGroup] = field(init=False, default_factory=dict)
+    #: The torus all-reduces of this rank in flight (the default group's list): each starts
+    #: its next collective when the one before it ended, whoever drives the rank.
+    _pipelines: list[TorusWork] = field(init=False, default_factory=list)
+    #: As a torus's sub-group: calls reserved on it (by torus all-reduces, in the order the
+    #: caller issued those) and calls issued so far. A call is issued in its turn only: the
+    #: epochs of a group must follow the same calls on every rank, whatever the timing.
+    _torus_reserved: int = field(init=False, default=0)
+    _torus_issued: int = field(init=False, default=0)
+    #: As a torus's group: the failure of one of its all-reduces, which fails the later ones
+    #: (their sub-groups' epochs no longer agree between ranks: shrink() makes a new group).
+    _torus_failed: CollectiveError | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.cluster.nodes):
             raise ValueError(
                 f"rank {self.rank} out of range: the cluster has {len(self.cluster.nodes)} nodes"
             )
-        if len(self.cluster.nodes) > MAX_SEGMENTS:
-            raise ValueError(
-                f"a collective spans at most {MAX_SEGMENTS} NICs (one SR list, SPEC.md 4) and this "
-                f"cluster has {len(self.cluster.nodes)}: start at most {MAX_SEGMENTS} for collectives "
-                "(larger clusters serve the pool; chains over groups are modelled, `netdam model "
-                "allreduce --algo netdam-chain-2d`, not emulated yet)"
-            )
+        if not 2 <= self.max_chain <= MAX_SEGMENTS:
+            raise ValueError(f"max_chain {self.max_chain}: give 2..{MAX_SEGMENTS} (SPEC.md 4.2)")
         node = self.cluster.nodes[self.rank]
         self.members = tuple(range(len(self.cluster.nodes)))
         self.global_rank = self.rank
@@ -408,6 +423,21 @@ class ProcessGroup:
                 self.node,
                 Packet(Opcode.JOIN, rkey=self.cluster.admin_key, addr=_endpoint_u64(self.group)),
             )
+        self._torus = self._make_torus(self.members)
+
+    def _make_torus(self, members: Sequence[int]) -> dict[tuple[int, ...], ProcessGroup]:
+        """The sub-groups of the torus of *members* (cluster ranks) that this rank belongs to,
+        made with new_group on every rank alike (member or not), in core/torus.py's order, so
+        their numbers, lanes and coll_ids agree everywhere. None below max_chain ranks, and none
+        for a count that does not split (all_reduce then says why)."""
+        if len(members) <= self.max_chain or not splits(len(members), self.max_chain):
+            return {}
+        made = {}
+        for sub in torus_groups(len(members), self.max_chain):
+            group = self.new_group([members[i] for i in sub])
+            if isinstance(group, ProcessGroup):
+                made[sub] = group
+        return made
 
     def arena_key_of(self, rank: int) -> int:
         return derived_key(self._secret, "arena", rank)
@@ -496,6 +526,7 @@ class ProcessGroup:
         root = self._root or self
         root._made_groups += 1  # on every rank, members or not: the same numbers, lanes and regions
         number = root._made_groups
+        torus = root._make_torus(members)
         if self.global_rank not in members:
             return NON_GROUP_MEMBER
         group = copy.copy(self)  # shares the arena, socket, lock and lanes (the CallQueue)
@@ -509,6 +540,9 @@ class ProcessGroup:
         group._progress = None
         group._closed = False
         group._pending_room = None
+        group._torus = torus
+        group._torus_reserved = group._torus_issued = 0
+        group._torus_failed = None
         return group
 
     def empty(
@@ -615,6 +649,13 @@ class ProcessGroup:
     ) -> Work:
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
         *flags* is the descriptor's flags byte (bit 0: sparse mode, SPEC.md 4.1)."""
+        if self.world_size > self.max_chain:
+            raise ValueError(
+                f"{algo.name.lower()} over {self.world_size} ranks: one collective's chain names "
+                f"at most {self.max_chain} (its SR list, SPEC.md 4.2); all_reduce and barrier run "
+                "over more as a torus of chains, the others need groups of at most "
+                f"{self.max_chain} (new_group)"
+            )
         self.epoch += 1
         dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
@@ -706,8 +747,10 @@ class ProcessGroup:
         while not self._closed:
             now = time.monotonic()
             with self._lock:
-                busy = bool(self._calls.heads())
-                queued = self._calls.queued()
+                busy = bool(self._calls.heads() or self._pipelines)
+                # A torus all-reduce's next collective starts the moment its last ended here:
+                # its peers' chains wait for it (each rank's thread watches its own socket).
+                queued = self._calls.queued() or bool(self._pipelines)
                 if busy:
                     emptied = now
                 elif now - emptied > PROGRESS_LINGER_S:
@@ -718,7 +761,8 @@ class ProcessGroup:
                 # beside wait() only trades the GIL back and forth.
                 due = self._calls.next_resend() or now + 0.05
             if not queued and now < due:
-                self._wake.wait(min(due - now, 0.05))
+                if self._wake.wait(min(due - now, 0.05)) and not self._closed:
+                    self._wake.clear()  # woken by a torus all-reduce begun (TorusWork.begin)
                 continue
             try:
                 self._step(None, 0.05)
@@ -738,9 +782,11 @@ class ProcessGroup:
         with contextlib.suppress(OSError, ValueError):  # a closed socket: nothing more to take
             select.select([self.client.sock], [], [], wait_s)
         with self._lock:
-            if not self._calls.heads():
+            root = self._root or self
+            if not self._calls.heads() and not root._pipelines:
                 return
             self._take_answers(0.0, drain=True)
+            self._advance_pipelines()
             datagrams, silent = self._calls.tick(time.monotonic(), timeout)
             for head in silent:
                 assert isinstance(head, Work)
@@ -781,6 +827,17 @@ class ProcessGroup:
                 and (until.ended or (until_started and until.started))
             ):
                 return
+
+    def _advance_pipelines(self) -> None:
+        """Start the next collective of every torus all-reduce whose last one ended on this
+        rank (call with _lock held)."""
+        root = self._root or self
+        if not root._pipelines:
+            return
+        now = time.monotonic()
+        for work in list(root._pipelines):
+            work.advance(now)
+        root._pipelines[:] = [w for w in root._pipelines if not w.ended]
 
     def _silence(self, bound: float) -> CollectiveError:
         node = self.cluster.nodes[self.global_rank]
@@ -884,8 +941,7 @@ class Work(Call):
         """Drive this rank's collectives, oldest first, until this one ended; then copy its
         results out. Failures are kept in ``error``, not raised."""
         self.heard_at = time.monotonic()
-        while not self.ended:
-            self.group._step(timeout, 0.2)
+        self._drive(timeout)
         if self.done and not self.finished:
             t_copy = time.perf_counter()
             for action in self._finish:
@@ -893,6 +949,11 @@ class Work(Call):
             self._finish.clear()
             self.copy_out_s = time.perf_counter() - t_copy
         self.finished = True
+
+    def _drive(self, timeout: float | None) -> None:
+        """Read this rank's answers until this call ended."""
+        while not self.ended:
+            self.group._step(timeout, 0.2)
 
     def await_started(self, timeout: float) -> None:
         """Poll until the node ACKs START_COLL (after moving past a STALE_EPOCH), or *timeout*."""
@@ -942,6 +1003,120 @@ class Work(Call):
             "block": block,
             "seq_range": [first, last],
         }
+
+
+class TorusWork(Work):
+    """An all-reduce over more ranks than one chain names (SPEC.md 4.2): the collectives of
+    this rank's row and column (core/torus.py), on the buffer staged once, each started by
+    whichever thread drives the rank (a wait() or the progress thread) the moment the one
+    before it ended here. It ends when the last one ends, and fails with the first that fails."""
+
+    def __init__(
+        self, group: ProcessGroup, buf: np.ndarray, op: WireOp, addr: int, steps: list[TorusStep]
+    ) -> None:
+        dtype = wire_dtype(buf)
+        super().__init__(
+            group,
+            Packet(Opcode.START_COLL),
+            Algo.ALL_REDUCE,
+            buf.size,
+            dtype,
+            group.watchdog_s(buf.size, dtype),
+        )
+        self._buf, self._op, self._addr = buf, op, addr
+        #: Each step, with its turn among the calls of its sub-group (reserved in begin()).
+        self._steps: list[tuple[TorusStep, int]] = [(step, -1) for step in steps]
+        #: The collectives started so far; the last is the one running.
+        self.parts: list[Work] = []
+        #: Set when it ended: the progress thread, which reads the rank's answers while a torus
+        #: all-reduce runs, may be the one that ends it, while a wait() sleeps.
+        self._ended = threading.Event()
+
+    @property
+    def ended(self) -> bool:
+        return self.done or self.error is not None
+
+    def begin(self) -> None:
+        """Take the staging room the buffer was just staged in and start the first step."""
+        group = self.group
+        with group._lock:
+            # Every step's turn on its sub-group is reserved now, in the order the caller issues
+            # all-reduces (the same on every rank), not when the step before it ends here.
+            for k, (step, _) in enumerate(self._steps):
+                sub = group._torus[step.members]
+                self._steps[k] = (step, sub._torus_reserved)
+                sub._torus_reserved += 1
+            self.room, group._pending_room = group._pending_room, None
+            self.output = self._buf if self.room is not None else None
+            if self.room is not None:
+                group._holding.append(self)
+            root = group._root or group
+            root._pipelines.append(self)
+            self.advance(time.monotonic())
+            group._drive_in_background()
+            root._wake.set()  # a lingering progress thread watches the socket from now on
+
+    def advance(self, now: float) -> None:
+        """Start the next step if the one running ended (call with the group's _lock held)."""
+        group = self.group
+        while not self.ended:
+            running = self.parts[-1] if self.parts else None
+            if running is not None and not running.ended:
+                return
+            if running is not None and not running.done:
+                cause = running.error or CollectiveError(f"{running.algo.name.lower()} failed")
+                self.error = group._torus_failed = CollectiveError(
+                    f"all_reduce over {group.world_size} ranks (a torus of chains, SPEC.md 4.2), "
+                    f"its {running.algo.name.lower()} over group ranks "
+                    f"{list(running.group.members)}: {cause}",
+                    cause.waiting_for,
+                )
+                self._ended.set()
+                return
+            if group._torus_failed is not None:
+                self.error = CollectiveError(
+                    f"an earlier all_reduce over these {group.world_size} ranks failed "
+                    f"({group._torus_failed}): the group's torus is out of step; make a new "
+                    "group (shrink(), new_group) and go on there",
+                    group._torus_failed.waiting_for,
+                )
+                self._ended.set()
+                return
+            if not self._steps:
+                self.done, self.completed_at = True, now
+                self._ended.set()
+                return
+            step, turn = self._steps[0]
+            sub = group._torus[step.members]
+            if sub._torus_issued != turn:
+                return  # an earlier all-reduce's call on that group is not issued yet
+            self._steps.pop(0)
+            sub._torus_issued += 1
+            esize = ELEMENT_SIZE[self.dtype]
+            part = sub.start(
+                step.algo,
+                self._buf,
+                self._op,
+                self._addr + step.in_offset * esize,
+                self._addr + step.out_offset * esize,
+                step.count,
+            )
+            if not self.parts:
+                self.sent, self.sent_at = True, part.sent_at or now
+            self.parts.append(part)
+
+    def is_completed(self) -> bool:
+        if not self.ended:
+            self.group._step(None, 0.0)
+        return self.ended
+
+    def _drive(self, timeout: float | None) -> None:
+        """Wait for the end, which the progress thread brings (it reads the answers while a
+        torus all-reduce runs: reading them here too, a wait would sleep in select() on answers
+        that thread took). A turn every 50 ms fails a silent node on *timeout*."""
+        while not self.ended:
+            self.group._step(timeout, 0.0)
+            self._ended.wait(0.05)
 
 
 class NonGroupMember:
@@ -1062,12 +1237,24 @@ def all_reduce(
         return _product_of_ranks(
             buf, g, async_op, lambda product: np.copyto(buf, product.reshape(buf.shape))
         )
+    # Past one chain: a torus of chains (SPEC.md 4.2), dense (sparse mode's result is the
+    # dense one's bits anyway). The plan first: a count that does not split fails here.
+    steps = (
+        torus_steps(g.world_size, g.rank, buf.size, g.max_chain)
+        if g.world_size > g.max_chain
+        else None
+    )
     t_stage = time.perf_counter()
     addr = g._stage(buf, buf.nbytes)
     stage_in_s = time.perf_counter() - t_stage
-    work = g.start(
-        Algo.ALL_REDUCE, buf, wire, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0
-    )
+    work: Work
+    if steps is not None:
+        work = TorusWork(g, buf, wire, addr, steps)
+        work.begin()
+    else:
+        work = g.start(
+            Algo.ALL_REDUCE, buf, wire, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0
+        )
     work.stage_in_s = stage_in_s
     if g._offset_of(buf) is None:
         work._finish.append(lambda: _copy_out(g, addr, buf))

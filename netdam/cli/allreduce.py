@@ -8,7 +8,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from netdam.cli.cluster import add_fault_args, add_nics_per_process, faults_from
+from netdam.cli.cluster import MAX_UP_NODES, add_fault_args, add_nics_per_process, faults_from
 from netdam.cli.common import (
     CommandError,
     ExitCode,
@@ -21,7 +21,8 @@ from netdam.cli.common import (
 )
 from netdam.cluster.clusterfile import load_cluster
 from netdam.core.chunk_plan import min_mtu
-from netdam.protocol.constants import ELEMENT_SIZE, DType, ReduceOp
+from netdam.core.torus import longest_chain, torus_shape
+from netdam.protocol.constants import ELEMENT_SIZE, MAX_SEGMENTS, DType, ReduceOp
 from netdam.units import format_size
 
 
@@ -35,10 +36,18 @@ def register(subparsers: Subparsers) -> None:
     )
     parser.add_argument(
         "--nodes",
-        type=bounded_int(2, 64),
+        type=bounded_int(2, MAX_UP_NODES),
         default=None,
-        help="node processes, 2..64 (default 4; with --cluster, the file's: a "
-        "different count is refused)",
+        help=f"emulated NICs, 2..{MAX_UP_NODES} (default 4; with --cluster, the file's: a "
+        "different count is refused); past --max-chain, a torus of chains (SPEC.md 4.2)",
+    )
+    parser.add_argument(
+        "--max-chain",
+        type=bounded_int(2, MAX_SEGMENTS),
+        default=MAX_SEGMENTS,
+        help=f"longest chain, 2..{MAX_SEGMENTS} (default {MAX_SEGMENTS}, what one SR list "
+        "names): more NICs run as rows and columns of chains; lower it to study the torus "
+        "on a few NICs",
     )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--size", type=size_arg, help="bytes per rank (default 4MiB)")
@@ -123,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cluster is not None:
         _check_cluster(args, nbytes)
     else:
+        _check_torus(args, args.nodes or 4)
         _check_private_memory(args.nodes or 4, nbytes)
     config = AllReduceConfig(
         nodes=args.nodes or 4,
@@ -139,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         density=density,
         resident=args.resident,
         nics_per_process=args.nics_per_process,
+        max_chain=args.max_chain,
     )
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]  # the result dict holds JSON values (object)
@@ -170,10 +181,12 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
             f"decides), or start a cluster of {args.nodes} with `netdam up --nodes {args.nodes}`",
             ExitCode.USAGE,
         )
-    if info.mtu < min_mtu(world):
+    _check_torus(args, world)
+    hops = longest_chain(world, args.max_chain) if args.algo == "chain" else world
+    if info.mtu < min_mtu(hops):
         raise CommandError(
             f"{path} runs at MTU {info.mtu}, too small for a collective over {world} nodes: "
-            f"restart it with `netdam up --mtu {min_mtu(world)}` or more",
+            f"restart it with `netdam up --mtu {min_mtu(hops)}` or more",
             ExitCode.USAGE,
         )
     check_not_stale(
@@ -194,6 +207,23 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
                 f"{format_size(_mib(needed))}`){smaller}",
                 ExitCode.USAGE,
             )
+
+
+def _check_torus(args: argparse.Namespace, world: int) -> None:
+    """Past --max-chain NICs the chain runs as a torus of chains (SPEC.md 4.2): the count must
+    split into equal rows, and sparse mode, which lives in one chain, is not offered."""
+    if args.algo != "chain" or world <= args.max_chain:
+        return
+    if args.sparse:
+        raise CommandError(
+            f"--sparse runs in one chain: {world} NICs past --max-chain {args.max_chain} run "
+            "as a torus of chains, dense (drop --sparse, or use fewer NICs)",
+            ExitCode.USAGE,
+        )
+    try:
+        torus_shape(world, args.max_chain)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
 def _fits_node(nbytes: int, *, algo: str, memory: int) -> bool:

@@ -44,7 +44,7 @@ from netdam.cluster.rendezvous import RendezvousError, resolve_bind, run_launche
 from netdam.cluster.secrets_io import KeyFileError, check_private, read_admin_key_file, read_key_fd
 from netdam.core.chunk_plan import min_mtu
 from netdam.protocol import counters as C
-from netdam.protocol.constants import DEFAULT_MTU, MIN_MTU
+from netdam.protocol.constants import DEFAULT_MTU, MAX_SEGMENTS, MIN_MTU
 from netdam.protocol.packet import Endpoint
 from netdam.units import format_size
 
@@ -268,7 +268,7 @@ def register(subparsers: Subparsers) -> None:
         "--nodes",
         type=bounded_int(1, MAX_UP_NODES),
         default=None,
-        help=f"emulated NICs, 1..{MAX_UP_NODES}; a collective spans at most 64 (default 4; not with an existing --cluster FILE)",
+        help=f"emulated NICs, 1..{MAX_UP_NODES}; a chain spans at most 64, an all-reduce over more is a torus of chains (default 4; not with an existing --cluster FILE)",
     )
     up.add_argument(
         "--memory",
@@ -506,8 +506,9 @@ def _run_launched_node(args: argparse.Namespace) -> int:
 
 
 #: Most NICs `netdam up` starts on one machine: processes host many each (netdam.shell.nic_host),
-#: ~1 MiB of resident state per NIC beside its memory. A collective spans at most 64 of them
-#: (one SR list, protocol/constants.py MAX_SEGMENTS; ProcessGroup says so); a pool uses them all.
+#: ~1 MiB of resident state per NIC beside its memory. A chain spans at most 64 of them (one SR
+#: list, protocol/constants.py MAX_SEGMENTS); an all-reduce over more runs as a torus of chains
+#: (SPEC.md 4.2), the other collectives need groups of at most 64; a pool uses them all.
 MAX_UP_NODES = 1024
 
 
@@ -522,10 +523,12 @@ def _check_up_flags(args: argparse.Namespace, nodes: int) -> None:
             ExitCode.USAGE,
         )
     mtu = args.mtu or DEFAULT_MTU
-    if mtu < min_mtu(nodes):
+    # The longest chain: every member up to 64, past that a torus of chains of at most 64.
+    hops = min(nodes, MAX_SEGMENTS)
+    if mtu < min_mtu(hops):
         raise CommandError(
-            f"--mtu {mtu} is too small for a collective over {nodes} nodes (the start packet "
-            f"names every node): give at least {min_mtu(nodes)}",
+            f"--mtu {mtu} is too small for a collective over {hops} nodes (the start packet "
+            f"names every node of a chain): give at least {min_mtu(hops)}",
             ExitCode.USAGE,
         )
     if not args.shm_dir.is_dir():

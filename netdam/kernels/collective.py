@@ -180,15 +180,23 @@ CFG_TAG_K1 = 45
 CFG_PREV_TAG_K0 = 46
 CFG_PREV_TAG_K1 = 47
 CFG_PREV_EPOCH = 48
-CFG_REFUSED_BASE = 49  # REFUSED_SLOTS originator endpoints (u64 as int64) follow
-REFUSED_SLOTS = 16
+# Members that RESUMEd after dropping this node's all-gather as early (bit r: rank r), and the
+# next chunk of this node's block to send them again (zeroed at every START_COLL).
+CFG_AG_RESEND = 49
+CFG_AG_RESEND_NEXT = 50
+CFG_REFUSED_BASE = 51  # REFUSED_SLOTS originator endpoints (u64 as int64) follow
+#: Originators a node remembers refusing (or whose all-gather it dropped as early): every
+#: member of the longest chain (protocol/constants.py MAX_SEGMENTS), so a start skew costs no
+#: member a timer.
+REFUSED_SLOTS = 64
 CFG_LEN = CFG_REFUSED_BASE + REFUSED_SLOTS
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
 #: aux_addr of an ACK carrying a member's per-chunk non-zero bitmap (sparse mode, SPEC 4.1).
 AUX_BITMAP = 3
-#: aux_addr of an ACK that says "I have started: ask again the chains I answered BUSY" (RESUME).
+#: aux_addr of an ACK that says "I have started: ask again the chains I answered BUSY, and send
+#: again the all-gather I dropped as early" (RESUME).
 AUX_RESUME = 4
 
 # Sparse mode keeps two more per-chunk tables at the end of the ``done`` array (no new kernel
@@ -723,6 +731,24 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 budget -= 1
             c += 1
         cfg[CFG_AG_NEXT] = c
+    # 2b. Members that started after this node spread chunks to them dropped those as early and
+    # said so (RESUME): the chunks spread so far go to them again, by unicast, at once (not
+    # after a repair timer: a start skew costs one message, as for chains).
+    if own >= 0 and cfg[CFG_AG_RESEND] != 0:
+        budget = window
+        c = max(cfg[CFG_AG_RESEND_NEXT], cb[own])
+        while c < cfg[CFG_AG_NEXT] and budget > 0:
+            for r in range(cfg[CFG_WORLD]):
+                if (cfg[CFG_AG_RESEND] >> r) & 1:
+                    if not _room(tx_buf, tx_off, tx_len, tx_n):
+                        cfg[CFG_AG_RESEND_NEXT] = c
+                        return tx_n
+                    tx_n = _send_gather(cfg, ring, bounds, cb, c, ring[r], mem, tx, tx_n)
+            budget -= 1
+            c += 1
+        cfg[CFG_AG_RESEND_NEXT] = c
+        if c >= cfg[CFG_AG_NEXT]:
+            cfg[CFG_AG_RESEND] = 0
     # 3. Repair: no progress for an RTO while chunks are missing -> READ them from their owners.
     # Repair is paced by the RTO without backoff: chain backoff says nothing about READs.
     base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
@@ -970,7 +996,11 @@ def all_write(b, ln, src, node, tx, tx_n):
     coll = rd32(b, H_COLL_ID)
     if coll != 0 and coll_phase(co_cfg, coll, rd32(b, H_EPOCH)) == PHASE_NOT_STARTED:
         counters[C.DROP_COLL_EARLY] += 1  # before the rkey check: it may not be registered yet
-        return tx_n  # fetched again by READ repair once started
+        if is_member(members, src):
+            # Its sender hears RESUME once this node starts, and sends it again then (else READ
+            # repair fetches it).
+            _note_refusal(co_cfg, coll, rd32(b, H_EPOCH), src)
+        return tx_n
     if coll != 0 and coll_ended(co_cfg, coll, rd32(b, H_EPOCH)):
         counters[C.DROP_STALE_EPOCH] += 1
         return tx_n
@@ -1213,6 +1243,13 @@ def coll_reply(b, ln, src, op, node):
         for c in range(co_cfg[CFG_LOW_UNACKED], co_cfg[CFG_NEXT_SEND]):
             if co_acked[c] == 2:
                 coll.sent[c] = -1.0
+        # A member that dropped this node's all-gather as early gets what was spread so far
+        # again (the tick sends it, from the block's first chunk).
+        rank = rd32(b, H_SEQ)
+        own = co_cfg[CFG_OWN_BLOCK]
+        if own >= 0 and rank < co_cfg[CFG_WORLD] and co_cfg[CFG_AG_NEXT] > coll.cb[own]:
+            co_cfg[CFG_AG_RESEND] |= np.int64(1) << rank
+            co_cfg[CFG_AG_RESEND_NEXT] = coll.cb[own]
         return True
     seq = rd32(b, H_SEQ)
     if seq >= co_cfg[CFG_CHUNKS]:

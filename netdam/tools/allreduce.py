@@ -25,9 +25,17 @@ from netdam.cluster.clusterfile import ClusterFile, load_cluster
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import ClusterStartError, LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
+from netdam.core.torus import torus_shape
 from netdam.fpga_model import estimate_allreduce_seconds
 from netdam.protocol import counters as C
-from netdam.protocol.constants import ELEMENT_SIZE, IP_UDP_OVERHEAD, NUMPY_DTYPE, DType, ReduceOp
+from netdam.protocol.constants import (
+    ELEMENT_SIZE,
+    IP_UDP_OVERHEAD,
+    MAX_SEGMENTS,
+    NUMPY_DTYPE,
+    DType,
+    ReduceOp,
+)
 from netdam.protocol.elements import BFLOAT16, bf16_combine, bf16_round, is_bf16
 from netdam.protocol.payloads import NO_PHASE_US
 
@@ -75,6 +83,8 @@ class AllReduceConfig:
     resident: bool = False
     #: NICs per node process of a private cluster (None: one process per core).
     nics_per_process: int | None = None
+    #: The longest chain (SPEC.md 4.2): past it the all-reduce runs as a torus of chains.
+    max_chain: int = MAX_SEGMENTS
 
 
 def _combiner(array: np.ndarray, op: ReduceOp) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
@@ -103,6 +113,25 @@ def reference_chain_allreduce(inputs: list[np.ndarray], op: ReduceOp) -> np.ndar
         for k in range(2, n + 1):
             acc = combine(acc, inputs[(j + k) % n][lo:hi])
         out[lo:hi] = acc
+    return out
+
+
+def reference_torus_allreduce(
+    inputs: list[np.ndarray], op: ReduceOp, max_chain: int = MAX_SEGMENTS
+) -> np.ndarray:
+    """The torus of chains past *max_chain* ranks (SPEC.md 4.2): each row's chain sum, then
+    block c of the rows' sums added along column c in its chain order; a flat chain below."""
+    world = len(inputs)
+    if world <= max_chain:
+        return reference_chain_allreduce(inputs, op)
+    rows, size = torus_shape(world, max_chain)
+    sums = [reference_chain_allreduce(inputs[r * size : (r + 1) * size], op) for r in range(rows)]
+    count = inputs[0].size
+    out = np.empty_like(inputs[0])
+    for c in range(size):
+        lo, hi = c * count // size, (c + 1) * count // size
+        if hi > lo:
+            out[lo:hi] = reference_chain_allreduce([x[lo:hi] for x in sums], op)
     return out
 
 
@@ -185,14 +214,17 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         # A private cluster is this run's alone: its groups take all of node memory.
         arena = None if cluster is None else info.nodes[0].memory_bytes
         groups = [
-            ProcessGroup(info, rank, timeout_s=timeout, arena_bytes=arena) for rank in range(world)
+            ProcessGroup(
+                info, rank, timeout_s=timeout, arena_bytes=arena, max_chain=config.max_chain
+            )
+            for rank in range(world)
         ]
         result["startup_seconds"] = time.monotonic() - start
         progress.status("warm-up all-reduce")
         _run_once(groups, [np.ones(1, np.float32) for _ in range(world)], ReduceOp.SUM)  # warm-up
         with ControlClient.for_cluster(info) as client:
             inputs = _inputs(config, world)
-            expected = reference_chain_allreduce(inputs, config.op)
+            expected = reference_torus_allreduce(inputs, config.op, config.max_chain)
             if config.sparse:
                 # The same inputs dense first: its wire bytes and time, held to the reference too.
                 before = _totals(info, client)
@@ -248,6 +280,9 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             result["phases"] = {key: float(np.median(v)) for key, v in phase_times.items()}
         result["resident"] = resident
         result["threaded"] = threaded
+        if world > config.max_chain and config.algo == "chain":
+            rows, size = torus_shape(world, config.max_chain)
+            result["torus"] = {"rows": rows, "row_size": size}
         delta = after.astype(np.int64) - before.astype(np.int64)
         # Datagrams the nodes sent, plus (ring-host) the WRITEs the hosts sent through their NICs.
         packets = int(delta[C.TX_PACKETS]) + host_packets
@@ -265,11 +300,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             kernel_drops=int(after[C.KERNEL_DROPS]),
             wire_bytes=_wire_bytes(delta, host_packets, host_bytes),
             model_seconds_100g=estimate_allreduce_seconds(
-                world,
-                nbytes,
-                100.0,
-                "netdam-chain" if config.algo == "chain" else "roce-ring",
-                esize,
+                world, nbytes, 100.0, _model_algo(config.algo, world, config.max_chain), esize
             ),
             host_copy_bytes=host_copy // config.repeat,
         )
@@ -295,6 +326,14 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         if cluster is not None:
             cluster.stop()
     return result
+
+
+def _model_algo(algo: str, world: int, max_chain: int) -> str:
+    """The cycle model's name for the job: the chain, the torus of chains past one chain
+    (fpga_model's netdam-chain-2d, rows of up to 64), or the RoCE ring."""
+    if algo != "chain":
+        return "roce-ring"
+    return "netdam-chain-2d" if world > max_chain else "netdam-chain"
 
 
 def _buffers(

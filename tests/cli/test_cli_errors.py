@@ -24,8 +24,12 @@ USAGE, RUN_FAILED = 2, 3
 
 # (argv, exit code, a word the message must contain)
 CASES: list[tuple[list[str], int, str]] = [
-    (["allreduce", "--nodes", "1"], USAGE, "2..64"),
-    (["allreduce", "--nodes", "65"], USAGE, "2..64"),
+    (["allreduce", "--nodes", "1"], USAGE, "2..1024"),
+    (["allreduce", "--nodes", "1025"], USAGE, "2..1024"),
+    (["allreduce", "--nodes", "67"], USAGE, "use 66 or 68 ranks"),
+    (["allreduce", "--nodes", "8", "--max-chain", "3"], USAGE, "does not split"),
+    (["allreduce", "--nodes", "128", "--sparse"], USAGE, "--sparse runs in one chain"),
+    (["allreduce", "--nodes", "8", "--max-chain", "1"], USAGE, "2..64"),
     (["allreduce", "--cluster", "missing.toml"], USAGE, "missing.toml"),
     (["allreduce", "--repeat", "0"], USAGE, "--repeat"),
     (["allreduce", "--timeout", "-1"], USAGE, "--timeout"),

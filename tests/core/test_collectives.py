@@ -17,7 +17,7 @@ from netdam.kernels import collective as L
 from netdam.protocol import counters as C
 from netdam.protocol.constants import NUMPY_DTYPE, DType, Flags, Opcode, ReduceOp, Status
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import Algo, CollectiveDescriptor
+from netdam.protocol.payloads import Algo, CollectiveDescriptor, unpack_completion
 from netdam.protocol.tag import verify as tag_verify
 
 IN, OUT = 0, 1 << 19
@@ -54,9 +54,11 @@ def run(
     flags: int = 0,
     on_round: Callable[[Cluster, int], None] | None = None,
     tag_key: bytes = TAG_KEY,
+    late: dict[int, int] | None = None,
 ) -> Outcome:
     """Stage inputs by host store, START_COLL from every rank's host, run until every host heard.
-    *on_round(cluster, round)* runs before each fabric step (to inject datagrams)."""
+    *on_round(cluster, round)* runs before each fabric step (to inject datagrams); *late* maps
+    a rank to the round its host first sends START_COLL (a start skew)."""
     cluster = cluster or make_cluster(n, faults, memory=MEMORY)
     dtype = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items()}[inputs[0].dtype]
     count = out_count if out_count is not None else inputs[0].size
@@ -98,10 +100,11 @@ def run(
     for round_ in range(max_rounds):
         if on_round is not None:
             on_round(cluster, round_)
-        if round_ % 200 == 0:  # hosts re-send START_COLL until they hear the completion
-            for rank, host in enumerate(hosts(n)):
-                if rank not in finals:
-                    cluster.fabric.send(host, cluster.endpoints[rank], starts[rank])
+        for rank, host in enumerate(hosts(n)):
+            first = (late or {}).get(rank, 0)
+            # Hosts re-send START_COLL until they hear the completion.
+            if round_ >= first and (round_ - first) % 200 == 0 and rank not in finals:
+                cluster.fabric.send(host, cluster.endpoints[rank], starts[rank])
         if cluster.fabric.step() == 0:
             cluster.fabric.advance(0.005)
         for rank, host in enumerate(hosts(n)):
@@ -303,6 +306,62 @@ def test_all_gather(rng: np.random.Generator) -> None:
         inputs.append(contribution)
     outcome = run(n, inputs, algo=Algo.ALL_GATHER, multicast=True)
     assert_all_equal(outcome.outputs, full)
+
+
+def _gather_inputs(
+    rng: np.random.Generator, n: int, count: int
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A whole vector and each rank's block of it at IN (an all-gather's inputs)."""
+    full = rng.standard_normal(count).astype(np.float32)
+    inputs = []
+    for rank in range(n):
+        lo, hi = rank * count // n, (rank + 1) * count // n
+        contribution = np.zeros(count, np.float32)
+        contribution[: hi - lo] = full[lo:hi]
+        inputs.append(contribution)
+    return full, inputs
+
+
+@pytest.mark.parametrize("multicast", [False, True])
+def test_a_late_member_gets_the_all_gather_sent_again_on_resume(
+    multicast: bool, rng: np.random.Generator
+) -> None:
+    """A member whose host starts an all-gather after its peers spread their blocks drops them
+    as early (SPEC.md 4.1, "BUSY and RESUME"); once started, its RESUME makes each peer send its
+    block again, at once: the late member completes with no repair READ."""
+    full, inputs = _gather_inputs(rng, 4, 30_000)
+    out = run(4, inputs, algo=Algo.ALL_GATHER, multicast=multicast, late={3: 60})
+    assert_all_equal(out.outputs, full)
+    late = out.cluster.nodes[3]
+    assert int(late.counters[C.DROP_COLL_EARLY]) > 0  # the skew did happen
+    assert unpack_completion(out.replies[3].payload)[1] == 0  # no repair READ
+
+
+@pytest.mark.parametrize("forged", [True, False])
+def test_only_a_resume_under_the_key_sends_a_block_again(
+    forged: bool, rng: np.random.Generator
+) -> None:
+    """RESUME is a collective's message: from a member's source address but without the
+    collective's key it is counted as forged and sends nothing again (member 1 holds node 0's
+    block already and sees no duplicate); under the key (the control: an untagged, v1
+    collective) the same RESUME does make node 0 send its block to member 1 again."""
+    full, inputs = _gather_inputs(rng, 3, 6_000)
+
+    def resume(cluster: Cluster, round_: int) -> None:
+        if 5 <= round_ < 25:  # node 0 runs, waiting for late member 2
+            packet = Packet(
+                Opcode.ACK, rkey=RKEY ^ 1 if forged else RKEY, aux_addr=4, seq=1, coll_id=3, epoch=1
+            )
+            cluster.fabric.send(cluster.endpoints[1], cluster.endpoints[0], encode_packet(packet))
+
+    out = run(3, inputs, algo=Algo.ALL_GATHER, on_round=resume, late={2: 40}, tag_key=b"")
+    assert_all_equal(out.outputs, full)
+    forgeries = int(out.cluster.nodes[0].counters[C.DROP_COLL_FORGED])
+    duplicates = int(out.cluster.nodes[1].counters[C.DUP_SILENT])
+    if forged:
+        assert forgeries >= 20 and duplicates == 0
+    else:
+        assert forgeries == 0 and duplicates > 0
 
 
 def test_broadcast(rng: np.random.Generator) -> None:

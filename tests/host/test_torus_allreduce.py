@@ -1,0 +1,167 @@
+"""All-reduce past one chain on real NICs: a torus of chains (SPEC.md 4.2). Eight NICs with
+chains of at most 4 (``max_chain``) run the same code as 128 NICs with chains of 64; the slow
+test runs 128."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netdam import api
+from netdam.cluster.launch import LocalCluster, start_cluster
+from netdam.protocol.constants import ReduceOp as WireOp
+from netdam.tools.allreduce import reference_chain_allreduce, reference_torus_allreduce
+
+WORLD, MAX_CHAIN = 8, 4
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with start_cluster(WORLD, memory=4 << 20) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def ranks(cluster: LocalCluster) -> Iterator[list[api.ProcessGroup]]:
+    made = [api.ProcessGroup(cluster.info, r, max_chain=MAX_CHAIN) for r in range(WORLD)]
+    yield made
+    for group in made:
+        group.close()
+
+
+def _all_reduce(
+    ranks: list[api.ProcessGroup], inputs: list[np.ndarray], op: int = api.ReduceOp.SUM
+) -> list[np.ndarray]:
+    bufs = [x.copy() for x in inputs]
+    works = [
+        api.all_reduce(b, op=op, group=g, async_op=True) for g, b in zip(ranks, bufs, strict=True)
+    ]
+    for work in works:
+        assert work is not None
+        work.wait()
+    return bufs
+
+
+@pytest.mark.parametrize(
+    ("dtype", "op", "count"),
+    [
+        (np.float32, WireOp.SUM, 10_007),
+        (np.float64, WireOp.MAX, 5_000),
+        (np.int32, WireOp.MIN, 3),  # fewer elements than a row has members: empty blocks
+        (np.float32, WireOp.SUM, 1),
+    ],
+)
+def test_torus_all_reduce_is_exact_and_identical_on_every_rank(
+    ranks: list[api.ProcessGroup], dtype: type, op: WireOp, count: int
+) -> None:
+    rng = np.random.default_rng(count)
+    inputs = [(rng.standard_normal(count) * 100).astype(dtype) for _ in range(WORLD)]
+    results = _all_reduce(ranks, inputs, int(op))
+    expected = reference_torus_allreduce(inputs, op, MAX_CHAIN)
+    assert all(r.tobytes() == expected.tobytes() for r in results)
+    # Not the flat chain's order: the test would pass a flat chain by accident otherwise.
+    if count > 100 and dtype is np.float32:
+        assert expected.tobytes() != reference_chain_allreduce(inputs, op).tobytes()
+
+
+def test_torus_calls_in_flight_average_barrier_and_resident_buffers(
+    ranks: list[api.ProcessGroup],
+) -> None:
+    """Several torus all-reduces in flight on every rank end in issue order with their own
+    results; AVG divides by all 8; barrier runs over the torus; a NIC-resident buffer needs no
+    staging."""
+    rng = np.random.default_rng(3)
+    batches = [
+        [rng.standard_normal(2_000).astype(np.float32) for _ in range(WORLD)] for _ in range(3)
+    ]
+    bufs = [[x.copy() for x in batch] for batch in batches]
+    works = [
+        [api.all_reduce(bufs[k][r], group=ranks[r], async_op=True) for r in range(WORLD)]
+        for k in range(3)
+    ]
+    for per in works:
+        for work in per:
+            assert work is not None
+            work.wait()
+    for k, batch in enumerate(batches):
+        expected = reference_torus_allreduce(batch, WireOp.SUM, MAX_CHAIN).tobytes()
+        assert all(b.tobytes() == expected for b in bufs[k])
+    avg = _all_reduce(
+        ranks, [np.full(100, float(r), np.float64) for r in range(WORLD)], api.ReduceOp.AVG
+    )
+    assert all(np.all(a == sum(range(WORLD)) / WORLD) for a in avg)
+    barriers = [api.barrier(group=g, async_op=True) for g in ranks]
+    for work in barriers:
+        assert work is not None
+        work.wait()
+    held = [g.empty(500, np.float32) for g in ranks]
+    for r, h in enumerate(held):
+        h[:] = r + 1
+    works2 = [api.all_reduce(h, group=g, async_op=True) for g, h in zip(ranks, held, strict=True)]
+    for work in works2:
+        assert work is not None
+        work.wait()
+    assert all(np.all(h == sum(range(1, WORLD + 1))) for h in held)
+
+
+def test_other_collectives_past_one_chain_say_what_runs_there(
+    ranks: list[api.ProcessGroup],
+) -> None:
+    with pytest.raises(
+        ValueError, match=r"broadcast over 8 ranks.*all_reduce and barrier run over more"
+    ):
+        api.broadcast(np.zeros(4, np.float32), group=ranks[0])
+    with pytest.raises(ValueError, match="new_group"):
+        api.all_gather_into_tensor(np.zeros(8, np.float32), np.zeros(1, np.float32), group=ranks[0])
+
+
+def test_a_rank_count_that_does_not_split_is_refused_before_anything_is_sent(
+    cluster: LocalCluster,
+) -> None:
+    group = api.ProcessGroup(
+        cluster.info, 0, max_chain=3, job="unsplit"
+    )  # 8 > 3 and 8 = 2 x 4 only
+    try:
+        with pytest.raises(ValueError, match="does not split into equal rows"):
+            api.all_reduce(np.ones(4, np.float32), group=group)
+        assert group.epoch == 0  # nothing started
+    finally:
+        group.close()
+
+
+def test_a_subgroup_past_one_chain_runs_as_a_torus_too(ranks: list[api.ProcessGroup]) -> None:
+    """new_group of 6 ranks with chains of 4: rows of 3 (every rank makes the torus's groups,
+    member or not, so numbering agrees)."""
+    members = [0, 1, 2, 4, 5, 6]
+    made = {r: ranks[r].new_group(members) for r in range(WORLD)}
+    groups = {r: g for r, g in made.items() if isinstance(g, api.ProcessGroup)}
+    assert sorted(groups) == members
+    rng = np.random.default_rng(6)
+    inputs = {r: rng.standard_normal(777).astype(np.float32) for r in members}
+    bufs = {r: x.copy() for r, x in inputs.items()}
+    works = [api.all_reduce(bufs[r], group=groups[r], async_op=True) for r in members]
+    for work in works:
+        assert work is not None
+        work.wait()
+    expected = reference_torus_allreduce(
+        [inputs[r] for r in members], WireOp.SUM, MAX_CHAIN
+    ).tobytes()
+    assert all(b.tobytes() == expected for b in bufs.values())
+
+
+@pytest.mark.slow
+def test_128_nics_all_reduce_exact_as_two_rows_of_64(tmp_path: Path) -> None:
+    with start_cluster(128, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        groups = [api.ProcessGroup(cluster.info, r) for r in range(128)]
+        try:
+            rng = np.random.default_rng(128)
+            inputs = [rng.standard_normal(64 * 129).astype(np.float32) for _ in range(128)]
+            results = _all_reduce(groups, inputs)
+            expected = reference_torus_allreduce(inputs, WireOp.SUM)
+            assert all(r.tobytes() == expected.tobytes() for r in results)
+        finally:
+            for group in groups:
+                group.close()
