@@ -10,6 +10,7 @@ import itertools
 import os
 import socket
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -138,6 +139,46 @@ class ControlClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def answering(
+        self, nodes: Sequence[Endpoint], timeout: float = 0.25, rounds: int = 2
+    ) -> set[Endpoint]:
+        """Which of *nodes* answer PING: every one asked at once, then the silent ones again,
+        each round waiting at most *timeout*. A dead node costs the rounds' wait once, however
+        many nodes are asked (asking one after another cost it per node, and per dead node)."""
+        heard: set[Endpoint] = set()
+        for _round in range(rounds):
+            asked: dict[int, Endpoint] = {}
+            for node in nodes:
+                if node not in heard:
+                    txn = next(self._txn) & 0xFFFFFFFF
+                    asked[txn] = node
+                    self.sock.sendto(
+                        self.encode(_with_ids(Packet(Opcode.PING), self.client_id, txn)), node
+                    )
+            if not asked:
+                break
+            for _, reply in self._replies(time.monotonic() + timeout):
+                if reply.client_id == self.client_id and reply.opcode != Opcode.NACK:
+                    node = asked.pop(reply.txn_id, None)
+                    if node is not None:
+                        heard.add(node)
+                if not asked:
+                    break
+        return heard
+
+    def _replies(self, deadline: float) -> Iterator[tuple[bytes, Packet]]:
+        """Each datagram that decodes, as it arrives, until *deadline* (time.monotonic())."""
+        while (left := deadline - time.monotonic()) > 0:
+            self.sock.settimeout(left)
+            try:
+                reply_bytes, _ = self.sock.recvfrom(65536)
+            except TimeoutError:
+                return
+            try:
+                yield reply_bytes, decode_packet(reply_bytes)
+            except RemoteProtocolError:
+                continue
+
     def request(
         self, node: Endpoint, packet: Packet, timeout: float = 1.0, retries: int = 2
     ) -> Packet:
@@ -155,17 +196,7 @@ class ControlClient:
             # came: a forged refusal cannot overtake the switch's real answer.
             refused: Packet | None = None
             self.sock.sendto(data, node)
-            deadline = time.monotonic() + timeout
-            while (left := deadline - time.monotonic()) > 0:
-                self.sock.settimeout(left)
-                try:
-                    reply_bytes, _ = self.sock.recvfrom(65536)
-                except TimeoutError:
-                    break
-                try:
-                    reply = decode_packet(reply_bytes)
-                except RemoteProtocolError:
-                    continue
+            for reply_bytes, reply in self._replies(time.monotonic() + timeout):
                 if reply.txn_id == txn and reply.client_id == self.client_id:
                     if sealing is not None and not _verify_control(sealing[0], reply_bytes):
                         self.unsealed += 1

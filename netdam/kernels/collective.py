@@ -706,8 +706,12 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
     own = cfg[CFG_OWN_BLOCK]
     # A chain ACK proves every other node started (each one on the path would have answered
     # BUSY): only then is the all-gather sent, so no member drops it as early.
-    # (Sparse mode: every member's bitmap arrived, so every member has started.)
-    started_everywhere = ob < 0 or cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
+    # (Sparse mode: every member's bitmap arrived, so every member has started.) A node that
+    # starts no chain (none of its own, or an empty block: fewer elements than members) has
+    # no such proof and relies on RESUME and repair.
+    started_everywhere = (
+        ob < 0 or cb[ob + 1] == cb[ob] or cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
+    )
     if own >= 0 and cfg[CFG_ALGO] != 1 and started_everywhere:
         budget = window
         c = cfg[CFG_AG_NEXT]
@@ -750,19 +754,31 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
         if c >= cfg[CFG_AG_NEXT]:
             cfg[CFG_AG_RESEND] = 0
     # 3. Repair: no progress for an RTO while chunks are missing -> READ them from their owners.
-    # Repair is paced by the RTO without backoff: chain backoff says nothing about READs.
+    # Repair is paced by the RTO without backoff: chain backoff says nothing about READs. Not
+    # while a member may not have started (no chain of this node ACKed yet): its chunks cannot
+    # be anywhere, and a stall then is start skew (a torus's steps, SPEC.md 4.2), not loss. A
+    # chunk whose owner answered BUSY (not reduced there yet) is asked again after 2, 4, 8 base
+    # RTOs: a slow owner, not a lost datagram.
     base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
-    if cfg[CFG_ALGO] != 1 and now - fcfg[F_LAST_PROGRESS] > max(base_rto, REPAIR_MIN_S):
+    if (
+        cfg[CFG_ALGO] != 1
+        and started_everywhere
+        and now - fcfg[F_LAST_PROGRESS] > max(base_rto, REPAIR_MIN_S)
+    ):
         budget = window
         for c in range(cfg[CFG_CHUNKS]):
             if budget == 0:
                 break
             j = _block_of(cfg, cb, c)
-            if j == own or done[c] != 0 or now - sent[c] < base_rto:
+            if j == own or done[c] != 0:
+                continue
+            wait = base_rto * (1 << min(tries[c], 3)) if acked[c] == 2 else base_rto
+            if now - sent[c] < wait:
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
             tx_n = _send_read(cfg, ring, bounds, cb, c, tx, tx_n)
+            tries[c] = min(tries[c] + 1, 255)
             sent[c] = now
             cfg[CFG_READS] += 1
             counters[C.RETRANSMITS] += 1

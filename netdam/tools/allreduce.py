@@ -242,7 +242,11 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             times = []
             phase_times: dict[str, list[float]] = {}
             resident = config.resident
-            threaded = nbytes >= THREADED_MIN_BYTES
+            # A torus's steps are started by each rank's progress thread (netdam.api.TorusWork):
+            # a thread per rank on top of those only takes turns with them for the GIL.
+            threaded = nbytes >= THREADED_MIN_BYTES and (
+                world <= config.max_chain or config.algo != "chain"
+            )
             pool = ThreadPoolExecutor(world, thread_name_prefix="netdam-rank") if threaded else None
             held = (
                 [g.empty(x.shape, x.dtype) for g, x in zip(groups, inputs, strict=True)]

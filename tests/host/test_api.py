@@ -333,3 +333,30 @@ def test_init_process_group_errors_name_the_fix(
         netdam.init_process_group(**args)
     assert not netdam.is_initialized()
     assert isinstance(cluster.path, Path)
+
+
+def test_every_node_is_pinged_at_once_and_a_silent_one_costs_two_rounds(
+    groups: list[api.ProcessGroup],
+) -> None:
+    """How a failed collective names the dead (ProcessGroup.dead_nodes, shrink): one PING to
+    every node at once, again to the silent; three silent addresses cost two rounds, not two
+    rounds each."""
+    import socket
+    import time
+
+    silent = []
+    for _ in range(3):  # bound and never read: as silent as a dead node
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        silent.append(sock)
+    client = groups[0].client
+    live = [node.control_endpoint for node in groups[0].cluster.nodes]
+    dead = [s.getsockname() for s in silent]
+    start = time.monotonic()
+    heard = client.answering(live + dead, timeout=0.2)
+    took = time.monotonic() - start
+    for sock in silent:
+        sock.close()
+    assert heard == set(live)
+    assert 0.4 <= took < 1.1, took  # two rounds of 0.2 s; one after another: 3 x 2 x 0.2 s
+    assert groups[0].dead_nodes() == []
