@@ -262,6 +262,9 @@ BUSY_RETRY_S = 0.0005
 #: every 0.2 s, half of those round trips failed, and its peers' 2.5 s watchdog fired while they
 #: waited for its DONE (1 of 30 seeded fabric runs; none at one RTO, tests/core/test_host_core.py).
 REPAIR_MIN_S = 0.1
+#: A gather READs a block it has heard nothing of (no chunk, no DONE from its owner) only after
+#: this many repair periods without progress: its owner may simply not have started yet.
+REPAIR_GATHER_STALLS = 4
 
 # Header flags the engine sets (the wire's values, protocol/constants.py).
 _F_MCAST = int(Flags.MCAST)
@@ -756,9 +759,9 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
     # 3. Repair: no progress for an RTO while chunks are missing -> READ them from their owners.
     # Repair is paced by the RTO without backoff: chain backoff says nothing about READs. Not
     # while a member may not have started (no chain of this node ACKed yet): its chunks cannot
-    # be anywhere, and a stall then is start skew (a torus's steps, SPEC.md 4.2), not loss. A
-    # chunk whose owner answered BUSY (not reduced there yet) is asked again after 2, 4, 8 base
-    # RTOs: a slow owner, not a lost datagram.
+    # be anywhere, and a stall then is start skew (a torus's steps, SPEC.md 4.2), not loss.
+    # (Backing off a chunk whose owner answered BUSY made 30% loss fail a run: the owner got
+    # it a moment later, and its reader waited out its backoff into the watchdog.)
     base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
     if (
         cfg[CFG_ALGO] != 1
@@ -766,19 +769,30 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
         and now - fcfg[F_LAST_PROGRESS] > max(base_rto, REPAIR_MIN_S)
     ):
         budget = window
+        gather = cfg[CFG_ALGO] == ALGO_ALL_GATHER or cfg[CFG_ALGO] == ALGO_BROADCAST
+        # A gather has no chain to prove its owners started: a block none of whose chunks came
+        # and whose owner has not said DONE may be an owner that has not started (a torus's
+        # all-gather waits for its slowest column, SPEC.md 4.2), READ only after a long stall.
+        long_stall = now - fcfg[F_LAST_ADVANCE] > REPAIR_GATHER_STALLS * max(base_rto, REPAIR_MIN_S)
+        heard_block = -1
+        heard = False
         for c in range(cfg[CFG_CHUNKS]):
             if budget == 0:
                 break
             j = _block_of(cfg, cb, c)
             if j == own or done[c] != 0:
                 continue
-            wait = base_rto * (1 << min(tries[c], 3)) if acked[c] == 2 else base_rto
-            if now - sent[c] < wait:
+            if gather and not long_stall:
+                if j != heard_block:
+                    heard_block = j
+                    heard = (cfg[CFG_PEERS_DONE] >> j) & 1 != 0 or done[cb[j] : cb[j + 1]].any()
+                if not heard:
+                    continue
+            if now - sent[c] < base_rto:
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
             tx_n = _send_read(cfg, ring, bounds, cb, c, tx, tx_n)
-            tries[c] = min(tries[c] + 1, 255)
             sent[c] = now
             cfg[CFG_READS] += 1
             counters[C.RETRANSMITS] += 1
