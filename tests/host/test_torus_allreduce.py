@@ -4,6 +4,8 @@ test runs 128."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 
 from netdam import api
 from netdam.cluster.launch import LocalCluster, start_cluster
+from netdam.core.faults import FaultSpec
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.tools.allreduce import reference_chain_allreduce, reference_torus_allreduce
 
@@ -162,6 +165,66 @@ def test_128_nics_all_reduce_exact_as_two_rows_of_64(tmp_path: Path) -> None:
             results = _all_reduce(groups, inputs)
             expected = reference_torus_allreduce(inputs, WireOp.SUM)
             assert all(r.tobytes() == expected.tobytes() for r in results)
+        finally:
+            for group in groups:
+                group.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+def test_torus_all_reduce_stays_exact_under_loss_duplication_and_reordering(
+    tmp_path: Path, seed: int
+) -> None:
+    """Seeded receive faults in every NIC (10% loss, 5% duplicates, 5% reordered): every step
+    of the torus recovers (RTO, RESUME, repair), and the result is the reference's bits."""
+    faults = FaultSpec(loss=0.1, dup=0.05, reorder=0.05, seed=seed)
+    with start_cluster(
+        WORLD, memory=4 << 20, faults=faults, cluster_path=tmp_path / "c.toml"
+    ) as lossy:
+        groups = [api.ProcessGroup(lossy.info, r, max_chain=MAX_CHAIN) for r in range(WORLD)]
+        try:
+            rng = np.random.default_rng(seed)
+            for count in (50_000, 7):
+                inputs = [rng.standard_normal(count).astype(np.float32) for _ in range(WORLD)]
+                results = _all_reduce(groups, inputs)
+                expected = reference_torus_allreduce(inputs, WireOp.SUM, MAX_CHAIN)
+                assert all(r.tobytes() == expected.tobytes() for r in results)
+        finally:
+            for group in groups:
+                group.close()
+
+
+@pytest.mark.slow
+def test_a_dead_nic_fails_every_survivors_torus_all_reduce_and_the_next_one(tmp_path: Path) -> None:
+    """NIC 7 (row 1, column 3) dies mid-call: its row and column fail on the watchdog, rank 3
+    never gathers, so row 0 fails too; every survivor raises naming it, and the next all-reduce
+    on the same group fails at once (its sub-groups' epochs no longer agree)."""
+    with start_cluster(
+        WORLD, memory=1 << 26, nics_per_process=1, cluster_path=tmp_path / "c.toml"
+    ) as cluster:
+        groups = [
+            api.ProcessGroup(cluster.info, r, max_chain=MAX_CHAIN, timeout_s=1.0)
+            for r in range(WORLD)
+        ]
+        try:
+            bufs = [np.full(2 << 20, r + 1.0, np.float32) for r in range(WORLD)]  # 8 MiB: in flight
+            works = [
+                api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs, strict=True)
+            ]
+            dead = cluster.info.nodes[WORLD - 1]
+            os.kill(dead.pid, signal.SIGKILL)
+            errors = {}
+            for rank, work in enumerate(works[: WORLD - 1]):
+                assert work is not None
+                with pytest.raises(api.CollectiveError) as failed:
+                    work.wait()
+                errors[rank] = str(failed.value)
+            named = f"{dead.address}:{dead.port}"
+            assert all(named in text for text in errors.values()), errors
+            with pytest.raises(
+                api.CollectiveError, match="an earlier all_reduce over these 8 ranks failed"
+            ):
+                api.all_reduce(np.ones(8, np.float32), group=groups[0])
         finally:
             for group in groups:
                 group.close()
