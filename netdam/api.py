@@ -664,6 +664,7 @@ class ProcessGroup:
         self.epoch += 1
         dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
+        endpoints = self.cluster.endpoints  # built per access: once, not once per member
         desc = CollectiveDescriptor(
             algo,
             self.rank,
@@ -684,7 +685,7 @@ class ProcessGroup:
             epoch=self.epoch,
             dtype=dtype,
             reduce_op=op,
-            segments=tuple(self.cluster.endpoints[r] for r in self.members),
+            segments=tuple(endpoints[r] for r in self.members),
         ).with_payload(desc.encode())
         work = Work(self, packet, algo, count, dtype, watchdog)
         with self._lock:
