@@ -923,6 +923,11 @@ class Work(Call):
         # (SPEC.md 4.1).
         self.stage_in_s = 0.0
         self.copy_out_s = 0.0
+        # The host API's own time (time.monotonic()): when the caller called it (all_reduce
+        # records it), when a wait on it began, and when that wait returned (host_overhead).
+        self.called_at: float | None = None
+        self.wait_at: float | None = None
+        self.finished_at: float | None = None
 
     def is_completed(self) -> bool:
         with self.group._lock:
@@ -943,6 +948,7 @@ class Work(Call):
         """Drive this rank's collectives, oldest first, until this one ended; then copy its
         results out. Failures are kept in ``error``, not raised."""
         self.heard_at = time.monotonic()
+        self.wait_at = self.wait_at or self.heard_at
         self._drive(timeout)
         if self.done and not self.finished:
             t_copy = time.perf_counter()
@@ -950,7 +956,20 @@ class Work(Call):
                 action()
             self._finish.clear()
             self.copy_out_s = time.perf_counter() - t_copy
+        if not self.finished:
+            self.finished_at = time.monotonic()
         self.finished = True
+
+    def host_overhead(self) -> tuple[float, float] | None:
+        """Seconds this host spent in the API around the collective, beside the copies: from
+        the call to its START_COLL leaving (staging copy excluded), and from the completion
+        arriving (or the wait beginning, if later) to the wait returning (copy-out excluded).
+        None unless all_reduce recorded the call and a wait returned."""
+        if self.called_at is None or self.finished_at is None or self.completed_at is None:
+            return None
+        issue = self.sent_at - self.called_at - self.stage_in_s
+        ready = max(self.completed_at, self.wait_at or self.completed_at)
+        return max(issue, 0.0), max(self.finished_at - ready - self.copy_out_s, 0.0)
 
     def _drive(self, timeout: float | None) -> None:
         """Read this rank's answers until this call ended."""
@@ -1232,6 +1251,7 @@ def all_reduce(
     ``sparse=True`` (every rank must pass the same): chunks travel as (index, value) pairs when
     under half their elements are non-zero, and chunks zero on every rank are not sent at all;
     the result is bitwise the dense one."""
+    called_at = time.monotonic()
     buf = _as_array(buf, "buf")
     average = op == ReduceOp.AVG
     wire = _wire_op(op, buf)
@@ -1258,7 +1278,7 @@ def all_reduce(
         work = g.start(
             Algo.ALL_REDUCE, buf, wire, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0
         )
-    work.stage_in_s = stage_in_s
+    work.stage_in_s, work.called_at = stage_in_s, called_at
     if g._offset_of(buf) is None:
         work._finish.append(lambda: _copy_out(g, addr, buf))
     if average:

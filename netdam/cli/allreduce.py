@@ -307,4 +307,11 @@ def _phases_text(r: dict[str, object]) -> str:
         f"{name.replace('_', ' ')} {float(v) * 1e3:.3f} ms" for name, v in phases.items()
     )
     where = "NIC-resident buffers" if r.get("resident") else "numpy buffers staged"
-    return f"\n  phases (median, {where}): {parts}"
+    host = r.get("host_overhead_us")
+    overhead = (
+        f"\n  host API per call and rank (median, copies excluded): {float(host['issue']):.0f} us "
+        f"to issue, {float(host['return']):.0f} us to return"
+        if isinstance(host, dict)
+        else ""
+    )
+    return f"\n  phases (median, {where}): {parts}" + overhead

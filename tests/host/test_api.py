@@ -281,6 +281,32 @@ def test_bf16_avg_product_and_torch_tensors(groups: list[api.ProcessGroup]) -> N
     assert torch.equal(tensors[0][block], by_torch)
 
 
+def test_the_host_api_times_its_own_part_of_each_all_reduce(groups: list[api.ProcessGroup]) -> None:
+    """``Work.host_overhead``: the API's seconds from the call to START_COLL leaving and from
+    the completion to the wait's return, staging copies excluded; only for all_reduce, and
+    only once a wait returned."""
+    bufs = [np.ones(1000, np.float32) for _ in groups]
+    works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs, strict=True)]
+    assert all(w is not None and w.host_overhead() is None for w in works)  # no wait yet
+    for work in works:
+        assert work is not None
+        work.wait()
+        overhead = work.host_overhead()
+        assert overhead is not None
+        issue, back = overhead
+        assert work.called_at is not None and work.finished_at is not None
+        assert 0.0 <= issue <= work.sent_at - work.called_at
+        assert work.wait_at is not None and 0.0 <= back <= work.finished_at - work.wait_at
+    gathered = api.broadcast(np.ones(10, np.float32), group=groups[0], async_op=True)
+    others = [api.broadcast(np.ones(10, np.float32), group=g, async_op=True) for g in groups[1:]]
+    for work in [gathered, *others]:
+        assert work is not None
+        work.wait()
+    assert gathered is not None and gathered.host_overhead() is None  # not recorded: not timed
+
+
+# After this test, the groups of ranks 1 and 2 no longer hold their arenas (init_process_group
+# in this same process took them over): tests that run collectives on ``groups`` come before.
 def test_init_process_group_env_and_file(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -76,6 +76,10 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
         "copy_out",
     }
     assert algos["chain-resident"]["phases"]["copy_out"] < algos["chain"]["phases"]["copy_out"]
+    # The host API's own time per call and rank (issue, return), copies excluded.
+    for algo in ("chain", "chain-resident"):
+        overhead = algos[algo]["host_overhead_us"]
+        assert set(overhead) == {"issue", "return"} and min(overhead.values()) >= 0.0
     for row in res["results"]:
         assert ROW_KEYS <= row.keys()
         assert (row["nodes"], row["bytes"], row["dtype"], row["repeat"]) == (2, 65536, "f32", 1)

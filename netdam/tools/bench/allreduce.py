@@ -495,7 +495,14 @@ def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _
         outcome.error = str(res.get("error") or "result differs from the reference")
     outcome.extra = {
         k: res.get(k)
-        for k in ("retransmits", "kernel_drops", "packets", "wire_bytes", "phases")
+        for k in (
+            "retransmits",
+            "kernel_drops",
+            "packets",
+            "wire_bytes",
+            "phases",
+            "host_overhead_us",
+        )
         if k in res
     }
     return outcome
