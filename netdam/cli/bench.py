@@ -271,7 +271,8 @@ def register_allreduce(benches: Subparsers) -> None:
     parser.add_argument(
         "--vs",
         default=",".join(allreduce_bench.PEERS),
-        help="peers, comma-separated: chain-resident, ring-host, gloo, mpi, or none (default all)",
+        help="peers, comma-separated: chain-resident, ring-host, gloo, mpi (TCP), mpi-shm "
+        "(shared memory), or none (default all)",
     )
     parser.add_argument(
         "--repeat",

@@ -45,6 +45,7 @@ _NAMED_COLORS = {
     "roce-ring": "C1",
     "gloo": "C2",
     "mpi": "C3",
+    "mpi-shm": "C7",
     "memcached": "C3",
     "roce-ideal": "C5",
     "halving-doubling": "C6",

@@ -35,7 +35,14 @@ def fake_runner(
     algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
 ) -> B._Outcome:
     """Seconds proportional to size, chain fastest: exercises rows, ratios and the plot quickly."""
-    scale = {"chain": 1.0, "chain-resident": 0.8, "ring-host": 3.0, "gloo": 0.5, "mpi": 2.0}[algo]
+    scale = {
+        "chain": 1.0,
+        "chain-resident": 0.8,
+        "ring-host": 3.0,
+        "gloo": 0.5,
+        "mpi": 2.0,
+        "mpi-shm": 0.1,
+    }[algo]
     base = scale * (1e-4 + count * 4 / 1e9) * nodes
     return B._Outcome(times=[base * (1 + 0.01 * i) for i in range(repeat)], ok=True)
 
@@ -133,12 +140,12 @@ def test_missing_peers_are_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr("netdam.tools.bench.allreduce.util.find_spec", lambda name: None)
     monkeypatch.setattr("netdam.tools.bench.allreduce.shutil.which", lambda name: None)
     cfg = B.AllReduceBenchConfig(
-        nodes=(2,), sizes=(4096,), peers=("gloo", "mpi"), repeat=2, progress=False
+        nodes=(2,), sizes=(4096,), peers=("gloo", "mpi", "mpi-shm"), repeat=2, progress=False
     )
     res, code = B.run_allreduce_bench(cfg, runner=fake_runner)
     assert code == 0
     reasons = {s["algo"]: s["reason"] for s in res["skipped"]}
-    assert set(reasons) == {"gloo", "mpi"}
+    assert set(reasons) == {"gloo", "mpi", "mpi-shm"}
     assert (
         "pip install torch==2.13.0" in reasons["gloo"] and "'netdam[bench]'" not in reasons["gloo"]
     )
@@ -247,6 +254,10 @@ def test_parsers() -> None:
     assert B.parse_peers("mpi, GLOO") == ("gloo", "mpi")
     assert B.parse_peers("none") == () and B.parse_peers("chain") == ()
     assert B.mpirun_command(4)[:4][1:] == ["--oversubscribe", "-np", "4"]
+    # The MPI rows: TCP loopback names its transport; shared memory leaves OpenMPI its choice.
+    assert B.mpirun_command(4)[-3:] == ["--mca", "btl", "tcp,self"]
+    assert "--mca" not in B.mpirun_command(4, "shared memory")
+    assert B.parse_peers("mpi-shm,mpi") == ("mpi", "mpi-shm") and "mpi-shm" in B.PEERS
 
 
 def test_a_peer_that_times_out_is_killed_with_its_process_group() -> None:

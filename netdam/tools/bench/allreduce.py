@@ -10,7 +10,11 @@ For every node count and size, in one run and on the same float32 tensor size:
 - ``gloo``: N Python processes, ``torch.distributed.init_process_group("gloo",
   init_method="tcp://127.0.0.1:PORT")`` on CPU, timing ``dist.all_reduce``;
 - ``mpi``: ``mpirun --oversubscribe -np N --mca btl tcp,self python -c ...`` with mpi4py's
-  ``comm.Allreduce`` (``--allow-run-as-root`` added under root, BRIEF section 7).
+  ``comm.Allreduce`` (``--allow-run-as-root`` added under root, BRIEF section 7): MPI over TCP
+  loopback, the network path, as netdam and Gloo use it;
+- ``mpi-shm``: the same without ``--mca btl``, so OpenMPI takes its shared-memory transport
+  between ranks of one host, as MPI users run it there: no network at all, the fastest peer
+  on one machine.
 
 Every algorithm does ``warmup`` untimed full-size calls, then ``repeat`` timed ones (by default
 100 up to 64 KiB, 20 up to 4 MiB, 5 above: enough calls for a p99 where calls are cheap); the
@@ -51,9 +55,11 @@ from netdam.tools.bench.report import package_version
 from netdam.units import format_size
 
 #: Every algorithm a row can carry, in the order tables and plots list them.
-ALGOS = ("chain", "chain-resident", "ring-host", "gloo", "mpi")
+ALGOS = ("chain", "chain-resident", "ring-host", "gloo", "mpi", "mpi-shm")
 #: Algorithms ``--vs`` accepts (chain always runs).
-PEERS = ("chain-resident", "ring-host", "gloo", "mpi")
+PEERS = ("chain-resident", "ring-host", "gloo", "mpi", "mpi-shm")
+#: The MPI rows: transport of each (mpirun_command).
+MPI_TRANSPORTS = {"mpi": "tcp", "mpi-shm": "shared memory"}
 #: The algorithms this project runs on node processes (results checked bitwise).
 NETDAM_ALGOS = ("chain", "chain-resident", "ring-host")
 DTYPE = "f32"
@@ -72,6 +78,7 @@ MODEL_ALGO = {
     "ring-host": "roce-ring",
     "gloo": "roce-ring",
     "mpi": "roce-ring",
+    "mpi-shm": "roce-ring",
 }
 
 
@@ -412,18 +419,22 @@ def run_gloo(
     )
 
 
-def mpirun_command(nodes: int) -> list[str]:
-    """The mpirun command line (without the program), root handled per BRIEF section 7."""
+def mpirun_command(nodes: int, transport: str = "tcp") -> list[str]:
+    """The mpirun command line (without the program), root handled per BRIEF section 7: over
+    TCP loopback (``--mca btl tcp,self``), or ("shared memory") with OpenMPI's own choice,
+    which between ranks of one host is its shared-memory transport."""
     cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "-np", str(nodes)]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    return [*cmd, "--mca", "btl", "tcp,self"]
+    return [*cmd, "--mca", "btl", "tcp,self"] if transport == "tcp" else cmd
 
 
-def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) -> _Outcome:
+def run_mpi(
+    nodes: int, count: int, warmup: int, repeat: int, timeout_s: float, transport: str = "tcp"
+) -> _Outcome:
     """``mpirun -np N python -c <mpi4py script>``, as MPI users start it."""
     cmd = [
-        *mpirun_command(nodes),
+        *mpirun_command(nodes, transport),
         sys.executable,
         "-c",
         _script(_MPI_SCRIPT),
@@ -459,7 +470,7 @@ def run_mpi(nodes: int, count: int, warmup: int, repeat: int, timeout_s: float) 
         startup_seconds=float(report["init_seconds"]),
         extra={
             "ranks_identical": report["ranks_identical"],
-            "backend": report["library"],
+            "backend": f"{report['library']} ({transport})",
             "seconds_median_barrier": _median([float(t) for t in report["barrier_times"]]),
             "command": " ".join(cmd[: cmd.index(sys.executable)]) + " python -c ...",
         },
@@ -578,8 +589,8 @@ def _default_runner(
 ) -> _Outcome:
     if algo == "gloo":
         return run_gloo(nodes, count, warmup, repeat, timeout_s)
-    if algo == "mpi":
-        return run_mpi(nodes, count, warmup, repeat, timeout_s)
+    if algo in MPI_TRANSPORTS:
+        return run_mpi(nodes, count, warmup, repeat, timeout_s, MPI_TRANSPORTS[algo])
     return run_netdam(algo, nodes, count, warmup, repeat)
 
 
@@ -599,7 +610,9 @@ def run_allreduce_bench(
     skipped: list[dict[str, str]] = []
     algos = ["chain"]
     for peer in cfg.peers:
-        reason = {"gloo": gloo_unavailable, "mpi": mpi_unavailable}.get(peer, lambda: None)()
+        reason = {"gloo": gloo_unavailable, "mpi": mpi_unavailable, "mpi-shm": mpi_unavailable}.get(
+            peer, lambda: None
+        )()
         if reason is None:
             algos.append(peer)
         else:
