@@ -1038,6 +1038,7 @@ class TorusWork(Work):
         dtype = wire_dtype(buf)
         super().__init__(
             group,
+            # Never sent: its steps' Works carry the START_COLLs (the call queue never holds it).
             Packet(Opcode.START_COLL),
             Algo.ALL_REDUCE,
             buf.size,

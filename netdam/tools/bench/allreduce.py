@@ -610,9 +610,8 @@ def run_allreduce_bench(
     skipped: list[dict[str, str]] = []
     algos = ["chain"]
     for peer in cfg.peers:
-        reason = {"gloo": gloo_unavailable, "mpi": mpi_unavailable, "mpi-shm": mpi_unavailable}.get(
-            peer, lambda: None
-        )()
+        check = mpi_unavailable if peer in MPI_TRANSPORTS else {"gloo": gloo_unavailable}.get(peer)
+        reason = check() if check is not None else None
         if reason is None:
             algos.append(peer)
         else:

@@ -491,52 +491,26 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
                 results["echo"] = phase(
                     "echo", n_gens, nd(Opcode.READ, 64, 1), echo_ep, 12, 4, -1, 0, tag_key=key
                 )
-                results["read_64"] = phase(
-                    "read_64",
-                    n_gens,
-                    nd(Opcode.READ, 64, 2),
-                    vip,
-                    12,
-                    4,
-                    1,
-                    int(Opcode.READ_RESP),
-                    validate=True,
-                    tag_key=key,
-                )
-                results["read_4096"] = phase(
-                    "read_4096",
-                    n_gens,
-                    nd(Opcode.READ, 4096, 3),
-                    vip,
-                    12,
-                    4,
-                    1,
-                    int(Opcode.READ_RESP),
-                    validate=True,
-                    tag_key=key,
-                )
-                results["write_64"] = phase(
-                    "write_64",
-                    n_gens,
-                    nd(Opcode.WRITE, 64, 4),
-                    vip,
-                    12,
-                    4,
-                    1,
-                    int(Opcode.ACK),
-                    tag_key=key,
-                )
-                results["write_4096"] = phase(
-                    "write_4096",
-                    n_gens,
-                    nd(Opcode.WRITE, 4096, 5),
-                    vip,
-                    12,
-                    4,
-                    1,
-                    int(Opcode.ACK),
-                    tag_key=key,
-                )
+                # The pool phases: name, opcode, bytes, phase number, the reply that counts as
+                # success, whether the bytes read are checked.
+                for name, op, size, phase_no, ok, validate in (
+                    ("read_64", Opcode.READ, 64, 2, Opcode.READ_RESP, True),
+                    ("read_4096", Opcode.READ, 4096, 3, Opcode.READ_RESP, True),
+                    ("write_64", Opcode.WRITE, 64, 4, Opcode.ACK, False),
+                    ("write_4096", Opcode.WRITE, 4096, 5, Opcode.ACK, False),
+                ):
+                    results[name] = phase(
+                        name,
+                        n_gens,
+                        nd(op, size, phase_no),
+                        vip,
+                        12,
+                        4,
+                        1,
+                        int(ok),
+                        validate=validate,
+                        tag_key=key,
+                    )
                 if mc_port is not None:
                     results["memcached_get_64"] = phase(
                         "memcached",
