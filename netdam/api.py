@@ -21,7 +21,7 @@ import select
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
@@ -38,8 +38,10 @@ from netdam.cluster.clusterfile import (
     load_cluster,
 )
 from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.tracing import collect, mark, nics_of, write_trace
 from netdam.core.chunk_plan import block_bounds
 from netdam.core.host import Call, CallQueue, Heard
+from netdam.core.timeline import HostCall, chrome_trace
 from netdam.core.torus import TorusStep, splits, torus_groups, torus_steps
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
@@ -87,6 +89,7 @@ __all__ = [
     "NON_GROUP_MEMBER",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "trace",
 ]
 
 #: Where a job's name comes from when init() is given none: two jobs on one cluster file
@@ -1231,7 +1234,68 @@ def empty(
     return _group(group).empty(shape, dtype)
 
 
+#: The calls of this process that open traces record (api.trace), one list per trace.
+_TRACED: list[list[Work]] = []
+
+
+@dataclass
+class TraceWritten:
+    """What api.trace wrote, filled in when its block ends: the file, the NIC records in it, and
+    the records the NICs' rings had overwritten before they were read (0 unless the ring was
+    too small for the block: ``netdam up --trace-records``)."""
+
+    path: Path
+    records: int = 0
+    lost: int = 0
+
+
+@contextlib.contextmanager
+def trace(
+    path: str | os.PathLike[str], group: ProcessGroup | None = None
+) -> Iterator[TraceWritten]:
+    """Record a timeline of what runs inside the ``with`` block and write it to *path* as a
+    Chrome trace (Perfetto, ``chrome://tracing``; SPEC.md 6.7): every NIC of the group's
+    cluster, hop by hop, and the calls this process's ranks made. The NICs record anyway (their
+    trace rings); this notes where each ring stands at the start and reads what was written
+    since at the end, with the admin's COUNTERS."""
+    g = _group(group)
+    nics = nics_of(g.cluster)
+    calls: list[Work] = []
+    written = TraceWritten(Path(path))
+    with ControlClient.for_cluster(g.cluster) as client:
+        since = mark(client, nics)
+        _TRACED.append(calls)
+        try:
+            yield written
+        finally:
+            _TRACED.remove(calls)
+            traces = collect(client, nics, since)
+            write_trace(written.path, chrome_trace(traces, _host_calls(calls), title=str(path)))
+            written.records = sum(len(t.records) for t in traces)
+            written.lost = sum(t.lost for t in traces)
+
+
+def _host_calls(works: list[Work]) -> list[HostCall]:
+    """The host's side of traced calls, in their group's ranks and the wire's ids."""
+    return [
+        HostCall(
+            rank=w.group.rank,
+            name=Algo(w.algo).name.lower(),
+            coll_id=int(w.packet.coll_id),
+            epoch=int(w.packet.epoch),
+            called_at=w.called_at if w.called_at is not None else w.sent_at,
+            sent_at=w.sent_at if w.sent else None,
+            completed_at=w.completed_at,
+            finished_at=w.finished_at,
+            ok=w.error is None,
+        )
+        for w in works
+    ]
+
+
 def _run(work: Work, async_op: bool) -> Work | None:
+    for calls in _TRACED:
+        calls.append(work)
     if async_op:
         return work
     work.wait()

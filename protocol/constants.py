@@ -274,3 +274,33 @@ def max_elements(mtu: int, dtype: DType, segments: int = 0) -> int:
     room = min(room, MAX_PAYLOAD_BYTES)
     size = ELEMENT_SIZE[dtype]
     return max(room // size, 0)
+
+
+#: COUNTERS with this ``aux_addr`` asks for the NIC's trace ring instead of its counters, from
+#: record number ``addr`` on (SPEC.md 6.7).
+COUNTERS_TRACE = 1
+#: Most records one trace reply carries: the reply payload stays within 8192 bytes
+#: (24 + 170 * 48 = 8184), the largest payload of any datagram (MAX_PAYLOAD_BYTES).
+TRACE_RECORDS_PER_REPLY = 170
+
+
+class TraceKind(IntEnum):
+    """What a trace record says happened at the NIC (SPEC.md 6.7)."""
+
+    RX = 1  # a datagram arrived (before any check)
+    TX = 2  # a datagram left (the kernel took it)
+    DROP = 3  # datagrams dropped; status = the counter that counted them, length = how many
+    RETRANSMIT = 4  # the collective engine sent a chunk again; seq = the chunk
+    PHASE = 5  # a collective's phase ended here; status = the TracePhase
+    BLOCK = 6  # a collective's block plan: seq = block, addr = its first chunk, length = chunks
+
+
+class TracePhase(IntEnum):
+    """The phases of a collective at one NIC, in order (a PHASE record's status)."""
+
+    START = 1  # START_COLL taken: the collective's clock starts
+    CHAINS = 2  # every chain this NIC started was ACKed (the reduce-scatter is over here)
+    CHUNKS = 3  # every chunk this NIC needs is here (the gather is over here)
+    DONE = 4  # every member's DONE is here
+    COMPLETE = 5  # the completion went to the host
+    FAILED = 6  # the collective failed here (its completion NACK went to the host)

@@ -93,6 +93,21 @@ def new_counters() -> np.ndarray:
     return np.zeros(NUM_COUNTERS, dtype=np.uint64)
 
 
+#: The counters that count dropped datagrams (their sum is ``drops``; a trace's DROP records
+#: name one of them).
+DROP_INDICES = (
+    *range(DROP_TRUNCATED, KERNEL_DROPS + 1),
+    DROP_COLL_EARLY,
+    SEND_DROPS,
+    DROP_LOCKOUT,
+    DROP_AMPLIFICATION,
+    DROP_COLL_FORGED,
+    DROP_REGION_FORGED,
+    DROP_CONTROL_FORGED,
+    DROP_CONTROL_REPLAYED,
+)
+
+
 def counters_to_dict(values: np.ndarray) -> dict[str, object]:
     """Name the counters: scalars, ``ops`` by opcode name and ``nacks`` by status name."""
     result: dict[str, object] = {name: int(values[index]) for index, name in _SCALAR_NAMES.items()}
@@ -102,20 +117,7 @@ def counters_to_dict(values: np.ndarray) -> dict[str, object]:
     result["nacks"] = {
         st.name: int(values[NACK_BASE + st]) for st in Status if values[NACK_BASE + st]
     }
-    result["drops"] = sum(
-        int(values[i])
-        for i in (
-            *range(DROP_TRUNCATED, KERNEL_DROPS + 1),
-            DROP_COLL_EARLY,
-            SEND_DROPS,
-            DROP_LOCKOUT,
-            DROP_AMPLIFICATION,
-            DROP_COLL_FORGED,
-            DROP_REGION_FORGED,
-            DROP_CONTROL_FORGED,
-            DROP_CONTROL_REPLAYED,
-        )
-    )
+    result["drops"] = sum(int(values[i]) for i in DROP_INDICES)
     return result
 
 

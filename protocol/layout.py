@@ -312,6 +312,39 @@ REGION_WAY = Layout(
     spec="**Region way**",
 )
 
+TRACE_REPLY = Layout(
+    "trace_reply",
+    "<",
+    [
+        _f("first", 0, 8, "u64", "number of the first record in this reply"),
+        _f("next", 8, 8, "u64", "number the NIC gives its next record (records written so far)"),
+        _f("slots", 16, 4, "u32", "records the NIC's ring holds (0: tracing off)"),
+        _f("record_bytes", 20, 2, "u16", "bytes per record, 48"),
+        _f("reserved", 22, 2, "u16", "0"),
+    ],
+    spec="**Trace reply**",
+)
+
+TRACE_RECORD = Layout(
+    "trace_record",
+    "<",
+    [
+        _f("t_ns", 0, 8, "u64", "the NIC's CLOCK_MONOTONIC, ns"),
+        _f("kind", 8, 1, "u8", "what happened (the table below)"),
+        _f("opcode", 9, 1, "u8", "the datagram's opcode (RX, TX, RETRANSMIT), else 0"),
+        _f("status", 10, 1, "u8", "NACK status; DROP: the counter index; PHASE: the phase"),
+        _f("seg_left", 11, 1, "u8", "the datagram's segments_left (RX, TX)"),
+        _f("length", 12, 4, "u32", "datagram bytes; DROP: datagrams dropped; BLOCK: chunks"),
+        _f("peer", 16, 8, "u64", "source (RX) or destination (TX), ip << 16 | port"),
+        _f("coll_id", 24, 4, "u32", "the datagram's or collective's coll_id"),
+        _f("epoch", 28, 4, "u32", "its epoch"),
+        _f("seq", 32, 4, "u32", "the datagram's seq (a collective's chunk); BLOCK: the block"),
+        _f("reserved", 36, 4, "u32", "0"),
+        _f("addr", 40, 8, "u64", "the datagram's addr; BLOCK: its first chunk"),
+    ],
+    spec="**Trace record**",
+)
+
 #: Every table, for tests and tools that walk them.
 LAYOUTS = (
     HEADER,
@@ -330,6 +363,8 @@ LAYOUTS = (
     CREDENTIAL,
     REGION_INFO,
     REGION_WAY,
+    TRACE_REPLY,
+    TRACE_RECORD,
 )
 
 # ---------------------------------------------------------------- named offsets
@@ -386,4 +421,22 @@ CPL_FIRST_MISSING = COMPLETION_FAILURE.at("first_missing")
 CPL_LAST_MISSING = COMPLETION_FAILURE.at("last_missing")
 FA_ADDEND = FETCH_ADD.at("addend")
 CAS_COMPARE = CAS.at("compare")
+TR_FIRST = TRACE_REPLY.at("first")
+TR_NEXT = TRACE_REPLY.at("next")
+TR_SLOTS = TRACE_REPLY.at("slots")
+TR_RECORD_BYTES = TRACE_REPLY.at("record_bytes")
+TRACE_REPLY_BYTES = TRACE_REPLY.size
+TREC_T_NS = TRACE_RECORD.at("t_ns")
+TREC_KIND = TRACE_RECORD.at("kind")
+TREC_OPCODE = TRACE_RECORD.at("opcode")
+TREC_STATUS = TRACE_RECORD.at("status")
+TREC_SEG_LEFT = TRACE_RECORD.at("seg_left")
+TREC_LENGTH = TRACE_RECORD.at("length")
+TREC_PEER = TRACE_RECORD.at("peer")
+TREC_COLL_ID = TRACE_RECORD.at("coll_id")
+TREC_EPOCH = TRACE_RECORD.at("epoch")
+TREC_SEQ = TRACE_RECORD.at("seq")
+TREC_RESERVED = TRACE_RECORD.at("reserved")
+TREC_ADDR = TRACE_RECORD.at("addr")
+TRACE_RECORD_BYTES = TRACE_RECORD.size
 CAS_SWAP = CAS.at("swap")

@@ -18,6 +18,7 @@ from netdam.cli.common import (
     cluster_file,
     emit,
     size_arg,
+    writable_output,
 )
 from netdam.cluster.clusterfile import load_cluster
 from netdam.core.chunk_plan import min_mtu
@@ -101,6 +102,13 @@ def register(subparsers: Subparsers) -> None:
         "--cluster", type=cluster_file, default=None, help="use a running cluster (netdam up)"
     )
     add_nics_per_process(parser)
+    parser.add_argument(
+        "--trace",
+        type=writable_output("--trace"),
+        default=None,
+        help="write a timeline of the timed calls to this JSON file (Chrome trace format: "
+        "open it in Perfetto or chrome://tracing): every NIC hop by hop, every host rank",
+    )
     parser.add_argument("--json", action="store_true")
     add_fault_args(parser)
     parser.set_defaults(func=run)
@@ -150,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         resident=args.resident,
         nics_per_process=args.nics_per_process,
         max_chain=args.max_chain,
+        trace=args.trace,
     )
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]  # the result dict holds JSON values (object)
@@ -296,6 +305,23 @@ def _text(r: dict[str, object]) -> str:
             else ""
         )
         + _phases_text(r)
+        + _trace_text(r)
+    )
+
+
+def _trace_text(r: dict[str, object]) -> str:
+    traced = r.get("trace")
+    if not isinstance(traced, dict):
+        return ""
+    lost = (
+        f"; {traced['lost']} records overwritten before they were read (a larger "
+        "`netdam up --trace-records` keeps them)"
+        if traced["lost"]
+        else ""
+    )
+    return (
+        f"\n  trace: {traced['path']} ({traced['records']} NIC records{lost}): open it in "
+        "https://ui.perfetto.dev or chrome://tracing"
     )
 
 

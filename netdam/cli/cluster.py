@@ -46,6 +46,7 @@ from netdam.core.chunk_plan import min_mtu
 from netdam.protocol import counters as C
 from netdam.protocol.constants import DEFAULT_MTU, MAX_SEGMENTS, MIN_MTU
 from netdam.protocol.packet import Endpoint
+from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.units import format_size
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ def register(subparsers: Subparsers) -> None:
         help="no lockout of key guessers, no anti-amplification limit (SPEC.md 12): "
         "for fuzzing that sends wrong keys on purpose, never for a shared network",
     )
+    add_trace_records(node, DEFAULT_TRACE_RECORDS)
     add_fault_args(node)
     node.set_defaults(func=run_node)
 
@@ -294,6 +296,7 @@ def register(subparsers: Subparsers) -> None:
         "else write the new cluster's file there",
     )
     up.add_argument("--detach", action="store_true", help="start, print, return")
+    add_trace_records(up, None)
     up.add_argument(
         "--switch",
         action="store_true",
@@ -365,6 +368,17 @@ def _admin_keys(args: argparse.Namespace) -> tuple[int, bytes]:
     return 0, b""
 
 
+def add_trace_records(parser: argparse.ArgumentParser, default: int | None) -> None:
+    """--trace-records: each NIC's trace ring (SPEC.md 6.7)."""
+    parser.add_argument(
+        "--trace-records",
+        type=bounded_int(0, 1 << 24),
+        default=default,
+        help="records of each NIC's trace ring, 48 bytes each, read by `netdam trace` and "
+        f"`--trace` (default {DEFAULT_TRACE_RECORDS}: 1.5 MiB per NIC; 0 turns tracing off)",
+    )
+
+
 def _guard(args: argparse.Namespace) -> Any:
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the
     # light commands need not pay for.
@@ -407,6 +421,7 @@ def run_node(args: argparse.Namespace) -> int:
         faults=faults_from(args),
         die_with_parent=args.die_with_parent,
         guard=_guard(args),
+        trace_records=args.trace_records,
     )
     return main(config)
 
@@ -447,6 +462,7 @@ def _run_nics(args: argparse.Namespace) -> int:
             faults=faults,
             die_with_parent=args.die_with_parent,
             guard=guard,
+            trace_records=args.trace_records,
         )
         for rank, bind, size in args.nic
     ]
@@ -492,6 +508,7 @@ def _run_launched_node(args: argparse.Namespace) -> int:
         faults=faults_from(args),
         die_with_parent=args.die_with_parent,
         guard=_guard(args),
+        trace_records=args.trace_records,
     )
     try:
         return run_launched_node(
@@ -577,6 +594,7 @@ def run_up(args: argparse.Namespace) -> int:
                 detach=args.detach,
                 mtu=args.mtu,
                 nics_per_process=args.nics_per_process,
+                trace_records=args.trace_records,
             )
         else:
             cluster = start_cluster(
@@ -590,6 +608,7 @@ def run_up(args: argparse.Namespace) -> int:
                 detach=args.detach,
                 switch=args.switch,
                 nics_per_process=args.nics_per_process,
+                trace_records=args.trace_records,
             )
     except (ValueError, ClusterStartError) as exc:
         usage = isinstance(exc, (ValueError, ClusterFileError))

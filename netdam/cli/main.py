@@ -32,6 +32,7 @@ _COMMAND_MODULES = (
     "netdam.cli.fuzz",
     "netdam.cli.isolation",
     "netdam.cli.top",
+    "netdam.cli.trace",
     "netdam.cli.soak",
     "netdam.cli.flood",
 )

@@ -19,6 +19,7 @@ from netdam.cluster.clusterfile import ClusterFile
 from netdam.cluster.tenants import TenantKeys, tenant_keys_of
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    COUNTERS_TRACE,
     POOL_OPCODES,
     REGISTER_ANYWHERE,
     DType,
@@ -27,10 +28,11 @@ from netdam.protocol.constants import (
     Rights,
     Status,
 )
-from netdam.protocol.errors import NetdamError, RemoteProtocolError
+from netdam.protocol.errors import NetdamError, ProtocolError, RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights, pack_register
 from netdam.protocol.tag import is_control
+from netdam.protocol.trace import TracePage, parse_trace_reply
 
 INFO_FIELDS = (
     "version",
@@ -249,6 +251,16 @@ class ControlClient:
                 f"COUNTERS reply from {node[0]}:{node[1]} has {values.shape[0]} values"
             )
         return values[: C.NUM_COUNTERS]  # a switch's reply goes on with its own sections
+
+    def trace_page(self, node: Endpoint, first: int, timeout: float = 1.0) -> TracePage:
+        """Records of *node*'s trace ring from number *first* on (SPEC.md 6.7): the admin's
+        COUNTERS with ``aux_addr`` COUNTERS_TRACE."""
+        request = Packet(Opcode.COUNTERS, rkey=self.admin_key, addr=first, aux_addr=COUNTERS_TRACE)
+        reply = self.request(node, request, timeout=timeout)
+        try:
+            return parse_trace_reply(reply.payload)
+        except ProtocolError as exc:
+            raise ControlError(f"{node[0]}:{node[1]}: {exc}") from None
 
     def register(
         self,

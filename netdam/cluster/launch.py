@@ -432,6 +432,7 @@ def _start_cluster(
     switch_seed: int = 0,
     guard: bool = True,
     nics_per_process: int | None = None,
+    trace_records: int | None = None,
 ) -> LocalCluster:
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
@@ -459,6 +460,7 @@ def _start_cluster(
         detach,
         guard,
         admin_tag_key=admin_tag_key(bytes.fromhex(group_key)),
+        trace_records=trace_records,
     )
     procs, started = _spawn_nodes(
         spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)], nics_per_process
@@ -537,6 +539,8 @@ class _NodeSpec:
     #: The cluster's admin tag key (ClusterFile.admin_tag_key): the nodes take control
     #: opcodes only with their control tag (SPEC.md 2.6).
     admin_tag_key: bytes = b""
+    #: Records of each NIC's trace ring (SPEC.md 6.7); None: the node's default, 0: off.
+    trace_records: int | None = None
 
     def memory_file(self, rank: int) -> Path:
         return self.shm_dir / f"{self.name}-{rank}.mem"
@@ -633,6 +637,8 @@ def _host_command(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]], key_fd
         )
     if not spec.guard:
         cmd.append("--no-guard")
+    if spec.trace_records is not None:
+        cmd += ["--trace-records", str(spec.trace_records)]
     if logging.getLogger().isEnabledFor(logging.INFO):
         cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
     return cmd
@@ -674,6 +680,7 @@ def _host_configs(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]]) -> lis
             faults=spec.faults,
             die_with_parent=True,
             guard=GuardConfig.on() if spec.guard else GuardConfig(),
+            **({} if spec.trace_records is None else {"trace_records": spec.trace_records}),
         )
         for rank, bind, memory in nics
     ]
@@ -735,6 +742,7 @@ def start_from_file(
     detach: bool = False,
     mtu: int | None = None,
     nics_per_process: int | None = None,
+    trace_records: int | None = None,
 ) -> LocalCluster:
     """``netdam up --cluster FILE`` with a FILE that lists nodes (hand-written, maybe for several
     hosts): start exactly the nodes whose address is an address of this host, with the file's
@@ -770,6 +778,7 @@ def start_from_file(
         faults or FaultSpec(),
         detach,
         admin_tag_key=info.admin_tag_key,
+        trace_records=trace_records,
     )
     sizes = {n.rank: n.memory_bytes or memory for n in local}
     procs, started = _spawn_nodes(

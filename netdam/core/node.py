@@ -36,9 +36,10 @@ from netdam.core.sendqueue import SendQueue
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.guard import G_NOW, address_token, record_failure
-from netdam.kernels.state import TXQ_TAIL, DupWindow, NodeState, Regions, RxBatch
+from netdam.kernels.state import TXQ_TAIL, DupWindow, NodeState, Regions, RxBatch, TraceRing
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    COUNTERS_TRACE,
     DEFAULT_MTU,
     DUP_REPLY_BYTES,
     DUP_WINDOW,
@@ -53,12 +54,14 @@ from netdam.protocol.constants import (
     REPLY_OPCODES,
     RIGHTS_ALL,
     RIGHTS_DEFINED,
+    TRACE_RECORDS_PER_REPLY,
     DType,
     Flags,
     Opcode,
     ReduceOp,
     Rights,
     Status,
+    TraceKind,
     enum_values,
     max_payload,
 )
@@ -74,6 +77,8 @@ from netdam.protocol.layout import (
     H_STATUS,
     H_VERSION,
     HEADER,
+    TRACE_RECORD_BYTES,
+    TRACE_REPLY,
 )
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64, u64_to_endpoint
 from netdam.protocol.payloads import (
@@ -84,12 +89,19 @@ from netdam.protocol.payloads import (
     unpack_register,
 )
 from netdam.protocol.tag import is_control
+from netdam.protocol.trace import DEFAULT_TRACE_RECORDS, TRACE_DTYPE
 
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
 RKEY_SLOTS = 1024
 MAX_REGIONS = RKEY_SLOTS // 2
 #: Events waiting for the owner; beyond it replies are dropped and counted.
 MAX_EVENTS = 1 << 16
+
+
+#: Control opcodes the trace records on arrival (not COUNTERS: reading the trace would fill it).
+TRACED_CONTROL = frozenset(
+    {Opcode.START_COLL, Opcode.REGISTER, Opcode.DEREGISTER, Opcode.JOIN, Opcode.LEAVE}
+)
 
 
 @dataclass
@@ -115,6 +127,8 @@ class NodeConfig:
     tx_slots: int = 256
     #: Lockout and anti-amplification (SPEC.md 12); off unless the owner asks (processes do).
     guard: GuardConfig = field(default_factory=GuardConfig)
+    #: Records of the trace ring (SPEC.md 6.7; 0: tracing off).
+    trace_records: int = DEFAULT_TRACE_RECORDS
 
 
 class NodeCore(CoreBase):
@@ -132,6 +146,11 @@ class NodeCore(CoreBase):
         self.config = config
         self.memory = memory
         self.counters = C.new_counters()
+        if config.trace_records < 0:
+            raise ValueError(f"trace ring of {config.trace_records} records: 0 turns tracing off")
+        self.trace = TraceRing(
+            np.zeros((config.trace_records, TRACE_RECORD_BYTES), np.uint8), np.zeros(1, np.int64)
+        )
         self.endpoint_u64 = endpoint_to_u64(config.endpoint)
         #: Largest datagram accepted: the UDP payload of one MTU-sized IP packet; longer ones are
         #: dropped and counted, as a NIC drops frames over its MTU.
@@ -223,6 +242,7 @@ class NodeCore(CoreBase):
             self._dup_window(),
             self.collective.state(),
             self.counters,
+            self.trace,
         )
 
     def _dup_window(self) -> DupWindow:
@@ -273,6 +293,7 @@ class NodeCore(CoreBase):
             self.collective.state(),
             self.memory,
             self.counters,
+            self.trace,
             self.tx_bundle(),
             int(self._txq[TXQ_TAIL]),
             self._ticks,
@@ -330,6 +351,8 @@ class NodeCore(CoreBase):
         if packet.opcode == Opcode.PING:
             self._on_ping(packet, src)
             return
+        if packet.opcode in TRACED_CONTROL:
+            self._trace_control(packet, len(data), src)
         handler = self._handlers.get(packet.opcode)
         proof = (
             control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
@@ -646,7 +669,43 @@ class NodeCore(CoreBase):
             self._nack(packet, src, status, tag_key=key)
 
     def _on_counters(self, packet: Packet, src: int) -> None:
-        self._reply(packet, src, Opcode.ACK, payload=self.counters.astype("<u8").tobytes())
+        if packet.aux_addr == COUNTERS_TRACE:
+            self._reply(packet, src, Opcode.ACK, payload=self.trace_records(packet.addr))
+        elif packet.aux_addr != 0:
+            self._reply(packet, src, Opcode.NACK, Status.BAD_FIELD)
+        else:
+            self._reply(packet, src, Opcode.ACK, payload=self.counters.astype("<u8").tobytes())
+
+    def _trace_control(self, packet: Packet, length: int, src: int) -> None:
+        """An RX record of a control datagram the control plane took (the compiled loop records
+        the data socket's; these come through the management port, SPEC.md 6.7)."""
+        rows = self.trace.rec
+        if rows.shape[0] == 0:
+            return
+        written = int(self.trace.cursor[0])
+        record = rows[written % rows.shape[0]].view(TRACE_DTYPE)
+        record[:] = 0
+        record["t_ns"] = int(self.guard.cfg[G_NOW] * 1e9)
+        record["kind"] = TraceKind.RX
+        record["opcode"] = packet.opcode
+        record["length"] = length
+        record["peer"] = src
+        record["coll_id"] = packet.coll_id
+        record["epoch"] = packet.epoch
+        record["seq"] = packet.seq
+        self.trace.cursor[0] = written + 1
+
+    def trace_records(self, first: int) -> bytes:
+        """The trace reply (SPEC.md 6.7): records from number *first* on, or from the oldest the
+        ring still holds, at most TRACE_RECORDS_PER_REPLY of them."""
+        rows = self.trace.rec
+        slots = rows.shape[0]
+        written = int(self.trace.cursor[0])
+        start = min(max(first, written - slots, 0), written)
+        count = min(TRACE_RECORDS_PER_REPLY, written - start)
+        picked = rows[np.arange(start, start + count, dtype=np.int64) % max(slots, 1)]
+        head = TRACE_REPLY.struct.pack(start, written, slots, TRACE_RECORD_BYTES, 0)
+        return bytes(head + picked.tobytes())
 
 
 def _probe_free(table: np.ndarray, rkey: int) -> int:

@@ -21,8 +21,20 @@ from numba import njit
 
 from netdam.kernels import signatures as S
 from netdam.kernels.combine import combine_bytes
-from netdam.kernels.state import CollSlots, CollState, NodeState, TxQueue
+from netdam.kernels.state import CollSlots, CollState, NodeState, TraceRing, TxQueue
 from netdam.kernels.tag import seal_tag, tag_matches
+from netdam.kernels.trace import (
+    K_BLOCK,
+    K_PHASE,
+    K_RETRANSMIT,
+    PH_CHAINS,
+    PH_CHUNKS,
+    PH_COMPLETE,
+    PH_DONE,
+    PH_FAILED,
+    PH_START,
+    note,
+)
 from netdam.kernels.wire import (
     ESIZE,
     F_ACK_REQ,
@@ -100,6 +112,7 @@ from netdam.protocol.layout import (
     SEG_IP,
     SEG_PORT,
     SEG_RESERVED,
+    TRACE_RECORD_BYTES,
 )
 from netdam.protocol.payloads import NO_PHASE_US, Algo
 
@@ -538,6 +551,7 @@ def coll_tick(
     slots: CollSlots,
     mem: np.ndarray,
     counters: np.ndarray,
+    trace: TraceRing,
     tx: TxQueue,
     tx_n: int,
     first: int = 0,
@@ -548,7 +562,9 @@ def coll_tick(
         raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
     if slots.cfg.shape[0] != SLOT_ROWS or slots.cfg.shape[1] < CFG_LEN or slots.f.shape[1] < F_LEN:
         raise ValueError("collective slot arrays do not match their layout")
-    return int(coll_ticks(now, slots, mem, counters, tx, tx_n, first % MAX_COLLECTIVES))
+    if trace.rec.ndim != 2 or (trace.rec.shape[0] and trace.rec.shape[1] != TRACE_RECORD_BYTES):
+        raise ValueError("trace ring rows do not match the trace record")
+    return int(coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first % MAX_COLLECTIVES))
 
 
 @njit(cache=True, nogil=True)
@@ -582,8 +598,10 @@ def slot_of(slots, coll):
 @njit(cache=True, nogil=True)
 def for_collective(node, coll):
     """*node* as the per-packet code sees it: the slot of collective *coll* in place of the slots."""
-    mem, regions, members, window, slots, counters = node
-    return NodeState(mem, regions, members, window, _slot(slots, slot_of(slots, coll)), counters)
+    mem, regions, members, window, slots, counters, trace = node
+    return NodeState(
+        mem, regions, members, window, _slot(slots, slot_of(slots, coll)), counters, trace
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -603,7 +621,7 @@ def any_slot(slots, running_only):
 
 
 @njit(cache=True, nogil=True)
-def coll_ticks(now, slots, mem, counters, tx, tx_n, first):
+def coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first):
     """The clock of every slot that needs it, slot *first* first: callers turn *first* round,
     so no collective always sends first into a send queue that may fill (a fair share each).
     Running collectives share the credit window: each keeps 1/k of its window in flight while
@@ -615,12 +633,12 @@ def coll_ticks(now, slots, mem, counters, tx, tx_n, first):
     for k in range(MAX_COLLECTIVES):
         s = (first + k) % MAX_COLLECTIVES
         if _needs_clock(slots.cfg[s]):
-            tx_n = _coll_tick(now, _slot(slots, s), mem, counters, tx, tx_n, max(running, 1))
+            tx_n = _coll_tick(now, _slot(slots, s), mem, counters, trace, tx, tx_n, max(running, 1))
     return tx_n
 
 
 @njit(cache=True, nogil=True)
-def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
+def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     """Advance the running collective at time *now* (seconds), one of *share* running here
     (its window divided among them); returns the new tx_n."""
     cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
@@ -634,6 +652,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
         fcfg[F_START] = now
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
+        _trace_start(trace, now, cfg, cb)
         tx_n = _send_resumes(cfg, tx, tx_n)
     window = max(cfg[CFG_WINDOW] // share, SHARED_WINDOW_MIN)
     # DONEs and (sparse mode) arriving bitmaps are progress too
@@ -646,6 +665,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
         cfg[CFG_STATE] = STATE_FAILED
         if _room(tx_buf, tx_off, tx_len, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
+            _trace_phase(trace, now, cfg, PH_FAILED, status)
             tx_n = _notify(cfg, fcfg, status, done, tx, tx_n)
         return tx_n
     ob = cfg[CFG_ORIG_BLOCK]
@@ -689,6 +709,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
                 tries[c] = min(tries[c] + 1, 255)
                 cfg[CFG_RETRANSMITS] += 1
                 counters[C.RETRANSMITS] += 1
+                _trace_resend(trace, now, cfg, OP_CHAIN_ADD, c)
                 backoff = True
         if backoff:
             fcfg[F_RTO] = min(fcfg[F_RTO] * 2.0, RTO_MAX_S)
@@ -796,6 +817,7 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
             sent[c] = now
             cfg[CFG_READS] += 1
             counters[C.RETRANSMITS] += 1
+            _trace_resend(trace, now, cfg, OP_READ, c)
             budget -= 1
         fcfg[F_LAST_PROGRESS] = now  # one repair round per RTO
     # 4. Ready when every needed chunk is here and every chain this node started was ACKed.
@@ -830,8 +852,52 @@ def _coll_tick(now, coll, mem, counters, tx, tx_n, share):
         if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
             cfg[CFG_STATE] = STATE_DONE
             fcfg[F_T_DONE] = now
+            _trace_phase(trace, fcfg[F_T_CHAINS], cfg, PH_CHAINS, 0)
+            _trace_phase(trace, fcfg[F_T_CHUNKS], cfg, PH_CHUNKS, 0)
+            _trace_phase(trace, now, cfg, PH_DONE, 0)
             tx_n = _notify(cfg, fcfg, 0, done, tx, tx_n)
+            _trace_phase(trace, now, cfg, PH_COMPLETE, 0)
     return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _trace_start(trace, now, cfg, cb):
+    """The collective's clock starts here: a START record, then its plan (each block's first
+    chunk and chunks), which a trace reader needs to place chunks in blocks."""
+    if trace.rec.shape[0] == 0:
+        return
+    t_ns = np.int64(now * 1e9)
+    _trace_phase(trace, now, cfg, PH_START, 0)
+    for b in range(cfg[CFG_WORLD]):
+        note(
+            trace,
+            t_ns,
+            K_BLOCK,
+            0,
+            0,
+            0,
+            cb[b + 1] - cb[b],
+            0,
+            cfg[CFG_COLL],
+            cfg[CFG_EPOCH],
+            b,
+            cb[b],
+        )
+
+
+@njit(cache=True, nogil=True)
+def _trace_phase(trace, t, cfg, phase, status):
+    """A PHASE record: *phase* of this collective ended at *t* (s); a failure's *status* in
+    its addr."""
+    t_ns = np.int64(max(t, 0.0) * 1e9)
+    note(trace, t_ns, K_PHASE, 0, phase, 0, 0, 0, cfg[CFG_COLL], cfg[CFG_EPOCH], 0, status)
+
+
+@njit(cache=True, nogil=True)
+def _trace_resend(trace, now, cfg, opcode, c):
+    """A RETRANSMIT record: chunk *c* went again (a chain, or a repair READ)."""
+    t_ns = np.int64(now * 1e9)
+    note(trace, t_ns, K_RETRANSMIT, opcode, 0, 0, 0, 0, cfg[CFG_COLL], cfg[CFG_EPOCH], c, 0)
 
 
 @njit(cache=True, nogil=True)
@@ -1017,7 +1083,7 @@ def all_write(b, ln, src, node, tx, tx_n):
     """Multicast write: idempotent, so no duplicate window; ACK only when asked. Inside a
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _trace = node
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
@@ -1064,7 +1130,7 @@ def all_write(b, ln, src, node, tx, tx_n):
 def chain_add_hop(b, ln, src, node, tx, tx_n):
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _trace = node
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
@@ -1244,7 +1310,7 @@ def coll_reply(b, ln, src, op, node):
     """Replies of the running collective, handled here so no reply costs Python: chain ACKs
     free the originator's window, NACKs BUSY are retried by the timer (others fail the
     collective), READ_RESPs of repair READs fill the missing chunk. False: not ours, punt."""
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _trace = node
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not is_member(members, src):
         return False

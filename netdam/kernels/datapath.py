@@ -416,7 +416,7 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
     """READ; a collective's repair READ (coll_id != 0) is served only once the chunk is final.
     A READ whose reply would not fit this node's MTU (*max_len*) is TOO_LARGE: the kernel would
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _trace = node
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
@@ -465,7 +465,7 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
 def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, reply address, rkey, txn id);
     *stamp* is the batch's time in microseconds (the window's clock)."""
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, _trace = node
     w_txn, w_state, w_len, w_reply = window.txn, window.state, window.len, window.reply
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)

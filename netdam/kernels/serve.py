@@ -29,6 +29,7 @@ from netdam.kernels.state import (
     ServeIO,
     TxQueue,
 )
+from netdam.kernels.trace import K_RX, K_TX, N_DROPS, drop_marks, note_datagram, note_drops
 from netdam.kernels.udp_io import (
     POLLIN,
     ST_KERNEL_DROPS,
@@ -49,8 +50,9 @@ RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
 
 
 @njit(cache=True, nogil=True)
-def flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
-    """Send the pending queue; account for what left. Returns True when everything went."""
+def flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratch, io_state):
+    """Send the pending queue; account for what left (and trace it: a TX record each, one
+    clock reading per flush). Returns True when everything went."""
     head = txq[TXQ_HEAD]
     tail = txq[TXQ_TAIL]
     if tail <= head:
@@ -65,9 +67,13 @@ def flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_s
         scratch,
         io_state,
     )
+    t_ns = clock_ns() if trace.rec.shape[0] != 0 else 0
     for k in range(head, head + sent):
         counters[C.TX_PACKETS] += 1
         counters[C.TX_BYTES] += tx_len[k]
+        note_datagram(
+            trace, t_ns, K_TX, tx_buf[tx_off[k] : tx_off[k] + tx_len[k]], tx_len[k], tx_dst[k]
+        )
     counters[C.SEND_DROPS] = io_state[ST_SEND_DROPPED]  # of those, refused by the kernel
     txq[TXQ_HEAD] = head + sent
     if txq[TXQ_HEAD] == tail:
@@ -133,9 +139,10 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg
     hold_len = faults.hold.len
-    mem, regions, members, window, coll, counters = node
+    mem, regions, members, window, coll, counters, trace = node
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
+    marks = np.zeros(N_DROPS, np.uint64)  # the drop counters before each batch (its trace)
     start_ns = clock_ns()
     budget_ns = np.int64(timeout_ms) * 1_000_000
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
@@ -151,12 +158,15 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
                 coll,
                 mem,
                 counters,
+                trace,
                 tx,
                 txq[TXQ_TAIL],
                 (now_ns // 1000) % MAX_COLLECTIVES,
             )
             txq[TXQ_TAIL] = tx_n
-        if not flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
+        if not flush_sends(
+            fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratch, io_state
+        ):
             if txq[TXQ_HEAD] > 0:
                 return RETURN_QUEUE, 0  # partial send: compact before receiving more
         tail = txq[TXQ_TAIL]
@@ -174,7 +184,9 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
         if wait > 0:
             ready = _wait_any(fd, mfd, cfd, wait)
             if ready & 4:
-                flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+                flush_sends(
+                    fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratch, io_state
+                )
                 return RETURN_IDLE, 0  # management traffic: the control plane's turn
             wait = 0
         if mfd < 0:
@@ -200,22 +212,36 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
             for k in range(n, n + m):
                 rx_off[k] += half
             n += m
+        drop_marks(trace, counters, marks)
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if fault_cfg[FC_ACTIVE] != 0.0:
             n = apply_faults(rx, n, faults, counters)
             fault_cfg[FC_GEN] += 1.0  # batch generation: held datagrams wait at least one batch
         got = n
+        now_ns = clock_ns()  # the lockout clock and the trace's: one reading per batch
         if n == 0:
+            note_drops(trace, now_ns, counters, marks)
             if budget_ns == 0:
                 break  # a call with no time to wait: one look only
             continue
-        guard.cfg[G_NOW] = clock_ns() * 1e-9  # the lockout clock: one reading per batch
+        guard.cfg[G_NOW] = now_ns * 1e-9
+        if trace.rec.shape[0] != 0:
+            for k in range(n):
+                note_datagram(
+                    trace,
+                    now_ns,
+                    K_RX,
+                    rx_buf[rx_off[k] : rx_off[k] + rx_len[k]],
+                    rx_len[k],
+                    rx_src[k],
+                )
         tx_n, n_punt = process_batch_kernel(rx, n, max_len, node, guard, tx, txq[TXQ_TAIL], punt)
         txq[TXQ_TAIL] = tx_n
+        note_drops(trace, now_ns, counters, marks)
         if n_punt > 0:
-            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratch, io_state)
             return RETURN_PUNT, n_punt
-    flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+    flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratch, io_state)
     return (RETURN_ROUNDS if got else RETURN_IDLE), 0
 
 

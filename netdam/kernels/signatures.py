@@ -30,6 +30,7 @@ from netdam.kernels.state import (
     SwitchPorts,
     SwitchState,
     Tenants,
+    TraceRing,
     TxQueue,
 )
 
@@ -79,8 +80,11 @@ NODE_STATE = typeof(
             _a(u8, 2),
         ),
         _a(u64),
+        TraceRing(_a(u8, 2), _a(i64)),
     )
 )
+#: The node's trace ring, which the engine's clock takes beside the slots.
+TRACE_RING = typeof(TraceRing(_a(u8, 2), _a(i64)))
 HOLD_TABLE = HoldTable(_a(u8, 2), _a(i32), _a(u64), _a(i64), _a(f64), _a(i64))
 FAULT_STATE = typeof(FaultState(_a(f64), _a(u64), _a(u64), _a(u32), HOLD_TABLE))
 SERVE_IO = typeof(ServeIO(0, 0, 0, 0, 0, 0, 0, 0, _a(i64), _a(i64)))
@@ -124,8 +128,17 @@ PROCESS_BATCH = (
 )
 #: _serve(io, rx, faults, node, guard, tx, txq, punt)
 SERVE = (SERVE_IO, RX_BATCH, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ, PUNT)
-#: coll_ticks(now, slots, mem, counters, tx, tx_n, first)
-COLL_TICKS = (types.float64, COLL_SLOTS, MEMORY, COUNTERS, TX_QUEUE, types.int64, types.int64)
+#: coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first)
+COLL_TICKS = (
+    types.float64,
+    COLL_SLOTS,
+    MEMORY,
+    COUNTERS,
+    TRACE_RING,
+    TX_QUEUE,
+    types.int64,
+    types.int64,
+)
 #: switch_round_kernel(rx, n, max_len, st, tx, tx_n, punt)
 SWITCH_ROUND = (RX_BATCH, types.int64, types.int64, SWITCH_STATE, TX_QUEUE, types.int64, PUNT)
 #: _switch_serve(io, rx, room_per, st, tx, txq, punt)

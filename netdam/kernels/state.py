@@ -103,6 +103,14 @@ class Guard(NamedTuple):
     set_last: np.ndarray  # float64 per set: end of the last lockout
 
 
+class TraceRing(NamedTuple):
+    """The NIC's trace (netdam.kernels.trace, SPEC.md 6.7): record k of those written lives in
+    row k % slots, laid out as the wire's trace record; no rows: tracing is off."""
+
+    rec: np.ndarray  # uint8 (slots, TRACE_RECORD_BYTES)
+    cursor: np.ndarray  # int64 [1]: records written so far (the next record's number)
+
+
 class NodeState(NamedTuple):
     """Everything a node's datapath reads or changes besides the batches."""
 
@@ -112,6 +120,7 @@ class NodeState(NamedTuple):
     window: DupWindow
     coll: CollSlots  # the per-packet code gets one slot's CollState in its place (collective.for_collective)
     counters: np.ndarray  # uint64 (protocol/counters.py)
+    trace: TraceRing
 
 
 class HoldTable(NamedTuple):

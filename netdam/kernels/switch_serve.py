@@ -21,12 +21,14 @@ from netdam.kernels.state import (
     RxBatch,
     ServeIO,
     SwitchState,
+    TraceRing,
     TxQueue,
 )
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, switch_round_kernel
 from netdam.kernels.udp_io import ST_KERNEL_DROPS, clock_ns, recv_batch_kernel
 from netdam.kernels.wire import SLOT
 from netdam.protocol import counters as C
+from netdam.protocol.layout import TRACE_RECORD_BYTES
 
 RETURN_IDLE = 0
 RETURN_PUNT = 1
@@ -68,9 +70,13 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):
     fclock, fstate, hold_len = st.faults.fclock, st.faults.fstate, st.faults.hold.len
     tx_buf, tx_off, tx_len, tx_dst = tx
     cap = tx_len.shape[0]
+    # The switch keeps no trace (SPEC.md 6.7: a NIC's): a ring with no rows records nothing.
+    no_trace = TraceRing(np.zeros((0, TRACE_RECORD_BYTES), np.uint8), np.zeros(1, np.int64))
     t0 = clock_ns()
     for _round in range(max_rounds):
-        if not flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state):
+        if not flush_sends(
+            fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, no_trace, scratch, io_state
+        ):
             if txq[TXQ_HEAD] > 0:
                 return RETURN_QUEUE, 0
         tail = txq[TXQ_TAIL]
@@ -88,19 +94,25 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):
         )
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if n == 0 and held == 0:
-            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(
+                fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, no_trace, scratch, io_state
+            )
             return RETURN_IDLE, 0
         fclock[FCLOCK_NOW] = clock_ns() * 1e-9
         st.guard.cfg[G_NOW] = fclock[FCLOCK_NOW]  # the lockout's clock
         tx_n, n_punt = switch_round_kernel(rx, n, max_len, st, tx, txq[TXQ_TAIL], punt)
         txq[TXQ_TAIL] = tx_n
         if n_punt > 0:
-            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(
+                fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, no_trace, scratch, io_state
+            )
             return RETURN_PUNT, n_punt
         if n == 0:
-            flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+            flush_sends(
+                fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, no_trace, scratch, io_state
+            )
             return RETURN_IDLE, 0
-    flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, scratch, io_state)
+    flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, no_trace, scratch, io_state)
     return RETURN_ROUNDS, 0
 
 

@@ -25,6 +25,7 @@ from netdam.kernels.state import FC_ACTIVE, FC_NOW, FaultState, HoldTable, RxBat
 from netdam.kernels.udp_io import RUN_BYTES, STATE_LEN
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
+from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.shell.process import (
     ServeLoop,
     record_socket_buffers,
@@ -71,6 +72,8 @@ class NodeProcessConfig:
     die_with_parent: bool = False
     #: Lockout and anti-amplification (SPEC.md 12); --no-guard turns both off.
     guard: GuardConfig = field(default_factory=GuardConfig.on)
+    #: Records of the NIC's trace ring (SPEC.md 6.7; 0: off).
+    trace_records: int = DEFAULT_TRACE_RECORDS
 
 
 @dataclass
@@ -129,6 +132,7 @@ class NodeProcess(ServeLoop):
                 world_size=config.world_size,
                 tx_slots=4 * ROUND_DATAGRAMS,
                 guard=config.guard,
+                trace_records=config.trace_records,
             ),
             memory=self.memory.array,
         )

@@ -8,6 +8,7 @@ chain order, bitwise. Counters come from the nodes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ import numpy as np
 from netdam import progress
 from netdam.api import ArenaInUseError, CollectiveError, ProcessGroup, Work
 from netdam.api import all_reduce as api_all_reduce
+from netdam.api import trace as api_trace
 from netdam.clients.ring_host import RECEIVE_ALIGN as RING_ALIGN
 from netdam.clients.ring_host import ring_all_reduce
 from netdam.cluster.clusterfile import ClusterFile, load_cluster
@@ -78,6 +80,7 @@ class AllReduceConfig:
     repeat: int = 1
     algo: str = "chain"
     sparse: bool = False  # sparse mode; the same inputs also run dense, both wire byte counts
+    trace: Path | None = None  # a timeline of the timed runs (api.trace), written here
     density: float = 1.0  # fraction of input elements kept non-zero (the rest exactly +0)
     #: Buffers in NIC memory (netdam.empty): no staging copy in or out (chain only).
     resident: bool = False
@@ -256,31 +259,43 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             host_copy = host_packets = host_bytes = 0
             host_overheads: list[tuple[float, float]] = []
             ok = True
+            timeline = (
+                api_trace(config.trace, groups[0])
+                if config.trace is not None
+                else contextlib.nullcontext()
+            )
             try:
-                for index in range(config.repeat):
-                    progress.status(f"all-reduce {index + 1}/{config.repeat}")
-                    buffers = _buffers(groups, inputs, held)
-                    if config.algo == "ring-host":
-                        ring = ring_all_reduce(groups, buffers, config.op)
-                        times.append(ring.seconds)
-                        host_copy += ring.host_copy_bytes
-                        host_packets += ring.packets
-                        host_bytes += ring.payload_bytes
-                    else:
-                        seconds, phases, overheads = _timed_run(
-                            groups, buffers, config.op, config.sparse, pool
-                        )
-                        times.append(seconds)
-                        host_overheads += overheads
-                        for key, value in phases.items():
-                            phase_times.setdefault(key, []).append(value)
-                    identical = all(b.tobytes() == buffers[0].tobytes() for b in buffers)
-                    exact = buffers[0].tobytes() == expected.tobytes()
-                    ok = ok and identical and exact
+                with timeline as traced:
+                    for index in range(config.repeat):
+                        progress.status(f"all-reduce {index + 1}/{config.repeat}")
+                        buffers = _buffers(groups, inputs, held)
+                        if config.algo == "ring-host":
+                            ring = ring_all_reduce(groups, buffers, config.op)
+                            times.append(ring.seconds)
+                            host_copy += ring.host_copy_bytes
+                            host_packets += ring.packets
+                            host_bytes += ring.payload_bytes
+                        else:
+                            seconds, phases, overheads = _timed_run(
+                                groups, buffers, config.op, config.sparse, pool
+                            )
+                            times.append(seconds)
+                            host_overheads += overheads
+                            for key, value in phases.items():
+                                phase_times.setdefault(key, []).append(value)
+                        identical = all(b.tobytes() == buffers[0].tobytes() for b in buffers)
+                        exact = buffers[0].tobytes() == expected.tobytes()
+                        ok = ok and identical and exact
             finally:
                 if pool is not None:
                     pool.shutdown()
             after = _totals(info, client)
+            if traced is not None:
+                result["trace"] = {
+                    "path": str(traced.path),
+                    "records": traced.records,
+                    "lost": traced.lost,
+                }
         seconds = float(np.median(times))
         if phase_times:
             result["phases"] = {key: float(np.median(v)) for key, v in phase_times.items()}

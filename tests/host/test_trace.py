@@ -1,0 +1,160 @@
+"""A timeline of real NICs (SPEC.md 6.7): a 4-NIC all-reduce under injected loss, traced with
+``netdam.api.trace``, opened as Chrome trace JSON and held to what the NICs counted; then
+``netdam trace`` on the running cluster and ``netdam allreduce --trace``."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from netdam import api
+from netdam.cli.main import main as cli_main
+from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import LocalCluster, start_cluster
+from netdam.core.faults import FaultSpec
+from netdam.protocol import counters as C
+from netdam.protocol.constants import Status
+from netdam.tools.allreduce import AllReduceConfig, reference_chain_allreduce, run_allreduce
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def lossy() -> Iterator[LocalCluster]:
+    with start_cluster(WORLD, memory=4 << 20, faults=FaultSpec(loss=0.05, seed=11)) as running:
+        yield running
+
+
+def _totals(cluster: LocalCluster) -> np.ndarray:
+    with ControlClient.for_cluster(cluster.info) as client:
+        return np.array(
+            [client.counters(n.control_endpoint).astype(np.int64) for n in cluster.info.nodes]
+        )
+
+
+def _nested(spans: list[dict[str, Any]]) -> bool:
+    """Whether the complete events of one track nest: each inside the open one, or after it."""
+    stack: list[float] = []
+    for span in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+        start, end = span["ts"], span["ts"] + span["dur"]
+        while stack and start >= stack[-1] - 1e-6:
+            stack.pop()
+        if stack and end > stack[-1] + 1e-6:
+            return False
+        stack.append(end)
+    return True
+
+
+def test_a_lossy_all_reduce_traced_hop_by_hop(lossy: LocalCluster, tmp_path: Path) -> None:
+    groups = [api.ProcessGroup(lossy.info, r) for r in range(WORLD)]
+    try:
+        rng = np.random.default_rng(5)
+        inputs = [rng.standard_normal(60_000).astype(np.float32) for _ in range(WORLD)]
+        bufs = [x.copy() for x in inputs]
+        before = _totals(lossy)
+        path = tmp_path / "allreduce.json"
+        with api.trace(path, group=groups[0]) as written:
+            works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs)]
+            for work in works:
+                assert work is not None
+                work.wait()
+        delta = _totals(lossy) - before
+    finally:
+        for g in groups:
+            g.close()
+    expected = reference_chain_allreduce(inputs, api.ReduceOp.SUM)
+    assert all(b.tobytes() == expected.tobytes() for b in bufs)
+    trace = json.loads(path.read_text())  # valid JSON in the Chrome trace event format
+    events = trace["traceEvents"]
+    assert written.records > 0 and written.lost == 0
+    assert {e["ph"] for e in events} <= {"M", "X", "i", "s", "f"}
+    # The tracks: a process per NIC and per host rank, named.
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    nic_pids = sorted(p for p, n in names.items() if n.startswith("NIC rank"))
+    assert [names[p].split()[2] for p in nic_pids] == ["0", "1", "2", "3"]
+    assert sorted(n for n in names.values() if n.startswith("host rank")) == [
+        f"host rank {r}" for r in range(WORLD)
+    ]
+    spans = [e for e in events if e["ph"] == "X"]
+    for pid in nic_pids:
+        phases = [e["name"] for e in spans if e["pid"] == pid and "block" not in e["name"]]
+        assert phases[1:] == ["start", "chain reduce", "multicast gather", "DONE", "completion"]
+        assert phases[0].startswith("collective")
+    for rank in range(WORLD):
+        host = [e["name"] for e in spans if e["pid"] == 1000 + rank]
+        assert host == ["all_reduce", "issue", "in the NICs", "return"]
+    # Spans nest properly on every track.
+    by_track: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    for span in spans:
+        by_track[(span["pid"], span["tid"])].append(span)
+    assert all(_nested(track) for track in by_track.values())
+    # Every retransmit the NICs counted is an instant, and so is every datagram loss dropped.
+    instants = Counter(e["name"] for e in events if e["ph"] == "i")
+    resent = int(delta[:, C.RETRANSMITS].sum())
+    assert resent > 0, "5% loss re-sent nothing: the test would prove nothing"
+    assert instants["retransmit"] + instants["repair READ"] == resent
+    dropped = sum(
+        e["args"]["datagrams"] for e in events if e["ph"] == "i" and e["name"] == "drop drop_fault"
+    )
+    assert dropped == int(delta[:, C.DROP_FAULT].sum()) > 0
+    assert instants["BUSY"] == int(delta[:, C.NACK_BASE + Status.BUSY].sum())
+    # The flows follow each block's chain: rank r hands to rank r + 1, three hops a block.
+    rank_of = {pid: int(names[pid].split()[2]) for pid in nic_pids}
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    hops: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for end in (e for e in events if e["ph"] == "f"):
+        begin = starts[end["id"]]
+        hops[end["name"]].append((rank_of[begin["pid"]], rank_of[end["pid"]]))
+        assert begin["ts"] <= end["ts"]
+    assert sorted(hops) == [f"block {b}" for b in range(WORLD)]
+    for pairs in hops.values():
+        assert len(pairs) == WORLD - 1
+        assert all(dst == (src + 1) % WORLD for src, dst in pairs)
+        firsts = {src for src, _ in pairs} - {dst for _, dst in pairs}
+        assert len(firsts) == 1  # one path from the block's first hop
+
+
+def test_netdam_trace_records_a_running_cluster(lossy: LocalCluster, tmp_path: Path) -> None:
+    out = tmp_path / "live.json"
+    codes: list[int] = []
+    recorder = threading.Thread(
+        target=lambda: codes.append(
+            cli_main(["trace", "--cluster", str(lossy.path), "--seconds", "1.5", "--out", str(out)])
+        )
+    )
+    groups = [api.ProcessGroup(lossy.info, r) for r in range(WORLD)]
+    try:
+        recorder.start()
+        time.sleep(0.5)  # it notes where the rings stand (4 round trips) before the call starts
+        bufs = [np.full(20_000, r + 1, np.float32) for r in range(WORLD)]
+        works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs)]
+        for work in works:
+            assert work is not None
+            work.wait()
+        recorder.join(30)
+    finally:
+        for g in groups:
+            g.close()
+    assert codes == [0]
+    assert all((b == 10).all() for b in bufs)
+    trace = json.loads(out.read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert names.count("chain reduce") == WORLD
+    assert len(trace["netdam"]["nics"]) == WORLD
+
+
+def test_allreduce_trace_option(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    result = run_allreduce(AllReduceConfig(nodes=2, count=4096, repeat=2, trace=out))
+    assert result["ok"] and result["trace"]["path"] == str(out)  # type: ignore[index]
+    trace = json.loads(out.read_text())
+    calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "all_reduce"]
+    assert len(calls) == 2 * 2  # two timed calls, two host ranks
