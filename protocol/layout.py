@@ -339,8 +339,10 @@ TRACE_RECORD = Layout(
         _f("coll_id", 24, 4, "u32", "the datagram's or collective's coll_id"),
         _f("epoch", 28, 4, "u32", "its epoch"),
         _f("seq", 32, 4, "u32", "the datagram's seq (a collective's chunk); BLOCK: the block"),
-        _f("reserved", 36, 4, "u32", "0"),
-        _f("addr", 40, 8, "u64", "the datagram's addr; BLOCK: its first chunk"),
+        _f("seg_count", 36, 1, "u8", "the datagram's seg_count (RX, TX)"),
+        _f("reserved", 37, 1, "u8", "0"),
+        _f("flags", 38, 2, "u16", "the datagram's flags (RX, TX)"),
+        _f("addr", 40, 8, "u64", "the datagram's addr; BLOCK: its first chunk; FAILED: the status"),
     ],
     spec="**Trace record**",
 )
@@ -436,7 +438,9 @@ TREC_PEER = TRACE_RECORD.at("peer")
 TREC_COLL_ID = TRACE_RECORD.at("coll_id")
 TREC_EPOCH = TRACE_RECORD.at("epoch")
 TREC_SEQ = TRACE_RECORD.at("seq")
+TREC_SEG_COUNT = TRACE_RECORD.at("seg_count")
 TREC_RESERVED = TRACE_RECORD.at("reserved")
+TREC_FLAGS = TRACE_RECORD.at("flags")
 TREC_ADDR = TRACE_RECORD.at("addr")
 TRACE_RECORD_BYTES = TRACE_RECORD.size
 CAS_SWAP = CAS.at("swap")

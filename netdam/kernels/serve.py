@@ -57,6 +57,9 @@ def flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratc
     tail = txq[TXQ_TAIL]
     if tail <= head:
         return True
+    # Read before sending: a receiver on the other core may take the first datagram before
+    # the send call returns, and a hop's TX record must not come after its next hop's RX.
+    t_ns = clock_ns() if trace.rec.shape[0] != 0 else 0
     sent = send_batch_kernel(
         fd,
         tx_buf,
@@ -67,7 +70,6 @@ def flush_sends(fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratc
         scratch,
         io_state,
     )
-    t_ns = clock_ns() if trace.rec.shape[0] != 0 else 0
     for k in range(head, head + sent):
         counters[C.TX_PACKETS] += 1
         counters[C.TX_BYTES] += tx_len[k]

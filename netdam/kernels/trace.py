@@ -14,25 +14,29 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.wire import HDR, put_le32, put_le64, rd32, rd64
+from netdam.kernels.wire import HDR, put_le16, put_le32, put_le64, rd16, rd32, rd64
 from netdam.protocol.constants import TraceKind, TracePhase
 from netdam.protocol.counters import DROP_INDICES
 from netdam.protocol.layout import (
     H_ADDR,
     H_COLL_ID,
     H_EPOCH,
+    H_FLAGS,
     H_OPCODE,
+    H_SEG_COUNT,
     H_SEGMENTS_LEFT,
     H_SEQ,
     H_STATUS,
     TREC_ADDR,
     TREC_COLL_ID,
     TREC_EPOCH,
+    TREC_FLAGS,
     TREC_KIND,
     TREC_LENGTH,
     TREC_OPCODE,
     TREC_PEER,
     TREC_RESERVED,
+    TREC_SEG_COUNT,
     TREC_SEG_LEFT,
     TREC_SEQ,
     TREC_STATUS,
@@ -63,7 +67,8 @@ N_DROPS = len(DROP_INDICES)
 
 @njit(cache=True, nogil=True)
 def note(trace, t_ns, kind, opcode, status, seg_left, length, peer, coll, epoch, seq, addr):
-    """Write one record (nothing when the ring has no rows)."""
+    """Write one record (nothing when the ring has no rows); a datagram's seg_count and flags
+    are note_datagram's to fill."""
     slots = trace.rec.shape[0]
     if slots == 0:
         return
@@ -79,7 +84,9 @@ def note(trace, t_ns, kind, opcode, status, seg_left, length, peer, coll, epoch,
     put_le32(r, TREC_COLL_ID, np.int64(coll) & 0xFFFFFFFF)
     put_le32(r, TREC_EPOCH, np.int64(epoch) & 0xFFFFFFFF)
     put_le32(r, TREC_SEQ, np.int64(seq) & 0xFFFFFFFF)
-    put_le32(r, TREC_RESERVED, 0)
+    r[TREC_SEG_COUNT] = 0
+    r[TREC_RESERVED] = 0
+    put_le16(r, TREC_FLAGS, 0)
     put_le64(r, TREC_ADDR, np.uint64(addr))
     trace.cursor[0] = k + 1
 
@@ -107,6 +114,9 @@ def note_datagram(trace, t_ns, kind, b, ln, peer):
         rd32(b, H_SEQ),
         rd64(b, H_ADDR),
     )
+    r = trace.rec[(trace.cursor[0] - 1) % trace.rec.shape[0]]
+    r[TREC_SEG_COUNT] = b[H_SEG_COUNT]
+    put_le16(r, TREC_FLAGS, rd16(b, H_FLAGS))
 
 
 @njit(cache=True, nogil=True)

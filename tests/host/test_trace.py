@@ -20,9 +20,11 @@ from netdam.cli.main import main as cli_main
 from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
+from netdam.fpga_model.collectives import default_params
 from netdam.protocol import counters as C
 from netdam.protocol.constants import Status
 from netdam.tools.allreduce import AllReduceConfig, reference_chain_allreduce, run_allreduce
+from netdam.tools.replay import replay_trace
 
 WORLD = 4
 
@@ -120,6 +122,14 @@ def test_a_lossy_all_reduce_traced_hop_by_hop(lossy: LocalCluster, tmp_path: Pat
         assert all(dst == (src + 1) % WORLD for src, dst in pairs)
         firsts = {src for src, _ in pairs} - {dst for _, dst in pairs}
         assert len(firsts) == 1  # one path from the block's first hop
+    # The same run on NetDAM cards: slower than the model's clean run by at least one timer
+    # wait, its re-sends at most the ones the NICs counted (a lost repair READ is not seen).
+    nd, _ = default_params(100.0)
+    [call] = replay_trace(trace, nd, rto_s=20e-6)
+    assert call.nbytes == 60_000 * 4 and call.nics == WORLD
+    assert call.no_skew.seconds >= call.estimate_s + 20e-6
+    assert 0 < call.no_skew.retries <= resent
+    assert call.replayed.seconds >= call.no_skew.seconds
 
 
 def test_netdam_trace_records_a_running_cluster(lossy: LocalCluster, tmp_path: Path) -> None:
@@ -151,10 +161,19 @@ def test_netdam_trace_records_a_running_cluster(lossy: LocalCluster, tmp_path: P
     assert len(trace["netdam"]["nics"]) == WORLD
 
 
-def test_allreduce_trace_option(tmp_path: Path) -> None:
+def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
+    """`netdam allreduce --trace`, then `netdam model replay` of it: a clean run replayed packet
+    for packet takes what the model's closed form says of the same job, within 2%."""
     out = tmp_path / "run.json"
-    result = run_allreduce(AllReduceConfig(nodes=2, count=4096, repeat=2, trace=out))
+    result = run_allreduce(AllReduceConfig(nodes=4, count=1 << 18, repeat=2, trace=out))
     assert result["ok"] and result["trace"]["path"] == str(out)  # type: ignore[index]
+    assert result["retransmits"] == 0
     trace = json.loads(out.read_text())
     calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "all_reduce"]
-    assert len(calls) == 2 * 2  # two timed calls, two host ranks
+    assert len(calls) == 2 * 4  # two timed calls, four host ranks
+    nd, _ = default_params(100.0)
+    replayed = replay_trace(trace, nd)
+    assert len(replayed) == 2
+    for call in replayed:
+        assert call.nbytes == 1 << 20 and call.no_skew.retries == 0
+        assert abs(call.no_skew.seconds / call.estimate_s - 1) < 0.02

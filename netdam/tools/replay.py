@@ -1,0 +1,264 @@
+"""``netdam model replay``: a recorded trace's collectives, packet for packet, through the cycle
+model (fpga_model.replay): what that exact run, with its losses and its start skew, would take
+on NetDAM cards, beside its wall clock and the model's clean-run estimate of the same job.
+
+From the ``netdam`` section of a trace file (netdam.core.timeline): every datagram one NIC
+received from another, per call (coll_id, epoch), becomes a delivery with the packet shape its
+opcode has, and with its cause: the latest datagram its sender had received of the same chunk
+(a chain forwarded, a stored chunk multicast, a READ answered; for ACKs, NACKs and DONEs the
+latest of the call), or none when the sender originated it (a chain's first hop, a re-send).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from netdam.fpga_model.collectives import netdam_chain
+from netdam.fpga_model.params import NetdamParams
+from netdam.fpga_model.replay import Delivery, ReplayResult, replay
+from netdam.protocol.constants import (
+    HEADER_SIZE,
+    SEGMENT_SIZE,
+    TAG_SIZE,
+    Flags,
+    Opcode,
+    Status,
+    TraceKind,
+    TracePhase,
+)
+from netdam.protocol.trace import TRACE_DTYPE
+
+#: Opcodes that carry a chunk, and what they make their receiver do.
+_DATA = {Opcode.ALL_WRITE: "write", Opcode.READ_RESP: "write", Opcode.READ: "read"}
+#: The datagrams of a collective a replay takes (control and pool traffic are not the job's).
+_TAKEN = frozenset(
+    {Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ, Opcode.READ_RESP, Opcode.ACK, Opcode.NACK}
+)
+
+
+@dataclass(frozen=True)
+class CallReplay:
+    """One call of the trace: its wall clock in the emulator, its replay with and without the
+    recorded start skew, and the model's estimate of the same job run clean (what the losses
+    and re-sends cost on the cards is the difference)."""
+
+    coll_id: int
+    epoch: int
+    nics: int
+    nbytes: int
+    wall_s: float
+    replayed: ReplayResult
+    no_skew: ReplayResult
+    estimate_s: float
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "coll_id": self.coll_id,
+            "epoch": self.epoch,
+            "nics": self.nics,
+            "bytes": self.nbytes,
+            "wall_seconds": self.wall_s,
+            "replay_seconds": self.replayed.seconds,
+            "replay_seconds_no_skew": self.no_skew.seconds,
+            "resends": self.no_skew.retries,
+            "skew_seconds": self.replayed.skew_s,
+            "deliveries": self.replayed.deliveries,
+            "model_clean_seconds": self.estimate_s,
+            "replay_no_skew_vs_model": self.no_skew.seconds / self.estimate_s
+            if self.estimate_s
+            else None,
+        }
+
+
+def records_of(trace: dict[str, Any]) -> list[tuple[int, np.ndarray]]:
+    """(endpoint, records) of every NIC in a trace file's ``netdam`` section."""
+    section = trace.get("netdam")
+    if not isinstance(section, dict) or "nics" not in section:
+        raise ValueError("no `netdam` section: not a trace written by netdam (api.trace, --trace)")
+    out = []
+    for nic in section["nics"]:
+        columns = nic["records"]
+        records = np.zeros(len(columns["t_ns"]), TRACE_DTYPE)
+        for name in TRACE_DTYPE.names or ():
+            records[name] = columns[name]
+        out.append((int(nic["endpoint"]), np.sort(records, order="t_ns", kind="stable")))
+    return out
+
+
+def _data_bytes(r: np.void) -> int:
+    """Payload bytes of a recorded datagram: its length less header, SR list and tag trailer."""
+    tag = TAG_SIZE if int(r["flags"]) & Flags.TAGGED else 0
+    return int(max(int(r["length"]) - HEADER_SIZE - SEGMENT_SIZE * int(r["seg_count"]) - tag, 0))
+
+
+def replay_trace(
+    trace: dict[str, Any], params: NetdamParams, rto_s: float = 20e-6
+) -> list[CallReplay]:
+    """Every call of the trace that started and completed on every NIC it names, replayed."""
+    nics = records_of(trace)
+    index = {endpoint: k for k, (endpoint, _) in enumerate(nics)}
+    calls: dict[tuple[int, int], dict[int, dict[int, int]]] = defaultdict(dict)
+    for k, (_, records) in enumerate(nics):
+        for r in records[records["kind"] == TraceKind.PHASE]:
+            key = (int(r["coll_id"]), int(r["epoch"]))
+            calls[key].setdefault(k, {})[int(r["status"])] = int(r["t_ns"])
+    out = []
+    for (coll, epoch), phases in sorted(
+        calls.items(), key=lambda kv: min(p.get(TracePhase.START, 0) for p in kv[1].values())
+    ):
+        if not all(TracePhase.START in p and TracePhase.COMPLETE in p for p in phases.values()):
+            continue  # began before the trace, or failed: nothing a replay could compare
+        members = sorted(phases)
+        out.append(_replay_call(nics, index, coll, epoch, members, phases, params, rto_s))
+    return out
+
+
+def _replay_call(
+    nics: list[tuple[int, np.ndarray]],
+    index: dict[int, int],
+    coll: int,
+    epoch: int,
+    members: list[int],
+    phases: dict[int, dict[int, int]],
+    params: NetdamParams,
+    rto_s: float,
+) -> CallReplay:
+    slot = {k: m for m, k in enumerate(members)}
+    # Every datagram a member received from another member in this call, in time order.
+    got: list[tuple[int, int, int, np.void]] = []  # (t_ns, dst, src, record)
+    for k in members:
+        for r in _of_call(nics[k][1], TraceKind.RX, coll, epoch):
+            src = index.get(int(r["peer"]))
+            # A NIC hears its own multicast back on loopback; a switch never sends a group's
+            # datagram back out of the port it came in by.
+            if src in slot and src != k and int(r["opcode"]) in _TAKEN:
+                got.append((int(r["t_ns"]), slot[k], slot[src], r))
+    got.sort(key=lambda g: g[0])
+    # Every datagram a member sent another in this call, for the attempts that arrived nowhere.
+    sent: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)  # (src, dst, op, seq)
+    endpoint = {slot[k]: nics[k][0] for k in members}
+    by_endpoint = {e: m for m, e in endpoint.items()}
+    for k in members:
+        for r in _of_call(nics[k][1], TraceKind.TX, coll, epoch):
+            dst = by_endpoint.get(int(r["peer"]))
+            if dst is not None:
+                sent[(slot[k], dst, int(r["opcode"]), int(r["seq"]))].append(int(r["t_ns"]))
+    deliveries: list[Delivery] = []
+    seen: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)  # dst -> (t, seq, op, k)
+    attempts: dict[tuple[int, int, int, int], int] = {}  # (src, dst, op, seq) -> last originated
+    multicast: dict[tuple[int, int | None, int], int] = {}  # (src, cause, seq) -> first copy
+    busy_nacks: list[tuple[int, int, int, int]] = []  # (t, nic that sent it, to, seq)
+    for t, dst, src, r in got:
+        op_code, seq = int(r["opcode"]), int(r["seq"])
+        if op_code == Opcode.NACK and int(r["status"]) == Status.BUSY:
+            busy_nacks.append((t, src, dst, seq))
+        cause = _cause(seen[src], t, seq, op_code)
+        op, data = _shape(r)
+        retry_of = None
+        lost = 0
+        repair = op_code == Opcode.READ
+        if repair:
+            # A repair READ: asked after a stall, timed from the last datagram its NIC took.
+            cause = next((k for *_, k in reversed(seen[src]) if got[k][0] < t), None)
+        elif cause is None:
+            key = (src, dst, op_code, seq)
+            retry_of = attempts.get(key)
+            attempts[key] = len(deliveries)
+            # The attempts sent since the one before that arrived nowhere (lost on the way).
+            since = got[retry_of][0] if retry_of is not None else -1
+            lost = max(sum(1 for s in sent[key] if since < s < t) - 1, 0)
+        deliveries.append(
+            Delivery(
+                src,
+                dst,
+                op,
+                data,
+                int(r["seg_count"]),
+                cause=cause,
+                retry_of=retry_of,
+                lost_before=lost,
+                after_timeout=repair,
+                same_send_as=multicast.setdefault((src, cause, seq), len(deliveries))
+                if op_code == Opcode.ALL_WRITE and cause is not None
+                else None,
+                busy_answer=op_code == Opcode.NACK and int(r["status"]) == Status.BUSY,
+            )
+        )
+        seen[dst].append((t, seq, op_code, len(deliveries) - 1))
+    # A NACK BUSY answers the latest datagram of its chunk the refusing NIC took: that one did
+    # nothing, nor did the attempt that began its chain (marked too: without skew neither
+    # happens, and the chain's next attempt is its first).
+    for t_nack, by, _, seq in busy_nacks:
+        for k in range(len(deliveries) - 1, -1, -1):
+            if deliveries[k].dst == by and got[k][0] <= t_nack and int(got[k][3]["seq"]) == seq:
+                root = k
+                while deliveries[root].cause is not None:
+                    root = deliveries[root].cause  # type: ignore[assignment]  # not None: checked
+                for j in {k, root}:
+                    deliveries[j] = dataclasses.replace(deliveries[j], busy=True)
+                break
+    first = min(phases[k][TracePhase.START] for k in members)
+    offsets = [(phases[k][TracePhase.START] - first) * 1e-9 for k in members]
+    wall = (max(phases[k][TracePhase.COMPLETE] for k in members) - first) * 1e-9
+    stored = {
+        int(got[k][3]["seq"]): d.data_bytes for k, d in enumerate(deliveries) if d.op == "add-store"
+    }
+    nbytes = sum(stored.values())
+    return CallReplay(
+        coll_id=coll,
+        epoch=epoch,
+        nics=len(members),
+        nbytes=nbytes,
+        wall_s=wall,
+        replayed=replay(params, deliveries, len(members), offsets, rto_s),
+        no_skew=replay(params, deliveries, len(members), None, rto_s),
+        estimate_s=netdam_chain(params, len(members), nbytes).seconds
+        if len(members) > 1 and nbytes
+        else 0.0,
+    )
+
+
+def _of_call(records: np.ndarray, kind: TraceKind, coll: int, epoch: int) -> np.ndarray:
+    """A NIC's records of *kind* in one call."""
+    picked: np.ndarray = records[
+        (records["kind"] == kind) & (records["coll_id"] == coll) & (records["epoch"] == epoch)
+    ]
+    return picked
+
+
+#: What a NIC forwards or answers a chunk's datagram in answer to: the datagram of that chunk it
+#: received last (others are originated: a chain's first hop, a repair READ, a re-send).
+_CAUSED_BY = {
+    Opcode.CHAIN_ADD: Opcode.CHAIN_ADD,  # forwarded down the chain
+    Opcode.ALL_WRITE: Opcode.CHAIN_ADD,  # the stored chunk multicast
+    Opcode.READ_RESP: Opcode.READ,  # a repair READ answered
+}
+
+
+def _cause(received: list[tuple[int, int, int, int]], before: int, seq: int, op: int) -> int | None:
+    """The delivery whose processing made a NIC send datagram *op* of chunk *seq*: the one of
+    that chunk it received last before *before* (_CAUSED_BY); for an ACK, NACK or DONE, the last
+    of the call it received; None when it originated there."""
+    want = _CAUSED_BY.get(Opcode(op))
+    answer = op in (Opcode.ACK, Opcode.NACK)
+    if want is None and not answer:
+        return None
+    for t, s, o, k in reversed(received):
+        if t < before and (answer or (s == seq and o == want)):
+            return k
+    return None
+
+
+def _shape(r: np.void) -> tuple[str, int]:
+    """The cycle model's op and data bytes of a received datagram."""
+    op = int(r["opcode"])
+    if op == Opcode.CHAIN_ADD:
+        return ("add-store" if int(r["seg_left"]) == 0 else "add"), _data_bytes(r)
+    if op in _DATA:
+        return _DATA[Opcode(op)], _data_bytes(r)
+    return "control", 0
