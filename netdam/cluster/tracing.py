@@ -62,6 +62,14 @@ class TraceReader:
             self._next[nic.rank] = first
         return got
 
+    def take(self) -> list[NicTrace]:
+        """What was read since the last take (or the start), per NIC; forgets it."""
+        taken = self.traces()
+        for nic in self.nics:
+            self._pages[nic.rank] = []
+            self._lost[nic.rank] = 0
+        return taken
+
     def traces(self) -> list[NicTrace]:
         """What was read so far, per NIC."""
         return [

@@ -1,23 +1,30 @@
 """Live counters of a running cluster (``netdam top``): every NIC's and the switch's rates over
-each interval, from two COUNTERS answers (SPEC.md 6.3) and the time between them.
+each interval, from two COUNTERS answers (SPEC.md 6.3) and the time between them; and per
+link (the fabric's traffic matrix) and the collectives in flight, from the NICs' trace rings
+(SPEC.md 6.7).
 
 ``rates`` is plain arithmetic over two counter arrays; ``samples`` asks the processes (the
-admin's COUNTERS, sealed) and yields one sample per interval.
+admin's COUNTERS, sealed) and yields one sample per interval; ``Links`` turns what the trace
+rings recorded in an interval into rates per link.
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from netdam.cluster.clusterfile import ClusterFile, SwitchEntry
 from netdam.cluster.control import ControlClient, ControlError
+from netdam.cluster.tracing import TraceReader
+from netdam.core.timeline import NicTrace
 from netdam.protocol import counters as C
-from netdam.protocol.packet import Endpoint
+from netdam.protocol.constants import TraceKind, TracePhase
+from netdam.protocol.packet import Endpoint, endpoint_to_u64, u64_to_endpoint
 
 #: Bits per byte, for Gb/s from byte counters.
 _BITS = 8
@@ -74,9 +81,11 @@ def samples(
     timeout: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    links: tuple[TraceReader, Links] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Every *interval* seconds (*count* times, or until stopped), one sample: each process's
-    rates since the previous answer, or the error of its silence."""
+    rates since the previous answer, or the error of its silence; with *links*, the rates per
+    link and the collectives in flight from what the trace rings recorded meanwhile."""
     last: dict[str, tuple[float, np.ndarray]] = {}
 
     def read(proc: Process) -> tuple[float, np.ndarray] | str:
@@ -87,6 +96,7 @@ def samples(
         return clock(), values
 
     start = clock()
+    links_at = start
     for proc in procs:
         got = read(proc)
         if not isinstance(got, str):
@@ -107,7 +117,18 @@ def samples(
                 last[proc.name] = got
             rows.append(row)
         taken += 1
-        yield {"sample": taken, "seconds": clock() - start, "processes": rows}
+        sample: dict[str, Any] = {"sample": taken, "seconds": clock() - start, "processes": rows}
+        if links is not None:
+            reader, matrix = links
+            try:
+                reader.poll()
+            except (ControlError, OSError) as exc:
+                sample["links_error"] = str(exc)
+            now = clock()
+            window = max(now - links_at, 1e-9)
+            sample.update(matrix.sample(reader.take(), window), links_interval_s=window)
+            links_at = now
+        yield sample
 
 
 def format_sample(sample: dict[str, Any]) -> str:
@@ -130,3 +151,124 @@ def format_sample(sample: dict[str, Any]) -> str:
                 f"{row['nacks_ps']:>9,.0f}"
             )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- per link, from the trace rings
+
+
+@dataclass
+class Links:
+    """The fabric's traffic matrix and the collectives in flight, from what the NICs' trace
+    rings recorded (SPEC.md 6.7) between two samples: per link (sender, receiver) the datagrams
+    and bytes a NIC sent (a client's, as a NIC received them), and per NIC the collectives that
+    started there and have not completed."""
+
+    names: dict[int, str]
+    started: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    total: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+
+    def name(self, endpoint: int) -> str:
+        """A NIC by rank, the switch, a multicast group, or a client by address."""
+        if endpoint in self.names:
+            return self.names[endpoint]
+        ip, port = u64_to_endpoint(endpoint)
+        group = 224 <= int(ip.split(".")[0]) <= 239  # IPv4 multicast, RFC 5771
+        return f"{'group ' if group else ''}{ip}:{port}"
+
+    def sample(self, traces: list[NicTrace], seconds: float) -> dict[str, Any]:
+        """Rates per link over *seconds*, from the records read since the last sample."""
+        moved: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        lost = 0
+        in_flight: dict[str, int] = {}
+        for trace in traces:
+            me = trace.nic.name
+            short = f"rank {trace.nic.rank}"
+            lost += trace.lost
+            r = trace.records
+            sent = r[r["kind"] == TraceKind.TX]
+            taken = r[(r["kind"] == TraceKind.RX) & ~np.isin(r["peer"], list(self.names))]
+            for rows, outward in ((sent, True), (taken, False)):
+                for peer in np.unique(rows["peer"]):
+                    mine = rows[rows["peer"] == peer]
+                    key = (
+                        (short, self.name(int(peer))) if outward else (self.name(int(peer)), short)
+                    )
+                    moved[key][0] += len(mine)
+                    moved[key][1] += int(mine["length"].sum())
+            running = self.started.setdefault(me, set())
+            for p in r[r["kind"] == TraceKind.PHASE]:
+                call = (int(p["coll_id"]), int(p["epoch"]))
+                if p["status"] == TracePhase.START:
+                    running.add(call)
+                elif p["status"] in (TracePhase.COMPLETE, TracePhase.FAILED):
+                    running.discard(call)
+            in_flight[short] = len(running)
+        for key, (packets, nbytes) in moved.items():
+            acc = self.total.setdefault(key, [0, 0])
+            acc[0] += packets
+            acc[1] += nbytes
+        links = [
+            {
+                "from": src,
+                "to": dst,
+                "pps": packets / seconds,
+                "gbps": nbytes * _BITS / seconds / 1e9,
+            }
+            for (src, dst), (packets, nbytes) in sorted(moved.items(), key=lambda kv: -kv[1][1])
+        ]
+        return {"links": links, "collectives_in_flight": in_flight, "trace_records_lost": lost}
+
+
+def link_names(info: ClusterFile, switch: SwitchEntry | None) -> dict[int, str]:
+    """What a link's ends are called: the NICs by rank, the switch's VIP."""
+    names = {endpoint_to_u64((n.address, n.port)): f"rank {n.rank}" for n in info.nodes}
+    if switch is not None:
+        names[endpoint_to_u64(switch.vip)] = "switch"
+    return names
+
+
+def format_links(sample: dict[str, Any], top: int = 12) -> str:
+    """The busiest links and the collectives in flight, under the table of processes."""
+    if "links" not in sample:
+        return ""
+    flight = ", ".join(f"{k} {v}" for k, v in sample["collectives_in_flight"].items() if v)
+    lines = [f"collectives in flight: {flight or 'none'}", f"{'link':<44}{'pkt/s':>11}{'Gb/s':>9}"]
+    for link in sample["links"][:top]:
+        lines.append(
+            f"{link['from'] + ' -> ' + link['to']:<44}{link['pps']:>11,.0f}{link['gbps']:>9.3f}"
+        )
+    if len(sample["links"]) > top:
+        lines.append(f"({len(sample['links']) - top} quieter links not shown; --json has them)")
+    if sample["trace_records_lost"]:
+        lines.append(
+            f"({sample['trace_records_lost']} trace records were overwritten before they were "
+            "read: link rates are lower bounds; a shorter --interval keeps up)"
+        )
+    return "\n".join(lines)
+
+
+def plot_traffic(plt: Any, links: Links, path: Any, seconds: float) -> None:
+    """The traffic matrix over the whole run as a heat map (Gb/s per link)."""
+    ends = sorted({e for key in links.total for e in key}, key=_end_order) or ["(no traffic)"]
+    at = {e: k for k, e in enumerate(ends)}
+    grid = np.zeros((len(ends), len(ends)))
+    for (src, dst), (_, nbytes) in links.total.items():
+        grid[at[src], at[dst]] = nbytes * _BITS / max(seconds, 1e-9) / 1e9
+    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * len(ends), 1.0 + 0.45 * len(ends)))
+    image = ax.imshow(grid, cmap="viridis")
+    ax.set_xticks(range(len(ends)), ends, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(ends)), ends, fontsize=7)
+    ax.set_xlabel("to")
+    ax.set_ylabel("from")
+    fig.colorbar(image, ax=ax, label="Gb/s (mean over the run)")
+    ax.set_title("netdam top: traffic matrix", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _end_order(name: str) -> tuple[int, int, str]:
+    """NICs by rank, then the switch, multicast groups, clients by address."""
+    if name.startswith("rank "):
+        return (0, int(name.split()[1]), "")
+    return (1 if name == "switch" else 2 if name.startswith("group ") else 3, 0, name)

@@ -177,3 +177,50 @@ def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
     for call in replayed:
         assert call.nbytes == 1 << 20 and call.no_skew.retries == 0
         assert abs(call.no_skew.seconds / call.estimate_s - 1) < 0.02
+
+
+def test_top_shows_links_whose_rates_add_up_to_the_counters(
+    lossy: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`netdam top --json`: per link (from the trace rings) the datagrams each NIC sent, which
+    over the samples add up to what its counters say it sent; the chain's links carry them."""
+    groups = [api.ProcessGroup(lossy.info, r) for r in range(WORLD)]
+    lines: list[str] = []
+
+    def run_top() -> None:
+        top = ["top", "--cluster", str(lossy.path), "--json", "--count", "3", "--interval", "0.7"]
+        assert cli_main(top) == 0
+
+    viewer = threading.Thread(target=run_top)
+    try:
+        viewer.start()
+        time.sleep(0.6)  # inside the first interval, after top's first answers
+        bufs = [np.full(50_000, r + 1, np.float32) for r in range(WORLD)]
+        works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs)]
+        for work in works:
+            assert work is not None
+            work.wait()
+        viewer.join(30)
+    finally:
+        for g in groups:
+            g.close()
+    lines = capsys.readouterr().out.splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert [s["sample"] for s in samples] == [1, 2, 3]
+    sent_by_links: Counter[str] = Counter()
+    sent_by_counters: Counter[str] = Counter()
+    chain_links: Counter[tuple[str, str]] = Counter()
+    for sample in samples:
+        assert sample["trace_records_lost"] == 0
+        for link in sample["links"]:
+            if link["from"].startswith("rank"):
+                sent_by_links[link["from"]] += round(link["pps"] * sample["links_interval_s"])
+            if link["from"].startswith("rank") and link["to"].startswith("rank"):
+                chain_links[(link["from"], link["to"])] += 1
+        for row in sample["processes"]:
+            sent_by_counters[row["name"]] += row["moved"].get("tx_packets", 0)
+    for rank in range(WORLD):
+        name = f"rank {rank}"
+        assert sent_by_counters[name] > 0
+        assert sent_by_links[name] == sent_by_counters[name], name
+        assert chain_links[(name, f"rank {(rank + 1) % WORLD}")] >= 1
