@@ -1236,6 +1236,8 @@ def empty(
 
 #: The calls of this process that open traces record (api.trace), one list per trace.
 _TRACED: list[list[Work]] = []
+#: init_process_group(trace=PATH)'s open traces, by group, until destroy_process_group.
+_GROUP_TRACES: dict[int, contextlib.AbstractContextManager[TraceWritten]] = {}
 
 
 @dataclass
@@ -1254,7 +1256,7 @@ def trace(
     path: str | os.PathLike[str], group: ProcessGroup | None = None
 ) -> Iterator[TraceWritten]:
     """Record a timeline of what runs inside the ``with`` block and write it to *path* as a
-    Chrome trace (Perfetto, ``chrome://tracing``; SPEC.md 6.7): every NIC of the group's
+    Chrome trace (Perfetto, speedscope; SPEC.md 6.7): every NIC of the group's
     cluster, hop by hop, and the calls this process's ranks made. The NICs record anyway (their
     trace rings); this notes where each ring stands at the start and reads what was written
     since at the end, with the admin's COUNTERS."""
@@ -1273,6 +1275,10 @@ def trace(
             write_trace(written.path, chrome_trace(traces, _host_calls(calls), title=str(path)))
             written.records = sum(len(t.records) for t in traces)
             written.lost = sum(t.lost for t in traces)
+
+
+#: api.trace under a name init_process_group's ``trace`` parameter does not hide.
+_trace_block = trace
 
 
 def _host_calls(works: list[Work]) -> list[HostCall]:
@@ -1533,11 +1539,14 @@ def init_process_group(
     world_size: int = -1,
     timeout: datetime.timedelta | float | None = None,
     multicast: bool = True,
+    trace: str | os.PathLike[str] | None = None,
 ) -> ProcessGroup:
     """torch.distributed.init_process_group for a netdam cluster. ``init_method``: "env://"
     (the default: the cluster file in $NETDAM_CLUSTER, rank and world size from $RANK and
     $WORLD_SIZE unless given) or "file://PATH" (the cluster file, which ``netdam up`` writes);
-    *world_size* must match the file's node count. *backend* may be None or "netdam"."""
+    *world_size* must match the file's node count. *backend* may be None or "netdam".
+    ``trace=PATH``: a timeline of everything until destroy_process_group, written there then
+    (as ``with netdam.api.trace(PATH)`` around it would)."""
     if backend not in (None, "netdam"):
         raise ValueError(
             f"backend {backend!r}: netdam is its own backend (pass backend=None or 'netdam'); "
@@ -1567,7 +1576,12 @@ def init_process_group(
             f"world_size {world_size} but {path} has {len(cluster.nodes)} nodes: one rank per node"
         )
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    return init(cluster=Path(path), rank=rank, multicast=multicast, timeout=seconds)
+    group = init(cluster=Path(path), rank=rank, multicast=multicast, timeout=seconds)
+    if trace is not None:
+        recording = _trace_block(trace, group)
+        recording.__enter__()
+        _GROUP_TRACES[id(group)] = recording
+    return group
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -1585,6 +1599,9 @@ def _env_int(name: str, default: int | None = None) -> int:
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     global _default
     g = _group(group)
+    recording = _GROUP_TRACES.pop(id(g), None)
+    if recording is not None:
+        recording.__exit__(None, None, None)  # the trace file, while the group still runs
     g.close()
     if g is _default:
         _default = None

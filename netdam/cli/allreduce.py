@@ -107,7 +107,7 @@ def register(subparsers: Subparsers) -> None:
         type=writable_output("--trace"),
         default=None,
         help="write a timeline of the timed calls to this JSON file (Chrome trace format: "
-        "open it in Perfetto or chrome://tracing): every NIC hop by hop, every host rank",
+        "open it in Perfetto or speedscope): every NIC hop by hop, every host rank",
     )
     parser.add_argument("--json", action="store_true")
     add_fault_args(parser)
@@ -321,7 +321,7 @@ def _trace_text(r: dict[str, object]) -> str:
     )
     return (
         f"\n  trace: {traced['path']} ({traced['records']} NIC records{lost}): open it in "
-        "https://ui.perfetto.dev or chrome://tracing"
+        "Perfetto (ui.perfetto.dev, the file stays local) or speedscope"
     )
 
 

@@ -22,7 +22,9 @@ from netdam.cluster.tracing import TraceReader, mark, nics_of
 from netdam.tools import plot as plotting
 from netdam.tools.top import (
     Links,
+    PoolOps,
     format_links,
+    format_pool,
     format_sample,
     link_names,
     plot_traffic,
@@ -42,7 +44,8 @@ def register(subparsers: Subparsers) -> None:
         "--interval seconds and show what moved since the last answer: packets and Gb/s each "
         "way, retransmits, drops and NACKs per second; below it the busiest links (sender -> "
         "receiver, from the NICs' trace rings: the fabric's traffic matrix) and the "
-        "collectives in flight on each NIC. The table is redrawn in place on a "
+        "collectives in flight on each NIC; with a pool switch, its reads, writes and atomics "
+        "per second by tenant. The table is redrawn in place on a "
         "terminal; --json prints one JSON object per sample and line, with every counter that "
         "moved (by opcode and NACK status too). Stops after --count samples, or at Ctrl-C.",
     )
@@ -95,12 +98,21 @@ def run(args: argparse.Namespace) -> int:
                 args.count,
                 timeout=min(0.5, args.interval),
                 links=(reader, matrix) if reader is not None else None,
+                pool=PoolOps(switch, info.admin_key) if switch is not None else None,
             ):
                 silent = all("error" in row for row in sample["processes"])
                 if args.json:
                     sys.stdout.write(dumps_json(sample, one_line=True) + "\n")
                 else:
-                    table = format_sample(sample) + "\n" + format_links(sample)
+                    table = "\n".join(
+                        part
+                        for part in (
+                            format_sample(sample),
+                            format_links(sample),
+                            format_pool(sample),
+                        )
+                        if part
+                    )
                     sys.stdout.write((_REDRAW if redraw else "") + table + "\n\n")
                 sys.stdout.flush()
         finally:

@@ -31,7 +31,7 @@ def register(subparsers: Subparsers) -> None:
         "trace",
         help="record a timeline of a running cluster (Chrome trace JSON)",
         description="Read every NIC's trace ring of the cluster file for --seconds and write "
-        "what happened as a Chrome trace (JSON; open it in Perfetto or chrome://tracing): "
+        "what happened as a Chrome trace (JSON; open it in Perfetto or speedscope): "
         "one track per NIC, spans for each collective's phases and each block's chain hop, "
         "flow arrows from hop to hop, instants for retransmits, NACKs, BUSY and drops. The "
         "NICs record all the time; this asks them (the admin's COUNTERS) what they wrote.",

@@ -1,5 +1,5 @@
 """A timeline of the fabric: the NICs' trace records (SPEC.md 6.7) and the host's calls, as a
-trace in the Chrome trace event format (Perfetto and ``chrome://tracing`` open it). Pure logic:
+trace in the Chrome trace event format (Perfetto and speedscope open it). Pure logic:
 netdam.cluster.tracing reads the rings, the API and the CLI write the file.
 
 ``chrome_trace`` makes:

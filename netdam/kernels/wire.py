@@ -366,8 +366,8 @@ def put_le64(b, o, v):
 
 @njit(cache=True, nogil=True)
 def put_le16(b, o, v):
-    b[o] = np.uint8(v & 0xFF)
-    b[o + 1] = np.uint8((v >> 8) & 0xFF)
+    for k in range(2):
+        b[o + k] = np.uint8((v >> (8 * k)) & 0xFF)
 
 
 @njit(cache=True, nogil=True)

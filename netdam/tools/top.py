@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,8 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.tracing import TraceReader
 from netdam.core.timeline import NicTrace
 from netdam.protocol import counters as C
-from netdam.protocol.constants import TraceKind, TracePhase
-from netdam.protocol.packet import Endpoint, endpoint_to_u64, u64_to_endpoint
+from netdam.protocol.constants import Opcode, TraceKind, TracePhase
+from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64, u64_to_endpoint
 
 #: Bits per byte, for Gb/s from byte counters.
 _BITS = 8
@@ -82,10 +83,12 @@ def samples(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     links: tuple[TraceReader, Links] | None = None,
+    pool: PoolOps | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Every *interval* seconds (*count* times, or until stopped), one sample: each process's
     rates since the previous answer, or the error of its silence; with *links*, the rates per
-    link and the collectives in flight from what the trace rings recorded meanwhile."""
+    link and the collectives in flight from what the trace rings recorded meanwhile; with
+    *pool*, the pool's operations per tenant at the switch."""
     last: dict[str, tuple[float, np.ndarray]] = {}
 
     def read(proc: Process) -> tuple[float, np.ndarray] | str:
@@ -97,6 +100,8 @@ def samples(
 
     start = clock()
     links_at = start
+    if pool is not None:
+        pool.sample(client, start)  # the baseline
     for proc in procs:
         got = read(proc)
         if not isinstance(got, str):
@@ -128,6 +133,8 @@ def samples(
             window = max(now - links_at, 1e-9)
             sample.update(matrix.sample(reader.take(), window), links_interval_s=window)
             links_at = now
+        if pool is not None:
+            sample.update(pool.sample(client, clock()))
         yield sample
 
 
@@ -272,3 +279,91 @@ def _end_order(name: str) -> tuple[int, int, str]:
     if name.startswith("rank "):
         return (0, int(name.split()[1]), "")
     return (1 if name == "switch" else 2 if name.startswith("group ") else 3, 0, name)
+
+
+# ---------------------------------------------------------------- pool ops by tenant, at the switch
+
+
+@dataclass
+class PoolOps:
+    """Pool operations per tenant from the switch's per-region counters (SPEC.md 11.7) and its
+    state file (which tenant owns which rkey): reads, writes and atomics per second."""
+
+    switch: SwitchEntry
+    admin_key: int
+    last: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    at: float = 0.0
+
+    def regions(self, client: ControlClient) -> dict[int, tuple[int, int, int]]:
+        """rkey -> (reads, writes, atomics) the switch counted so far, every region (paged)."""
+        # Imported here: the switch's names of its COUNTERS sections (with its kernels).
+        from netdam.switch.core import counters_from_payload
+
+        out: dict[int, tuple[int, int, int]] = {}
+        first = 0
+        while True:
+            reply = client.request(
+                self.switch.control_endpoint,
+                Packet(Opcode.COUNTERS, rkey=self.admin_key, addr=first),
+                timeout=0.5,
+            )
+            values = counters_from_payload(reply.payload)
+            listed = values["regions"]
+            assert isinstance(listed, list)
+            for r in listed:
+                out[int(r["rkey"])] = (int(r["reads"]), int(r["writes"]), int(r["atomics"]))
+            first = int(values["first_region"]) + len(listed)  # type: ignore[call-overload]  # JSON-style values
+            if not listed or first >= int(values["regions_total"]):  # type: ignore[call-overload]  # JSON-style values
+                return out
+
+    def owners(self) -> dict[int, str]:
+        """rkey -> the tenant that holds it (its label, else its short digest; "admin")."""
+        # Imported here: the pool's state file format (switch room).
+        from netdam.switch.state import load_state, short_digest
+
+        if not self.switch.state_file:
+            return {}
+        state = load_state(Path(self.switch.state_file))
+        return {
+            r.rkey: (state.tenants.get(r.owner) or short_digest(r.owner)) if r.owner else "admin"
+            for r in state.regions
+        }
+
+    def sample(self, client: ControlClient, now: float) -> dict[str, Any]:
+        """Per tenant, operations per second since the last sample (nothing the first time)."""
+        try:
+            counts = self.regions(client)
+            owners = self.owners()
+        except (ControlError, OSError, ValueError) as exc:
+            return {"pool_error": str(exc)}
+        rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        if self.last:
+            seconds = max(now - self.at, 1e-9)
+            for rkey, (reads, writes, atomics) in counts.items():
+                before = self.last.get(rkey, (0, 0, 0))
+                row = rows[owners.get(rkey, f"rkey 0x{rkey:08x}")]
+                for k, value in enumerate((reads, writes, atomics)):
+                    row[k] += (value - before[k]) / seconds
+        self.last, self.at = counts, now
+        return {
+            "pool_ops": {
+                tenant: {"reads_ps": r, "writes_ps": w, "atomics_ps": a}
+                for tenant, (r, w, a) in sorted(rows.items())
+            }
+        }
+
+
+def format_pool(sample: dict[str, Any]) -> str:
+    """Pool operations per tenant, under the links."""
+    if "pool_error" in sample:
+        return f"pool: {sample['pool_error']}"
+    ops = sample.get("pool_ops")
+    if not ops:
+        return "" if ops is None else "pool: no operations"
+    lines = [f"{'pool tenant':<24}{'reads/s':>11}{'writes/s':>11}{'atomics/s':>11}"]
+    for tenant, row in ops.items():
+        lines.append(
+            f"{tenant:<24}{row['reads_ps']:>11,.0f}{row['writes_ps']:>11,.0f}"
+            f"{row['atomics_ps']:>11,.0f}"
+        )
+    return "\n".join(lines)

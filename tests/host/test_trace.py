@@ -224,3 +224,28 @@ def test_top_shows_links_whose_rates_add_up_to_the_counters(
         assert sent_by_counters[name] > 0
         assert sent_by_links[name] == sent_by_counters[name], name
         assert chain_links[(name, f"rank {(rank + 1) % WORLD}")] >= 1
+
+
+def test_init_process_group_trace_writes_at_destroy(lossy: LocalCluster, tmp_path: Path) -> None:
+    """`init_process_group(trace=PATH)`: every call until destroy_process_group, then the file."""
+    path = tmp_path / "job.json"
+    group = api.init_process_group(init_method=f"file://{lossy.path}", rank=0, trace=path)
+    others = [api.ProcessGroup(lossy.info, r) for r in range(1, WORLD)]
+    try:
+        bufs = [np.full(1000, r + 1, np.float32) for r in range(WORLD)]
+        works = [
+            api.all_reduce(b, group=g, async_op=True)
+            for g, b in zip([group, *others], bufs, strict=True)
+        ]
+        for work in works:
+            assert work is not None
+            work.wait()
+        assert not path.exists()  # written when the group goes
+    finally:
+        api.destroy_process_group()
+        for g in others:
+            g.close()
+    trace = json.loads(path.read_text())
+    calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "all_reduce"]
+    assert len(calls) == WORLD  # every rank's call made in this process while it was open
+    assert len(trace["netdam"]["nics"]) == WORLD

@@ -468,3 +468,43 @@ def test_top_rates_are_deltas_over_time() -> None:
     )
     with pytest.raises(ValueError):
         rates(before, after, 0.0)
+
+
+def test_top_shows_pool_operations_by_tenant(
+    wire: VipWire, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`netdam top --json` with a pool switch: each tenant's reads, writes and atomics per
+    second from the switch's per-region counters, named by the tenant's label."""
+    import json
+    import threading
+
+    from netdam.cli.main import main
+    from netdam.clients.pool import PoolClient, tag_keys_of
+
+    admin = PoolController(wire.cluster.path)
+    region = admin.alloc(16 * KiB, interleave=8192, tenant="tops")
+    other = admin.alloc(4 * KiB, tenant="idle")
+
+    def traffic() -> None:
+        with PoolClient(wire.switch.vip, tag_keys=tag_keys_of(region)) as client:
+            for k in range(40):
+                client.write(region.gaddr, bytes([k]) * 64, region.rkey, stride=region.stride)
+            for _ in range(60):
+                client.read(region.gaddr, 64, region.rkey, stride=region.stride)
+
+    try:
+        worker = threading.Timer(0.2, traffic)  # inside the first interval
+        worker.start()
+        top = ["top", "--cluster", str(wire.cluster.path), "--json", "--count", "2"]
+        assert main([*top, "--interval", "0.8"]) == 0
+        worker.join()
+        first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        seconds = first["links_interval_s"]  # ~ the pool's interval too (read right after)
+        tops = first["pool_ops"]["tops"]
+        assert tops["writes_ps"] * seconds == pytest.approx(40, rel=0.1)
+        assert tops["reads_ps"] * seconds == pytest.approx(60, rel=0.1)
+        assert first["pool_ops"]["idle"] == {"reads_ps": 0, "writes_ps": 0, "atomics_ps": 0}
+        assert second["pool_ops"]["tops"]["reads_ps"] == 0
+    finally:
+        admin.free(region.gaddr)
+        admin.free(other.gaddr)

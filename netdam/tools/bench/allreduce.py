@@ -752,6 +752,42 @@ def _busbw_gbps(nbytes: int, seconds: float, nodes: int) -> float:
     return nbytes * 8 / seconds / 1e9 * 2 * (nodes - 1) / nodes
 
 
+#: The phases of a chain all-reduce call as run_allreduce times them (medians), in call order.
+PHASES = (
+    "stage_in",
+    "start_skew",
+    "collective",  # stands for the four node phases when a completion lacks them
+    "reduce_scatter",
+    "all_gather",
+    "done",
+    "completion",
+    "copy_out",
+)
+
+
+def _phase_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Where a chain call's time goes, per size: each phase's share of the call, stacked (the
+    largest node count that ran; phases are medians over the calls)."""
+    nodes = max(r["nodes"] for r in rows)
+    rows = sorted((r for r in rows if r["nodes"] == nodes), key=lambda r: r["bytes"])
+    labels = [format_size(r["bytes"]) for r in rows]
+    bottom = [0.0] * len(rows)
+    totals = [sum(float(r["phases"].get(p, 0.0)) for p in PHASES) or 1.0 for r in rows]
+    for k, phase in enumerate(PHASES):
+        if not any(phase in r["phases"] for r in rows):
+            continue  # "collective" only stands in where node phases are missing
+        share = [100 * float(r["phases"].get(phase, 0.0)) / t for r, t in zip(rows, totals)]
+        ax.bar(labels, share, bottom=bottom, label=phase.replace("_", " "), color=f"C{k}")
+        bottom = [b + v for b, v in zip(bottom, share)]
+    ax.set(
+        ylabel="share of the call (%)",
+        title=f"chain: where the time goes ({nodes} nodes)",
+        ylim=(0, 100),
+    )
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
 def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     """Time and busbw against size (log-log) and, when several node counts ran, busbw against
     nodes at the largest size. Colour: the algorithm; marker: the node count; measured solid,
@@ -765,7 +801,8 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
         modelled.setdefault(MODEL_ALGO[algo], []).append(algo)
     drawn_model = {group[0] for group in modelled.values()}
     several = len(node_counts) > 1
-    fig, axes = plotting.figure(plt, 1, 3 if several else 2)
+    phased = [r for r in results if r["algo"] == "chain" and isinstance(r.get("phases"), dict)]
+    fig, axes = plotting.figure(plt, 1, (3 if several else 2) + bool(phased))
 
     def rows_of(algo: str, key: str, value: int, order: str) -> list[dict[str, Any]]:
         return sorted(
@@ -817,6 +854,8 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
         plotting.nodes_axis(axes[2], node_counts)
         axes[2].set_yscale("log")
         axes[2].set(ylabel="busbw (Gb/s)", title=f"busbw vs nodes at {format_size(big)}")
+    if phased:
+        _phase_bars(axes[-1], phased)
     key = plotting.Key().colors(algos)
     if several:
         key.markers(f"{n} nodes" for n in node_counts)
