@@ -248,6 +248,14 @@ def register(subparsers: Subparsers) -> None:
         help="no lockout of key guessers, no anti-amplification limit (SPEC.md 12): "
         "for fuzzing that sends wrong keys on purpose, never for a shared network",
     )
+    node.add_argument(
+        "--nics-per-process",
+        type=bounded_int(1, 4096),
+        default=1,
+        metavar="K",
+        help="under a launcher: the emulated NICs this process hosts (ranks RANK x K .. RANK x "
+        "K + K - 1 of WORLD_SIZE x K NICs, ports --bind's + LOCAL_RANK x K + k; default 1)",
+    )
     add_trace_records(node, DEFAULT_TRACE_RECORDS)
     add_fault_args(node)
     node.set_defaults(func=run_node)
@@ -394,12 +402,19 @@ def run_node(args: argparse.Namespace) -> int:
     args.admin_key, args.admin_tag_key = _admin_keys(args)
 
     if args.nic:
+        if args.nics_per_process != 1:
+            raise CommandError(
+                "--nics-per-process is for launched nodes; --nic already names each NIC of "
+                "this process: drop one of them",
+                ExitCode.USAGE,
+            )
         return _run_nics(args)
     if wants_rendezvous(os.environ, args.master, bool(args.members)):
         return _run_launched_node(args)
     for flag, value in (
         ("--cluster", args.cluster),
         ("--bind auto", args.bind and args.bind[0] == "auto"),
+        ("--nics-per-process", args.nics_per_process != 1),
     ):
         if value:
             raise CommandError(
@@ -478,7 +493,11 @@ def _run_launched_node(args: argparse.Namespace) -> int:
         spec = resolve_launch(
             os.environ, rank=args.rank, world_size=args.world_size, master=args.master
         )
-        bind = resolve_bind(node_bind(args.bind, spec.local_rank), spec.master)
+        per = args.nics_per_process
+        binds = [
+            resolve_bind(node_bind(args.bind, spec.local_rank * per + k), spec.master)
+            for k in range(per)
+        ]
     except LaunchError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     except RendezvousError as exc:
@@ -488,31 +507,41 @@ def _run_launched_node(args: argparse.Namespace) -> int:
         if spec.master
         else "none (world of one)"
     )
+    hosting = (
+        f", hosting NICs {spec.rank * per}..{spec.rank * per + per - 1} of {spec.world_size * per}"
+        if per > 1
+        else ""
+    )
     print(
         f"netdam node: rank {spec.rank} of {spec.world_size} from {spec.source}, local rank "
-        f"{spec.local_rank}; rendezvous {master}; binding {bind[0]}:{bind[1]}",
+        f"{spec.local_rank}{hosting}; rendezvous {master}; binding "
+        + ", ".join(f"{ip}:{port}" for ip, port in binds),
         file=sys.stderr,
         flush=True,
     )
-    name = f"{args.name}-{spec.rank}" if args.name else f"netdam-r{spec.rank}-{os.getpid()}"
-    config = NodeProcessConfig(
-        bind=bind,
-        memory_bytes=args.memory,
-        shm_dir=args.shm_dir,
-        name=name,
-        admin_key=args.admin_key,
-        admin_tag_key=args.admin_tag_key,
-        mtu=args.mtu,
-        rank=spec.rank,
-        world_size=spec.world_size,
-        faults=faults_from(args),
-        die_with_parent=args.die_with_parent,
-        guard=_guard(args),
-        trace_records=args.trace_records,
-    )
+    configs = []
+    for k, nic_bind in enumerate(binds):
+        rank = spec.rank * per + k
+        configs.append(
+            NodeProcessConfig(
+                bind=nic_bind,
+                memory_bytes=args.memory,
+                shm_dir=args.shm_dir,
+                name=f"{args.name}-{rank}" if args.name else f"netdam-r{rank}-{os.getpid()}",
+                admin_key=args.admin_key,
+                admin_tag_key=args.admin_tag_key,
+                mtu=args.mtu,
+                rank=rank,
+                world_size=spec.world_size * per,
+                faults=faults_from(args),
+                die_with_parent=args.die_with_parent,
+                guard=_guard(args),
+                trace_records=args.trace_records,
+            )
+        )
     try:
         return run_launched_node(
-            config,
+            configs,
             spec,
             cluster_path=args.cluster,
             timeout=args.rendezvous_timeout,

@@ -359,23 +359,29 @@ def _listen(port: int) -> socket.socket:
 
 def gather(
     port: int,
-    own: Member,
+    own: Member | list[Member],
     timeout: float,
     *,
     name: str,
     admin_key: int,
     should_stop: StopCheck = _never,
 ) -> Answer:
-    """Rank 0: listen on *port* (all interfaces), collect every rank's report, answer everyone."""
-    core = Gathering(own.world_size, time.monotonic() + timeout, own.mtu, f"port {port}", timeout)
-    core.add(own)
+    """Rank 0's process: listen on *port* (all interfaces), collect every rank's report, answer
+    everyone. *own*: the NICs this process hosts (rank 0 among them)."""
+    mine = own if isinstance(own, list) else [own]
+    first = mine[0]
+    core = Gathering(
+        first.world_size, time.monotonic() + timeout, first.mtu, f"port {port}", timeout
+    )
+    for member in mine:
+        core.add(member)
     if core.complete:
         return core.answer(name, admin_key)
     server = _listen(port)
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
     readers: dict[socket.socket, LineReader] = {}
-    reported: dict[socket.socket, Member] = {}
+    reported: dict[socket.socket, list[Member]] = {}
     try:
         while not core.complete:
             if should_stop():
@@ -417,10 +423,11 @@ def _read_report(
     conn: socket.socket,
     selector: selectors.BaseSelector,
     readers: dict[socket.socket, LineReader],
-    reported: dict[socket.socket, Member],
+    reported: dict[socket.socket, list[Member]],
     core: Gathering,
 ) -> None:
-    """Feed one connection's bytes to the core; a closed or foreign connection is dropped."""
+    """Feed one connection's bytes to the core (a process hosting several NICs reports each on
+    its line); a closed or foreign connection is dropped, and the ranks it reported with it."""
     try:
         data = conn.recv(65536)
     except (BlockingIOError, InterruptedError):
@@ -432,7 +439,7 @@ def _read_report(
         for line in lines:
             member = parse_member(decode_message(line))
             core.add(member)  # a conflict propagates: it ends the rendezvous for everyone
-            reported[conn] = member
+            reported.setdefault(conn, []).append(member)
     except RendezvousConflict:
         raise
     except RendezvousError as exc:
@@ -442,9 +449,9 @@ def _read_report(
     if not data:
         selector.unregister(conn)
         readers.pop(conn)
-        gone = reported.pop(conn, None)
-        if gone is not None and all(m.rank != gone.rank for m in reported.values()):
-            core.withdraw(gone.rank)
+        for gone in reported.pop(conn, []):
+            if all(m.rank != gone.rank for ms in reported.values() for m in ms):
+                core.withdraw(gone.rank)
         conn.close()
 
 
@@ -458,22 +465,27 @@ def _send_all(conns: dict[socket.socket, Any], message: bytes) -> None:
             pass  # that rank is gone; the others still get the message
 
 
-def join(master: Endpoint, own: Member, timeout: float, should_stop: StopCheck = _never) -> Answer:
-    """Ranks > 0: report to rank 0 (retrying until it listens), wait for its answer."""
+def join(
+    master: Endpoint, own: Member | list[Member], timeout: float, should_stop: StopCheck = _never
+) -> Answer:
+    """Other processes: report their NICs to rank 0 (retrying until it listens), wait for its
+    answer."""
+    mine = own if isinstance(own, list) else [own]
+    first = mine[0]
     start = time.monotonic()
     deadline = start + timeout + ANSWER_GRACE_S
     where = f"{master[0]}:{master[1]}"
     sock = _connect(master, start + timeout, should_stop)
     try:
-        sock.sendall(member_message(own))
+        sock.sendall(b"".join(member_message(m) for m in mine))
         reader = LineReader()
         while True:
             if should_stop():
-                raise RendezvousStopped(f"rank {own.rank} was stopped while waiting for rank 0")
+                raise RendezvousStopped(f"rank {first.rank} was stopped while waiting for rank 0")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RendezvousError(
-                    f"rank {own.rank}: no member list from rank 0's rendezvous at {where} within "
+                    f"rank {first.rank}: no member list from rank 0's rendezvous at {where} within "
                     f"{timeout + ANSWER_GRACE_S:g} s: rank 0 is waiting for other ranks or hung (see its output)"
                 )
             sock.settimeout(min(POLL_S, left))
@@ -483,7 +495,7 @@ def join(master: Endpoint, own: Member, timeout: float, should_stop: StopCheck =
                 continue
             if not data:
                 raise RendezvousError(
-                    f"rank {own.rank}: rank 0's rendezvous at {where} closed the connection without "
+                    f"rank {first.rank}: rank 0's rendezvous at {where} closed the connection without "
                     "an answer: rank 0 failed or was stopped (see its output)"
                 )
             for line in reader.feed(data):
@@ -539,25 +551,30 @@ def route_address(master: Endpoint | None) -> str:
 
 
 def rendezvous(
-    proc: NodeProcess,
+    procs: NodeProcess | list[NodeProcess],
     spec: LaunchSpec,
     timeout: float,
     admin_key: int,
     should_stop: StopCheck = _never,
 ) -> Answer:
-    """Report *proc* (bound, warmed up) and get the member list: rank 0 gathers, others join."""
-    own = Member(
-        rank=spec.rank,
-        world_size=spec.world_size,
-        address=proc.endpoint[0],
-        port=proc.endpoint[1],
-        control_port=proc.control_port,
-        pid=os.getpid(),
-        memory_file=str(proc.memory.path),
-        memory_bytes=proc.config.memory_bytes,
-        mtu=proc.config.mtu,
-        host=socket.gethostname(),
-    )
+    """Report the NICs of this process (bound, warmed up; their configs carry their ranks and
+    the NICs' world) and get the member list: the process hosting rank 0 gathers, others join."""
+    nics = procs if isinstance(procs, list) else [procs]
+    own = [
+        Member(
+            rank=proc.config.rank,
+            world_size=proc.config.world_size,
+            address=proc.endpoint[0],
+            port=proc.endpoint[1],
+            control_port=proc.control_port,
+            pid=os.getpid(),
+            memory_file=str(proc.memory.path),
+            memory_bytes=proc.config.memory_bytes,
+            mtu=proc.config.mtu,
+            host=socket.gethostname(),
+        )
+        for proc in nics
+    ]
     if spec.rank == 0:
         name = f"netdam-{os.getpid()}-{secrets.token_hex(3)}"
         port = spec.master[1] if spec.master is not None else 0
@@ -577,7 +594,7 @@ def adopt(proc: NodeProcess, answer: Answer) -> None:
 
 
 def run_launched_node(
-    config: NodeProcessConfig,
+    config: NodeProcessConfig | list[NodeProcessConfig],
     spec: LaunchSpec,
     *,
     cluster_path: Path | None,
@@ -585,41 +602,49 @@ def run_launched_node(
     admin_key: int,
 ) -> int:
     """``netdam node`` under a launcher: bind, warm up, rendezvous, (rank 0) write the cluster
-    file, announce, serve. RendezvousError propagates (its ``code`` is the exit code)."""
+    file, announce, serve; the NICs of *config* (one, or this process's share: their configs
+    carry their ranks) in one process. RendezvousError propagates (its ``code`` is the exit
+    code)."""
     # Imported here: the node process pulls in the kernels (numba), which the rendezvous's own
     # users (tests, the launcher's parent) do not need.
-    from netdam.shell.node_process import NodeProcess
+    from netdam.shell.nic_host import NicHost
 
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.process import serve_main, stop_requested
 
+    configs = config if isinstance(config, list) else [config]
+
     def should_stop() -> bool:
         return stop_requested()
 
-    def create() -> NodeProcess:
-        proc = NodeProcess(config)
+    def create() -> NicHost:
+        host = NicHost(configs)
         try:
-            proc.warm_up()
+            host.warm_up()
             answer = rendezvous(
-                proc, spec, timeout, admin_key or (secrets.randbits(32) | 1), should_stop
+                host.nics, spec, timeout, admin_key or (secrets.randbits(32) | 1), should_stop
             )
-            adopt(proc, answer)
+            for nic in host.nics:
+                adopt(nic, answer)
             if spec.rank == 0 and cluster_path is not None:
                 created = datetime.datetime.now(datetime.timezone.utc).strftime(
                     "%Y-%m-%dT%H:%M:%SZ"
                 )
                 write_cluster(answer.cluster_file(created), cluster_path)
         except RendezvousStopped:
-            return proc  # serve_main sees the stop request and closes it
+            return host  # serve_main sees the stop request and closes it
         except BaseException:
-            proc.close()
+            host.close()
             raise
-        return proc
+        return host
 
-    def ready(proc: NodeProcess) -> str:
-        return f"{proc.ready_line()} rank={spec.rank} world_size={spec.world_size}"
+    def ready(host: NicHost) -> str:
+        return "\n".join(
+            f"{nic.ready_line()} rank={nic.config.rank} world_size={nic.config.world_size}"
+            for nic in host.nics
+        )
 
-    return serve_main(create, ready, config.die_with_parent)
+    return serve_main(create, ready, any(c.die_with_parent for c in configs))
 
 
 def resolve_bind(bind: Endpoint, master: Endpoint | None) -> Endpoint:

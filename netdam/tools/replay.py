@@ -152,6 +152,7 @@ def _replay_call(
     seen: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)  # dst -> (t, seq, op, k)
     attempts: dict[tuple[int, int, int, int], int] = {}  # (src, dst, op, seq) -> last originated
     multicast: dict[tuple[int, int | None, int], int] = {}  # (src, cause, seq) -> first copy
+    gathered: dict[tuple[int, int, int], int] = {}  # (src, dst, seq) -> the ALL_WRITE taken
     busy_nacks: list[tuple[int, int, int, int]] = []  # (t, nic that sent it, to, seq)
     for t, dst, src, r in got:
         op_code, seq = int(r["opcode"]), int(r["seq"])
@@ -190,6 +191,14 @@ def _replay_call(
             )
         )
         seen[dst].append((t, seq, op_code, len(deliveries) - 1))
+        if op_code == Opcode.ALL_WRITE:
+            # The same chunk again from its owner: the member's RESUME asked for it, because
+            # the first reached it before it had started and was dropped as early (SPEC.md
+            # 4.1). Without skew that first one would have been taken: it did nothing here.
+            earlier = gathered.get((src, dst, seq))
+            if earlier is not None:
+                deliveries[earlier] = dataclasses.replace(deliveries[earlier], busy=True)
+            gathered[(src, dst, seq)] = len(deliveries) - 1
     # A NACK BUSY answers the latest datagram of its chunk the refusing NIC took: that one did
     # nothing, nor did the attempt that began its chain (marked too: without skew neither
     # happens, and the chain's next attempt is its first).

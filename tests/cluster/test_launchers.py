@@ -423,6 +423,47 @@ def test_tcp_rendezvous_answers_everyone() -> None:
     assert answer.endpoints == (("127.0.0.1", 7000), ("127.0.0.1", 7001), ("127.0.0.1", 7002))
 
 
+def test_tcp_rendezvous_of_processes_hosting_several_nics() -> None:
+    """A process hosting NICs 2 and 3 reports both on one connection; rank 0's process brings
+    0 and 1; everyone gets all four. A process that goes before the answer takes its NICs with
+    it: they are missing again, named."""
+    port = free_port()
+    results: dict[int, object] = {}
+
+    def join_both() -> None:
+        try:
+            results[2] = join(("127.0.0.1", port), [member(2, 4), member(3, 4)], 10.0)
+        except RendezvousError as exc:
+            results[2] = exc
+
+    thread = threading.Thread(target=join_both, daemon=True)
+    thread.start()
+    answer = gather(port, [member(0, 4), member(1, 4)], 10.0, name="c", admin_key=9)
+    thread.join(5)
+    assert results[2] == answer and [m.rank for m in answer.members] == [0, 1, 2, 3]
+    # Withdrawn together: the connection that reported 2 and 3 closes before 4 and 5 report.
+    port = free_port()
+    reporter = threading.Thread(
+        target=lambda: _report_and_hang_up(port, [member(2, 6), member(3, 6)]), daemon=True
+    )
+    reporter.start()
+    with pytest.raises(RendezvousError, match=r"4 of 6 ranks never reported \(ranks 2, 3, 4, 5\)"):
+        gather(port, [member(0, 6), member(1, 6)], 1.0, name="c", admin_key=9)
+    reporter.join(5)
+
+
+def _report_and_hang_up(port: int, members: list[Member]) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+                sock.sendall(b"".join(member_message(m) for m in members))
+                time.sleep(0.2)
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
 def test_tcp_rendezvous_timeout_tells_rank_0_and_the_others() -> None:
     port = free_port()
     results: dict[int, object] = {}
@@ -555,6 +596,56 @@ def test_torchrun_style_nodes_form_a_cluster_and_all_reduce(tmp_path: Path) -> N
     finally:
         codes = _stop(procs)
     assert codes == [0, 0, 0]
+    assert not any(Path(n.memory_file).exists() for n in info.nodes)
+
+
+@pytest.mark.slow
+def test_launched_processes_host_several_nics_each(tmp_path: Path) -> None:
+    """Two `netdam node --nics-per-process 2` with torchrun's variables: a cluster of 4 NICs,
+    two per process (ranks 0-1 in launcher rank 0's, 2-3 in rank 1's), all-reducing exactly."""
+    path = tmp_path / "cluster.toml"
+    port = free_port()
+    envs = [
+        clean_env(
+            RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        for r in (1, 0)
+    ]
+    args = ["--bind", "auto:0", "--memory", "4MiB", "--cluster", str(path)]
+    procs = _start_nodes(envs, [*args, "--nics-per-process", "2"])
+    try:
+        _wait_file(path, procs)
+        info = load_cluster(path)
+        assert [n.rank for n in info.nodes] == [0, 1, 2, 3]
+        by_pid = {p.pid: r for p, r in zip(procs, (1, 0), strict=True)}
+        assert [by_pid[n.pid] for n in info.nodes] == [0, 0, 1, 1]
+        with ControlClient.for_cluster(info) as client:
+            pings = [client.ping(n.endpoint)[0] for n in info.nodes]
+        assert [(p["rank"], p["world_size"]) for p in pings] == [(r, 4) for r in range(4)]
+        rng = np.random.default_rng(11)
+        inputs = [rng.standard_normal(5000).astype(np.float32) for _ in range(4)]
+        buffers = [x.copy() for x in inputs]
+        groups = [ProcessGroup(info, r) for r in range(4)]
+        try:
+            works = [
+                api_all_reduce(b, group=g, async_op=True)
+                for b, g in zip(buffers, groups, strict=True)
+            ]
+            for work in works:
+                assert work is not None
+                work.wait()
+        finally:
+            for group in groups:
+                group.close()
+        expected = reference_chain_allreduce(inputs, ReduceOp.SUM)
+        assert all(b.tobytes() == expected.tobytes() for b in buffers)
+    finally:
+        codes = _stop(procs)
+    assert codes == [0, 0]
     assert not any(Path(n.memory_file).exists() for n in info.nodes)
 
 
