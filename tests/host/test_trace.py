@@ -251,3 +251,15 @@ def test_init_process_group_trace_writes_at_destroy(lossy: LocalCluster, tmp_pat
     calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "all_reduce"]
     assert len(calls) == WORLD  # every rank's call made in this process while it was open
     assert len(trace["netdam"]["nics"]) == WORLD
+
+
+@pytest.mark.parametrize("records", [0, 64])
+def test_trace_records_reach_every_nic(records: int) -> None:
+    """`netdam up --trace-records N` reaches each NIC's ring (0: tracing off, nothing written),
+    whatever process hosts it."""
+    with start_cluster(3, memory=1 << 20, trace_records=records, nics_per_process=2) as running:
+        with ControlClient.for_cluster(running.info) as client:
+            pages = [client.trace_page(n.control_endpoint, 0) for n in running.info.nodes]
+    assert [p.slots for p in pages] == [records] * 3
+    if records == 0:
+        assert all(p.written == 0 for p in pages)  # off: not even the control datagrams
