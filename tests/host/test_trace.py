@@ -122,13 +122,18 @@ def test_a_lossy_all_reduce_traced_hop_by_hop(lossy: LocalCluster, tmp_path: Pat
         assert all(dst == (src + 1) % WORLD for src, dst in pairs)
         firsts = {src for src, _ in pairs} - {dst for _, dst in pairs}
         assert len(firsts) == 1  # one path from the block's first hop
-    # The same run on NetDAM cards: slower than the model's clean run by at least one timer
-    # wait, its re-sends at most the ones the NICs counted (a lost repair READ is not seen).
+    # The same run on NetDAM cards: slower than the model's clean run of the job, and a
+    # timeout longer than the run shows in full (a short one may hide behind a port's queue:
+    # "at least one timeout" would not hold at 20 us); its re-sends at most the ones the NICs
+    # counted and their BUSY answers (a chain asked again after BUSY whose answer the replay
+    # cannot pair counts as one).
     nd, _ = default_params(100.0)
     [call] = replay_trace(trace, nd, rto_s=20e-6)
+    [patient] = replay_trace(trace, nd, rto_s=2e-3)
     assert call.nbytes == 60_000 * 4 and call.nics == WORLD
-    assert call.no_skew.seconds >= call.estimate_s + 20e-6
-    assert 0 < call.no_skew.retries <= resent
+    assert call.no_skew.seconds > call.estimate_s
+    assert patient.no_skew.seconds >= max(2e-3, call.no_skew.seconds)  # a re-send waits it out
+    assert 0 < call.no_skew.retries <= resent + instants["BUSY"]  # or a chain re-asked after BUSY
     assert call.replayed.seconds >= call.no_skew.seconds
 
 
