@@ -489,7 +489,8 @@ def test_fuzz_command_against_a_node_process(capsys: pytest.CaptureFixture[str])
         ]
     )
     result = json.loads(capsys.readouterr().out)
-    assert code == 0, result.get("error")
+    # Which counter, when one disagrees (an intermittent one did once in CI, not reproduced).
+    assert code == 0, (result.get("error"), result.get("counter_checks_failed", [])[:5])
     assert result["ok"] and result["sent"] == 15000 and result["mix"]["mutated"] >= 7500
     assert (
         result["crashes"],
