@@ -54,7 +54,7 @@ from netdam.cluster.secrets_io import key_pipe
 from netdam.core.faults import FaultSpec
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
-from netdam.shell.shm import DEFAULT_SHM_DIR
+from netdam.shell.shm import DEFAULT_SHM_DIR, remove_memory_file
 from netdam.shell.startup import CpuWatch, stall_reason
 from netdam.switch.state import state_path_for
 
@@ -826,11 +826,7 @@ def is_node_process(pid: int) -> bool:
 def _remove_node_files(cluster_name: str, nodes: list[NodeEntry]) -> None:
     for node in nodes:
         if node.memory_file:
-            Path(node.memory_file).unlink(missing_ok=True)
-            for lock in Path(node.memory_file).parent.glob(
-                f"{Path(node.memory_file).name}.arena.*lock"
-            ):
-                lock.unlink(missing_ok=True)  # every job's (api.arena_lock_path)
+            remove_memory_file(Path(node.memory_file))
         node_log(cluster_name, node.rank).unlink(missing_ok=True)
 
 

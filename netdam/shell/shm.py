@@ -35,7 +35,16 @@ class NodeMemory:
         except BufferError:
             pass  # a view is still alive somewhere; the OS unmaps at exit
         if unlink:
-            self.path.unlink(missing_ok=True)
+            remove_memory_file(self.path)
+
+
+def remove_memory_file(path: Path) -> None:
+    """A node's memory file and the arena lock files hosts made beside it (every job's,
+    api.arena_lock_path): the arenas die with the memory. A host still holding a lock keeps
+    its open file; nobody can take an arena of memory that is gone."""
+    path.unlink(missing_ok=True)
+    for lock in path.parent.glob(f"{path.name}.arena.*lock"):
+        lock.unlink(missing_ok=True)
 
 
 def create_memory(directory: Path, name: str, size: int) -> NodeMemory:

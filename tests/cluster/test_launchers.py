@@ -647,6 +647,8 @@ def test_launched_processes_host_several_nics_each(tmp_path: Path) -> None:
         codes = _stop(procs)
     assert codes == [0, 0]
     assert not any(Path(n.memory_file).exists() for n in info.nodes)
+    # The hosts' arena lock files went with the memory (a stopped node leaves nothing in shm).
+    assert not any(Path(f"{n.memory_file}.arena.lock").exists() for n in info.nodes)
 
 
 @pytest.mark.slow
