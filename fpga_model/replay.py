@@ -28,7 +28,7 @@ A discrete-event replay over the cycle model's per-packet stage costs:
 
 The per-packet costs are those of ``collectives.netdam_chain`` (both from ``pipeline``); where
 the closed form adds a multicast's fill after the chains', the replay lets it overlap other
-blocks' chains, as the NICs do: a recorded clean run replays at 0.975-1.01 of the closed form
+blocks' chains, as the NICs do: a recorded clean run replays at 0.975-1.025 of the closed form
 (tests hold it to 3%).
 """
 

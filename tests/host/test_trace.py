@@ -169,7 +169,7 @@ def test_netdam_trace_records_a_running_cluster(lossy: LocalCluster, tmp_path: P
 def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
     """`netdam allreduce --trace`, then `netdam model replay` of it: a clean run replayed packet
     for packet takes what the model's closed form says of the same job, within 3% (measured
-    0.975-1.01 over 12 calls: the replay overlaps a block's multicast with other blocks' chains,
+    0.975-1.025 over 16 calls: the replay overlaps a block's multicast with other blocks' chains,
     as the NICs do, where the closed form adds the multicast's fill after the chains')."""
     out = tmp_path / "run.json"
     result = run_allreduce(AllReduceConfig(nodes=4, count=1 << 18, repeat=2, trace=out))
@@ -183,7 +183,7 @@ def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
     assert len(replayed) == 2
     for call in replayed:
         assert call.nbytes == 1 << 20
-        assert 0.97 < call.no_skew.seconds / call.estimate_s < 1.02
+        assert 0.97 < call.no_skew.seconds / call.estimate_s < 1.03
 
 
 def test_top_shows_links_whose_rates_add_up_to_the_counters(
