@@ -256,7 +256,7 @@ def register(subparsers: Subparsers) -> None:
         help="under a launcher: the emulated NICs this process hosts (ranks RANK x K .. RANK x "
         "K + K - 1 of WORLD_SIZE x K NICs, ports --bind's + LOCAL_RANK x K + k; default 1)",
     )
-    add_trace_records(node, DEFAULT_TRACE_RECORDS)
+    add_trace_records(node)
     add_fault_args(node)
     node.set_defaults(func=run_node)
 
@@ -304,7 +304,7 @@ def register(subparsers: Subparsers) -> None:
         "else write the new cluster's file there",
     )
     up.add_argument("--detach", action="store_true", help="start, print, return")
-    add_trace_records(up, None)
+    add_trace_records(up)
     up.add_argument(
         "--switch",
         action="store_true",
@@ -376,12 +376,12 @@ def _admin_keys(args: argparse.Namespace) -> tuple[int, bytes]:
     return 0, b""
 
 
-def add_trace_records(parser: argparse.ArgumentParser, default: int | None) -> None:
+def add_trace_records(parser: argparse.ArgumentParser) -> None:
     """--trace-records: each NIC's trace ring (SPEC.md 6.7)."""
     parser.add_argument(
         "--trace-records",
         type=bounded_int(0, 1 << 24),
-        default=default,
+        default=DEFAULT_TRACE_RECORDS,
         help="records of each NIC's trace ring, 48 bytes each, read by `netdam trace` and "
         f"`--trace` (default {DEFAULT_TRACE_RECORDS}: 1.5 MiB per NIC; 0 turns tracing off)",
     )

@@ -54,6 +54,7 @@ from netdam.cluster.secrets_io import key_pipe
 from netdam.core.faults import FaultSpec
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint
+from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.shell.shm import DEFAULT_SHM_DIR, remove_memory_file
 from netdam.shell.startup import CpuWatch, stall_reason
 from netdam.switch.state import state_path_for
@@ -432,7 +433,7 @@ def _start_cluster(
     switch_seed: int = 0,
     guard: bool = True,
     nics_per_process: int | None = None,
-    trace_records: int | None = None,
+    trace_records: int = DEFAULT_TRACE_RECORDS,
 ) -> LocalCluster:
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
@@ -539,8 +540,8 @@ class _NodeSpec:
     #: The cluster's admin tag key (ClusterFile.admin_tag_key): the nodes take control
     #: opcodes only with their control tag (SPEC.md 2.6).
     admin_tag_key: bytes = b""
-    #: Records of each NIC's trace ring (SPEC.md 6.7); None: the node's default, 0: off.
-    trace_records: int | None = None
+    #: Records of each NIC's trace ring (SPEC.md 6.7; 0: off).
+    trace_records: int = DEFAULT_TRACE_RECORDS
 
     def memory_file(self, rank: int) -> Path:
         return self.shm_dir / f"{self.name}-{rank}.mem"
@@ -637,7 +638,7 @@ def _host_command(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]], key_fd
         )
     if not spec.guard:
         cmd.append("--no-guard")
-    if spec.trace_records is not None:
+    if spec.trace_records != DEFAULT_TRACE_RECORDS:
         cmd += ["--trace-records", str(spec.trace_records)]
     if logging.getLogger().isEnabledFor(logging.INFO):
         cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
@@ -680,7 +681,7 @@ def _host_configs(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]]) -> lis
             faults=spec.faults,
             die_with_parent=True,
             guard=GuardConfig.on() if spec.guard else GuardConfig(),
-            **({} if spec.trace_records is None else {"trace_records": spec.trace_records}),
+            trace_records=spec.trace_records,
         )
         for rank, bind, memory in nics
     ]
@@ -742,7 +743,7 @@ def start_from_file(
     detach: bool = False,
     mtu: int | None = None,
     nics_per_process: int | None = None,
-    trace_records: int | None = None,
+    trace_records: int = DEFAULT_TRACE_RECORDS,
 ) -> LocalCluster:
     """``netdam up --cluster FILE`` with a FILE that lists nodes (hand-written, maybe for several
     hosts): start exactly the nodes whose address is an address of this host, with the file's

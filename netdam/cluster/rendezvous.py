@@ -551,7 +551,7 @@ def route_address(master: Endpoint | None) -> str:
 
 
 def rendezvous(
-    procs: NodeProcess | list[NodeProcess],
+    nics: list[NodeProcess],
     spec: LaunchSpec,
     timeout: float,
     admin_key: int,
@@ -559,7 +559,6 @@ def rendezvous(
 ) -> Answer:
     """Report the NICs of this process (bound, warmed up; their configs carry their ranks and
     the NICs' world) and get the member list: the process hosting rank 0 gathers, others join."""
-    nics = procs if isinstance(procs, list) else [procs]
     own = [
         Member(
             rank=proc.config.rank,
@@ -594,7 +593,7 @@ def adopt(proc: NodeProcess, answer: Answer) -> None:
 
 
 def run_launched_node(
-    config: NodeProcessConfig | list[NodeProcessConfig],
+    configs: list[NodeProcessConfig],
     spec: LaunchSpec,
     *,
     cluster_path: Path | None,
@@ -602,7 +601,7 @@ def run_launched_node(
     admin_key: int,
 ) -> int:
     """``netdam node`` under a launcher: bind, warm up, rendezvous, (rank 0) write the cluster
-    file, announce, serve; the NICs of *config* (one, or this process's share: their configs
+    file, announce, serve; the NICs of *configs* (one, or this process's share: their configs
     carry their ranks) in one process. RendezvousError propagates (its ``code`` is the exit
     code)."""
     # Imported here: the node process pulls in the kernels (numba), which the rendezvous's own
@@ -611,8 +610,6 @@ def run_launched_node(
 
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.shell.process import serve_main, stop_requested
-
-    configs = config if isinstance(config, list) else [config]
 
     def should_stop() -> bool:
         return stop_requested()

@@ -93,6 +93,7 @@ class _Tracks:
 
     events: list[dict[str, Any]] = field(default_factory=list)
     _tids: dict[tuple[int, str], int] = field(default_factory=dict)
+    _made: dict[int, int] = field(default_factory=dict)  # tracks made per process
 
     def process(self, pid: int, name: str) -> None:
         self.events.append(_meta("process_name", pid, 0, {"name": name}))
@@ -101,7 +102,7 @@ class _Tracks:
     def tid(self, pid: int, name: str) -> int:
         key = (pid, name)
         if key not in self._tids:
-            tid = 1 + sum(1 for p, _ in self._tids if p == pid)
+            tid = self._made[pid] = self._made.get(pid, 0) + 1
             self._tids[key] = tid
             self.events.append(_meta("thread_name", pid, tid, {"name": name}))
             self.events.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
@@ -166,12 +167,12 @@ def chrome_trace(
     events: list[dict[str, Any]] = []
     pid_of = {endpoint_to_u64(t.nic.address): k + 1 for k, t in enumerate(nic_traces)}
     chains = _Chains()
-    for k, trace in enumerate(nic_traces):
+    ordered = [np.sort(t.records, order="t_ns", kind="stable") for t in nic_traces]
+    for k, (trace, records) in enumerate(zip(nic_traces, ordered, strict=True)):
         pid = k + 1
         tracks.process(pid, trace.nic.name)
-        records = np.sort(trace.records, order="t_ns", kind="stable")
         _nic_events(records, pid, tracks, clock, events, chains)
-    _chain_flows(nic_traces, pid_of, chains, clock, events)
+    _chain_flows(ordered, pid_of, chains, clock, events)
     for rank in sorted({c.rank for c in calls}):
         pid = 1000 + rank
         tracks.process(pid, f"host rank {rank}")
@@ -316,22 +317,20 @@ def _block_spans(
 
 
 def _chain_flows(
-    nic_traces: Sequence[NicTrace],
+    ordered: Sequence[np.ndarray],
     pid_of: dict[int, int],
     chains: _Chains,
     clock: _Clock,
     events: list[dict[str, Any]],
 ) -> None:
     """A flow arrow per block and hop: from the first chunk a NIC sent on to the next hop, to
-    that hop's first receipt of the block from it."""
+    that hop's first receipt of the block from it (*ordered*: each NIC's records by time)."""
     first_rx: dict[tuple[int, int, int, int, int], int] = {}  # (pid, src, coll, epoch, block)
     sends: list[tuple[int, int, int, int, int, int]] = []  # (pid, dst, coll, epoch, block, t)
-    for k, trace in enumerate(nic_traces):
+    for k, r in enumerate(ordered):
         pid = k + 1
-        r = trace.records
         moved = (r["kind"] == TraceKind.RX) | (r["kind"] == TraceKind.TX)
-        chain = r[moved & (r["opcode"] == Opcode.CHAIN_ADD)]
-        for rec in np.sort(chain, order="t_ns", kind="stable"):
+        for rec in r[moved & (r["opcode"] == Opcode.CHAIN_ADD)]:
             coll, epoch, seq = int(rec["coll_id"]), int(rec["epoch"]), int(rec["seq"])
             block = chains.block(pid, coll, epoch, seq)
             if block is None:

@@ -61,6 +61,8 @@ COLL_SLOTS = typeof(
         _a(u8, 2),
     )
 )
+#: The node's trace ring (in NodeState, and beside the slots for the engine's clock).
+TRACE = TraceRing(_a(u8, 2), _a(i64))
 NODE_STATE = typeof(
     NodeState(
         _a(u8),
@@ -80,11 +82,10 @@ NODE_STATE = typeof(
             _a(u8, 2),
         ),
         _a(u64),
-        TraceRing(_a(u8, 2), _a(i64)),
+        TRACE,
     )
 )
-#: The node's trace ring, which the engine's clock takes beside the slots.
-TRACE_RING = typeof(TraceRing(_a(u8, 2), _a(i64)))
+TRACE_RING = typeof(TRACE)
 HOLD_TABLE = HoldTable(_a(u8, 2), _a(i32), _a(u64), _a(i64), _a(f64), _a(i64))
 FAULT_STATE = typeof(FaultState(_a(f64), _a(u64), _a(u64), _a(u32), HOLD_TABLE))
 SERVE_IO = typeof(ServeIO(0, 0, 0, 0, 0, 0, 0, 0, _a(i64), _a(i64)))

@@ -67,13 +67,16 @@ N_DROPS = len(DROP_INDICES)
 
 @njit(cache=True, nogil=True)
 def note(trace, t_ns, kind, opcode, status, seg_left, length, peer, coll, epoch, seq, addr):
-    """Write one record (nothing when the ring has no rows); a datagram's seg_count and flags
-    are note_datagram's to fill."""
-    slots = trace.rec.shape[0]
-    if slots == 0:
-        return
+    """Write one record (nothing when the ring has no rows)."""
+    if trace.rec.shape[0] != 0:
+        _write(trace, t_ns, kind, opcode, status, seg_left, length, peer, coll, epoch, seq, addr)
+
+
+@njit(cache=True, nogil=True)
+def _write(trace, t_ns, kind, opcode, status, seg_left, length, peer, coll, epoch, seq, addr):
+    """The next record of a ring that has rows, its seg_count and flags 0; returns its row."""
     k = trace.cursor[0]
-    r = trace.rec[k % slots]
+    r = trace.rec[k % trace.rec.shape[0]]
     put_le64(r, TREC_T_NS, np.uint64(t_ns))
     r[TREC_KIND] = np.uint8(kind)
     r[TREC_OPCODE] = np.uint8(opcode)
@@ -89,6 +92,7 @@ def note(trace, t_ns, kind, opcode, status, seg_left, length, peer, coll, epoch,
     put_le16(r, TREC_FLAGS, 0)
     put_le64(r, TREC_ADDR, np.uint64(addr))
     trace.cursor[0] = k + 1
+    return r
 
 
 @njit(cache=True, nogil=True)
@@ -98,9 +102,9 @@ def note_datagram(trace, t_ns, kind, b, ln, peer):
     if trace.rec.shape[0] == 0:
         return
     if ln < HDR:
-        note(trace, t_ns, kind, b[H_OPCODE] if ln > H_OPCODE else 0, 0, 0, ln, peer, 0, 0, 0, 0)
+        _write(trace, t_ns, kind, b[H_OPCODE] if ln > H_OPCODE else 0, 0, 0, ln, peer, 0, 0, 0, 0)
         return
-    note(
+    r = _write(
         trace,
         t_ns,
         kind,
@@ -114,7 +118,6 @@ def note_datagram(trace, t_ns, kind, b, ln, peer):
         rd32(b, H_SEQ),
         rd64(b, H_ADDR),
     )
-    r = trace.rec[(trace.cursor[0] - 1) % trace.rec.shape[0]]
     r[TREC_SEG_COUNT] = b[H_SEG_COUNT]
     put_le16(r, TREC_FLAGS, rd16(b, H_FLAGS))
 

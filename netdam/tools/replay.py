@@ -11,6 +11,7 @@ latest of the call), or none when the sender originated it (a chain's first hop,
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
@@ -149,7 +150,9 @@ def _replay_call(
             if dst is not None:
                 sent[(slot[k], dst, int(r["opcode"]), int(r["seq"]))].append(int(r["t_ns"]))
     deliveries: list[Delivery] = []
-    seen: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)  # dst -> (t, seq, op, k)
+    # What each member took so far, in time order: all of it, and by (chunk, opcode).
+    seen: dict[int, list[tuple[int, int]]] = defaultdict(list)  # dst -> (t, k)
+    by_chunk: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
     attempts: dict[tuple[int, int, int, int], int] = {}  # (src, dst, op, seq) -> last originated
     multicast: dict[tuple[int, int | None, int], int] = {}  # (src, cause, seq) -> first copy
     gathered: dict[tuple[int, int, int], int] = {}  # (src, dst, seq) -> the ALL_WRITE taken
@@ -158,14 +161,14 @@ def _replay_call(
         op_code, seq = int(r["opcode"]), int(r["seq"])
         if op_code == Opcode.NACK and int(r["status"]) == Status.BUSY:
             busy_nacks.append((t, src, dst, seq))
-        cause = _cause(seen[src], t, seq, op_code)
+        cause = _cause(seen[src], by_chunk, src, t, seq, op_code)
         op, data = _shape(r)
         retry_of = None
         lost = 0
         repair = op_code == Opcode.READ
         if repair:
             # A repair READ: asked after a stall, timed from the last datagram its NIC took.
-            cause = next((k for *_, k in reversed(seen[src]) if got[k][0] < t), None)
+            cause = _last_before(seen[src], t)
         elif cause is None:
             key = (src, dst, op_code, seq)
             retry_of = attempts.get(key)
@@ -190,7 +193,8 @@ def _replay_call(
                 busy_answer=op_code == Opcode.NACK and int(r["status"]) == Status.BUSY,
             )
         )
-        seen[dst].append((t, seq, op_code, len(deliveries) - 1))
+        seen[dst].append((t, len(deliveries) - 1))
+        by_chunk[(dst, seq, op_code)].append((t, len(deliveries) - 1))
         if op_code == Opcode.ALL_WRITE:
             # The same chunk again from its owner: the member's RESUME asked for it, because
             # the first reached it before it had started and was dropped as early (SPEC.md
@@ -203,14 +207,15 @@ def _replay_call(
     # nothing, nor did the attempt that began its chain (marked too: without skew neither
     # happens, and the chain's next attempt is its first).
     for t_nack, by, _, seq in busy_nacks:
-        for k in range(len(deliveries) - 1, -1, -1):
-            if deliveries[k].dst == by and got[k][0] <= t_nack and int(got[k][3]["seq"]) == seq:
-                root = k
-                while deliveries[root].cause is not None:
-                    root = deliveries[root].cause  # type: ignore[assignment]  # not None: checked
-                for j in {k, root}:
-                    deliveries[j] = dataclasses.replace(deliveries[j], busy=True)
-                break
+        taken = sorted(tk for op in _TAKEN for tk in by_chunk.get((by, seq, int(op)), ()))
+        answered = _last_before(taken, t_nack + 1)
+        if answered is None:
+            continue
+        root = answered
+        while deliveries[root].cause is not None:
+            root = deliveries[root].cause  # type: ignore[assignment]  # not None: checked
+        for j in {answered, root}:
+            deliveries[j] = dataclasses.replace(deliveries[j], busy=True)
     first = min(phases[k][TracePhase.START] for k in members)
     offsets = [(phases[k][TracePhase.START] - first) * 1e-9 for k in members]
     wall = (max(phases[k][TracePhase.COMPLETE] for k in members) - first) * 1e-9
@@ -249,18 +254,29 @@ _CAUSED_BY = {
 }
 
 
-def _cause(received: list[tuple[int, int, int, int]], before: int, seq: int, op: int) -> int | None:
-    """The delivery whose processing made a NIC send datagram *op* of chunk *seq*: the one of
+def _cause(
+    received: list[tuple[int, int]],
+    by_chunk: dict[tuple[int, int, int], list[tuple[int, int]]],
+    nic: int,
+    before: int,
+    seq: int,
+    op: int,
+) -> int | None:
+    """The delivery whose processing made *nic* send datagram *op* of chunk *seq*: the one of
     that chunk it received last before *before* (_CAUSED_BY); for an ACK, NACK or DONE, the last
     of the call it received; None when it originated there."""
+    if op in (Opcode.ACK, Opcode.NACK):
+        return _last_before(received, before)
     want = _CAUSED_BY.get(Opcode(op))
-    answer = op in (Opcode.ACK, Opcode.NACK)
-    if want is None and not answer:
+    if want is None:
         return None
-    for t, s, o, k in reversed(received):
-        if t < before and (answer or (s == seq and o == want)):
-            return k
-    return None
+    return _last_before(by_chunk.get((nic, seq, int(want)), []), before)
+
+
+def _last_before(taken: list[tuple[int, int]], before: int) -> int | None:
+    """The delivery of the last (time, delivery) of *taken* (in time order) before *before*."""
+    at = bisect.bisect_left(taken, (before, -1))
+    return taken[at - 1][1] if at else None
 
 
 def _shape(r: np.void) -> tuple[str, int]:

@@ -246,6 +246,20 @@ def _check_json(code: int, word: str, got: int, out: str, err: str) -> None:
     assert isinstance(obj, dict) and obj["ok"] is False and word in obj["error"], obj
 
 
+@pytest.mark.parametrize(
+    ("argv", "word"),
+    [
+        (["node", "--nics-per-process", "2"], "--nics-per-process needs a rendezvous"),
+        (["node", "--nic", "0@127.0.0.1:0", "--nics-per-process", "2"], "--nic already names"),
+    ],
+)
+def test_node_misuse_of_nics_per_process_is_one_line(
+    argv: list[str], word: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`netdam node` serves until stopped and has no --json: its usage errors, plain only."""
+    _check(argv, USAGE, word, *_main(argv, capsys))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 2, 16])
 def test_as_a_real_process(index: int) -> None:
