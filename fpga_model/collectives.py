@@ -4,8 +4,10 @@ Algorithms (p nodes, n bytes per node):
 
 - ``netdam-chain``: reduce-scatter by SR chains (each chunk visits p-1 NICs, every hop adds
   in flight, the last stores), then all-gather by multicast writes (design notes 4.1-4.3).
-  Every node receives (p-1)/p n in each phase at the rate of its NIC pipeline for ADD and
-  WRITE packets (analytic.py), plus the fill latency of one chain and one multicast hop.
+  Every block's chains advance a hop at a time, each hop the longer of a chunk's latency and
+  the NIC's pipeline time for a block of ADDs; then a multicast hop, every node's (p-1)/p n of
+  WRITEs and its chains' ACKs at its pipeline's rate (analytic.py), and the DONE exchange. A
+  replay of the same job packet by packet (replay.py) agrees within 1%.
 - ``roce-ideal``: the hardware bound of a RoCE host all-reduce: no software cost, no copies,
   and the reduction of each step fully overlapped with its transfer (an infinitely fine
   pipeline). The best of a ring, Thakur, Rabenseifner & Gropp 2005,
@@ -42,7 +44,7 @@ from functools import lru_cache
 from . import wire
 from .analytic import pipeline_latency_s, pipeline_rate, roce_one_way_s
 from .params import NetdamParams, NicParams, RoceParams, default_presets, load_preset, with_link
-from .pipeline import netdam_shape, netdam_stages
+from .pipeline import Stage, netdam_shape, netdam_stages
 
 ALGOS = ("netdam-chain", "netdam-chain-2d", "roce-ideal", "roce-ring", "halving-doubling", "ideal")
 #: Most NICs one chain visits: an SR list names at most 64 hops (protocol/SPEC.md, MAX_SEGMENTS),
@@ -138,15 +140,35 @@ def netdam_chain(
     rs_bw = (nodes - 1) * add_block  # every node receives p-1 blocks in each phase
     ag_bw = (nodes - 1) * write_block
     hop = p.propagation_s + p.switch_latency_s
-    # Pipeline fill: the first chunk crosses p-1 links (each hop: everything but the
-    # serialization already counted on the link), then one multicast hop into memory.
-    first = add[0].latency_s
-    chain_fill = first + segments * (hop + pipeline_latency_s(add) - add[0].latency_s)
-    mcast_fill = hop + pipeline_latency_s(write) - write[0].latency_s
-    fill = chain_fill + mcast_fill
-    total = rs_bw + ag_bw + fill
+    store = netdam_stages(p, netdam_shape("add-store", chunk, segments), dtype_bytes)
+    control = netdam_stages(p, netdam_shape("write", 0, 0), dtype_bytes)  # ACK, DONE
+    control_interval = 1.0 / pipeline_rate(control)[0]
+
+    def after_receive(stages: list[Stage]) -> float:
+        """A packet's latency through a NIC once its last bit is in (the receive wire stage
+        overlaps the sender's transmit)."""
+        return pipeline_latency_s(stages) - stages[0].latency_s
+
+    # Every block's chains advance together, a hop at a time (each NIC starts its block's
+    # chunks at once, at line rate): a hop takes a chunk's latency through the link and the
+    # next NIC, or that NIC's pipeline time for a block of adds, whichever is longer; the last
+    # hop stores. Then one multicast hop, and every NIC takes p-1 blocks of WRITEs and its
+    # chains' ACKs; the last of them leaves its pipeline; every NIC sends its DONE (SPEC.md
+    # 4.1: complete when every member's DONE is here), p-1 of them per NIC.
+    per_hop = rs_bw / segments
+    chains = (
+        add[0].latency_s
+        + (segments - 1) * max(hop + after_receive(add), per_hop)
+        + max(hop + after_receive(store), per_hop)
+    )
+    acks = math.ceil(block / chunk) * control_interval
+    last_out = max(after_receive(write) - 1.0 / write_pps, after_receive(control))
+    done = hop + control[0].latency_s + after_receive(control) + (nodes - 2) * control_interval
+    total = chains + hop + ag_bw + acks + last_out + done
+    completion = acks + done
+    fill = total - rs_bw - ag_bw - completion
     limit = add_limit if rs_bw >= ag_bw else write_limit
-    bottleneck = "latency" if fill > rs_bw + ag_bw else _LINK_STAGES.get(limit, limit)
+    bottleneck = "latency" if fill + completion > rs_bw + ag_bw else _LINK_STAGES.get(limit, limit)
     return AllreduceEstimate(
         "netdam-chain",
         nodes,
@@ -154,7 +176,7 @@ def netdam_chain(
         p.link_gbps,
         total,
         bottleneck,
-        {"reduce_scatter": rs_bw, "all_gather": ag_bw, "latency": fill},
+        {"reduce_scatter": rs_bw, "all_gather": ag_bw, "latency": fill, "completion": completion},
         p.name,
     )
 
@@ -186,11 +208,12 @@ def netdam_chain_2d(
     inner = netdam_chain(p, size, nbytes, dtype_bytes)
     block = max(dtype_bytes, math.ceil(math.ceil(nbytes / size) / dtype_bytes) * dtype_bytes)
     outer = netdam_chain_2d(p, groups, block, dtype_bytes) if groups >= 2 else None
-    # The inner chain's latency term is its chain fill plus its multicast hop: both phases pay it.
+    # The inner chain's latency and completion: both phases pay them.
     terms = {
         "reduce_scatter": inner.terms["reduce_scatter"],
         "all_gather": inner.terms["all_gather"],
         "latency": inner.terms["latency"],
+        "completion": inner.terms["completion"],
         "across_groups": outer.seconds if outer else 0.0,
     }
     total = sum(terms.values())

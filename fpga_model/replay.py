@@ -26,10 +26,9 @@ A discrete-event replay over the cycle model's per-packet stage costs:
   no member starts late, so those deliveries and the BUSY answers are left out, and the
   attempt after them counts as the first.
 
-The per-packet costs are those of ``collectives.netdam_chain`` (both from ``pipeline``); where
-the closed form adds a multicast's fill after the chains', the replay lets it overlap other
-blocks' chains, as the NICs do: a recorded clean run replays at 0.966-1.025 of the closed form
-(tests hold it above the bandwidth terms and under 1.05 of it).
+The per-packet costs are those of ``collectives.netdam_chain`` (both from ``pipeline``): a
+clean run, recorded or built by hand, replays at its closed form within 1% (fpga_model/README.md,
+"Replay").
 """
 
 from __future__ import annotations
@@ -70,6 +69,10 @@ class Delivery:
     lost_before: int = 0
     #: Sent when a timer ran out after its cause (a repair READ after a stall), not at once.
     after_timeout: bool = False
+    #: Other deliveries src must also have processed before it sends this one: it leaves
+    #: when the last of them and its cause is done (a DONE waits for every chunk and ACK its
+    #: sender needed).
+    joins: tuple[int, ...] = ()
     #: Index of another delivery of the same transmission (a multicast's copies: the switch
     #: replicates, the sender's link carries it once).
     same_send_as: int | None = None
@@ -134,9 +137,13 @@ def replay(
     kept = [skewed or not (d.busy or d.busy_answer) for d in deliveries]
     hop = p.propagation_s + p.switch_latency_s
     children: dict[int, list[int]] = {}
+    waiting: dict[int, int] = {}  # caused deliveries: how many of their causes are not done
     for k, d in enumerate(deliveries):
         if kept[k] and d.cause is not None:
-            children.setdefault(d.cause, []).append(k)
+            causes = {d.cause, *(j for j in d.joins if kept[j])}
+            waiting[k] = len(causes)
+            for j in causes:
+                children.setdefault(j, []).append(k)
     # Events: (time, order, kind, delivery). SEND: ready to leave its sender, which puts it on
     # its link when the link is free (a NIC's forwards and its own chains share one port);
     # ARRIVE: at its receiver's pipeline.
@@ -164,6 +171,7 @@ def replay(
     free = [0.0] * nics
     busy = [0.0] * nics
     end = 0.0
+    causes_done: dict[int, float] = {}
     while events:
         t, _, kind, k = heapq.heappop(events)
         d = deliveries[k]
@@ -188,11 +196,18 @@ def replay(
         end = max(end, done)
         retries += d.after_timeout
         for child in children.get(k, ()):
+            waiting[child] -= 1
+            causes_done[child] = max(causes_done.get(child, 0.0), done)
+            if waiting[child]:
+                continue  # it waits for another of its causes too
             c = deliveries[child]
+            last = causes_done[child]
             # Its pipeline latency ends with the child's last bit out: it is ready to go on the
-            # link its serialization before that (or a timer later, a repair READ).
-            leave_at = done - _serialization_s(p, c.op, c.data_bytes, c.segments)
-            at = done + rto_s if c.after_timeout else leave_at
+            # link its serialization before that (or a timer later, a repair READ; one more
+            # for each attempt of it lost on the way).
+            leave_at = last - _serialization_s(p, c.op, c.data_bytes, c.segments)
+            at = (last + rto_s if c.after_timeout else leave_at) + rto_s * c.lost_before
+            retries += c.lost_before
             heapq.heappush(events, (at, order, _SEND, child))
             order += 1
     return ReplayResult(

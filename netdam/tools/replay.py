@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,10 @@ _DATA = {Opcode.ALL_WRITE: "write", Opcode.READ_RESP: "write", Opcode.READ: "rea
 _TAKEN = frozenset(
     {Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ, Opcode.READ_RESP, Opcode.ACK, Opcode.NACK}
 )
+
+
+#: A datagram between two members: (src, dst, opcode, seq, addr).
+_Key = tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -141,40 +146,70 @@ def _replay_call(
                 got.append((int(r["t_ns"]), slot[k], slot[src], r))
     got.sort(key=lambda g: g[0])
     # Every datagram a member sent another in this call, for the attempts that arrived nowhere.
-    sent: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)  # (src, dst, op, seq)
+    sent: dict[_Key, list[int]] = defaultdict(list)
     endpoint = {slot[k]: nics[k][0] for k in members}
     by_endpoint = {e: m for m, e in endpoint.items()}
     for k in members:
         for r in _of_call(nics[k][1], TraceKind.TX, coll, epoch):
             dst = by_endpoint.get(int(r["peer"]))
             if dst is not None:
-                sent[(slot[k], dst, int(r["opcode"]), int(r["seq"]))].append(int(r["t_ns"]))
+                sent[(slot[k], dst, int(r["opcode"]), int(r["seq"]), int(r["addr"]))].append(
+                    int(r["t_ns"])
+                )
+    # When each member was ready (it held every chunk it needed and its chains were ACKed): it
+    # sent its DONEs then, and its RESUME (an ACK of address 0 as well) only before, at start.
+    ready_at = {
+        slot[k]: max(phases[k].get(TracePhase.CHAINS, 0), phases[k].get(TracePhase.CHUNKS, 0))
+        for k in members
+    }
     deliveries: list[Delivery] = []
+    rx_t: list[int] = []  # when each delivery was taken
+    rx_seq: list[int] = []  # and its seq
     # What each member took so far, in time order: all of it, and by (chunk, opcode).
     seen: dict[int, list[tuple[int, int]]] = defaultdict(list)  # dst -> (t, k)
     by_chunk: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
-    attempts: dict[tuple[int, int, int, int], int] = {}  # (src, dst, op, seq) -> last originated
+    needed: dict[int, list[int]] = defaultdict(list)  # dst -> the chunks and ACKs it waited for
+    attempts: dict[_Key, int] = {}  # the last originated attempt of each datagram
     multicast: dict[tuple[int, int | None, int], int] = {}  # (src, cause, seq) -> first copy
     gathered: dict[tuple[int, int, int], int] = {}  # (src, dst, seq) -> the ALL_WRITE taken
+    done_from: set[tuple[int, int]] = set()  # (src, dst): a DONE of src reached dst
     busy_nacks: list[tuple[int, int, int, int]] = []  # (t, nic that sent it, to, seq)
     for t, dst, src, r in got:
-        op_code, seq = int(r["opcode"]), int(r["seq"])
+        op_code, seq, addr = int(r["opcode"]), int(r["seq"]), int(r["addr"])
+        key = (src, dst, op_code, seq, addr)
         if op_code == Opcode.NACK and int(r["status"]) == Status.BUSY:
             busy_nacks.append((t, src, dst, seq))
-        cause = _cause(seen[src], by_chunk, src, t, seq, op_code)
         op, data = _shape(r)
         retry_of = None
         lost = 0
+        joins: tuple[int, ...] = ()
+        resume = False
         repair = op_code == Opcode.READ
-        if repair:
+        if op_code == Opcode.ACK and addr == 0 and t < ready_at[src]:
+            # A RESUME (sent at start, asking again for what this member refused): it exists
+            # only because of start skew.
+            cause, resume = None, True
+        elif op_code == Opcode.ACK and addr == 0:
+            # A DONE. The first from src completes dst's wait for it; the others (answers to
+            # dst's own DONE, re-sends that crossed it) change nothing. Sent when src was
+            # ready: after the last of the chunks and ACKs it waited for.
+            if (src, dst) in done_from:
+                continue
+            done_from.add((src, dst))
+            waited = [j for j in needed[src] if rx_t[j] < t]
+            cause = waited[-1] if waited else None
+            joins = tuple(waited[:-1])
+            lost = max(_rounds(s for s in sent[key] if ready_at[src] <= s < t) - 1, 0)
+        elif repair:
             # A repair READ: asked after a stall, timed from the last datagram its NIC took.
             cause = _last_before(seen[src], t)
-        elif cause is None:
-            key = (src, dst, op_code, seq)
+        else:
+            cause = _cause(seen[src], by_chunk, src, t, seq, op_code, addr)
+        if cause is None and not resume and not joins:
             retry_of = attempts.get(key)
             attempts[key] = len(deliveries)
             # The attempts sent since the one before that arrived nowhere (lost on the way).
-            since = got[retry_of][0] if retry_of is not None else -1
+            since = rx_t[retry_of] if retry_of is not None else -1
             lost = max(sum(1 for s in sent[key] if since < s < t) - 1, 0)
         deliveries.append(
             Delivery(
@@ -187,14 +222,20 @@ def _replay_call(
                 retry_of=retry_of,
                 lost_before=lost,
                 after_timeout=repair,
+                joins=joins,
                 same_send_as=multicast.setdefault((src, cause, seq), len(deliveries))
                 if op_code == Opcode.ALL_WRITE and cause is not None
                 else None,
-                busy_answer=op_code == Opcode.NACK and int(r["status"]) == Status.BUSY,
+                busy_answer=resume or (op_code == Opcode.NACK and int(r["status"]) == Status.BUSY),
             )
         )
-        seen[dst].append((t, len(deliveries) - 1))
-        by_chunk[(dst, seq, op_code)].append((t, len(deliveries) - 1))
+        k = len(deliveries) - 1
+        rx_t.append(t)
+        rx_seq.append(seq)
+        seen[dst].append((t, k))
+        by_chunk[(dst, seq, op_code)].append((t, k))
+        if op in ("write", "add-store") or (op_code == Opcode.ACK and addr):
+            needed[dst].append(k)  # a chunk, or the ACK of a chain dst began
         if op_code == Opcode.ALL_WRITE:
             # The same chunk again from its owner: the member's RESUME asked for it, because
             # the first reached it before it had started and was dropped as early (SPEC.md
@@ -202,26 +243,23 @@ def _replay_call(
             earlier = gathered.get((src, dst, seq))
             if earlier is not None:
                 deliveries[earlier] = dataclasses.replace(deliveries[earlier], busy=True)
-            gathered[(src, dst, seq)] = len(deliveries) - 1
+            gathered[(src, dst, seq)] = k
     # A NACK BUSY answers the latest datagram of its chunk the refusing NIC took: that one did
-    # nothing, nor did the attempt that began its chain (marked too: without skew neither
+    # nothing, nor did the hops of its chain before it (marked too: without skew none of them
     # happens, and the chain's next attempt is its first).
     for t_nack, by, _, seq in busy_nacks:
         taken = sorted(tk for op in _TAKEN for tk in by_chunk.get((by, seq, int(op)), ()))
         answered = _last_before(taken, t_nack + 1)
         if answered is None:
             continue
-        root = answered
-        while deliveries[root].cause is not None:
-            root = deliveries[root].cause  # type: ignore[assignment]  # not None: checked
-        for j in {answered, root}:
-            deliveries[j] = dataclasses.replace(deliveries[j], busy=True)
+        hop: int | None = answered
+        while hop is not None:
+            deliveries[hop] = dataclasses.replace(deliveries[hop], busy=True)
+            hop = deliveries[hop].cause
     first = min(phases[k][TracePhase.START] for k in members)
     offsets = [(phases[k][TracePhase.START] - first) * 1e-9 for k in members]
     wall = (max(phases[k][TracePhase.COMPLETE] for k in members) - first) * 1e-9
-    stored = {
-        int(got[k][3]["seq"]): d.data_bytes for k, d in enumerate(deliveries) if d.op == "add-store"
-    }
+    stored = {rx_seq[k]: d.data_bytes for k, d in enumerate(deliveries) if d.op == "add-store"}
     nbytes = sum(stored.values())
     return CallReplay(
         coll_id=coll,
@@ -235,6 +273,22 @@ def _replay_call(
         if len(members) > 1 and nbytes
         else 0.0,
     )
+
+
+#: A DONE sent twice less than this apart went out once (at readiness, with the answer to a
+#: DONE that came first); the engine's re-sends are an RTO apart, at least 20 ms
+#: (RTO_MIN_S, netdam/kernels/collective.py).
+_SAME_ROUND_NS = 1_000_000
+
+
+def _rounds(times: Iterable[int]) -> int:
+    """How many times a message went out, counting sends closer than _SAME_ROUND_NS as one."""
+    rounds, last = 0, None
+    for t in sorted(times):
+        if last is None or t - last >= _SAME_ROUND_NS:
+            rounds += 1
+        last = t
+    return rounds
 
 
 def _of_call(records: np.ndarray, kind: TraceKind, coll: int, epoch: int) -> np.ndarray:
@@ -261,10 +315,15 @@ def _cause(
     before: int,
     seq: int,
     op: int,
+    addr: int,
 ) -> int | None:
     """The delivery whose processing made *nic* send datagram *op* of chunk *seq*: the one of
-    that chunk it received last before *before* (_CAUSED_BY); for an ACK, NACK or DONE, the last
-    of the call it received; None when it originated there."""
+    that chunk it received last before *before* (_CAUSED_BY; a chain's ACK, which names the
+    chunk's address, answers the chain's last hop); for a NACK, a DONE or a RESUME (an ACK of
+    address 0, seq the sender's rank), the last of the call it received; None when it
+    originated there."""
+    if op == Opcode.ACK and addr:
+        return _last_before(by_chunk.get((nic, seq, int(Opcode.CHAIN_ADD)), []), before)
     if op in (Opcode.ACK, Opcode.NACK):
         return _last_before(received, before)
     want = _CAUSED_BY.get(Opcode(op))

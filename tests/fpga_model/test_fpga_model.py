@@ -156,9 +156,13 @@ def test_monotonic_in_nodes(algo: str) -> None:
     counts = (
         [2, 4, 8, 16, 32, 64] if algo in ("halving-doubling", "roce-ideal") else list(range(2, 40))
     )
+    # A NetDAM chunk is the most data that fits a frame beside p-1 SR entries, and a block of
+    # n/p bytes ends in a shorter packet: one more node can leave fewer short packets per NIC
+    # (1 MiB: 32 nodes take 0.47% less than 31), which the pipeline's work counts.
+    slack = 0.005 if algo.startswith("netdam") else 1e-12
     for size in (4096, 1 << 20, 64 << 20, 1 << 30):
         times = [estimate_allreduce_seconds(n, size, algo=algo) for n in counts]
-        assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:])), (algo, size)
+        assert all(a <= b * (1 + slack) for a, b in zip(times, times[1:])), (algo, size)
 
 
 def test_roce_ring_monotonic_in_nodes_within_each_algorithm() -> None:

@@ -1,7 +1,7 @@
-"""The replay engine on runs built by hand: a clean chained all-reduce takes at most what the
-closed form says and at least its bandwidth terms, a lost datagram on the critical path costs a
-timeout, start skew adds, BUSY answers vanish without skew. (A run the NICs recorded is held
-to the closed form within 2%: tests/host/test_trace.py.)"""
+"""The replay engine on runs built by hand: a clean chained all-reduce takes what the closed
+form says (within 1%) and at least its bandwidth terms, a lost datagram on the critical path
+costs a timeout, start skew adds, BUSY answers vanish without skew. (A run the NICs recorded is
+held to the closed form within 2%: tests/host/test_trace.py.)"""
 
 from __future__ import annotations
 
@@ -44,19 +44,33 @@ def chain_run(nodes: int, nbytes: int, lose: int | None = None) -> list[Delivery
                 dst = (owner + k) % nodes
                 out.append(Delivery(owner, dst, "write", size, cause=store, same_send_as=twin))
             c += 1
+    # Each NIC sends its DONE to every other once it holds every chunk (its block stored,
+    # the others' multicast) and its chains are ACKed.
+    waited: dict[int, list[int]] = {n: [] for n in range(nodes)}
+    for k, d in enumerate(out):
+        if d.op in ("write", "add-store", "control"):
+            waited[d.dst].append(k)
+    for y in range(nodes):
+        *joins, last = waited[y]
+        out += [
+            Delivery(y, x, "control", 0, cause=last, joins=tuple(joins))
+            for x in range(nodes)
+            if x != y
+        ]
     return out
 
 
-@pytest.mark.parametrize(("nodes", "nbytes"), [(4, 1 << 20), (8, 4 << 20), (2, 256 << 10)])
-def test_a_clean_chain_lies_between_the_bandwidth_terms_and_the_closed_form(
-    nodes: int, nbytes: int
-) -> None:
-    """Every chain ready at once (no credit window, unlike the NICs): a block's multicast starts
-    while other blocks still chain, so the fills the closed form adds on top hide."""
+@pytest.mark.parametrize("nodes", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("nbytes", [4 << 10, 64 << 10, 1 << 20, 16 << 20])
+def test_a_clean_chain_replays_at_the_closed_form(nodes: int, nbytes: int) -> None:
+    """Packet by packet, a clean run takes what the closed form says within 1% (measured
+    0.994-1.0072 of it over this grid, the most at 16 NICs x 4 KiB), and never less than the
+    pipeline's work."""
     run = replay(ND, chain_run(nodes, nbytes), nodes)
     estimate = netdam_chain(ND, nodes, nbytes)
     bandwidth = estimate.terms["reduce_scatter"] + estimate.terms["all_gather"]
-    assert bandwidth <= run.seconds <= estimate.seconds * 1.02, (run.seconds, estimate)
+    assert bandwidth <= run.seconds
+    assert run.seconds == pytest.approx(estimate.seconds, rel=0.01), estimate
     assert run.retries == 0 and run.skew_s == 0
 
 
@@ -102,6 +116,7 @@ def _shift(d: Delivery, by: int) -> Delivery:
             **d.__dict__,
             "cause": None if d.cause is None else d.cause + by,
             "same_send_as": None if d.same_send_as is None else d.same_send_as + by,
+            "joins": tuple(j + by for j in d.joins),
         }
     )
 

@@ -133,6 +133,13 @@ def test_a_lossy_all_reduce_traced_hop_by_hop(lossy: LocalCluster, tmp_path: Pat
     assert call.nbytes == 60_000 * 4 and call.nics == WORLD
     assert call.no_skew.seconds > call.estimate_s
     assert patient.no_skew.seconds >= max(2e-3, call.no_skew.seconds)  # a re-send waits it out
+    # Slower than the clean run by what its re-sends cost: a whole timeout for each one on the
+    # critical path (measured 2.95-6.95 timeouts at 2% loss), at most one per re-send, less
+    # what of the clean run overlapped the waiting.
+    waited = (patient.no_skew.seconds - call.estimate_s) / 2e-3
+    timeouts = round(waited)
+    assert 1 <= timeouts <= patient.no_skew.retries
+    assert abs(waited - timeouts) * 2e-3 <= call.estimate_s
     assert 0 < call.no_skew.retries <= resent + instants["BUSY"]  # or a chain re-asked after BUSY
     assert call.replayed.seconds >= call.no_skew.seconds
 
@@ -168,9 +175,9 @@ def test_netdam_trace_records_a_running_cluster(lossy: LocalCluster, tmp_path: P
 
 def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
     """`netdam allreduce --trace`, then `netdam model replay` of it: a clean run replayed packet
-    for packet takes about what the model's closed form says of the same job (measured
-    0.966-1.025 over 17 calls: the replay overlaps a block's multicast with other blocks' chains,
-    as the NICs do, where the closed form adds the multicast's fill after the chains')."""
+    for packet takes what the model's closed form says of the same job within 2% (measured
+    0.9999-1.0000 over 20 calls: the artifacts of the emulator's start skew taken out, every
+    clean call replays the same deliveries)."""
     out = tmp_path / "run.json"
     result = run_allreduce(AllReduceConfig(nodes=4, count=1 << 18, repeat=2, trace=out))
     assert result["ok"] and result["trace"]["path"] == str(out)  # type: ignore[index]
@@ -183,11 +190,10 @@ def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
     assert len(replayed) == 2
     for call in replayed:
         assert call.nbytes == 1 << 20
-        # Never under the bandwidth terms (every NIC's pipeline has that much to do), and near
-        # the closed form (measured 0.966-1.025 of it over 17 calls).
         terms = netdam_chain(nd, 4, 1 << 20).terms
         assert terms["reduce_scatter"] + terms["all_gather"] <= call.no_skew.seconds
-        assert call.no_skew.seconds / call.estimate_s < 1.05
+        assert call.no_skew.seconds == pytest.approx(call.estimate_s, rel=0.02)
+        assert call.no_skew.retries == 0
 
 
 def test_top_shows_links_whose_rates_add_up_to_the_counters(
