@@ -131,6 +131,16 @@ class CollectiveSlots:
             self.agsent,
         )
 
+    def set_host_turn(self, seconds: float) -> None:
+        """The longest recent wait between two turns of this NIC in its process (the host loop
+        measures it): every slot's timers cover HOST_TURNS_PER_RTO of them from now on, those
+        of the collectives running too (kernels.collective._rto_bounds)."""
+        fcfg = self.fcfg
+        fcfg[:, L.F_HOST_TURN] = seconds
+        floor = L.HOST_TURNS_PER_RTO * seconds
+        np.maximum(fcfg[:, L.F_RTO], floor, out=fcfg[:, L.F_RTO])
+        np.maximum(fcfg[:, L.F_BASE_RTO], floor, out=fcfg[:, L.F_BASE_RTO])
+
     def engine_of(self, coll_id: int) -> CollectiveEngine | None:
         """The slot holding *coll_id* (running, or its last collective here ended in it)."""
         for engine in self.engines:
@@ -499,8 +509,12 @@ class CollectiveEngine:
             int(cb[rank + 1] - cb[rank]) if algo == Algo.REDUCE_SCATTER else n_chunks
         )
         fcfg = self.fcfg
+        host_turn = fcfg[L.F_HOST_TURN]
         fcfg[:] = 0.0
-        fcfg[L.F_RTO] = fcfg[L.F_BASE_RTO] = initial_rto(world)
+        fcfg[L.F_HOST_TURN] = host_turn
+        fcfg[L.F_RTO] = fcfg[L.F_BASE_RTO] = max(
+            initial_rto(world), L.HOST_TURNS_PER_RTO * host_turn
+        )
         fcfg[L.F_START] = -1.0  # the first tick stamps the start
         fcfg[L.F_T_CHAINS : L.F_T_DONE + 1] = -1.0  # phases not ended yet
         fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall

@@ -238,7 +238,11 @@ F_BM_SENT = 11  # last time this node sent its bitmap requests (sparse mode)
 F_T_CHAINS = 12  # every chain this node started was ACKed (its share of the reduce-scatter)
 F_T_CHUNKS = 13  # every chunk this node needs is here (the all-gather, for this node)
 F_T_DONE = 14  # every member's DONE is here: the collective is complete
-F_LEN = 15
+#: The longest recent wait between two turns of this NIC in the process hosting it (seconds;
+#: 0 for a NIC alone in its process): written by the host loop (netdam/shell/nic_host.py),
+#: it raises the timers' floor (_rto_bounds).
+F_HOST_TURN = 15
+F_LEN = 16
 
 #: Collectives one NIC holds at once (SPEC.md 4.1), one slot each: a START_COLL while every
 #: slot runs is answered NACK BUSY. 4: two jobs with two groups each, or DDP's buckets of one
@@ -268,6 +272,13 @@ RTO_MIN_S = 0.02  # loopback emulation: 2 cores, many processes: ms-scale schedu
 # failed none, with fewer retransmits and half the time. Clean runs re-send nothing either way
 # (4 x 64 MiB, 8 x 16 MiB, 8 x 64 MiB: docs/PERFORMANCE.md).
 RTO_MAX_S = 0.1
+#: ...and at least this many turns of the process hosting the NIC, at most twice that. A NIC
+#: that shares its process reads its socket only in its turn, after the others' (up to 0.1-0.4 s
+#: a turn with 64-128 NICs a process on 2 cores, measured with a log of the host loop), which a
+#: card never waits: a chain's round trip spans a few turns (its hops, the ACK, the sender's
+#: next turn), and timers shorter than that re-sent chains and READ chunks that were on their
+#: way (128 NICs x 1 MiB: 81-200 re-sends per 3 calls).
+HOST_TURNS_PER_RTO = 4
 #: Re-ask a hop that answered BUSY after this long (seconds).
 BUSY_RETRY_S = 0.0005
 #: All-gather repair starts after this long without progress (or one base RTO, whichever is
@@ -712,7 +723,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                 _trace_resend(trace, now, cfg, OP_CHAIN_ADD, c)
                 backoff = True
         if backoff:
-            fcfg[F_RTO] = min(fcfg[F_RTO] * 2.0, RTO_MAX_S)
+            fcfg[F_RTO] = min(fcfg[F_RTO] * 2.0, _rto_bounds(fcfg)[1])
         # While a hop says BUSY, no new chain starts: only the waiting ones probe.
         while not busy and cfg[CFG_INFLIGHT] < window and cfg[CFG_NEXT_SEND] < cb[ob + 1]:
             c = cfg[CFG_NEXT_SEND]
@@ -978,15 +989,23 @@ def _all_ranks(world):
 
 @njit(cache=True, nogil=True)
 def _rtt_sample(fcfg, sample):
-    """RFC 6298 smoothing; RTO clamped to [RTO_MIN_S, RTO_MAX_S]."""
+    """RFC 6298 smoothing; RTO clamped to _rto_bounds."""
     if fcfg[F_SRTT] == 0.0:
         fcfg[F_SRTT] = sample
         fcfg[F_RTTVAR] = sample / 2.0
     else:
         fcfg[F_RTTVAR] = 0.75 * fcfg[F_RTTVAR] + 0.25 * abs(fcfg[F_SRTT] - sample)
         fcfg[F_SRTT] = 0.875 * fcfg[F_SRTT] + 0.125 * sample
-    fcfg[F_RTO] = min(max(fcfg[F_SRTT] + 4.0 * fcfg[F_RTTVAR], RTO_MIN_S), RTO_MAX_S)
+    floor, ceiling = _rto_bounds(fcfg)
+    fcfg[F_RTO] = min(max(fcfg[F_SRTT] + 4.0 * fcfg[F_RTTVAR], floor), ceiling)
     fcfg[F_BASE_RTO] = fcfg[F_RTO]
+
+
+@njit(cache=True, nogil=True)
+def _rto_bounds(fcfg):
+    """(floor, ceiling) of the RTO: [RTO_MIN_S, RTO_MAX_S], raised to cover the host's turns."""
+    floor = max(RTO_MIN_S, HOST_TURNS_PER_RTO * fcfg[F_HOST_TURN])
+    return floor, max(RTO_MAX_S, 2.0 * floor)
 
 
 @njit(cache=True, nogil=True)

@@ -10,14 +10,18 @@ the next NIC's begins).
 The loop: epoll(7) over every NIC's sockets; each NIC with traffic, or with a clock to run (a
 collective, held datagrams, sends waiting for room) gets one compiled serve call that takes
 nothing but what is already queued (timeout 0: it drains up to ROUNDS_PER_CALL rounds of
-batches, then returns), then its control plane. A process with one NIC runs that NIC's own
-blocking loop instead (``NodeProcess.run``): nothing changes for ``--nics-per-process 1``.
+batches, then returns), then its control plane. A datagram for a NIC whose turn has passed
+waits for the others' turns, which a card never does; the loop measures its passes and the
+NICs' collective timers cover the longest recent one (``CollectiveSlots.set_host_turn``), so
+waiting for a turn is not taken for loss. A process with one NIC runs that NIC's own blocking
+loop instead (``NodeProcess.run``): nothing changes for ``--nics-per-process 1``.
 """
 
 from __future__ import annotations
 
 import resource
 import select
+import time
 
 from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
 from netdam.shell.process import ServeLoop, serve_main
@@ -29,6 +33,12 @@ ROUNDS_PER_NIC = 32
 #: Longest wait for traffic while some NIC runs a clock: a collective's engine ticks at least
 #: every millisecond (netdam.kernels.serve waits at most 1 ms while one runs, likewise).
 CLOCK_WAIT_MS = 1
+#: Half-life of the longest turn the NICs' timers remember (seconds): a long turn keeps the
+#: timers up across the lull between a torus's steps, and the next call's start.
+TURN_HALF_LIFE_S = 1.0
+#: The NICs are told a new turn when it moved by more than this fraction (each write costs
+#: ~10 us a NIC).
+TURN_CHANGE = 0.25
 
 
 class NicHost(ServeLoop):
@@ -46,6 +56,11 @@ class NicHost(ServeLoop):
         except BaseException:
             self.close()
             raise
+        #: The longest recent pass over the NICs with traffic (seconds, decaying), which the
+        #: NICs' collective timers cover (CollectiveSlots.set_host_turn), and when it was taken.
+        self.turn_s = 0.0
+        self._turn_at = time.monotonic()
+        self._turn_told = 0.0
         self._poll = select.epoll()
         self._owner: dict[int, int] = {}
         self._fds: list[tuple[int, ...]] = [() for _ in self.nics]
@@ -82,10 +97,23 @@ class NicHost(ServeLoop):
             owner = self._owner.get(fd)
             if owner is not None:
                 due.add(owner)
+        began = time.monotonic()
         for k in sorted(due):
             self.nics[k].serve_once(0, ROUNDS_PER_NIC)
             self._watch(k)
+        ended = time.monotonic()
+        self._note_turn(ended - began, ended)
         return len(due)
+
+    def _note_turn(self, took: float, now: float) -> None:
+        """A pass over the NICs took *took* seconds: a datagram for a NIC whose turn had passed
+        waited that long. The NICs' timers cover the longest recent one."""
+        remembered = self.turn_s * 0.5 ** ((now - self._turn_at) / TURN_HALF_LIFE_S)
+        self.turn_s, self._turn_at = max(took, remembered), now
+        if abs(self.turn_s - self._turn_told) > TURN_CHANGE * self._turn_told:
+            for nic in self.nics:
+                nic.core.collective.set_host_turn(self.turn_s)
+            self._turn_told = self.turn_s
 
     def warm_up(self) -> None:
         """Load the kernels once (the first NIC, made resident as a lone NIC's are); the other

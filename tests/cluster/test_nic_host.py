@@ -172,3 +172,16 @@ def test_a_collective_over_the_most_nics_one_sr_list_names_is_exact(tmp_path: Pa
         assert all(out.tobytes() == expected.tobytes() for out in results)
         for group in groups:
             group.close()
+
+
+@pytest.mark.slow
+def test_128_nics_all_reduce_exact_and_resend_nothing() -> None:
+    """Two processes of 64 NICs (a torus of two rows): a pass of the host loop takes up to
+    ~0.1 s on 2 cores, and before the NICs' timers covered it, chains and READs on their way
+    were sent again (81-200 per 3 calls). A clean run re-sends nothing and overflows no
+    socket buffer."""
+    from netdam.tools.allreduce import AllReduceConfig, run_allreduce
+
+    result = run_allreduce(AllReduceConfig(nodes=128, count=1 << 18, repeat=2))
+    assert result["equals_reference"] and result["ranks_identical"]
+    assert result["retransmits"] == 0 and result["kernel_drops"] == 0
