@@ -9,7 +9,10 @@ torch.multiprocessing; every rank joins a Gloo process group (DDP needs it for i
 broadcast either way), then trains the same seeded model on the same seeded synthetic data,
 first with the hook, then without. The curves agree within float tolerance, not bitwise: the
 chain sums in another order than Gloo's ring, and DDP without a hook scales every gradient by
-1/world before the sum where the hook divides the sum. ``--dtype bfloat16`` trains a bf16 model:
+1/world before the sum where the hook divides the sum. ``--optimizer pool`` steps the netdam run's
+optimizer in the NICs (``netdam.optim.PoolSGD``: the masters and momentum in each rank's NIC,
+every step one UPDATE per chunk) where the Gloo run keeps ``torch.optim.SGD``: the same rule,
+so the curves still agree within the tolerance. ``--dtype bfloat16`` trains a bf16 model:
 its gradients cross the NICs as bf16 (2 bytes each), and every step's loss agrees within bf16's
 precision (default rtol 2e-2). Exit 0 when every step's loss on every
 rank agrees (|netdam - gloo| <= atol + rtol |gloo|) and the replicas stayed identical, 1
@@ -94,7 +97,14 @@ def run_rank(
         if mode == "netdam":
             state = NetdamHookState(cluster_path, rank, world, chunk_bytes=options["chunk_bytes"])
             model.register_comm_hook(state, netdam_allreduce_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
+        opt: Any
+        if mode == "netdam" and options["optimizer"] == "pool":
+            from netdam.optim import PoolSGD
+
+            assert state is not None
+            opt = PoolSGD(model.parameters(), lr=options["lr"], momentum=0.9, group=state.group)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
         losses = []
         dist.barrier()
         start = time.perf_counter()
@@ -124,6 +134,8 @@ def run_rank(
             out[mode].update(
                 collectives=state.collectives, buckets=state.buckets, bytes=state.bytes
             )
+            if options["optimizer"] == "pool":
+                opt.close()
             state.close()
         dist.barrier()
     dist.destroy_process_group()
@@ -223,6 +235,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--atol", type=float, default=1e-7, help="absolute tolerance on every loss (1e-7)"
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=("torch", "pool"),
+        default="torch",
+        help="the netdam run's optimizer: torch.optim.SGD on the host, or netdam.optim.PoolSGD "
+        "in the NICs (torch)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     if args.rtol is None:
@@ -246,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": args.ranks,
         "steps": args.steps,
         "dtype": args.dtype,
+        "optimizer": args.optimizer,
         "rtol": args.rtol,
         "atol": args.atol,
         "torch": torch.__version__,
@@ -262,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             "bucket_cap_mb",
             "chunk_bytes",
             "dtype",
+            "optimizer",
         )
     }
     t0 = time.perf_counter()

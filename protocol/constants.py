@@ -89,6 +89,8 @@ class Opcode(IntEnum):
     INFO = 0x0A
     ACK = 0x0B
     NACK = 0x0C
+    # The pool's optimizer: a gradient applied to a region's parameters in place (SPEC.md 6.8).
+    UPDATE = 0x0D
     # Control plane: require the node's admin key in the rkey field.
     REGISTER = 0x20
     DEREGISTER = 0x21
@@ -103,6 +105,10 @@ class Opcode(IntEnum):
     QUERY = 0x28
 
 
+#: Opcodes whose payload is `length` bytes of data elements (dense, or a sparse encoding).
+DATA_OPCODES = frozenset(
+    {Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP, Opcode.UPDATE}
+)
 #: Replies: never answered, never NACKed (a malformed reply is counted and dropped).
 REPLY_OPCODES = frozenset({Opcode.READ_RESP, Opcode.INFO, Opcode.ACK, Opcode.NACK})
 #: Control opcodes: authorised by the admin key, executed by the control plane.
@@ -175,6 +181,7 @@ class Status(IntEnum):
     TIMEOUT = 23
     IN_USE = 24
     QUOTA = 25
+    OUT_OF_STEP = 26
 
 
 class DType(IntEnum):
@@ -188,6 +195,24 @@ class DType(IntEnum):
     U64 = 5
     F64 = 6
     BF16 = 7
+
+
+#: The gradient dtypes UPDATE takes: widened exactly to the float32 masters (SPEC.md 6.8).
+UPDATE_DTYPES = frozenset({DType.F32, DType.F16, DType.BF16})
+
+
+class OptRule(IntEnum):
+    """An optimizer descriptor's update rule (SPEC.md 6.8; protocol/optim.py's references)."""
+
+    SGD = 1  # with momentum, dampening, weight decay, Nesterov (torch.optim.SGD)
+    ADAM = 2  # torch.optim.Adam: weight decay into the gradient
+    ADAMW = 3  # torch.optim.AdamW: decoupled weight decay
+
+
+class OptFlags(IntFlag):
+    """An optimizer descriptor's flags (SPEC.md 6.8)."""
+
+    NESTEROV = 0x01  # SGD only, with a momentum and no dampening
 
 
 #: Bytes per element of each DType.

@@ -22,12 +22,12 @@ from typing import Any
 from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE
 
 #: struct code of each field type; width in bytes is the code's size (``bytes``: the field's).
-_CODES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q", "ipv4": "I", "bytes": "s"}
+_CODES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q", "f64": "d", "ipv4": "I", "bytes": "s"}
 
 
 @dataclass(frozen=True)
 class Field:
-    """One field of a layout. *kind* is u8/u16/u32/u64, ipv4 (a u32) or bytes."""
+    """One field of a layout. *kind* is u8/u16/u32/u64, f64, ipv4 (a u32) or bytes."""
 
     name: str
     offset: int
@@ -347,6 +347,29 @@ TRACE_RECORD = Layout(
     spec="**Trace record**",
 )
 
+OPTIMIZER = Layout(
+    "optimizer",
+    "<",
+    [
+        _f("rule", 0, 1, "u8", "1 SGD, 2 ADAM, 3 ADAMW"),
+        _f("flags", 1, 1, "u8", "bit 0 NESTEROV (SGD); other bits 0"),
+        _f("reserved", 2, 2, "u16", "0"),
+        _f("chunk", 4, 4, "u32", "elements each UPDATE covers (the last one: the rest)"),
+        _f("count", 8, 8, "u64", "elements of the parameters"),
+        _f("params", 16, 8, "u64", "offset of the float32 masters from the descriptor"),
+        _f("moment1", 24, 8, "u64", "offset of SGD's momentum buffer or Adam's first moment"),
+        _f("moment2", 32, 8, "u64", "offset of Adam's second moment; SGD: 0"),
+        _f("steps", 40, 8, "u64", "offset of the step table: a u32 per chunk"),
+        _f("lr", 48, 8, "f64", "learning rate"),
+        _f("beta1", 56, 8, "f64", "Adam's beta1; SGD's momentum"),
+        _f("beta2", 64, 8, "f64", "Adam's beta2; SGD's dampening"),
+        _f("weight_decay", 72, 8, "f64", "weight decay (ADAMW: decoupled)"),
+        _f("eps", 80, 8, "f64", "Adam's epsilon; SGD: 0"),
+        _f("reserved2", 88, 8, "u64", "0"),
+    ],
+    spec="6.8 UPDATE and the optimizer descriptor",
+)
+
 #: Every table, for tests and tools that walk them.
 LAYOUTS = (
     HEADER,
@@ -367,6 +390,7 @@ LAYOUTS = (
     REGION_WAY,
     TRACE_REPLY,
     TRACE_RECORD,
+    OPTIMIZER,
 )
 
 # ---------------------------------------------------------------- named offsets
@@ -444,3 +468,19 @@ TREC_FLAGS = TRACE_RECORD.at("flags")
 TREC_ADDR = TRACE_RECORD.at("addr")
 TRACE_RECORD_BYTES = TRACE_RECORD.size
 CAS_SWAP = CAS.at("swap")
+OPT_RULE = OPTIMIZER.at("rule")
+OPT_FLAGS = OPTIMIZER.at("flags")
+OPT_RESERVED = OPTIMIZER.at("reserved")
+OPT_CHUNK = OPTIMIZER.at("chunk")
+OPT_COUNT = OPTIMIZER.at("count")
+OPT_PARAMS = OPTIMIZER.at("params")
+OPT_MOMENT1 = OPTIMIZER.at("moment1")
+OPT_MOMENT2 = OPTIMIZER.at("moment2")
+OPT_STEPS = OPTIMIZER.at("steps")
+OPT_LR = OPTIMIZER.at("lr")
+OPT_BETA1 = OPTIMIZER.at("beta1")
+OPT_BETA2 = OPTIMIZER.at("beta2")
+OPT_WEIGHT_DECAY = OPTIMIZER.at("weight_decay")
+OPT_EPS = OPTIMIZER.at("eps")
+OPT_RESERVED2 = OPTIMIZER.at("reserved2")
+OPTIMIZER_BYTES = OPTIMIZER.size

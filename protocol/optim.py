@@ -1,6 +1,6 @@
-"""The optimizer update rules a pool region's NIC will apply in place (the pool's optimizer
-instructions, not on the wire yet), in plain numpy float32: the reference the NICs' kernels are
-to be held to bitwise, as ``elements.py`` is the bf16 rule's.
+"""The optimizer update rules a region's NIC applies in place (UPDATE, SPEC.md 6.8), in plain
+numpy float32: the reference the NICs' kernel (netdam/kernels/optim.py) is held to bitwise
+(tests/kernels/test_update.py), as ``elements.py`` is the bf16 rule's.
 
 Masters are float32; a gradient arrives as float32, float16 or bfloat16 and is widened to
 float32 exactly. Every operation below is one float32 operation, rounded to nearest even,
@@ -27,8 +27,9 @@ Adam and AdamW (torch.optim.Adam / AdamW, ``amsgrad=False``)::
     c1 = 1 - b1 ** t ; c2 = 1 - b2 ** t ; s = lr / c1 ; r = sqrt(c2)   (float64, from the step)
     p = p + (-s) * (m / (sqrt(v) / r + eps))
 
-The step counter t is the NIC's own (it keeps one per region): the bias corrections come from
-it, never from the datagram.
+The step counter t is the NIC's own (one per chunk, in the descriptor's step table): an UPDATE
+names its step, and the NIC applies only the one after the chunk's last, so the bias
+corrections follow the NIC's count.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from netdam.protocol.constants import DType
+from netdam.protocol.constants import DType, OptFlags, OptRule
 from netdam.protocol.elements import bf16_values
+from netdam.protocol.payloads import OptimizerDescriptor
 
-__all__ = ["AdamRule", "SgdRule", "adam_step", "gradient_values", "sgd_step"]
+__all__ = ["AdamRule", "SgdRule", "adam_step", "descriptor_for", "gradient_values", "sgd_step"]
 
 F32 = np.float32
 
@@ -149,3 +151,41 @@ def adam_step(
     step_size = rule.lr / c1
     denom = np.sqrt(v) / _f32(math.sqrt(c2)) + _f32(rule.eps)
     p[...] = p + _f32(-step_size) * (m / denom)
+
+
+def descriptor_for(
+    rule: SgdRule | AdamRule, count: int, chunk: int, params: int
+) -> OptimizerDescriptor:
+    """The optimizer descriptor (SPEC.md 6.8) of *rule* over *count* masters at offset *params*
+    from it, followed by the first moment, the second and the step table (each moment
+    allocated whether the rule keeps it or not: 12 bytes a parameter, then 4 a chunk)."""
+    m1, m2, steps = params + 4 * count, params + 8 * count, params + 12 * count
+    if isinstance(rule, SgdRule):
+        return OptimizerDescriptor(
+            OptRule.SGD,
+            count,
+            chunk,
+            params,
+            m1 if rule.momentum else 0,
+            0,
+            steps,
+            rule.lr,
+            rule.momentum,
+            rule.dampening,
+            rule.weight_decay,
+            flags=OptFlags.NESTEROV if rule.nesterov else OptFlags(0),
+        )
+    return OptimizerDescriptor(
+        OptRule.ADAMW if rule.decoupled else OptRule.ADAM,
+        count,
+        chunk,
+        params,
+        m1,
+        m2,
+        steps,
+        rule.lr,
+        rule.beta1,
+        rule.beta2,
+        rule.weight_decay,
+        rule.eps,
+    )

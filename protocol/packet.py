@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from netdam.protocol.constants import (
     CONTROL_OPCODES,
+    DATA_OPCODES,
     ELEMENT_SIZE,
     FLAGS_V1_MASK,
     HEADER_SIZE,
@@ -27,6 +28,7 @@ from netdam.protocol.constants import (
     PROTOCOL_VERSION,
     SEGMENT_SIZE,
     TAG_SIZE,
+    UPDATE_DTYPES,
     DType,
     Flags,
     Opcode,
@@ -52,9 +54,7 @@ Endpoint = tuple[str, int]
 NO_ENDPOINT: Endpoint = ("0.0.0.0", 0)
 
 # Opcodes whose payload is `length` bytes of data elements (dense) or a sparse encoding.
-_DATA_OPCODES = frozenset(
-    {Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP}
-)
+_DATA_OPCODES = DATA_OPCODES
 # Opcodes that combine elements: RAW is meaningless for them.
 _COMBINE_OPCODES = frozenset({Opcode.ADD, Opcode.CHAIN_ADD})
 # Opcodes whose payload is exactly `length` bytes of opaque content.
@@ -357,6 +357,10 @@ def check_fields(packet: Packet) -> None:
         )
     if opcode in (Opcode.FETCH_ADD, Opcode.CAS) and packet.dtype != DType.U64:
         raise RemoteProtocolError(Status.BAD_DTYPE, f"{opcode.name} operates on u64 only")
+    if opcode == Opcode.UPDATE and packet.dtype not in UPDATE_DTYPES:
+        raise RemoteProtocolError(
+            Status.BAD_DTYPE, f"an UPDATE's gradient is f32, f16 or bf16, not {packet.dtype.name}"
+        )
     if packet.flags & Flags.SPARSE and opcode not in _SPARSE_OPCODES:
         raise RemoteProtocolError(Status.BAD_FIELD, f"{opcode.name} has no sparse form")
     if opcode == Opcode.READ:

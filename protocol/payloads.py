@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from netdam.protocol import layout as L
-from netdam.protocol.constants import Status
+from netdam.protocol.constants import OptFlags, OptRule, Status
 from netdam.protocol.errors import RemoteProtocolError
 
 # The sparse prefix (nnz, reserved; SPEC.md 2.5) is the codec's own: it sizes sparse payloads.
@@ -56,6 +56,10 @@ ALLOC_TAGGED = 0x01
 LABEL_BYTES: int = L.ALLOC["label"].width
 
 assert ALLOC_REQUEST.size == 40 and REGION_INFO.size == 56 and REGION_WAY.size == 24
+
+#: The optimizer descriptor an UPDATE names (SPEC.md 6.8): 96 bytes in NIC memory, written by
+#: the region's owner with WRITE.
+OPTIMIZER: struct.Struct = L.OPTIMIZER.struct
 
 #: The ring-host baseline's host-to-host step signal (not a NetDAM opcode: hosts of the RoCE-style
 #: baseline tell their ring successor that a step's data is in place): b"RSTP", u32 step.
@@ -463,3 +467,52 @@ def unpack_ring_step(datagram: bytes) -> tuple[int, int] | None:
         return None
     _, step, segment = RING_STEP.unpack_from(datagram)
     return int(step), int(segment)
+
+
+@dataclass(frozen=True)
+class OptimizerDescriptor:
+    """What an UPDATE applies (SPEC.md 6.8): the rule, its hyperparameters, and where the masters,
+    the moments and the step table sit, as byte offsets from the descriptor itself (so the
+    block moves as a whole). Offsets of 0 mean "none" (a moment the rule does not use)."""
+
+    rule: OptRule
+    count: int
+    chunk: int
+    params: int
+    moment1: int
+    moment2: int
+    steps: int
+    lr: float
+    beta1: float = 0.0
+    beta2: float = 0.0
+    weight_decay: float = 0.0
+    eps: float = 0.0
+    flags: OptFlags = OptFlags(0)
+
+    def encode(self) -> bytes:
+        return OPTIMIZER.pack(
+            self.rule,
+            self.flags,
+            0,
+            self.chunk,
+            self.count,
+            self.params,
+            self.moment1,
+            self.moment2,
+            self.steps,
+            self.lr,
+            self.beta1,
+            self.beta2,
+            self.weight_decay,
+            self.eps,
+            0,
+        )
+
+    @classmethod
+    def decode(cls, block: bytes) -> OptimizerDescriptor:
+        (rule, flags, _, chunk, count, params, m1, m2, steps, lr, b1, b2, wd, eps, _) = _unpack(
+            OPTIMIZER, block, "optimizer descriptor"
+        )
+        return cls(
+            OptRule(rule), count, chunk, params, m1, m2, steps, lr, b1, b2, wd, eps, OptFlags(flags)
+        )

@@ -21,6 +21,7 @@ from netdam.core.fabric import Fabric
 from netdam.core.faults import FaultSpec
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.protocol.constants import (
+    DATA_OPCODES,
     MAX_SEGMENTS,
     RIGHTS_ALL,
     DType,
@@ -177,6 +178,7 @@ def valid_packets(draw: st.DrawFn) -> Packet:
                 Opcode.ALL_WRITE,
                 Opcode.FETCH_ADD,
                 Opcode.CAS,
+                Opcode.UPDATE,
                 Opcode.PING,
                 Opcode.ACK,
                 Opcode.NACK,
@@ -191,13 +193,15 @@ def valid_packets(draw: st.DrawFn) -> Packet:
     )
     if opcode in (Opcode.FETCH_ADD, Opcode.CAS):
         dtype = DType.U64
+    if opcode == Opcode.UPDATE:
+        dtype = draw(st.sampled_from([DType.F32, DType.F16, DType.BF16]))
     size = {DType.RAW: 1, DType.F32: 4, DType.F16: 2, DType.I32: 4}.get(dtype, 8)
     n = draw(st.integers(1, 8192 // size))
     payload = b""
     length = 0
     if opcode == Opcode.READ:
         length = n * size
-    elif opcode in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP):
+    elif opcode in DATA_OPCODES:
         payload = draw(st.binary(min_size=n * size, max_size=n * size))
         length = len(payload)
     elif opcode in (Opcode.FETCH_ADD, Opcode.CAS):

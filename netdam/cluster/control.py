@@ -235,6 +235,47 @@ class ControlClient:
             f"within {timeout * (retries + 1):.1f} s{why}: is the node running?"
         )
 
+    def requests(
+        self,
+        node: Endpoint,
+        packets: Sequence[Packet],
+        timeout: float = 1.0,
+        retries: int = 2,
+        window: int = 64,
+    ) -> list[Packet]:
+        """Send *packets* to *node* (txn_ids replaced), at most *window* unanswered at a time,
+        and return each one's answer, ACK or NACK, in order. Unanswered ones go again under the
+        same txn_id (so each applies at most once), *retries* times, each wait *timeout*."""
+        answers: list[Packet | None] = [None] * len(packets)
+        for first in range(0, len(packets), window):
+            part = range(first, min(first + window, len(packets)))
+            txns = {next(self._txn) & 0xFFFFFFFF: k for k in part}
+            data = {
+                k: self.encode(_with_ids(packets[k], self.client_id, t)) for t, k in txns.items()
+            }
+            for _attempt in range(retries + 1):
+                waiting = [k for k in part if answers[k] is None]
+                if not waiting:
+                    break
+                for k in waiting:
+                    self.sock.sendto(data[k], node)
+                left = len(waiting)
+                for _, reply in self._replies(time.monotonic() + timeout):
+                    k = txns.get(reply.txn_id, -1) if reply.client_id == self.client_id else -1
+                    if k >= 0 and answers[k] is None:
+                        answers[k] = reply
+                        left -= 1
+                        if not left:
+                            break
+            missing = sum(1 for k in part if answers[k] is None)
+            if missing:
+                raise ControlError(
+                    f"no answer from {node[0]}:{node[1]} to {missing} of {len(part)} "
+                    f"{packets[first].opcode.name}s within {timeout * (retries + 1):.1f} s: "
+                    "is the node running?"
+                )
+        return [a for a in answers if a is not None]
+
     def ping(self, node: Endpoint, timeout: float = 1.0) -> tuple[dict[str, int], float]:
         """INFO fields of *node* and the round-trip time in seconds."""
         start = time.perf_counter()

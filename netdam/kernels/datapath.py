@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netdam.kernels import optim
 from netdam.kernels import signatures as S
 from netdam.kernels.collective import (
     CFG_CHUNKS,
@@ -76,6 +77,7 @@ from netdam.kernels.wire import (
     OP_FETCH_ADD,
     OP_READ,
     OP_READ_RESP,
+    OP_UPDATE,
     OP_WRITE,
     PHASE_NOT_STARTED,
     PHASE_STALE,
@@ -463,23 +465,26 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
 
 @njit(cache=True, nogil=True)
 def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
-    """WRITE, ADD, FETCH_ADD, CAS: at most once per (client id, reply address, rkey, txn id);
-    *stamp* is the batch's time in microseconds (the window's clock)."""
+    """WRITE, ADD, FETCH_ADD, CAS, UPDATE: at most once per (client id, reply address, rkey,
+    txn id); *stamp* is the batch's time in microseconds (the window's clock). An UPDATE is
+    also applied at most once per step and chunk, whatever its txn id (optim.update_check)."""
     mem, regions, members, window, coll, counters, _trace = node
     w_txn, w_state, w_len, w_reply = window.txn, window.state, window.len, window.reply
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
     addr = rd64(b, H_ADDR)
     dtype = np.int64(b[H_DTYPE])
-    if op == OP_WRITE:
-        need, align = R_WRITE, ESIZE[dtype]
-    elif op == OP_ADD:
-        need, align = R_WRITE, ESIZE[dtype]
+    verdict_step = optim.APPLY
+    if op == OP_UPDATE:
+        status, verdict_step = optim.update_check(mem, regions, b, is_member(members, src))
     else:
-        need, align = R_ATOMIC, 8
-    status = check_access(
-        regions, rd32(b, H_RKEY), addr, length, need, align, is_member(members, src)
-    )
+        if op == OP_WRITE or op == OP_ADD:
+            need, align = R_WRITE, ESIZE[dtype]
+        else:
+            need, align = R_ATOMIC, 8
+        status = check_access(
+            regions, rd32(b, H_RKEY), addr, length, need, align, is_member(members, src)
+        )
     if status != 0:
         return emit_nack(b, src, members, status, tx, tx_n, counters)
     client = rd32(b, H_CLIENT_ID)
@@ -519,6 +524,13 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
         if rd16(b, H_FLAGS) & F_ACK_REQ:
             reply_header(t, b, OP_ACK, 0, 0, credit_of(tx_n, tx_len.shape[0]))
             reply_len = HDR
+    elif op == OP_UPDATE:
+        if verdict_step == optim.APPLY:
+            optim.update_apply(mem, b)
+        else:
+            counters[C.DUP_REPLAYS] += 1  # the chunk is at this step already: answered only
+        reply_header(t, b, OP_ACK, 0, 0, credit_of(tx_n, tx_len.shape[0]))
+        reply_len = HDR  # every UPDATE is answered, as an atomic is
     else:
         old = le64(mem, a)
         if op == OP_FETCH_ADD:

@@ -94,6 +94,7 @@ OP_READ = int(Opcode.READ)
 OP_WRITE = int(Opcode.WRITE)
 OP_ADD = int(Opcode.ADD)
 OP_CHAIN_ADD = int(Opcode.CHAIN_ADD)
+OP_UPDATE = int(Opcode.UPDATE)
 OP_ALL_WRITE = int(Opcode.ALL_WRITE)
 OP_FETCH_ADD = int(Opcode.FETCH_ADD)
 _OP_CAS = int(Opcode.CAS)
@@ -337,8 +338,9 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             n_punt += 1
             counters[C.PUNTED] += 1
             continue
-        if op == OP_CHAIN_ADD:
-            # SR chains name their nodes themselves: send them to the first hop, not the VIP.
+        if op == OP_CHAIN_ADD or op == OP_UPDATE:
+            # SR chains name their nodes themselves: send them to the first hop, not the VIP;
+            # an optimizer's state sits on one node: UPDATEs go to it (SPEC.md 6.8).
             tx_n = _nack(b, src, node_sorted, node_port, _S_NO_ROUTE, port_ctr, tx, tx_n, counters)
             continue
         flags = rd16(b, H_FLAGS)

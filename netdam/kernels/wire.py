@@ -10,6 +10,7 @@ from numba import njit
 
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    DATA_OPCODES,
     DUP_REPLY_BYTES,
     DUP_WINDOW,
     ELEMENT_SIZE,
@@ -21,6 +22,7 @@ from netdam.protocol.constants import (
     REPLY_OPCODES,
     SEGMENT_SIZE,
     TAG_SIZE,
+    UPDATE_DTYPES,
     DType,
     Flags,
     Opcode,
@@ -151,7 +153,7 @@ for _op in (Opcode.READ,):
     _KIND[_op] = _K_READ
 
 
-for _op in (Opcode.WRITE, Opcode.ADD, Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.READ_RESP):
+for _op in DATA_OPCODES:
     _KIND[_op] = _K_DATA
 
 
@@ -208,6 +210,12 @@ _COMBINES[Opcode.ADD] = _COMBINES[Opcode.CHAIN_ADD] = 1
 _ATOMIC[Opcode.FETCH_ADD] = _ATOMIC[Opcode.CAS] = 1
 
 
+#: The dtypes an UPDATE's gradient may have (protocol/constants.py UPDATE_DTYPES), by value.
+_GRADIENT_DTYPE = np.zeros(len(DType), dtype=np.int64)
+for _dtype in UPDATE_DTYPES:
+    _GRADIENT_DTYPE[_dtype] = 1
+
+
 ESIZE = np.array(
     [ELEMENT_SIZE[DType(code)] for code in range(len(DType))], dtype=np.int64
 )  # by DType value
@@ -232,6 +240,9 @@ OP_ALL_WRITE = int(Opcode.ALL_WRITE)
 
 
 OP_FETCH_ADD = int(Opcode.FETCH_ADD)
+
+
+OP_UPDATE = int(Opcode.UPDATE)
 
 
 _OP_CAS = int(Opcode.CAS)
@@ -436,6 +447,8 @@ def _check_fields(b, n, op, flags, dtype):
     if _COMBINES[op] == 1 and dtype == 0:
         return _S_BAD_DTYPE
     if _ATOMIC[op] == 1 and dtype != _U64:
+        return _S_BAD_DTYPE
+    if op == OP_UPDATE and _GRADIENT_DTYPE[dtype] == 0:
         return _S_BAD_DTYPE
     if flags & F_SPARSE and op != OP_CHAIN_ADD and op != OP_ALL_WRITE and op != OP_WRITE:
         return _S_BAD_FIELD  # no sparse form (SPEC.md 2.5)

@@ -54,7 +54,7 @@ COLL_RKEY = 0xC011
 TAGGED_RKEY, TAGGED_KEY = 0x7A66ED, bytes(range(16, 32))
 TAGGED_LOCAL, TAGGED_SIZE = 0x40000, 4096
 COLL_BASE, COLL_SIZE = 0x80000, 0x10000
-#: Attempts per kind by default: 21 kinds, 52,500 attempts (10,000 each took ~1.2 s per kind).
+#: Attempts per kind by default: 23 kinds, 57,500 attempts (10,000 each took ~1.2 s per kind).
 ATTEMPTS = 2_500
 #: A pool tenant of the switch (SPEC.md 11.9, "Tenant tags"): its id is public, its key is not.
 VICTIM_TENANT = tenant_keys_of(0x7E11A17)
@@ -214,9 +214,13 @@ def _data_op(opcode: Opcode, via_switch: bool) -> Attack:
             Opcode.CAS: pack_u64(0) + pack_u64(1),
         }.get(opcode, bytes(rng.integers(0, 256, length, dtype=np.uint8)))
         dtype = DType.U64 if opcode in (Opcode.FETCH_ADD, Opcode.CAS) else DType.F32
+        # An UPDATE names a descriptor at addr (the victim's memory here) and step 1 of its
+        # first chunk: two f32 gradient elements.
+        step = 1 if opcode == Opcode.UPDATE else 0
         return dst, Packet(
             opcode,
             flags=Flags.ACK_REQ,
+            epoch=step,
             rkey=_key(rng),
             addr=addr,
             length=length,
@@ -466,6 +470,8 @@ KINDS: dict[str, Attack] = {
     "add at node": _data_op(Opcode.ADD, False),
     "fetch_add at node": _data_op(Opcode.FETCH_ADD, False),
     "cas at node": _data_op(Opcode.CAS, False),
+    "update via switch": _data_op(Opcode.UPDATE, True),
+    "update at node": _data_op(Opcode.UPDATE, False),
     "straddle own region": _straddle,
     "chain through victim": _chain_through_victim,
     "multicast write": _multicast_write,

@@ -61,6 +61,7 @@ local OPCODE = {
     [0x0A] = "INFO",
     [0x0B] = "ACK",
     [0x0C] = "NACK",
+    [0x0D] = "UPDATE",
     [0x20] = "REGISTER",
     [0x21] = "DEREGISTER",
     [0x22] = "JOIN",
@@ -100,6 +101,7 @@ local STATUS = {
     [23] = "TIMEOUT",
     [24] = "IN_USE",
     [25] = "QUOTA",
+    [26] = "OUT_OF_STEP",
 }
 
 -- DType (constants.DType)
@@ -221,7 +223,7 @@ end
 -- Opcode classes of the codec (constants.py and packet.py), by name
 local REPLY_OPCODES = names{ "READ_RESP", "INFO", "ACK", "NACK" }
 local CONTROL_OPCODES = names{ "REGISTER", "DEREGISTER", "JOIN", "LEAVE", "START_COLL", "COUNTERS" }
-local DATA_OPCODES = names{ "WRITE", "ADD", "CHAIN_ADD", "ALL_WRITE", "READ_RESP" }
+local DATA_OPCODES = names{ "WRITE", "ADD", "CHAIN_ADD", "ALL_WRITE", "READ_RESP", "UPDATE" }
 local COMBINE_OPCODES = names{ "ADD", "CHAIN_ADD" }
 local OPAQUE_OPCODES = names{ "INFO", "ACK", "NACK", "START_COLL" }
 local EMPTY_OPCODES = names{ "PING", "JOIN", "LEAVE", "COUNTERS" }
@@ -653,6 +655,11 @@ local function validate(tvb)
     end
     if (name == "FETCH_ADD" or name == "CAS") and DTYPE[dtype] ~= "U64" then
         return fail("BAD_DTYPE", string.format("%s operates on u64 only", name), 48, 1)
+    end
+    if name == "UPDATE" and not (DTYPE[dtype] == "F32" or DTYPE[dtype] == "F16"
+            or DTYPE[dtype] == "BF16") then
+        return fail("BAD_DTYPE", string.format(
+            "an UPDATE's gradient is f32, f16 or bf16, not %s", DTYPE[dtype]), 48, 1)
     end
     if name == "READ" then
         if size ~= 0 then

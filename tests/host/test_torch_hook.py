@@ -243,6 +243,20 @@ def test_ddp_example_two_ranks_losses_agree_with_gloo() -> None:
     )
 
 
+@pytest.mark.slow
+def test_ddp_example_with_the_optimizer_in_the_nics_agrees_with_gloo_and_torch_optim() -> None:
+    """`--optimizer pool`: the netdam run's SGD steps in the NICs (netdam.optim.PoolSGD), the
+    Gloo run's in torch.optim.SGD: the same rule, so the losses agree as before."""
+    argv = [sys.executable, str(EXAMPLE), "--ranks", "2", "--steps", "6", "--optimizer", "pool"]
+    proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["ok"] is True and r["optimizer"] == "pool"
+    assert r["max_abs_diff"] <= 1e-7 + 1e-5 * max(r["loss_gloo"])
+    assert r["netdam_replicas_identical"] is True
+    assert r["loss_netdam"][-1] < r["loss_netdam"][0]
+
+
 def test_example_steps_per_second_take_the_slowest_rank() -> None:
     rate = _example().steps_per_second
     ranks = [

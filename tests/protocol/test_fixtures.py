@@ -135,6 +135,18 @@ EXPECTED: dict[str, dict[str, Any]] = {
         length=0,
         payload=b"",
     ),
+    "update": dict(
+        opcode=Opcode.UPDATE,
+        client_id=7,
+        txn_id=120,
+        epoch=3,
+        rkey=RKEY,
+        addr=0x5_0000,
+        aux_addr=1024,
+        dtype=DType.BF16,
+        length=8,
+        payload=struct.pack("<4H", 0x3F80, 0xC000, 0x3E80, 0x0000),  # 1.0, -2.0, 0.25, 0.0
+    ),
     "register": dict(
         opcode=Opcode.REGISTER,
         rkey=ADMIN,

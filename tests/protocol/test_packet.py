@@ -115,7 +115,7 @@ MALFORMED = [
     ),
     (_raw(chain(), {0: 2}), Status.BAD_VERSION, "unsupported version 2 (this node speaks 1)"),
     (_raw(chain(), {1: 0x7F}), Status.BAD_OPCODE, "unknown opcode 0x7f"),
-    (_raw(chain(), {1: 0x0D}), Status.BAD_OPCODE, "unknown opcode 0x0d"),
+    (_raw(chain(), {1: 0x1F}), Status.BAD_OPCODE, "unknown opcode 0x1f"),
     (_raw(chain(), {55: 1}), Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"),
     (_raw(chain(), {63: 1}), Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"),
     (_raw(chain(), {2: 0x01}), Status.BAD_FIELD, "undefined flag bits 0x0100 set"),

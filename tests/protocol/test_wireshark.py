@@ -712,7 +712,7 @@ def malformed_datagrams() -> list[tuple[str, bytes]]:
     return [
         ("short", read[:10]),
         ("bad version", _patch(read, 0, b"\x02")),
-        ("unknown opcode", _patch(read, 1, b"\x0d")),
+        ("unknown opcode", _patch(read, 1, b"\x1f")),
         ("reserved byte 55", _patch(read, 55, b"\x01")),
         ("reserved bytes 62-63", _patch(read, 63, b"\x01")),
         ("undefined flag", _patch(read, 2, b"\x01\x00")),
@@ -799,7 +799,7 @@ def test_malformed_datagrams_get_the_codecs_verdict(
     # Not NetDAM on another port: the heuristic must leave them alone.
     strangers = [
         bytes(64),  # version 0
-        b"\x01\x0d" + bytes(62),  # unknown opcode
+        b"\x01\x1f" + bytes(62),  # unknown opcode
         b"\x01\x01\x80\x00" + bytes(60),  # undefined flag
         b"\x01\x01" + bytes(52) + b"\x01" + bytes(9),  # an SR list without a segment type
         load_fixture("read")[:40],  # shorter than the header

@@ -37,6 +37,7 @@ from netdam.protocol.constants import (
     MAX_SEGMENTS,
     REPLY_OPCODES,
     SEGMENT_SIZE,
+    UPDATE_DTYPES,
     DType,
     Flags,
     Opcode,
@@ -107,6 +108,7 @@ EV_FWD = 4  # CHAIN_ADD forwarded (node) or pool request translated and forwarde
 EV_REPL = 5  # multicast copy sent by the switch
 EV_STORED = 6  # CHAIN_ADD stored by its last hop
 EV_WINDOW = 7  # went through the duplicate window: executes, replays, or NACK STALE
+EV_OPEN = 8  # an UPDATE past its descriptor's access check: node memory decides (oracle.py)
 
 #: Drop counters the oracle predicts (every other drop counter must stay 0).
 DROP_COUNTERS = (
@@ -129,10 +131,11 @@ _DATA_OPCODES = (
     Opcode.ALL_WRITE,
     Opcode.FETCH_ADD,
     Opcode.CAS,
+    Opcode.UPDATE,
 )
 _SPARSE_OPCODES = (Opcode.WRITE, Opcode.ALL_WRITE, Opcode.CHAIN_ADD)
 #: Opcodes a node's duplicate window remembers (SPEC.md 7): the oracle predicts their replays.
-WINDOWED_OPCODES = (Opcode.WRITE, Opcode.ADD, Opcode.FETCH_ADD, Opcode.CAS)
+WINDOWED_OPCODES = (Opcode.WRITE, Opcode.ADD, Opcode.FETCH_ADD, Opcode.CAS, Opcode.UPDATE)
 _NEEDS = {
     Opcode.READ: int(Rights.READ),
     Opcode.CHAIN_ADD: int(Rights.READ | Rights.WRITE),
@@ -141,14 +144,17 @@ _NEEDS = {
     Opcode.WRITE: int(Rights.WRITE),
     Opcode.ADD: int(Rights.WRITE),
     Opcode.ALL_WRITE: int(Rights.WRITE),
+    Opcode.UPDATE: int(Rights.READ | Rights.WRITE),
 }
+#: The gradient dtypes an UPDATE takes (the others: BAD_DTYPE), by value.
+_GRADIENT_DTYPES = sorted(int(t) for t in UPDATE_DTYPES)
 #: Bytes per element by DType value (a list: the generator indexes it with raw field values).
 ELEMENT_BYTES = [ELEMENT_SIZE[DType(v)] for v in range(len(DType))]
 #: The highest dtype code (SPEC.md 2.4); codes above it are BAD_DTYPE.
 MAX_DTYPE = max(DType)
 _ALL_OPCODES = [int(op) for op in Opcode]
 #: Opcode values a mutation tries besides the defined ones: the edges of the free ranges.
-_ODD_OPCODES = [0x00, 0x0D, 0x1F, 0x26, 0x3F, 0x40, 0x7F, 0x80, 0xFF]
+_ODD_OPCODES = [0x00, 0x0E, 0x1F, 0x26, 0x3F, 0x40, 0x7F, 0x80, 0xFF]
 _INTERESTING_BYTES = [0x00, 0x01, 0x02, 0x07, 0x08, 0x3F, 0x40, 0x7F, 0x80, 0xFE, 0xFF]
 
 
@@ -559,7 +565,7 @@ class DatagramGenerator:
 
     def _valid_node(self, what: str, node: int) -> tuple[bytes, Shape]:
         regions = self.layout.node_regions[node]
-        if what in ("READ", "WRITE", "ADD", "ALL_WRITE", "FETCH_ADD", "CAS", "CHAIN_ADD"):
+        if what in ("READ", "WRITE", "ADD", "ALL_WRITE", "FETCH_ADD", "CAS", "CHAIN_ADD", "UPDATE"):
             region = self._region_for(Opcode[what], regions)
             return self._data_packet(Opcode[what], region.rkey, region.base, region.end, 0)
         return self._other_packet(what)
@@ -574,7 +580,7 @@ class DatagramGenerator:
                 Opcode.ALL_WRITE, region.rkey, way.local, way.local + way.size, 0, mcast=True
             )
             return data, 0, shape
-        if what in ("READ", "WRITE", "ADD", "ALL_WRITE", "FETCH_ADD", "CAS"):
+        if what in ("READ", "WRITE", "ADD", "ALL_WRITE", "FETCH_ADD", "CAS", "UPDATE"):
             region = self._region_for(Opcode[what], self.layout.pool)
             data, shape = self._data_packet(
                 Opcode[what], region.rkey, region.gaddr, region.end, region.stride
@@ -691,6 +697,11 @@ class DatagramGenerator:
                 )
         if op in (Opcode.FETCH_ADD, Opcode.CAS):
             dtype, nbytes, align = int(DType.U64), 8, 8
+        elif op == Opcode.UPDATE:
+            # A gradient (mostly of a dtype UPDATE takes) for the descriptor at addr (8-aligned).
+            dtype = d.pick(_GRADIENT_DTYPES) if d.chance(0.9) else d.between(0, MAX_DTYPE)
+            nbytes = self._elements(ELEMENT_BYTES[dtype], 0) * ELEMENT_BYTES[dtype]
+            align = 8
         else:
             low = 1 if op in (Opcode.ADD, Opcode.CHAIN_ADD) else 0
             dtype = d.between(low, MAX_DTYPE)
@@ -702,6 +713,8 @@ class DatagramGenerator:
             nbytes = count * align
         addr = self._aim(lo, hi, nbytes, align, stride)
         aux = self._aim(lo, hi, nbytes, align, stride) if op == Opcode.CHAIN_ADD else 0
+        if op == Opcode.UPDATE:
+            aux = d.below(1 << 12)  # the chunk's first element
         if d.chance(0.06):
             rkey = self._other_rkey(rkey)
         client, txn = (
@@ -745,7 +758,7 @@ class DatagramGenerator:
             client=client,
             txn=txn,
             coll=coll,
-            epoch=d.u32() if coll else 0,
+            epoch=d.u32() if coll else (d.below(4) if op == Opcode.UPDATE else 0),
             rkey=rkey,
             length=length,
             addr=addr,
@@ -1199,6 +1212,7 @@ _VALID_NODE: list[tuple[str, int]] = [
     ("ALL_WRITE", 6),
     ("FETCH_ADD", 8),
     ("CAS", 6),
+    ("UPDATE", 6),
     ("PING", 3),
     ("READ_RESP", 2),
     ("ACK", 2),
@@ -1220,6 +1234,7 @@ _VALID_SWITCH: list[tuple[str, int]] = [
     ("ADD", 9),
     ("FETCH_ADD", 8),
     ("CAS", 6),
+    ("UPDATE", 2),
     ("ALL_WRITE", 5),
     ("MCAST", 7),
     ("CHAIN_ADD", 3),

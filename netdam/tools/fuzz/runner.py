@@ -43,6 +43,7 @@ from netdam.tools.fuzz.oracle import (
     Oracle,
     ProcessTraffic,
     counter_checks,
+    uncertain_nacks,
     unreached,
 )
 
@@ -530,7 +531,7 @@ class FuzzRunner:
             reached[int(Opcode.PING)] -= t.pings
             reached[int(Opcode.COUNTERS)] -= int(t.overhead[C.OPCODE_BASE + Opcode.COUNTERS])
         missing = unreached(layout.target, reached, self.nack_statuses)
-        stale = sum(int(d[C.NACK_BASE + Status.STALE]) for d in deltas)
+        stale = uncertain_nacks(expect, deltas)  # of the windowed and open: answered NACK
         kinds = expect.kinds
         send_errors = int(self.io_state[udp_io.ST_SEND_DROPPED])
         ok = not (
