@@ -191,6 +191,22 @@ def steps_per_second(ranks: list[dict[str, Any]], steps: int) -> dict[str, float
     return out
 
 
+def hardware_estimate(params: int, args: argparse.Namespace) -> dict[str, float]:
+    """The cycle model's steps/s for this model and rank count on 100G cards and on RoCE hosts
+    with torch.optim (netdam model optimizer), beside the emulator's measured ones."""
+    from netdam.fpga_model.collectives import default_params
+    from netdam.fpga_model.optimizer import optimizer_step
+
+    grad_bytes = 2 if args.dtype == "bfloat16" else 4
+    card, host = optimizer_step(
+        *default_params(100.0), args.ranks, params, "sgd-momentum", grad_bytes
+    )
+    return {
+        "model_steps_per_second_100g_netdam": card.steps_per_second,
+        "model_steps_per_second_100g_roce": host.steps_per_second,
+    }
+
+
 def _free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -320,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds_gloo=round(ranks[0]["gloo"]["seconds"], 3),
     )
     result.update(steps_per_second(ranks, args.steps))
+    if args.optimizer == "pool":
+        result.update(hardware_estimate(len(ranks[0]["netdam"]["params"]), args))
     if args.json:
         print(json.dumps(result))
     else:
@@ -346,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"steps per second after the first (slowest rank): netdam hook "
                 f"{result['steps_per_second_netdam']:.1f}, gloo {result['steps_per_second_gloo']:.1f} "
                 f"(hook / gloo {result['steps_per_second_ratio']:.2f})"
+            )
+        if "model_steps_per_second_100g_netdam" in result:
+            print(
+                f"the same step on 100G hardware (modelled): NetDAM cards "
+                f"{result['model_steps_per_second_100g_netdam']:.0f} steps/s, RoCE hosts with "
+                f"torch.optim {result['model_steps_per_second_100g_roce']:.0f} steps/s"
             )
         print(
             "OK: losses agree within tolerance"

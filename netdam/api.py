@@ -568,6 +568,13 @@ class ProcessGroup:
         self._next_free = end - self.arena_base
         return self.memory[start:end].view(dt).reshape(shape)
 
+    def address_of(self, array: np.ndarray) -> int:
+        """The node address of *array*, one ``empty`` handed out (ValueError for another)."""
+        offset = self._offset_of(array)
+        if offset is None:
+            raise ValueError("the array is not in this rank's node memory: make it with empty()")
+        return offset
+
     def _offset_of(self, array: np.ndarray) -> int | None:
         """Offset in node memory when *array* lives there, else None."""
         base = self.memory.ctypes.data

@@ -27,6 +27,7 @@ import numpy as np
 from netdam import api
 from netdam.cluster.control import ControlClient
 from netdam.protocol.constants import ELEMENT_SIZE, MAX_PAYLOAD_BYTES, DType, Opcode, Status
+from netdam.protocol.elements import bf16_round
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.layout import OPT_LR, OPTIMIZER_BYTES
 from netdam.protocol.optim import AdamRule, SgdRule, descriptor_for
@@ -67,7 +68,7 @@ class PoolOptimizer:
             raise ValueError(
                 f"grad_dtype must be one of {', '.join(_GRAD_DTYPES)}, not {grad_dtype!r}"
             )
-        self.group = api._group(group)
+        self.group = group if group is not None else api.get_default_group()
         self.params = list(params)
         if not self.params:
             raise ValueError("an optimizer needs at least one parameter")
@@ -78,9 +79,7 @@ class PoolOptimizer:
         self.chunk = MAX_PAYLOAD_BYTES // ELEMENT_SIZE[self.grad_dtype]
         chunks = math.ceil(self.count / self.chunk)
         self._block = self.group.empty(_HEAD + 12 * self.count + 4 * chunks, np.uint8)
-        offset = self.group._offset_of(self._block)
-        assert offset is not None  # empty() hands out node memory
-        self.address = offset
+        self.address = self.group.address_of(self._block)
         self._block[:] = 0
         self._block[:OPTIMIZER_BYTES] = np.frombuffer(
             descriptor_for(rule, self.count, self.chunk, _HEAD).encode(), np.uint8
@@ -228,7 +227,7 @@ def _grad(p: Any) -> np.ndarray:
 def _assign(p: Any, values: np.ndarray) -> None:
     """Copy the NIC's new weights into the parameter, in place."""
     if hasattr(p, "detach"):  # a torch tensor (numpy arrays have .data too)
-        import torch
+        import torch  # only for torch parameters: netdam runs without torch
 
         with torch.no_grad():
             p.copy_(torch.from_numpy(values.reshape(p.shape)).to(p.dtype))
@@ -242,7 +241,5 @@ def _encode(values: np.ndarray, dtype: DType) -> bytes:
         return values.astype("<f4").tobytes()
     if dtype == DType.F16:
         return values.astype("<f2").tobytes()
-    from netdam.protocol.elements import bf16_round
-
     encoded: bytes = bf16_round(values).astype("<u2").tobytes()
     return encoded

@@ -35,6 +35,8 @@ from netdam.fpga_model.collectives import (
     AllreduceEstimate,
     allreduce,
 )
+from netdam.fpga_model.optimizer import RULES as OPT_RULES
+from netdam.fpga_model.optimizer import optimizer_step
 from netdam.fpga_model.params import (
     NetdamParams,
     NicParams,
@@ -268,6 +270,93 @@ def register(subparsers: Any) -> None:
     )
     _common(rp, "100")
     rp.set_defaults(func=cmd_replay)
+
+    om = sub.add_parser(
+        "optimizer",
+        help="steps/s of the optimizer in the cards' memory against a host optimizer",
+        description="One training step of a model of MODEL_SIZE parameters over N nodes: on "
+        "NetDAM cards, the gradients all-reduced by the chain and each card applying the rule "
+        "to its 1/N of the parameters in its memory (UPDATE, SPEC.md 6.8); on RoCE hosts, the "
+        "gradients all-reduced as Open MPI runs it, then every host applying the rule to all "
+        "of them at its DRAM bandwidth (DDP + torch.optim). Memory-bound updates: assumptions, "
+        "not measurements (fpga_model/optimizer.py).",
+    )
+    om.add_argument(
+        "--model-size",
+        type=_count_arg,
+        required=True,
+        metavar="P",
+        help="parameters, e.g. 125M or 1.3B (K, M, B: 10^3, 10^6, 10^9)",
+    )
+    om.add_argument("--nodes", type=int, required=True, metavar="N", help="nodes (>= 2)")
+    om.add_argument("--rule", choices=OPT_RULES, default="adam", help="update rule (adam)")
+    om.add_argument(
+        "--grad-dtype",
+        choices=("f32", "bf16", "f16"),
+        default="bf16",
+        help="the gradients' dtype on the wire (bf16); masters and moments are f32",
+    )
+    _common(om, "100 and 200")
+    om.set_defaults(func=cmd_optimizer)
+
+
+def _count_arg(text: str) -> int:
+    """A count with an optional K, M or B (10^3, 10^6, 10^9) suffix."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}
+    number, unit = (text[:-1], scale[text[-1].upper()]) if text[-1:].upper() in scale else (text, 1)
+    try:
+        value = round(float(number) * unit)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a parameter count (e.g. 125M, 1.3B, 350000)"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a model has at least one parameter, got {text!r}")
+    return value
+
+
+def cmd_optimizer(args: argparse.Namespace) -> int:
+    """Steps per second of the pool optimizer on the cards against DDP + torch.optim on RoCE."""
+    grad_bytes = 4 if args.grad_dtype == "f32" else 2
+    links = [args.link_gbps] if args.link_gbps is not None else [100.0, 200.0]
+    rows = []
+    for link in links:
+        nd, ro, _ = _resolve(argparse.Namespace(**{**vars(args), "link_gbps": link}))
+        try:
+            card, host = optimizer_step(nd, ro, args.nodes, args.model_size, args.rule, grad_bytes)
+        except ValueError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
+        rows.append((link, card, host))
+    out: dict[str, Any] = {
+        "ok": True,
+        "model_size": args.model_size,
+        "nodes": args.nodes,
+        "rule": args.rule,
+        "grad_dtype": args.grad_dtype,
+        "links": [
+            {
+                "link_gbps": link,
+                "netdam": card.as_dict(),
+                "roce": host.as_dict(),
+                "speedup": card.steps_per_second / host.steps_per_second,
+            }
+            for link, card, host in rows
+        ],
+    }
+    lines = [
+        f"{args.rule} on {args.model_size:,} parameters, {args.grad_dtype} gradients, "
+        f"{args.nodes} nodes (modelled; fpga_model/optimizer.py)"
+    ]
+    for link, card, host in rows:
+        lines.append(
+            f"  {link:g} Gb/s: NetDAM {card.steps_per_second:.2f} steps/s (all-reduce "
+            f"{card.allreduce_s * 1e3:.3f} ms + update in the cards {card.update_s * 1e3:.3f} ms); "
+            f"RoCE host {host.steps_per_second:.2f} steps/s (all-reduce {host.allreduce_s * 1e3:.3f} "
+            f"ms + torch.optim {host.update_s * 1e3:.3f} ms); "
+            f"{card.steps_per_second / host.steps_per_second:.2f}x"
+        )
+    emit(out, args.json, "\n".join(lines))
+    return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
