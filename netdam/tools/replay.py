@@ -162,6 +162,11 @@ def _replay_call(
         slot[k]: max(phases[k].get(TracePhase.CHAINS, 0), phases[k].get(TracePhase.CHUNKS, 0))
         for k in members
     }
+    # When each member's DONEs (ACKs of address 0 after it was ready) reached each other member.
+    done_rx: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for t, dst, src, r in got:
+        if int(r["opcode"]) == Opcode.ACK and int(r["addr"]) == 0 and t >= ready_at[src]:
+            done_rx[(src, dst)].append(t)
     deliveries: list[Delivery] = []
     rx_t: list[int] = []  # when each delivery was taken
     rx_seq: list[int] = []  # and its seq
@@ -199,7 +204,11 @@ def _replay_call(
             waited = [j for j in needed[src] if rx_t[j] < t]
             cause = waited[-1] if waited else None
             joins = tuple(waited[:-1])
-            lost = max(_rounds(s for s in sent[key] if ready_at[src] <= s < t) - 1, 0)
+            # Copies sent before this first one arrived that arrived nowhere: those sent less
+            # those that arrived at all (a copy merely slower than the engine's re-send, as on a
+            # loaded machine, arrives later and cost the cards nothing).
+            before = _rounds(s for s in sent[key] if ready_at[src] <= s < t)
+            lost = max(before - _rounds(done_rx[(src, dst)]), 0)
         elif repair:
             # A repair READ: asked after a stall, timed from the last datagram its NIC took.
             cause = _last_before(seen[src], t)
