@@ -11,8 +11,9 @@ first with the hook, then without. The curves agree within float tolerance, not 
 chain sums in another order than Gloo's ring, and DDP without a hook scales every gradient by
 1/world before the sum where the hook divides the sum. ``--optimizer pool`` steps the netdam run's
 optimizer in the NICs (``netdam.optim.PoolSGD``: the masters and momentum in each rank's NIC,
-every step one UPDATE per chunk) where the Gloo run keeps ``torch.optim.SGD``: the same rule,
-so the curves still agree within the tolerance. ``--dtype bfloat16`` trains a bf16 model:
+every step one UPDATE per chunk; ``pool-sharded``: each NIC its rank's block, the weights
+all-gathered through the NICs after each step) where the Gloo run keeps ``torch.optim.SGD``: the
+same rule, so the curves still agree within the tolerance. ``--dtype bfloat16`` trains a bf16 model:
 its gradients cross the NICs as bf16 (2 bytes each), and every step's loss agrees within bf16's
 precision (default rtol 2e-2). Exit 0 when every step's loss on every
 rank agrees (|netdam - gloo| <= atol + rtol |gloo|) and the replicas stayed identical, 1
@@ -98,11 +99,17 @@ def run_rank(
             state = NetdamHookState(cluster_path, rank, world, chunk_bytes=options["chunk_bytes"])
             model.register_comm_hook(state, netdam_allreduce_hook)
         opt: Any
-        if mode == "netdam" and options["optimizer"] == "pool":
+        if mode == "netdam" and options["optimizer"] in ("pool", "pool-sharded"):
             from netdam.optim import PoolSGD
 
             assert state is not None
-            opt = PoolSGD(model.parameters(), lr=options["lr"], momentum=0.9, group=state.group)
+            opt = PoolSGD(
+                model.parameters(),
+                lr=options["lr"],
+                momentum=0.9,
+                group=state.group,
+                shard=options["optimizer"] == "pool-sharded",
+            )
         else:
             opt = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
         losses = []
@@ -134,7 +141,7 @@ def run_rank(
             out[mode].update(
                 collectives=state.collectives, buckets=state.buckets, bytes=state.bytes
             )
-            if options["optimizer"] == "pool":
+            if options["optimizer"] != "torch":
                 opt.close()
             state.close()
         dist.barrier()
@@ -253,10 +260,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--optimizer",
-        choices=("torch", "pool"),
+        choices=("torch", "pool", "pool-sharded"),
         default="torch",
         help="the netdam run's optimizer: torch.optim.SGD on the host, or netdam.optim.PoolSGD "
-        "in the NICs (torch)",
+        "in the NICs, each holding all the state or (pool-sharded) its rank's block (torch)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
@@ -336,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds_gloo=round(ranks[0]["gloo"]["seconds"], 3),
     )
     result.update(steps_per_second(ranks, args.steps))
-    if args.optimizer == "pool":
+    if args.optimizer != "torch":
         result.update(hardware_estimate(len(ranks[0]["netdam"]["params"]), args))
     if args.json:
         print(json.dumps(result))

@@ -9,11 +9,17 @@ ACKed, with the new weights copied into the parameters. The rules round as
 ``netdam.protocol.optim`` does, bit for bit; against ``torch.optim`` they agree within 2^-16
 relative over 30 steps (tests/protocol/test_optim.py).
 
-Replicated, as DDP keeps a ``torch.optim`` replica per rank: each rank's NIC holds the whole
-state of the parameters it is given and applies the gradients it is sent; give it gradients that
-are the same on every rank (DDP's, all-reduced by ``netdam.clients.ddp``'s hook or
-``netdam.all_reduce``) and every rank holds the same weights. Not yet: sharding the state over
-the NICs, and the chain's last hop applying the step in place of storing the reduced gradient.
+Give every rank the same gradients (DDP's, all-reduced by ``netdam.clients.ddp``'s hook, or
+``netdam.all_reduce``'s). Two layouts:
+
+- replicated (the default), as DDP keeps a ``torch.optim`` replica per rank: each rank's NIC
+  holds the whole state and applies the whole gradient;
+- ``shard=True``: rank r's NIC holds and steps only block r of the parameters (the blocks of a
+  chain all-reduce, ``r * P // N`` on); after the step the group all-gathers the new weights
+  through the NICs, so every rank's parameters are the same. A collective call: every rank
+  of the group steps together. Each NIC keeps 1/N of the state.
+
+Not yet: the chain's last hop applying the step in place of storing the reduced gradient.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ class PoolOptimizer:
 
     *params*: torch tensors (their ``.grad`` is sent) or float32 numpy arrays (pass the
     gradients to ``step``). *grad_dtype*: what goes on the wire ("float32", "float16" or
-    "bfloat16"; widened to float32 exactly in the NIC)."""
+    "bfloat16"; widened to float32 exactly in the NIC). *shard*: this rank's NIC keeps only
+    its block of the state, and ``step`` all-gathers the weights (module docstring)."""
 
     def __init__(
         self,
@@ -63,6 +70,7 @@ class PoolOptimizer:
         *,
         group: api.ProcessGroup | None = None,
         grad_dtype: str = "float32",
+        shard: bool = False,
     ) -> None:
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(
@@ -75,17 +83,32 @@ class PoolOptimizer:
         self.rule = rule
         self.grad_dtype = _GRAD_DTYPES[grad_dtype]
         self.count = sum(int(np.prod(_shape(p))) for p in self.params)
+        world, rank = self.group.world_size, self.group.rank
+        self.shard = shard and world > 1
+        if self.shard and self.count < world:
+            raise ValueError(f"{self.count} parameters cannot be sharded over {world} ranks")
+        #: The parameters this rank's NIC steps: all, or its block.
+        self.lo, self.hi = (
+            (rank * self.count // world, (rank + 1) * self.count // world)
+            if self.shard
+            else (0, self.count)
+        )
+        local = self.hi - self.lo
         #: Elements per UPDATE: the most one datagram's payload holds.
         self.chunk = MAX_PAYLOAD_BYTES // ELEMENT_SIZE[self.grad_dtype]
-        chunks = math.ceil(self.count / self.chunk)
-        self._block = self.group.empty(_HEAD + 12 * self.count + 4 * chunks, np.uint8)
+        chunks = math.ceil(local / self.chunk)
+        self._block = self.group.empty(_HEAD + 12 * local + 4 * chunks, np.uint8)
         self.address = self.group.address_of(self._block)
         self._block[:] = 0
         self._block[:OPTIMIZER_BYTES] = np.frombuffer(
-            descriptor_for(rule, self.count, self.chunk, _HEAD).encode(), np.uint8
+            descriptor_for(rule, local, self.chunk, _HEAD).encode(), np.uint8
         )
-        self.masters = self._block[_HEAD : _HEAD + 4 * self.count].view(np.float32)
-        self.masters[:] = np.concatenate([_values(p).ravel() for p in self.params])
+        self.masters = self._block[_HEAD : _HEAD + 4 * local].view(np.float32)
+        self.masters[:] = np.concatenate([_values(p).ravel() for p in self.params])[
+            self.lo : self.hi
+        ]
+        #: The whole model's new weights after a sharded step (gathered from every NIC).
+        self._weights = np.empty(self.count, np.float32) if self.shard else self.masters
         self.steps = 0
         # A socket of its own: the group's carries its collectives' answers.
         self._client = ControlClient.for_cluster(self.group.cluster)
@@ -119,7 +142,7 @@ class PoolOptimizer:
         )
         if flat.size != self.count:
             raise ValueError(f"{flat.size} gradient elements for {self.count} parameters")
-        wire = _encode(flat, self.grad_dtype)
+        wire = _encode(flat[self.lo : self.hi], self.grad_dtype)
         esize = ELEMENT_SIZE[self.grad_dtype]
         step = self.steps + 1
         packets = [
@@ -131,7 +154,7 @@ class PoolOptimizer:
                 epoch=step,
                 dtype=self.grad_dtype,
             ).with_payload(wire[first * esize : (first + self.chunk) * esize])
-            for first in range(0, self.count, self.chunk)
+            for first in range(0, self.hi - self.lo, self.chunk)
         ]
         for packet, answer in zip(
             packets, self._client.requests(self.group.node, packets), strict=True
@@ -143,13 +166,16 @@ class PoolOptimizer:
                     int(answer.status),
                 )
         self.steps = step
+        if self.shard:
+            # Every rank's block of the new weights, through the NICs, onto every rank.
+            api.all_gather_into_tensor(self._weights, self.masters, group=self.group)
         self._copy_out()
 
     def _copy_out(self) -> None:
         at = 0
         for p in self.params:
             n = int(np.prod(_shape(p)))
-            _assign(p, self.masters[at : at + n])
+            _assign(p, self._weights[at : at + n])
             at += n
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ PoolAdam follows torch.optim.Adam's losses within float32 rounding."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -115,3 +116,44 @@ def test_a_torch_model_trains_like_torch_optim(cluster: LocalCluster) -> None:
     reference = train(theirs, torch.optim.Adam(theirs.parameters(), lr=1e-2, foreach=False))
     assert pooled[-1] < 0.5 * pooled[0]  # it learned
     np.testing.assert_allclose(pooled, reference, rtol=1e-4)
+
+
+def test_sharded_state_steps_a_block_per_nic_and_gathers_the_weights(cluster: LocalCluster) -> None:
+    """shard=True: each rank's NIC keeps and steps only its block; after each step the group
+    all-gathers the weights, and both ranks hold the reference's, bit for bit."""
+    shapes = [(301, 7), (9,)]
+    rng = np.random.default_rng(8)
+    initial = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    steps = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    flat = np.concatenate([p.ravel() for p in initial])
+    ref_p, ref_m, ref_v = flat.copy(), np.zeros_like(flat), np.zeros_like(flat)
+    rule = AdamRule(lr=1e-2, weight_decay=0.1, decoupled=True)
+    for k, grads in enumerate(steps, start=1):
+        adam_step(ref_p, np.concatenate([g.ravel() for g in grads]), ref_m, ref_v, k, rule)
+    results: dict[int, np.ndarray] = {}
+    local: dict[int, int] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        group = api.ProcessGroup(cluster.info, r)
+        try:
+            params = [p.copy() for p in initial]
+            with PoolAdamW(params, lr=1e-2, weight_decay=0.1, group=group, shard=True) as opt:
+                local[r] = opt.hi - opt.lo
+                for grads in steps:
+                    opt.step(grads)
+            results[r] = np.concatenate([p.ravel() for p in params])
+        except BaseException as exc:  # noqa: BLE001  # re-raised below, in the test's thread
+            errors.append(exc)
+        finally:
+            group.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sum(local.values()) == flat.size and local[0] < flat.size  # each NIC a block
+    for r in range(2):
+        assert results[r].tobytes() == ref_p.tobytes(), r
