@@ -24,6 +24,7 @@ Not yet: the chain's last hop applying the step in place of storing the reduced 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -121,7 +122,7 @@ class PoolOptimizer:
     def lr(self, value: float) -> None:
         """A new learning rate from the next step on: the descriptor's ``lr``, in NIC memory."""
         self._block[OPT_LR : OPT_LR + 8].view(np.float64)[0] = value
-        self.rule = type(self.rule)(**{**self.rule.__dict__, "lr": value})
+        self.rule = dataclasses.replace(self.rule, lr=value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

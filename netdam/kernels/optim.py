@@ -120,9 +120,7 @@ def update_check(mem, regions, b, member):
         return _S_BAD_FIELD, APPLY
     if le64(mem, d + OPT_RESERVED2) != 0 or chunk == 0 or count == 0 or steps == 0:
         return _S_BAD_FIELD, APPLY
-    if params == 0 or count >= _FAR or params >= _FAR or m1 >= _FAR or m2 >= _FAR:
-        return _S_BAD_FIELD, APPLY
-    if steps >= _FAR:
+    if params == 0 or max(count, params, m1, m2, steps) >= _FAR:
         return _S_BAD_FIELD, APPLY
     if rule == _SGD:
         # Nesterov needs a momentum and no dampening; a momentum needs its buffer.

@@ -165,7 +165,7 @@ def _replay_call(
     # When each member's DONEs (ACKs of address 0 after it was ready) reached each other member.
     done_rx: dict[tuple[int, int], list[int]] = defaultdict(list)
     for t, dst, src, r in got:
-        if int(r["opcode"]) == Opcode.ACK and int(r["addr"]) == 0 and t >= ready_at[src]:
+        if _done_or_resume(r) and t >= ready_at[src]:
             done_rx[(src, dst)].append(t)
     deliveries: list[Delivery] = []
     rx_t: list[int] = []  # when each delivery was taken
@@ -190,11 +190,12 @@ def _replay_call(
         joins: tuple[int, ...] = ()
         resume = False
         repair = op_code == Opcode.READ
-        if op_code == Opcode.ACK and addr == 0 and t < ready_at[src]:
+        member_message = _done_or_resume(r)
+        if member_message and t < ready_at[src]:
             # A RESUME (sent at start, asking again for what this member refused): it exists
             # only because of start skew.
             cause, resume = None, True
-        elif op_code == Opcode.ACK and addr == 0:
+        elif member_message:
             # A DONE. The first from src completes dst's wait for it; the others (answers to
             # dst's own DONE, re-sends that crossed it) change nothing. Sent when src was
             # ready: after the last of the chunks and ACKs it waited for.
@@ -298,6 +299,12 @@ def _rounds(times: Iterable[int]) -> int:
             rounds += 1
         last = t
     return rounds
+
+
+def _done_or_resume(r: np.void) -> bool:
+    """A member's DONE or RESUME: an ACK of address 0, seq its sender's rank (a chain's ACK
+    names its chunk's address)."""
+    return int(r["opcode"]) == Opcode.ACK and int(r["addr"]) == 0
 
 
 def _of_call(records: np.ndarray, kind: TraceKind, coll: int, epoch: int) -> np.ndarray:
