@@ -12,8 +12,10 @@ chain sums in another order than Gloo's ring, and DDP without a hook scales ever
 1/world before the sum where the hook divides the sum. ``--optimizer pool`` steps the netdam run's
 optimizer in the NICs (``netdam.optim.PoolSGD``: the masters and momentum in each rank's NIC,
 every step one UPDATE per chunk; ``pool-sharded``: each NIC its rank's block, the weights
-all-gathered through the NICs after each step) where the Gloo run keeps ``torch.optim.SGD``: the
-same rule, so the curves still agree within the tolerance. ``--dtype bfloat16`` trains a bf16 model:
+all-gathered through the NICs after each step; ``pool-fused``: one fused reduce and update a
+step, the chain's last hop stepping its block and the multicast carrying the new weights, with
+no DDP all-reduce at all) where the Gloo run keeps ``torch.optim.SGD``: the same rule, so the
+curves still agree within the tolerance. ``--dtype bfloat16`` trains a bf16 model:
 its gradients cross the NICs as bf16 (2 bytes each), and every step's loss agrees within bf16's
 precision (default rtol 2e-2). Exit 0 when every step's loss on every
 rank agrees (|netdam - gloo| <= atol + rtol |gloo|) and the replicas stayed identical, 1
@@ -24,6 +26,7 @@ otherwise, 2 on a usage error, 3 when the run failed. Needs torch (``pip install
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -99,7 +102,8 @@ def run_rank(
             state = NetdamHookState(cluster_path, rank, world, chunk_bytes=options["chunk_bytes"])
             model.register_comm_hook(state, netdam_allreduce_hook)
         opt: Any
-        if mode == "netdam" and options["optimizer"] in ("pool", "pool-sharded"):
+        fused = mode == "netdam" and options["optimizer"] == "pool-fused"
+        if mode == "netdam" and options["optimizer"] in ("pool", "pool-sharded", "pool-fused"):
             from netdam.optim import PoolSGD
 
             assert state is not None
@@ -109,6 +113,9 @@ def run_rank(
                 momentum=0.9,
                 group=state.group,
                 shard=options["optimizer"] == "pool-sharded",
+                fused=fused,
+                # A fused step's weights come back in the gradients' dtype: the model's.
+                grad_dtype=options["dtype"] if fused else "float32",
             )
         else:
             opt = torch.optim.SGD(model.parameters(), lr=options["lr"], momentum=0.9)
@@ -118,8 +125,10 @@ def run_rank(
         first_step_end = start
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.mse_loss(model(x[step, mine]), y[step, mine])
-            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves backward untyped
+            # A fused step reduces the gradients itself, in the NICs: DDP must not (no_sync).
+            with model.no_sync() if fused else contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(model(x[step, mine]), y[step, mine])
+                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves backward untyped
             opt.step()
             losses.append(loss.item())
             if step == 0:
@@ -260,10 +269,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--optimizer",
-        choices=("torch", "pool", "pool-sharded"),
+        choices=("torch", "pool", "pool-sharded", "pool-fused"),
         default="torch",
         help="the netdam run's optimizer: torch.optim.SGD on the host, or netdam.optim.PoolSGD "
-        "in the NICs, each holding all the state or (pool-sharded) its rank's block (torch)",
+        "in the NICs, each holding all the state or (pool-sharded) its rank's block, or "
+        "(pool-fused) its block stepped by the chain's last hop: one collective a step (torch)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)

@@ -1,11 +1,13 @@
 """An optimizer step on NetDAM cards (SPEC.md 6.8's UPDATE) against a host optimizer after a RoCE
 all-reduce: steps per second for a model of P parameters over N nodes.
 
-- NetDAM (the design's pool optimizer, sharded and fused): the gradients are all-reduced by the
-  chain (netdam-chain, or netdam-chain-2d past one SR list) in the gradients' dtype, and each
-  card applies the rule to its 1/N of the parameters in its memory; the update is counted after
-  the all-reduce, not overlapped with it (the chain's last hop applying it as the block passes
-  could hide it: an upper bound, then).
+- NetDAM (the design's pool optimizer, sharded and fused: SPEC.md 4.1's fused reduce and
+  update): the gradients are all-reduced by the chain (netdam-chain, or netdam-chain-2d past one
+  SR list) in the gradients' dtype, and each block's last hop, the card holding that 1/N of the
+  parameters, steps them as the block's chunks arrive and multicasts the weights in place of
+  the sum. The update hides behind the block's arrival at line rate: what shows is the update's
+  excess over that stream, if any, plus one chunk's update (the last chunk, after the stream
+  ends). ``fused=False`` counts the whole update after the all-reduce instead (no overlap).
 - RoCE host (DDP + torch.optim): the gradients are all-reduced as Open MPI runs it over RoCE
   (``roce-ring``, validated on published measurements), then every host's CPU applies the rule
   to all P parameters, with every core (torch's intra-op threads) at the host's DRAM bandwidth.
@@ -85,17 +87,41 @@ def host_update_seconds(p: RoceParams, rule: str, elements: int, grad_bytes: int
     return (2 * STATE_BYTES[rule] + grad_bytes) * elements / p.host_dram_bytes_per_s
 
 
+def fused_update_seconds(
+    p: NetdamParams, rule: str, elements: int, grad_bytes: int = 4, segments: int = 0
+) -> float:
+    """What a block's update adds to a fused reduce and update: the owner steps each chunk as
+    it lands, so the update hides behind the block's arrival at line rate (its data bytes alone:
+    the headers would lengthen the stream and hide more) except its excess over that stream and
+    the last chunk's own update. *segments*: the SR list the chunks carry (it shrinks them)."""
+    _check(rule, elements, grad_bytes)
+    chunk = wire.max_data_bytes(p.mtu, segments, grad_bytes) // grad_bytes
+    stream = elements * grad_bytes * 8 / (p.link_gbps * 1e9)
+    whole = card_update_seconds(p, rule, elements, grad_bytes)
+    return max(whole - stream, 0.0) + card_update_seconds(p, rule, min(chunk, elements), grad_bytes)
+
+
 def optimizer_step(
-    nd: NetdamParams, ro: RoceParams, nodes: int, params: int, rule: str, grad_bytes: int = 4
+    nd: NetdamParams,
+    ro: RoceParams,
+    nodes: int,
+    params: int,
+    rule: str,
+    grad_bytes: int = 4,
+    fused: bool = True,
 ) -> tuple[OptimizerEstimate, OptimizerEstimate]:
-    """(NetDAM cards, RoCE hosts): one step of a *params*-parameter model over *nodes*."""
+    """(NetDAM cards, RoCE hosts): one step of a *params*-parameter model over *nodes*; the
+    cards' update fused into the chain (the default) or after it."""
     _check(rule, params, grad_bytes)
     nbytes = params * grad_bytes
     chain = netdam_chain if nodes <= CHAIN_GROUP + 1 else netdam_chain_2d
+    block = math.ceil(params / nodes)
     card = OptimizerEstimate(
-        "netdam",
+        "netdam" if fused else "netdam-unfused",
         chain(nd, nodes, nbytes, grad_bytes).seconds,
-        card_update_seconds(nd, rule, math.ceil(params / nodes), grad_bytes),
+        fused_update_seconds(nd, rule, block, grad_bytes, min(nodes, CHAIN_GROUP + 1) - 1)
+        if fused
+        else card_update_seconds(nd, rule, block, grad_bytes),
     )
     host = OptimizerEstimate(
         "roce",

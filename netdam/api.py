@@ -59,6 +59,7 @@ from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
     FLAG_SPARSE,
+    FLAG_UPDATE,
     Algo,
     CollectiveDescriptor,
     unpack_completion,
@@ -181,9 +182,13 @@ DEFAULT_WATCHDOG_S = 2.5
 class CollectiveError(NetdamError, RuntimeError):
     """A collective failed; ``waiting_for`` names what never arrived (node, block, seq range)."""
 
-    def __init__(self, message: str, waiting_for: dict[str, object] | None = None) -> None:
+    def __init__(
+        self, message: str, waiting_for: dict[str, object] | None = None, status: int = 0
+    ) -> None:
         super().__init__(message)
         self.waiting_for = waiting_for
+        #: The node's status when it refused or failed the collective (0: none was given).
+        self.status = status
 
 
 # bf16's numpy stand-in is uint16, which must not reduce as bf16 unmarked: it is told apart below.
@@ -658,9 +663,12 @@ class ProcessGroup:
         root: int = 0,
         flags: int = 0,
         settle: bool = True,
+        update: tuple[int, int] = (0, 0),
     ) -> Work:
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
-        *flags* is the descriptor's flags byte (bit 0: sparse mode, SPEC.md 4.1). *settle*:
+        *flags* is the descriptor's flags byte (bit 0: sparse mode, bit 1: fused reduce and
+        update, SPEC.md 4.1, with *update* its header's addr and aux_addr: this node's optimizer
+        descriptor and the step). *settle*:
         wait for the node's first answer to a new group's first call (below); a torus step
         does not (TorusWork: its group's calls go one at a time, and a call moved past the
         node's epoch moves the group's next call with it)."""
@@ -696,6 +704,8 @@ class ProcessGroup:
             dtype=dtype,
             reduce_op=op,
             segments=tuple(endpoints[r] for r in self.members),
+            addr=update[0],
+            aux_addr=update[1],
         ).with_payload(desc.encode())
         work = Work(self, packet, algo, count, dtype, watchdog)
         with self._lock:
@@ -1007,6 +1017,7 @@ class Work(Call):
             f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
             f"{self.group.rank}: {reply.status.name}{where}",
             waiting,
+            int(reply.status),
         )
 
     def _waiting_for(self, first: int, last: int) -> dict[str, object]:
@@ -1322,18 +1333,29 @@ def all_reduce(
     async_op: bool = False,
     *,
     sparse: bool = False,
+    update: tuple[int, int] | None = None,
 ) -> Work | None:
     """Reduce *buf* (a numpy array or CPU torch tensor) over all ranks in place; afterwards it
     is bitwise identical on every rank.
 
     ``sparse=True`` (every rank must pass the same): chunks travel as (index, value) pairs when
     under half their elements are non-zero, and chunks zero on every rank are not sent at all;
-    the result is bitwise the dense one."""
+    the result is bitwise the dense one.
+
+    ``update=(descriptor, step)``: fused reduce and update (SPEC.md 4.1; netdam.optim uses it):
+    each block's sum steps the optimizer whose descriptor sits at *descriptor* in the block
+    owner's node (this rank's, for its block), and *buf* ends holding the new weights, not the
+    sum. SUM of float32, float16 or bfloat16 over one chain only."""
     called_at = time.monotonic()
     buf = _as_array(buf, "buf")
     average = op == ReduceOp.AVG
     wire = _wire_op(op, buf)
     g = _group(group)
+    if update is not None and (op != ReduceOp.SUM or sparse or g.world_size > g.max_chain):
+        raise ValueError(
+            "a fused reduce and update is a dense SUM over one chain "
+            f"(at most {g.max_chain} ranks): use all_reduce, then UPDATE (netdam.optim)"
+        )
     if op == ReduceOp.PRODUCT:
         return _product_of_ranks(
             buf, g, async_op, lambda product: np.copyto(buf, product.reshape(buf.shape))
@@ -1354,7 +1376,14 @@ def all_reduce(
         work.begin()
     else:
         work = g.start(
-            Algo.ALL_REDUCE, buf, wire, addr, addr, buf.size, flags=FLAG_SPARSE if sparse else 0
+            Algo.ALL_REDUCE,
+            buf,
+            wire,
+            addr,
+            addr,
+            buf.size,
+            flags=(FLAG_SPARSE if sparse else 0) | (FLAG_UPDATE if update else 0),
+            update=update or (0, 0),
         )
     work.stage_in_s, work.called_at = stage_in_s, called_at
     if g._offset_of(buf) is None:

@@ -19,7 +19,13 @@ Give every rank the same gradients (DDP's, all-reduced by ``netdam.clients.ddp``
   through the NICs, so every rank's parameters are the same. A collective call: every rank
   of the group steps together. Each NIC keeps 1/N of the state.
 
-Not yet: the chain's last hop applying the step in place of storing the reduced gradient.
+- ``fused=True``: one collective per step, no separate all-reduce. Pass each rank's *own*
+  gradients (not all-reduced: no DDP hook). ``step()`` runs a fused reduce and update (SPEC.md
+  4.1): the chain sums block r of the ranks' gradients (each divided by the world size first,
+  DDP's mean) and its last hop, rank r's NIC, steps the optimizer there and stores the new
+  weights in place of the sum; the multicast all-gather then carries weights to every rank.
+  Each NIC keeps 1/N of the state, as with ``shard=True``; the wire carries ``grad_dtype``
+  both ways (bf16 or f16 weights to the workers, f32 masters in the NICs).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import numpy as np
 from netdam import api
 from netdam.cluster.control import ControlClient
 from netdam.protocol.constants import ELEMENT_SIZE, MAX_PAYLOAD_BYTES, DType, Opcode, Status
-from netdam.protocol.elements import bf16_round
+from netdam.protocol.elements import BFLOAT16, bf16_round, bf16_values
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.layout import OPT_LR, OPTIMIZER_BYTES
 from netdam.protocol.optim import AdamRule, SgdRule, descriptor_for
@@ -46,6 +52,12 @@ __all__ = ["OptimizerError", "PoolAdam", "PoolAdamW", "PoolOptimizer", "PoolSGD"
 _HEAD = 128
 #: Gradient dtypes by the names torch and numpy give them.
 _GRAD_DTYPES = {"float32": DType.F32, "float16": DType.F16, "bfloat16": DType.BF16}
+#: The numpy dtype a wire dtype's buffer in node memory takes (bf16: netdam's marked uint16).
+_NUMPY_DTYPES = {
+    DType.F32: np.dtype(np.float32),
+    DType.F16: np.dtype(np.float16),
+    DType.BF16: BFLOAT16,
+}
 
 
 class OptimizerError(NetdamError, RuntimeError):
@@ -72,6 +84,7 @@ class PoolOptimizer:
         group: api.ProcessGroup | None = None,
         grad_dtype: str = "float32",
         shard: bool = False,
+        fused: bool = False,
     ) -> None:
         if grad_dtype not in _GRAD_DTYPES:
             raise ValueError(
@@ -85,7 +98,13 @@ class PoolOptimizer:
         self.grad_dtype = _GRAD_DTYPES[grad_dtype]
         self.count = sum(int(np.prod(_shape(p))) for p in self.params)
         world, rank = self.group.world_size, self.group.rank
-        self.shard = shard and world > 1
+        self.fused = fused
+        if fused and world > self.group.max_chain:
+            raise ValueError(
+                f"a fused step runs over one chain of at most {self.group.max_chain} ranks, "
+                f"not {world}: use shard=True (UPDATE, then all_gather)"
+            )
+        self.shard = (shard or fused) and world > 1
         if self.shard and self.count < world:
             raise ValueError(f"{self.count} parameters cannot be sharded over {world} ranks")
         #: The parameters this rank's NIC steps: all, or its block.
@@ -97,8 +116,15 @@ class PoolOptimizer:
         local = self.hi - self.lo
         #: Elements per UPDATE: the most one datagram's payload holds.
         self.chunk = MAX_PAYLOAD_BYTES // ELEMENT_SIZE[self.grad_dtype]
-        chunks = math.ceil(local / self.chunk)
-        self._block = self.group.empty(_HEAD + 12 * local + 4 * chunks, np.uint8)
+        #: A fused step's gradients in, weights out: first, so it sits at the same address on
+        #: every rank (a chain reads and stores the same address on each member).
+        self._wire = self.group.empty(self.count, _NUMPY_DTYPES[self.grad_dtype]) if fused else None
+        # Every rank's block as large as the largest (ceil), so the arrays this rank makes
+        # after this one also sit where the other ranks' do.
+        widest = -(-self.count // world) if self.shard else local
+        self._block = self.group.empty(
+            _HEAD + 12 * widest + 4 * math.ceil(widest / self.chunk), np.uint8
+        )
         self.address = self.group.address_of(self._block)
         self._block[:] = 0
         self._block[:OPTIMIZER_BYTES] = np.frombuffer(
@@ -111,6 +137,7 @@ class PoolOptimizer:
         #: The whole model's new weights after a sharded step (gathered from every NIC).
         self._weights = np.empty(self.count, np.float32) if self.shard else self.masters
         self.steps = 0
+        self.last_stats: dict[str, int] = {}
         # A socket of its own: the group's carries its collectives' answers.
         self._client = ControlClient.for_cluster(self.group.cluster)
 
@@ -143,6 +170,9 @@ class PoolOptimizer:
         )
         if flat.size != self.count:
             raise ValueError(f"{flat.size} gradient elements for {self.count} parameters")
+        if self.fused:
+            self._fused_step(flat)
+            return
         wire = _encode(flat[self.lo : self.hi], self.grad_dtype)
         esize = ELEMENT_SIZE[self.grad_dtype]
         step = self.steps + 1
@@ -170,6 +200,34 @@ class PoolOptimizer:
         if self.shard:
             # Every rank's block of the new weights, through the NICs, onto every rank.
             api.all_gather_into_tensor(self._weights, self.masters, group=self.group)
+        self._copy_out()
+
+    def _fused_step(self, flat: np.ndarray) -> None:
+        """One fused reduce and update over the group (a collective call: every rank at once):
+        this rank's gradients, divided by the world size, in; the new weights out."""
+        assert self._wire is not None
+        step = self.steps + 1
+        wire = self._wire.view(np.uint8)
+        wire[:] = np.frombuffer(
+            _encode(flat / np.float32(self.group.world_size), self.grad_dtype), np.uint8
+        )
+        try:
+            work = api.all_reduce(
+                self._wire, group=self.group, async_op=True, update=(self.address, step)
+            )
+            assert work is not None
+            work.wait()
+        except api.CollectiveError as e:
+            raise OptimizerError(
+                f"step {step}: the fused reduce and update failed: {e} (a NIC that stepped "
+                "part of its block before the failure keeps it: restore the weights and the "
+                "optimizer from a checkpoint before stepping again)",
+                e.status,
+            ) from e
+        self.steps = step
+        #: This rank's node's count of the last fused step's re-sent chains and repair reads.
+        self.last_stats = dict(work.stats)
+        self._weights = _decode(wire, self.grad_dtype)
         self._copy_out()
 
     def _copy_out(self) -> None:
@@ -260,6 +318,18 @@ def _assign(p: Any, values: np.ndarray) -> None:
             p.copy_(torch.from_numpy(values.reshape(p.shape)).to(p.dtype))
     else:
         p[...] = values.reshape(p.shape)
+
+
+def _decode(wire: np.ndarray, dtype: DType) -> np.ndarray:
+    """Weights as float32 from the bytes the wire carried them in (f16 and bf16 widened)."""
+    values: np.ndarray
+    if dtype == DType.F32:
+        values = wire.view("<f4").copy()
+    elif dtype == DType.F16:
+        values = wire.view("<f2").astype(np.float32)
+    else:
+        values = bf16_values(wire.view("<u2"))
+    return values
 
 
 def _encode(values: np.ndarray, dtype: DType) -> bytes:

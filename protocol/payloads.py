@@ -69,6 +69,10 @@ RING_STEP = struct.Struct("<4sHH")
 
 #: START_COLL descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC 4.1).
 FLAG_SPARSE = 0x01
+#: START_COLL descriptor flags bit 1: fused reduce and update (SPEC 4.1): each block's last hop
+#: steps the optimizer whose descriptor the header's addr names, at the step in aux_addr, and
+#: stores and multicasts the new weights in place of the reduced gradient.
+FLAG_UPDATE = 0x02
 
 
 class Algo(IntEnum):

@@ -33,6 +33,7 @@ import numpy as np
 
 from netdam.core.chunk_plan import block_bounds
 from netdam.kernels import collective as L
+from netdam.kernels import optim as optim_kernels
 from netdam.kernels.state import CollSlots
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
@@ -42,18 +43,22 @@ from netdam.protocol.constants import (
     TAG_SIZE,
     DType,
     Opcode,
+    ReduceOp,
     Rights,
     Status,
     enum_values,
     max_elements,
 )
 from netdam.protocol.errors import RemoteProtocolError
+from netdam.protocol.layout import OPTIMIZER_BYTES
 from netdam.protocol.packet import Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
     FLAG_SPARSE,
+    FLAG_UPDATE,
     NO_PHASE_US,
     Algo,
     CompletionPhases,
+    OptimizerDescriptor,
     pack_completion,
     pack_completion_phases,
     unpack_descriptor,
@@ -255,7 +260,7 @@ class CollectiveSlots:
         ):
             for lo, hi in (
                 (L.CFG_REFUSED_COLL, L.CFG_REFUSED_N + 1),
-                (L.CFG_REFUSED_BASE, L.CFG_LEN),
+                (L.CFG_REFUSED_BASE, L.CFG_REFUSED_END),
             ):
                 cfg[lo:hi] = spare[lo:hi]
             spare[L.CFG_REFUSED_N] = 0
@@ -367,7 +372,9 @@ class CollectiveEngine:
         if status != Status.OK:
             return status
         sparse = bool(flags & FLAG_SPARSE)
-        if flags & ~FLAG_SPARSE or (sparse and algo not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)):
+        if flags & ~(FLAG_SPARSE | FLAG_UPDATE) or (
+            sparse and algo not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
+        ):
             return Status.BAD_FIELD
         bounds = block_bounds(algo, count, world, root)
         in_len = _input_elements(algo, count, bounds, rank, root)
@@ -376,6 +383,13 @@ class CollectiveEngine:
         )
         if status != Status.OK:
             return status
+        fused = bool(flags & FLAG_UPDATE)
+        if fused:
+            status = _fused_status(
+                packet, algo, sparse, memory, regions, rkey, int(bounds[rank + 1] - bounds[rank])
+            )
+            if status != Status.OK:
+                return status
         # A tagged collective's datagrams end with the tag: its payloads are that much smaller.
         mtu -= TAG_SIZE if d.tag_key else 0
         per_packet = max_elements(mtu, dtype, segments=max(world - 1, 0))
@@ -410,6 +424,9 @@ class CollectiveEngine:
             rcvbuf,
             d.tag_key,
         )
+        if fused:
+            self.cfg[L.CFG_OPT_DESC], self.cfg[L.CFG_OPT_STEP] = packet.addr, packet.aux_addr
+            _begin_step(memory, packet.addr, packet.aux_addr)
         self._local_part(memory, algo, world, rank, root, esize)
         if sparse and world > 1:
             self._local_bitmap(memory, in_addr, count, esize)
@@ -565,6 +582,15 @@ class CollectiveEngine:
                 first, last = 0, int(cfg[L.CFG_CHUNKS])
             if src != dst:
                 memory[dst : dst + nbytes] = memory[src : src + nbytes]
+            if cfg[L.CFG_OPT_STEP]:  # one rank's fused all-reduce: its own gradient steps it
+                optim_kernels.fused_step(
+                    memory,
+                    int(cfg[L.CFG_OPT_DESC]),
+                    int(cfg[L.CFG_COUNT]),
+                    int(cfg[L.CFG_OPT_STEP]),
+                    dst,
+                    int(cfg[L.CFG_DTYPE]),
+                )
             self.done[first:last] = 1
             cfg[L.CFG_DONE_COUNT] = last - first
 
@@ -627,9 +653,11 @@ class CollectiveEngine:
         }
 
 
-def collective_buffer_span(packet: Packet) -> tuple[int, int, int] | None:
+def collective_buffer_span(packet: Packet, memory: np.ndarray) -> tuple[int, int, int] | None:
     """(rkey, lo, hi) of a START_COLL: the descriptor's key and the bytes its input and output
-    cover here, [lo, hi); None when the descriptor cannot be read or run (the engine answers)."""
+    cover here, [lo, hi), and for a fused reduce and update the optimizer's descriptor and
+    everything it names (the node steps them under the collective's key); None when the
+    descriptor cannot be read or run (the engine answers)."""
     try:
         d = unpack_descriptor(packet.payload)
     except RemoteProtocolError:
@@ -646,6 +674,8 @@ def collective_buffer_span(packet: Packet) -> tuple[int, int, int] | None:
     bounds = block_bounds(d.algo, d.count, world, d.root)
     in_bytes = _input_elements(d.algo, d.count, bounds, d.rank, d.root) * esize
     ranges = [(d.in_addr, d.in_addr + in_bytes), (d.out_addr, d.out_addr + d.count * esize)]
+    if d.flags & FLAG_UPDATE:
+        ranges += _optimizer_ranges(memory, packet.addr)
     used = [r for r in ranges if r[1] > r[0]]
     return d.rkey, min(lo for lo, _ in used), max(hi for _, hi in used)
 
@@ -680,6 +710,85 @@ def _validate(
     if algo in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER) and dtype == DType.RAW:
         return Status.BAD_DTYPE
     return Status.OK
+
+
+def _fused_status(
+    packet: Packet,
+    algo: int,
+    sparse: bool,
+    memory: np.ndarray,
+    regions: dict[int, tuple[int, int, int]],
+    rkey: int,
+    elements: int,
+) -> Status:
+    """Whether a fused reduce and update (descriptor flags bit 1, SPEC.md 4.1) can start here:
+    a dense SUM all-reduce of floats, the optimizer descriptor at the header's ``addr`` well
+    formed and covering this node's block, everything it names readable and writable under the
+    collective's rkey, and every entry of its step table one short of the header's step."""
+    if algo != Algo.ALL_REDUCE or sparse or packet.reduce_op != ReduceOp.SUM:
+        return Status.BAD_FIELD  # sparse mode skips chunks; an update must see every one
+    if packet.dtype not in (DType.F32, DType.F16, DType.BF16):
+        return Status.BAD_DTYPE
+    desc, step = packet.addr, packet.aux_addr
+    if not 0 < step <= 0xFFFFFFFF:
+        return Status.BAD_FIELD
+    status = _check_ranges(regions, rkey, desc, OPTIMIZER_BYTES, desc, OPTIMIZER_BYTES, 8)
+    if status != Status.OK:
+        return status
+    if optim_kernels.descriptor_problem(memory, desc) != 0:
+        return Status.BAD_FIELD
+    d = OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
+    if d.count != elements:
+        return Status.BAD_FIELD  # the descriptor is not this node's block
+    for offset, nbytes in (
+        (d.params, 4 * d.count),
+        (d.moment1, 4 * d.count),
+        (d.moment2, 4 * d.count),
+        (d.steps, 4 * _step_entries(d)),
+    ):
+        if offset:
+            status = _check_ranges(regions, rkey, desc + offset, nbytes, desc + offset, nbytes, 4)
+            if status != Status.OK:
+                return status
+    table = _step_table(memory, desc, d)
+    if np.any(table != step - 1):
+        return Status.OUT_OF_STEP  # a step skipped, repeated, or a block stepped only in part
+    return Status.OK
+
+
+def _optimizer_ranges(memory: np.ndarray, desc: int) -> list[tuple[int, int]]:
+    """[lo, hi) of the optimizer descriptor at *desc* and of what it names, when it lies in
+    *memory* and is well formed; else none (the engine refuses the START_COLL)."""
+    if not 0 <= desc <= memory.size - OPTIMIZER_BYTES or desc % 8:
+        return []
+    if optim_kernels.descriptor_problem(memory, desc) != 0:
+        return []
+    d = OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
+    ranges = [
+        (desc, desc + OPTIMIZER_BYTES),
+        (desc + d.steps, desc + d.steps + 4 * _step_entries(d)),
+    ]
+    ranges += [
+        (desc + at, desc + at + 4 * d.count) for at in (d.params, d.moment1, d.moment2) if at
+    ]
+    return ranges
+
+
+def _step_entries(d: OptimizerDescriptor) -> int:
+    return -(-int(d.count) // int(d.chunk))
+
+
+def _step_table(memory: np.ndarray, desc: int, d: OptimizerDescriptor) -> np.ndarray:
+    at = desc + d.steps
+    return memory[at : at + 4 * _step_entries(d)].view("<u4")
+
+
+def _begin_step(memory: np.ndarray, desc: int, step: int) -> None:
+    """The block's step table says *step* from the start: an UPDATE of it now is a duplicate,
+    and the next fused call must name the step after (each chunk is applied once, by the
+    collective's guard)."""
+    d = OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
+    _step_table(memory, desc, d)[:] = step
 
 
 def _check_ranges(

@@ -585,10 +585,10 @@ class NodeCore(CoreBase):
 
     def _scope_collective_key(self, packet: Packet) -> None:
         """A START_COLL whose descriptor rkey is no registered region's names a key for this
-        collective alone (SPEC.md 4.1): it is installed over the collective's buffers, which
-        must lie in one registered region, usable only in datagrams from members, and removed
+        collective alone (SPEC.md 4.1): it is installed over the collective's buffers (and a
+        fused update's optimizer state), which must lie in one registered region, usable only in datagrams from members, and removed
         when the collective ends (release_collective_key)."""
-        span = collective_buffer_span(packet)
+        span = collective_buffer_span(packet, self.memory)
         if span is None:
             return
         rkey, lo, hi = span
@@ -661,7 +661,8 @@ class NodeCore(CoreBase):
         self.collective.yielded.clear()
         if status == Status.OK:
             self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
-            self._reply(packet, src, Opcode.ACK, tag_key=key)
+            # aux_addr 0 "running", whatever the request's (a fused update's step, 4.1).
+            self._reply(packet, src, Opcode.ACK, aux_addr=0, tag_key=key)
         elif status == Status.STALE_EPOCH:  # aux_addr: this node's epoch, the host's next is above
             epoch = self.collective.stale_epoch_of(packet.coll_id)
             self._reply(packet, src, Opcode.NACK, status, aux_addr=epoch, tag_key=key)

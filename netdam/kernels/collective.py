@@ -21,6 +21,7 @@ from numba import njit
 
 from netdam.kernels import signatures as S
 from netdam.kernels.combine import combine_bytes
+from netdam.kernels.optim import fused_apply
 from netdam.kernels.state import CollSlots, CollState, NodeState, TraceRing, TxQueue
 from netdam.kernels.tag import seal_tag, tag_matches
 from netdam.kernels.trace import (
@@ -76,7 +77,7 @@ from netdam.kernels.wire import (
     wr64,
 )
 from netdam.protocol import counters as C
-from netdam.protocol.constants import Flags
+from netdam.protocol.constants import Flags, Status
 from netdam.protocol.layout import (
     COMPLETION_BYTES,
     COMPLETION_FAILURE_BYTES,
@@ -135,6 +136,8 @@ STATE_DONE = int(EngineState.DONE)
 STATE_FAILED = int(EngineState.FAILED)
 
 # cfg indices
+_S_BAD_FIELD = int(Status.BAD_FIELD)
+
 CFG_STATE = 0  # an EngineState
 CFG_COLL = 1
 CFG_EPOCH = 2
@@ -202,7 +205,12 @@ CFG_REFUSED_BASE = 51  # REFUSED_SLOTS originator endpoints (u64 as int64) follo
 #: member of the longest chain (protocol/constants.py MAX_SEGMENTS), so a start skew costs no
 #: member a timer.
 REFUSED_SLOTS = 64
-CFG_LEN = CFG_REFUSED_BASE + REFUSED_SLOTS
+CFG_REFUSED_END = CFG_REFUSED_BASE + REFUSED_SLOTS
+# Fused reduce and update (descriptor flags bit 1, SPEC.md 4.1): the address of this node's
+# optimizer descriptor and the step its block takes (0: not fused; a step is at least 1).
+CFG_OPT_DESC = CFG_REFUSED_END
+CFG_OPT_STEP = CFG_REFUSED_END + 1
+CFG_LEN = CFG_REFUSED_END + 2
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
@@ -1149,8 +1157,8 @@ def all_write(b, ln, src, node, tx, tx_n):
 def chain_add_hop(b, ln, src, node, tx, tx_n):
     """Combine local memory into the payload; forward to the next segment or, at the last hop,
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
-    mem, regions, members, window, coll, counters, _trace = node
-    co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    mem, regions, members, window, slot, counters, _trace = node
+    co_cfg, co_done = slot.cfg, slot.done
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
     addr = rd64(b, H_ADDR)
@@ -1196,6 +1204,8 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
             status = S_TOO_LARGE
         else:
             guarded = True
+            if left == 0 and co_cfg[CFG_OPT_STEP] != 0:
+                status = _fused_chunk_status(slot, seq, store_addr, length)
     if status != 0:
         return emit_nack(b, src, members, status, tx, tx_n, counters)
     payload_off = HDR + SEG * count
@@ -1261,6 +1271,20 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
                 dtype,
                 op,
             )
+        if guarded and co_cfg[CFG_OPT_STEP] != 0:
+            # Fused reduce and update: the block's owner steps its optimizer with the reduced
+            # gradient and stores (and later multicasts) the new weights in its place.
+            _, first, n = _chunk(co_cfg, slot.bounds, slot.cb, seq)
+            fused_apply(
+                mem,
+                co_cfg[CFG_OPT_DESC],
+                first - slot.bounds[co_cfg[CFG_RANK]],
+                n,
+                co_cfg[CFG_OPT_STEP],
+                scratch,
+                np.int64(HDR),
+                dtype,
+            )
         copy_bytes(mem, s, scratch, HDR, length)
         counters[C.BYTES_COMBINED] += length
         counters[C.STORED] += 1
@@ -1270,6 +1294,23 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
     if rd16(b, H_FLAGS) & F_ACK_REQ:
         return emit_ack(b, src, members, tx, tx_n)
     return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _fused_chunk_status(slot, seq, store_addr, length):
+    """A fused collective's chain ending here must be chunk *seq* of this node's own block,
+    stored where the plan puts it: its store steps the optimizer on exactly those elements,
+    so a chain naming any other range is refused (BAD_FIELD), whatever the rights allow."""
+    co_cfg = slot.cfg
+    j, first, n = _chunk(co_cfg, slot.bounds, slot.cb, seq)
+    esize = ESIZE[co_cfg[CFG_DTYPE]]
+    if (
+        j != co_cfg[CFG_RANK]
+        or store_addr != np.uint64(co_cfg[CFG_OUT] + first * esize)
+        or length != n * esize
+    ):
+        return _S_BAD_FIELD
+    return 0
 
 
 @njit(cache=True, nogil=True)

@@ -20,7 +20,7 @@ import math
 import numpy as np
 from numba import njit
 
-from netdam.kernels.f16 import f16_bits_to_f32
+from netdam.kernels.f16 import f16_bits_to_f32, f32_to_f16_bits
 from netdam.kernels.wire import ESIZE, HDR, check_access, le64, rd32, rd64
 from netdam.protocol.constants import DType, OptFlags, OptRule, Rights, Status
 from netdam.protocol.layout import (
@@ -97,6 +97,37 @@ def _geometry(mem, b):
 
 
 @njit(cache=True, nogil=True)
+def descriptor_status(mem, d):
+    """0 when the optimizer descriptor at *d* (OPTIMIZER_BYTES readable there) is well formed
+    (SPEC.md 6.8: a rule, its flags and hyperparameters, non-zero sizes, offsets short of 2^48),
+    else BAD_FIELD. Rights on the ranges it names are the caller's to check."""
+    rule = np.int64(mem[d + OPT_RULE])
+    flags = np.int64(mem[d + OPT_FLAGS])
+    chunk = _u32(mem, d + OPT_CHUNK)
+    count = le64(mem, d + OPT_COUNT)
+    params, m1 = le64(mem, d + OPT_PARAMS), le64(mem, d + OPT_MOMENT1)
+    m2, steps = le64(mem, d + OPT_MOMENT2), le64(mem, d + OPT_STEPS)
+    beta1, beta2 = _f64(mem, d + OPT_BETA1), _f64(mem, d + OPT_BETA2)
+    if rule != _SGD and rule != _ADAM and rule != _ADAMW:
+        return _S_BAD_FIELD
+    if flags & ~_NESTEROV or mem[d + OPT_RESERVED] | mem[d + OPT_RESERVED + 1]:
+        return _S_BAD_FIELD
+    if le64(mem, d + OPT_RESERVED2) != 0 or chunk == 0 or count == 0 or steps == 0:
+        return _S_BAD_FIELD
+    if params == 0 or max(count, params, m1, m2, steps) >= _FAR:
+        return _S_BAD_FIELD
+    if rule == _SGD:
+        # Nesterov needs a momentum and no dampening; a momentum needs its buffer.
+        if flags & _NESTEROV and (not beta1 > 0.0 or beta2 != 0.0):
+            return _S_BAD_FIELD
+        if beta1 != 0.0 and m1 == 0:
+            return _S_BAD_FIELD
+    elif flags != 0 or m1 == 0 or m2 == 0 or not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        return _S_BAD_FIELD
+    return 0
+
+
+@njit(cache=True, nogil=True)
 def update_check(mem, regions, b, member):
     """(status, verdict) of an UPDATE (SPEC.md 6.8, in its order): the descriptor readable under
     the rkey and well formed, the chunk a whole one, every range it reaches (masters, moments,
@@ -107,29 +138,13 @@ def update_check(mem, regions, b, member):
     if status != 0:
         return status, APPLY
     d = np.int64(desc)
-    rule = np.int64(mem[d + OPT_RULE])
-    flags = np.int64(mem[d + OPT_FLAGS])
+    status = descriptor_status(mem, d)
+    if status != 0:
+        return status, APPLY
     chunk = _u32(mem, d + OPT_CHUNK)
     count = le64(mem, d + OPT_COUNT)
     params, m1 = le64(mem, d + OPT_PARAMS), le64(mem, d + OPT_MOMENT1)
     m2, steps = le64(mem, d + OPT_MOMENT2), le64(mem, d + OPT_STEPS)
-    beta1, beta2 = _f64(mem, d + OPT_BETA1), _f64(mem, d + OPT_BETA2)
-    if rule != _SGD and rule != _ADAM and rule != _ADAMW:
-        return _S_BAD_FIELD, APPLY
-    if flags & ~_NESTEROV or mem[d + OPT_RESERVED] | mem[d + OPT_RESERVED + 1]:
-        return _S_BAD_FIELD, APPLY
-    if le64(mem, d + OPT_RESERVED2) != 0 or chunk == 0 or count == 0 or steps == 0:
-        return _S_BAD_FIELD, APPLY
-    if params == 0 or max(count, params, m1, m2, steps) >= _FAR:
-        return _S_BAD_FIELD, APPLY
-    if rule == _SGD:
-        # Nesterov needs a momentum and no dampening; a momentum needs its buffer.
-        if flags & _NESTEROV and (not beta1 > 0.0 or beta2 != 0.0):
-            return _S_BAD_FIELD, APPLY
-        if beta1 != 0.0 and m1 == 0:
-            return _S_BAD_FIELD, APPLY
-    elif flags != 0 or m1 == 0 or m2 == 0 or not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        return _S_BAD_FIELD, APPLY
     first = rd64(b, H_AUX_ADDR)
     step = rd32(b, H_EPOCH)
     if first >= count or first % np.uint64(chunk) != 0 or step == 0:
@@ -157,23 +172,20 @@ def update_check(mem, regions, b, member):
 
 
 @njit(cache=True, nogil=True)
-def _gradient(b, dtype, i):
-    """Element *i* of the payload as float32, exactly (f16 and bf16 widened)."""
+def _gradient(g, off, dtype, i):
+    """Element *i* of the gradient at *off* in *g* as float32, exactly (f16 and bf16 widened)."""
     if dtype == _F32:
-        return np.uint32(_u32(b, HDR + 4 * i)).view(np.float32)
-    h = _u16(b, HDR + 2 * i)
+        return np.uint32(_u32(g, off + 4 * i)).view(np.float32)
+    h = _u16(g, off + 2 * i)
     if dtype == _F16:
         return f16_bits_to_f32(np.uint16(h))
     return np.uint32(h << 16).view(np.float32)  # bf16: the upper half of an f32
 
 
 @njit(cache=True, nogil=True)
-def update_apply(mem, b):
-    """Apply an UPDATE that update_check found APPLY: its chunk's masters and moments move one
-    step, and its step table entry says so."""
-    d, start, n, c = _geometry(mem, b)
-    step = rd32(b, H_EPOCH)
-    dtype = np.int64(b[H_DTYPE])
+def _step_rule(mem, d, start, n, step, g, g_off, dtype):
+    """Move elements start .. start + n of the descriptor's masters and moments one step (the
+    *step*-th), by its rule, with the gradient at *g_off* in *g* (*dtype*)."""
     rule = np.int64(mem[d + OPT_RULE])
     lr, beta1 = _f64(mem, d + OPT_LR), _f64(mem, d + OPT_BETA1)
     beta2, wd = _f64(mem, d + OPT_BETA2), _f64(mem, d + OPT_WEIGHT_DECAY)
@@ -187,16 +199,16 @@ def update_apply(mem, b):
         a_m = d + m1 + 4 * start
         buf = mem[a_m : a_m + 4 * n].view(np.float32) if m1 != 0 else p[:0]
         for i in range(n):
-            g = _gradient(b, dtype, i)
+            x = _gradient(g, g_off, dtype, i)
             if wd != 0.0:
-                g = g + wd32 * p[i]
+                x = x + wd32 * p[i]
             if beta1 != 0.0:
                 if step == 1:
-                    buf[i] = g
+                    buf[i] = x
                 else:
-                    buf[i] = mu32 * buf[i] + keep32 * g
-                g = g + mu32 * buf[i] if nesterov else buf[i]
-            p[i] = p[i] - lr32 * g
+                    buf[i] = mu32 * buf[i] + keep32 * x
+                x = x + mu32 * buf[i] if nesterov else buf[i]
+            p[i] = p[i] - lr32 * x
     else:
         eps = _f64(mem, d + OPT_EPS)
         a_m = d + m1 + 4 * start
@@ -212,16 +224,105 @@ def update_apply(mem, b):
         root_c2 = np.float32(math.sqrt(c2))
         eps32 = np.float32(eps)
         for i in range(n):
-            g = _gradient(b, dtype, i)
+            x = _gradient(g, g_off, dtype, i)
             if wd != 0.0:
                 if rule == _ADAMW:
                     p[i] = p[i] * decay32
                 else:
-                    g = g + wd32 * p[i]
-            m[i] = m[i] + one_b1 * (g - m[i])
-            v[i] = v[i] * b2_32 + (one_b2 * g) * g
+                    x = x + wd32 * p[i]
+            m[i] = m[i] + one_b1 * (x - m[i])
+            v[i] = v[i] * b2_32 + (one_b2 * x) * x
             denom = np.sqrt(v[i]) / root_c2 + eps32
             p[i] = p[i] + minus_step * (m[i] / denom)
+
+
+@njit(cache=True, nogil=True)
+def update_apply(mem, b):
+    """Apply an UPDATE that update_check found APPLY: its chunk's masters and moments move one
+    step, and its step table entry says so."""
+    d, start, n, c = _geometry(mem, b)
+    step = rd32(b, H_EPOCH)
+    _step_rule(mem, d, start, n, step, b, HDR, np.int64(b[H_DTYPE]))
     at_step = d + np.int64(le64(mem, d + OPT_STEPS)) + 4 * c
     for k in range(4):
         mem[at_step + k] = np.uint8((step >> (8 * k)) & 0xFF)
+
+
+@njit(cache=True, nogil=True)
+def fused_apply(mem, d, start, n, step, g, g_off, dtype):
+    """The fused all-reduce's store (SPEC.md 4.1, "Fused reduce and update"): the reduced
+    gradient at *g_off* in *g* steps elements start .. start + n of the descriptor at *d*, and
+    is replaced there by the new weights in the collective's dtype (f32 as the masters; f16
+    and bf16 rounded to nearest even), which the chain's last hop then stores and multicasts.
+    The caller checked the descriptor and its ranges when the collective started."""
+    _step_rule(mem, d, start, n, step, g, g_off, dtype)
+    a_p = d + np.int64(le64(mem, d + OPT_PARAMS)) + 4 * start
+    p = mem[a_p : a_p + 4 * n].view(np.float32)
+    for i in range(n):
+        if dtype == _F32:
+            for k in range(4):
+                g[g_off + 4 * i + k] = mem[a_p + 4 * i + k]
+            continue
+        bits = np.uint32(_u32(mem, a_p + 4 * i))
+        if dtype == _F16:
+            h = np.uint32(f32_to_f16_bits(p[i]))
+        elif p[i] != p[i]:
+            h = np.uint32(0x7FC0)  # the canonical bf16 NaN, as the bf16 SUM gives
+        else:
+            # bf16: round to nearest, ties to even (as netdam/kernels/combine.py's bf16 SUM).
+            h = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(
+                16
+            )
+        g[g_off + 2 * i] = np.uint8(h & np.uint32(0xFF))
+        g[g_off + 2 * i + 1] = np.uint8((h >> np.uint32(8)) & np.uint32(0xFF))
+
+
+# ---------------------------------------------------------------- checked entries from Python
+
+
+def _check_descriptor(memory: np.ndarray, desc: int) -> None:
+    if memory.dtype != np.uint8 or memory.ndim != 1:
+        raise ValueError("node memory must be a flat uint8 array")
+    if not 0 <= desc <= memory.size - OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer descriptor at {desc} outside {memory.size} bytes of memory")
+
+
+def descriptor_problem(memory: np.ndarray, desc: int) -> int:
+    """Checked descriptor_status: 0 when the optimizer descriptor at *desc* is well formed, else
+    BAD_FIELD (ValueError when its 96 bytes do not lie in *memory*)."""
+    _check_descriptor(memory, desc)
+    return int(descriptor_status(memory, np.int64(desc)))
+
+
+def fused_step(
+    memory: np.ndarray, desc: int, elements: int, step: int, at: int, dtype: int
+) -> None:
+    """Checked fused_apply over a whole block (a one-rank fused all-reduce): the gradient of
+    *elements* at *at* steps the descriptor's first *elements* masters and is replaced there by
+    the new weights. Every range is checked against *memory* first."""
+    _check_descriptor(memory, desc)
+    if descriptor_status(memory, np.int64(desc)) != 0:
+        raise ValueError(f"the optimizer descriptor at {desc} is not well formed")
+    if dtype not in (_F32, _F16, int(DType.BF16)):
+        raise ValueError(f"a fused step's gradient is f32, f16 or bf16, not dtype {dtype}")
+    head = memory[desc : desc + OPTIMIZER_BYTES]
+    count = int(head[OPT_COUNT : OPT_COUNT + 8].view("<u8")[0])
+    if not 0 < elements <= count or step < 1:
+        raise ValueError(f"{elements} elements at step {step} for a descriptor of {count}")
+    for field in (OPT_PARAMS, OPT_MOMENT1, OPT_MOMENT2):
+        offset = int(head[field : field + 8].view("<u8")[0])
+        if offset and desc + offset + 4 * elements > memory.size:
+            raise ValueError(f"the descriptor's state at {desc + offset} runs past the memory")
+    esize = 4 if dtype == _F32 else 2
+    if not 0 <= at <= memory.size - esize * elements:
+        raise ValueError(f"the gradient at {at} runs past the memory")
+    fused_apply(
+        memory,
+        np.int64(desc),
+        np.int64(0),
+        np.int64(elements),
+        np.int64(step),
+        memory,
+        np.int64(at),
+        np.int64(dtype),
+    )

@@ -151,6 +151,7 @@ LUA_FIELDS: dict[str, tuple[L.Layout, str, bool]] = {
     },
     "d_timeout": (L.DESCRIPTOR, "timeout_ms", True),
     "d_sparse": (L.DESCRIPTOR, "flags", True),
+    "d_update": (L.DESCRIPTOR, "flags", True),
     "d_tag_k0": (L.DESCRIPTOR_TAG_KEY, "tag_k0", True),
     "d_tag_k1": (L.DESCRIPTOR_TAG_KEY, "tag_k1", True),
     "reg_tag_k0": (L.DESCRIPTOR_TAG_KEY, "tag_k0", True),
