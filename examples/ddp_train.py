@@ -150,6 +150,9 @@ def run_rank(
             out[mode].update(
                 collectives=state.collectives, buckets=state.buckets, bytes=state.bytes
             )
+            if fused:  # no DDP all-reduce ran: one fused NIC collective a step instead
+                wire = sum(p.numel() * p.element_size() for p in model.parameters())
+                out[mode].update(collectives=steps, bytes=steps * wire)
             if options["optimizer"] != "torch":
                 opt.close()
             state.close()
@@ -367,10 +370,14 @@ def main(argv: list[str] | None = None) -> int:
             f"rank and step (tolerance: atol {args.atol:g} + rtol {args.rtol:g}); final parameters differ by "
             f"at most {result['params_max_abs_diff']:.3g}"
         )
+        traffic = (
+            f"fused: {result['collectives']} NIC collectives (one a step, no DDP all-reduce)"
+            if args.optimizer == "pool-fused"
+            else f"hook: {result['buckets']} buckets in {result['collectives']} NIC all-reduces"
+        )
         print(
             f"replicas identical: netdam {result['netdam_replicas_identical']}, gloo {result['gloo_replicas_identical']}; "
-            f"hook: {result['buckets']} buckets in {result['collectives']} NIC all-reduces, "
-            f"{result['bytes_reduced']} bytes per rank"
+            f"{traffic}, {result['bytes_reduced']} bytes per rank"
         )
         print(
             f"training time: netdam {result['seconds_netdam']:.2f} s, gloo {result['seconds_gloo']:.2f} s; "
@@ -378,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if result["steps_per_second_netdam"] is not None:
             print(
-                f"steps per second after the first (slowest rank): netdam hook "
+                f"steps per second after the first (slowest rank): netdam "
+                f"{'fused step' if args.optimizer == 'pool-fused' else 'hook'} "
                 f"{result['steps_per_second_netdam']:.1f}, gloo {result['steps_per_second_gloo']:.1f} "
                 f"(hook / gloo {result['steps_per_second_ratio']:.2f})"
             )

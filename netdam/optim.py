@@ -10,15 +10,14 @@ ACKed, with the new weights copied into the parameters. The rules round as
 relative over 30 steps (tests/protocol/test_optim.py).
 
 Give every rank the same gradients (DDP's, all-reduced by ``netdam.clients.ddp``'s hook, or
-``netdam.all_reduce``'s). Two layouts:
+``netdam.all_reduce``'s) in the first two layouts:
 
 - replicated (the default), as DDP keeps a ``torch.optim`` replica per rank: each rank's NIC
   holds the whole state and applies the whole gradient;
 - ``shard=True``: rank r's NIC holds and steps only block r of the parameters (the blocks of a
   chain all-reduce, ``r * P // N`` on); after the step the group all-gathers the new weights
   through the NICs, so every rank's parameters are the same. A collective call: every rank
-  of the group steps together. Each NIC keeps 1/N of the state.
-
+  of the group steps together. Each NIC keeps 1/N of the state;
 - ``fused=True``: one collective per step, no separate all-reduce. Pass each rank's *own*
   gradients (not all-reduced: no DDP hook). ``step()`` runs a fused reduce and update (SPEC.md
   4.1): the chain sums block r of the ranks' gradients (each divided by the world size first,
@@ -298,7 +297,7 @@ def _shape(p: Any) -> tuple[int, ...]:
 def _values(p: Any) -> np.ndarray:
     """A parameter's values as float32 (a torch tensor's, detached)."""
     if hasattr(p, "detach"):
-        p = p.detach().cpu().numpy()
+        p = p.detach().float().cpu().numpy()  # float(): bf16 widened exactly (numpy has none)
     return np.asarray(p, dtype=np.float32)
 
 

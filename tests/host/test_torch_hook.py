@@ -244,13 +244,14 @@ def test_ddp_example_two_ranks_losses_agree_with_gloo() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["pool", "pool-sharded"])
+@pytest.mark.parametrize("optimizer", ["pool", "pool-sharded", "pool-fused"])
 def test_ddp_example_with_the_optimizer_in_the_nics_agrees_with_gloo_and_torch_optim(
     optimizer: str,
 ) -> None:
     """`--optimizer pool`: the netdam run's SGD steps in the NICs (netdam.optim.PoolSGD; with
-    pool-sharded each NIC its rank's block, the weights all-gathered), the Gloo run's in
-    torch.optim.SGD: the same rule, so the losses agree as before."""
+    pool-sharded each NIC its rank's block, the weights all-gathered; with pool-fused one fused
+    reduce and update a step, DDP's own all-reduce off), the Gloo run's in torch.optim.SGD: the
+    same rule, so the losses agree as before."""
     argv = [sys.executable, str(EXAMPLE), "--ranks", "2", "--steps", "6", "--optimizer", optimizer]
     proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -259,6 +260,8 @@ def test_ddp_example_with_the_optimizer_in_the_nics_agrees_with_gloo_and_torch_o
     assert r["max_abs_diff"] <= 1e-7 + 1e-5 * max(r["loss_gloo"])
     assert r["netdam_replicas_identical"] is True
     assert r["loss_netdam"][-1] < r["loss_netdam"][0]
+    if optimizer == "pool-fused":
+        assert (r["collectives"], r["buckets"]) == (6, 0)  # one collective a step, no hook
 
 
 def test_example_steps_per_second_take_the_slowest_rank() -> None:
