@@ -42,7 +42,7 @@ from netdam.cluster.tracing import collect, mark, nics_of, write_trace
 from netdam.core.chunk_plan import block_bounds
 from netdam.core.host import Call, CallQueue, Heard
 from netdam.core.timeline import HostCall, chrome_trace
-from netdam.core.torus import TorusStep, splits, torus_groups, torus_steps
+from netdam.core.torus import TorusStep, splits, torus_groups, torus_shape, torus_steps
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     MAX_SEGMENTS,
@@ -441,11 +441,32 @@ class ProcessGroup:
         if len(members) <= self.max_chain or not splits(len(members), self.max_chain):
             return {}
         made = {}
-        for sub in torus_groups(len(members), self.max_chain):
-            group = self.new_group([members[i] for i in sub])
+        rows, _ = torus_shape(len(members), self.max_chain)
+        for index, sub in enumerate(torus_groups(len(members), self.max_chain)):
+            ranks = [members[i] for i in sub]
+            group = self.new_group(ranks)
             if isinstance(group, ProcessGroup):
+                if index < rows:  # a row (rows come first), not a column
+                    self._multicast_row(group, ranks)
                 made[sub] = group
         return made
+
+    def _multicast_row(self, group: ProcessGroup, ranks: Sequence[int]) -> None:
+        """A torus row's all-gathers (and first DONEs) go to a multicast group of the row's own,
+        which this rank's node joins in place of the cluster's (a node joins one group, and
+        past max_chain ranks no collective multicasts to the cluster's: SPEC.md 4.2), so a
+        chunk of the gather is one send heard by the row's NICs only, where unicast sends it
+        once per member. Derived from the cluster's secret, not the job's: every job's row of
+        these NICs shares it (the coll_id tells their datagrams apart), and none leaves it."""
+        if not self.multicast:
+            return
+        digest = derive(group_secret(self.cluster), "multicast row", *ranks)
+        endpoint = (f"239.77.{digest[0]}.{digest[1] or 1}", self.group[1])
+        self.client.request(
+            self.node,
+            Packet(Opcode.JOIN, rkey=self.cluster.admin_key, addr=_endpoint_u64(endpoint)),
+        )
+        group.multicast, group.group = True, endpoint
 
     def arena_key_of(self, rank: int) -> int:
         return derived_key(self._secret, "arena", rank)

@@ -852,7 +852,16 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         fcfg[F_T_CHUNKS] = now
     if chains_done and cfg[CFG_DONE_COUNT] >= cfg[CFG_NEEDED]:
         first = cfg[CFG_PEERS_DONE] & me == 0
-        if first or now - fcfg[F_LAST_DONE_SENT] > base_rto:
+        if first and cfg[CFG_GROUP] != 0 and world > 2:
+            # The first round in one multicast to the collective's group (its members joined
+            # it): one send where unicast takes world - 1. As an answer (txn_id 1), so no member
+            # replies to it; one whose DONE is lost here is asked again by the re-send rounds.
+            if not _room(tx_buf, tx_off, tx_len, tx_n):
+                return tx_n
+            cfg[CFG_PEERS_DONE] |= me
+            fcfg[F_LAST_DONE_SENT] = now
+            tx_n = _send_done(cfg, cfg[CFG_EPOCH], np.uint64(cfg[CFG_GROUP]), True, tx, tx_n)
+        elif first or now - fcfg[F_LAST_DONE_SENT] > base_rto:
             if first and not _room_for(tx_buf, tx_off, tx_len, tx_n, world):
                 return tx_n  # the first round of DONEs goes out whole
             cfg[CFG_PEERS_DONE] |= me

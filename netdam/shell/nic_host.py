@@ -19,8 +19,10 @@ loop instead (``NodeProcess.run``): nothing changes for ``--nics-per-process 1``
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import select
+import socket
 import time
 
 from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
@@ -66,6 +68,7 @@ class NicHost(ServeLoop):
         self._poll = select.epoll()
         self._owner: dict[int, int] = {}
         self._fds: list[tuple[int, ...]] = [() for _ in self.nics]
+        self._sockets: list[tuple[socket.socket, ...]] = [() for _ in self.nics]
         for k in range(len(self.nics)):
             self._watch(k)
 
@@ -75,17 +78,24 @@ class NicHost(ServeLoop):
         return self.nics[0] if len(self.nics) == 1 else None
 
     def _watch(self, k: int) -> None:
-        """Keep epoll's set equal to NIC *k*'s sockets (a JOIN or LEAVE changes its group socket)."""
-        fds = self.nics[k].fds()
-        if fds == self._fds[k]:
+        """Keep epoll's set equal to NIC *k*'s sockets (a JOIN or LEAVE changes its group
+        socket). Sockets are compared, not descriptor numbers: a group socket opened after the
+        last one closed usually takes its number, and a closed descriptor has already left
+        epoll's set (so its number's unregister may fail, harmlessly)."""
+        sockets = self.nics[k].sockets()
+        if len(sockets) == len(self._sockets[k]) and all(
+            a is b for a, b in zip(sockets, self._sockets[k], strict=True)
+        ):
             return
-        for fd in set(self._fds[k]) - set(fds):
-            self._poll.unregister(fd)
+        for fd in self._fds[k]:
+            with contextlib.suppress(OSError):
+                self._poll.unregister(fd)
             self._owner.pop(fd, None)
-        for fd in set(fds) - set(self._fds[k]):
+        fds = tuple(sock.fileno() for sock in sockets)
+        for fd in fds:
             self._poll.register(fd, select.EPOLLIN)
             self._owner[fd] = k
-        self._fds[k] = fds
+        self._sockets[k], self._fds[k] = sockets, fds
 
     def serve_once(self, timeout_ms: int) -> int:
         single = self.single
@@ -95,10 +105,12 @@ class NicHost(ServeLoop):
         clocked = [k for k, nic in enumerate(self.nics) if nic.wants_clock()]
         wait = min(timeout_ms, CLOCK_WAIT_MS) if clocked else timeout_ms
         due = set(clocked)
+        ready = set()
         for fd, _ in self._poll.poll(wait / 1000.0):
             owner = self._owner.get(fd)
             if owner is not None:
                 due.add(owner)
+                ready.add(fd)
         began = time.monotonic()
         running = set(clocked)
         for k in sorted(due):
@@ -109,7 +121,8 @@ class NicHost(ServeLoop):
                 # its serve call (before it reads the ACKs that waited with it), so they must
                 # cover this wait already, not only from the end of this pass on.
                 self._note_turn(now - last, now)
-            self.nics[k].serve_once(0, ROUNDS_PER_NIC)
+            nic = self.nics[k]
+            nic.serve_once(0, ROUNDS_PER_NIC, control=nic.ctrl_sock.fileno() in ready)
             self._watch(k)
             if k in running:
                 self._clocked_at[k] = now
