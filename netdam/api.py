@@ -1034,6 +1034,14 @@ class Work(Call):
             waiting["node"] = dead[0]
         where = f"; waiting for {waiting}" if waiting else ""
         where += f"; not answering: {', '.join(dead)}" if dead else ""
+        if reply.status == Status.OUT_OF_BOUNDS:
+            # Every rank stages at the same address, which its node checks against its own
+            # arena: an arena placed elsewhere on some node (jobs whose ranks registered in
+            # different orders on different nodes) puts the others' chunks out of bounds there.
+            where += (
+                "; the ranks' arenas may lie at different addresses on their nodes (jobs that "
+                "started at the same moment): start one job's ranks after the other's"
+            )
         return CollectiveError(
             f"{self.algo.name.lower()} epoch {self.packet.epoch} failed on rank "
             f"{self.group.rank}: {reply.status.name}{where}",

@@ -17,9 +17,11 @@ import pytest
 
 from netdam import api
 from netdam.cluster.clusterfile import group_secret
+from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
 from netdam.protocol.constants import ReduceOp as WireOp
+from netdam.protocol.constants import Rights
 from netdam.tools.allreduce import reference_chain_allreduce
 
 WORLD = 4
@@ -213,3 +215,28 @@ def test_bench_allreduce_jobs_reports_each_job_against_solo(tmp_path: Path) -> N
     assert all(row["calls"] > 0 and row["fraction_of_solo"] > 0 for row in result["together"])
     assert result["small_behind_large"]["small"]["calls"] > 0
     assert "of solo" in run.stderr
+
+
+def test_arenas_placed_apart_fail_with_a_hint_not_a_wrong_result() -> None:
+    """The known limit of placing arenas node by node: when one rank's arena lies elsewhere on
+    its node than the others' (jobs whose ranks registered in different orders), a collective
+    cannot run; it must fail with OUT_OF_BOUNDS and say what likely happened, never return a
+    result. Here another client's region on node 1 moves rank 1's arena up."""
+    with start_cluster(2, memory=4 << 20) as cluster:
+        client = ControlClient.for_cluster(cluster.info)
+        node1 = cluster.info.nodes[1].control_endpoint
+        client.register(node1, 0, 1 << 20, Rights.READ | Rights.WRITE, rkey=0x0DDBA11)
+        groups = [api.ProcessGroup(cluster.info, r, arena_bytes=1 << 20) for r in range(2)]
+        try:
+            assert groups[0].arena_base != groups[1].arena_base
+            buffers = [np.ones(4096, np.float32) for _ in groups]
+            works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, buffers)]
+            for work in works:
+                with pytest.raises(api.CollectiveError, match="arenas may lie at different"):
+                    assert work is not None
+                    work.wait()
+            assert all((b == 1).all() for b in buffers)  # nothing half-reduced came back
+        finally:
+            for g in groups:
+                g.close()
+            client.close()
