@@ -381,6 +381,9 @@ class ProcessGroup:
     #: Past max_chain ranks: the sub-groups of this group's torus (rows, then columns) this
     #: rank is a member of, by their group ranks in this group (core/torus.py).
     _torus: dict[tuple[int, ...], ProcessGroup] = field(init=False, default_factory=dict)
+    #: The SR list of this group's collectives and the members it was built for (_segments).
+    _segment_list: tuple[Endpoint, ...] = field(init=False, default=(), repr=False)
+    _segments_of: tuple[int, ...] = field(init=False, default=(), repr=False)
     #: The torus all-reduces of this rank in flight (the default group's list): each starts
     #: its next collective when the one before it ended, whoever drives the rank.
     _pipelines: list[TorusWork] = field(init=False, default_factory=list)
@@ -703,7 +706,6 @@ class ProcessGroup:
         self.epoch += 1
         dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
-        endpoints = self.cluster.endpoints  # built per access: once, not once per member
         desc = CollectiveDescriptor(
             algo,
             self.rank,
@@ -724,7 +726,7 @@ class ProcessGroup:
             epoch=self.epoch,
             dtype=dtype,
             reduce_op=op,
-            segments=tuple(endpoints[r] for r in self.members),
+            segments=self._segments(),
             addr=update[0],
             aux_addr=update[1],
         ).with_payload(desc.encode())
@@ -745,6 +747,16 @@ class ProcessGroup:
             work.await_started(1.0)
             self._epoch_settled = work.started
         return work
+
+    def _segments(self) -> tuple[Endpoint, ...]:
+        """The SR list of this group's collectives: its members' endpoints in group-rank order,
+        built once per group (a torus call starts three collectives per rank, and building the
+        cluster's endpoint list for each cost a fifth of a 256-rank driver's time)."""
+        if self._segments_of != self.members:
+            endpoints = self.cluster.endpoints
+            self._segment_list = tuple(endpoints[r] for r in self.members)
+            self._segments_of = self.members
+        return self._segment_list
 
     def shrink(self) -> ProcessGroup:
         """The group of this group's ranks whose nodes answer PING now, made with new_group

@@ -209,6 +209,28 @@ def test_fused_f16_and_a_new_learning_rate_between_steps(pair: LocalCluster) -> 
         assert got[0, k] == got[1, k] == expected[k].tobytes(), k
 
 
+def test_a_plain_all_reduce_after_fused_steps_is_a_plain_sum(pair: LocalCluster) -> None:
+    """The group's next all-reduce runs in the slot its fused steps used: it stores the sum
+    and leaves the optimizer alone (a slot keeps nothing of a fused call)."""
+    initial = np.arange(600, dtype=np.float32)
+    sums: dict[int, np.ndarray] = {}
+    masters: dict[int, tuple[bytes, bytes]] = {}
+
+    def rank(group: api.ProcessGroup, r: int) -> None:
+        with PoolSGD([initial.copy()], lr=0.5, momentum=0.9, group=group, fused=True) as opt:
+            opt.step([np.full(600, r + 1.0, np.float32)])
+            before = opt.masters.tobytes()
+            buf = np.full(600, 10.0 * (r + 1), np.float32)
+            api.all_reduce(buf, group=group)
+            sums[r] = buf
+            masters[r] = (before, opt.masters.tobytes())
+
+    _ranks(pair, 2, rank)
+    for r in range(2):
+        np.testing.assert_array_equal(sums[r], np.full(600, 30.0, np.float32))
+        assert masters[r][0] == masters[r][1]
+
+
 def test_a_step_out_of_turn_starts_nothing(pair: LocalCluster) -> None:
     """A host that names the wrong step is refused OUT_OF_STEP at START_COLL, before any chain
     runs, and the weights it already had stay as they were on every NIC."""
