@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"steps per second after the first (slowest rank): netdam "
                 f"{'fused step' if args.optimizer == 'pool-fused' else 'hook'} "
                 f"{result['steps_per_second_netdam']:.1f}, gloo {result['steps_per_second_gloo']:.1f} "
-                f"(hook / gloo {result['steps_per_second_ratio']:.2f})"
+                f"(netdam / gloo {result['steps_per_second_ratio']:.2f})"
             )
         if "model_steps_per_second_100g_netdam" in result:
             print(
