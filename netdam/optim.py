@@ -38,11 +38,18 @@ import numpy as np
 
 from netdam import api
 from netdam.cluster.control import ControlClient
-from netdam.protocol.constants import ELEMENT_SIZE, MAX_PAYLOAD_BYTES, DType, Opcode, Status
-from netdam.protocol.elements import BFLOAT16, bf16_round, bf16_values
+from netdam.protocol.constants import (
+    ELEMENT_SIZE,
+    MAX_PAYLOAD_BYTES,
+    NUMPY_DTYPE,
+    DType,
+    Opcode,
+    Status,
+)
+from netdam.protocol.elements import BFLOAT16, bf16_round
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.layout import OPT_LR, OPTIMIZER_BYTES
-from netdam.protocol.optim import AdamRule, SgdRule, descriptor_for
+from netdam.protocol.optim import AdamRule, SgdRule, descriptor_for, gradient_values
 from netdam.protocol.packet import Packet
 
 __all__ = ["OptimizerError", "PoolAdam", "PoolAdamW", "PoolOptimizer", "PoolSGD"]
@@ -51,12 +58,6 @@ __all__ = ["OptimizerError", "PoolAdam", "PoolAdamW", "PoolOptimizer", "PoolSGD"
 _HEAD = 128
 #: Gradient dtypes by the names torch and numpy give them.
 _GRAD_DTYPES = {"float32": DType.F32, "float16": DType.F16, "bfloat16": DType.BF16}
-#: The numpy dtype a wire dtype's buffer in node memory takes (bf16: netdam's marked uint16).
-_NUMPY_DTYPES = {
-    DType.F32: np.dtype(np.float32),
-    DType.F16: np.dtype(np.float16),
-    DType.BF16: BFLOAT16,
-}
 
 
 class OptimizerError(NetdamError, RuntimeError):
@@ -117,7 +118,9 @@ class PoolOptimizer:
         self.chunk = MAX_PAYLOAD_BYTES // ELEMENT_SIZE[self.grad_dtype]
         #: A fused step's gradients in, weights out: first, so it sits at the same address on
         #: every rank (a chain reads and stores the same address on each member).
-        self._wire = self.group.empty(self.count, _NUMPY_DTYPES[self.grad_dtype]) if fused else None
+        # bf16 as netdam's marked uint16: plain uint16 is not reduced as bf16.
+        wire_dtype = BFLOAT16 if self.grad_dtype == DType.BF16 else NUMPY_DTYPE[self.grad_dtype]
+        self._wire = self.group.empty(self.count, wire_dtype) if fused else None
         # Every rank's block as large as the largest (ceil), so the arrays this rank makes
         # after this one also sit where the other ranks' do.
         widest = -(-self.count // world) if self.shard else local
@@ -226,7 +229,8 @@ class PoolOptimizer:
         self.steps = step
         #: This rank's node's count of the last fused step's re-sent chains and repair reads.
         self.last_stats = dict(work.stats)
-        self._weights = _decode(wire, self.grad_dtype)
+        # Widened into an array of the optimizer's own: the wire buffer takes the next step.
+        self._weights = np.array(gradient_values(self._wire, self.grad_dtype), np.float32)
         self._copy_out()
 
     def _copy_out(self) -> None:
@@ -317,18 +321,6 @@ def _assign(p: Any, values: np.ndarray) -> None:
             p.copy_(torch.from_numpy(values.reshape(p.shape)).to(p.dtype))
     else:
         p[...] = values.reshape(p.shape)
-
-
-def _decode(wire: np.ndarray, dtype: DType) -> np.ndarray:
-    """Weights as float32 from the bytes the wire carried them in (f16 and bf16 widened)."""
-    values: np.ndarray
-    if dtype == DType.F32:
-        values = wire.view("<f4").copy()
-    elif dtype == DType.F16:
-        values = wire.view("<f2").astype(np.float32)
-    else:
-        values = bf16_values(wire.view("<u2"))
-    return values
 
 
 def _encode(values: np.ndarray, dtype: DType) -> bytes:

@@ -383,9 +383,9 @@ class CollectiveEngine:
         )
         if status != Status.OK:
             return status
-        fused = bool(flags & FLAG_UPDATE)
-        if fused:
-            status = _fused_status(
+        optimizer: OptimizerDescriptor | None = None
+        if flags & FLAG_UPDATE:
+            status, optimizer = _fused_status(
                 packet, algo, sparse, memory, regions, rkey, int(bounds[rank + 1] - bounds[rank])
             )
             if status != Status.OK:
@@ -424,9 +424,12 @@ class CollectiveEngine:
             rcvbuf,
             d.tag_key,
         )
-        if fused:
+        if optimizer is not None:
             self.cfg[L.CFG_OPT_DESC], self.cfg[L.CFG_OPT_STEP] = packet.addr, packet.aux_addr
-            _begin_step(memory, packet.addr, packet.aux_addr)
+            # The step table says the step from now on: an UPDATE of it is a duplicate, and
+            # the next fused call must name the step after (each chunk is stepped once, at
+            # the collective's guarded store).
+            _step_table(memory, packet.addr, optimizer)[:] = packet.aux_addr
         self._local_part(memory, algo, world, rank, root, esize)
         if sparse and world > 1:
             self._local_bitmap(memory, in_addr, count, esize)
@@ -723,58 +726,60 @@ def _fused_status(
     regions: dict[int, tuple[int, int, int]],
     rkey: int,
     elements: int,
-) -> Status:
-    """Whether a fused reduce and update (descriptor flags bit 1, SPEC.md 4.1) can start here:
-    a dense SUM all-reduce of floats, the optimizer descriptor at the header's ``addr`` well
-    formed and covering this node's block, everything it names readable and writable under the
-    collective's rkey, and every entry of its step table one short of the header's step."""
+) -> tuple[Status, OptimizerDescriptor | None]:
+    """Whether a fused reduce and update (descriptor flags bit 1, SPEC.md 4.1) can start here,
+    and the optimizer descriptor it steps: a dense SUM all-reduce of floats, the descriptor at
+    the header's ``addr`` well formed and covering this node's block, everything it names
+    readable and writable under the collective's rkey, and every entry of its step table one
+    short of the header's step."""
     if algo != Algo.ALL_REDUCE or sparse or packet.reduce_op != ReduceOp.SUM:
-        return Status.BAD_FIELD  # sparse mode skips chunks; an update must see every one
+        return Status.BAD_FIELD, None  # sparse mode skips chunks; an update must see every one
     if packet.dtype not in (DType.F32, DType.F16, DType.BF16):
-        return Status.BAD_DTYPE
+        return Status.BAD_DTYPE, None
     desc, step = packet.addr, packet.aux_addr
     if not 0 < step <= 0xFFFFFFFF:
-        return Status.BAD_FIELD
+        return Status.BAD_FIELD, None
     status = _check_ranges(regions, rkey, desc, OPTIMIZER_BYTES, desc, OPTIMIZER_BYTES, 8)
     if status != Status.OK:
-        return status
+        return status, None
+    d = _optimizer_at(memory, desc)
+    if d is None or d.count != elements:
+        return Status.BAD_FIELD, None  # malformed, or not this node's block
+    for at, nbytes in _named_ranges(desc, d):
+        status = _check_ranges(regions, rkey, at, nbytes, at, nbytes, 4)
+        if status != Status.OK:
+            return status, None
+    if np.any(_step_table(memory, desc, d) != step - 1):
+        return Status.OUT_OF_STEP, None  # a step skipped, repeated, or a block stepped in part
+    return Status.OK, d
+
+
+def _optimizer_at(memory: np.ndarray, desc: int) -> OptimizerDescriptor | None:
+    """The optimizer descriptor at *desc* when it lies in *memory*, 8-aligned and well formed."""
+    if not 0 <= desc <= memory.size - OPTIMIZER_BYTES or desc % 8:
+        return None
     if optim_kernels.descriptor_problem(memory, desc) != 0:
-        return Status.BAD_FIELD
-    d = OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
-    if d.count != elements:
-        return Status.BAD_FIELD  # the descriptor is not this node's block
-    for offset, nbytes in (
-        (d.params, 4 * d.count),
-        (d.moment1, 4 * d.count),
-        (d.moment2, 4 * d.count),
-        (d.steps, 4 * _step_entries(d)),
-    ):
-        if offset:
-            status = _check_ranges(regions, rkey, desc + offset, nbytes, desc + offset, nbytes, 4)
-            if status != Status.OK:
-                return status
-    table = _step_table(memory, desc, d)
-    if np.any(table != step - 1):
-        return Status.OUT_OF_STEP  # a step skipped, repeated, or a block stepped only in part
-    return Status.OK
+        return None
+    return OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
+
+
+def _named_ranges(desc: int, d: OptimizerDescriptor) -> list[tuple[int, int]]:
+    """(address, bytes) of what the descriptor at *desc* names: its masters, the moments its
+    rule keeps, its step table."""
+    state = [(d.params, 4 * d.count), (d.moment1, 4 * d.count), (d.moment2, 4 * d.count)]
+    named = [(desc + at, nbytes) for at, nbytes in state if at]
+    return [*named, (desc + d.steps, 4 * _step_entries(d))]
 
 
 def _optimizer_ranges(memory: np.ndarray, desc: int) -> list[tuple[int, int]]:
     """[lo, hi) of the optimizer descriptor at *desc* and of what it names, when it lies in
     *memory* and is well formed; else none (the engine refuses the START_COLL)."""
-    if not 0 <= desc <= memory.size - OPTIMIZER_BYTES or desc % 8:
+    d = _optimizer_at(memory, desc)
+    if d is None:
         return []
-    if optim_kernels.descriptor_problem(memory, desc) != 0:
-        return []
-    d = OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
-    ranges = [
-        (desc, desc + OPTIMIZER_BYTES),
-        (desc + d.steps, desc + d.steps + 4 * _step_entries(d)),
+    return [(desc, desc + OPTIMIZER_BYTES)] + [
+        (at, at + nbytes) for at, nbytes in _named_ranges(desc, d)
     ]
-    ranges += [
-        (desc + at, desc + at + 4 * d.count) for at in (d.params, d.moment1, d.moment2) if at
-    ]
-    return ranges
 
 
 def _step_entries(d: OptimizerDescriptor) -> int:
@@ -784,14 +789,6 @@ def _step_entries(d: OptimizerDescriptor) -> int:
 def _step_table(memory: np.ndarray, desc: int, d: OptimizerDescriptor) -> np.ndarray:
     at = desc + d.steps
     return memory[at : at + 4 * _step_entries(d)].view("<u4")
-
-
-def _begin_step(memory: np.ndarray, desc: int, step: int) -> None:
-    """The block's step table says *step* from the start: an UPDATE of it now is a duplicate,
-    and the next fused call must name the step after (each chunk is applied once, by the
-    collective's guard)."""
-    d = OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
-    _step_table(memory, desc, d)[:] = step
 
 
 def _check_ranges(

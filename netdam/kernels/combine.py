@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from netdam.kernels.f16 import f16_bits_to_f32, f32_bits_to_f16_bits
+from netdam.kernels.f16 import f16_bits_to_f32, f32_bits_to_bf16_bits, f32_bits_to_f16_bits
 from netdam.protocol.constants import ELEMENT_SIZE as _PROTOCOL_ELEMENT_SIZE
 from netdam.protocol.constants import DType, ReduceOp
 
@@ -159,11 +159,7 @@ def _sum_bf16_loop(x, y):
             np.uint32(np.uint32(x[i]) << 16).view(np.float32)
             + np.uint32(np.uint32(y[i]) << 16).view(np.float32)
         )
-        bits = np.uint32(s.view(np.uint32))
-        # Round to nearest, ties to even: add 0x7FFF plus the kept part's lowest bit, truncate
-        # (c10::BFloat16's round_to_nearest_even). A carry out rounds up to infinity, correctly.
-        r = np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
-        x[i] = np.uint16(0x7FC0) if s != s else r
+        x[i] = f32_bits_to_bf16_bits(np.uint32(s.view(np.uint32)))
 
 
 #: Magnitudes above these are NaN (all exponent bits set, a non-zero fraction).

@@ -86,6 +86,18 @@ def f32_bits_to_f16_bits(u):
     return np.uint16(sign + res)
 
 
+@njit("uint16(uint32)", cache=True, nogil=True, fastmath=False)
+def f32_bits_to_bf16_bits(u):
+    # bf16 is the upper half of an f32: round to nearest, ties to even, by adding 0x7FFF plus the
+    # kept part's lowest bit and truncating (c10::BFloat16's round_to_nearest_even; a carry out
+    # rounds up to infinity, correctly); any NaN becomes the canonical 0x7FC0 (SPEC.md 2.4).
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16(
+        (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    )
+
+
 @njit("float32(uint16)", cache=True, nogil=True, fastmath=False)
 def f16_bits_to_f32(h):
     bits = np.uint32(f16_bits_to_f32_bits(h))

@@ -20,7 +20,7 @@ import math
 import numpy as np
 from numba import njit
 
-from netdam.kernels.f16 import f16_bits_to_f32, f32_to_f16_bits
+from netdam.kernels.f16 import f16_bits_to_f32, f32_bits_to_bf16_bits, f32_to_f16_bits
 from netdam.kernels.wire import ESIZE, HDR, check_access, le64, rd32, rd64
 from netdam.protocol.constants import DType, OptFlags, OptRule, Rights, Status
 from netdam.protocol.layout import (
@@ -47,6 +47,7 @@ from netdam.protocol.layout import (
     OPT_WEIGHT_DECAY,
     OPTIMIZER_BYTES,
 )
+from netdam.protocol.payloads import OptimizerDescriptor
 
 _SGD, _ADAM, _ADAMW = int(OptRule.SGD), int(OptRule.ADAM), int(OptRule.ADAMW)
 _NESTEROV = int(OptFlags.NESTEROV)
@@ -263,16 +264,10 @@ def fused_apply(mem, d, start, n, step, g, g_off, dtype):
             for k in range(4):
                 g[g_off + 4 * i + k] = mem[a_p + 4 * i + k]
             continue
-        bits = np.uint32(_u32(mem, a_p + 4 * i))
         if dtype == _F16:
             h = np.uint32(f32_to_f16_bits(p[i]))
-        elif p[i] != p[i]:
-            h = np.uint32(0x7FC0)  # the canonical bf16 NaN, as the bf16 SUM gives
         else:
-            # bf16: round to nearest, ties to even (as netdam/kernels/combine.py's bf16 SUM).
-            h = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(
-                16
-            )
+            h = np.uint32(f32_bits_to_bf16_bits(np.uint32(_u32(mem, a_p + 4 * i))))
         g[g_off + 2 * i] = np.uint8(h & np.uint32(0xFF))
         g[g_off + 2 * i + 1] = np.uint8((h >> np.uint32(8)) & np.uint32(0xFF))
 
@@ -305,16 +300,13 @@ def fused_step(
         raise ValueError(f"the optimizer descriptor at {desc} is not well formed")
     if dtype not in (_F32, _F16, int(DType.BF16)):
         raise ValueError(f"a fused step's gradient is f32, f16 or bf16, not dtype {dtype}")
-    head = memory[desc : desc + OPTIMIZER_BYTES]
-    count = int(head[OPT_COUNT : OPT_COUNT + 8].view("<u8")[0])
-    if not 0 < elements <= count or step < 1:
-        raise ValueError(f"{elements} elements at step {step} for a descriptor of {count}")
-    for field in (OPT_PARAMS, OPT_MOMENT1, OPT_MOMENT2):
-        offset = int(head[field : field + 8].view("<u8")[0])
+    d = OptimizerDescriptor.decode(memory[desc : desc + OPTIMIZER_BYTES].tobytes())
+    if not 0 < elements <= d.count or step < 1:
+        raise ValueError(f"{elements} elements at step {step} for a descriptor of {d.count}")
+    for offset in (d.params, d.moment1, d.moment2):
         if offset and desc + offset + 4 * elements > memory.size:
             raise ValueError(f"the descriptor's state at {desc + offset} runs past the memory")
-    esize = 4 if dtype == _F32 else 2
-    if not 0 <= at <= memory.size - esize * elements:
+    if not 0 <= at <= memory.size - ESIZE[dtype] * elements:
         raise ValueError(f"the gradient at {at} runs past the memory")
     fused_apply(
         memory,

@@ -66,6 +66,7 @@ def _steps(cluster: Cluster) -> None:
 @pytest.mark.parametrize(
     ("fields", "status"),
     [
+        ({"rkey": 1}, Status.UNAUTHORIZED),  # only the admin starts collectives, fused or not
         ({"flags": FLAG_UPDATE | FLAG_SPARSE}, Status.BAD_FIELD),  # sparse skips chunks
         ({"reduce_op": ReduceOp.MAX}, Status.BAD_FIELD),
         ({"dtype": DType.I32}, Status.BAD_DTYPE),

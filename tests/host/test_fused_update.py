@@ -19,8 +19,8 @@ from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
 from netdam.optim import OptimizerError, PoolAdamW, PoolOptimizer, PoolSGD
 from netdam.protocol.constants import DType, Status
-from netdam.protocol.elements import bf16_combine, bf16_round, bf16_values
-from netdam.protocol.optim import AdamRule, SgdRule, adam_step, sgd_step
+from netdam.protocol.elements import bf16_combine, bf16_round
+from netdam.protocol.optim import AdamRule, SgdRule, adam_step, gradient_values, sgd_step
 
 _WIRE = {"float32": DType.F32, "float16": DType.F16, "bfloat16": DType.BF16}
 
@@ -31,10 +31,6 @@ def _to_wire(values: np.ndarray, dtype: DType) -> np.ndarray:
     if dtype == DType.F16:
         return values.astype(np.float16)
     return bf16_round(values)
-
-
-def _from_wire(values: np.ndarray, dtype: DType) -> np.ndarray:
-    return bf16_values(values) if dtype == DType.BF16 else values.astype(np.float32)
 
 
 def _chain_sum(wires: Sequence[np.ndarray], dtype: DType) -> np.ndarray:
@@ -62,13 +58,13 @@ class _Reference:
     def step(self, grads: Sequence[np.ndarray]) -> np.ndarray:
         world = len(grads)
         wires = [_to_wire(g / np.float32(world), self.dtype) for g in grads]
-        g = _from_wire(_chain_sum(wires, self.dtype), self.dtype)
+        g = gradient_values(_chain_sum(wires, self.dtype), self.dtype)
         self.steps += 1
         if isinstance(self.rule, SgdRule):
             sgd_step(self.p, g, self.m, self.steps, self.rule)
         else:
             adam_step(self.p, g, self.m, self.v, self.steps, self.rule)
-        return _from_wire(_to_wire(self.p, self.dtype), self.dtype)
+        return gradient_values(_to_wire(self.p, self.dtype), self.dtype)
 
 
 def _ranks(
