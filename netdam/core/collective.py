@@ -486,6 +486,7 @@ class CollectiveEngine:
         # Not fused unless this START_COLL says so (start() sets them after): a slot's last
         # collective's optimizer must never step on this one's sums.
         cfg[L.CFG_OPT_DESC] = cfg[L.CFG_OPT_STEP] = 0
+        cfg[L.CFG_STARTED] = 0  # (kept by the copy above: the last collective's members)
         cfg[L.CFG_PREV_RKEY], cfg[L.CFG_PREV_EPOCH] = prev_rkey, prev_epoch
         cfg[L.CFG_PREV_TAG_K0 : L.CFG_PREV_TAG_K1 + 1] = prev_tag
         cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1] = np.frombuffer(tag_key or bytes(16), "<i8")

@@ -210,7 +210,10 @@ CFG_REFUSED_END = CFG_REFUSED_BASE + REFUSED_SLOTS
 # optimizer descriptor and the step its block takes (0: not fused; a step is at least 1).
 CFG_OPT_DESC = CFG_REFUSED_END
 CFG_OPT_STEP = CFG_REFUSED_END + 1
-CFG_LEN = CFG_REFUSED_END + 2
+# A gather sent by multicast (all-gather, broadcast): bit r, rank r has started it (its STARTED
+# came, or it was remembered before this node started); the own bit once ours went out.
+CFG_STARTED = CFG_REFUSED_END + 2
+CFG_LEN = CFG_REFUSED_END + 3
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
@@ -219,6 +222,9 @@ AUX_BITMAP = 3
 #: aux_addr of an ACK that says "I have started: ask again the chains I answered BUSY, and send
 #: again the all-gather I dropped as early" (RESUME).
 AUX_RESUME = 4
+#: aux_addr of an ACK a member multicasts to the group when its host starts a gather: "I have
+#: started: spread to me" (STARTED, SPEC.md 4.1 "All-gather").
+AUX_STARTED = 5
 
 # Sparse mode keeps two more per-chunk tables at the end of the ``done`` array (no new kernel
 # arguments): the OR of all members' bitmaps, one byte per chunk, at NZ_BASE + c, and this
@@ -429,6 +435,8 @@ def open_tagged(co_cfg, b, ln, counters):
         op = b[H_OPCODE]
         if op == OP_CHAIN_ADD or op == OP_ALL_WRITE or op == OP_READ:
             return 2, k0, k1
+        if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_STARTED:
+            return 2, k0, k1  # remembered unchecked (coll_reply), as an early chunk's sender is
         counters[C.DROP_COLL_EARLY] += 1
         return 0, k0, k1
     counters[C.DROP_STALE_EPOCH if phase == PHASE_STALE else C.DROP_COLL_FORGED] += 1
@@ -672,7 +680,14 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
         _trace_start(trace, now, cfg, cb)
+        if _announces_start(cfg):
+            cfg[CFG_STARTED] |= _refused_ranks(cfg, ring)  # they started before this node did
         tx_n = _send_resumes(cfg, tx, tx_n)
+    me_bit = np.int64(1) << cfg[CFG_RANK]
+    if _announces_start(cfg) and cfg[CFG_STARTED] & me_bit == 0:
+        if _room(tx_buf, tx_off, tx_len, tx_n):
+            tx_n = _send_started(cfg, tx, tx_n)
+            cfg[CFG_STARTED] |= me_bit
     window = max(cfg[CFG_WINDOW] // share, SHARED_WINDOW_MIN)
     # DONEs and (sparse mode) arriving bitmaps are progress too
     advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE] + cfg[CFG_BM_GOT]
@@ -755,6 +770,15 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     started_everywhere = (
         ob < 0 or cb[ob + 1] == cb[ob] or cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
     )
+    base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
+    if _announces_start(cfg):
+        # A gather has no chain to prove its members started: their STARTEDs do. Spread to
+        # the group before the last one came, a member drops it as early and RESUMEs, and the
+        # block goes again to it by unicast (a torus's row all-gather at 256 NICs: ~28 of
+        # each NIC's ~130 chunks). A STARTED lost costs one repair period, then that path.
+        started_everywhere = cfg[CFG_STARTED] == _all_ranks(cfg[CFG_WORLD]) or (
+            now - fcfg[F_START] > max(base_rto, REPAIR_MIN_S)
+        )
     if own >= 0 and cfg[CFG_ALGO] != 1 and started_everywhere:
         budget = window
         c = cfg[CFG_AG_NEXT]
@@ -802,7 +826,6 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     # be anywhere, and a stall then is start skew (a torus's steps, SPEC.md 4.2), not loss.
     # (Backing off a chunk whose owner answered BUSY made 30% loss fail a run: the owner got
     # it a moment later, and its reader waited out its backoff into the watchdog.)
-    base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
     if (
         cfg[CFG_ALGO] != 1
         and started_everywhere
@@ -975,6 +998,46 @@ def _send_resumes(cfg, tx, tx_n):
             tx_n = _commit(cfg, tx, tx_n, HDR, np.uint64(cfg[CFG_REFUSED_BASE + k]))
     cfg[CFG_REFUSED_N] = 0
     return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _announces_start(cfg):
+    """This collective spreads by multicast with no chain to prove its members started (a
+    dense all-gather or broadcast over a group of more than two): each member multicasts
+    STARTED, and an owner spreads once every member's came."""
+    algo = cfg[CFG_ALGO]
+    return (
+        (algo == ALGO_ALL_GATHER or algo == ALGO_BROADCAST)
+        and cfg[CFG_GROUP] != 0
+        and cfg[CFG_WORLD] > 2
+        and cfg[CFG_SPARSE] == 0
+    )
+
+
+@njit(cache=True, nogil=True)
+def _send_started(cfg, tx, tx_n):
+    """STARTED to the collective's group: an ACK with aux_addr = AUX_STARTED, seq = this node's
+    rank, txn_id 1 (an answer: nobody replies), no payload, under the collective's key."""
+    tx_buf, tx_off, tx_len, tx_dst = tx
+    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_STARTED, 0)
+    wr32(t, H_TXN_ID, 1)
+    return _commit(cfg, tx, tx_n, HDR, np.uint64(cfg[CFG_GROUP]))
+
+
+@njit(cache=True, nogil=True)
+def _refused_ranks(cfg, ring):
+    """Bits of the ranks among the originators remembered for this very collective and epoch
+    before it started here (a BUSY, an early all-gather chunk, an early STARTED): each of them
+    had started it."""
+    bits = np.int64(0)
+    if cfg[CFG_REFUSED_COLL] == cfg[CFG_COLL] and cfg[CFG_REFUSED_EPOCH] == cfg[CFG_EPOCH]:
+        for k in range(cfg[CFG_REFUSED_N]):
+            originator = np.uint64(cfg[CFG_REFUSED_BASE + k])
+            for r in range(cfg[CFG_WORLD]):
+                if ring[r] == originator:
+                    bits |= np.int64(1) << r
+    return bits
 
 
 @njit(cache=True, nogil=True)
@@ -1383,6 +1446,17 @@ def coll_reply(b, ln, src, op, node):
     co_cfg, co_done, co_acked = coll.cfg, coll.done, coll.acked
     if not is_member(members, src):
         return False
+    if (
+        op == OP_ACK
+        and rd64(b, H_AUX_ADDR) == AUX_STARTED
+        and coll_phase(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH)) == PHASE_NOT_STARTED
+    ):
+        # A member started a gather this node has not: remembered as an early chunk's sender
+        # is, before any key check (the key is not known here yet). A forged one only lets
+        # this node spread before that member started, which then drops it and RESUMEs: the
+        # path of a gather without STARTEDs.
+        _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src)
+        return True
     if rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != STATE_IDLE:
         # Replies and DONEs of this collective carry its key (chain ACKs and NACKs echo the
         # CHAIN_ADD's; DONE, RESUME and bitmaps are sent under it): a datagram forged with a
@@ -1401,7 +1475,15 @@ def coll_reply(b, ln, src, op, node):
         co_cfg[CFG_STATE] != STATE_RUNNING
         or coll_phase(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH)) != PHASE_RUNNING
     ):
-        return op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_RESUME  # of another collective: consumed
+        # RESUME or STARTED of another collective or epoch: consumed
+        return op == OP_ACK and (
+            rd64(b, H_AUX_ADDR) == AUX_RESUME or rd64(b, H_AUX_ADDR) == AUX_STARTED
+        )
+    if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_STARTED:
+        rank = rd32(b, H_SEQ)
+        if rank < co_cfg[CFG_WORLD]:
+            co_cfg[CFG_STARTED] |= np.int64(1) << rank
+        return True
     if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_RESUME:
         # A hop that answered BUSY has started: the chains waiting on it go again at the next
         # tick instead of after their backoff.
@@ -1411,6 +1493,8 @@ def coll_reply(b, ln, src, op, node):
         # A member that dropped this node's all-gather as early gets what was spread so far
         # again (the tick sends it, from the block's first chunk).
         rank = rd32(b, H_SEQ)
+        if rank < co_cfg[CFG_WORLD]:
+            co_cfg[CFG_STARTED] |= np.int64(1) << rank  # a RESUME says it started, too
         own = co_cfg[CFG_OWN_BLOCK]
         if own >= 0 and rank < co_cfg[CFG_WORLD] and co_cfg[CFG_AG_NEXT] > coll.cb[own]:
             co_cfg[CFG_AG_RESEND] |= np.int64(1) << rank

@@ -367,6 +367,60 @@ def test_only_a_resume_under_the_key_sends_a_block_again(
         assert forgeries == 0 and duplicates > 0
 
 
+def test_a_multicast_gather_waits_for_every_members_started(rng: np.random.Generator) -> None:
+    """A gather by multicast has no chain to prove its members started: each multicasts
+    STARTED when its host starts it, and an owner spreads its block once every member's came
+    (SPEC.md 4.1, "All-gather"). A member a few rounds late drops nothing as early, and nobody
+    sends a block again or READs it."""
+    full, inputs = _gather_inputs(rng, 4, 30_000)
+    out = run(4, inputs, algo=Algo.ALL_GATHER, multicast=True, late={3: 8})
+    assert_all_equal(out.outputs, full)
+    totals = np.sum([node.counters for node in out.cluster.nodes], axis=0)
+    assert totals[C.DROP_COLL_EARLY] == 0
+    assert totals[C.RETRANSMITS] == 0
+    assert [unpack_completion(r.payload)[1] for r in out.replies] == [0, 0, 0, 0]
+    # Without STARTED (unicast: no group), the same skew is dropped as early and RESUMEd.
+    out = run(4, inputs, algo=Algo.ALL_GATHER, multicast=False, late={3: 8})
+    assert_all_equal(out.outputs, full)
+    assert int(out.cluster.nodes[3].counters[C.DROP_COLL_EARLY]) > 0
+
+
+@pytest.mark.parametrize("forged", [True, False])
+def test_only_a_started_under_the_key_lets_a_gather_spread(
+    forged: bool, rng: np.random.Generator
+) -> None:
+    """STARTED is a collective's message: one from member 1's address saying "rank 2 started"
+    but without the collective's key is counted as forged, and node 0 keeps its block until
+    member 2 really starts (which then drops nothing as early); under the key (the control: an
+    untagged, v1 collective) the same STARTED lets node 0 spread before member 2 started, and
+    member 2 drops it as early. Either way the result is exact."""
+    full, inputs = _gather_inputs(rng, 3, 6_000)
+
+    def started(cluster: Cluster, round_: int) -> None:
+        if 2 <= round_ < 10:  # node 0 runs, member 2 not yet
+            packet = Packet(
+                Opcode.ACK,
+                rkey=RKEY ^ 1 if forged else RKEY,
+                aux_addr=5,
+                txn_id=1,
+                seq=2,
+                coll_id=3,
+                epoch=1,
+            )
+            cluster.fabric.send(cluster.endpoints[1], cluster.endpoints[0], encode_packet(packet))
+
+    out = run(
+        3, inputs, algo=Algo.ALL_GATHER, multicast=True, on_round=started, late={2: 12}, tag_key=b""
+    )
+    assert_all_equal(out.outputs, full)
+    forgeries = int(out.cluster.nodes[0].counters[C.DROP_COLL_FORGED])
+    early = int(out.cluster.nodes[2].counters[C.DROP_COLL_EARLY])
+    if forged:
+        assert forgeries > 0 and early == 0
+    else:
+        assert forgeries == 0 and early > 0
+
+
 def test_broadcast(rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, 4, 7_777, np.float64)
     outcome = run(4, inputs, algo=Algo.BROADCAST, root=2)
