@@ -815,9 +815,12 @@ class ProcessGroup:
         *wait_s* (each to its Work), then let the call queue re-send the START_COLLs due and
         fail a head whose node stayed silent past its watchdog (or *timeout*). The wait for an
         answer holds no lock: a wait() and the progress thread both wake, one takes them."""
-        if wait_s > 0:  # the progress thread's turns come when epoll says the socket is ready
-            with contextlib.suppress(OSError, ValueError):  # closed: nothing more to take
-                select.select([self.client.sock], [], [], wait_s)
+        # Called even with wait_s 0: the call lets go of the GIL, which the caller's thread
+        # needs between the progress thread's turns. Without it (128 NICs x 1 MiB, 10 runs
+        # each) 2 runs in 10 re-sent 20-40 column chains in their first call, and a call
+        # took 0.26-0.34 s; with it, none and 0.27-0.29 s.
+        with contextlib.suppress(OSError, ValueError):  # a closed socket: nothing more to take
+            select.select([self.client.sock], [], [], wait_s)
         with self._lock:
             root = self._root or self
             if root._closed or (not self._calls.heads() and not root._pipelines):
