@@ -295,6 +295,13 @@ RTO_MAX_S = 0.1
 HOST_TURNS_PER_RTO = 4
 #: Re-ask a hop that answered BUSY after this long (seconds).
 BUSY_RETRY_S = 0.0005
+#: ``acked`` of a chain asked again after BUSY and not answered yet (0: in flight, 1: ACKed,
+#: 2: answered BUSY). Until it is answered it stays a probe of a hop that said it had not
+#: started: asked again after an RTO, but no retransmission. A hop busy with its own collective
+#: in another process can take longer than this node's RTO to read it (128 NICs x 1 MiB: 15-40
+#: such "re-sends" in the first call of 1 run in 5, each a column chain whose partner's row
+#: was still reducing).
+ACKED_PROBE = 3
 #: All-gather repair starts after this long without progress (or one base RTO, whichever is
 #: longer), and is paced so. At two RTOs, a member that lacked the last chunk at 30% loss READ it
 #: every 0.2 s, half of those round trips failed, and its peers' 2.5 s watchdog fired while they
@@ -732,7 +739,15 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                 if not _room(tx_buf, tx_off, tx_len, tx_n):
                     return tx_n
                 tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n)
-                acked[c] = 0
+                acked[c] = ACKED_PROBE
+                sent[c] = now
+                tries[c] = min(tries[c] + 1, 250)
+            elif acked[c] == ACKED_PROBE and now - sent[c] > fcfg[F_RTO]:
+                # The probe or its answer is late: ask again, as flow control (the hop's guard
+                # answers a copy that already ran with its ACK again).
+                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                    return tx_n
+                tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n)
                 sent[c] = now
                 tries[c] = min(tries[c] + 1, 250)
             elif acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
@@ -1514,7 +1529,7 @@ def coll_reply(b, ln, src, op, node):
         if co_acked[seq] == 1:
             return True  # a late answer to a chain already ACKed (a spurious resend): nothing to do
         if status == S_BUSY:
-            if co_acked[seq] == 0:
+            if co_acked[seq] == 0 or co_acked[seq] == ACKED_PROBE:
                 co_acked[seq] = 2  # a hop has not started yet: flow control, not loss
         elif co_cfg[CFG_FATAL] == 0:
             co_cfg[CFG_FATAL] = status

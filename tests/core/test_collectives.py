@@ -421,6 +421,33 @@ def test_only_a_started_under_the_key_lets_a_gather_spread(
         assert forgeries == 0 and early > 0
 
 
+def test_a_busy_hop_slow_to_read_gets_probes_not_retransmissions(rng: np.random.Generator) -> None:
+    """A hop that answered BUSY (its host has not started the collective) and then reads its
+    socket only after a long while (a NIC of a busy process, 4.1 "BUSY and RESUME"): the chains
+    asked again meanwhile are probes, asked again after each RTO but never counted as
+    retransmissions. Counted, this run made 15; the result is exact either way."""
+    inputs = random_inputs(rng, 2, 20_000, np.float32)
+    cluster = make_cluster(2, memory=MEMORY)
+    slow = cluster.nodes[1]
+    deliver = cluster.fabric._deliver_to_core
+    held: list[tuple[int, bytes]] = []
+
+    def slow_reader(core: object, items: list[tuple[int, bytes]]) -> None:
+        if core is slow and 0.004 <= cluster.fabric.now < 0.25:  # 5 RTOs unread
+            held.extend(items)
+            return
+        if core is slow and held:
+            items = [*held, *items]
+            held.clear()
+        deliver(core, items)  # type: ignore[arg-type]
+
+    cluster.fabric._deliver_to_core = slow_reader  # type: ignore[method-assign]
+    out = run(2, inputs, cluster=cluster, late={1: 30})
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    assert int(slow.counters[C.NACK_BASE + Status.BUSY]) > 0  # it did say BUSY
+    assert [int(node.counters[C.RETRANSMITS]) for node in cluster.nodes] == [0, 0]
+
+
 def test_broadcast(rng: np.random.Generator) -> None:
     inputs = random_inputs(rng, 4, 7_777, np.float64)
     outcome = run(4, inputs, algo=Algo.BROADCAST, root=2)
