@@ -27,6 +27,7 @@ import time
 
 from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
 from netdam.shell.process import ServeLoop, serve_main
+from netdam.shell.turns import TurnBoard
 
 #: Rounds of one NIC's serve call before the next NIC's turn. Fewer keep a pass over the NICs
 #: short when all of them have traffic at once (a torus row's multicast gather reaches 63 NICs of
@@ -66,6 +67,14 @@ class NicHost(ServeLoop):
         self.turn_s = 0.0
         self._turn_at = time.monotonic()
         self._turn_told = 0.0
+        #: The machine's other node processes of this cluster publish theirs there: the NICs'
+        #: timers cover the longest, since a chain's ACK may come from any of them.
+        first = configs[0]
+        self.board = (
+            TurnBoard.open(first.shm_dir, first.members, first.world_size, first.rank)
+            if len(configs) > 1
+            else None
+        )
         #: When each NIC whose clock runs was last served (the wait for its next turn).
         self._clocked_at: dict[int, float] = {}
         self._poll = select.epoll()
@@ -137,13 +146,18 @@ class NicHost(ServeLoop):
 
     def _note_turn(self, took: float, now: float) -> None:
         """A pass over the NICs took *took* seconds: a datagram for a NIC whose turn had passed
-        waited that long. The NICs' timers cover the longest recent one."""
+        waited that long. The NICs' timers cover the longest recent one, this process's or
+        another's of the machine (TurnBoard)."""
         remembered = self.turn_s * 0.5 ** ((now - self._turn_at) / TURN_HALF_LIFE_S)
         self.turn_s, self._turn_at = max(took, remembered), now
-        if abs(self.turn_s - self._turn_told) > TURN_CHANGE * self._turn_told:
+        covered = self.turn_s
+        if self.board is not None:
+            self.board.publish(self.turn_s, now)
+            covered = max(covered, self.board.longest(now, TURN_HALF_LIFE_S))
+        if abs(covered - self._turn_told) > TURN_CHANGE * self._turn_told:
             for nic in self.nics:
-                nic.core.collective.set_host_turn(self.turn_s)
-            self._turn_told = self.turn_s
+                nic.core.collective.set_host_turn(covered)
+            self._turn_told = covered
 
     def warm_up(self) -> None:
         """Load the kernels once (the first NIC, made resident as a lone NIC's are); the other
@@ -160,6 +174,9 @@ class NicHost(ServeLoop):
         poll = getattr(self, "_poll", None)
         if poll is not None:
             poll.close()
+        board = getattr(self, "board", None)
+        if board is not None:
+            board.close()
         for nic in self.nics:
             nic.close()
 

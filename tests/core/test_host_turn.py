@@ -6,6 +6,7 @@ the plain bounds. On the in-process fabric, with a delay standing for the turns.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +21,7 @@ from netdam.kernels import collective as L
 from netdam.protocol import counters as C
 from netdam.protocol.constants import ReduceOp
 from netdam.shell.nic_host import TURN_HALF_LIFE_S, NicHost
+from netdam.shell.turns import TurnBoard
 
 #: Every datagram 80 ms late: a 4-NIC chain's round trip (3 hops and the ACK) takes 320 ms,
 #: past the plain RTO ceiling (RTO_MAX_S, 100 ms).
@@ -67,6 +69,7 @@ def test_the_host_loop_remembers_its_longest_pass_and_tells_its_nics() -> None:
     host = NicHost.__new__(NicHost)  # the turn bookkeeping only: no sockets
     host.nics = [_Nic(), _Nic()]
     host.turn_s, host._turn_at, host._turn_told = 0.0, time.monotonic(), 0.0
+    host.board = None  # alone on the machine
     now = host._turn_at
     host._note_turn(0.2, now)
     host._note_turn(0.001, now + 0.01)  # a short pass forgets nothing yet
@@ -75,3 +78,27 @@ def test_the_host_loop_remembers_its_longest_pass_and_tells_its_nics() -> None:
     host._note_turn(0.001, now + 3 * TURN_HALF_LIFE_S)  # three half-lives later: an eighth
     assert host.turn_s == pytest.approx(0.2 / 8, rel=0.02)
     assert all(nic.core.collective.fcfg[0, L.F_HOST_TURN] == host.turn_s for nic in host.nics)
+
+
+def test_the_nics_cover_the_longest_pass_of_any_process_of_the_machine(tmp_path: Path) -> None:
+    """A chain's ACK may come from a NIC of another process, whose passes run longer (its row
+    still reducing): the NICs' timers cover the longest pass any node process of the cluster on
+    the machine published (netdam.shell.turns), not only their own process's."""
+    members = (("127.0.0.1", 21100), ("127.0.0.1", 21101), ("127.0.0.1", 21102))
+    host = NicHost.__new__(NicHost)
+    host.nics = [_Nic(), _Nic()]
+    host.turn_s, host._turn_at, host._turn_told = 0.0, time.monotonic(), 0.0
+    host.board = TurnBoard.open(tmp_path, members, 3, 0)
+    other = TurnBoard.open(tmp_path, members, 3, 2)  # the other process's
+    assert host.board is not None and other is not None
+    try:
+        now = host._turn_at
+        other.publish(0.15, now)  # its row reduces: 150 ms passes
+        host._note_turn(0.002, now)  # this process's passes are short
+        assert host.turn_s == pytest.approx(0.002)
+        told = [nic.core.collective.fcfg[0, L.F_HOST_TURN] for nic in host.nics]
+        assert told == [pytest.approx(0.15), pytest.approx(0.15)]
+        assert other.longest(now, TURN_HALF_LIFE_S) == pytest.approx(0.15)  # ours is 0.002
+    finally:
+        other.close()
+        host.board.close()

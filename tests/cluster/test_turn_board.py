@@ -1,0 +1,68 @@
+"""The machine's node processes share their loops' pass lengths (netdam.shell.turns): a NIC's
+timers cover the longest pass of any process of its cluster on the machine, since a chain's ACK
+may come from a NIC of another process. Only a file of this user that nobody else may write is
+used: another user could slow a cluster's loss recovery by publishing long passes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from netdam.shell.turns import TurnBoard
+
+MEMBERS = (("127.0.0.1", 21000), ("127.0.0.1", 21001), ("127.0.0.1", 21002), ("127.0.0.1", 21003))
+
+
+def test_each_process_sees_the_longest_pass_any_published(tmp_path: Path) -> None:
+    first = TurnBoard.open(tmp_path, MEMBERS, 4, 0)
+    second = TurnBoard.open(tmp_path, MEMBERS, 4, 2)
+    assert first is not None and second is not None
+    try:
+        assert first.path == second.path  # one file for the cluster
+        assert second.longest(10.0, 1.0) == 0.0  # nothing published yet
+        first.publish(0.2, 10.0)
+        second.publish(0.01, 10.0)
+        assert second.longest(10.0, 1.0) == pytest.approx(0.2)
+        assert first.longest(11.0, 1.0) == pytest.approx(0.1)  # halved after a half-life
+        # Another cluster (other members) has a board of its own.
+        other = TurnBoard.open(tmp_path, MEMBERS[:2], 2, 0)
+        assert other is not None and other.path != first.path and other.longest(10.0, 1.0) == 0.0
+        other.close()
+    finally:
+        first.close()
+        second.close()
+    assert not first.path.exists()
+
+
+def _board_path(tmp_path: Path) -> Path:
+    """Where the cluster's board lives (nothing there now): what an attacker plants."""
+    board = TurnBoard.open(tmp_path, MEMBERS, 4, 0)
+    assert board is not None
+    board.close()
+    return board.path
+
+
+def test_a_file_others_may_write_is_not_used(tmp_path: Path) -> None:
+    path = _board_path(tmp_path)
+    path.write_bytes(b"\0" * 64)
+    path.chmod(0o666)  # planted, writable by anyone: long passes could be published into it
+    assert TurnBoard.open(tmp_path, MEMBERS, 4, 1) is None
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user takes root")
+def test_a_file_of_another_user_is_not_used(tmp_path: Path) -> None:
+    path = _board_path(tmp_path)
+    path.write_bytes(b"\0" * 64)
+    os.chown(path, 65534, 65534)  # nobody's (mode 0644), planted before the cluster started
+    assert TurnBoard.open(tmp_path, MEMBERS, 4, 1) is None
+
+
+def test_a_symlink_in_its_place_is_not_followed(tmp_path: Path) -> None:
+    path = _board_path(tmp_path)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    path.symlink_to(target)
+    assert TurnBoard.open(tmp_path, MEMBERS, 4, 0) is None
+    assert target.read_bytes() == b"keep"
