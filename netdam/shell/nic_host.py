@@ -31,8 +31,8 @@ from netdam.shell.turns import TurnBoard
 
 #: Rounds of one NIC's serve call before the next NIC's turn. Fewer keep a pass over the NICs
 #: short when all of them have traffic at once (a torus row's multicast gather reaches 63 NICs of
-#: a process in the same instant), so a datagram for a NIC whose turn has passed waits less; a
-#: peer in another process cannot see this process's passes in its timers. Measured on 2 cores,
+#: a process in the same instant), so a datagram for a NIC whose turn has passed waits less (a
+#: peer in another process sees this process's passes only through the TurnBoard). Measured on 2 cores,
 #: 128 NICs x 1 MiB, 3 calls: 32 rounds re-sent chains in 2 runs of 8 (5 and 15, 0.31-0.42 s), 4
 #: rounds in none of 6 (0.31-0.32 s); 256 NICs alike within the spread (0.71-0.83 s both).
 ROUNDS_PER_NIC = 4
