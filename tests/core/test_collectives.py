@@ -385,18 +385,25 @@ def test_a_multicast_gather_waits_for_every_members_started(rng: np.random.Gener
     assert int(out.cluster.nodes[3].counters[C.DROP_COLL_EARLY]) > 0
 
 
-@pytest.mark.parametrize("forged", [True, False])
+OUTSIDER = ("127.0.0.1", 9999)  # no member of the collective: a host or another user's socket
+
+
+@pytest.mark.parametrize("sender", ["member without the key", "outsider with the key", "member"])
 def test_only_a_started_under_the_key_lets_a_gather_spread(
-    forged: bool, rng: np.random.Generator
+    sender: str, rng: np.random.Generator
 ) -> None:
     """STARTED is a collective's message: one from member 1's address saying "rank 2 started"
-    but without the collective's key is counted as forged, and node 0 keeps its block until
-    member 2 really starts (which then drops nothing as early); under the key (the control: an
+    but without the collective's key is counted as forged, and one with the key from an address
+    that is no member's counts for nothing either: node 0 keeps its block until member 2 really
+    starts (which then drops nothing as early). Under the key from a member (the control: an
     untagged, v1 collective) the same STARTED lets node 0 spread before member 2 started, and
     member 2 drops it as early. Either way the result is exact."""
     full, inputs = _gather_inputs(rng, 3, 6_000)
+    forged = sender == "member without the key"
 
     def started(cluster: Cluster, round_: int) -> None:
+        if round_ == 0:
+            cluster.fabric.add_endpoint(OUTSIDER)
         if 2 <= round_ < 10:  # node 0 runs, member 2 not yet
             packet = Packet(
                 Opcode.ACK,
@@ -407,7 +414,8 @@ def test_only_a_started_under_the_key_lets_a_gather_spread(
                 coll_id=3,
                 epoch=1,
             )
-            cluster.fabric.send(cluster.endpoints[1], cluster.endpoints[0], encode_packet(packet))
+            source = OUTSIDER if sender == "outsider with the key" else cluster.endpoints[1]
+            cluster.fabric.send(source, cluster.endpoints[0], encode_packet(packet))
 
     out = run(
         3, inputs, algo=Algo.ALL_GATHER, multicast=True, on_round=started, late={2: 12}, tag_key=b""
@@ -417,6 +425,8 @@ def test_only_a_started_under_the_key_lets_a_gather_spread(
     early = int(out.cluster.nodes[2].counters[C.DROP_COLL_EARLY])
     if forged:
         assert forgeries > 0 and early == 0
+    elif sender == "outsider with the key":
+        assert early == 0
     else:
         assert forgeries == 0 and early > 0
 
