@@ -20,6 +20,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
+from netdam.kernels.borrow import borrowed
 from netdam.kernels.combine import combine_bytes
 from netdam.kernels.optim import fused_apply
 from netdam.kernels.state import CollSlots, CollState, NodeState, TraceRing, TxQueue
@@ -661,6 +662,14 @@ def coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first):
     Running collectives share the credit window: each keeps 1/k of its window in flight while
     k run here, so the hops' queues stay as deep as one collective's, and a small collective
     beside a large one waits behind half as much (measured: SPEC.md 4.1, docs/PERFORMANCE.md)."""
+    # Borrowed for the call (netdam.kernels.borrow): no atomic reference counts below.
+    slots, mem, counters, trace, tx = (
+        borrowed(slots),
+        borrowed(mem),
+        borrowed(counters),
+        borrowed(trace),
+        borrowed(tx),
+    )
     running = 0
     for s in range(MAX_COLLECTIVES):
         running += slots.cfg[s, CFG_STATE] == STATE_RUNNING

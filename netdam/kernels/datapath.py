@@ -25,6 +25,7 @@ from numba import njit
 
 from netdam.kernels import optim
 from netdam.kernels import signatures as S
+from netdam.kernels.borrow import borrowed
 from netdam.kernels.collective import (
     CFG_CHUNKS,
     all_write,
@@ -271,6 +272,14 @@ def process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt):
     forwards to the send queue from tx_n (packet k at tx_buf[tx_off[k] : tx_off[k] + tx_len[k]],
     packed back to back so runs to one destination can leave as one GSO send; tx_off[tx_n] is
     the next free byte). Returns (tx_n, n_punt)."""
+    # Borrowed for the call (netdam.kernels.borrow): no atomic reference counts below.
+    rx, node, guard, tx, punt = (
+        borrowed(rx),
+        borrowed(node),
+        borrowed(guard),
+        borrowed(tx),
+        borrowed(punt),
+    )
     rx_buf, rx_off, rx_len, rx_src = rx
     members, counters = node.members, node.counters
     tx_buf, tx_off, tx_len, tx_dst = tx

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
+from netdam.kernels.borrow import borrowed
 from netdam.kernels.collective import MAX_COLLECTIVES, any_slot, coll_ticks
 from netdam.kernels.datapath import process_batch_kernel
 from netdam.kernels.faults import apply_faults
@@ -137,6 +138,10 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
     through Python between packets (each return cost ~50-100 us of Python and numba dispatch
     per wake-up). When fault injection holds datagrams aside, a quiet round still releases
     those that are due; the fault clock (faults.cfg[FC_NOW]) follows CLOCK_MONOTONIC every round."""
+    # The arguments, borrowed for this call (netdam.kernels.borrow): no atomic reference counts
+    # per datagram in the kernels below.
+    io, rx, faults, node = borrowed(io), borrowed(rx), borrowed(faults), borrowed(node)
+    guard, tx, txq, punt = borrowed(guard), borrowed(tx), borrowed(txq), borrowed(punt)
     fd, mfd, cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg

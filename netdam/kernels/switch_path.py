@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
+from netdam.kernels.borrow import borrowed
 from netdam.kernels.fault_hash import mix64, packet_id_of
 from netdam.kernels.faults import decide_fate, fault_attempt, hold_datagram, release_into_batch
 from netdam.kernels.guard import (
@@ -654,6 +655,8 @@ def switch_round_kernel(rx, n, max_len, st, tx, tx_n, punt):
 
     With receive faults configured (or datagrams held), the rx arrays need room for 2n + held
     entries and rx_buf room after the data for released copies."""
+    # Borrowed for the call (netdam.kernels.borrow): no atomic reference counts below.
+    rx, st, tx, punt = borrowed(rx), borrowed(st), borrowed(tx), borrowed(punt)
     fstate, fclock = st.faults.fstate, st.faults.fclock
     if fstate[FS_RX_ACTIVE] != 0 or fstate[FS_HELD_RX] > 0:
         n = _rx_faults(rx, n, st)

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels import signatures as S
+from netdam.kernels.borrow import borrowed
 from netdam.kernels.guard import G_NOW, check_guard
 from netdam.kernels.serve import flush_sends  # one flush for node and switch
 from netdam.kernels.state import (
@@ -64,6 +65,9 @@ def switch_serve(
 def _switch_serve(io, rx, room_per, st, tx, txq, punt):
     """Returns (reason, n_punt); on RETURN_PUNT the punted datagrams are rx[punt[k]].
     *room_per*: send-queue entries one received datagram may need (fan-out x duplicates)."""
+    # Borrowed for the call (netdam.kernels.borrow): no atomic reference counts below.
+    io, rx, st, tx = borrowed(io), borrowed(rx), borrowed(st), borrowed(tx)
+    txq, punt = borrowed(txq), borrowed(punt)
     fd, _mfd, _cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
     rx_buf, rx_off, rx_len, rx_src = rx
     counters = st.ctrs.counters
