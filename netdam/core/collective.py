@@ -28,10 +28,11 @@ Rules of this file:
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import lru_cache
 
 import numpy as np
 
-from netdam.core.chunk_plan import block_bounds
+from netdam.core.chunk_plan import block_bounds, chunk_bounds
 from netdam.kernels import collective as L
 from netdam.kernels import optim as optim_kernels
 from netdam.kernels.state import CollSlots
@@ -51,7 +52,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.layout import OPTIMIZER_BYTES
-from netdam.protocol.packet import Packet, endpoint_to_u64
+from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
     FLAG_SPARSE,
     FLAG_UPDATE,
@@ -363,11 +364,11 @@ class CollectiveEngine:
             d.timeout_ms,
         )
         world = len(packet.segments)
-        ring = [endpoint_to_u64(ep) for ep in packet.segments]
+        ring, distinct = _ring_of(packet.segments)
         dtype = packet.dtype
         esize = ELEMENT_SIZE[dtype]
         status = _validate(
-            algo, world, rank, ring, self_endpoint, count, dtype, packet.coll_id, root
+            algo, world, rank, ring, distinct, self_endpoint, count, dtype, packet.coll_id, root
         )
         if status != Status.OK:
             return status
@@ -393,10 +394,7 @@ class CollectiveEngine:
         # A tagged collective's datagrams end with the tag: its payloads are that much smaller.
         mtu -= TAG_SIZE if d.tag_key else 0
         per_packet = max_elements(mtu, dtype, segments=max(world - 1, 0))
-        chunks = [
-            (int(bounds[j + 1] - bounds[j]) + per_packet - 1) // per_packet for j in range(world)
-        ]
-        cb = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int64)
+        cb = chunk_bounds(algo, count, world, root, per_packet)
         n_chunks = int(cb[-1])
         if n_chunks > MAX_CHUNKS:
             return Status.TOO_LARGE
@@ -451,7 +449,7 @@ class CollectiveEngine:
         group: int,
         host: int,
         timeout_ms: int,
-        ring: list[int],
+        ring: np.ndarray,
         bounds: np.ndarray,
         cb: np.ndarray,
         per_packet: int,
@@ -695,11 +693,21 @@ def _input_elements(algo: int, count: int, bounds: np.ndarray, rank: int, root: 
     return count if algo != Algo.BROADCAST or rank == root else 0
 
 
+@lru_cache(maxsize=256)
+def _ring_of(segments: tuple[Endpoint, ...]) -> tuple[np.ndarray, bool]:
+    """The SR list's members as endpoints (ip << 16 | port) in chain order, read-only, and whether
+    they are distinct. Cached: a group's START_COLLs name the same list every call."""
+    ring = np.array([endpoint_to_u64(ep) for ep in segments], np.uint64)
+    ring.setflags(write=False)
+    return ring, len(set(ring.tolist())) == len(ring)
+
+
 def _validate(
     algo: int,
     world: int,
     rank: int,
-    ring: list[int],
+    ring: np.ndarray,
+    distinct: bool,
     me: int,
     count: int,
     dtype: DType,
@@ -710,7 +718,7 @@ def _validate(
         return Status.BAD_FIELD
     if not 1 <= world <= MAX_SEGMENTS or not 0 <= rank < world or ring[rank] != me:
         return Status.BAD_SEGMENT
-    if len(set(ring)) != world or not 0 <= root < world:
+    if not distinct or not 0 <= root < world:
         return Status.BAD_SEGMENT
     if count <= 0:
         return Status.BAD_LENGTH

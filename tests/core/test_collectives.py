@@ -589,6 +589,11 @@ def test_bad_descriptors_are_refused() -> None:
     )
     assert start(good, dtype=DType.RAW).status == Status.BAD_DTYPE
     assert start(good, coll_id=0).status == Status.BAD_FIELD
+    # A member named twice, asked twice: the engine caches a list's members by the list, and
+    # the cached answer must be the first's.
+    twice = (cluster.endpoints[0], cluster.endpoints[0])
+    for _ in range(2):
+        assert start(good, segments=twice).status == Status.BAD_SEGMENT
 
 
 # ---------------------------------------------------------------- sparse mode (SPEC.md 2.5, 4.1)
