@@ -181,11 +181,21 @@ def netdam_chain(
     )
 
 
+def _chain_groups(nodes: int) -> int:
+    """Groups of netdam-chain-2d over *nodes* (more than one chain): the emulator's torus shape
+    (SPEC.md 4.2), the most square split into equal groups of at most CHAIN_GROUP, at most
+    CHAIN_GROUP of them (group + size smallest, the fewer groups of two alike); with no such
+    split, the fewest groups of at most CHAIN_GROUP nodes (the last one smaller)."""
+    fewest = math.ceil(nodes / CHAIN_GROUP)
+    even = [g for g in range(fewest, CHAIN_GROUP + 1) if nodes % g == 0]
+    return min(even, key=lambda g: (g + nodes // g, g)) if even else fewest
+
+
 def netdam_chain_2d(
     p: NetdamParams, nodes: int, nbytes: int, dtype_bytes: int = 4
 ) -> AllreduceEstimate:
-    """Chains past one SR list: nodes in groups of CHAIN_GROUP (the last may be smaller, every
-    group gets ceil(nodes / groups)); a chained reduce-scatter inside each group leaves each
+    """Chains past one SR list: nodes in groups (_chain_groups: as square as the count allows,
+    every group ceil(nodes / groups) nodes, the last maybe fewer); a chained reduce-scatter inside each group leaves each
     member 1/g of its group's sum, the members holding the same block index all-reduce it over
     the groups (a chain again, 2-D recursively past CHAIN_GROUP groups: a torus of chains, one
     dimension after another), then a multicast all-gather inside each group. At most
@@ -203,7 +213,7 @@ def netdam_chain_2d(
             flat.terms,
             p.name,
         )
-    groups = math.ceil(nodes / CHAIN_GROUP)
+    groups = _chain_groups(nodes)
     size = math.ceil(nodes / groups)
     inner = netdam_chain(p, size, nbytes, dtype_bytes)
     block = max(dtype_bytes, math.ceil(math.ceil(nbytes / size) / dtype_bytes) * dtype_bytes)

@@ -18,14 +18,16 @@ from netdam.tools.allreduce import reference_chain_allreduce, reference_torus_al
         (2, (1, 2)),
         (64, (1, 64)),
         (65, (5, 13)),
-        (66, (2, 33)),
-        (128, (2, 64)),
-        (256, (4, 64)),
-        (1024, (16, 64)),
+        (66, (6, 11)),
+        (100, (10, 10)),
+        (128, (8, 16)),
+        (256, (16, 16)),
+        (1024, (32, 32)),
+        (4032, (63, 64)),
         (4096, (64, 64)),
     ],
 )
-def test_fewest_equal_rows_of_at_most_64(world: int, shape: tuple[int, int]) -> None:
+def test_the_most_square_equal_rows_of_at_most_64(world: int, shape: tuple[int, int]) -> None:
     assert torus_shape(world) == shape
     rows, size = shape
     assert rows * size == world and size <= MAX_SEGMENTS and rows <= MAX_SEGMENTS

@@ -527,8 +527,9 @@ def test_chain_2d_is_the_chain_up_to_one_sr_list_and_scales_past_it() -> None:
     for nodes in (2, 17, CHAIN_GROUP + 1):
         flat = allreduce("netdam-chain", nodes, 1 << 20, nd, ro)
         assert allreduce("netdam-chain-2d", nodes, 1 << 20, nd, ro).seconds == flat.seconds
-    # 128 nodes: two chains of 64 and a 2-node chain across them beat one 127-hop list on
-    # latency (each hop costs a pipeline fill), and 4096 nodes (no single list fits) still cost.
+    # 128 nodes: chains of 16 in 8 groups and 8-node chains across them (the emulator's torus,
+    # SPEC.md 4.2) beat one 127-hop list on latency (each hop costs a pipeline fill), and 4096
+    # nodes (no single list fits) still cost.
     small = [allreduce(a, 128, 8, nd, ro).seconds for a in ("netdam-chain", "netdam-chain-2d")]
     assert small[1] < small[0]
     huge = allreduce("netdam-chain-2d", 4096, 4096, nd, ro)
@@ -538,6 +539,15 @@ def test_chain_2d_is_the_chain_up_to_one_sr_list_and_scales_past_it() -> None:
     )
     with pytest.raises(ValueError, match="SR segments"):
         allreduce("netdam-chain", 4096, 4096, nd, ro)
+
+
+def test_chain_2d_groups_like_the_emulators_torus() -> None:
+    from netdam.core.torus import torus_shape
+    from netdam.fpga_model.collectives import _chain_groups
+
+    for nodes in (66, 100, 128, 256, 1024, 4096):
+        assert _chain_groups(nodes) == torus_shape(nodes)[0]
+    assert _chain_groups(67) == 2  # no equal split: the fewest groups, the last one smaller
 
 
 def test_model_allreduce_at_4096_nodes_and_the_sharp_reference(
