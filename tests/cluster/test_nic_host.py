@@ -176,7 +176,7 @@ def test_a_collective_over_the_most_nics_one_sr_list_names_is_exact(tmp_path: Pa
 
 @pytest.mark.slow
 def test_128_nics_all_reduce_exact_and_resend_nothing() -> None:
-    """Two processes of 64 NICs (a torus of two rows): a pass of the host loop takes up to
+    """Two processes of 64 NICs (a torus of 8 rows of 16): a pass of the host loop takes up to
     ~0.1 s on 2 cores, and before the NICs' timers covered it, chains and READs on their way
     were sent again (81-200 per 3 calls). A clean run re-sends nothing and overflows no
     socket buffer."""

@@ -15,6 +15,7 @@ import pytest
 from netdam import api
 from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
+from netdam.core.torus import torus_shape
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.tools.allreduce import reference_chain_allreduce, reference_torus_allreduce
 
@@ -156,7 +157,8 @@ def test_a_subgroup_past_one_chain_runs_as_a_torus_too(ranks: list[api.ProcessGr
 
 
 @pytest.mark.slow
-def test_128_nics_all_reduce_exact_as_two_rows_of_64(tmp_path: Path) -> None:
+def test_128_nics_all_reduce_exact_as_8_rows_of_16(tmp_path: Path) -> None:
+    assert torus_shape(128) == (8, 16)  # as square as 128 splits (SPEC.md 4.2)
     with start_cluster(128, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
         groups = [api.ProcessGroup(cluster.info, r) for r in range(128)]
         try:
