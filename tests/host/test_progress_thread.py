@@ -63,3 +63,42 @@ def test_groups_closed_and_opened_under_a_running_thread_are_still_driven() -> N
                 for g in groups:
                     g.close()
             assert len(_progress_threads()) <= 1
+
+
+def test_answers_another_thread_takes_wake_a_wait_asleep_on_the_socket(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A wait() checks its call, then sleeps in select() on the rank's socket. When another
+    thread (the progress thread's turn, another wait) takes the completion in between, the
+    socket is empty: without a wake-up the wait slept its whole 0.2 s turn. Forced here: the
+    waiter's first select() runs only after a second thread took every answer."""
+    world = 2
+    with start_cluster(world, memory=4 << 20) as cluster:
+        groups = [api.ProcessGroup(cluster.info, r) for r in range(world)]
+        try:
+            bufs = [np.full(1000, r + 1.0, np.float32) for r in range(world)]
+            works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs)]
+            works[1].wait()
+            work, group = works[0], groups[0]
+            real_select = api.select.select
+            forced: list[tuple[float, bool]] = []
+
+            def select_after_a_theft(rlist, wlist, xlist, timeout=None):  # type: ignore[no-untyped-def]
+                if threading.current_thread() is threading.main_thread() and not forced:
+                    real_select(rlist, [], [], 5.0)  # the completion is in the socket now
+                    thief = threading.Thread(target=group._step, args=(None, 0.0))
+                    thief.start()
+                    thief.join()  # it took the completion: the socket is empty again
+                    assert work.ended
+                    began = time.monotonic()
+                    readable = real_select(rlist, wlist, xlist, timeout)[0]
+                    forced.append((time.monotonic() - began, bool(readable)))
+                    return readable, [], []
+                return real_select(rlist, wlist, xlist, timeout)
+
+            monkeypatch.setattr(api.select, "select", select_after_a_theft)
+            work.wait()
+            ((slept, woken),) = forced
+            assert woken, f"the wait slept {slept:.3f} s on an empty socket"
+            assert (bufs[0] == 3.0).all()
+        finally:
+            for g in groups:
+                g.close()
