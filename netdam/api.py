@@ -364,9 +364,9 @@ class ProcessGroup:
     _lock: threading.RLock = field(init=False, default_factory=threading.RLock)
     #: When this default group's last call ended (the progress thread lingers after it).
     _emptied: float = field(init=False, default=0.0)
-    #: Threads in a Work's wait on this default group, asleep in select() on its socket: a
-    #: thread that takes answers they wait for wakes them (_wake_waiters).
-    _waiting: int = field(init=False, default=0)
+    #: Threads (idents) in a Work's wait on this default group, asleep in select() on its
+    #: socket: another thread that takes answers wakes them (_take_answers).
+    _waiters: set[int] = field(init=False, default_factory=set)
     #: Wakes the progress thread from its wait at once: set by close() (it ends) and by a torus
     #: all-reduce begun (it watches the socket).
     _closed: bool = field(init=False, default=False)
@@ -813,15 +813,12 @@ class ProcessGroup:
         for data in datagrams:
             self.client.sock.sendto(data, self.node)
 
-    def _step(self, timeout: float | None, wait_s: float, waiter: bool = False) -> None:
+    def _step(self, timeout: float | None, wait_s: float) -> None:
         """One turn of driving this rank's collectives: take the node's answers for up to
         *wait_s* (each to its Work), then let the call queue re-send the START_COLLs due and
         fail a head whose node stayed silent past its watchdog (or *timeout*). The wait for an
-        answer holds no lock: a wait() and the progress thread both wake, one takes them, and
-        one that takes answers while another thread waits (*waiter*: this one is a wait())
-        wakes it, since that thread may have checked its call just before and be entering
-        select() on a socket now empty: it slept the whole 0.2 s (the p99 of 4-node calls
-        of 16-64 KiB was 0.20 s where the median was 2 ms)."""
+        answer holds no lock: a wait() and the progress thread both wake, one takes them (and
+        wakes the other, _take_answers)."""
         # Called even with wait_s 0: the call lets go of the GIL, which the caller's thread
         # needs between the progress thread's turns. Without it (128 NICs x 1 MiB, 10 runs
         # each) 2 runs in 10 re-sent 20-40 column chains in their first call, and a call
@@ -832,9 +829,7 @@ class ProcessGroup:
             root = self._root or self
             if root._closed or (not self._calls.heads() and not root._pipelines):
                 return  # closed: its socket is close()'s now (the progress thread may be late)
-            taken = self._take_answers(0.0, drain=True)
-            if taken and root._waiting > (1 if waiter else 0):
-                self._wake_waiters()
+            self._take_answers(0.0, drain=True)
             self._advance_pipelines()
             datagrams, silent = self._calls.tick(time.monotonic(), timeout)
             for head in silent:
@@ -848,12 +843,16 @@ class ProcessGroup:
         until: Work | None = None,
         until_started: bool = False,
         drain: bool = False,
-    ) -> int:
+    ) -> None:
         """Read the node's answers for up to *timeout* seconds and hand each to the call queue;
         return at once when *until* ends (and, with *until_started*, on the ACK that says the
         node runs it), unless *drain*: then every answer waiting is taken first, so no other
-        lane's call is judged silent while its answers sit unread. Returns how many answered a
-        call (a wake-up, or anything else, counts for nothing)."""
+        lane's call is judged silent while its answers sit unread.
+
+        Answers taken here may end a call another thread waits for (a wait(), which checked
+        its call, then sleeps up to 0.2 s in select() on this socket, now empty): those threads
+        are woken (_wake_waiters). Without it the p99 of 4-node calls of 16-64 KiB was 0.20 s
+        where the median was 2 ms."""
         sock = self.client.sock
         # 0: non-blocking. A tiny timeout is no substitute: CPython rounds a socket timeout up
         # to poll()'s whole milliseconds, so every drain ended with a 1 ms wait on an empty
@@ -864,9 +863,9 @@ class ProcessGroup:
             try:
                 data, _ = sock.recvfrom(65536)
             except (TimeoutError, BlockingIOError):
-                return taken
+                break
             call, heard, datagrams = self._calls.receive(data, time.monotonic())
-            taken += call is not None
+            taken += call is not None  # a wake-up, or anything else, is no answer
             self._send(datagrams)
             if heard is Heard.FAILED:
                 assert isinstance(call, Work) and call.nack is not None
@@ -878,7 +877,9 @@ class ProcessGroup:
                 and not drain
                 and (until.ended or (until_started and until.started))
             ):
-                return taken
+                break
+        if taken and (self._root or self)._waiters - {threading.get_ident()}:
+            self._wake_waiters()
 
     def _wake_waiters(self) -> None:
         """Wake the threads asleep in select() on this rank's socket: an empty datagram from
@@ -1032,15 +1033,14 @@ class Work(Call):
     def _drive(self, timeout: float | None) -> None:
         """Read this rank's answers until this call ended (another thread that takes them
         wakes this one: ProcessGroup._step)."""
-        root = self.group._root or self.group
-        with root._lock:
-            root._waiting += 1
+        waiters = (self.group._root or self.group)._waiters
+        me = threading.get_ident()
+        waiters.add(me)
         try:
             while not self.ended:
-                self.group._step(timeout, 0.2, waiter=True)
+                self.group._step(timeout, 0.2)
         finally:
-            with root._lock:
-                root._waiting -= 1
+            waiters.discard(me)
 
     def await_started(self, timeout: float) -> None:
         """Poll until the node ACKs START_COLL (after moving past a STALE_EPOCH), or *timeout*."""
