@@ -4,6 +4,7 @@ with the next call; the ranks' all-reduces stay exact meanwhile."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -100,5 +101,30 @@ def test_answers_another_thread_takes_wake_a_wait_asleep_on_the_socket(monkeypat
             assert woken, f"the wait slept {slept:.3f} s on an empty socket"
             assert (bufs[0] == 3.0).all()
         finally:
+            for g in groups:
+                g.close()
+
+
+def test_empty_datagrams_from_a_stranger_neither_end_nor_fail_a_call() -> None:
+    """What wakes a wait is an empty datagram to the rank's socket, which anyone who reaches
+    that socket may send too: it wakes the wait early, and nothing else."""
+    world = 2
+    with start_cluster(world, memory=4 << 20) as cluster:
+        groups = [api.ProcessGroup(cluster.info, r) for r in range(world)]
+        stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            target = groups[0].client.sock.getsockname()
+            address = ("127.0.0.1" if target[0] == "0.0.0.0" else target[0], target[1])
+            for round_ in range(3):
+                bufs = [np.full(2000, r + round_, np.float32) for r in range(world)]
+                works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs)]
+                for _ in range(200):
+                    stranger.sendto(b"", address)
+                for work in works:
+                    assert work is not None
+                    work.wait(timeout=10.0)
+                assert all((b == 1 + 2 * round_).all() for b in bufs), round_
+        finally:
+            stranger.close()
             for g in groups:
                 g.close()
