@@ -170,6 +170,7 @@ def _replay_call(
     deliveries: list[Delivery] = []
     rx_t: list[int] = []  # when each delivery was taken
     rx_seq: list[int] = []  # and its seq
+    rx_addr: list[int] = []  # and its address
     # What each member took so far, in time order: all of it, and by (chunk, opcode).
     seen: dict[int, list[tuple[int, int]]] = defaultdict(list)  # dst -> (t, k)
     by_chunk: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
@@ -178,12 +179,15 @@ def _replay_call(
     multicast: dict[tuple[int, int | None, int], int] = {}  # (src, cause, seq) -> first copy
     gathered: dict[tuple[int, int, int], int] = {}  # (src, dst, seq) -> the ALL_WRITE taken
     done_from: set[tuple[int, int]] = set()  # (src, dst): a DONE of src reached dst
-    busy_nacks: list[tuple[int, int, int, int]] = []  # (t, nic that sent it, to, seq)
+    busy_nacks: list[tuple[int, int, int, int, int]] = []  # (t left, sent by, to, seq, addr)
     for t, dst, src, r in got:
         op_code, seq, addr = int(r["opcode"]), int(r["seq"]), int(r["addr"])
         key = (src, dst, op_code, seq, addr)
         if op_code == Opcode.NACK and int(r["status"]) == Status.BUSY:
-            busy_nacks.append((t, src, dst, seq))
+            # When it left the refusing NIC (its TX record; its arrival, which may come
+            # milliseconds later on a loaded machine, when that was not recorded).
+            left = [s for s in sent[key] if s <= t]
+            busy_nacks.append((left[-1] if left else t, src, dst, seq, addr))
         op, data = _shape(r)
         retry_of = None
         lost = 0
@@ -242,6 +246,7 @@ def _replay_call(
         k = len(deliveries) - 1
         rx_t.append(t)
         rx_seq.append(seq)
+        rx_addr.append(addr)
         seen[dst].append((t, k))
         by_chunk[(dst, seq, op_code)].append((t, k))
         if op in ("write", "add-store") or (op_code == Opcode.ACK and addr):
@@ -254,11 +259,19 @@ def _replay_call(
             if earlier is not None:
                 deliveries[earlier] = dataclasses.replace(deliveries[earlier], busy=True)
             gathered[(src, dst, seq)] = k
-    # A NACK BUSY answers the latest datagram of its chunk the refusing NIC took: that one did
-    # nothing, nor did the hops of its chain before it (marked too: without skew none of them
-    # happens, and the chain's next attempt is its first).
-    for t_nack, by, _, seq in busy_nacks:
-        taken = sorted(tk for op in _TAKEN for tk in by_chunk.get((by, seq, int(op)), ()))
+    # A NACK BUSY (sent to the chain's first hop) answers the latest datagram of its chunk, same
+    # seq and address, the refusing NIC took before the NACK left. A member's DONE or RESUME
+    # also carries a seq (its sender's rank, address 0), and on a loaded machine one may reach
+    # the refusing NIC between the refusal and the NACK's arrival. That datagram did nothing,
+    # nor did the hops of its chain before it (marked too: without skew none of them happens,
+    # and the chain's next attempt is its first).
+    for t_nack, by, _, seq, addr in busy_nacks:
+        taken = sorted(
+            tk
+            for op in _TAKEN
+            for tk in by_chunk.get((by, seq, int(op)), ())
+            if rx_addr[tk[1]] == addr
+        )
         answered = _last_before(taken, t_nack + 1)
         if answered is None:
             continue
