@@ -35,7 +35,7 @@ import numpy as np
 from netdam.core.chunk_plan import block_bounds, chunk_bounds
 from netdam.kernels import collective as L
 from netdam.kernels import optim as optim_kernels
-from netdam.kernels.state import CollSlots
+from netdam.kernels.state import CollSlots, Kept
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -101,6 +101,7 @@ class CollectiveSlots:
     the epochs every START_COLL is checked against."""
 
     def __init__(self) -> None:
+        self._state: Kept[CollSlots] = Kept()
         rows = L.SLOT_ROWS
         self.cfg = np.zeros((rows, L.CFG_LEN), np.int64)
         self.fcfg = np.zeros((rows, L.F_LEN), np.float64)
@@ -123,8 +124,10 @@ class CollectiveSlots:
         self.yielded: list[tuple[Packet, int, bytes]] = []
 
     def state(self) -> CollSlots:
-        """The slots' arrays as the kernels take them (made here, and only here)."""
-        return CollSlots(
+        """The slots' arrays as the kernels take them (made here, and only here; the same
+        object while they are the same arrays)."""
+        return self._state.of(
+            CollSlots,
             self.cfg,
             self.done,
             self.acked,

@@ -36,7 +36,7 @@ from netdam.core.sendqueue import SendQueue
 from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.guard import G_NOW, address_token, record_failure
-from netdam.kernels.state import TXQ_TAIL, DupWindow, NodeState, Regions, RxBatch, TraceRing
+from netdam.kernels.state import TXQ_TAIL, DupWindow, Kept, NodeState, Regions, RxBatch, TraceRing
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     COUNTERS_TRACE,
@@ -144,6 +144,12 @@ class NodeCore(CoreBase):
         if memory.dtype != np.uint8 or memory.ndim != 1 or not memory.flags.c_contiguous:
             raise ValueError("node memory must be a 1-D C-contiguous uint8 array")
         self.config = config
+        #: The bundles node_state hands out: NodeState, Regions, DupWindow.
+        self._kept: tuple[Kept[NodeState], Kept[Regions], Kept[DupWindow]] = (
+            Kept(),
+            Kept(),
+            Kept(),
+        )
         self.memory = memory
         self.counters = C.new_counters()
         if config.trace_records < 0:
@@ -233,11 +239,15 @@ class NodeCore(CoreBase):
         """What the datapath reads and changes besides the batches (made here, and only here).
 
         For I/O shells that run the datapath inside their own compiled loop; the core stays the
-        only owner (shells must call ``reserve`` before and ``handle_punted`` after). Made afresh
-        for each call: registering a region replaces the rkey table's arrays."""
-        return NodeState(
+        only owner (shells must call ``reserve`` before and ``handle_punted`` after). The same
+        object while every array in it is the same (Kept): a new one when any was replaced."""
+        kept = self._kept
+        return kept[0].of(
+            NodeState,
             self.memory,
-            Regions(self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._rk_tag),
+            kept[1].of(
+                Regions, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._rk_tag
+            ),
             self._members,
             self._dup_window(),
             self.collective.state(),
@@ -246,7 +256,8 @@ class NodeCore(CoreBase):
         )
 
     def _dup_window(self) -> DupWindow:
-        return DupWindow(
+        return self._kept[2].of(
+            DupWindow,
             self._cl_id,
             self._cl_key,
             self._cl_hi,

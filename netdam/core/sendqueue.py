@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from netdam.kernels.datapath import drain
-from netdam.kernels.state import TXQ_HEAD, TXQ_TAIL, TxQueue
+from netdam.kernels.state import TXQ_HEAD, TXQ_TAIL, Kept, TxQueue
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     HEADER_SIZE,
@@ -35,6 +35,7 @@ class SendQueue:
 
     def __init__(self, slots: int, counters: np.ndarray) -> None:
         self.counters = counters
+        self._bundle: Kept[TxQueue] = Kept()
         self.buf = np.zeros(slots * SLOT_BYTES, np.uint8)
         self.off = np.zeros(slots + 1, np.int64)
         self.len = np.zeros(slots, np.int32)
@@ -99,8 +100,8 @@ class SendQueue:
         return True
 
     def bundle(self) -> TxQueue:
-        """The queue's arrays as the kernels take them (made afresh: growing replaces them)."""
-        return TxQueue(self.buf, self.off, self.len, self.dst)
+        """The queue's arrays as the kernels take them (made again when growing replaced them)."""
+        return self._bundle.of(TxQueue, self.buf, self.off, self.len, self.dst)
 
     def fill(
         self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray

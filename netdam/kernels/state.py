@@ -9,9 +9,40 @@ in their first lines and trust them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import operator
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
+
+B = TypeVar("B", bound=tuple[Any, ...])
+
+
+class Kept(Generic[B]):
+    """One bundle, made again only when one of its parts is another object than last time.
+
+    An owner hands its kernels the same bundle object while its arrays stay the same objects,
+    so a caller can tell an unchanged bundle by identity (netdam.kernels.serve.ServeCall skips
+    numba's type dispatch for arguments it typed before). Every part is compared, not a flag an
+    owner must remember to set: an array replaced anywhere makes a new bundle."""
+
+    __slots__ = ("_bundle", "_parts")
+
+    def __init__(self) -> None:
+        self._bundle: B | None = None
+        self._parts: tuple[Any, ...] = ()
+
+    def of(self, make: type[B], *parts: Any) -> B:
+        """``make(*parts)``, or the bundle made last time when every part is the same object."""
+        bundle = self._bundle
+        if (
+            bundle is not None
+            and len(parts) == len(self._parts)
+            and all(map(operator.is_, parts, self._parts))
+        ):
+            return bundle
+        made = make(*parts)
+        self._bundle, self._parts = made, parts
+        return made
 
 
 class RxBatch(NamedTuple):

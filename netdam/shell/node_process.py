@@ -21,7 +21,8 @@ from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.rehearsal import rehearse_control_paths
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
-from netdam.kernels.state import FC_ACTIVE, FC_NOW, FaultState, HoldTable, RxBatch, ServeIO
+from netdam.kernels.serve import ServeArgs
+from netdam.kernels.state import FC_ACTIVE, FC_NOW, FaultState, HoldTable, Kept, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES, STATE_LEN
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
@@ -45,6 +46,8 @@ from netdam.shell.udp import (
 ROUND_DATAGRAMS = 256
 #: GRO runs (64 KiB receive slots) per round.
 RECV_RUNS = 32
+#: Bytes of the receive buffer the GRO runs take.
+RECV_BYTES = RECV_RUNS * RUN_BYTES
 #: Rounds per compiled call before the control plane gets a turn (bounds stats latency).
 ROUNDS_PER_CALL = 32
 #: Datagrams held aside by fault injection (reorder, delay) at once.
@@ -191,6 +194,12 @@ class NodeProcess(ServeLoop):
             self.hold_gen,
         )
         self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
+        #: The serve loop's I/O bundle, and the compiled call that knows this NIC's arguments.
+        self._io: Kept[ServeIO] = Kept()
+        #: The data, group (-1: none) and management sockets' descriptors, kept as the same int
+        #: objects from call to call (Kept compares parts by identity).
+        self._fds = (self.sock.fileno(), -1, self.ctrl_sock.fileno())
+        self._serve = serve.ServeCall()
         self.faults = FaultState(
             self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count, self.hold
         )
@@ -203,29 +212,7 @@ class NodeProcess(ServeLoop):
         none, so its read is skipped: a failed read costs an exception, ~10 us a turn)."""
         self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
         self.fault_cfg[FC_NOW] = time.monotonic()
-        mfd = self.group_sock.fileno() if self.group_sock is not None else -1
-        io = ServeIO(
-            self.sock.fileno(),
-            mfd,
-            self.ctrl_sock.fileno(),
-            RECV_RUNS * RUN_BYTES,
-            ROUND_DATAGRAMS,
-            self.core.max_datagram,
-            timeout_ms,
-            rounds,
-            self.io_state,
-            self.scratch,
-        )
-        reason, n_punt = serve.serve(
-            io,
-            self.rx,
-            self.faults,
-            self.core.node_state(),
-            self.core.guard,
-            self.core.tx_bundle(),
-            self.core.tx_queue,
-            self.punt,
-        )
+        reason, n_punt = self._serve(self.serve_args(timeout_ms, rounds))
         if n_punt:
             self.core.handle_punted(
                 self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt)
@@ -235,6 +222,34 @@ class NodeProcess(ServeLoop):
             self._serve_control()
         self._handle_events()
         return int(reason)
+
+    def serve_args(self, timeout_ms: int, rounds: int) -> ServeArgs:
+        """The compiled serve's arguments: the same objects from call to call while nothing in
+        them changed (netdam.kernels.serve.ServeCall)."""
+        core = self.core
+        io = self._io.of(
+            ServeIO,
+            self._fds[0],
+            self._fds[1],
+            self._fds[2],
+            RECV_BYTES,
+            ROUND_DATAGRAMS,
+            core.max_datagram,
+            timeout_ms,
+            rounds,
+            self.io_state,
+            self.scratch,
+        )
+        return (
+            io,
+            self.rx,
+            self.faults,
+            core.node_state(),
+            core.guard,
+            core.tx_bundle(),
+            core.tx_queue,
+            self.punt,
+        )
 
     def _serve_control(self) -> None:
         serve_management_port(self.ctrl_sock, self.core)
@@ -247,6 +262,7 @@ class NodeProcess(ServeLoop):
                 self.group_sock.close()
                 self.group_sock = None
                 self.group = None
+                self._fds = (self._fds[0], -1, self._fds[2])
 
     def _join(self, group: Endpoint) -> None:
         """Receive the group's datagrams on a socket bound to the group address and port
@@ -262,6 +278,7 @@ class NodeProcess(ServeLoop):
         join_multicast(sock, group[0], interface)
         pin_multicast_sender(self.sock, interface)
         self.group_sock, self.group = sock, group
+        self._fds = (self._fds[0], sock.fileno(), self._fds[2])
 
     def ready_line(self) -> str:
         """What the NIC prints once it serves: address, memory file, management port, key (the
