@@ -107,6 +107,11 @@ PROGRESS_LINGER_S = 1.0
 #: Seconds per try (3 tries) of the DEREGISTER that gives a rank's arena back at close: a live
 #: node answers in well under a millisecond; the next job re-deregisters an arena left behind.
 DEREGISTER_TIMEOUT_S = 0.25
+#: Tries (1 s each) of the JOIN that moves a rank's node to its torus row's multicast group,
+#: made once per group. On a loaded 2-core machine running the whole suite, a node starting 8
+#: NICs' worth of groups once left a JOIN unanswered for the default 3 tries, and the group
+#: failed to build; a JOIN again under the same txn_id is answered, not applied twice.
+JOIN_TRIES = 6
 
 
 class ReduceOp(IntEnum):
@@ -473,6 +478,7 @@ class ProcessGroup:
         self.client.request(
             self.node,
             Packet(Opcode.JOIN, rkey=self.cluster.admin_key, addr=_endpoint_u64(endpoint)),
+            retries=JOIN_TRIES - 1,
         )
         group.multicast, group.group = True, endpoint
 
