@@ -157,8 +157,10 @@ class ServeCall:
     dispatcher, which types them and refuses any that do not match the one compiled signature.
     While every argument is the very object it typed, later calls go straight to that
     signature's compiled entry point. That is safe because a bundle is a tuple, whose fields
-    cannot be rebound, and an array's dtype, dimensions and layout are fixed for its life. The
-    bounds are checked on every call, as ``serve`` does."""
+    cannot be rebound, and an array keeps the dtype, dimensions and layout it was made with:
+    numpy would let code assign an array's ``shape`` or ``dtype`` in place, and nothing in netdam
+    does (tests/architecture checks the sources). The bounds are checked on every call, as
+    ``serve`` does."""
 
     __slots__ = ("_args", "_entry")
 

@@ -576,3 +576,31 @@ def test_kernels_python_is_annotated() -> None:
     assert not found, found
     assert unannotated_outside_jit(ast.parse("def f(x):\n    return x\n")) == ["f (line 1)"]
     assert unannotated_outside_jit(ast.parse("@njit\ndef f(x):\n    return x\n")) == []
+
+
+def arrays_reshaped_in_place(tree: ast.Module) -> list[int]:
+    """Lines that assign an object's ``shape`` or ``dtype`` (numpy reinterprets an array in
+    place), other than ``self``'s own attributes."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+        and target.attr in ("shape", "dtype")
+        and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+    ]
+
+
+def test_no_array_changes_its_shape_or_dtype_in_place() -> None:
+    """The serve loop calls its compiled entry point directly while its arguments are the
+    arrays it typed once (netdam.kernels.serve.ServeCall): an array reshaped or retyped in
+    place would be read with the types it had. So none is."""
+    found = {
+        name: lines
+        for name, path in our_modules().items()
+        if (lines := arrays_reshaped_in_place(_tree(path)))
+    }
+    assert not found, found
+    probe = ast.parse("a.shape = (2, 3)\nself.dtype = 4\nb.dtype: int = 2\nc.size = 1\n")
+    assert arrays_reshaped_in_place(probe) == [1, 3]
