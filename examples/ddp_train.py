@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import faulthandler
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from pathlib import Path
 from typing import Any
@@ -73,19 +74,37 @@ def make_data(seed: int, steps: int, batch: int, inputs: int) -> tuple[torch.Ten
 
 
 def run_rank(
-    rank: int, world: int, port: int, cluster_path: str, options: dict[str, Any], outdir: str
+    rank: int, world: int, cluster_path: str, options: dict[str, Any], outdir: str
 ) -> None:
-    """One DDP rank: both trainings, results to outdir/rank{rank}.json."""
-    torch.set_num_threads(1)
-    from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook
+    """One DDP rank: both trainings, results to outdir/rank{rank}.json.
 
+    The ranks meet through a file in *outdir* (a TCP port picked beforehand may be taken by
+    the time rank 0 binds it). Whatever happens, the process group is destroyed before the
+    interpreter exits: a rank that exits with gloo's threads alive aborts in C++ ("terminate
+    called without an active exception", SIGABRT), and torch.multiprocessing then reports the
+    signal and drops the rank's traceback, which is printed here first."""
+    faulthandler.enable()  # a C++ abort still shows every thread's Python stack
+    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=Path(outdir, "rendezvous").as_uri(),
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
+    try:
+        _train(rank, world, cluster_path, options, outdir)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, world: int, cluster_path: str, options: dict[str, Any], outdir: str) -> None:
+    from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook
+
     steps, batch, inputs = options["steps"], options["batch"], options["inputs"]
     dtype = DTYPES[options["dtype"]]
     x, y = make_data(options["seed"], steps, batch * world, inputs)
@@ -157,7 +176,6 @@ def run_rank(
                 opt.close()
             state.close()
         dist.barrier()
-    dist.destroy_process_group()
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -224,12 +242,6 @@ def hardware_estimate(params: int, args: argparse.Namespace) -> dict[str, float]
         "model_steps_per_second_100g_netdam": card.steps_per_second,
         "model_steps_per_second_100g_roce": host.steps_per_second,
     }
-
-
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -330,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             result["startup_seconds"] = round(time.perf_counter() - t0, 3)
             mp.spawn(
                 run_rank,
-                args=(args.ranks, _free_tcp_port(), str(cluster.path), options, tmp),  # type: ignore[attr-defined,no-untyped-call]  # torch.multiprocessing is untyped
+                args=(args.ranks, str(cluster.path), options, tmp),  # type: ignore[attr-defined,no-untyped-call]  # torch.multiprocessing is untyped
                 nprocs=args.ranks,
                 join=True,
             )
