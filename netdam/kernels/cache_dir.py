@@ -13,7 +13,7 @@ So the kernels of this package get a locator of their own, consulted before numb
 
 - The sources' hash: numba keys a cached function by its own file's stamp, not by the files it
   calls (after an upgrade that changes ``collective.py`` but not ``serve.py``, a cached
-  ``serve._serve`` would still run the old engine); a new directory per source set settles it.
+  ``serve._serve_nics`` would still run the old engine); a new directory per source set settles it.
 - The path's hash: two installs (two venvs) alternating on one cache directory would each find
   the other's stamps and recompile every time.
 - Older directories of the same install are removed, so upgrades do not pile up.

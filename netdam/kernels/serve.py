@@ -13,10 +13,18 @@ from collections.abc import Callable
 
 import numpy as np
 from numba import njit
+from numba.core.errors import TypingError
+from numba.typed import List
 
 from netdam.kernels import signatures as S
 from netdam.kernels.borrow import borrowed
-from netdam.kernels.collective import MAX_COLLECTIVES, any_slot, coll_ticks
+from netdam.kernels.collective import (
+    CFG_STATE,
+    MAX_COLLECTIVES,
+    STATE_RUNNING,
+    any_slot,
+    coll_ticks,
+)
 from netdam.kernels.datapath import process_batch_kernel
 from netdam.kernels.faults import apply_faults
 from netdam.kernels.guard import G_NOW, check_guard
@@ -46,11 +54,16 @@ from netdam.kernels.udp_io import (
 from netdam.kernels.wire import SLOT
 from netdam.protocol import counters as C
 
-#: Why _serve returned.
+#: Why a NIC's visit (_serve_nic) ended.
 RETURN_IDLE = 0  # nothing arrived within timeout_ms
 RETURN_PUNT = 1  # punted datagrams wait in the receive buffer for the control plane
 RETURN_ROUNDS = 2  # ran max_rounds rounds: give the control plane its turn
 RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
+RETURN_BAD_QUEUE = 4  # _serve_nics: the NIC's send queue ends lay outside its slots (not served)
+
+#: The columns of _serve_nics's report, a row per NIC.
+OUT_REASON, OUT_PUNT, OUT_CLOCK, OUT_ENDED = 0, 1, 2, 3
+OUT_COLUMNS = 4
 
 
 @njit(cache=True, nogil=True)
@@ -106,22 +119,6 @@ def _wait_any(fd, mfd, cfd, timeout_ms):
     return ready
 
 
-def serve(
-    io: ServeIO,
-    rx: RxBatch,
-    faults: FaultState,
-    node: NodeState,
-    guard: Guard,
-    tx: TxQueue,
-    txq: np.ndarray,
-    punt: np.ndarray,
-) -> tuple[int, int]:
-    """Checked entry to the node's compiled loop; returns (reason, n_punt)."""
-    _check(io, rx, faults, guard, tx, txq, punt)
-    reason, n_punt = _serve(io, rx, faults, node, guard, tx, txq, punt)
-    return int(reason), int(n_punt)
-
-
 def _check(
     io: ServeIO,
     rx: RxBatch,
@@ -131,8 +128,8 @@ def _check(
     txq: np.ndarray,
     punt: np.ndarray,
 ) -> None:
-    """What the compiled loop takes on trust, checked before every call (numba checks no
-    bounds): room for a round's datagrams, the receive size, the send queue's ends, the guard."""
+    """What the compiled loop takes on trust of a NIC's arguments (numba checks no bounds):
+    room for a round's datagrams, the receive size, the send queue's ends, the guard."""
     room = 2 * io.max_n + faults.hold.len.shape[0]
     if min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]) < room:
         raise ValueError(f"receive arrays need {room} entries (2 x max_n + held datagrams)")
@@ -143,53 +140,164 @@ def _check(
     check_guard(guard)
 
 
-#: serve's arguments, in order.
+#: A NIC's serve arguments, in order (NodeProcess.serve_args).
 ServeArgs = tuple[ServeIO, RxBatch, FaultState, NodeState, Guard, TxQueue, np.ndarray, np.ndarray]
 
 
-class ServeCall:
-    """``serve`` for one NIC, whose owners hand it the same argument objects while nothing in
-    them changed (netdam.kernels.state.Kept).
+#: One NIC's entry in a NicLoop: (io, faults, node, guard, tx, txq).
+NicEntry = tuple[ServeIO, FaultState, NodeState, Guard, TxQueue, np.ndarray]
 
-    numba's dispatcher types every argument on every call: ~7 of the ~11 us of a call that finds
-    nothing to do, for the 59 arrays in these bundles (a process serving 128 NICs makes
-    thousands of such calls a second). The first call with new arguments goes through the
-    dispatcher, which types them and refuses any that do not match the one compiled signature.
-    While every argument is the very object it typed, later calls go straight to that
-    signature's compiled entry point. That is safe because a bundle is a tuple, whose fields
-    cannot be rebound, and an array keeps the dtype, dimensions and layout it was made with:
-    numpy would let code assign an array's ``shape`` or ``dtype`` in place, and nothing in netdam
-    does (tests/architecture checks the sources). The bounds are checked on every call, as
-    ``serve`` does."""
 
-    __slots__ = ("_args", "_entry")
+class NicLoop:
+    """The NICs of one process, served by one compiled call per pass (_serve_nics) instead of
+    one per NIC: each visit saves the ~8 us of Python a NIC's serve call costs around it.
 
-    def __init__(self) -> None:
-        self._args: tuple[object, ...] = ()
-        self._entry: Callable[..., tuple[int, int]] | None = None
+    Each NIC's arguments are checked as ``serve`` checks them when they are set (``put``),
+    against the receive batch and punt list the loop shares; the compiled loop checks each
+    send queue's ends before each visit (they move). The owner puts a NIC's arguments again
+    whenever Python did anything for it (a punt, the management port, an event, the send
+    queue's room): the arrays a bundle holds are only ever replaced there, and ``put`` of the
+    same objects costs an identity check."""
 
-    def __call__(self, args: ServeArgs) -> tuple[int, int]:
-        """serve(*args)."""
-        io, rx, faults, _, guard, tx, txq, punt = args
-        _check(io, rx, faults, guard, tx, txq, punt)
-        entry = self._entry
-        if entry is not None and all(map(operator.is_, args, self._args)):
-            reason, n_punt = entry(*args)
+    def __init__(self, rx: RxBatch, punt: np.ndarray) -> None:
+        self.rx, self.punt = rx, punt
+        self._nics = _new_nic_list()
+        self._entries: list[NicEntry] = []
+        self._entry: Callable[..., int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, k: int, args: ServeArgs) -> None:
+        """NIC *k*'s serve arguments (k: the next NIC, or one already put)."""
+        io, rx, faults, node, guard, tx, txq, punt = args
+        if not 0 <= k <= len(self._entries):
+            raise ValueError(f"NIC {k} of a loop of {len(self._entries)}")
+        if punt is not self.punt or not all(map(operator.is_, rx, self.rx)):
+            raise ValueError("a NIC of the loop receives into the loop's shared batch")
+        entry: NicEntry = (io, faults, node, guard, tx, txq)
+        if k < len(self._entries) and all(map(operator.is_, entry, self._entries[k])):
+            return  # checked when put; the queue's ends, which move, at every visit
+        _check(io, self.rx, faults, guard, tx, txq, self.punt)
+        try:
+            _put_nic(self._nics, k, entry)  # the dispatcher types it; the list refuses a mismatch
+        except (NotImplementedError, TypingError) as exc:
+            raise TypeError(
+                f"NIC {k}'s serve arguments are not of the types the loop was compiled for "
+                f"(netdam.kernels.signatures.NIC_ENTRY): {type(exc).__name__}"
+            ) from None
+        if k == len(self._entries):
+            self._entries.append(entry)
         else:
-            reason, n_punt = _serve(*args)  # typed and checked by the dispatcher
-            self._args, self._entry = args, _compiled_entry()
-        return int(reason), int(n_punt)
+            self._entries[k] = entry
+
+    def serve(self, order: np.ndarray, start: int, out: np.ndarray) -> int:
+        """Visit NICs ``order[start:]`` (see _serve_nics); returns the position to go on from."""
+        n = len(self._entries)
+        if out.dtype != np.int64 or out.ndim != 2 or out.shape[0] < n or out.shape[1] < OUT_COLUMNS:
+            raise ValueError(f"the report needs {n} rows of {OUT_COLUMNS} int64")
+        if order.dtype != np.int64 or order.ndim != 1 or not 0 <= start <= order.shape[0]:
+            raise ValueError("order: NIC indices (int64), start within them")
+        if not (order.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError("order and the report: C-contiguous arrays, the report writable")
+        entry = self._entry
+        if entry is None:
+            # The first call goes through numba's dispatcher, which types the list, the batch
+            # and the punt list (and refuses any that do not match the one compiled signature).
+            # They stay the same objects for the loop's life, and order and the report were
+            # checked above, so later calls go straight to that signature's entry point: the
+            # dispatcher's typing costs ~7 us a call, every pass of a busy process.
+            position = _serve_nics(self._nics, self.rx, self.punt, order, start, out)
+            (compiled,) = _serve_nics.overloads.values()
+            self._entry = compiled.entry_point
+        else:
+            position = entry(self._nics, self.rx, self.punt, order, start, out)
+        if position < 0:
+            raise ValueError(f"order names a NIC outside the loop's {n}: {order[-1 - position]}")
+        if position and out[order[position - 1], OUT_REASON] == RETURN_BAD_QUEUE:
+            raise ValueError(
+                f"NIC {order[position - 1]}: send queue [head, tail] outside its slots"
+            )
+        return int(position)
 
 
-def _compiled_entry() -> Callable[..., tuple[int, int]]:
-    """The entry point of _serve's one compiled signature (compilation is disabled below)."""
-    (compiled,) = _serve.overloads.values()
-    entry: Callable[..., tuple[int, int]] = compiled.entry_point
-    return entry
+@njit(cache=True)
+def _new_nic_list():
+    return List.empty_list(S.NIC_ENTRY)
+
+
+@njit(cache=True)
+def _put_nic(nics, k, entry):
+    if k == len(nics):
+        nics.append(entry)
+    else:
+        nics[k] = entry
 
 
 @njit(cache=True, nogil=True)
-def _serve(io, rx, faults, node, guard, tx, txq, punt):
+def _serve_nics(nics, rx, punt, order, start, out):
+    """Visit the NICs ``order[start:]`` of one process in turn, each as one serve call with no
+    time to wait (``nics[k]``: NIC k's (io, faults, node, guard, tx, txq); the receive batch and
+    the punt list are shared, as each visit ends before the next begins). Row k of *out* says
+    why NIC k's visit ended, how many datagrams it punted, whether its clock must run (a
+    collective, a repeated DONE owed, sends waiting, datagrams held by fault injection) and
+    whether a collective ended there. Returns the position after the last NIC visited: the
+    end of *order*, or a NIC the control plane must see before any other is served (its punted
+    datagrams are in the shared batch; its send queue needs room; its queue's ends were bad);
+    -1 - i when order[i] names no NIC of the list."""
+    rx, punt = borrowed(rx), borrowed(punt)
+    for i in range(start, order.shape[0]):
+        k = order[i]
+        if not 0 <= k < len(nics):
+            return -1 - i  # the wrapper raises, naming order[i]
+        io, faults, node, guard, tx, txq = nics[k]
+        if not 0 <= txq[TXQ_HEAD] <= txq[TXQ_TAIL] < tx.len.shape[0]:
+            out[k, OUT_REASON] = RETURN_BAD_QUEUE
+            return i + 1
+        running = _running(node.coll)
+        reason, n_punt = _serve_nic(
+            borrowed(io),
+            rx,
+            borrowed(faults),
+            borrowed(node),
+            borrowed(guard),
+            borrowed(tx),
+            borrowed(txq),
+            punt,
+        )
+        out[k, OUT_REASON] = reason
+        out[k, OUT_PUNT] = n_punt
+        out[k, OUT_CLOCK] = (
+            any_slot(node.coll, False)
+            or txq[TXQ_TAIL] > txq[TXQ_HEAD]
+            or (faults.cfg[FC_ACTIVE] != 0.0 and _any_held(faults.hold.len))
+        )
+        # Collectives start only in the control plane: within a visit the count only falls.
+        out[k, OUT_ENDED] = _running(node.coll) < running
+        if reason == RETURN_PUNT or reason == RETURN_QUEUE:
+            return i + 1
+    return order.shape[0]
+
+
+@njit(cache=True, nogil=True)
+def _running(slots):
+    """How many of the slots run a collective."""
+    count = 0
+    for s in range(MAX_COLLECTIVES):
+        count += slots.cfg[s, CFG_STATE] == STATE_RUNNING
+    return count
+
+
+@njit(cache=True, nogil=True)
+def _any_held(hold_len):
+    for k in range(hold_len.shape[0]):
+        if hold_len[k] != 0:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
     while waiting, control traffic there ends the call at once, so stats never wait for it.
@@ -200,10 +308,6 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
     through Python between packets (each return cost ~50-100 us of Python and numba dispatch
     per wake-up). When fault injection holds datagrams aside, a quiet round still releases
     those that are due; the fault clock (faults.cfg[FC_NOW]) follows CLOCK_MONOTONIC every round."""
-    # The arguments, borrowed for this call (netdam.kernels.borrow): no atomic reference counts
-    # per datagram in the kernels below.
-    io, rx, faults, node = borrowed(io), borrowed(rx), borrowed(faults), borrowed(node)
-    guard, tx, txq, punt = borrowed(guard), borrowed(tx), borrowed(txq), borrowed(punt)
     fd, mfd, cfd, recv_bytes, max_n, max_len, timeout_ms, max_rounds, io_state, scratch = io
     rx_buf, rx_off, rx_len, rx_src = rx
     fault_cfg = faults.cfg
@@ -316,5 +420,5 @@ def _serve(io, rx, faults, node, guard, tx, txq, punt):
 
 # The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
 # the end of the module where every kernel it calls exists; no other signature compiles.
-_serve.compile(S.SERVE)
-_serve.disable_compile()
+_serve_nics.compile(S.SERVE_NICS)
+_serve_nics.disable_compile()

@@ -127,8 +127,18 @@ PROCESS_BATCH = (
     types.int64,
     PUNT,
 )
-#: _serve(io, rx, faults, node, guard, tx, txq, punt)
-SERVE = (SERVE_IO, RX_BATCH, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ, PUNT)
+#: One NIC's serve arguments, as the NICs of a process are listed for _serve_nics: (io, faults,
+#: node, guard, tx, txq); the receive batch and the punt list are the loop's.
+NIC_ENTRY = types.Tuple((SERVE_IO, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ))
+#: _serve_nics(nics, rx, punt, order, start, out)
+SERVE_NICS = (
+    types.ListType(NIC_ENTRY),
+    RX_BATCH,
+    PUNT,
+    types.Array(types.int64, 1, "C"),
+    types.int64,
+    types.Array(types.int64, 2, "C"),
+)
 #: coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first)
 COLL_TICKS = (
     types.float64,

@@ -21,7 +21,7 @@ class Kept(Generic[B]):
     """One bundle, made again only when one of its parts is another object than last time.
 
     An owner hands its kernels the same bundle object while its arrays stay the same objects,
-    so a caller can tell an unchanged bundle by identity (netdam.kernels.serve.ServeCall skips
+    so a caller can tell an unchanged bundle by identity (netdam.kernels.serve.NicLoop skips
     numba's type dispatch for arguments it typed before). Every part is compared, not a flag an
     owner must remember to set: an array replaced anywhere makes a new bundle."""
 

@@ -1,6 +1,6 @@
 """The switch process's hot loop: receive a batch (GRO), translate it, send the queue (GSO).
 
-The same structure as ``serve._serve`` (the node's loop): one compiled call runs up to
+The same structure as ``serve._serve_nic`` (a node's loop): one compiled call runs up to
 ``max_rounds`` rounds and returns to Python for punted datagrams (control opcodes, PING),
 queue growth, or when idle for ``timeout_ms``. Held datagrams (reorder/delay faults) are
 released in later rounds even when nothing arrives.

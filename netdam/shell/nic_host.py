@@ -7,10 +7,12 @@ size: numba and the compiled kernels (loaded once, ~1.5 s of CPU and ~200 MB per
 the receive buffers of the serve call (one NIC's call, punted datagrams included, ends before
 the next NIC's begins).
 
-The loop: epoll(7) over every NIC's sockets; each NIC with traffic, or with a clock to run (a
-collective, held datagrams, sends waiting for room) gets one compiled serve call that takes
-nothing but what is already queued (timeout 0: it drains up to ROUNDS_PER_CALL rounds of
-batches, then returns), then its control plane. A datagram for a NIC whose turn has passed
+The loop: epoll(7) over every NIC's sockets; the NICs with traffic, or with a clock to run (a
+collective, held datagrams, sends waiting for room), are visited in one compiled call
+(``serve.NicLoop``): each visit takes nothing but what is already queued (no time to wait: up
+to ROUNDS_PER_NIC rounds of batches). The call stops early after a NIC whose punted datagrams
+or send queue Python must see first; each NIC's control plane runs after its visit, and a NIC
+Python did anything for has its arguments given to the loop again. A datagram for a NIC whose turn has passed
 waits for the others' turns, which a card never does; the loop measures its passes and the
 NICs' collective timers cover the longest recent one (``CollectiveSlots.set_host_turn``), so
 waiting for a turn is not taken for loss. A process with one NIC runs that NIC's own blocking
@@ -25,6 +27,9 @@ import select
 import socket
 import time
 
+import numpy as np
+
+from netdam.kernels import serve
 from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
 from netdam.shell.process import ServeLoop, serve_main
 from netdam.shell.turns import TurnBoard
@@ -75,14 +80,21 @@ class NicHost(ServeLoop):
             if len(configs) > 1
             else None
         )
-        #: When each NIC whose clock runs was last served (the wait for its next turn).
-        self._clocked_at: dict[int, float] = {}
+        #: The NICs whose clock runs (served every pass, traffic or not), and when the last
+        #: pass began (the wait of theirs for their next turn).
+        self._clocked: set[int] = set()
+        self._pass_began = time.monotonic()
         self._poll = select.epoll()
         self._owner: dict[int, int] = {}
         self._fds: list[tuple[int, ...]] = [() for _ in self.nics]
         self._sockets: list[tuple[socket.socket, ...]] = [() for _ in self.nics]
+        self._control_fds: list[int] = [nic.ctrl_sock.fileno() for nic in self.nics]
         for k in range(len(self.nics)):
             self._watch(k)
+        #: One compiled call serves a pass's NICs (serve.NicLoop), and reports on each here.
+        self._loop = serve.NicLoop(self.nics[0].rx, self.buffers.punt)
+        self._report = np.zeros((len(self.nics), serve.OUT_COLUMNS), np.int64)
+        self._put_all()
 
     @property
     def single(self) -> NodeProcess | None:
@@ -114,9 +126,8 @@ class NicHost(ServeLoop):
         if single is not None:
             reason = single.serve_once(timeout_ms)
             return reason
-        clocked = [k for k, nic in enumerate(self.nics) if nic.wants_clock()]
-        wait = min(timeout_ms, CLOCK_WAIT_MS) if clocked else timeout_ms
-        due = set(clocked)
+        wait = min(timeout_ms, CLOCK_WAIT_MS) if self._clocked else timeout_ms
+        due = set(self._clocked)
         ready = set()
         for fd, _ in self._poll.poll(wait / 1000.0):
             owner = self._owner.get(fd)
@@ -124,25 +135,45 @@ class NicHost(ServeLoop):
                 due.add(owner)
                 ready.add(fd)
         began = time.monotonic()
-        running = set(clocked)
-        for k in sorted(due):
-            now = time.monotonic()
-            last = self._clocked_at.get(k)
-            if last is not None and now - last > self.turn_s:
-                # A NIC whose clock runs waited this long for its turn: its timers run first in
-                # its serve call (before it reads the ACKs that waited with it), so they must
-                # cover this wait already, not only from the end of this pass on.
-                self._note_turn(now - last, now)
-            nic = self.nics[k]
-            nic.serve_once(0, ROUNDS_PER_NIC, control=nic.ctrl_sock.fileno() in ready)
-            self._watch(k)
-            if k in running:
-                self._clocked_at[k] = now
-        for k in set(self._clocked_at) - running:
-            del self._clocked_at[k]  # its clock stopped: a quiet spell is no wait for a turn
+        if self._clocked and began - self._pass_began > self.turn_s:
+            # The NICs whose clock runs waited this long for this pass: their timers run first
+            # in their visit (before they read the ACKs that waited with them), so they must
+            # cover this wait already, not only from the end of this pass on.
+            self._note_turn(began - self._pass_began, began)
+        self._pass_began = began
+        order = np.array(sorted(due), np.int64)
+        report = self._report
+        position = 0
+        while position < order.shape[0]:
+            # The loop stops after a NIC whose punted datagrams (in the shared batch) or send
+            # queue the control plane must see before the next NIC is served.
+            end = self._loop.serve(order, position, report)
+            for k in order[position:end].tolist():
+                self._after_visit(k, ready)
+            position = end
         ended = time.monotonic()
         self._note_turn(ended - began, ended)
         return len(due)
+
+    def _after_visit(self, k: int, ready: set[int]) -> None:
+        """NIC *k*'s control plane after its visit, and whether its clock runs now."""
+        reason, n_punt, clock, ended = self._report[k, : serve.OUT_COLUMNS].tolist()
+        nic = self.nics[k]
+        if nic.after_visit(reason, n_punt, self._control_fds[k] in ready, bool(ended)):
+            self._loop.put(k, nic.loop_args(ROUNDS_PER_NIC))
+            self._watch(k)
+            clock = nic.wants_clock()
+        if clock:
+            self._clocked.add(k)
+        else:
+            self._clocked.discard(k)
+
+    def _put_all(self) -> None:
+        """Give the loop every NIC's arguments (again: after the NICs were served one by one)."""
+        for k, nic in enumerate(self.nics):
+            self._loop.put(k, nic.loop_args(ROUNDS_PER_NIC))
+            if nic.wants_clock():
+                self._clocked.add(k)
 
     def _note_turn(self, took: float, now: float) -> None:
         """A pass over the NICs took *took* seconds: a datagram for a NIC whose turn had passed
@@ -165,6 +196,7 @@ class NicHost(ServeLoop):
         self.nics[0].warm_up(resident=True)
         for nic in self.nics[1:]:
             nic.serve_once(0)
+        self._put_all()
 
     def ready_lines(self) -> str:
         """One ``ready`` line per NIC, in the order of the configs (the launcher reads them)."""

@@ -48,6 +48,8 @@ ROUND_DATAGRAMS = 256
 RECV_RUNS = 32
 #: Bytes of the receive buffer the GRO runs take.
 RECV_BYTES = RECV_RUNS * RUN_BYTES
+#: The order a lone NIC's loop visits: itself.
+_ONLY_NIC = np.zeros(1, np.int64)
 #: Rounds per compiled call before the control plane gets a turn (bounds stats latency).
 ROUNDS_PER_CALL = 32
 #: Datagrams held aside by fault injection (reorder, delay) at once.
@@ -194,12 +196,15 @@ class NodeProcess(ServeLoop):
             self.hold_gen,
         )
         self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
-        #: The serve loop's I/O bundle, and the compiled call that knows this NIC's arguments.
+        #: The serve loop's I/O bundle.
         self._io: Kept[ServeIO] = Kept()
         #: The data, group (-1: none) and management sockets' descriptors, kept as the same int
         #: objects from call to call (Kept compares parts by identity).
         self._fds = (self.sock.fileno(), -1, self.ctrl_sock.fileno())
-        self._serve = serve.ServeCall()
+        #: The loop of this NIC alone that serve_once runs, and its report (a NIC of a NicHost is
+        #: visited by the host's loop; its serve_once only warms it up).
+        self._own_loop = serve.NicLoop(self.rx, self.punt)
+        self._report = np.zeros((1, serve.OUT_COLUMNS), np.int64)
         self.faults = FaultState(
             self.fault_cfg, self.fault_keys, self.fault_table_key, self.fault_table_count, self.hold
         )
@@ -212,7 +217,11 @@ class NodeProcess(ServeLoop):
         none, so its read is skipped: a failed read costs an exception, ~10 us a turn)."""
         self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
         self.fault_cfg[FC_NOW] = time.monotonic()
-        reason, n_punt = self._serve(self.serve_args(timeout_ms, rounds))
+        # Served as a loop of one NIC (serve.NicLoop): its arguments are typed once, then the
+        # compiled loop is entered directly while they stay the same objects.
+        self._own_loop.put(0, self.serve_args(timeout_ms, rounds))
+        self._own_loop.serve(_ONLY_NIC, 0, self._report)
+        reason, n_punt = self._report[0, : serve.OUT_PUNT + 1].tolist()
         if n_punt:
             self.core.handle_punted(
                 self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt)
@@ -225,7 +234,7 @@ class NodeProcess(ServeLoop):
 
     def serve_args(self, timeout_ms: int, rounds: int) -> ServeArgs:
         """The compiled serve's arguments: the same objects from call to call while nothing in
-        them changed (netdam.kernels.serve.ServeCall)."""
+        them changed (netdam.kernels.serve.NicLoop.put tells them by identity)."""
         core = self.core
         io = self._io.of(
             ServeIO,
@@ -251,11 +260,40 @@ class NodeProcess(ServeLoop):
             self.punt,
         )
 
+    def loop_args(self, rounds: int) -> ServeArgs:
+        """serve_args for a visit by its process's compiled loop (NicHost): no time to wait,
+        room reserved in the send queue first, as serve_once does."""
+        self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
+        return self.serve_args(0, rounds)
+
+    def after_visit(self, reason: int, n_punt: int, control: bool, ended: bool) -> bool:
+        """The control plane's part of a visit by its process's compiled loop, as serve_once
+        does after its call: punted datagrams (*n_punt*, in the loop's shared batch), the
+        management port (*control*: it has requests), the key of a collective that *ended*,
+        events. Returns whether any of it ran, or the send queue needs room (*reason*): then
+        the NIC's arguments may have changed, and the loop must be given them again."""
+        touched = reason == serve.RETURN_QUEUE
+        if n_punt:
+            self.core.handle_punted(
+                self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, n_punt
+            )
+            touched = True
+        if ended:
+            self.core.release_collective_key()
+            touched = True
+        if control:
+            self._serve_control()
+            touched = True
+        return self._handle_events() or touched
+
     def _serve_control(self) -> None:
         serve_management_port(self.ctrl_sock, self.core)
 
-    def _handle_events(self) -> None:
+    def _handle_events(self) -> bool:
+        """The core's events (a group joined or left); returns whether there were any."""
+        any_event = False
         while (event := self.core.next_event()) is not None:
+            any_event = True
             if isinstance(event, GroupJoined):
                 self._join(event.group)
             elif isinstance(event, GroupLeft) and self.group_sock is not None:
@@ -263,6 +301,7 @@ class NodeProcess(ServeLoop):
                 self.group_sock = None
                 self.group = None
                 self._fds = (self._fds[0], -1, self._fds[2])
+        return any_event
 
     def _join(self, group: Endpoint) -> None:
         """Receive the group's datagrams on a socket bound to the group address and port

@@ -594,7 +594,7 @@ def arrays_reshaped_in_place(tree: ast.Module) -> list[int]:
 
 def test_no_array_changes_its_shape_or_dtype_in_place() -> None:
     """The serve loop calls its compiled entry point directly while its arguments are the
-    arrays it typed once (netdam.kernels.serve.ServeCall): an array reshaped or retyped in
+    arrays it typed once (netdam.kernels.serve.NicLoop): an array reshaped or retyped in
     place would be read with the types it had. So none is."""
     found = {
         name: lines

@@ -1,33 +1,36 @@
-"""The node's compiled serve called without numba's type dispatch (netdam.kernels.serve.ServeCall)
-while its arguments are the objects it typed, and through the dispatcher, which refuses a
-mismatch, the moment one is not; the owners' bundles stay the same objects until an array in
-them is replaced (netdam.kernels.state.Kept)."""
+"""The NICs' compiled serve loop (netdam.kernels.serve.NicLoop): a process's NICs visited in one
+call; arguments typed by numba's dispatcher once (which refuses a mismatch), then the compiled
+entry called directly while they are the same objects; the owners' bundles stay the same
+objects until an array in them is replaced (netdam.kernels.state.Kept)."""
 
 from __future__ import annotations
 
 import operator
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from netdam.kernels import collective as L
 from netdam.kernels import serve
 from netdam.kernels.state import Kept, Regions, TxQueue
-from netdam.shell.node_process import NodeProcess, NodeProcessConfig
+from netdam.protocol import counters as C
+from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
 
 
 class _CountingDispatcher:
-    """Stands in for serve._serve: counts the calls that go through numba's dispatcher."""
+    """Stands in for a jitted function: counts the calls that go through numba's dispatcher."""
 
     def __init__(self, real: Any) -> None:
         self.real, self.calls = real, 0
         self.overloads = real.overloads
 
-    def __call__(self, *args: object) -> tuple[int, int]:
+    def __call__(self, *args: object) -> object:
         self.calls += 1
-        result: tuple[int, int] = self.real(*args)
-        return result
+        return self.real(*args)
 
 
 @pytest.fixture
@@ -65,28 +68,106 @@ def test_the_owners_hand_out_the_same_bundles_until_an_array_is_replaced(nic: An
 def test_same_arguments_skip_the_dispatcher_and_a_mismatch_is_refused(
     nic: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    counting = _CountingDispatcher(serve._serve)
-    monkeypatch.setattr(serve, "_serve", counting)
-    call = serve.ServeCall()
-    core = nic.core
+    """A lone NIC's serve_once: its loop types its arguments once (one put through the
+    dispatcher, one loop call through it) and then enters the compiled loop directly; a
+    wrongly typed bundle is refused by the dispatcher, and the arguments known before stay."""
+    puts = _CountingDispatcher(serve._put_nic)
+    calls = _CountingDispatcher(serve._serve_nics)
+    monkeypatch.setattr(serve, "_put_nic", puts)
+    monkeypatch.setattr(serve, "_serve_nics", calls)
     for _ in range(50):
-        assert call(nic.serve_args(0, 1)) == (serve.RETURN_IDLE, 0)
-    assert counting.calls == 1  # typed once, then straight to the compiled entry point
+        assert nic.serve_once(0, 1, control=False) == serve.RETURN_IDLE
+    assert (puts.calls, calls.calls) == (1, 1)
     assert all(map(operator.is_, nic.serve_args(0, 1), nic.serve_args(0, 1)))
-    io, rx, faults, _, guard, tx, txq, punt = nic.serve_args(0, 1)
-    # A NodeState whose rkey table has the wrong dtype: a new object, so it goes through the
-    # dispatcher, which has no such signature and refuses it (the entry point would have read
-    # the uint64 keys as uint32).
-    state = core.node_state()
+    loop = serve.NicLoop(nic.rx, nic.punt)
+    loop.put(0, nic.serve_args(0, 1))
+    # A NodeState whose rkey table has the wrong dtype: the entry point would have read the
+    # uint64 keys as uint32; the dispatcher has no such signature and refuses it.
+    io, rx, faults, state, guard, tx, txq, punt = nic.serve_args(0, 1)
     wrong = state._replace(regions=Regions(*(np.zeros(r.shape, np.uint64) for r in state.regions)))
-    with pytest.raises(TypeError, match="No matching definition"):
-        call((io, rx, faults, wrong, guard, tx, txq, punt))
-    assert counting.calls == 2
-    # A refused call changes nothing: the arguments typed before are still known.
-    assert call(nic.serve_args(0, 1)) == (serve.RETURN_IDLE, 0)
-    assert counting.calls == 2
-    # The bounds are checked on every call, dispatched or not.
+    with pytest.raises(TypeError, match="not of the types"):
+        loop.put(0, (io, rx, faults, wrong, guard, tx, txq, punt))
+    assert puts.calls == 3
+    report = np.zeros((1, serve.OUT_COLUMNS), np.int64)
+    assert loop.serve(np.zeros(1, np.int64), 0, report) == 1  # still the right arguments
+    # The bounds are checked when arguments are given, and the queue's ends at every visit.
     txq[1] = tx.len.shape[0]
     with pytest.raises(ValueError, match="send queue"):
-        call(nic.serve_args(0, 1))
+        serve.NicLoop(nic.rx, nic.punt).put(0, nic.serve_args(0, 1))
+    with pytest.raises(ValueError, match="NIC 0: send queue"):
+        loop.serve(np.zeros(1, np.int64), 0, report)
     txq[1] = 0
+
+
+def test_a_nic_loop_serves_its_nics_in_one_call_and_refuses_what_it_cannot_trust(
+    tmp_path: Path,
+) -> None:
+    """serve.NicLoop: two NICs sharing one receive batch, visited by one compiled call; each
+    takes its own datagrams. A NIC that does not share the batch, an order or a report out of
+    bounds, or arguments of other types are refused before any compiled code runs; a NIC whose
+    send queue's ends are bad is not served, and the report says so."""
+    buffers = ServeBuffers.new()
+    nics = [
+        NodeProcess(
+            NodeProcessConfig(
+                memory_bytes=1 << 20, bind=("127.0.0.1", 0), shm_dir=tmp_path, name=f"n{k}"
+            ),
+            buffers,
+        )
+        for k in range(2)
+    ]
+    alone = NodeProcess(
+        NodeProcessConfig(memory_bytes=1 << 20, bind=("127.0.0.1", 0), shm_dir=tmp_path, name="x")
+    )
+    try:
+        loop = serve.NicLoop(nics[0].rx, buffers.punt)
+        for k, nic in enumerate(nics):
+            loop.put(k, nic.loop_args(4))
+        report = np.zeros((2, serve.OUT_COLUMNS), np.int64)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _ in range(3):
+                sock.sendto(b"not a netdam datagram", nics[1].endpoint)
+            time.sleep(0.05)
+        assert loop.serve(np.array([0, 1], np.int64), 0, report) == 2
+        assert report[:, serve.OUT_REASON].tolist() == [serve.RETURN_IDLE] * 2  # drained
+        assert [int(nic.core.counters[C.RX_PACKETS]) for nic in nics] == [0, 3]
+        with pytest.raises(ValueError, match="shared batch"):
+            loop.put(2, alone.loop_args(4))
+        with pytest.raises(ValueError, match="outside the loop"):
+            loop.serve(np.array([0, 2], np.int64), 0, report)
+        with pytest.raises(ValueError, match="start"):
+            loop.serve(np.array([0], np.int64), 2, report)
+        with pytest.raises(ValueError, match="rows"):
+            loop.serve(np.array([0], np.int64), 0, report[:1])
+        args = list(nics[1].loop_args(4))
+        state = args[3]
+        args[3] = state._replace(
+            regions=Regions(*(np.zeros(r.shape, np.uint64) for r in state.regions))
+        )
+        with pytest.raises(TypeError, match="not of the types"):
+            loop.put(1, tuple(args))  # type: ignore[arg-type]
+        # A collective running on NIC 0 whose watchdog has long run out: the visit fails it,
+        # and the report says one ended there (its key is then released) and no clock runs.
+        slots = nics[0].core.collective
+        slots.cfg[0, L.CFG_STATE] = L.STATE_RUNNING
+        slots.fcfg[0, [L.F_START, L.F_LAST_ADVANCE, L.F_DEADLINE]] = (1.0, 1.0, 0.001)
+        assert loop.serve(np.array([0], np.int64), 0, report) == 1
+        assert slots.cfg[0, L.CFG_STATE] == L.STATE_FAILED
+        assert report[0, serve.OUT_ENDED] == 1 and report[0, serve.OUT_CLOCK] == 0
+        assert loop.serve(np.array([0], np.int64), 0, report) == 1
+        assert report[0, serve.OUT_ENDED] == 0
+        slots.cfg[0, L.CFG_STATE] = L.STATE_RUNNING  # running, and nothing fails it yet
+        slots.fcfg[0, L.F_DEADLINE] = 1e9
+        assert loop.serve(np.array([0], np.int64), 0, report) == 1
+        assert report[0, serve.OUT_CLOCK] == 1 and report[0, serve.OUT_ENDED] == 0
+        slots.cfg[0, L.CFG_STATE] = L.STATE_FAILED
+        txq = nics[1].core.tx_queue
+        txq[1] = nics[1].core.tx_bundle().len.shape[0]  # the tail past the last slot
+        report[:] = -1
+        with pytest.raises(ValueError, match="NIC 1: send queue"):
+            loop.serve(np.array([0, 1], np.int64), 0, report)
+        assert report[:, serve.OUT_REASON].tolist() == [serve.RETURN_IDLE, serve.RETURN_BAD_QUEUE]
+        txq[1] = 0
+    finally:
+        for nic in (*nics, alone):
+            nic.close()
