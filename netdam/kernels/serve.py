@@ -181,7 +181,7 @@ class NicLoop:
         _check(io, self.rx, faults, guard, tx, txq, self.punt)
         try:
             _put_nic(self._nics, k, entry)  # the dispatcher types it; the list refuses a mismatch
-        except (NotImplementedError, TypingError) as exc:
+        except (TypeError, NotImplementedError, TypingError) as exc:
             raise TypeError(
                 f"NIC {k}'s serve arguments are not of the types the loop was compiled for "
                 f"(netdam.kernels.signatures.NIC_ENTRY): {type(exc).__name__}"
@@ -422,3 +422,10 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
 # the end of the module where every kernel it calls exists; no other signature compiles.
 _serve_nics.compile(S.SERVE_NICS)
 _serve_nics.disable_compile()
+# The typed list's helpers too: compiled lazily, each node process compiled them at its first
+# serve call (~1.5 s of CPU, after it said it was ready), and on a loaded machine a collective's
+# watchdog took two such nodes for dead (CI, `netdam allreduce --nodes 2`).
+_new_nic_list.compile(())
+_new_nic_list.disable_compile()
+_put_nic.compile(S.PUT_NIC)
+_put_nic.disable_compile()

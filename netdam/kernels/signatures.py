@@ -130,6 +130,8 @@ PROCESS_BATCH = (
 #: One NIC's serve arguments, as the NICs of a process are listed for _serve_nics: (io, faults,
 #: node, guard, tx, txq); the receive batch and the punt list are the loop's.
 NIC_ENTRY = types.Tuple((SERVE_IO, FAULT_STATE, NODE_STATE, GUARD_STATE, TX_QUEUE, TXQ))
+#: _put_nic(nics, k, entry)
+PUT_NIC = (types.ListType(NIC_ENTRY), types.int64, NIC_ENTRY)
 #: _serve_nics(nics, rx, punt, order, start, out)
 SERVE_NICS = (
     types.ListType(NIC_ENTRY),
