@@ -100,6 +100,13 @@ def run_rank(
         raise
     finally:
         dist.destroy_process_group()
+    # Done, and the results are written: leave without the interpreter's finalization. Twice in
+    # CI (torch 2.13, CPU) a rank that had finished aborted there ("terminate called without an
+    # active exception", then a crash in faulthandler's dump of a thread being torn down), and
+    # torch's spawn reported a signal for a run whose work was complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train(rank: int, world: int, cluster_path: str, options: dict[str, Any], outdir: str) -> None:
