@@ -656,6 +656,15 @@ def any_slot(slots, running_only):
 
 
 @njit(cache=True, nogil=True)
+def running_slots(slots):
+    """How many of the slots run a collective."""
+    count = 0
+    for s in range(MAX_COLLECTIVES):
+        count += slots.cfg[s, CFG_STATE] == STATE_RUNNING
+    return count
+
+
+@njit(cache=True, nogil=True)
 def coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first):
     """The clock of every slot that needs it, slot *first* first: callers turn *first* round,
     so no collective always sends first into a send queue that may fill (a fair share each).
@@ -670,9 +679,7 @@ def coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first):
         borrowed(trace),
         borrowed(tx),
     )
-    running = 0
-    for s in range(MAX_COLLECTIVES):
-        running += slots.cfg[s, CFG_STATE] == STATE_RUNNING
+    running = running_slots(slots)
     for k in range(MAX_COLLECTIVES):
         s = (first + k) % MAX_COLLECTIVES
         if _needs_clock(slots.cfg[s]):

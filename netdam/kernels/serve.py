@@ -18,13 +18,7 @@ from numba.typed import List
 
 from netdam.kernels import signatures as S
 from netdam.kernels.borrow import borrowed
-from netdam.kernels.collective import (
-    CFG_STATE,
-    MAX_COLLECTIVES,
-    STATE_RUNNING,
-    any_slot,
-    coll_ticks,
-)
+from netdam.kernels.collective import MAX_COLLECTIVES, any_slot, coll_ticks, running_slots
 from netdam.kernels.datapath import process_batch_kernel
 from netdam.kernels.faults import apply_faults
 from netdam.kernels.guard import G_NOW, check_guard
@@ -152,8 +146,8 @@ class NicLoop:
     """The NICs of one process, served by one compiled call per pass (_serve_nics) instead of
     one per NIC: each visit saves the ~8 us of Python a NIC's serve call costs around it.
 
-    Each NIC's arguments are checked as ``serve`` checks them when they are set (``put``),
-    against the receive batch and punt list the loop shares; the compiled loop checks each
+    Each NIC's arguments are checked (_check) when they are set (``put``), against the
+    receive batch and punt list the loop shares; the compiled loop checks each
     send queue's ends before each visit (they move). The owner puts a NIC's arguments again
     whenever Python did anything for it (a punt, the management port, an event, the send
     queue's room): the arrays a bundle holds are only ever replaced there, and ``put`` of the
@@ -254,7 +248,7 @@ def _serve_nics(nics, rx, punt, order, start, out):
         if not 0 <= txq[TXQ_HEAD] <= txq[TXQ_TAIL] < tx.len.shape[0]:
             out[k, OUT_REASON] = RETURN_BAD_QUEUE
             return i + 1
-        running = _running(node.coll)
+        running = running_slots(node.coll)
         reason, n_punt = _serve_nic(
             borrowed(io),
             rx,
@@ -273,19 +267,10 @@ def _serve_nics(nics, rx, punt, order, start, out):
             or (faults.cfg[FC_ACTIVE] != 0.0 and _any_held(faults.hold.len))
         )
         # Collectives start only in the control plane: within a visit the count only falls.
-        out[k, OUT_ENDED] = _running(node.coll) < running
+        out[k, OUT_ENDED] = running_slots(node.coll) < running
         if reason == RETURN_PUNT or reason == RETURN_QUEUE:
             return i + 1
     return order.shape[0]
-
-
-@njit(cache=True, nogil=True)
-def _running(slots):
-    """How many of the slots run a collective."""
-    count = 0
-    for s in range(MAX_COLLECTIVES):
-        count += slots.cfg[s, CFG_STATE] == STATE_RUNNING
-    return count
 
 
 @njit(cache=True, nogil=True)

@@ -215,21 +215,14 @@ class NodeProcess(ServeLoop):
         """One compiled call (up to *rounds* rounds), then the slow path. Returns why.
         *control*: the management port may have requests (False: a caller that polled it saw
         none, so its read is skipped: a failed read costs an exception, ~10 us a turn)."""
-        self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
         self.fault_cfg[FC_NOW] = time.monotonic()
         # Served as a loop of one NIC (serve.NicLoop): its arguments are typed once, then the
         # compiled loop is entered directly while they stay the same objects.
-        self._own_loop.put(0, self.serve_args(timeout_ms, rounds))
+        self._own_loop.put(0, self.loop_args(rounds, timeout_ms))
         self._own_loop.serve(_ONLY_NIC, 0, self._report)
         reason, n_punt = self._report[0, : serve.OUT_PUNT + 1].tolist()
-        if n_punt:
-            self.core.handle_punted(
-                self.rx_buf, self.rx_off, self.rx_len, self.rx_src, self.punt, int(n_punt)
-            )
-        self.core.release_collective_key()
-        if control:
-            self._serve_control()
-        self._handle_events()
+        # Every ended collective's key goes after every call (ended=True: a no-op without one).
+        self.after_visit(reason, n_punt, control, ended=True)
         return int(reason)
 
     def serve_args(self, timeout_ms: int, rounds: int) -> ServeArgs:
@@ -260,15 +253,15 @@ class NodeProcess(ServeLoop):
             self.punt,
         )
 
-    def loop_args(self, rounds: int) -> ServeArgs:
-        """serve_args for a visit by its process's compiled loop (NicHost): no time to wait,
-        room reserved in the send queue first, as serve_once does."""
+    def loop_args(self, rounds: int, timeout_ms: int = 0) -> ServeArgs:
+        """serve_args for a visit by a compiled loop, room reserved in the send queue first
+        (NicHost's visits have no time to wait; serve_once's may)."""
         self.core.reserve(2 * ROUND_DATAGRAMS + self.hold_len.shape[0] + 1)
-        return self.serve_args(0, rounds)
+        return self.serve_args(timeout_ms, rounds)
 
     def after_visit(self, reason: int, n_punt: int, control: bool, ended: bool) -> bool:
-        """The control plane's part of a visit by its process's compiled loop, as serve_once
-        does after its call: punted datagrams (*n_punt*, in the loop's shared batch), the
+        """The control plane's part of a visit by a compiled loop (NicHost's, or serve_once's
+        own): punted datagrams (*n_punt*, in the loop's shared batch), the
         management port (*control*: it has requests), the key of a collective that *ended*,
         events. Returns whether any of it ran, or the send queue needs room (*reason*): then
         the NIC's arguments may have changed, and the loop must be given them again."""
