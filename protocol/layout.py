@@ -90,6 +90,14 @@ class Layout:
         f = self._by_name[name]
         pack_into(self.order + f.code, data, base + f.offset, value)
 
+    def pack_into(self, data: Any, base: int, **values: int) -> None:
+        """Write one whole block at data[base:]: the fields *values* names, every other 0 (one
+        struct call: a field at a time through numpy costs ~1 us each)."""
+        unknown = values.keys() - self._by_name.keys()
+        if unknown:
+            raise KeyError(f"{self.name} has no field {sorted(unknown)[0]!r}")
+        self.struct.pack_into(data, base, *[values.get(f.name, 0) for f in self.fields])
+
     def span(self, name: str, base: int = 0) -> slice:
         """The bytes of field *name* as a slice of the datagram (block at *base*)."""
         f = self._by_name[name]

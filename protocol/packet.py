@@ -483,9 +483,18 @@ def with_retry_flag(data: bytes) -> bytes:
 
 
 def reply_to(
-    request: Packet, opcode: Opcode, status: Status = Status.OK, payload: bytes = b""
+    request: Packet,
+    opcode: Opcode,
+    status: Status = Status.OK,
+    payload: bytes = b"",
+    *,
+    rkey: int | None = None,
+    addr: int | None = None,
+    aux_addr: int | None = None,
 ) -> Packet:
-    """A reply: echoes ids, addresses and the return segment, drops the SR list (SPEC.md)."""
+    """A reply: echoes ids, addresses and the return segment, drops the SR list (SPEC.md);
+    *rkey*, *addr* and *aux_addr*, when given, instead of the request's (one copy of the
+    request, where a copy per changed field cost a START_COLL's answer ~5 us each)."""
     return replace(
         request,
         opcode=opcode,
@@ -495,4 +504,7 @@ def reply_to(
         segments_left=0,
         length=len(payload),
         payload=payload,
+        rkey=request.rkey if rkey is None else rkey,
+        addr=request.addr if addr is None else addr,
+        aux_addr=request.aux_addr if aux_addr is None else aux_addr,
     )

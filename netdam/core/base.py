@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -178,14 +177,9 @@ class CoreBase(QueueOwner):
         tag_key: bytes = b"",
     ) -> bytes:
         """Queue the reply to *request*; sealed under *tag_key* (a collective's, SPEC.md 2.6)."""
-        reply = reply_to(request, opcode, status, payload)
-        if rkey is not None:
-            reply = replace(reply, rkey=rkey)
-        if aux_addr is not None:
-            reply = replace(reply, aux_addr=aux_addr)
-        if addr is not None:
-            reply = replace(reply, addr=addr)
-        data = encode_packet(reply)
+        data = encode_packet(
+            reply_to(request, opcode, status, payload, rkey=rkey, addr=addr, aux_addr=aux_addr)
+        )
         if tag_key:
             data = seal_bytes(tag_key, data)
         self._push(data, self._reply_dst(request, src))

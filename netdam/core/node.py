@@ -77,6 +77,7 @@ from netdam.protocol.layout import (
     H_STATUS,
     H_VERSION,
     HEADER,
+    TRACE_RECORD,
     TRACE_RECORD_BYTES,
     TRACE_REPLY,
 )
@@ -89,7 +90,7 @@ from netdam.protocol.payloads import (
     unpack_register,
 )
 from netdam.protocol.tag import is_control
-from netdam.protocol.trace import DEFAULT_TRACE_RECORDS, TRACE_DTYPE
+from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 
 #: Open-addressed rkey table size (power of two); at most half is used so probes stay short.
 RKEY_SLOTS = 1024
@@ -585,12 +586,19 @@ class NodeCore(CoreBase):
         Rebuilt whole: open addressing has no cheap delete, and registration is rare."""
         self._rk_key[:] = 0
         self._rk_tag[:] = 0
-        for key, (base, size, rights) in self._keys().items():
-            slot = _probe_free(self._rk_key, key)
-            self._rk_key[slot], self._rk_base[slot] = key, base
-            self._rk_len[slot], self._rk_rights[slot] = size, rights
-            if key in self._tag_keys:
-                self._rk_tag[slot] = np.frombuffer(self._tag_keys[key], "<u8")
+        for key, span in self._keys().items():
+            self._install_rkey(key, span)
+
+    def _install_rkey(self, key: int, span: tuple[int, int, int]) -> None:
+        """Add *key* (base, size, rights) to the datapath's table, which does not hold it:
+        inserting keeps the probe sequences valid as long as nothing is deleted, and only a
+        rebuild deletes."""
+        base, size, rights = span
+        slot = _probe_free(self._rk_key, key)
+        self._rk_key[slot], self._rk_base[slot] = key, base
+        self._rk_len[slot], self._rk_rights[slot] = size, rights
+        if key in self._tag_keys:
+            self._rk_tag[slot] = np.frombuffer(self._tag_keys[key], "<u8")
 
     # ------------------------------------------------------------------ a collective's key
 
@@ -608,11 +616,13 @@ class NodeCore(CoreBase):
         owner = self._owner_containing(lo, hi - lo)
         if owner is None:
             return  # the engine answers BAD_RKEY: no registered memory holds the buffers
-        self._coll_keys[packet.coll_id] = (
-            rkey,
-            (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS)),
-        )
-        self._rebuild_rkeys()
+        scope = (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS))
+        replaced = self._coll_keys.get(packet.coll_id)
+        self._coll_keys[packet.coll_id] = (rkey, scope)
+        if replaced is None:
+            self._install_rkey(rkey, scope)  # one START_COLL, one insert: no rebuild
+        else:
+            self._rebuild_rkeys()  # the group's last key goes
 
     def release_collective_key(self) -> None:
         """Remove the key of every collective no longer running (called after every serve
@@ -695,16 +705,18 @@ class NodeCore(CoreBase):
         if rows.shape[0] == 0:
             return
         written = int(self.trace.cursor[0])
-        record = rows[written % rows.shape[0]].view(TRACE_DTYPE)
-        record[:] = 0
-        record["t_ns"] = int(self.guard.cfg[G_NOW] * 1e9)
-        record["kind"] = TraceKind.RX
-        record["opcode"] = packet.opcode
-        record["length"] = length
-        record["peer"] = src
-        record["coll_id"] = packet.coll_id
-        record["epoch"] = packet.epoch
-        record["seq"] = packet.seq
+        TRACE_RECORD.pack_into(
+            rows,
+            (written % rows.shape[0]) * TRACE_RECORD_BYTES,
+            t_ns=int(self.guard.cfg[G_NOW] * 1e9),
+            kind=TraceKind.RX,
+            opcode=packet.opcode,
+            length=length,
+            peer=src,
+            coll_id=packet.coll_id,
+            epoch=packet.epoch,
+            seq=packet.seq,
+        )
         self.trace.cursor[0] = written + 1
 
     def trace_records(self, first: int) -> bytes:
