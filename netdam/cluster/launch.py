@@ -434,6 +434,7 @@ def _start_cluster(
     guard: bool = True,
     nics_per_process: int | None = None,
     trace_records: int = DEFAULT_TRACE_RECORDS,
+    scheduling: str = "batch",
 ) -> LocalCluster:
     if nodes < 1:
         raise ValueError("--nodes must be at least 1")
@@ -462,6 +463,7 @@ def _start_cluster(
         guard,
         admin_tag_key=admin_tag_key(bytes.fromhex(group_key)),
         trace_records=trace_records,
+        scheduling=scheduling,
     )
     procs, started = _spawn_nodes(
         spec, [(rank, ep, memory) for rank, ep in enumerate(endpoints)], nics_per_process
@@ -542,6 +544,8 @@ class _NodeSpec:
     admin_tag_key: bytes = b""
     #: Records of each NIC's trace ring (SPEC.md 6.7; 0: off).
     trace_records: int = DEFAULT_TRACE_RECORDS
+    #: The node processes' scheduling policy (netdam.shell.startup.SCHEDULING).
+    scheduling: str = "batch"
 
     def memory_file(self, rank: int) -> Path:
         return self.shm_dir / f"{self.name}-{rank}.mem"
@@ -640,6 +644,8 @@ def _host_command(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]], key_fd
         cmd.append("--no-guard")
     if spec.trace_records != DEFAULT_TRACE_RECORDS:
         cmd += ["--trace-records", str(spec.trace_records)]
+    if spec.scheduling != "batch":
+        cmd += ["--scheduling", spec.scheduling]
     if logging.getLogger().isEnabledFor(logging.INFO):
         cmd.append("-v" if not logging.getLogger().isEnabledFor(logging.DEBUG) else "-vv")
     return cmd
@@ -682,6 +688,7 @@ def _host_configs(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]]) -> lis
             die_with_parent=True,
             guard=GuardConfig.on() if spec.guard else GuardConfig(),
             trace_records=spec.trace_records,
+            scheduling=spec.scheduling,
         )
         for rank, bind, memory in nics
     ]
@@ -744,6 +751,7 @@ def start_from_file(
     mtu: int | None = None,
     nics_per_process: int | None = None,
     trace_records: int = DEFAULT_TRACE_RECORDS,
+    scheduling: str = "batch",
 ) -> LocalCluster:
     """``netdam up --cluster FILE`` with a FILE that lists nodes (hand-written, maybe for several
     hosts): start exactly the nodes whose address is an address of this host, with the file's
@@ -780,6 +788,7 @@ def start_from_file(
         detach,
         admin_tag_key=info.admin_tag_key,
         trace_records=trace_records,
+        scheduling=scheduling,
     )
     sizes = {n.rank: n.memory_bytes or memory for n in local}
     procs, started = _spawn_nodes(

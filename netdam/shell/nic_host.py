@@ -225,5 +225,8 @@ def _raise_fd_limit(need: int) -> None:
 def main(configs: list[NodeProcessConfig]) -> int:
     """The life of a node process hosting *configs* (one NIC each)."""
     return serve_main(
-        lambda: NicHost(configs), NicHost.ready_lines, any(c.die_with_parent for c in configs)
+        lambda: NicHost(configs),
+        NicHost.ready_lines,
+        any(c.die_with_parent for c in configs),
+        configs[0].scheduling if configs else "batch",
     )

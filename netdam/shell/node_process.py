@@ -79,6 +79,9 @@ class NodeProcessConfig:
     guard: GuardConfig = field(default_factory=GuardConfig.on)
     #: Records of the NIC's trace ring (SPEC.md 6.7; 0: off).
     trace_records: int = DEFAULT_TRACE_RECORDS
+    #: The process's scheduling policy (netdam.shell.startup.SCHEDULING); a process hosting
+    #: several NICs runs under its first NIC's.
+    scheduling: str = "batch"
 
 
 @dataclass
@@ -361,4 +364,9 @@ class NodeProcess(ServeLoop):
 
 
 def main(config: NodeProcessConfig) -> int:
-    return serve_main(lambda: NodeProcess(config), NodeProcess.ready_line, config.die_with_parent)
+    return serve_main(
+        lambda: NodeProcess(config),
+        NodeProcess.ready_line,
+        config.die_with_parent,
+        config.scheduling,
+    )

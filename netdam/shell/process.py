@@ -26,7 +26,7 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
 from netdam.protocol import counters as C
 from netdam.protocol.packet import Endpoint, u64_to_endpoint
-from netdam.shell.startup import die_with_parent
+from netdam.shell.startup import die_with_parent, restore_scheduling, use_scheduling
 from netdam.shell.udp import granted_buffers
 
 #: prctl(2) option: signal to deliver when the parent dies.
@@ -109,9 +109,24 @@ class ServedProcess(Protocol):
 P = TypeVar("P", bound=ServedProcess)
 
 
-def serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_parent: bool) -> int:
+def serve_main(
+    create: Callable[[], P],
+    ready_line: Callable[[P], str],
+    with_parent: bool,
+    scheduling: str | None = None,
+) -> int:
     """The life of a node or switch process: stop handlers first, optionally die with the
-    parent, create (exit 2 with the message on ValueError), warm up, announce, serve."""
+    parent, create (exit 2 with the message on ValueError), warm up, announce, serve; under
+    *scheduling* (netdam.shell.startup.SCHEDULING; None: as it is), which a node served inside
+    another program (a test) gives back when it ends."""
+    before = use_scheduling(scheduling) if scheduling is not None else None
+    try:
+        return _serve_main(create, ready_line, with_parent)
+    finally:
+        restore_scheduling(before)
+
+
+def _serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_parent: bool) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     # A crash inside a compiled kernel (numba checks no bounds) kills the process without a
