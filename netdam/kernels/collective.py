@@ -22,6 +22,7 @@ from numba import njit
 from netdam.kernels import signatures as S
 from netdam.kernels.borrow import borrowed
 from netdam.kernels.combine import combine_bytes
+from netdam.kernels.faults import hold_datagram
 from netdam.kernels.optim import fused_apply
 from netdam.kernels.state import CollSlots, CollState, NodeState, TraceRing, TxQueue
 from netdam.kernels.tag import seal_tag, tag_matches
@@ -1198,6 +1199,79 @@ def coll_phase(co_cfg, coll, epoch):
         if behind < 0x80000000:
             return PHASE_STALE
     return PHASE_NOT_STARTED
+
+
+#: HoldTable.tag of a chain datagram held until its collective starts here (fault injection's
+#: holds are tag 0; a node's fault hold table keeps both, netdam.shell.node_process).
+HOLD_EARLY = 1
+#: How long a chain that reached this node before its host's START_COLL is held (then answered
+#: BUSY, as it was at once before): the ranks of a small collective start within ~0.1-0.5 ms of
+#: each other, and a held chain must be answered well inside its originator's first RTO
+#: (RTO_MIN_S, 20 ms), so it never goes out again while held.
+EARLY_HOLD_S = 0.005
+#: At most this many early chains held at once per NIC (the rest answered BUSY at once): the
+#: first window of each member's chains of a small collective, and never more than a fault
+#: hold table's share (fault injection holds its own datagrams in the same table).
+EARLY_SLOTS = 16
+
+
+@njit(cache=True, nogil=True)
+def hold_early_chains(rx, n, area, members, slots, hold, now):
+    """Hold aside the CHAIN_ADD datagrams of rx[0:n] that members sent for a collective not
+    started here (the chain waits here instead of a NACK BUSY, a RESUME and its re-send: three
+    datagrams and two wake-ups on the critical path of a small collective; SPEC.md 4.1,
+    "Early chains"), as many as *hold* has room for; the rest go on as before. Then append to
+    the batch, copied after its data (at *area* at least), every held chain whose collective
+    has started (or moved on) here, and every one held past EARLY_HOLD_S, which the datapath
+    answers BUSY as it would have at once. Nothing is checked or executed here: a held
+    datagram meets every check of the datapath when it comes back (its tag under the key its
+    START_COLL brought). Returns the batch's new count."""
+    rx_buf, rx_off, rx_len, rx_src = rx
+    room = EARLY_SLOTS - early_count(hold)
+    m = 0
+    end = area
+    for i in range(n):
+        off, ln, src = rx_off[i], np.int64(rx_len[i]), rx_src[i]
+        b = rx_buf[off : off + ln]
+        if room > 0 and ln >= HDR and b[H_OPCODE] == OP_CHAIN_ADD and is_member(members, src):
+            coll, epoch = rd32(b, H_COLL_ID), rd32(b, H_EPOCH)
+            if (
+                coll != 0
+                and coll_phase(slots.cfg[slot_of(slots, coll)], coll, epoch) == PHASE_NOT_STARTED
+                and hold_datagram(b, ln, src, HOLD_EARLY, now, 0, hold)
+            ):
+                room -= 1
+                continue
+        end = max(end, off + ln)
+        rx_off[m], rx_len[m], rx_src[m] = off, ln, src
+        m += 1
+    for h in range(hold.len.shape[0]):
+        ln = np.int64(hold.len[h])
+        if ln == 0 or hold.tag[h] != HOLD_EARLY:
+            continue
+        held = hold.buf[h]
+        coll, epoch = rd32(held, H_COLL_ID), rd32(held, H_EPOCH)
+        waiting = coll_phase(slots.cfg[slot_of(slots, coll)], coll, epoch) == PHASE_NOT_STARTED
+        if waiting and now - hold.time[h] <= EARLY_HOLD_S:
+            continue
+        if end + ln > rx_buf.shape[0] or m >= rx_off.shape[0]:
+            break  # the next round takes the rest
+        copy_bytes(rx_buf, end, held, 0, ln)
+        rx_off[m], rx_len[m], rx_src[m] = end, ln, hold.ep[h]
+        m += 1
+        end += ln
+        hold.len[h] = 0
+    return m
+
+
+@njit(cache=True, nogil=True)
+def early_count(hold):
+    """Chains held until their collective starts here (the NIC's clock runs while any is)."""
+    count = 0
+    for h in range(hold.len.shape[0]):
+        if hold.len[h] != 0 and hold.tag[h] == HOLD_EARLY:
+            count += 1
+    return count
 
 
 @njit(cache=True, nogil=True)

@@ -18,7 +18,14 @@ from numba.typed import List
 
 from netdam.kernels import signatures as S
 from netdam.kernels.borrow import borrowed
-from netdam.kernels.collective import MAX_COLLECTIVES, any_slot, coll_ticks, running_slots
+from netdam.kernels.collective import (
+    MAX_COLLECTIVES,
+    any_slot,
+    coll_ticks,
+    early_count,
+    hold_early_chains,
+    running_slots,
+)
 from netdam.kernels.datapath import process_batch_kernel
 from netdam.kernels.faults import apply_faults
 from netdam.kernels.guard import G_NOW, check_guard
@@ -264,7 +271,7 @@ def _serve_nics(nics, rx, punt, order, start, out):
         out[k, OUT_CLOCK] = (
             any_slot(node.coll, False)
             or txq[TXQ_TAIL] > txq[TXQ_HEAD]
-            or (faults.cfg[FC_ACTIVE] != 0.0 and _any_held(faults.hold.len))
+            or _any_held(faults.hold.len)  # fault injection's, or early chains
         )
         # Collectives start only in the control plane: within a visit the count only falls.
         out[k, OUT_ENDED] = running_slots(node.coll) < running
@@ -304,6 +311,7 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     start_ns = clock_ns()
     budget_ns = np.int64(timeout_ms) * 1_000_000
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
+    early = early_count(faults.hold) > 0  # chains held until their collective starts here
     for _round in range(max_rounds):
         if fault_cfg[FC_ACTIVE] != 0.0:
             fault_cfg[FC_NOW] = clock_ns() * 1e-9  # time.monotonic(): what the held datagrams use
@@ -338,7 +346,7 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
             left_ms = (budget_ns - (clock_ns() - start_ns)) // 1_000_000
             if _round > 0 and left_ms <= 0:
                 break  # the call's time is up: the control plane's turn
-            wait = min(left_ms, 1) if any_slot(coll, True) else left_ms
+            wait = min(left_ms, 1) if early or any_slot(coll, True) else left_ms
         if wait > 0:
             ready = _wait_any(fd, mfd, cfd, wait)
             if ready & 4:
@@ -377,12 +385,6 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
             fault_cfg[FC_GEN] += 1.0  # batch generation: held datagrams wait at least one batch
         got = n
         now_ns = clock_ns()  # the lockout clock and the trace's: one reading per batch
-        if n == 0:
-            note_drops(trace, now_ns, counters, marks)
-            if budget_ns == 0:
-                break  # a call with no time to wait: one look only
-            continue
-        guard.cfg[G_NOW] = now_ns * 1e-9
         if trace.rec.shape[0] != 0:
             for k in range(n):
                 note_datagram(
@@ -393,6 +395,17 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
                     rx_len[k],
                     rx_src[k],
                 )
+        # Chains early for a collective not started here wait aside; those whose collective
+        # started since (a START_COLL the control plane took) come back into this batch.
+        if n > 0 or early:
+            n = hold_early_chains(rx, n, recv_bytes, members, coll, faults.hold, now_ns * 1e-9)
+            early = early_count(faults.hold) > 0
+        if n == 0:
+            note_drops(trace, now_ns, counters, marks)
+            if budget_ns == 0:
+                break  # a call with no time to wait: one look only
+            continue
+        guard.cfg[G_NOW] = now_ns * 1e-9
         tx_n, n_punt = process_batch_kernel(rx, n, max_len, node, guard, tx, txq[TXQ_TAIL], punt)
         txq[TXQ_TAIL] = tx_n
         note_drops(trace, now_ns, counters, marks)

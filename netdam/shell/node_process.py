@@ -21,8 +21,9 @@ from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.rehearsal import rehearse_control_paths
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
+from netdam.kernels.collective import EARLY_SLOTS
 from netdam.kernels.serve import ServeArgs
-from netdam.kernels.state import FC_ACTIVE, FC_NOW, FaultState, HoldTable, Kept, RxBatch, ServeIO
+from netdam.kernels.state import FC_NOW, FaultState, HoldTable, Kept, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES, STATE_LEN
 from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
@@ -180,9 +181,10 @@ class NodeProcess(ServeLoop):
         self.fault_keys = np.array(
             [spec.seed & (2**64 - 1), endpoint_to_u64(self.endpoint)], np.uint64
         )
-        # Without fault injection nothing is ever held or counted: one slot each, not 2.6 MiB
-        # per NIC (a process may host hundreds).
-        table, held = (FAULT_TABLE, HOLD_SLOTS) if spec.active else (1, 1)
+        # Without fault injection nothing is counted and only early chains are held
+        # (netdam.kernels.collective.EARLY_SLOTS): not 2.6 MiB per NIC (a process may host
+        # hundreds).
+        table, held = (FAULT_TABLE, HOLD_SLOTS) if spec.active else (1, EARLY_SLOTS)
         self.fault_table_key = np.zeros(table, np.uint64)
         self.fault_table_count = np.zeros(table, np.uint32)
         self.hold_buf = np.zeros((held, SLOT_BYTES), np.uint8)
@@ -332,11 +334,10 @@ class NodeProcess(ServeLoop):
 
     def wants_clock(self) -> bool:
         """Whether the NIC must be served again soon without traffic: a collective's clock
-        runs, a late DONE request waits, sends wait for room, or faults hold datagrams."""
+        runs, a late DONE request waits, sends wait for room, or datagrams are held aside
+        (by fault injection, or early chains until their collective starts here)."""
         return bool(
-            self.core.collective.needs_tick
-            or self.core.sendq.pending()
-            or (self.fault_cfg[FC_ACTIVE] and self.hold_len.any())
+            self.core.collective.needs_tick or self.core.sendq.pending() or self.hold_len.any()
         )
 
     def warm_up(self, resident: bool = True) -> None:
