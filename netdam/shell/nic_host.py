@@ -74,12 +74,7 @@ class NicHost(ServeLoop):
             raise
         #: The longest recent pass over the NICs with traffic (seconds, decaying), which the
         #: NICs' collective timers cover (CollectiveSlots.set_host_turn), and when it was taken.
-        self.turn_s = 0.0
-        self._turn_at = time.monotonic()
-        self._turn_told = 0.0
-        #: When this process last read the board, and the longest turn it read there.
-        self._board_at = -BOARD_PERIOD_S
-        self._board_longest = 0.0
+        self._start_turns(time.monotonic())
         #: The machine's other node processes of this cluster publish theirs there: the NICs'
         #: timers cover the longest, since a chain's ACK may come from any of them.
         first = configs[0]
@@ -192,6 +187,12 @@ class NicHost(ServeLoop):
             self._loop.put(k, nic.loop_args(ROUNDS_PER_NIC))
             if nic.wants_clock():
                 self._clocked.add(k)
+
+    def _start_turns(self, now: float) -> None:
+        """The turn bookkeeping's start: no pass yet, the board not read yet."""
+        self.turn_s, self._turn_at, self._turn_told = 0.0, now, 0.0
+        #: When this process last read the board, and the longest turn it read there.
+        self._board_at, self._board_longest = now - BOARD_PERIOD_S, 0.0
 
     def _note_turn(self, took: float, now: float) -> None:
         """A pass over the NICs took *took* seconds: a datagram for a NIC whose turn had passed

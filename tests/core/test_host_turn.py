@@ -20,7 +20,7 @@ from netdam.core.faults import FaultSpec
 from netdam.kernels import collective as L
 from netdam.protocol import counters as C
 from netdam.protocol.constants import ReduceOp
-from netdam.shell.nic_host import TURN_HALF_LIFE_S, NicHost
+from netdam.shell.nic_host import BOARD_PERIOD_S, TURN_HALF_LIFE_S, NicHost
 from netdam.shell.turns import TurnBoard
 
 #: Every datagram 80 ms late: a 4-NIC chain's round trip (3 hops and the ACK) takes 320 ms,
@@ -68,7 +68,7 @@ class _Nic:
 def test_the_host_loop_remembers_its_longest_pass_and_tells_its_nics() -> None:
     host = NicHost.__new__(NicHost)  # the turn bookkeeping only: no sockets
     host.nics = [_Nic(), _Nic()]
-    host.turn_s, host._turn_at, host._turn_told = 0.0, time.monotonic(), 0.0
+    host._start_turns(time.monotonic())
     host.board = None  # alone on the machine
     now = host._turn_at
     host._note_turn(0.2, now)
@@ -87,7 +87,7 @@ def test_the_nics_cover_the_longest_pass_of_any_process_of_the_machine(tmp_path:
     members = (("127.0.0.1", 21100), ("127.0.0.1", 21101), ("127.0.0.1", 21102))
     host = NicHost.__new__(NicHost)
     host.nics = [_Nic(), _Nic()]
-    host.turn_s, host._turn_at, host._turn_told = 0.0, time.monotonic(), 0.0
+    host._start_turns(time.monotonic())
     host.board = TurnBoard.open(tmp_path, members, 3, 0)
     other = TurnBoard.open(tmp_path, members, 3, 2)  # the other process's
     assert host.board is not None and other is not None
@@ -99,6 +99,14 @@ def test_the_nics_cover_the_longest_pass_of_any_process_of_the_machine(tmp_path:
         told = [nic.core.collective.fcfg[0, L.F_HOST_TURN] for nic in host.nics]
         assert told == [pytest.approx(0.15), pytest.approx(0.15)]
         assert other.longest(now, TURN_HALF_LIFE_S) == pytest.approx(0.15)  # ours is 0.002
+        # The board is read at most every BOARD_PERIOD_S: a longer pass published meanwhile
+        # reaches the NICs at the first pass after that.
+        other.publish(0.4, now)
+        host._note_turn(0.002, now + BOARD_PERIOD_S / 2)
+        assert host.nics[0].core.collective.fcfg[0, L.F_HOST_TURN] == pytest.approx(0.15)
+        host._note_turn(0.002, now + BOARD_PERIOD_S)
+        told = [nic.core.collective.fcfg[0, L.F_HOST_TURN] for nic in host.nics]
+        assert told == [pytest.approx(0.4, rel=0.01), pytest.approx(0.4, rel=0.01)]
     finally:
         other.close()
         host.board.close()
