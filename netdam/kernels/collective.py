@@ -22,7 +22,7 @@ from numba import njit
 from netdam.kernels import signatures as S
 from netdam.kernels.borrow import borrowed
 from netdam.kernels.combine import combine_bytes
-from netdam.kernels.faults import hold_datagram
+from netdam.kernels.faults import fits_held, hold_datagram, take_held
 from netdam.kernels.optim import fused_apply
 from netdam.kernels.state import CollSlots, CollState, NodeState, TraceRing, TxQueue
 from netdam.kernels.tag import seal_tag, tag_matches
@@ -1225,22 +1225,27 @@ def hold_early_chains(rx, n, area, members, slots, hold, now):
     has started (or moved on) here, and every one held past EARLY_HOLD_S, which the datapath
     answers BUSY as it would have at once. Nothing is checked or executed here: a held
     datagram meets every check of the datapath when it comes back (its tag under the key its
-    START_COLL brought). Returns the batch's new count."""
+    START_COLL brought). Returns the batch's new count and how many chains stay held."""
     rx_buf, rx_off, rx_len, rx_src = rx
-    room = EARLY_SLOTS - early_count(hold)
+    held_now = early_count(hold)
     m = 0
     end = area
     for i in range(n):
         off, ln, src = rx_off[i], np.int64(rx_len[i]), rx_src[i]
         b = rx_buf[off : off + ln]
-        if room > 0 and ln >= HDR and b[H_OPCODE] == OP_CHAIN_ADD and is_member(members, src):
+        if (
+            held_now < EARLY_SLOTS
+            and ln >= HDR
+            and b[H_OPCODE] == OP_CHAIN_ADD
+            and is_member(members, src)
+        ):
             coll, epoch = rd32(b, H_COLL_ID), rd32(b, H_EPOCH)
             if (
                 coll != 0
                 and coll_phase(slots.cfg[slot_of(slots, coll)], coll, epoch) == PHASE_NOT_STARTED
                 and hold_datagram(b, ln, src, HOLD_EARLY, now, 0, hold)
             ):
-                room -= 1
+                held_now += 1
                 continue
         end = max(end, off + ln)
         rx_off[m], rx_len[m], rx_src[m] = off, ln, src
@@ -1254,14 +1259,11 @@ def hold_early_chains(rx, n, area, members, slots, hold, now):
         waiting = coll_phase(slots.cfg[slot_of(slots, coll)], coll, epoch) == PHASE_NOT_STARTED
         if waiting and now - hold.time[h] <= EARLY_HOLD_S:
             continue
-        if end + ln > rx_buf.shape[0] or m >= rx_off.shape[0]:
+        if not fits_held(rx_buf, end, rx_off, m, ln):
             break  # the next round takes the rest
-        copy_bytes(rx_buf, end, held, 0, ln)
-        rx_off[m], rx_len[m], rx_src[m] = end, ln, hold.ep[h]
-        m += 1
-        end += ln
-        hold.len[h] = 0
-    return m
+        m, end = take_held(rx_buf, end, rx_off, rx_len, rx_src, m, hold, h)
+        held_now -= 1
+    return m, held_now
 
 
 @njit(cache=True, nogil=True)

@@ -115,17 +115,30 @@ def release_into_batch(rx_buf, end, out_off, out_len, out_src, m, hold, tag, gen
         ln = np.int64(hold.len[h])
         if ln == 0 or hold.tag[h] != tag or hold.gen[h] >= gen or hold.time[h] > now:
             continue
-        if end + ln > rx_buf.shape[0] or m >= out_off.shape[0]:
+        if not fits_held(rx_buf, end, out_off, m, ln):
             break
-        copy_bytes(rx_buf, end, hold.buf[h], 0, ln)
-        out_off[m] = end
-        out_len[m] = ln
-        out_src[m] = hold.ep[h]
-        m += 1
-        end += ln
-        hold.len[h] = 0
+        m, end = take_held(rx_buf, end, out_off, out_len, out_src, m, hold, h)
         released += 1
     return m, end, released
+
+
+@njit(cache=True, nogil=True)
+def fits_held(rx_buf, end, out_off, m, ln):
+    """A held datagram of *ln* bytes fits the batch: in rx_buf from *end*, and as entry *m*."""
+    return end + ln <= rx_buf.shape[0] and m < out_off.shape[0]
+
+
+@njit(cache=True, nogil=True)
+def take_held(rx_buf, end, out_off, out_len, out_src, m, hold, h):
+    """Move held datagram *h* into the batch as entry *m*, copied to rx_buf[end:] (fits_held
+    said it fits), and free its place. Returns (m, end) after it."""
+    ln = np.int64(hold.len[h])
+    copy_bytes(rx_buf, end, hold.buf[h], 0, ln)
+    out_off[m] = end
+    out_len[m] = ln
+    out_src[m] = hold.ep[h]
+    hold.len[h] = 0
+    return m + 1, end + ln
 
 
 @njit(cache=True, nogil=True)

@@ -398,8 +398,10 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
         # Chains early for a collective not started here wait aside; those whose collective
         # started since (a START_COLL the control plane took) come back into this batch.
         if n > 0 or early:
-            n = hold_early_chains(rx, n, recv_bytes, members, coll, faults.hold, now_ns * 1e-9)
-            early = early_count(faults.hold) > 0
+            n, held = hold_early_chains(
+                rx, n, recv_bytes, members, coll, faults.hold, now_ns * 1e-9
+            )
+            early = held > 0
         if n == 0:
             note_drops(trace, now_ns, counters, marks)
             if budget_ns == 0:

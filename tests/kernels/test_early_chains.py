@@ -73,7 +73,7 @@ class Batch:
             off[k], ln[k], src[k] = at, len(data), endpoint_to_u64(sender)
             at += len(data)
         state = self.core.node_state()
-        n = L.hold_early_chains(
+        n, _ = L.hold_early_chains(
             self.rx, len(datagrams), AREA, state.members, state.coll, self.hold, now
         )
         return [(bytes(buf[off[k] : off[k] + ln[k]]), int(src[k])) for k in range(n)]
