@@ -815,9 +815,12 @@ class ProcessGroup:
             return True, queued, self._calls.next_resend() or now + 0.05
 
     def _send(self, datagrams: list[bytes]) -> None:
-        """Send the START_COLLs the call queue gave out to this rank's node."""
+        """Send the START_COLLs the call queue gave out to this rank's node, at its data port:
+        there the datapath starts a repeated collective's next epoch itself (SPEC.md 4.1,
+        "Restart in the datapath"), where the management port would pass it through Python."""
+        node = self.cluster.nodes[self.global_rank].endpoint
         for data in datagrams:
-            self.client.sock.sendto(data, self.node)
+            self.client.sock.sendto(data, node)
 
     def _step(self, timeout: float | None, wait_s: float) -> None:
         """One turn of driving this rank's collectives: take the node's answers for up to

@@ -146,11 +146,17 @@ class CoreBase(QueueOwner):
         if first is not None and first != src:
             self.counters[C.DROP_CONTROL_REPLAYED] += 1
             return True
+        self._remember_tag(tag, src)
+        return False
+
+    def _remember_tag(self, tag: bytes, src: int) -> None:
+        """Control tag *tag* was taken from *src* (the REPLAY_WINDOW newest are kept)."""
+        if self._taken_tags is None:
+            self._taken_tags = OrderedDict()
         self._taken_tags[tag] = src
         self._taken_tags.move_to_end(tag)
         if len(self._taken_tags) > REPLAY_WINDOW:
             self._taken_tags.popitem(last=False)
-        return False
 
     def _outgoing(self, data: bytes) -> bytes:
         """*data* as it leaves: sealed under the admin tag key while answering a request that

@@ -28,6 +28,7 @@ Rules of this file:
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -35,7 +36,7 @@ import numpy as np
 from netdam.core.chunk_plan import block_bounds, chunk_bounds
 from netdam.kernels import collective as L
 from netdam.kernels import optim as optim_kernels
-from netdam.kernels.state import CollSlots, Kept
+from netdam.kernels.state import CollSlots, CollState, Kept
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -51,7 +52,7 @@ from netdam.protocol.constants import (
     max_elements,
 )
 from netdam.protocol.errors import RemoteProtocolError
-from netdam.protocol.layout import OPTIMIZER_BYTES
+from netdam.protocol.layout import DESCRIPTOR, OPTIMIZER_BYTES
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
     FLAG_SPARSE,
@@ -59,6 +60,7 @@ from netdam.protocol.payloads import (
     NO_PHASE_US,
     Algo,
     CompletionPhases,
+    Descriptor,
     OptimizerDescriptor,
     pack_completion,
     pack_completion_phases,
@@ -70,28 +72,13 @@ MAX_CHUNKS = L.MAX_CHUNKS
 #: Collectives a node holds at once (SPEC.md 4.1).
 MAX_COLLECTIVES = L.MAX_COLLECTIVES
 #: Watchdog: a collective fails after this long without progress (START_COLL may say less).
-DEFAULT_TIMEOUT_MS = 10_000
+DEFAULT_TIMEOUT_MS = L.DEFAULT_TIMEOUT_MS
 #: coll_ids whose last epoch a node remembers (SPEC.md 6.5): a process's groups, and the groups
 #: of every job before it on these nodes, up to this many.
 EPOCHS_KEPT = 4096
 #: Credit window bounds, chunks in flight per originator.
 MIN_WINDOW, MAX_WINDOW, DEFAULT_WINDOW = 4, 128, 32
 TOTAL_IN_FLIGHT = 512
-#: RTO before the first ACK sample (RFC 6298 says 1 s for the Internet). 50 ms: every timer of a
-#: collective runs on it until then, and ranks that start a few ms apart otherwise waited 200 ms
-#: (measured: 2 nodes, 20 KiB, 2-50 ms skew: ~205 ms extra at 0.2 s, ~55 ms at 0.05 s).
-INITIAL_RTO_S = 0.05
-#: ...plus this much per hop of a chain past 25: before the first sample the RTO must cover a
-#: whole chain, and on 2 cores each hop waits its turn (64 NICs x 1 MiB, all of it in the first
-#: window: 656-710 chains re-sent at 50 ms).
-RTO_PER_HOP_S = 0.002
-
-
-def initial_rto(world: int) -> float:
-    """The RTO before the first ACK sample of a collective over *world* members."""
-    return max(INITIAL_RTO_S, RTO_PER_HOP_S * (world - 1))
-
-
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -118,7 +105,6 @@ class CollectiveSlots:
         #: (coll_id, epoch) was used before.
         self.epochs: OrderedDict[int, int] = OrderedDict()
         self.engines = [CollectiveEngine(self, s) for s in range(MAX_COLLECTIVES)]
-        self._starts = 0  # START_COLLs set up here: each engine keeps the count of its last
         #: Collectives that gave up their slot (rule 4 above) since the owner last looked: their
         #: START_COLL and its source, and their tag key; the owner answers each host BUSY.
         self.yielded: list[tuple[Packet, int, bytes]] = []
@@ -161,6 +147,21 @@ class CollectiveSlots:
         """The slot of the collective started here last."""
         return max(self.engines, key=lambda e: e.started)
 
+    def last_epoch(self, coll_id: int) -> int | None:
+        """The epoch of *coll_id* started here last (None: none remembered): its slot's, when
+        one holds it (the datapath starts epochs there too, restart_collective), else the one
+        remembered when the slot went to another group."""
+        engine = self.engine_of(coll_id)
+        if engine is not None:
+            return int(engine.cfg[L.CFG_EPOCH])
+        return self.epochs.get(coll_id)
+
+    def _remember_epoch(self, coll_id: int, epoch: int) -> None:
+        self.epochs[coll_id] = epoch
+        self.epochs.move_to_end(coll_id)
+        if len(self.epochs) > EPOCHS_KEPT:
+            self.epochs.popitem(last=False)
+
     @property
     def needs_tick(self) -> bool:
         return any(engine.needs_tick for engine in self.engines)
@@ -170,7 +171,7 @@ class CollectiveSlots:
 
     def stale_epoch_of(self, coll_id: int) -> int:
         """The epoch a STALE_EPOCH answer names for *coll_id*: its last one started here."""
-        return self.epochs.get(coll_id, 0)
+        return self.last_epoch(coll_id) or 0
 
     def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
         engine = self.engine_of(packet.coll_id)
@@ -192,7 +193,7 @@ class CollectiveSlots:
         held = self.engine_of(packet.coll_id)
         if held is not None and held.is_retry(packet, src):
             return Status.OK  # a retried START_COLL: already running or finished
-        last = self.epochs.get(packet.coll_id)
+        last = self.last_epoch(packet.coll_id)
         if last is not None and (last - packet.epoch) & 0xFFFFFFFF < 0x80000000:
             # Not newer than this coll_id's last collective here (a new process group counts
             # from epoch 1 again): never run it under a reused (coll_id, epoch), which peers
@@ -203,15 +204,15 @@ class CollectiveSlots:
         )
         if engine is None or engine.running:
             return Status.BUSY
+        held_coll = int(engine.cfg[L.CFG_COLL])
+        if held_coll not in (0, packet.coll_id) and engine.cfg[L.CFG_STATE] != L.STATE_IDLE:
+            # The slot goes to another group: its group's last epoch is remembered here now.
+            self._remember_epoch(held_coll, int(engine.cfg[L.CFG_EPOCH]))
         status = engine.start(packet, src, memory, mtu, self_endpoint, regions, rcvbuf)
         if status == Status.OK:
-            self._starts += 1
-            engine.started = self._starts
-            engine.epoch_before = last
-            self.epochs[packet.coll_id] = packet.epoch
-            self.epochs.move_to_end(packet.coll_id)
-            if len(self.epochs) > EPOCHS_KEPT:
-                self.epochs.popitem(last=False)
+            L.number_start(self.cfg[L.SPARE_SLOT], engine.cfg)
+            engine.cfg[L.CFG_EPOCH_BEFORE] = -1 if last is None else last
+            self._remember_epoch(packet.coll_id, packet.epoch)
         return status
 
     def _free_slot(self) -> CollectiveEngine | None:
@@ -242,32 +243,14 @@ class CollectiveSlots:
             self.epochs.pop(victim, None)
         else:
             self.epochs[victim] = engine.epoch_before
-        if engine.request is not None:
+        request = engine.request
+        if request is not None:
             self.yielded.append(
-                (
-                    engine.request,
-                    engine.started_by[0],
-                    cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].tobytes(),
-                )
+                (request, engine.started_by[0], cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].tobytes())
             )
         cfg[L.CFG_STATE] = L.STATE_IDLE
         cfg[L.CFG_COLL] = 0  # nothing of it carries over into the next collective of this slot
         return engine
-
-    def take_refusals(self, cfg: np.ndarray) -> None:
-        """Move the spare row's BUSY refusals of collective *cfg* names into *cfg*: its chains
-        refused before any slot held it are told to come again (RESUME) by its first tick."""
-        spare = self.cfg[L.SPARE_SLOT]
-        if (
-            spare[L.CFG_REFUSED_COLL] == cfg[L.CFG_COLL]
-            and spare[L.CFG_REFUSED_EPOCH] == cfg[L.CFG_EPOCH]
-        ):
-            for lo, hi in (
-                (L.CFG_REFUSED_COLL, L.CFG_REFUSED_N + 1),
-                (L.CFG_REFUSED_BASE, L.CFG_REFUSED_END),
-            ):
-                cfg[lo:hi] = spare[lo:hi]
-            spare[L.CFG_REFUSED_N] = 0
 
 
 class CollectiveEngine:
@@ -281,14 +264,44 @@ class CollectiveEngine:
         self.bounds, self.cb, self.acked = slots.bounds[slot], slots.cb[slot], slots.acked[slot]
         self.sent, self.tries, self.agsent = slots.sent[slot], slots.tries[slot], slots.agsent[slot]
         self.done = slots.done[slot]
-        #: (UDP source, client id) of the START_COLL that began the current collective: only the
-        #: same requester's START_COLL of the same (coll_id, epoch) is a retry.
-        self.started_by: tuple[int, int] = (0, 0)
-        #: Which START_COLL set this slot up last (CollectiveSlots' count): the oldest goes first.
-        self.started = 0
-        #: That START_COLL, and the epoch of its coll_id started here before it (None: none).
-        self.request: Packet | None = None
-        self.epoch_before: int | None = None
+        #: The slot's rows as the kernels take one collective's state (CollSlots' arrays and
+        #: CollState's fields come in the same order).
+        self.state = CollState(*(rows[slot] for rows in slots.state()))
+        #: The START_COLL the control plane set this slot up with last (the datapath starts
+        #: later epochs of the same shape: ``request`` rebuilds theirs from it).
+        self._request: Packet | None = None
+
+    # What the slot's START_COLL was, from its cfg words: the datapath sets them up too.
+
+    @property
+    def started_by(self) -> tuple[int, int]:
+        """(UDP source, client id) of the START_COLL that began the current collective: only the
+        same requester's START_COLL of the same (coll_id, epoch) is a retry."""
+        return int(self.cfg[L.CFG_STARTER]), int(self.cfg[L.CFG_CLIENT])
+
+    @property
+    def started(self) -> int:
+        """Which START_COLL set this slot up last (the node's count): the oldest goes first."""
+        return int(self.cfg[L.CFG_START_NO])
+
+    @property
+    def epoch_before(self) -> int | None:
+        """The epoch of its coll_id started here before the current one (None: none)."""
+        before = int(self.cfg[L.CFG_EPOCH_BEFORE])
+        return None if before < 0 else before
+
+    @property
+    def request(self) -> Packet | None:
+        """The START_COLL that began the current collective (its epoch, txn and keys)."""
+        request, cfg = self._request, self.cfg
+        if request is None or request.epoch == cfg[L.CFG_EPOCH]:
+            return request
+        payload = bytearray(request.payload)
+        DESCRIPTOR.write(payload, "rkey", int(cfg[L.CFG_RKEY]))
+        payload[DESCRIPTOR.size :] = cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].tobytes()
+        return replace(
+            request, epoch=int(cfg[L.CFG_EPOCH]), txn_id=int(cfg[L.CFG_TXN]), payload=bytes(payload)
+        )
 
     @property
     def running(self) -> bool:
@@ -352,19 +365,15 @@ class CollectiveEngine:
         except RemoteProtocolError:
             return Status.BAD_LENGTH
         # Fields one by one: dataclasses.astuple deep-copies (a fifth of a START_COLL's cost).
-        algo, flags, window, rank, count, in_addr, out_addr, rkey, root, group, host, timeout_ms = (
+        algo, flags, rank, count, in_addr, out_addr, rkey, root = (
             d.algo,
             d.flags,
-            d.window,
             d.rank,
             d.count,
             d.in_addr,
             d.out_addr,
             d.rkey,
             d.root,
-            d.group,
-            d.host,
-            d.timeout_ms,
         )
         world = len(packet.segments)
         ring, distinct = _ring_of(packet.segments)
@@ -403,35 +412,24 @@ class CollectiveEngine:
             return Status.TOO_LARGE
         if sparse and (n_chunks + 7) // 8 > max_elements(mtu, DType.RAW):
             return Status.TOO_LARGE  # the bitmap must fit one datagram
-        self._setup(
-            packet,
-            src,
-            algo,
-            world,
-            rank,
-            count,
-            in_addr,
-            out_addr,
-            rkey,
-            window,
-            root,
-            group,
-            host,
-            timeout_ms,
-            ring,
-            bounds,
-            cb,
-            per_packet,
-            rcvbuf,
-            d.tag_key,
-        )
+        self._setup(packet, src, d, world, ring, bounds, cb, per_packet, rcvbuf)
         if optimizer is not None:
             self.cfg[L.CFG_OPT_DESC], self.cfg[L.CFG_OPT_STEP] = packet.addr, packet.aux_addr
             # The step table says the step from now on: an UPDATE of it is a duplicate, and
             # the next fused call must name the step after (each chunk is stepped once, at
             # the collective's guarded store).
             _step_table(memory, packet.addr, optimizer)[:] = packet.aux_addr
-        self._local_part(memory, algo, world, rank, root, esize)
+        copied_to = L.copy_local_part(self.state, self.slots.cfg[L.SPARE_SLOT], memory)
+        if copied_to >= 0 and self.cfg[L.CFG_OPT_STEP]:
+            # One rank's fused all-reduce: its own gradient steps it.
+            optim_kernels.fused_step(
+                memory,
+                int(self.cfg[L.CFG_OPT_DESC]),
+                count,
+                int(self.cfg[L.CFG_OPT_STEP]),
+                copied_to,
+                int(dtype),
+            )
         if sparse and world > 1:
             self._local_bitmap(memory, in_addr, count, esize)
         return Status.OK
@@ -440,112 +438,66 @@ class CollectiveEngine:
         self,
         packet: Packet,
         src: int,
-        algo: int,
+        d: Descriptor,
         world: int,
-        rank: int,
-        count: int,
-        in_addr: int,
-        out_addr: int,
-        rkey: int,
-        window: int,
-        root: int,
-        group: int,
-        host: int,
-        timeout_ms: int,
         ring: np.ndarray,
         bounds: np.ndarray,
         cb: np.ndarray,
         per_packet: int,
         rcvbuf: int,
-        tag_key: bytes,
     ) -> None:
-        n_chunks = int(cb[-1])
-        self.started_by = (src, packet.client_id)
-        self.request = packet
+        """Write the collective's shape words, ring and plan, then set its epoch up
+        (kernels.collective.set_up_epoch: begin_epoch, which the datapath's restarts share)."""
         cfg = self.cfg
+        self._request = packet
         if cfg[L.CFG_COLL] != packet.coll_id:
             cfg[:] = 0  # a slot another group held: nothing of its collectives carries over
-        for array in (self.acked, self.tries, self.agsent, self.done):
-            array[:n_chunks] = 0
-        self.done[L.NZ_BASE : L.NZ_BASE + n_chunks] = 0
-        self.sent[:n_chunks] = 0.0
         self.ring[:world] = ring
         self.bounds[: world + 1] = bounds
         self.cb[: world + 1] = cb
-        # A member may still ask for this node's DONE of the epoch that just ended.
-        cfg[L.CFG_PREV_ASK] |= cfg[L.CFG_CUR_ASK]
-        prev_ask = cfg[L.CFG_PREV_ASK]
-        # Chains refused BUSY before this start are told to come again (RESUME) by the first tick.
-        refused = cfg[L.CFG_REFUSED_COLL :].copy()
-        # The ending epoch's keys: its late DONEs carry its rkey and its tags.
-        prev_rkey, prev_epoch = cfg[L.CFG_RKEY], cfg[L.CFG_EPOCH]
-        prev_tag = cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1].copy()
-        cfg[:] = 0
-        cfg[L.CFG_PREV_ASK] = prev_ask
-        cfg[L.CFG_REFUSED_COLL :] = refused
-        cfg[L.CFG_AG_RESEND] = cfg[L.CFG_AG_RESEND_NEXT] = 0  # the last collective's
-        # Not fused unless this START_COLL says so (start() sets them after): a slot's last
-        # collective's optimizer must never step on this one's sums.
-        cfg[L.CFG_OPT_DESC] = cfg[L.CFG_OPT_STEP] = 0
-        cfg[L.CFG_STARTED] = 0  # (kept by the copy above: the last collective's members)
-        cfg[L.CFG_PREV_RKEY], cfg[L.CFG_PREV_EPOCH] = prev_rkey, prev_epoch
-        cfg[L.CFG_PREV_TAG_K0 : L.CFG_PREV_TAG_K1 + 1] = prev_tag
-        cfg[L.CFG_TAG_K0 : L.CFG_TAG_K1 + 1] = np.frombuffer(tag_key or bytes(16), "<i8")
-        packet_bytes = (
-            HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
-        )
+        window = d.window
         if not window:
+            packet_bytes = (
+                HEADER_SIZE + SEGMENT_SIZE * (world - 1) + per_packet * ELEMENT_SIZE[packet.dtype]
+            )
             # Credit window: every node may hold N originators' windows in its receive queue;
             # keep that under half the granted buffer (SPEC.md "Flow control").
             window = DEFAULT_WINDOW if rcvbuf <= 0 else rcvbuf // (2 * max(world, 1) * packet_bytes)
             # ...and all originators together keep at most TOTAL_IN_FLIGHT chains out: more only
             # lengthens the queues (and RTTs) without adding throughput.
             window = min(window, TOTAL_IN_FLIGHT // max(world, 1))
-        cfg[L.CFG_WINDOW] = min(max(window, MIN_WINDOW), MAX_WINDOW)
-        values = {
+        shape = {
             L.CFG_COLL: packet.coll_id,
-            L.CFG_EPOCH: packet.epoch,
-            L.CFG_RANK: rank,
+            L.CFG_RANK: d.rank,
             L.CFG_WORLD: world,
-            L.CFG_ALGO: algo,
+            L.CFG_ALGO: d.algo,
             L.CFG_DTYPE: int(packet.dtype),
             L.CFG_OP: int(packet.reduce_op),
-            L.CFG_COUNT: count,
-            L.CFG_IN: in_addr,
-            L.CFG_OUT: out_addr,
-            L.CFG_RKEY: rkey,
+            L.CFG_COUNT: d.count,
+            L.CFG_IN: d.in_addr,
+            L.CFG_OUT: d.out_addr,
+            L.CFG_WINDOW: min(max(window, MIN_WINDOW), MAX_WINDOW),
             L.CFG_PER_PACKET: per_packet,
-            L.CFG_CHUNKS: n_chunks,
-            L.CFG_GROUP: group,
-            L.CFG_HOST: host or src,
+            L.CFG_CHUNKS: int(cb[-1]),
+            L.CFG_GROUP: d.group,
+            L.CFG_HOST: d.host or src,
             L.CFG_CLIENT: packet.client_id,
-            L.CFG_TXN: packet.txn_id,
+            L.CFG_ROOT: d.root,
+            L.CFG_REQ_WINDOW: d.window,
+            L.CFG_TIMEOUT_MS: d.timeout_ms,
+            L.CFG_FLAGS: d.flags,
+            L.CFG_STARTER: src,
+            # The collective's key is its node's to install (NodeCore.install_collective_key).
+            L.CFG_SPAN_LO: 0,
+            L.CFG_SPAN_HI: 0,
+            L.CFG_CKEY: 0,
+            L.CFG_CKEY_RIGHTS: 0,
         }
-        for index, value in values.items():
+        for index, value in shape.items():
             cfg[index] = value
-        reduces = algo in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
-        cfg[L.CFG_ORIG_BLOCK] = (rank - 1) % world if reduces and world > 1 else -1
-        cfg[L.CFG_OWN_BLOCK] = rank if algo != Algo.BROADCAST or rank == root else -1
-        cfg[L.CFG_NEXT_SEND] = cfg[L.CFG_LOW_UNACKED] = (
-            cb[cfg[L.CFG_ORIG_BLOCK]] if cfg[L.CFG_ORIG_BLOCK] >= 0 else 0
+        L.set_up_epoch(
+            self.state, self.slots.cfg[L.SPARE_SLOT], packet.epoch, d.rkey, packet.txn_id, d.tag_key
         )
-        cfg[L.CFG_AG_NEXT] = cb[rank] if cfg[L.CFG_OWN_BLOCK] >= 0 else 0
-        cfg[L.CFG_NEEDED] = (
-            int(cb[rank + 1] - cb[rank]) if algo == Algo.REDUCE_SCATTER else n_chunks
-        )
-        fcfg = self.fcfg
-        host_turn = fcfg[L.F_HOST_TURN]
-        fcfg[:] = 0.0
-        fcfg[L.F_HOST_TURN] = host_turn
-        fcfg[L.F_RTO] = fcfg[L.F_BASE_RTO] = max(
-            initial_rto(world), L.HOST_TURNS_PER_RTO * host_turn
-        )
-        fcfg[L.F_START] = -1.0  # the first tick stamps the start
-        fcfg[L.F_T_CHAINS : L.F_T_DONE + 1] = -1.0  # phases not ended yet
-        fcfg[L.F_DEADLINE] = (timeout_ms or DEFAULT_TIMEOUT_MS) / 1000.0  # longest stall
-        fcfg[L.F_LAST_COUNT] = -1.0
-        self.slots.take_refusals(cfg)
-        cfg[L.CFG_STATE] = L.STATE_RUNNING
 
     def _local_bitmap(self, memory: np.ndarray, in_addr: int, count: int, esize: int) -> None:
         """Sparse mode: which chunks of this node's input hold a non-zero element (any bit set:
@@ -571,36 +523,6 @@ class CollectiveEngine:
         self.done[L.BM_BASE : L.BM_BASE + packed.size] = packed
         cfg[L.CFG_SPARSE] = 1
         cfg[L.CFG_BM_GOT] = cfg[L.CFG_BM_HAS] = 1 << int(cfg[L.CFG_RANK])
-
-    def _local_part(
-        self, memory: np.ndarray, algo: int, world: int, rank: int, root: int, esize: int
-    ) -> None:
-        """What needs no network: this node's own data for gathers, everything for one rank."""
-        cfg, bounds, cb = self.cfg, self.bounds, self.cb
-        in_addr, out_addr = int(cfg[L.CFG_IN]), int(cfg[L.CFG_OUT])
-        if algo == Algo.ALL_GATHER or algo == Algo.BROADCAST or world == 1:
-            if algo == Algo.ALL_GATHER:
-                lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-                src, dst, nbytes = in_addr, out_addr + lo * esize, (hi - lo) * esize
-                first, last = int(cb[rank]), int(cb[rank + 1])
-            elif algo == Algo.BROADCAST and rank != root:
-                return
-            else:
-                src, dst, nbytes = in_addr, out_addr, int(cfg[L.CFG_COUNT]) * esize
-                first, last = 0, int(cfg[L.CFG_CHUNKS])
-            if src != dst:
-                memory[dst : dst + nbytes] = memory[src : src + nbytes]
-            if cfg[L.CFG_OPT_STEP]:  # one rank's fused all-reduce: its own gradient steps it
-                optim_kernels.fused_step(
-                    memory,
-                    int(cfg[L.CFG_OPT_DESC]),
-                    int(cfg[L.CFG_COUNT]),
-                    int(cfg[L.CFG_OPT_STEP]),
-                    dst,
-                    int(cfg[L.CFG_DTYPE]),
-                )
-            self.done[first:last] = 1
-            cfg[L.CFG_DONE_COUNT] = last - first
 
     def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
         """The completion to repeat for a START_COLL of the collective that already ended here."""

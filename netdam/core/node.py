@@ -23,7 +23,6 @@ from netdam.core.authority import ControlProof, control_authority, refusal_text
 from netdam.core.base import CoreBase, check_batch
 from netdam.core.collective import CollectiveSlots, collective_buffer_span
 from netdam.core.events import (
-    CollectiveStartRequested,
     Event,
     GroupJoined,
     GroupLeft,
@@ -54,6 +53,7 @@ from netdam.protocol.constants import (
     REPLY_OPCODES,
     RIGHTS_ALL,
     RIGHTS_DEFINED,
+    TAG_SIZE,
     TRACE_RECORDS_PER_REPLY,
     DType,
     Flags,
@@ -173,9 +173,9 @@ class NodeCore(CoreBase):
         #: rkey -> (base, size, rights) of every registered region: the owners of node memory,
         #: which never overlap (SPEC.md 6.1).
         self._regions: dict[int, tuple[int, int, int]] = {}
-        #: coll_id -> the own key of its running collective and the (base, size, rights) it
-        #: opens: not an owner, a members-only window on buffers inside one (SPEC.md 4.1).
-        self._coll_keys: dict[int, tuple[int, tuple[int, int, int]]] = {}
+        # A running collective's own key, and the (base, size, rights) it opens (not an owner, a
+        # members-only window on buffers inside one, SPEC.md 4.1), live in its slot's cfg words
+        # (CFG_CKEY, CFG_SPAN_*): the datapath installs a restarted collective's key too.
         # The at-most-once window's client table (SPEC section 7): key, rkey, highest txn, last use.
         self._cl_id = np.zeros(DUP_WINDOW_CLIENTS, np.uint64)
         self._cl_key = np.zeros(DUP_WINDOW_CLIENTS, np.uint32)
@@ -220,6 +220,7 @@ class NodeCore(CoreBase):
             return
         self._reserve_tx(n)
         self.guard.cfg[G_NOW] = now
+        self._trace_control(buf, offs, lens, srcs, n)
         if self._punt.shape[0] < n:
             self._punt = np.zeros(max(n, 64), np.int32)
         tx_n, n_punt = datapath.process_batch(
@@ -363,8 +364,6 @@ class NodeCore(CoreBase):
         if packet.opcode == Opcode.PING:
             self._on_ping(packet, src)
             return
-        if packet.opcode in TRACED_CONTROL:
-            self._trace_control(packet, len(data), src)
         handler = self._handlers.get(packet.opcode)
         proof = (
             control_authority(self.config.admin_key, self.config.admin_tag_key, packet, data)
@@ -577,9 +576,21 @@ class NodeCore(CoreBase):
         """Every rkey the node answers to -> (base, size, rights): the registered regions and
         the keys of the collectives running here."""
         keys = dict(self._regions)
-        for key, span in self._coll_keys.values():
-            keys[key] = span
+        for cfg in self._keyed_slots():
+            lo, hi = int(cfg[coll_kernels.CFG_SPAN_LO]), int(cfg[coll_kernels.CFG_SPAN_HI])
+            keys[int(cfg[coll_kernels.CFG_CKEY])] = (
+                lo,
+                hi - lo,
+                int(cfg[coll_kernels.CFG_CKEY_RIGHTS]),
+            )
         return keys
+
+    def _keyed_slots(self) -> list[np.ndarray]:
+        """The cfg rows of the slots whose collective's own key is installed."""
+        cfg = self.collective.cfg
+        return [
+            cfg[s] for s in range(coll_kernels.MAX_COLLECTIVES) if cfg[s, coll_kernels.CFG_CKEY]
+        ]
 
     def _rebuild_rkeys(self) -> None:
         """The datapath's rkey table from the registered regions and the collective's key.
@@ -602,38 +613,74 @@ class NodeCore(CoreBase):
 
     # ------------------------------------------------------------------ a collective's key
 
-    def _scope_collective_key(self, packet: Packet) -> None:
-        """A START_COLL whose descriptor rkey is no registered region's names a key for this
-        collective alone (SPEC.md 4.1): it is installed over the collective's buffers (and a
-        fused update's optimizer state), which must lie in one registered region, usable only in datagrams from members, and removed
-        when the collective ends (release_collective_key)."""
+    def _collective_scope(self, packet: Packet) -> tuple[int, tuple[int, int, int]] | None:
+        """A START_COLL whose descriptor rkey is no key of this node names a key for this
+        collective alone (SPEC.md 4.1): (rkey, (base, size, rights)) over the collective's
+        buffers (and a fused update's optimizer state), which must lie in one registered
+        region, usable only in datagrams from members; None: a registered region's key (v1
+        use, checked by the engine), or no region holds the buffers (the engine answers)."""
         span = collective_buffer_span(packet, self.memory)
         if span is None:
-            return
+            return None
         rkey, lo, hi = span
         if rkey == 0 or rkey in self._keys():
-            return  # v1 use: a registered region's key (checked by the engine), or a retry
+            return None
         owner = self._owner_containing(lo, hi - lo)
         if owner is None:
-            return  # the engine answers BAD_RKEY: no registered memory holds the buffers
-        scope = (lo, hi - lo, (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS))
-        replaced = self._coll_keys.get(packet.coll_id)
-        self._coll_keys[packet.coll_id] = (rkey, scope)
-        if replaced is None:
-            self._install_rkey(rkey, scope)  # one START_COLL, one insert: no rebuild
-        else:
-            self._rebuild_rkeys()  # the group's last key goes
+            return None
+        return rkey, (
+            lo,
+            hi - lo,
+            (owner[2] & int(Rights.READ | Rights.WRITE)) | int(Rights.MEMBERS),
+        )
+
+    def _key_collective(
+        self, packet: Packet, scope: tuple[int, tuple[int, int, int]] | None
+    ) -> None:
+        """Record in the slot of the collective *packet* just set up the bytes its key covers,
+        and install its own key over them (*scope*), removed when it ends
+        (release_collective_key): what the datapath's restarts of it read and do alike."""
+        engine = self.collective.engine_of(packet.coll_id)
+        span = collective_buffer_span(packet, self.memory)
+        if engine is None or span is None:
+            return
+        cfg = engine.cfg
+        cfg[coll_kernels.CFG_SPAN_LO], cfg[coll_kernels.CFG_SPAN_HI] = span[1], span[2]
+        if scope is not None:
+            rkey, (_, _, rights) = scope
+            cfg[coll_kernels.CFG_CKEY], cfg[coll_kernels.CFG_CKEY_RIGHTS] = rkey, rights
+            self._install_rkey(rkey, scope[1])  # one START_COLL, one insert: no rebuild
 
     def release_collective_key(self) -> None:
         """Remove the key of every collective no longer running (called after every serve
-        round and tick: a key outlives its collective by one round)."""
-        if not self._coll_keys:
-            return
-        ended = [c for c in self._coll_keys if not self._runs(c)]
-        for coll_id in ended:
-            del self._coll_keys[coll_id]
+        round and tick: a key outlives its collective by one round), and take the control tags
+        of the START_COLLs the datapath started into the replay memory."""
+        self._note_datapath_starts()
+        ended = [
+            cfg
+            for cfg in self._keyed_slots()
+            if cfg[coll_kernels.CFG_STATE] != coll_kernels.STATE_RUNNING
+        ]
+        for cfg in ended:
+            cfg[coll_kernels.CFG_CKEY] = cfg[coll_kernels.CFG_CKEY_RIGHTS] = 0
         if ended:
             self._rebuild_rkeys()
+
+    def _note_datapath_starts(self) -> None:
+        """The control tag of each START_COLL the datapath started (restart_collective) goes
+        into the replay memory, as the control plane's own do (SPEC.md 2.6)."""
+        cfg = self.collective.cfg
+        for s in range(coll_kernels.MAX_COLLECTIVES):
+            if cfg[s, coll_kernels.CFG_TAKEN]:
+                tag = int(cfg[s, coll_kernels.CFG_TAKEN_TAG]).to_bytes(
+                    TAG_SIZE, "little", signed=True
+                )
+                self._remember_tag(tag, int(cfg[s, coll_kernels.CFG_STARTER]))
+                cfg[s, coll_kernels.CFG_TAKEN] = 0
+
+    def _replayed(self, data: bytes, src: int) -> bool:
+        self._note_datapath_starts()
+        return super()._replayed(data, src)
 
     def _runs(self, coll_id: int) -> bool:
         engine = self.collective.engine_of(coll_id)
@@ -662,26 +709,29 @@ class NodeCore(CoreBase):
             self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1, tag_key=key)
             return
         self.release_collective_key()
-        if not self._runs(packet.coll_id):
-            self._scope_collective_key(packet)
+        scope = None if self._runs(packet.coll_id) else self._collective_scope(packet)
+        regions = self._keys()
+        if scope is not None:
+            regions[scope[0]] = scope[1]
+        engine = self.collective.engine_of(packet.coll_id)
+        retry = engine is not None and engine.is_retry(packet, src)
         status = self.collective.start(
             packet,
             src,
             self.memory,
             self.config.mtu,
             self.endpoint_u64,
-            self._keys(),
+            regions,
             int(self.counters[C.RCVBUF_BYTES]),
         )
-        if status != Status.OK:
-            self.release_collective_key()
+        if status == Status.OK and not retry:
+            self._key_collective(packet, scope)
         for request, host, tag_key in self.collective.yielded:
             # A stuck collective gave its slot to this one: its host asks again (BUSY).
             # (Counted with every NACK BUSY: no counter of its own, the COUNTERS layout stays.)
             self._nack(request, host, Status.BUSY, tag_key=tag_key if any(tag_key) else b"")
         self.collective.yielded.clear()
         if status == Status.OK:
-            self._events.append(CollectiveStartRequested(packet, u64_to_endpoint(src)))
             # aux_addr 0 "running", whatever the request's (a fused update's step, 4.1).
             self._reply(packet, src, Opcode.ACK, aux_addr=0, tag_key=key)
         elif status == Status.STALE_EPOCH:  # aux_addr: this node's epoch, the host's next is above
@@ -698,26 +748,34 @@ class NodeCore(CoreBase):
         else:
             self._reply(packet, src, Opcode.ACK, payload=self.counters.astype("<u8").tobytes())
 
-    def _trace_control(self, packet: Packet, length: int, src: int) -> None:
-        """An RX record of a control datagram the control plane took (the compiled loop records
-        the data socket's; these come through the management port, SPEC.md 6.7)."""
+    def _trace_control(
+        self, buf: np.ndarray, offs: np.ndarray, lens: np.ndarray, srcs: np.ndarray, n: int
+    ) -> None:
+        """An RX record of each control datagram of a batch the control plane passes to the
+        datapath (the compiled loop records the data socket's itself; these come through the
+        management port, SPEC.md 6.7), whatever becomes of it."""
         rows = self.trace.rec
         if rows.shape[0] == 0:
             return
-        written = int(self.trace.cursor[0])
-        TRACE_RECORD.pack_into(
-            rows,
-            (written % rows.shape[0]) * TRACE_RECORD_BYTES,
-            t_ns=int(self.guard.cfg[G_NOW] * 1e9),
-            kind=TraceKind.RX,
-            opcode=packet.opcode,
-            length=length,
-            peer=src,
-            coll_id=packet.coll_id,
-            epoch=packet.epoch,
-            seq=packet.seq,
-        )
-        self.trace.cursor[0] = written + 1
+        for i in range(n):
+            length, at = int(lens[i]), int(offs[i])
+            if length < HEADER_SIZE or buf[at + H_OPCODE] not in TRACED_CONTROL:
+                continue
+            head = bytes(buf[at : at + HEADER_SIZE])
+            written = int(self.trace.cursor[0])
+            TRACE_RECORD.pack_into(
+                rows,
+                (written % rows.shape[0]) * TRACE_RECORD_BYTES,
+                t_ns=int(self.guard.cfg[G_NOW] * 1e9),
+                kind=TraceKind.RX,
+                opcode=head[H_OPCODE],
+                length=length,
+                peer=int(srcs[i]),
+                coll_id=HEADER.read(head, "coll_id"),
+                epoch=HEADER.read(head, "epoch"),
+                seq=HEADER.read(head, "seq"),
+            )
+            self.trace.cursor[0] = written + 1
 
     def trace_records(self, first: int) -> bytes:
         """The trace reply (SPEC.md 6.7): records from number *first* on, or from the oldest the

@@ -14,6 +14,8 @@ REGISTER gave up after 0.6 s and refused the pool's first ALLOC (issue 23).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from netdam.core.fabric import Fabric
@@ -116,6 +118,24 @@ def rehearse_control_paths() -> None:
             client_id=1,
             txn_id=8,
         ).with_payload(descriptor.encode()),
+    )
+    # A START_COLL that starts (one rank, buffers in a region): the epoch's setup and the
+    # local copy are compiled kernels the control plane calls (kernels.collective.begin_epoch,
+    # local_part), in this install's cache before a host's first collective.
+    [arena] = _exchange(fabric, replace(register, txn_id=12))
+    one_rank = CollectiveDescriptor(Algo.ALL_REDUCE, 0, 16, 0, 64, arena.rkey ^ 0x5A5A)
+    _exchange(
+        fabric,
+        Packet(
+            Opcode.START_COLL,
+            rkey=_ADMIN_KEY,
+            coll_id=2,
+            epoch=1,
+            dtype=DType.F32,
+            segments=_NODES[:1],
+            client_id=1,
+            txn_id=13,
+        ).with_payload(one_rank.encode()),
     )
     # A tagged region (SPEC.md 2.6): its REGISTER, and a WRITE sealed and answered as a pool
     # client seals and checks, so the clients' compiled seal and check (kernels.tag.seal_bytes,

@@ -215,7 +215,31 @@ CFG_OPT_STEP = CFG_REFUSED_END + 1
 # A gather sent by multicast (all-gather, broadcast): bit r, rank r has started it (its STARTED
 # came, or it was remembered before this node started); the own bit once ours went out.
 CFG_STARTED = CFG_REFUSED_END + 2
-CFG_LEN = CFG_REFUSED_END + 3
+# What the START_COLL asked beyond the words above (descriptor root, window, watchdog and
+# flags), and who sent it (its UDP source): a START_COLL of the next epoch that asks the same
+# of the same source starts here in the datapath (restart_collective).
+CFG_ROOT = CFG_REFUSED_END + 3
+CFG_REQ_WINDOW = CFG_REFUSED_END + 4
+CFG_TIMEOUT_MS = CFG_REFUSED_END + 5
+CFG_FLAGS = CFG_REFUSED_END + 6
+CFG_STARTER = CFG_REFUSED_END + 7  # u64 endpoint as int64
+# The epoch of this coll_id started here before the current one (-1: none), and which start
+# set the slot up: the node's count of starts so far, kept in the spare row's word (the slot
+# whose collective ended longest ago is reused first).
+CFG_EPOCH_BEFORE = CFG_REFUSED_END + 8
+CFG_START_NO = CFG_REFUSED_END + 9
+# The bytes a collective's key covers here, [lo, hi): its buffers (and a fused update's
+# optimizer state), the same every epoch of one shape; and the key installed over them in the
+# node's rkey table now (0: none, the collective ended and its key went) with its rights.
+CFG_SPAN_LO = CFG_REFUSED_END + 10
+CFG_SPAN_HI = CFG_REFUSED_END + 11
+CFG_CKEY = CFG_REFUSED_END + 12
+CFG_CKEY_RIGHTS = CFG_REFUSED_END + 13
+# A START_COLL the datapath started keeps its control tag here until the control plane adds it
+# to its replay memory (CFG_TAKEN 1: not yet; SPEC.md 2.6 "Control tags").
+CFG_TAKEN = CFG_REFUSED_END + 14
+CFG_TAKEN_TAG = CFG_REFUSED_END + 15
+CFG_LEN = CFG_REFUSED_END + 16
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
@@ -604,7 +628,7 @@ def coll_tick(
 
 
 @njit(cache=True, nogil=True)
-def _slot(slots, s):
+def slot_state(slots, s):
     """Slot *s* as one collective's CollState: row views, nothing copied."""
     return CollState(
         slots.cfg[s],
@@ -636,7 +660,7 @@ def for_collective(node, coll):
     """*node* as the per-packet code sees it: the slot of collective *coll* in place of the slots."""
     mem, regions, members, window, slots, counters, trace = node
     return NodeState(
-        mem, regions, members, window, _slot(slots, slot_of(slots, coll)), counters, trace
+        mem, regions, members, window, slot_state(slots, slot_of(slots, coll)), counters, trace
     )
 
 
@@ -684,7 +708,9 @@ def coll_ticks(now, slots, mem, counters, trace, tx, tx_n, first):
     for k in range(MAX_COLLECTIVES):
         s = (first + k) % MAX_COLLECTIVES
         if _needs_clock(slots.cfg[s]):
-            tx_n = _coll_tick(now, _slot(slots, s), mem, counters, trace, tx, tx_n, max(running, 1))
+            tx_n = _coll_tick(
+                now, slot_state(slots, s), mem, counters, trace, tx, tx_n, max(running, 1)
+            )
     return tx_n
 
 
@@ -1199,6 +1225,215 @@ def coll_phase(co_cfg, coll, epoch):
         if behind < 0x80000000:
             return PHASE_STALE
     return PHASE_NOT_STARTED
+
+
+# ---------------------------------------------------------------- setting an epoch up
+
+#: Watchdog: a collective fails after this long without progress (START_COLL may say less).
+DEFAULT_TIMEOUT_MS = 10_000
+#: RTO before the first ACK sample (RFC 6298 says 1 s for the Internet). 50 ms: every timer of a
+#: collective runs on it until then, and ranks that start a few ms apart otherwise waited 200 ms
+#: (measured: 2 nodes, 20 KiB, 2-50 ms skew: ~205 ms extra at 0.2 s, ~55 ms at 0.05 s).
+INITIAL_RTO_S = 0.05
+#: ...plus this much per hop of a chain past 25: before the first sample the RTO must cover a
+#: whole chain, and on 2 cores each hop waits its turn (64 NICs x 1 MiB, all of it in the first
+#: window: 656-710 chains re-sent at 50 ms).
+RTO_PER_HOP_S = 0.002
+
+#: The words of a slot's cfg that say what its collective is (the START_COLL's shape and who
+#: sent it): an epoch set up over the last one keeps them (begin_epoch), the rest starts anew.
+SHAPE_WORDS = np.array(
+    [
+        CFG_COLL,
+        CFG_RANK,
+        CFG_WORLD,
+        CFG_ALGO,
+        CFG_DTYPE,
+        CFG_OP,
+        CFG_COUNT,
+        CFG_IN,
+        CFG_OUT,
+        CFG_WINDOW,
+        CFG_PER_PACKET,
+        CFG_CHUNKS,
+        CFG_GROUP,
+        CFG_HOST,
+        CFG_CLIENT,
+        CFG_ROOT,
+        CFG_REQ_WINDOW,
+        CFG_TIMEOUT_MS,
+        CFG_FLAGS,
+        CFG_STARTER,
+        CFG_SPAN_LO,
+        CFG_SPAN_HI,
+        CFG_CKEY,
+        CFG_CKEY_RIGHTS,
+    ],
+    np.int64,
+)
+
+
+@njit(cache=True, nogil=True)
+def initial_rto(world):
+    """The RTO before the first ACK sample of a collective over *world* members."""
+    return max(INITIAL_RTO_S, RTO_PER_HOP_S * (world - 1))
+
+
+@njit(cache=True, nogil=True)
+def begin_epoch(coll, spare, epoch, rkey, txn, k0, k1):
+    """Set slot *coll* up for epoch *epoch* of the collective its shape words (SHAPE_WORDS, its
+    ring, bounds and chunk bounds) describe, under *rkey* and the tag key (k0, k1): every
+    per-chunk table and clock word anew; kept across epochs, the previous epoch's key, tags and
+    the members asking for its DONE, and the chains refused before this start (the spare row's
+    too, *spare*: its RESUMEs go out at the first tick). Ends RUNNING. The one setup of an
+    epoch: the control plane's START_COLL (netdam.core.collective) and the datapath's
+    (restart_collective) both end here."""
+    cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
+    n_chunks = cfg[CFG_CHUNKS]
+    acked[:n_chunks] = 0
+    tries[:n_chunks] = 0
+    agsent[:n_chunks] = 0
+    done[:n_chunks] = 0
+    done[NZ_BASE : NZ_BASE + n_chunks] = 0
+    sent[:n_chunks] = 0.0
+    # A member may still ask for this node's DONE of the epoch that just ends; its late DONEs
+    # carry its rkey and its tags.
+    kept = cfg.copy()
+    cfg[:] = 0
+    for i in SHAPE_WORDS:
+        cfg[i] = kept[i]
+    cfg[CFG_REFUSED_COLL : CFG_REFUSED_N + 1] = kept[CFG_REFUSED_COLL : CFG_REFUSED_N + 1]
+    cfg[CFG_REFUSED_BASE:CFG_REFUSED_END] = kept[CFG_REFUSED_BASE:CFG_REFUSED_END]
+    cfg[CFG_PREV_ASK] = kept[CFG_PREV_ASK] | kept[CFG_CUR_ASK]
+    cfg[CFG_PREV_RKEY] = kept[CFG_RKEY]
+    cfg[CFG_PREV_EPOCH] = kept[CFG_EPOCH]
+    cfg[CFG_PREV_TAG_K0] = kept[CFG_TAG_K0]
+    cfg[CFG_PREV_TAG_K1] = kept[CFG_TAG_K1]
+    cfg[CFG_TAG_K0] = k0
+    cfg[CFG_TAG_K1] = k1
+    cfg[CFG_EPOCH] = epoch
+    cfg[CFG_RKEY] = rkey
+    cfg[CFG_TXN] = txn
+    world, rank, algo = cfg[CFG_WORLD], cfg[CFG_RANK], cfg[CFG_ALGO]
+    reduces = algo == ALGO_ALL_REDUCE or algo == ALGO_REDUCE_SCATTER
+    cfg[CFG_ORIG_BLOCK] = (rank - 1 + world) % world if reduces and world > 1 else -1
+    cfg[CFG_OWN_BLOCK] = rank if algo != ALGO_BROADCAST or rank == cfg[CFG_ROOT] else -1
+    first = cb[cfg[CFG_ORIG_BLOCK]] if cfg[CFG_ORIG_BLOCK] >= 0 else 0
+    cfg[CFG_NEXT_SEND] = first
+    cfg[CFG_LOW_UNACKED] = first
+    cfg[CFG_AG_NEXT] = cb[rank] if cfg[CFG_OWN_BLOCK] >= 0 else 0
+    cfg[CFG_NEEDED] = cb[rank + 1] - cb[rank] if algo == ALGO_REDUCE_SCATTER else n_chunks
+    host_turn = fcfg[F_HOST_TURN]
+    fcfg[:] = 0.0
+    fcfg[F_HOST_TURN] = host_turn
+    rto = max(initial_rto(world), HOST_TURNS_PER_RTO * host_turn)
+    fcfg[F_RTO] = rto
+    fcfg[F_BASE_RTO] = rto
+    fcfg[F_START] = -1.0  # the first tick stamps the start
+    fcfg[F_T_CHAINS : F_T_DONE + 1] = -1.0  # phases not ended yet
+    timeout_ms = cfg[CFG_TIMEOUT_MS] if cfg[CFG_TIMEOUT_MS] > 0 else DEFAULT_TIMEOUT_MS
+    fcfg[F_DEADLINE] = timeout_ms / 1000.0  # longest stall
+    fcfg[F_LAST_COUNT] = -1.0
+    _take_refusals(spare, cfg)
+    cfg[CFG_STATE] = STATE_RUNNING
+
+
+@njit(cache=True, nogil=True)
+def count_start(spare, cfg):
+    """Number the start that set slot *cfg* up (the spare row counts them)."""
+    spare[CFG_START_NO] += 1
+    cfg[CFG_START_NO] = spare[CFG_START_NO]
+
+
+@njit(cache=True, nogil=True)
+def _take_refusals(spare, cfg):
+    """Move the spare row's BUSY refusals of the collective *cfg* names into *cfg*: its chains
+    refused before any slot held it are told to come again (RESUME) by its first tick."""
+    if spare[CFG_REFUSED_COLL] == cfg[CFG_COLL] and spare[CFG_REFUSED_EPOCH] == cfg[CFG_EPOCH]:
+        cfg[CFG_REFUSED_COLL : CFG_REFUSED_N + 1] = spare[CFG_REFUSED_COLL : CFG_REFUSED_N + 1]
+        cfg[CFG_REFUSED_BASE:CFG_REFUSED_END] = spare[CFG_REFUSED_BASE:CFG_REFUSED_END]
+        spare[CFG_REFUSED_N] = 0
+
+
+@njit(cache=True, nogil=True)
+def local_part(coll, mem):
+    """What needs no network, after begin_epoch: this node's own block of an all-gather, a
+    broadcast root's buffer, a lone rank's whole buffer, copied from input to output and
+    marked done. Returns the output address the copy went to (-1: none), for a lone rank's
+    fused update (its own gradient steps it, netdam.core.collective)."""
+    cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
+    algo, world, rank = cfg[CFG_ALGO], cfg[CFG_WORLD], cfg[CFG_RANK]
+    if not (algo == ALGO_ALL_GATHER or algo == ALGO_BROADCAST or world == 1):
+        return -1
+    if algo == ALGO_BROADCAST and rank != cfg[CFG_ROOT]:
+        return -1
+    esize = ESIZE[cfg[CFG_DTYPE]]
+    src = cfg[CFG_IN]
+    if algo == ALGO_ALL_GATHER:
+        dst = cfg[CFG_OUT] + bounds[rank] * esize
+        nbytes = (bounds[rank + 1] - bounds[rank]) * esize
+        first, last = cb[rank], cb[rank + 1]
+    else:
+        dst = cfg[CFG_OUT]
+        nbytes = cfg[CFG_COUNT] * esize
+        first, last = 0, cfg[CFG_CHUNKS]
+    if src != dst:
+        mem[dst : dst + nbytes] = mem[src : src + nbytes].copy()
+    done[first:last] = 1
+    cfg[CFG_DONE_COUNT] = last - first
+    return dst
+
+
+def _check_slot(coll: CollState, spare: np.ndarray) -> None:
+    """What begin_epoch and local_part take on trust of a slot (numba checks no bounds)."""
+    cfg = coll.cfg
+    if cfg.shape[0] < CFG_LEN or spare.shape[0] < CFG_LEN or coll.f.shape[0] < F_LEN:
+        raise ValueError("collective slot rows do not match their layout")
+    world, rank, chunks = int(cfg[CFG_WORLD]), int(cfg[CFG_RANK]), int(cfg[CFG_CHUNKS])
+    if not 1 <= world <= coll.ring.shape[0] or min(coll.bounds.size, coll.cb.size) < world + 1:
+        raise ValueError(f"a slot of {world} members has no room for its ring and plan")
+    if not 0 <= rank < world or not 0 <= cfg[CFG_ROOT] < world:
+        raise ValueError(f"rank {rank} or root {cfg[CFG_ROOT]} outside {world} members")
+    per_chunk = min(coll.acked.size, coll.tries.size, coll.agsent.size, coll.sent.size)
+    if not 0 <= chunks <= per_chunk or NZ_BASE + chunks > coll.done.size:
+        raise ValueError(f"{chunks} chunks outside the slot's per-chunk tables")
+    if not 0 <= cfg[CFG_DTYPE] < ESIZE.shape[0]:
+        raise ValueError(f"dtype {cfg[CFG_DTYPE]} unknown")
+
+
+def set_up_epoch(
+    coll: CollState, spare: np.ndarray, epoch: int, rkey: int, txn: int, tag_key: bytes
+) -> None:
+    """Checked entry to begin_epoch: slot *coll*, its shape words and plan written, starts
+    epoch *epoch* under *rkey* and *tag_key* (16 bytes; b"": untagged)."""
+    _check_slot(coll, spare)
+    k0, k1 = np.frombuffer(tag_key or bytes(16), "<i8")
+    begin_epoch(coll, spare, np.int64(epoch), np.int64(rkey), np.int64(txn), k0, k1)
+
+
+def copy_local_part(coll: CollState, spare: np.ndarray, mem: np.ndarray) -> int:
+    """Checked entry to local_part (its input and output inside node memory *mem*): returns
+    where the copy went (-1: none)."""
+    _check_slot(coll, spare)
+    cfg = coll.cfg
+    esize, rank = int(ESIZE[cfg[CFG_DTYPE]]), int(cfg[CFG_RANK])
+    in_bytes = int(cfg[CFG_COUNT]) * esize
+    if cfg[CFG_ALGO] == ALGO_ALL_GATHER:
+        in_bytes = int(coll.bounds[rank + 1] - coll.bounds[rank]) * esize
+    for addr, nbytes in (
+        (int(cfg[CFG_IN]), in_bytes),
+        (int(cfg[CFG_OUT]), int(cfg[CFG_COUNT]) * esize),
+    ):
+        if not 0 <= addr <= mem.size - nbytes:
+            raise ValueError(f"buffer at {addr} of {nbytes} bytes outside node memory")
+    return int(local_part(coll, mem))
+
+
+def number_start(spare: np.ndarray, cfg: np.ndarray) -> None:
+    """Checked entry to count_start: the start that set slot *cfg* up gets the next number."""
+    if min(spare.shape[0], cfg.shape[0]) < CFG_LEN:
+        raise ValueError("collective slot rows do not match their layout")
+    count_start(spare, cfg)
 
 
 #: HoldTable.tag of a chain datagram held until its collective starts here (fault injection's

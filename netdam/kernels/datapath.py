@@ -49,9 +49,11 @@ from netdam.kernels.guard import (
     is_locked_out,
     is_validated,
 )
+from netdam.kernels.restart import NOT_TAKEN, restart_collective
 from netdam.kernels.state import DupWindow, Guard, NodeState, RxBatch, TxQueue
 from netdam.kernels.tag import (
     CONTROL_TAG_NO_KEY,
+    CONTROL_TAG_OK,
     F_TAGGED,
     REGION_TAG_NO_REGION,
     REGION_TAG_OK,
@@ -78,6 +80,7 @@ from netdam.kernels.wire import (
     OP_FETCH_ADD,
     OP_READ,
     OP_READ_RESP,
+    OP_START_COLL,
     OP_UPDATE,
     OP_WRITE,
     PHASE_NOT_STARTED,
@@ -381,6 +384,12 @@ def process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt):
         if status == PUNT or (status == 0 and PUNTED_OPS[op] == 1):
             if status == 0:
                 counters[C.OPCODE_BASE + op] += 1
+                if op == OP_START_COLL and sealed == CONTROL_TAG_OK:
+                    # A collective's next epoch starts here, without the control plane.
+                    started = restart_collective(b, ln, src, node, tx, tx_n, tag_in)
+                    if started != NOT_TAKEN:
+                        tx_n = started
+                        continue
             punt[n_punt] = i
             n_punt += 1
             counters[C.PUNTED] += 1

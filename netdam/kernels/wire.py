@@ -252,6 +252,7 @@ OP_ACK = int(Opcode.ACK)
 
 
 OP_NACK = int(Opcode.NACK)
+OP_START_COLL = int(Opcode.START_COLL)
 
 
 _S_BAD_VERSION = int(Status.BAD_VERSION)

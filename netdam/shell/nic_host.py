@@ -22,6 +22,7 @@ loop instead (``NodeProcess.run``): nothing changes for ``--nics-per-process 1``
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import select
 import socket
@@ -191,8 +192,10 @@ class NicHost(ServeLoop):
     def _start_turns(self, now: float) -> None:
         """The turn bookkeeping's start: no pass yet, the board not read yet."""
         self.turn_s, self._turn_at, self._turn_told = 0.0, now, 0.0
-        #: When this process last read the board, and the longest turn it read there.
-        self._board_at, self._board_longest = now - BOARD_PERIOD_S, 0.0
+        #: When this process reads the board next (the first pass does), and the longest turn
+        #: it read there last. A due time, not a difference of clock readings compared with the
+        #: period, which rounding made miss the period by an ulp on some clock values.
+        self._board_due, self._board_longest = -math.inf, 0.0
 
     def _note_turn(self, took: float, now: float) -> None:
         """A pass over the NICs took *took* seconds: a datagram for a NIC whose turn had passed
@@ -203,8 +206,8 @@ class NicHost(ServeLoop):
         covered = self.turn_s
         if self.board is not None:
             self.board.publish(self.turn_s, now)  # one row: the others see it at once
-            if now - self._board_at >= BOARD_PERIOD_S:
-                self._board_at = now
+            if now >= self._board_due:
+                self._board_due = now + BOARD_PERIOD_S
                 self._board_longest = self.board.longest(now, TURN_HALF_LIFE_S)
             covered = max(covered, self._board_longest)
         if abs(covered - self._turn_told) > TURN_CHANGE * self._turn_told:
