@@ -667,16 +667,16 @@ class NodeCore(CoreBase):
             self._rebuild_rkeys()
 
     def _note_datapath_starts(self) -> None:
-        """The control tag of each START_COLL the datapath started (restart_collective) goes
-        into the replay memory, as the control plane's own do (SPEC.md 2.6)."""
-        cfg = self.collective.cfg
+        """The control tags of the START_COLLs the datapath started (restart_collective, kept
+        in each slot's row) go into the replay memory, as the control plane's own do (SPEC.md
+        2.6); the rows are empty again."""
+        cfg, base = self.collective.cfg, coll_kernels.CFG_TAKEN_BASE
         for s in range(coll_kernels.MAX_COLLECTIVES):
-            if cfg[s, coll_kernels.CFG_TAKEN]:
-                tag = int(cfg[s, coll_kernels.CFG_TAKEN_TAG]).to_bytes(
-                    TAG_SIZE, "little", signed=True
-                )
-                self._remember_tag(tag, int(cfg[s, coll_kernels.CFG_STARTER]))
-                cfg[s, coll_kernels.CFG_TAKEN] = 0
+            taken = int(cfg[s, coll_kernels.CFG_TAKEN])
+            starter = int(cfg[s, coll_kernels.CFG_STARTER])
+            for tag in cfg[s, base : base + taken].tolist():
+                self._remember_tag(tag.to_bytes(TAG_SIZE, "little", signed=True), starter)
+            cfg[s, coll_kernels.CFG_TAKEN] = 0
 
     def _replayed(self, data: bytes, src: int) -> bool:
         self._note_datapath_starts()

@@ -235,11 +235,14 @@ CFG_SPAN_LO = CFG_REFUSED_END + 10
 CFG_SPAN_HI = CFG_REFUSED_END + 11
 CFG_CKEY = CFG_REFUSED_END + 12
 CFG_CKEY_RIGHTS = CFG_REFUSED_END + 13
-# A START_COLL the datapath started keeps its control tag here until the control plane adds it
-# to its replay memory (CFG_TAKEN 1: not yet; SPEC.md 2.6 "Control tags").
+# The START_COLLs the datapath started keep their control tags here until the control plane
+# adds them to its replay memory (SPEC.md 2.6 "Control tags"): CFG_TAKEN of them, oldest first
+# from CFG_TAKEN_BASE. A slot whose row is full starts its next epoch in the control plane,
+# which empties it (the control plane runs for a NIC only when something asks it to).
 CFG_TAKEN = CFG_REFUSED_END + 14
-CFG_TAKEN_TAG = CFG_REFUSED_END + 15
-CFG_LEN = CFG_REFUSED_END + 16
+TAKEN_SLOTS = 16
+CFG_TAKEN_BASE = CFG_REFUSED_END + 15
+CFG_LEN = CFG_TAKEN_BASE + TAKEN_SLOTS
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2

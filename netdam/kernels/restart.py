@@ -12,8 +12,11 @@ Everything the control plane would check is checked again, or is unchanged since
 it: the control tag (the datapath verified it), a newer epoch, the same shape (every
 descriptor field, the SR list, dtype, op and client), the buffers still inside one registered
 region that grants READ and WRITE, the new key naming no key the node holds. Anything else,
-or a slot whose last collective the control plane has not finished with (its key still
-installed, its last datapath start not in the replay memory yet), is punted as before.
+or a slot whose last collective's key is still installed or whose row of control tags waiting
+for the replay memory is full (the control plane empties it), is punted as before.
+
+The keys of ended collectives go here too (``drop_ended_keys``, every serve round), so a
+repeated collective's whole life, start to completion and key removal, passes no Python.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ from netdam.kernels.collective import (
     CFG_STARTER,
     CFG_STATE,
     CFG_TAKEN,
-    CFG_TAKEN_TAG,
+    CFG_TAKEN_BASE,
     CFG_TIMEOUT_MS,
     CFG_WORLD,
     MAX_COLLECTIVES,
     SPARE_SLOT,
     STATE_RUNNING,
+    TAKEN_SLOTS,
     begin_epoch,
     count_start,
     local_part,
@@ -58,7 +62,19 @@ from netdam.kernels.collective import (
     slot_state,
 )
 from netdam.kernels.tag import TAG, seal_tag
-from netdam.kernels.wire import HDR, R_READ, R_WRITE, SEG, emit_ack, le64, rd16, rd32, wr64
+from netdam.kernels.wire import (
+    HDR,
+    R_READ,
+    R_WRITE,
+    SEG,
+    add_rkey,
+    emit_ack,
+    le64,
+    rd16,
+    rd32,
+    remove_rkey,
+    wr64,
+)
 from netdam.protocol.constants import Rights
 from netdam.protocol.layout import (
     D_ALGO,
@@ -165,19 +181,16 @@ def _owner_rights(regions, slots, lo, hi):
 
 
 @njit(cache=True, nogil=True)
-def _free_entry(rk_key, rkey):
-    """The entry of the rkey table a new *rkey* goes to (the probe sequence of
-    wire.find_rkey), -1 when *rkey* is there already or the table is full."""
-    mask = rk_key.shape[0] - 1
-    entry = (rkey * 2654435761) & mask
-    for _ in range(rk_key.shape[0]):
-        key = np.int64(rk_key[entry])
-        if key == rkey:
-            return -1
-        if key == 0:
-            return entry
-        entry = (entry + 1) & mask
-    return -1
+def drop_ended_keys(regions, slots):
+    """Remove the key of every collective that ended here from the rkey table: called at the
+    start of each serve round, so a key outlives its collective by one round, as the control
+    plane's release does (NodeCore.release_collective_key, which finds nothing left then)."""
+    for s in range(MAX_COLLECTIVES):
+        cfg = slots.cfg[s]
+        if cfg[CFG_CKEY] != 0 and cfg[CFG_STATE] != STATE_RUNNING:
+            remove_rkey(regions, cfg[CFG_CKEY])
+            cfg[CFG_CKEY] = 0
+            cfg[CFG_CKEY_RIGHTS] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -194,8 +207,8 @@ def restart_collective(b, ln, src, node, tx, tx_n, tag):
     cfg = slots.cfg[s]
     if (
         cfg[CFG_STATE] == STATE_RUNNING
-        or cfg[CFG_CKEY] != 0  # the last epoch's key: the control plane removes it first
-        or cfg[CFG_TAKEN] != 0  # its start's tag is not in the replay memory yet
+        or cfg[CFG_CKEY] != 0  # the last epoch's key: removed one round after its end
+        or cfg[CFG_TAKEN] >= TAKEN_SLOTS  # no room to keep its tag for the replay memory
         or cfg[CFG_OPT_DESC] != 0
         or cfg[CFG_FLAGS] != 0
     ):
@@ -214,16 +227,11 @@ def restart_collective(b, ln, src, node, tx, tx_n, tag):
     rights = _owner_rights(regions, slots, cfg[CFG_SPAN_LO], cfg[CFG_SPAN_HI])
     if rights < 0 or (rights & _RW) != _RW:
         return NOT_TAKEN
-    entry = _free_entry(regions.key, rkey)
-    if entry < 0:
-        return NOT_TAKEN
+    scope = (rights & _RW) | _R_MEMBERS
+    span = cfg[CFG_SPAN_HI] - cfg[CFG_SPAN_LO]
+    if not add_rkey(regions, rkey, cfg[CFG_SPAN_LO], span, scope):
+        return NOT_TAKEN  # a key the node holds, or no room
     # Taken: nothing below refuses.
-    regions.key[entry] = rkey
-    regions.base[entry] = cfg[CFG_SPAN_LO]
-    regions.len[entry] = cfg[CFG_SPAN_HI] - cfg[CFG_SPAN_LO]
-    regions.rights[entry] = (rights & _RW) | _R_MEMBERS
-    regions.tag[entry, 0] = 0
-    regions.tag[entry, 1] = 0
     before = cfg[CFG_EPOCH]
     begin_epoch(
         slot_state(slots, s),
@@ -236,9 +244,9 @@ def restart_collective(b, ln, src, node, tx, tx_n, tag):
     )
     cfg[CFG_EPOCH_BEFORE] = before
     cfg[CFG_CKEY] = rkey
-    cfg[CFG_CKEY_RIGHTS] = (rights & _RW) | _R_MEMBERS
-    cfg[CFG_TAKEN] = 1
-    cfg[CFG_TAKEN_TAG] = np.int64(tag)
+    cfg[CFG_CKEY_RIGHTS] = scope
+    cfg[CFG_TAKEN_BASE + cfg[CFG_TAKEN]] = np.int64(tag)
+    cfg[CFG_TAKEN] += 1
     count_start(slots.cfg[SPARE_SLOT], cfg)
     local_part(slot_state(slots, s), mem)
     # The ACK echoes the request's header (aux_addr 0: running), sealed under its tag key.

@@ -24,11 +24,11 @@ from netdam.kernels.collective import (
     coll_ticks,
     early_count,
     hold_early_chains,
-    running_slots,
 )
 from netdam.kernels.datapath import process_batch_kernel
 from netdam.kernels.faults import apply_faults
 from netdam.kernels.guard import G_NOW, check_guard
+from netdam.kernels.restart import drop_ended_keys
 from netdam.kernels.state import (
     FC_ACTIVE,
     FC_GEN,
@@ -63,8 +63,8 @@ RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
 RETURN_BAD_QUEUE = 4  # _serve_nics: the NIC's send queue ends lay outside its slots (not served)
 
 #: The columns of _serve_nics's report, a row per NIC.
-OUT_REASON, OUT_PUNT, OUT_CLOCK, OUT_ENDED = 0, 1, 2, 3
-OUT_COLUMNS = 4
+OUT_REASON, OUT_PUNT, OUT_CLOCK = 0, 1, 2
+OUT_COLUMNS = 3
 
 
 @njit(cache=True, nogil=True)
@@ -255,7 +255,6 @@ def _serve_nics(nics, rx, punt, order, start, out):
         if not 0 <= txq[TXQ_HEAD] <= txq[TXQ_TAIL] < tx.len.shape[0]:
             out[k, OUT_REASON] = RETURN_BAD_QUEUE
             return i + 1
-        running = running_slots(node.coll)
         reason, n_punt = _serve_nic(
             borrowed(io),
             rx,
@@ -273,8 +272,6 @@ def _serve_nics(nics, rx, punt, order, start, out):
             or txq[TXQ_TAIL] > txq[TXQ_HEAD]
             or _any_held(faults.hold.len)  # fault injection's, or early chains
         )
-        # Collectives start only in the control plane: within a visit the count only falls.
-        out[k, OUT_ENDED] = running_slots(node.coll) < running
         if reason == RETURN_PUNT or reason == RETURN_QUEUE:
             return i + 1
     return order.shape[0]
@@ -313,6 +310,8 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
     early = early_count(faults.hold) > 0  # chains held until their collective starts here
     for _round in range(max_rounds):
+        # The keys of collectives that ended here go one round after their end.
+        drop_ended_keys(regions, coll)
         if fault_cfg[FC_ACTIVE] != 0.0:
             fault_cfg[FC_NOW] = clock_ns() * 1e-9  # time.monotonic(): what the held datagrams use
         if any_slot(coll, False):

@@ -641,6 +641,70 @@ def find_rkey(rk_key, rkey):
 
 
 @njit(cache=True, nogil=True)
+def _home(rk_key, rkey):
+    """The entry an rkey's probe sequence starts at (find_rkey's hash)."""
+    return (np.int64(rkey) * 2654435761) & (rk_key.shape[0] - 1)
+
+
+@njit(cache=True, nogil=True)
+def add_rkey(regions, rkey, base, size, rights):
+    """Insert *rkey* over [base, base+size) with *rights* (no tag key) into the table, which
+    must not hold it; False (nothing changed) when it does, or when the table is full."""
+    rk_key = regions.key
+    mask = rk_key.shape[0] - 1
+    entry = _home(rk_key, rkey)
+    for _ in range(rk_key.shape[0]):
+        key = np.int64(rk_key[entry])
+        if key == rkey:
+            return False
+        if key == 0:
+            rk_key[entry] = rkey
+            regions.base[entry] = base
+            regions.len[entry] = size
+            regions.rights[entry] = rights
+            regions.tag[entry, 0] = 0
+            regions.tag[entry, 1] = 0
+            return True
+        entry = (entry + 1) & mask
+    return False
+
+
+@njit(cache=True, nogil=True)
+def remove_rkey(regions, rkey):
+    """Delete *rkey* from the table, keeping every other key's probe sequence whole: each
+    entry after the hole that may move into it does (backward-shift deletion, Knuth 6.4
+    Algorithm R). False when the table does not hold it."""
+    rk_key = regions.key
+    mask = rk_key.shape[0] - 1
+    hole = find_rkey(rk_key, rkey)
+    if hole < 0:
+        return False
+    entry = hole
+    while True:
+        rk_key[hole] = 0
+        while True:
+            entry = (entry + 1) & mask
+            key = np.int64(rk_key[entry])
+            if key == 0:
+                return True
+            home = _home(rk_key, key)
+            # The entry stays when its home lies cyclically in (hole, entry].
+            if hole <= entry:
+                stays = hole < home <= entry
+            else:
+                stays = home > hole or home <= entry
+            if not stays:
+                break
+        rk_key[hole] = rk_key[entry]
+        regions.base[hole] = regions.base[entry]
+        regions.len[hole] = regions.len[entry]
+        regions.rights[hole] = regions.rights[entry]
+        regions.tag[hole, 0] = regions.tag[entry, 0]
+        regions.tag[hole, 1] = regions.tag[entry, 1]
+        hole = entry
+
+
+@njit(cache=True, nogil=True)
 def check_access(regions, rkey, addr, nbytes, need, align, member):
     """0 when *rkey* grants *need* on [addr, addr+nbytes) with *align*-aligned addr, else status.
     A members-only key (a collective's) names nothing for a datagram from a non-member."""

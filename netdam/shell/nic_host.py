@@ -170,9 +170,10 @@ class NicHost(ServeLoop):
 
     def _after_visit(self, k: int, ready: set[int]) -> None:
         """NIC *k*'s control plane after its visit, and whether its clock runs now."""
-        reason, n_punt, clock, ended = self._report[k, : serve.OUT_COLUMNS].tolist()
+        reason, n_punt, clock = self._report[k, : serve.OUT_COLUMNS].tolist()
         nic = self.nics[k]
-        if nic.after_visit(reason, n_punt, self._control_fds[k] in ready, bool(ended)):
+        # An ended collective's key went in the compiled loop (restart.drop_ended_keys).
+        if nic.after_visit(reason, n_punt, self._control_fds[k] in ready, False):
             self._loop.put(k, nic.loop_args(ROUNDS_PER_NIC))
             self._watch(k)
             clock = nic.wants_clock()

@@ -18,6 +18,8 @@ import netdam
 from netdam import api
 from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
+from netdam.kernels.collective import TAKEN_SLOTS
+from netdam.protocol import counters as C
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.protocol.elements import bf16_round, bf16_values
 from netdam.tools.allreduce import reference_chain_allreduce
@@ -303,6 +305,31 @@ def test_the_host_api_times_its_own_part_of_each_all_reduce(groups: list[api.Pro
         assert work is not None
         work.wait()
     assert gathered is not None and gathered.host_overhead() is None  # not recorded: not timed
+
+
+def test_a_repeated_all_reduce_starts_in_the_nodes_datapath(groups: list[api.ProcessGroup]) -> None:
+    """SPEC.md 4.1, "Restart in the datapath": after a group's first call, the START_COLLs of
+    its calls start in the node's compiled datapath. The control plane (the punted datagrams)
+    sees at most one in TAKEN_SLOTS + 1 of them (when the slot's row of tags for the replay
+    memory is full), and every result is exact and the same on every rank."""
+
+    def punted() -> list[int]:  # (each COUNTERS request is punted itself: one more each time)
+        return [int(g.client.counters(g.node)[C.PUNTED]) for g in groups]
+
+    calls = 3 * (TAKEN_SLOTS + 1)
+    on_every_rank(
+        groups, lambda g, r: api.all_reduce(np.ones(1000, np.float32), group=g, async_op=True)
+    )
+    before = punted()
+    for k in range(calls):
+        bufs = [np.full(1000, rank + k, np.float32) for rank in range(len(groups))]
+        on_every_rank(
+            groups, lambda g, r, bufs=bufs: api.all_reduce(bufs[r], group=g, async_op=True)
+        )
+        want = np.full(1000, sum(rank + k for rank in range(len(groups))), np.float32)
+        assert all(b.tobytes() == want.tobytes() for b in bufs)
+    grown = [b - a for a, b in zip(before, punted(), strict=True)]
+    assert all(g <= calls // (TAKEN_SLOTS + 1) + 1 for g in grown), grown
 
 
 # After this test, the groups of ranks 1 and 2 no longer hold their arenas (init_process_group

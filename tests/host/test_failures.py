@@ -307,8 +307,10 @@ def test_a_10x_straggler_is_slow_not_dead(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGCONT)
             assert all(b.tolist() == quick[0].tolist() for b in slowed) and quick[0][0] == 6.0
             # It really was slowed: 4-7x in wall time here (it catches up in batches while it
-            # runs, so 10% of the time is not 10x the duration).
-            assert slow > 3 * solo, (slow, solo)
+            # runs, so 10% of the time is not 10x the duration), and it waited through at least
+            # one 90 ms stop (2.8x once in a full suite on a slower machine, where the solo call
+            # was 37 ms and the slowed one 103 ms).
+            assert slow > max(2 * solo, 0.08), (slow, solo)
         finally:
             for group in groups:
                 group.close()

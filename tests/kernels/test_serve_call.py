@@ -17,6 +17,7 @@ import pytest
 from netdam.kernels import collective as L
 from netdam.kernels import serve
 from netdam.kernels.state import Kept, Regions, TxQueue
+from netdam.kernels.wire import find_rkey
 from netdam.protocol import counters as C
 from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
 
@@ -146,20 +147,29 @@ def test_a_nic_loop_serves_its_nics_in_one_call_and_refuses_what_it_cannot_trust
         )
         with pytest.raises(TypeError, match="not of the types"):
             loop.put(1, tuple(args))  # type: ignore[arg-type]
-        # A collective running on NIC 0 whose watchdog has long run out: the visit fails it,
-        # and the report says one ended there (its key is then released) and no clock runs.
-        slots = nics[0].core.collective
+        # A collective running on NIC 0 under a key of its own, whose watchdog has long run
+        # out: the visit fails it and no clock runs; its key outlives it by one round and goes
+        # in the loop's next round (restart.drop_ended_keys), with no Python.
+        core = nics[0].core
+        slots = core.collective
         slots.cfg[0, L.CFG_STATE] = L.STATE_RUNNING
         slots.fcfg[0, [L.F_START, L.F_LAST_ADVANCE, L.F_DEADLINE]] = (1.0, 1.0, 0.001)
+        slots.cfg[0, [L.CFG_SPAN_LO, L.CFG_SPAN_HI, L.CFG_CKEY, L.CFG_CKEY_RIGHTS]] = (
+            0,
+            64,
+            0x77,
+            3,
+        )
+        core._install_rkey(0x77, (0, 64, 3))
         assert loop.serve(np.array([0], np.int64), 0, report) == 1
         assert slots.cfg[0, L.CFG_STATE] == L.STATE_FAILED
-        assert report[0, serve.OUT_ENDED] == 1 and report[0, serve.OUT_CLOCK] == 0
+        assert report[0, serve.OUT_CLOCK] == 0 and 0x77 in core._keys()
         assert loop.serve(np.array([0], np.int64), 0, report) == 1
-        assert report[0, serve.OUT_ENDED] == 0
+        assert 0x77 not in core._keys() and find_rkey(core._rk_key, 0x77) == -1
         slots.cfg[0, L.CFG_STATE] = L.STATE_RUNNING  # running, and nothing fails it yet
         slots.fcfg[0, L.F_DEADLINE] = 1e9
         assert loop.serve(np.array([0], np.int64), 0, report) == 1
-        assert report[0, serve.OUT_CLOCK] == 1 and report[0, serve.OUT_ENDED] == 0
+        assert report[0, serve.OUT_CLOCK] == 1
         slots.cfg[0, L.CFG_STATE] = L.STATE_FAILED
         txq = nics[1].core.tx_queue
         txq[1] = nics[1].core.tx_bundle().len.shape[0]  # the tail past the last slot
