@@ -388,9 +388,9 @@ class ProcessGroup:
     #: Groups new_group made on this rank (the default group's count): the staging region
     #: shrinks once there is one, and group n takes lane 1 + (n - 1) % (LANES - 1).
     _made_groups: int = field(init=False, default=0)
-    #: Past max_chain ranks: the sub-groups of this group's torus (rows, then columns) this
-    #: rank is a member of, by their group ranks in this group (core/torus.py).
-    _torus: dict[tuple[int, ...], ProcessGroup] = field(init=False, default_factory=dict)
+    #: Past max_chain ranks: the sub-groups of this group's torus (rows, columns, rows'
+    #: gathers) this rank is a member of, by their index in core/torus.torus_groups.
+    _torus: dict[int, ProcessGroup] = field(init=False, default_factory=dict)
     #: The SR list of this group's collectives and the members it was built for (_segments).
     _segment_list: tuple[Endpoint, ...] = field(init=False, default=(), repr=False)
     _segments_of: tuple[int, ...] = field(init=False, default=(), repr=False)
@@ -446,7 +446,7 @@ class ProcessGroup:
             )
         self._torus = self._make_torus(self.members)
 
-    def _make_torus(self, members: Sequence[int]) -> dict[tuple[int, ...], ProcessGroup]:
+    def _make_torus(self, members: Sequence[int]) -> dict[int, ProcessGroup]:
         """The sub-groups of the torus of *members* (cluster ranks) that this rank belongs to,
         made with new_group on every rank alike (member or not), in core/torus.py's order, so
         their numbers, lanes and coll_ids agree everywhere. None below max_chain ranks, and none
@@ -454,14 +454,14 @@ class ProcessGroup:
         if len(members) <= self.max_chain or not splits(len(members), self.max_chain):
             return {}
         made = {}
-        rows, _ = torus_shape(len(members), self.max_chain)
+        rows, size = torus_shape(len(members), self.max_chain)
         for index, sub in enumerate(torus_groups(len(members), self.max_chain)):
             ranks = [members[i] for i in sub]
             group = self.new_group(ranks)
             if isinstance(group, ProcessGroup):
-                if index < rows:  # a row (rows come first), not a column
+                if not rows <= index < rows + size:  # a row's (its two groups), not a column
                     self._multicast_row(group, ranks)
-                made[sub] = group
+                made[index] = group
         return made
 
     def _multicast_row(self, group: ProcessGroup, ranks: Sequence[int]) -> None:
@@ -1145,7 +1145,7 @@ class TorusWork(Work):
             # Every step's turn on its sub-group is reserved now, in the order the caller issues
             # all-reduces (the same on every rank), not when the step before it ends here.
             for k, (step, _) in enumerate(self._steps):
-                sub = group._torus[step.members]
+                sub = group._torus[step.group]
                 self._steps[k] = (step, sub._torus_reserved)
                 sub._torus_reserved += 1
             self.room, group._pending_room = group._pending_room, None
@@ -1188,7 +1188,7 @@ class TorusWork(Work):
                 self._ended.set()
                 return
             step, turn = self._steps[0]
-            sub = group._torus[step.members]
+            sub = group._torus[step.group]
             if sub._torus_issued != turn:
                 return  # an earlier all-reduce's call on that group is not issued yet
             self._steps.pop(0)

@@ -33,9 +33,11 @@ from netdam.protocol.payloads import Algo
 @dataclass(frozen=True)
 class TorusStep:
     """One collective of a rank's torus all-reduce: over which of the group's ranks (group
-    ranks, in chain order), which algorithm, and where in the buffer (elements)."""
+    ranks, in chain order), in which sub-group (its index in torus_groups), which algorithm,
+    and where in the buffer (elements)."""
 
     members: tuple[int, ...]
+    group: int
     algo: Algo
     in_offset: int
     out_offset: int
@@ -88,12 +90,17 @@ def torus_shape(world: int, max_chain: int = MAX_SEGMENTS) -> tuple[int, int]:
 
 
 def torus_groups(world: int, max_chain: int = MAX_SEGMENTS) -> list[tuple[int, ...]]:
-    """The sub-groups of the torus, rows first then columns, as group ranks: the order in which
-    every rank makes them (new_group numbers groups in the order they are made)."""
+    """The sub-groups of the torus, as group ranks, in the order in which every rank makes them
+    (new_group numbers groups in the order they are made): the rows (their reduce-scatters),
+    the columns, then the rows again (their all-gathers). A row's two steps are groups of their
+    own, so every sub-group repeats one collective call after call, and a node starts each
+    call after the first in its datapath (SPEC.md 4.1, "Restart in the datapath"), where one
+    group alternating a reduce-scatter and an all-gather sent every step through the control
+    plane; a torus takes three of a node's four collective slots."""
     rows, size = torus_shape(world, max_chain)
-    return [tuple(range(r * size, (r + 1) * size)) for r in range(rows)] + [
-        tuple(c + r * size for r in range(rows)) for c in range(size)
-    ]
+    row_groups = [tuple(range(r * size, (r + 1) * size)) for r in range(rows)]
+    columns = [tuple(c + r * size for r in range(rows)) for c in range(size)]
+    return row_groups + columns + row_groups
 
 
 def torus_steps(
@@ -109,10 +116,11 @@ def torus_steps(
     row = tuple(range(r * size, (r + 1) * size))
     column = tuple(c + k * size for k in range(rows))
     lo, hi = c * count // size, (c + 1) * count // size
-    steps = [TorusStep(row, Algo.REDUCE_SCATTER, 0, 0, count)]
+    # The sub-groups' indices in torus_groups: row r, column c, row r's gathers.
+    steps = [TorusStep(row, r, Algo.REDUCE_SCATTER, 0, 0, count)]
     if hi > lo:
-        steps.append(TorusStep(column, Algo.ALL_REDUCE, lo, lo, hi - lo))
-    steps.append(TorusStep(row, Algo.ALL_GATHER, lo, 0, count))
+        steps.append(TorusStep(column, rows + c, Algo.ALL_REDUCE, lo, lo, hi - lo))
+    steps.append(TorusStep(row, rows + size + r, Algo.ALL_GATHER, lo, 0, count))
     return steps
 
 

@@ -45,9 +45,10 @@ def test_a_count_that_does_not_split_is_refused_naming_the_nearest(world: int, n
 
 def test_rows_and_columns_cover_every_rank_once_each() -> None:
     groups = torus_groups(12, max_chain=4)
-    rows, columns = groups[:3], groups[3:]
+    rows, columns, gathers = groups[:3], groups[3:7], groups[7:]
     assert rows == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     assert columns == [(0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)]
+    assert gathers == rows  # a row's gathers are a group of their own, over the same ranks
     assert (
         sorted(r for g in rows for r in g)
         == sorted(r for g in columns for r in g)
@@ -78,6 +79,11 @@ def test_every_rank_reduces_its_row_then_its_block_down_its_column_then_gathers(
         for step in middle:
             assert step.algo == Algo.ALL_REDUCE and step.members == (c, c + 4, c + 8)
             assert (step.in_offset, step.count) == (lo, hi - lo)
+        # Each step in a sub-group of its own: row r's reduce-scatters, column c, row r's
+        # gathers (torus_groups' order), whose ranks are the step's.
+        groups = torus_groups(world, max_chain)
+        assert [s.group for s in steps] == [r, *(3 + c for _ in middle), 7 + r]
+        assert all(groups[s.group] == s.members for s in steps)
 
 
 def test_reference_is_rows_then_columns_in_chain_order() -> None:
