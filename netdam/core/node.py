@@ -724,6 +724,10 @@ class NodeCore(CoreBase):
             regions,
             int(self.counters[C.RCVBUF_BYTES]),
         )
+        if self.collective.yielded:
+            # A stuck collective gave its slot up, and its key's record went with the slot's
+            # words (this set-up cleared them): the table is rebuilt without its key.
+            self._rebuild_rkeys()
         if status == Status.OK and not retry:
             self._key_collective(packet, scope)
         for request, host, tag_key in self.collective.yielded:

@@ -26,6 +26,7 @@ from netdam.core.host import (
     Heard,
 )
 from netdam.kernels import collective as L
+from netdam.kernels.wire import find_rkey
 from netdam.protocol.constants import DType, Opcode, ReduceOp, Status
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import Algo, CollectiveDescriptor, pack_completion, unpack_descriptor
@@ -56,8 +57,14 @@ def tag_key(coll_id: int, epoch: int) -> bytes:
     return bytes([coll_id & 0xFF, epoch & 0xFF] * 8)
 
 
-def start_packet(cluster: Cluster, group: Group, slot: int) -> Packet:
-    """START_COLL of *group*'s next epoch: an all-reduce of the slot-th pair of buffers."""
+def own_key(coll_id: int) -> int:
+    """A key of one collective's own (SPEC.md 4.1), which its node scopes over its buffers."""
+    return 0x7000_0000 + coll_id
+
+
+def start_packet(cluster: Cluster, group: Group, slot: int, own: bool = False) -> Packet:
+    """START_COLL of *group*'s next epoch: an all-reduce of the slot-th pair of buffers, under
+    the registered region's key, or (*own*) a key of the collective's own."""
     group.epoch += 1
     desc = CollectiveDescriptor(
         Algo.ALL_REDUCE,
@@ -65,7 +72,7 @@ def start_packet(cluster: Cluster, group: Group, slot: int) -> Packet:
         COUNT,
         2 * slot * SPAN,
         (2 * slot + 1) * SPAN,
-        RKEY,
+        own_key(group.coll_id) if own else RKEY,
         timeout_ms=30_000,
         tag_key=tag_key(group.coll_id, group.epoch),
     )
@@ -468,7 +475,7 @@ def test_only_the_admin_can_make_a_stuck_collective_give_way() -> None:
     stuck = []
     for k, host in enumerate(stuck_hosts):
         group = Group(0, coll_id=1700 + k)
-        stuck.append(Call(group, start_packet(cluster, group, k), watchdog_s=30.0))
+        stuck.append(Call(group, start_packet(cluster, group, k, own=True), watchdog_s=30.0))
         host.issue(stuck[-1], 0)
     for _ in range(40):  # their chains go out and are refused (BUSY: not started there)
         for host in stuck_hosts:
@@ -481,7 +488,7 @@ def test_only_the_admin_can_make_a_stuck_collective_give_way() -> None:
     assert all(e.may_yield for e in node.collective.engines)
     group = Group(0, coll_id=1600)  # lower than every stuck one: it may take a slot
     forged = replace(
-        start_packet(cluster, group, 5), rkey=ADMIN_KEY ^ 0x5A5A, client_id=9, txn_id=1
+        start_packet(cluster, group, 5, own=True), rkey=ADMIN_KEY ^ 0x5A5A, client_id=9, txn_id=1
     )
     replies = exchange(cluster, forged)
     assert [(r.opcode, r.status) for r in replies] == [(Opcode.NACK, Status.UNAUTHORIZED)]
@@ -495,6 +502,10 @@ def test_only_the_admin_can_make_a_stuck_collective_give_way() -> None:
     assert [(r.opcode, r.status) for r in replies] == [(Opcode.ACK, Status.OK)]
     held = sorted(int(node.collective.cfg[s, L.CFG_COLL]) for s in range(L.MAX_COLLECTIVES))
     assert held == [1600, 1700, 1701, 1702]
+    # The collective that gave way took its own key with it: the node answers to the others'
+    # and the new one's, not to its (a key's record is its slot's, which it lost).
+    installed = [find_rkey(node._rk_key, own_key(c)) >= 0 for c in (1600, 1700, 1701, 1702, 1703)]
+    assert installed == [True, True, True, True, False]
     for host in stuck_hosts:
         host.turn()
     assert [c.refused for c in stuck] == [False, False, False, True]  # 1703's host: BUSY
