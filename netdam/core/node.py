@@ -36,6 +36,7 @@ from netdam.kernels import collective as coll_kernels
 from netdam.kernels import datapath
 from netdam.kernels.guard import G_NOW, address_token, record_failure
 from netdam.kernels.state import TXQ_TAIL, DupWindow, Kept, NodeState, Regions, RxBatch, TraceRing
+from netdam.kernels.wire import install_rkey, uninstall_rkey
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     COUNTERS_TRACE,
@@ -103,6 +104,7 @@ MAX_EVENTS = 1 << 16
 TRACED_CONTROL = frozenset(
     {Opcode.START_COLL, Opcode.REGISTER, Opcode.DEREGISTER, Opcode.JOIN, Opcode.LEAVE}
 )
+_TRACED_OPCODES = np.array(sorted(int(op) for op in TRACED_CONTROL), np.uint8)
 
 
 @dataclass
@@ -535,7 +537,7 @@ class NodeCore(CoreBase):
         self._regions[rkey] = (base, size, rights)
         if tag_key:
             self._tag_keys[rkey] = bytes(tag_key)
-        self._rebuild_rkeys()
+        self._install_rkey(rkey, (base, size, rights))
         if announce:  # the host that called register_region knows already
             self._events.append(RegionRegistered(rkey, base, size, rights))
         return rkey, base
@@ -567,7 +569,7 @@ class NodeCore(CoreBase):
         self._tag_keys.pop(rkey, None)
         # Memory reaches its next owner zeroed: wiped the moment it has no owner.
         self.memory[base : base + size] = 0
-        self._rebuild_rkeys()
+        uninstall_rkey(self._regions_table(), rkey)
         if announce:
             self._events.append(RegionDeregistered(rkey))
         return Status.OK
@@ -593,33 +595,32 @@ class NodeCore(CoreBase):
         ]
 
     def _rebuild_rkeys(self) -> None:
-        """The datapath's rkey table from the registered regions and the collective's key.
-        Rebuilt whole: open addressing has no cheap delete, and registration is rare."""
+        """The datapath's rkey table anew from the registered regions and the collectives'
+        keys: after a stuck collective yields its slot, whose key's record the set-up cleared."""
         self._rk_key[:] = 0
         self._rk_tag[:] = 0
         for key, span in self._keys().items():
             self._install_rkey(key, span)
 
     def _install_rkey(self, key: int, span: tuple[int, int, int]) -> None:
-        """Add *key* (base, size, rights) to the datapath's table, which does not hold it:
-        inserting keeps the probe sequences valid as long as nothing is deleted, and only a
-        rebuild deletes."""
-        base, size, rights = span
-        slot = _probe_free(self._rk_key, key)
-        self._rk_key[slot], self._rk_base[slot] = key, base
-        self._rk_len[slot], self._rk_rights[slot] = size, rights
-        if key in self._tag_keys:
-            self._rk_tag[slot] = np.frombuffer(self._tag_keys[key], "<u8")
+        """Add *key* (base, size, rights) and its tag key to the datapath's table, which does
+        not hold it."""
+        install_rkey(self._regions_table(), key, span, self._tag_keys.get(key, b""))
+
+    def _regions_table(self) -> Regions:
+        return Regions(self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._rk_tag)
 
     # ------------------------------------------------------------------ a collective's key
 
-    def _collective_scope(self, packet: Packet) -> tuple[int, tuple[int, int, int]] | None:
+    def _collective_scope(
+        self, span: tuple[int, int, int] | None
+    ) -> tuple[int, tuple[int, int, int]] | None:
         """A START_COLL whose descriptor rkey is no key of this node names a key for this
         collective alone (SPEC.md 4.1): (rkey, (base, size, rights)) over the collective's
         buffers (and a fused update's optimizer state), which must lie in one registered
         region, usable only in datagrams from members; None: a registered region's key (v1
-        use, checked by the engine), or no region holds the buffers (the engine answers)."""
-        span = collective_buffer_span(packet, self.memory)
+        use, checked by the engine), or no region holds the buffers (the engine answers).
+        *span*: its (rkey, lo, hi), collective_buffer_span's answer."""
         if span is None:
             return None
         rkey, lo, hi = span
@@ -635,13 +636,15 @@ class NodeCore(CoreBase):
         )
 
     def _key_collective(
-        self, packet: Packet, scope: tuple[int, tuple[int, int, int]] | None
+        self,
+        packet: Packet,
+        span: tuple[int, int, int] | None,
+        scope: tuple[int, tuple[int, int, int]] | None,
     ) -> None:
         """Record in the slot of the collective *packet* just set up the bytes its key covers,
         and install its own key over them (*scope*), removed when it ends
         (release_collective_key): what the datapath's restarts of it read and do alike."""
         engine = self.collective.engine_of(packet.coll_id)
-        span = collective_buffer_span(packet, self.memory)
         if engine is None or span is None:
             return
         cfg = engine.cfg
@@ -662,9 +665,8 @@ class NodeCore(CoreBase):
             if cfg[coll_kernels.CFG_STATE] != coll_kernels.STATE_RUNNING
         ]
         for cfg in ended:
+            uninstall_rkey(self._regions_table(), int(cfg[coll_kernels.CFG_CKEY]))
             cfg[coll_kernels.CFG_CKEY] = cfg[coll_kernels.CFG_CKEY_RIGHTS] = 0
-        if ended:
-            self._rebuild_rkeys()
 
     def _note_datapath_starts(self) -> None:
         """The control tags of the START_COLLs the datapath started (restart_collective, kept
@@ -709,7 +711,8 @@ class NodeCore(CoreBase):
             self._reply(packet, src, final[0], final[1], payload=final[2], aux_addr=1, tag_key=key)
             return
         self.release_collective_key()
-        scope = None if self._runs(packet.coll_id) else self._collective_scope(packet)
+        span = collective_buffer_span(packet, self.memory)
+        scope = None if self._runs(packet.coll_id) else self._collective_scope(span)
         regions = self._keys()
         if scope is not None:
             regions[scope[0]] = scope[1]
@@ -729,7 +732,7 @@ class NodeCore(CoreBase):
             # words (this set-up cleared them): the table is rebuilt without its key.
             self._rebuild_rkeys()
         if status == Status.OK and not retry:
-            self._key_collective(packet, scope)
+            self._key_collective(packet, span, scope)
         for request, host, tag_key in self.collective.yielded:
             # A stuck collective gave its slot to this one: its host asks again (BUSY).
             # (Counted with every NACK BUSY: no counter of its own, the COUNTERS layout stays.)
@@ -759,12 +762,14 @@ class NodeCore(CoreBase):
         datapath (the compiled loop records the data socket's itself; these come through the
         management port, SPEC.md 6.7), whatever becomes of it."""
         rows = self.trace.rec
-        if rows.shape[0] == 0:
+        if rows.shape[0] == 0 or n == 0:
             return
-        for i in range(n):
+        # Picked out with numpy: a batch of data datagrams (the in-memory fabric's, the
+        # one-process datapath bench's) costs no Python per datagram here.
+        whole = np.flatnonzero((lens[:n] >= HEADER_SIZE) & (offs[:n] + HEADER_SIZE <= buf.shape[0]))
+        control = whole[np.isin(buf[offs[whole] + H_OPCODE], _TRACED_OPCODES)]
+        for i in control.tolist():
             length, at = int(lens[i]), int(offs[i])
-            if length < HEADER_SIZE or buf[at + H_OPCODE] not in TRACED_CONTROL:
-                continue
             head = bytes(buf[at : at + HEADER_SIZE])
             written = int(self.trace.cursor[0])
             TRACE_RECORD.pack_into(
@@ -792,12 +797,3 @@ class NodeCore(CoreBase):
         picked = rows[np.arange(start, start + count, dtype=np.int64) % max(slots, 1)]
         head = TRACE_REPLY.struct.pack(start, written, slots, TRACE_RECORD_BYTES, 0)
         return bytes(head + picked.tobytes())
-
-
-def _probe_free(table: np.ndarray, rkey: int) -> int:
-    """The slot the datapath's probe sequence reaches first for *rkey* (same hash)."""
-    mask = table.shape[0] - 1
-    slot = (rkey * 2654435761) & mask
-    while table[slot] != 0:
-        slot = (slot + 1) & mask
-    return int(slot)

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit
 
 from netdam.kernels.f16 import f16_bits_to_f32, f32_bits_to_bf16_bits, f32_to_f16_bits
-from netdam.kernels.wire import ESIZE, HDR, check_access, le64, rd32, rd64
+from netdam.kernels.wire import ESIZE, HDR, check_access, le16, le32, le64, rd32, rd64
 from netdam.protocol.constants import DType, OptFlags, OptRule, Rights, Status
 from netdam.protocol.layout import (
     H_ADDR,
@@ -67,21 +67,6 @@ APPLY, DUPLICATE = 0, 1
 
 
 @njit(cache=True, nogil=True)
-def _u32(mem, a):
-    return (
-        np.int64(mem[a])
-        | (np.int64(mem[a + 1]) << 8)
-        | (np.int64(mem[a + 2]) << 16)
-        | (np.int64(mem[a + 3]) << 24)
-    )
-
-
-@njit(cache=True, nogil=True)
-def _u16(mem, a):
-    return np.int64(mem[a]) | (np.int64(mem[a + 1]) << 8)
-
-
-@njit(cache=True, nogil=True)
 def _f64(mem, a):
     return np.uint64(le64(mem, a)).view(np.float64)
 
@@ -91,7 +76,7 @@ def _geometry(mem, b):
     """(descriptor, first element, elements, chunk index) of an UPDATE whose descriptor passed
     update_check (the descriptor's address as an int64)."""
     d = np.int64(rd64(b, H_ADDR))
-    chunk = _u32(mem, d + OPT_CHUNK)
+    chunk = le32(mem, d + OPT_CHUNK)
     count = np.int64(le64(mem, d + OPT_COUNT))
     first = np.int64(rd64(b, H_AUX_ADDR))
     return d, first, min(chunk, count - first), first // chunk
@@ -104,7 +89,7 @@ def descriptor_status(mem, d):
     else BAD_FIELD. Rights on the ranges it names are the caller's to check."""
     rule = np.int64(mem[d + OPT_RULE])
     flags = np.int64(mem[d + OPT_FLAGS])
-    chunk = _u32(mem, d + OPT_CHUNK)
+    chunk = le32(mem, d + OPT_CHUNK)
     count = le64(mem, d + OPT_COUNT)
     params, m1 = le64(mem, d + OPT_PARAMS), le64(mem, d + OPT_MOMENT1)
     m2, steps = le64(mem, d + OPT_MOMENT2), le64(mem, d + OPT_STEPS)
@@ -142,7 +127,7 @@ def update_check(mem, regions, b, member):
     status = descriptor_status(mem, d)
     if status != 0:
         return status, APPLY
-    chunk = _u32(mem, d + OPT_CHUNK)
+    chunk = le32(mem, d + OPT_CHUNK)
     count = le64(mem, d + OPT_COUNT)
     params, m1 = le64(mem, d + OPT_PARAMS), le64(mem, d + OPT_MOMENT1)
     m2, steps = le64(mem, d + OPT_MOMENT2), le64(mem, d + OPT_STEPS)
@@ -164,7 +149,7 @@ def update_check(mem, regions, b, member):
         status = check_access(regions, rkey, at, 4 * n, _READ_WRITE, 4, member)
         if status != 0:
             return status, APPLY
-    last = _u32(mem, np.int64(at_step))
+    last = le32(mem, np.int64(at_step))
     if step == last:
         return 0, DUPLICATE
     if step != last + 1:
@@ -176,8 +161,8 @@ def update_check(mem, regions, b, member):
 def _gradient(g, off, dtype, i):
     """Element *i* of the gradient at *off* in *g* as float32, exactly (f16 and bf16 widened)."""
     if dtype == _F32:
-        return np.uint32(_u32(g, off + 4 * i)).view(np.float32)
-    h = _u16(g, off + 2 * i)
+        return np.uint32(le32(g, off + 4 * i)).view(np.float32)
+    h = le16(g, off + 2 * i)
     if dtype == _F16:
         return f16_bits_to_f32(np.uint16(h))
     return np.uint32(h << 16).view(np.float32)  # bf16: the upper half of an f32
@@ -267,7 +252,7 @@ def fused_apply(mem, d, start, n, step, g, g_off, dtype):
         if dtype == _F16:
             h = np.uint32(f32_to_f16_bits(p[i]))
         else:
-            h = np.uint32(f32_bits_to_bf16_bits(np.uint32(_u32(mem, a_p + 4 * i))))
+            h = np.uint32(f32_bits_to_bf16_bits(np.uint32(le32(mem, a_p + 4 * i))))
         g[g_off + 2 * i] = np.uint8(h & np.uint32(0xFF))
         g[g_off + 2 * i + 1] = np.uint8((h >> np.uint32(8)) & np.uint32(0xFF))
 

@@ -69,6 +69,8 @@ from netdam.kernels.wire import (
     SEG,
     add_rkey,
     emit_ack,
+    le16,
+    le32,
     le64,
     rd16,
     rd32,
@@ -112,15 +114,6 @@ NOT_TAKEN = -1
 
 
 @njit(cache=True, nogil=True)
-def _le(b, o, n):
-    """The n-byte little-endian unsigned integer at b[o] (the descriptor's byte order)."""
-    value = np.int64(0)
-    for k in range(n):
-        value |= np.int64(b[o + k]) << (8 * k)
-    return value
-
-
-@njit(cache=True, nogil=True)
 def _same_shape(b, ln, src, cfg, ring):
     """START_COLL b[:ln] (trailer cut) asks of slot *cfg* exactly what its last epoch asked,
     from the same source, with a tag key (the descriptor's 80-byte form); keys aside."""
@@ -148,16 +141,16 @@ def _same_shape(b, ln, src, cfg, ring):
     return (
         np.int64(b[p + D_ALGO]) == cfg[CFG_ALGO]
         and np.int64(b[p + D_FLAGS]) == cfg[CFG_FLAGS]
-        and _le(b, p + D_WINDOW, 2) == cfg[CFG_REQ_WINDOW]
-        and _le(b, p + D_RANK, 4) == cfg[CFG_RANK]
+        and le16(b, p + D_WINDOW) == cfg[CFG_REQ_WINDOW]
+        and le32(b, p + D_RANK) == cfg[CFG_RANK]
         and le64(b, p + D_COUNT) == np.uint64(cfg[CFG_COUNT])
         and le64(b, p + D_IN_ADDR) == np.uint64(cfg[CFG_IN])
         and le64(b, p + D_OUT_ADDR) == np.uint64(cfg[CFG_OUT])
-        and _le(b, p + D_ROOT, 4) == cfg[CFG_ROOT]
+        and le32(b, p + D_ROOT) == cfg[CFG_ROOT]
         and le64(b, p + D_GROUP) == np.uint64(cfg[CFG_GROUP])
         and host == np.uint64(cfg[CFG_HOST])
-        and _le(b, p + D_TIMEOUT_MS, 4) == cfg[CFG_TIMEOUT_MS]
-        and _le(b, p + D_RESERVED, 4) == 0
+        and le32(b, p + D_TIMEOUT_MS) == cfg[CFG_TIMEOUT_MS]
+        and le32(b, p + D_RESERVED) == 0
     )
 
 
@@ -220,7 +213,7 @@ def restart_collective(b, ln, src, node, tx, tx_n, tag):
     if not _same_shape(b, ln, src, cfg, slots.ring[s]):
         return NOT_TAKEN
     p = HDR + SEG * cfg[CFG_WORLD]
-    rkey = _le(b, p + D_RKEY, 4)
+    rkey = le32(b, p + D_RKEY)
     k0, k1 = le64(b, p + D_TAG_K0), le64(b, p + D_TAG_K1)
     if rkey == 0 or (k0 | k1) == 0:
         return NOT_TAKEN

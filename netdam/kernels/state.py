@@ -64,7 +64,7 @@ class TxQueue(NamedTuple):
 
 
 class Regions(NamedTuple):
-    """The node's rkey table (sorted by key; SPEC.md 6.1)."""
+    """The node's rkey table, open-addressed by key (wire.find_rkey; SPEC.md 6.1)."""
 
     key: np.ndarray  # uint32
     base: np.ndarray  # int64

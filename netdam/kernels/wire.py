@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from netdam.kernels.state import Regions
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DATA_OPCODES,
@@ -363,6 +364,23 @@ def wr32(b, o, v):
 
 
 @njit(cache=True, nogil=True)
+def le16(b, o):
+    """The little-endian u16 at b[o] (descriptors and sparse payloads; headers are big-endian)."""
+    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
+
+
+@njit(cache=True, nogil=True)
+def le32(b, o):
+    """The little-endian u32 at b[o]."""
+    return (
+        np.int64(b[o])
+        | (np.int64(b[o + 1]) << 8)
+        | (np.int64(b[o + 2]) << 16)
+        | (np.int64(b[o + 3]) << 24)
+    )
+
+
+@njit(cache=True, nogil=True)
 def le64(b, o):
     value = np.uint64(0)
     for k in range(8):
@@ -477,21 +495,6 @@ def _check_fields(b, n, op, flags, dtype):
 
 
 @njit(cache=True, nogil=True)
-def _le16(b, o):
-    return np.int64(b[o]) | (np.int64(b[o + 1]) << 8)
-
-
-@njit(cache=True, nogil=True)
-def _le32(b, o):
-    return (
-        np.int64(b[o])
-        | (np.int64(b[o + 1]) << 8)
-        | (np.int64(b[o + 2]) << 16)
-        | (np.int64(b[o + 3]) << 24)
-    )
-
-
-@njit(cache=True, nogil=True)
 def _sparse_size(nnz, esize):
     return SP_INDICES + (2 * nnz + 7) // 8 * 8 + nnz * esize
 
@@ -501,9 +504,9 @@ def _check_sparse(b, p, size, length, esize):
     """Mirrors protocol.packet.check_sparse_payload on the payload b[p : p + size]."""
     if size < SP_INDICES:
         return _S_TRUNCATED
-    if _le32(b, p + SP_RESERVED) != 0:
+    if le32(b, p + SP_RESERVED) != 0:
         return _S_BAD_FIELD
-    nnz = _le32(b, p + SP_NNZ)
+    nnz = le32(b, p + SP_NNZ)
     elements = length // esize
     if nnz > elements:
         return _S_BAD_LENGTH
@@ -514,7 +517,7 @@ def _check_sparse(b, p, size, length, esize):
             return _S_BAD_FIELD
     prev = np.int64(-1)
     for k in range(nnz):
-        index = _le16(b, p + SP_INDICES + 2 * k)
+        index = le16(b, p + SP_INDICES + 2 * k)
         if index <= prev:
             return _S_BAD_FIELD
         prev = index
@@ -597,7 +600,7 @@ def _sparse_encode(dst, d_off, src, s_off, nbytes, esize, nnz):
 def sparse_expand(dst, d_off, b, p, nbytes, esize):
     """Dense form of the (validated) sparse payload at b[p:] into dst[d_off : d_off + nbytes]:
     listed elements get their value, all others all-zero bits."""
-    nnz = _le32(b, p + SP_NNZ)
+    nnz = le32(b, p + SP_NNZ)
     idx = b[p + SP_INDICES : p + SP_INDICES + 2 * nnz].view(np.uint16)
     v = p + SP_INDICES + (2 * nnz + 7) // 8 * 8
     vals = b[v : v + nnz * esize]
@@ -803,3 +806,42 @@ def scratch_slot(tx_buf, tx_off, tx_n):
     if start + _MAXPAY <= tx_buf.shape[0]:
         return tx_buf[start : start + _MAXPAY]
     return np.zeros(_MAXPAY, np.uint8)
+
+
+# ---------------------------------------------------------------- checked entries (Python)
+
+
+def _check_regions(regions: Regions) -> None:
+    slots = regions.key.shape[0]
+    if slots == 0 or slots & (slots - 1):
+        raise ValueError(f"rkey table of {slots} slots: a power of two is needed (the hash mask)")
+    for name, column in zip(Regions._fields[1:], regions[1:], strict=True):
+        if column.shape[0] != slots:
+            raise ValueError(f"rkey table column {name} has {column.shape[0]} rows, not {slots}")
+    if regions.tag.ndim != 2 or regions.tag.shape[1] != 2:
+        raise ValueError(f"rkey table tag column of shape {regions.tag.shape}, not ({slots}, 2)")
+
+
+def install_rkey(
+    regions: Regions, rkey: int, span: tuple[int, int, int], tag_key: bytes = b""
+) -> None:
+    """Checked entry to add_rkey: *rkey* over span (base, size, rights), with its 16-byte tag
+    key (b"": untagged). Raises when the table holds the key already or is full."""
+    _check_regions(regions)
+    base, size, rights = span
+    if not 0 < rkey <= 0xFFFFFFFF or base < 0 or size < 0 or not 0 <= rights <= 0xFF:
+        raise ValueError(f"rkey {rkey:#x} over ({base}, {size}) rights {rights:#x}: out of range")
+    if len(tag_key) not in (0, 16):
+        raise ValueError(f"tag key of {len(tag_key)} bytes, not 16")
+    if not add_rkey(regions, np.int64(rkey), np.int64(base), np.int64(size), np.int64(rights)):
+        raise ValueError(f"rkey {rkey:#x}: already in the table, or the table is full")
+    if tag_key:
+        regions.tag[find_rkey(regions.key, np.int64(rkey))] = np.frombuffer(tag_key, "<u8")
+
+
+def uninstall_rkey(regions: Regions, rkey: int) -> bool:
+    """Checked entry to remove_rkey: False when the table does not hold *rkey*."""
+    _check_regions(regions)
+    if not 0 <= rkey <= 0xFFFFFFFF:
+        raise ValueError(f"rkey {rkey:#x} out of range")
+    return bool(remove_rkey(regions, np.int64(rkey)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from netdam.kernels.state import Regions
-from netdam.kernels.wire import add_rkey, find_rkey, remove_rkey
+from netdam.kernels.wire import add_rkey, find_rkey, install_rkey, remove_rkey, uninstall_rkey
 
 
 def table(slots: int) -> Regions:
@@ -59,3 +59,23 @@ def test_a_full_table_takes_no_more() -> None:
     assert all(add_rkey(regions, key, key, key + 1, key % 7) for key in (1, 2, 3, 4))
     assert not add_rkey(regions, 5, 5, 6, 5)
     assert remove_rkey(regions, 3) and add_rkey(regions, 5, 5, 6, 5)
+
+
+def test_the_checked_entries_refuse_what_the_kernels_would_not_check() -> None:
+    """install_rkey / uninstall_rkey (the node's Python side) check before the kernels run."""
+    regions = table(8)
+    install_rkey(regions, 0xDEAD, (64, 128, 3), bytes(range(1, 17)))
+    entry = find_rkey(regions.key, 0xDEAD)
+    assert regions.base[entry] == 64 and regions.len[entry] == 128 and regions.rights[entry] == 3
+    assert regions.tag[entry].tobytes() == bytes(range(1, 17))
+    with pytest.raises(ValueError, match="already in the table"):
+        install_rkey(regions, 0xDEAD, (0, 1, 1))
+    for bad in (0, 1 << 32):
+        with pytest.raises(ValueError, match="out of range"):
+            install_rkey(regions, bad, (0, 1, 1))
+    with pytest.raises(ValueError, match="not 16"):
+        install_rkey(regions, 7, (0, 1, 1), b"short")
+    with pytest.raises(ValueError, match="power of two"):
+        install_rkey(table(6), 7, (0, 1, 1))
+    assert uninstall_rkey(regions, 0xDEAD) and not uninstall_rkey(regions, 0xDEAD)
+    assert find_rkey(regions.key, 0xDEAD) == -1
