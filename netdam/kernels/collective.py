@@ -339,6 +339,12 @@ REPAIR_MIN_S = 0.1
 #: A gather READs a block it has heard nothing of (no chunk, no DONE from its owner) only after
 #: this many repair periods without progress: its owner may simply not have started yet.
 REPAIR_GATHER_STALLS = 4
+#: A gather that announces its start (STARTED) fails on its watchdog only after this many
+#: watchdog periods without progress while a member has not said it started: that member is
+#: late, not dead (a torus's row all-gather waits for its slowest column, SPEC.md 4.2). The
+#: first call of a fresh 256-NIC cluster on 2 cores spread its members' starts over ~2.3 s,
+#: and 2 runs in 8 failed on the 2.5 s default. A member that never starts is still named.
+START_SKEW_STALLS = 4
 
 # Header flags the engine sets (the wire's values, protocol/constants.py).
 _F_MCAST = int(Flags.MCAST)
@@ -742,13 +748,23 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
             tx_n = _send_started(cfg, tx, tx_n)
             cfg[CFG_STARTED] |= me_bit
     window = max(cfg[CFG_WINDOW] // share, SHARED_WINDOW_MIN)
-    # DONEs and (sparse mode) arriving bitmaps are progress too
-    advance = cfg[CFG_DONE_COUNT] + cfg[CFG_ACKED] + cfg[CFG_PEERS_DONE] + cfg[CFG_BM_GOT]
+    # DONEs, (sparse mode) arriving bitmaps and members' STARTEDs are progress too (each term
+    # only grows within an epoch, so the sum changes exactly when one does)
+    advance = (
+        cfg[CFG_DONE_COUNT]
+        + cfg[CFG_ACKED]
+        + cfg[CFG_PEERS_DONE]
+        + cfg[CFG_BM_GOT]
+        + _members_in(cfg[CFG_STARTED])
+    )
     if advance != fcfg[F_LAST_COUNT]:
         fcfg[F_LAST_COUNT] = advance
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
-    if cfg[CFG_FATAL] != 0 or now - fcfg[F_LAST_ADVANCE] > fcfg[F_DEADLINE]:
+    deadline = fcfg[F_DEADLINE]
+    if _announces_start(cfg) and cfg[CFG_STARTED] != _all_ranks(cfg[CFG_WORLD]):
+        deadline *= START_SKEW_STALLS  # a member has not started: late, not dead (above)
+    if cfg[CFG_FATAL] != 0 or now - fcfg[F_LAST_ADVANCE] > deadline:
         cfg[CFG_STATE] = STATE_FAILED
         if _room(tx_buf, tx_off, tx_len, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
@@ -1118,6 +1134,17 @@ def _note_refusal(co_cfg, coll, epoch, originator):
     if n < REFUSED_SLOTS:
         co_cfg[CFG_REFUSED_BASE + n] = value
         co_cfg[CFG_REFUSED_N] = n + 1
+
+
+@njit(cache=True, nogil=True)
+def _members_in(bits):
+    """How many ranks the rank bit set *bits* holds (a count, not the set: the watchdog's
+    progress sum is kept in a float, which holds a 64-bit set inexactly)."""
+    count = 0
+    while bits != 0:
+        bits &= bits - 1
+        count += 1
+    return count
 
 
 @njit(cache=True, nogil=True)

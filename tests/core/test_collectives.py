@@ -12,10 +12,19 @@ import pytest
 from helpers import ADMIN_KEY, RKEY, Cluster, make_cluster
 from reference import all_reduce_reference
 
+from netdam.core.chunk_plan import chunk_bounds
 from netdam.core.faults import FaultSpec
 from netdam.kernels import collective as L
 from netdam.protocol import counters as C
-from netdam.protocol.constants import NUMPY_DTYPE, DType, Flags, Opcode, ReduceOp, Status
+from netdam.protocol.constants import (
+    NUMPY_DTYPE,
+    DType,
+    Flags,
+    Opcode,
+    ReduceOp,
+    Status,
+    max_elements,
+)
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import Algo, CollectiveDescriptor, unpack_completion
 from netdam.protocol.tag import verify as tag_verify
@@ -54,11 +63,13 @@ def run(
     flags: int = 0,
     on_round: Callable[[Cluster, int], None] | None = None,
     tag_key: bytes = TAG_KEY,
-    late: dict[int, int] | None = None,
+    late: dict[int, int | None] | None = None,
+    timeout_ms: int = 30_000,
 ) -> Outcome:
     """Stage inputs by host store, START_COLL from every rank's host, run until every host heard.
     *on_round(cluster, round)* runs before each fabric step (to inject datagrams); *late* maps
-    a rank to the round its host first sends START_COLL (a start skew)."""
+    a rank to the round its host first sends START_COLL (a start skew; None: never, and the
+    run ends when every other host heard)."""
     cluster = cluster or make_cluster(n, faults, memory=MEMORY)
     dtype = {np.dtype(v): DType(k) for k, v in NUMPY_DTYPE.items()}[inputs[0].dtype]
     count = out_count if out_count is not None else inputs[0].size
@@ -80,7 +91,7 @@ def run(
             RKEY,
             root=root,
             group=GROUP if multicast else None,
-            timeout_ms=30_000,
+            timeout_ms=timeout_ms,
             flags=flags,
             tag_key=tag_key,
         )
@@ -97,13 +108,19 @@ def run(
         ).with_payload(desc.encode())
         starts.append(encode_packet(start))
     finals: dict[int, Packet] = {}
+    never = {rank for rank, first in (late or {}).items() if first is None}
     for round_ in range(max_rounds):
         if on_round is not None:
             on_round(cluster, round_)
         for rank, host in enumerate(hosts(n)):
             first = (late or {}).get(rank, 0)
             # Hosts re-send START_COLL until they hear the completion.
-            if round_ >= first and (round_ - first) % 200 == 0 and rank not in finals:
+            if (
+                first is not None
+                and round_ >= first
+                and (round_ - first) % 200 == 0
+                and rank not in finals
+            ):
                 cluster.fabric.send(host, cluster.endpoints[rank], starts[rank])
         if cluster.fabric.step() == 0:
             cluster.fabric.advance(0.005)
@@ -112,11 +129,12 @@ def run(
                 reply = decode_packet(data)
                 if reply.aux_addr == 1:
                     finals.setdefault(rank, reply)
-        if len(finals) == n:
+        if len(finals) == n - len(never):
             break
-    assert len(finals) == n, f"hosts without completion: {sorted(set(range(n)) - set(finals))}"
+    missing = set(range(n)) - never - set(finals)
+    assert not missing, f"hosts without completion: {sorted(missing)}"
     cluster.fabric.run_until_idle(max_rounds=max_rounds)  # let stragglers settle
-    replies = [finals[rank] for rank in range(n)]
+    replies = [finals[rank] for rank in range(n) if rank not in never]
     nbytes = count * inputs[0].itemsize
     outputs = [
         node.memory[out_addr : out_addr + nbytes].view(inputs[0].dtype).copy()
@@ -383,6 +401,37 @@ def test_a_multicast_gather_waits_for_every_members_started(rng: np.random.Gener
     out = run(4, inputs, algo=Algo.ALL_GATHER, multicast=False, late={3: 8})
     assert_all_equal(out.outputs, full)
     assert int(out.cluster.nodes[3].counters[C.DROP_COLL_EARLY]) > 0
+
+
+def test_a_gather_waits_past_its_watchdog_for_a_member_that_has_not_started(
+    rng: np.random.Generator,
+) -> None:
+    """A multicast gather's member that has not said STARTED is late, not dead: the others
+    wait START_SKEW_STALLS watchdog periods for it (a torus's row all-gather waits for its
+    slowest column, SPEC.md 4.2). Member 3 starts ~0.5 s late under a 0.2 s watchdog: exact.
+    The control: the same skew in a unicast gather (no STARTEDs) fails on the watchdog."""
+    full, inputs = _gather_inputs(rng, 4, 6_000)
+    out = run(4, inputs, algo=Algo.ALL_GATHER, multicast=True, late={3: 100}, timeout_ms=200)
+    assert [r.opcode for r in out.replies] == [Opcode.ACK] * 4
+    assert_all_equal(out.outputs, full)
+    skewed = run(4, inputs, algo=Algo.ALL_GATHER, multicast=False, late={3: 100}, timeout_ms=200)
+    assert Status.TIMEOUT in [r.status for r in skewed.replies]
+
+
+def test_a_member_that_never_starts_still_fails_the_gather_naming_its_block(
+    rng: np.random.Generator,
+) -> None:
+    """The longer wait is bounded: member 3's host never starts, so after START_SKEW_STALLS
+    watchdog periods the others fail TIMEOUT, and the missing chunks they name are its block's."""
+    full, inputs = _gather_inputs(rng, 4, 6_000)
+    out = run(4, inputs, algo=Algo.ALL_GATHER, multicast=True, late={3: None}, timeout_ms=200)
+    assert [r.status for r in out.replies] == [Status.TIMEOUT] * 3
+    assert out.cluster.fabric.now >= L.START_SKEW_STALLS * 0.2
+    per_packet = max_elements(out.cluster.nodes[0].config.mtu, DType.F32, segments=3)
+    cb = chunk_bounds(int(Algo.ALL_GATHER), 6_000, 4, 0, per_packet)
+    for reply in out.replies:
+        first, last = unpack_completion(reply.payload)
+        assert cb[3] <= first <= last < cb[4]
 
 
 OUTSIDER = ("127.0.0.1", 9999)  # no member of the collective: a host or another user's socket
