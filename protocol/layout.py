@@ -15,6 +15,7 @@ Rules of this file:
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from struct import Struct, calcsize, pack_into, unpack_from
 from typing import Any
@@ -67,6 +68,10 @@ class Layout:
             raise ValueError(f"{name}: a field name appears twice")
         self.size = position
         self.struct = Struct(order + "".join(f.code for f in self.fields))
+        #: The block's fields by name, as unpack() gives them.
+        self.record: type[tuple[Any, ...]] = namedtuple(  # type: ignore[misc]
+            f"{name.title().replace('_', '')}Fields", [f.name for f in self.fields]
+        )
 
     def __getitem__(self, name: str) -> Field:
         return self._by_name[name]
@@ -80,6 +85,11 @@ class Layout:
         names = [f.name for f in self.fields]
         run = self.fields[names.index(first) : names.index(last) + 1]
         return Struct(self.order + "".join(f.code for f in run))
+
+    def unpack(self, data: Any, base: int = 0) -> Any:
+        """Every field of the block at data[base:], by name (one struct call, ~1 us for the
+        header: a host reads its answers so, without building a Packet)."""
+        return self.record._make(self.struct.unpack_from(data, base))  # type: ignore[attr-defined]
 
     def read(self, data: Any, name: str, base: int = 0) -> int:
         """Field *name* of the block at data[base:] (a number; bytes fields are not read here)."""

@@ -29,6 +29,7 @@ from netdam.protocol.constants import (
     Status,
 )
 from netdam.protocol.errors import NetdamError, ProtocolError, RemoteProtocolError
+from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights, pack_register
 from netdam.protocol.tag import is_control
@@ -131,7 +132,9 @@ class ControlClient:
             from netdam.kernels.tag import seal_control_bytes
 
             key, rkey = sealing
-            return seal_control_bytes(key, encode_packet(replace(packet, rkey=rkey)))
+            sealed = bytearray(encode_packet(packet))
+            HEADER.write(sealed, "rkey", rkey)  # in the bytes: a Packet copy costs ~11 us a call
+            return seal_control_bytes(key, bytes(sealed))
         data: bytes = encode_packet(packet)
         return data
 

@@ -21,7 +21,7 @@ from typing import Protocol
 from netdam.kernels.tag import verify_bytes
 from netdam.protocol.constants import Opcode, Status
 from netdam.protocol.errors import RemoteProtocolError
-from netdam.protocol.packet import Packet, decode_packet
+from netdam.protocol.packet import Answer, Packet, decode_packet, read_answer
 from netdam.protocol.payloads import (
     CompletionPhases,
     descriptor_tag_key,
@@ -72,7 +72,12 @@ class Heard(Enum):
 def txn_of(packet: Packet, rank: int) -> int:
     """The txn_id of one call's START_COLL: distinct for every group and epoch of this rank,
     whose answers share one socket."""
-    return (int(packet.coll_id) * 1_000_003 + int(packet.epoch) * 7919 + rank) & 0xFFFFFFFF
+    return txn_for(int(packet.coll_id), int(packet.epoch), rank)
+
+
+def txn_for(coll_id: int, epoch: int, rank: int) -> int:
+    """txn_of the START_COLL of *coll_id*'s call *epoch* at group rank *rank*."""
+    return (coll_id * 1_000_003 + epoch * 7919 + rank) & 0xFFFFFFFF
 
 
 @dataclass(eq=False)
@@ -158,11 +163,8 @@ class CallQueue:
     def receive(self, data: bytes, now: float) -> tuple[Call | None, Heard, list[bytes]]:
         """One datagram from the node: the call it answers, what it did to it, and what to send
         now (the call again, moved past the node's epoch; the next call of a lane that ended)."""
-        try:
-            reply = decode_packet(data)
-        except RemoteProtocolError:
-            return None, Heard.NOTHING, []
-        if reply.client_id != self.client_id:
+        reply = read_answer(data)
+        if reply is None or reply.client_id != self.client_id:
             return None, Heard.NOTHING, []
         call = next(
             (c for lane in self.lanes for c in lane if c.sent and c.txn == reply.txn_id), None
@@ -207,9 +209,13 @@ class CallQueue:
         call.unanswered += 1
         if not call.sent:
             call.sent, call.sent_at, call.heard_at = True, now, now
-        return self._encode(replace(call.packet, client_id=self.client_id, txn_id=call.txn))
+        packet = call.packet
+        if packet.client_id != self.client_id or packet.txn_id != call.txn:
+            # (A caller that builds its START_COLL with these ids saves the copy: ~11 us.)
+            packet = replace(packet, client_id=self.client_id, txn_id=call.txn)
+        return self._encode(packet)
 
-    def _take(self, call: Call, reply: Packet, data: bytes, now: float) -> Heard:
+    def _take(self, call: Call, reply: Answer, data: bytes, now: float) -> Heard:
         # What can end or fail the wait (a completion, a NACK) must carry this call's tag
         # (SPEC.md 2.6); a plain "started" ACK only keeps the wait alive, so it is not
         # checked (the check is compiled, but the ACK is most of what a host reads).
@@ -238,7 +244,10 @@ class CallQueue:
             call.backoff_s = min(2 * call.backoff_s, BUSY_BACKOFF_MAX_S)
             return Heard.BUSY
         if reply.opcode == Opcode.NACK:
-            call.nack = reply
+            try:
+                call.nack = decode_packet(data)  # the whole of it, for the error's text
+            except RemoteProtocolError:
+                return Heard.NOTHING  # a field read_answer does not read is malformed
             return Heard.FAILED
         if reply.aux_addr == _RUNNING:
             call.started = True
