@@ -75,6 +75,8 @@ _FIXED_PAYLOAD = {
 _FIXED_PAYLOAD_ALT = {Opcode.REGISTER: (24, 24)}
 # Only SR-routed opcodes may carry an SR list.
 _SR_OPCODES = frozenset({Opcode.CHAIN_ADD, Opcode.START_COLL})
+# Names for messages, looked up by value so a plain int opcode needs no enum (~1 us each).
+_OPCODE_NAMES = {int(code): code.name for code in Opcode}
 
 
 @dataclass(frozen=True)
@@ -216,35 +218,27 @@ class Answer(NamedTuple):
 
 def read_answer(data: bytes | bytearray | memoryview) -> Answer | None:
     """*data* as an Answer, or None when it is no well-formed ACK or NACK: decode_packet's rules
-    for those two opcodes (they take no SR list, so the header says everything), read without
-    building a Packet, which cost ~27 us of each of the two answers a host reads per
-    collective. Not read, so not checked: dtype and reduce_op, which mean nothing in an answer."""
+    (the same helpers), read without building a Packet, which cost ~27 us of each of the two
+    answers a host reads per collective. Not read, so not checked: dtype and reduce_op, which
+    mean nothing in an answer."""
     if len(data) < HEADER_SIZE:
         return None
     head = HEADER.unpack(data)
-    end = len(data) - (TAG_SIZE if head.flags & Flags.TAGGED else 0)
-    if (
-        head.opcode not in _ANSWERS
-        or head.version != PROTOCOL_VERSION
-        or head.seg_type != SegmentType.NONE
-        or head.seg_count
-        or head.segments_left
-        or head.reserved1
-        or head.reserved2
-        or head.flags & ~FLAGS_V1_MASK
-        or head.flags & Flags.SPARSE
-        or head.status not in _STATUSES
-        or not HEADER_SIZE + head.length == end <= HEADER_SIZE + MAX_PAYLOAD_BYTES
-    ):
+    if head.opcode not in _ANSWERS:
         return None
-    return Answer(
-        head.opcode,
-        head.status,
-        head.client_id,
-        head.txn_id,
-        head.aux_addr,
-        bytes(data[HEADER_SIZE:end]),
-    )
+    view = memoryview(data)
+    try:
+        _check_words(head.version, head.opcode, head.flags, head.reserved1, head.reserved2)
+        _enum(Status, head.status, Status.BAD_FIELD, "status")
+        _pull_segments(view, head.seg_type, head.segments_left, head.seg_count)
+        start = HEADER_SIZE + SEGMENT_SIZE * head.seg_count
+        end, _ = _payload_end(view, head.flags, start)
+        payload = bytes(view[start:end])
+        # DType.RAW stands for the unread dtype: no rule of an ACK or NACK looks at it.
+        _check_shape(head.opcode, head.flags, head.length, payload, DType.RAW, head.seg_count > 0)
+    except RemoteProtocolError:
+        return None
+    return Answer(head.opcode, head.status, head.client_id, head.txn_id, head.aux_addr, payload)
 
 
 _ANSWERS = frozenset({int(Opcode.ACK), int(Opcode.NACK)})
@@ -285,34 +279,13 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
         ret_port,
         reserved2,
     ) = fields
-    if version != PROTOCOL_VERSION:
-        raise RemoteProtocolError(
-            Status.BAD_VERSION,
-            f"unsupported version {version} (this node speaks {PROTOCOL_VERSION})",
-        )
-    if opcode not in enum_values(Opcode):
-        raise RemoteProtocolError(Status.BAD_OPCODE, f"unknown opcode 0x{opcode:02x}")
-    if reserved1 or reserved2:
-        raise RemoteProtocolError(
-            Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"
-        )
-    if flags & ~FLAGS_V1_MASK:
-        raise RemoteProtocolError(
-            Status.BAD_FIELD, f"undefined flag bits 0x{flags & ~FLAGS_V1_MASK:04x} set"
-        )
+    _check_words(version, opcode, flags, reserved1, reserved2)
     dtype_enum = _enum(DType, dtype, Status.BAD_DTYPE, "dtype")
     op_enum = _enum(ReduceOp, reduce_op, Status.BAD_OP, "reduce op")
     status_enum = _enum(Status, status, Status.BAD_FIELD, "status")
     segments = _pull_segments(view, seg_type, segments_left, seg_count)
     offset = HEADER_SIZE + SEGMENT_SIZE * seg_count
-    end, tag = len(view), 0
-    if flags & Flags.TAGGED:
-        if end < offset + TAG_SIZE:
-            raise RemoteProtocolError(
-                Status.TRUNCATED, f"TAGGED datagram without its {TAG_SIZE}-byte tag"
-            )
-        end -= TAG_SIZE
-        tag = int.from_bytes(view[end:], "little")
+    end, tag = _payload_end(view, flags, offset)
     packet = Packet(
         opcode=Opcode(opcode),
         flags=Flags(flags),
@@ -337,6 +310,37 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
     )
     check_fields(packet)
     return packet
+
+
+def _check_words(version: int, opcode: int, flags: int, reserved1: int, reserved2: int) -> None:
+    """The fixed header's own rules, read before any field is taken as an enum."""
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            Status.BAD_VERSION,
+            f"unsupported version {version} (this node speaks {PROTOCOL_VERSION})",
+        )
+    if opcode not in enum_values(Opcode):
+        raise RemoteProtocolError(Status.BAD_OPCODE, f"unknown opcode 0x{opcode:02x}")
+    if reserved1 or reserved2:
+        raise RemoteProtocolError(
+            Status.BAD_FIELD, "reserved header bytes 55 and 62-63 must be zero"
+        )
+    if flags & ~FLAGS_V1_MASK:
+        raise RemoteProtocolError(
+            Status.BAD_FIELD, f"undefined flag bits 0x{flags & ~FLAGS_V1_MASK:04x} set"
+        )
+
+
+def _payload_end(view: memoryview, flags: int, start: int) -> tuple[int, int]:
+    """Where the payload that begins at *start* ends, and the tag that follows it (0 untagged)."""
+    end = len(view)
+    if not flags & Flags.TAGGED:
+        return end, 0
+    if end < start + TAG_SIZE:
+        raise RemoteProtocolError(
+            Status.TRUNCATED, f"TAGGED datagram without its {TAG_SIZE}-byte tag"
+        )
+    return end - TAG_SIZE, int.from_bytes(view[end - TAG_SIZE :], "little")
 
 
 _E = TypeVar("_E", DType, ReduceOp, Status)
@@ -402,37 +406,53 @@ _SPARSE_OPCODES = frozenset({Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.WRITE})
 
 def check_fields(packet: Packet) -> None:
     """Structural rules per opcode (SPEC.md "Opcodes"): lengths, dtypes, SR use."""
-    opcode, length, size = packet.opcode, packet.length, len(packet.payload)
-    if packet.segments and opcode not in _SR_OPCODES:
-        raise RemoteProtocolError(Status.BAD_SEGMENT, f"{opcode.name} does not take an SR list")
+    _check_shape(
+        packet.opcode,
+        packet.flags,
+        packet.length,
+        packet.payload,
+        packet.dtype,
+        bool(packet.segments),
+    )
+
+
+def _check_shape(
+    opcode: int, flags: int, length: int, payload: bytes, dtype: DType, routed: bool
+) -> None:
+    """check_fields on the fields themselves, so read_answer applies it without a Packet. The
+    opcode may be a plain int: its name is looked up only for an error's message."""
+    size = len(payload)
+    name = _OPCODE_NAMES.get(opcode, "?")
+    if routed and opcode not in _SR_OPCODES:
+        raise RemoteProtocolError(Status.BAD_SEGMENT, f"{name} does not take an SR list")
     if length > MAX_PAYLOAD_BYTES and opcode not in CONTROL_OPCODES:
         raise RemoteProtocolError(
             Status.TOO_LARGE,
             f"length {length} exceeds the maximum payload of {MAX_PAYLOAD_BYTES} bytes",
         )
-    if opcode in _COMBINE_OPCODES and packet.dtype == DType.RAW:
+    if opcode in _COMBINE_OPCODES and dtype == DType.RAW:
         raise RemoteProtocolError(
-            Status.BAD_DTYPE, f"{opcode.name} cannot combine raw bytes; give an element dtype"
+            Status.BAD_DTYPE, f"{name} cannot combine raw bytes; give an element dtype"
         )
-    if opcode in (Opcode.FETCH_ADD, Opcode.CAS) and packet.dtype != DType.U64:
-        raise RemoteProtocolError(Status.BAD_DTYPE, f"{opcode.name} operates on u64 only")
-    if opcode == Opcode.UPDATE and packet.dtype not in UPDATE_DTYPES:
+    if opcode in (Opcode.FETCH_ADD, Opcode.CAS) and dtype != DType.U64:
+        raise RemoteProtocolError(Status.BAD_DTYPE, f"{name} operates on u64 only")
+    if opcode == Opcode.UPDATE and dtype not in UPDATE_DTYPES:
         raise RemoteProtocolError(
-            Status.BAD_DTYPE, f"an UPDATE's gradient is f32, f16 or bf16, not {packet.dtype.name}"
+            Status.BAD_DTYPE, f"an UPDATE's gradient is f32, f16 or bf16, not {dtype.name}"
         )
-    if packet.flags & Flags.SPARSE and opcode not in _SPARSE_OPCODES:
-        raise RemoteProtocolError(Status.BAD_FIELD, f"{opcode.name} has no sparse form")
+    if flags & Flags.SPARSE and opcode not in _SPARSE_OPCODES:
+        raise RemoteProtocolError(Status.BAD_FIELD, f"{name} has no sparse form")
     if opcode == Opcode.READ:
-        _check_read(length, size, packet.dtype)
+        _check_read(length, size, dtype)
     elif opcode in _DATA_OPCODES:
-        _check_data(packet)
+        _check_data(name, flags, length, payload, dtype)
     elif opcode in _OPAQUE_OPCODES:
-        _expect_payload(opcode, length, size)
+        _expect_payload(name, length, size)
     elif opcode in _EMPTY_OPCODES:
         if length or size:
             raise RemoteProtocolError(
                 Status.BAD_LENGTH,
-                f"{opcode.name} carries no payload (length {length}, {size} bytes follow)",
+                f"{name} carries no payload (length {length}, {size} bytes follow)",
             )
     else:
         want_length, want_size = _FIXED_PAYLOAD[opcode]
@@ -441,7 +461,7 @@ def check_fields(packet: Packet) -> None:
         if length != want_length or size != want_size:
             raise RemoteProtocolError(
                 Status.BAD_LENGTH,
-                f"{opcode.name} needs length {want_length} and a payload of {want_size} bytes "
+                f"{name} needs length {want_length} and a payload of {want_size} bytes "
                 f"(got length {length}, {size} bytes)",
             )
 
@@ -456,24 +476,21 @@ def _check_read(length: int, size: int, dtype: DType) -> None:
     _check_multiple(length, dtype)
 
 
-def _check_data(packet: Packet) -> None:
-    if packet.flags & Flags.SPARSE:  # only _SPARSE_OPCODES get here (check_fields)
-        if packet.length == 0:
-            raise RemoteProtocolError(Status.BAD_LENGTH, f"{packet.opcode.name} of length 0")
-        _check_multiple(packet.length, packet.dtype)
-        check_sparse_payload(packet.payload, packet.length, packet.dtype)
+def _check_data(name: str, flags: int, length: int, payload: bytes, dtype: DType) -> None:
+    if length == 0:
+        raise RemoteProtocolError(Status.BAD_LENGTH, f"{name} of length 0")
+    if flags & Flags.SPARSE:  # only _SPARSE_OPCODES get here (check_fields)
+        _check_multiple(length, dtype)
+        check_sparse_payload(payload, length, dtype)
         return
-    if packet.length == 0:
-        raise RemoteProtocolError(Status.BAD_LENGTH, f"{packet.opcode.name} of length 0")
-    _expect_payload(packet.opcode, packet.length, len(packet.payload))
-    _check_multiple(packet.length, packet.dtype)
+    _expect_payload(name, length, len(payload))
+    _check_multiple(length, dtype)
 
 
-def _expect_payload(opcode: Opcode, length: int, size: int) -> None:
+def _expect_payload(name: str, length: int, size: int) -> None:
     if length != size:
         raise RemoteProtocolError(
-            Status.BAD_LENGTH,
-            f"{opcode.name} length field says {length} bytes but the payload has {size}",
+            Status.BAD_LENGTH, f"{name} length field says {length} bytes but the payload has {size}"
         )
 
 

@@ -249,9 +249,7 @@ class NodeCore(CoreBase):
         return kept[0].of(
             NodeState,
             self.memory,
-            kept[1].of(
-                Regions, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._rk_tag
-            ),
+            self._regions_table(),
             self._members,
             self._dup_window(),
             self.collective.state(),
@@ -608,7 +606,10 @@ class NodeCore(CoreBase):
         install_rkey(self._regions_table(), key, span, self._tag_keys.get(key, b""))
 
     def _regions_table(self) -> Regions:
-        return Regions(self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._rk_tag)
+        """The rkey table as the datapath reads it: node_state's own bundle (Kept)."""
+        return self._kept[1].of(
+            Regions, self._rk_key, self._rk_base, self._rk_len, self._rk_rights, self._rk_tag
+        )
 
     # ------------------------------------------------------------------ a collective's key
 

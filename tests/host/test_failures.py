@@ -139,6 +139,9 @@ def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
         thread = threading.Thread(target=traffic)
         thread.start()
         time.sleep(0.3)
+        # Taken before the signal: an operation in flight when it lands may time out before
+        # wait() returns, so the moment after wait() is not "still alive".
+        kill_sent = time.monotonic()
         switch.process.kill()  # no clean shutdown: the state file is all that survives
         switch.process.wait(timeout=5)
         killed_at = time.monotonic()
@@ -153,7 +156,10 @@ def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
         after = [k for t, k in log if t > restarted_at + 0.2]
         assert during and set(during) == {"PoolTimeout"}, during[:5]  # timeouts, not hangs
         assert after and set(after) == {"ok"}, after[:5]  # recovered: same VIP, regions, rkeys
-        assert [k for t, k in log if t < killed_at][-1] == "ok"
+        # It served traffic up to the kill: the last answer before the signal is recent (a
+        # loaded machine may time out one operation of a live switch; 20 ms is its timeout).
+        last_ok = max(t for t, k in log if k == "ok" and t < kill_sent)
+        assert kill_sent - last_ok < 0.2, kill_sent - last_ok
         # The restarted switch reloaded the map: the old rkeys still work and nothing was lost.
         with PoolClient(switch.vip, tag_keys=tag_keys_of(region, counter)) as client:
             assert (
