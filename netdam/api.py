@@ -102,6 +102,10 @@ ENV_JOB = "NETDAM_JOB"
 #: groups new_group makes take in turn. A lane runs one collective at a time, in issue order;
 #: lanes run side by side on the node (4: its MAX_COLLECTIVES slots, SPEC.md 4.1).
 LANES = 4
+#: The share of the arena's staging half the default group keeps once new_group was called
+#: (a torus makes its rows' and columns' groups): the rest is cut into the groups' lanes
+#: (ProcessGroup._staging_region).
+GROUPS_STAGING_SHARE = (3, 4)
 #: Seconds the progress thread drives a rank after its last call ended (_ProgressHub).
 PROGRESS_LINGER_S = 1.0
 #: Seconds per try (3 tries) of the DEREGISTER that gives a rank's arena back at close: a live
@@ -654,7 +658,10 @@ class ProcessGroup:
         lane of the groups it made (each group's lane follows from its number, the same on
         every rank)."""
         root = self._root or self
-        split = root.staging_base + (root.arena_end - root.staging_base) * 3 // 4 // _ALIGN * _ALIGN
+        num, den = GROUPS_STAGING_SHARE
+        split = (
+            root.staging_base + (root.arena_end - root.staging_base) * num // den // _ALIGN * _ALIGN
+        )
         if root is not self:
             part = (root.arena_end - split) // (LANES - 1) // _ALIGN * _ALIGN
             lo = split + (self.lane - 1) * part

@@ -202,11 +202,14 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
         path, info
     )  # a file whose nodes are gone says so at once, before any PING waits
     answers = check_running(path, info)
-    needed = node_memory_needed(nbytes, args.algo)
+    torus = args.algo == "chain" and world > args.max_chain
+    needed = node_memory_needed(nbytes, args.algo, torus)
     for node in info.nodes:
         memory = answers.get(node.rank, {}).get("memory_bytes") or node.memory_bytes
         if memory and memory < needed:
-            fits = _largest_fitting(partial(_fits_node, algo=args.algo, memory=memory), nbytes)
+            fits = _largest_fitting(
+                partial(_fits_node, algo=args.algo, memory=memory, torus=torus), nbytes
+            )
             smaller = f", or give --size {format_size(fits)} or less" if fits else ""
             raise CommandError(
                 f"{format_size(nbytes)} per rank needs {format_size(_mib(needed))} of node memory "
@@ -235,11 +238,11 @@ def _check_torus(args: argparse.Namespace, world: int) -> None:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
-def _fits_node(nbytes: int, *, algo: str, memory: int) -> bool:
+def _fits_node(nbytes: int, *, algo: str, memory: int, torus: bool = False) -> bool:
     # Imported here: netdam.tools loads numba's compiled kernels (~0.7 s), which --help skips.
     from netdam.tools.allreduce import node_memory_needed
 
-    return node_memory_needed(nbytes, algo) <= memory
+    return node_memory_needed(nbytes, algo, torus) <= memory
 
 
 def _check_private_memory(nodes: int, nbytes: int) -> None:

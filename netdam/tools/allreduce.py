@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from netdam import progress
-from netdam.api import ArenaInUseError, CollectiveError, ProcessGroup, Work
+from netdam.api import GROUPS_STAGING_SHARE, ArenaInUseError, CollectiveError, ProcessGroup, Work
 from netdam.api import all_reduce as api_all_reduce
 from netdam.api import trace as api_trace
 from netdam.clients.ring_host import RECEIVE_ALIGN as RING_ALIGN
@@ -45,13 +45,18 @@ from netdam.protocol.payloads import NO_PHASE_US
 MIN_NODE_MEMORY = 16 << 20
 
 
-def node_memory_needed(nbytes: int, algo: str) -> int:
+def node_memory_needed(nbytes: int, algo: str, torus: bool = False) -> int:
     """Node memory one rank needs for *nbytes* per rank on a running cluster: the host API's
     arena is half of node memory (the rest is left to other clients and the pool) and stages
     the buffer in the arena's upper half (api.ProcessGroup._stage); ring-host also lands the
-    previous host's WRITEs there, past the buffer (clients/ring_host.py)."""
+    previous host's WRITEs there, past the buffer (clients/ring_host.py). A *torus* (past one
+    chain's members) makes its rows' and columns' groups, and the default group then stages
+    in its share of that half (api.GROUPS_STAGING_SHARE)."""
     if algo == "ring-host":
         return 4 * (-(-nbytes // RING_ALIGN) * RING_ALIGN + nbytes)
+    if torus:
+        num, den = GROUPS_STAGING_SHARE
+        return -(-4 * nbytes * den // num)
     return 4 * nbytes
 
 

@@ -17,7 +17,11 @@ from netdam.cluster.launch import LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
 from netdam.core.torus import torus_shape
 from netdam.protocol.constants import ReduceOp as WireOp
-from netdam.tools.allreduce import reference_chain_allreduce, reference_torus_allreduce
+from netdam.tools.allreduce import (
+    node_memory_needed,
+    reference_chain_allreduce,
+    reference_torus_allreduce,
+)
 
 WORLD, MAX_CHAIN = 8, 4
 
@@ -69,6 +73,32 @@ def test_torus_all_reduce_is_exact_and_identical_on_every_rank(
     # Not the flat chain's order: the test would pass a flat chain by accident otherwise.
     if count > 100 and dtype is np.float32:
         assert expected.tobytes() != reference_chain_allreduce(inputs, op).tobytes()
+
+
+@pytest.mark.parametrize("enough", [True, False])
+def test_the_node_memory_a_torus_is_told_it_needs_is_what_it_needs(enough: bool) -> None:
+    """`netdam allreduce --cluster` checks node memory before the first packet
+    (node_memory_needed). A torus makes its rows' and columns' groups, after which the default
+    group stages in its share of the arena's staging half (api.GROUPS_STAGING_SHARE): what the
+    check asks for a torus stages the buffer; the 4x the buffer one chain needs does not (256
+    NICs of 4 MiB passed the old check for 1 MiB and then raised MemoryError)."""
+    nbytes = 192 << 10
+    chain = node_memory_needed(nbytes, "chain")
+    memory = node_memory_needed(nbytes, "chain", torus=True) if enough else chain
+    inputs = [np.full(nbytes // 4, r + 1, np.float32) for r in range(WORLD)]
+    with start_cluster(WORLD, memory=memory) as running:
+        made = [api.ProcessGroup(running.info, r, max_chain=MAX_CHAIN) for r in range(WORLD)]
+        try:
+            if enough:
+                results = _all_reduce(made, inputs)
+                expected = reference_torus_allreduce(inputs, WireOp.SUM, MAX_CHAIN)
+                assert all(r.tobytes() == expected.tobytes() for r in results)
+            else:
+                with pytest.raises(MemoryError, match="staging area"):
+                    _all_reduce(made, inputs)
+        finally:
+            for group in made:
+                group.close()
 
 
 def test_torus_calls_in_flight_average_barrier_and_resident_buffers(
