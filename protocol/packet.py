@@ -253,58 +253,33 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
             Status.TRUNCATED,
             f"packet truncated: {len(view)} bytes, the fixed header needs {HEADER_SIZE}",
         )
-    fields = HEADER_STRUCT.unpack_from(view, 0)
-    (
-        version,
-        opcode,
-        flags,
-        seq,
-        client_id,
-        txn_id,
-        coll_id,
-        epoch,
-        rkey,
-        length,
-        addr,
-        aux_addr,
-        dtype,
-        reduce_op,
-        status,
-        credit,
-        seg_type,
-        segments_left,
-        seg_count,
-        reserved1,
-        ret_ip,
-        ret_port,
-        reserved2,
-    ) = fields
-    _check_words(version, opcode, flags, reserved1, reserved2)
-    dtype_enum = _enum(DType, dtype, Status.BAD_DTYPE, "dtype")
-    op_enum = _enum(ReduceOp, reduce_op, Status.BAD_OP, "reduce op")
-    status_enum = _enum(Status, status, Status.BAD_FIELD, "status")
-    segments = _pull_segments(view, seg_type, segments_left, seg_count)
-    offset = HEADER_SIZE + SEGMENT_SIZE * seg_count
-    end, tag = _payload_end(view, flags, offset)
+    head = HEADER.unpack(view)
+    _check_words(head.version, head.opcode, head.flags, head.reserved1, head.reserved2)
+    dtype_enum = _enum(DType, head.dtype, Status.BAD_DTYPE, "dtype")
+    op_enum = _enum(ReduceOp, head.reduce_op, Status.BAD_OP, "reduce op")
+    status_enum = _enum(Status, head.status, Status.BAD_FIELD, "status")
+    segments = _pull_segments(view, head.seg_type, head.segments_left, head.seg_count)
+    offset = HEADER_SIZE + SEGMENT_SIZE * head.seg_count
+    end, tag = _payload_end(view, head.flags, offset)
     packet = Packet(
-        opcode=Opcode(opcode),
-        flags=Flags(flags),
-        seq=seq,
-        client_id=client_id,
-        txn_id=txn_id,
-        coll_id=coll_id,
-        epoch=epoch,
-        rkey=rkey,
-        length=length,
-        addr=addr,
-        aux_addr=aux_addr,
+        opcode=Opcode(head.opcode),
+        flags=Flags(head.flags),
+        seq=head.seq,
+        client_id=head.client_id,
+        txn_id=head.txn_id,
+        coll_id=head.coll_id,
+        epoch=head.epoch,
+        rkey=head.rkey,
+        length=head.length,
+        addr=head.addr,
+        aux_addr=head.aux_addr,
         dtype=dtype_enum,
         reduce_op=op_enum,
         status=status_enum,
-        credit=credit,
-        segments_left=segments_left,
+        credit=head.credit,
+        segments_left=head.segments_left,
         segments=segments,
-        ret=(int_to_ip(ret_ip), ret_port),
+        ret=(int_to_ip(head.ret_ip), head.ret_port),
         payload=bytes(view[offset:end]),
         tag=tag,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -69,6 +70,9 @@ class Fabric:
         #: Drop exactly the datagram with this delivery index (0-based), for "drop each packet in
         #: turn" tests; None: off.
         self.drop_nth: int | None = None
+        #: Drop every datagram this says True of (source, destination, bytes), for tests that
+        #: lose a chosen datagram; None: off.
+        self.drop_if: Callable[[Endpoint, Endpoint, bytes], bool] | None = None
         self._scheduled = 0
         self._out = np.zeros(BATCH * SLOT_BYTES, np.uint8)
         self._out_offs = np.zeros(BATCH, np.int64)
@@ -157,7 +161,10 @@ class Fabric:
     def _schedule(self, src: int, dst: int, data: bytes) -> None:
         index = self._scheduled
         self._scheduled += 1
-        if index == self.drop_nth:
+        if index == self.drop_nth or (
+            self.drop_if is not None
+            and self.drop_if(u64_to_endpoint(src), u64_to_endpoint(dst), data)
+        ):
             self.stats["dropped"] += 1
             return
         if self.faults.active:

@@ -69,14 +69,9 @@ class Heard(Enum):
     FAILED = "failed"  # a NACK from the node (``Call.nack``)
 
 
-def txn_of(packet: Packet, rank: int) -> int:
-    """The txn_id of one call's START_COLL: distinct for every group and epoch of this rank,
-    whose answers share one socket."""
-    return txn_for(int(packet.coll_id), int(packet.epoch), rank)
-
-
 def txn_for(coll_id: int, epoch: int, rank: int) -> int:
-    """txn_of the START_COLL of *coll_id*'s call *epoch* at group rank *rank*."""
+    """The txn_id of the START_COLL of *coll_id*'s call *epoch* at group rank *rank*: distinct
+    for every group and epoch of this rank, whose answers share one socket."""
     return (coll_id * 1_000_003 + epoch * 7919 + rank) & 0xFFFFFFFF
 
 
@@ -204,7 +199,7 @@ class CallQueue:
     # ---------------------------------------------------------------- the rules
 
     def _send(self, call: Call, now: float) -> bytes:
-        call.txn = txn_of(call.packet, call.group.rank)
+        call.txn = txn_for(int(call.packet.coll_id), int(call.packet.epoch), call.group.rank)
         call.resend_at = now + (UNANSWERED_RESEND_S if call.unanswered else START_RESEND_S)
         call.unanswered += 1
         if not call.sent:

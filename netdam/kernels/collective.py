@@ -1118,11 +1118,16 @@ def _refused_ranks(cfg, ring):
 
 
 @njit(cache=True, nogil=True)
-def _note_refusal(co_cfg, coll, epoch, originator):
+def _note_refusal(co_cfg, coll, epoch, originator, displace=True):
     """Remember an originator answered BUSY for (coll, epoch), for _send_resumes. Only the
     newest (coll, epoch) refused is kept; past REFUSED_SLOTS originators the rest wait for
-    their backoff timer."""
+    their backoff timer. *displace* False (a held chain's originator, whose chain is on its
+    way and only its timer gains): noted only where no other (coll, epoch) is remembered, so
+    it never makes a node forget a refused originator that has nothing in flight and waits
+    for its RESUME (a BUSY chain, a dropped all-gather chunk)."""
     if co_cfg[CFG_REFUSED_COLL] != coll or co_cfg[CFG_REFUSED_EPOCH] != epoch:
+        if not displace and co_cfg[CFG_REFUSED_N] != 0:
+            return
         co_cfg[CFG_REFUSED_COLL] = coll
         co_cfg[CFG_REFUSED_EPOCH] = epoch
         co_cfg[CFG_REFUSED_N] = 0
@@ -1505,11 +1510,17 @@ def hold_early_chains(rx, n, area, members, slots, hold, now):
             and is_member(members, src)
         ):
             coll, epoch = rd32(b, H_COLL_ID), rd32(b, H_EPOCH)
+            row = slots.cfg[slot_of(slots, coll)]
             if (
                 coll != 0
-                and coll_phase(slots.cfg[slot_of(slots, coll)], coll, epoch) == PHASE_NOT_STARTED
+                and coll_phase(row, coll, epoch) == PHASE_NOT_STARTED
                 and hold_datagram(b, ln, src, HOLD_EARLY, now, 0, hold)
             ):
+                # Its originator hears RESUME when this node starts, as one refused BUSY does,
+                # and restarts the timers of its chains in flight: a chain held at several late
+                # hops in turn outlasts its RTO, and was re-sent for nothing (a torus's column
+                # steps at 256 NICs, whose members start ~250-470 ms apart; SPEC.md 4.1).
+                _note_refusal(row, coll, epoch, reply_dst(b, src, members), False)
                 held_now += 1
                 continue
         end = max(end, off + ln)
@@ -1859,9 +1870,14 @@ def coll_reply(b, ln, src, op, node):
     if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_RESUME:
         # A hop that answered BUSY has started: the chains waiting on it go again at the next
         # tick instead of after their backoff.
+        # Those in flight were held at that hop until it started (an early chain): their
+        # timers start again from the last tick, so one held at several late hops in turn is
+        # not taken for lost while the hops it waits at keep starting.
         for c in range(co_cfg[CFG_LOW_UNACKED], co_cfg[CFG_NEXT_SEND]):
             if co_acked[c] == 2:
                 coll.sent[c] = -1.0
+            elif co_acked[c] == 0:
+                coll.sent[c] = max(coll.sent[c], coll.f[F_NOW])
         # A member that dropped this node's all-gather as early gets what was spread so far
         # again (the tick sends it, from the block's first chunk).
         rank = rd32(b, H_SEQ)

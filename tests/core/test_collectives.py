@@ -25,6 +25,7 @@ from netdam.protocol.constants import (
     Status,
     max_elements,
 )
+from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import Algo, CollectiveDescriptor, unpack_completion
 from netdam.protocol.tag import verify as tag_verify
@@ -383,6 +384,51 @@ def test_only_a_resume_under_the_key_sends_a_block_again(
         assert forgeries >= 20 and duplicates == 0
     else:
         assert forgeries == 0 and duplicates > 0
+
+
+@pytest.mark.parametrize("resumes", [True, False])
+def test_a_resume_restarts_the_timer_of_a_chain_in_flight(
+    resumes: bool, rng: np.random.Generator
+) -> None:
+    """A hop that held a member's early chain RESUMEs its originator when it starts, and the
+    originator restarts the timers of its chains in flight (SPEC.md 4.1, "Early chains"): a
+    chain held at several late hops in turn is not re-sent while they keep starting. Here node
+    0's first chain is lost on its way (to its originator, a held chain looks the same) and
+    node 1 RESUMEs every 5 ms until 0.3 s: the chain is re-sent once, only after that, and the
+    result is exact. Without the RESUMEs it is re-sent within one RTO (at most RTO_MAX_S)."""
+    n, until = 3, 0.3
+    inputs = random_inputs(rng, n, 600, np.float32)
+    cluster = make_cluster(n, memory=MEMORY)
+    lost: list[float] = []
+    resent: list[float] = []
+
+    def lose_first_chain(src: tuple[str, int], dst: tuple[str, int], data: bytes) -> bool:
+        if lost or src != cluster.endpoints[0] or data[HEADER.at("opcode")] != Opcode.CHAIN_ADD:
+            return False
+        lost.append(cluster.fabric.now)
+        return True
+
+    resume = encode_packet(
+        Packet(Opcode.ACK, rkey=RKEY, aux_addr=L.AUX_RESUME, seq=1, coll_id=3, epoch=1)
+    )
+
+    def watch(cluster: Cluster, round_: int) -> None:
+        slots = cluster.nodes[0].collective.cfg
+        chains = slots[slots[:, L.CFG_COLL] == 3, L.CFG_RETRANSMITS]
+        if not resent and chains.size and chains.max() > 0:
+            resent.append(cluster.fabric.now)
+        if resumes and lost and cluster.fabric.now < until and round_ % 2 == 0:
+            cluster.fabric.send(cluster.endpoints[1], cluster.endpoints[0], resume)
+
+    cluster.fabric.drop_if = lose_first_chain
+    out = run(n, inputs, cluster=cluster, on_round=watch, tag_key=b"")
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    assert lost and resent, (lost, resent)
+    assert unpack_completion(out.replies[0].payload)[0] == 1  # re-sent once, either way
+    if resumes:
+        assert resent[0] >= until
+    else:
+        assert resent[0] - lost[0] <= L.RTO_MAX_S + 0.02
 
 
 def test_a_multicast_gather_waits_for_every_members_started(rng: np.random.Generator) -> None:

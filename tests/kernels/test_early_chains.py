@@ -95,6 +95,34 @@ def test_a_members_early_chain_waits_and_comes_back_when_its_collective_starts()
     assert batch.rx.off[0] >= AREA and L.early_count(batch.hold) == 0
 
 
+def test_a_held_chains_originator_is_remembered_for_resume() -> None:
+    """The originator of a held chain is remembered as one answered BUSY is: the node RESUMEs
+    it when its host starts the collective, and the originator restarts the timer of its
+    chains in flight (SPEC.md 4.1, "Early chains"). A stranger's chain is not held, and its
+    sender is not remembered."""
+    batch = Batch()
+    batch.run([(chain(), PEER), (chain(), STRANGER)], now=1.0)
+    row = batch.core.collective.cfg[L.SPARE_SLOT]  # no slot holds the collective yet
+    assert (row[L.CFG_REFUSED_COLL], row[L.CFG_REFUSED_EPOCH]) == (COLL, EPOCH)
+    assert row[L.CFG_REFUSED_N] == 1
+    assert row[L.CFG_REFUSED_BASE] == endpoint_to_u64(PEER)
+
+
+def test_a_held_chain_never_makes_a_node_forget_a_refused_originator() -> None:
+    """A node remembers the refused originators of one (coll, epoch) per row. A held chain's
+    originator has its chain on the way (only its timer gains by a RESUME), where one answered
+    BUSY, or whose all-gather chunk was dropped as early, waits for the RESUME: a held chain of
+    another collective leaves that record alone and is not remembered itself."""
+    batch = Batch()
+    row = batch.core.collective.cfg[L.SPARE_SLOT]
+    other = endpoint_to_u64(("127.0.0.1", 7003))
+    row[L.CFG_REFUSED_COLL], row[L.CFG_REFUSED_EPOCH] = COLL + 1, EPOCH
+    row[L.CFG_REFUSED_N], row[L.CFG_REFUSED_BASE] = 1, np.int64(other)
+    assert batch.run([(chain(), PEER)], now=1.0) == []  # held, as before
+    assert (row[L.CFG_REFUSED_COLL], row[L.CFG_REFUSED_EPOCH]) == (COLL + 1, EPOCH)
+    assert row[L.CFG_REFUSED_N] == 1 and row[L.CFG_REFUSED_BASE] == np.int64(other)
+
+
 def test_only_a_members_chains_are_held() -> None:
     """A stranger's chain, a READ, an ALL_WRITE, a chain of coll_id 0 and a chain of a running
     collective go on at once (the datapath answers or executes them as before)."""
