@@ -398,14 +398,9 @@ class ProcessGroup:
     #: The SR list of this group's collectives and the members it was built for (_segments).
     _segment_list: tuple[Endpoint, ...] = field(init=False, default=(), repr=False)
     _segments_of: tuple[int, ...] = field(init=False, default=(), repr=False)
-    #: The torus all-reduces of this rank in flight (the default group's list): each starts
+    #: The torus all-reduces of this rank in flight (the default group's list): each releases
     #: its next collective when the one before it ended, whoever drives the rank.
     _pipelines: list[TorusWork] = field(init=False, default_factory=list)
-    #: As a torus's sub-group: calls reserved on it (by torus all-reduces, in the order the
-    #: caller issued those) and calls issued so far. A call is issued in its turn only: the
-    #: epochs of a group must follow the same calls on every rank, whatever the timing.
-    _torus_reserved: int = field(init=False, default=0)
-    _torus_issued: int = field(init=False, default=0)
     #: As a torus's group: the failure of one of its all-reduces, which fails the later ones
     #: (their sub-groups' epochs no longer agree between ranks: shrink() makes a new group).
     _torus_failed: CollectiveError | None = field(init=False, default=None)
@@ -588,7 +583,6 @@ class ProcessGroup:
         group._closed = False
         group._pending_room = None
         group._torus = torus
-        group._torus_reserved = group._torus_issued = 0
         group._torus_failed = None
         return group
 
@@ -706,6 +700,7 @@ class ProcessGroup:
         flags: int = 0,
         settle: bool = True,
         update: tuple[int, int] = (0, 0),
+        held: bool = False,
     ) -> Work:
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
         *flags* is the descriptor's flags byte (bit 0: sparse mode, bit 1: fused reduce and
@@ -713,7 +708,8 @@ class ProcessGroup:
         descriptor and the step). *settle*:
         wait for the node's first answer to a new group's first call (below); a torus step
         does not (TorusWork: its group's calls go one at a time, and a call moved past the
-        node's epoch moves the group's next call with it)."""
+        node's epoch moves the group's next call with it). *held*: queued in its lane now, sent
+        only after ``self._calls.release`` (a torus step)."""
         if self.world_size > self.max_chain:
             raise ValueError(
                 f"{algo.name.lower()} over {self.world_size} ranks: one collective's chain names "
@@ -756,6 +752,7 @@ class ProcessGroup:
             payload=payload,
         )
         work = Work(self, packet, algo, count, dtype, watchdog)
+        work.held = held
         with self._lock:
             work.room, self._pending_room = self._pending_room, None
             work.output = array if work.room is not None else None
@@ -1141,10 +1138,11 @@ class TorusWork(Work):
             group.watchdog_s(buf.size, dtype),
         )
         self._buf, self._op, self._addr = buf, op, addr
-        #: Each step, with its turn among the calls of its sub-group (reserved in begin()).
-        self._steps: list[tuple[TorusStep, int]] = [(step, -1) for step in steps]
-        #: The collectives started so far; the last is the one running.
+        self._steps = steps
+        #: Each step's collective, queued in its sub-group's lane in begin() (held: each goes
+        #: when the one before it ended here); parts[_at] is the one running.
         self.parts: list[Work] = []
+        self._at = 0
         #: Set when it ended: the progress thread, which reads the rank's answers while a torus
         #: all-reduce runs, may be the one that ends it, while a wait() sleeps.
         self._ended = threading.Event()
@@ -1154,73 +1152,87 @@ class TorusWork(Work):
         return self.done or self.error is not None
 
     def begin(self) -> None:
-        """Take the staging room the buffer was just staged in and start the first step."""
+        """Take the staging room the buffer was just staged in, queue every step, and start
+        the first."""
         group = self.group
         with group._lock:
-            # Every step's turn on its sub-group is reserved now, in the order the caller issues
-            # all-reduces (the same on every rank), not when the step before it ends here.
-            for k, (step, _) in enumerate(self._steps):
-                sub = group._torus[step.group]
-                self._steps[k] = (step, sub._torus_reserved)
-                sub._torus_reserved += 1
             self.room, group._pending_room = group._pending_room, None
             self.output = self._buf if self.room is not None else None
             if self.room is not None:
                 group._holding.append(self)
+            if group._torus_failed is None:
+                # Every step takes its epoch and its place in its sub-group's lane now, in the
+                # order the caller issues all-reduces (the same on every rank), not when the
+                # step before it ends here: a lane's calls then reach every member's node in
+                # one order, and no two ranks wait on each other (core/host.py, CallQueue).
+                esize = ELEMENT_SIZE[self.dtype]
+                for step in self._steps:
+                    self.parts.append(
+                        group._torus[step.group].start(
+                            step.algo,
+                            self._buf,
+                            self._op,
+                            self._addr + step.in_offset * esize,
+                            self._addr + step.out_offset * esize,
+                            step.count,
+                            settle=False,  # the driving thread may be any rank's (one process)
+                            held=True,
+                        )
+                    )
             root = group._root or group
             root._pipelines.append(self)
             self.advance(time.monotonic())
             _HUB.add(root, wake=True)  # its socket is watched from now on
 
     def advance(self, now: float) -> None:
-        """Start the next step if the one running ended (call with the group's _lock held)."""
+        """Release the next step if the one running ended (call with the group's _lock held)."""
         group = self.group
         while not self.ended:
-            running = self.parts[-1] if self.parts else None
-            if running is not None and not running.ended:
+            if group._torus_failed is not None and not (self.parts and self.parts[self._at].sent):
+                self._fail(
+                    CollectiveError(
+                        f"an earlier all_reduce over these {group.world_size} ranks failed "
+                        f"({group._torus_failed}): the group's torus is out of step; make a new "
+                        "group (shrink(), new_group) and go on there",
+                        group._torus_failed.waiting_for,
+                    )
+                )
                 return
-            if running is not None and not running.done:
-                cause = running.error or CollectiveError(f"{running.algo.name.lower()} failed")
-                self.error = group._torus_failed = CollectiveError(
+            part = self.parts[self._at]
+            if part.held:
+                group._send(group._calls.release(part, now))
+            if not self.sent and self.parts[0].sent:
+                self.sent, self.sent_at = True, self.parts[0].sent_at
+            if not part.sent:
+                return  # it goes when the calls before it in its lane have ended
+            if not part.ended:
+                return
+            if not part.done:
+                cause = part.error or CollectiveError(f"{part.algo.name.lower()} failed")
+                group._torus_failed = CollectiveError(
                     f"all_reduce over {group.world_size} ranks (a torus of chains, SPEC.md 4.2), "
-                    f"its {running.algo.name.lower()} over group ranks "
-                    f"{list(running.group.members)}: {cause}",
+                    f"its {part.algo.name.lower()} over group ranks "
+                    f"{list(part.group.members)}: {cause}",
                     cause.waiting_for,
                 )
-                self._ended.set()
+                self._fail(group._torus_failed)
                 return
-            if group._torus_failed is not None:
-                self.error = CollectiveError(
-                    f"an earlier all_reduce over these {group.world_size} ranks failed "
-                    f"({group._torus_failed}): the group's torus is out of step; make a new "
-                    "group (shrink(), new_group) and go on there",
-                    group._torus_failed.waiting_for,
-                )
-                self._ended.set()
-                return
-            if not self._steps:
+            self._at += 1
+            if self._at == len(self.parts):
                 self.done, self.completed_at = True, now
                 self._ended.set()
                 return
-            step, turn = self._steps[0]
-            sub = group._torus[step.group]
-            if sub._torus_issued != turn:
-                return  # an earlier all-reduce's call on that group is not issued yet
-            self._steps.pop(0)
-            sub._torus_issued += 1
-            esize = ELEMENT_SIZE[self.dtype]
-            part = sub.start(
-                step.algo,
-                self._buf,
-                self._op,
-                self._addr + step.in_offset * esize,
-                self._addr + step.out_offset * esize,
-                step.count,
-                settle=False,  # not here: the driving thread may be any rank's (one process)
-            )
-            if not self.parts:
-                self.sent, self.sent_at = True, part.sent_at or now
-            self.parts.append(part)
+
+    def _fail(self, error: CollectiveError) -> None:
+        """End with *error*; the steps not sent leave their lanes unsent (the calls behind them
+        go on)."""
+        self.error = error
+        for part in self.parts[self._at :]:
+            if not part.sent:
+                self.group._calls.cancel(part)
+                part.error = error
+        self.group._send(self.group._calls.advance(time.monotonic()))
+        self._ended.set()
 
     def is_completed(self) -> bool:
         if not self.ended:

@@ -108,6 +108,11 @@ class Call:
     #: Why it failed: the node's NACK, or the seconds its node stayed silent.
     nack: Packet | None = None
     silent_s: float | None = None
+    #: Queued in its lane's issue order but not to be sent before release() (a step of a
+    #: torus all-reduce, which may start only when the step before it ended on this rank).
+    held: bool = False
+    #: Dropped from its lane unsent (the call it waited for failed): ended, never started.
+    cancelled: bool = False
 
     @property
     def failed(self) -> bool:
@@ -115,7 +120,7 @@ class Call:
 
     @property
     def ended(self) -> bool:
-        return self.done or self.failed
+        return self.done or self.failed or self.cancelled
 
     @property
     def waiting_on_node(self) -> bool:
@@ -135,8 +140,12 @@ class CallQueue:
     # ---------------------------------------------------------------- what is queued
 
     def heads(self) -> list[Call]:
-        """The call of each lane that is in the node (or on its way there)."""
+        """The call of each lane that is in the node (or on its way there), or held at its
+        lane's head until its release."""
         return [lane[0] for lane in self.lanes if lane]
+
+    def _sent_heads(self) -> list[Call]:
+        return [lane[0] for lane in self.lanes if lane and lane[0].sent]
 
     def queued(self) -> bool:
         """Some call waits behind another of its lane."""
@@ -144,16 +153,32 @@ class CallQueue:
 
     def next_resend(self) -> float | None:
         """When a head's START_COLL is due again (None: every head is running)."""
-        return min((h.resend_at for h in self.heads() if h.waiting_on_node), default=None)
+        return min((h.resend_at for h in self._sent_heads() if h.waiting_on_node), default=None)
 
     # ---------------------------------------------------------------- inputs
 
     def issue(self, call: Call, lane: int, now: float) -> list[bytes]:
         """Queue *call* at the end of *lane*; its START_COLL goes now when the lane was empty,
         else when the call before it ends (every call that ends is dropped from its lane at
-        once: by receive or tick)."""
+        once: by receive or tick). A *held* call keeps its place in the lane from now, and goes
+        only once released and at the lane's head: a lane's calls reach the node in issue
+        order, the same on every rank, whenever the rank's earlier calls end (a torus step
+        queued only when the step before it ended here took its place behind calls its
+        members issued later, and two ranks could each wait on the other's: SPEC.md 4.2)."""
         self.lanes[lane].append(call)
-        return [self._send(call, now)] if len(self.lanes[lane]) == 1 else []
+        return [self._send(call, now)] if len(self.lanes[lane]) == 1 and not call.held else []
+
+    def release(self, call: Call, now: float) -> list[bytes]:
+        """*call* may go now: its START_COLL leaves at once when it heads its lane."""
+        call.held = False
+        return [self._send(call, now)] if any(lane[:1] == [call] for lane in self.lanes) else []
+
+    def cancel(self, call: Call) -> None:
+        """Drop a call never sent: it ends here, and the calls behind it in its lane go on
+        (advance)."""
+        if call.sent:
+            raise ValueError("cancel: the call was sent; only the node can end it")
+        call.held, call.cancelled = False, True
 
     def receive(self, data: bytes, now: float) -> tuple[Call | None, Heard, list[bytes]]:
         """One datagram from the node: the call it answers, what it did to it, and what to send
@@ -176,7 +201,7 @@ class CallQueue:
         which fail here."""
         out = []
         silent = []
-        for head in self.heads():
+        for head in self._sent_heads():
             bound = timeout if timeout is not None else head.watchdog_s + SILENCE_GRACE_S
             if now - head.heard_at > bound:
                 head.silent_s = bound
@@ -192,7 +217,7 @@ class CallQueue:
         for lane in self.lanes:
             while lane and lane[0].ended:
                 lane.pop(0)
-                if lane:
+                if lane and not lane[0].held:
                     out.append(self._send(lane[0], now))
         return out
 

@@ -142,6 +142,27 @@ def assert_exact(cluster: Cluster, inputs: list[np.ndarray], slot: int) -> None:
         )
 
 
+def issue_in_one_lane(
+    cluster: Cluster,
+    hosts: list[Host],
+    coll_id: int,
+    slots: int,
+    lane: int,
+    held_first: bool = False,
+) -> list[list[Call]]:
+    """Every host issues *slots* calls of one group into *lane* (the first held, if
+    *held_first*); each host's calls, by rank."""
+    calls: list[list[Call]] = [[] for _ in hosts]
+    for host in hosts:
+        group = Group(host.rank, coll_id=coll_id)
+        for slot in range(slots):
+            call = Call(group, start_packet(cluster, group, slot), watchdog_s=30.0)
+            call.held = held_first and slot == 0
+            host.issue(call, lane=lane)
+            calls[host.rank].append(call)
+    return calls
+
+
 @pytest.mark.parametrize("loss", [0.0, 0.2])
 def test_two_lanes_of_four_ranks_complete_exact(loss: float) -> None:
     cluster = make_cluster(
@@ -173,13 +194,8 @@ def test_calls_of_one_lane_go_one_at_a_time_in_issue_order() -> None:
     rng = np.random.default_rng(32)
     hosts = [Host(cluster, r, 80 + r) for r in range(2)]
     inputs = [stage(cluster, rng, slot) for slot in range(3)]
-    calls: list[list[Call]] = [[], []]
+    calls = issue_in_one_lane(cluster, hosts, coll_id=600, slots=3, lane=0)
     for host in hosts:
-        group = Group(host.rank, coll_id=600)
-        for slot in range(3):
-            call = Call(group, start_packet(cluster, group, slot), watchdog_s=30.0)
-            host.issue(call, lane=0)
-            calls[host.rank].append(call)
         assert [c.sent for c in calls[host.rank]] == [True, False, False]  # the rest wait
         assert host.queue.queued()
     drive(cluster, hosts, lambda: all(c.ended for cs in calls for c in cs))
@@ -188,6 +204,48 @@ def test_calls_of_one_lane_go_one_at_a_time_in_issue_order() -> None:
         assert cs[0].completed_at <= cs[1].sent_at and cs[1].completed_at <= cs[2].sent_at
     for slot in range(3):
         assert_exact(cluster, inputs[slot], slot)
+
+
+def test_a_held_call_keeps_its_place_in_its_lane_until_released() -> None:
+    """A torus step is queued when its all-reduce is issued but may start only when the step
+    before it ended on this rank: held, it keeps its lane's issue order (the same on every
+    rank) and goes once released. Before, it was queued only then, behind calls its members
+    issued later, and two ranks of a row waited on each other until the watchdog fired."""
+    cluster = make_cluster(2)
+    rng = np.random.default_rng(33)
+    hosts = [Host(cluster, r, 84 + r) for r in range(2)]
+    inputs = [stage(cluster, rng, slot) for slot in range(2)]
+    calls = issue_in_one_lane(cluster, hosts, coll_id=610, slots=2, lane=1, held_first=True)
+    for host in hosts:
+        assert [c.sent for c in calls[host.rank]] == [False, False]  # the later one waits too
+    cluster.fabric.advance(30.0 + 3 * SILENCE_GRACE_S)  # past watchdog and grace
+    for host in hosts:
+        host.turn()  # a held head is neither sent again nor judged silent
+    assert not any(c.sent or c.ended for cs in calls for c in cs)
+    for host in hosts:
+        host.send(host.queue.release(calls[host.rank][0], cluster.fabric.now))
+    assert all(cs[0].sent and not cs[1].sent for cs in calls)
+    drive(cluster, hosts, lambda: all(c.ended for cs in calls for c in cs), seconds=120.0)
+    assert all(c.done for cs in calls for c in cs)
+    for slot in range(2):
+        assert_exact(cluster, inputs[slot], slot)
+
+
+def test_a_cancelled_held_call_ends_unsent_and_its_lane_goes_on() -> None:
+    cluster = make_cluster(2)
+    hosts = [Host(cluster, r, 88 + r) for r in range(2)]
+    host = hosts[0]
+    group = Group(0, coll_id=620)
+    held = Call(group, start_packet(cluster, group, 0), watchdog_s=30.0, held=True)
+    after = Call(group, start_packet(cluster, group, 1), watchdog_s=30.0)
+    host.issue(held, lane=2)
+    host.issue(after, lane=2)
+    host.queue.cancel(held)
+    assert held.ended and not held.sent and not held.failed
+    out = host.queue.advance(cluster.fabric.now)
+    assert len(out) == 1 and decode_packet(out[0]).epoch == after.packet.epoch and after.sent
+    with pytest.raises(ValueError, match="was sent"):
+        host.queue.cancel(after)
 
 
 def test_a_lost_start_coll_goes_again_after_the_resend_interval() -> None:
