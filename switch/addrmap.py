@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from netdam.kernels.state import RegionTable
 from netdam.protocol.constants import ELEMENT_SIZE, REGISTER_ALIGN, DType, Opcode, Rights, Status
+
+if TYPE_CHECKING:
+    from netdam.kernels.state import RegionTable
 
 #: First global address the controller hands out.
 GLOBAL_BASE = 1 << 32
@@ -175,6 +178,10 @@ class MapTables:
 
     def bundle(self) -> RegionTable:
         """The table as the switch's kernels take it (netdam.kernels.state.RegionTable)."""
+        # Imported here: netdam.kernels loads numba (~0.4 s), and the CLI's pool commands read
+        # regions (region_to_json) without any kernel.
+        from netdam.kernels.state import RegionTable
+
         return RegionTable(
             self.reg_base,
             self.reg_end,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from netdam.cluster.launch import compile_switch_kernels_aside
+from netdam.cluster.launch import compile_kernels_aside
 
-# Before anything below imports (so compiles, on a cold cache) the node's kernels: the switch's
-# compile on the other core meanwhile (~25 s less of a fresh clone's collection).
-compile_switch_kernels_aside()
+# Before anything below imports (so compiles, on a cold cache) the node's kernels: the engine's
+# clock and the switch's kernels compile on the other core meanwhile (launch.ASIDE_CLOCK).
+compile_kernels_aside()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

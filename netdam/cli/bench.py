@@ -27,14 +27,6 @@ from netdam.cli.common import (
 from netdam.tools import plot
 from netdam.tools.bench import allreduce as allreduce_bench
 from netdam.tools.bench import jobs as jobs_bench
-from netdam.tools.bench import pool as pool_bench
-from netdam.tools.bench.datapath import (
-    FEED_BATCH,
-    DatapathBenchConfig,
-    format_text,
-    parse_node_cmd,
-    run_datapath_bench,
-)
 
 
 def register(subparsers: Subparsers) -> None:
@@ -84,8 +76,9 @@ def register_datapath(benches: Subparsers) -> None:
     parser.add_argument(
         "--packets",
         type=int,
-        default=4 * FEED_BATCH,
-        help=f"distinct CHAIN_ADD packets the feeder cycles through (multiple of {FEED_BATCH})",
+        default=None,
+        help="distinct CHAIN_ADD packets the feeder cycles through, a multiple of its batch "
+        "(default: 4 batches)",
     )
     parser.add_argument(
         "--node-memory", type=size_arg, default=16 << 20, help="node memory (default 16MiB)"
@@ -116,11 +109,20 @@ def register_datapath(benches: Subparsers) -> None:
 
 
 def run_datapath(args: argparse.Namespace) -> int:
+    # Imported here: the datapath bench loads numba and its kernels (~1 s), which every other
+    # command (even `netdam --version`) would pay at start-up otherwise.
+    from netdam.tools.bench.datapath import (
+        FEED_BATCH,
+        DatapathBenchConfig,
+        format_text,
+        parse_node_cmd,
+        run_datapath_bench,
+    )
 
     cfg = DatapathBenchConfig(
         seconds=args.seconds,
         warmup=args.warmup,
-        packets=args.packets,
+        packets=4 * FEED_BATCH if args.packets is None else args.packets,
         mtu=args.mtu,
         seed=args.seed,
         node_memory=args.node_memory,
@@ -197,6 +199,9 @@ def register_pool(benches: Subparsers) -> None:
     def run(args: argparse.Namespace) -> int:
         if args.async_mode:
             return run_pool_async(args)
+        # Imported here, as in run_datapath: the pool bench loads the kernels too.
+        from netdam.tools.bench import pool as pool_bench
+
         plt = plot.pyplot() if args.plot else None  # before the run: a missing extra is usage
         cfg = pool_bench.PoolBenchConfig(
             seconds=args.seconds,

@@ -6,7 +6,6 @@ import argparse
 
 from netdam import progress
 from netdam.cli.common import ExitCode, Subparsers, bounded_int, bounded_seconds, emit
-from netdam.tools.flood import FloodConfig, run_flood
 
 
 def register(subparsers: Subparsers) -> None:
@@ -35,6 +34,9 @@ def register(subparsers: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: the flood loads numba and the kernels (~1 s), which every other command
+    # would pay at start-up otherwise.
+    from netdam.tools.flood import FloodConfig, run_flood
 
     progress.describe(f"{args.seconds:g} s at the {args.target}")
     result = run_flood(FloodConfig(args.target, args.seconds, args.senders, args.seed))

@@ -26,7 +26,6 @@ from typing import Any
 from netdam import progress
 from netdam.cli.common import ExitCode, Subparsers, bounded_int, emit
 from netdam.tools.fuzz.generator import TARGETS
-from netdam.tools.fuzz.runner import FuzzConfig, run_fuzz
 
 
 def register(subparsers: Subparsers) -> None:
@@ -80,6 +79,10 @@ def register(subparsers: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: the runner loads numba and the kernels (~1 s), which every other command
+    # would pay at start-up otherwise.
+    from netdam.tools.fuzz.runner import FuzzConfig, run_fuzz
+
     config = FuzzConfig(
         target=args.target,
         datagrams=args.datagrams,

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from netdam.cli.common import (
     CommandError,
@@ -20,7 +21,6 @@ from netdam.cli.common import (
     readable_file,
     size_arg,
 )
-from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
 from netdam.cluster.clusterfile import load_cluster
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.secrets_io import (
@@ -35,6 +35,11 @@ from netdam.protocol.packet import Packet
 from netdam.switch.addrmap import region_to_json
 from netdam.switch.cli import add_switch_arguments, run_switch
 from netdam.units import format_size
+
+if TYPE_CHECKING:
+    from netdam.clients.pool import PoolClient
+
+T = TypeVar("T")
 
 #: What `pool read --format` offers (the first is the default).
 READ_FORMATS = ("hex", "text", "raw")
@@ -434,6 +439,8 @@ def _target(args: argparse.Namespace) -> tuple[Any, int, int, dict[int, bytes]]:
             "allocate with `netdam pool alloc`",
             ExitCode.USAGE,
         )
+    from netdam.clients.pool import tag_keys_of  # imported here: see _with_client
+
     keys = tag_keys_of(region) if region else {}
     if args.tag_key_file is not None:
         try:
@@ -441,6 +448,20 @@ def _target(args: argparse.Namespace) -> tuple[Any, int, int, dict[int, bytes]]:
         except KeyFileError as exc:
             raise CommandError(str(exc), ExitCode.USAGE) from None
     return ctl, rkey, region.stride if region else 0, keys
+
+
+def _with_client(ctl: Any, keys: dict[int, bytes], action: Callable[[PoolClient], T]) -> T:
+    """*action*(a PoolClient of ctl's pool), a failed request raised as a CommandError."""
+    # Imported here: the client loads numba and its tag kernel (~1 s), which every other
+    # command (even `netdam --version`) would pay at start-up otherwise.
+    from netdam.clients.pool import PoolClient, PoolError
+
+    try:
+        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu, tag_keys=keys) as client:
+            return action(client)
+    except PoolError as exc:
+        code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED
+        raise CommandError(str(exc), code) from None
 
 
 def run_write(args: argparse.Namespace) -> int:
@@ -455,12 +476,7 @@ def run_write(args: argparse.Namespace) -> int:
             raise CommandError("--hex takes hex digits, e.g. 00ff10", ExitCode.USAGE) from None
     else:
         data = args.file.read_bytes()
-    try:
-        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu, tag_keys=keys) as client:
-            client.write(args.gaddr, data, rkey, stride=stride)
-    except PoolError as exc:
-        code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED
-        raise CommandError(str(exc), code) from None
+    _with_client(ctl, keys, lambda client: client.write(args.gaddr, data, rkey, stride=stride))
     emit(
         {"ok": True, "gaddr": args.gaddr, "bytes": len(data)},
         args.json,
@@ -517,12 +533,9 @@ def run_read(args: argparse.Namespace) -> int:
             ExitCode.USAGE,
         )
     ctl, rkey, stride, keys = _target(args)
-    try:
-        with PoolClient(ctl.switch.vip, mtu=ctl.cluster.mtu, tag_keys=keys) as client:
-            data = client.read(args.gaddr, args.length, rkey, stride=stride)
-    except PoolError as exc:
-        code = ExitCode.RUN_FAILED if exc.status is None else ExitCode.CHECK_FAILED
-        raise CommandError(str(exc), code) from None
+    data = _with_client(
+        ctl, keys, lambda client: client.read(args.gaddr, args.length, rkey, stride=stride)
+    )
     if args.json:
         emit({"ok": True, "gaddr": args.gaddr, "bytes": len(data), "hex": data.hex()}, True)
     else:

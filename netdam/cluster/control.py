@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -32,7 +33,7 @@ from netdam.protocol.errors import NetdamError, ProtocolError, RemoteProtocolErr
 from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
 from netdam.protocol.payloads import INFO, pack_key_rights, pack_register
-from netdam.protocol.tag import is_control
+from netdam.protocol.tag import is_control, seal_control, verify_control
 from netdam.protocol.trace import TracePage, parse_trace_reply
 
 INFO_FIELDS = (
@@ -128,13 +129,10 @@ class ControlClient:
         a key (the admin key or the tenant's credential then stays off the wire), else as it is."""
         sealing = self.sealing(packet)
         if sealing is not None:
-            # Imported here: it loads numba (~0.7 s), which a PING or a READ need not pay for.
-            from netdam.kernels.tag import seal_control_bytes
-
             key, rkey = sealing
             sealed = bytearray(encode_packet(packet))
             HEADER.write(sealed, "rkey", rkey)  # in the bytes: a Packet copy costs ~11 us a call
-            return seal_control_bytes(key, bytes(sealed))
+            return _seal_control(key, bytes(sealed))
         data: bytes = encode_packet(packet)
         return data
 
@@ -384,8 +382,27 @@ def _with_ids(packet: Packet, client_id: int, txn: int) -> Packet:
     return replace(packet, client_id=client_id, txn_id=txn)
 
 
-def _verify_control(key: bytes, data: bytes) -> bool:
-    # Imported here, as in ControlClient.encode: only a sealed request's answer needs numba.
-    from netdam.kernels.tag import verify_control_bytes
+def _compiled_tags() -> bool:
+    """Whether this process seals and checks control tags with the compiled kernels: when it has
+    loaded them already (a host process, a node: ~50x faster than plain Python, and a host seals
+    a START_COLL per collective). Otherwise with protocol/tag.py's plain-Python reference: a CLI
+    command seals a handful of requests (~0.2 ms each), and loading numba and the kernels for
+    them cost every `netdam stats` or `down` ~1.5 s. Both give the same bytes
+    (tests/core/test_control_tags.py)."""
+    return "netdam.kernels.tag" in sys.modules
 
-    return verify_control_bytes(key, data)
+
+def _seal_control(key: bytes, data: bytes) -> bytes:
+    if _compiled_tags():
+        from netdam.kernels.tag import seal_control_bytes  # loaded already (_compiled_tags)
+
+        return bytes(seal_control_bytes(key, data))
+    return bytes(seal_control(key, data))
+
+
+def _verify_control(key: bytes, data: bytes) -> bool:
+    if _compiled_tags():
+        from netdam.kernels.tag import verify_control_bytes  # loaded already (_compiled_tags)
+
+        return bool(verify_control_bytes(key, data))
+    return bool(verify_control(key, data))

@@ -275,38 +275,57 @@ def warm_node_kernels(force: bool = False) -> None:
     """Compile (or load from numba's cache) the node's kernels once, in this process, before
     starting nodes: N processes compiling the same kernels at once on 2 cores take N times as
     long (a cold first `netdam demo` went from ~65 s of start-up to the time of one compile)."""
+    compile_kernels_aside(switch=False)  # the engine's clock, on the other core (if cold)
     _warm("node", build_node_kernels, force)
 
 
-#: Kernel modules of the switch that import nothing of the node's compile chain (combine ->
-#: collective -> datapath -> serve, each compiled after the one it calls: ~75 s cold on one core
-#: of this project's 2-core machine). They compile beside it, on the other core.
+#: Kernel modules of the switch that import nothing of the node's datapath chain (combine ->
+#: collective -> datapath -> serve, each compiled after the one it calls). They compile beside
+#: it, on the other core.
 SWITCH_ONLY_KERNELS = ("netdam.kernels.switch_path", "netdam.kernels.pool_gen")
+#: The node's one big kernel outside its datapath chain: the collective engine's clock, which
+#: only the serve loop calls (netdam/kernels/serve.py compiles it, by its explicit signature,
+#: just before the loop; a second process that compiled it first leaves it in the cache). Cold,
+#: on this project's 2-core machine: the node's kernels took 164 s in one process, 126 s with
+#: the clock compiled beside them (with the switch's own kernels after it: done in 68 s).
+ASIDE_CLOCK = (
+    "from netdam.kernels import collective, signatures; "
+    "collective.coll_ticks.compile(signatures.COLL_TICKS)"
+)
 
-#: The process compiling SWITCH_ONLY_KERNELS beside this one, if one was started.
+#: The process compiling kernels beside this one (compile_kernels_aside), if one was started.
 _ASIDE: list[subprocess.Popen[bytes]] = []
 
 
-def compile_switch_kernels_aside() -> None:
-    """On a cold kernel cache, start compiling the switch's own kernels in a second process now,
-    so they are cached by the time this process (after the node's kernels) builds the switch's:
-    node and switch kernels from cold took 109.7 s one after the other and 81.8 s so (2 cores).
-    Nothing when they are cached or already compiling; warm_switch_kernels waits for it."""
-    if _ASIDE or "switch" in _WARMED:
+def compile_kernels_aside(switch: bool = True) -> None:
+    """On a cold kernel cache, start a second process compiling what the node's datapath chain
+    does not call, while this one compiles that chain: the engine's clock (ASIDE_CLOCK), then,
+    with *switch*, the switch's own kernels, so they are cached by the time this process builds
+    the switch's (node and switch kernels from cold took 109.7 s one after the other and 81.8 s
+    so, 2 cores). Nothing for what is cached, or when one is compiling already;
+    warm_switch_kernels waits for it."""
+    if _ASIDE:
         return
     # Imported here: netdam.kernels loads numba, which commands that only read clusters skip.
     from netdam.kernels import cache_dir
 
     folder = cache_dir.kernel_cache_dir()
-    if (folder / "switch-kernels.built").exists() or any(folder.glob("switch_path.*.nbi")):
+    steps = []
+    if "node" not in _WARMED and not (folder / "node-kernels.built").exists():
+        steps.append(ASIDE_CLOCK)
+    if (
+        switch
+        and "switch" not in _WARMED
+        and not (folder / "switch-kernels.built").exists()
+        and not any(folder.glob("switch_path.*.nbi"))
+    ):
+        steps.append("import " + ", ".join(SWITCH_ONLY_KERNELS))
+    if not steps:
         return
-    code = (
-        "from netdam.shell.startup import die_with_parent; die_with_parent(); import "
-        + ", ".join(SWITCH_ONLY_KERNELS)
+    code = "; ".join(
+        ["from netdam.shell.startup import die_with_parent; die_with_parent()", *steps]
     )
-    with contextlib.suppress(
-        OSError
-    ):  # no second process: the switch's warm-up compiles them itself
+    with contextlib.suppress(OSError):  # no second process: this one compiles them all itself
         _ASIDE.append(
             subprocess.Popen(
                 [sys.executable, "-c", code],
@@ -318,8 +337,8 @@ def compile_switch_kernels_aside() -> None:
 
 
 def _join_aside() -> None:
-    """Wait for the switch kernels compiling aside (a failure there costs only the time: this
-    process then compiles what is missing)."""
+    """Wait for the kernels compiling aside (a failure there costs only the time: this process
+    then compiles what is missing)."""
     while _ASIDE:
         _ASIDE.pop().wait()
 
@@ -446,7 +465,7 @@ def _start_cluster(
     faults = faults or FaultSpec()
     vip = None
     if switch:
-        compile_switch_kernels_aside()
+        compile_kernels_aside()
         vip = pick_vip(address)  # nodes must trust the switch's return segments (SPEC 3.1)
         extra_members = tuple(extra_members) + (vip,)
     members = endpoints + list(extra_members)
@@ -1222,7 +1241,7 @@ def start_pool_cluster(
     **cluster_kwargs: object,
 ) -> tuple[LocalCluster, SwitchHandle]:
     """Nodes that trust a VIP, then the switch on it: ``netdam up --switch`` in one call."""
-    compile_switch_kernels_aside()
+    compile_kernels_aside()
     address = str(cluster_kwargs.get("address", "127.0.0.1"))
     vip = pick_vip(address)
     cluster = start_cluster(nodes, extra_members=(vip,), **cluster_kwargs)

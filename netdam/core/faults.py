@@ -13,9 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from netdam.kernels.fault_hash import fault_draws
-from netdam.kernels.fault_hash import packet_id as _kernel_packet_id
-
 
 @dataclass(frozen=True)
 class FaultSpec:
@@ -65,6 +62,10 @@ class FaultDecision:
 
 def decide(spec: FaultSpec, src: int, dst: int, pid: int, attempt: int) -> FaultDecision:
     """The fate of one datagram (pure: same arguments, same answer)."""
+    # Imported here (and in packet_id): the hash kernels load numba (~1 s), which a command
+    # that only passes a FaultSpec on (`netdam up`, `down`) need not pay for.
+    from netdam.kernels.fault_hash import fault_draws
+
     drop, dup, reorder_draw, delay = fault_draws(spec.seed, src, dst, pid, attempt)
     if drop < spec.loss:
         return FaultDecision(True, 0, False, 0.0)
@@ -76,5 +77,7 @@ def decide(spec: FaultSpec, src: int, dst: int, pid: int, attempt: int) -> Fault
 
 def packet_id(datagram: bytes | np.ndarray) -> int:
     """The id fault decisions use for *datagram* (see module docstring)."""
+    from netdam.kernels.fault_hash import packet_id as kernel_packet_id  # see decide
+
     arr = np.frombuffer(datagram, np.uint8) if isinstance(datagram, bytes) else datagram
-    return int(_kernel_packet_id(arr))
+    return int(kernel_packet_id(arr))

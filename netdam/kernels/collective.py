@@ -19,7 +19,6 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from netdam.kernels import signatures as S
 from netdam.kernels.borrow import borrowed
 from netdam.kernels.combine import combine_bytes
 from netdam.kernels.faults import fits_held, hold_datagram, take_held
@@ -1921,9 +1920,3 @@ def coll_reply(b, ln, src, op, node):
             co_cfg[CFG_DONE_COUNT] += 1
         return True
     return False
-
-
-# The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
-# the end of the module where every kernel it calls exists; no other signature compiles.
-coll_ticks.compile(S.COLL_TICKS)
-coll_ticks.disable_compile()

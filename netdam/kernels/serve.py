@@ -417,8 +417,12 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     return (RETURN_ROUNDS if got else RETURN_IDLE), 0
 
 
-# The explicit signature (kernels/signatures.py), compiled (or loaded from the cache) here, at
-# the end of the module where every kernel it calls exists; no other signature compiles.
+# The explicit signatures (kernels/signatures.py), compiled (or loaded from the cache) here, at
+# the end of the module where every kernel they call exists; no other signature compiles. The
+# engine's clock first: this loop is its only caller, and a second process may have compiled
+# it meanwhile, while this one compiled the datapath (netdam.cluster.launch.ASIDE_KERNELS).
+coll_ticks.compile(S.COLL_TICKS)
+coll_ticks.disable_compile()
 _serve_nics.compile(S.SERVE_NICS)
 _serve_nics.disable_compile()
 # The typed list's helpers too: compiled lazily, each node process compiled them at its first

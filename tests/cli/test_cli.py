@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 
 from netdam.cli.main import build_parser, main
+from netdam.protocol.constants import Opcode
+from netdam.protocol.packet import Packet
 
 
 def _all_command_paths() -> list[list[str]]:
@@ -79,3 +83,37 @@ def test_usage_error_without_json_names_the_fix(capsys: pytest.CaptureFixture[st
         main(["demo", "--size", "1.5MiB"])
     assert info.value.code == 2
     assert "invalid size '1.5MiB'" in capsys.readouterr().err
+
+
+#: In a fresh process: build the parser, import what `up` and `down` import, and seal a control
+#: request as `stats` sends it; print the sealed bytes and whether numba was loaded.
+_NO_KERNELS = """
+import sys
+from netdam.cli.main import build_parser
+from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import LocalCluster
+from netdam.protocol.constants import Opcode
+from netdam.protocol.packet import Packet
+
+build_parser()
+with ControlClient(admin_key=77, client_id=5, admin_tag_key=bytes(range(16))) as client:
+    sealed = client.encode(Packet(Opcode.COUNTERS, rkey=77, client_id=5, txn_id=9))
+print(sealed.hex(), "numba" in sys.modules)
+"""
+
+
+def test_commands_that_need_no_kernel_load_neither_numba_nor_the_kernels() -> None:
+    """`netdam --version`, every parser, `up`, `down` and `stats` need no compiled kernel: loading
+    numba and the kernels cost each of them ~1.5 s of start-up (`netdam --version` took 2.2 s).
+    A control request is then sealed by the plain-Python reference, to the same bytes the
+    compiled sealer gives (this process has the kernels loaded)."""
+    from netdam.cluster.control import ControlClient
+
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_KERNELS], capture_output=True, text=True, timeout=60, check=True
+    )
+    sealed_hex, numba_loaded = out.stdout.split()
+    assert numba_loaded == "False", "a command that needs no kernel loaded numba"
+    with ControlClient(admin_key=77, client_id=5, admin_tag_key=bytes(range(16))) as client:
+        compiled = client.encode(Packet(Opcode.COUNTERS, rkey=77, client_id=5, txn_id=9))
+    assert "netdam.kernels.tag" in sys.modules and bytes.fromhex(sealed_hex) == compiled

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import netdam.cli.pool as pool_cli
+import netdam.clients.pool as pool_client
 from netdam.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,8 @@ def fake_pool(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
         cluster = type("C", (), {"mtu": 9000})()
 
     monkeypatch.setattr(pool_cli, "_target", lambda args: (Ctl(), 0x1234, 0, {}))
-    monkeypatch.setattr(pool_cli, "PoolClient", _FakeClient)
+    # The command imports the client when it runs (netdam.cli.pool._with_client).
+    monkeypatch.setattr(pool_client, "PoolClient", _FakeClient)
     cluster = tmp_path / "c.toml"
     cluster.write_text("")  # --cluster must name a readable file; _target is faked
     return [

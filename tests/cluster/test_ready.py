@@ -173,12 +173,12 @@ def test_a_node_answers_the_first_register_sent_the_moment_its_cluster_file_exis
                 client.deregister(endpoint, reply.rkey)
 
 
-def test_switch_kernels_compile_aside_only_on_a_cold_cache(
+def test_kernels_compile_aside_only_on_a_cold_cache(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """On a cold cache the switch's own kernels compile in a second process (on the other core)
-    while the launcher compiles the node's; the switch's warm-up waits for it. A cache that holds
-    them, or a second call, starts nothing."""
+    """On a cold cache the engine's clock and the switch's own kernels compile in a second
+    process (on the other core) while the launcher compiles the node's datapath; the switch's
+    warm-up waits for it. What the cache holds is left out; a second call starts nothing."""
     started: list[list[str]] = []
 
     class FakeCompile:
@@ -194,27 +194,36 @@ def test_switch_kernels_compile_aside_only_on_a_cold_cache(
     monkeypatch.setattr(cache_dir, "kernel_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(launch, "_WARMED", set())
     monkeypatch.setattr(launch, "_ASIDE", [])
-    launch.compile_switch_kernels_aside()
-    launch.compile_switch_kernels_aside()  # already compiling: not a second process
+    launch.compile_kernels_aside()
+    launch.compile_kernels_aside()  # already compiling: not a second process
     assert len(started) == 1 and started[0][0] == sys.executable
     code = started[0][-1]
+    assert launch.ASIDE_CLOCK in code
     assert all(module in code for module in launch.SWITCH_ONLY_KERNELS)
-    # The node's compile chain is not imported aside: it would compile twice on 2 cores.
-    assert "netdam.kernels.serve" not in code and "netdam.shell.process" not in code
+    # The node's datapath chain is not imported aside: it would compile twice on 2 cores.
+    assert "netdam.kernels.serve" not in code and "netdam.kernels.datapath" not in code
     aside = launch._ASIDE[0]
     launch._join_aside()
     assert aside.waited and launch._ASIDE == []
 
+    (tmp_path / "node-kernels.built").touch()  # the node's cached: the switch's only
+    launch.compile_kernels_aside()
+    assert len(started) == 2 and launch.ASIDE_CLOCK not in started[1][-1]
+    launch._join_aside()
+    launch.compile_kernels_aside(switch=False)  # a cluster without a switch: nothing left
     (tmp_path / "switch_path._serve-1.py311.nbi").touch()  # cached now
-    launch.compile_switch_kernels_aside()
-    assert len(started) == 1
+    launch.compile_kernels_aside()
+    assert len(started) == 2
 
 
-def test_the_compile_aside_imports_no_node_kernel() -> None:
-    """What the second process imports compiles nothing of the node's chain (else both cores
-    compile the same kernels and nothing is won)."""
+def test_the_compile_aside_compiles_nothing_of_the_datapath_chain() -> None:
+    """What the second process imports compiles nothing of the node's datapath chain (else both
+    cores compile the same kernels and nothing is won): the engine's clock and the switch's own
+    kernels, not the datapath or the serve loop."""
     code = (
-        "import json, sys; from netdam.shell.startup import die_with_parent; import "
+        "import json, sys; "
+        + launch.ASIDE_CLOCK
+        + "; import "
         + ", ".join(launch.SWITCH_ONLY_KERNELS)
         + "; print(json.dumps(sorted(m for m in sys.modules if m.startswith('netdam.kernels.'))))"
     )
@@ -222,9 +231,5 @@ def test_the_compile_aside_imports_no_node_kernel() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert not loaded & {
-        "netdam.kernels.combine",
-        "netdam.kernels.collective",
-        "netdam.kernels.datapath",
-        "netdam.kernels.serve",
-    }, loaded
+    assert "netdam.kernels.collective" in loaded
+    assert not loaded & {"netdam.kernels.datapath", "netdam.kernels.serve"}, loaded
