@@ -285,7 +285,10 @@ def _any_held(hold_len):
     return False
 
 
-@njit(cache=True, nogil=True)
+# Inlined into its one caller, _serve_nics, by numba (not compiled on its own): each compiled
+# function is optimized by LLVM with everything linked into it, so this loop and the datapath
+# under it were optimized twice (12.7 s of a cold compile; docs/PERFORMANCE.md).
+@njit(cache=True, nogil=True, inline="always")
 def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:

@@ -16,7 +16,6 @@ from then on the target drops its datagrams at the cost of one table lookup (``d
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import tempfile
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_
 from netdam.protocol.payloads import pack_key_rights, pack_u64
 from netdam.shell.startup import wait_while_working
 from netdam.shell.udp import open_udp_socket
+from netdam.tools.workers import worker_context
 
 #: The flooders' source address (a loopback address of its own, see _sender).
 FLOOD_SOURCE = "127.0.0.2"
@@ -241,7 +241,7 @@ def run_flood(cfg: FloodConfig) -> dict[str, Any]:
 def _flood(
     cfg: FloodConfig, cluster: Any, target: Target, pid: int, control: Endpoint
 ) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     children = []
     for k in range(cfg.senders):
         parent_end, child_end = ctx.Pipe()

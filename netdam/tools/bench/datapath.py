@@ -42,7 +42,6 @@ scheduler, measured on the 2-core reference machine:
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import secrets
 import select
@@ -60,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from netdam.cluster.launch import warm_node_kernels
 from netdam.cluster.secrets_io import key_pipe
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import RxBatch, SinkCheck, TimeWindow, TxQueue
@@ -81,6 +81,7 @@ from netdam.shell.udp import (
     open_udp_socket,
 )
 from netdam.tools.bench.report import machine_info
+from netdam.tools.workers import worker_context
 
 LOOPBACK = "127.0.0.1"
 #: rkey of the benchmark's region on the node.
@@ -902,7 +903,7 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
     res["pinning"] = pin
     code = ExitCode.OK
     t0 = time.monotonic()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     params: dict[str, Any] = {
         "seed": cfg.seed,
         "packets": cfg.packets,
@@ -918,6 +919,11 @@ def run_datapath_bench(cfg: DatapathBenchConfig) -> tuple[dict[str, Any], int]:
                 with open(progress_file, "wb") as f:
                     f.write(bytes(64))
                 params["progress_file"] = progress_file
+                # The node's kernels first, here (with progress, as `netdam up` does): on a cold
+                # cache the node compiled them for ~2.5 min after the workers were ready, and
+                # they gave up waiting for their first command (CHILD_IDLE_SECONDS).
+                if node_cmd is None:
+                    warm_node_kernels()
                 for role in ("sink", "relay", "pyrelay", "feeder"):
                     run.children[role] = _Child(ctx, role, params)
                 for role, child in run.children.items():

@@ -22,7 +22,6 @@ processes (the window is split among them) and measures again, up to ``max_gener
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import select
 import shutil
@@ -55,6 +54,7 @@ from netdam.shell.startup import StartStalled, wait_while_working
 from netdam.shell.udp import open_udp_socket
 from netdam.tools import plot as plotting
 from netdam.tools.bench.report import machine_info, phase_table
+from netdam.tools.workers import worker_context
 from netdam.units import format_size
 
 LOOPBACK = "127.0.0.1"
@@ -89,7 +89,10 @@ class _Failure(NetdamError):
 # ---------------------------------------------------------------- child processes
 
 
-def _worker(role: str, conn: Connection, parent: int) -> None:
+def _worker(role: str, conn: Connection) -> None:
+    # Who started this worker: the bench, or the fork server that forked it for the bench
+    # (netdam.tools.workers); either goes away with the bench, and the worker then exits.
+    parent = os.getppid()
     try:
         sock = open_udp_socket((LOOPBACK, 0), rcvbuf=8 << 20)
         fd = sock.fileno()
@@ -233,10 +236,7 @@ class _Child:
         self.role = role
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_worker,
-            args=(role, child, os.getpid()),
-            daemon=True,
-            name=f"netdam-bench-pool-{role}",
+            target=_worker, args=(role, child), daemon=True, name=f"netdam-bench-pool-{role}"
         )
         self.proc.start()
         child.close()
@@ -386,7 +386,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> tuple[dict[str, Any], int]:
         res["memcached_skipped"] = "memcached not on PATH (apt-get install memcached)"
     code = ExitCode.OK
     t0 = time.monotonic()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = worker_context()
     children: list[_Child] = []
     mc_proc = None
     pool = switch = None

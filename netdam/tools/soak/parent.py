@@ -44,7 +44,6 @@ the seed; which packets exist depends on timing (retries), so a run is not bit-f
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,6 +86,7 @@ from netdam.tools.soak.plan import (
     layout_blocks,
     seeded,
 )
+from netdam.tools.workers import worker_context
 
 if TYPE_CHECKING:
     from netdam.cluster.clusterfile import ClusterFile
@@ -239,7 +239,7 @@ class _Children:
     """The client processes and their pipes."""
 
     def __init__(self, count: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_context()
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         for index in range(count):
