@@ -26,7 +26,13 @@ from netdam.core.sendqueue import SLOT_BYTES, SendQueue
 from netdam.kernels.udp_io import MAX_MSGS, RUN_BYTES, SEND_SCRATCH_WORDS_PER_MSG, STATE_LEN
 from netdam.protocol import counters as C
 from netdam.protocol.packet import Endpoint, u64_to_endpoint
-from netdam.shell.startup import die_with_parent, restore_scheduling, use_scheduling
+from netdam.shell.startup import (
+    die_with_parent,
+    restore_pages,
+    restore_scheduling,
+    use_scheduling,
+    use_small_pages,
+)
 from netdam.shell.udp import granted_buffers
 
 #: prctl(2) option: signal to deliver when the parent dies.
@@ -120,9 +126,11 @@ def serve_main(
     *scheduling* (netdam.shell.startup.SCHEDULING; None: as it is), which a node served inside
     another program (a test) gives back when it ends."""
     before = use_scheduling(scheduling) if scheduling is not None else None
+    pages = use_small_pages()  # before the NICs' tables are allocated (startup.use_small_pages)
     try:
         return _serve_main(create, ready_line, with_parent)
     finally:
+        restore_pages(pages)
         restore_scheduling(before)
 
 

@@ -66,6 +66,41 @@ def restore_scheduling(before: int | None) -> None:
             os.sched_setscheduler(0, before, os.sched_param(0))
 
 
+def use_small_pages() -> bool | None:
+    """Stop numpy asking Linux for transparent huge pages for the arrays this process allocates
+    from now on; returns numpy's setting before (for restore_pages; None: this numpy has no such
+    switch, nothing changed).
+
+    numpy advises MADV_HUGEPAGE on every array of 4 MiB or more, so where THP is "madvise" (as on
+    this project's machine) or "always" the first touch of such an array makes a 2 MiB page
+    resident. A NIC's large tables are touched sparsely: the duplicate window's replies (8 MiB:
+    a few slots per client), the send queue (8.6 MiB: as deep as it ever got), the chunk tables
+    (5 MiB: as many chunks as a collective had). With 64 NICs in one process each grew by ~1.6 MB
+    per all-reduce of 1 MiB, most of it huge pages of the window; with 4 KiB pages a table costs
+    what is used of it (docs/PERFORMANCE.md). NIC memory itself is a mapped file, not affected."""
+    switch = _hugepage_switch()
+    return None if switch is None else bool(switch(False))
+
+
+def restore_pages(before: bool | None) -> None:
+    """Put back numpy's huge-page setting that use_small_pages returned (a node served inside
+    another program, a test's, leaves it as it found it)."""
+    switch = _hugepage_switch()
+    if before and switch is not None:
+        switch(True)
+
+
+def _hugepage_switch() -> Callable[[bool], bool] | None:
+    """numpy's own switch of its huge-page advice (NUMPY_MADVISE_HUGEPAGE=0 does the same, but
+    only before numpy is imported, and a forked node process has it imported), or None."""
+    try:
+        from numpy._core import multiarray  # numpy 2's name of the module
+    except ImportError:
+        from numpy.core import multiarray  # type: ignore[no-redef]  # numpy 1's name of it
+    switch: Callable[[bool], bool] | None = getattr(multiarray, "_set_madvise_hugepage", None)
+    return switch
+
+
 #: A start fails once the child has used no CPU for this long.
 STALL_S = 30.0
 #: ... and in any case after this long (a compile that spins for 30 minutes is a bug).
