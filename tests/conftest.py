@@ -1,8 +1,20 @@
-"""Shared fixtures (helpers live in tests/helpers.py)."""
+"""Shared fixtures (helpers live in tests/helpers.py), and how the suite shares two cores.
+
+The README runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``): the
+controller compiles (or finds cached) every kernel before it starts them, each worker forks
+its clusters from itself, and a test marked ``alone`` (it asserts a deadline, or that a clean
+run re-sends nothing) runs with no test of the other worker beside it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import signal
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 from netdam.cluster.launch import compile_kernels_aside
 
@@ -13,6 +25,55 @@ compile_kernels_aside()
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from helpers import Cluster, VipWire, make_cluster  # noqa: E402
+
+#: The folder holding the two lock files of the workers' turns (set by the controller).
+ROOM_ENV = "NETDAM_TEST_ROOM"
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _is_worker(config):
+        # xdist's workers ignore SIGINT, and an ignored signal stays ignored across exec: the
+        # commands the tests interrupt (`netdam up`, `ping`) would not see Ctrl-C.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        return
+    if (getattr(config.option, "numprocesses", None) or 0) > 0:
+        # The controller: every kernel compiled or found before the workers start, so two
+        # workers never compile the same kernels at once (each then loads them in ~2 s).
+        from netdam.cluster.launch import warm_node_kernels, warm_switch_kernels
+
+        warm_node_kernels()
+        warm_switch_kernels()
+        os.environ[ROOM_ENV] = tempfile.mkdtemp(prefix="netdam-tests-")
+
+
+@contextlib.contextmanager
+def _turn(room: Path, alone: bool) -> Iterator[None]:
+    """Hold the room shared (any test) or exclusive (an ``alone`` test). A test waiting to be
+    alone holds the gate, so the other worker's next tests queue behind it instead of keeping
+    the room shared for ever (a writer-preferring lock from two flocks)."""
+    with open(room / "gate", "a") as gate, open(room / "room", "a") as hall:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(hall, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(hall, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    room = os.environ.get(ROOM_ENV)
+    if room is None or not _is_worker(item.config):
+        return (yield)
+    with _turn(Path(room), item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 @pytest.fixture

@@ -304,6 +304,8 @@ def compile_kernels_aside(switch: bool = True) -> None:
     the switch's (node and switch kernels from cold took 109.7 s one after the other and 81.8 s
     so, 2 cores). Nothing for what is cached, or when one is compiling already;
     warm_switch_kernels waits for it."""
+    # A finished one is reaped (no zombie), and what it left undone is looked at again below.
+    _ASIDE[:] = [aside for aside in _ASIDE if aside.poll() is None]
     if _ASIDE:
         return
     # Imported here: netdam.kernels loads numba, which commands that only read clusters skip.

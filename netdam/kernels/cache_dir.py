@@ -6,7 +6,7 @@ is inside ``site-packages/netdam`` for a regular install. pip does not know thos
 of the same package (``netdam --version`` then failed with ``AttributeError: __version__``).
 So the kernels of this package get a locator of their own, consulted before numba's:
 
-    <root>/kernels-<netdam version>-<hash of every kernel source>-<hash of this folder's path>
+    <root>/kernels-<netdam version>-<hash of every kernel source>-numba<numba version>
 
 ``<root>`` is ``$NETDAM_CACHE_DIR``, else ``$NUMBA_CACHE_DIR/netdam``, else
 ``$XDG_CACHE_HOME/netdam`` (``~/.cache/netdam``), else ``<tmp>/netdam-cache-<uid>``.
@@ -14,9 +14,13 @@ So the kernels of this package get a locator of their own, consulted before numb
 - The sources' hash: numba keys a cached function by its own file's stamp, not by the files it
   calls (after an upgrade that changes ``collective.py`` but not ``serve.py``, a cached
   ``serve._serve_nics`` would still run the old engine); a new directory per source set settles it.
-- The path's hash: two installs (two venvs) alternating on one cache directory would each find
-  the other's stamps and recompile every time.
-- Older directories of the same install are removed, so upgrades do not pile up.
+- Keyed by content, not place: a cached function's stamp is that hash, not its file's time
+  (numba's default), so every install of the same sources (a second venv, a fresh clone, the
+  wheel beside the checkout) loads what the first one compiled instead of compiling for minutes
+  again, and two installs used in turn do not invalidate each other. numba's version is in the
+  name (its index holds one version's code).
+- The KEEP most recently used directories stay; older ones are removed, so upgrades and
+  branches do not pile up (~21 MB each).
 - Cache files are pickles that numba loads and runs: a directory that another user can write
   would let them run code as ours. The root must belong to us and be writable by nobody else;
   otherwise the kernels compile into a private temporary directory for this process alone
@@ -26,6 +30,7 @@ So the kernels of this package get a locator of their own, consulted before numb
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import logging
 import os
@@ -36,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numba
 from numba.core import caching
 
 import netdam
@@ -57,6 +63,9 @@ _CacheLocator: Any = caching._CacheLocator
 _SourceBacked: Any = caching._SourceFileBackedLocatorMixin
 
 _chosen: Path | None = None
+#: Cache directories kept (the most recently used): two or three branches or versions in turn
+#: never recompile, and the folder stays under ~100 MB.
+KEEP = 4
 #: When this process first found its cache empty and said so (monotonic seconds), else None.
 cold_since: float | None = None
 
@@ -80,6 +89,7 @@ def cache_root() -> Path:
     return Path(tempfile.gettempdir()) / f"netdam-cache-{os.getuid()}"
 
 
+@functools.cache
 def sources_digest() -> str:
     """A hash of every kernel source file and of the protocol modules they compile in (name and
     bytes)."""
@@ -100,8 +110,7 @@ def kernel_cache_dir() -> Path:
 
 def _choose() -> Path:
     root = cache_root()
-    place = hashlib.sha256(str(_KERNELS).encode()).hexdigest()[:8]
-    name = f"kernels-{netdam.__version__}-{sources_digest()}-{place}"
+    name = f"kernels-{netdam.__version__}-{sources_digest()}-numba{numba.__version__}"
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         problem = _unsafe(root)
@@ -110,7 +119,8 @@ def _choose() -> Path:
             folder.mkdir(mode=0o700, exist_ok=True)
             problem = _unsafe(folder)
             if problem is None:
-                _remove_older(root, name, place)
+                os.utime(folder)  # used now: what _remove_unused keeps
+                _remove_unused(root)
                 return folder
     except OSError as exc:
         problem = f"cannot create it ({exc.strerror})"
@@ -140,12 +150,19 @@ def _unsafe(folder: Path) -> str | None:
     return None
 
 
-def _remove_older(root: Path, current: str, place: str) -> None:
-    """Remove this install's caches of earlier sources (best effort: another process of an older
-    version may still read one; it then compiles in memory)."""
-    for old in root.glob(f"kernels-*-{place}"):
-        if old.name != current:
-            shutil.rmtree(old, ignore_errors=True)
+def _remove_unused(root: Path) -> None:
+    """Remove all but the KEEP most recently used cache directories (best effort: a process of
+    other sources may still read one; it then compiles in memory)."""
+
+    def used(folder: Path) -> float:
+        try:
+            return folder.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    folders = sorted(root.glob("kernels-*"), key=used, reverse=True)
+    for old in folders[KEEP:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 class _KernelCacheLocator(_SourceBacked, _CacheLocator):
@@ -158,6 +175,11 @@ class _KernelCacheLocator(_SourceBacked, _CacheLocator):
 
     def get_cache_path(self) -> str:
         return self._cache_path
+
+    def get_source_stamp(self) -> str:
+        # The sources' hash (also the directory's name), not the file's mtime: a fresh clone
+        # or another venv of the same sources finds the index fresh.
+        return sources_digest()
 
     @classmethod
     def from_function(cls, py_func: Any, py_file: str) -> Any:

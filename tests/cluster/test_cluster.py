@@ -155,6 +155,7 @@ print(sent, flush=True)
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_stats_answers_within_100ms_under_full_load(cluster: LocalCluster) -> None:
     ep = cluster.endpoints[1]
     with ControlClient.for_cluster(cluster.info) as client:

@@ -175,6 +175,7 @@ def test_a_collective_over_the_most_nics_one_sr_list_names_is_exact(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_128_nics_all_reduce_exact_and_resend_nothing() -> None:
     """Two processes of 64 NICs (a torus of 8 rows of 16): a pass of the host loop takes up to
     ~0.1 s on 2 cores, and before the NICs' timers covered it, chains and READs on their way

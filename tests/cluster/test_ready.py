@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -132,16 +133,42 @@ def test_cache_dir_others_can_write_is_not_loaded(tmp_path: Path) -> None:
     assert not any(shared.iterdir())
 
 
-def test_older_caches_of_this_install_are_removed(tmp_path: Path) -> None:
+def test_only_the_most_recently_used_caches_are_kept(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    first, _ = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(root)})
-    stale = Path(first).with_name(Path(first).name.replace(cache_dir.sources_digest(), "0" * 16))
-    stale.mkdir(mode=0o700)
-    other_install = root / "kernels-0.0.1-1111111111111111-ffffffff"
-    other_install.mkdir(mode=0o700)
-    second, _ = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(root)})
-    assert second == first
-    assert not stale.exists() and other_install.exists()
+    root.mkdir(mode=0o700)
+    others = [root / f"kernels-0.0.{i}-{i:016d}-numba0.0" for i in range(cache_dir.KEEP + 1)]
+    for age, other in enumerate(others):  # others[0] used most recently
+        other.mkdir(mode=0o700)
+        os.utime(other, (time.time() - 100 * (age + 1),) * 2)
+    ours, _ = _cache_dir_in_child({"NETDAM_CACHE_DIR": str(root)})
+    kept = sorted(p.name for p in root.iterdir())
+    assert kept == sorted([Path(ours).name, *(o.name for o in others[: cache_dir.KEEP - 1])])
+
+
+def test_another_install_of_the_same_sources_loads_the_cached_kernels(tmp_path: Path) -> None:
+    """A second venv or a fresh clone of the same sources: its files are newer and elsewhere, and
+    it loads what this one compiled instead of compiling again (numba keys by file time)."""
+    copy = tmp_path / "elsewhere"
+    package = Path(cache_dir.__file__).resolve().parents[1]
+    shutil.copytree(package, copy / "netdam", copy_function=shutil.copy)  # new mtimes
+    code = (
+        "import netdam; from netdam.kernels import cache_dir, f16\n"
+        f"assert netdam.__file__.startswith({str(copy)!r}), netdam.__file__\n"
+        "print(cache_dir.kernel_cache_dir())\n"
+        "print(sum(f16.f16_bits_to_f32.stats.cache_hits.values()),"
+        " sum(f16.f16_bits_to_f32.stats.cache_misses.values()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(copy)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split("\n")
+    assert out[0] == str(cache_dir.kernel_cache_dir())
+    assert out[1] == "1 0", out
 
 
 @pytest.mark.slow
@@ -186,6 +213,9 @@ def test_kernels_compile_aside_only_on_a_cold_cache(
             started.append(argv)
             self.waited = False
 
+        def poll(self) -> int | None:
+            return 0 if self.waited else None
+
         def wait(self) -> int:
             self.waited = True
             return 0
@@ -207,8 +237,10 @@ def test_kernels_compile_aside_only_on_a_cold_cache(
     assert aside.waited and launch._ASIDE == []
 
     (tmp_path / "node-kernels.built").touch()  # the node's cached: the switch's only
+    launch._ASIDE.append(aside)  # ended, never joined: reaped, and the cache looked at again
     launch.compile_kernels_aside()
     assert len(started) == 2 and launch.ASIDE_CLOCK not in started[1][-1]
+    assert launch._ASIDE[0] is not aside
     launch._join_aside()
     launch.compile_kernels_aside(switch=False)  # a cluster without a switch: nothing left
     (tmp_path / "switch_path._serve-1.py311.nbi").touch()  # cached now

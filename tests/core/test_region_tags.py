@@ -242,6 +242,7 @@ def test_a_guesser_on_the_same_address_cannot_lock_a_tagged_client_out() -> None
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_guess_flood_from_the_same_address_leaves_a_tagged_client_working(tmp_path: Path) -> None:
     """Issue "lockout is a weapon": every local client sends from 127.0.0.1, so wrong keys from
     any socket locked every other local client out. A tagged client goes on at >= 99% during the

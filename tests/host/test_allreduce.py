@@ -21,6 +21,7 @@ from netdam.cluster.launch import start_cluster
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_allreduce_command_clean_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["allreduce", "--nodes", "3", "--count", "100003", "--repeat", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -143,6 +144,7 @@ def test_host_api_from_separate_host_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_dead_node_process_is_named_within_5_seconds_with_every_nic(tmp_path: Path) -> None:
     """The process hosting ranks 2 and 3 dies: the survivors' collective fails within 5 s and
     names both NICs it took with it (the watchdog lists every silent node)."""

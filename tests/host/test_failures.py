@@ -104,6 +104,7 @@ def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_switch_killed_and_restarted_under_pool_traffic(tmp_path: Path) -> None:
     cluster, switch = start_pool_cluster(3, memory=1 << 20, cluster_path=tmp_path / "c.toml")
     try:

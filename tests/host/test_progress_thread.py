@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from netdam import api
 from netdam.cluster.launch import start_cluster
@@ -40,6 +41,7 @@ def test_ranks_of_one_process_share_one_progress_thread() -> None:
                 g.close()
 
 
+@pytest.mark.alone
 def test_groups_closed_and_opened_under_a_running_thread_are_still_driven() -> None:
     """The thread keeps one epoll set across its turns. Groups closed while it runs leave it,
     and their descriptor numbers come back as the new groups' sockets: those must be watched

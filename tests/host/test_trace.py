@@ -184,6 +184,7 @@ def test_netdam_trace_records_a_running_cluster(lossy: LocalCluster, tmp_path: P
     assert len(trace["netdam"]["nics"]) == WORLD
 
 
+@pytest.mark.alone
 def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
     """`netdam allreduce --trace`, then `netdam model replay` of it: a clean run replayed packet
     for packet takes what the model's closed form says of the same job within 2% (measured
@@ -207,6 +208,7 @@ def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
         assert call.no_skew.retries == 0
 
 
+@pytest.mark.alone
 def test_top_shows_links_whose_rates_add_up_to_the_counters(
     lossy: LocalCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -120,7 +120,9 @@ def _torch_cases() -> list[tuple[str, SgdRule | AdamRule, Callable[[Any], Any]]]
     ]
 
 
-@pytest.mark.parametrize(("name", "rule", "make"), _torch_cases(), ids=lambda c: str(c))
+@pytest.mark.parametrize(
+    ("name", "rule", "make"), _torch_cases(), ids=[c[0] for c in _torch_cases()]
+)
 def test_within_the_stated_bound_of_torch_optim(
     name: str, rule: SgdRule | AdamRule, make: Callable[[Any], Any]
 ) -> None:
