@@ -2,8 +2,9 @@
 
 The README runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``): the
 controller compiles (or finds cached) every kernel before it starts them, each worker forks
-its clusters from itself, and a test marked ``alone`` (it asserts a deadline, or that a clean
-run re-sends nothing) runs with no test of the other worker beside it.
+its clusters from itself, and a test marked ``alone`` (it asserts a deadline or that a clean
+run re-sends nothing, or captures the loopback interface, which carries every worker's
+traffic) runs with no test of the other worker beside it.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ def _can_capture() -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(_can_capture() is not None, reason=str(_can_capture()))
+@pytest.mark.alone
 def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
     from scapy.utils import wrpcap
 
