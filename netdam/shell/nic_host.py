@@ -154,6 +154,8 @@ class NicHost(ServeLoop):
             # cover this wait already, not only from the end of this pass on.
             self._note_turn(began - self._pass_began, began)
         self._pass_began = began
+        if self.board is not None:
+            self.board.begin(began)  # the others' timers cover this pass while it runs
         order = np.array(sorted(due), np.int64)
         report = self._report
         position = 0

@@ -8,9 +8,14 @@ reducing), past the sender's RTO, and was counted re-sent (2 runs of 20). So eac
 publishes its longest recent pass in a small shared file beside the memory files, and its NICs'
 timers cover the longest that any process of the cluster on this machine published.
 
+A pass is published when it ends, but a datagram for a process in a long pass waits from the
+pass's start: so each process also writes when its pass in progress began, and the others'
+timers cover that pass's length so far (up to IN_PASS_STALE_S: a process in one pass for longer
+is stopped or dead, and loss recovery must not wait on it).
+
 The file: ``<shm_dir>/netdam-turns-<hash of the cluster's members>``, one row per rank of
-(seconds, when), ``when`` on CLOCK_MONOTONIC, which every process of a machine shares; each
-process writes the row of its first NIC's rank. Who may write it: the file must be a regular file
+(seconds, when, began), ``when`` and ``began`` (0 between passes) on CLOCK_MONOTONIC, which
+every process of a machine shares; each process writes the row of its first NIC's rank. Who may write it: the file must be a regular file
 of this user that nobody else may write, else it is not used (one warning says why): another
 user could otherwise slow this cluster's loss recovery by publishing long passes.
 """
@@ -30,7 +35,10 @@ from netdam.protocol.packet import Endpoint
 
 log = logging.getLogger(__name__)
 
-_ROW = 2  # float64 (seconds, when)
+_ROW = 3  # float64 (seconds, when, began)
+#: A pass in progress for longer than this counts for nothing (seconds): its process is stopped
+#: or dead (the longest live passes measured are 0.1-0.4 s, 128 NICs a process on 2 cores).
+IN_PASS_STALE_S = 1.0
 
 
 class TurnBoard:
@@ -78,18 +86,26 @@ class TurnBoard:
         rows = np.frombuffer(mapping, np.float64).reshape(world_size, _ROW)
         return cls(path, rows, mapping, rank)
 
+    def begin(self, now: float) -> None:
+        """This process's pass begins at *now* (time.monotonic())."""
+        self._rows[self._row, 2] = now
+
     def publish(self, seconds: float, now: float) -> None:
-        """This process's longest recent pass (seconds) as of *now* (time.monotonic())."""
-        self._rows[self._row] = (seconds, now)
+        """This process's longest recent pass (seconds) as of *now*, its pass over."""
+        self._rows[self._row] = (seconds, now, 0.0)
 
     def longest(self, now: float, half_life_s: float) -> float:
-        """The longest pass any process published, each halved per *half_life_s* since."""
-        seconds, when = self._rows[:, 0], self._rows[:, 1]
-        age = np.maximum(now - when, 0.0)
+        """The longest pass any process published, each halved per *half_life_s* since, or
+        the longest pass in progress so far (IN_PASS_STALE_S at most), if longer."""
+        seconds, when, began = self._rows[:, 0], self._rows[:, 1], self._rows[:, 2]
+        so_far = np.where(began > 0.0, now - began, 0.0)
+        running = float(np.where(so_far < IN_PASS_STALE_S, so_far, 0.0).max())
         live = (when > 0.0) & (seconds > 0.0)
         if not live.any():
-            return 0.0
-        return float((seconds[live] * 0.5 ** (age[live] / half_life_s)).max())
+            return running
+        age = np.maximum(now - when[live], 0.0)
+        published = float((seconds[live] * 0.5 ** (age / half_life_s)).max())
+        return max(running, published)
 
     def close(self) -> None:
         """Unmap and remove the file (the other processes keep their mappings)."""

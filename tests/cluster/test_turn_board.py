@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from netdam.shell.turns import TurnBoard
+from netdam.shell.turns import IN_PASS_STALE_S, TurnBoard
 
 MEMBERS = (("127.0.0.1", 21000), ("127.0.0.1", 21001), ("127.0.0.1", 21002), ("127.0.0.1", 21003))
 
@@ -66,3 +66,23 @@ def test_a_symlink_in_its_place_is_not_followed(tmp_path: Path) -> None:
     path.symlink_to(target)
     assert TurnBoard.open(tmp_path, MEMBERS, 4, 0) is None
     assert target.read_bytes() == b"keep"
+
+
+def test_a_pass_in_progress_counts_for_its_length_so_far(tmp_path: Path) -> None:
+    """A datagram for a process in a long pass waits from the pass's start, before the pass is
+    published: the others' timers cover the pass while it runs, until it looks stopped."""
+    first = TurnBoard.open(tmp_path, MEMBERS, 4, 0)
+    second = TurnBoard.open(tmp_path, MEMBERS, 4, 2)
+    assert first is not None and second is not None
+    try:
+        first.publish(0.01, 10.0)
+        first.begin(10.0)
+        assert second.longest(10.05, 1.0) == pytest.approx(0.05)  # 50 ms into its pass
+        first.publish(0.06, 10.06)  # the pass ended: its length is published instead
+        assert second.longest(10.06, 1.0) == pytest.approx(0.06)
+        first.begin(20.0)
+        stopped = 20.0 + IN_PASS_STALE_S + 0.1
+        assert second.longest(stopped, 1.0) < 0.001  # stopped or dead: only its old, halved turn
+    finally:
+        first.close()
+        second.close()
