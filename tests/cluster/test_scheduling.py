@@ -41,6 +41,7 @@ def test_normal_scheduling_keeps_the_default_policy() -> None:
         assert _policies({n.pid for n in cluster.info.nodes}) == {os.SCHED_OTHER}
 
 
+@pytest.mark.slow
 def test_up_passes_scheduling_to_the_node_command(tmp_path: Path) -> None:
     """A detached `netdam up` starts `netdam node` processes: the flag reaches their argv."""
     path = tmp_path / "c.toml"

@@ -268,6 +268,7 @@ def test_the_admins_tools_seal_and_a_cluster_refuses_the_bare_admin_key() -> Non
         )
 
 
+@pytest.mark.slow
 @pytest.mark.alone
 def test_a_guess_flood_on_the_admins_address_leaves_the_admin_and_collectives_working(
     tmp_path: Path,

@@ -463,6 +463,7 @@ def test_a_collective_that_runs_everywhere_never_gives_its_slot_away() -> None:
     assert all(c.busy_answers > 0 for c in calls if c.group.coll_id == 1300)
 
 
+@pytest.mark.slow
 def test_30_percent_loss_fails_no_call_with_the_default_watchdog() -> None:
     """At 30% loss each way half the round trips fail. Asking once per START_RESEND_S, 7 failed
     in a row (0.9%) made a live node look silent past watchdog + grace, and with one chain try

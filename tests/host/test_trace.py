@@ -144,6 +144,7 @@ def test_a_lossy_all_reduce_traced_hop_by_hop(lossy: LocalCluster, tmp_path: Pat
     assert call.replayed.seconds >= call.no_skew.seconds
 
 
+@pytest.mark.slow
 def test_netdam_trace_records_a_running_cluster(lossy: LocalCluster, tmp_path: Path) -> None:
     out = tmp_path / "live.json"
     codes: list[int] = []
@@ -208,6 +209,7 @@ def test_allreduce_trace_option_and_a_clean_replay(tmp_path: Path) -> None:
         assert call.no_skew.retries == 0
 
 
+@pytest.mark.slow
 @pytest.mark.alone
 def test_top_shows_links_whose_rates_add_up_to_the_counters(
     lossy: LocalCluster, capsys: pytest.CaptureFixture[str]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from helpers import valid_packets
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -49,6 +50,7 @@ def test_a_tagged_completion_is_read_without_its_trailer() -> None:
     assert answer == _as_decoded(decode_packet(data))
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None)
 @given(valid_packets(), st.integers(0, 200), st.integers(0, 255))
 def test_a_mutated_answer_is_refused_where_decode_packet_refuses_it(

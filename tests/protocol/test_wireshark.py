@@ -992,6 +992,7 @@ def live_capture(ports: Sequence[int], pcap: Path, env: dict[str, str]) -> Itera
             proc.wait()
 
 
+@pytest.mark.slow
 @needs_tshark
 @pytest.mark.alone
 def test_live_capture_of_a_real_cluster(tshark_env: dict[str, str], tmp_path: Path) -> None:
