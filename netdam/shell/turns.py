@@ -15,9 +15,10 @@ is stopped or dead, and loss recovery must not wait on it).
 
 The file: ``<shm_dir>/netdam-turns-<hash of the cluster's members>``, one row per rank of
 (seconds, when, began), ``when`` and ``began`` (0 between passes) on CLOCK_MONOTONIC, which
-every process of a machine shares; each process writes the row of its first NIC's rank. Who may write it: the file must be a regular file
-of this user that nobody else may write, else it is not used (one warning says why): another
-user could otherwise slow this cluster's loss recovery by publishing long passes.
+every process of a machine shares; each process writes the row of its first NIC's rank. Who may
+write it: the file must be a regular file of this user that nobody else may write, else it is
+not used (one warning says why): another user could otherwise slow this cluster's loss recovery
+by publishing long passes.
 """
 
 from __future__ import annotations
