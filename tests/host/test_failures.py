@@ -37,6 +37,7 @@ def wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_node_killed_mid_allreduce_at_8_nics_every_survivor_hears_and_shrinks(
     tmp_path: Path,
 ) -> None:
