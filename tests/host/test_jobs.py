@@ -221,12 +221,18 @@ def test_arenas_placed_apart_fail_with_a_hint_not_a_wrong_result() -> None:
     """The known limit of placing arenas node by node: when one rank's arena lies elsewhere on
     its node than the others' (jobs whose ranks registered in different orders), a collective
     cannot run; every rank's call must fail, one with OUT_OF_BOUNDS saying what likely happened,
-    and none return a result. Here another client's region on node 1 moves rank 1's arena up."""
+    and none return a result. Here another client's region on node 1 moves rank 1's arena up.
+
+    The watchdog is long (the NACKs come in under a second here): in one CI run beside the other
+    worker, neither node answered anything, PING included, for the default 3.5 s, and both ranks
+    failed on silence before the NACK could come."""
     with start_cluster(2, memory=4 << 20) as cluster:
         client = ControlClient.for_cluster(cluster.info)
         node1 = cluster.info.nodes[1].control_endpoint
         client.register(node1, 0, 1 << 20, Rights.READ | Rights.WRITE, rkey=0x0DDBA11)
-        groups = [api.ProcessGroup(cluster.info, r, arena_bytes=1 << 20) for r in range(2)]
+        groups = [
+            api.ProcessGroup(cluster.info, r, arena_bytes=1 << 20, timeout_s=30.0) for r in range(2)
+        ]
         try:
             assert groups[0].arena_base != groups[1].arena_base
             buffers = [np.ones(4096, np.float32) for _ in groups]
