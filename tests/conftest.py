@@ -1,10 +1,13 @@
 """Shared fixtures (helpers live in tests/helpers.py), and how the suite shares two cores.
 
-The README runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``): the
-controller compiles (or finds cached) every kernel before it starts them, each worker forks
-its clusters from itself, and a test marked ``alone`` (it asserts a deadline or that a clean
-run re-sends nothing, or captures the loopback interface, which carries every worker's
-traffic) runs with no test of the other worker beside it.
+The README runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``) but for the
+tests marked ``alone`` (they assert a deadline or that a clean run re-sends nothing, or capture
+the loopback interface, which carries every worker's traffic), then those in one process. On
+workers the controller compiles (or finds cached) every kernel before it starts them, and each
+worker forks its clusters from itself. Run on workers among the others, an ``alone`` test runs
+with no test of the other worker beside it (the room's locks below); the README keeps them out
+of the workers because waiting for that cost more than running them after (docs/PERFORMANCE.md,
+"The alone tests after the others").
 """
 
 from __future__ import annotations
@@ -13,11 +16,19 @@ import contextlib
 import fcntl
 import os
 import signal
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from netdam.cluster.launch import compile_kernels_aside
+# Bytecode is cached (in __pycache__, which git ignores) even when PYTHONDONTWRITEBYTECODE is
+# set, as it is on this project's machines: without the cache every pytest process rewrote the
+# asserts of every test module again (`pytest --collect-only` took 14.5 s here, 7.9 s with the
+# cache), and every process a test starts compiled netdam's sources again.
+# Before any import below: netdam's own modules are cached too.
+sys.dont_write_bytecode = False
+
+from netdam.cluster.launch import compile_kernels_aside  # noqa: E402
 
 # Before anything below imports (so compiles, on a cold cache) the node's kernels: the engine's
 # clock and the switch's kernels compile on the other core meanwhile (launch.ASIDE_CLOCK).

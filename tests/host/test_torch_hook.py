@@ -3,6 +3,8 @@ without torch (an optional extra)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -15,14 +17,30 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from helpers import load_example
 
-torch = pytest.importorskip("torch")
+from netdam.api import CollectiveError
+from netdam.cluster.launch import LocalCluster, start_cluster
 
-from helpers import load_example  # noqa: E402
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("torch is not installed (pip install torch)", allow_module_level=True)
 
-from netdam.api import CollectiveError  # noqa: E402
-from netdam.clients.ddp import NetdamHookState, netdam_allreduce_hook  # noqa: E402
-from netdam.cluster.launch import LocalCluster, start_cluster  # noqa: E402
+
+class _OnFirstUse:
+    """A module imported when a test first uses it, not when the file is collected: every
+    pytest process collects every file, and importing torch took ~3 s of each collection."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):  # what collection asks of every module global (__test__, ...)
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
+
+torch: Any = _OnFirstUse("torch")
+ddp: Any = _OnFirstUse("netdam.clients.ddp")
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
@@ -53,9 +71,11 @@ def two_nodes() -> Iterator[LocalCluster]:
 
 
 def test_netdam_torch_is_the_real_torch() -> None:
+    import torch as real_torch
+
     import netdam.clients.ddp as hook_module
 
-    assert vars(hook_module)["torch"] is torch and hasattr(torch, "nn")
+    assert vars(hook_module)["torch"] is real_torch and hasattr(real_torch, "nn")
 
 
 def test_without_torch_the_import_error_says_how_to_install() -> None:
@@ -71,7 +91,7 @@ def test_hook_chunks_a_bucket_larger_than_one_chunk(two_nodes: LocalCluster, dty
     dt = getattr(torch, dtype)
     base = next(_EPOCHS)
     states = [
-        NetdamHookState(two_nodes.info, rank, 2, chunk_bytes=4096, epoch_base=base)
+        ddp.NetdamHookState(two_nodes.info, rank, 2, chunk_bytes=4096, epoch_base=base)
         for rank in range(2)
     ]
     try:
@@ -81,7 +101,7 @@ def test_hook_chunks_a_bucket_larger_than_one_chunk(two_nodes: LocalCluster, dty
         inputs = [torch.randn(n, generator=gen).to(dt) for _ in range(2)]
         buckets = [x.clone() for x in inputs]
         # Both ranks' hooks return at once: the worker threads run the collectives together.
-        futures = [netdam_allreduce_hook(s, FakeBucket(b, 5)) for s, b in zip(states, buckets)]
+        futures = [ddp.netdam_allreduce_hook(s, FakeBucket(b, 5)) for s, b in zip(states, buckets)]
         outs = [f.wait() for f in futures]
         per_chunk = 4096 // (
             2 if dt in (torch.float16, torch.bfloat16) else 4
@@ -106,7 +126,7 @@ def test_hook_chunks_a_bucket_larger_than_one_chunk(two_nodes: LocalCluster, dty
 def test_sum_without_average_and_float64(two_nodes: LocalCluster) -> None:
     base = next(_EPOCHS)
     states = [
-        NetdamHookState(
+        ddp.NetdamHookState(
             two_nodes.info,
             rank,
             2,
@@ -136,19 +156,19 @@ def test_sum_without_average_and_float64(two_nodes: LocalCluster) -> None:
 
 def test_rank_and_world_size_are_checked(two_nodes: LocalCluster) -> None:
     with pytest.raises(ValueError, match="cluster has 2 nodes"):
-        NetdamHookState(two_nodes.info, 0, world_size=3)
+        ddp.NetdamHookState(two_nodes.info, 0, world_size=3)
     with pytest.raises(ValueError, match="cluster= and rank="):
-        NetdamHookState()
+        ddp.NetdamHookState()
 
 
 def test_unsupported_dtype_is_refused(two_nodes: LocalCluster) -> None:
-    with NetdamHookState(two_nodes.info, 0, 2) as state:
+    with ddp.NetdamHookState(two_nodes.info, 0, 2) as state:
         with pytest.raises(TypeError, match="cannot reduce torch.int32"):
             state.submit(torch.ones(4, dtype=torch.int32)).wait()
         with pytest.raises(
             RuntimeError, match="TypeError: netdam.clients.ddp cannot reduce torch.int32"
         ):
-            netdam_allreduce_hook(state, FakeBucket(torch.ones(4, dtype=torch.int32))).wait()
+            ddp.netdam_allreduce_hook(state, FakeBucket(torch.ones(4, dtype=torch.int32))).wait()
         assert state.collectives == 0
 
 
@@ -163,8 +183,8 @@ def test_failed_allreduce_surfaces_through_the_future_and_ddp(tmp_path: Path) ->
     try:
         with start_cluster(1, memory=1 << 20, cluster_path=tmp_path / "c.toml") as cluster:
             model = DDP(torch.nn.Linear(4, 1))
-            with NetdamHookState(cluster.path, 0, 1, timeout=0.5) as state:
-                model.register_comm_hook(state, netdam_allreduce_hook)
+            with ddp.NetdamHookState(cluster.path, 0, 1, timeout=0.5) as state:
+                model.register_comm_hook(state, ddp.netdam_allreduce_hook)
                 model(torch.ones(2, 4)).sum().backward()  # works while the node lives
                 assert state.collectives == 1
                 assert state.group.epoch != 1  # the base came from rank 0's clock, over Gloo
@@ -179,7 +199,7 @@ def test_failed_allreduce_surfaces_through_the_future_and_ddp(tmp_path: Path) ->
                 with pytest.raises(CollectiveError, match="an earlier netdam all-reduce failed"):
                     state.submit(torch.ones(3)).wait()
                 with pytest.raises(RuntimeError, match="earlier netdam all-reduce failed"):
-                    netdam_allreduce_hook(state, FakeBucket(torch.ones(3))).wait()
+                    ddp.netdam_allreduce_hook(state, FakeBucket(torch.ones(3))).wait()
     finally:
         dist.destroy_process_group()
 
