@@ -7,8 +7,9 @@ would (each rank's calls are started before any is waited on):
 
 1. ``new_group`` makes the even ranks (0, 2) and the odd ranks (1, 3) into groups; each group
    all-reduces its own data while the other does, and both results are checked against numpy.
-2. Node 3 is killed (SIGKILL) in the middle of an all-reduce of all 4 ranks: every surviving
-   rank's call raises within the watchdog (1 s here) naming rank 3 and its address.
+2. Node 3 is killed (SIGKILL) in the middle of an all-reduce of all 4 ranks (stopped with
+   SIGSTOP before the call, so the call cannot end before the kill): every surviving rank's
+   call raises within the watchdog (1 s here) naming rank 3 and its address.
 3. Every survivor calls ``shrink()``: the group of the ranks whose nodes still answer. The next
    all-reduce on it is exact.
 
@@ -53,9 +54,11 @@ def two_groups_at_once(ranks: list[api.ProcessGroup]) -> dict[str, Any]:
 def kill_mid_collective(ranks: list[api.ProcessGroup], pid: int) -> dict[str, Any]:
     """Step 2: the last rank's node dies during an all-reduce; when each survivor hears, and what."""
     world = len(ranks)
-    buffers = [
-        np.full(2 << 20, r + 1, np.float32) for r in range(world)
-    ]  # 8 MiB: in flight at the kill
+    buffers = [np.full(2 << 20, r + 1, np.float32) for r in range(world)]  # 8 MiB
+    # Stopped before the call, killed after it: the all-reduce is in flight at the kill however
+    # late this thread runs (on a busy machine it once finished before a kill sent right after
+    # the call, and there was nothing left to fail).
+    os.kill(pid, signal.SIGSTOP)
     works = [api.all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, ranks)]
     heard: dict[int, tuple[float, str]] = {}
 

@@ -1014,7 +1014,7 @@ class Work(Call):
             if not self.ended:
                 self.group._take_answers(0.0, until=self)
                 self.group._send(self.group._calls.advance(time.monotonic()))
-        return self.ended
+            return self.ended
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the node reports the end of the collective; raise CollectiveError when it
@@ -1030,6 +1030,19 @@ class Work(Call):
         self.heard_at = time.monotonic()
         self.wait_at = self.wait_at or self.heard_at
         self._drive(timeout)
+        with self.group._lock:
+            # The thread that read this call's end off the socket (the progress thread, say)
+            # holds this lock from the failure, when the call reads as ended, to the error
+            # wait() raises, which asks the nodes who answers first (~0.5 s with one silent):
+            # read the outcome only after. A wait that saw the end in between returned as if
+            # the call had completed, the caller's buffer untouched (8 ranks of one process,
+            # one node stopped: 2 runs in 3).
+            if self.failed and self.error is None:  # ended by a path that set no error
+                self.error = (
+                    self._failure(self.nack)
+                    if self.nack is not None
+                    else self.group._silence(self.silent_s or 0.0)
+                )
         if self.done and not self.finished:
             t_copy = time.perf_counter()
             for action in self._finish:

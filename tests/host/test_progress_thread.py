@@ -4,6 +4,8 @@ with the next call; the ranks' all-reduces stay exact meanwhile."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -130,3 +132,37 @@ def test_empty_datagrams_from_a_stranger_neither_end_nor_fail_a_call() -> None:
             stranger.close()
             for g in groups:
                 g.close()
+
+
+def test_a_failure_the_progress_thread_reads_is_raised_by_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The progress thread reads a call's failure (its node's TIMEOUT NACK: the peer is stopped)
+    while nobody waits, and builds the error wait() raises, slowly here. A wait() begun once the
+    call reads as ended must raise that error, not return as if the call completed (the buffer
+    never reduced): it did return so, before the outcome was read under the group's lock."""
+    real_failure = api.Work._failure
+
+    def slow_failure(self: api.Work, reply: object) -> api.CollectiveError:
+        time.sleep(0.3)
+        return real_failure(self, reply)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(api.Work, "_failure", slow_failure)
+    with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
+        group = api.ProcessGroup(cluster.info, 0, timeout_s=0.5)
+        stopped = cluster.info.nodes[1].pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            data = np.ones(1024, np.float32)
+            work = api.all_reduce(data, group=group, async_op=True)
+            assert work is not None
+            deadline = time.monotonic() + 10.0
+            while not work.ended and time.monotonic() < deadline:
+                time.sleep(0.002)  # no wait(): only the progress thread reads the answers
+            assert work.ended and work.nack is not None
+            with pytest.raises(api.CollectiveError, match="TIMEOUT"):
+                work.wait()
+            assert (data == 1).all()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+            group.close()
