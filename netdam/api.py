@@ -801,7 +801,11 @@ class ProcessGroup:
         """The cluster ranks of *ranks* whose nodes do not answer PING now (all asked at once,
         two rounds of 0.25 s: a dead node costs 0.5 s, not 0.5 s per node)."""
         nodes = {r: self.cluster.nodes[r].control_endpoint for r in ranks}
-        heard = self.client.answering(list(nodes.values()))
+        # On a socket of its own: the rank's carries the answers to its calls in flight, and
+        # waiting for PINGs there read them and dropped them (a completion then came only
+        # when its START_COLL was sent again).
+        with contextlib.closing(ControlClient.for_cluster(self.cluster)) as pinger:
+            heard = pinger.answering(list(nodes.values()))
         return {r for r, endpoint in nodes.items() if endpoint not in heard}
 
     def _drive_in_background(self) -> None:

@@ -166,3 +166,25 @@ def test_a_failure_the_progress_thread_reads_is_raised_by_wait(
         finally:
             os.kill(stopped, signal.SIGCONT)
             group.close()
+
+
+def test_naming_the_silent_nodes_leaves_the_ranks_answers_on_its_socket() -> None:
+    """dead_nodes() PINGs every node and waits up to 0.5 s for their answers (one node here is
+    stopped: the whole wait); an answer to one of the rank's calls waiting on the rank's socket
+    stays there for the call (the wait read it and dropped it)."""
+    with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
+        group = api.ProcessGroup(cluster.info, 0)
+        stopped = cluster.info.nodes[1].pid
+        os.kill(stopped, signal.SIGSTOP)  # one silent node: the PINGs' whole wait
+        try:
+            port = group.client.sock.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+                sender.sendto(b"an answer in flight", ("127.0.0.1", port))
+            assert group.dead_nodes() == [
+                f"rank 1 ({cluster.info.nodes[1].address}:{cluster.info.nodes[1].port})"
+            ]
+            group.client.sock.settimeout(1.0)
+            assert group.client.sock.recvfrom(64)[0] == b"an answer in flight"
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+            group.close()
