@@ -1041,7 +1041,9 @@ class Work(Call):
             # read the outcome only after. A wait that saw the end in between returned as if
             # the call had completed, the caller's buffer untouched (8 ranks of one process,
             # one node stopped: 2 runs in 3).
-            if self.failed and self.error is None:  # ended by a path that set no error
+            # Its error not built where its end was read (building it raised there: the
+            # progress thread drops a group whose turn raised OSError): build it here.
+            if self.failed and self.error is None:
                 self.error = (
                     self._failure(self.nack)
                     if self.nack is not None

@@ -4,17 +4,19 @@ with the next call; the ranks' all-reduces stay exact meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from netdam import api
-from netdam.cluster.launch import start_cluster
+from netdam.cluster.launch import LocalCluster, start_cluster
 
 
 def _progress_threads() -> list[threading.Thread]:
@@ -134,6 +136,22 @@ def test_empty_datagrams_from_a_stranger_neither_end_nor_fail_a_call() -> None:
                 g.close()
 
 
+@contextlib.contextmanager
+def _rank_0_beside_a_stopped_node(
+    timeout_s: float | None = None,
+) -> Iterator[tuple[LocalCluster, api.ProcessGroup]]:
+    """Two NICs, a process each; rank 0's group, and node 1 stopped (SIGSTOP) until the end."""
+    with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
+        group = api.ProcessGroup(cluster.info, 0, timeout_s=timeout_s)
+        stopped = cluster.info.nodes[1].pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            yield cluster, group
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+            group.close()
+
+
 def test_a_failure_the_progress_thread_reads_is_raised_by_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -148,43 +166,29 @@ def test_a_failure_the_progress_thread_reads_is_raised_by_wait(
         return real_failure(self, reply)  # type: ignore[arg-type]
 
     monkeypatch.setattr(api.Work, "_failure", slow_failure)
-    with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
-        group = api.ProcessGroup(cluster.info, 0, timeout_s=0.5)
-        stopped = cluster.info.nodes[1].pid
-        os.kill(stopped, signal.SIGSTOP)
-        try:
-            data = np.ones(1024, np.float32)
-            work = api.all_reduce(data, group=group, async_op=True)
-            assert work is not None
-            deadline = time.monotonic() + 10.0
-            while not work.ended and time.monotonic() < deadline:
-                time.sleep(0.002)  # no wait(): only the progress thread reads the answers
-            assert work.ended and work.nack is not None
-            with pytest.raises(api.CollectiveError, match="TIMEOUT"):
-                work.wait()
-            assert (data == 1).all()
-        finally:
-            os.kill(stopped, signal.SIGCONT)
-            group.close()
+    with _rank_0_beside_a_stopped_node(timeout_s=0.5) as (_, group):
+        data = np.ones(1024, np.float32)
+        work = api.all_reduce(data, group=group, async_op=True)
+        assert work is not None
+        deadline = time.monotonic() + 10.0
+        while not work.ended and time.monotonic() < deadline:
+            time.sleep(0.002)  # no wait(): only the progress thread reads the answers
+        assert work.ended and work.nack is not None
+        with pytest.raises(api.CollectiveError, match="TIMEOUT"):
+            work.wait()
+        assert (data == 1).all()
 
 
 def test_naming_the_silent_nodes_leaves_the_ranks_answers_on_its_socket() -> None:
     """dead_nodes() PINGs every node and waits up to 0.5 s for their answers (one node here is
     stopped: the whole wait); an answer to one of the rank's calls waiting on the rank's socket
     stays there for the call (the wait read it and dropped it)."""
-    with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
-        group = api.ProcessGroup(cluster.info, 0)
-        stopped = cluster.info.nodes[1].pid
-        os.kill(stopped, signal.SIGSTOP)  # one silent node: the PINGs' whole wait
-        try:
-            port = group.client.sock.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
-                sender.sendto(b"an answer in flight", ("127.0.0.1", port))
-            assert group.dead_nodes() == [
-                f"rank 1 ({cluster.info.nodes[1].address}:{cluster.info.nodes[1].port})"
-            ]
-            group.client.sock.settimeout(1.0)
-            assert group.client.sock.recvfrom(64)[0] == b"an answer in flight"
-        finally:
-            os.kill(stopped, signal.SIGCONT)
-            group.close()
+    with _rank_0_beside_a_stopped_node() as (cluster, group):
+        port = group.client.sock.getsockname()[1]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            sender.sendto(b"an answer in flight", ("127.0.0.1", port))
+        assert group.dead_nodes() == [
+            f"rank 1 ({cluster.info.nodes[1].address}:{cluster.info.nodes[1].port})"
+        ]
+        group.client.sock.settimeout(1.0)
+        assert group.client.sock.recvfrom(64)[0] == b"an answer in flight"
