@@ -376,6 +376,9 @@ class ProcessGroup:
     #: Threads (idents) in a Work's wait on this default group, asleep in select() on its
     #: socket: another thread that takes answers wakes them (_take_answers).
     _waiters: set[int] = field(init=False, default_factory=set)
+    #: First calls of groups not settled yet (``_epoch_settled``), on the default group: the
+    #: progress thread watches the socket until each is answered (_progress_state).
+    _settling: list[Work] = field(init=False, default_factory=list)
     #: Wakes the progress thread from its wait at once: set by close() (it ends) and by a torus
     #: all-reduce begun (it watches the socket).
     _closed: bool = field(init=False, default=False)
@@ -762,12 +765,18 @@ class ProcessGroup:
             self._drive_in_background()  # re-sends it if lost, sends the next of its lane
             if not work.sent:
                 return work  # sent when the calls before it in its lane have ended
-        if settle and not self._epoch_settled:
-            # A new group counts from epoch 1; the node may answer STALE_EPOCH with the epoch it
-            # is at. Settle that now, not in wait(): one process may start every rank's
-            # collective (async) before waiting on any, and the others' nodes need theirs.
-            work.await_started(1.0)
-            self._epoch_settled = work.started
+            if settle and not self._epoch_settled:
+                # A new group counts from epoch 1; the node may answer STALE_EPOCH with the
+                # epoch it is at. The progress thread reads that answer and sends the call again
+                # past it (CallQueue.receive), not wait(): one process may start every rank's
+                # call (async) before waiting on any, and each rank's peers need it running. It
+                # was read here, and each first call waited for its node's answer: 1-4 ms a
+                # rank, so a driver of 4 ranks started them ~10 ms apart, past the 5 ms its
+                # peers hold early chains (netdam.kernels.collective.EARLY_HOLD_S), and the
+                # demo's all-reduce was answered BUSY 130-210 times.
+                default = self._root or self
+                default._settling.append(work)
+                _HUB.add(default, wake=True)
         return work
 
     def _segments(self) -> tuple[Endpoint, ...]:
@@ -827,7 +836,11 @@ class ProcessGroup:
                 return False, False, now
             if busy:
                 self._emptied = now
-            queued = self._calls.queued() or bool(self._pipelines)
+            for work in self._settling:
+                if work.started:
+                    work.group._epoch_settled = True
+            self._settling = [w for w in self._settling if not (w.started or w.ended)]
+            queued = self._calls.queued() or bool(self._pipelines) or bool(self._settling)
             return True, queued, self._calls.next_resend() or now + 0.05
 
     def _send(self, datagrams: list[bytes]) -> None:
@@ -862,17 +875,10 @@ class ProcessGroup:
                 head.error = self._silence(head.silent_s or 0.0)
             self._send(datagrams)
 
-    def _take_answers(
-        self,
-        timeout: float,
-        until: Work | None = None,
-        until_started: bool = False,
-        drain: bool = False,
-    ) -> None:
+    def _take_answers(self, timeout: float, until: Work | None = None, drain: bool = False) -> None:
         """Read the node's answers for up to *timeout* seconds and hand each to the call queue;
-        return at once when *until* ends (and, with *until_started*, on the ACK that says the
-        node runs it), unless *drain*: then every answer waiting is taken first, so no other
-        lane's call is judged silent while its answers sit unread.
+        return at once when *until* ends, unless *drain*: then every answer waiting is taken
+        first, so no other lane's call is judged silent while its answers sit unread.
 
         Answers taken here may end a call another thread waits for (a wait(), which checked
         its call, then sleeps up to 0.2 s in select() on this socket, now empty): those threads
@@ -897,11 +903,7 @@ class ProcessGroup:
                 call.error = call._failure(call.nack)
             elif heard is Heard.BUSY:
                 self._drive_in_background()  # asks again while nobody waits
-            if (
-                until is not None
-                and not drain
-                and (until.ended or (until_started and until.started))
-            ):
+            if until is not None and not drain and until.ended:
                 break
         if taken and (self._root or self)._waiters - {threading.get_ident()}:
             self._wake_waiters()
@@ -1081,13 +1083,6 @@ class Work(Call):
                 self.group._step(timeout, 0.2)
         finally:
             waiters.discard(me)
-
-    def await_started(self, timeout: float) -> None:
-        """Poll until the node ACKs START_COLL (after moving past a STALE_EPOCH), or *timeout*."""
-        deadline = time.monotonic() + timeout
-        while not (self.started or self.ended) and time.monotonic() < deadline:
-            with self.group._lock:
-                self.group._take_answers(0.02, until=self, until_started=True)
 
     def _failure(self, reply: Packet) -> CollectiveError:
         waiting = None

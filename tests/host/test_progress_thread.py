@@ -192,3 +192,60 @@ def test_naming_the_silent_nodes_leaves_the_ranks_answers_on_its_socket() -> Non
         ]
         group.client.sock.settimeout(1.0)
         assert group.client.sock.recvfrom(64)[0] == b"an answer in flight"
+
+
+def test_a_new_groups_first_call_returns_before_its_node_answers() -> None:
+    """start() of a group's first call used to wait up to 1 s for its node's answer (to settle
+    a STALE_EPOCH there). Rank 1's node is stopped here: its call returns at once all the same,
+    and runs, exact, once the node goes on."""
+    with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
+        groups = [api.ProcessGroup(cluster.info, r) for r in range(2)]
+        stopped = cluster.info.nodes[1].pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            bufs = [np.full(1024, r + 1.0, np.float32) for r in range(2)]
+            began = time.monotonic()
+            late = api.all_reduce(bufs[1], group=groups[1], async_op=True)
+            assert time.monotonic() - began < 0.9  # the old wait took 1.0 s, to the microsecond
+            assert late is not None and not late.started
+            os.kill(stopped, signal.SIGCONT)
+            first = api.all_reduce(bufs[0], group=groups[0], async_op=True)
+            for work in (first, late):
+                assert work is not None
+                work.wait(timeout=10.0)
+            assert all((b == 3.0).all() for b in bufs)
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+            for g in groups:
+                g.close()
+
+
+def test_new_groups_past_their_nodes_epoch_are_moved_on_by_the_progress_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Groups made again count from epoch 1, which their nodes ran: each node answers the first
+    call STALE_EPOCH, and it must go again at the next epoch. One thread starts every rank's
+    call, then waits on rank 0, whose chain needs the others running: the progress thread
+    moves them on from their answers. The re-send timers are put out of reach (30 s), so a
+    call moved on only by a re-send would leave rank 0 silent past its 10 s."""
+    from netdam.core import host
+
+    world = 4
+    with start_cluster(world, memory=4 << 20) as cluster:
+        for round_ in range(2):
+            if round_ == 1:
+                monkeypatch.setattr(host, "START_RESEND_S", 30.0)
+                monkeypatch.setattr(host, "UNANSWERED_RESEND_S", 30.0)
+            groups = [api.ProcessGroup(cluster.info, r) for r in range(world)]
+            try:
+                bufs = [np.full(3000, r + round_, np.float32) for r in range(world)]
+                works = [api.all_reduce(b, group=g, async_op=True) for g, b in zip(groups, bufs)]
+                for work in works:
+                    assert work is not None
+                    work.wait(timeout=10.0)
+                assert all(w is not None and w.packet.epoch == round_ + 1 for w in works)
+                want = sum(r + round_ for r in range(world))
+                assert all((b == want).all() for b in bufs), round_
+            finally:
+                for g in groups:
+                    g.close()
