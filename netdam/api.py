@@ -16,6 +16,7 @@ import copy
 import datetime
 import fcntl
 import heapq
+import math
 import os
 import re
 import select
@@ -108,6 +109,12 @@ LANES = 4
 GROUPS_STAGING_SHARE = (3, 4)
 #: Seconds the progress thread drives a rank after its last call ended (_ProgressHub).
 PROGRESS_LINGER_S = 1.0
+#: Seconds a PING round's answer names the silent nodes in the errors of other calls of the
+#: process (_SilentNames): one node's death fails every rank a process plays at once, and a
+#: round costs 0.5 s with a node silent. Each rank's wait asking again, one thread waiting on
+#: 7 ranks of 8 (node 7 stopped) raised the last error 4.6 s after the call; sharing the
+#: round, 1.6 s, every error with the first.
+NAMING_REUSE_S = 1.0
 #: Seconds per try (3 tries) of the DEREGISTER that gives a rank's arena back at close: a live
 #: node answers in well under a millisecond; the next job re-deregisters an arena left behind.
 DEREGISTER_TIMEOUT_S = 0.25
@@ -869,10 +876,9 @@ class ProcessGroup:
                 return  # closed: its socket is close()'s now (the progress thread may be late)
             self._take_answers(0.0, drain=True)
             self._advance_pipelines()
-            datagrams, silent = self._calls.tick(time.monotonic(), timeout)
-            for head in silent:
-                assert isinstance(head, Work)
-                head.error = self._silence(head.silent_s or 0.0)
+            # A head silent past its watchdog ends here as failed (silent_s); the error its
+            # wait() raises is built there (Work._settle), since it PINGs the nodes.
+            datagrams, _ = self._calls.tick(time.monotonic(), timeout)
             self._send(datagrams)
 
     def _take_answers(self, timeout: float, until: Work | None = None, drain: bool = False) -> None:
@@ -898,10 +904,8 @@ class ProcessGroup:
             call, heard, datagrams = self._calls.receive(data, time.monotonic())
             taken += call is not None  # a wake-up, or anything else, is no answer
             self._send(datagrams)
-            if heard is Heard.FAILED:
-                assert isinstance(call, Work) and call.nack is not None
-                call.error = call._failure(call.nack)
-            elif heard is Heard.BUSY:
+            # A FAILED call ends here (its nack); the error its wait() raises is built there.
+            if heard is Heard.BUSY:
                 self._drive_in_background()  # asks again while nobody waits
             if until is not None and not drain and until.ended:
                 break
@@ -928,9 +932,11 @@ class ProcessGroup:
             work.advance(now)
         root._pipelines[:] = [w for w in root._pipelines if not w.ended]
 
-    def _silence(self, bound: float) -> CollectiveError:
+    def _silence(self, bound: float, dead: list[str] | None = None) -> CollectiveError:
+        """The error of a call its node left silent for *bound* seconds, naming the nodes that
+        do not answer PING (*dead*, else _SilentNames's: up to 0.5 s)."""
         node = self.cluster.nodes[self.global_rank]
-        dead = self.dead_nodes()
+        dead = _SILENT_NAMES.named(self) if dead is None else dead
         return CollectiveError(
             f"rank {self.global_rank}: no word from its node {node.address}:{node.port} for "
             f"{bound:.1f} s" + (f"; not answering: {', '.join(dead)}" if dead else ""),
@@ -1036,21 +1042,7 @@ class Work(Call):
         self.heard_at = time.monotonic()
         self.wait_at = self.wait_at or self.heard_at
         self._drive(timeout)
-        with self.group._lock:
-            # The thread that read this call's end off the socket (the progress thread, say)
-            # holds this lock from the failure, when the call reads as ended, to the error
-            # wait() raises, which asks the nodes who answers first (~0.5 s with one silent):
-            # read the outcome only after. A wait that saw the end in between returned as if
-            # the call had completed, the caller's buffer untouched (8 ranks of one process,
-            # one node stopped: 2 runs in 3).
-            # Its error not built where its end was read (building it raised there: the
-            # progress thread drops a group whose turn raised OSError): build it here.
-            if self.failed and self.error is None:
-                self.error = (
-                    self._failure(self.nack)
-                    if self.nack is not None
-                    else self.group._silence(self.silent_s or 0.0)
-                )
+        self._explain_failure()
         if self.done and not self.finished:
             t_copy = time.perf_counter()
             for action in self._finish:
@@ -1060,6 +1052,31 @@ class Work(Call):
         if not self.finished:
             self.finished_at = time.monotonic()
         self.finished = True
+
+    def _explain_failure(self) -> None:
+        """Build the error of a call that ended failed, in the waiting thread and outside the
+        group's lock: it asks the nodes who answers (up to 0.5 s with one silent). Built where
+        the end was read, under the lock, it held every other rank of the process meanwhile,
+        the progress thread's turns included. The outcome is read under the lock, whichever
+        thread set it: a wait that read the end before its error existed once returned as if
+        the call had completed, its buffer untouched (8 ranks of one process, one node
+        stopped: 2 runs in 3)."""
+        with self.group._lock:
+            if not self.failed or self.error is not None:
+                return
+        error = self._error_of_failure()
+        with self.group._lock:
+            if self.error is None:
+                self.error = error
+
+    def _error_of_failure(self, dead: list[str] | None = None) -> CollectiveError:
+        """The error of this call, which ended failed (its nack, or its node silent), naming
+        the nodes that do not answer PING (*dead*, else _SilentNames's: up to 0.5 s)."""
+        if self.nack is not None:
+            return self._failure(self.nack, dead)
+        if self.silent_s is not None:
+            return self.group._silence(self.silent_s, dead)
+        return CollectiveError(f"{self.algo.name.lower()} failed")
 
     def host_overhead(self) -> tuple[float, float] | None:
         """Seconds this host spent in the API around the collective, beside the copies: from
@@ -1084,12 +1101,14 @@ class Work(Call):
         finally:
             waiters.discard(me)
 
-    def _failure(self, reply: Packet) -> CollectiveError:
+    def _failure(self, reply: Packet, dead: list[str] | None = None) -> CollectiveError:
+        """The error of a call its node NACKed with *reply*, naming the nodes that do not
+        answer PING (*dead*, else _SilentNames's: up to 0.5 s)."""
         waiting = None
         if reply.aux_addr == 1 and len(reply.payload) >= 16:
             first, last = unpack_completion(reply.payload)
             waiting = self._waiting_for(first, last)
-        dead = self.group.dead_nodes()
+        dead = _SILENT_NAMES.named(self.group) if dead is None else dead
         if dead and waiting is not None:
             waiting["node"] = dead[0]
         where = f"; waiting for {waiting}" if waiting else ""
@@ -1157,6 +1176,8 @@ class TorusWork(Work):
         #: when the one before it ended here); parts[_at] is the one running.
         self.parts: list[Work] = []
         self._at = 0
+        #: The step that failed, its error not yet naming the silent nodes (_explain_failure).
+        self._failed_part: Work | None = None
         #: Set when it ended: the progress thread, which reads the rank's answers while a torus
         #: all-reduce runs, may be the one that ends it, while a wait() sleeps.
         self._ended = threading.Event()
@@ -1222,13 +1243,11 @@ class TorusWork(Work):
             if not part.ended:
                 return
             if not part.done:
-                cause = part.error or CollectiveError(f"{part.algo.name.lower()} failed")
-                group._torus_failed = CollectiveError(
-                    f"all_reduce over {group.world_size} ranks (a torus of chains, SPEC.md 4.2), "
-                    f"its {part.algo.name.lower()} over group ranks "
-                    f"{list(part.group.members)}: {cause}",
-                    cause.waiting_for,
-                )
+                # Not asking the nodes who answers here (this may be the progress thread's
+                # turn): wait() names them (_explain_failure).
+                cause = part.error or part._error_of_failure(dead=[])
+                self._failed_part = part
+                group._torus_failed = self._torus_error(part, cause)
                 self._fail(group._torus_failed)
                 return
             self._at += 1
@@ -1236,6 +1255,25 @@ class TorusWork(Work):
                 self.done, self.completed_at = True, now
                 self._ended.set()
                 return
+
+    def _torus_error(self, part: Work, cause: CollectiveError) -> CollectiveError:
+        group = self.group
+        return CollectiveError(
+            f"all_reduce over {group.world_size} ranks (a torus of chains, SPEC.md 4.2), "
+            f"its {part.algo.name.lower()} over group ranks {list(part.group.members)}: {cause}",
+            cause.waiting_for,
+        )
+
+    def _explain_failure(self) -> None:
+        """The step that failed, explained again naming the nodes that do not answer PING,
+        asked here in the waiting thread (advance, which ended the call, did not ask them)."""
+        with self.group._lock:
+            part, self._failed_part = self._failed_part, None
+        if part is None or part.error is not None:
+            return
+        error = self._torus_error(part, part._error_of_failure())
+        with self.group._lock:
+            self.error = error
 
     def _fail(self, error: CollectiveError) -> None:
         """End with *error*; the steps not sent leave their lanes unsent (the calls behind them
@@ -1418,6 +1456,29 @@ class _ProgressHub:
 _HUB = _ProgressHub()
 
 
+class _SilentNames:
+    """The last dead_nodes() answer of each cluster, which the errors of every rank of the
+    process share for NAMING_REUSE_S (one round at a time: a thread that comes while one runs
+    takes its answer). ``dead_nodes()`` itself always asks now."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[tuple[object, ...], tuple[float, list[str]]] = {}
+
+    def named(self, group: ProcessGroup) -> list[str]:
+        cluster = group.cluster  # its name and key too: a new cluster may reuse the ports
+        key = (cluster.name, cluster.admin_key, *(n.control_endpoint for n in cluster.nodes))
+        with self._lock:
+            at, names = self._last.get(key, (-math.inf, []))
+            if time.monotonic() - at > NAMING_REUSE_S:
+                names = group.dead_nodes()
+                self._last[key] = (time.monotonic(), names)
+            return list(names)
+
+
+_SILENT_NAMES = _SilentNames()
+
+
 class NonGroupMember:
     """What new_group gives a rank outside the group (torch's GroupMember.NON_GROUP_MEMBER):
     collectives on it raise, get_rank is -1."""
@@ -1566,7 +1627,7 @@ def _host_calls(works: list[Work]) -> list[HostCall]:
             sent_at=w.sent_at if w.sent else None,
             completed_at=w.completed_at,
             finished_at=w.finished_at,
-            ok=w.error is None,
+            ok=w.error is None and not w.failed,  # its error is built by its wait()
         )
         for w in works
     ]

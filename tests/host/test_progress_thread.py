@@ -156,16 +156,19 @@ def test_a_failure_the_progress_thread_reads_is_raised_by_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The progress thread reads a call's failure (its node's TIMEOUT NACK: the peer is stopped)
-    while nobody waits, and builds the error wait() raises, slowly here. A wait() begun once the
-    call reads as ended must raise that error, not return as if the call completed (the buffer
-    never reduced): it did return so, before the outcome was read under the group's lock."""
+    while nobody waits. The error is built by the wait() begun after, in its own thread and
+    outside the group's lock (it PINGs the nodes: 0.5 s with one stopped, during which the
+    progress thread served no other rank of the process, and the lock held them all), and
+    raised: before the outcome was read under the lock, such a wait returned as if the call
+    had completed, its buffer never reduced."""
     real_failure = api.Work._failure
+    built: list[tuple[str, bool]] = []
 
-    def slow_failure(self: api.Work, reply: object) -> api.CollectiveError:
-        time.sleep(0.3)
-        return real_failure(self, reply)  # type: ignore[arg-type]
+    def recorded_failure(self: api.Work, *args: object) -> api.CollectiveError:
+        built.append((threading.current_thread().name, self.group._lock._is_owned()))  # type: ignore[attr-defined]  # RLock's own test of its owner
+        return real_failure(self, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(api.Work, "_failure", slow_failure)
+    monkeypatch.setattr(api.Work, "_failure", recorded_failure)
     with _rank_0_beside_a_stopped_node(timeout_s=0.5) as (_, group):
         data = np.ones(1024, np.float32)
         work = api.all_reduce(data, group=group, async_op=True)
@@ -174,8 +177,9 @@ def test_a_failure_the_progress_thread_reads_is_raised_by_wait(
         while not work.ended and time.monotonic() < deadline:
             time.sleep(0.002)  # no wait(): only the progress thread reads the answers
         assert work.ended and work.nack is not None
-        with pytest.raises(api.CollectiveError, match="TIMEOUT"):
+        with pytest.raises(api.CollectiveError, match="TIMEOUT.*not answering: rank 1"):
             work.wait()
+        assert built == [(threading.current_thread().name, False)]
         assert (data == 1).all()
 
 
@@ -249,3 +253,38 @@ def test_new_groups_past_their_nodes_epoch_are_moved_on_by_the_progress_thread(
             finally:
                 for g in groups:
                     g.close()
+
+
+def test_the_ranks_of_a_process_failed_by_one_node_share_one_round_of_pings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Node 2 stopped fails ranks 0 and 1, played by this process. Each error names it, from one
+    round of PINGs (0.5 s with a node silent), not one round per rank's wait."""
+    rounds: list[int] = []
+    real_dead_nodes = api.ProcessGroup.dead_nodes
+
+    def counted(self: api.ProcessGroup) -> list[str]:
+        rounds.append(self.global_rank)
+        return real_dead_nodes(self)
+
+    monkeypatch.setattr(api.ProcessGroup, "dead_nodes", counted)
+    monkeypatch.setattr(api, "NAMING_REUSE_S", 30.0)  # the two waits may be seconds apart here
+    with start_cluster(3, memory=1 << 22, nics_per_process=1) as cluster:
+        groups = [api.ProcessGroup(cluster.info, r, timeout_s=0.5) for r in range(2)]
+        stopped = cluster.info.nodes[2].pid
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            works = [
+                api.all_reduce(np.ones(1024, np.float32), group=g, async_op=True) for g in groups
+            ]
+            named = f"not answering: rank 2 ({cluster.info.nodes[2].address}:"
+            for work in works:
+                assert work is not None
+                with pytest.raises(api.CollectiveError) as failed:
+                    work.wait()
+                assert named in str(failed.value)
+            assert len(rounds) == 1
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+            for g in groups:
+                g.close()
