@@ -1457,9 +1457,11 @@ _HUB = _ProgressHub()
 
 
 class _SilentNames:
-    """The last dead_nodes() answer of each cluster, which the errors of every rank of the
-    process share for NAMING_REUSE_S (one round at a time: a thread that comes while one runs
-    takes its answer). ``dead_nodes()`` itself always asks now."""
+    """The last dead_nodes() answer of each cluster that named a silent node, which the errors
+    of every rank of the process share for NAMING_REUSE_S (one round at a time: a thread that
+    comes while one runs takes its answer). An answer naming none is not kept: that round took
+    a millisecond, and a node that dies next must be named. ``dead_nodes()`` itself always asks
+    now."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -1472,7 +1474,8 @@ class _SilentNames:
             at, names = self._last.get(key, (-math.inf, []))
             if time.monotonic() - at > NAMING_REUSE_S:
                 names = group.dead_nodes()
-                self._last[key] = (time.monotonic(), names)
+                if names:
+                    self._last[key] = (time.monotonic(), names)
             return list(names)
 
 

@@ -288,3 +288,23 @@ def test_the_ranks_of_a_process_failed_by_one_node_share_one_round_of_pings(
             os.kill(stopped, signal.SIGCONT)
             for g in groups:
                 g.close()
+
+
+def test_a_node_that_dies_after_an_error_named_none_is_named_in_the_next() -> None:
+    """An error that found every node answering keeps no answer for the next: a node silent
+    from then on is named in the next error, however soon it comes."""
+    with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
+        group = api.ProcessGroup(cluster.info, 0, timeout_s=0.5)
+        try:
+            with pytest.raises(api.CollectiveError, match="OUT_OF_BOUNDS") as first:
+                api.all_reduce(np.ones(1024, np.float32), group=group, update=(1 << 40, 1))
+            assert "not answering" not in str(first.value)
+            stopped = cluster.info.nodes[1].pid
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                with pytest.raises(api.CollectiveError, match="not answering: rank 1"):
+                    api.all_reduce(np.ones(1024, np.float32), group=group)
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+        finally:
+            group.close()
