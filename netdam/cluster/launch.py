@@ -687,6 +687,11 @@ def fork_node_processes(enabled: bool = True) -> None:
     _FORK[0] = enabled
 
 
+def forks_node_processes() -> bool:
+    """Whether this process forks its non-detached node processes (fork_node_processes)."""
+    return _FORK[0]
+
+
 def _host_configs(spec: _NodeSpec, nics: list[tuple[int, Endpoint, int]]) -> list[Any]:
     """What `netdam node` would make of _host_command's arguments, for a forked node process."""
     # Imported here: it loads numba's compiled kernels, which fork_node_processes loaded already.
