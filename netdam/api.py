@@ -877,7 +877,7 @@ class ProcessGroup:
             self._take_answers(0.0, drain=True)
             self._advance_pipelines()
             # A head silent past its watchdog ends here as failed (silent_s); the error its
-            # wait() raises is built there (Work._settle), since it PINGs the nodes.
+            # wait() raises is built there (Work._explain_failure), since it PINGs the nodes.
             datagrams, _ = self._calls.tick(time.monotonic(), timeout)
             self._send(datagrams)
 

@@ -146,11 +146,12 @@ class Host:
 
 class ForkedInNetns(ForkedProcess):
     """A node or switch forked into a host's namespace (Fabric.fork): its stderr is its log,
-    read back as a started process's stderr pipe would be."""
+    read back as a started process's stderr pipe would be, and removed with the process."""
 
     def __init__(self, pid: int, stdout: IO[bytes] | None, log: Path) -> None:
         assert stdout is not None
         super().__init__(pid, stdout)
+        self.log = log
         self.stderr: IO[bytes] | None = open(log, "rb")  # noqa: SIM115 (closed by stop_processes)
 
 
@@ -216,6 +217,8 @@ class Fabric:
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
                     stream.close()
+            if isinstance(proc, ForkedInNetns):
+                proc.log.unlink(missing_ok=True)  # as a started process's stderr pipe goes
         self.processes.clear()
 
     def netns_names(self) -> list[str]:

@@ -137,18 +137,27 @@ def test_empty_datagrams_from_a_stranger_neither_end_nor_fail_a_call() -> None:
 
 
 @contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    """The process *pid* stopped (SIGSTOP) for the block, and let go on after it whatever
+    happened (SIGCONT)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
 def _rank_0_beside_a_stopped_node(
     timeout_s: float | None = None,
 ) -> Iterator[tuple[LocalCluster, api.ProcessGroup]]:
     """Two NICs, a process each; rank 0's group, and node 1 stopped (SIGSTOP) until the end."""
     with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
         group = api.ProcessGroup(cluster.info, 0, timeout_s=timeout_s)
-        stopped = cluster.info.nodes[1].pid
-        os.kill(stopped, signal.SIGSTOP)
         try:
-            yield cluster, group
+            with _stopped(cluster.info.nodes[1].pid):
+                yield cluster, group
         finally:
-            os.kill(stopped, signal.SIGCONT)
             group.close()
 
 
@@ -204,22 +213,19 @@ def test_a_new_groups_first_call_returns_before_its_node_answers() -> None:
     and runs, exact, once the node goes on."""
     with start_cluster(2, memory=1 << 22, nics_per_process=1) as cluster:
         groups = [api.ProcessGroup(cluster.info, r) for r in range(2)]
-        stopped = cluster.info.nodes[1].pid
-        os.kill(stopped, signal.SIGSTOP)
         try:
             bufs = [np.full(1024, r + 1.0, np.float32) for r in range(2)]
-            began = time.monotonic()
-            late = api.all_reduce(bufs[1], group=groups[1], async_op=True)
-            assert time.monotonic() - began < 0.9  # the old wait took 1.0 s, to the microsecond
-            assert late is not None and not late.started
-            os.kill(stopped, signal.SIGCONT)
+            with _stopped(cluster.info.nodes[1].pid):
+                began = time.monotonic()
+                late = api.all_reduce(bufs[1], group=groups[1], async_op=True)
+                assert time.monotonic() - began < 0.9  # the old wait took 1.0 s, to the microsecond
+                assert late is not None and not late.started
             first = api.all_reduce(bufs[0], group=groups[0], async_op=True)
             for work in (first, late):
                 assert work is not None
                 work.wait(timeout=10.0)
             assert all((b == 3.0).all() for b in bufs)
         finally:
-            os.kill(stopped, signal.SIGCONT)
             for g in groups:
                 g.close()
 
@@ -271,21 +277,20 @@ def test_the_ranks_of_a_process_failed_by_one_node_share_one_round_of_pings(
     monkeypatch.setattr(api, "NAMING_REUSE_S", 30.0)  # the two waits may be seconds apart here
     with start_cluster(3, memory=1 << 22, nics_per_process=1) as cluster:
         groups = [api.ProcessGroup(cluster.info, r, timeout_s=0.5) for r in range(2)]
-        stopped = cluster.info.nodes[2].pid
-        os.kill(stopped, signal.SIGSTOP)
         try:
-            works = [
-                api.all_reduce(np.ones(1024, np.float32), group=g, async_op=True) for g in groups
-            ]
-            named = f"not answering: rank 2 ({cluster.info.nodes[2].address}:"
-            for work in works:
-                assert work is not None
-                with pytest.raises(api.CollectiveError) as failed:
-                    work.wait()
-                assert named in str(failed.value)
+            with _stopped(cluster.info.nodes[2].pid):
+                works = [
+                    api.all_reduce(np.ones(1024, np.float32), group=g, async_op=True)
+                    for g in groups
+                ]
+                named = f"not answering: rank 2 ({cluster.info.nodes[2].address}:"
+                for work in works:
+                    assert work is not None
+                    with pytest.raises(api.CollectiveError) as failed:
+                        work.wait()
+                    assert named in str(failed.value)
             assert len(rounds) == 1
         finally:
-            os.kill(stopped, signal.SIGCONT)
             for g in groups:
                 g.close()
 
@@ -299,12 +304,10 @@ def test_a_node_that_dies_after_an_error_named_none_is_named_in_the_next() -> No
             with pytest.raises(api.CollectiveError, match="OUT_OF_BOUNDS") as first:
                 api.all_reduce(np.ones(1024, np.float32), group=group, update=(1 << 40, 1))
             assert "not answering" not in str(first.value)
-            stopped = cluster.info.nodes[1].pid
-            os.kill(stopped, signal.SIGSTOP)
-            try:
-                with pytest.raises(api.CollectiveError, match="not answering: rank 1"):
-                    api.all_reduce(np.ones(1024, np.float32), group=group)
-            finally:
-                os.kill(stopped, signal.SIGCONT)
+            with (
+                _stopped(cluster.info.nodes[1].pid),
+                pytest.raises(api.CollectiveError, match="not answering: rank 1"),
+            ):
+                api.all_reduce(np.ones(1024, np.float32), group=group)
         finally:
             group.close()
