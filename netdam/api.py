@@ -542,10 +542,11 @@ class ProcessGroup:
         return self.timeout_s if self.timeout_s is not None else DEFAULT_WATCHDOG_S
 
     def dead_nodes(self) -> list[str]:
-        """Nodes that do not answer PING now (to name them when a collective fails)."""
+        """Nodes that do not answer PING now (to name them when a collective fails), each with
+        what this host can see of its process (_process_state)."""
         silent = self._silent(range(len(self.cluster.nodes)))
         return [
-            f"rank {node.rank} ({node.address}:{node.port})"
+            f"rank {node.rank} ({node.address}:{node.port})" + _process_state(node)
             for node in self.cluster.nodes
             if node.rank in silent
         ]
@@ -1454,6 +1455,27 @@ class _ProgressHub:
 
 
 _HUB = _ProgressHub()
+
+
+def _process_state(node: NodeEntry) -> str:
+    """What /proc says of a silent node's process, when the cluster file names it and it runs
+    on this host: exited, stopped, or running but not answering (busy or stuck). The three call
+    for different fixes, and a failure that said only "not answering" left them apart."""
+    # Imported here: the launcher's helpers, which the host API needs only on a failure.
+    from netdam.cluster.launch import is_local_address, is_node_process
+
+    if not node.pid or not is_local_address(node.address):
+        return ""
+    if not is_node_process(node.pid):  # gone, a zombie, or its pid taken by another program
+        return f" [its process {node.pid} has exited]"
+    try:
+        # The state follows the name, which is in parentheses and may hold any character.
+        state = Path(f"/proc/{node.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    if state in ("T", "t"):
+        return f" [its process {node.pid} is stopped]"
+    return f" [its process {node.pid} runs but does not answer]"
 
 
 class _SilentNames:

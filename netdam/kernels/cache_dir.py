@@ -45,8 +45,8 @@ import numba
 from numba.core import caching
 
 import netdam
-import netdam.protocol.layout
 from netdam import progress
+from netdam.protocol import layout as protocol_layout
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _KERNELS = Path(__file__).resolve().parent
 #: Protocol modules whose module-level ints the kernels compile in as constants (field offsets,
 #: opcodes, statuses, counter indices): a change there must not run kernels cached with the old
 #: values, so they count as kernel sources.
-_PROTOCOL = Path(netdam.protocol.layout.__file__).resolve().parent
+_PROTOCOL = Path(protocol_layout.__file__).resolve().parent
 _PROTOCOL_INPUTS = ("layout.py", "constants.py", "counters.py")
 
 # numba >= 0.61 made these names public; the tested range starts at 0.59 (udp_io.NUMBA_TESTED).

@@ -80,7 +80,8 @@ def test_node_killed_mid_allreduce_is_named_and_survivors_serve(tmp_path: Path) 
         heard = example.kill_mid_collective(groups, dead.pid)
         assert sorted(heard) == list(range(world - 1)), heard
         assert max(v["seconds"] for v in heard.values()) < 2.0, heard
-        named = f"rank {world - 1} ({dead.address}:{dead.port})"
+        # ... and what this host sees of its process: stopped, then killed (kill_mid_collective).
+        named = f"rank {world - 1} ({dead.address}:{dead.port}) [its process {dead.pid} "
         assert all(named in v["error"] and "failed" in v["error"] for v in heard.values()), heard
         # Every survivor shrinks the group to the living; the next collective on it is exact.
         assert example.shrink_and_go_on(groups) == {

@@ -200,8 +200,9 @@ def test_naming_the_silent_nodes_leaves_the_ranks_answers_on_its_socket() -> Non
         port = group.client.sock.getsockname()[1]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
             sender.sendto(b"an answer in flight", ("127.0.0.1", port))
+        node = cluster.info.nodes[1]
         assert group.dead_nodes() == [
-            f"rank 1 ({cluster.info.nodes[1].address}:{cluster.info.nodes[1].port})"
+            f"rank 1 ({node.address}:{node.port}) [its process {node.pid} is stopped]"
         ]
         group.client.sock.settimeout(1.0)
         assert group.client.sock.recvfrom(64)[0] == b"an answer in flight"
