@@ -427,6 +427,10 @@ class ProcessGroup:
         self.global_rank = self.rank
         self._root = self
         self.memory = attach(node.memory_file)
+        # Read on every call (_offset_of, _stage): the mapping's address, and a plain ndarray
+        # view of it, whose slices skip np.memmap's per-slice bookkeeping (~1 us a call).
+        self._memory_base = int(self.memory.__array_interface__["data"][0])
+        self._memory_view = np.asarray(self.memory)
         # One job's rank at a time owns this rank's arena: a second one gets an error here,
         # where it used to take (and wipe) the first one's arena.
         self.job = check_job_name(os.environ.get(ENV_JOB, "") if self.job is None else self.job)
@@ -626,7 +630,7 @@ class ProcessGroup:
     def _offset_of(self, array: np.ndarray) -> int | None:
         """Offset in node memory when *array* lives there, else None. (The array interface:
         ``ndarray.ctypes`` builds a ctypes object per read, ~3 us each.)"""
-        base = self.memory.__array_interface__["data"][0]
+        base = self._memory_base
         addr = array.__array_interface__["data"][0]
         if base <= addr < base + self.memory.shape[0] and array.flags.c_contiguous:
             return int(addr - base)
@@ -640,7 +644,7 @@ class ProcessGroup:
         self._settle_writers_of(array)
         start = self._staging_room(nbytes_needed)
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        self.memory[start : start + flat.shape[0]] = flat
+        self._memory_view[start : start + flat.shape[0]] = flat
         return start
 
     def _settle_writers_of(self, array: np.ndarray) -> None:

@@ -50,6 +50,11 @@ REPLY_IDS_OFFSET = H_CLIENT_ID
 #: One SR segment: IPv4, port, reserved.
 SEGMENT_STRUCT: struct.Struct = SEGMENT.struct
 
+#: Flag bits as plain ints for the codec's tests: `flags & Flags.TAGGED` on an int builds an
+#: IntFlag member (~0.7 us, several per datagram a host sends or reads; `& _TAGGED` ~0.03 us).
+_TAGGED = int(Flags.TAGGED)
+_SPARSE = int(Flags.SPARSE)
+
 Endpoint = tuple[str, int]
 NO_ENDPOINT: Endpoint = ("0.0.0.0", 0)
 
@@ -177,7 +182,7 @@ def _pack(packet: Packet) -> bytes:
         0,
     )
     segments = b"".join(SEGMENT_STRUCT.pack(ip_to_int(ip), port, 0) for ip, port in packet.segments)
-    trailer = packet.tag.to_bytes(TAG_SIZE, "little") if packet.flags & Flags.TAGGED else b""
+    trailer = packet.tag.to_bytes(TAG_SIZE, "little") if int(packet.flags) & _TAGGED else b""
     return header + segments + packet.payload + trailer
 
 
@@ -309,7 +314,7 @@ def _check_words(version: int, opcode: int, flags: int, reserved1: int, reserved
 def _payload_end(view: memoryview, flags: int, start: int) -> tuple[int, int]:
     """Where the payload that begins at *start* ends, and the tag that follows it (0 untagged)."""
     end = len(view)
-    if not flags & Flags.TAGGED:
+    if not int(flags) & _TAGGED:
         return end, 0
     if end < start + TAG_SIZE:
         raise RemoteProtocolError(
@@ -415,7 +420,7 @@ def _check_shape(
         raise RemoteProtocolError(
             Status.BAD_DTYPE, f"an UPDATE's gradient is f32, f16 or bf16, not {dtype.name}"
         )
-    if flags & Flags.SPARSE and opcode not in _SPARSE_OPCODES:
+    if int(flags) & _SPARSE and opcode not in _SPARSE_OPCODES:
         raise RemoteProtocolError(Status.BAD_FIELD, f"{name} has no sparse form")
     if opcode == Opcode.READ:
         _check_read(length, size, dtype)
@@ -454,7 +459,7 @@ def _check_read(length: int, size: int, dtype: DType) -> None:
 def _check_data(name: str, flags: int, length: int, payload: bytes, dtype: DType) -> None:
     if length == 0:
         raise RemoteProtocolError(Status.BAD_LENGTH, f"{name} of length 0")
-    if flags & Flags.SPARSE:  # only _SPARSE_OPCODES get here (check_fields)
+    if int(flags) & _SPARSE:  # only _SPARSE_OPCODES get here (check_fields)
         _check_multiple(length, dtype)
         check_sparse_payload(payload, length, dtype)
         return

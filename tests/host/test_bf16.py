@@ -143,6 +143,14 @@ def test_the_marked_dtype_and_unmarked_uint16() -> None:
         api.wire_dtype(np.zeros(8, np.uint16))
 
 
+def test_ml_dtypes_bfloat16_is_bf16() -> None:
+    """ml_dtypes' bfloat16 (JAX's, and what some torch exports give) is read by its scalar
+    type's name, not by dtype.name, which numpy builds anew on every read."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed")
+    array = np.zeros(8, ml_dtypes.bfloat16)
+    assert is_bf16(array) and is_bf16(array[2:5]) and api.wire_dtype(array) == DType.BF16
+
+
 def test_a_node_adds_bf16_and_refuses_an_unknown_dtype(cluster: Cluster) -> None:
     node = cluster.nodes[0]
     start = bits(0x3F80, 0x3F80, 0x7F7F, 0x0000)
