@@ -50,6 +50,7 @@ from netdam.protocol.constants import (
     ELEMENT_SIZE,
     MAX_SEGMENTS,
     NUMPY_DTYPE,
+    TAG_SIZE,
     DType,
     Opcode,
     Rights,
@@ -61,6 +62,7 @@ from netdam.protocol.elements import BFLOAT16, bf16_round, bf16_values, is_bf16
 from netdam.protocol.errors import NetdamError
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
+    FLAG_AWAIT_STARTED,
     FLAG_SPARSE,
     FLAG_UPDATE,
     Algo,
@@ -109,6 +111,9 @@ LANES = 4
 GROUPS_STAGING_SHARE = (3, 4)
 #: Seconds the progress thread drives a rank after its last call ended (_ProgressHub).
 PROGRESS_LINGER_S = 1.0
+#: Early chains the shipped node holds for a collective its host has not started yet
+#: (netdam.kernels.collective.EARLY_SLOTS, SPEC.md 4.1 "Early chains"); past them, BUSY.
+EARLY_CHAINS_HELD = 64
 #: Seconds a PING round's answer names the silent nodes in the errors of other calls of the
 #: process (_SilentNames): one node's death fails every rank a process plays at once, and a
 #: round costs 0.5 s with a node silent. Each rank's wait asking again, one thread waiting on
@@ -716,6 +721,7 @@ class ProcessGroup:
         settle: bool = True,
         update: tuple[int, int] = (0, 0),
         held: bool = False,
+        await_started: bool = False,
     ) -> Work:
         """Send START_COLL for the next epoch to this rank's node; returns the Work to wait on.
         *flags* is the descriptor's flags byte (bit 0: sparse mode, bit 1: fused reduce and
@@ -724,7 +730,8 @@ class ProcessGroup:
         wait for the node's first answer to a new group's first call (below); a torus step
         does not (TorusWork: its group's calls go one at a time, and a call moved past the
         node's epoch moves the group's next call with it). *held*: queued in its lane now, sent
-        only after ``self._calls.release`` (a torus step)."""
+        only after ``self._calls.release`` (a torus step). *await_started*: its chains wait for
+        every member's STARTED whatever its size (a torus's steps; else _awaits_started)."""
         if self.world_size > self.max_chain:
             raise ValueError(
                 f"{algo.name.lower()} over {self.world_size} ranks: one collective's chain names "
@@ -735,6 +742,12 @@ class ProcessGroup:
         self.epoch += 1
         dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
+        if (
+            algo in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
+            and not flags & FLAG_SPARSE  # its round of bitmaps proves every member started
+            and (await_started or _awaits_started(self.world_size, count, dtype, self.cluster.mtu))
+        ):
+            flags |= FLAG_AWAIT_STARTED
         desc = CollectiveDescriptor(
             algo,
             self.rank,
@@ -1217,6 +1230,10 @@ class TorusWork(Work):
                             step.count,
                             settle=False,  # the driving thread may be any rank's (one process)
                             held=True,
+                            # A step starts on each rank when the one before ended there: a
+                            # column's members start as their rows end, ~100 ms apart at 128
+                            # NICs driven by one process.
+                            await_started=True,
                         )
                     )
             root = group._root or group
@@ -1660,6 +1677,24 @@ def _host_calls(works: list[Work]) -> list[HostCall]:
         )
         for w in works
     ]
+
+
+def _awaits_started(world: int, count: int, dtype: DType, mtu: int) -> bool:
+    """Whether a chained collective of *count* elements over *world* ranks starts its chains
+    only once every member's STARTED came (descriptor flags bit 2, SPEC.md 4.1 "STARTED"):
+    when a member that starts late could not hold what the others send it early, one chain
+    per chunk of each block (EARLY_CHAINS_HELD), each one past them answered BUSY.
+
+    Why not always: awaiting costs a round of STARTEDs after the last member starts, where a
+    held chain goes on the moment it does: 4 ranks x 4 KiB took 1.10 ms eager and 1.26-1.33
+    ms awaiting, 8 x 64 KiB 2.7 and 2.8-3.7 ms. Why not never: 16 to 64 ranks x 1 MiB met
+    6-260 BUSY a call eager and none awaiting, in about the same time (docs/PERFORMANCE.md,
+    "Chains that await their members")."""
+    if world < 2:
+        return False
+    per_packet = max(max_elements(mtu - TAG_SIZE, dtype, segments=world - 1), 1)
+    block = -(-count // world)
+    return bool(world * -(-block // per_packet) >= EARLY_CHAINS_HELD)
 
 
 def _run(work: Work, async_op: bool) -> Work | None:

@@ -148,6 +148,18 @@ class Flags(IntFlag):
 #: All flag bits v1 defines.
 FLAGS_V1_MASK = 0x003F
 
+#: START_COLL descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC 4.1).
+FLAG_SPARSE = 0x01
+#: START_COLL descriptor flags bit 1: fused reduce and update (SPEC 4.1): each block's last hop
+#: steps the optimizer whose descriptor the header's addr names, at the step in aux_addr, and
+#: stores and multicasts the new weights in place of the reduced gradient.
+FLAG_UPDATE = 0x02
+#: START_COLL descriptor flags bit 2: chains await every member's STARTED (SPEC 4.1, "STARTED"):
+#: each member multicasts STARTED when its host starts the collective, and an originator starts
+#: its chains once every member's came, so none meets a node that has not started (BUSY). For
+#: starts known to be spread wider than a node holds early chains: a torus's steps, long chains.
+FLAG_AWAIT_STARTED = 0x04
+
 #: The tag trailer of a TAGGED datagram, bytes (SPEC.md 2.6): one SipHash-2-4 output.
 TAG_SIZE = 8
 

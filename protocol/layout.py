@@ -213,7 +213,13 @@ DESCRIPTOR = Layout(
     "<",
     [
         _f("algo", 0, 1, "u8", "0 ALL_REDUCE, 1 REDUCE_SCATTER, 2 ALL_GATHER, 3 BROADCAST"),
-        _f("flags", 1, 1, "u8", "bit 0 sparse mode, bit 1 fused reduce and update"),
+        _f(
+            "flags",
+            1,
+            1,
+            "u8",
+            "bit 0 sparse mode, bit 1 fused reduce and update, bit 2 chains await STARTED",
+        ),
         _f("window", 2, 2, "u16", "chains in flight per originator (0: derived)"),
         _f("rank", 4, 4, "u32", "rank of the receiving node in the SR list"),
         _f("count", 8, 8, "u64", "elements of the whole buffer"),

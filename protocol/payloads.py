@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from netdam.protocol import layout as L
+
+# The descriptor's flag bits live with the constants the kernels compile in (one cache key).
+from netdam.protocol.constants import FLAG_AWAIT_STARTED as FLAG_AWAIT_STARTED
+from netdam.protocol.constants import FLAG_SPARSE as FLAG_SPARSE
+from netdam.protocol.constants import FLAG_UPDATE as FLAG_UPDATE
 from netdam.protocol.constants import OptFlags, OptRule, Status
 from netdam.protocol.errors import RemoteProtocolError
 
@@ -66,13 +71,6 @@ OPTIMIZER: struct.Struct = L.OPTIMIZER.struct
 RING_STEP_MAGIC = b"RSTP"
 #: Host-to-host word of the ring-host baseline: magic, step, segment of the step now in place.
 RING_STEP = struct.Struct("<4sHH")
-
-#: START_COLL descriptor flags bit 0: sparse payloads and the round of non-zero bitmaps (SPEC 4.1).
-FLAG_SPARSE = 0x01
-#: START_COLL descriptor flags bit 1: fused reduce and update (SPEC 4.1): each block's last hop
-#: steps the optimizer whose descriptor the header's addr names, at the step in aux_addr, and
-#: stores and multicasts the new weights in place of the reduced gradient.
-FLAG_UPDATE = 0x02
 
 
 class Algo(IntEnum):

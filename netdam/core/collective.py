@@ -55,6 +55,7 @@ from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.layout import DESCRIPTOR, OPTIMIZER_BYTES
 from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
 from netdam.protocol.payloads import (
+    FLAG_AWAIT_STARTED,
     FLAG_SPARSE,
     FLAG_UPDATE,
     NO_PHASE_US,
@@ -385,8 +386,9 @@ class CollectiveEngine:
         if status != Status.OK:
             return status
         sparse = bool(flags & FLAG_SPARSE)
-        if flags & ~(FLAG_SPARSE | FLAG_UPDATE) or (
-            sparse and algo not in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
+        chained = algo in (Algo.ALL_REDUCE, Algo.REDUCE_SCATTER)
+        if flags & ~(FLAG_SPARSE | FLAG_UPDATE | FLAG_AWAIT_STARTED) or (
+            flags & (FLAG_SPARSE | FLAG_AWAIT_STARTED) and not chained
         ):
             return Status.BAD_FIELD
         bounds = block_bounds(algo, count, world, root)

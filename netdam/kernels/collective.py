@@ -78,7 +78,7 @@ from netdam.kernels.wire import (
     wr64,
 )
 from netdam.protocol import counters as C
-from netdam.protocol.constants import Flags, Status
+from netdam.protocol.constants import FLAG_AWAIT_STARTED, Flags, Status
 from netdam.protocol.layout import (
     COMPLETION_BYTES,
     COMPLETION_FAILURE_BYTES,
@@ -241,7 +241,10 @@ CFG_CKEY_RIGHTS = CFG_REFUSED_END + 13
 CFG_TAKEN = CFG_REFUSED_END + 14
 TAKEN_SLOTS = 16
 CFG_TAKEN_BASE = CFG_REFUSED_END + 15
-CFG_LEN = CFG_TAKEN_BASE + TAKEN_SLOTS
+# Members whose STARTED asked for ours (txn_id 0: a chained collective that awaits them lacked
+# this node's; bit r, rank r), answered by the next tick.
+CFG_STARTED_ASK = CFG_TAKEN_BASE + TAKEN_SLOTS
+CFG_LEN = CFG_STARTED_ASK + 1
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
@@ -284,7 +287,8 @@ F_T_DONE = 14  # every member's DONE is here: the collective is complete
 #: 0 for a NIC alone in its process): written by the host loop (netdam/shell/nic_host.py),
 #: it raises the timers' floor (_rto_bounds).
 F_HOST_TURN = 15
-F_LEN = 16
+F_STARTED_ASKED = 16  # last time this node asked the members it lacks for their STARTED
+F_LEN = 17
 
 #: Collectives one NIC holds at once (SPEC.md 4.1), one slot each: a START_COLL while every
 #: slot runs is answered NACK BUSY. 4: two jobs with two groups each, or DDP's buckets of one
@@ -742,10 +746,16 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
             cfg[CFG_STARTED] |= _refused_ranks(cfg, ring)  # they started before this node did
         tx_n = _send_resumes(cfg, tx, tx_n)
     me_bit = np.int64(1) << cfg[CFG_RANK]
+    world = cfg[CFG_WORLD]
     if _announces_start(cfg) and cfg[CFG_STARTED] & me_bit == 0:
-        if _room(tx_buf, tx_off, tx_len, tx_n):
-            tx_n = _send_started(cfg, tx, tx_n)
+        # To the group, or (no group: a torus's column) to each other member in one go.
+        if _room_for(tx_buf, tx_off, tx_len, tx_n, 1 if cfg[CFG_GROUP] != 0 else world):
+            tx_n = _send_started(cfg, ring, tx, tx_n, _all_ranks(world) & ~me_bit, 1)
             cfg[CFG_STARTED] |= me_bit
+    if cfg[CFG_STARTED_ASK] != 0 and _room_for(tx_buf, tx_off, tx_len, tx_n, world):
+        # Members that lacked ours asked for it (their STARTED with txn_id 0): to each alone.
+        tx_n = _send_started(cfg, ring, tx, tx_n, cfg[CFG_STARTED_ASK], 1)
+        cfg[CFG_STARTED_ASK] = 0
     window = max(cfg[CFG_WINDOW] // share, SHARED_WINDOW_MIN)
     # DONEs, (sparse mode) arriving bitmaps and members' STARTEDs are progress too (each term
     # only grows within an epoch, so the sum changes exactly when one does)
@@ -761,8 +771,16 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
     deadline = fcfg[F_DEADLINE]
-    if _announces_start(cfg) and cfg[CFG_STARTED] != _all_ranks(cfg[CFG_WORLD]):
-        deadline *= START_SKEW_STALLS  # a member has not started: late, not dead (above)
+    if (
+        _announces_start(cfg)
+        and not _awaits_started(cfg)
+        and cfg[CFG_STARTED] != _all_ranks(cfg[CFG_WORLD])
+    ):
+        # A member has not started: late, not dead (above). A chained collective whose chains
+        # await STARTEDs keeps one period, as when its chains waited at a member not started
+        # (each STARTED that comes is progress): a member that died before starting is named
+        # as soon as it was then.
+        deadline *= START_SKEW_STALLS
     if cfg[CFG_FATAL] != 0 or now - fcfg[F_LAST_ADVANCE] > deadline:
         cfg[CFG_STATE] = STATE_FAILED
         if _room(tx_buf, tx_off, tx_len, tx_n):
@@ -771,6 +789,23 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
             tx_n = _notify(cfg, fcfg, status, done, tx, tx_n)
         return tx_n
     ob = cfg[CFG_ORIG_BLOCK]
+    base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
+    # Every member's STARTED came (or a RESUME, or it was remembered before this node started);
+    # past one repair period without, a STARTED may have been lost.
+    members_started = cfg[CFG_STARTED] == _all_ranks(world)
+    waited_out = now - fcfg[F_START] > max(base_rto, REPAIR_MIN_S)
+    if (
+        _awaits_started(cfg)
+        and not members_started
+        and now - max(fcfg[F_START], fcfg[F_STARTED_ASKED]) > max(base_rto, REPAIR_MIN_S)
+        and _room_for(tx_buf, tx_off, tx_len, tx_n, world)
+    ):
+        # Ask each member whose STARTED has not come for it, once a repair period: one that
+        # runs answers with its own; one that has not started remembers us and RESUMEs us
+        # when it does (which counts as its STARTED). So a lost STARTED costs a repair period
+        # and a late member none, and no chain goes before every member is known to run.
+        tx_n = _send_started(cfg, ring, tx, tx_n, _all_ranks(world) & ~cfg[CFG_STARTED], 0)
+        fcfg[F_STARTED_ASKED] = now
     # 0. Sparse mode: first the round of per-chunk non-zero bitmaps; nothing else moves before
     #    every member's bitmap is here, then chunks zero everywhere are skipped.
     if cfg[CFG_SPARSE] != 0 and cfg[CFG_BM_APPLIED] == 0:
@@ -823,8 +858,12 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                 backoff = True
         if backoff:
             fcfg[F_RTO] = min(fcfg[F_RTO] * 2.0, _rto_bounds(fcfg)[1])
-        # While a hop says BUSY, no new chain starts: only the waiting ones probe.
-        while not busy and cfg[CFG_INFLIGHT] < window and cfg[CFG_NEXT_SEND] < cb[ob + 1]:
+        # While a hop says BUSY, no new chain starts: only the waiting ones probe. Chains that
+        # await the members' STARTEDs start when the last came (see the asks above).
+        limit = window
+        if _awaits_started(cfg) and not members_started:
+            limit = 0
+        while not busy and cfg[CFG_INFLIGHT] < limit and cfg[CFG_NEXT_SEND] < cb[ob + 1]:
             c = cfg[CFG_NEXT_SEND]
             if acked[c] == 1:  # skipped (zero everywhere): no chain
                 cfg[CFG_NEXT_SEND] = c + 1
@@ -846,15 +885,14 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     started_everywhere = (
         ob < 0 or cb[ob + 1] == cb[ob] or cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
     )
-    base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
-    if _announces_start(cfg):
+    if _awaits_started(cfg):
+        started_everywhere = started_everywhere or members_started
+    elif _announces_start(cfg):
         # A gather has no chain to prove its members started: their STARTEDs do. Spread to
         # the group before the last one came, a member drops it as early and RESUMEs, and the
         # block goes again to it by unicast (a torus's row all-gather at 256 NICs: ~28 of
         # each NIC's ~130 chunks). A STARTED lost costs one repair period, then that path.
-        started_everywhere = cfg[CFG_STARTED] == _all_ranks(cfg[CFG_WORLD]) or (
-            now - fcfg[F_START] > max(base_rto, REPAIR_MIN_S)
-        )
+        started_everywhere = members_started or waited_out
     if own >= 0 and cfg[CFG_ALGO] != 1 and started_everywhere:
         budget = window
         c = cfg[CFG_AG_NEXT]
@@ -1078,27 +1116,65 @@ def _send_resumes(cfg, tx, tx_n):
 
 @njit(cache=True, nogil=True)
 def _announces_start(cfg):
-    """This collective spreads by multicast with no chain to prove its members started (a
-    dense all-gather or broadcast over a group of more than two): each member multicasts
-    STARTED, and an owner spreads once every member's came."""
+    """Each member multicasts STARTED when its host starts this collective: a dense gather
+    over a group of more than two, which has no chain to prove its members started (an owner
+    spreads once every member's came), and a chained one whose chains await them
+    (_awaits_started)."""
     algo = cfg[CFG_ALGO]
     return (
         (algo == ALGO_ALL_GATHER or algo == ALGO_BROADCAST)
         and cfg[CFG_GROUP] != 0
         and cfg[CFG_WORLD] > 2
         and cfg[CFG_SPARSE] == 0
+    ) or _awaits_started(cfg)
+
+
+@njit(cache=True, nogil=True)
+def _awaits_started(cfg):
+    """A chained collective (all-reduce, reduce-scatter) whose originators start their chains
+    once every member's STARTED came (descriptor flags bit 2, SPEC.md 4.1 "STARTED"), not at
+    once: its members' starts are spread wider than a node holds early chains (5 ms), and an
+    early chain past that is answered BUSY. Dense only: sparse
+    mode's round of bitmaps proves the same. Without a group (a torus's column) the STARTEDs
+    go by unicast, one to each member."""
+    algo = cfg[CFG_ALGO]
+    return (
+        (algo == ALGO_ALL_REDUCE or algo == ALGO_REDUCE_SCATTER)
+        and cfg[CFG_FLAGS] & FLAG_AWAIT_STARTED != 0
+        and cfg[CFG_WORLD] > 1
+        and cfg[CFG_SPARSE] == 0
     )
 
 
 @njit(cache=True, nogil=True)
-def _send_started(cfg, tx, tx_n):
-    """STARTED to the collective's group: an ACK with aux_addr = AUX_STARTED, seq = this node's
-    rank, txn_id 1 (an answer: nobody replies), no payload, under the collective's key."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+def _send_started(cfg, ring, tx, tx_n, to, txn):
+    """STARTED to the members of rank bit set *to*: an ACK with aux_addr = AUX_STARTED, seq =
+    this node's rank, no payload, under the collective's key; *txn* 1 an answer (nobody
+    replies), 0 a question (a member that runs the collective answers with its own). To every
+    other member of a collective with a group by one multicast send, else to each by unicast
+    (a torus's column has no group). The caller made room for one per member."""
+    world = cfg[CFG_WORLD]
+    everyone = _all_ranks(world) & ~(np.int64(1) << cfg[CFG_RANK])
+    for k in range(world):
+        bit = np.int64(1) << k
+        if k == cfg[CFG_RANK] or to & bit == 0:
+            continue
+        dst = np.uint64(ring[k])
+        if cfg[CFG_GROUP] != 0 and to == everyone:
+            dst = np.uint64(cfg[CFG_GROUP])
+        tx_n = _started_to(cfg, tx, tx_n, txn, dst)
+        if cfg[CFG_GROUP] != 0 and to == everyone:
+            break  # one send reached them all
+    return tx_n
+
+
+@njit(cache=True, nogil=True)
+def _started_to(cfg, tx, tx_n, txn, dst):
+    tx_buf, tx_off, _, _ = tx
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
     _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_STARTED, 0)
-    wr32(t, H_TXN_ID, 1)
-    return _commit(cfg, tx, tx_n, HDR, np.uint64(cfg[CFG_GROUP]))
+    wr32(t, H_TXN_ID, txn)
+    return _commit(cfg, tx, tx_n, HDR, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -1868,6 +1944,8 @@ def coll_reply(b, ln, src, op, node):
         rank = rd32(b, H_SEQ)
         if rank < co_cfg[CFG_WORLD]:
             co_cfg[CFG_STARTED] |= np.int64(1) << rank
+            if rd32(b, H_TXN_ID) == 0:  # it lacks ours: the next tick answers
+                co_cfg[CFG_STARTED_ASK] |= np.int64(1) << rank
         return True
     if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_RESUME:
         # A hop that answered BUSY has started: the chains waiting on it go again at the next

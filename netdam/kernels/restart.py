@@ -77,7 +77,7 @@ from netdam.kernels.wire import (
     remove_rkey,
     wr64,
 )
-from netdam.protocol.constants import Rights
+from netdam.protocol.constants import FLAG_AWAIT_STARTED, Rights
 from netdam.protocol.layout import (
     D_ALGO,
     D_COUNT,
@@ -203,7 +203,7 @@ def restart_collective(b, ln, src, node, tx, tx_n, tag):
         or cfg[CFG_CKEY] != 0  # the last epoch's key: removed one round after its end
         or cfg[CFG_TAKEN] >= TAKEN_SLOTS  # no room to keep its tag for the replay memory
         or cfg[CFG_OPT_DESC] != 0
-        or cfg[CFG_FLAGS] != 0
+        or cfg[CFG_FLAGS] & ~FLAG_AWAIT_STARTED != 0  # sparse or fused: set up in Python
     ):
         return NOT_TAKEN
     epoch = rd32(b, H_EPOCH)

@@ -26,8 +26,13 @@ from netdam.protocol.constants import (
     max_elements,
 )
 from netdam.protocol.layout import HEADER
-from netdam.protocol.packet import Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import Algo, CollectiveDescriptor, unpack_completion
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
+from netdam.protocol.payloads import (
+    FLAG_AWAIT_STARTED,
+    Algo,
+    CollectiveDescriptor,
+    unpack_completion,
+)
 from netdam.protocol.tag import verify as tag_verify
 
 IN, OUT = 0, 1 << 19
@@ -524,6 +529,126 @@ def test_only_a_started_under_the_key_lets_a_gather_spread(
         assert early == 0
     else:
         assert forgeries == 0 and early > 0
+
+
+def _busy_nacks(outcome: Outcome) -> int:
+    return int(sum(int(node.counters[C.NACK_BASE + Status.BUSY]) for node in outcome.cluster.nodes))
+
+
+def _is_started(data: bytes, txn: int) -> bool:
+    """*data* is a STARTED (an ACK with aux_addr 5) with txn_id *txn* (1 a word, 0 a question)."""
+    packet = decode_packet(data)
+    return packet.opcode == Opcode.ACK and packet.aux_addr == L.AUX_STARTED and packet.txn_id == txn
+
+
+@pytest.mark.parametrize("multicast", [True, False], ids=["group", "unicast"])
+def test_chains_that_await_started_meet_no_member_before_it_runs(
+    multicast: bool, rng: np.random.Generator
+) -> None:
+    """Descriptor flags bit 2 (SPEC.md 4.1, "STARTED"): every member says STARTED when its host
+    starts the collective, to the group or (no group: a torus's column) to each member, and an
+    originator starts its chains once every member's came. Member 3 starts 60 rounds (~0.3 s of
+    fabric time, far past the 5 ms a node holds early chains) after the others: no chain meets
+    it before, so nothing is answered BUSY or re-sent, and the result is exact. The control:
+    the same skew without the flag is answered BUSY."""
+    inputs = random_inputs(rng, 4, 4 * 20_000, np.float32)
+    expected = all_reduce_reference(inputs, ReduceOp.SUM)
+    out = run(4, inputs, multicast=multicast, flags=FLAG_AWAIT_STARTED, late={3: 60})
+    assert_all_equal(out.outputs, expected)
+    totals = np.sum([node.counters for node in out.cluster.nodes], axis=0)
+    assert _busy_nacks(out) == 0 and totals[C.RETRANSMITS] == 0
+    eager = run(4, inputs, multicast=multicast, late={3: 60})
+    assert_all_equal(eager.outputs, expected)
+    assert _busy_nacks(eager) > 0
+
+
+def test_a_lost_started_is_asked_for_and_the_chains_go(rng: np.random.Generator) -> None:
+    """Member 2 starts last; its STARTED to member 0 is lost, and so is the RESUME that would
+    have told member 0 too (member 0's STARTED reached it before it started). Past a repair
+    period member 0 asks the members it lacks (STARTED with txn_id 0), member 2 answers with
+    its own, and member 0's chains go: exact, nothing answered BUSY."""
+    inputs = random_inputs(rng, 3, 3 * 20_000, np.float32)
+    cluster = make_cluster(3, memory=MEMORY)
+    lost: dict[int, bytes] = {}  # aux_addr -> the datagram dropped
+    asked: list[bytes] = []
+
+    def lose_2s_first_words_to_0(src: Endpoint, dst: Endpoint, data: bytes) -> bool:
+        if src == cluster.endpoints[0] and dst == cluster.endpoints[2] and _is_started(data, 0):
+            asked.append(data)
+        if src != cluster.endpoints[2] or dst != cluster.endpoints[0]:
+            return False
+        packet = decode_packet(data)
+        word = packet.opcode == Opcode.ACK and packet.aux_addr in (L.AUX_STARTED, L.AUX_RESUME)
+        if word and packet.aux_addr not in lost:
+            lost[packet.aux_addr] = data
+            return True
+        return False
+
+    cluster.fabric.drop_if = lose_2s_first_words_to_0
+    out = run(3, inputs, cluster=cluster, flags=FLAG_AWAIT_STARTED, late={2: 4})
+    assert set(lost) == {L.AUX_STARTED, L.AUX_RESUME}, lost
+    assert asked, "member 0 never asked member 2 for its STARTED"
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    assert _busy_nacks(out) == 0
+    assert out.cluster.fabric.now >= L.REPAIR_MIN_S  # member 0 waited a repair period, then asked
+
+
+@pytest.mark.parametrize("sender", ["outsider", "member without the key", "member"])
+def test_only_a_members_started_question_under_the_key_is_answered(
+    sender: str, rng: np.random.Generator
+) -> None:
+    """A STARTED question (txn_id 0) is answered with the node's own STARTED, by unicast to the
+    asker, only for a member under the collective's key. From an address that is no member's
+    nothing is sent back (no reflection); from a member's address without the key it is
+    counted as forged and answered with nothing. The control: a member's question under the
+    key is answered. The collective itself is exact either way."""
+    inputs = random_inputs(rng, 3, 3 * 2_000, np.float32)
+    cluster = make_cluster(3, memory=MEMORY)
+    fabric = cluster.fabric
+    route = fabric._route
+    unicast_words: list[tuple[int, int]] = []  # (source, destination) of STARTED answers
+
+    def recording_route(src: int, dst: int, data: bytes) -> None:
+        if _is_started(data, txn=1) and dst != endpoint_to_u64(GROUP):
+            unicast_words.append((src, dst))
+        route(src, dst, data)
+
+    fabric._route = recording_route  # type: ignore[method-assign]
+
+    def ask(cluster: Cluster, round_: int) -> None:
+        if round_ == 0:
+            fabric.add_endpoint(OUTSIDER)
+        if round_ == 3:  # node 0 runs the collective
+            packet = Packet(
+                Opcode.ACK,
+                rkey=RKEY ^ 1 if sender == "member without the key" else RKEY,
+                aux_addr=L.AUX_STARTED,
+                txn_id=0,
+                seq=1,
+                coll_id=3,
+                epoch=1,
+            )
+            source = OUTSIDER if sender == "outsider" else cluster.endpoints[1]
+            fabric.send(source, cluster.endpoints[0], encode_packet(packet))
+
+    out = run(
+        3,
+        inputs,
+        cluster=cluster,
+        multicast=True,
+        flags=FLAG_AWAIT_STARTED,
+        on_round=ask,
+        tag_key=b"",
+    )
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    answered = (endpoint_to_u64(cluster.endpoints[0]), endpoint_to_u64(cluster.endpoints[1]))
+    assert fabric.receive(OUTSIDER) == []
+    forged = int(cluster.nodes[0].counters[C.DROP_COLL_FORGED])
+    if sender == "member":
+        assert answered in unicast_words and forged == 0
+    else:
+        assert answered not in unicast_words
+        assert forged > 0 if sender == "member without the key" else forged == 0
 
 
 def test_a_busy_hop_slow_to_read_gets_probes_not_retransmissions(rng: np.random.Generator) -> None:
