@@ -45,16 +45,6 @@ ROUNDS_PER_NIC = 4
 #: Longest wait for traffic while some NIC runs a clock: a collective's engine ticks at least
 #: every millisecond (netdam.kernels.serve waits at most 1 ms while one runs, likewise).
 CLOCK_WAIT_MS = 1
-#: How long a process hosting a few NICs polls their sockets without sleeping while a
-#: collective runs, before it sleeps: on 2 cores the next datagram of a hop often comes within
-#: tens of microseconds, and a process asleep in epoll then pays a wake-up on a busy core. At
-#: most SPIN_MAX_NICS NICs: past that a process has traffic queued most of the time, and its
-#: spinning takes the core the other node process needs. Measured (2 cores, default placement,
-#: `netdam allreduce --size ... --json`, A B A B A B): 4 NICs x 4 KiB 1.10-1.19 -> 0.90-0.94 ms,
-#: 8 x 4 KiB 2.01-2.12 -> 1.87-1.89 ms, 16 x 64 KiB 5.1-6.5 -> 4.9-5.0 ms; spinning at 64 NICs a
-#: process (128 x 1 MiB) took 0.18-0.23 s a call against 0.17-0.19 s (docs/PERFORMANCE.md).
-SPIN_S = 200e-6
-SPIN_MAX_NICS = 8
 #: Half-life of the longest turn the NICs' timers remember (seconds): a long turn keeps the
 #: timers up across the lull between a torus's steps, and the next call's start.
 TURN_HALF_LIFE_S = 1.0
@@ -152,15 +142,7 @@ class NicHost(ServeLoop):
         due = self._clocked | self._touched
         self._touched = set()
         ready = set()
-        events = self._poll.poll(0)
-        spin = spin_s(len(self.nics), bool(self._clocked), wait)
-        if not events and spin > 0:
-            spin_until = time.monotonic() + spin
-            while not events and time.monotonic() < spin_until:
-                events = self._poll.poll(0)
-        if not events and wait > 0:
-            events = self._poll.poll(wait / 1000.0)
-        for fd, _ in events:
+        for fd, _ in self._poll.poll(wait / 1000.0):
             owner = self._owner.get(fd)
             if owner is not None:
                 due.add(owner)
@@ -257,13 +239,6 @@ class NicHost(ServeLoop):
             board.close()
         for nic in self.nics:
             nic.close()
-
-
-def spin_s(nics: int, clocked: bool, wait_ms: float) -> float:
-    """Seconds a process hosting *nics* NICs polls without sleeping before it waits up to
-    *wait_ms* for traffic (SPIN_S): only while a NIC's clock runs (a collective, held
-    datagrams), only when it would sleep at all, and only with at most SPIN_MAX_NICS NICs."""
-    return SPIN_S if clocked and wait_ms > 0 and nics <= SPIN_MAX_NICS else 0.0
 
 
 def _raise_fd_limit(need: int) -> None:
