@@ -793,11 +793,12 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     # Every member's STARTED came (or a RESUME, or it was remembered before this node started);
     # past one repair period without, a STARTED may have been lost.
     members_started = cfg[CFG_STARTED] == _all_ranks(world)
-    waited_out = now - fcfg[F_START] > max(base_rto, REPAIR_MIN_S)
+    repair_s = max(base_rto, REPAIR_MIN_S)
+    waited_out = now - fcfg[F_START] > repair_s
     if (
         _awaits_started(cfg)
         and not members_started
-        and now - max(fcfg[F_START], fcfg[F_STARTED_ASKED]) > max(base_rto, REPAIR_MIN_S)
+        and now - max(fcfg[F_START], fcfg[F_STARTED_ASKED]) > repair_s
         and _room_for(tx_buf, tx_off, tx_len, tx_n, world)
     ):
         # Ask each member whose STARTED has not come for it, once a repair period: one that
@@ -940,17 +941,13 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     # be anywhere, and a stall then is start skew (a torus's steps, SPEC.md 4.2), not loss.
     # (Backing off a chunk whose owner answered BUSY made 30% loss fail a run: the owner got
     # it a moment later, and its reader waited out its backoff into the watchdog.)
-    if (
-        cfg[CFG_ALGO] != 1
-        and started_everywhere
-        and now - fcfg[F_LAST_PROGRESS] > max(base_rto, REPAIR_MIN_S)
-    ):
+    if cfg[CFG_ALGO] != 1 and started_everywhere and now - fcfg[F_LAST_PROGRESS] > repair_s:
         budget = window
         gather = cfg[CFG_ALGO] == ALGO_ALL_GATHER or cfg[CFG_ALGO] == ALGO_BROADCAST
         # A gather has no chain to prove its owners started: a block none of whose chunks came
         # and whose owner has not said DONE may be an owner that has not started (a torus's
         # all-gather waits for its slowest column, SPEC.md 4.2), READ only after a long stall.
-        long_stall = now - fcfg[F_LAST_ADVANCE] > REPAIR_GATHER_STALLS * max(base_rto, REPAIR_MIN_S)
+        long_stall = now - fcfg[F_LAST_ADVANCE] > REPAIR_GATHER_STALLS * repair_s
         heard_block = -1
         heard = False
         for c in range(cfg[CFG_CHUNKS]):
@@ -1134,9 +1131,9 @@ def _awaits_started(cfg):
     """A chained collective (all-reduce, reduce-scatter) whose originators start their chains
     once every member's STARTED came (descriptor flags bit 2, SPEC.md 4.1 "STARTED"), not at
     once: its members' starts are spread wider than a node holds early chains (5 ms), and an
-    early chain past that is answered BUSY. Dense only: sparse
-    mode's round of bitmaps proves the same. Without a group (a torus's column) the STARTEDs
-    go by unicast, one to each member."""
+    early chain past that is answered BUSY. Dense only: sparse mode's round of bitmaps proves
+    the same. Without a group (a torus's column) the STARTEDs go by unicast, one to each
+    member."""
     algo = cfg[CFG_ALGO]
     return (
         (algo == ALGO_ALL_REDUCE or algo == ALGO_REDUCE_SCATTER)
@@ -1154,17 +1151,12 @@ def _send_started(cfg, ring, tx, tx_n, to, txn):
     other member of a collective with a group by one multicast send, else to each by unicast
     (a torus's column has no group). The caller made room for one per member."""
     world = cfg[CFG_WORLD]
-    everyone = _all_ranks(world) & ~(np.int64(1) << cfg[CFG_RANK])
+    me = cfg[CFG_RANK]
+    if cfg[CFG_GROUP] != 0 and to == _all_ranks(world) & ~(np.int64(1) << me):
+        return _started_to(cfg, tx, tx_n, txn, np.uint64(cfg[CFG_GROUP]))  # one send for all
     for k in range(world):
-        bit = np.int64(1) << k
-        if k == cfg[CFG_RANK] or to & bit == 0:
-            continue
-        dst = np.uint64(ring[k])
-        if cfg[CFG_GROUP] != 0 and to == everyone:
-            dst = np.uint64(cfg[CFG_GROUP])
-        tx_n = _started_to(cfg, tx, tx_n, txn, dst)
-        if cfg[CFG_GROUP] != 0 and to == everyone:
-            break  # one send reached them all
+        if k != me and to & (np.int64(1) << k) != 0:
+            tx_n = _started_to(cfg, tx, tx_n, txn, np.uint64(ring[k]))
     return tx_n
 
 
