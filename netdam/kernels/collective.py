@@ -325,6 +325,11 @@ RTO_MAX_S = 0.1
 #: next turn), and timers shorter than that re-sent chains and READ chunks that were on their
 #: way (128 NICs x 1 MiB: 81-200 re-sends per 3 calls).
 HOST_TURNS_PER_RTO = 4
+#: The watchdog waits at least this many RTO floors without progress (_rto_bounds): a timer
+#: fires after one floor (two with backoff) and its answer comes within a turn or two. A 0.6 s
+#: stop of a process hosting 8 NICs raised their floor to 2.4 s, and a 2.5 s watchdog failed
+#: a torus that one re-ask would have finished (16 NICs, 1 element, SIGSTOP 0.5-0.8 s).
+WATCHDOG_MIN_RTOS = 3
 #: Re-ask a hop that answered BUSY after this long (seconds).
 BUSY_RETRY_S = 0.0005
 #: ``acked`` of a chain asked again after BUSY and not answered yet (0: in flight, 1: ACKed,
@@ -480,8 +485,8 @@ def open_tagged(co_cfg, b, ln, counters):
         op = b[H_OPCODE]
         if op == OP_CHAIN_ADD or op == OP_ALL_WRITE or op == OP_READ:
             return 2, k0, k1
-        if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_STARTED:
-            return 2, k0, k1  # remembered unchecked (coll_reply), as an early chunk's sender is
+        if op == OP_ACK and (rd64(b, H_AUX_ADDR) == AUX_STARTED or rd64(b, H_AUX_ADDR) == AUX_DONE):
+            return 2, k0, k1  # its sender remembered unchecked (coll_reply), as an early chunk's
         counters[C.DROP_COLL_EARLY] += 1
         return 0, k0, k1
     counters[C.DROP_STALE_EPOCH if phase == PHASE_STALE else C.DROP_COLL_FORGED] += 1
@@ -781,6 +786,9 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         # (each STARTED that comes is progress): a member that died before starting is named
         # as soon as it was then.
         deadline *= START_SKEW_STALLS
+    # ...and outlasts the timers: a NIC whose RTO covers long turns of its process (a host
+    # stall raised it, _rto_bounds) re-asks what it lacks at least once before it gives up.
+    deadline = max(deadline, WATCHDOG_MIN_RTOS * _rto_bounds(fcfg)[0])
     if cfg[CFG_FATAL] != 0 or now - fcfg[F_LAST_ADVANCE] > deadline:
         cfg[CFG_STATE] = STATE_FAILED
         if _room(tx_buf, tx_off, tx_len, tx_n):
@@ -883,11 +891,13 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     # (Sparse mode: every member's bitmap arrived, so every member has started.) A node that
     # starts no chain (none of its own, or an empty block: fewer elements than members) has
     # no such proof and relies on RESUME and repair.
-    started_everywhere = (
-        ob < 0 or cb[ob + 1] == cb[ob] or cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
-    )
+    proven = cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
+    started_everywhere = ob < 0 or cb[ob + 1] == cb[ob] or proven
     if _awaits_started(cfg):
-        started_everywhere = started_everywhere or members_started
+        # The members' STARTEDs are the proof, for a node with no chain of its own too: one
+        # READing before they came asked a member not started yet (1 element over 4, the
+        # last member 0.3 s late: 2 repair READs at each of two members, all answered BUSY).
+        started_everywhere = proven or members_started
     elif _announces_start(cfg):
         # A gather has no chain to prove its members started: their STARTEDs do. Spread to
         # the group before the last one came, a member drops it as early and RESUMEs, and the
@@ -1861,6 +1871,26 @@ def _coll_done_msg(b, src, co_cfg):
 
 
 @njit(cache=True, nogil=True)
+def _resume_asks_done(b, co_cfg):
+    """A member's RESUME of this node's collective and epoch: it started after this node's
+    datagrams reached it and dropped them as early, this node's DONE among them if this node
+    was ready by then. So a ready (or finished) node answers it with its DONE at the next
+    tick, as it answers a DONE question, where the member would otherwise ask only after its
+    RTO (which covers turns of its process: a host stall had raised it past the watchdog)."""
+    rank = rd32(b, H_SEQ)
+    if (
+        rd32(b, H_COLL_ID) != co_cfg[CFG_COLL]
+        or rd32(b, H_EPOCH) != co_cfg[CFG_EPOCH]
+        or rank >= co_cfg[CFG_WORLD]
+    ):
+        return
+    state = co_cfg[CFG_STATE]
+    ready = (co_cfg[CFG_PEERS_DONE] >> co_cfg[CFG_RANK]) & 1
+    if state == STATE_DONE or (state == STATE_RUNNING and ready):
+        co_cfg[CFG_CUR_ASK] |= np.int64(1) << rank
+
+
+@njit(cache=True, nogil=True)
 def _coll_bitmap_msg(b, ln, co_cfg, co_done, counters):
     """A member's per-chunk non-zero bitmap (sparse mode, SPEC.md 4.1): OR it in once; a request
     (txn_id 0) is answered with ours by the next tick, an answer (txn_id 1) proves the member
@@ -1901,13 +1931,17 @@ def coll_reply(b, ln, src, op, node):
         return False
     if (
         op == OP_ACK
-        and rd64(b, H_AUX_ADDR) == AUX_STARTED
+        and (rd64(b, H_AUX_ADDR) == AUX_STARTED or rd64(b, H_AUX_ADDR) == AUX_DONE)
         and coll_phase(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH)) == PHASE_NOT_STARTED
     ):
-        # A member started a gather this node has not: remembered as an early chunk's sender
-        # is, before any key check (the key is not known here yet). A forged one only lets
-        # this node spread before that member started, which then drops it and RESUMEs: the
-        # path of a gather without STARTEDs.
+        # A member started (or, ready at once, finished its part of) a collective this node
+        # has not: remembered as an early chunk's sender is, before any key check (the key is
+        # not known here yet), and RESUMEd when this node starts. A STARTED then counts; a
+        # DONE is dropped, and the RESUME asks for it again (_resume_asks_done). A forged one
+        # only costs a RESUME to a member's address, or lets this node spread before that
+        # member started, which then drops it and RESUMEs: the path without STARTEDs.
+        if rd64(b, H_AUX_ADDR) == AUX_DONE:
+            counters[C.DROP_COLL_EARLY] += 1
         _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src)
         return True
     if rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != STATE_IDLE:
@@ -1924,6 +1958,8 @@ def coll_reply(b, ln, src, op, node):
     if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_BITMAP:
         _coll_bitmap_msg(b, ln, co_cfg, co_done, counters)
         return True
+    if op == OP_ACK and rd64(b, H_AUX_ADDR) == AUX_RESUME:
+        _resume_asks_done(b, co_cfg)
     if (
         co_cfg[CFG_STATE] != STATE_RUNNING
         or coll_phase(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH)) != PHASE_RUNNING

@@ -32,6 +32,7 @@ from netdam.protocol.payloads import (
     Algo,
     CollectiveDescriptor,
     unpack_completion,
+    unpack_completion_phases,
 )
 from netdam.protocol.tag import verify as tag_verify
 
@@ -591,6 +592,60 @@ def test_a_lost_started_is_asked_for_and_the_chains_go(rng: np.random.Generator)
     assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
     assert _busy_nacks(out) == 0
     assert out.cluster.fabric.now >= L.REPAIR_MIN_S  # member 0 waited a repair period, then asked
+
+
+@pytest.mark.parametrize("algo", [Algo.REDUCE_SCATTER, Algo.ALL_REDUCE])
+def test_a_member_that_starts_after_the_others_are_ready_gets_their_done_at_once(
+    algo: Algo,
+) -> None:
+    """One element over 4 members (a torus's warm-up call): members 0-2 own empty blocks, so
+    they are ready the moment they start, and their DONEs reach member 3 before it starts:
+    dropped there as early. Member 3's RESUME (their STARTEDs came early) asks for them again,
+    so it completes at once. Before, it asked only after a retransmission timeout (50 ms
+    here); at 16 and 128 NICs a host stall had raised that timeout (4 turns of its process)
+    past the watchdog, and the torus failed (docs/PERFORMANCE.md)."""
+    inputs = [np.full(1, rank + 1, np.float32) for rank in range(4)]
+    out = run(4, inputs, algo=algo, multicast=True, flags=FLAG_AWAIT_STARTED, late={3: 60})
+    assert out.outputs[3][0] == 10.0
+    phases = unpack_completion_phases(out.replies[3].payload)
+    assert phases is not None and phases.done_us < 1_000 * L.RTO_MIN_S * 1_000 / 2
+    totals = np.sum([node.counters for node in out.cluster.nodes], axis=0)
+    assert totals[C.RETRANSMITS] == 0
+
+
+def test_the_watchdog_outlasts_timers_that_cover_long_host_turns() -> None:
+    """Member 3's process took 0.7 s turns (a stop): its timers cover 4 of them, 2.8 s, past
+    its 2.5 s watchdog. With its RESUME lost, it asks members 0-2 for the DONEs it dropped as
+    early only when that RTO runs out; the watchdog waits 3 RTO floors there
+    (WATCHDOG_MIN_RTOS), so the question is asked and answered, and the call completes."""
+    inputs = [np.full(1, rank + 1, np.float32) for rank in range(4)]
+    cluster = make_cluster(4, memory=MEMORY)
+    cluster.nodes[3].collective.set_host_turn(0.7)
+    resumes: list[bytes] = []
+
+    def lose_3s_resumes(src: Endpoint, dst: Endpoint, data: bytes) -> bool:
+        packet = decode_packet(data)
+        if src == cluster.endpoints[3] and packet.aux_addr == L.AUX_RESUME:
+            resumes.append(data)
+            return packet.opcode == Opcode.ACK
+        return False
+
+    cluster.fabric.drop_if = lose_3s_resumes
+    out = run(
+        4,
+        inputs,
+        algo=Algo.REDUCE_SCATTER,
+        multicast=True,
+        flags=FLAG_AWAIT_STARTED,
+        late={3: 60},
+        cluster=cluster,
+        timeout_ms=2_500,
+    )
+    assert resumes, "member 3 sent no RESUME to lose"
+    assert [reply.opcode for reply in out.replies] == [Opcode.ACK] * 4
+    assert out.outputs[3][0] == 10.0
+    phases = unpack_completion_phases(out.replies[3].payload)
+    assert phases is not None and phases.done_us >= 4 * 0.7 * 1e6
 
 
 @pytest.mark.parametrize("sender", ["outsider", "member without the key", "member"])
