@@ -574,7 +574,7 @@ def _send_read(cfg, ring, bounds, cb, c, tx, tx_n):
 
 
 @njit(cache=True, nogil=True)
-def _notify(cfg, fcfg, status, done, tx, tx_n):
+def _notify(cfg, fcfg, status, done, cb, tx, tx_n):
     """Tell the host the collective ended: ACK (or NACK with *status*) echoing its START_COLL ids,
     aux_addr = 1. Payload, u64 LE each: retransmits and repair READs (ACK), or the first and last
     chunk still missing here (NACK), so the host can name what it waited for. An ACK adds the
@@ -594,7 +594,13 @@ def _notify(cfg, fcfg, status, done, tx, tx_n):
         first = cfg[CFG_RETRANSMITS]
         last = cfg[CFG_READS]
     else:
-        for c in range(cfg[CFG_CHUNKS]):
+        # The chunks this node needs: a reduce-scatter's own block only (the others' never
+        # come here, and naming one sent its host looking for the wrong member).
+        lo, hi = 0, cfg[CFG_CHUNKS]
+        own = cfg[CFG_OWN_BLOCK]
+        if cfg[CFG_ALGO] == ALGO_REDUCE_SCATTER and own >= 0:
+            lo, hi = cb[own], cb[own + 1]
+        for c in range(lo, hi):
             if done[c] == 0:
                 if first < 0:
                     first = c
@@ -794,7 +800,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         if _room(tx_buf, tx_off, tx_len, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
             _trace_phase(trace, now, cfg, PH_FAILED, status)
-            tx_n = _notify(cfg, fcfg, status, done, tx, tx_n)
+            tx_n = _notify(cfg, fcfg, status, done, cb, tx, tx_n)
         return tx_n
     ob = cfg[CFG_ORIG_BLOCK]
     base_rto = fcfg[F_BASE_RTO] if fcfg[F_BASE_RTO] > 0.0 else fcfg[F_RTO]
@@ -1027,7 +1033,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
             _trace_phase(trace, fcfg[F_T_CHAINS], cfg, PH_CHAINS, 0)
             _trace_phase(trace, fcfg[F_T_CHUNKS], cfg, PH_CHUNKS, 0)
             _trace_phase(trace, now, cfg, PH_DONE, 0)
-            tx_n = _notify(cfg, fcfg, 0, done, tx, tx_n)
+            tx_n = _notify(cfg, fcfg, 0, done, cb, tx, tx_n)
             _trace_phase(trace, now, cfg, PH_COMPLETE, 0)
     return tx_n
 
