@@ -15,7 +15,9 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
@@ -179,7 +181,32 @@ def _serve_main(create: Callable[[], P], ready_line: Callable[[P], str], with_pa
         log.exception("serving failed")
         raise
     log.info("stopped")
+    remove_empty_log()
     return 0
+
+
+def remove_empty_log() -> None:
+    """Remove this process's log file when it is still empty at a clean exit: its launcher
+    removes it when it stops the cluster, but a launcher that was killed (`netdam up` under
+    SIGKILL, whose nodes stop with it) never does, and each such run left two empty
+    ``netdam-*.log`` files in the temporary directory. Only the file stderr is (the same inode),
+    only a regular ``.log`` file there, only when empty: a log that says something stays."""
+    try:
+        name = os.readlink("/proc/self/fd/2")
+        held = os.fstat(2)
+        path = os.path.realpath(name)
+        found = os.stat(path)
+    except OSError:
+        return  # no /proc, stderr is no file, or it is gone
+    if (
+        stat.S_ISREG(held.st_mode)
+        and (held.st_dev, held.st_ino) == (found.st_dev, found.st_ino)
+        and held.st_size == 0
+        and path.endswith(".log")
+        and os.path.dirname(path) == os.path.realpath(tempfile.gettempdir())
+    ):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class ServeLoop:

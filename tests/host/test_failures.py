@@ -21,8 +21,8 @@ from netdam.api import all_reduce as api_all_reduce
 from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
 from netdam.cluster.clusterfile import load_cluster, load_switch_entry
 from netdam.cluster.control import ControlClient
+from netdam.cluster.launch import node_log, start_cluster, start_pool_cluster, start_switch
 from netdam.cluster.launch import process_alive as alive
-from netdam.cluster.launch import start_cluster, start_pool_cluster, start_switch
 from netdam.protocol.constants import RIGHTS_ALL
 from netdam.switch.controller import PoolController
 
@@ -212,10 +212,14 @@ def test_up_with_switch_leaves_nothing_behind(tmp_path: Path, how: signal.Signal
     assert switch is not None
     pids = [n.pid for n in info.nodes] + [switch.pid]
     files = [n.memory_file for n in info.nodes]
+    logs = [node_log(info.name, n.rank) for n in info.nodes]
+    assert any(log.exists() for log in logs), "the nodes' logs are not where node_log says"
     proc.send_signal(how)
     proc.wait(timeout=30)
     assert wait_gone(pids) == [], f"left running after {how.name}"
     assert not any(Path(f).exists() for f in files), f"memory files left after {how.name}"
+    # Empty: the nodes remove them as they stop (a killed `netdam up` never does).
+    assert not any(log.exists() for log in logs), f"logs left after {how.name}"
 
 
 @pytest.mark.slow
