@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import resource
 import select
 import socket
@@ -45,6 +46,16 @@ ROUNDS_PER_NIC = 4
 #: Longest wait for traffic while some NIC runs a clock: a collective's engine ticks at least
 #: every millisecond (netdam.kernels.serve waits at most 1 ms while one runs, likewise).
 CLOCK_WAIT_MS = 1
+#: How long a process hosting a few NICs polls their sockets without sleeping while a
+#: collective runs, before it sleeps: on 2 cores the next datagram of a hop often comes within
+#: tens of microseconds, and a process asleep in epoll then pays a wake-up on a busy core. Only
+#: in a process of at most SPIN_MAX_NICS NICs (past that it has traffic queued most of the
+#: time, and its spinning takes the core the other node process needs: 128 x 1 MiB took
+#: 0.18-0.23 s a call against 0.17-0.19 s), and only while the cluster's node processes on this
+#: machine are no more than its cores (8 NICs in 4 processes on 2 cores took 3.8-3.9 ms a call
+#: against 2.8-3.0 ms). docs/PERFORMANCE.md has the measurements.
+SPIN_S = 200e-6
+SPIN_MAX_NICS = 8
 #: Half-life of the longest turn the NICs' timers remember (seconds): a long turn keeps the
 #: timers up across the lull between a torus's steps, and the next call's start.
 TURN_HALF_LIFE_S = 1.0
@@ -142,7 +153,15 @@ class NicHost(ServeLoop):
         due = self._clocked | self._touched
         self._touched = set()
         ready = set()
-        for fd, _ in self._poll.poll(wait / 1000.0):
+        events = self._poll.poll(0)
+        spin = spin_s(len(self.nics), bool(self._clocked), wait, self._board_processes, _CORES)
+        if not events and spin > 0:
+            spin_until = time.monotonic() + spin
+            while not events and time.monotonic() < spin_until:
+                events = self._poll.poll(0)
+        if not events and wait > 0:
+            events = self._poll.poll(wait / 1000.0)
+        for fd, _ in events:
             owner = self._owner.get(fd)
             if owner is not None:
                 due.add(owner)
@@ -199,6 +218,9 @@ class NicHost(ServeLoop):
         #: it read there last. A due time, not a difference of clock readings compared with the
         #: period, which rounding made miss the period by an ulp on some clock values.
         self._board_due, self._board_longest = -math.inf, 0.0
+        #: Node processes of the cluster on this machine, as the board said last (this one
+        #: alone until it is read).
+        self._board_processes = 1
 
     def _note_turn(self, took: float, now: float) -> None:
         """A pass over the NICs took *took* seconds: a datagram for a NIC whose turn had passed
@@ -212,6 +234,7 @@ class NicHost(ServeLoop):
             if now >= self._board_due:
                 self._board_due = now + BOARD_PERIOD_S
                 self._board_longest = self.board.longest(now, TURN_HALF_LIFE_S)
+                self._board_processes = self.board.processes()
             covered = max(covered, self._board_longest)
         if abs(covered - self._turn_told) > TURN_CHANGE * self._turn_told:
             for nic in self.nics:
@@ -239,6 +262,19 @@ class NicHost(ServeLoop):
             board.close()
         for nic in self.nics:
             nic.close()
+
+
+def spin_s(nics: int, clocked: bool, wait_ms: float, processes: int, cores: int) -> float:
+    """Seconds a process hosting *nics* NICs polls without sleeping before it waits up to
+    *wait_ms* for traffic (SPIN_S): only while a NIC's clock runs (a collective, held
+    datagrams), only when it would sleep at all, only with at most SPIN_MAX_NICS NICs, and only
+    while the cluster's node processes here (*processes*) are no more than the *cores*."""
+    spins = clocked and wait_ms > 0 and nics <= SPIN_MAX_NICS and processes <= cores
+    return SPIN_S if spins else 0.0
+
+
+#: The cores this process may run on (its affinity, else the machine's).
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _raise_fd_limit(need: int) -> None:

@@ -108,6 +108,11 @@ class TurnBoard:
         published = float((seconds[live] * 0.5 ** (age / half_life_s)).max())
         return max(running, published)
 
+    def processes(self) -> int:
+        """How many node processes of the cluster have published here (each writes the row of
+        its first NIC's rank): those sharing this machine's cores with this one."""
+        return max(int(np.count_nonzero(self._rows[:, 1] > 0.0)), 1)
+
     def close(self) -> None:
         """Unmap and remove the file (the other processes keep their mappings)."""
         del self._rows

@@ -22,6 +22,7 @@ from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import placement, start_cluster
 from netdam.protocol import counters as C
 from netdam.protocol.constants import ReduceOp
+from netdam.shell import nic_host
 from netdam.tools.allreduce import reference_chain_allreduce
 
 
@@ -43,6 +44,21 @@ def test_placement_spreads_nics_over_one_process_per_core() -> None:
     assert placement(256, 1) == 1
     with pytest.raises(ValueError, match="at least 1"):
         placement(4, 0)
+
+
+def test_a_process_of_a_few_nics_spins_only_while_a_collective_runs() -> None:
+    """A process hosting at most SPIN_MAX_NICS NICs polls SPIN_S without sleeping before it
+    waits, and only while a NIC's clock runs, it would wait at all, and the cluster's node
+    processes here fit the cores: an idle process never spins, and one of many NICs, or one of
+    more processes than cores, leaves the core to the others (docs/PERFORMANCE.md)."""
+    spin = nic_host.spin_s
+    assert spin(4, clocked=True, wait_ms=1, processes=2, cores=2) == nic_host.SPIN_S > 0
+    assert spin(nic_host.SPIN_MAX_NICS, True, 1, 2, 2) == nic_host.SPIN_S
+    assert spin(nic_host.SPIN_MAX_NICS + 1, True, 1, 2, 2) == 0.0
+    assert spin(2, True, 1, processes=4, cores=2) == 0.0
+    assert spin(4, clocked=False, wait_ms=1000, processes=1, cores=2) == 0.0
+    assert spin(4, clocked=True, wait_ms=0, processes=1, cores=2) == 0.0
+    assert nic_host.SPIN_S < nic_host.CLOCK_WAIT_MS / 1000  # a spin never outlasts the wait
 
 
 @pytest.mark.parametrize("per", [3, 1])

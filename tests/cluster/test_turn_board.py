@@ -36,6 +36,23 @@ def test_each_process_sees_the_longest_pass_any_published(tmp_path: Path) -> Non
     assert not first.path.exists()
 
 
+def test_the_board_counts_the_processes_that_published(tmp_path: Path) -> None:
+    """Each node process writes the row of its first NIC's rank: the rows written are the
+    cluster's node processes on this machine (nic_host spins only while they fit the cores)."""
+    first = TurnBoard.open(tmp_path, MEMBERS, 4, 0)
+    second = TurnBoard.open(tmp_path, MEMBERS, 4, 2)
+    assert first is not None and second is not None
+    try:
+        assert first.processes() == 1  # none yet: this process at least
+        first.publish(0.01, 10.0)
+        assert second.processes() == 1
+        second.publish(0.02, 10.0)
+        assert first.processes() == second.processes() == 2
+    finally:
+        first.close()
+        second.close()
+
+
 def _board_path(tmp_path: Path) -> Path:
     """Where the cluster's board lives (nothing there now): what an attacker plants."""
     board = TurnBoard.open(tmp_path, MEMBERS, 4, 0)

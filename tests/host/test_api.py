@@ -331,9 +331,9 @@ def test_a_repeated_all_reduce_starts_in_the_nodes_datapath(groups: list[api.Pro
         assert all(b.tobytes() == want.tobytes() for b in bufs)
     grown = [b - a for a, b in zip(before, punted(), strict=True)]
     # A node's control plane takes a START_COLL when the slot's row of tags is full (one in
-    # TAKEN_SLOTS + 1), and when it comes in the serve round that ended the call before, whose
-    # key goes one round after (SPEC.md 4.1): on a loaded machine (the suite on 2 cores) 1-3
-    # calls of 51 more on a node, run to run. Without the restart every call would go there.
+    # TAKEN_SLOTS + 1), and when its slot has not ended yet (a START_COLL that overtook the
+    # last DONE of the call before, SPEC.md 4.1): on a loaded machine (the suite on 2 cores) a
+    # few more of 51 on a node, run to run. Without the restart every call would go there.
     assert all(g <= calls // 4 for g in grown), grown
 
 
