@@ -1152,12 +1152,20 @@ class Work(Call):
         per_packet = max_elements(group.cluster.mtu, self.dtype, segments=max(world - 1, 0))
         cb = chunk_bounds(self.algo, self.count, world, 0, per_packet)
         if first >= int(cb[-1]):
+            # The second word then names the members whose DONE had not come (SPEC.md 4.1).
+            silent = [r for r in range(world) if (last >> r) & 1]
+            names = [
+                f"rank {group.members[r]} ({node.address}:{node.port})"
+                for r in silent
+                for node in (group.cluster.nodes[group.members[r]],)
+            ]
             return {
-                "node": None,
-                "rank": None,
+                "node": names[0].split(" (")[1][:-1] if names else None,
+                "rank": group.members[silent[0]] if silent else None,
                 "block": None,
                 "seq_range": None,
-                "detail": "every chunk is here: waiting for other members' DONE",
+                "detail": "every chunk is here: waiting for the DONE of "
+                + (", ".join(names) if names else "other members"),
             }
         block = int(np.searchsorted(cb, first, side="right") - 1)
         node = group.cluster.nodes[group.members[block]]

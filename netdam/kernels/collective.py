@@ -605,6 +605,12 @@ def _notify(cfg, fcfg, status, done, cb, tx, tx_n):
                 if first < 0:
                     first = c
                 last = c
+        if first < 0:
+            # Every chunk is here: the members whose DONE has not come, so the host can name
+            # whom this node waited for (bit r: group rank r).
+            last = (
+                _all_ranks(cfg[CFG_WORLD]) & ~cfg[CFG_PEERS_DONE] & ~(np.int64(1) << cfg[CFG_RANK])
+            )
     o_first = HDR + (CPL_CHAINS_RESENT if status == 0 else CPL_FIRST_MISSING)
     o_last = HDR + (CPL_REPAIR_READS if status == 0 else CPL_LAST_MISSING)
     for k in range(8):
@@ -1947,8 +1953,12 @@ def coll_reply(b, ln, src, op, node):
         # only costs a RESUME to a member's address, or lets this node spread before that
         # member started, which then drops it and RESUMEs: the path without STARTEDs.
         if rd64(b, H_AUX_ADDR) == AUX_DONE:
+            # Never at the cost of another collective's refused originators: without the
+            # RESUME, this member asks for the DONE after its RTO, as before.
             counters[C.DROP_COLL_EARLY] += 1
-        _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src)
+            _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src, False)
+        else:
+            _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src)
         return True
     if rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != STATE_IDLE:
         # Replies and DONEs of this collective carry its key (chain ACKs and NACKs echo the

@@ -650,14 +650,17 @@ def test_the_watchdog_outlasts_timers_that_cover_long_host_turns() -> None:
 
 def test_a_failed_reduce_scatter_names_only_the_chunks_its_node_needs() -> None:
     """One element over 4, member 2 never starts: member 3 lacks the one chunk (its own block);
-    members 0 and 1 own empty blocks and lack nothing but member 2's DONE, which their failure
-    says (no chunk: all ones), where it named chunk 0, member 3's, as missing at theirs."""
+    members 0 and 1 own empty blocks and lack nothing but DONEs, which their failure says (no
+    chunk: all ones, then the members whose DONE had not come), where it named chunk 0,
+    member 3's, as missing at theirs."""
     inputs = [np.full(1, rank + 1, np.float32) for rank in range(4)]
     out = run(4, inputs, algo=Algo.REDUCE_SCATTER, late={2: None}, timeout_ms=200)
     none = (1 << 64) - 1
     missing = {rank: unpack_completion(out.replies[k].payload) for k, rank in enumerate((0, 1, 3))}
     assert all(reply.opcode == Opcode.NACK for reply in out.replies)
-    assert missing == {0: (none, none), 1: (none, none), 3: (0, 0)}
+    # Both lack the DONEs of 2 (never started) and 3 (not ready); member 1 lacks member 0's
+    # too (its chain, through member 2, was never ACKed): the bits of those group ranks.
+    assert missing == {0: (none, 0b1100), 1: (none, 0b1101), 3: (0, 0)}
 
 
 @pytest.mark.parametrize("sender", ["outsider", "member without the key", "member"])
