@@ -453,6 +453,7 @@ class ProcessGroup:
             # A named job's keys, coll_ids and arena keys are its own (SPEC.md 4.1, "Jobs").
             self._secret = derive(self._secret, "job", self.job)[:16]
         self.coll_id = group_coll_id(self._secret, self.members, 0)
+        self.epoch = self._settled_epoch()
         self._calls = CallQueue(self.client.client_id, LANES, self.client.encode)
         #: The arena's rkey on this rank's node; ring-host's WRITEs use the next rank's.
         self.arena_rkey = self.arena_key_of(self.rank)
@@ -569,6 +570,33 @@ class ProcessGroup:
         """Where control requests go: the node's management port."""
         return self.cluster.nodes[self.global_rank].control_endpoint
 
+    def _settled_epoch(self) -> int:
+        """The highest epoch of this group's ``coll_id`` any member's node settled
+        (COUNTERS_EPOCH, SPEC.md 6.5, "Epochs"), asked when the group is made: its first call
+        goes on from there. Each rank's own node's STALE_EPOCH alone told the ranks different
+        epochs where an earlier job's failed call had started on some members' nodes and not on
+        others' (a node process stopped past the watchdog): the ranks then never met in one
+        epoch again, and every later job on the cluster failed. Members that do not answer in
+        time count for nothing. Asked once per ``coll_id`` while this process makes its ranks'
+        groups (a driver playing 256 ranks makes 16 of each row's), again once it has started
+        that group's collectives. A group past max_chain ranks runs none of its own (its
+        torus's sub-groups do) and asks nothing."""
+        if not 1 < len(self.members) <= self.max_chain:
+            return 0
+        key = (self._secret, self.coll_id)
+        known = _SETTLED.get(key)
+        if known is not None:
+            return known
+        nodes = [self.cluster.nodes[m].control_endpoint for m in self.members]
+        try:
+            with ControlClient.for_cluster(self.cluster) as client:
+                epochs = client.settled_epochs(nodes, self.coll_id, SETTLED_WAIT_S)
+        except OSError:
+            return 0
+        settled = max(epochs.values(), default=0)
+        _SETTLED[key] = settled
+        return settled
+
     def new_group(self, ranks: Sequence[int]) -> ProcessGroup | NonGroupMember:
         """torch.distributed.new_group: a group of the cluster ranks *ranks* (group rank k is
         the k-th smallest). Every rank of the cluster calls it with the same ranks, in the same
@@ -597,7 +625,7 @@ class ProcessGroup:
         group.rank = members.index(self.global_rank)
         group.coll_id = group_coll_id(self._secret, members, number)
         group.lane = 1 + (number - 1) % (LANES - 1)
-        group.epoch = 0
+        group.epoch = group._settled_epoch()
         group._epoch_settled = False
         group.multicast = False
         group._closed = False
@@ -739,6 +767,10 @@ class ProcessGroup:
                 "over more as a torus of chains, the others need groups of at most "
                 f"{self.max_chain} (new_group)"
             )
+        if not self._epoch_settled:
+            # This process starts the group's collectives now: a group made after this asks
+            # the nodes again (_settled_epoch).
+            _SETTLED.pop((self._secret, self.coll_id), None)
         self.epoch += 1
         dtype = wire_dtype(array)
         watchdog = self.watchdog_s(count, dtype)
@@ -1484,6 +1516,12 @@ class _ProgressHub:
 
 
 _HUB = _ProgressHub()
+#: The settled epoch of each (secret, coll_id) this process asked the nodes for, until it
+#: starts that group's collectives (ProcessGroup._settled_epoch).
+_SETTLED: dict[tuple[bytes, int], int] = {}
+#: How long a new group waits for each member's node to say its settled epoch (seconds; asked
+#: twice): a stopped node costs a group made then at most twice this.
+SETTLED_WAIT_S = 0.25
 
 
 def _process_state(node: NodeEntry) -> str:

@@ -316,6 +316,10 @@ def max_elements(mtu: int, dtype: DType, segments: int = 0) -> int:
 #: COUNTERS with this ``aux_addr`` asks for the NIC's trace ring instead of its counters, from
 #: record number ``addr`` on (SPEC.md 6.7).
 COUNTERS_TRACE = 1
+#: COUNTERS with this ``aux_addr`` asks for the last epoch of collective ``coll_id`` this node
+#: settled: the last it started, less one while that one still runs (SPEC.md 6.5, "Epochs").
+#: A host starting a new group asks every member's node and goes on from the highest.
+COUNTERS_EPOCH = 2
 #: Most records one trace reply carries: the reply payload stays within 8192 bytes
 #: (24 + 170 * 48 = 8184), the largest payload of any datagram (MAX_PAYLOAD_BYTES).
 TRACE_RECORDS_PER_REPLY = 170

@@ -20,6 +20,7 @@ from netdam.cluster.clusterfile import ClusterFile
 from netdam.cluster.tenants import TenantKeys, tenant_keys_of
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    COUNTERS_EPOCH,
     COUNTERS_TRACE,
     POOL_OPCODES,
     REGISTER_ANYWHERE,
@@ -293,6 +294,47 @@ class ControlClient:
                 f"COUNTERS reply from {node[0]}:{node[1]} has {values.shape[0]} values"
             )
         return values[: C.NUM_COUNTERS]  # a switch's reply goes on with its own sections
+
+    def settled_epochs(
+        self, nodes: Sequence[Endpoint], coll_id: int, timeout: float = 0.5, retries: int = 1
+    ) -> dict[int, int]:
+        """The last epoch of collective *coll_id* each of *nodes* settled (the admin's COUNTERS
+        with ``aux_addr`` COUNTERS_EPOCH, SPEC.md 6.5, "Epochs"), asked of all at once; by index
+        into *nodes*, for those that answered in time under this cluster's admin tag (a node
+        that predates the question answers BAD_FIELD and is left out, as a silent one is)."""
+        epochs: dict[int, int] = {}
+        txns: dict[int, int] = {}
+        data: dict[int, bytes] = {}
+        key = None
+        for k in range(len(nodes)):
+            txn = next(self._txn) & 0xFFFFFFFF
+            packet = Packet(
+                Opcode.COUNTERS, rkey=self.admin_key, coll_id=coll_id, aux_addr=COUNTERS_EPOCH
+            )
+            sealing = self.sealing(packet)
+            key = sealing[0] if sealing is not None else None
+            txns[txn] = k
+            data[k] = self.encode(_with_ids(packet, self.client_id, txn))
+        answered: set[int] = set()
+        for _attempt in range(retries + 1):
+            waiting = [k for k in range(len(nodes)) if k not in answered]
+            if not waiting:
+                break
+            for k in waiting:
+                self.sock.sendto(data[k], nodes[k])
+            for raw, reply in self._replies(time.monotonic() + timeout):
+                k = txns.get(reply.txn_id, -1) if reply.client_id == self.client_id else -1
+                if k < 0 or k in answered:
+                    continue
+                if key is not None and not _verify_control(key, raw):
+                    self.unsealed += 1
+                    continue
+                answered.add(k)
+                if reply.opcode == Opcode.ACK:
+                    epochs[k] = int(reply.aux_addr)
+                if len(answered) == len(nodes):
+                    break
+        return epochs
 
     def trace_page(self, node: Endpoint, first: int, timeout: float = 1.0) -> TracePage:
         """Records of *node*'s trace ring from number *first* on (SPEC.md 6.7): the admin's

@@ -174,6 +174,16 @@ class CollectiveSlots:
         """The epoch a STALE_EPOCH answer names for *coll_id*: its last one started here."""
         return self.last_epoch(coll_id) or 0
 
+    def settled_epoch_of(self, coll_id: int) -> int:
+        """The last epoch of *coll_id* settled here (COUNTERS_EPOCH): the last one started, less
+        one while that one still runs, since a member that asks then may not have started it
+        yet and must still start it (SPEC.md 6.5, "Epochs"); 0 when none is remembered."""
+        last = self.last_epoch(coll_id) or 0
+        engine = self.engine_of(coll_id)
+        if last and engine is not None and engine.running and int(engine.cfg[L.CFG_EPOCH]) == last:
+            return last - 1
+        return last
+
     def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
         engine = self.engine_of(packet.coll_id)
         return engine.final_reply(packet, src) if engine is not None else None

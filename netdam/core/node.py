@@ -39,6 +39,7 @@ from netdam.kernels.state import TXQ_TAIL, DupWindow, Kept, NodeState, Regions, 
 from netdam.kernels.wire import install_rkey, uninstall_rkey
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    COUNTERS_EPOCH,
     COUNTERS_TRACE,
     DEFAULT_MTU,
     DUP_REPLY_BYTES,
@@ -751,6 +752,9 @@ class NodeCore(CoreBase):
     def _on_counters(self, packet: Packet, src: int) -> None:
         if packet.aux_addr == COUNTERS_TRACE:
             self._reply(packet, src, Opcode.ACK, payload=self.trace_records(packet.addr))
+        elif packet.aux_addr == COUNTERS_EPOCH:
+            epoch = self.collective.settled_epoch_of(packet.coll_id)
+            self._reply(packet, src, Opcode.ACK, aux_addr=epoch)
         elif packet.aux_addr != 0:
             self._reply(packet, src, Opcode.NACK, Status.BAD_FIELD)
         else:

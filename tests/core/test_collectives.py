@@ -17,6 +17,7 @@ from netdam.core.faults import FaultSpec
 from netdam.kernels import collective as L
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    COUNTERS_EPOCH,
     NUMPY_DTYPE,
     DType,
     Flags,
@@ -661,6 +662,53 @@ def test_a_failed_reduce_scatter_names_only_the_chunks_its_node_needs() -> None:
     # Both lack the DONEs of 2 (never started) and 3 (not ready); member 1 lacks member 0's
     # too (its chain, through member 2, was never ACKed): the bits of those group ranks.
     assert missing == {0: (none, 0b1100), 1: (none, 0b1101), 3: (0, 0)}
+
+
+def _settled_epoch_ask(cluster: Cluster, rank: int, rkey: int = ADMIN_KEY) -> None:
+    """COUNTERS with aux_addr COUNTERS_EPOCH for collective 3 (run's coll_id) to *rank*'s node."""
+    packet = Packet(
+        Opcode.COUNTERS,
+        rkey=rkey,
+        client_id=7,
+        txn_id=100 + rank,
+        coll_id=3,
+        aux_addr=COUNTERS_EPOCH,
+    )
+    cluster.send(rank, packet)
+
+
+def test_a_node_tells_the_last_epoch_of_a_collective_it_settled() -> None:
+    """COUNTERS_EPOCH (SPEC.md 6.5, "Epochs"): the last epoch of the collective a node started,
+    less one while it still runs (a member asking then may not have started it yet); 0 for
+    one it never ran. Member 0 alone starts epoch 1 (the others never do): asked while it
+    runs, its node says 0; after its watchdog, 1; the others' say 0. So a new group's ranks,
+    which take the highest their members' nodes say, all go on to epoch 2. Only the admin's
+    question is answered."""
+    inputs = [np.ones(100, np.float32) for _ in range(4)]
+    cluster = make_cluster(4, memory=MEMORY)
+
+    def ask_while_running(cluster: Cluster, round_: int) -> None:
+        if round_ == 3:
+            _settled_epoch_ask(cluster, 0)
+
+    run(
+        4,
+        inputs,
+        cluster=cluster,
+        late={1: None, 2: None, 3: None},
+        timeout_ms=200,
+        on_round=ask_while_running,
+    )
+    while_running = [decode_packet(data) for data, _ in cluster.fabric.receive(cluster.client)]
+    for rank in range(4):
+        _settled_epoch_ask(cluster, rank)
+    _settled_epoch_ask(cluster, 0, rkey=RKEY)  # not the admin's key
+    cluster.fabric.run_until_idle()
+    after = [decode_packet(data) for data, _ in cluster.fabric.receive(cluster.client)]
+    assert [(p.opcode, p.aux_addr) for p in while_running] == [(Opcode.ACK, 0)]
+    answers = {p.txn_id - 100: p.aux_addr for p in after if p.opcode == Opcode.ACK}
+    assert answers == {0: 1, 1: 0, 2: 0, 3: 0}
+    assert [p.status for p in after if p.opcode == Opcode.NACK] == [Status.UNAUTHORIZED]
 
 
 @pytest.mark.parametrize("sender", ["outsider", "member without the key", "member"])

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import load_example
 
-from netdam.api import ProcessGroup
+from netdam.api import CollectiveError, ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
 from netdam.clients.pool import PoolClient, PoolError, tag_keys_of
 from netdam.cluster.clusterfile import load_cluster, load_switch_entry
@@ -276,6 +276,37 @@ def test_a_new_group_never_reruns_an_old_epoch(tmp_path: Path) -> None:
             expected = np.full(1000, 3 + 20 * attempt, np.float32)
             assert all(np.array_equal(b, expected) for b in buffers), (attempt, buffers[0][:3])
             assert groups[0].epoch == attempt + 1
+            for group in groups:
+                group.close()
+
+
+def test_a_new_group_agrees_on_its_epoch_after_a_call_only_some_nodes_started(
+    tmp_path: Path,
+) -> None:
+    """Ranks 0 and 1 start an all-reduce that ranks 2 and 3 never join: it fails on the
+    watchdog, and their nodes have run epoch 1 while 2's and 3's have not. A new set of groups
+    (a new job) must still meet in one epoch: each rank asks every member's node for the last
+    epoch it settled (COUNTERS_EPOCH, SPEC.md 6.5, "Epochs") and goes on from the highest, so all
+    four run epoch 2 and the result is exact. Before, ranks 0 and 1 moved to epoch 2 on their
+    nodes' STALE_EPOCH while 2 and 3 ran epoch 1, and every later call timed out."""
+    with start_cluster(4, memory=4 << 20, cluster_path=tmp_path / "c.toml") as cluster:
+        partial = [ProcessGroup(cluster.info, rank, timeout_s=0.3) for rank in range(4)]
+        half = [np.ones(1000, np.float32) for _ in range(2)]
+        works = [api_all_reduce(half[r], group=partial[r], async_op=True) for r in range(2)]
+        for work in works:
+            with pytest.raises(CollectiveError):
+                work.wait()
+        for group in partial:
+            group.close()
+        groups = [ProcessGroup(cluster.info, rank, timeout_s=2.0) for rank in range(4)]
+        try:
+            buffers = [np.full(1000, rank + 1, np.float32) for rank in range(4)]
+            works = [api_all_reduce(b, group=g, async_op=True) for b, g in zip(buffers, groups)]
+            for work in works:
+                work.wait()
+            assert all(np.array_equal(b, np.full(1000, 10, np.float32)) for b in buffers)
+            assert [g.epoch for g in groups] == [2, 2, 2, 2]
+        finally:
             for group in groups:
                 group.close()
 
