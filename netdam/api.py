@@ -1185,15 +1185,11 @@ class Work(Call):
         cb = chunk_bounds(self.algo, self.count, world, 0, per_packet)
         if first >= int(cb[-1]):
             # The second word then names the members whose DONE had not come (SPEC.md 4.1).
-            silent = [r for r in range(world) if (last >> r) & 1]
-            names = [
-                f"rank {group.members[r]} ({node.address}:{node.port})"
-                for r in silent
-                for node in (group.cluster.nodes[group.members[r]],)
-            ]
+            silent = [group.cluster.nodes[group.members[r]] for r in range(world) if last >> r & 1]
+            names = [f"rank {n.rank} ({n.address}:{n.port})" for n in silent]
             return {
-                "node": names[0].split(" (")[1][:-1] if names else None,
-                "rank": group.members[silent[0]] if silent else None,
+                "node": f"{silent[0].address}:{silent[0].port}" if silent else None,
+                "rank": silent[0].rank if silent else None,
                 "block": None,
                 "seq_range": None,
                 "detail": "every chunk is here: waiting for the DONE of "

@@ -248,35 +248,53 @@ class ControlClient:
         """Send *packets* to *node* (txn_ids replaced), at most *window* unanswered at a time,
         and return each one's answer, ACK or NACK, in order. Unanswered ones go again under the
         same txn_id (so each applies at most once), *retries* times, each wait *timeout*."""
-        answers: list[Packet | None] = [None] * len(packets)
+        answers: list[Packet] = []
         for first in range(0, len(packets), window):
-            part = range(first, min(first + window, len(packets)))
-            txns = {next(self._txn) & 0xFFFFFFFF: k for k in part}
-            data = {
-                k: self.encode(_with_ids(packets[k], self.client_id, t)) for t, k in txns.items()
-            }
-            for _attempt in range(retries + 1):
-                waiting = [k for k in part if answers[k] is None]
-                if not waiting:
-                    break
-                for k in waiting:
-                    self.sock.sendto(data[k], node)
-                left = len(waiting)
-                for _, reply in self._replies(time.monotonic() + timeout):
-                    k = txns.get(reply.txn_id, -1) if reply.client_id == self.client_id else -1
-                    if k >= 0 and answers[k] is None:
-                        answers[k] = reply
-                        left -= 1
-                        if not left:
-                            break
-            missing = sum(1 for k in part if answers[k] is None)
+            part = packets[first : first + window]
+            got = self._exchange([(node, p) for p in part], timeout, retries)
+            missing = sum(1 for a in got if a is None)
             if missing:
                 raise ControlError(
                     f"no answer from {node[0]}:{node[1]} to {missing} of {len(part)} "
                     f"{packets[first].opcode.name}s within {timeout * (retries + 1):.1f} s: "
                     "is the node running?"
                 )
-        return [a for a in answers if a is not None]
+            answers += [a for a in got if a is not None]
+        return answers
+
+    def _exchange(
+        self,
+        asks: Sequence[tuple[Endpoint, Packet]],
+        timeout: float,
+        retries: int,
+        key: bytes | None = None,
+    ) -> list[Packet | None]:
+        """Send each (node, packet) of *asks* under a txn_id of its own, all at once, and take
+        their answers; the unanswered go again under the same txn_id, *retries* times, each
+        wait *timeout*. Each one's answer in order, None where none came (or, with *key*, none
+        that carries its control tag under it)."""
+        answers: list[Packet | None] = [None] * len(asks)
+        txns = {next(self._txn) & 0xFFFFFFFF: k for k in range(len(asks))}
+        data = {k: self.encode(_with_ids(asks[k][1], self.client_id, t)) for t, k in txns.items()}
+        for _attempt in range(retries + 1):
+            waiting = [k for k in range(len(asks)) if answers[k] is None]
+            if not waiting:
+                break
+            for k in waiting:
+                self.sock.sendto(data[k], asks[k][0])
+            left = len(waiting)
+            for raw, reply in self._replies(time.monotonic() + timeout):
+                k = txns.get(reply.txn_id, -1) if reply.client_id == self.client_id else -1
+                if k < 0 or answers[k] is not None:
+                    continue
+                if key is not None and not _verify_control(key, raw):
+                    self.unsealed += 1
+                    continue
+                answers[k] = reply
+                left -= 1
+                if not left:
+                    break
+        return answers
 
     def ping(self, node: Endpoint, timeout: float = 1.0) -> tuple[dict[str, int], float]:
         """INFO fields of *node* and the round-trip time in seconds."""
@@ -302,39 +320,21 @@ class ControlClient:
         with ``aux_addr`` COUNTERS_EPOCH, SPEC.md 6.5, "Epochs"), asked of all at once; by index
         into *nodes*, for those that answered in time under this cluster's admin tag (a node
         that predates the question answers BAD_FIELD and is left out, as a silent one is)."""
-        epochs: dict[int, int] = {}
-        txns: dict[int, int] = {}
-        data: dict[int, bytes] = {}
-        key = None
-        for k in range(len(nodes)):
-            txn = next(self._txn) & 0xFFFFFFFF
-            packet = Packet(
-                Opcode.COUNTERS, rkey=self.admin_key, coll_id=coll_id, aux_addr=COUNTERS_EPOCH
-            )
-            sealing = self.sealing(packet)
-            key = sealing[0] if sealing is not None else None
-            txns[txn] = k
-            data[k] = self.encode(_with_ids(packet, self.client_id, txn))
-        answered: set[int] = set()
-        for _attempt in range(retries + 1):
-            waiting = [k for k in range(len(nodes)) if k not in answered]
-            if not waiting:
-                break
-            for k in waiting:
-                self.sock.sendto(data[k], nodes[k])
-            for raw, reply in self._replies(time.monotonic() + timeout):
-                k = txns.get(reply.txn_id, -1) if reply.client_id == self.client_id else -1
-                if k < 0 or k in answered:
-                    continue
-                if key is not None and not _verify_control(key, raw):
-                    self.unsealed += 1
-                    continue
-                answered.add(k)
-                if reply.opcode == Opcode.ACK:
-                    epochs[k] = int(reply.aux_addr)
-                if len(answered) == len(nodes):
-                    break
-        return epochs
+        packet = Packet(
+            Opcode.COUNTERS, rkey=self.admin_key, coll_id=coll_id, aux_addr=COUNTERS_EPOCH
+        )
+        sealing = self.sealing(packet)
+        answers = self._exchange(
+            [(node, packet) for node in nodes],
+            timeout,
+            retries,
+            sealing[0] if sealing is not None else None,
+        )
+        return {
+            k: int(a.aux_addr)
+            for k, a in enumerate(answers)
+            if a is not None and a.opcode == Opcode.ACK
+        }
 
     def trace_page(self, node: Endpoint, first: int, timeout: float = 1.0) -> TracePage:
         """Records of *node*'s trace ring from number *first* on (SPEC.md 6.7): the admin's

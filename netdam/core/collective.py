@@ -178,11 +178,9 @@ class CollectiveSlots:
         """The last epoch of *coll_id* settled here (COUNTERS_EPOCH): the last one started, less
         one while that one still runs, since a member that asks then may not have started it
         yet and must still start it (SPEC.md 6.5, "Epochs"); 0 when none is remembered."""
+        engine = self.engine_of(coll_id)  # its epoch is the last one (last_epoch)
         last = self.last_epoch(coll_id) or 0
-        engine = self.engine_of(coll_id)
-        if last and engine is not None and engine.running and int(engine.cfg[L.CFG_EPOCH]) == last:
-            return last - 1
-        return last
+        return last - 1 if engine is not None and engine.running else last
 
     def final_reply(self, packet: Packet, src: int) -> tuple[Opcode, Status, bytes] | None:
         engine = self.engine_of(packet.coll_id)

@@ -1952,13 +1952,12 @@ def coll_reply(b, ln, src, op, node):
         # DONE is dropped, and the RESUME asks for it again (_resume_asks_done). A forged one
         # only costs a RESUME to a member's address, or lets this node spread before that
         # member started, which then drops it and RESUMEs: the path without STARTEDs.
-        if rd64(b, H_AUX_ADDR) == AUX_DONE:
-            # Never at the cost of another collective's refused originators: without the
-            # RESUME, this member asks for the DONE after its RTO, as before.
+        # A DONE never displaces another collective's refused originators: without the
+        # RESUME, this member asks for it after its RTO, as before.
+        done = rd64(b, H_AUX_ADDR) == AUX_DONE
+        if done:
             counters[C.DROP_COLL_EARLY] += 1
-            _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src, False)
-        else:
-            _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src)
+        _note_refusal(co_cfg, rd32(b, H_COLL_ID), rd32(b, H_EPOCH), src, not done)
         return True
     if rd32(b, H_COLL_ID) == co_cfg[CFG_COLL] and co_cfg[CFG_STATE] != STATE_IDLE:
         # Replies and DONEs of this collective carry its key (chain ACKs and NACKs echo the

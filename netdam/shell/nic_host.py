@@ -153,13 +153,14 @@ class NicHost(ServeLoop):
         due = self._clocked | self._touched
         self._touched = set()
         ready = set()
-        events = self._poll.poll(0)
+        events: list[tuple[int, int]] = []
         spin = spin_s(len(self.nics), bool(self._clocked), wait, self._board_processes, _CORES)
-        if not events and spin > 0:
+        if spin > 0:
             spin_until = time.monotonic() + spin
+            events = self._poll.poll(0)
             while not events and time.monotonic() < spin_until:
                 events = self._poll.poll(0)
-        if not events and wait > 0:
+        if not events:
             events = self._poll.poll(wait / 1000.0)
         for fd, _ in events:
             owner = self._owner.get(fd)
