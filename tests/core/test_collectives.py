@@ -614,6 +614,67 @@ def test_a_member_that_starts_after_the_others_are_ready_gets_their_done_at_once
     assert totals[C.RETRANSMITS] == 0
 
 
+def _dones_from_1_to_2(sender: str | None) -> tuple[int, int]:
+    """Node 1's DONE answers to member 2, and node 1's forged-datagram count, in a one-element
+    reduce-scatter over 4 (untagged, v1) whose member 3 is late, with a RESUME naming member 2
+    sent to node 1 in 20 rounds by *sender* (None: nobody)."""
+    inputs = [np.full(1, rank + 1, np.float32) for rank in range(4)]
+    cluster = make_cluster(4, memory=MEMORY)
+    source = OUTSIDER if sender == "outsider" else cluster.endpoints[2]
+    answers = 0
+
+    def count_dones_to_2(src: Endpoint, dst: Endpoint, data: bytes) -> bool:
+        nonlocal answers
+        packet = decode_packet(data)
+        answers += (
+            src == cluster.endpoints[1]
+            and dst == cluster.endpoints[2]
+            and packet.aux_addr == L.AUX_DONE
+            and packet.txn_id == 1
+        )
+        return False
+
+    def resume(cluster: Cluster, round_: int) -> None:
+        if sender is None:
+            return
+        if round_ == 0 and sender == "outsider":
+            cluster.fabric.add_endpoint(OUTSIDER)
+        if 5 <= round_ < 25:
+            rkey = RKEY ^ 1 if sender == "member without the key" else RKEY
+            packet = Packet(Opcode.ACK, rkey=rkey, aux_addr=4, seq=2, coll_id=3, epoch=1)
+            cluster.fabric.send(source, cluster.endpoints[1], encode_packet(packet))
+
+    cluster.fabric.drop_if = count_dones_to_2
+    out = run(
+        4,
+        inputs,
+        algo=Algo.REDUCE_SCATTER,
+        multicast=True,
+        cluster=cluster,
+        on_round=resume,
+        late={3: 40},
+        tag_key=b"",
+    )
+    assert out.outputs[3][0] == 10.0
+    return answers, int(cluster.nodes[1].counters[C.DROP_COLL_FORGED])
+
+
+@pytest.mark.parametrize("sender", ["outsider", "member without the key", "member"])
+def test_only_a_members_resume_under_the_key_is_answered_with_a_done(sender: str) -> None:
+    """A RESUME asks a ready node for its DONE (SPEC.md 4.1, "DONE"), answered to that member
+    alone. Node 1 (an empty block: ready at once) gets 20 RESUMEs naming member 2 while member
+    3 is late. From an outsider's address, or a member's without the key (dropped as forged),
+    member 2 gets no more DONEs from node 1 than with no RESUME at all; from the member under
+    the key (the control), one more for each."""
+    quiet, _ = _dones_from_1_to_2(None)
+    answers, forged = _dones_from_1_to_2(sender)
+    if sender == "member":
+        assert answers >= quiet + 10
+    else:
+        assert answers == quiet
+        assert forged >= 20 if sender == "member without the key" else forged == 0
+
+
 def test_the_watchdog_outlasts_timers_that_cover_long_host_turns() -> None:
     """Member 3's process took 0.7 s turns (a stop): its timers cover 4 of them, 2.8 s, past
     its 2.5 s watchdog. With its RESUME lost, it asks members 0-2 for the DONEs it dropped as
