@@ -1525,18 +1525,16 @@ def _process_state(node: NodeEntry) -> str:
     on this host: exited, stopped, or running but not answering (busy or stuck). The three call
     for different fixes, and a failure that said only "not answering" left them apart."""
     # Imported here: the launcher's helpers, which the host API needs only on a failure.
-    from netdam.cluster.launch import is_local_address, is_node_process
+    from netdam.cluster.launch import is_local_address, is_node_process, process_state
 
     if not node.pid or not is_local_address(node.address):
         return ""
     if not is_node_process(node.pid):  # gone, a zombie, or its pid taken by another program
         return f" [its process {node.pid} has exited]"
-    try:
-        # The state follows the name, which is in parentheses and may hold any character.
-        state = Path(f"/proc/{node.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    seen = process_state(node.pid)
+    if seen is None:
         return ""
-    if state in ("T", "t"):
+    if seen[0] in ("T", "t"):
         return f" [its process {node.pid} is stopped]"
     return f" [its process {node.pid} runs but does not answer]"
 

@@ -304,8 +304,9 @@ class ControlClient:
         values = INFO.unpack(reply.payload)
         return dict(zip(INFO_FIELDS, values, strict=True)), rtt
 
-    def counters(self, node: Endpoint, timeout: float = 1.0) -> np.ndarray:
-        reply = self.request(node, Packet(Opcode.COUNTERS, rkey=self.admin_key), timeout=timeout)
+    def counters(self, node: Endpoint, timeout: float = 1.0, retries: int = 2) -> np.ndarray:
+        request = Packet(Opcode.COUNTERS, rkey=self.admin_key)
+        reply = self.request(node, request, timeout=timeout, retries=retries)
         values = np.frombuffer(reply.payload, "<u8").astype(np.uint64)
         if values.shape[0] < C.NUM_COUNTERS:
             raise ControlError(

@@ -122,8 +122,79 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, Exception):
+            # Said before the nodes stop: an error inside the block ("no answer from ...") then
+            # tells a dead node from a stuck one from one that dropped the request, and why.
+            with contextlib.suppress(Exception):
+                notes = self.health_notes()
+                add_note = getattr(exc, "add_note", None)  # Python 3.11 on (PEP 678)
+                for note in notes:
+                    if add_note is not None:
+                        add_note(note)
+                    else:
+                        logging.getLogger(__name__).warning("%s", note)
         self.stop()
+
+    def health_notes(self, timeout: float = 0.5) -> list[str]:
+        """One line per NIC of this cluster's node processes, for an error raised while they
+        ran: an exited process's code and the end of its log; a running one's state and kernel
+        wait channel (/proc: R runs, S sleeps, ``ep_poll`` waits for traffic, ``futex`` for a
+        lock), and the NIC's counters that are not zero, or that it did not answer COUNTERS
+        within *timeout* seconds."""
+        # Imported here: the control client pulls in the codec, which stopping nodes never needs.
+        from netdam.cluster.control import ControlClient, ControlError
+        from netdam.protocol.counters import counters_to_dict
+
+        notes = []
+        with ControlClient.for_cluster(self.info) as client:
+            for node in self.info.nodes:
+                where = f"rank {node.rank} ({node.address}:{node.port}, pid {node.pid})"
+                process = next((p for p in self.processes if p.pid == node.pid), None)
+                code = process.poll() if process is not None else None
+                if code is not None:
+                    log = _log_tail(node_log(self.info.name, node.rank))
+                    notes.append(f"{where}: exited with code {code}; its log ends: {log}")
+                    continue
+                try:
+                    values = client.counters(node.control_endpoint, timeout, retries=0)
+                except (ControlError, OSError) as exc:
+                    answer = f"no COUNTERS answer ({exc})"
+                else:
+                    named = counters_to_dict(values)
+                    answer = "counters " + ", ".join(
+                        f"{name}={value}" for name, value in named.items() if value
+                    )
+                state = process_state(node.pid)
+                seen = (
+                    f"state {state[0]}, waiting in {state[1]}, {state[2]:.2f} s of CPU"
+                    if state is not None
+                    else "state unknown"
+                )
+                notes.append(f"{where}: running, {seen}; {answer}")
+        return notes
+
+
+def process_state(pid: int) -> tuple[str, str, float] | None:
+    """A running process's state letter (R runs, S sleeps, T stopped), kernel wait channel and
+    CPU seconds, from /proc; None without them."""
+    try:
+        # The state follows the name, which is in parentheses and may hold any character.
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+        ticks = os.sysconf("SC_CLK_TCK")
+        return fields[0], wchan, (int(fields[11]) + int(fields[12])) / ticks  # proc(5) 14-15
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _log_tail(path: Path, lines: int = 5) -> str:
+    """The last *lines* lines of a node's log, on one line (or why there are none)."""
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError as exc:
+        return f"(no log: {exc.strerror})"
+    return " | ".join(text.splitlines()[-lines:]) if text else "(empty)"
 
 
 def netdam_python(module: str = "netdam") -> list[str]:

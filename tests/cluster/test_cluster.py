@@ -302,3 +302,27 @@ def test_fetch_add_counter_shared_by_processes(cluster: LocalCluster) -> None:
             )
         reply = a.request(ep, Packet(Opcode.READ, rkey=rkey, addr=8192, length=8))
         assert struct.unpack("<Q", reply.payload)[0] == 4
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="exception notes are Python 3.11's (PEP 678)"
+)
+def test_an_error_inside_a_cluster_names_each_nodes_health(tmp_path: Path) -> None:
+    """An exception raised while a cluster runs leaves with one note per NIC, taken before
+    the nodes stop: a killed process's exit code and log, a running one's /proc state and its
+    non-zero counters (what a "no answer from ..." in CI needs to be told apart: dead, stuck,
+    or dropping)."""
+    with pytest.raises(RuntimeError) as caught:
+        with start_cluster(
+            2, memory=1 << 20, cluster_path=tmp_path / "c.toml", nics_per_process=1
+        ) as running:
+            victim = running.process_of(0)
+            victim.kill()
+            victim.wait(timeout=10)
+            raise RuntimeError("inside the cluster")
+    notes = caught.value.__notes__
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("rank 0 ") and "exited with code -9" in notes[0], notes
+    assert notes[1].startswith("rank 1 ") and "running, state " in notes[1], notes
+    # Its only datagram: the note's own COUNTERS.
+    assert "rx_packets=1," in notes[1] and "ops={'COUNTERS': 1}" in notes[1], notes
