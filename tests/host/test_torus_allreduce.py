@@ -229,12 +229,18 @@ def test_torus_all_reduce_stays_exact_under_loss_duplication_and_reordering(
     tmp_path: Path, seed: int
 ) -> None:
     """Seeded receive faults in every NIC (10% loss, 5% duplicates, 5% reordered): every step
-    of the torus recovers (RTO, RESUME, repair), and the result is the reference's bits."""
+    of the torus recovers (RTO, RESUME, repair), and the result is the reference's bits. The
+    watchdog is 10 s, not 2.5: a row's all-gather waits on members whose column step recovers
+    its own losses first, and under a loaded suite (3 workers on 2 cores, traced) one waited
+    past 2.5 s while that column still made progress (its members answering BUSY)."""
     faults = FaultSpec(loss=0.1, dup=0.05, reorder=0.05, seed=seed)
     with start_cluster(
         WORLD, memory=4 << 20, faults=faults, cluster_path=tmp_path / "c.toml"
     ) as lossy:
-        groups = [api.ProcessGroup(lossy.info, r, max_chain=MAX_CHAIN) for r in range(WORLD)]
+        groups = [
+            api.ProcessGroup(lossy.info, r, max_chain=MAX_CHAIN, timeout_s=10.0)
+            for r in range(WORLD)
+        ]
         try:
             rng = np.random.default_rng(seed)
             for count in (50_000, 7):
