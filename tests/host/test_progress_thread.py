@@ -316,3 +316,34 @@ def test_a_node_that_dies_after_an_error_named_none_is_named_in_the_next() -> No
                 api.all_reduce(np.ones(1024, np.float32), group=group)
         finally:
             group.close()
+
+
+def test_only_a_process_playing_every_rank_polls_before_it_sleeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait() polls its socket before sleeping (api.HOST_SPIN_S) only where this process
+    plays every rank of a group no wider than the machine's cores: one rank per process, each
+    polling, took the cores their NICs needed (examples/ddp_train.py, 2 ranks)."""
+    monkeypatch.setattr(api, "_CORES", 2)
+    with start_cluster(2, memory=4 << 20) as cluster:
+        first = api.ProcessGroup(cluster.info, 0)
+        try:
+            assert not first._polls_before_sleeping()  # rank 1 is another process's
+            second = api.ProcessGroup(cluster.info, 1)
+            try:
+                assert first._polls_before_sleeping() and second._polls_before_sleeping()
+                monkeypatch.setattr(api, "_CORES", 1)
+                assert not first._polls_before_sleeping()  # 2 ranks on 1 core
+                monkeypatch.setattr(api, "_CORES", 2)
+                bufs = [np.full(1000, r + 1.0, np.float32) for r in range(2)]
+                works = [
+                    api.all_reduce(b, group=g, async_op=True) for g, b in zip((first, second), bufs)
+                ]
+                for work in works:
+                    work.wait()
+                assert all((b == 3.0).all() for b in bufs)
+            finally:
+                second.close()
+            assert not first._polls_before_sleeping()  # rank 1's arena let go
+        finally:
+            first.close()
