@@ -300,6 +300,10 @@ def check_job_name(job: str) -> str:
 #: The arena locks this process holds: lock file -> [open file, groups using it]. A process
 #: is one job: its groups of one rank share the lock (the newest takes the arena, as before).
 _ARENA_LOCKS: dict[Path, list[Any]] = {}
+#: ProcessGroup._polls_before_sleeping's answers by (cluster, job, members), asked on every
+#: wake of a wait(): cleared whenever this process takes or lets go of an arena (the ranks it
+#: plays change). Computed on each wake, the answer took ~30 us of the call.
+_POLLS: dict[tuple[str, str, tuple[int, ...]], bool] = {}
 
 
 def _hold_arena_lock(node: NodeEntry, rank: int, job: str) -> Path:
@@ -327,6 +331,7 @@ def _hold_arena_lock(node: NodeEntry, rank: int, job: str) -> Path:
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     _ARENA_LOCKS[path] = [lock, 1]
+    _POLLS.clear()  # the ranks this process plays changed
     return path
 
 
@@ -337,6 +342,7 @@ def _release_arena_lock(path: Path) -> None:
     held[1] -= 1
     if held[1] == 0:
         del _ARENA_LOCKS[path]
+        _POLLS.clear()  # the ranks this process plays changed
         held[0].close()  # releases the flock
 
 
@@ -944,12 +950,14 @@ class ProcessGroup:
         cores. Where each rank has a process of its own, N polling processes take the cores
         their NICs need: 2 ranks of `examples/ddp_train.py` went from 318-392 to 243-280 steps
         a second with every rank polling."""
-        if len(self.members) > _CORES:
-            return False
-        return all(
-            arena_lock_path(self.cluster.nodes[m], self.job or "") in _ARENA_LOCKS
-            for m in self.members
-        )
+        key = (self.cluster.name, self.job or "", self.members)
+        known = _POLLS.get(key)
+        if known is None:
+            known = _POLLS[key] = len(self.members) <= _CORES and all(
+                arena_lock_path(self.cluster.nodes[m], self.job or "") in _ARENA_LOCKS
+                for m in self.members
+            )
+        return known
 
     def _take_answers(self, timeout: float, until: Work | None = None, drain: bool = False) -> None:
         """Read the node's answers for up to *timeout* seconds and hand each to the call queue;
@@ -1542,9 +1550,9 @@ SETTLED_WAIT_S = 0.25
 #: drives every rank of a group no wider than the machine's cores (_polls_before_sleeping): a
 #: process asleep pays a wake-up on another core (~35-40 us here) when the completion comes.
 #: Measured on 2 cores, `netdam allreduce --nodes N --size 4KiB --repeat 300`, A B alternated:
-#: 2 nodes 0.44-0.56 -> 0.39-0.51 ms a call (6 runs each; the completion phase 79-110 -> 43-76
+#: 2 nodes 0.51-0.66 -> 0.39-0.41 ms a call (4 runs each; the completion phase 81-135 -> 42-46
 #: us); 4 nodes polling took 1.93 ms against 0.88-0.92 (the polling driver took the core the 4
-#: NICs' processes need), hence the bound on the group's size.
+#: NICs' processes need), hence the bound on the group's size (docs/PERFORMANCE.md).
 HOST_SPIN_S = 150e-6
 #: The cores this process may run on.
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
