@@ -1095,12 +1095,13 @@ def _last_error(log: str) -> str:
 
 def stop_pids(pids: list[int], timeout: float, processes: list[NodeHandle] | None = None) -> None:
     """SIGTERM, wait up to *timeout*, then SIGKILL; reaps our own children. A pid listed twice
-    (a process hosting several NICs) is signalled once."""
-    pids = list(dict.fromkeys(pids))
+    (a process hosting several NICs) is signalled once. A child of ours already reaped (a test
+    killed it) is not signalled: its pid may belong to another process by now."""
+    by_pid = {p.pid: p for p in processes or []}
+    pids = [pid for pid in dict.fromkeys(pids) if pid not in by_pid or by_pid[pid].poll() is None]
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    by_pid = {p.pid: p for p in processes or []}
     for pid in pids:
         while _alive(pid, by_pid.get(pid)) and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -326,3 +326,21 @@ def test_an_error_inside_a_cluster_names_each_nodes_health(tmp_path: Path) -> No
     assert notes[1].startswith("rank 1 ") and "running, state " in notes[1], notes
     # Its only datagram: the note's own COUNTERS.
     assert "rx_packets=1," in notes[1] and "ops={'COUNTERS': 1}" in notes[1], notes
+
+
+def test_stopping_signals_no_child_of_ours_already_reaped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node a test killed and reaped is not signalled again when its cluster stops: its pid
+    may belong to another process by then. A live one is."""
+    from netdam.cluster import launch
+
+    sent: list[tuple[int, int]] = []
+    real_signal = launch._signal
+    monkeypatch.setattr(
+        launch, "_signal", lambda pid, sig: (sent.append((pid, sig)), real_signal(pid, sig))
+    )
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launch.stop_pids([gone.pid, live.pid], 5.0, processes=[gone, live])
+    assert sent == [(live.pid, signal.SIGTERM)]
+    assert live.poll() is not None
