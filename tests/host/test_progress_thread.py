@@ -76,8 +76,13 @@ def test_answers_another_thread_takes_wake_a_wait_asleep_on_the_socket(monkeypat
     """A wait() checks its call, then sleeps in select() on the rank's socket. When another
     thread (the progress thread's turn, another wait) takes the completion in between, the
     socket is empty: without a wake-up the wait slept its whole 0.2 s turn. Forced here: the
-    waiter's first select() runs only after a second thread took every answer."""
+    waiter's first select() runs only after a second thread took every answer. No progress
+    thread here: on a loaded machine it took rank 0's completion while the test waited on rank
+    1, and rank 0's wait() then never reached select(). And no poll before the sleep (as if on
+    1 core): the select() forced is the one that sleeps."""
     world = 2
+    monkeypatch.setattr(api._HUB, "add", lambda root, wake=False: None)
+    monkeypatch.setattr(api, "_CORES", 1)
     with start_cluster(world, memory=4 << 20) as cluster:
         groups = [api.ProcessGroup(cluster.info, r) for r in range(world)]
         try:
