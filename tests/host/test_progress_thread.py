@@ -342,13 +342,25 @@ def test_only_a_process_playing_every_rank_polls_before_it_sleeps(
                 assert not first._polls_before_sleeping()  # 2 ranks on 1 core
                 monkeypatch.setattr(api, "_CORES", 2)
                 api._POLLS.clear()
-                bufs = [np.full(1000, r + 1.0, np.float32) for r in range(2)]
-                works = [
-                    api.all_reduce(b, group=g, async_op=True) for g, b in zip((first, second), bufs)
-                ]
-                for work in works:
-                    work.wait()
-                assert all((b == 3.0).all() for b in bufs)
+                # Only the waits of small calls poll (api.HOST_POLL_MAX_BYTES): a large one's
+                # answer seldom comes within the poll.
+                polled: dict[int, set[bool]] = {}
+                real_step = api.ProcessGroup._step
+                size = 0  # the progress thread may step before the first call
+
+                def step(group, timeout, wait_s, poll=False):  # type: ignore[no-untyped-def]
+                    polled.setdefault(size, set()).add(poll)
+                    return real_step(group, timeout, wait_s, poll)
+
+                monkeypatch.setattr(api.ProcessGroup, "_step", step)
+                for size in (1000, 1 << 18):  # 4 KB and 1 MiB of float32 per rank
+                    bufs = [np.full(size, r + 1.0, np.float32) for r in range(2)]
+                    pair = zip((first, second), bufs)
+                    works = [api.all_reduce(b, group=g, async_op=True) for g, b in pair]
+                    for work in works:
+                        work.wait()
+                    assert all((b == 3.0).all() for b in bufs)
+                assert True in polled[1000] and True not in polled[1 << 18], polled
             finally:
                 second.close()
             assert not first._polls_before_sleeping()  # rank 1's arena let go
