@@ -71,6 +71,7 @@ from netdam.protocol.payloads import (
     unpack_descriptor,
 )
 from netdam.shell.shm import attach
+from netdam.shell.startup import CORES as _CORES
 
 __all__ = [
     "CollectiveError",
@@ -916,10 +917,10 @@ class ProcessGroup:
 
     def _step(self, timeout: float | None, wait_s: float, poll: bool = False) -> None:
         """One turn of driving this rank's collectives: take the node's answers for up to
-        *wait_s* (each to its Work; *poll*: polling the socket for HOST_SPIN_S first), then let the call queue re-send the START_COLLs due and
-        fail a head whose node stayed silent past its watchdog (or *timeout*). The wait for an
-        answer holds no lock: a wait() and the progress thread both wake, one takes them (and
-        wakes the other, _take_answers)."""
+        *wait_s* (each to its Work; with *poll*, polling the socket for HOST_SPIN_S first), then
+        let the call queue re-send the START_COLLs due and fail a head whose node stayed silent
+        past its watchdog (or *timeout*). The wait for an answer holds no lock: a wait() and
+        the progress thread both wake, one takes them (and wakes the other, _take_answers)."""
         # Called even with wait_s 0: the call lets go of the GIL, which the caller's thread
         # needs between the progress thread's turns. Without it (128 NICs x 1 MiB, 10 runs
         # each) 2 runs in 10 re-sent 20-40 column chains in their first call, and a call
@@ -1564,8 +1565,6 @@ HOST_SPIN_S = 150e-6
 #: 0.57-0.78 against 0.58-0.66 (no gain), 256 KiB 0.98-1.11 -> 1.26-1.41 ms (the driver's
 #: threads, one a rank, both polling), 1 MiB ~6% slower.
 HOST_POLL_MAX_BYTES = 64 << 10
-#: The cores this process may run on.
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _process_state(node: NodeEntry) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import resource
 import select
 import socket
@@ -34,6 +33,7 @@ import numpy as np
 from netdam.kernels import serve
 from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
 from netdam.shell.process import ServeLoop, serve_main
+from netdam.shell.startup import CORES
 from netdam.shell.turns import TurnBoard
 
 #: Rounds of one NIC's serve call before the next NIC's turn. Fewer keep a pass over the NICs
@@ -154,7 +154,7 @@ class NicHost(ServeLoop):
         self._touched = set()
         ready = set()
         events: list[tuple[int, int]] = []
-        spin = spin_s(len(self.nics), bool(self._clocked), wait, self._board_processes, _CORES)
+        spin = spin_s(len(self.nics), bool(self._clocked), wait, self._board_processes, CORES)
         if spin > 0:
             spin_until = time.monotonic() + spin
             events = self._poll.poll(0)
@@ -272,10 +272,6 @@ def spin_s(nics: int, clocked: bool, wait_ms: float, processes: int, cores: int)
     while the cluster's node processes here (*processes*) are no more than the *cores*."""
     spins = clocked and wait_ms > 0 and nics <= SPIN_MAX_NICS and processes <= cores
     return SPIN_S if spins else 0.0
-
-
-#: The cores this process may run on (its affinity, else the machine's).
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _raise_fd_limit(need: int) -> None:

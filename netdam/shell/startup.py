@@ -21,6 +21,10 @@ from pathlib import Path
 
 from netdam.protocol.errors import NetdamError
 
+#: The cores this process may run on (its affinity, else the machine's): what polling instead
+#: of sleeping is weighed against, in node processes (nic_host) and in hosts (api).
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
 #: prctl(2) option: the signal this process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
 
