@@ -72,6 +72,7 @@ from netdam.protocol.payloads import (
 )
 from netdam.shell.shm import attach
 from netdam.shell.startup import CORES as _CORES
+from netdam.shell.udp import MULTICAST_PORTS
 
 __all__ = [
     "CollectiveError",
@@ -452,9 +453,10 @@ class ProcessGroup:
         # The multicast group is the cluster's, whatever the job: a node joins one group, and
         # each datagram names its collective (every job's all-gathers reach the nodes).
         digest = derive(self._secret, "multicast")
+        ports = MULTICAST_PORTS
         self.group: Endpoint = (
             f"239.77.{digest[4]}.{digest[5] or 1}",
-            40000 + int.from_bytes(digest[6:8], "big") % 20000,
+            ports.start + int.from_bytes(digest[6:8], "big") % len(ports),
         )
         if self.job:
             # A named job's keys, coll_ids and arena keys are its own (SPEC.md 4.1, "Jobs").
@@ -466,10 +468,7 @@ class ProcessGroup:
         self.arena_rkey = self.arena_key_of(self.rank)
         self.arena_base, self.arena_size = self._claim_arena()
         if self.multicast:
-            self.client.request(
-                self.node,
-                Packet(Opcode.JOIN, rkey=self.cluster.admin_key, addr=_endpoint_u64(self.group)),
-            )
+            self._join(self.group, retries=2)
         self._torus = self._make_torus(self.members)
 
     def _make_torus(self, members: Sequence[int]) -> dict[int, ProcessGroup]:
@@ -501,12 +500,28 @@ class ProcessGroup:
             return
         digest = derive(group_secret(self.cluster), "multicast row", *ranks)
         endpoint = (f"239.77.{digest[0]}.{digest[1] or 1}", self.group[1])
-        self.client.request(
-            self.node,
-            Packet(Opcode.JOIN, rkey=self.cluster.admin_key, addr=_endpoint_u64(endpoint)),
-            retries=JOIN_TRIES - 1,
-        )
+        self._join(endpoint, retries=JOIN_TRIES - 1)
         group.multicast, group.group = True, endpoint
+
+    def _join(self, group: Endpoint, retries: int) -> None:
+        """JOIN this rank's node to *group*; a refusal says what holds the group's port."""
+        try:
+            self.client.request(
+                self.node,
+                Packet(Opcode.JOIN, rkey=self.cluster.admin_key, addr=_endpoint_u64(group)),
+                retries=retries,
+            )
+        except ControlError as exc:
+            if exc.status != Status.IN_USE:
+                raise
+            raise ControlError(
+                f"rank {self.global_rank}'s node {self.node[0]}:{self.node[1]} cannot join the "
+                f"multicast group {group[0]}:{group[1]}: another socket on its machine holds UDP "
+                f"port {group[1]} (see `ss -uanp sport = :{group[1]}`); close it, or pass "
+                "multicast=False",
+                exc.status,
+                exc.payload,
+            ) from None
 
     def arena_key_of(self, rank: int) -> int:
         return derived_key(self._secret, "arena", rank)

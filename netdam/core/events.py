@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from netdam.protocol.packet import Endpoint, Packet
 
@@ -23,9 +23,16 @@ class ReplyReceived(Event):
 
 @dataclass(frozen=True)
 class GroupJoined(Event):
-    """The control plane asked this node to join a multicast group; the I/O shell subscribes."""
+    """The control plane asked this node to join a multicast group. The I/O shell subscribes,
+    then answers the JOIN with ``NodeCore.answer_join``: only the shell knows whether the
+    group's port could be bound (another socket of the machine may hold it)."""
 
     group: Endpoint
+    #: The JOIN, its sender and the key its answer is sealed under (the admin tag key when
+    #: its control tag proved it, SPEC.md 2.6), for ``answer_join``.
+    request: Packet
+    src: int
+    seal_key: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

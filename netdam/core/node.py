@@ -12,6 +12,7 @@ to ``_handle_punted`` here, in Python.
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -692,9 +693,23 @@ class NodeCore(CoreBase):
 
     def _on_join(self, packet: Packet, src: int) -> None:
         group = u64_to_endpoint(packet.addr)
-        self.groups.add(group)
-        self._events.append(GroupJoined(group))
-        self._reply(packet, src, Opcode.ACK)
+        if not ipaddress.IPv4Address(group[0]).is_multicast:
+            self._nack(packet, src, Status.BAD_FIELD)
+            return
+        # Answered once the shell has bound the group's port (answer_join), which may fail.
+        self._events.append(GroupJoined(group, packet, src, self._seal_key))
+
+    def answer_join(self, event: GroupJoined, status: Status = Status.OK) -> None:
+        """The shell's word on *event*: subscribed (OK, ACKed), or not (NACK *status*, IN_USE
+        when another socket holds the group's port; the node keeps the group it had)."""
+        if status == Status.OK:
+            self.groups.add(event.group)
+        opcode = Opcode.ACK if status == Status.OK else Opcode.NACK
+
+        def respond() -> None:
+            self._reply(event.request, event.src, opcode, status)
+
+        self._answer(event.seal_key, respond)
 
     def _on_leave(self, packet: Packet, src: int) -> None:
         group = u64_to_endpoint(packet.addr)

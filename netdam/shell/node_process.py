@@ -7,7 +7,9 @@ membership, signals and the stop flag. Nothing per data packet happens here.
 
 from __future__ import annotations
 
+import errno
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from netdam.kernels.collective import EARLY_SLOTS
 from netdam.kernels.serve import ServeArgs
 from netdam.kernels.state import FC_NOW, FaultState, HoldTable, Kept, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES, STATE_LEN
-from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT
+from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT, Status
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
 from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.shell.process import (
@@ -293,7 +295,7 @@ class NodeProcess(ServeLoop):
         while (event := self.core.next_event()) is not None:
             any_event = True
             if isinstance(event, GroupJoined):
-                self._join(event.group)
+                self.core.answer_join(event, self._join(event.group))
             elif isinstance(event, GroupLeft) and self.group_sock is not None:
                 self.group_sock.close()
                 self.group_sock = None
@@ -301,21 +303,35 @@ class NodeProcess(ServeLoop):
                 self._fds = (self._fds[0], -1, self._fds[2])
         return any_event
 
-    def _join(self, group: Endpoint) -> None:
+    def _join(self, group: Endpoint) -> Status:
         """Receive the group's datagrams on a socket bound to the group address and port
         (shared by every node of this machine: SO_REUSEADDR), membership and sends pinned to
         the interface of the node's own address (loopback for local clusters, BRIEF section 3;
-        the host's interface when nodes run on several hosts or network namespaces)."""
+        the host's interface when nodes run on several hosts or network namespaces).
+
+        IN_USE when the port cannot be bound: another socket of the machine holds it on the
+        wildcard address without SO_REUSEADDR (any socket bound to port 0 may draw it from the
+        ephemeral range). The node then keeps the group it had and serves on."""
         if self.group == group:
-            return
+            return Status.OK
+        interface = self.endpoint[0] if self.endpoint[0] != "0.0.0.0" else "127.0.0.1"
+        try:
+            sock = open_udp_socket(group, rcvbuf=self.config.rcvbuf, reuse_addr=True)
+        except OSError as exc:
+            print(f"JOIN of {group[0]}:{group[1]} refused: {exc}", file=sys.stderr, flush=True)
+            return Status.IN_USE if exc.errno == errno.EADDRINUSE else Status.BAD_FIELD
+        try:
+            join_multicast(sock, group[0], interface)
+        except (OSError, ValueError) as exc:
+            sock.close()
+            print(f"JOIN of {group[0]}:{group[1]} refused: {exc}", file=sys.stderr, flush=True)
+            return Status.BAD_FIELD
+        pin_multicast_sender(self.sock, interface)
         if self.group_sock is not None:
             self.group_sock.close()
-        interface = self.endpoint[0] if self.endpoint[0] != "0.0.0.0" else "127.0.0.1"
-        sock = open_udp_socket(group, rcvbuf=self.config.rcvbuf, reuse_addr=True)
-        join_multicast(sock, group[0], interface)
-        pin_multicast_sender(self.sock, interface)
         self.group_sock, self.group = sock, group
         self._fds = (self._fds[0], sock.fileno(), self._fds[2])
+        return Status.OK
 
     def ready_line(self) -> str:
         """What the NIC prints once it serves: address, memory file, management port, key (the

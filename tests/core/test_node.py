@@ -465,15 +465,32 @@ def test_region_table_full() -> None:
 def test_join_leave_and_counters(cluster: Cluster) -> None:
     node = cluster.nodes[2]
     group = ("239.77.0.1", 7744)
-    only(cluster.request(2, control(Opcode.JOIN, addr=endpoint_to_u64(group))), Opcode.ACK)
-    assert group in node.groups and node.next_event() == GroupJoined(group)
+
+    # The JOIN waits for the shell's word on the group's port: refused, then taken.
+    def answered(status: Status) -> Packet:
+        assert cluster.request(2, control(Opcode.JOIN, addr=endpoint_to_u64(group))) == []
+        joined = node.next_event()
+        assert isinstance(joined, GroupJoined) and joined.group == group
+        node.answer_join(joined, status)
+        cluster.fabric.run_until_idle()
+        [answer] = [decode_packet(data) for data, _ in cluster.fabric.receive(cluster.client)]
+        return answer
+
+    refused = answered(Status.IN_USE)
+    assert (refused.opcode, refused.status) == (Opcode.NACK, Status.IN_USE)
+    assert group not in node.groups
+    assert answered(Status.OK).opcode == Opcode.ACK and group in node.groups
+    unicast = control(Opcode.JOIN, addr=endpoint_to_u64(("10.0.0.1", 7744)))
+    assert only(cluster.request(2, unicast), Opcode.NACK).status == Status.BAD_FIELD
+    assert node.next_event() is None
     only(cluster.request(2, control(Opcode.LEAVE, addr=endpoint_to_u64(group))), Opcode.ACK)
     assert group not in node.groups and node.next_event() == GroupLeft(group)
     reply = only(cluster.request(2, control(Opcode.COUNTERS)), Opcode.ACK)
     values = np.frombuffer(reply.payload, "<u8")
     assert values.shape == (C.NUM_COUNTERS,)
-    assert values[C.OPCODE_BASE + Opcode.JOIN] == 1 and values[C.OPCODE_BASE + Opcode.COUNTERS] == 1
-    assert values[C.RX_PACKETS] == 3
+    assert values[C.OPCODE_BASE + Opcode.JOIN] == 3 and values[C.OPCODE_BASE + Opcode.COUNTERS] == 1
+    assert values[C.NACK_BASE + Status.IN_USE] == 1 and values[C.NACK_BASE + Status.BAD_FIELD] == 1
+    assert values[C.RX_PACKETS] == 5
 
 
 def chain_packet(
