@@ -900,10 +900,22 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     own = cfg[CFG_OWN_BLOCK]
     # A chain ACK proves every other node started (each one on the path would have answered
     # BUSY): only then is the all-gather sent, so no member drops it as early.
-    # (Sparse mode: every member's bitmap arrived, so every member has started.) A node that
-    # starts no chain (none of its own, or an empty block: fewer elements than members) has
-    # no such proof and relies on RESUME and repair.
-    proven = cfg[CFG_ACKED] > 0 or cfg[CFG_SPARSE] != 0
+    # (Sparse mode: every member's bitmap arrived, so every member has started.) So does an
+    # all-reduce's chunk of this node's own block stored here, and a hop sooner than this
+    # node's chain's ACK: its chain came around the whole ring, through every member (one not
+    # started answers BUSY, or holds it until it starts). A node that starts no chain and
+    # stores none (an empty block: fewer elements than members) has no such proof and relies
+    # on RESUME and repair.
+    proven = (
+        cfg[CFG_ACKED] > 0
+        or cfg[CFG_SPARSE] != 0
+        or (
+            cfg[CFG_ALGO] == ALGO_ALL_REDUCE
+            and own >= 0
+            and cb[own + 1] > cb[own]
+            and done[cb[own]] != 0
+        )
+    )
     started_everywhere = ob < 0 or cb[ob + 1] == cb[ob] or proven
     if _awaits_started(cfg):
         # The members' STARTEDs are the proof, for a node with no chain of its own too: one

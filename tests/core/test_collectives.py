@@ -408,6 +408,7 @@ def test_a_resume_restarts_the_timer_of_a_chain_in_flight(
     cluster = make_cluster(n, memory=MEMORY)
     lost: list[float] = []
     resent: list[float] = []
+    resumed = [-1.0]
 
     def lose_first_chain(src: tuple[str, int], dst: tuple[str, int], data: bytes) -> bool:
         if lost or src != cluster.endpoints[0] or data[HEADER.at("opcode")] != Opcode.CHAIN_ADD:
@@ -424,7 +425,12 @@ def test_a_resume_restarts_the_timer_of_a_chain_in_flight(
         chains = slots[slots[:, L.CFG_COLL] == 3, L.CFG_RETRANSMITS]
         if not resent and chains.size and chains.max() > 0:
             resent.append(cluster.fabric.now)
-        if resumes and lost and cluster.fabric.now < until and round_ % 2 == 0:
+        # Every 5 ms of the fabric's clock, which moves only in rounds that deliver nothing: a
+        # RESUME every few rounds (each one answered by the all-gather's chunks sent again)
+        # kept every round busy and the clock still.
+        now = cluster.fabric.now
+        if resumes and lost and now < until and now - resumed[-1] >= 0.005:
+            resumed.append(now)
             cluster.fabric.send(cluster.endpoints[1], cluster.endpoints[0], resume)
 
     cluster.fabric.drop_if = lose_first_chain
