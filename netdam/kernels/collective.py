@@ -508,19 +508,40 @@ def _chunk(cfg, bounds, cb, c):
 
 
 @njit(cache=True, nogil=True)
-def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx, tx_n):
-    """CHAIN_ADD for chunk c: this node's elements, SR list over the ring up to the owner."""
+def _gather_acks(cfg):
+    """Whether this collective's all-gather acknowledges its chains (SPEC.md 4.1): a dense
+    all-reduce's owner spreads each chunk it stored to every member, the chain's originator
+    among them, so the chain's first send needs no ACK of its own (one datagram in five of a
+    large all-reduce's was such an ACK)."""
+    return cfg[CFG_ALGO] == ALGO_ALL_REDUCE and cfg[CFG_SPARSE] == 0
+
+
+@njit(cache=True, nogil=True)
+def _chain_acked(cfg, acked, c):
+    """Chain c of this node arrived at its owner (its ACK, or the owner's ALL_WRITE of the
+    chunk): its credit comes back, once."""
+    if acked[c] != 1:
+        acked[c] = 1
+        cfg[CFG_ACKED] += 1
+        cfg[CFG_INFLIGHT] -= 1
+
+
+@njit(cache=True, nogil=True)
+def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx, tx_n, first=False):
+    """CHAIN_ADD for chunk c: this node's elements, SR list over the ring up to the owner.
+    Its *first* send in a collective whose all-gather acknowledges chains asks no ACK
+    (_gather_acks); a re-send or a probe does."""
     tx_buf, tx_off, tx_len, tx_dst = tx
-    j, first, count = _chunk(cfg, bounds, cb, c)
+    j, elem, count = _chunk(cfg, bounds, cb, c)
     esize = ESIZE[cfg[CFG_DTYPE]]
     world = cfg[CFG_WORLD]
     rank = cfg[CFG_RANK]
     hops = world - 1
     nbytes = count * esize
     t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
-    flags = F_ACK_REQ | (_F_RETRY if retry else 0)
-    src_addr = cfg[CFG_IN] + first * esize
-    _header(t, OP_CHAIN_ADD, flags, c, cfg, nbytes, src_addr, cfg[CFG_OUT] + first * esize, hops)
+    flags = (0 if first and _gather_acks(cfg) else F_ACK_REQ) | (_F_RETRY if retry else 0)
+    src_addr = cfg[CFG_IN] + elem * esize
+    _header(t, OP_CHAIN_ADD, flags, c, cfg, nbytes, src_addr, cfg[CFG_OUT] + elem * esize, hops)
     for h in range(hops):
         ep = ring[(rank + 1 + h) % world]
         o = HDR + SEG * h
@@ -891,7 +912,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                 continue
             if not _room(tx_buf, tx_off, tx_len, tx_n):
                 return tx_n
-            tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n)
+            tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n, True)
             sent[c] = now
             tries[c] = 1
             cfg[CFG_NEXT_SEND] = c + 1
@@ -1670,7 +1691,7 @@ def all_write(b, ln, src, node, tx, tx_n):
     collective (coll_id != 0) it is the all-gather: written once per chunk, and only after the
     host started the collective here (before that the output may still be staged over)."""
     mem, regions, members, window, coll, counters, _trace = node
-    co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
+    co_cfg, co_done, co_acked, cb = coll.cfg, coll.done, coll.acked, coll.cb
     tx_buf, tx_off, tx_len, tx_dst = tx
     length = rd32(b, H_LENGTH)
     addr = rd64(b, H_ADDR)
@@ -1702,6 +1723,9 @@ def all_write(b, ln, src, node, tx, tx_n):
             return tx_n
         co_done[seq] = 1
         co_cfg[CFG_DONE_COUNT] += 1
+        ob = co_cfg[CFG_ORIG_BLOCK]
+        if _gather_acks(co_cfg) and ob >= 0 and cb[ob] <= seq < cb[ob + 1]:
+            _chain_acked(co_cfg, co_acked, seq)  # its owner stored this node's chain
     a = np.int64(addr)
     if rd16(b, H_FLAGS) & F_SPARSE:
         sparse_expand(mem, a, b, np.int64(HDR), np.int64(length), esize)  # the rest zeroed
@@ -2027,10 +2051,7 @@ def coll_reply(b, ln, src, op, node):
     if seq >= co_cfg[CFG_CHUNKS]:
         return False
     if op == OP_ACK:
-        if co_acked[seq] != 1:
-            co_acked[seq] = 1
-            co_cfg[CFG_ACKED] += 1
-            co_cfg[CFG_INFLIGHT] -= 1
+        _chain_acked(co_cfg, co_acked, seq)
         return True
     if op == OP_NACK:
         status = np.int64(b[H_STATUS])

@@ -1139,3 +1139,78 @@ def test_all_gather_and_broadcast_every_dtype(dtype: type, rng: np.random.Genera
     assert_all_equal(run(n, blocks, algo=Algo.ALL_GATHER).outputs, full)
     inputs = random_inputs(rng, n, count, dtype)
     assert_all_equal(run(n, inputs, algo=Algo.BROADCAST, root=1).outputs, inputs[1])
+
+
+def _chain_traffic(cluster: Cluster, lose: Callable[[Endpoint, Endpoint, bytes], bool]) -> dict:
+    """Counts, between nodes, of chains sent with and without ACK_REQ and of the chain ACKs
+    (an ACK echoes the chain's aux_addr, its store address: not one of the engine's own
+    answers, DONE, BITMAP, RESUME, STARTED), with *lose* deciding which datagrams are dropped."""
+    seen = {"asked": 0, "unasked": 0, "acks": 0}
+    nodes = set(cluster.endpoints)
+    engine_answers = {L.AUX_DONE, L.AUX_BITMAP, L.AUX_RESUME, L.AUX_STARTED}
+
+    def watch(src: Endpoint, dst: Endpoint, data: bytes) -> bool:
+        opcode = data[HEADER.at("opcode")]
+        if src in nodes and dst in nodes:
+            first_hop = HEADER.read(data, "segments_left") == HEADER.read(data, "seg_count") - 1
+            if opcode == Opcode.CHAIN_ADD and first_hop:
+                asked = HEADER.read(data, "flags") & Flags.ACK_REQ
+                seen["asked" if asked else "unasked"] += 1
+            elif opcode == Opcode.ACK and HEADER.read(data, "aux_addr") not in engine_answers:
+                seen["acks"] += 1
+        return lose(src, dst, data)
+
+    cluster.fabric.drop_if = watch
+    return seen
+
+
+@pytest.mark.parametrize("multicast", [True, False])
+def test_an_all_reduces_gather_acknowledges_its_chains(
+    multicast: bool, rng: np.random.Generator
+) -> None:
+    """A dense all-reduce's chains ask no ACK on their first send: the owner's ALL_WRITE of
+    the chunk, which its originator receives like every member, frees the originator's window
+    (SPEC.md 4.1, "Reduce-scatter by chain"). A clean run has no chain ACK and no re-send; a
+    reduce-scatter, which spreads nothing, still asks for and gets each ACK."""
+    n = 4
+    inputs = random_inputs(rng, n, 9000, np.float32)
+    cluster = make_cluster(n, memory=MEMORY)
+    seen = _chain_traffic(cluster, lambda src, dst, data: False)
+    out = run(n, inputs, cluster=cluster, multicast=multicast)
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    assert seen["unasked"] > 0 and seen["asked"] == 0 and seen["acks"] == 0, seen
+    assert [unpack_completion(r.payload)[0] for r in out.replies] == [0] * n  # no re-send
+
+    cluster = make_cluster(n, memory=MEMORY)
+    seen = _chain_traffic(cluster, lambda src, dst, data: False)
+    run(n, inputs, algo=Algo.REDUCE_SCATTER, cluster=cluster, multicast=multicast)
+    assert seen["unasked"] == 0 and seen["asked"] == seen["acks"] > 0, seen
+
+
+def test_a_chain_whose_gather_chunk_was_lost_is_acknowledged_by_its_resend(
+    rng: np.random.Generator,
+) -> None:
+    """The owner's ALL_WRITE that was to acknowledge a chain is lost on its way to the chain's
+    originator: the originator sends the chain again after its RTO, asking ACK_REQ, and the
+    owner (which stored it already) ACKs it without adding it twice; the originator READs the
+    chunk it missed. The result is exact."""
+    n = 3
+    inputs = random_inputs(rng, n, 3000, np.float32)
+    cluster = make_cluster(n, memory=MEMORY)
+    owner, originator = cluster.endpoints[0], cluster.endpoints[1]
+    lost: list[bytes] = []
+
+    def lose_first_gather(src: Endpoint, dst: Endpoint, data: bytes) -> bool:
+        if lost or (src, dst) != (owner, originator):
+            return False
+        if data[HEADER.at("opcode")] != Opcode.ALL_WRITE:
+            return False
+        lost.append(data)
+        return True
+
+    seen = _chain_traffic(cluster, lose_first_gather)
+    out = run(n, inputs, cluster=cluster)
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    assert lost and seen["asked"] == 1 and seen["acks"] == 1, seen
+    assert int(cluster.nodes[0].counters[C.CHAIN_REACKS]) == 1
+    assert unpack_completion(out.replies[1].payload)[0] >= 1  # the originator's re-send
