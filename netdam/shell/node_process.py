@@ -315,18 +315,17 @@ class NodeProcess(ServeLoop):
         if self.group == group:
             return Status.OK
         interface = self.endpoint[0] if self.endpoint[0] != "0.0.0.0" else "127.0.0.1"
+        sock = None
         try:
             sock = open_udp_socket(group, rcvbuf=self.config.rcvbuf, reuse_addr=True)
-        except OSError as exc:
-            print(f"JOIN of {group[0]}:{group[1]} refused: {exc}", file=sys.stderr, flush=True)
-            return Status.IN_USE if exc.errno == errno.EADDRINUSE else Status.BAD_FIELD
-        try:
             join_multicast(sock, group[0], interface)
+            pin_multicast_sender(self.sock, interface)
         except (OSError, ValueError) as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             print(f"JOIN of {group[0]}:{group[1]} refused: {exc}", file=sys.stderr, flush=True)
-            return Status.BAD_FIELD
-        pin_multicast_sender(self.sock, interface)
+            in_use = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
+            return Status.IN_USE if in_use else Status.BAD_FIELD
         if self.group_sock is not None:
             self.group_sock.close()
         self.group_sock, self.group = sock, group
