@@ -468,7 +468,11 @@ class ProcessGroup:
         self.arena_rkey = self.arena_key_of(self.rank)
         self.arena_base, self.arena_size = self._claim_arena()
         if self.multicast:
-            self._join(self.group, retries=2)
+            try:
+                self._join(self.group, retries=2)
+            except ControlError:
+                self.close()  # the arena, its lock and the socket go back: nothing is left held
+                raise
         self._torus = self._make_torus(self.members)
 
     def _make_torus(self, members: Sequence[int]) -> dict[int, ProcessGroup]:

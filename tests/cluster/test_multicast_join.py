@@ -10,6 +10,7 @@ import socket
 
 import pytest
 
+from netdam import api
 from netdam.api import ProcessGroup
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import start_cluster
@@ -84,6 +85,8 @@ def test_a_join_whose_port_another_socket_holds_is_refused_and_changes_nothing()
                     ControlError, match=f"holds UDP port {group[1]}.*multicast=False"
                 ):
                     ProcessGroup(cluster.info, 1)
+                # It gave its arena back: another job's process may take this rank now.
+                assert not api._ARENA_LOCKS
             ProcessGroup(cluster.info, 1).close()  # the port free again: it joins
         finally:
             client.close()
