@@ -6,7 +6,8 @@ Algorithms (p nodes, n bytes per node):
   in flight, the last stores), then all-gather by multicast writes (design notes 4.1-4.3).
   Every block's chains advance a hop at a time, each hop the longer of a chunk's latency and
   the NIC's pipeline time for a block of ADDs; then a multicast hop, every node's (p-1)/p n of
-  WRITEs and its chains' ACKs at its pipeline's rate (analytic.py), and the DONE exchange. A
+  WRITEs at its pipeline's rate (analytic.py; an owner's WRITE of a chunk is also that chunk's
+  chain's acknowledgement, SPEC.md 4.1, so no ACK is sent), and the DONE exchange. A
   replay of the same job packet by packet (replay.py) agrees within 1%.
 - ``roce-ideal``: the hardware bound of a RoCE host all-reduce: no software cost, no copies,
   and the reduction of each step fully overlapped with its transfer (an infinitely fine
@@ -141,7 +142,7 @@ def netdam_chain(
     ag_bw = (nodes - 1) * write_block
     hop = p.propagation_s + p.switch_latency_s
     store = netdam_stages(p, netdam_shape("add-store", chunk, segments), dtype_bytes)
-    control = netdam_stages(p, netdam_shape("write", 0, 0), dtype_bytes)  # ACK, DONE
+    control = netdam_stages(p, netdam_shape("write", 0, 0), dtype_bytes)  # DONE
     control_interval = 1.0 / pipeline_rate(control)[0]
 
     def after_receive(stages: list[Stage]) -> float:
@@ -152,20 +153,19 @@ def netdam_chain(
     # Every block's chains advance together, a hop at a time (each NIC starts its block's
     # chunks at once, at line rate): a hop takes a chunk's latency through the link and the
     # next NIC, or that NIC's pipeline time for a block of adds, whichever is longer; the last
-    # hop stores. Then one multicast hop, and every NIC takes p-1 blocks of WRITEs and its
-    # chains' ACKs; the last of them leaves its pipeline; every NIC sends its DONE (SPEC.md
-    # 4.1: complete when every member's DONE is here), p-1 of them per NIC.
+    # hop stores. Then one multicast hop, and every NIC takes p-1 blocks of WRITEs (among them
+    # its chains' acknowledgements); the last of them leaves its pipeline; every NIC sends its
+    # DONE (SPEC.md 4.1: complete when every member's DONE is here), p-1 of them per NIC.
     per_hop = rs_bw / segments
     chains = (
         add[0].latency_s
         + (segments - 1) * max(hop + after_receive(add), per_hop)
         + max(hop + after_receive(store), per_hop)
     )
-    acks = math.ceil(block / chunk) * control_interval
-    last_out = max(after_receive(write) - 1.0 / write_pps, after_receive(control))
+    last_out = after_receive(write) - 1.0 / write_pps
     done = hop + control[0].latency_s + after_receive(control) + (nodes - 2) * control_interval
-    total = chains + hop + ag_bw + acks + last_out + done
-    completion = acks + done
+    total = chains + hop + ag_bw + last_out + done
+    completion = done
     fill = total - rs_bw - ag_bw - completion
     limit = add_limit if rs_bw >= ag_bw else write_limit
     bottleneck = "latency" if fill + completion > rs_bw + ag_bw else _LINK_STAGES.get(limit, limit)
