@@ -453,10 +453,9 @@ class ProcessGroup:
         # The multicast group is the cluster's, whatever the job: a node joins one group, and
         # each datagram names its collective (every job's all-gathers reach the nodes).
         digest = derive(self._secret, "multicast")
-        ports = MULTICAST_PORTS
         self.group: Endpoint = (
             f"239.77.{digest[4]}.{digest[5] or 1}",
-            ports.start + int.from_bytes(digest[6:8], "big") % len(ports),
+            MULTICAST_PORTS[int.from_bytes(digest[6:8], "big") % len(MULTICAST_PORTS)],
         )
         if self.job:
             # A named job's keys, coll_ids and arena keys are its own (SPEC.md 4.1, "Jobs").

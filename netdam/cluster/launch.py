@@ -57,13 +57,15 @@ from netdam.protocol.packet import Endpoint
 from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.shell.shm import DEFAULT_SHM_DIR, remove_memory_file
 from netdam.shell.startup import CpuWatch, stall_reason
+from netdam.shell.udp import MULTICAST_PORTS
 from netdam.switch.state import state_path_for
 
 #: A node process: started (``netdam node``) or forked (fork_node_processes).
 NodeHandle = subprocess.Popen[bytes] | ForkedProcess
 
-#: First node's port when not chosen: next to the protocol's default 7744.
-DEFAULT_BASE_PORT = 17744
+#: First node's port when not chosen: next to the protocol's default 7744, right above the
+#: ports of the clusters' multicast groups (a node and a group never contend for a port).
+DEFAULT_BASE_PORT = MULTICAST_PORTS.stop
 
 
 class ClusterStartError(NetdamError, RuntimeError):

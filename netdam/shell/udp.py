@@ -40,7 +40,8 @@ IP_UDP_OVERHEAD = 28
 #: The multicast range nodes use on one machine (administratively scoped, RFC 2365).
 MULTICAST_NET = ipaddress.IPv4Network("239.0.0.0/8")
 #: The UDP ports of the multicast groups a cluster's hosts derive (api.ProcessGroup.group):
-#: below the node ports' default block (17744, cluster/launch.py) and below the kernel's
+#: below the node ports' default block (which starts where this ends, cluster/launch.py
+#: DEFAULT_BASE_PORT) and below the kernel's
 #: ephemeral range (Linux's default 32768-60999, ip(7) ip_local_port_range), where only explicit
 #: binds live. A node binds its group's port on the group address, and any socket bound to
 #: port 0 on the wildcard address (a client's, or one that sent unbound) may hold the port
