@@ -1164,6 +1164,23 @@ def _chain_traffic(cluster: Cluster, lose: Callable[[Endpoint, Endpoint, bytes],
     return seen
 
 
+def _lose_first_gather_to_its_originator(cluster: Cluster) -> tuple[list[bytes], dict]:
+    """Drop the first ALL_WRITE node 0 (an owner) sends node 1 (its block's chain originator)
+    and count the chain traffic (_chain_traffic): (the dropped datagram, once dropped; counts)."""
+    owner, originator = cluster.endpoints[0], cluster.endpoints[1]
+    lost: list[bytes] = []
+
+    def lose_first_gather(src: Endpoint, dst: Endpoint, data: bytes) -> bool:
+        if lost or (src, dst) != (owner, originator):
+            return False
+        if data[HEADER.at("opcode")] != Opcode.ALL_WRITE:
+            return False
+        lost.append(data)
+        return True
+
+    return lost, _chain_traffic(cluster, lose_first_gather)
+
+
 @pytest.mark.parametrize("multicast", [True, False])
 def test_an_all_reduces_gather_acknowledges_its_chains(
     multicast: bool, rng: np.random.Generator
@@ -1197,20 +1214,36 @@ def test_a_chain_whose_gather_chunk_was_lost_is_acknowledged_by_its_resend(
     n = 3
     inputs = random_inputs(rng, n, 3000, np.float32)
     cluster = make_cluster(n, memory=MEMORY)
-    owner, originator = cluster.endpoints[0], cluster.endpoints[1]
-    lost: list[bytes] = []
-
-    def lose_first_gather(src: Endpoint, dst: Endpoint, data: bytes) -> bool:
-        if lost or (src, dst) != (owner, originator):
-            return False
-        if data[HEADER.at("opcode")] != Opcode.ALL_WRITE:
-            return False
-        lost.append(data)
-        return True
-
-    seen = _chain_traffic(cluster, lose_first_gather)
+    lost, seen = _lose_first_gather_to_its_originator(cluster)
     out = run(n, inputs, cluster=cluster)
     assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
     assert lost and seen["asked"] == 1 and seen["acks"] == 1, seen
     assert int(cluster.nodes[0].counters[C.CHAIN_REACKS]) == 1
     assert unpack_completion(out.replies[1].payload)[0] >= 1  # the originator's re-send
+
+
+def test_only_an_all_write_the_node_takes_acknowledges_a_chain(rng: np.random.Generator) -> None:
+    """The ALL_WRITE that would acknowledge a chain is lost; in its place the originator gets
+    a copy with its tag changed, from the owner's address (a sender without the collective's
+    tag key). It is dropped and counted, so it acknowledges nothing: the chain is sent again,
+    asking ACK_REQ, and the result is exact. (A copy with the real tag and another payload
+    from the owner's own address is SPEC.md 2.6's documented residual: the tag skips the
+    payload; a non-member is refused by the members-only collective key first,
+    tests/security.)"""
+    n = 3
+    inputs = random_inputs(rng, n, 3000, np.float32)
+    cluster = make_cluster(n, memory=MEMORY)
+    lost, seen = _lose_first_gather_to_its_originator(cluster)
+    forged: list[bool] = []
+
+    def forge(cluster: Cluster, round_: int) -> None:
+        if lost and not forged:
+            changed = bytearray(lost[0])
+            changed[-1] ^= 1  # the tag's last byte
+            cluster.fabric.send(cluster.endpoints[0], cluster.endpoints[1], bytes(changed))
+            forged.append(True)
+
+    out = run(n, inputs, cluster=cluster, on_round=forge)
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    assert forged and seen["asked"] == 1 and seen["acks"] == 1, seen
+    assert int(cluster.nodes[1].counters[C.DROP_COLL_FORGED]) == 1

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +22,13 @@ from netdam.api import ProcessGroup
 from netdam.api import all_reduce as api_all_reduce
 from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import start_cluster
+from netdam.core.events import GroupJoined
 from netdam.core.guard import GuardConfig
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.kernels.tag import seal_control_bytes, verify_control_bytes
 from netdam.protocol import counters as C
 from netdam.protocol.constants import LOCKOUT_BURST, RIGHTS_ALL, Opcode, Rights, Status
-from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
+from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights, pack_register
 from netdam.protocol.tag import seal_control, siphash24, verify_control
 from netdam.switch.addrmap import Region
@@ -128,6 +130,26 @@ def test_a_sniffed_control_datagram_replayed_from_another_source_is_dropped() ->
     assert int(core.counters[C.DROP_CONTROL_REPLAYED]) == 1
     [again] = exchange(core, request)  # the admin's retry
     assert decode_packet(again).opcode == Opcode.ACK and len(core.regions()) == 1
+
+
+def test_a_join_reaches_the_shell_only_sealed_and_its_late_answer_is_sealed() -> None:
+    """A JOIN is answered once the shell has bound the group's port (NodeCore.answer_join).
+    The admin's sealed JOIN hears that answer sealed, refusal included; one on the bare admin
+    key is refused, one under another tag is dropped, and neither becomes an event the shell
+    would act on (bind a socket, join a group)."""
+    core = node()
+    join = Packet(Opcode.JOIN, client_id=3, txn_id=5, addr=endpoint_to_u64(("239.77.0.9", 11000)))
+    [bare] = exchange(core, encode_packet(replace(join, rkey=ADMIN)))
+    assert decode_packet(bare).status == Status.UNAUTHORIZED
+    assert exchange(core, seal_control(bytes(16), encode_packet(join))) == []
+    assert core.next_event() is None
+    assert exchange(core, seal_control(TAG_KEY, encode_packet(join))) == []
+    event = core.next_event()
+    assert isinstance(event, GroupJoined)
+    core.answer_join(event, Status.IN_USE)
+    [refused] = [d for d, _ in core.datagrams_to_send(0.0)]
+    assert verify_control(TAG_KEY, refused) and decode_packet(refused).status == Status.IN_USE
+    assert core.groups == set()
 
 
 def test_the_admin_key_alone_is_refused_where_control_tags_are_required() -> None:
