@@ -31,6 +31,37 @@ MAX_PAYLOAD_BYTES = 8192
 #: IPv4 (20) + UDP (8) header bytes: "MTU 9000" means a UDP payload of at most 8972 (BRIEF s7).
 IP_UDP_OVERHEAD = 28
 DEFAULT_MTU = 9000
+#: Largest MTU a node accepts: an IPv4 datagram's total length is a 16-bit field (RFC 791), so
+#: 65535; Linux's loopback device has MTU 65536 (``ip link show lo``).
+MAX_MTU = 65535
+#: The tag trailer of a TAGGED datagram, bytes (SPEC.md 2.6): one SipHash-2-4 output.
+TAG_SIZE = 8
+#: Payloads above MAX_PAYLOAD_BYTES (an emulation MTU, SPEC.md 2.7) come in whole units of this:
+#: a multiple of every element size, and of a 4 KiB page, so chunks and WRITEs stay aligned.
+PAYLOAD_UNIT_BYTES = 4096
+
+
+def largest_payload(mtu: int) -> int:
+    """The largest payload of any datagram at IP MTU *mtu* (SPEC.md 2.7; INFO's ``max_payload``).
+
+    MAX_PAYLOAD_BYTES (8192) up to MTU 9000 and somewhat above, where a datagram with the full SR
+    list and a tag still carries 8192 bytes. Above that, an emulation MTU (loopback, where the
+    link's MTU is 65536): the room a full SR list and a tag leave, in whole PAYLOAD_UNIT_BYTES:
+    61440 at MTU 65000."""
+    room = mtu - IP_UDP_OVERHEAD - HEADER_SIZE - MAX_SEGMENTS * SEGMENT_SIZE - TAG_SIZE
+    return max(MAX_PAYLOAD_BYTES, room // PAYLOAD_UNIT_BYTES * PAYLOAD_UNIT_BYTES)
+
+
+#: The largest payload at any MTU (at MAX_MTU): what a codec without a node's MTU accepts.
+MAX_EMULATED_PAYLOAD_BYTES = largest_payload(MAX_MTU)
+
+
+def slot_bytes(mtu: int) -> int:
+    """Room one outgoing datagram may need at *mtu*: header, full SR list, largest payload, tag.
+    A send queue's slot; 8776 at MTU 9000."""
+    return HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + largest_payload(mtu) + TAG_SIZE
+
+
 #: Smallest MTU a node accepts: the fixed header must fit, plus one 8-byte element.
 MIN_MTU = IP_UDP_OVERHEAD + HEADER_SIZE + 8
 
@@ -159,9 +190,6 @@ FLAG_UPDATE = 0x02
 #: its chains once every member's came, so none meets a node that has not started (BUSY). For
 #: starts known to be spread wider than a node holds early chains: a torus's steps, long chains.
 FLAG_AWAIT_STARTED = 0x04
-
-#: The tag trailer of a TAGGED datagram, bytes (SPEC.md 2.6): one SipHash-2-4 output.
-TAG_SIZE = 8
 
 
 class Status(IntEnum):
@@ -295,20 +323,23 @@ REGISTER_ALIGN = 4096
 
 def max_payload(mtu: int, tagged: bool = False) -> int:
     """Largest data payload (READ length, WRITE payload) one datagram carries at *mtu*, no SR list:
-    min(MTU - 28 - header, MAX_PAYLOAD_BYTES). What INFO advertises and pool clients split at;
+    min(MTU - 28 - header, largest_payload(MTU)). What INFO advertises and pool clients split at;
     *tagged*: 8 bytes less below the cap, the room of the tag (SPEC.md 2.6)."""
     return max(
-        0, min(mtu - IP_UDP_OVERHEAD - HEADER_SIZE - (TAG_SIZE if tagged else 0), MAX_PAYLOAD_BYTES)
+        0,
+        min(
+            mtu - IP_UDP_OVERHEAD - HEADER_SIZE - (TAG_SIZE if tagged else 0), largest_payload(mtu)
+        ),
     )
 
 
 def max_elements(mtu: int, dtype: DType, segments: int = 0) -> int:
     """Elements of *dtype* one packet carries at *mtu* with an SR list of *segments* entries.
 
-    floor((MTU - 28 - header - SR list) / element size), capped at MAX_PAYLOAD_BYTES (BRIEF s7).
+    floor((MTU - 28 - header - SR list) / element size), capped at largest_payload (BRIEF s7).
     """
     room = mtu - IP_UDP_OVERHEAD - HEADER_SIZE - SEGMENT_SIZE * segments
-    room = min(room, MAX_PAYLOAD_BYTES)
+    room = min(room, largest_payload(mtu))
     size = ELEMENT_SIZE[dtype]
     return max(room // size, 0)
 

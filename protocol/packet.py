@@ -145,9 +145,10 @@ def u64_to_endpoint(value: int) -> Endpoint:
     return int_to_ip((value >> 16) & 0xFFFFFFFF), value & 0xFFFF
 
 
-def encode_packet(packet: Packet) -> bytes:
-    """Serialize *packet*; raises LocalProtocolError when SPEC.md forbids it."""
-    _check_encodable(packet)
+def encode_packet(packet: Packet, max_payload: int = MAX_PAYLOAD_BYTES) -> bytes:
+    """Serialize *packet*; raises LocalProtocolError when SPEC.md forbids it. *max_payload*: the
+    receiver's largest payload (constants.largest_payload of its MTU; SPEC.md 2.7)."""
+    _check_encodable(packet, max_payload)
     try:
         return _pack(packet)
     except (struct.error, ValueError) as exc:  # a field out of its width, a bad IPv4 string
@@ -186,7 +187,7 @@ def _pack(packet: Packet) -> bytes:
     return header + segments + packet.payload + trailer
 
 
-def _check_encodable(packet: Packet) -> None:
+def _check_encodable(packet: Packet, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
     """Round-trip guarantee: whatever encode_packet writes, decode_packet accepts."""
     if packet.version != PROTOCOL_VERSION:
         raise LocalProtocolError(
@@ -204,7 +205,7 @@ def _check_encodable(packet: Packet) -> None:
             f"segments_left {packet.segments_left} out of range for {len(packet.segments)} segments",
         )
     try:
-        check_fields(packet)
+        check_fields(packet, max_payload)
     except RemoteProtocolError as exc:
         raise LocalProtocolError(exc.status, str(exc)) from None
 
@@ -250,8 +251,11 @@ _ANSWERS = frozenset({int(Opcode.ACK), int(Opcode.NACK)})
 _STATUSES = frozenset(enum_values(Status))
 
 
-def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
-    """Parse one datagram; raises RemoteProtocolError (with its NACK status) when malformed."""
+def decode_packet(
+    data: bytes | bytearray | memoryview, max_payload: int = MAX_PAYLOAD_BYTES
+) -> Packet:
+    """Parse one datagram; raises RemoteProtocolError (with its NACK status) when malformed.
+    *max_payload*: the largest payload this end takes (largest_payload of its MTU; SPEC.md 2.7)."""
     view = memoryview(data)
     if len(view) < HEADER_SIZE:
         raise RemoteProtocolError(
@@ -288,7 +292,7 @@ def decode_packet(data: bytes | bytearray | memoryview) -> Packet:
         payload=bytes(view[offset:end]),
         tag=tag,
     )
-    check_fields(packet)
+    check_fields(packet, max_payload)
     return packet
 
 
@@ -384,8 +388,9 @@ def _parse_segments(raw: bytes) -> tuple[Endpoint, ...]:
 _SPARSE_OPCODES = frozenset({Opcode.CHAIN_ADD, Opcode.ALL_WRITE, Opcode.WRITE})
 
 
-def check_fields(packet: Packet) -> None:
-    """Structural rules per opcode (SPEC.md "Opcodes"): lengths, dtypes, SR use."""
+def check_fields(packet: Packet, max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+    """Structural rules per opcode (SPEC.md "Opcodes"): lengths (at most *max_payload*, the
+    largest payload at the receiver's MTU, SPEC.md 2.7), dtypes, SR use."""
     _check_shape(
         packet.opcode,
         packet.flags,
@@ -393,11 +398,18 @@ def check_fields(packet: Packet) -> None:
         packet.payload,
         packet.dtype,
         bool(packet.segments),
+        max_payload,
     )
 
 
 def _check_shape(
-    opcode: int, flags: int, length: int, payload: bytes, dtype: DType, routed: bool
+    opcode: int,
+    flags: int,
+    length: int,
+    payload: bytes,
+    dtype: DType,
+    routed: bool,
+    max_payload: int = MAX_PAYLOAD_BYTES,
 ) -> None:
     """check_fields on the fields themselves, so read_answer applies it without a Packet. The
     opcode may be a plain int: its name is looked up only for an error's message."""
@@ -405,10 +417,9 @@ def _check_shape(
     name = _OPCODE_NAMES.get(opcode, "?")
     if routed and opcode not in _SR_OPCODES:
         raise RemoteProtocolError(Status.BAD_SEGMENT, f"{name} does not take an SR list")
-    if length > MAX_PAYLOAD_BYTES and opcode not in CONTROL_OPCODES:
+    if length > max_payload and opcode not in CONTROL_OPCODES:
         raise RemoteProtocolError(
-            Status.TOO_LARGE,
-            f"length {length} exceeds the maximum payload of {MAX_PAYLOAD_BYTES} bytes",
+            Status.TOO_LARGE, f"length {length} exceeds the maximum payload of {max_payload} bytes"
         )
     if opcode in _COMBINE_OPCODES and dtype == DType.RAW:
         raise RemoteProtocolError(

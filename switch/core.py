@@ -22,7 +22,7 @@ from netdam.core.authority import ControlProof, control_authority, refusal_text
 from netdam.core.base import CoreBase, check_batch
 from netdam.core.faults import FaultSpec
 from netdam.core.guard import GuardConfig, set_admin_tag_key
-from netdam.core.sendqueue import SLOT_BYTES, SendQueue
+from netdam.core.sendqueue import SendQueue
 from netdam.kernels import switch_path as K
 from netdam.kernels.guard import G_FACTOR, G_NOW, address_token, record_failure
 from netdam.kernels.state import (
@@ -54,6 +54,7 @@ from netdam.protocol.constants import (
     Opcode,
     Status,
     max_payload,
+    slot_bytes,
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, endpoint_to_u64, u64_to_endpoint
@@ -230,14 +231,14 @@ class SwitchCore(CoreBase):
         self.ftab_key = np.zeros(FAULT_TABLE, np.uint64)
         self.ftab_count = np.zeros(FAULT_TABLE, np.uint32)
         self.kctr = np.zeros((n_ports, 2, 64), np.int64)
-        self.hold_buf = np.zeros((HOLD_SLOTS, SLOT_BYTES), np.uint8)
+        self.hold_buf = np.zeros((HOLD_SLOTS, slot_bytes(config.mtu)), np.uint8)
         self.hold_len = np.zeros(HOLD_SLOTS, np.int32)
         self.hold_ep = np.zeros(HOLD_SLOTS, np.uint64)
         self.hold_dir = np.zeros(HOLD_SLOTS, np.int64)
         self.hold_time = np.zeros(HOLD_SLOTS, np.float64)
         self.hold_gen = np.zeros(HOLD_SLOTS, np.int64)
         # Send queue (as NodeCore's: back to back, [head, tail]).
-        self.sendq = SendQueue(config.tx_slots, self.counters)
+        self.sendq = SendQueue(config.tx_slots, self.counters, slot_bytes(config.mtu))
         self._punt = np.zeros(64, np.int32)
         self._events: deque[GroupChanged] = deque()
         #: The allocator answering ALLOC/FREE/QUERY (the switch process sets it; None: NACK).
@@ -453,7 +454,7 @@ class SwitchCore(CoreBase):
             # Faults rewrite the batch in place and append released datagrams: use own arrays.
             total = int(sum(int(lens[i]) for i in range(n)))
             room = 2 * n + HOLD_SLOTS
-            own = np.zeros(total + HOLD_SLOTS * SLOT_BYTES + 1, np.uint8)
+            own = np.zeros(total + HOLD_SLOTS * self.sendq.slot + 1, np.uint8)
             o_off = np.zeros(room, np.int64)
             o_len = np.zeros(room, np.int32)
             o_src = np.zeros(room, np.uint64)

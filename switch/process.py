@@ -20,7 +20,7 @@ from netdam.core.guard import GuardConfig, set_token_key
 from netdam.kernels import switch_serve
 from netdam.kernels.state import RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES
-from netdam.protocol.constants import DEFAULT_MTU
+from netdam.protocol.constants import DEFAULT_MTU, slot_bytes
 from netdam.protocol.packet import Endpoint
 from netdam.shell.process import (
     ServeLoop,
@@ -133,7 +133,7 @@ class SwitchProcess(ServeLoop):
             self.punt,
             self.io_state,
             self.scratch,
-        ) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS)
+        ) = serve_buffers(ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS, slot_bytes(config.mtu))
         self.rx = RxBatch(self.rx_buf, self.rx_off, self.rx_len, self.rx_src)
 
     def serve_once(self, timeout_ms: int) -> int:

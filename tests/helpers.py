@@ -22,6 +22,8 @@ from netdam.core.faults import FaultSpec
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.protocol.constants import (
     DATA_OPCODES,
+    DEFAULT_MTU,
+    MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
     RIGHTS_ALL,
     DType,
@@ -49,22 +51,29 @@ class Cluster:
     endpoints: list[Endpoint]
     client: Endpoint = CLIENT
     txn: int = field(default=1)
+    #: Largest payload the client's codec encodes and decodes (SPEC.md 2.7): raise it to send
+    #: what a node must refuse itself.
+    max_payload: int = MAX_PAYLOAD_BYTES
 
     def send(self, node: int, packet: Packet) -> None:
-        self.fabric.send(self.client, self.endpoints[node], encode_packet(packet))
+        data = encode_packet(packet, self.max_payload)
+        self.fabric.send(self.client, self.endpoints[node], data)
 
     def request(self, node: int, packet: Packet) -> list[Packet]:
         """Send, run to idle, return the decoded replies the client got."""
         self.send(node, packet)
         self.fabric.run_until_idle()
-        return [decode_packet(data) for data, _ in self.fabric.receive(self.client)]
+        received = self.fabric.receive(self.client)
+        return [decode_packet(data, self.max_payload) for data, _ in received]
 
     def next_txn(self) -> int:
         self.txn += 1
         return self.txn
 
 
-def make_cluster(n: int = 3, faults: FaultSpec | None = None, memory: int = MEMORY) -> Cluster:
+def make_cluster(
+    n: int = 3, faults: FaultSpec | None = None, memory: int = MEMORY, mtu: int = DEFAULT_MTU
+) -> Cluster:
     fabric = Fabric(faults)
     endpoints = [("127.0.0.1", 7001 + i) for i in range(n)]
     nodes = []
@@ -77,6 +86,7 @@ def make_cluster(n: int = 3, faults: FaultSpec | None = None, memory: int = MEMO
                 members=tuple(endpoints),
                 rank=rank,
                 world_size=n,
+                mtu=mtu,
             )
         )
         core.register_region(0, memory, RIGHTS_ALL, rkey=RKEY)

@@ -38,6 +38,7 @@ from netdam.protocol.constants import (
     MAX_PAYLOAD_BYTES,
     Flags,
     Opcode,
+    largest_payload,
     max_payload,
 )
 from netdam.protocol.errors import RemoteProtocolError
@@ -69,6 +70,7 @@ class AsyncPoolClient:
         self.client_id = client_id
         self.max_payload = MAX_PAYLOAD_BYTES
         self.tagged_payload = MAX_PAYLOAD_BYTES  # a tagged region's pieces: room for the tag
+        self.codec_payload = MAX_PAYLOAD_BYTES  # what the codec lets a datagram carry
         self.timeout = timeout
         self.retries = retries
         self._stream = stream
@@ -114,6 +116,7 @@ class AsyncPoolClient:
         client = cls(stream, vip, client_id or random_client_id(), timeout, retries, window)
         client.max_payload = max_payload(mtu)
         client.tagged_payload = max_payload(mtu, tagged=True)
+        client.codec_payload = largest_payload(mtu)
         client.tag_keys.update(tag_keys or {})
         return client
 
@@ -198,7 +201,9 @@ class AsyncPoolClient:
             seq = self._next
             self._next += 1
             txn = seq & 0xFFFFFFFF
-            data = encode_packet(replace(packet, client_id=self.client_id, txn_id=txn))
+            data = encode_packet(
+                replace(packet, client_id=self.client_id, txn_id=txn), self.codec_payload
+            )
             key = self.tag_keys.get(packet.rkey, b"") if packet.opcode != Opcode.PING else b""
             future: asyncio.Future[Packet] = asyncio.get_running_loop().create_future()
             self._waiting[txn] = future
@@ -265,12 +270,12 @@ class AsyncPoolClient:
             if key and not verify_bytes(key, data):
                 self.unsealed += 1  # not from a holder of the region's key: not taken
                 try:
-                    seen = decode_packet(data)
+                    seen = decode_packet(data, self.codec_payload)
                     self._unsealed_seen = f"{seen.opcode.name} {seen.status.name}"
                 except RemoteProtocolError:
                     self._unsealed_seen = "a malformed datagram"
                 continue
             try:
-                future.set_result(decode_packet(data))
+                future.set_result(decode_packet(data, self.codec_payload))
             except RemoteProtocolError:
                 continue

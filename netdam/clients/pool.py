@@ -37,6 +37,7 @@ from netdam.protocol.constants import (
     Flags,
     Opcode,
     Status,
+    largest_payload,
     max_payload,
 )
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
@@ -144,6 +145,8 @@ class PoolClient:
         #: tagged region's pieces leave room for the tag (piece_limit).
         self.max_payload = max_payload(mtu)
         self._tagged_payload = max_payload(mtu, tagged=True)
+        #: What the codec lets a request or reply carry: the largest payload at the MTU.
+        self._codec_payload = largest_payload(mtu)
         self.vip = vip
         self.client_id = client_id or random_client_id()
         self.timeout = timeout
@@ -277,7 +280,9 @@ class PoolClient:
                 packet = packets[nxt]
                 if packet.opcode == Opcode.READ and packet.aux_addr == 0 and self.token:
                     packet = replace(packet, aux_addr=self.token)
-                data = encode_packet(replace(packet, client_id=self.client_id, txn_id=txn))
+                data = encode_packet(
+                    replace(packet, client_id=self.client_id, txn_id=txn), self._codec_payload
+                )
                 key = self.tag_keys.get(packet.rkey, b"") if packet.opcode != Opcode.PING else b""
                 self._send(seal_bytes(key, data) if key else data)
                 flight[txn] = _Flight(nxt, seq, data, now + self.timeout, 0, key)
@@ -315,13 +320,13 @@ class PoolClient:
             # cannot seal (NO_ROUTE, BAD_RKEY). Not taken; the timeout names it.
             self.unsealed += 1
             try:
-                seen = decode_packet(data)
+                seen = decode_packet(data, self._codec_payload)
                 self._unsealed_seen = f"{seen.opcode.name} {seen.status.name}"
             except RemoteProtocolError:
                 self._unsealed_seen = "a malformed datagram"
             return
         try:
-            reply = decode_packet(data)
+            reply = decode_packet(data, self._codec_payload)
         except RemoteProtocolError:
             return
         del flight[txn]

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from netdam.core.sendqueue import SLOT_BYTES, QueueOwner
+from netdam.core.sendqueue import QueueOwner
 from netdam.kernels.tag import seal_bytes, seal_control_bytes
 from netdam.protocol import counters as C
 from netdam.protocol.constants import TAG_SIZE, Flags, Opcode, Status
@@ -107,7 +107,7 @@ class CoreBase(QueueOwner):
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Endpoint]]:
         """Drain the whole send queue as (bytes, destination) pairs."""
         count = max(self.pending(), 1)
-        out = np.zeros(count * SLOT_BYTES, np.uint8)
+        out = np.zeros(count * self.sendq.slot, np.uint8)
         offs = np.zeros(count, np.int64)
         lens = np.zeros(count, np.int32)
         dsts = np.zeros(count, np.uint64)

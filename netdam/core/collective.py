@@ -38,6 +38,7 @@ from netdam.kernels import collective as L
 from netdam.kernels import optim as optim_kernels
 from netdam.kernels.state import CollSlots, CollState, Kept
 from netdam.protocol.constants import (
+    DEFAULT_MTU,
     ELEMENT_SIZE,
     HEADER_SIZE,
     MAX_SEGMENTS,
@@ -50,6 +51,7 @@ from netdam.protocol.constants import (
     Status,
     enum_values,
     max_elements,
+    slot_bytes,
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.layout import DESCRIPTOR, OPTIMIZER_BYTES
@@ -80,6 +82,10 @@ EPOCHS_KEPT = 4096
 #: Credit window bounds, chunks in flight per originator.
 MIN_WINDOW, MAX_WINDOW, DEFAULT_WINDOW = 4, 128, 32
 TOTAL_IN_FLIGHT = 512
+#: ...and at most the bytes of TOTAL_IN_FLIGHT default-MTU chains: at an emulation MTU (SPEC.md
+#: 2.7) a chain carries 7.5x the bytes, and 128 of them per originator queued ~30 MB at 4 x 64
+#: MiB, whose waits outran the 20 ms RTO floor (~500 chains re-sent a call, none lost).
+TOTAL_IN_FLIGHT_BYTES = TOTAL_IN_FLIGHT * slot_bytes(DEFAULT_MTU)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -475,7 +481,11 @@ class CollectiveEngine:
             window = DEFAULT_WINDOW if rcvbuf <= 0 else rcvbuf // (2 * max(world, 1) * packet_bytes)
             # ...and all originators together keep at most TOTAL_IN_FLIGHT chains out: more only
             # lengthens the queues (and RTTs) without adding throughput.
-            window = min(window, TOTAL_IN_FLIGHT // max(world, 1))
+            window = min(
+                window,
+                TOTAL_IN_FLIGHT // max(world, 1),
+                TOTAL_IN_FLIGHT_BYTES // (max(world, 1) * packet_bytes),
+            )
         shape = {
             L.CFG_COLL: packet.coll_id,
             L.CFG_RANK: d.rank,

@@ -67,6 +67,7 @@ from netdam.protocol.constants import (
     TraceKind,
     enum_values,
     max_payload,
+    slot_bytes,
 )
 from netdam.protocol.errors import RemoteProtocolError
 from netdam.protocol.layout import (
@@ -193,7 +194,7 @@ class NodeCore(CoreBase):
         set_admin_tag_key(self.guard, config.admin_tag_key)
         self.collective = CollectiveSlots()
         self._ticks = 0  # clock calls: which slot's clock goes first (coll_kernels.coll_tick)
-        self.sendq = SendQueue(config.tx_slots, self.counters)
+        self.sendq = SendQueue(config.tx_slots, self.counters, slot_bytes(config.mtu))
         self._punt = np.zeros(0, np.int32)
         self._events: deque[Event] = deque()
         self.groups: set[Endpoint] = set()

@@ -16,16 +16,11 @@ import numpy as np
 from netdam.kernels.datapath import drain
 from netdam.kernels.state import TXQ_HEAD, TXQ_TAIL, Kept, TxQueue
 from netdam.protocol import counters as C
-from netdam.protocol.constants import (
-    HEADER_SIZE,
-    MAX_PAYLOAD_BYTES,
-    MAX_SEGMENTS,
-    SEGMENT_SIZE,
-    TAG_SIZE,
-)
+from netdam.protocol.constants import DEFAULT_MTU, slot_bytes
 
-#: Room one outgoing datagram may need: header, full SR list, largest payload, tag (SPEC.md 2).
-SLOT_BYTES = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES + TAG_SIZE
+#: Room one outgoing datagram may need at the default MTU: header, full SR list, largest payload,
+#: tag (SPEC.md 2). A core at another MTU sizes its queue by constants.slot_bytes of it.
+SLOT_BYTES = slot_bytes(DEFAULT_MTU)
 #: Bound of the queue: beyond it the datapath drops and counts (DROP_TX_FULL).
 MAX_TX_QUEUE = 1 << 15
 
@@ -33,10 +28,13 @@ MAX_TX_QUEUE = 1 << 15
 class SendQueue:
     """Pending datagrams of one core; the arrays are replaced when the queue grows."""
 
-    def __init__(self, slots: int, counters: np.ndarray) -> None:
+    def __init__(self, slots: int, counters: np.ndarray, slot: int = SLOT_BYTES) -> None:
         self.counters = counters
+        #: Room one datagram may need (constants.slot_bytes of the core's MTU); the kernels
+        #: check it is free before they build a datagram at the tail.
+        self.slot = slot
         self._bundle: Kept[TxQueue] = Kept()
-        self.buf = np.zeros(slots * SLOT_BYTES, np.uint8)
+        self.buf = np.zeros(slots * slot, np.uint8)
         self.off = np.zeros(slots + 1, np.int64)
         self.len = np.zeros(slots, np.int32)
         self.dst = np.zeros(slots, np.uint64)
@@ -77,7 +75,7 @@ class SendQueue:
             self.off = _grown(self.off, new_cap + 1)
             self.len = _grown(self.len, new_cap)
             self.dst = _grown(self.dst, new_cap)
-        room = int(self.off[tail]) + (min(need, self.len.shape[0]) - tail) * SLOT_BYTES
+        room = int(self.off[tail]) + (min(need, self.len.shape[0]) - tail) * self.slot
         if room > self.buf.shape[0]:
             self.buf = _grown(self.buf, max(room, 2 * self.buf.shape[0]))
 
@@ -101,14 +99,15 @@ class SendQueue:
 
     def bundle(self) -> TxQueue:
         """The queue's arrays as the kernels take them (made again when growing replaced them)."""
-        return self._bundle.of(TxQueue, self.buf, self.off, self.len, self.dst)
+        return self._bundle.of(TxQueue, self.buf, self.off, self.len, self.dst, self.slot)
 
     def fill(
         self, out: np.ndarray, out_offs: np.ndarray, out_lens: np.ndarray, out_dsts: np.ndarray
     ) -> int:
         """Copy pending datagrams into a caller's batch (back to back, as many as fit)."""
         head, tail = int(self.q[TXQ_HEAD]), int(self.q[TXQ_TAIL])
-        count = drain(self.bundle(), head, tail - head, TxQueue(out, out_offs, out_lens, out_dsts))
+        out_q = TxQueue(out, out_offs, out_lens, out_dsts, self.slot)
+        count = drain(self.bundle(), head, tail - head, out_q)
         self.sent(count)
         return count
 

@@ -58,7 +58,6 @@ from netdam.kernels.wire import (
     S_NOT_MEMBER,
     S_TOO_LARGE,
     SEG,
-    SLOT,
     check_access,
     copy_bytes,
     emit_ack,
@@ -382,22 +381,24 @@ def _header(t, opcode, flags, seq, cfg, length, addr, aux, segs):
 
 
 @njit(cache=True, nogil=True)
-def _room(tx_buf, tx_off, tx_len, tx_n):
-    return tx_n + 1 < tx_len.shape[0] and tx_off[tx_n] + SLOT <= tx_buf.shape[0]
+def _room(tx, tx_n):
+    """Room for one more datagram in the send queue."""
+    return _room_for(tx, tx_n, 1)
 
 
 @njit(cache=True, nogil=True)
-def _room_for(tx_buf, tx_off, tx_len, tx_n, k):
+def _room_for(tx, tx_n, k):
     """Room for *k* more datagrams in the send queue."""
-    return tx_n + k < tx_len.shape[0] and tx_off[tx_n] + k * SLOT <= tx_buf.shape[0]
+    tx_buf, tx_off, tx_len, _tx_dst, slot = tx
+    return tx_n + k < tx_len.shape[0] and tx_off[tx_n] + k * slot <= tx_buf.shape[0]
 
 
 @njit(cache=True, nogil=True)
 def _commit(cfg, tx, tx_n, length, dst):
     """Queue the datagram built at the tail, sealed (SPEC.md 2.6) when this node holds the tag
     key of its collective and epoch: every datagram the engine sends goes through here."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
+    t = tx_buf[tx_off[tx_n] :]
     k0, k1 = _coll_tag_key(cfg, rd32(t, H_COLL_ID), rd32(t, H_EPOCH))
     if k0 | k1:
         length = seal_tag(t, length, k0, k1)
@@ -531,14 +532,14 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx, tx_n, first=False):
     """CHAIN_ADD for chunk c: this node's elements, SR list over the ring up to the owner.
     Its *first* send in a collective whose all-gather acknowledges chains asks no ACK
     (_gather_acks); a re-send or a probe does."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     j, elem, count = _chunk(cfg, bounds, cb, c)
     esize = ESIZE[cfg[CFG_DTYPE]]
     world = cfg[CFG_WORLD]
     rank = cfg[CFG_RANK]
     hops = world - 1
     nbytes = count * esize
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    t = tx_buf[tx_off[tx_n] :]
     flags = (0 if first and _gather_acks(cfg) else F_ACK_REQ) | (_F_RETRY if retry else 0)
     src_addr = cfg[CFG_IN] + elem * esize
     _header(t, OP_CHAIN_ADD, flags, c, cfg, nbytes, src_addr, cfg[CFG_OUT] + elem * esize, hops)
@@ -563,12 +564,12 @@ def _send_chain(cfg, ring, bounds, cb, c, retry, mem, tx, tx_n, first=False):
 @njit(cache=True, nogil=True)
 def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx, tx_n):
     """ALL_WRITE of chunk c of this node's output to dst (a group or one member)."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = ESIZE[cfg[CFG_DTYPE]]
     nbytes = count * esize
     addr = cfg[CFG_OUT] + first * esize
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    t = tx_buf[tx_off[tx_n] :]
     flags = _F_MCAST if cfg[CFG_GROUP] != 0 else 0
     _header(t, OP_ALL_WRITE, flags, c, cfg, nbytes, addr, 0, 0)
     if cfg[CFG_SPARSE] != 0:
@@ -585,11 +586,11 @@ def _send_gather(cfg, ring, bounds, cb, c, dst, mem, tx, tx_n):
 @njit(cache=True, nogil=True)
 def _send_read(cfg, ring, bounds, cb, c, tx, tx_n):
     """READ of chunk c's reduced data from its owner (all-gather repair)."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     j, first, count = _chunk(cfg, bounds, cb, c)
     esize = ESIZE[cfg[CFG_DTYPE]]
     addr = cfg[CFG_OUT] + first * esize
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    t = tx_buf[tx_off[tx_n] :]
     _header(t, OP_READ, 0, c, cfg, count * esize, addr, 0, 0)
     return _commit(cfg, tx, tx_n, HDR, ring[j])
 
@@ -601,8 +602,8 @@ def _notify(cfg, fcfg, status, done, cb, tx, tx_n):
     chunk still missing here (NACK), so the host can name what it waited for. An ACK adds the
     phases (SPEC.md 4.1): u64 engine clock at the start (ns), u32 microseconds from the start to
     the end of each phase (chains ACKed, chunks here, DONEs here), u32 0."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
+    t = tx_buf[tx_off[tx_n] :]
     length = COMPLETION_BYTES if status == 0 else COMPLETION_FAILURE_BYTES
     _header(t, OP_ACK if status == 0 else OP_NACK, 0, 0, cfg, length, 0, 1, 0)
     wr32(t, H_RKEY, 0)  # no key in a reply to the host
@@ -769,7 +770,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     """Advance the running collective at time *now* (seconds), one of *share* running here
     (its window divided among them); returns the new tx_n."""
     cfg, done, acked, fcfg, ring, bounds, cb, sent, tries, agsent = coll
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     if cfg[CFG_PREV_ASK] != 0 or cfg[CFG_CUR_ASK] != 0:
         tx_n = _answer_previous(cfg, ring, tx, tx_n)
     if cfg[CFG_STATE] != STATE_RUNNING:
@@ -787,10 +788,10 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     world = cfg[CFG_WORLD]
     if _announces_start(cfg) and cfg[CFG_STARTED] & me_bit == 0:
         # To the group, or (no group: a torus's column) to each other member in one go.
-        if _room_for(tx_buf, tx_off, tx_len, tx_n, 1 if cfg[CFG_GROUP] != 0 else world):
+        if _room_for(tx, tx_n, 1 if cfg[CFG_GROUP] != 0 else world):
             tx_n = _send_started(cfg, ring, tx, tx_n, _all_ranks(world) & ~me_bit, 1)
             cfg[CFG_STARTED] |= me_bit
-    if cfg[CFG_STARTED_ASK] != 0 and _room_for(tx_buf, tx_off, tx_len, tx_n, world):
+    if cfg[CFG_STARTED_ASK] != 0 and _room_for(tx, tx_n, world):
         # Members that lacked ours asked for it (their STARTED with txn_id 0): to each alone.
         tx_n = _send_started(cfg, ring, tx, tx_n, cfg[CFG_STARTED_ASK], 1)
         cfg[CFG_STARTED_ASK] = 0
@@ -824,7 +825,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
     deadline = max(deadline, WATCHDOG_MIN_RTOS * _rto_bounds(fcfg)[0])
     if cfg[CFG_FATAL] != 0 or now - fcfg[F_LAST_ADVANCE] > deadline:
         cfg[CFG_STATE] = STATE_FAILED
-        if _room(tx_buf, tx_off, tx_len, tx_n):
+        if _room(tx, tx_n):
             status = cfg[CFG_FATAL] if cfg[CFG_FATAL] != 0 else 23  # TIMEOUT: the watchdog fired
             _trace_phase(trace, now, cfg, PH_FAILED, status)
             tx_n = _notify(cfg, fcfg, status, done, cb, tx, tx_n)
@@ -840,7 +841,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         _awaits_started(cfg)
         and not members_started
         and now - max(fcfg[F_START], fcfg[F_STARTED_ASKED]) > repair_s
-        and _room_for(tx_buf, tx_off, tx_len, tx_n, world)
+        and _room_for(tx, tx_n, world)
     ):
         # Ask each member whose STARTED has not come for it, once a repair period: one that
         # runs answers with its own; one that has not started remembers us and RESUMEs us
@@ -874,7 +875,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                 # A hop answered BUSY (its host has not started the collective yet): ask
                 # again, backing off (0.5 ms doubling to 32 ms). Flow control: neither a
                 # retransmit nor an RTT sample (tries > 1 keeps Karn's rule off it).
-                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                if not _room(tx, tx_n):
                     return tx_n
                 tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n)
                 acked[c] = ACKED_PROBE
@@ -883,13 +884,13 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
             elif acked[c] == ACKED_PROBE and now - sent[c] > fcfg[F_RTO]:
                 # The probe or its answer is late: ask again, as flow control (the hop's guard
                 # answers a copy that already ran with its ACK again).
-                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                if not _room(tx, tx_n):
                     return tx_n
                 tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n)
                 sent[c] = now
                 tries[c] = min(tries[c] + 1, 250)
             elif acked[c] == 0 and now - sent[c] > fcfg[F_RTO]:
-                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                if not _room(tx, tx_n):
                     return tx_n
                 tx_n = _send_chain(cfg, ring, bounds, cb, c, True, mem, tx, tx_n)
                 sent[c] = now
@@ -910,7 +911,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
             if acked[c] == 1:  # skipped (zero everywhere): no chain
                 cfg[CFG_NEXT_SEND] = c + 1
                 continue
-            if not _room(tx_buf, tx_off, tx_len, tx_n):
+            if not _room(tx, tx_n):
                 return tx_n
             tx_n = _send_chain(cfg, ring, bounds, cb, c, False, mem, tx, tx_n, True)
             sent[c] = now
@@ -957,14 +958,14 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                 break  # in order: the next chunk is not stored yet
             if agsent[c] == 0:
                 if cfg[CFG_GROUP] != 0:
-                    if not _room(tx_buf, tx_off, tx_len, tx_n):
+                    if not _room(tx, tx_n):
                         return tx_n
                     tx_n = _send_gather(
                         cfg, ring, bounds, cb, c, np.uint64(cfg[CFG_GROUP]), mem, tx, tx_n
                     )
                 else:
                     for k in range(1, cfg[CFG_WORLD]):
-                        if not _room(tx_buf, tx_off, tx_len, tx_n):
+                        if not _room(tx, tx_n):
                             return tx_n
                         member = ring[(cfg[CFG_RANK] + k) % cfg[CFG_WORLD]]
                         tx_n = _send_gather(cfg, ring, bounds, cb, c, member, mem, tx, tx_n)
@@ -981,7 +982,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         while c < cfg[CFG_AG_NEXT] and budget > 0:
             for r in range(cfg[CFG_WORLD]):
                 if (cfg[CFG_AG_RESEND] >> r) & 1:
-                    if not _room(tx_buf, tx_off, tx_len, tx_n):
+                    if not _room(tx, tx_n):
                         cfg[CFG_AG_RESEND_NEXT] = c
                         return tx_n
                     tx_n = _send_gather(cfg, ring, bounds, cb, c, ring[r], mem, tx, tx_n)
@@ -1019,7 +1020,7 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                     continue
             if now - sent[c] < base_rto:
                 continue
-            if not _room(tx_buf, tx_off, tx_len, tx_n):
+            if not _room(tx, tx_n):
                 return tx_n
             tx_n = _send_read(cfg, ring, bounds, cb, c, tx, tx_n)
             sent[c] = now
@@ -1045,13 +1046,13 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
             # The first round in one multicast to the collective's group (its members joined
             # it): one send where unicast takes world - 1. As an answer (txn_id 1), so no member
             # replies to it; one whose DONE is lost here is asked again by the re-send rounds.
-            if not _room(tx_buf, tx_off, tx_len, tx_n):
+            if not _room(tx, tx_n):
                 return tx_n
             cfg[CFG_PEERS_DONE] |= me
             fcfg[F_LAST_DONE_SENT] = now
             tx_n = _send_done(cfg, cfg[CFG_EPOCH], np.uint64(cfg[CFG_GROUP]), True, tx, tx_n)
         elif first or now - fcfg[F_LAST_DONE_SENT] > base_rto:
-            if first and not _room_for(tx_buf, tx_off, tx_len, tx_n, world):
+            if first and not _room_for(tx, tx_n, world):
                 return tx_n  # the first round of DONEs goes out whole
             cfg[CFG_PEERS_DONE] |= me
             fcfg[F_LAST_DONE_SENT] = now
@@ -1060,13 +1061,13 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
                 have_theirs = (cfg[CFG_PEERS_DONE] >> peer) & 1
                 if have_theirs and not first:
                     continue  # re-sends only ask the members still silent
-                if not _room(tx_buf, tx_off, tx_len, tx_n):
+                if not _room(tx, tx_n):
                     return tx_n
                 # A member whose DONE is already here asked for ours while this node was not
                 # ready: it gets ours now as the answer, packet-driven, not after its RTO.
                 tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], have_theirs != 0, tx, tx_n)
         all_ranks = _all_ranks(world)
-        if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx_buf, tx_off, tx_len, tx_n):
+        if cfg[CFG_PEERS_DONE] == all_ranks and _room(tx, tx_n):
             cfg[CFG_STATE] = STATE_DONE
             fcfg[F_T_DONE] = now
             _trace_phase(trace, fcfg[F_T_CHAINS], cfg, PH_CHAINS, 0)
@@ -1121,13 +1122,13 @@ def _trace_resend(trace, now, cfg, opcode, c):
 def _answer_previous(cfg, ring, tx, tx_n):
     """Repeat this node's DONE to members that ask for it: of the previous epoch, or of the
     current one once finished (they lost it while this node finished)."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     for peer in range(cfg[CFG_WORLD]):
         bit = np.int64(1) << peer
-        if cfg[CFG_PREV_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
+        if cfg[CFG_PREV_ASK] & bit and _room(tx, tx_n):
             tx_n = _send_done(cfg, (cfg[CFG_EPOCH] - 1) & 0xFFFFFFFF, ring[peer], True, tx, tx_n)
             cfg[CFG_PREV_ASK] &= ~bit
-        if cfg[CFG_CUR_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
+        if cfg[CFG_CUR_ASK] & bit and _room(tx, tx_n):
             tx_n = _send_done(cfg, cfg[CFG_EPOCH], ring[peer], True, tx, tx_n)
             cfg[CFG_CUR_ASK] &= ~bit
     return tx_n
@@ -1138,8 +1139,8 @@ def _send_done(cfg, epoch, dst, answer, tx, tx_n):
     """DONE: an ACK with aux_addr = AUX_DONE, seq = this node's rank, txn_id 0 for a DONE that
     asks the member to answer with its own once ready, 1 for such an answer (never answered:
     no ping-pong between finished nodes)."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
+    t = tx_buf[tx_off[tx_n] :]
     _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_DONE, 0)
     wr32(t, H_TXN_ID, 1 if answer else 0)
     wr32(t, H_EPOCH, epoch)
@@ -1153,13 +1154,13 @@ def _send_resumes(cfg, tx, tx_n):
     """RESUME to every originator this node answered BUSY for this very collective and epoch
     before its host started it: an ACK with aux_addr = AUX_RESUME, seq = this node's rank,
     txn_id 0, no payload. Records of any other collective or epoch are stale: forgotten."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     n = cfg[CFG_REFUSED_N]
     if cfg[CFG_REFUSED_COLL] == cfg[CFG_COLL] and cfg[CFG_REFUSED_EPOCH] == cfg[CFG_EPOCH]:
         for k in range(n):
-            if not _room(tx_buf, tx_off, tx_len, tx_n):
+            if not _room(tx, tx_n):
                 break  # the originator's BUSY backoff asks again anyway
-            t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+            t = tx_buf[tx_off[tx_n] :]
             _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_RESUME, 0)
             tx_n = _commit(cfg, tx, tx_n, HDR, np.uint64(cfg[CFG_REFUSED_BASE + k]))
     cfg[CFG_REFUSED_N] = 0
@@ -1217,8 +1218,8 @@ def _send_started(cfg, ring, tx, tx_n, to, txn):
 
 @njit(cache=True, nogil=True)
 def _started_to(cfg, tx, tx_n, txn, dst):
-    tx_buf, tx_off, _, _ = tx
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    tx_buf, tx_off, _, _, _ = tx
+    t = tx_buf[tx_off[tx_n] :]
     _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, 0, 0, AUX_STARTED, 0)
     wr32(t, H_TXN_ID, txn)
     return _commit(cfg, tx, tx_n, HDR, dst)
@@ -1308,11 +1309,11 @@ def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx, tx_n):
     """Sparse mode's first round (SPEC.md 4.1): answer members that sent their bitmap as a
     request; send ours as a request to members not known to hold it, at once and again every
     base RTO (a member not started yet drops it; its own request, once it starts, is answered)."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     world = cfg[CFG_WORLD]
     for peer in range(world):
         bit = np.int64(1) << peer
-        if cfg[CFG_BM_ASK] & bit and _room(tx_buf, tx_off, tx_len, tx_n):
+        if cfg[CFG_BM_ASK] & bit and _room(tx, tx_n):
             tx_n = _send_bitmap(cfg, 1, ring[peer], done, tx, tx_n)
             cfg[CFG_BM_ASK] &= ~bit
     all_ranks = _all_ranks(world)
@@ -1324,7 +1325,7 @@ def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx, tx_n):
         for peer in range(world):
             if (cfg[CFG_BM_HAS] >> peer) & 1:
                 continue
-            if not _room(tx_buf, tx_off, tx_len, tx_n):
+            if not _room(tx, tx_n):
                 return tx_n
             tx_n = _send_bitmap(cfg, 0, ring[peer], done, tx, tx_n)
     return tx_n
@@ -1334,9 +1335,9 @@ def _bitmap_round(cfg, fcfg, ring, now, mem, done, tx, tx_n):
 def _send_bitmap(cfg, answer, dst, done, tx, tx_n):
     """This node's non-zero bitmap: an ACK with aux_addr = AUX_BITMAP, seq = rank, txn_id 0
     (request: answer me) or 1 (answer), payload ceil(chunks / 8) bytes, bit c = chunk c."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     nbytes = (cfg[CFG_CHUNKS] + 7) // 8
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    t = tx_buf[tx_off[tx_n] :]
     _header(t, OP_ACK, 0, cfg[CFG_RANK], cfg, nbytes, 0, AUX_BITMAP, 0)
     wr32(t, H_TXN_ID, answer)
     copy_bytes(t, HDR, done, BM_BASE, nbytes)
@@ -1692,7 +1693,7 @@ def all_write(b, ln, src, node, tx, tx_n):
     host started the collective here (before that the output may still be staged over)."""
     mem, regions, members, window, coll, counters, _trace = node
     co_cfg, co_done, co_acked, cb = coll.cfg, coll.done, coll.acked, coll.cb
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     length = rd32(b, H_LENGTH)
     addr = rd64(b, H_ADDR)
     esize = ESIZE[np.int64(b[H_DTYPE])]
@@ -1742,7 +1743,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
     store at aux_addr (once per (coll_id, epoch, seq)) and ACK the originator."""
     mem, regions, members, window, slot, counters, _trace = node
     co_cfg, co_done = slot.cfg, slot.done
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     length = rd32(b, H_LENGTH)
     addr = rd64(b, H_ADDR)
     store_addr = rd64(b, H_AUX_ADDR)
@@ -1796,7 +1797,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
     sparse_in = (rd16(b, H_FLAGS) & F_SPARSE) != 0
     sparse_mode = guarded and co_cfg[CFG_SPARSE] != 0
     if left > 0:
-        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+        t = tx_buf[tx_off[tx_n] :]
         for k in range(payload_off):
             t[k] = b[k]
         t[H_SEGMENTS_LEFT] = left - 1
@@ -1809,7 +1810,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
         if sparse_in or sparse_mode:
             # Dense running value in a scratch (the next send slot when free), combined there,
             # then re-encoded into the forwarded packet: sparse when it pays, else dense.
-            x = scratch_slot(tx_buf, tx_off, tx_n)
+            x = scratch_slot(tx, tx_n)
             if sparse_in:
                 sparse_expand(x, np.int64(0), b, np.int64(payload_off), nbytes, esize)
             else:
@@ -1836,7 +1837,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
         # Combine into the free send slot, then store: the store range may overlap the operand
         # (in-place all-reduce), and the combine kernel may not alias its output with `b`.
         s = np.int64(store_addr)
-        scratch = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+        scratch = tx_buf[tx_off[tx_n] :]
         if sparse_in:
             sparse_expand(scratch, np.int64(HDR), b, np.int64(payload_off), np.int64(length), esize)
             combine_bytes(

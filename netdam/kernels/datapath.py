@@ -95,10 +95,10 @@ from netdam.kernels.wire import (
     S_STALE,
     S_TOO_LARGE,
     S_UNAUTHORIZED,
-    SLOT,
     W,
     check_access,
     check_packet,
+    check_send_queue,
     copy_bytes,
     credit_of,
     emit_nack,
@@ -110,6 +110,7 @@ from netdam.kernels.wire import (
     rd64,
     reply_dst,
     reply_header,
+    slot_payload,
     sparse_expand,
 )
 from netdam.protocol import counters as C
@@ -260,8 +261,7 @@ def process_batch(
     append answers to *tx* from *tx_n*; returns (tx_n, n_punt), punted indices in *punt*."""
     if not 0 <= n <= min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]):
         raise ValueError(f"batch of {n} does not fit its arrays")
-    if not 0 <= tx_n < tx.len.shape[0] or tx.off.shape[0] != tx.len.shape[0] + 1:
-        raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
+    check_send_queue(tx, tx_n)
     if node.mem.dtype != np.uint8 or node.counters.shape[0] < C.NUM_COUNTERS:
         raise ValueError("node state: memory must be uint8 and counters full size")
     check_guard(guard)
@@ -285,7 +285,8 @@ def process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt):
     )
     rx_buf, rx_off, rx_len, rx_src = rx
     members, counters = node.members, node.counters
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
+    max_pay = slot_payload(tx_slot)
     n_punt = 0
     cap = tx_len.shape[0]
     # The guard's verdict on the last source seen (GRO runs come from one source): a source that
@@ -303,7 +304,7 @@ def process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt):
             counters[C.DROP_OVERSIZE] += 1  # over the MTU, or truncated by the receive buffer
             continue
         b = rx_buf[off : off + ln]
-        if tx_n >= cap or tx_off[tx_n] + SLOT > tx_buf.shape[0]:
+        if tx_n >= cap or tx_off[tx_n] + tx_slot > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
         guarded = False
@@ -356,7 +357,7 @@ def process_batch_kernel(rx, n, max_len, node, guard, tx, tx_n, punt):
         if locked_tagged and sealed != REGION_TAG_OK:
             counters[C.DROP_LOCKOUT] += 1  # a tag that proves nothing: the lockout holds
             continue
-        status = check_packet(b, ln)
+        status = check_packet(b, ln, max_pay)
         op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
@@ -438,7 +439,7 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
     refuse to send it (EMSGSIZE) and the client would only see a timeout."""
     mem, regions, members, window, coll, counters, _trace = node
     co_cfg, co_done, _co_acked = coll.cfg, coll.done, coll.acked
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     length = rd32(b, H_LENGTH)
     if HDR + length > max_len:
         return emit_nack(b, src, members, S_TOO_LARGE, tx, tx_n, counters)
@@ -471,7 +472,7 @@ def _read(b, src, node, guard, tx, tx_n, max_len):
             status = S_BUSY  # not reduced here yet: the reader asks again later
     if status != 0:
         return emit_nack(b, src, members, status, tx, tx_n, counters)
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    t = tx_buf[tx_off[tx_n] :]
     reply_header(t, b, OP_READ_RESP, 0, length, credit_of(tx_n, tx_len.shape[0]))
     a = np.int64(addr)
     copy_bytes(t, HDR, mem, a, length)
@@ -488,7 +489,7 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
     also applied at most once per step and chunk, whatever its txn id (optim.update_check)."""
     mem, regions, members, window, coll, counters, _trace = node
     w_txn, w_state, w_len, w_reply = window.txn, window.state, window.len, window.reply
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     length = rd32(b, H_LENGTH)
     addr = rd64(b, H_ADDR)
     dtype = np.int64(b[H_DTYPE])
@@ -519,14 +520,14 @@ def _mutate(b, ln, src, op, node, tx, tx_n, stamp):
             counters[C.DUP_SILENT] += 1
             return tx_n
         counters[C.DUP_REPLAYS] += 1
-        t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+        t = tx_buf[tx_off[tx_n] :]
         copy_bytes(t, 0, w_reply[c, w], 0, reply_len)
         tx_len[tx_n] = reply_len
         tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
         tx_dst[tx_n] = dst
         return tx_n + 1
     a = np.int64(addr)
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    t = tx_buf[tx_off[tx_n] :]
     reply_len = 0
     if op == OP_WRITE or op == OP_ADD:
         if op == OP_WRITE:

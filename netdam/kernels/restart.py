@@ -254,7 +254,7 @@ def restart_collective(b, ln, src, node, tx, tx_n, tag):
     count_start(slots.cfg[SPARE_SLOT], cfg)
     local_part(slot_state(slots, s), mem)
     # The ACK echoes the request's header (aux_addr 0: running), sealed under its tag key.
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     tx_n = emit_ack(b, src, members, tx, tx_n)
     k = tx_n - 1
     t = tx_buf[tx_off[k] : tx_off[k] + HDR + TAG]

@@ -52,7 +52,6 @@ from netdam.kernels.udp_io import (
     send_batch_kernel,
     sys_poll,
 )
-from netdam.kernels.wire import SLOT
 from netdam.protocol import counters as C
 
 #: Why a NIC's visit (_serve_nic) ended.
@@ -305,7 +304,7 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     fault_cfg = faults.cfg
     hold_len = faults.hold.len
     mem, regions, members, window, coll, counters, trace = node
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     cap = tx_len.shape[0]
     marks = np.zeros(N_DROPS, np.uint64)  # the drop counters before each batch (its trace)
     start_ns = clock_ns()
@@ -339,7 +338,7 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
                 return RETURN_QUEUE, 0  # partial send: compact before receiving more
         tail = txq[TXQ_TAIL]
         room = 2 * max_n + hold_len.shape[0] + 1  # duplicates and released datagrams too
-        if tail + room > cap or tx_off[tail] + room * SLOT > tx_buf.shape[0]:
+        if tail + room > cap or tx_off[tail] + room * tx_slot > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
         # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
         # Wait for traffic while the call's time lasts, briefly while a collective runs.

@@ -42,7 +42,7 @@ def _a(dtype: type, ndim: int = 1) -> np.ndarray:
 u8, u32, u64, i32, i64, f64 = np.uint8, np.uint32, np.uint64, np.int32, np.int64, np.float64
 
 RX_BATCH = typeof(RxBatch(_a(u8), _a(i64), _a(i32), _a(u64)))
-TX_QUEUE = typeof(TxQueue(_a(u8), _a(i64), _a(i32), _a(u64)))
+TX_QUEUE = typeof(TxQueue(_a(u8), _a(i64), _a(i32), _a(u64), 0))
 GUARD = Guard(_a(f64), _a(u64), _a(u64), _a(f64), _a(f64), _a(f64), _a(f64), _a(i64), _a(f64))
 #: The node's guard travels beside NodeState, not in it: every per-datagram call passes the node
 #: tuple, and each array in it costs a reference count.

@@ -61,6 +61,7 @@ class TxQueue(NamedTuple):
     off: np.ndarray  # int64, off[n] is the next free byte
     len: np.ndarray  # int32
     dst: np.ndarray  # uint64
+    slot: int  # room one datagram may need: constants.slot_bytes of the core's MTU
 
 
 class Regions(NamedTuple):

@@ -57,13 +57,14 @@ from netdam.kernels.wire import (
     IS_REPLY,
     PUNT,
     PUNTED_OPS,
-    SLOT,
     check_packet,
+    check_send_queue,
     copy_bytes,
     emit_nack,
     rd16,
     rd32,
     rd64,
+    slot_payload,
     wr16,
     wr32,
     wr64,
@@ -180,7 +181,7 @@ def _client_id_of(src):
 
 @njit(cache=True, nogil=True)
 def _nack(b, src, node_sorted, node_port, status, port_ctr, tx, tx_n, counters):
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     tx_n = emit_nack(b, src, node_sorted, status, tx, tx_n, counters)
     port = _port_of(node_sorted, node_port, tx_dst[tx_n - 1])
     port_ctr[port, P_TX_PACKETS] += 1
@@ -193,7 +194,7 @@ def _emit_copy(
     b, ln, src, from_node, dst, dst_port, port_ctr, sw, tx_buf, tx_off, tx_len, tx_dst, tx_n
 ):
     """Queue a copy of b[:ln] to *dst* with the return segment, RELAYED and client id written."""
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    t = tx_buf[tx_off[tx_n] :]
     copy_bytes(t, 0, b, 0, ln)
     ret_set = rd32(b, H_RET_IP) != 0 or rd16(b, H_RET_PORT) != 0
     if not (from_node and ret_set):
@@ -223,7 +224,8 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
     guard = st.guard
     tenant_ids, tenant_keys = st.tenants
     factor = guard.cfg[G_FACTOR]
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
+    max_pay = slot_payload(tx_slot)
     n_punt = 0
     cap = tx_len.shape[0]
     fanout = np.int64(cfg[CFG_FANOUT])
@@ -242,7 +244,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
             counters[C.DROP_OVERSIZE] += 1
             continue
         b = rx_buf[off : off + ln]
-        if tx_n + fanout > cap or tx_off[tx_n] + fanout * SLOT > tx_buf.shape[0]:
+        if tx_n + fanout > cap or tx_off[tx_n] + fanout * tx_slot > tx_buf.shape[0]:
             counters[C.DROP_TX_FULL] += 1
             continue
         # A TAGGED datagram (SPEC.md 2.6) is checked without its trailer; a pool request to a
@@ -269,7 +271,7 @@ def _switch_batch(rx, n, max_len, st, tx, tx_n, punt):
                 locked_tagged = True
             else:
                 open_src = src  # not locked: stays so within this batch unless it fails a key
-        status = check_packet(b, ln)
+        status = check_packet(b, ln, max_pay)
         op = np.int64(b[H_OPCODE]) if ln > 1 else 0
         if status == DROP_SILENTLY:
             counters[C.DROP_TRUNCATED] += 1
@@ -587,7 +589,7 @@ def _tx_faults(start, tx_n, st, tx):
     counters, sw, port_ctr, reg_ctr = st.ctrs
     fcfg, fkeys, fclock, fstate, ftab_key, ftab_count, kctr, hold = st.faults
     hold_buf, hold_len, hold_ep, hold_dir, hold_time, hold_gen = hold
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     now = fclock[FCLOCK_NOW]
     gen = np.int64(fclock[FCLOCK_GEN])
     count = tx_n - start
@@ -642,8 +644,7 @@ def switch_round(
     transmit faults for rx[0:n]; returns (tx_n, n_punt)."""
     if not 0 <= n <= min(rx.off.shape[0], rx.len.shape[0], rx.src.shape[0], punt.shape[0]):
         raise ValueError(f"batch of {n} does not fit its arrays")
-    if not 0 <= tx_n < tx.len.shape[0] or tx.off.shape[0] != tx.len.shape[0] + 1:
-        raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
+    check_send_queue(tx, tx_n)
     check_guard(st.guard)
     tx_n, n_punt = switch_round_kernel(rx, n, max_len, st, tx, tx_n, punt)
     return int(tx_n), int(n_punt)

@@ -27,7 +27,6 @@ from netdam.kernels.state import (
 )
 from netdam.kernels.switch_path import FS_HELD_RX, FS_HELD_TX, switch_round_kernel
 from netdam.kernels.udp_io import ST_KERNEL_DROPS, clock_ns, recv_batch_kernel
-from netdam.kernels.wire import SLOT
 from netdam.protocol import counters as C
 from netdam.protocol.layout import TRACE_RECORD_BYTES
 
@@ -72,7 +71,7 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):
     rx_buf, rx_off, rx_len, rx_src = rx
     counters = st.ctrs.counters
     fclock, fstate, hold_len = st.faults.fclock, st.faults.fstate, st.faults.hold.len
-    tx_buf, tx_off, tx_len, tx_dst = tx
+    tx_buf, tx_off, tx_len, tx_dst, tx_slot = tx
     cap = tx_len.shape[0]
     # The switch keeps no trace (SPEC.md 6.7: a NIC's): a ring with no rows records nothing.
     no_trace = TraceRing(np.zeros((0, TRACE_RECORD_BYTES), np.uint8), np.zeros(1, np.int64))
@@ -85,7 +84,7 @@ def _switch_serve(io, rx, room_per, st, tx, txq, punt):
                 return RETURN_QUEUE, 0
         tail = txq[TXQ_TAIL]
         room = room_per * max_n + hold_len.shape[0] + 1
-        if tail + room > cap or tx_off[tail] + room * SLOT > tx_buf.shape[0]:
+        if tail + room > cap or tx_off[tail] + room * tx_slot > tx_buf.shape[0]:
             return RETURN_QUEUE, 0
         held = fstate[FS_HELD_RX] + fstate[FS_HELD_TX]
         # Later rounds wait briefly too: returning to Python on every quiet moment costs more

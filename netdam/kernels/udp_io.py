@@ -611,7 +611,7 @@ def _feed_run(
     state across calls, so a phase may be run in several calls (the caller samples CPU time
     between them); *i0* is where the previous call stopped in the packet list. Returns the
     next *i0*."""
-    buf, offs, lens, dsts = pkts
+    buf, offs, lens, dsts, _slot = pkts
     i = i0
     base = counts[FEED_PROGRESS_BASE]
     last_seen = progress[0]

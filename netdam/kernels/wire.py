@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from netdam.kernels.state import Regions
+from netdam.kernels.state import Regions, TxQueue
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DATA_OPCODES,
@@ -17,8 +17,9 @@ from netdam.protocol.constants import (
     ELEMENT_SIZE,
     FLAGS_V1_MASK,
     HEADER_SIZE,
-    MAX_PAYLOAD_BYTES,
+    MAX_MTU,
     MAX_SEGMENTS,
+    MIN_MTU,
     POOL_OPCODES,
     REPLY_OPCODES,
     SEGMENT_SIZE,
@@ -29,6 +30,7 @@ from netdam.protocol.constants import (
     Opcode,
     Rights,
     Status,
+    slot_bytes,
 )
 from netdam.protocol.layout import (
     H_CREDIT,
@@ -60,9 +62,6 @@ SEG = SEGMENT_SIZE
 
 
 _MAXSEG = MAX_SEGMENTS
-
-
-_MAXPAY = MAX_PAYLOAD_BYTES
 
 
 _FLAGS_MASK = FLAGS_V1_MASK
@@ -101,8 +100,16 @@ W = DUP_WINDOW
 _REPLY_MAX = DUP_REPLY_BYTES
 
 
-#: Room one outgoing datagram may need: header, full SR list, largest payload, tag.
-SLOT = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + MAX_PAYLOAD_BYTES + TAG_SIZE
+#: What a send slot holds besides the payload: header, full SR list, tag. A core's slot
+#: (TxQueue.slot, constants.slot_bytes of its MTU) is this plus its largest payload.
+_SLOT_FIXED = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + TAG_SIZE
+
+
+@njit(cache=True, nogil=True)
+def slot_payload(slot):
+    """The largest payload of a core whose send slot is *slot* bytes (constants.largest_payload
+    of its MTU): what check_packet lets a data opcode carry."""
+    return slot - _SLOT_FIXED
 
 
 #: Verdict of check_packet for a datagram too short to answer: count and drop.
@@ -407,8 +414,9 @@ def put_le32(b, o, v):
 
 
 @njit(cache=True, nogil=True)
-def check_packet(b, n):
-    """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status."""
+def check_packet(b, n, max_pay):
+    """Status of datagram b[:n]: 0 to execute, PUNT, DROP_SILENTLY, or the NACK status. A data
+    opcode's ``length`` is at most *max_pay*, the core's largest payload (slot_payload)."""
     if n < HDR:
         return DROP_SILENTLY
     if b[H_VERSION] != 1:
@@ -431,7 +439,7 @@ def check_packet(b, n):
     status = _check_segments(b, n)
     if status != 0:
         return status
-    return _check_fields(b, n, op, flags, dtype)
+    return _check_fields(b, n, op, flags, dtype, max_pay)
 
 
 @njit(cache=True, nogil=True)
@@ -454,14 +462,14 @@ def _check_segments(b, n):
 
 
 @njit(cache=True, nogil=True)
-def _check_fields(b, n, op, flags, dtype):
+def _check_fields(b, n, op, flags, dtype, max_pay):
     count = np.int64(b[H_SEG_COUNT])
     length = rd32(b, H_LENGTH)
     size = n - HDR - SEG * count
     esize = ESIZE[dtype]
     if count > 0 and _TAKES_SR[op] == 0:
         return _S_BAD_SEGMENT
-    if length > _MAXPAY and IS_CONTROL[op] == 0:
+    if length > max_pay and IS_CONTROL[op] == 0:
         return S_TOO_LARGE
     if _COMBINES[op] == 1 and dtype == 0:
         return _S_BAD_DTYPE
@@ -778,8 +786,8 @@ def credit_of(tx_n, cap):
 def _emit_reply(b, src, members, opcode, status, tx, tx_n):
     """Queue a header-only reply to request *b* (its ids, the credit, its return segment when a
     member sent it); returns the new tx_n. The one ACK/NACK emitter of the datapaths."""
-    tx_buf, tx_off, tx_len, tx_dst = tx
-    t = tx_buf[tx_off[tx_n] : tx_off[tx_n] + SLOT]
+    tx_buf, tx_off, tx_len, tx_dst, _slot = tx
+    t = tx_buf[tx_off[tx_n] :]
     reply_header(t, b, opcode, status, 0, credit_of(tx_n, tx_len.shape[0]))
     tx_len[tx_n] = HDR
     tx_off[tx_n + 1] = tx_off[tx_n] + tx_len[tx_n]
@@ -799,16 +807,27 @@ def emit_nack(b, src, members, status, tx, tx_n, counters):
 
 
 @njit(cache=True, nogil=True)
-def scratch_slot(tx_buf, tx_off, tx_n):
+def scratch_slot(tx, tx_n):
     """A dense payload's worth of scratch: the send slot after the current one when the queue
     has it, else a fresh array (rare: a nearly full queue)."""
-    start = tx_off[tx_n] + SLOT
-    if start + _MAXPAY <= tx_buf.shape[0]:
-        return tx_buf[start : start + _MAXPAY]
-    return np.zeros(_MAXPAY, np.uint8)
+    tx_buf, tx_off, _tx_len, _tx_dst, slot = tx
+    start = tx_off[tx_n] + slot
+    pay = slot_payload(slot)
+    if start + pay <= tx_buf.shape[0]:
+        return tx_buf[start : start + pay]
+    return np.zeros(pay, np.uint8)
 
 
 # ---------------------------------------------------------------- checked entries (Python)
+
+
+def check_send_queue(tx: TxQueue, tx_n: int) -> None:
+    """The send queue a checked entry hands its kernel: its tail inside, one more offset than
+    lengths, and a slot some MTU gives (the kernels read the largest payload from it)."""
+    if not 0 <= tx_n < tx.len.shape[0] or tx.off.shape[0] != tx.len.shape[0] + 1:
+        raise ValueError(f"send queue tail {tx_n} outside its {tx.len.shape[0]} slots")
+    if not slot_bytes(MIN_MTU) <= tx.slot <= slot_bytes(MAX_MTU):
+        raise ValueError(f"send slot of {tx.slot} bytes: no MTU gives it (constants.slot_bytes)")
 
 
 def _check_regions(regions: Regions) -> None:

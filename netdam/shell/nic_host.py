@@ -76,7 +76,7 @@ class NicHost(ServeLoop):
         if not configs:
             raise ValueError("a node process needs at least one NIC")
         _raise_fd_limit(4 * len(configs) + 64)  # data, management and group socket, memory file
-        self.buffers = ServeBuffers.new()
+        self.buffers = ServeBuffers.new(max(config.mtu for config in configs))
         self.nics: list[NodeProcess] = []
         try:
             for config in configs:

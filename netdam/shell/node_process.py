@@ -21,13 +21,12 @@ from netdam.core.faults import FaultSpec
 from netdam.core.guard import GuardConfig
 from netdam.core.node import NodeConfig, NodeCore
 from netdam.core.rehearsal import rehearse_control_paths
-from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import serve
 from netdam.kernels.collective import EARLY_SLOTS
 from netdam.kernels.serve import ServeArgs
 from netdam.kernels.state import FC_NOW, FaultState, HoldTable, Kept, RxBatch, ServeIO
 from netdam.kernels.udp_io import RUN_BYTES, STATE_LEN
-from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT, Status
+from netdam.protocol.constants import DEFAULT_MTU, NETDAM_UDP_PORT, Status, slot_bytes
 from netdam.protocol.packet import Endpoint, endpoint_to_u64
 from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.shell.process import (
@@ -101,9 +100,10 @@ class ServeBuffers:
     scratch: np.ndarray
 
     @classmethod
-    def new(cls) -> ServeBuffers:
+    def new(cls, mtu: int = DEFAULT_MTU) -> ServeBuffers:
+        """The buffers of NICs whose MTU is at most *mtu*."""
         rx_buf, rx_off, rx_len, rx_src, punt, _, scratch = serve_buffers(
-            ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS
+            ROUND_DATAGRAMS, RECV_RUNS, HOLD_SLOTS, slot_bytes(mtu)
         )
         return cls(rx_buf, rx_off, rx_len, rx_src, punt, scratch)
 
@@ -150,7 +150,7 @@ class NodeProcess(ServeLoop):
         record_socket_buffers(self.sock, self.core.counters)
         #: Shared with the other NICs of the process when given (their own arrays are not this
         #: NIC's to prefault).
-        self.buffers = buffers or ServeBuffers.new()
+        self.buffers = buffers or ServeBuffers.new(config.mtu)
         self.owns_buffers = buffers is None
         self.rx_buf, self.rx_off, self.rx_len = (
             self.buffers.rx_buf,
@@ -189,7 +189,7 @@ class NodeProcess(ServeLoop):
         table, held = (FAULT_TABLE, HOLD_SLOTS) if spec.active else (1, EARLY_SLOTS)
         self.fault_table_key = np.zeros(table, np.uint64)
         self.fault_table_count = np.zeros(table, np.uint32)
-        self.hold_buf = np.zeros((held, SLOT_BYTES), np.uint8)
+        self.hold_buf = np.zeros((held, slot_bytes(config.mtu)), np.uint8)
         self.hold_len = np.zeros(held, np.int32)
         self.hold_src = np.zeros(held, np.uint64)
         self.hold_time = np.zeros(held, np.float64)

@@ -47,14 +47,16 @@ def record_socket_buffers(sock: socket.socket, counters: np.ndarray) -> None:
     counters[C.RCVBUF_BYTES], counters[C.SNDBUF_BYTES] = granted_buffers(sock)
 
 
-def serve_buffers(round_datagrams: int, recv_runs: int, hold_slots: int) -> tuple[np.ndarray, ...]:
+def serve_buffers(
+    round_datagrams: int, recv_runs: int, hold_slots: int, slot: int = SLOT_BYTES
+) -> tuple[np.ndarray, ...]:
     """What a process's compiled serve loop receives into and sends with: the receive buffer
     (GRO runs land in *recv_runs* slots of 64 KiB; datagrams released by fault injection are
-    copied after them), per-datagram offsets, lengths, sources and punt indices, the I/O state
+    copied after them, *slot* bytes each: constants.slot_bytes of the MTU), per-datagram offsets, lengths, sources and punt indices, the I/O state
     and the sendmmsg scratch."""
     extra = 2 * round_datagrams + hold_slots
     return (
-        np.zeros(recv_runs * RUN_BYTES + hold_slots * SLOT_BYTES, np.uint8),
+        np.zeros(recv_runs * RUN_BYTES + hold_slots * slot, np.uint8),
         np.zeros(extra, np.int64),
         np.zeros(extra, np.int32),
         np.zeros(extra, np.uint64),

@@ -29,7 +29,15 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.kernels import udp_io as U
 from netdam.kernels.state import TxQueue
 from netdam.protocol import counters as C
-from netdam.protocol.constants import DType, Flags, Opcode, ReduceOp, Rights
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    DType,
+    Flags,
+    Opcode,
+    ReduceOp,
+    Rights,
+    slot_bytes,
+)
 from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights, pack_u64
 from netdam.shell.startup import wait_while_working
@@ -175,7 +183,7 @@ def _sender(conn: Connection, mix: list[bytes], dst: Endpoint) -> None:
         t_end_ns = int(conn.recv())
         U.feed_run(
             sock.fileno(),
-            TxQueue(buf, offs, lens, dsts),
+            TxQueue(buf, offs, lens, dsts, slot_bytes(DEFAULT_MTU)),
             len(mix),
             FEED_BATCH,
             U.new_send_scratch(),

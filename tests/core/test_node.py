@@ -714,3 +714,30 @@ def test_small_mtu_shrinks_what_the_node_offers_and_answers() -> None:
     assert INFO_STRUCT.unpack(info.payload)[3] == 1500 - 28 - 64
     assert len(only(cluster.request(0, read(0, 1408)), Opcode.READ_RESP).payload) == 1408
     assert only(cluster.request(0, read(0, 1416)), Opcode.NACK).status == Status.TOO_LARGE
+
+
+@pytest.mark.parametrize(("mtu", "largest"), [(9000, 8192), (65000, 61440)])
+def test_a_node_takes_payloads_up_to_its_mtus_largest_and_refuses_one_byte_more(
+    mtu: int, largest: int
+) -> None:
+    """SPEC.md 2.7: the largest payload follows the MTU; at an emulation MTU (65000) a WRITE and
+    a READ of 61440 bytes go through in one datagram each, and one byte more is TOO_LARGE
+    there as 8193 is at the default MTU, with nothing written."""
+    fabric = Fabric()
+    endpoint = ("127.0.0.1", 7001)
+    core = NodeCore(
+        NodeConfig(endpoint=endpoint, memory_bytes=MEMORY, admin_key=ADMIN_KEY, mtu=mtu)
+    )
+    core.register_region(0, MEMORY, RIGHTS_ALL, rkey=RKEY)
+    fabric.add_core(endpoint, core)
+    fabric.add_endpoint(CLIENT)
+    cluster = Cluster(fabric, [core], [endpoint], max_payload=1 << 16)  # the node decides
+    info = only(cluster.request(0, Packet(Opcode.PING)), Opcode.INFO)
+    assert INFO_STRUCT.unpack(info.payload)[3] == largest
+    data = np.random.default_rng(mtu).integers(0, 256, largest + 1, np.uint8).tobytes()
+    assert only(cluster.request(0, write(64, data[:largest], txn=1)), Opcode.ACK)
+    assert only(cluster.request(0, read(64, largest)), Opcode.READ_RESP).payload == data[:largest]
+    over = only(cluster.request(0, write(1 << 17, data, txn=2)), Opcode.NACK)
+    assert over.status == Status.TOO_LARGE
+    assert not core.memory[1 << 17 : (1 << 17) + largest + 1].any()
+    assert only(cluster.request(0, read(64, largest + 1)), Opcode.NACK).status == Status.TOO_LARGE

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import collective as L
 from netdam.kernels import serve
 from netdam.kernels.state import Kept, Regions, TxQueue
@@ -46,11 +47,12 @@ def nic(tmp_path: Path) -> Any:
 def test_kept_makes_a_bundle_again_only_when_a_part_is_another_object() -> None:
     kept: Kept[TxQueue] = Kept()
     a, b, c, d = (np.zeros(4, np.uint8), np.zeros(2), np.zeros(1), np.zeros(1))
-    first = kept.of(TxQueue, a, b, c, d)
-    assert kept.of(TxQueue, a, b, c, d) is first
-    replaced = kept.of(TxQueue, a, b, c, np.zeros(1))  # equal contents, another array
+    slot = SLOT_BYTES
+    first = kept.of(TxQueue, a, b, c, d, slot)
+    assert kept.of(TxQueue, a, b, c, d, slot) is first
+    replaced = kept.of(TxQueue, a, b, c, np.zeros(1), slot)  # equal contents, another array
     assert replaced is not first and replaced[3] is not d
-    assert kept.of(TxQueue, a, b, c, replaced[3]) is replaced
+    assert kept.of(TxQueue, a, b, c, replaced[3], slot) is replaced
 
 
 def test_the_owners_hand_out_the_same_bundles_until_an_array_is_replaced(nic: Any) -> None:

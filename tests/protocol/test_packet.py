@@ -11,12 +11,16 @@ from hypothesis import strategies as st
 
 from netdam.protocol.constants import (
     HEADER_SIZE,
+    MAX_EMULATED_PAYLOAD_BYTES,
     MAX_SEGMENTS,
     DType,
     Flags,
     Opcode,
     Status,
+    largest_payload,
     max_elements,
+    max_payload,
+    slot_bytes,
 )
 from netdam.protocol.errors import LocalProtocolError, RemoteProtocolError
 from netdam.protocol.packet import (
@@ -86,6 +90,42 @@ def test_payload_capacity_at_mtu_9000() -> None:
         payload=bytes(8192),
     )
     assert len(encode_packet(big)) == 64 + 8 * 64 + 8192 <= 8972
+
+
+def test_the_largest_payload_follows_the_mtu() -> None:
+    """SPEC.md 2.7: 8192 up to MTU 12899, then whole 4 KiB units of what a full SR list and a
+    tag leave; every datagram with the largest payload fits its MTU; the default MTU's send
+    slot is unchanged (8776). The codec holds a datagram to the largest payload it is given."""
+    assert [largest_payload(m) for m in (1500, 9000, 12899, 12900, 16000, 65000, 65535)] == [
+        8192,
+        8192,
+        8192,
+        12288,
+        12288,
+        61440,
+        61440,
+    ]
+    assert MAX_EMULATED_PAYLOAD_BYTES == 61440 and slot_bytes(9000) == 8776
+    assert max_elements(65000, DType.F32, segments=3) == 15360
+    assert max_payload(65000) == max_payload(65000, tagged=True) == 61440
+    last = 0
+    for mtu in range(9000, 65536, 7):
+        p = largest_payload(mtu)
+        assert p >= last and p % 4096 == 0
+        assert 64 + 8 * MAX_SEGMENTS + p + 8 <= mtu - 28, mtu
+        last = p
+    big = chain(
+        segments=tuple(("127.0.0.1", 8000 + i) for i in range(MAX_SEGMENTS)),
+        segments_left=MAX_SEGMENTS - 1,
+        length=61440,
+        payload=bytes(61440),
+    )
+    data = encode_packet(big, max_payload=61440)
+    assert decode_packet(data, max_payload=61440) == big
+    with pytest.raises(LocalProtocolError, match="exceeds the maximum payload of 8192 bytes"):
+        encode_packet(big)
+    with pytest.raises(RemoteProtocolError, match="exceeds the maximum payload of 8192 bytes"):
+        decode_packet(data)
 
 
 def test_endpoint_packing() -> None:
@@ -172,7 +212,7 @@ def _header_only(opcode: Opcode, **kw: object) -> bytes:
     from netdam.protocol import packet as codec
 
     original = codec._check_encodable
-    codec._check_encodable = lambda p: None
+    codec._check_encodable = lambda p, max_payload=0: None
     try:
         return encode_packet(packet)
     finally:

@@ -65,7 +65,16 @@ from netdam.kernels import udp_io as U
 from netdam.kernels.state import RxBatch, SinkCheck, TimeWindow, TxQueue
 from netdam.outcome import ExitCode
 from netdam.protocol import counters as C
-from netdam.protocol.constants import HEADER_SIZE, SEGMENT_SIZE, DType, Flags, Opcode, Rights
+from netdam.protocol.constants import (
+    HEADER_SIZE,
+    SEGMENT_SIZE,
+    DType,
+    Flags,
+    Opcode,
+    Rights,
+    largest_payload,
+    slot_bytes,
+)
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import pack_key_rights
@@ -136,7 +145,7 @@ class _Workload:
 
 def elements_per_packet(mtu: int) -> int:
     """f32 per CHAIN_ADD with a 2-segment SR list at *mtu* (SPEC.md 2.4)."""
-    return int(min(8192, max_payload(mtu) - HEADER_SIZE - 2 * SEGMENT_SIZE) // 4)
+    return int(min(largest_payload(mtu), max_payload(mtu) - HEADER_SIZE - 2 * SEGMENT_SIZE) // 4)
 
 
 def _workload(seed: int, packets: int, mtu: int) -> _Workload:
@@ -208,7 +217,7 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
         if role == "feeder":
             U.feed_run(
                 fd,
-                TxQueue(buf, offs, lens, addrs),
+                TxQueue(buf, offs, lens, addrs, slot_bytes(params["mtu"])),
                 0,
                 1,
                 scratch,
@@ -288,7 +297,7 @@ def _worker(role: str, conn: Connection, params: dict[str, Any]) -> None:
                     cpu.append(_cpu_now())
                     i0 = U.feed_run(
                         fd,
-                        TxQueue(fbuf, foffs, flens, fdsts),
+                        TxQueue(fbuf, foffs, flens, fdsts, slot_bytes(params["mtu"])),
                         n,
                         FEED_BATCH,
                         scratch,
