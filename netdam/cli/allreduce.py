@@ -8,7 +8,13 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from netdam.cli.cluster import MAX_UP_NODES, add_fault_args, add_nics_per_process, faults_from
+from netdam.cli.cluster import (
+    MAX_UP_NODES,
+    add_fault_args,
+    add_nics_per_process,
+    faults_from,
+    mtu_arg,
+)
 from netdam.cli.common import (
     CommandError,
     ExitCode,
@@ -23,7 +29,7 @@ from netdam.cli.common import (
 from netdam.cluster.clusterfile import load_cluster
 from netdam.core.chunk_plan import min_mtu
 from netdam.core.torus import longest_chain, torus_shape
-from netdam.protocol.constants import ELEMENT_SIZE, MAX_SEGMENTS, DType, ReduceOp
+from netdam.protocol.constants import DEFAULT_MTU, ELEMENT_SIZE, MAX_SEGMENTS, DType, ReduceOp
 from netdam.units import format_size
 
 
@@ -109,6 +115,14 @@ def register(subparsers: Subparsers) -> None:
         help="write a timeline of the timed calls to this JSON file (Chrome trace format: "
         "open it in Perfetto or speedscope): every NIC hop by hop, every host rank",
     )
+    parser.add_argument(
+        "--mtu",
+        type=mtu_arg,
+        default=None,
+        help=f"IP MTU of the private cluster (default {DEFAULT_MTU}); above the wire's, e.g. "
+        "65000, an emulation MTU: 60 KiB datagrams on loopback, fewer and larger than a "
+        "9000-byte wire carries, while the cycle model stays at its wire MTU (SPEC.md 2.7)",
+    )
     parser.add_argument("--json", action="store_true")
     add_fault_args(parser)
     parser.set_defaults(func=run)
@@ -159,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         nics_per_process=args.nics_per_process,
         max_chain=args.max_chain,
         trace=args.trace,
+        mtu=args.mtu or DEFAULT_MTU,
     )
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]  # the result dict holds JSON values (object)
@@ -188,6 +203,12 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
         raise CommandError(
             f"--nodes {args.nodes} but {path} has {world} nodes: drop --nodes (the file "
             f"decides), or start a cluster of {args.nodes} with `netdam up --nodes {args.nodes}`",
+            ExitCode.USAGE,
+        )
+    if args.mtu is not None and args.mtu != info.mtu:
+        raise CommandError(
+            f"--mtu {args.mtu} but {path} runs at MTU {info.mtu}: drop --mtu (the file "
+            f"decides), or start a cluster with `netdam up --mtu {args.mtu}`",
             ExitCode.USAGE,
         )
     _check_torus(args, world)
@@ -290,6 +311,16 @@ def _mib(nbytes: int) -> int:
     return -(-nbytes // (1 << 20)) * (1 << 20)
 
 
+def _mtu_text(r: dict[str, object]) -> str:
+    """Says so when the run's MTU is not the one the cycle model prices."""
+    if r.get("mtu") is None or r["mtu"] == r["model_mtu"]:
+        return ""
+    return (
+        f" (modelled at the wire's MTU {r['model_mtu']}; this run's MTU {r['mtu']} is an "
+        "emulation MTU, loopback's datagrams)"
+    )
+
+
 def _text(r: dict[str, object]) -> str:
     if r.get("seconds") is None:
         return f"allreduce FAILED: {r.get('error')}" + (
@@ -301,6 +332,7 @@ def _text(r: dict[str, object]) -> str:
         f"{r['seconds']:.4f} s (algbw {float(r['algbw_gbps']):.3f} Gb/s, busbw {float(r['busbw_gbps']):.3f} Gb/s); "  # type: ignore[arg-type]  # the result dict holds JSON values (object)
         f"{r['packets']} packets, {r['retransmits']} retransmits, {r['kernel_drops']} kernel drops; "
         f"model of 100G NetDAM cards: {float(r['model_seconds_100g']) * 1e3:.3f} ms"  # type: ignore[arg-type]  # the result dict holds JSON values (object)
+        + _mtu_text(r)
         + (
             f"\n  sparse (density {r['density']}): {r['wire_bytes_sparse']} wire bytes in {r['seconds']:.4f} s; "
             f"dense: {r['wire_bytes_dense']} wire bytes in {float(r['seconds_dense']):.4f} s"  # type: ignore[arg-type]  # the result dict holds JSON values (object)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from netdam.cli.cluster import mtu_arg
 from netdam.cli.common import (
     CommandError,
     ExitCode,
@@ -24,6 +25,7 @@ from netdam.cli.common import (
     size_range_arg,
     writable_output,
 )
+from netdam.protocol.constants import DEFAULT_MTU
 from netdam.tools import plot
 from netdam.tools.bench import allreduce as allreduce_bench
 from netdam.tools.bench import jobs as jobs_bench
@@ -254,6 +256,19 @@ def run_pool_async(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- bench allreduce
 
 
+def emulation_mtu_arg(text: str) -> int:
+    """``--emulation-mtu``: 0 (off) or an MTU above the wire's, up to 65535."""
+    if text.strip() == "0":
+        return 0
+    value = mtu_arg(text)
+    if value <= DEFAULT_MTU:
+        raise argparse.ArgumentTypeError(
+            f"--emulation-mtu {value} is not above the wire's MTU {DEFAULT_MTU}: give e.g. "
+            "65000, or 0 for none"
+        )
+    return value
+
+
 def register_allreduce(benches: Subparsers) -> None:
     """``netdam bench allreduce``: netdam/tools/bench/allreduce.py."""
 
@@ -301,6 +316,15 @@ def register_allreduce(benches: Subparsers) -> None:
         help="write a PNG figure (needs matplotlib)",
     )
     parser.add_argument(
+        "--emulation-mtu",
+        type=emulation_mtu_arg,
+        default=allreduce_bench.DEFAULT_EMULATION_MTU,
+        metavar="MTU",
+        help="also run chain (and chain-resident) at this loopback MTU, as chain-emu rows, "
+        "where a rank's block spans more than one 8 KiB payload (SPEC.md 2.7; default "
+        f"{allreduce_bench.DEFAULT_EMULATION_MTU}; 0: only the wire's MTU, {DEFAULT_MTU})",
+    )
+    parser.add_argument(
         "--jobs",
         type=bounded_int(1, 3),
         default=1,
@@ -346,6 +370,7 @@ def register_allreduce(benches: Subparsers) -> None:
             warmup=args.warmup,
             timeout_s=args.timeout,
             plot=args.plot,
+            emulation_mtu=args.emulation_mtu,
         )
         result, code = allreduce_bench.run_allreduce_bench(cfg)
         if args.json:

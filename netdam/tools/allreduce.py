@@ -28,9 +28,10 @@ from netdam.cluster.control import ControlClient, ControlError
 from netdam.cluster.launch import ClusterStartError, LocalCluster, start_cluster
 from netdam.core.faults import FaultSpec
 from netdam.core.torus import torus_shape
-from netdam.fpga_model import estimate_allreduce_seconds
+from netdam.fpga_model import default_params, estimate_allreduce_seconds
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
+    DEFAULT_MTU,
     ELEMENT_SIZE,
     IP_UDP_OVERHEAD,
     MAX_SEGMENTS,
@@ -93,6 +94,9 @@ class AllReduceConfig:
     nics_per_process: int | None = None
     #: The longest chain (SPEC.md 4.2): past it the all-reduce runs as a torus of chains.
     max_chain: int = MAX_SEGMENTS
+    #: IP MTU of a private cluster; above the wire's, an emulation MTU (SPEC.md 2.7): larger
+    #: datagrams on loopback, while the cycle model stays at its wire MTU.
+    mtu: int = DEFAULT_MTU
 
 
 def _combiner(array: np.ndarray, op: ReduceOp) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
@@ -194,6 +198,9 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
         "kernel_drops": None,
         "wire_bytes": None,
         "model_seconds_100g": None,
+        # The cycle model prices the wire's datagrams, whatever MTU the emulation runs at.
+        "model_mtu": default_params(100.0)[0].mtu,
+        "mtu": None,
     }
     if config.sparse:
         result.update(
@@ -214,10 +221,12 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                 memory=private_node_memory(nbytes),
                 faults=config.faults,
                 nics_per_process=config.nics_per_process,
+                mtu=config.mtu,
             )
             info = cluster.info
         world = len(info.nodes)
         result["nodes"] = world
+        result["mtu"] = info.mtu
         timeout = config.timeout_s
         # A private cluster is this run's alone: its groups take all of node memory.
         arena = None if cluster is None else info.nodes[0].memory_bytes

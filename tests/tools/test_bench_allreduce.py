@@ -37,7 +37,9 @@ def fake_runner(
     """Seconds proportional to size, chain fastest: exercises rows, ratios and the plot quickly."""
     scale = {
         "chain": 1.0,
+        "chain-emu": 0.9,
         "chain-resident": 0.8,
+        "chain-resident-emu": 0.7,
         "ring-host": 3.0,
         "gloo": 0.5,
         "mpi": 2.0,
@@ -71,7 +73,14 @@ def test_tiny_real_run_has_every_key(capsys: pytest.CaptureFixture[str]) -> None
     assert MACHINE_KEYS <= res["machine"].keys()
     assert res["skipped"] == []
     algos = {r["algo"]: r for r in res["results"]}
-    assert set(algos) == {"chain", "chain-resident", "ring-host"}
+    # 32 KiB blocks span four wire payloads: the chain runs again at the emulation MTU.
+    assert set(algos) == {"chain", "chain-emu", "chain-resident", "chain-resident-emu", "ring-host"}
+    assert res["mtu"] == 9000 and res["emulation_mtu"] == 65000
+    for algo in ("chain", "chain-resident"):
+        wire, emulated = algos[algo], algos[f"{algo}-emu"]
+        assert (wire["mtu"], emulated["mtu"]) == (9000, 65000)
+        assert emulated["packets"] < wire["packets"], algo  # 1 datagram a block, not 4
+        assert emulated["model_seconds_100g"] == wire["model_seconds_100g"]  # the wire's model
     # Host-side phases of the netdam rows: the staged chain copies in and out, resident does not.
     assert set(algos["chain"]["phases"]) == {
         "stage_in",

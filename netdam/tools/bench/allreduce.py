@@ -25,6 +25,9 @@ on fresh data, the start-aligned way chain is timed). Rows carry the median, p50
 algorithm's median seconds over chain's median seconds (same nodes, same size);
 ``model_seconds_100g`` is the cycle model's estimate of the same job on 100G cards (NetDAM chain
 for ``chain``, a RoCE ring for the others): a field of the measured row, never a row of its own.
+``chain-emu`` (and ``chain-resident-emu``) is the chain again at the emulation MTU (65000 unless
+``--emulation-mtu`` says otherwise; SPEC.md 2.7), where a rank's block spans more than one wire
+payload: the same job in fewer, larger datagrams on loopback, its model still at the wire's MTU.
 A peer that is not installed lands in ``skipped`` with the command that installs it.
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -49,19 +53,34 @@ from pathlib import Path
 from typing import Any
 
 from netdam.fpga_model import estimate_allreduce_seconds
+from netdam.protocol.constants import DEFAULT_MTU, largest_payload
 from netdam.tools import plot as plotting
 from netdam.tools.bench import report
 from netdam.tools.bench.report import package_version
 from netdam.units import format_size
 
 #: Every algorithm a row can carry, in the order tables and plots list them.
-ALGOS = ("chain", "chain-resident", "ring-host", "gloo", "mpi", "mpi-shm")
+ALGOS = (
+    "chain",
+    "chain-emu",
+    "chain-resident",
+    "chain-resident-emu",
+    "ring-host",
+    "gloo",
+    "mpi",
+    "mpi-shm",
+)
 #: Algorithms ``--vs`` accepts (chain always runs).
 PEERS = ("chain-resident", "ring-host", "gloo", "mpi", "mpi-shm")
 #: The MPI rows: transport of each (mpirun_command).
 MPI_TRANSPORTS = {"mpi": "tcp", "mpi-shm": "shared memory"}
 #: The algorithms this project runs on node processes (results checked bitwise).
-NETDAM_ALGOS = ("chain", "chain-resident", "ring-host")
+NETDAM_ALGOS = ("chain", "chain-emu", "chain-resident", "chain-resident-emu", "ring-host")
+#: The rows at the emulation MTU (AllReduceBenchConfig.emulation_mtu), each beside the row at
+#: the wire's MTU it repeats: the same job in fewer, larger datagrams on loopback (SPEC.md 2.7).
+EMULATED = {"chain": "chain-emu", "chain-resident": "chain-resident-emu"}
+#: The emulation MTU the bench runs them at unless told otherwise: 60 KiB payloads.
+DEFAULT_EMULATION_MTU = 65000
 DTYPE = "f32"
 ELEMENT_BYTES = 4
 MAX_NODES = 64
@@ -74,7 +93,9 @@ INSTALL_MPI = "apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py"
 #: Cycle-model algorithm behind each row's model_seconds_100g.
 MODEL_ALGO = {
     "chain": "netdam-chain",
+    "chain-emu": "netdam-chain",
     "chain-resident": "netdam-chain",
+    "chain-resident-emu": "netdam-chain",
     "ring-host": "roce-ring",
     "gloo": "roce-ring",
     "mpi": "roce-ring",
@@ -94,6 +115,9 @@ class AllReduceBenchConfig:
     timeout_s: float = 600.0
     plot: Path | None = None
     progress: bool = True
+    #: Also run chain (and chain-resident) at this MTU, as chain-emu rows, where a block spans
+    #: more than one wire payload (emulation_changes_datagrams); 0: not at all.
+    emulation_mtu: int = DEFAULT_EMULATION_MTU
 
 
 @dataclass
@@ -477,9 +501,11 @@ def run_mpi(
     )
 
 
-def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _Outcome:
-    """chain, chain-resident or ring-host on a private cluster of real node processes, results
-    checked bitwise."""
+def run_netdam(
+    algo: str, nodes: int, count: int, warmup: int, repeat: int, mtu: int = DEFAULT_MTU
+) -> _Outcome:
+    """chain, chain-resident or ring-host on a private cluster of real node processes at *mtu*,
+    results checked bitwise."""
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
@@ -490,6 +516,7 @@ def run_netdam(algo: str, nodes: int, count: int, warmup: int, repeat: int) -> _
             algo="chain" if algo == "chain-resident" else algo,
             repeat=warmup + repeat,
             resident=algo == "chain-resident",
+            mtu=mtu,
         )
     )
     all_times = res.get("seconds_all")
@@ -585,13 +612,28 @@ Runner = Callable[[str, int, int, int, int, float], _Outcome]
 
 
 def _default_runner(
-    algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
+    algo: str,
+    nodes: int,
+    count: int,
+    warmup: int,
+    repeat: int,
+    timeout_s: float,
+    emulation_mtu: int = DEFAULT_EMULATION_MTU,
 ) -> _Outcome:
     if algo == "gloo":
         return run_gloo(nodes, count, warmup, repeat, timeout_s)
     if algo in MPI_TRANSPORTS:
         return run_mpi(nodes, count, warmup, repeat, timeout_s, MPI_TRANSPORTS[algo])
+    if algo in EMULATED.values():
+        base = algo.removesuffix("-emu")
+        return run_netdam(base, nodes, count, warmup, repeat, emulation_mtu)
     return run_netdam(algo, nodes, count, warmup, repeat)
+
+
+def emulation_changes_datagrams(nodes: int, nbytes: int) -> bool:
+    """A rank's block is larger than one payload at the wire's MTU, so the emulation MTU sends
+    fewer datagrams; at or below it both rows would run the same datagrams."""
+    return bool(nbytes // nodes > largest_payload(DEFAULT_MTU))
 
 
 def _progress(enabled: bool, text: str) -> None:
@@ -604,7 +646,7 @@ def run_allreduce_bench(
     cfg: AllReduceBenchConfig, runner: Runner | None = None
 ) -> tuple[dict[str, Any], int]:
     """Run every (nodes, size, algo); return the result object and the exit code."""
-    run = runner or _default_runner
+    run = runner or functools.partial(_default_runner, emulation_mtu=cfg.emulation_mtu)
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.monotonic()
     skipped: list[dict[str, str]] = []
@@ -616,14 +658,22 @@ def run_allreduce_bench(
             algos.append(peer)
         else:
             skipped.append({"algo": peer, "reason": reason})
+    if cfg.emulation_mtu:
+        algos = [a for base in algos for a in (base, EMULATED.get(base)) if a is not None]
     results: list[dict[str, Any]] = []
-    total = len(cfg.nodes) * len(cfg.sizes) * len(algos)
+
+    def runs_here(algo: str, nodes: int, nbytes: int) -> bool:
+        return algo not in EMULATED.values() or emulation_changes_datagrams(nodes, nbytes)
+
+    total = sum(runs_here(a, n, b) for n in cfg.nodes for b in cfg.sizes for a in algos)
     done = 0
     for nodes in cfg.nodes:
         for nbytes in cfg.sizes:
             chain_median: float | None = None
             repeat = cfg.repeat if cfg.repeat is not None else auto_repeat(nbytes)
             for algo in algos:
+                if not runs_here(algo, nodes, nbytes):
+                    continue
                 done += 1
                 label = f"[{done}/{total}] {algo} {nodes} nodes x {format_size(nbytes)} {DTYPE}"
                 _progress(cfg.progress, f"{label} ...")
@@ -635,6 +685,13 @@ def run_allreduce_bench(
                 except Exception as exc:  # a runner bug must not lose the other rows
                     outcome = _Outcome(error=f"{type(exc).__name__}: {exc}")
                 row = make_row(algo, nodes, nbytes, repeat, outcome)
+                row["mtu"] = (
+                    cfg.emulation_mtu
+                    if algo in EMULATED.values()
+                    else DEFAULT_MTU
+                    if algo in NETDAM_ALGOS
+                    else None  # a host library's TCP or shared memory: no NetDAM datagrams
+                )
                 if algo == "chain":
                     chain_median = row["seconds_median"]
                 if row["seconds_median"] is not None and chain_median:
@@ -657,6 +714,9 @@ def run_allreduce_bench(
         "seconds": time.monotonic() - t0,
         "nodes": list(cfg.nodes),
         "sizes": list(cfg.sizes),
+        # The MTU of the chain rows, and of the -emu rows (null: none ran).
+        "mtu": DEFAULT_MTU,
+        "emulation_mtu": cfg.emulation_mtu or None,
         "dtype": DTYPE,
         "repeat": cfg.repeat,
         "warmup": cfg.warmup,
@@ -716,7 +776,7 @@ def targets(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_table(res: dict[str, Any]) -> str:
     head = (
-        f"{'algo':<15}{'nodes':>6}{'size':>9}{'calls':>6}{'median s':>11}{'p50 s':>10}{'p99 s':>10}"
+        f"{'algo':<19}{'nodes':>6}{'size':>9}{'calls':>6}{'median s':>11}{'p50 s':>10}{'p99 s':>10}"
         f"{'min s':>10}{'busbw Gb/s':>12}{'vs chain':>10}{'model 100G s':>14}"
     )
     lines = [head, "-" * len(head)]
@@ -726,7 +786,7 @@ def format_table(res: dict[str, Any]) -> str:
 
     for r in res["results"]:
         lines.append(
-            f"{r['algo']:<15}{r['nodes']:>6}{format_size(r['bytes']):>9}{r['repeat']:>6}"
+            f"{r['algo']:<19}{r['nodes']:>6}{format_size(r['bytes']):>9}{r['repeat']:>6}"
             f"{num(r['seconds_median'], '.4g'):>11}{num(r['seconds_p50'], '.4g'):>10}"
             f"{num(r['seconds_p99'], '.4g'):>10}{num(r['seconds_min'], '.4g'):>10}{num(r['busbw_gbps'], '.2f'):>12}"
             f"{num(r['ratio_vs_chain'], '.2f'):>10}{num(r['model_seconds_100g'], '.2e'):>14}"
