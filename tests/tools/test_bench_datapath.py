@@ -67,6 +67,17 @@ def test_short_run_reports_every_key_with_verified_sums(capsys) -> None:
 
 
 @pytest.mark.slow
+def test_at_an_emulation_mtu_each_datagram_carries_60_kib_verified(capsys) -> None:
+    """SPEC.md 2.7: at --mtu 65000 the node adds 15360 f32 per CHAIN_ADD, every sum verified."""
+    argv = ["bench", "datapath", "--seconds", "0.3", "--warmup", "0.2", "--mtu", "65000"]
+    code, res = run_cli([*argv, "--json"], capsys)
+    assert code == 0, res.get("error")
+    assert res["payload_bytes"] == 61440 and res["elements_per_packet"] == 15360
+    assert res["verified"] is True and res["mismatches"] == 0 and res["verified_datagrams"] > 0
+    assert res["node_counters"]["forwarded"] >= res["verified_datagrams"]
+
+
+@pytest.mark.slow
 def test_a_node_that_dies_gives_exit_3_and_json(capsys) -> None:
     dead = shlex.join([sys.executable, "-c", "import sys; sys.exit(7)"])
     code, res = run_cli(
@@ -143,10 +154,10 @@ def test_the_sink_reports_a_wrong_sum_and_sets_stale_datagrams_apart() -> None:
     node, sink = (D.LOOPBACK, 1), (D.LOOPBACK, 2)
     tag = D.PHASE_TAGS["node"]
     # What a node that adds right sends on: the sums themselves as the payload.
-    right = D._Workload(w.elements, w.sums, w.operands, w.sums)
+    right = D._Workload(w.elements, w.sums, w.operands, w.sums, w.max_payload)
     wrong_sums = w.sums.copy()
     wrong_sums[2, 100] = np.nextafter(wrong_sums[2, 100], np.float32(2))  # one ulp off
-    wrong = D._Workload(w.elements, wrong_sums, w.operands, w.sums)
+    wrong = D._Workload(w.elements, wrong_sums, w.operands, w.sums, w.max_payload)
     datagrams = [
         D._chain_packet(0, right, node, sink, tag),
         D._chain_packet(1, right, node, sink, tag),

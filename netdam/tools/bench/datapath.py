@@ -67,6 +67,7 @@ from netdam.outcome import ExitCode
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     HEADER_SIZE,
+    MAX_PAYLOAD_BYTES,
     SEGMENT_SIZE,
     DType,
     Flags,
@@ -137,6 +138,8 @@ class _Workload:
     payloads: np.ndarray  # (packets, elements) <f4
     operands: np.ndarray  # (packets, elements) <f4
     sums: np.ndarray  # (packets, elements) <f4
+    #: The largest payload at the run's MTU (SPEC.md 2.7): what the codec lets a datagram carry.
+    max_payload: int
 
     @property
     def payload_bytes(self) -> int:
@@ -154,7 +157,7 @@ def _workload(seed: int, packets: int, mtu: int) -> _Workload:
     payloads = rng.uniform(-1.0, 1.0, (packets, elements)).astype("<f4")
     operands = rng.uniform(-1.0, 1.0, (packets, elements)).astype("<f4")
     sums = np.add(payloads, operands, dtype=np.float32)  # the node's SUM: out = payload + local
-    return _Workload(elements, payloads, operands, sums)
+    return _Workload(elements, payloads, operands, sums, largest_payload(mtu))
 
 
 def _chain_packet(
@@ -176,7 +179,8 @@ def _chain_packet(
             segments_left=1,
             segments=(node, sink),
             payload=w.payloads[k].tobytes(),
-        )
+        ),
+        w.max_payload,
     )
     return data
 
@@ -612,11 +616,14 @@ class _NodeProcess:
         self.stderr.seek(0)
         return self.stderr.read()[-800:].decode(errors="replace").strip()
 
-    def request(self, packet: Packet, timeout: float = 2.0, tries: int = 5) -> Packet:
-        """Send a control/data request (client 1, next txn) and return its ACK; NACK raises."""
+    def request(
+        self, packet: Packet, timeout: float = 2.0, tries: int = 5, max_payload: int = 0
+    ) -> Packet:
+        """Send a control/data request (client 1, next txn) and return its ACK; NACK raises.
+        *max_payload*: the run's largest payload, when over the default's (SPEC.md 2.7)."""
         self._txn += 1
         packet = Packet(**{**packet.__dict__, "client_id": 1, "txn_id": self._txn})
-        data = encode_packet(packet)
+        data = encode_packet(packet, max(max_payload, MAX_PAYLOAD_BYTES))
         for _ in range(tries):
             self._ctl.sendto(data, (LOOPBACK, self.port))
             deadline = time.monotonic() + timeout
@@ -665,7 +672,8 @@ class _NodeProcess:
                     addr=k * nbytes,
                     dtype=DType.F32,
                     payload=w.operands[k].tobytes(),
-                )
+                ),
+                max_payload=w.max_payload,
             )
 
     def counters(self) -> np.ndarray:
