@@ -143,6 +143,9 @@ CASES: list[tuple[list[str], int, str]] = [
     (["allreduce", "--size", "1024GiB"], USAGE, "--size"),
     # --nodes beside a cluster file of another size: refused, not silently replaced by the file's.
     (["allreduce", "--nodes", "3", "--cluster", "CLUSTER2"], USAGE, "--nodes 3 but"),
+    (["allreduce", "--mtu", "65000", "--cluster", "CLUSTER2"], USAGE, "netdam up --mtu 65000"),
+    (["allreduce", "--mtu", "70000"], USAGE, "65535"),
+    (["bench", "allreduce", "--emulation-mtu", "9000"], USAGE, "not above the wire's MTU"),
     (["soak", "--nodes", "3", "--cluster", "CLUSTER2", "--seconds", "1"], USAGE, "--nodes 3 but"),
     # A stale cluster file (its processes are gone): exit 2 naming `netdam down`, not exit 3.
     (["allreduce", "--cluster", "STALE"], USAGE, "netdam down --cluster"),
