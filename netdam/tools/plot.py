@@ -41,6 +41,9 @@ _NAMED_COLORS = {
     "netdam-chain": "C0",
     "netdam": "C0",
     "chain-resident": "C4",
+    # The same at the emulation MTU (SPEC.md 2.7): tab20's light shade of their colour.
+    "chain-emu": "#aec7e8",
+    "chain-resident-emu": "#c5b0d5",
     "ring-host": "C1",
     "roce-ring": "C1",
     "gloo": "C2",
