@@ -321,3 +321,35 @@ def test_read_over_the_mtu_is_too_large_before_the_amplification_drop() -> None:
     assert ask(4096) == [(NACK, Status.TOO_LARGE)]  # 64 + 4096 > 1472
     assert ask(1000) == [] and int(core.counters[C.DROP_AMPLIFICATION]) == 1
     assert ask(128) == [(Opcode.READ_RESP, Status.OK)]
+
+
+def test_an_emulation_mtu_gives_an_unproven_sender_no_larger_reflection() -> None:
+    """SPEC.md 2.7 and 12.4: at MTU 65000 a READ may ask 61440 bytes, 960x its 64-byte request;
+    from an address that has not proven it receives there, it is dropped as at any MTU, and a
+    member or a proven sender gets it whole. Over 61440 is TOO_LARGE (a 64-byte answer)."""
+    from netdam.core.guard import GuardConfig
+    from netdam.core.node import NodeConfig, NodeCore
+    from netdam.protocol import counters as C
+
+    me, member, stranger = ("10.0.0.1", 7744), ("10.0.0.2", 7744), ("10.9.9.9", 5000)
+    core = NodeCore(
+        NodeConfig(
+            endpoint=me,
+            memory_bytes=1 << 17,
+            admin_key=ADMIN_KEY,
+            mtu=65000,
+            members=(me, member),
+            guard=GuardConfig.on(),
+        )
+    )
+    core.register_region(0, 1 << 17, Rights.READ, rkey=RKEY)
+
+    def ask(length: int, src: tuple[str, int]) -> list[tuple[Opcode, Status, int]]:
+        request = Packet(Opcode.READ, rkey=RKEY, addr=0, length=length)
+        core.receive_datagram(encode_packet(request, 1 << 16), src, 0.0)
+        out = [decode_packet(d, 1 << 16) for d, _ in core.datagrams_to_send(0.0)]
+        return [(p.opcode, p.status, len(p.payload)) for p in out]
+
+    assert ask(61440, stranger) == [] and int(core.counters[C.DROP_AMPLIFICATION]) == 1
+    assert ask(61441, stranger) == [(NACK, Status.TOO_LARGE, 0)]
+    assert ask(61440, member) == [(Opcode.READ_RESP, Status.OK, 61440)]
