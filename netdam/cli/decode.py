@@ -15,9 +15,18 @@ from typing import Any
 
 import numpy as np
 
+from netdam.cli.cluster import mtu_arg
 from netdam.cli.common import ExitCode, cluster_file, dumps_json
 from netdam.cluster.clusterfile import load_cluster, load_switch_entry
-from netdam.protocol.constants import ELEMENT_SIZE, NETDAM_UDP_PORT, DType, Flags, Opcode
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    ELEMENT_SIZE,
+    NETDAM_UDP_PORT,
+    DType,
+    Flags,
+    Opcode,
+    largest_payload,
+)
 from netdam.protocol.elements import element_values
 from netdam.protocol.errors import NetdamError, RemoteProtocolError
 from netdam.protocol.packet import Packet, decode_packet, u64_to_endpoint
@@ -71,6 +80,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--scapy", action="store_true", help="also show the scapy layer's dissection"
     )
+    parser.add_argument(
+        "--mtu",
+        type=mtu_arg,
+        default=None,
+        help=f"the MTU the datagrams were sent at (default: --cluster's, else {DEFAULT_MTU}): a "
+        "payload over its largest is TOO_LARGE (protocol/SPEC.md 2.7; 61440 at 65000)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -89,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
             "--port or --cluster"
         )
         return _fail({"ok": False, "error": message}, args.json, ExitCode.CHECK_FAILED)
-    results = [_decode_one(d, args.scapy) for d in datagrams]
+    try:
+        largest = largest_payload(_mtu(args))
+    except UsageProblem as exc:
+        return _fail({"ok": False, "error": str(exc)}, args.json, ExitCode.USAGE)
+    results = [_decode_one(d, args.scapy, largest) for d in datagrams]
     failed = [r for r in results if not r["ok"]]
     report: dict[str, Any] = {"ok": not failed}
     if failed:
@@ -266,7 +286,19 @@ def _ports(args: argparse.Namespace) -> set[int]:
 # Decoding
 
 
-def _decode_one(datagram: Datagram, with_scapy: bool) -> dict[str, Any]:
+def _mtu(args: argparse.Namespace) -> int:
+    """The MTU the datagrams were sent at: --mtu, else the cluster file's, else the default."""
+    if args.mtu is not None:
+        return int(args.mtu)
+    if getattr(args, "cluster", None) is not None:
+        try:
+            return int(load_cluster(args.cluster).mtu)
+        except ValueError as exc:
+            raise UsageProblem(str(exc)) from None
+    return int(DEFAULT_MTU)
+
+
+def _decode_one(datagram: Datagram, with_scapy: bool, max_payload: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if datagram.frame is not None:
         result.update(frame=datagram.frame, src=datagram.src, dst=datagram.dst)
@@ -274,7 +306,7 @@ def _decode_one(datagram: Datagram, with_scapy: bool) -> dict[str, Any]:
             result["gso_segment"] = datagram.segment
     result["size"] = len(datagram.data)
     try:
-        packet = decode_packet(datagram.data)
+        packet = decode_packet(datagram.data, max_payload)
     except RemoteProtocolError as exc:
         result.update(ok=False, error=str(exc), status=exc.status.name, hex=datagram.data.hex())
     else:

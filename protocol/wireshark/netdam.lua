@@ -646,9 +646,10 @@ local function validate(tvb)
     if seg_count > 0 and not SR_OPCODES[name] then
         return fail("BAD_SEGMENT", string.format("%s does not take an SR list", name), 52, 3)
     end
-    if length > MAX_PAYLOAD_BYTES and not CONTROL_OPCODES[name] then
+    local max_payload = netdam.prefs.max_payload or MAX_PAYLOAD_BYTES
+    if length > max_payload and not CONTROL_OPCODES[name] then
         return fail("TOO_LARGE", string.format(
-            "length %d exceeds the maximum payload of %d bytes", length, MAX_PAYLOAD_BYTES), 28, 4)
+            "length %d exceeds the maximum payload of %d bytes", length, max_payload), 28, 4)
     end
     if COMBINE_OPCODES[name] and dtype == 0 then
         return fail("BAD_DTYPE", string.format(
@@ -1118,6 +1119,9 @@ netdam.prefs.udp_port = Pref.uint("UDP port", NETDAM_UDP_PORT,
 netdam.prefs.ports = Pref.range("UDP ports", "",
     "More UDP ports always dissected as NetDAM, e.g. a cluster's (`netdam capture` prints them): "
     .. "17744-17747,40001", 65535)
+netdam.prefs.max_payload = Pref.uint("Largest payload", MAX_PAYLOAD_BYTES,
+    "The capture's largest payload, SPEC.md 2.7: 8192 at MTU 9000, 61440 at an emulation MTU "
+    .. "of 65000 (`-o netdam.max_payload:61440`)")
 
 local udp_table = DissectorTable.get("udp.port")
 local registered_port = NETDAM_UDP_PORT

@@ -15,7 +15,9 @@ import pytest
 
 import netdam.cli.decode
 from netdam.cli.common import NetdamArgumentParser
+from netdam.protocol.constants import Opcode
 from netdam.protocol.fixtures import FIXTURE_NAMES, load_fixture
+from netdam.protocol.packet import Packet, encode_packet
 
 CHAIN_ADD_HEX = load_fixture("chain_add").hex()
 
@@ -58,6 +60,18 @@ def test_hex_argument_text_output(capsys: pytest.CaptureFixture[str]) -> None:
         "elements: [0.125, -1.5, 2.75, 100.0]",
     ):
         assert expected in lines
+
+
+def test_a_payload_over_the_mtus_largest_is_too_large_and_mtu_65000_takes_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SPEC.md 2.7: a 61440-byte WRITE is malformed at the default MTU, well formed at 65000."""
+    big = Packet(Opcode.WRITE, rkey=1, length=61440, payload=bytes(61440))
+    data = encode_packet(big, max_payload=61440).hex()
+    code, result = run_json(["decode", data], capsys)
+    assert code == 1 and "exceeds the maximum payload of 8192 bytes" in result["error"]
+    code, result = run_json(["decode", data, "--mtu", "65000"], capsys)
+    assert code == 0 and result["packets"][0]["length"] == 61440
 
 
 def test_hex_argument_may_be_split_into_words(capsys: pytest.CaptureFixture[str]) -> None:

@@ -419,11 +419,21 @@ PAYLOAD_FIELDS = (
 ALL_FIELDS = (*HEADER_FIELDS, *FLAG_FIELDS, *PAYLOAD_FIELDS)
 
 
-def tshark_fields(env: dict[str, str], pcap: Path) -> list[dict[str, list[str]]]:
+def tshark_fields(env: dict[str, str], pcap: Path, *options: str) -> list[dict[str, list[str]]]:
     """Per frame: every netdam.* field of ALL_FIELDS (plus the Info column and UDP ports) as the
-    list of its occurrences."""
+    list of its occurrences; *options* go to tshark first (``-o`` a preference)."""
     names = ("udp.srcport", "udp.dstport", "_ws.col.Info", *(f"netdam.{n}" for n in ALL_FIELDS))
-    args = ["-r", str(pcap), "-T", "fields", "-E", "occurrence=a", "-E", "aggregator=\x1f"]
+    args = [
+        *options,
+        "-r",
+        str(pcap),
+        "-T",
+        "fields",
+        "-E",
+        "occurrence=a",
+        "-E",
+        "aggregator=\x1f",
+    ]
     for name in names:
         args += ["-e", name]
     rows = []
@@ -827,6 +837,25 @@ def test_malformed_datagrams_get_the_codecs_verdict(
             decode_packet(data)
         except RemoteProtocolError as exc:
             assert f"Expert Info (Error/Malformed): {exc}]" in text, label
+
+
+@needs_tshark
+def test_the_largest_payload_preference_follows_an_emulation_mtu(
+    tshark_env: dict[str, str], tmp_path: Path
+) -> None:
+    """SPEC.md 2.7: a 61440-byte WRITE is TOO_LARGE with the default preference (8192, MTU
+    9000), as the codec says, and dissected whole with ``-o netdam.max_payload:61440``."""
+    big = Packet(Opcode.WRITE, rkey=1, length=61440, payload=bytes(range(256)) * 240)
+    data = encode_packet(big, max_payload=61440)
+    pcap = tmp_path / "emulated.pcap"
+    write_pcap(pcap, [Datagram(data, CLIENT, ("10.0.0.2", NETDAM_UDP_PORT))])
+    with pytest.raises(RemoteProtocolError) as refused:
+        decode_packet(data)
+    (row,) = tshark_fields(tshark_env, pcap)
+    assert row["error.text"] == [str(refused.value)]
+    assert row["error.status"] == [str(int(Status.TOO_LARGE))]
+    (row,) = tshark_fields(tshark_env, pcap, "-o", "netdam.max_payload:61440")
+    assert row["error.status"] == [] and row["length"] == ["61440"]
 
 
 # ---------------------------------------------------------------------------------------------
