@@ -44,7 +44,13 @@ from netdam.cluster.rendezvous import RendezvousError, resolve_bind, run_launche
 from netdam.cluster.secrets_io import KeyFileError, check_private, read_admin_key_file, read_key_fd
 from netdam.core.chunk_plan import min_mtu
 from netdam.protocol import counters as C
-from netdam.protocol.constants import DEFAULT_MTU, MAX_SEGMENTS, MIN_MTU
+from netdam.protocol.constants import (
+    DEFAULT_MTU,
+    MAX_PAYLOAD_BYTES,
+    MAX_SEGMENTS,
+    MIN_MTU,
+    largest_payload,
+)
 from netdam.protocol.packet import Endpoint
 from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.shell.startup import SCHEDULING
@@ -720,6 +726,12 @@ def _up_table(cluster: LocalCluster, detached: bool) -> str:
 
         where += f", switch {switch_log(path)}"
     lines.append(where + " (more with -v)")
+    mtu = cluster.info.mtu
+    if largest_payload(mtu) > MAX_PAYLOAD_BYTES:
+        lines.append(
+            f"MTU {mtu}: an emulation MTU, payloads up to {largest_payload(mtu)} bytes where "
+            f"{DEFAULT_MTU} carries {MAX_PAYLOAD_BYTES} (protocol/SPEC.md 2.7)"
+        )
     lines.append(f"started in {cluster.startup_seconds:.1f} s; cluster file: {path}")
     if detached:
         lines.append(f"stop: netdam down --cluster {path}")

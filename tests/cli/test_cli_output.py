@@ -306,3 +306,21 @@ def test_no_gigabyte_rates_left() -> None:
         if any(p in line for p in pattern) and "nccl-tests" not in line
     ]
     assert not offending, "\n".join(offending)
+
+
+@pytest.mark.slow
+def test_up_at_an_emulation_mtu_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`netdam up --mtu 65000` names the larger payloads its MTU gives (SPEC.md 2.7); the
+    default MTU's start says nothing of it."""
+    lines = {}
+    for mtu in ("9000", "65000"):
+        path = tmp_path / f"c{mtu}.toml"
+        argv = ["up", "--nodes", "2", "--memory", "1MiB", "--mtu", mtu, "--detach"]
+        assert main([*argv, "--cluster", str(path)]) == 0
+        lines[mtu] = capsys.readouterr().out
+        assert main(["down", "--cluster", str(path)]) == 0
+    assert "an emulation MTU" not in lines["9000"]
+    assert (
+        "MTU 65000: an emulation MTU, payloads up to 61440 bytes where 9000 carries 8192"
+        in lines["65000"]
+    )

@@ -52,7 +52,7 @@ from importlib import util
 from pathlib import Path
 from typing import Any
 
-from netdam.fpga_model import estimate_allreduce_seconds
+from netdam.fpga_model import default_params, estimate_allreduce_seconds
 from netdam.protocol.constants import DEFAULT_MTU, largest_payload
 from netdam.tools import plot as plotting
 from netdam.tools.bench import report
@@ -717,6 +717,8 @@ def run_allreduce_bench(
         # The MTU of the chain rows, and of the -emu rows (null: none ran).
         "mtu": DEFAULT_MTU,
         "emulation_mtu": cfg.emulation_mtu or None,
+        # The cycle model's, for every row: it prices the wire's datagrams (SPEC.md 2.7).
+        "model_mtu": default_params(100.0)[0].mtu,
         "dtype": DTYPE,
         "repeat": cfg.repeat,
         "warmup": cfg.warmup,
