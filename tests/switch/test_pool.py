@@ -407,3 +407,39 @@ def test_a_tagged_region_through_the_vip_takes_only_sealed_requests(pool: Pool) 
         plain.write(untagged.gaddr, b"v1 client", untagged.rkey)
         assert plain.read(untagged.gaddr, 9, untagged.rkey) == b"v1 client"
     ctl.free(untagged.gaddr)
+
+
+@pytest.mark.slow
+def test_the_pool_at_an_emulation_mtu_moves_60_kib_a_datagram(tmp_path: Path) -> None:
+    """SPEC.md 2.7 through the switch: at MTU 65000 the switch and its nodes take 61440-byte
+    payloads, a client splits at that, and an interleaved region still splits at its stride."""
+    cluster, switch = start_pool_cluster(
+        2, memory=1 << 20, cluster_path=tmp_path / "c.toml", mtu=65000
+    )
+    try:
+        ctl = PoolController(cluster.path)
+        ranged, inter = ctl.alloc(300 * KiB), ctl.alloc(96 * KiB, interleave=8 * KiB)
+        data = bytes((k * 13) % 251 for k in range(300 * KiB))
+        keys = tag_keys_of(ranged, inter)
+        with PoolClient(switch.vip, mtu=cluster.info.mtu, tag_keys=keys) as client:
+            assert client.max_payload == 61440
+            before = pool_switch_counters(cluster, switch)
+            client.write(ranged.gaddr + 8, data[: 300 * KiB - 8], ranged.rkey)
+            assert client.read(ranged.gaddr + 8, 300 * KiB - 8, ranged.rkey) == data[:-8]
+            after = pool_switch_counters(cluster, switch)
+            # The requests pass the switch (a node answers the client itself), + its counters
+            # asks: 307192 bytes in 61440-byte pieces are 5 WRITEs and 5 READs (at 9000: 38 each).
+            assert 5 + 5 <= after["rx_packets"] - before["rx_packets"] <= 5 + 5 + 2
+            client.write(inter.gaddr, data[: 96 * KiB], inter.rkey, stride=inter.stride)
+            assert (
+                client.read(inter.gaddr, 96 * KiB, inter.rkey, stride=inter.stride)
+                == data[: 96 * KiB]
+            )
+    finally:
+        switch.stop()
+        cluster.stop()
+
+
+def pool_switch_counters(cluster: LocalCluster, switch: SwitchHandle) -> dict[str, object]:
+    """The switch's counters, asked at its control port."""
+    return Pool(cluster, switch).switch_counters()
