@@ -31,7 +31,12 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pool state file (default: CLUSTER with suffix .pool.json)",
     )
-    parser.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU, help="IP MTU (default 9000)")
+    parser.add_argument(
+        "--mtu",
+        type=mtu_arg,
+        default=DEFAULT_MTU,
+        help="IP MTU (default 9000; the cluster's, an emulation MTU too: protocol/SPEC.md 2.7)",
+    )
     parser.add_argument(
         "--faults",
         default="",

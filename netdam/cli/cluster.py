@@ -245,7 +245,13 @@ def register(subparsers: Subparsers) -> None:
         default=300.0,
         help="seconds rank 0 waits for every rank (default 300)",
     )
-    node.add_argument("--mtu", type=mtu_arg, default=DEFAULT_MTU, help="IP MTU (default 9000)")
+    node.add_argument(
+        "--mtu",
+        type=mtu_arg,
+        default=DEFAULT_MTU,
+        help="IP MTU (default 9000; above 12899 the payloads grow: an emulation MTU for "
+        "loopback, protocol/SPEC.md 2.7)",
+    )
     node.add_argument(
         "--die-with-parent", action="store_true", help="exit when the launching process dies"
     )
@@ -302,7 +308,11 @@ def register(subparsers: Subparsers) -> None:
     )
     up.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     up.add_argument(
-        "--mtu", type=mtu_arg, default=None, help="IP MTU (default 9000, or the file's)"
+        "--mtu",
+        type=mtu_arg,
+        default=None,
+        help="IP MTU (default 9000, or the file's); e.g. 65000 on loopback, an emulation MTU: "
+        "payloads up to 61440 bytes (protocol/SPEC.md 2.7)",
     )
     up.add_argument(
         "--cluster",
