@@ -46,6 +46,7 @@ from netdam.core.chunk_plan import min_mtu
 from netdam.protocol import counters as C
 from netdam.protocol.constants import (
     DEFAULT_MTU,
+    MAX_MTU,
     MAX_PAYLOAD_BYTES,
     MAX_SEGMENTS,
     MIN_MTU,
@@ -94,9 +95,9 @@ def mtu_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid MTU {text!r}: give an integer, e.g. 9000"
         ) from None
-    if not MIN_MTU <= value <= 65535:
+    if not MIN_MTU <= value <= MAX_MTU:
         raise argparse.ArgumentTypeError(
-            f"--mtu {value} out of range: NetDAM needs {MIN_MTU}..65535"
+            f"--mtu {value} out of range: NetDAM needs {MIN_MTU}..{MAX_MTU}"
         )
     return value
 

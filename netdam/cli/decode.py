@@ -290,7 +290,7 @@ def _mtu(args: argparse.Namespace) -> int:
     """The MTU the datagrams were sent at: --mtu, else the cluster file's, else the default."""
     if args.mtu is not None:
         return int(args.mtu)
-    if getattr(args, "cluster", None) is not None:
+    if args.cluster is not None:
         try:
             return int(load_cluster(args.cluster).mtu)
         except ValueError as exc:

@@ -79,6 +79,8 @@ NETDAM_ALGOS = ("chain", "chain-emu", "chain-resident", "chain-resident-emu", "r
 #: The rows at the emulation MTU (AllReduceBenchConfig.emulation_mtu), each beside the row at
 #: the wire's MTU it repeats: the same job in fewer, larger datagrams on loopback (SPEC.md 2.7).
 EMULATED = {"chain": "chain-emu", "chain-resident": "chain-resident-emu"}
+#: Each emulation row's row at the wire's MTU.
+EMULATED_FROM = {emu: base for base, emu in EMULATED.items()}
 #: The emulation MTU the bench runs them at unless told otherwise: 60 KiB payloads.
 DEFAULT_EMULATION_MTU = 65000
 DTYPE = "f32"
@@ -624,9 +626,8 @@ def _default_runner(
         return run_gloo(nodes, count, warmup, repeat, timeout_s)
     if algo in MPI_TRANSPORTS:
         return run_mpi(nodes, count, warmup, repeat, timeout_s, MPI_TRANSPORTS[algo])
-    if algo in EMULATED.values():
-        base = algo.removesuffix("-emu")
-        return run_netdam(base, nodes, count, warmup, repeat, emulation_mtu)
+    if algo in EMULATED_FROM:
+        return run_netdam(EMULATED_FROM[algo], nodes, count, warmup, repeat, emulation_mtu)
     return run_netdam(algo, nodes, count, warmup, repeat)
 
 
@@ -663,7 +664,7 @@ def run_allreduce_bench(
     results: list[dict[str, Any]] = []
 
     def runs_here(algo: str, nodes: int, nbytes: int) -> bool:
-        return algo not in EMULATED.values() or emulation_changes_datagrams(nodes, nbytes)
+        return algo not in EMULATED_FROM or emulation_changes_datagrams(nodes, nbytes)
 
     total = sum(runs_here(a, n, b) for n in cfg.nodes for b in cfg.sizes for a in algos)
     done = 0
@@ -687,7 +688,7 @@ def run_allreduce_bench(
                 row = make_row(algo, nodes, nbytes, repeat, outcome)
                 row["mtu"] = (
                     cfg.emulation_mtu
-                    if algo in EMULATED.values()
+                    if algo in EMULATED_FROM
                     else DEFAULT_MTU
                     if algo in NETDAM_ALGOS
                     else None  # a host library's TCP or shared memory: no NetDAM datagrams

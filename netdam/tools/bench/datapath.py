@@ -617,13 +617,17 @@ class _NodeProcess:
         return self.stderr.read()[-800:].decode(errors="replace").strip()
 
     def request(
-        self, packet: Packet, timeout: float = 2.0, tries: int = 5, max_payload: int = 0
+        self,
+        packet: Packet,
+        timeout: float = 2.0,
+        tries: int = 5,
+        max_payload: int = MAX_PAYLOAD_BYTES,
     ) -> Packet:
         """Send a control/data request (client 1, next txn) and return its ACK; NACK raises.
-        *max_payload*: the run's largest payload, when over the default's (SPEC.md 2.7)."""
+        *max_payload*: the run's largest payload (SPEC.md 2.7)."""
         self._txn += 1
         packet = Packet(**{**packet.__dict__, "client_id": 1, "txn_id": self._txn})
-        data = encode_packet(packet, max(max_payload, MAX_PAYLOAD_BYTES))
+        data = encode_packet(packet, max_payload)
         for _ in range(tries):
             self._ctl.sendto(data, (LOOPBACK, self.port))
             deadline = time.monotonic() + timeout
