@@ -113,6 +113,8 @@ LANES = 4
 GROUPS_STAGING_SHARE = (3, 4)
 #: Seconds the progress thread drives a rank after its last call ended (_ProgressHub).
 PROGRESS_LINGER_S = 1.0
+#: What a closed group holds in place of its node's memory (ProcessGroup.close).
+_DETACHED = np.zeros(0, np.uint8)
 #: Early chains the shipped node holds for a collective its host has not started yet
 #: (netdam.kernels.collective.EARLY_SLOTS, SPEC.md 4.1 "Early chains"); past them, BUSY.
 EARLY_CHAINS_HELD = 64
@@ -349,6 +351,15 @@ def _release_arena_lock(path: Path) -> None:
 
 
 @dataclass
+class _Attached:
+    """A rank's mapping of its node's memory (shm.attach), shared by its default group and the
+    groups new_group copies from it, so that closing the default group detaches them all."""
+
+    memory: np.ndarray
+    view: np.ndarray
+
+
+@dataclass
 class ProcessGroup:
     """One rank's view of the cluster: its node, its memory there (the arena), the group's keys.
 
@@ -373,7 +384,7 @@ class ProcessGroup:
     max_chain: int = MAX_SEGMENTS
     #: True once a START_COLL of this group was ACKed: its epochs follow the nodes'.
     _epoch_settled: bool = field(init=False, default=False)
-    memory: np.ndarray = field(init=False, repr=False)
+    _attached: _Attached = field(init=False, repr=False)
     client: ControlClient = field(init=False, repr=False)
     _next_free: int = field(init=False, default=0)
     #: Every lane of this rank (LANES) and the rules of their START_COLLs, sans-I/O
@@ -439,11 +450,10 @@ class ProcessGroup:
         self.members = tuple(range(len(self.cluster.nodes)))
         self.global_rank = self.rank
         self._root = self
-        self.memory = attach(node.memory_file)
-        # Read on every call (_offset_of, staging in and copying out): the mapping's address,
-        # and a plain ndarray view of it, whose slices skip np.memmap's per-slice bookkeeping.
-        self._memory_base = int(self.memory.__array_interface__["data"][0])
-        self._memory_view = np.asarray(self.memory)
+        memory = attach(node.memory_file)
+        self._attached = _Attached(memory, np.asarray(memory))
+        # Read on every call (_offset_of): the mapping's address.
+        self._memory_base = int(memory.__array_interface__["data"][0])
         # One job's rank at a time owns this rank's arena: a second one gets an error here,
         # where it used to take (and wipe) the first one's arena.
         self.job = check_job_name(os.environ.get(ENV_JOB, "") if self.job is None else self.job)
@@ -1069,6 +1079,26 @@ class ProcessGroup:
         if self._arena_lock is not None:
             _release_arena_lock(self._arena_lock)
             self._arena_lock = None
+        # Detach from the node's memory (shm.attach: the mapping goes with its last
+        # reference), for the groups new_group made too (they share _attached), and from the
+        # calls that kept buffers in it. The group and its calls refer to each other, so
+        # without this only the garbage collector let a closed group's mapping go: a tool
+        # running cluster after cluster in one process (the bench) held every finished
+        # cluster's memory, and 4 x 256 MiB ran the machine out of memory.
+        self._holding.clear()
+        self._settling.clear()
+        self._attached.memory = self._attached.view = _DETACHED
+
+    @property
+    def memory(self) -> np.ndarray:
+        """This rank's node memory, mapped into this process (empty once the group is closed)."""
+        return self._attached.memory
+
+    @property
+    def _memory_view(self) -> np.ndarray:
+        """The same as a plain ndarray, whose slices skip np.memmap's per-slice bookkeeping
+        (read on every call: staging in, copying out)."""
+        return self._attached.view
 
 
 class Work(Call):
