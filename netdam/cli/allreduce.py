@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from netdam.cli.common import (
     size_arg,
     writable_output,
 )
+from netdam.cli.private_memory import check_private_memory, largest_fitting
 from netdam.cluster.clusterfile import load_cluster
 from netdam.core.chunk_plan import min_mtu
 from netdam.core.torus import longest_chain, torus_shape
@@ -155,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         _check_cluster(args, nbytes)
     else:
         _check_torus(args, args.nodes or 4)
-        _check_private_memory(args.nodes or 4, nbytes)
+        check_private_memory(args.nodes or 4, nbytes)
     config = AllReduceConfig(
         nodes=args.nodes or 4,
         count=count,
@@ -228,7 +227,7 @@ def _check_cluster(args: argparse.Namespace, nbytes: int) -> None:
     for node in info.nodes:
         memory = answers.get(node.rank, {}).get("memory_bytes") or node.memory_bytes
         if memory and memory < needed:
-            fits = _largest_fitting(
+            fits = largest_fitting(
                 partial(_fits_node, algo=args.algo, memory=memory, torus=torus), nbytes
             )
             smaller = f", or give --size {format_size(fits)} or less" if fits else ""
@@ -264,46 +263,6 @@ def _fits_node(nbytes: int, *, algo: str, memory: int, torus: bool = False) -> b
     from netdam.tools.allreduce import node_memory_needed
 
     return node_memory_needed(nbytes, algo, torus) <= memory
-
-
-def _check_private_memory(nodes: int, nbytes: int) -> None:
-    """A private cluster's node memory lives in /dev/shm: a size it cannot hold is the user's to
-    change (--size, --nodes), named before any node starts. (The node would say "lower
-    --memory", an option this command does not take.)"""
-    # Imported here, as above: numba's start-up cost only for a run.
-    from netdam.shell.shm import DEFAULT_SHM_DIR
-    from netdam.tools.allreduce import private_node_memory
-
-    try:
-        fs = os.statvfs(DEFAULT_SHM_DIR)
-    except OSError:
-        return  # no such directory: the node names it
-    free = fs.f_bavail * fs.f_frsize
-    if nodes * private_node_memory(nbytes) <= free:
-        return
-    fits = _largest_fitting(lambda n: nodes * private_node_memory(n) <= free, nbytes)
-    fewer = next(
-        (k for k in range(nodes - 1, 1, -1) if k * private_node_memory(nbytes) <= free), None
-    )
-    steps = [f"give --size {format_size(fits)} or less"] if fits else []
-    if fewer is not None:
-        steps.append(f"--nodes {fewer}")
-    steps.append(f"free space in {DEFAULT_SHM_DIR}")
-    raise CommandError(
-        f"{format_size(nbytes)} per rank needs {private_node_memory(nbytes) / (1 << 30):.1f} GiB of node "
-        f"memory on each of {nodes} nodes, but {DEFAULT_SHM_DIR} (where node memory lives) has "
-        f"{free / (1 << 30):.1f} GiB free: {', or '.join(steps)}",
-        ExitCode.USAGE,
-    )
-
-
-def _largest_fitting(fits: Callable[[int], bool], below: int) -> int:
-    """The largest power of two under *below* bytes for which *fits* holds (0: none): a --size
-    to suggest that certainly works."""
-    size = 1 << max(below.bit_length() - 1, 0)
-    while size >= 1 and not (size < below and fits(size)):
-        size >>= 1
-    return size
 
 
 def _mib(nbytes: int) -> int:

@@ -25,6 +25,7 @@ from netdam.cli.common import (
     size_range_arg,
     writable_output,
 )
+from netdam.cli.private_memory import check_private_memory
 from netdam.protocol.constants import DEFAULT_MTU
 from netdam.tools import plot
 from netdam.tools.bench import allreduce as allreduce_bench
@@ -361,6 +362,8 @@ def register_allreduce(benches: Subparsers) -> None:
             size_list = allreduce_bench.check_sizes(chosen)
         except ValueError as exc:
             raise CommandError(str(exc), ExitCode.USAGE) from None
+        # Every row starts a cluster of its own, one after another: the largest must fit.
+        check_private_memory(max(nodes), max(size_list))
         if args.plot is not None:
             if args.plot.suffix.lower() != ".png":
                 raise CommandError(f"--plot {args.plot}: give a .png file name", ExitCode.USAGE)

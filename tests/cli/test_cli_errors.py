@@ -141,6 +141,7 @@ CASES: list[tuple[list[str], int, str]] = [
     (["bench", "pool", "--plot", "/nonexistent-netdam-dir/p.png"], USAGE, "does not exist"),
     # More node memory than /dev/shm holds: name --size (allreduce has no --memory), before any node starts.
     (["allreduce", "--size", "1024GiB"], USAGE, "--size"),
+    (["bench", "allreduce", "--size", "1024GiB"], USAGE, "--size"),
     # --nodes beside a cluster file of another size: refused, not silently replaced by the file's.
     (["allreduce", "--nodes", "3", "--cluster", "CLUSTER2"], USAGE, "--nodes 3 but"),
     (["allreduce", "--mtu", "65000", "--cluster", "CLUSTER2"], USAGE, "netdam up --mtu 65000"),
