@@ -39,6 +39,8 @@ TAG_SIZE = 8
 #: Payloads above MAX_PAYLOAD_BYTES (an emulation MTU, SPEC.md 2.7) come in whole units of this:
 #: a multiple of every element size, and of a 4 KiB page, so chunks and WRITEs stay aligned.
 PAYLOAD_UNIT_BYTES = 4096
+#: What a send slot holds besides the payload: the header, a full SR list and the tag.
+SLOT_OVERHEAD_BYTES = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + TAG_SIZE
 
 
 def largest_payload(mtu: int) -> int:
@@ -48,7 +50,7 @@ def largest_payload(mtu: int) -> int:
     list and a tag still carries 8192 bytes. Above that, an emulation MTU (loopback, where the
     link's MTU is 65536): the room a full SR list and a tag leave, in whole PAYLOAD_UNIT_BYTES:
     61440 at MTU 65000."""
-    room = mtu - IP_UDP_OVERHEAD - HEADER_SIZE - MAX_SEGMENTS * SEGMENT_SIZE - TAG_SIZE
+    room = mtu - IP_UDP_OVERHEAD - SLOT_OVERHEAD_BYTES
     return max(MAX_PAYLOAD_BYTES, room // PAYLOAD_UNIT_BYTES * PAYLOAD_UNIT_BYTES)
 
 
@@ -59,7 +61,7 @@ MAX_EMULATED_PAYLOAD_BYTES = largest_payload(MAX_MTU)
 def slot_bytes(mtu: int) -> int:
     """Room one outgoing datagram may need at *mtu*: header, full SR list, largest payload, tag.
     A send queue's slot; 8776 at MTU 9000."""
-    return HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + largest_payload(mtu) + TAG_SIZE
+    return SLOT_OVERHEAD_BYTES + largest_payload(mtu)
 
 
 #: Smallest MTU a node accepts: the fixed header must fit, plus one 8-byte element.

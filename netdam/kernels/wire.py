@@ -23,7 +23,7 @@ from netdam.protocol.constants import (
     POOL_OPCODES,
     REPLY_OPCODES,
     SEGMENT_SIZE,
-    TAG_SIZE,
+    SLOT_OVERHEAD_BYTES,
     UPDATE_DTYPES,
     DType,
     Flags,
@@ -100,16 +100,11 @@ W = DUP_WINDOW
 _REPLY_MAX = DUP_REPLY_BYTES
 
 
-#: What a send slot holds besides the payload: header, full SR list, tag. A core's slot
-#: (TxQueue.slot, constants.slot_bytes of its MTU) is this plus its largest payload.
-_SLOT_FIXED = HEADER_SIZE + MAX_SEGMENTS * SEGMENT_SIZE + TAG_SIZE
-
-
 @njit(cache=True, nogil=True)
 def slot_payload(slot):
     """The largest payload of a core whose send slot is *slot* bytes (constants.largest_payload
     of its MTU): what check_packet lets a data opcode carry."""
-    return slot - _SLOT_FIXED
+    return slot - SLOT_OVERHEAD_BYTES
 
 
 #: Verdict of check_packet for a datagram too short to answer: count and drop.
