@@ -29,6 +29,7 @@ from netdam.cluster.clusterfile import load_cluster
 from netdam.core.chunk_plan import min_mtu
 from netdam.core.torus import longest_chain, torus_shape
 from netdam.protocol.constants import DEFAULT_MTU, ELEMENT_SIZE, MAX_SEGMENTS, DType, ReduceOp
+from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 from netdam.units import format_size
 
 
@@ -115,6 +116,15 @@ def register(subparsers: Subparsers) -> None:
         "open it in Perfetto or speedscope): every NIC hop by hop, every host rank",
     )
     parser.add_argument(
+        "--trace-records",
+        type=bounded_int(0, 1 << 24),
+        default=None,
+        help="records of each NIC's trace ring in the private cluster, 48 bytes each (default "
+        f"{DEFAULT_TRACE_RECORDS}: 1.5 MiB per NIC); a NIC writes one for each datagram it "
+        "takes or sends (an 8 x 64 MiB call: ~23,000), so large jobs need more to be traced "
+        "whole (a running cluster's: `netdam up --trace-records`)",
+    )
+    parser.add_argument(
         "--mtu",
         type=mtu_arg,
         default=None,
@@ -147,6 +157,12 @@ def run(args: argparse.Namespace) -> int:
             "netdam.empty arrays may hold a running cluster's memory",
             ExitCode.USAGE,
         )
+    if args.trace_records is not None and args.cluster is not None:
+        raise CommandError(
+            "--trace-records sizes a private cluster's trace rings; a running cluster's "
+            "were set by `netdam up --trace-records` (drop one of the two)",
+            ExitCode.USAGE,
+        )
     if args.sparse and args.algo != "chain":
         raise CommandError("--sparse needs --algo chain", ExitCode.USAGE)
     nbytes = count * ELEMENT_SIZE[dtype]
@@ -173,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
         max_chain=args.max_chain,
         trace=args.trace,
         mtu=args.mtu or DEFAULT_MTU,
+        trace_records=(
+            args.trace_records if args.trace_records is not None else DEFAULT_TRACE_RECORDS
+        ),
     )
     result = run_allreduce(config)
     code = int(result.pop("exit_code", ExitCode.OK if result["ok"] else ExitCode.CHECK_FAILED))  # type: ignore[call-overload]  # the result dict holds JSON values (object)
@@ -309,7 +328,7 @@ def _trace_text(r: dict[str, object]) -> str:
         return ""
     lost = (
         f"; {traced['lost']} records overwritten before they were read (a larger "
-        "`netdam up --trace-records` keeps them)"
+        "`--trace-records` keeps them; `netdam up --trace-records` for a running cluster)"
         if traced["lost"]
         else ""
     )

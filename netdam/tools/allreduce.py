@@ -41,6 +41,7 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.elements import BFLOAT16, bf16_combine, bf16_round, is_bf16
 from netdam.protocol.payloads import NO_PHASE_US
+from netdam.protocol.trace import DEFAULT_TRACE_RECORDS
 
 #: Node memory for a private cluster: the API stages inputs in the upper half.
 MIN_NODE_MEMORY = 16 << 20
@@ -97,6 +98,8 @@ class AllReduceConfig:
     #: IP MTU of a private cluster; above the wire's, an emulation MTU (SPEC.md 2.7): larger
     #: datagrams on loopback, while the cycle model stays at its wire MTU.
     mtu: int = DEFAULT_MTU
+    #: Records of each NIC's trace ring in a private cluster (SPEC.md 6.7): `trace` reads them.
+    trace_records: int = DEFAULT_TRACE_RECORDS
 
 
 def _combiner(array: np.ndarray, op: ReduceOp) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
@@ -222,6 +225,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                 faults=config.faults,
                 nics_per_process=config.nics_per_process,
                 mtu=config.mtu,
+                trace_records=config.trace_records,
             )
             info = cluster.info
         world = len(info.nodes)

@@ -53,6 +53,8 @@ CASES: list[tuple[list[str], int, str]] = [
     (["up", "--memory", "1024GiB", "--nodes", "64"], USAGE, "--memory"),
     (["up", "--mtu", "100"], USAGE, "--mtu"),
     (["up", "--trace-records", "-1"], USAGE, "--trace-records"),
+    (["allreduce", "--trace-records", "-1"], USAGE, "--trace-records"),
+    (["allreduce", "--cluster", "CLUSTER2", "--trace-records", "64"], USAGE, "netdam up"),
     (["model", "replay", "missing-trace.json"], USAGE, "cannot read missing-trace.json"),
     (["model", "replay", "pyproject.toml"], USAGE, "netdam allreduce --trace"),
     (["model", "replay", "README.md", "--rto-us", "0"], USAGE, "--rto-us"),

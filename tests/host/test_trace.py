@@ -283,6 +283,21 @@ def test_init_process_group_trace_writes_at_destroy(lossy: LocalCluster, tmp_pat
     assert len(trace["netdam"]["nics"]) == WORLD
 
 
+def test_allreduce_trace_records_size_the_private_clusters_rings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`netdam allreduce --trace-records N` sizes each NIC's ring of the cluster it starts: a
+    ring of 16 records loses most of a 64 KiB call's datagrams, and the text names the option
+    that keeps them; the default ring keeps them all."""
+    argv = ["allreduce", "--nodes", "2", "--size", "64KiB", "--trace"]
+    assert cli_main([*argv, str(tmp_path / "small.json"), "--trace-records", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "overwritten" in text and "`--trace-records`" in text
+    assert cli_main([*argv, str(tmp_path / "whole.json"), "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["ok"] and whole["trace"]["lost"] == 0 and whole["trace"]["records"] > 16
+
+
 @pytest.mark.parametrize("records", [0, 64])
 def test_trace_records_reach_every_nic(records: int) -> None:
     """`netdam up --trace-records N` reaches each NIC's ring (0: tracing off, nothing written),
