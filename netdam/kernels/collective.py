@@ -243,10 +243,7 @@ CFG_TAKEN_BASE = CFG_REFUSED_END + 15
 # Members whose STARTED asked for ours (txn_id 0: a chained collective that awaits them lacked
 # this node's; bit r, rank r), answered by the next tick.
 CFG_STARTED_ASK = CFG_TAKEN_BASE + TAKEN_SLOTS
-# Chains of other originators this node passed on (a hop, not their last): the collective moves
-# here, though nothing of this node's own completes (_chain_late).
-CFG_PASSED = CFG_STARTED_ASK + 1
-CFG_LEN = CFG_PASSED + 1
+CFG_LEN = CFG_STARTED_ASK + 1
 
 #: aux_addr of an ACK that says "this member holds everything of the epoch" (DONE).
 AUX_DONE = 2
@@ -290,9 +287,10 @@ F_T_DONE = 14  # every member's DONE is here: the collective is complete
 #: it raises the timers' floor (_rto_bounds).
 F_HOST_TURN = 15
 F_STARTED_ASKED = 16  # last time this node asked the members it lacks for their STARTED
-F_PASSED_SEEN = 17  # CFG_PASSED as of the last tick...
-F_LAST_PASSED = 18  # ...and when it last grew
-F_LEN = 19
+# The tick before this node last passed on another originator's chain (a hop, not its last):
+# the collective moves here, though nothing of this node's own completes (_chain_late).
+F_LAST_PASSED = 17
+F_LEN = 18
 
 #: Collectives one NIC holds at once (SPEC.md 4.1), one slot each: a START_COLL while every
 #: slot runs is answered NACK BUSY. 4: two jobs with two groups each, or DDP's buckets of one
@@ -817,9 +815,6 @@ def _coll_tick(now, coll, mem, counters, trace, tx, tx_n, share):
         fcfg[F_LAST_COUNT] = advance
         fcfg[F_LAST_PROGRESS] = now
         fcfg[F_LAST_ADVANCE] = now
-    if cfg[CFG_PASSED] != fcfg[F_PASSED_SEEN]:
-        fcfg[F_PASSED_SEEN] = cfg[CFG_PASSED]
-        fcfg[F_LAST_PASSED] = now
     deadline = fcfg[F_DEADLINE]
     if (
         _announces_start(cfg)
@@ -1896,7 +1891,7 @@ def chain_add_hop(b, ln, src, node, tx, tx_n):
             if left == 0 and co_cfg[CFG_OPT_STEP] != 0:
                 status = _fused_chunk_status(slot, seq, store_addr, length)
             elif left > 0:
-                co_cfg[CFG_PASSED] += 1
+                slot.f[F_LAST_PASSED] = slot.f[F_NOW]
     if status != 0:
         return emit_nack(b, src, members, status, tx, tx_n, counters)
     payload_off = HDR + SEG * count

@@ -888,9 +888,9 @@ def test_a_busy_hop_slow_to_read_gets_probes_not_retransmissions(rng: np.random.
     assert [int(node.counters[C.RETRANSMITS]) for node in cluster.nodes] == [0, 0]
 
 
-def _fifo_hop(cluster: Cluster, rank: int, service_s: float) -> list[float]:
+def _fifo_hop(cluster: Cluster, rank: int, service_s: float) -> None:
     """Make *rank* take its datagrams one per *service_s* of fabric time, in order (a NIC
-    whose process is busy: a backlog, nothing lost); returns [when the backlog drains]."""
+    whose process is busy: a backlog, nothing lost)."""
     fabric = cluster.fabric
     slow = endpoint_to_u64(cluster.endpoints[rank])
     free_at = [0.0]
@@ -905,7 +905,6 @@ def _fifo_hop(cluster: Cluster, rank: int, service_s: float) -> list[float]:
         heapq.heappush(fabric._flight, (free_at[0], fabric._round, fabric._order, src, dst, data))
 
     fabric._schedule = fifo_server  # type: ignore[method-assign]
-    return free_at
 
 
 def test_a_hop_with_a_backlog_makes_chains_late_not_lost(rng: np.random.Generator) -> None:
