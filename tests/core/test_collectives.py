@@ -251,6 +251,41 @@ def test_forged_datagrams_with_the_live_key_change_nothing() -> None:
     run_under_forgery(12, forged, made_up_tags=True)
 
 
+def test_a_forged_chain_to_pass_on_holds_no_timer() -> None:
+    """A chain a node passes on holds its own chains' timers (the collective moves there:
+    "Loss recovery"), so a forger with the live key and a member's address, but not the
+    collective's tag key, sends chains to pass on: they are dropped as forged before they count.
+    Two members pass nothing on, so the stamp stays unset."""
+    inputs = [np.full(20_000, r + 1.0, np.float32) for r in range(2)]
+    cluster = make_cluster(2, memory=MEMORY)
+    # The collective runs ~0.1 s of fabric time, so the forgeries land while it runs: an
+    # untagged collective (no tag key) passed them on and stamped 0.035 s.
+    _fifo_hop(cluster, 1, 0.001)
+    ids = {"coll_id": 3, "epoch": 1, "rkey": RKEY}
+
+    def forge(cluster: Cluster, round_: int) -> None:
+        if round_ % 3 or round_ > 300:
+            return
+        chain = Packet(
+            Opcode.CHAIN_ADD,
+            seq=round_ % 4,
+            addr=IN,
+            aux_addr=OUT,
+            dtype=DType.F32,
+            segments=(cluster.endpoints[0], cluster.endpoints[1]),
+            segments_left=1,
+            **ids,
+        ).with_payload(b"\xff" * 64)
+        cluster.fabric.send(cluster.endpoints[1], cluster.endpoints[0], encode_packet(chain))
+
+    out = run(2, inputs, cluster=cluster, on_round=forge)
+    assert_all_equal(out.outputs, all_reduce_reference(inputs, ReduceOp.SUM))
+    node = cluster.nodes[0]
+    assert int(node.counters[C.DROP_COLL_FORGED]) > 0
+    slots = node.collective
+    assert slots.fcfg[slots.cfg[:, L.CFG_COLL] == 3, L.F_LAST_PASSED].tolist() == [0.0]
+
+
 @pytest.mark.parametrize("tag_key", [TAG_KEY, b""], ids=["tagged", "untagged"])
 def test_a_collectives_answers_carry_its_tag_or_none(tag_key: bytes) -> None:
     """A tagged collective's completion is sealed under its key (SPEC.md 2.6); a START_COLL
