@@ -56,6 +56,15 @@ CLOCK_WAIT_MS = 1
 #: against 2.8-3.0 ms). docs/PERFORMANCE.md has the measurements.
 SPIN_S = 200e-6
 SPIN_MAX_NICS = 8
+#: A process that leaves a core to the hosts (the cluster's node processes here fewer than the
+#: cores) also polls for SPIN_S before it sleeps for this long after a collective's clock
+#: stopped: a repeated collective's next START_COLL comes a host's return and issue later
+#: (~0.1 ms at 4 KiB), and a host's send to a sleeping process pays the wake-up inside its
+#: `sendto` (2 NICs in one process x 4 KiB: 0.317-0.323 ms a call against 0.357-0.364 ms, the
+#: first to the last START_COLL 65 us against 87-88 us). Where the node processes fill the
+#: cores it cost: 4 x 4 KiB in two processes took 1.12-1.18 ms against 0.96-1.04 ms, the hosts'
+#: returns starved (docs/PERFORMANCE.md, "A node process that lingers").
+LINGER_S = 0.005
 #: Half-life of the longest turn the NICs' timers remember (seconds): a long turn keeps the
 #: timers up across the lull between a torus's steps, and the next call's start.
 TURN_HALF_LIFE_S = 1.0
@@ -98,6 +107,8 @@ class NicHost(ServeLoop):
         #: The NICs whose clock runs (served every pass, traffic or not), and when the last
         #: pass began (the wait of theirs for their next turn).
         self._clocked: set[int] = set()
+        #: When a pass last found a NIC's clock running (LINGER_S).
+        self._clock_seen = -math.inf
         #: NICs whose control plane ran in the last pass: the next pass visits them at once.
         self._touched: set[int] = set()
         self._pass_began = time.monotonic()
@@ -154,7 +165,7 @@ class NicHost(ServeLoop):
         self._touched = set()
         ready = set()
         events: list[tuple[int, int]] = []
-        spin = spin_s(len(self.nics), bool(self._clocked), wait, self._board_processes, CORES)
+        spin = self._spin_before(wait, time.monotonic())
         if spin > 0:
             spin_until = time.monotonic() + spin
             events = self._poll.poll(0)
@@ -189,6 +200,15 @@ class NicHost(ServeLoop):
         ended = time.monotonic()
         self._note_turn(ended - began, ended)
         return len(due)
+
+    def _spin_before(self, wait_ms: float, now: float) -> float:
+        """Seconds to poll before this pass waits up to *wait_ms* (spin_s), noting when a clock
+        last ran (LINGER_S)."""
+        if self._clocked:
+            self._clock_seen = now
+        lingering = now - self._clock_seen < LINGER_S
+        clocked = bool(self._clocked)
+        return spin_s(len(self.nics), clocked, wait_ms, self._board_processes, CORES, lingering)
 
     def _after_visit(self, k: int, ready: set[int]) -> None:
         """NIC *k*'s control plane after its visit, and whether its clock runs now."""
@@ -265,12 +285,18 @@ class NicHost(ServeLoop):
             nic.close()
 
 
-def spin_s(nics: int, clocked: bool, wait_ms: float, processes: int, cores: int) -> float:
+def spin_s(
+    nics: int, clocked: bool, wait_ms: float, processes: int, cores: int, lingering: bool = False
+) -> float:
     """Seconds a process hosting *nics* NICs polls without sleeping before it waits up to
-    *wait_ms* for traffic (SPIN_S): only while a NIC's clock runs (a collective, held
-    datagrams), only when it would sleep at all, only with at most SPIN_MAX_NICS NICs, and only
-    while the cluster's node processes here (*processes*) are no more than the *cores*."""
-    spins = clocked and wait_ms > 0 and nics <= SPIN_MAX_NICS and processes <= cores
+    *wait_ms* for traffic (SPIN_S): only when it would sleep at all, only with at most
+    SPIN_MAX_NICS NICs, and then either while a NIC's clock runs (a collective, held
+    datagrams) and the cluster's node processes here (*processes*) are no more than the
+    *cores*, or *lingering* (a clock ran within LINGER_S) and they are fewer: a core is left to
+    the hosts."""
+    if wait_ms <= 0 or nics > SPIN_MAX_NICS:
+        return 0.0
+    spins = (clocked and processes <= cores) or (lingering and processes < cores)
     return SPIN_S if spins else 0.0
 
 

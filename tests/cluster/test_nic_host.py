@@ -5,6 +5,7 @@ test_allreduce.test_dead_node_process_is_named_within_5_seconds_with_every_nic).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from netdam.cluster.launch import placement, start_cluster
 from netdam.protocol import counters as C
 from netdam.protocol.constants import ReduceOp
 from netdam.shell import nic_host
+from netdam.shell.nic_host import NicHost
 from netdam.tools.allreduce import reference_chain_allreduce
 
 
@@ -59,6 +61,38 @@ def test_a_process_of_a_few_nics_spins_only_while_a_collective_runs() -> None:
     assert spin(4, clocked=False, wait_ms=1000, processes=1, cores=2) == 0.0
     assert spin(4, clocked=True, wait_ms=0, processes=1, cores=2) == 0.0
     assert nic_host.SPIN_S < nic_host.CLOCK_WAIT_MS / 1000  # a spin never outlasts the wait
+
+
+def test_a_process_that_leaves_a_core_to_the_hosts_lingers_after_a_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For LINGER_S after a collective's clock stopped, a process polls before it sleeps too,
+    only while the cluster's node processes here are fewer than the cores (a core is left to
+    the hosts, whose next START_COLL then wakes nobody); where they fill the cores, or past
+    LINGER_S, it sleeps at once."""
+    spin = nic_host.spin_s
+    assert spin(2, clocked=False, wait_ms=20, processes=1, cores=2, lingering=True) > 0
+    assert spin(2, False, 20, processes=2, cores=2, lingering=True) == 0.0
+    assert spin(2, False, 20, processes=1, cores=1, lingering=True) == 0.0
+    assert spin(nic_host.SPIN_MAX_NICS + 1, False, 20, 1, 2, lingering=True) == 0.0
+    assert spin(2, False, 0, 1, 2, lingering=True) == 0.0
+
+    monkeypatch.setattr(nic_host, "CORES", 2)
+    host = NicHost.__new__(NicHost)  # the pass's spin decision only: no sockets
+    host.nics = [object(), object()]  # type: ignore[list-item]
+    host._clock_seen, host._board_processes = -math.inf, 1
+    host._clocked = set()
+    assert host._spin_before(20, 100.0) == 0.0  # no collective yet: sleeps at once
+    host._clocked = {0}
+    assert host._spin_before(1, 100.0) == nic_host.SPIN_S  # its clock runs
+    host._clocked = set()
+    assert host._spin_before(20, 100.0 + nic_host.LINGER_S / 2) == nic_host.SPIN_S
+    assert host._spin_before(20, 100.0 + 2 * nic_host.LINGER_S) == 0.0
+    host._board_processes = 2  # the node processes fill the cores
+    host._clocked = {1}
+    assert host._spin_before(1, 200.0) == nic_host.SPIN_S
+    host._clocked = set()
+    assert host._spin_before(20, 200.0 + nic_host.LINGER_S / 2) == 0.0
 
 
 @pytest.mark.parametrize("per", [3, 1])
