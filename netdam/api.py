@@ -60,7 +60,7 @@ from netdam.protocol.constants import (
 from netdam.protocol.constants import ReduceOp as WireOp
 from netdam.protocol.elements import BFLOAT16, bf16_round, bf16_values, is_bf16
 from netdam.protocol.errors import NetdamError
-from netdam.protocol.packet import Endpoint, Packet, endpoint_to_u64
+from netdam.protocol.packet import Endpoint, Packet, StartCollTemplate, endpoint_to_u64
 from netdam.protocol.payloads import (
     FLAG_AWAIT_STARTED,
     FLAG_SPARSE,
@@ -359,6 +359,54 @@ class _Attached:
     view: np.ndarray
 
 
+#: What a group's START_COLL is built from, but its per-call fields (ProcessGroup.start):
+#: (algo, rank, count, in_addr, out_addr, root, timeout_ms, flags), (multicast group or None,
+#: client_id), (admin key, coll_id, dtype, op, SR list, (update addr, aux_addr)).
+_StartShape = tuple[
+    tuple[Algo, int, int, int, int, int, int, int],
+    tuple[Endpoint | None, int],
+    tuple[int, int, DType, WireOp, tuple[Endpoint, ...], tuple[int, int]],
+]
+
+
+def _start_template(shape: _StartShape, epoch: int, key: int, tag_key: bytes) -> StartCollTemplate:
+    """The START_COLL of *shape* (with this call's *epoch* and keys), as a template."""
+    (algo, rank, count, in_addr, out_addr, root, timeout_ms, flags), (group, client_id), rest = (
+        shape
+    )
+    admin_key, coll_id, dtype, op, segments, update = rest
+    payload = CollectiveDescriptor(
+        algo,
+        rank,
+        count,
+        in_addr,
+        out_addr,
+        key,
+        root=root,
+        group=group,
+        timeout_ms=timeout_ms,
+        flags=flags,
+        tag_key=tag_key,
+    ).encode()
+    return StartCollTemplate.of(
+        Packet(
+            Opcode.START_COLL,
+            client_id=client_id,
+            txn_id=0,
+            rkey=admin_key,
+            coll_id=coll_id,
+            epoch=epoch,
+            dtype=dtype,
+            reduce_op=op,
+            segments=segments,
+            addr=update[0],
+            aux_addr=update[1],
+            length=len(payload),
+            payload=payload,
+        )
+    )
+
+
 @dataclass
 class ProcessGroup:
     """One rank's view of the cluster: its node, its memory there (the arena), the group's keys.
@@ -432,6 +480,11 @@ class ProcessGroup:
     #: The SR list of this group's collectives and the members it was built for (_segments).
     _segment_list: tuple[Endpoint, ...] = field(init=False, default=(), repr=False)
     _segments_of: tuple[int, ...] = field(init=False, default=(), repr=False)
+    #: The START_COLL of this group's last call and its shape (start): the next call of the
+    #: same shape writes its own fields into a copy of its bytes.
+    _start_template: tuple[_StartShape, StartCollTemplate] | None = field(
+        init=False, default=None, repr=False
+    )
     #: The torus all-reduces of this rank in flight (the default group's list): each releases
     #: its next collective when the one before it ended, whoever drives the rank.
     _pipelines: list[TorusWork] = field(init=False, default_factory=list)
@@ -815,38 +868,21 @@ class ProcessGroup:
             and (await_started or _awaits_started(self.world_size, count, dtype, self.cluster.mtu))
         ):
             flags |= FLAG_AWAIT_STARTED
-        desc = CollectiveDescriptor(
-            algo,
-            self.rank,
-            count,
-            in_addr,
-            out_addr,
-            collective_key(self._secret, self.coll_id, self.epoch),
-            root=root,
-            group=self.group if self.multicast else None,
-            timeout_ms=int(watchdog * 1000),
-            flags=flags,
-            tag_key=collective_tag_key(self._secret, self.coll_id, self.epoch),
+        # Every input of the START_COLL but the per-call fields (StartCollTemplate.moved): a
+        # call of another shape builds its template again, so no field can be left stale.
+        shape: _StartShape = (
+            (algo, self.rank, count, in_addr, out_addr, root, int(watchdog * 1000), flags),
+            (self.group if self.multicast else None, self.client.client_id),
+            (self.cluster.admin_key, self.coll_id, dtype, op, self._segments(), update),
         )
-        payload = desc.encode()
-        # Built whole, with the ids the call queue sends it under: each copy of a frozen
-        # Packet (with_payload, replace) costs ~11 us of the call.
-        packet = Packet(
-            Opcode.START_COLL,
-            client_id=self.client.client_id,
-            txn_id=txn_for(self.coll_id, self.epoch, self.rank),
-            rkey=self.cluster.admin_key,
-            coll_id=self.coll_id,
-            epoch=self.epoch,
-            dtype=dtype,
-            reduce_op=op,
-            segments=self._segments(),
-            addr=update[0],
-            aux_addr=update[1],
-            length=len(payload),
-            payload=payload,
-        )
+        key = collective_key(self._secret, self.coll_id, self.epoch)
+        tag_key = collective_tag_key(self._secret, self.coll_id, self.epoch)
+        txn = txn_for(self.coll_id, self.epoch, self.rank)
+        if self._start_template is None or self._start_template[0] != shape:
+            self._start_template = shape, _start_template(shape, self.epoch, key, tag_key)
+        packet, encoded = self._start_template[1].moved(self.epoch, txn, key, tag_key)
         work = Work(self, packet, algo, count, dtype, watchdog)
+        work.encoded = encoded
         work.held = held
         with self._lock:
             work.room, self._pending_room = self._pending_room, None

@@ -38,7 +38,8 @@ from netdam.protocol.constants import (
     enum_values,
 )
 from netdam.protocol.errors import LocalProtocolError, RemoteProtocolError
-from netdam.protocol.layout import H_CLIENT_ID, HEADER, SEGMENT
+from netdam.protocol.layout import DESCRIPTOR, DESCRIPTOR_BYTES, H_CLIENT_ID, HEADER, SEGMENT
+from netdam.protocol.layout import DESCRIPTOR_TAG_KEY as _DESCRIPTOR_TAG_KEY
 from netdam.protocol.layout import SPARSE_PREFIX as _SPARSE_PREFIX_LAYOUT
 
 #: The fixed header, network byte order, built from the table in layout.py (SPEC.md 2.1).
@@ -185,6 +186,65 @@ def _pack(packet: Packet) -> bytes:
     segments = b"".join(SEGMENT_STRUCT.pack(ip_to_int(ip), port, 0) for ip, port in packet.segments)
     trailer = packet.tag.to_bytes(TAG_SIZE, "little") if int(packet.flags) & _TAGGED else b""
     return header + segments + packet.payload + trailer
+
+
+@dataclass(frozen=True)
+class StartCollTemplate:
+    """A START_COLL encoded once for the calls of a repeated collective, which differ only in
+    the header's ``epoch`` and ``txn_id`` and the descriptor's ``rkey`` and tag key (SPEC.md
+    6.5): ``moved`` writes those into a copy of the bytes. Building the Packet and running
+    encode_packet for every call cost ~15 us of each rank's issue (docs/PERFORMANCE.md, "A
+    START_COLL written into its last bytes"); the result is the same, field for field and byte
+    for byte."""
+
+    prototype: Packet
+    encoded: bytes
+    payload_at: int
+
+    @classmethod
+    def of(cls, packet: Packet) -> StartCollTemplate:
+        """The template of *packet*: an untagged START_COLL whose descriptor carries a tag key
+        (SPEC.md 6.5 "Tag key"), checked as encode_packet checks it."""
+        if (
+            packet.opcode != Opcode.START_COLL
+            or len(packet.payload) != DESCRIPTOR_BYTES + _DESCRIPTOR_TAG_KEY.size
+            or int(packet.flags) & _TAGGED
+        ):
+            raise LocalProtocolError(
+                Status.BAD_FIELD,
+                "a START_COLL template is an untagged START_COLL whose descriptor has a tag key",
+            )
+        encoded = encode_packet(packet)
+        return cls(packet, encoded, len(encoded) - len(packet.payload))
+
+    def moved(self, epoch: int, txn_id: int, rkey: int, tag_key: bytes) -> tuple[Packet, bytes]:
+        """The START_COLL with these fields, and its encoding (encode_packet's bytes)."""
+        if len(tag_key) != _DESCRIPTOR_TAG_KEY.size or not any(tag_key):
+            raise LocalProtocolError(
+                Status.BAD_FIELD, f"a tag key is {_DESCRIPTOR_TAG_KEY.size} bytes, not all zero"
+            )
+        data = bytearray(self.encoded)
+        try:
+            HEADER.write(data, "epoch", epoch)
+            HEADER.write(data, "txn_id", txn_id)
+            DESCRIPTOR.write(data, "rkey", rkey, base=self.payload_at)
+        except struct.error as exc:  # a field out of its width
+            raise LocalProtocolError(Status.BAD_FIELD, f"cannot encode packet: {exc}") from None
+        key_at = self.payload_at + DESCRIPTOR_BYTES
+        data[key_at : key_at + len(tag_key)] = tag_key
+        encoded = bytes(data)
+        fields = {"epoch": epoch, "txn_id": txn_id, "payload": encoded[self.payload_at :]}
+        return _copied(self.prototype, fields), encoded
+
+
+def _copied(packet: Packet, fields: dict[str, object]) -> Packet:
+    """*packet* with *fields* replaced, their values already checked: dataclasses.replace runs
+    the frozen dataclass's ``__init__`` again, one ``object.__setattr__`` per field (~5 us for
+    a Packet here); this copies its attribute dict (~1 us)."""
+    copy = object.__new__(Packet)
+    copy.__dict__.update(packet.__dict__)
+    copy.__dict__.update(fields)
+    return copy
 
 
 def _check_encodable(packet: Packet, max_payload: int = MAX_PAYLOAD_BYTES) -> None:

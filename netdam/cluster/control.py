@@ -125,17 +125,18 @@ class ControlClient:
             return self.tenant.tag_key, self.tenant.id
         return None
 
-    def encode(self, packet: Packet) -> bytes:
+    def encode(self, packet: Packet, encoded: bytes | None = None) -> bytes:
         """*packet* as this client sends it: sealed with its control tag when ``sealing`` names
-        a key (the admin key or the tenant's credential then stays off the wire), else as it is."""
+        a key (the admin key or the tenant's credential then stays off the wire), else as it is.
+        *encoded*: encode_packet(packet), when the caller has it."""
+        data: bytes = encode_packet(packet) if encoded is None else encoded
         sealing = self.sealing(packet)
-        if sealing is not None:
-            key, rkey = sealing
-            sealed = bytearray(encode_packet(packet))
-            HEADER.write(sealed, "rkey", rkey)  # in the bytes: a Packet copy costs ~11 us a call
-            return _seal_control(key, bytes(sealed))
-        data: bytes = encode_packet(packet)
-        return data
+        if sealing is None:
+            return data
+        key, rkey = sealing
+        sealed = bytearray(data)
+        HEADER.write(sealed, "rkey", rkey)  # in the bytes: a Packet copy costs ~11 us a call
+        return _seal_control(key, bytes(sealed))
 
     def __enter__(self) -> ControlClient:
         return self

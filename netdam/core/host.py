@@ -84,6 +84,9 @@ class Call:
     packet: Packet
     watchdog_s: float
     txn: int = 0
+    #: encode_packet(packet), when its builder made it (protocol.packet.StartCollTemplate): the
+    #: encode callable seals it without encoding the packet again.
+    encoded: bytes | None = None
     #: Its START_COLL has left (a call queued behind another of its lane has not), and when
     #: it first left.
     sent: bool = False
@@ -130,9 +133,12 @@ class Call:
 
 class CallQueue:
     """The lanes of one rank and the START_COLLs they send. *encode* turns a packet into the
-    datagram this rank sends (the shell seals control opcodes there)."""
+    datagram this rank sends (the shell seals control opcodes there), given the packet's
+    encoding as its second argument when the call has it (Call.encoded), else None."""
 
-    def __init__(self, client_id: int, lanes: int, encode: Callable[[Packet], bytes]) -> None:
+    def __init__(
+        self, client_id: int, lanes: int, encode: Callable[[Packet, bytes | None], bytes]
+    ) -> None:
         self.client_id = client_id
         self.lanes: list[list[Call]] = [[] for _ in range(lanes)]
         self._encode = encode
@@ -229,11 +235,12 @@ class CallQueue:
         call.unanswered += 1
         if not call.sent:
             call.sent, call.sent_at, call.heard_at = True, now, now
-        packet = call.packet
+        packet, encoded = call.packet, call.encoded
         if packet.client_id != self.client_id or packet.txn_id != call.txn:
             # (A caller that builds its START_COLL with these ids saves the copy: ~11 us.)
             packet = replace(packet, client_id=self.client_id, txn_id=call.txn)
-        return self._encode(packet)
+            encoded = None
+        return self._encode(packet, encoded)
 
     def _take(self, call: Call, reply: Answer, data: bytes, now: float) -> Heard:
         # What can end or fail the wait (a completion, a NACK) must carry this call's tag
@@ -253,7 +260,7 @@ class CallQueue:
             # moves to the same epoch without talking to the others.
             epoch = max(call.group.epoch, reply.aux_addr + 1)
             call.group.epoch = epoch
-            call.packet = call.group.descriptor_for_epoch(call.packet, epoch)
+            call.packet, call.encoded = call.group.descriptor_for_epoch(call.packet, epoch), None
             return Heard.REBASED
         if reply.opcode == Opcode.NACK and reply.status == Status.BUSY:
             # Every slot of the node runs a collective (other jobs'): not a failure, ask again

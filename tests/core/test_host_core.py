@@ -87,6 +87,12 @@ def start_packet(cluster: Cluster, group: Group, slot: int, own: bool = False) -
     ).with_payload(desc.encode())
 
 
+def _as_sent(packet: Packet, encoded: bytes | None) -> bytes:
+    """The call queue's encode with no sealing: the packet's bytes (the call's own when it
+    has them)."""
+    return encode_packet(packet) if encoded is None else encoded
+
+
 class Host:
     """One rank's host on the fabric: a mailbox and its call queue (the api's shell, by hand)."""
 
@@ -94,7 +100,7 @@ class Host:
         self.cluster, self.rank = cluster, rank
         self.endpoint: Endpoint = ("127.0.0.1", 9400 + client_id)
         self.node = cluster.endpoints[rank]
-        self.queue = CallQueue(client_id, lanes, encode_packet)
+        self.queue = CallQueue(client_id, lanes, _as_sent)
         self.heard: list[tuple[Call | None, Heard]] = []
         cluster.fabric.add_endpoint(self.endpoint)
 
@@ -294,7 +300,7 @@ def test_a_call_past_the_slots_is_refused_busy_backs_off_and_runs() -> None:
 
 
 def test_a_silent_node_fails_the_head_call_after_its_watchdog_and_grace() -> None:
-    queue = CallQueue(5, 2, encode_packet)
+    queue = CallQueue(5, 2, _as_sent)
     cluster = make_cluster(2)
     group = Group(0, coll_id=900)
     call = Call(group, start_packet(cluster, group, 0), watchdog_s=2.0)
@@ -355,7 +361,7 @@ def test_answers_that_are_not_the_calls_own_change_nothing() -> None:
     (no tag, or another key's), another client's answer, an unknown txn and garbage are
     ignored; the tagged NACK fails it."""
     cluster = make_cluster(2)
-    queue = CallQueue(7, 1, encode_packet)
+    queue = CallQueue(7, 1, _as_sent)
     group = Group(0, coll_id=1100)
     call = Call(group, start_packet(cluster, group, 0), watchdog_s=30.0)
     queue.issue(call, 0, now=1.0)

@@ -308,6 +308,48 @@ def test_the_host_api_times_its_own_part_of_each_all_reduce(groups: list[api.Pro
     assert gathered is not None and gathered.host_overhead() is None  # not recorded: not timed
 
 
+def test_each_shape_of_call_gets_its_own_start_coll(groups: list[api.ProcessGroup]) -> None:
+    """A group's next call of the same shape writes its epoch, txn_id and keys into the last
+    START_COLL's bytes (protocol.packet.StartCollTemplate); a call of another count, op, dtype
+    or algorithm builds its own. Mixed calls, each against numpy on every rank: a START_COLL
+    left with another call's fields would reduce the wrong count, op or type, or time out."""
+    world = len(groups)
+    # Each shape differs from the one before it in one field: count, op, dtype.
+    shapes = (
+        (1000, np.float32, api.ReduceOp.SUM),
+        (400, np.float32, api.ReduceOp.SUM),
+        (400, np.float32, api.ReduceOp.MAX),
+        (400, np.int32, api.ReduceOp.MAX),
+    )
+    built = []
+    for k in range(3):
+        for count, dtype, op in shapes:
+            for repeat in range(2):  # the second call of a shape keeps the first's template
+                bufs = [
+                    (np.arange(count) * (r + 1) + k + repeat).astype(dtype) for r in range(world)
+                ]
+                reduce = np.sum if op == api.ReduceOp.SUM else np.max
+                want = reduce(bufs, axis=0).astype(dtype)
+                on_every_rank(
+                    groups,
+                    lambda g, r, b=bufs, o=op: api.all_reduce(b[r], op=o, group=g, async_op=True),
+                )
+                assert all(b.tobytes() == want.tobytes() for b in bufs), (k, count, repeat)
+                kept = groups[0]._start_template
+                assert kept is not None
+                if repeat:
+                    assert kept[1] is built[-1]
+                else:
+                    built.append(kept[1])
+        sources = [np.full(300, r + k, np.float64) for r in range(world)]
+        on_every_rank(
+            groups, lambda g, r, b=sources: api.broadcast(b[r], src=1, group=g, async_op=True)
+        )
+        assert all(b.tobytes() == np.full(300, 1 + k, np.float64).tobytes() for b in sources)
+    # A shape that follows another builds its template anew.
+    assert len({id(t) for t in built}) == len(built) == 3 * len(shapes)
+
+
 def test_a_repeated_all_reduce_starts_in_the_nodes_datapath(groups: list[api.ProcessGroup]) -> None:
     """SPEC.md 4.1, "Restart in the datapath": after a group's first call, the START_COLLs of
     its calls start in the node's compiled datapath. The control plane (the punted datagrams)
