@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from netdam.cli.cluster import mtu_arg
+from netdam.cli.cluster import add_nics_per_process, mtu_arg
 from netdam.cli.common import (
     CommandError,
     ExitCode,
@@ -330,6 +330,7 @@ def register_allreduce(benches: Subparsers) -> None:
         "where a rank's block spans more than one 8 KiB payload (SPEC.md 2.7; default "
         f"{allreduce_bench.DEFAULT_EMULATION_MTU}; 0: only the wire's MTU, {DEFAULT_MTU})",
     )
+    add_nics_per_process(parser)
     parser.add_argument(
         "--jobs",
         type=bounded_int(1, 3),
@@ -379,6 +380,7 @@ def register_allreduce(benches: Subparsers) -> None:
             timeout_s=args.timeout,
             plot=args.plot,
             emulation_mtu=args.emulation_mtu,
+            nics_per_process=args.nics_per_process,
         )
         result, code = allreduce_bench.run_allreduce_bench(cfg)
         if args.json:

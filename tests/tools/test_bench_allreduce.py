@@ -196,6 +196,33 @@ def test_rows_ratios_and_exit_codes_with_a_fake_runner() -> None:
     assert res["results"][0]["error"] == "node rank 1 exited"
 
 
+def test_the_netdam_rows_run_at_the_placement_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--nics-per-process K reaches the private cluster of every netdam row (chain and its
+    -emu row here), and the result and its table say so; without it, the default placement."""
+    from netdam.tools import allreduce as tool
+
+    asked: list[tuple[str, int | None]] = []
+
+    def fake_run(config: tool.AllReduceConfig) -> dict[str, object]:
+        asked.append((config.algo, config.nics_per_process))
+        return {"ok": True, "seconds_all": [1e-3] * config.repeat, "startup_seconds": 0.1}
+
+    monkeypatch.setattr(tool, "run_allreduce", fake_run)
+    argv = "bench allreduce --nodes 2 --size 64KiB --repeat 2 --vs none".split()
+    code, res = run_cli([*argv, "--nics-per-process", "2", "--json"], capsys)
+    assert code == 0, res.get("error")
+    assert res["nics_per_process"] == 2
+    assert asked == [("chain", 2), ("chain", 2)]  # chain, then chain-emu
+    assert "netdam rows: 2 NICs a node process" in B.format_table(res)
+    asked.clear()
+    code, res = run_cli([*argv, "--json"], capsys)
+    assert code == 0 and res["nics_per_process"] is None
+    assert asked == [("chain", None), ("chain", None)]
+    assert "NICs a node process" not in B.format_table(res)
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "allreduce.png"
@@ -248,6 +275,7 @@ def test_plot_without_matplotlib_is_a_usage_error(
         (["--size", "1KiB", "--sizes", "1KiB..2KiB"], "not allowed with"),
         (["--repeat", "0"], "out of range"),
         (["--plot", "fig.svg"], ".png"),
+        (["--nics-per-process", "0"], "out of range"),
     ],
 )
 def test_usage_errors_exit_2(

@@ -120,6 +120,10 @@ class AllReduceBenchConfig:
     #: Also run chain (and chain-resident) at this MTU, as chain-emu rows, where a block spans
     #: more than one wire payload (emulation_changes_datagrams); 0: not at all.
     emulation_mtu: int = DEFAULT_EMULATION_MTU
+    #: NICs each node process of the netdam rows' clusters hosts (None: one process per core,
+    #: the default of `netdam up`); on 2 cores one process of every NIC leaves a core to the
+    #: hosts, quicker at small sizes and slower at large ones (docs/PERFORMANCE.md).
+    nics_per_process: int | None = None
 
 
 @dataclass
@@ -504,10 +508,17 @@ def run_mpi(
 
 
 def run_netdam(
-    algo: str, nodes: int, count: int, warmup: int, repeat: int, mtu: int = DEFAULT_MTU
+    algo: str,
+    nodes: int,
+    count: int,
+    warmup: int,
+    repeat: int,
+    mtu: int = DEFAULT_MTU,
+    nics_per_process: int | None = None,
 ) -> _Outcome:
-    """chain, chain-resident or ring-host on a private cluster of real node processes at *mtu*,
-    results checked bitwise."""
+    """chain, chain-resident or ring-host on a private cluster of real node processes at *mtu*
+    (*nics_per_process* NICs a process; None: the default placement), results checked
+    bitwise."""
     # Imported here: it loads numba's compiled kernels (~0.7 s), which `netdam --help` and the light commands need not pay for.
     from netdam.tools.allreduce import AllReduceConfig, run_allreduce
 
@@ -519,6 +530,7 @@ def run_netdam(
             repeat=warmup + repeat,
             resident=algo == "chain-resident",
             mtu=mtu,
+            nics_per_process=nics_per_process,
         )
     )
     all_times = res.get("seconds_all")
@@ -621,14 +633,17 @@ def _default_runner(
     repeat: int,
     timeout_s: float,
     emulation_mtu: int = DEFAULT_EMULATION_MTU,
+    nics_per_process: int | None = None,
 ) -> _Outcome:
     if algo == "gloo":
         return run_gloo(nodes, count, warmup, repeat, timeout_s)
     if algo in MPI_TRANSPORTS:
         return run_mpi(nodes, count, warmup, repeat, timeout_s, MPI_TRANSPORTS[algo])
     if algo in EMULATED_FROM:
-        return run_netdam(EMULATED_FROM[algo], nodes, count, warmup, repeat, emulation_mtu)
-    return run_netdam(algo, nodes, count, warmup, repeat)
+        return run_netdam(
+            EMULATED_FROM[algo], nodes, count, warmup, repeat, emulation_mtu, nics_per_process
+        )
+    return run_netdam(algo, nodes, count, warmup, repeat, nics_per_process=nics_per_process)
 
 
 def emulation_changes_datagrams(nodes: int, nbytes: int) -> bool:
@@ -647,7 +662,9 @@ def run_allreduce_bench(
     cfg: AllReduceBenchConfig, runner: Runner | None = None
 ) -> tuple[dict[str, Any], int]:
     """Run every (nodes, size, algo); return the result object and the exit code."""
-    run = runner or functools.partial(_default_runner, emulation_mtu=cfg.emulation_mtu)
+    run = runner or functools.partial(
+        _default_runner, emulation_mtu=cfg.emulation_mtu, nics_per_process=cfg.nics_per_process
+    )
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.monotonic()
     skipped: list[dict[str, str]] = []
@@ -718,6 +735,7 @@ def run_allreduce_bench(
         # The MTU of the chain rows, and of the -emu rows (null: none ran).
         "mtu": DEFAULT_MTU,
         "emulation_mtu": cfg.emulation_mtu or None,
+        "nics_per_process": cfg.nics_per_process,
         # The cycle model's, for every row: it prices the wire's datagrams (SPEC.md 2.7).
         "model_mtu": default_params(100.0)[0].mtu,
         "dtype": DTYPE,
@@ -797,6 +815,8 @@ def format_table(res: dict[str, Any]) -> str:
         )
     for s in res["skipped"]:
         lines.append(f"skipped {s['algo']}: {s['reason']}")
+    if res.get("nics_per_process") is not None:
+        lines.append(f"netdam rows: {res['nics_per_process']} NICs a node process")
     if "plot" in res:
         lines.append(f"plot: {res['plot']}")
     if "error" in res:
