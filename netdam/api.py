@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -359,52 +359,59 @@ class _Attached:
     view: np.ndarray
 
 
-#: What a group's START_COLL is built from, but its per-call fields (ProcessGroup.start):
-#: (algo, rank, count, in_addr, out_addr, root, timeout_ms, flags), (multicast group or None,
-#: client_id), (admin key, coll_id, dtype, op, SR list, (update addr, aux_addr)).
-_StartShape = tuple[
-    tuple[Algo, int, int, int, int, int, int, int],
-    tuple[Endpoint | None, int],
-    tuple[int, int, DType, WireOp, tuple[Endpoint, ...], tuple[int, int]],
-]
+class _StartShape(NamedTuple):
+    """Every input of a group's START_COLL but its per-call fields (epoch, txn_id, the keys:
+    StartCollTemplate.moved). ProcessGroup.start keeps the template of the last shape and
+    builds one again when the shape changes, so no field can be left stale."""
 
+    algo: Algo
+    rank: int
+    elements: int  # count (a tuple's method takes that name)
+    in_addr: int
+    out_addr: int
+    root: int
+    timeout_ms: int
+    flags: int
+    group: Endpoint | None  # the multicast group of the all-gather, or None
+    client_id: int
+    admin_key: int
+    coll_id: int
+    dtype: DType
+    op: WireOp
+    segments: tuple[Endpoint, ...]
+    update: tuple[int, int]  # the header's addr and aux_addr (a fused update)
 
-def _start_template(shape: _StartShape, epoch: int, key: int, tag_key: bytes) -> StartCollTemplate:
-    """The START_COLL of *shape* (with this call's *epoch* and keys), as a template."""
-    (algo, rank, count, in_addr, out_addr, root, timeout_ms, flags), (group, client_id), rest = (
-        shape
-    )
-    admin_key, coll_id, dtype, op, segments, update = rest
-    payload = CollectiveDescriptor(
-        algo,
-        rank,
-        count,
-        in_addr,
-        out_addr,
-        key,
-        root=root,
-        group=group,
-        timeout_ms=timeout_ms,
-        flags=flags,
-        tag_key=tag_key,
-    ).encode()
-    return StartCollTemplate.of(
-        Packet(
-            Opcode.START_COLL,
-            client_id=client_id,
-            txn_id=0,
-            rkey=admin_key,
-            coll_id=coll_id,
-            epoch=epoch,
-            dtype=dtype,
-            reduce_op=op,
-            segments=segments,
-            addr=update[0],
-            aux_addr=update[1],
-            length=len(payload),
-            payload=payload,
+    def template(self, epoch: int, key: int, tag_key: bytes) -> StartCollTemplate:
+        """The START_COLL of this shape (with a call's *epoch* and keys), as a template."""
+        payload = CollectiveDescriptor(
+            self.algo,
+            self.rank,
+            self.elements,
+            self.in_addr,
+            self.out_addr,
+            key,
+            root=self.root,
+            group=self.group,
+            timeout_ms=self.timeout_ms,
+            flags=self.flags,
+            tag_key=tag_key,
+        ).encode()
+        return StartCollTemplate.of(
+            Packet(
+                Opcode.START_COLL,
+                client_id=self.client_id,
+                rkey=self.admin_key,
+                coll_id=self.coll_id,
+                epoch=epoch,
+                dtype=self.dtype,
+                reduce_op=self.op,
+                segments=self.segments,
+                addr=self.update[0],
+                aux_addr=self.update[1],
+                length=len(payload),
+                payload=payload,
+            )
         )
-    )
 
 
 @dataclass
@@ -868,18 +875,29 @@ class ProcessGroup:
             and (await_started or _awaits_started(self.world_size, count, dtype, self.cluster.mtu))
         ):
             flags |= FLAG_AWAIT_STARTED
-        # Every input of the START_COLL but the per-call fields (StartCollTemplate.moved): a
-        # call of another shape builds its template again, so no field can be left stale.
-        shape: _StartShape = (
-            (algo, self.rank, count, in_addr, out_addr, root, int(watchdog * 1000), flags),
-            (self.group if self.multicast else None, self.client.client_id),
-            (self.cluster.admin_key, self.coll_id, dtype, op, self._segments(), update),
+        shape = _StartShape(
+            algo,
+            self.rank,
+            count,
+            in_addr,
+            out_addr,
+            root,
+            int(watchdog * 1000),
+            flags,
+            self.group if self.multicast else None,
+            self.client.client_id,
+            self.cluster.admin_key,
+            self.coll_id,
+            dtype,
+            op,
+            self._segments(),
+            update,
         )
         key = collective_key(self._secret, self.coll_id, self.epoch)
         tag_key = collective_tag_key(self._secret, self.coll_id, self.epoch)
         txn = txn_for(self.coll_id, self.epoch, self.rank)
         if self._start_template is None or self._start_template[0] != shape:
-            self._start_template = shape, _start_template(shape, self.epoch, key, tag_key)
+            self._start_template = shape, shape.template(self.epoch, key, tag_key)
         packet, encoded = self._start_template[1].moved(self.epoch, txn, key, tag_key)
         work = Work(self, packet, algo, count, dtype, watchdog)
         work.encoded = encoded
