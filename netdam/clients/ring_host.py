@@ -22,16 +22,23 @@ overlaps the transfer of the next.
   output buffer (RDMA WRITE to the peer's buffer, addresses exchanged at setup), which forwards
   it the same way.
 
-WRITE datagrams are built from node memory by ``netdam.kernels.host_ring`` (the NIC's DMA read)
-and sent with the batched GSO path every datagram uses. One thread per rank plays that rank's
-host (kernels and socket calls release the GIL), as the chain's driver plays every rank's host.
-Inputs that are not NIC-resident (``netdam.empty``) are staged into node memory and the result
-copied out, inside the timed call, exactly as ``netdam.all_reduce`` does for the chain.
+WRITE datagrams are built by ``netdam.kernels.host_ring`` (the NIC's DMA read) and sent with the
+batched GSO path every datagram uses; the ACKs come back through a ``UDP_GRO`` socket, a run of
+them per receive, as a RoCE NIC hands its host completions, not packets. One thread per rank
+plays that rank's host (kernels and socket calls release the GIL), as the chain's driver plays
+every rank's host.
+
+Registration, as a RoCE library does it: the library registers the buffer it is given (Gloo's
+ibverbs pairs, UCX's registration cache), so the NIC reads the input where it lies and the
+peer's RDMA WRITEs land in registered memory. Here the WRITEs of the input are built straight
+from the caller's array, and the owner of a block stores its final sum there; what the other
+NICs wrote (the all-gather's blocks) is in node memory, and a caller's array that is not
+NIC-resident (``netdam.empty``) gets it copied out inside the timed call. The chain stages the
+whole input in and the whole result out (``netdam.all_reduce``), since its nodes read the input.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import deque
@@ -41,14 +48,8 @@ import numpy as np
 
 from netdam.api import ProcessGroup, wire_dtype
 from netdam.kernels.combine import combine
-from netdam.kernels.host_ring import sort_replies, write_packets
-from netdam.kernels.udp_io import (
-    MAX_MSGS,
-    SEND_SCRATCH_WORDS_PER_MSG,
-    STATE_LEN,
-    recv_batch,
-    send_batch,
-)
+from netdam.kernels.host_ring import sort_replies, write_headers
+from netdam.kernels.udp_io import STATE_LEN, recv_batch, send_gather
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -60,6 +61,7 @@ from netdam.protocol.constants import (
 from netdam.protocol.layout import H_OPCODE, H_STATUS
 from netdam.protocol.packet import Endpoint, Packet, encode_packet, endpoint_to_u64
 from netdam.protocol.payloads import RING_STEP, pack_ring_step, unpack_ring_step
+from netdam.shell.udp import open_udp_socket
 
 #: Segment of the pipelined ring: OpenMPI's segmented ring uses 1 MiB segments for large
 #: messages (coll_tuned's allreduce decision, ``segsize`` 1 << 20).
@@ -71,8 +73,9 @@ RECEIVE_ALIGN = 4096
 @dataclass
 class RingResult:
     seconds: float
-    #: Bytes the hosts copied besides the staging netdam.all_reduce also does: each owner's
-    #: finished block, from its receive area into its output buffer.
+    #: Bytes the hosts copied besides what the NICs wrote into node memory (copied out for a
+    #: caller's array that is not NIC-resident): each owner's finished block, from its receive
+    #: area into its output buffer.
     host_copy_bytes: int
     packets: int
     #: UDP payload bytes the hosts sent (WRITEs; the nodes' ACKs are in the node counters).
@@ -131,6 +134,12 @@ class _RingHost:
         self.nbytes = buf.nbytes
         resident = group._offset_of(buf)
         self.staged = resident is None
+        #: The caller's array as bytes: the input WRITEs are built from, the output. A RoCE
+        #: library registers the buffer it is given (Gloo's ibverbs pairs, UCX's registration
+        #: cache), so its NIC reads the input where it lies, with no staging copy.
+        if not buf.flags.c_contiguous:
+            raise ValueError("ring-host reduces C-contiguous arrays in place")
+        self.input = buf.reshape(-1).view(np.uint8)
         staging = group.staging_base
         #: Where this rank's buffer lives in node memory (the staging area when not resident).
         self.out = resident if resident is not None else staging
@@ -141,9 +150,7 @@ class _RingHost:
                 f"ring-host needs {2 * self.nbytes} bytes in the staging half of the rank's arena "
                 f"({group.arena_end - staging} bytes): start nodes with more --memory"
             )
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = open_udp_socket(("127.0.0.1", 0), rcvbuf=8 << 20, gro=True)
         self.address: Endpoint = self.sock.getsockname()
         self.peer: Endpoint = self.address
         self.next_out = 0
@@ -166,11 +173,11 @@ class _RingHost:
             np.uint8,
         )[:HEADER_SIZE].copy()
         per_segment = -(-SEGMENT_BYTES // self.per_packet)
-        self.tx = np.zeros(SEGMENT_BYTES + per_segment * HEADER_SIZE, np.uint8)
-        self.tx_off = np.zeros(per_segment, np.int64)
-        self.tx_len = np.zeros(per_segment, np.int32)
-        self.tx_dst = np.full(per_segment, endpoint_to_u64(self.next_node), np.uint64)
-        self.scratch = np.zeros(MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
+        #: One segment's WRITE headers, and where each payload lies in its source.
+        self.heads = np.zeros(per_segment * HEADER_SIZE, np.uint8)
+        self.body_off = np.zeros(per_segment, np.int64)
+        self.body_len = np.zeros(per_segment, np.int32)
+        self.next_node_word = endpoint_to_u64(self.next_node)
         self.state = np.zeros(STATE_LEN, np.int64)
         self.rx = np.zeros(4 << 20, np.uint8)
         self.rx_off = np.zeros(4096, np.int64)
@@ -190,70 +197,84 @@ class _RingHost:
     def close(self) -> None:
         self.sock.close()
 
+    def block(self, j: int) -> tuple[int, int]:
+        """Byte range (relative to the buffer) of block j (the chain's blocks)."""
+        return (
+            j * self.count // self.world * self.esize,
+            (j + 1) * self.count // self.world * self.esize,
+        )
+
     def segments(self, j: int) -> list[tuple[int, int]]:
-        """Byte ranges (relative to the buffer) of block j's segments (the chain's blocks)."""
-        lo = j * self.count // self.world * self.esize
-        hi = (j + 1) * self.count // self.world * self.esize
+        """Byte ranges (relative to the buffer) of block j's segments."""
+        lo, hi = self.block(j)
         step = max(SEGMENT_BYTES // self.esize * self.esize, self.esize)
         return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
     def run(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        n, r, mem = self.world, self.rank, self.mem
-        if self.staged:
-            mem[self.out : self.out + self.nbytes] = self.buf.reshape(-1).view(np.uint8)
-        # Reduce-scatter step 0: this rank's own block r-1, from its buffer.
+        n, r, mem, data = self.world, self.rank, self.mem, self.input
+        # Reduce-scatter step 0: this rank's own block r-1, read where it lies.
         for k, (lo, hi) in enumerate(self.segments((r - 1) % n)):
-            self._send_segment(self.out + lo, self.next_recv + lo, hi - lo, 0, k, deadline)
+            self._send_segment(data, lo, self.next_recv + lo, hi - lo, 0, k, deadline)
         for s in range(n - 1):
             for k, (lo, hi) in enumerate(self.segments((r - 2 - s) % n)):
                 self._wait(s, k, deadline)
                 area = mem[self.recv + lo : self.recv + hi]
-                combine(area, area, mem[self.out + lo : self.out + hi], self.dtype, self.op)
+                combine(area, area, data[lo:hi], self.dtype, self.op)
                 if s < n - 2:
                     self._send_segment(
-                        self.recv + lo, self.next_recv + lo, hi - lo, s + 1, k, deadline
+                        mem, self.recv + lo, self.next_recv + lo, hi - lo, s + 1, k, deadline
                     )
                 else:  # this rank owns the block: final here; all-gather step 0 starts
-                    mem[self.out + lo : self.out + hi] = area
+                    data[lo:hi] = area  # its input of this block was read for the last time
                     self.host_copy_bytes += hi - lo
                     self._send_segment(
-                        self.out + lo, self.next_out + lo, hi - lo, n - 1, k, deadline
+                        mem, self.recv + lo, self.next_out + lo, hi - lo, n - 1, k, deadline
                     )
-        for t in range(n - 2):
+        # All-gather: a block the previous NIC wrote is forwarded, then (for a caller's array
+        # not in node memory) copied out at once, while the next segment is still in flight.
+        for t in range(n - 1):
             for k, (lo, hi) in enumerate(self.segments((r - 1 - t) % n)):
                 self._wait(n - 1 + t, k, deadline)
-                self._send_segment(self.out + lo, self.next_out + lo, hi - lo, n + t, k, deadline)
-        for k, _ in enumerate(self.segments((r + 1) % n)):  # the last block to arrive
-            self._wait(2 * n - 3, k, deadline)
+                if t < n - 2:
+                    self._send_segment(
+                        mem, self.out + lo, self.next_out + lo, hi - lo, n + t, k, deadline
+                    )
+                if self.staged:
+                    data[lo:hi] = mem[self.out + lo : self.out + hi]
         while self.pending:  # the next host still waits for word of our last segments
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"rank {self.rank}: WRITEs of step {self.pending[0][1]} not ACKed"
                 )
             self._receive(50)
-        if self.staged:
-            self.buf.reshape(-1).view(np.uint8)[:] = mem[self.out : self.out + self.nbytes]
 
     def _send_segment(
-        self, src: int, dst: int, nbytes: int, step: int, segment: int, deadline: float
+        self,
+        source: np.ndarray,
+        src: int,
+        dst: int,
+        nbytes: int,
+        step: int,
+        segment: int,
+        deadline: float,
     ) -> None:
-        """Post the WRITEs of mem[src : src + nbytes] to the next node at *dst* and return: once
+        """Post the WRITEs of source[src : src + nbytes] to the next node at *dst* and return: once
         every one is ACKed, :meth:`_receive` tells the next host that (step, segment) is in
         place. Meanwhile this host reduces the segments arriving from the previous host, as a
         verbs host posts a WRITE and polls its completion queue later (the overlap of Gloo's
         and OpenMPI's segmented rings)."""
-        count = write_packets(
+        count = write_headers(
             self.template,
-            self.mem,
+            source.shape[0],
             src,
             dst,
             nbytes,
             self.per_packet,
             self.txn,
-            self.tx,
-            self.tx_off,
-            self.tx_len,
+            self.heads,
+            self.body_off,
+            self.body_len,
         )
         self.txn += count
         self.packets += count
@@ -262,14 +283,15 @@ class _RingHost:
         self.pending.append((target, step, segment))
         done = 0
         while done < count:
-            done += send_batch(
+            done += send_gather(
                 self.sock.fileno(),
-                self.tx,
-                self.tx_off[done:],
-                self.tx_len[done:],
-                self.tx_dst[done:],
+                self.heads[done * HEADER_SIZE :],
+                HEADER_SIZE,
+                source,
+                self.body_off[done:],
+                self.body_len[done:],
+                self.next_node_word,
                 count - done,
-                self.scratch,
                 self.state,
             )
             if time.monotonic() > deadline:

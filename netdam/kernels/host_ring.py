@@ -1,8 +1,9 @@
-"""The compiled half of the ring-host baseline (``netdam.clients.ring_host``): WRITE datagrams
-of one segment built straight from node memory into a send buffer, as a RoCE NIC's DMA engine
-reads a registered buffer for an RDMA WRITE. The header comes from a template the client encodes
-once with ``protocol.packet.encode_packet``; only ``txn_id``, ``length`` and ``addr`` change per
-datagram.
+"""The compiled half of the ring-host baseline (``netdam.clients.ring_host``): the headers of one
+segment's WRITE datagrams, and where each one's payload lies in the source buffer, for
+``udp_io.send_gather`` to send header and payload together with no copy between (as a RoCE NIC's
+DMA engine reads a registered buffer for an RDMA WRITE). The header comes from a template the
+client encodes once with ``protocol.packet.encode_packet``; only ``txn_id``, ``length`` and
+``addr`` change per datagram.
 """
 
 from __future__ import annotations
@@ -15,69 +16,61 @@ from netdam.protocol.layout import H_ADDR, H_LENGTH, H_OPCODE, H_TXN_ID
 
 
 @njit(cache=True, nogil=True)
-def _write_packets(template, mem, src, dst_addr, nbytes, per_packet, txn0, out, out_off, out_len):
-    """WRITEs of mem[src : src + nbytes] to dst_addr.. in datagrams of per_packet payload bytes;
-    returns how many (datagram k at out[out_off[k] : out_off[k] + out_len[k]])."""
+def _write_headers(template, src, dst_addr, nbytes, per_packet, txn0, heads, body_off, body_len):
+    """The headers of the WRITEs of [src, src + nbytes) of the source buffer to dst_addr.., in
+    datagrams of per_packet payload bytes; returns how many. Header k goes to heads[k * HDR:],
+    its payload's place in the source to body_off[k], body_len[k] (the send gathers them)."""
     n = 0
-    pos = 0
     done = 0
     while done < nbytes:
         length = min(per_packet, nbytes - done)
-        copy_bytes(out, pos, template, 0, HDR)
-        wr32(out[pos:], H_TXN_ID, (txn0 + n) & 0xFFFFFFFF)
-        wr32(out[pos:], H_LENGTH, length)
-        wr64(out[pos:], H_ADDR, dst_addr + done)
-        copy_bytes(out, pos + HDR, mem, src + done, length)
-        out_off[n] = pos
-        out_len[n] = HDR + length
-        pos += HDR + length
+        pos = n * HDR
+        copy_bytes(heads, pos, template, 0, HDR)
+        wr32(heads[pos:], H_TXN_ID, (txn0 + n) & 0xFFFFFFFF)
+        wr32(heads[pos:], H_LENGTH, length)
+        wr64(heads[pos:], H_ADDR, dst_addr + done)
+        body_off[n] = src + done
+        body_len[n] = length
         done += length
         n += 1
     return n
 
 
-def write_packets(
+def write_headers(
     template: np.ndarray,
-    mem: np.ndarray,
+    source_bytes: int,
     src: int,
     dst_addr: int,
     nbytes: int,
     per_packet: int,
     txn0: int,
-    out: np.ndarray,
-    out_off: np.ndarray,
-    out_len: np.ndarray,
+    heads: np.ndarray,
+    body_off: np.ndarray,
+    body_len: np.ndarray,
 ) -> int:
-    """Checked entry to _write_packets: every range inside its array, the arrays the I/O
-    kernels take (uint8 buffers, int64 offsets, int32 lengths)."""
+    """Checked entry to _write_headers: the segment inside the source (*source_bytes* long),
+    room for every header, the arrays the gather send takes (uint8 headers, int64 offsets,
+    int32 lengths)."""
     if template.dtype != np.uint8 or template.shape[0] < HDR:
         raise ValueError(f"the header template must be at least {HDR} uint8 bytes")
-    if (
-        mem.dtype != np.uint8
-        or out.dtype != np.uint8
-        or out_off.dtype != np.int64
-        or out_len.dtype != np.int32
-    ):
-        raise ValueError(
-            "write_packets takes uint8 memory and buffer, int64 offsets, int32 lengths"
-        )
-    if per_packet <= 0 or nbytes < 0 or src < 0 or dst_addr < 0 or src + nbytes > mem.shape[0]:
-        raise ValueError(f"segment [{src}, {src + nbytes}) outside node memory or bad packet size")
+    if heads.dtype != np.uint8 or body_off.dtype != np.int64 or body_len.dtype != np.int32:
+        raise ValueError("write_headers takes uint8 headers, int64 offsets, int32 lengths")
+    if per_packet <= 0 or nbytes < 0 or src < 0 or dst_addr < 0 or src + nbytes > source_bytes:
+        raise ValueError(f"segment [{src}, {src + nbytes}) outside the source or bad packet size")
     count = -(-nbytes // per_packet)
-    if count > min(out_off.shape[0], out_len.shape[0]) or nbytes + count * HDR > out.shape[0]:
-        raise ValueError(f"{count} datagrams do not fit the send buffer")
+    if count > min(body_off.shape[0], body_len.shape[0]) or count * HDR > heads.shape[0]:
+        raise ValueError(f"{count} datagrams do not fit the header arrays")
     return int(
-        _write_packets(
+        _write_headers(
             template,
-            mem,
             np.int64(src),
             np.int64(dst_addr),
             np.int64(nbytes),
             np.int64(per_packet),
             np.int64(txn0),
-            out,
-            out_off,
-            out_len,
+            heads,
+            body_off,
+            body_len,
         )
     )
 

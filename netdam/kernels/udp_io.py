@@ -458,24 +458,67 @@ def new_state() -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def _run_length(offs, lens, dsts, i, n):
-    """Datagrams from i that one GSO message can carry: same destination, same size (the last
-    may be shorter), back to back in buf, <= 64 segments and <= 65507 bytes in all."""
-    seg = np.int64(lens[i])
+    """Datagrams from i that one GSO message can carry: same destination, back to back in buf,
+    and a run _gso_run allows."""
+    m = i + 1
+    while m < n and m - i < MAX_SEGMENTS_PER_RUN:
+        if dsts[m] != dsts[i] or offs[m] != offs[m - 1] + lens[m - 1]:
+            break
+        m += 1
+    return _gso_run(lens, 0, i, m)
+
+
+@njit(cache=True, nogil=True)
+def _gso_run(lens, extra, i, m):
+    """Datagrams from i (before m) of sizes extra + lens[k] that one GSO message can carry: the
+    same size (the last may be shorter), <= 64 segments and <= 65507 bytes in all."""
+    seg = extra + np.int64(lens[i])
     total = seg
     j = i + 1
     if seg <= 0:
         return 1
-    while j < n and j - i < MAX_SEGMENTS_PER_RUN:
-        ln = np.int64(lens[j])
-        if dsts[j] != dsts[i] or offs[j] != offs[j - 1] + lens[j - 1] or ln > seg or ln <= 0:
-            break
-        if total + ln > MAX_UDP_PAYLOAD:
+    while j < m and j - i < MAX_SEGMENTS_PER_RUN:
+        ln = extra + np.int64(lens[j])
+        if ln > seg or ln <= 0 or total + ln > MAX_UDP_PAYLOAD:
             break
         total += ln
         j += 1
         if ln < seg:
             break  # only the last segment of a GSO message may be shorter (udp(7))
     return j - i
+
+
+@njit(cache=True, nogil=True)
+def _scratch_layout(cap, iov_words):
+    """Where a send scratch of *cap* messages keeps each part (int64 words): the mmsghdrs from
+    0, then *iov_words* of iovecs a message, the sockaddrs, the cmsgs."""
+    iov_w = cap * _MMSG_W
+    name_w = iov_w + cap * iov_words
+    return iov_w, name_w, name_w + cap * _NAME_W
+
+
+@njit(cache=True, nogil=True)
+def _message(scratch, sp, w, name_w, iov_w, iov_count, ctrl_w, gso_size, dst):
+    """Fill the mmsghdr at scratch[w:] for one sendmmsg message to *dst* (its sockaddr_in at
+    scratch[name_w:]) of *iov_count* iovecs at scratch[iov_w:]; *gso_size* > 0 adds the
+    UDP_SEGMENT cmsg at scratch[ctrl_w:] that makes it a GSO run. *sp*: scratch's address."""
+    scratch[name_w] = _sockaddr_word(dst)
+    scratch[name_w + 1] = 0
+    scratch[w + 0] = sp + 8 * name_w
+    scratch[w + 1] = 16  # sizeof(struct sockaddr_in)
+    scratch[w + 2] = sp + 8 * iov_w
+    scratch[w + 3] = iov_count
+    if gso_size > 0:
+        scratch[ctrl_w] = 18  # CMSG_LEN(sizeof(u16))
+        scratch[ctrl_w + 1] = _SOL_UDP | (_UDP_SEGMENT << 32)
+        scratch[ctrl_w + 2] = gso_size & 0xFFFF  # u16 (udp(7))
+        scratch[w + 4] = sp + 8 * ctrl_w
+        scratch[w + 5] = 8 * _SEND_CTRL_W  # CMSG_SPACE(sizeof(u16))
+    else:
+        scratch[w + 4] = 0
+        scratch[w + 5] = 0
+    scratch[w + 6] = 0
+    scratch[w + 7] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -496,9 +539,7 @@ def send_batch_kernel(fd, buf, offs, lens, dsts, n, scratch, state):
     if cap < 1 or n <= 0:
         return 0
     mm_w = 0
-    iov_w = cap * _MMSG_W
-    name_w = iov_w + cap * _IOV_W
-    ctrl_w = name_w + cap * _NAME_W
+    iov_w, name_w, ctrl_w = _scratch_layout(cap, _IOV_W)
     sp = scratch.ctypes.data
     buf_p = buf.ctypes.data
     runs = np.zeros(cap, np.int64)
@@ -513,52 +554,110 @@ def send_batch_kernel(fd, buf, offs, lens, dsts, n, scratch, state):
             total = np.int64(0)
             for q in range(j, j + r):
                 total += np.int64(lens[q])
-            w = mm_w + k * _MMSG_W
-            scratch[name_w + k * _NAME_W] = _sockaddr_word(dsts[j])
-            scratch[name_w + k * _NAME_W + 1] = 0
             scratch[iov_w + k * _IOV_W] = buf_p + offs[j]
             scratch[iov_w + k * _IOV_W + 1] = total
-            scratch[w + 0] = sp + 8 * (name_w + k * _NAME_W)
-            scratch[w + 1] = 16
-            scratch[w + 2] = sp + 8 * (iov_w + k * _IOV_W)
-            scratch[w + 3] = 1
-            if r > 1:
-                cw = ctrl_w + k * _SEND_CTRL_W
-                scratch[cw] = 18  # CMSG_LEN(sizeof(u16))
-                scratch[cw + 1] = _SOL_UDP | (_UDP_SEGMENT << 32)
-                scratch[cw + 2] = np.int64(lens[j]) & 0xFFFF  # gso_size, u16 (udp(7))
-                scratch[w + 4] = sp + 8 * cw
-                scratch[w + 5] = 8 * _SEND_CTRL_W  # CMSG_SPACE(sizeof(u16))
-            else:
-                scratch[w + 4] = 0
-                scratch[w + 5] = 0
-            scratch[w + 6] = 0
-            scratch[w + 7] = 0
+            _message(
+                scratch,
+                sp,
+                mm_w + k * _MMSG_W,
+                name_w + k * _NAME_W,
+                iov_w + k * _IOV_W,
+                1,
+                ctrl_w + k * _SEND_CTRL_W,
+                np.int64(lens[j]) if r > 1 else 0,
+                dsts[j],
+            )
             runs[k] = r
             k += 1
             j += r
-        got = _sys_sendmmsg(fd, sp + 8 * mm_w, k, _MSG_DONTWAIT)
+        done, waited_ms = _post(fd, sp + 8 * mm_w, k, runs, state, waited_ms)
+        if done < 0:
+            break
+        i += done
+    return i
+
+
+@njit(cache=True, nogil=True)
+def _post(fd, mm_p, k, runs, state, waited_ms):
+    """One sendmmsg of the *k* messages built at *mm_p* (message m carries runs[m] datagrams).
+    Returns (datagrams done, ms waited so far): done is -1 once the socket stayed full for
+    ``_SEND_WAIT_BUDGET_MS``, 0 after a wait for POLLOUT, and a message given up after a
+    permanent error counts as done (counted in *state*)."""
+    got = _sys_sendmmsg(fd, mm_p, k, _MSG_DONTWAIT)
+    state[ST_SEND_CALLS] += 1
+    if got > 0:
+        done = 0
+        for m in range(got):
+            done += runs[m]
+            state[ST_TX_DATAGRAMS] += runs[m]
+            if runs[m] > 1:
+                state[ST_GSO_RUNS] += 1
+        return done, waited_ms  # a short count: the next call reports the failing message's error
+    err = -got if got < 0 else _EAGAIN
+    if err == _EAGAIN or err == _ENOBUFS or err == _EINTR:
+        if waited_ms >= _SEND_WAIT_BUDGET_MS:
+            return -1, waited_ms
+        state[ST_SEND_WAITS] += 1
         state[ST_SEND_CALLS] += 1
-        if got > 0:
-            for m in range(got):
-                i += runs[m]
-                state[ST_TX_DATAGRAMS] += runs[m]
-                if runs[m] > 1:
-                    state[ST_GSO_RUNS] += 1
-            continue  # a short count: the next call reports the failing message's error
-        err = -got if got < 0 else _EAGAIN
-        if err == _EAGAIN or err == _ENOBUFS or err == _EINTR:
-            if waited_ms >= _SEND_WAIT_BUDGET_MS:
-                break
-            state[ST_SEND_WAITS] += 1
-            state[ST_SEND_CALLS] += 1
-            _poll_one(fd, _POLLOUT, _SEND_WAIT_STEP_MS)
-            waited_ms += _SEND_WAIT_STEP_MS
-            continue
-        # Permanent for this message (EMSGSIZE, EINVAL, EPERM, ENETUNREACH, ...): drop it.
-        state[ST_SEND_ERRNO] = err
-        state[ST_SEND_DROPPED] += runs[0]
-        i += runs[0]
+        _poll_one(fd, _POLLOUT, _SEND_WAIT_STEP_MS)
+        return 0, waited_ms + _SEND_WAIT_STEP_MS
+    # Permanent for this message (EMSGSIZE, EINVAL, EPERM, ENETUNREACH, ...): drop it.
+    state[ST_SEND_ERRNO] = err
+    state[ST_SEND_DROPPED] += runs[0]
+    return runs[0], waited_ms
+
+
+@njit(cache=True, nogil=True)
+def send_gather_kernel(fd, heads, head_len, body, body_offs, body_lens, dst, n, state):
+    """Send datagrams 0..n-1 to *dst*, datagram k being ``heads[k * head_len:(k + 1) *
+    head_len]`` followed by ``body[body_offs[k]:body_offs[k] + body_lens[k]]``, without laying
+    them out in one buffer first: each message gathers its datagrams' pieces with an iovec per
+    piece, and the kernel copies them once, into its socket buffers, as the NIC's DMA engine
+    reads a registered buffer. Runs of equal-size datagrams go as GSO messages, like
+    send_batch_kernel, whose return value and errors this shares.
+    Trusts its arguments: heads and body uint8 C-contiguous, heads holding n headers, body_offs
+    int64 and body_lens int32 of at least n with every range inside body, state of STATE_LEN.
+    """
+    if n <= 0:
+        return 0
+    per_msg_iov = 2 * _IOV_W * MAX_SEGMENTS_PER_RUN
+    scratch = np.zeros(MAX_MSGS * (_MMSG_W + per_msg_iov + _NAME_W + _SEND_CTRL_W), np.int64)
+    iov_w, name_w, ctrl_w = _scratch_layout(MAX_MSGS, per_msg_iov)
+    sp = scratch.ctypes.data
+    heads_p = heads.ctypes.data
+    body_p = body.ctypes.data
+    runs = np.zeros(MAX_MSGS, np.int64)
+    i = 0
+    waited_ms = 0
+    while i < n:
+        k = 0
+        j = i
+        while j < n and k < MAX_MSGS:
+            r = _gso_run(body_lens, head_len, j, n)
+            iv = iov_w + k * per_msg_iov
+            for q in range(r):
+                scratch[iv + 4 * q] = heads_p + (j + q) * head_len
+                scratch[iv + 4 * q + 1] = head_len
+                scratch[iv + 4 * q + 2] = body_p + body_offs[j + q]
+                scratch[iv + 4 * q + 3] = body_lens[j + q]
+            _message(
+                scratch,
+                sp,
+                k * _MMSG_W,
+                name_w + k * _NAME_W,
+                iv,
+                2 * r,
+                ctrl_w + k * _SEND_CTRL_W,
+                head_len + np.int64(body_lens[j]) if r > 1 else 0,
+                dst,
+            )
+            runs[k] = r
+            k += 1
+            j += r
+        done, waited_ms = _post(fd, sp, k, runs, state, waited_ms)
+        if done < 0:
+            break
+        i += done
     return i
 
 
@@ -786,6 +885,42 @@ def send_batch(
     if scratch.shape[0] < MAX_MSGS * SEND_SCRATCH_WORDS_PER_MSG or state.shape[0] < STATE_LEN:
         raise ValueError("send scratch or I/O state too small (new_send_scratch(), new_state())")
     return int(send_batch_kernel(fd, buf, offs, lens, dsts, n, scratch, state))
+
+
+def send_gather(
+    fd: int,
+    heads: np.ndarray,
+    head_len: int,
+    body: np.ndarray,
+    body_offs: np.ndarray,
+    body_lens: np.ndarray,
+    dst: int,
+    n: int,
+    state: np.ndarray,
+) -> int:
+    """send_gather_kernel, checked: datagram k is header k of *heads* then its slice of *body*
+    (every slice inside *body*, every datagram within one UDP payload); returns how many are
+    done (fewer than *n*: the socket stayed full, send the rest later)."""
+    for name, arr in (("heads", heads), ("body", body)):
+        if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous uint8 array")
+    if body_offs.dtype != np.int64 or body_lens.dtype != np.int32:
+        raise ValueError("body offsets must be int64 and body lengths int32")
+    if not 0 <= n <= min(body_offs.shape[0], body_lens.shape[0]) or n * head_len > heads.shape[0]:
+        raise ValueError(f"{n} datagrams do not fit their header and body arrays")
+    if head_len < 0 or state.shape[0] < STATE_LEN:
+        raise ValueError(f"a header has {head_len} bytes; the I/O state needs {STATE_LEN} words")
+    if n:
+        offs, lens = body_offs[:n], body_lens[:n].astype(np.int64)
+        if int(offs.min()) < 0 or int(lens.min()) < 0 or int((offs + lens).max()) > body.shape[0]:
+            raise ValueError("a datagram's body reaches outside the body array")
+        if head_len + int(lens.max()) > MAX_UDP_PAYLOAD:
+            raise ValueError(f"a datagram exceeds the largest UDP payload ({MAX_UDP_PAYLOAD} B)")
+    return int(
+        send_gather_kernel(
+            fd, heads, np.int64(head_len), body, body_offs, body_lens, np.uint64(dst), n, state
+        )
+    )
 
 
 def feed_run(
