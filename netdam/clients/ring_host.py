@@ -35,6 +35,11 @@ from the caller's array, and the owner of a block stores its final sum there; wh
 NICs wrote (the all-gather's blocks) is in node memory, and a caller's array that is not
 NIC-resident (``netdam.empty``) gets it copied out inside the timed call. The chain stages the
 whole input in and the whole result out (``netdam.all_reduce``), since its nodes read the input.
+
+Who may send to a host's socket: its next node (the ACKs and NACKs of its WRITEs) and the
+previous host (step words). Anything else is dropped unread and counted (``RingResult.ignored``):
+an unprivileged local process cannot forge a loopback source address, so it cannot make a host
+reduce a segment before its data came, nor tell the next host early with forged ACKs.
 """
 
 from __future__ import annotations
@@ -80,12 +85,23 @@ class RingResult:
     packets: int
     #: UDP payload bytes the hosts sent (WRITEs; the nodes' ACKs are in the node counters).
     payload_bytes: int
+    #: Datagrams the hosts dropped unread: not an ACK or NACK from the next node, nor a step
+    #: word from the previous host (SPEC.md has no ring-host wire: these are its only senders).
+    ignored: int = 0
 
 
 def ring_all_reduce(
     groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp, timeout_s: float = 60.0
 ) -> RingResult:
     """All-reduce *buffers* (one per rank, in place) with the host ring; all ranks at once."""
+    return _run(_ring_hosts(groups, buffers, op), timeout_s)
+
+
+def _ring_hosts(
+    groups: list[ProcessGroup], buffers: list[np.ndarray], op: ReduceOp
+) -> list[_RingHost]:
+    """Every rank's host, each told its successor's socket and buffers and its predecessor's
+    socket (the only one whose step words it takes)."""
     world = len(groups)
     hosts = [_RingHost(g, buffers[g.rank], op, world) for g in groups]
     for host in hosts:
@@ -93,6 +109,12 @@ def ring_all_reduce(
         host.peer = successor.address
         host.next_out = successor.out
         host.next_recv = successor.recv
+        host.prev_word = endpoint_to_u64(hosts[(host.rank - 1) % world].address)
+    return hosts
+
+
+def _run(hosts: list[_RingHost], timeout_s: float) -> RingResult:
+    """Run every host in a thread of its own; close them; the result, or the first error."""
     errors: list[BaseException] = []
 
     def run(host: _RingHost) -> None:
@@ -117,6 +139,7 @@ def ring_all_reduce(
         sum(h.host_copy_bytes for h in hosts),
         sum(h.packets for h in hosts),
         sum(h.payload_bytes for h in hosts),
+        sum(h.ignored for h in hosts),
     )
 
 
@@ -153,6 +176,8 @@ class _RingHost:
         self.sock = open_udp_socket(("127.0.0.1", 0), rcvbuf=8 << 20, gro=True)
         self.address: Endpoint = self.sock.getsockname()
         self.peer: Endpoint = self.address
+        #: The previous host's socket (endpoint_to_u64): the only sender of step words.
+        self.prev_word = endpoint_to_u64(self.address)
         self.next_out = 0
         self.next_recv = 0
         self.next_node = group.cluster.nodes[(self.rank + 1) % world].endpoint
@@ -185,6 +210,8 @@ class _RingHost:
         self.rx_src = np.zeros(4096, np.uint64)
         self.others = np.zeros(4096, np.int64)
         self.heard: set[tuple[int, int]] = set()
+        #: Datagrams from anyone else, dropped (RingResult.ignored).
+        self.ignored = 0
         #: Segments posted and not yet ACKed whole: (ACK count that completes it, step, segment),
         #: in posting order (the node ACKs in arrival order, one ACK per WRITE).
         self.pending: deque[tuple[int, int, int]] = deque()
@@ -315,7 +342,9 @@ class _RingHost:
             timeout_ms,
             self.state,
         )
-        acks, n_others = sort_replies(self.rx, self.rx_off, self.rx_len, got, self.others)
+        acks, n_others = sort_replies(
+            self.rx, self.rx_off, self.rx_len, self.rx_src, got, self.next_node_word, self.others
+        )
         self.acked += acks  # counted compiled: a Python loop over the ACKs was 80% of a send
         while self.pending and self.pending[0][0] <= self.acked:
             _, step, segment = self.pending.popleft()
@@ -323,10 +352,17 @@ class _RingHost:
         for k in self.others[:n_others]:
             start = int(self.rx_off[k])
             datagram = self.rx[start : start + self.rx_len[k]]
+            source = int(self.rx_src[k])
             signal = unpack_ring_step(bytes(datagram[: RING_STEP.size]))
-            if signal is not None:
+            if source == self.prev_word and signal is not None:
                 self.heard.add(signal)
-            elif datagram.shape[0] >= HEADER_SIZE and datagram[H_OPCODE] == Opcode.NACK:
+            elif (
+                source == self.next_node_word
+                and datagram.shape[0] >= HEADER_SIZE
+                and datagram[H_OPCODE] == Opcode.NACK
+            ):
                 raise RuntimeError(
                     f"rank {self.rank}: a WRITE was refused (status {int(datagram[H_STATUS])})"
                 )
+            else:  # a local process that is not this ring's: a forged step or ACK, or noise
+                self.ignored += 1

@@ -76,13 +76,15 @@ def write_headers(
 
 
 @njit(cache=True, nogil=True)
-def _sort_replies(rx_len, n, rx, rx_off, others):
-    """Count the ACKs among n received datagrams; the indices of every other datagram go to
-    *others* for Python (NACKs, the hosts' step words). Returns (acks, n_others)."""
+def _sort_replies(rx_len, n, rx, rx_off, rx_src, node, others):
+    """Count the ACKs among n received datagrams that came from *node* (the next node's
+    address, as udp_io gives sources); the indices of every other datagram go to *others* for
+    Python (NACKs, the hosts' step words, and anything from anyone else, which it drops).
+    Returns (acks, n_others)."""
     acks = 0
     m = 0
     for k in range(n):
-        if rx_len[k] >= HDR and rx[rx_off[k] + H_OPCODE] == OP_ACK:
+        if rx_src[k] == node and rx_len[k] >= HDR and rx[rx_off[k] + H_OPCODE] == OP_ACK:
             acks += 1
         else:
             others[m] = k
@@ -91,12 +93,18 @@ def _sort_replies(rx_len, n, rx, rx_off, others):
 
 
 def sort_replies(
-    rx: np.ndarray, rx_off: np.ndarray, rx_len: np.ndarray, n: int, others: np.ndarray
+    rx: np.ndarray,
+    rx_off: np.ndarray,
+    rx_len: np.ndarray,
+    rx_src: np.ndarray,
+    n: int,
+    node: int,
+    others: np.ndarray,
 ) -> tuple[int, int]:
     """Checked entry to _sort_replies (the receive arrays recv_batch filled)."""
-    if not 0 <= n <= min(rx_off.shape[0], rx_len.shape[0], others.shape[0]):
+    if not 0 <= n <= min(rx_off.shape[0], rx_len.shape[0], rx_src.shape[0], others.shape[0]):
         raise ValueError(f"{n} datagrams exceed the receive arrays")
     if n and int((rx_off[:n] + rx_len[:n]).max()) > rx.shape[0]:
         raise ValueError("a datagram reaches past the receive buffer")
-    acks, m = _sort_replies(rx_len, np.int64(n), rx, rx_off, others)
+    acks, m = _sort_replies(rx_len, np.int64(n), rx, rx_off, rx_src, np.uint64(node), others)
     return int(acks), int(m)

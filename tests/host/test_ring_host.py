@@ -4,6 +4,7 @@ in node memory), bitwise the chain's result."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import numpy as np
@@ -11,8 +12,11 @@ import pytest
 from helpers import rank_fixtures
 from reference import all_reduce_reference
 
+from netdam.clients import ring_host
 from netdam.clients.ring_host import RECEIVE_ALIGN, ring_all_reduce
-from netdam.protocol.constants import ReduceOp
+from netdam.protocol.constants import Opcode, ReduceOp
+from netdam.protocol.packet import Packet, encode_packet
+from netdam.protocol.payloads import pack_ring_step
 
 WORLD = 3
 cluster, ranks = rank_fixtures(WORLD)
@@ -69,3 +73,29 @@ def test_a_strided_array_is_refused_before_anything_is_sent(ranks: list[Any]) ->
     bufs = [np.zeros(2 * COUNT, np.float32)[::2] for _ in range(WORLD)]
     with pytest.raises(ValueError, match="C-contiguous"):
         ring_all_reduce(ranks, bufs, ReduceOp.SUM)
+
+
+def test_step_words_and_acks_from_another_local_socket_are_dropped(ranks: list[Any]) -> None:
+    """Who may send to a ring host: its next node (ACKs, NACKs) and its previous host (step
+    words). An unprivileged local process is neither (it cannot forge a loopback source
+    address): before the ring starts it sends every host a step word for every step and an ACK
+    for every WRITE the host will post. Believed, they would let a host reduce a segment before
+    its data came and tell the next host early; they are dropped and counted, and the result is
+    exact."""
+    inputs = _inputs(3)
+    bufs = [x.copy() for x in inputs]
+    hosts = ring_host._ring_hosts(ranks, bufs, ReduceOp.SUM)
+    steps = 2 * WORLD - 2
+    acks = 3 * (COUNT * 4 // WORLD // 8000 + 1)  # more than a host's WRITEs
+    ack = encode_packet(Packet(Opcode.ACK, txn_id=1))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as forger:
+        forger.bind(("127.0.0.1", 0))
+        for host in hosts:
+            for step in range(steps):
+                forger.sendto(pack_ring_step(step, 0), host.address)
+            for _ in range(acks):
+                forger.sendto(ack, host.address)
+    result = ring_host._run(hosts, 30.0)
+    expected = all_reduce_reference(inputs, int(ReduceOp.SUM))
+    assert all(buf.tobytes() == expected.tobytes() for buf in bufs)
+    assert result.ignored == WORLD * (steps + acks)
