@@ -310,6 +310,13 @@ def register_allreduce(benches: Subparsers) -> None:
         "--warmup", type=bounded_int(0, 100), default=1, help="untimed calls first (1)"
     )
     parser.add_argument(
+        "--rounds",
+        type=bounded_int(1, 20),
+        default=1,
+        help="run every row this many times, the rows taking turns, and pool each row's calls: "
+        "a slow spell of the machine then falls on every row alike (1)",
+    )
+    parser.add_argument(
         "--timeout",
         type=bounded_seconds(0, 86400, low_inclusive=False),
         default=600.0,
@@ -381,6 +388,7 @@ def register_allreduce(benches: Subparsers) -> None:
             plot=args.plot,
             emulation_mtu=args.emulation_mtu,
             nics_per_process=args.nics_per_process,
+            rounds=args.rounds,
         )
         result, code = allreduce_bench.run_allreduce_bench(cfg)
         if args.json:

@@ -321,3 +321,46 @@ def _children() -> set[int]:
             if fields[1] == me:
                 found.add(int(entry.name))
     return found
+
+
+def test_rounds_take_turns_and_pool_each_rows_calls() -> None:
+    """--rounds 3: the rows of a (nodes, size) run chain, ring-host, chain, ...; each row holds
+    every round's calls, each round's median, and its counters summed; a round that was wrong
+    makes the row wrong."""
+    order: list[str] = []
+    slow = {1}  # the second round runs at half speed, for every row alike
+
+    def runner(
+        algo: str, nodes: int, count: int, warmup: int, repeat: int, timeout_s: float
+    ) -> B._Outcome:
+        turn = sum(a == algo for a in order)
+        order.append(algo)
+        base = fake_runner(algo, nodes, count, warmup, repeat, timeout_s)
+        factor = 2.0 if turn in slow else 1.0
+        return B._Outcome(
+            times=[t * factor for t in base.times],
+            ok=not (algo == "chain" and turn == 2 and count == 7),
+            extra={"retransmits": turn, "phases": {"turn": turn}},
+        )
+
+    cfg = B.AllReduceBenchConfig(
+        nodes=(2,), sizes=(4096,), peers=("ring-host",), repeat=4, progress=False, rounds=3
+    )
+    res, code = B.run_allreduce_bench(cfg, runner=runner)
+    assert code == 0 and res["rounds"] == 3
+    assert order == ["chain", "ring-host"] * 3
+    rows = {r["algo"]: r for r in res["results"]}
+    for row in rows.values():
+        assert row["rounds"] == 3 and len(row["seconds_all"]) == 12
+        first, second, third = row["round_medians"]
+        assert second == pytest.approx(2 * first) and third == pytest.approx(first)
+        assert row["retransmits"] == 0 + 1 + 2  # summed over the rounds
+        assert row["phases"] == {"turn": 2}  # the rest: the last round's
+    assert rows["ring-host"]["ratio_vs_chain"] == pytest.approx(3.0)
+    assert "3 rounds, the rows taking turns" in B.format_table(res)
+    wrong = B.AllReduceBenchConfig(
+        nodes=(2,), sizes=(28,), peers=(), repeat=2, progress=False, rounds=3, emulation_mtu=0
+    )
+    order.clear()
+    res, code = B.run_allreduce_bench(wrong, runner=runner)
+    assert code == 1 and res["results"][0]["ok"] is False

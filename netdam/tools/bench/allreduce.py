@@ -124,6 +124,14 @@ class AllReduceBenchConfig:
     #: the default of `netdam up`); on 2 cores one process of every NIC leaves a core to the
     #: hosts, quicker at small sizes and slower at large ones (docs/PERFORMANCE.md).
     nics_per_process: int | None = None
+    #: Times every row of a (nodes, size) runs, the rows taking turns (chain, its peers, chain,
+    #: ...): a row's calls are pooled over its rounds, so a spell of this machine's slow speed
+    #: (docs/PERFORMANCE.md, "Runs that take twice as long") falls on every row alike.
+    rounds: int = 1
+
+
+#: Counters a row sums over its rounds (the rest of a runner's extras are its last round's).
+_SUMMED_OVER_ROUNDS = ("retransmits", "kernel_drops", "packets", "wire_bytes")
 
 
 @dataclass
@@ -625,6 +633,28 @@ def make_row(algo: str, nodes: int, nbytes: int, repeat: int, outcome: _Outcome)
 Runner = Callable[[str, int, int, int, int, float], _Outcome]
 
 
+def pooled(outcomes: Sequence[_Outcome]) -> _Outcome:
+    """One row's rounds as one outcome: every round's timed calls, wrong if any round was
+    wrong, the first error, the counters of _SUMMED_OVER_ROUNDS summed, and each round's
+    median (``round_medians``) so a reader sees whether the rounds agreed."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    oks = [o.ok for o in outcomes]
+    extra = dict(outcomes[-1].extra)
+    for key in _SUMMED_OVER_ROUNDS:
+        values = [o.extra.get(key) for o in outcomes]
+        if all(isinstance(v, int) for v in values):
+            extra[key] = sum(values)  # type: ignore[arg-type]  # ints, checked just above
+    extra["round_medians"] = [_median(o.times) if o.times else None for o in outcomes]
+    return _Outcome(
+        times=[t for o in outcomes for t in o.times],
+        ok=False if False in oks else True if True in oks else None,
+        error=next((o.error for o in outcomes if o.error is not None), None),
+        startup_seconds=outcomes[0].startup_seconds,
+        extra=extra,
+    )
+
+
 def _default_runner(
     algo: str,
     nodes: int,
@@ -683,26 +713,38 @@ def run_allreduce_bench(
     def runs_here(algo: str, nodes: int, nbytes: int) -> bool:
         return algo not in EMULATED_FROM or emulation_changes_datagrams(nodes, nbytes)
 
-    total = sum(runs_here(a, n, b) for n in cfg.nodes for b in cfg.sizes for a in algos)
+    total = cfg.rounds * sum(
+        runs_here(a, n, b) for n in cfg.nodes for b in cfg.sizes for a in algos
+    )
     done = 0
     for nodes in cfg.nodes:
         for nbytes in cfg.sizes:
             chain_median: float | None = None
             repeat = cfg.repeat if cfg.repeat is not None else auto_repeat(nbytes)
-            for algo in algos:
-                if not runs_here(algo, nodes, nbytes):
-                    continue
-                done += 1
-                label = f"[{done}/{total}] {algo} {nodes} nodes x {format_size(nbytes)} {DTYPE}"
-                _progress(cfg.progress, f"{label} ...")
-                t_run = time.monotonic()
-                try:
-                    outcome = run(
-                        algo, nodes, nbytes // ELEMENT_BYTES, cfg.warmup, repeat, cfg.timeout_s
-                    )
-                except Exception as exc:  # a runner bug must not lose the other rows
-                    outcome = _Outcome(error=f"{type(exc).__name__}: {exc}")
-                row = make_row(algo, nodes, nbytes, repeat, outcome)
+            here = [a for a in algos if runs_here(a, nodes, nbytes)]
+            rounds: dict[str, list[_Outcome]] = {algo: [] for algo in here}
+            for turn in range(cfg.rounds):
+                for algo in here:
+                    done += 1
+                    label = f"[{done}/{total}] {algo} {nodes} nodes x {format_size(nbytes)} {DTYPE}"
+                    if cfg.rounds > 1:
+                        label += f", round {turn + 1}/{cfg.rounds}"
+                    _progress(cfg.progress, f"{label} ...")
+                    t_run = time.monotonic()
+                    try:
+                        outcome = run(
+                            algo, nodes, nbytes // ELEMENT_BYTES, cfg.warmup, repeat, cfg.timeout_s
+                        )
+                    except Exception as exc:  # a runner bug must not lose the other rows
+                        outcome = _Outcome(error=f"{type(exc).__name__}: {exc}")
+                    rounds[algo].append(outcome)
+                    status = f"{_median(outcome.times):.4g} s median" if outcome.times else "FAILED"
+                    if outcome.error is not None:
+                        status += f" ({outcome.error})"
+                    _progress(cfg.progress, f"{label}: {status} [{time.monotonic() - t_run:.1f} s]")
+            for algo in here:
+                row = make_row(algo, nodes, nbytes, repeat, pooled(rounds[algo]))
+                row["rounds"] = cfg.rounds
                 row["mtu"] = (
                     cfg.emulation_mtu
                     if algo in EMULATED_FROM
@@ -715,14 +757,6 @@ def run_allreduce_bench(
                 if row["seconds_median"] is not None and chain_median:
                     row["ratio_vs_chain"] = row["seconds_median"] / chain_median
                 results.append(row)
-                status = (
-                    f"{row['seconds_median']:.4g} s median, busbw {row['busbw_gbps']:.2f} Gb/s"
-                    if row["seconds_median"] is not None
-                    else "FAILED"
-                )
-                if "error" in row:
-                    status += f" ({row['error']})"
-                _progress(cfg.progress, f"{label}: {status} [{time.monotonic() - t_run:.1f} s]")
     wrong = any(r["algo"] in NETDAM_ALGOS and r["ok"] is False for r in results)
     failed = any(r["seconds_median"] is None for r in results)
     code = 1 if wrong else 3 if failed else 0
@@ -740,6 +774,7 @@ def run_allreduce_bench(
         "model_mtu": default_params(100.0)[0].mtu,
         "dtype": DTYPE,
         "repeat": cfg.repeat,
+        "rounds": cfg.rounds,
         "warmup": cfg.warmup,
         "results": results,
         "skipped": skipped,
@@ -807,7 +842,8 @@ def format_table(res: dict[str, Any]) -> str:
 
     for r in res["results"]:
         lines.append(
-            f"{r['algo']:<19}{r['nodes']:>6}{format_size(r['bytes']):>9}{r['repeat']:>6}"
+            f"{r['algo']:<19}{r['nodes']:>6}{format_size(r['bytes']):>9}"
+            f"{r['repeat'] * r.get('rounds', 1):>6}"
             f"{num(r['seconds_median'], '.4g'):>11}{num(r['seconds_p50'], '.4g'):>10}"
             f"{num(r['seconds_p99'], '.4g'):>10}{num(r['seconds_min'], '.4g'):>10}{num(r['busbw_gbps'], '.2f'):>12}"
             f"{num(r['ratio_vs_chain'], '.2f'):>10}{num(r['model_seconds_100g'], '.2e'):>14}"
@@ -817,6 +853,11 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"skipped {s['algo']}: {s['reason']}")
     if res.get("nics_per_process") is not None:
         lines.append(f"netdam rows: {res['nics_per_process']} NICs a node process")
+    if res.get("rounds", 1) > 1:
+        lines.append(
+            f"{res['rounds']} rounds, the rows taking turns; each row's calls pooled "
+            "(round_medians in --json)"
+        )
     if "plot" in res:
         lines.append(f"plot: {res['plot']}")
     if "error" in res:
