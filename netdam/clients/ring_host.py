@@ -103,7 +103,14 @@ def _ring_hosts(
     """Every rank's host, each told its successor's socket and buffers and its predecessor's
     socket (the only one whose step words it takes)."""
     world = len(groups)
-    hosts = [_RingHost(g, buffers[g.rank], op, world) for g in groups]
+    hosts: list[_RingHost] = []
+    try:
+        for g in groups:
+            hosts.append(_RingHost(g, buffers[g.rank], op, world))
+    except BaseException:
+        for host in hosts:  # the ranks made before the one refused: their sockets are open
+            host.close()
+        raise
     for host in hosts:
         successor = hosts[(host.rank + 1) % world]
         host.peer = successor.address
@@ -145,6 +152,8 @@ def _run(hosts: list[_RingHost], timeout_s: float) -> RingResult:
 
 class _RingHost:
     def __init__(self, group: ProcessGroup, buf: np.ndarray, op: ReduceOp, world: int) -> None:
+        if not buf.flags.c_contiguous:
+            raise ValueError("ring-host reduces C-contiguous arrays in place")
         self.group = group
         self.rank = group.rank
         self.world = world
@@ -160,8 +169,6 @@ class _RingHost:
         #: The caller's array as bytes: the input WRITEs are built from, the output. A RoCE
         #: library registers the buffer it is given (Gloo's ibverbs pairs, UCX's registration
         #: cache), so its NIC reads the input where it lies, with no staging copy.
-        if not buf.flags.c_contiguous:
-            raise ValueError("ring-host reduces C-contiguous arrays in place")
         self.input = buf.reshape(-1).view(np.uint8)
         staging = group.staging_base
         #: Where this rank's buffer lives in node memory (the staging area when not resident).

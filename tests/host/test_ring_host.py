@@ -4,6 +4,7 @@ in node memory), bitwise the chain's result."""
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -70,9 +71,16 @@ def test_a_nic_resident_array_is_reduced_in_place(ranks: list[Any]) -> None:
 
 
 def test_a_strided_array_is_refused_before_anything_is_sent(ranks: list[Any]) -> None:
-    bufs = [np.zeros(2 * COUNT, np.float32)[::2] for _ in range(WORLD)]
-    with pytest.raises(ValueError, match="C-contiguous"):
+    """The last rank's array is strided: refused, and the sockets the ranks before it opened
+    are closed again."""
+    bufs = [np.zeros(COUNT, np.float32) for _ in range(WORLD - 1)]
+    bufs.append(np.zeros(2 * COUNT, np.float32)[::2])
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match="C-contiguous") as refused:
         ring_all_reduce(ranks, bufs, ReduceOp.SUM)
+    # Closed by the refusal itself, not by the garbage collector: the traceback still holds
+    # every frame (and so every host made) while this is checked.
+    assert refused.traceback and len(os.listdir("/proc/self/fd")) == open_before
 
 
 def test_step_words_and_acks_from_another_local_socket_are_dropped(ranks: list[Any]) -> None:
