@@ -46,6 +46,7 @@ from netdam.switch.state import PoolNode, PoolState, save_state
 from netdam.tools.fuzz.generator import (
     EV_NACK,
     EV_OPEN,
+    EV_WINDOW,
     MUTATIONS,
     DatagramGenerator,
     Layout,
@@ -59,6 +60,7 @@ from netdam.tools.fuzz.generator import (
 )
 from netdam.tools.fuzz.oracle import (
     OPEN_STATUSES,
+    WINDOW_STATUSES,
     Expectation,
     MemoryGuard,
     Oracle,
@@ -148,13 +150,13 @@ class World:
         want = sorted(status for _, code, status in outcome.events if code == EV_NACK)
         if any(code == EV_OPEN for _, code, _ in outcome.events):
             # An UPDATE past its descriptor's rights: node memory decides (oracle.OPEN_STATUSES).
-            assert got == [] or (len(got) == 1 and got[0] in (Status.STALE, *OPEN_STATUSES)), (
+            assert got == [] or (len(got) == 1 and got[0] in (*WINDOW_STATUSES, *OPEN_STATUSES)), (
                 data.hex(),
                 got,
                 outcome,
             )
         elif outcome.kind == "windowed":
-            assert got in ([], [Status.STALE]), (data.hex(), got, outcome)
+            assert got == [] or (len(got) == 1 and got[0] in WINDOW_STATUSES), (data.hex(), got)
         else:
             assert sorted(got) == want, (data.hex(), got, want, outcome)
         assert self.guard.check(self.memories) == 0, (data.hex(), self.guard.ranges)
@@ -404,6 +406,26 @@ def test_checks_can_fail() -> None:
         Opcode.READ, rkey=region.rkey, addr=region.end - 4, length=8, dtype=int(DType.RAW)
     )
     assert world.oracle.outcome(read, 0).status == Status.OUT_OF_BOUNDS
+
+
+def test_a_windowed_request_may_be_answered_busy() -> None:
+    """The duplicate window answers BUSY when a client's set is held by other rkeys' clients,
+    and whether an idle entry may be taken yet is the clock's to say (found by a node run of
+    `netdam fuzz --seed 29` that counted 285 BUSY against 284 predicted, one run in six): up
+    to one BUSY per windowed request passes the counter checks, as STALE does, and one more
+    does not."""
+    world = node_world()
+    for datagram in DatagramGenerator(world.layout, 12).batch(300):
+        world.send(datagram.data, datagram.dst)
+    assert world.failed_checks() == []
+    windowed = world.expect.count(0, EV_WINDOW)
+    assert windowed > 0
+    node = world.cores[0]
+    for extra, fails in ((windowed, False), (1, True)):
+        node.counters[C.NACK_BASE + Status.BUSY] += extra  # sent, and received by the fuzzer
+        world.traffic[0].nacks_received[int(Status.BUSY)] += extra
+        failed = [line for line in world.failed_checks() if "node0: NACK BUSY" in line]
+        assert bool(failed) is fails, failed
 
 
 # ---------------------------------------------------------------- bugs found by the fuzzer

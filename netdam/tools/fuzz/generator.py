@@ -107,7 +107,7 @@ EV_DROP = 3  # dropped silently; value = the counter index (netdam.protocol.coun
 EV_FWD = 4  # CHAIN_ADD forwarded (node) or pool request translated and forwarded (switch)
 EV_REPL = 5  # multicast copy sent by the switch
 EV_STORED = 6  # CHAIN_ADD stored by its last hop
-EV_WINDOW = 7  # went through the duplicate window: executes, replays, or NACK STALE
+EV_WINDOW = 7  # went through the duplicate window: executes, replays, or NACK STALE or BUSY
 EV_OPEN = 8  # an UPDATE past its descriptor's access check: node memory decides (oracle.py)
 
 #: Drop counters the oracle predicts (every other drop counter must stay 0).

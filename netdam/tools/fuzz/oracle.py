@@ -4,7 +4,7 @@
   verdict by the codec, then rkey, rights, bounds, alignment, membership, collective state,
   chain hops, switch translation): per process the opcodes counted, NACKs, drops, forwards,
   and which memory bytes it may change. The duplicate window is the one thing it leaves open
-  (a windowed request executes, replays or is answered STALE).
+  (a windowed request executes, replays, or is answered STALE or BUSY: WINDOW_STATUSES).
 - ``Expectation`` sums outcomes; ``counter_checks`` holds it against the processes' counters
   (exact, up to datagrams the kernel dropped: loopback loses nothing else); ``MemoryGuard``
   finds bytes that changed outside every authorized write.
@@ -65,7 +65,7 @@ class Outcome:
     """What one datagram causes, per SPEC.md: events per process and memory it may change.
 
     ``kind``: "accepted" (executed, forwarded or answered), "nack", "drop", or "windowed"
-    (executes, replays, or is answered STALE: the duplicate window decides)."""
+    (executes, replays, or is answered STALE or BUSY: the duplicate window decides)."""
 
     kind: str = "accepted"
     status: int = 0  # the first NACK's status
@@ -423,6 +423,11 @@ class Oracle:
 # ---------------------------------------------------------------- tallies and checks
 
 
+#: What a windowed request may be answered instead of executing or replaying (SPEC.md
+#: "Memory semantics"): STALE, behind its client's window; BUSY, its set of the window held by
+#: other rkeys' clients, which the clock decides (an entry idle for 2 s may be taken:
+#: kernels.datapath._HOLD_US), so a run's timing can turn one into BUSY.
+WINDOW_STATUSES = frozenset({Status.STALE, Status.BUSY})
 #: What an UPDATE past its descriptor's access check may be answered (SPEC.md 6.8's later
 #: checks), as node memory decides.
 OPEN_STATUSES = frozenset(
@@ -438,9 +443,9 @@ OPEN_STATUSES = frozenset(
 
 
 def uncertain_nacks(expect: Expectation, deltas: Sequence[np.ndarray]) -> int:
-    """NACKs the oracle left open that the processes sent: STALE from the duplicate window and
-    an UPDATE's later checks (counter_checks bounds them)."""
-    statuses = (Status.STALE, *OPEN_STATUSES)
+    """NACKs the oracle left open that the processes sent: STALE and BUSY from the duplicate
+    window and an UPDATE's later checks (counter_checks bounds them)."""
+    statuses = (*WINDOW_STATUSES, *OPEN_STATUSES)
     sent = sum(int(d[C.NACK_BASE + s]) for d in deltas for s in statuses)
     predicted = sum(expect.count(p, EV_NACK, s) for p in range(len(deltas)) for s in statuses)
     return max(sent - predicted, 0)
@@ -536,7 +541,7 @@ def counter_checks(
         opened = expect.count(p, EV_OPEN)
         for status in Status:
             want = expect.count(p, EV_NACK, status) + o[C.NACK_BASE + status]
-            uncertain = windowed if status == Status.STALE else 0
+            uncertain = windowed if status in WINDOW_STATUSES else 0
             uncertain += opened if status in OPEN_STATUSES else 0
             if want or uncertain or d[C.NACK_BASE + status]:
                 add(f"NACK {status.name}", d[C.NACK_BASE + status], want, uncertain)
