@@ -274,7 +274,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                 if resident
                 else None
             )
-            host_copy = host_packets = host_bytes = 0
+            host_copy = host_packets = host_bytes = host_ignored = 0
             host_overheads: list[tuple[float, float]] = []
             ok = True
             timeline = (
@@ -293,6 +293,7 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
                             host_copy += ring.host_copy_bytes
                             host_packets += ring.packets
                             host_bytes += ring.payload_bytes
+                            host_ignored += ring.ignored
                         else:
                             seconds, phases, overheads = _timed_run(
                                 groups, buffers, config.op, config.sparse, pool
@@ -351,6 +352,10 @@ def run_allreduce(config: AllReduceConfig) -> dict[str, object]:
             ),
             host_copy_bytes=host_copy // config.repeat,
         )
+        if config.algo == "ring-host":
+            # Datagrams the ring's hosts dropped unread over every run: from no ACK-sending node
+            # nor step-sending host of this ring (netdam.clients.ring_host).
+            result["host_ignored_datagrams"] = host_ignored
         if config.sparse:
             result["wire_bytes_sparse"] = (
                 _wire_bytes(delta) // config.repeat

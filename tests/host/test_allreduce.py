@@ -277,6 +277,7 @@ def test_ring_host_baseline_matches_chain_bitwise(capsys: pytest.CaptureFixture[
     r = json.loads(capsys.readouterr().out)
     assert r["ok"] is True and r["algo"] == "ring-host" and r["equals_reference"] is True
     assert r["host_copy_bytes"] == 30001 * 4
+    assert r["host_ignored_datagrams"] == 0  # nobody else sent the hosts anything
 
 
 @pytest.mark.slow
