@@ -54,7 +54,7 @@ import numpy as np
 from netdam.api import ProcessGroup, wire_dtype
 from netdam.kernels.combine import combine
 from netdam.kernels.host_ring import sort_replies, write_headers
-from netdam.kernels.udp_io import STATE_LEN, recv_batch, send_gather
+from netdam.kernels.udp_io import STATE_LEN, new_gather_scratch, recv_batch, send_gather
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     HEADER_SIZE,
@@ -157,7 +157,6 @@ class _RingHost:
         self.group = group
         self.rank = group.rank
         self.world = world
-        self.buf = buf
         self.mem = group.memory
         self.op = int(op)
         self.dtype = int(wire_dtype(buf))
@@ -210,6 +209,7 @@ class _RingHost:
         self.body_off = np.zeros(per_segment, np.int64)
         self.body_len = np.zeros(per_segment, np.int32)
         self.next_node_word = endpoint_to_u64(self.next_node)
+        self.scratch = new_gather_scratch()
         self.state = np.zeros(STATE_LEN, np.int64)
         self.rx = np.zeros(4 << 20, np.uint8)
         self.rx_off = np.zeros(4096, np.int64)
@@ -231,16 +231,10 @@ class _RingHost:
     def close(self) -> None:
         self.sock.close()
 
-    def block(self, j: int) -> tuple[int, int]:
-        """Byte range (relative to the buffer) of block j (the chain's blocks)."""
-        return (
-            j * self.count // self.world * self.esize,
-            (j + 1) * self.count // self.world * self.esize,
-        )
-
     def segments(self, j: int) -> list[tuple[int, int]]:
-        """Byte ranges (relative to the buffer) of block j's segments."""
-        lo, hi = self.block(j)
+        """Byte ranges (relative to the buffer) of block j's segments (the chain's blocks)."""
+        lo = j * self.count // self.world * self.esize
+        hi = (j + 1) * self.count // self.world * self.esize
         step = max(SEGMENT_BYTES // self.esize * self.esize, self.esize)
         return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
@@ -326,6 +320,7 @@ class _RingHost:
                 self.body_len[done:],
                 self.next_node_word,
                 count - done,
+                self.scratch,
                 self.state,
             )
             if time.monotonic() > deadline:

@@ -106,6 +106,11 @@ _CTRL_W = 8  # room for two CMSG_SPACE(4) = 24 B cmsgs (UDP_GRO + SO_RXQ_OVFL), 
 _SEND_CTRL_W = 3  # CMSG_SPACE(sizeof(u16)) = 24 B: one UDP_SEGMENT cmsg
 #: int64 words of send scratch per message (mmsghdr + iovec + sockaddr_in + cmsg).
 SEND_SCRATCH_WORDS_PER_MSG = _MMSG_W + _IOV_W + _NAME_W + _SEND_CTRL_W
+#: int64 words of a message's iovecs in a gather send: a header and a body per datagram.
+_GATHER_IOV_W = 2 * _IOV_W * MAX_SEGMENTS_PER_RUN
+#: int64 words of gather-send scratch (send_gather_kernel): MAX_MSGS messages of up to 64
+#: datagrams each.
+GATHER_SCRATCH_WORDS = MAX_MSGS * (_MMSG_W + _GATHER_IOV_W + _NAME_W + _SEND_CTRL_W)
 
 # <sys/socket.h>, <netinet/in.h>, <linux/udp.h>, <poll.h>, <errno.h> (x86-64/aarch64 Linux).
 _AF_INET = 2
@@ -451,6 +456,11 @@ def new_send_scratch(max_msgs: int = MAX_MSGS) -> np.ndarray:
     return np.zeros(max(1, max_msgs) * SEND_SCRATCH_WORDS_PER_MSG, np.int64)
 
 
+def new_gather_scratch() -> np.ndarray:
+    """Scratch for ``send_gather_kernel`` (kept by its caller: every call fills what it uses)."""
+    return np.zeros(GATHER_SCRATCH_WORDS, np.int64)
+
+
 def new_state() -> np.ndarray:
     """A zeroed ``state`` array for one socket."""
     return np.zeros(STATE_LEN, np.int64)
@@ -608,7 +618,7 @@ def _post(fd, mm_p, k, runs, state, waited_ms):
 
 
 @njit(cache=True, nogil=True)
-def send_gather_kernel(fd, heads, head_len, body, body_offs, body_lens, dst, n, state):
+def send_gather_kernel(fd, heads, head_len, body, body_offs, body_lens, dst, n, scratch, state):
     """Send datagrams 0..n-1 to *dst*, datagram k being ``heads[k * head_len:(k + 1) *
     head_len]`` followed by ``body[body_offs[k]:body_offs[k] + body_lens[k]]``, without laying
     them out in one buffer first: each message gathers its datagrams' pieces with an iovec per
@@ -616,13 +626,12 @@ def send_gather_kernel(fd, heads, head_len, body, body_offs, body_lens, dst, n, 
     reads a registered buffer. Runs of equal-size datagrams go as GSO messages, like
     send_batch_kernel, whose return value and errors this shares.
     Trusts its arguments: heads and body uint8 C-contiguous, heads holding n headers, body_offs
-    int64 and body_lens int32 of at least n with every range inside body, state of STATE_LEN.
+    int64 and body_lens int32 of at least n with every range inside body, scratch int64 of
+    GATHER_SCRATCH_WORDS (new_gather_scratch), state of STATE_LEN.
     """
     if n <= 0:
         return 0
-    per_msg_iov = 2 * _IOV_W * MAX_SEGMENTS_PER_RUN
-    scratch = np.zeros(MAX_MSGS * (_MMSG_W + per_msg_iov + _NAME_W + _SEND_CTRL_W), np.int64)
-    iov_w, name_w, ctrl_w = _scratch_layout(MAX_MSGS, per_msg_iov)
+    iov_w, name_w, ctrl_w = _scratch_layout(MAX_MSGS, _GATHER_IOV_W)
     sp = scratch.ctypes.data
     heads_p = heads.ctypes.data
     body_p = body.ctypes.data
@@ -634,7 +643,7 @@ def send_gather_kernel(fd, heads, head_len, body, body_offs, body_lens, dst, n, 
         j = i
         while j < n and k < MAX_MSGS:
             r = _gso_run(body_lens, head_len, j, n)
-            iv = iov_w + k * per_msg_iov
+            iv = iov_w + k * _GATHER_IOV_W
             for q in range(r):
                 scratch[iv + 4 * q] = heads_p + (j + q) * head_len
                 scratch[iv + 4 * q + 1] = head_len
@@ -896,11 +905,13 @@ def send_gather(
     body_lens: np.ndarray,
     dst: int,
     n: int,
+    scratch: np.ndarray,
     state: np.ndarray,
 ) -> int:
     """send_gather_kernel, checked: datagram k is header k of *heads* then its slice of *body*
     (every slice inside *body*, every datagram within one UDP payload); returns how many are
-    done (fewer than *n*: the socket stayed full, send the rest later)."""
+    done (fewer than *n*: the socket stayed full, send the rest later). *scratch*:
+    new_gather_scratch(), kept across calls."""
     for name, arr in (("heads", heads), ("body", body)):
         if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
             raise ValueError(f"{name} must be a C-contiguous uint8 array")
@@ -910,6 +921,8 @@ def send_gather(
         raise ValueError(f"{n} datagrams do not fit their header and body arrays")
     if head_len < 0 or state.shape[0] < STATE_LEN:
         raise ValueError(f"a header has {head_len} bytes; the I/O state needs {STATE_LEN} words")
+    if scratch.dtype != np.int64 or scratch.ndim != 1 or scratch.shape[0] < GATHER_SCRATCH_WORDS:
+        raise ValueError("gather scratch too small (new_gather_scratch())")
     if n:
         offs, lens = body_offs[:n], body_lens[:n].astype(np.int64)
         if int(offs.min()) < 0 or int(lens.min()) < 0 or int((offs + lens).max()) > body.shape[0]:
@@ -918,7 +931,16 @@ def send_gather(
             raise ValueError(f"a datagram exceeds the largest UDP payload ({MAX_UDP_PAYLOAD} B)")
     return int(
         send_gather_kernel(
-            fd, heads, np.int64(head_len), body, body_offs, body_lens, np.uint64(dst), n, state
+            fd,
+            heads,
+            np.int64(head_len),
+            body,
+            body_offs,
+            body_lens,
+            np.uint64(dst),
+            n,
+            scratch,
+            state,
         )
     )
 

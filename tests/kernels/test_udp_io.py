@@ -343,6 +343,7 @@ def gather(
         np.array([p[1] for p in pieces], np.int32),
         endpoint_to_u64(dst),
         len(pieces),
+        U.new_gather_scratch(),
         state,
     )
     return done, state
@@ -382,6 +383,7 @@ def test_send_gather_refuses_what_would_read_outside_its_arrays(pair) -> None:
             np.ones(2, np.int32),
             endpoint_to_u64(rx.endpoint),
             2,  # two datagrams, one header
+            U.new_gather_scratch(),
             U.new_state(),
         )
     with pytest.raises(ValueError, match="C-contiguous uint8"):

@@ -688,6 +688,30 @@ def _progress(enabled: bool, text: str) -> None:
         sys.stderr.flush()
 
 
+def _run_row(
+    run: Runner,
+    cfg: AllReduceBenchConfig,
+    label: str,
+    algo: str,
+    nodes: int,
+    nbytes: int,
+    repeat: int,
+) -> _Outcome:
+    """One round of one row, its progress lines on stderr; a runner's exception becomes the
+    row's error, so one bug never loses the other rows."""
+    _progress(cfg.progress, f"{label} ...")
+    t_run = time.monotonic()
+    try:
+        outcome = run(algo, nodes, nbytes // ELEMENT_BYTES, cfg.warmup, repeat, cfg.timeout_s)
+    except Exception as exc:
+        outcome = _Outcome(error=f"{type(exc).__name__}: {exc}")
+    status = f"{_median(outcome.times):.4g} s median" if outcome.times else "FAILED"
+    if outcome.error is not None:
+        status += f" ({outcome.error})"
+    _progress(cfg.progress, f"{label}: {status} [{time.monotonic() - t_run:.1f} s]")
+    return outcome
+
+
 def run_allreduce_bench(
     cfg: AllReduceBenchConfig, runner: Runner | None = None
 ) -> tuple[dict[str, Any], int]:
@@ -729,19 +753,7 @@ def run_allreduce_bench(
                     label = f"[{done}/{total}] {algo} {nodes} nodes x {format_size(nbytes)} {DTYPE}"
                     if cfg.rounds > 1:
                         label += f", round {turn + 1}/{cfg.rounds}"
-                    _progress(cfg.progress, f"{label} ...")
-                    t_run = time.monotonic()
-                    try:
-                        outcome = run(
-                            algo, nodes, nbytes // ELEMENT_BYTES, cfg.warmup, repeat, cfg.timeout_s
-                        )
-                    except Exception as exc:  # a runner bug must not lose the other rows
-                        outcome = _Outcome(error=f"{type(exc).__name__}: {exc}")
-                    rounds[algo].append(outcome)
-                    status = f"{_median(outcome.times):.4g} s median" if outcome.times else "FAILED"
-                    if outcome.error is not None:
-                        status += f" ({outcome.error})"
-                    _progress(cfg.progress, f"{label}: {status} [{time.monotonic() - t_run:.1f} s]")
+                    rounds[algo].append(_run_row(run, cfg, label, algo, nodes, nbytes, repeat))
             for algo in here:
                 row = make_row(algo, nodes, nbytes, repeat, pooled(rounds[algo]))
                 row["rounds"] = cfg.rounds
