@@ -46,6 +46,7 @@ from netdam.kernels.trace import K_RX, K_TX, N_DROPS, drop_marks, note_datagram,
 from netdam.kernels.udp_io import (
     POLLIN,
     ST_KERNEL_DROPS,
+    ST_RECV_FULL,
     ST_SEND_DROPPED,
     clock_ns,
     recv_batch_kernel,
@@ -64,6 +65,9 @@ RETURN_BAD_QUEUE = 4  # _serve_nics: the NIC's send queue ends lay outside its s
 #: The columns of _serve_nics's report, a row per NIC.
 OUT_REASON, OUT_PUNT, OUT_CLOCK = 0, 1, 2
 OUT_COLUMNS = 3
+#: The sockets a visit's round does not read (_serve_nic): found empty by a wait, or drained by
+#: the round before.
+SKIP_DATA, SKIP_GROUP = 1, 2
 
 
 @njit(cache=True, nogil=True)
@@ -293,6 +297,13 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
     while waiting, control traffic there ends the call at once, so stats never wait for it.
 
+    A round reads a socket only when it may hold datagrams: the first round reads both (a
+    datagram may have come since the caller's poll: a hop from a NIC visited just before), a
+    wait reads those it found readable, and after a round that took datagrams only a socket
+    whose batch came back full is read again at once; the others wait for the next wait or
+    visit. A receive that finds nothing is a system call all the same: 4 x 4 KiB all-reduces
+    made ~80 per call, two thirds of them empty (docs/PERFORMANCE.md).
+
     Stays in the compiled loop while traffic comes within *timeout_ms* of the call's start (up
     to *max_rounds* rounds): a round that found nothing waits for the next datagram (at most
     1 ms while a collective runs, for its clock), so a node forwarding a chain never passes
@@ -311,6 +322,7 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     budget_ns = np.int64(timeout_ms) * 1_000_000
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
     early = early_count(faults.hold) > 0  # chains held until their collective starts here
+    skip = 0  # the sockets this round does not read (SKIP_DATA, SKIP_GROUP)
     for _round in range(max_rounds):
         # The keys of collectives that ended here go one round after their end.
         drop_ended_keys(regions, coll)
@@ -355,30 +367,40 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
                     fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratch, io_state
                 )
                 return RETURN_IDLE, 0  # management traffic: the control plane's turn
-            wait = 0
+            skip = (0 if ready & 1 else SKIP_DATA) | (0 if ready & 2 else SKIP_GROUP)
+        n = 0
+        drained = SKIP_DATA | SKIP_GROUP  # what this round's receives left empty
         if mfd < 0:
-            n = recv_batch_kernel(
-                fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, wait, io_state
-            )
+            if not skip & SKIP_DATA:
+                n = recv_batch_kernel(
+                    fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, 0, io_state
+                )
+                drained = SKIP_GROUP if io_state[ST_RECV_FULL] else drained
         else:
             # Half the receive runs for the data socket, half for the multicast group's socket.
             half = recv_bytes // 2
-            n = recv_batch_kernel(
-                fd, rx_buf[:half], rx_off, rx_len, rx_src, max_n // 2, wait, io_state
-            )
-            m = recv_batch_kernel(
-                mfd,
-                rx_buf[half:recv_bytes],
-                rx_off[n:],
-                rx_len[n:],
-                rx_src[n:],
-                max_n - n,
-                0,
-                io_state,
-            )
-            for k in range(n, n + m):
-                rx_off[k] += half
-            n += m
+            if not skip & SKIP_DATA:
+                n = recv_batch_kernel(
+                    fd, rx_buf[:half], rx_off, rx_len, rx_src, max_n // 2, 0, io_state
+                )
+                drained = SKIP_GROUP if io_state[ST_RECV_FULL] else drained
+            if not skip & SKIP_GROUP:
+                m = recv_batch_kernel(
+                    mfd,
+                    rx_buf[half:recv_bytes],
+                    rx_off[n:],
+                    rx_len[n:],
+                    rx_src[n:],
+                    max_n - n,
+                    0,
+                    io_state,
+                )
+                if io_state[ST_RECV_FULL]:
+                    drained &= ~SKIP_GROUP
+                for k in range(n, n + m):
+                    rx_off[k] += half
+                n += m
+        skip = drained
         drop_marks(trace, counters, marks)
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]
         if fault_cfg[FC_ACTIVE] != 0.0:

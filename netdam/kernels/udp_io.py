@@ -45,6 +45,8 @@ idx   name                   meaning
 10    ``ST_TX_DATAGRAMS``    datagrams sent
 11    ``ST_GRO_RUNS``        receive messages that carried a ``UDP_GRO`` cmsg (coalesced runs)
 12    ``ST_GSO_RUNS``        send messages that carried a ``UDP_SEGMENT`` cmsg
+13    ``ST_RECV_FULL``       1 when the last receive stopped with datagrams perhaps still queued
+                             (no room left for another run), 0 when it drained the socket
 ====  =====================  ==================================================================
 
 Limits (kernel ``include/linux/udp.h`` and ``net/ipv4/udp.c``): a GSO message holds at most
@@ -87,6 +89,7 @@ ST_RX_DATAGRAMS = 9
 ST_TX_DATAGRAMS = 10
 ST_GRO_RUNS = 11
 ST_GSO_RUNS = 12
+ST_RECV_FULL = 13
 STATE_LEN = 16
 
 #: Largest UDP payload of one IPv4 datagram, hence of one GSO message (65535 - 20 - 8).
@@ -356,6 +359,7 @@ def recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
     n = 0
     pos = 0
     waited = False
+    state[ST_RECV_FULL] = 0
     while True:
         # Messages to offer: room in buf for whole runs, and in the arrays for 64 segments each.
         k = (buf.shape[0] - pos) // RUN_BYTES
@@ -366,6 +370,7 @@ def recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
             k = cap_msgs
         if k < 1:
             if n > 0:
+                state[ST_RECV_FULL] = 1  # every message taken was full: more may wait
                 break
             k = 1  # a small batch still takes one run; segments beyond max_n are counted lost
         for m in range(k):
@@ -442,8 +447,11 @@ def recv_batch_kernel(fd, buf, offs, lens, srcs, max_n, timeout_ms, state):
                 if left <= 0:
                     break
         pos += got * RUN_BYTES
-        if got < k or n >= max_n:
+        if got < k:
             break  # the queue is (probably) empty: don't pay for a syscall that says EAGAIN
+        if n >= max_n:
+            state[ST_RECV_FULL] = 1
+            break
     state[ST_RX_DATAGRAMS] += n
     return n
 

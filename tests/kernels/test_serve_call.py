@@ -17,6 +17,7 @@ import pytest
 from netdam.core.sendqueue import SLOT_BYTES
 from netdam.kernels import collective as L
 from netdam.kernels import serve
+from netdam.kernels import udp_io as U
 from netdam.kernels.state import Kept, Regions, TxQueue
 from netdam.kernels.wire import find_rkey
 from netdam.protocol import counters as C
@@ -183,3 +184,28 @@ def test_a_nic_loop_serves_its_nics_in_one_call_and_refuses_what_it_cannot_trust
     finally:
         for nic in (*nics, alone):
             nic.close()
+
+
+def test_a_visit_reads_a_socket_again_only_when_its_last_batch_was_full(nic: Any) -> None:
+    """A round reads a socket again at once only when its batch came back full: three datagrams
+    take one receive call where the visit used to make a second that found nothing, and 100
+    datagrams of mixed sizes (one per 64 KiB receive slot: 32 a round) are all taken in the
+    same visit, each full round reading again."""
+    loop = serve.NicLoop(nic.rx, nic.buffers.punt)
+    loop.put(0, nic.loop_args(8))
+    report = np.zeros((1, serve.OUT_COLUMNS), np.int64)
+    state = nic.io_state
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _ in range(3):
+            sock.sendto(b"not a netdam datagram", nic.endpoint)
+        time.sleep(0.05)
+        calls = int(state[U.ST_RECV_CALLS])
+        assert loop.serve(np.array([0], np.int64), 0, report) == 1
+        assert int(nic.core.counters[C.RX_PACKETS]) == 3
+        assert int(state[U.ST_RECV_CALLS]) - calls == 1
+        for k in range(100):
+            sock.sendto(b"x" * (8 + k % 3), nic.endpoint)  # sizes that GRO does not coalesce
+        time.sleep(0.1)
+        assert loop.serve(np.array([0], np.int64), 0, report) == 1
+    assert int(nic.core.counters[C.RX_PACKETS]) == 103
+    assert report[0, serve.OUT_REASON] == serve.RETURN_IDLE  # drained within the visit

@@ -298,6 +298,36 @@ def test_small_batch_counts_segments_it_cannot_hold(pair) -> None:
     assert n == 4 and rx.state[U.ST_TRUNCATED] == 3
 
 
+def test_a_receive_says_whether_it_may_have_left_datagrams_queued() -> None:
+    """ST_RECV_FULL: 1 when a receive ran out of room with every message it offered taken (the
+    serve loop reads that socket again at once), 0 when the socket gave fewer (drained)."""
+    tx = open_udp_socket((LO, 0), rcvbuf=1 << 20, gro=False)
+    sock = open_udp_socket((LO, 0), rcvbuf=8 << 20, gro=False)  # one datagram per message
+    try:
+        buf = np.zeros(2 * U.RUN_BYTES, np.uint8)  # room for two messages a call
+        offs, lens = np.zeros(MAX_N, np.int64), np.zeros(MAX_N, np.int32)
+        srcs, state = np.zeros(MAX_N, np.uint64), U.new_state()
+        send(tx, [(d, sock.getsockname()) for d in payloads(5, 100, 11)], packed=False)
+        assert U._poll_in(sock.fileno(), 1000)
+        time.sleep(0.05)  # all five queued
+        taken = []
+        for _ in range(3):
+            n = U.recv_batch_kernel(sock.fileno(), buf, offs, lens, srcs, MAX_N, 0, state)
+            taken.append((n, int(state[U.ST_RECV_FULL])))
+        assert taken == [(2, 1), (2, 1), (1, 0)]
+        assert U.recv_batch_kernel(sock.fileno(), buf, offs, lens, srcs, MAX_N, 0, state) == 0
+        assert state[U.ST_RECV_FULL] == 0
+        send(tx, [(d, sock.getsockname()) for d in payloads(3, 100, 12)], packed=False)
+        assert U._poll_in(sock.fileno(), 1000)
+        time.sleep(0.05)
+        # A batch of fewer than a run's 64 datagrams takes one message a call: room ran out.
+        assert U.recv_batch_kernel(sock.fileno(), buf, offs, lens, srcs, 2, 0, state) == 1
+        assert state[U.ST_RECV_FULL] == 1
+    finally:
+        tx.close()
+        sock.close()
+
+
 def test_now_ns_is_the_monotonic_clock() -> None:
     before = time.monotonic_ns()
     now = U.clock_ns()
