@@ -47,7 +47,9 @@ from netdam.kernels.udp_io import (
     POLLIN,
     ST_KERNEL_DROPS,
     ST_RECV_FULL,
+    ST_RX_DATAGRAMS,
     ST_SEND_DROPPED,
+    ST_TX_DATAGRAMS,
     clock_ns,
     recv_batch_kernel,
     send_batch_kernel,
@@ -62,12 +64,23 @@ RETURN_ROUNDS = 2  # ran max_rounds rounds: give the control plane its turn
 RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
 RETURN_BAD_QUEUE = 4  # _serve_nics: the NIC's send queue ends lay outside its slots (not served)
 
-#: The columns of _serve_nics's report, a row per NIC.
-OUT_REASON, OUT_PUNT, OUT_CLOCK = 0, 1, 2
-OUT_COLUMNS = 3
+#: The columns of _serve_nics's report, a row per NIC (OUT_SWEPT: visited by a sweep after the
+#: call's first, _serve_nics).
+OUT_REASON, OUT_PUNT, OUT_CLOCK, OUT_SWEPT = 0, 1, 2, 3
+OUT_COLUMNS = 4
 #: The sockets a visit's round does not read (_serve_nic): found empty by a wait, or drained by
 #: the round before.
 SKIP_DATA, SKIP_GROUP = 1, 2
+#: Sweeps of a _serve_nics call after its first (each: one poll of the visited NICs' sockets,
+#: then a visit of each with datagrams waiting), and the largest process that makes them (past
+#: it, a pass has traffic queued for most NICs, and one poll of all their sockets is the
+#: process's epoll again).
+MAX_SWEEPS = 8
+SWEEP_MAX_NICS = 8
+#: ...and only while a sweep moves few datagrams (taken plus sent): a hop of a small
+#: collective, not a stream, whose batches grow while Python runs between passes (4 x 1 MiB,
+#: sweeping whatever moved, took 5.3-6.5 ms a call against 4.4-5.9 ms; docs/PERFORMANCE.md).
+SWEEP_MAX_DATAGRAMS = 32
 
 
 @njit(cache=True, nogil=True)
@@ -248,36 +261,93 @@ def _serve_nics(nics, rx, punt, order, start, out):
     whether a collective ended there. Returns the position after the last NIC visited: the
     end of *order*, or a NIC the control plane must see before any other is served (its punted
     datagrams are in the shared batch; its send queue needs room; its queue's ends were bad);
-    -1 - i when order[i] names no NIC of the list."""
+    -1 - i when order[i] names no NIC of the list.
+
+    A call from the start of *order* in which a few datagrams moved (at most
+    SWEEP_MAX_DATAGRAMS) then sweeps again (up to
+    MAX_SWEEPS times, in a process of 2 to SWEEP_MAX_NICS NICs): one poll(2) of every NIC's
+    data and group sockets, and a visit of each with datagrams waiting, reading only those
+    sockets; its row's OUT_SWEPT says so (a NIC not in *order* too: its control plane runs
+    after the call like theirs). A hop between two NICs of the process, or an answer from another process
+    that came meanwhile, is then taken in the same call, where it waited for the next pass:
+    the process's epoll and its Python between passes (~6 us, and the visits of every NIC
+    whose clock runs). A sweep's visit the control plane must see (a punt, a send queue that
+    needs room) ends the call; a NIC whose send queue's ends are bad is left to the next pass,
+    which reports it."""
     rx, punt = borrowed(rx), borrowed(punt)
-    for i in range(start, order.shape[0]):
+    n_order = order.shape[0]
+    if start == 0:
+        for k in range(len(nics)):
+            out[k, OUT_SWEPT] = 0  # no sweep yet in this call
+    moved = 0  # datagrams taken and sent by this call's visits
+    for i in range(start, n_order):
         k = order[i]
         if not 0 <= k < len(nics):
             return -1 - i  # the wrapper raises, naming order[i]
-        io, faults, node, guard, tx, txq = nics[k]
-        if not 0 <= txq[TXQ_HEAD] <= txq[TXQ_TAIL] < tx.len.shape[0]:
-            out[k, OUT_REASON] = RETURN_BAD_QUEUE
+        reason, moved_here = _visit(nics, rx, punt, k, out, 0)
+        moved += moved_here
+        if reason == RETURN_BAD_QUEUE or reason == RETURN_PUNT or reason == RETURN_QUEUE:
             return i + 1
-        reason, n_punt = _serve_nic(
-            borrowed(io),
-            rx,
-            borrowed(faults),
-            borrowed(node),
-            borrowed(guard),
-            borrowed(tx),
-            borrowed(txq),
-            punt,
-        )
-        out[k, OUT_REASON] = reason
-        out[k, OUT_PUNT] = n_punt
-        out[k, OUT_CLOCK] = (
-            any_slot(node.coll, False)
-            or txq[TXQ_TAIL] > txq[TXQ_HEAD]
-            or _any_held(faults.hold.len)  # fault injection's, or early chains
-        )
-        if reason == RETURN_PUNT or reason == RETURN_QUEUE:
-            return i + 1
-    return order.shape[0]
+    if start != 0 or not 2 <= len(nics) <= SWEEP_MAX_NICS:
+        return n_order  # a lone NIC's visit waits for traffic itself (its timeout_ms)
+    if not 0 < moved <= SWEEP_MAX_DATAGRAMS:
+        return n_order
+    n = len(nics)
+    pfd = np.zeros(2 * n, np.int64)
+    for _sweep in range(MAX_SWEEPS):
+        if moved > SWEEP_MAX_DATAGRAMS:
+            break  # traffic, not a latency-bound hop: batches grow while Python runs
+        moved = 0
+        for k in range(n):
+            io = nics[k][0]
+            pfd[2 * k] = (io.fd & 0xFFFFFFFF) | (np.int64(POLLIN) << 32)
+            pfd[2 * k + 1] = (io.mfd & 0xFFFFFFFF) | (np.int64(POLLIN) << 32)  # -1: ignored
+        if sys_poll(pfd.ctypes.data, 2 * n, 0) <= 0:
+            break
+        for k in range(n):
+            data = (pfd[2 * k] >> 48) & POLLIN
+            group = (pfd[2 * k + 1] >> 48) & POLLIN
+            if data == 0 and group == 0:
+                continue
+            skip = (0 if data else SKIP_DATA) | (0 if group else SKIP_GROUP)
+            reason, moved_here = _visit(nics, rx, punt, k, out, skip)
+            moved += moved_here
+            if reason != RETURN_BAD_QUEUE:
+                out[k, OUT_SWEPT] = 1
+            if reason == RETURN_PUNT or reason == RETURN_QUEUE:
+                return n_order  # every NIC of order was visited: the control plane's turn
+    return n_order
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _visit(nics, rx, punt, k, out, skip):
+    """NIC k's visit (_serve_nic, *skip* its first round's SKIP_ bits), its row of *out*
+    written; returns (reason, datagrams taken and sent). RETURN_BAD_QUEUE: not served."""
+    io, faults, node, guard, tx, txq = nics[k]
+    if not 0 <= txq[TXQ_HEAD] <= txq[TXQ_TAIL] < tx.len.shape[0]:
+        out[k, OUT_REASON] = RETURN_BAD_QUEUE
+        return RETURN_BAD_QUEUE, np.int64(0)
+    io_state = io.io_state
+    before = io_state[ST_RX_DATAGRAMS] + io_state[ST_TX_DATAGRAMS]
+    reason, n_punt = _serve_nic(
+        borrowed(io),
+        rx,
+        borrowed(faults),
+        borrowed(node),
+        borrowed(guard),
+        borrowed(tx),
+        borrowed(txq),
+        punt,
+        skip,
+    )
+    out[k, OUT_REASON] = reason
+    out[k, OUT_PUNT] = n_punt
+    out[k, OUT_CLOCK] = (
+        any_slot(node.coll, False)
+        or txq[TXQ_TAIL] > txq[TXQ_HEAD]
+        or _any_held(faults.hold.len)  # fault injection's, or early chains
+    )
+    return reason, io_state[ST_RX_DATAGRAMS] + io_state[ST_TX_DATAGRAMS] - before
 
 
 @njit(cache=True, nogil=True)
@@ -292,14 +362,15 @@ def _any_held(hold_len):
 # function is optimized by LLVM with everything linked into it, so this loop and the datapath
 # under it were optimized twice (12.7 s of a cold compile; docs/PERFORMANCE.md).
 @njit(cache=True, nogil=True, inline="always")
-def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
+def _serve_nic(io, rx, faults, node, guard, tx, txq, punt, skip):
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
     while waiting, control traffic there ends the call at once, so stats never wait for it.
 
-    A round reads a socket only when it may hold datagrams: the first round reads both (a
-    datagram may have come since the caller's poll: a hop from a NIC visited just before), a
-    wait reads those it found readable, and after a round that took datagrams only a socket
+    A round reads a socket only when it may hold datagrams: the first round reads both unless
+    *skip* (SKIP_DATA, SKIP_GROUP) names those the caller's own poll just found empty (a
+    datagram may have come since a poll of the process's epoll: a hop from a NIC visited just
+    before), a wait reads those it found readable, and after a round that took datagrams only a socket
     whose batch came back full is read again at once; the others wait for the next wait or
     visit. A receive that finds nothing is a system call all the same: 4 x 4 KiB all-reduces
     made ~80 per call, two thirds of them empty (docs/PERFORMANCE.md).
@@ -322,7 +393,6 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt):
     budget_ns = np.int64(timeout_ms) * 1_000_000
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
     early = early_count(faults.hold) > 0  # chains held until their collective starts here
-    skip = 0  # the sockets this round does not read (SKIP_DATA, SKIP_GROUP)
     for _round in range(max_rounds):
         # The keys of collectives that ended here go one round after their end.
         drop_ended_keys(regions, coll)

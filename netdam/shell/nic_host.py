@@ -194,7 +194,12 @@ class NicHost(ServeLoop):
             # The loop stops after a NIC whose punted datagrams (in the shared batch) or send
             # queue the control plane must see before the next NIC is served.
             end = self._loop.serve(order, position, report)
-            for k in order[position:end].tolist():
+            visited = order[position:end].tolist()
+            if position == 0 and end == order.shape[0] and len(self.nics) > 1:
+                # The call's sweeps (serve._serve_nics) may have visited NICs outside order.
+                swept = np.flatnonzero(report[:, serve.OUT_SWEPT]).tolist()
+                visited += [k for k in swept if k not in due]
+            for k in visited:
                 self._after_visit(k, ready)
             position = end
         ended = time.monotonic()
@@ -212,7 +217,7 @@ class NicHost(ServeLoop):
 
     def _after_visit(self, k: int, ready: set[int]) -> None:
         """NIC *k*'s control plane after its visit, and whether its clock runs now."""
-        reason, n_punt, clock = self._report[k, : serve.OUT_COLUMNS].tolist()
+        reason, n_punt, clock = self._report[k, : serve.OUT_CLOCK + 1].tolist()
         nic = self.nics[k]
         # An ended collective's key went in the compiled loop (restart.drop_ended_keys).
         if nic.after_visit(reason, n_punt, self._control_fds[k] in ready, False):

@@ -22,9 +22,11 @@ from netdam.cli.main import main
 from netdam.cluster.control import ControlClient
 from netdam.cluster.launch import placement, start_cluster
 from netdam.protocol import counters as C
-from netdam.protocol.constants import ReduceOp
+from netdam.protocol.constants import Opcode, ReduceOp
+from netdam.protocol.packet import Packet, encode_packet
 from netdam.shell import nic_host
 from netdam.shell.nic_host import NicHost
+from netdam.shell.node_process import NodeProcessConfig
 from netdam.tools.allreduce import reference_chain_allreduce
 
 
@@ -93,6 +95,40 @@ def test_a_process_that_leaves_a_core_to_the_hosts_lingers_after_a_collective(
     assert host._spin_before(1, 200.0) == nic_host.SPIN_S
     host._clocked = set()
     assert host._spin_before(20, 200.0 + nic_host.LINGER_S / 2) == 0.0
+
+
+def test_a_nic_the_compiled_sweep_visited_gets_its_control_plane_run(tmp_path: Path) -> None:
+    """NIC 0's NACK to a READ sent from NIC 1's socket reaches NIC 1 during the pass that
+    serves NIC 0, whose compiled call sweeps again and visits NIC 1 (serve._serve_nics); NIC 1
+    was not due when the pass began, and still gets its control plane (the NACK it punted)
+    after the call, as a NIC of the pass's order does."""
+    host = NicHost(
+        [
+            NodeProcessConfig(
+                memory_bytes=1 << 20, bind=("127.0.0.1", 0), shm_dir=tmp_path, name=f"n{k}"
+            )
+            for k in range(2)
+        ]
+    )
+    try:
+        host.warm_up()
+        seen: list[int] = []
+        after_visit = host._after_visit
+
+        def recorded(k: int, ready: set[int]) -> None:
+            seen.append(k)
+            after_visit(k, ready)
+
+        host._after_visit = recorded  # type: ignore[method-assign]
+        read = Packet(opcode=Opcode.READ, client_id=1, txn_id=9, rkey=12345, length=8)
+        host.nics[1].sock.sendto(encode_packet(read), host.nics[0].endpoint)
+        time.sleep(0.05)
+        punted = int(host.nics[1].core.counters[C.PUNTED])
+        host.serve_once(0)
+        assert int(host.nics[1].core.counters[C.PUNTED]) == punted + 1  # taken in the sweep
+        assert sorted(seen) == [0, 1]
+    finally:
+        host.close()
 
 
 @pytest.mark.parametrize("per", [3, 1])

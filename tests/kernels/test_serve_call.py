@@ -21,6 +21,8 @@ from netdam.kernels import udp_io as U
 from netdam.kernels.state import Kept, Regions, TxQueue
 from netdam.kernels.wire import find_rkey
 from netdam.protocol import counters as C
+from netdam.protocol.constants import Opcode
+from netdam.protocol.packet import Packet, encode_packet
 from netdam.shell.node_process import NodeProcess, NodeProcessConfig, ServeBuffers
 
 
@@ -43,6 +45,21 @@ def nic(tmp_path: Path) -> Any:
     )
     yield process
     process.close()
+
+
+def _nics_of_one_batch(tmp_path: Path, count: int) -> tuple[ServeBuffers, list[NodeProcess]]:
+    """*count* NICs receiving into one shared batch, as a node process's NICs do."""
+    buffers = ServeBuffers.new()
+    nics = [
+        NodeProcess(
+            NodeProcessConfig(
+                memory_bytes=1 << 20, bind=("127.0.0.1", 0), shm_dir=tmp_path, name=f"n{k}"
+            ),
+            buffers,
+        )
+        for k in range(count)
+    ]
+    return buffers, nics
 
 
 def test_kept_makes_a_bundle_again_only_when_a_part_is_another_object() -> None:
@@ -110,16 +127,7 @@ def test_a_nic_loop_serves_its_nics_in_one_call_and_refuses_what_it_cannot_trust
     takes its own datagrams. A NIC that does not share the batch, an order or a report out of
     bounds, or arguments of other types are refused before any compiled code runs; a NIC whose
     send queue's ends are bad is not served, and the report says so."""
-    buffers = ServeBuffers.new()
-    nics = [
-        NodeProcess(
-            NodeProcessConfig(
-                memory_bytes=1 << 20, bind=("127.0.0.1", 0), shm_dir=tmp_path, name=f"n{k}"
-            ),
-            buffers,
-        )
-        for k in range(2)
-    ]
+    buffers, nics = _nics_of_one_batch(tmp_path, 2)
     alone = NodeProcess(
         NodeProcessConfig(memory_bytes=1 << 20, bind=("127.0.0.1", 0), shm_dir=tmp_path, name="x")
     )
@@ -209,3 +217,33 @@ def test_a_visit_reads_a_socket_again_only_when_its_last_batch_was_full(nic: Any
         assert loop.serve(np.array([0], np.int64), 0, report) == 1
     assert int(nic.core.counters[C.RX_PACKETS]) == 103
     assert report[0, serve.OUT_REASON] == serve.RETURN_IDLE  # drained within the visit
+
+
+def test_a_sweep_takes_a_hop_between_nics_of_the_loop_in_the_same_call(tmp_path: Path) -> None:
+    """serve._serve_nics sweeps again after a call in which a few datagrams moved: NIC 0's
+    NACK to a READ (of a key it does not hold) that NIC 1's socket sent is taken by NIC 1 in
+    the same call (NIC 1 is not in the order: the sweep polls every NIC of the loop). NIC 1
+    punts it, as an answer to no request of its own, and the report says NIC 1 was swept, so
+    that its control plane runs after the call. A call in which nothing moved sweeps nothing,
+    and its report clears the flags."""
+    buffers, nics = _nics_of_one_batch(tmp_path, 2)
+    try:
+        loop = serve.NicLoop(nics[0].rx, buffers.punt)
+        for k, nic in enumerate(nics):
+            loop.put(k, nic.loop_args(4))
+        report = np.zeros((2, serve.OUT_COLUMNS), np.int64)
+        read = Packet(opcode=Opcode.READ, client_id=1, txn_id=9, rkey=12345, length=8)
+        nics[1].sock.sendto(encode_packet(read), nics[0].endpoint)
+        time.sleep(0.05)
+        assert loop.serve(np.array([0], np.int64), 0, report) == 1
+        assert [int(nic.core.counters[C.RX_PACKETS]) for nic in nics] == [1, 1]
+        assert [int(nic.core.counters[C.TX_PACKETS]) for nic in nics] == [1, 0]
+        assert report[:, serve.OUT_SWEPT].tolist() == [0, 1]
+        assert report[1, serve.OUT_REASON] == serve.RETURN_PUNT and report[1, serve.OUT_PUNT] == 1
+        nics[1].after_visit(serve.RETURN_PUNT, 1, False, False)  # as NicHost does
+        assert loop.serve(np.array([0, 1], np.int64), 0, report) == 2
+        assert report[:, serve.OUT_SWEPT].tolist() == [0, 0]
+        assert [int(nic.core.counters[C.RX_PACKETS]) for nic in nics] == [1, 1]
+    finally:
+        for nic in nics:
+            nic.close()
