@@ -77,10 +77,15 @@ def test_capture_of_a_live_allreduce_decodes_cleanly(tmp_path: Path) -> None:
             timeout=120,
         )
         # The run is over: the poke, a PING to a node, ends the capture when the sniffer
-        # reaches it (every frame before it is kept).
+        # reaches it (every frame before it is kept). Sent again each second until it does: a
+        # capture socket that overflowed behind the run (its buffer is net.core.rmem_max at
+        # most) may drop a poke, and once left a CI run's capture waiting 30 s for it.
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.sendto(poke, cluster.endpoints[0])
-        sniffer.join(30)
+            for _ in range(30):
+                sock.sendto(poke, cluster.endpoints[0])
+                sniffer.join(1.0)
+                if not sniffer.is_alive():
+                    break
         assert not sniffer.is_alive(), "the capture did not stop"
         assert json.loads(run.stdout)["ok"], run.stderr
     pcap = tmp_path / "x.pcap"
