@@ -51,7 +51,9 @@ from netdam.kernels.udp_io import (
     ST_SEND_DROPPED,
     ST_TX_DATAGRAMS,
     clock_ns,
+    pollfd,
     recv_batch_kernel,
+    revents,
     send_batch_kernel,
     sys_poll,
 )
@@ -126,12 +128,12 @@ def _wait_any(fd, mfd, cfd, timeout_ms):
     pfd = np.zeros(3, np.int64)
     fds = (fd, mfd, cfd)
     for k in range(3):
-        pfd[k] = (fds[k] & 0xFFFFFFFF) | (np.int64(POLLIN) << 32)  # fd < 0 is ignored by poll
+        pfd[k] = pollfd(fds[k], POLLIN)  # mfd -1: ignored
     if sys_poll(pfd.ctypes.data, 3, timeout_ms) <= 0:
         return 0
     ready = 0
     for k in range(3):
-        if (pfd[k] >> 48) & 0xFFFF:
+        if revents(pfd[k]):
             ready |= 1 << k
     return ready
 
@@ -290,7 +292,7 @@ def _serve_nics(nics, rx, punt, order, start, out):
             return i + 1
     if start != 0 or not 2 <= len(nics) <= SWEEP_MAX_NICS:
         return n_order  # a lone NIC's visit waits for traffic itself (its timeout_ms)
-    if not 0 < moved <= SWEEP_MAX_DATAGRAMS:
+    if moved == 0:
         return n_order
     n = len(nics)
     pfd = np.zeros(2 * n, np.int64)
@@ -300,13 +302,13 @@ def _serve_nics(nics, rx, punt, order, start, out):
         moved = 0
         for k in range(n):
             io = nics[k][0]
-            pfd[2 * k] = (io.fd & 0xFFFFFFFF) | (np.int64(POLLIN) << 32)
-            pfd[2 * k + 1] = (io.mfd & 0xFFFFFFFF) | (np.int64(POLLIN) << 32)  # -1: ignored
+            pfd[2 * k] = pollfd(io.fd, POLLIN)
+            pfd[2 * k + 1] = pollfd(io.mfd, POLLIN)  # -1: ignored
         if sys_poll(pfd.ctypes.data, 2 * n, 0) <= 0:
             break
         for k in range(n):
-            data = (pfd[2 * k] >> 48) & POLLIN
-            group = (pfd[2 * k + 1] >> 48) & POLLIN
+            data = revents(pfd[2 * k]) & POLLIN
+            group = revents(pfd[2 * k + 1]) & POLLIN
             if data == 0 and group == 0:
                 continue
             skip = (0 if data else SKIP_DATA) | (0 if group else SKIP_GROUP)
@@ -440,36 +442,37 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt, skip):
             skip = (0 if ready & 1 else SKIP_DATA) | (0 if ready & 2 else SKIP_GROUP)
         n = 0
         drained = SKIP_DATA | SKIP_GROUP  # what this round's receives left empty
-        if mfd < 0:
-            if not skip & SKIP_DATA:
-                n = recv_batch_kernel(
-                    fd, rx_buf[:recv_bytes], rx_off, rx_len, rx_src, max_n, 0, io_state
-                )
-                drained = SKIP_GROUP if io_state[ST_RECV_FULL] else drained
-        else:
-            # Half the receive runs for the data socket, half for the multicast group's socket.
-            half = recv_bytes // 2
-            if not skip & SKIP_DATA:
-                n = recv_batch_kernel(
-                    fd, rx_buf[:half], rx_off, rx_len, rx_src, max_n // 2, 0, io_state
-                )
-                drained = SKIP_GROUP if io_state[ST_RECV_FULL] else drained
-            if not skip & SKIP_GROUP:
-                m = recv_batch_kernel(
-                    mfd,
-                    rx_buf[half:recv_bytes],
-                    rx_off[n:],
-                    rx_len[n:],
-                    rx_src[n:],
-                    max_n - n,
-                    0,
-                    io_state,
-                )
-                if io_state[ST_RECV_FULL]:
-                    drained &= ~SKIP_GROUP
-                for k in range(n, n + m):
-                    rx_off[k] += half
-                n += m
+        # With a group joined, half the receive runs for the data socket, half for the group's.
+        half = recv_bytes if mfd < 0 else recv_bytes // 2
+        if not skip & SKIP_DATA:
+            n = recv_batch_kernel(
+                fd,
+                rx_buf[:half],
+                rx_off,
+                rx_len,
+                rx_src,
+                max_n if mfd < 0 else max_n // 2,
+                0,
+                io_state,
+            )
+            if io_state[ST_RECV_FULL]:
+                drained &= ~SKIP_DATA
+        if mfd >= 0 and not skip & SKIP_GROUP:
+            m = recv_batch_kernel(
+                mfd,
+                rx_buf[half:recv_bytes],
+                rx_off[n:],
+                rx_len[n:],
+                rx_src[n:],
+                max_n - n,
+                0,
+                io_state,
+            )
+            if io_state[ST_RECV_FULL]:
+                drained &= ~SKIP_GROUP
+            for k in range(n, n + m):
+                rx_off[k] += half
+            n += m
         skip = drained
         drop_marks(trace, counters, marks)
         counters[C.KERNEL_DROPS] = io_state[ST_KERNEL_DROPS]

@@ -268,17 +268,29 @@ def _sleep_ns(ns):
     return _sys_clock_nanosleep(_CLOCK_MONOTONIC, ts.ctypes.data)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def pollfd(fd, events):
+    """A ``struct pollfd`` as one int64 word: fd (i32; one below 0 is ignored by poll), events."""
+    return (np.int64(fd) & 0xFFFFFFFF) | (np.int64(events) << 32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def revents(word):
+    """The revents poll(2) wrote into a pollfd word."""
+    return (word >> 48) & 0xFFFF
+
+
 @njit(cache=True, nogil=True)
 def _poll_one(fd, events, timeout_ms):
     """poll(2) one fd; returns its revents (0 on timeout) or -errno."""
     pfd = np.zeros(1, np.int64)
-    pfd[0] = (fd & 0xFFFFFFFF) | (events << 32)
+    pfd[0] = pollfd(fd, events)
     r = sys_poll(pfd.ctypes.data, 1, timeout_ms)
     if r < 0:
         return r
     if r == 0:
         return 0
-    return (pfd[0] >> 48) & 0xFFFF
+    return revents(pfd[0])
 
 
 @njit(cache=True, nogil=True)
