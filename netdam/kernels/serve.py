@@ -62,10 +62,16 @@ from netdam.protocol import counters as C
 #: Why a NIC's visit (_serve_nic) ended.
 RETURN_IDLE = 0  # nothing arrived within timeout_ms
 RETURN_PUNT = 1  # punted datagrams wait in the receive buffer for the control plane
-RETURN_ROUNDS = 2  # ran max_rounds rounds: give the control plane its turn
+RETURN_ROUNDS = 2  # ran max_rounds rounds, or management traffic came: the control plane's turn
 RETURN_QUEUE = 3  # the send queue needs compaction or growth (Python's job)
 RETURN_BAD_QUEUE = 4  # _serve_nics: the NIC's send queue ends lay outside its slots (not served)
 
+#: While a visit stays busy (every round takes datagrams, so it never waits on a poll that
+#: includes the management socket), it looks at that socket once per this many nanoseconds: a
+#: stats request under a flood is answered within about a millisecond of busy time, not after
+#: the call's max_rounds rounds (32 rounds of 64 datagrams: ~10 ms here, and several times that
+#: on a loaded machine: CI saw one reply take 123 ms). One zero-timeout poll(2) per millisecond.
+CONTROL_LOOK_NS = 1_000_000
 #: The columns of _serve_nics's report, a row per NIC (OUT_SWEPT: visited by a sweep after the
 #: call's first, _serve_nics).
 OUT_REASON, OUT_PUNT, OUT_CLOCK, OUT_SWEPT = 0, 1, 2, 3
@@ -367,7 +373,8 @@ def _any_held(hold_len):
 def _serve_nic(io, rx, faults, node, guard, tx, txq, punt, skip):
     """Returns (reason, n_punt). On RETURN_PUNT the punted datagrams are rx[punt[k]].
     *mfd* is the socket of the joined multicast group (-1: none); *cfd* the management socket:
-    while waiting, control traffic there ends the call at once, so stats never wait for it.
+    control traffic there ends the call: at once while it waits, and within CONTROL_LOOK_NS while
+    it stays busy, so stats never wait for a call's rounds.
 
     A round reads a socket only when it may hold datagrams: the first round reads both unless
     *skip* (SKIP_DATA, SKIP_GROUP) names those the caller's own poll just found empty (a
@@ -393,6 +400,7 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt, skip):
     marks = np.zeros(N_DROPS, np.uint64)  # the drop counters before each batch (its trace)
     start_ns = clock_ns()
     budget_ns = np.int64(timeout_ms) * 1_000_000
+    look_ns = start_ns + CONTROL_LOOK_NS  # the management socket's next look while busy
     got = 0  # datagrams the last round took: more may be queued, drain before waiting
     early = early_count(faults.hold) > 0  # chains held until their collective starts here
     for _round in range(max_rounds):
@@ -427,19 +435,22 @@ def _serve_nic(io, rx, faults, node, guard, tx, txq, punt, skip):
         # The first recv_bytes of rx_buf take GRO runs; the rest is room for released copies.
         # Wait for traffic while the call's time lasts, briefly while a collective runs.
         wait = 0
-        if got == 0:
+        ready = 0
+        if got != 0:
+            now_ns = clock_ns()
+            if cfd >= 0 and now_ns >= look_ns:
+                look_ns = now_ns + CONTROL_LOOK_NS
+                ready = _wait_any(-1, -1, cfd, 0)
+        else:
             left_ms = (budget_ns - (clock_ns() - start_ns)) // 1_000_000
             if _round > 0 and left_ms <= 0:
                 break  # the call's time is up: the control plane's turn
             wait = min(left_ms, 1) if early or any_slot(coll, True) else left_ms
         if wait > 0:
             ready = _wait_any(fd, mfd, cfd, wait)
-            if ready & 4:
-                flush_sends(
-                    fd, tx_buf, tx_off, tx_len, tx_dst, txq, counters, trace, scratch, io_state
-                )
-                return RETURN_IDLE, 0  # management traffic: the control plane's turn
             skip = (0 if ready & 1 else SKIP_DATA) | (0 if ready & 2 else SKIP_GROUP)
+        if ready & 4:
+            break  # management traffic: the control plane's turn
         n = 0
         drained = SKIP_DATA | SKIP_GROUP  # what this round's receives left empty
         # With a group joined, half the receive runs for the data socket, half for the group's.

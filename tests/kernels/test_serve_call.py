@@ -247,3 +247,31 @@ def test_a_sweep_takes_a_hop_between_nics_of_the_loop_in_the_same_call(tmp_path:
     finally:
         for nic in nics:
             nic.close()
+
+
+def test_a_busy_visit_gives_way_to_management_traffic_within_a_millisecond(nic: Any) -> None:
+    """A visit whose every round takes datagrams never waits on the poll that includes the
+    management socket; it looks at that socket once per serve.CONTROL_LOOK_NS instead, so a
+    stats request under a flood is not kept for the call's rounds. 20,000 queued datagrams
+    (each ~0.3 us or more to take and drop: several milliseconds) and one request on the
+    management port: a call allowed a million rounds returns with datagrams still queued and
+    leaves the request for the control plane; the next call, with none, takes the rest."""
+    loop = serve.NicLoop(nic.rx, nic.buffers.punt)
+    loop.put(0, nic.loop_args(1_000_000))
+    report = np.zeros((1, serve.OUT_COLUMNS), np.int64)
+    count = 20_000
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for k in range(count):
+            sock.sendto(b"x" * (100 + k % 3), nic.endpoint)  # sizes GRO does not coalesce
+        sock.sendto(b"stats?", (nic.endpoint[0], nic.control_port))
+        time.sleep(0.05)
+        loop.serve(np.array([0], np.int64), 0, report)
+        taken = int(nic.core.counters[C.RX_PACKETS])
+        assert report[0, serve.OUT_REASON] == serve.RETURN_ROUNDS
+        assert nic.ctrl_sock.recv(64) == b"stats?"  # left for the control plane
+        loop.serve(np.array([0], np.int64), 0, report)
+    assert report[0, serve.OUT_REASON] == serve.RETURN_IDLE
+    queued = int(nic.core.counters[C.RX_PACKETS])  # what the receive buffer held: all of it
+    assert queued + int(nic.io_state[U.ST_KERNEL_DROPS]) == count
+    assert queued > 5_000, "the receive buffer held too few to keep a visit busy"
+    assert 0 < taken < queued
