@@ -46,6 +46,7 @@ from netdam.core.chunk_plan import chunk_bounds
 from netdam.core.host import Call, CallQueue, Heard, txn_for
 from netdam.core.timeline import HostCall, chrome_trace
 from netdam.core.torus import TorusStep, splits, torus_groups, torus_shape, torus_steps
+from netdam.kernels.host_calls import AnswerReader, StartStamper
 from netdam.protocol.constants import (
     ELEMENT_SIZE,
     MAX_SEGMENTS,
@@ -489,7 +490,7 @@ class ProcessGroup:
     _segments_of: tuple[int, ...] = field(init=False, default=(), repr=False)
     #: The START_COLL of this group's last call and its shape (start): the next call of the
     #: same shape writes its own fields into a copy of its bytes.
-    _start_template: tuple[_StartShape, StartCollTemplate] | None = field(
+    _start_template: tuple[_StartShape, StartStamper] | None = field(
         init=False, default=None, repr=False
     )
     #: The torus all-reduces of this rank in flight (the default group's list): each releases
@@ -533,6 +534,11 @@ class ProcessGroup:
         self.coll_id = group_coll_id(self._secret, self.members, 0)
         self.epoch = self._settled_epoch()
         self._calls = CallQueue(self.client.client_id, LANES, self.client.encode)
+        #: Reads the socket's answers (_take_answers; under _lock, as the lanes), which are
+        #: read without waiting: non-blocking, so that no send on it polls first (CPython does
+        #: on a socket with a timeout; the control client's exchanges leave the mode as it was).
+        self._answers = AnswerReader()
+        self.client.sock.setblocking(False)
         #: The arena's rkey on this rank's node; ring-host's WRITEs use the next rank's.
         self.arena_rkey = self.arena_key_of(self.rank)
         self.arena_base, self.arena_size = self._claim_arena()
@@ -897,10 +903,12 @@ class ProcessGroup:
         tag_key = collective_tag_key(self._secret, self.coll_id, self.epoch)
         txn = txn_for(self.coll_id, self.epoch, self.rank)
         if self._start_template is None or self._start_template[0] != shape:
-            self._start_template = shape, shape.template(self.epoch, key, tag_key)
-        packet, encoded = self._start_template[1].moved(self.epoch, txn, key, tag_key)
+            template = shape.template(self.epoch, key, tag_key)
+            sealing = self.client.sealing(template.prototype)
+            self._start_template = shape, StartStamper(template, sealing)
+        packet, wire = self._start_template[1].stamp(self.epoch, txn, key, tag_key)
         work = Work(self, packet, algo, count, dtype, watchdog)
-        work.encoded = encoded
+        work.wire = wire
         work.held = held
         with self._lock:
             work.room, self._pending_room = self._pending_room, None
@@ -1020,7 +1028,7 @@ class ProcessGroup:
             root = self._root or self
             if root._closed or (not self._calls.heads() and not root._pipelines):
                 return  # closed: its socket is close()'s now (the progress thread may be late)
-            self._take_answers(0.0, drain=True)
+            self._take_answers(drain=True)
             self._advance_pipelines()
             # A head silent past its watchdog ends here as failed (silent_s); the error its
             # wait() raises is built there (Work._explain_failure), since it PINGs the nodes.
@@ -1042,34 +1050,35 @@ class ProcessGroup:
             )
         return known
 
-    def _take_answers(self, timeout: float, until: Work | None = None, drain: bool = False) -> None:
-        """Read the node's answers for up to *timeout* seconds and hand each to the call queue;
-        return at once when *until* ends, unless *drain*: then every answer waiting is taken
+    def _take_answers(self, until: Work | None = None, drain: bool = False) -> None:
+        """Read the node's answers waiting on the socket (no wait) and hand each to the call
+        queue; return once *until* ends, unless *drain*: then every answer waiting is taken
         first, so no other lane's call is judged silent while its answers sit unread.
 
         Answers taken here may end a call another thread waits for (a wait(), which checked
         its call, then sleeps up to 0.2 s in select() on this socket, now empty): those threads
         are woken (_wake_waiters). Without it the p99 of 4-node calls of 16-64 KiB was 0.20 s
-        where the median was 2 ms."""
+        where the median was 2 ms.
+
+        One compiled read takes every answer waiting (netdam.kernels.host_calls): a
+        ``recvfrom`` per answer, one more that raised on the empty socket, and read_answer in
+        Python cost a driver of 4 ranks ~20 us an answer (docs/PERFORMANCE.md)."""
         sock = self.client.sock
-        # 0: non-blocking. A tiny timeout is no substitute: CPython rounds a socket timeout up
-        # to poll()'s whole milliseconds, so every drain ended with a 1 ms wait on an empty
-        # socket (4 ranks in one process took their completions 1.1 ms apart).
-        sock.settimeout(timeout if timeout > 0 else 0.0)
+        reader = self._answers
         taken = 0
         while True:
-            try:
-                data, _ = sock.recvfrom(65536)
-            except (TimeoutError, BlockingIOError):
-                break
-            call, heard, datagrams = self._calls.receive(data, time.monotonic())
-            taken += call is not None  # a wake-up, or anything else, is no answer
-            self._send(datagrams)
-            # A FAILED call ends here (its nack); the error its wait() raises is built there.
-            if heard is Heard.BUSY:
-                self._drive_in_background()  # asks again while nobody waits
-            if until is not None and not drain and until.ended:
-                break
+            n = reader.read(sock.fileno())
+            for k in range(n):
+                call, heard, datagrams = self._calls.receive_answer(
+                    reader.answer(k), reader.datagram(k), time.monotonic()
+                )
+                taken += call is not None  # a wake-up, or anything else, is no answer
+                self._send(datagrams)
+                # A FAILED call ends here (its nack); the error its wait() raises is built there.
+                if heard is Heard.BUSY:
+                    self._drive_in_background()  # asks again while nobody waits
+            if n < reader.capacity or (until is not None and not drain and until.ended):
+                break  # the socket was empty when read (or the call waited for ended)
         if taken and (self._root or self)._waiters - {threading.get_ident()}:
             self._wake_waiters()
 
@@ -1205,7 +1214,7 @@ class Work(Call):
     def is_completed(self) -> bool:
         with self.group._lock:
             if not self.ended:
-                self.group._take_answers(0.0, until=self)
+                self.group._take_answers(until=self)
                 self.group._send(self.group._calls.advance(time.monotonic()))
             return self.ended
 

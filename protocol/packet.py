@@ -233,8 +233,12 @@ class StartCollTemplate:
         key_at = self.payload_at + DESCRIPTOR_BYTES
         data[key_at : key_at + len(tag_key)] = tag_key
         encoded = bytes(data)
-        fields = {"epoch": epoch, "txn_id": txn_id, "payload": encoded[self.payload_at :]}
-        return _copied(self.prototype, fields), encoded
+        return self.packet_with(epoch, txn_id, encoded[self.payload_at :]), encoded
+
+    def packet_with(self, epoch: int, txn_id: int, payload: bytes) -> Packet:
+        """The prototype with a call's epoch, txn_id and descriptor (*payload*, its fields
+        written already: moved's, or a compiled writer's of the same bytes)."""
+        return _copied(self.prototype, {"epoch": epoch, "txn_id": txn_id, "payload": payload})
 
 
 def _copied(packet: Packet, fields: dict[str, object]) -> Packet:

@@ -34,7 +34,14 @@ from netdam.protocol.constants import (
 )
 from netdam.protocol.layout import HEADER
 from netdam.protocol.packet import Endpoint, Packet, decode_packet, encode_packet
-from netdam.protocol.payloads import AllocRequest, RegionInfo, pack_credential, unpack_region_info
+from netdam.protocol.payloads import (
+    Algo,
+    AllocRequest,
+    CollectiveDescriptor,
+    RegionInfo,
+    pack_credential,
+    unpack_region_info,
+)
 from netdam.protocol.tag import seal_control
 
 CLIENT: Endpoint = ("127.0.0.1", 9001)
@@ -329,3 +336,32 @@ def load_example(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def start_coll_packet(epoch: int, txn_id: int, rkey: int, tag_key: bytes, **kw: object) -> Packet:
+    """A START_COLL built the long way (its descriptor, then the Packet), with a call's fields:
+    what protocol.packet.StartCollTemplate and its compiled stamper are held to."""
+    payload = CollectiveDescriptor(
+        Algo.ALL_REDUCE,
+        1,
+        1024,
+        0x1000,
+        0x2000,
+        rkey,
+        group=("239.77.1.2", 10001),
+        timeout_ms=2500,
+        tag_key=tag_key,
+    ).encode()
+    fields: dict[str, object] = dict(
+        client_id=77,
+        txn_id=txn_id,
+        rkey=0xABCD,
+        coll_id=9,
+        epoch=epoch,
+        dtype=DType.F32,
+        segments=(("127.0.0.1", 9000), ("127.0.0.1", 9001)),
+        length=len(payload),
+        payload=payload,
+    )
+    fields.update(kw)
+    return Packet(Opcode.START_COLL, **fields)  # type: ignore[arg-type]

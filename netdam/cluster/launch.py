@@ -327,7 +327,8 @@ def start_cluster(nodes: int, **kwargs: object) -> LocalCluster:
 
 def build_node_kernels() -> None:
     """Compile (or load) into this process every kernel a node reaches: its serve loop, its
-    control paths, its collective clock (a scratch node, warmed up and closed)."""
+    control paths, its collective clock (a scratch node, warmed up and closed); and a host's
+    (its answers read, its START_COLLs stamped)."""
     # Imported here: the node process pulls in every kernel module (numba), which commands
     # that only read or stop clusters should not pay for.
     from netdam.shell.node_process import NodeProcess, NodeProcessConfig
@@ -340,6 +341,10 @@ def build_node_kernels() -> None:
     try:
         proc.warm_up()
         proc.core.handle_timer(0.0)
+        # The hosts' own (netdam.api): what a rank's first collective would compile.
+        from netdam.kernels.host_calls import warm_host_kernels
+
+        warm_host_kernels(proc.ctrl_sock.fileno())
     finally:
         proc.close()
 

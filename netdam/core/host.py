@@ -87,6 +87,9 @@ class Call:
     #: encode_packet(packet), when its builder made it (protocol.packet.StartCollTemplate): the
     #: encode callable seals it without encoding the packet again.
     encoded: bytes | None = None
+    #: The datagram as the encode callable would make it of packet (sealed), when its builder
+    #: made it (netdam.kernels.host_calls.StartStamper): sent as it is.
+    wire: bytes | None = None
     #: Its START_COLL has left (a call queued behind another of its lane has not), and when
     #: it first left.
     sent: bool = False
@@ -189,7 +192,13 @@ class CallQueue:
     def receive(self, data: bytes, now: float) -> tuple[Call | None, Heard, list[bytes]]:
         """One datagram from the node: the call it answers, what it did to it, and what to send
         now (the call again, moved past the node's epoch; the next call of a lane that ended)."""
-        reply = read_answer(data)
+        return self.receive_answer(read_answer(data), data, now)
+
+    def receive_answer(
+        self, reply: Answer | None, data: bytes, now: float
+    ) -> tuple[Call | None, Heard, list[bytes]]:
+        """receive, for a datagram *data* already read as *reply* (read_answer's, or the same
+        read compiled: netdam.kernels.host_calls)."""
         if reply is None or reply.client_id != self.client_id:
             return None, Heard.NOTHING, []
         call = next(
@@ -235,12 +244,12 @@ class CallQueue:
         call.unanswered += 1
         if not call.sent:
             call.sent, call.sent_at, call.heard_at = True, now, now
-        packet, encoded = call.packet, call.encoded
+        packet, encoded, wire = call.packet, call.encoded, call.wire
         if packet.client_id != self.client_id or packet.txn_id != call.txn:
             # (A caller that builds its START_COLL with these ids saves the copy: ~11 us.)
             packet = replace(packet, client_id=self.client_id, txn_id=call.txn)
-            encoded = None
-        return self._encode(packet, encoded)
+            encoded = wire = None
+        return wire if wire is not None else self._encode(packet, encoded)
 
     def _take(self, call: Call, reply: Answer, data: bytes, now: float) -> Heard:
         # What can end or fail the wait (a completion, a NACK) must carry this call's tag
@@ -260,7 +269,8 @@ class CallQueue:
             # moves to the same epoch without talking to the others.
             epoch = max(call.group.epoch, reply.aux_addr + 1)
             call.group.epoch = epoch
-            call.packet, call.encoded = call.group.descriptor_for_epoch(call.packet, epoch), None
+            call.packet = call.group.descriptor_for_epoch(call.packet, epoch)
+            call.encoded = call.wire = None
             return Heard.REBASED
         if reply.opcode == Opcode.NACK and reply.status == Status.BUSY:
             # Every slot of the node runs a collective (other jobs'): not a failure, ask again

@@ -100,7 +100,7 @@ def _control_tag_ok(b, ln, k0, k1):
 
 
 @njit(cache=True, nogil=True)
-def _seal_control(t, n, k0, k1):
+def seal_control_tag(t, n, k0, k1):
     """Set TAGGED in datagram t[:n] and append its control tag; returns the new length."""
     wr16(t, H_FLAGS, rd16(t, H_FLAGS) | F_TAGGED)
     return _put_tag(t, n, _siphash_masked(k0, k1, t, n))
@@ -278,7 +278,7 @@ def seal_control_bytes(key: bytes, datagram: bytes) -> bytes:
     buf = np.empty(len(datagram) + TAG, np.uint8)
     buf[: len(datagram)] = np.frombuffer(datagram, np.uint8)
     k0, k1 = np.frombuffer(key, "<u8")
-    return bytes(buf[: _seal_control(buf, np.int64(len(datagram)), k0, k1)].tobytes())
+    return bytes(buf[: seal_control_tag(buf, np.int64(len(datagram)), k0, k1)].tobytes())
 
 
 def verify_control_bytes(key: bytes, datagram: bytes) -> bool:

@@ -6,7 +6,7 @@ import struct
 from dataclasses import replace
 
 import pytest
-from helpers import valid_packets
+from helpers import start_coll_packet, valid_packets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,6 @@ from netdam.protocol.packet import (
     sparse_payload_size,
     u64_to_endpoint,
 )
-from netdam.protocol.payloads import Algo, CollectiveDescriptor
 
 F32X4 = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
 
@@ -342,34 +341,6 @@ def test_hypothesis_mutations_never_escape(packet: Packet, offset: int, value: i
         assert isinstance(exc.status, Status) and exc.status != Status.OK
 
 
-def _start_coll(epoch: int, txn_id: int, rkey: int, tag_key: bytes, **kw: object) -> Packet:
-    """A START_COLL built the long way: its descriptor, then the Packet."""
-    payload = CollectiveDescriptor(
-        Algo.ALL_REDUCE,
-        1,
-        1024,
-        0x1000,
-        0x2000,
-        rkey,
-        group=("239.77.1.2", 10001),
-        timeout_ms=2500,
-        tag_key=tag_key,
-    ).encode()
-    fields: dict[str, object] = dict(
-        client_id=77,
-        txn_id=txn_id,
-        rkey=0xABCD,
-        coll_id=9,
-        epoch=epoch,
-        dtype=DType.F32,
-        segments=(("127.0.0.1", 9000), ("127.0.0.1", 9001)),
-        length=len(payload),
-        payload=payload,
-    )
-    fields.update(kw)
-    return Packet(Opcode.START_COLL, **fields)  # type: ignore[arg-type]
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(0, 2**32 - 1),
@@ -382,19 +353,19 @@ def test_a_start_coll_template_moved_equals_the_start_coll_built_whole(
 ) -> None:
     """StartCollTemplate.moved gives the Packet and the bytes that building the START_COLL
     with those fields and encode_packet give, whatever the template was built with."""
-    template = StartCollTemplate.of(_start_coll(1, 2, 3, b"\x01" * 16))
+    template = StartCollTemplate.of(start_coll_packet(1, 2, 3, b"\x01" * 16))
     packet, encoded = template.moved(epoch, txn_id, rkey, tag_key)
-    whole = _start_coll(epoch, txn_id, rkey, tag_key)
+    whole = start_coll_packet(epoch, txn_id, rkey, tag_key)
     assert packet == whole
     assert encoded == encode_packet(whole)
     assert decode_packet(encoded) == whole
-    assert template.prototype == _start_coll(1, 2, 3, b"\x01" * 16)  # left as it was
+    assert template.prototype == start_coll_packet(1, 2, 3, b"\x01" * 16)  # left as it was
 
 
 def test_a_start_coll_template_refuses_what_encode_packet_would() -> None:
     """Only an untagged START_COLL with a tag key in its descriptor makes a template, and a
     field out of its width or a bad tag key is refused as encode_packet refuses it."""
-    good = _start_coll(1, 2, 3, b"\x01" * 16)
+    good = start_coll_packet(1, 2, 3, b"\x01" * 16)
     with pytest.raises(LocalProtocolError, match="START_COLL template"):
         StartCollTemplate.of(replace(good, opcode=Opcode.READ))
     with pytest.raises(LocalProtocolError, match="START_COLL template"):
