@@ -770,16 +770,17 @@ class ProcessGroup:
             return int(addr - base)
         return None
 
-    def _stage(self, array: np.ndarray, nbytes_needed: int) -> int:
-        """Copy *array* into the staging half of node memory (the copy is part of the call)."""
+    def _stage(self, array: np.ndarray, nbytes_needed: int) -> tuple[int, bool]:
+        """Copy *array* into the staging half of node memory (the copy is part of the call);
+        its address there, and whether it was copied (False: it lives in node memory)."""
         offset = self._offset_of(array)
         if offset is not None:
-            return offset
+            return offset, False
         self._settle_writers_of(array)
         start = self._staging_room(nbytes_needed)
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self._memory_view[start : start + flat.shape[0]] = flat
-        return start
+        return start, True
 
     def _settle_writers_of(self, array: np.ndarray) -> None:
         """Complete the calls in flight whose results land in *array* before a new call reads
@@ -1946,7 +1947,7 @@ def all_reduce(
         else None
     )
     t_stage = time.perf_counter()
-    addr = g._stage(buf, buf.nbytes)
+    addr, staged = g._stage(buf, buf.nbytes)
     stage_in_s = time.perf_counter() - t_stage
     work: Work
     if steps is not None:
@@ -1964,7 +1965,7 @@ def all_reduce(
             update=update or (0, 0),
         )
     work.stage_in_s, work.called_at = stage_in_s, called_at
-    if g._offset_of(buf) is None:
+    if staged:
         work._finish.append(lambda: _copy_out(g, addr, buf))
     if average:
         world = g.world_size
@@ -1997,7 +1998,7 @@ def reduce_scatter_tensor(
             lambda product: output.reshape(-1).__setitem__(slice(None), product[lo:hi]),
         )
     g._settle_writers_of(output)
-    addr = g._stage(input, input.nbytes)
+    addr, _ = g._stage(input, input.nbytes)
     work = g.start(Algo.REDUCE_SCATTER, input, wire, addr, addr, count)
     work.output = output if work.room is not None else None
     esize = input.itemsize
@@ -2113,9 +2114,9 @@ def broadcast(
     """Copy rank *src*'s *buf* into every rank's *buf*."""
     buf = _as_array(buf, "buf")
     g = _group(group)
-    addr = g._stage(buf, buf.nbytes)
+    addr, staged = g._stage(buf, buf.nbytes)
     work = g.start(Algo.BROADCAST, buf, WireOp.SUM, addr, addr, buf.size, root=src)
-    if g._offset_of(buf) is None:
+    if staged:
         work._finish.append(lambda: _copy_out(g, addr, buf))
     return _run(work, async_op)
 
