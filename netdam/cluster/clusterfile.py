@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import difflib
 import fcntl
+import functools
 import hashlib
 import ipaddress
 import os
@@ -527,7 +528,17 @@ def group_secret(cluster: ClusterFile) -> bytes:
 def derive(secret: bytes, *parts: int | str) -> bytes:
     """SHA-256 of *secret*, a zero byte and *parts* joined by ":" (so one derived value, seen on
     the wire, tells nothing of the secret or of any other)."""
-    return hashlib.sha256(secret + b"\x00" + ":".join(str(p) for p in parts).encode()).digest()
+    if not parts:
+        return hashlib.sha256(secret + b"\x00").digest()
+    return hashlib.sha256(_derive_prefix(secret, *parts[:-1]) + str(parts[-1]).encode()).digest()
+
+
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: True and 1 are not one part ("True", "1")
+def _derive_prefix(secret: bytes, *head: int | str) -> bytes:
+    """What derive hashes before its last part, built once per secret and leading parts: a
+    group's calls derive their two keys each from the same parts but the epoch (the joining
+    took ~1 us of each derivation's ~1.5, twice a rank's call)."""
+    return secret + b"\x00" + "".join(f"{p}:" for p in head).encode()
 
 
 def derived_key(secret: bytes, *parts: int | str) -> int:

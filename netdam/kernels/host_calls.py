@@ -23,12 +23,10 @@ Tags are not checked here: the call queue checks the answers that decide a call
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
-from numba import njit, typeof
+from numba import njit
 
+from netdam.kernels.dispatch import TypedEntry
 from netdam.kernels.state import RxBatch
 from netdam.kernels.tag import TAG, seal_control_tag, tagged_length
 from netdam.kernels.udp_io import MAX_SEGMENTS_PER_RUN, RUN_BYTES, STATE_LEN, recv_batch_kernel
@@ -102,24 +100,6 @@ def _read_answers(fd, rx, rows, max_n, io_state):
     return n
 
 
-class _Entry:
-    """A kernel called with arguments of the same types every time: the first call goes through
-    numba's dispatcher (which types them, and compiles or loads that signature), later ones
-    straight to the compiled entry point, skipping the typing (~0.4 us an argument, every
-    call; serve.NicLoop does the same). The owner answers for the types staying the same."""
-
-    def __init__(self, kernel: Any) -> None:
-        self.kernel = kernel
-        self.entry: Callable[..., Any] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        if self.entry is not None:
-            return self.entry(*args)
-        result = self.kernel(*args)
-        self.entry = self.kernel.overloads[tuple(typeof(a) for a in args)].entry_point
-        return result
-
-
 class AnswerReader:
     """Reads a host socket's waiting answers in one compiled call, into buffers of its own
     (one reader per socket; not shared between threads: callers hold the socket's lock)."""
@@ -134,7 +114,7 @@ class AnswerReader:
         self.rows = np.zeros((self.rx.off.shape[0], ANSWER_COLUMNS), np.int64)
         self.io_state = np.zeros(STATE_LEN, np.int64)
         self._fields: list[list[int]] = []
-        self._read = _Entry(_read_answers)
+        self._read = TypedEntry(_read_answers)
 
     @property
     def capacity(self) -> int:
@@ -203,7 +183,7 @@ class StartStamper:
         self._out = np.zeros(size + TAG, np.uint8)  # room for the tag
         self._words = np.array([size, template.payload_at, 0, 0, 0, -1], np.int64)
         self._seal_key = np.zeros(2, np.uint64)
-        self._stamp = _Entry(_stamp_start)
+        self._stamp = TypedEntry(_stamp_start)
         if sealing is not None:
             key, rkey = sealing
             if len(key) != 16 or not 0 <= rkey < 1 << 32:
