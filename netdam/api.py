@@ -764,6 +764,8 @@ class ProcessGroup:
     def _offset_of(self, array: np.ndarray) -> int | None:
         """Offset in node memory when *array* lives there, else None. (The array interface:
         ``ndarray.ctypes`` builds a ctypes object per read, ~3 us each.)"""
+        if array.base is None and array.flags.owndata:
+            return None  # numpy allocated it: not in the mapping (and the next line costs ~2 us)
         base = self._memory_base
         addr = array.__array_interface__["data"][0]
         if base <= addr < base + self.memory.shape[0] and array.flags.c_contiguous:
