@@ -84,11 +84,8 @@ class Call:
     packet: Packet
     watchdog_s: float
     txn: int = 0
-    #: encode_packet(packet), when its builder made it (protocol.packet.StartCollTemplate): the
-    #: encode callable seals it without encoding the packet again.
-    encoded: bytes | None = None
     #: The datagram as the encode callable would make it of packet (sealed), when its builder
-    #: made it (netdam.kernels.host_calls.StartStamper): sent as it is.
+    #: made it (netdam.kernels.host_calls.StartStamper): sent as it is, not encoded again.
     wire: bytes | None = None
     #: Its START_COLL has left (a call queued behind another of its lane has not), and when
     #: it first left.
@@ -136,12 +133,10 @@ class Call:
 
 class CallQueue:
     """The lanes of one rank and the START_COLLs they send. *encode* turns a packet into the
-    datagram this rank sends (the shell seals control opcodes there), given the packet's
-    encoding as its second argument when the call has it (Call.encoded), else None."""
+    datagram this rank sends (the shell seals control opcodes there), for a call whose
+    builder did not make it already (Call.wire)."""
 
-    def __init__(
-        self, client_id: int, lanes: int, encode: Callable[[Packet, bytes | None], bytes]
-    ) -> None:
+    def __init__(self, client_id: int, lanes: int, encode: Callable[[Packet], bytes]) -> None:
         self.client_id = client_id
         self.lanes: list[list[Call]] = [[] for _ in range(lanes)]
         self._encode = encode
@@ -244,12 +239,11 @@ class CallQueue:
         call.unanswered += 1
         if not call.sent:
             call.sent, call.sent_at, call.heard_at = True, now, now
-        packet, encoded, wire = call.packet, call.encoded, call.wire
+        packet, wire = call.packet, call.wire
         if packet.client_id != self.client_id or packet.txn_id != call.txn:
             # (A caller that builds its START_COLL with these ids saves the copy: ~11 us.)
-            packet = replace(packet, client_id=self.client_id, txn_id=call.txn)
-            encoded = wire = None
-        return wire if wire is not None else self._encode(packet, encoded)
+            packet, wire = replace(packet, client_id=self.client_id, txn_id=call.txn), None
+        return wire if wire is not None else self._encode(packet)
 
     def _take(self, call: Call, reply: Answer, data: bytes, now: float) -> Heard:
         # What can end or fail the wait (a completion, a NACK) must carry this call's tag
@@ -269,8 +263,7 @@ class CallQueue:
             # moves to the same epoch without talking to the others.
             epoch = max(call.group.epoch, reply.aux_addr + 1)
             call.group.epoch = epoch
-            call.packet = call.group.descriptor_for_epoch(call.packet, epoch)
-            call.encoded = call.wire = None
+            call.packet, call.wire = call.group.descriptor_for_epoch(call.packet, epoch), None
             return Heard.REBASED
         if reply.opcode == Opcode.NACK and reply.status == Status.BUSY:
             # Every slot of the node runs a collective (other jobs'): not a failure, ask again

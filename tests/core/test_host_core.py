@@ -87,10 +87,9 @@ def start_packet(cluster: Cluster, group: Group, slot: int, own: bool = False) -
     ).with_payload(desc.encode())
 
 
-def _as_sent(packet: Packet, encoded: bytes | None) -> bytes:
-    """The call queue's encode with no sealing: the packet's bytes (the call's own when it
-    has them)."""
-    return encode_packet(packet) if encoded is None else encoded
+def _as_sent(packet: Packet) -> bytes:
+    """The call queue's encode with no sealing: the packet's bytes."""
+    return encode_packet(packet)
 
 
 class Host:
